@@ -1,0 +1,15 @@
+"""kvserve: an LLM inference and serving engine built around the KV cache."""
+
+from kvserve.outputs import CompletionOutput, FinishReason, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code: import it only when asked for.
+    if name == "LLM":
+        from kvserve.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

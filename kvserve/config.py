@@ -1,0 +1,109 @@
+"""Engine configuration: plain dataclasses, validated once in ``__post_init__``.
+
+Each component takes the narrow config it needs: the scheduler a ``SchedulerConfig``, the KV manager a
+``CacheConfig``, the model runner a ``ModelConfig`` plus the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
+    """Map a user-facing dtype name to a torch dtype; ``auto`` is fp32 on CPU and bf16 on CUDA."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of auto, {', '.join(sorted(set(_DTYPES)))}")
+    return _DTYPES[name]
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` picks CUDA when it is there; an explicit ``cuda`` without a GPU is an error that says so."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"unknown device {device!r}; expected cpu, cuda or auto")
+    return device
+
+
+@dataclass
+class ModelConfig:
+    """What to load and how: ``model`` is resolved by ``kvserve.model.sources``."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache sizing. ``num_kv_blocks`` wins over ``kv_cache_memory`` (GiB on CPU) and
+    ``gpu_memory_utilization`` (the fraction of free CUDA memory to use)."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: float | None = None
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet; use 'auto'")
+
+
+@dataclass
+class SchedulerConfig:
+    """Token-budget scheduling. ``max_model_len`` is filled in from the model once it is known."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"

@@ -1,0 +1,74 @@
+"""Request: the engine-side state of one sequence being generated.
+
+Token counters, as everywhere in kvserve::
+
+    |<------------------ num_tokens ------------------>|
+    |<------ num_prompt_tokens ------>|<-- outputs -->|
+    |<--- num_computed_tokens --->|                   (KV written for these)
+    |<- num_cached ->|                                 (of those, found in the prefix cache)
+
+The scheduler owns ``status``, ``num_computed_tokens`` and ``block_ids`` (through the KV manager); the
+scheduler's ``update_from_output`` is the only writer of ``output_token_ids``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvserve.outputs import FinishReason
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; waits to recompute its prompt and outputs so far
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    sample_index: int = 0  # which of the n samples of its group this request is
+    parent_id: str | None = None  # the request this one was forked from (n > 1)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_tokens(self) -> int:
+        """The output budget; the engine fills ``sampling_params.max_tokens`` from max_model_len if None."""
+        assert self.sampling_params.max_tokens is not None
+        return self.sampling_params.max_tokens
