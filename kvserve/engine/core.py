@@ -1,0 +1,82 @@
+"""EngineCore: schedule -> execute -> update. No I/O and no tokenizer: token ids in, token ids out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from kvserve.config import CacheConfig
+from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.storage import KVCacheSpec
+from kvserve.outputs import FinishReason
+from kvserve.request import Request
+from kvserve.sched.output import EngineOutput, SchedulerOutput
+from kvserve.sched.scheduler import Scheduler
+from kvserve.worker.model_runner import ModelRunner
+
+DEFAULT_CPU_KV_CACHE_GIB = 2.0
+
+
+def num_kv_blocks_for(cache: CacheConfig, spec: KVCacheSpec, device: torch.device, max_blocks_needed: int) -> int:
+    """How many blocks the pool gets: ``num_kv_blocks`` if set, else a memory budget (``kv_cache_memory`` GiB,
+    default 2 GiB on CPU; a fraction of free memory on CUDA), never more than the engine could ever fill."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if device.type == "cuda" and cache.kv_cache_memory is None:
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        budget = free_bytes * cache.gpu_memory_utilization
+    else:
+        budget = (cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB) * 2**30
+    num_blocks = min(int(budget // spec.bytes_per_block), max_blocks_needed)
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**30:.3f} GiB) is smaller than one block "
+            f"({spec.bytes_per_block} bytes); raise kv_cache_memory"
+        )
+    return num_blocks
+
+
+@dataclass
+class KVUsagePeak:
+    """KV memory at the step of peak block use: waste = allocated token slots not holding a token."""
+
+    num_blocks_used: int = 0
+    num_slots_allocated: int = 0
+    num_slots_used: int = 0
+
+    @property
+    def waste(self) -> float:
+        return 0.0 if not self.num_slots_allocated else 1 - self.num_slots_used / self.num_slots_allocated
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, kv_manager: KVCacheManager) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.kv_manager = kv_manager
+        self.peak = KVUsagePeak()
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> None:
+        self.scheduler.finish_requests(request_ids, reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineOutput]:
+        sched_out = self.scheduler.schedule()
+        self._track_peak(sched_out)
+        model_out = self.runner.execute(sched_out)
+        return self.scheduler.update_from_output(sched_out, model_out)
+
+    def _track_peak(self, sched_out: SchedulerOutput) -> None:
+        num_used = self.kv_manager.num_blocks_total - self.kv_manager.num_free_blocks()
+        if num_used <= self.peak.num_blocks_used:
+            return
+        block_ids = {b for r in sched_out.requests for b in r.block_ids}
+        num_slots = sum(r.start_pos + r.num_tokens for r in sched_out.requests)
+        self.peak = KVUsagePeak(num_used, len(block_ids) * self.kv_manager.block_size, num_slots)

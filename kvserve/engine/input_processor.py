@@ -1,0 +1,84 @@
+"""InputProcessor: prompts and chats -> token ids, and every request checked against the model's limits."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence, Union
+
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.sampling_params import SamplingParams
+
+# A prompt is text, or {"prompt_token_ids": [...]} (optionally with the "prompt" text it came from).
+PromptInput = Union[str, Mapping[str, Any]]
+ChatMessages = Sequence[Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessedPrompt:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # a per-request copy, with max_tokens filled in
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def process(self, prompt: PromptInput, params: SamplingParams) -> ProcessedPrompt:
+        """Tokenize (or check) the prompt and fit ``params`` to it; raise ValueError naming what is wrong."""
+        text, token_ids = self._tokenize(prompt)
+        self._check_token_ids(token_ids, "prompt_token_ids")
+        return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids)))
+
+    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> dict[str, Any]:
+        """Render a conversation with the model's chat template into a token-id prompt."""
+        if not messages:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        if self.tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        # The template already holds the special tokens it wants (BOS included): don't add them twice.
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            token_ids = prompt["prompt_token_ids"]
+            if not isinstance(token_ids, (list, tuple)) or not token_ids:
+                raise ValueError("prompt_token_ids must be a non-empty list of token ids")
+            return prompt.get("prompt"), list(token_ids)
+        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _check_token_ids(self, token_ids: Sequence[Any], what: str) -> None:
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{what}: {t!r} is not a token id of this model (vocabulary size {self.vocab_size})")
+
+    def _fit_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+                f"{num_prompt_tokens + max_tokens} is over max_model_len={self.max_model_len}"
+            )
+        self._check_token_ids(params.stop_token_ids or [], "stop_token_ids")
+        self._check_token_ids(list(params.logit_bias or {}), "logit_bias")
+        return dataclasses.replace(params, max_tokens=max_tokens)

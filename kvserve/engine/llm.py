@@ -1,0 +1,126 @@
+"""LLM: the offline, vLLM-shaped API over LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from kvserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.engine.input_processor import ChatMessages, PromptInput
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+PROGRESS_BAR_MIN_PROMPTS = 8
+
+
+class LLM:
+    """Generate from a model offline: ``LLM().generate(["Hello"], SamplingParams(max_tokens=8))``."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: float | None = None,
+        gpu_memory_utilization: float = 0.85,
+        kv_cache_dtype: str = "auto",
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+        device: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            device=device,
+        )
+        self.engine = LLMEngine(config)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        ``sampling_params`` is one SamplingParams for all prompts or a list with one per prompt. Every prompt is
+        validated before any runs: a bad one raises ValueError and nothing is left queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        processed = [self.engine.input_processor.process(p, sp) for p, sp in zip(prompts, params)]
+        request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
+        try:
+            for rid, p in zip(request_ids, processed):
+                self.engine.add_request(rid, {"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids}, p.params)
+        except ValueError:  # e.g. a request larger than the whole KV cache: leave nothing queued
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {'role', 'content'}) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations:
+            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        prompts = [
+            self.engine.input_processor.apply_chat_template(c, add_generation_prompt) for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict[str, Any]:
+        """KV cache and scheduler state: block counts, KV dtype, peak usage and waste, preemptions."""
+        return self.engine.stats()
+
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
+        return list(sampling_params)
+
+    def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generate", disable=not show_progress) as bar:
+            try:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            except BaseException:
+                self.engine.abort_request(rid for rid in request_ids if rid not in finished)
+                raise
+        return [finished[rid] for rid in request_ids]

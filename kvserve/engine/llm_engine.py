@@ -1,0 +1,110 @@
+"""LLMEngine: input processor -> engine core -> output processor. Tokenizer-aware, device-unaware.
+
+The server drives it through ``add_request / abort_request / step``; the offline ``LLM`` loops ``step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Iterable
+
+import torch
+
+from kvserve.config import EngineConfig, SchedulerConfig, parse_dtype, resolve_device
+from kvserve.engine.core import EngineCore, num_kv_blocks_for
+from kvserve.engine.input_processor import InputProcessor, PromptInput
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.kv.manager import KVCacheManager
+from kvserve.model.loader import load_checkpoint
+from kvserve.model.sources import resolve_model
+from kvserve.outputs import FinishReason, RequestOutput
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.scheduler import Scheduler
+from kvserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(resolve_device(config.device))
+        self.dtype = parse_dtype(config.model.dtype, self.device.type)
+        torch.manual_seed(config.model.seed)
+        self.location = resolve_model(config.model.model)
+        checkpoint = load_checkpoint(self.location, self.dtype)
+        self.max_model_len = self._max_model_len(checkpoint.max_model_len)
+        self.tokenizer = checkpoint.tokenizer
+        self.eos_token_ids = checkpoint.eos_token_ids
+        runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size)
+        self.core = self._build_core(runner)
+        self.input_processor = InputProcessor(self.tokenizer, checkpoint.hf_config.vocab_size, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        logger.info(
+            "kvserve: %s on %s (%s), %d KV blocks of %d tokens",
+            self.location.name, self.device, self.dtype, self.num_kv_blocks, config.cache.block_size,
+        )
+
+    def _max_model_len(self, model_limit: int) -> int:
+        asked = self.config.model.max_model_len
+        if asked is not None and asked > model_limit:
+            raise ValueError(f"max_model_len={asked} is over the model's context length ({model_limit})")
+        return asked or model_limit
+
+    def _build_core(self, runner: ModelRunner) -> EngineCore:
+        sched_config = dataclasses.replace(self.config.scheduler, max_model_len=self.max_model_len)
+        block_size = self.config.cache.block_size
+        max_blocks_needed = sched_config.max_num_seqs * -(-self.max_model_len // block_size)
+        self.num_kv_blocks = num_kv_blocks_for(
+            self.config.cache, runner.kv_cache_spec(), self.device, max_blocks_needed
+        )
+        runner.init_kv_cache(self.num_kv_blocks)
+        kv_manager = KVCacheManager(self.num_kv_blocks, block_size)
+        return EngineCore(runner, Scheduler(sched_config, kv_manager), kv_manager)
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
+        """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad."""
+        processed = self.input_processor.process(prompt, params)
+        request = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids)
+        self.core.add_request(request)
+        self.output_processor.add_request(
+            request_id, processed.prompt, processed.prompt_token_ids, processed.params, self.eos_token_ids
+        )
+
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Stop requests now and free their KV blocks; returns their final outputs (finish reason abort)."""
+        request_ids = list(request_ids)
+        self.core.finish_requests(self._all_sample_ids(request_ids), FinishReason.ABORT)
+        return [out for rid in request_ids if (out := self.output_processor.abort(rid)) is not None]
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return the outputs of the requests that moved."""
+        processed = self.output_processor.process(self.core.step())
+        if processed.stopped_request_ids:
+            self.core.finish_requests(processed.stopped_request_ids, FinishReason.STOP)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def _all_sample_ids(self, request_ids: list[str]) -> list[str]:
+        return [sid for rid in request_ids for sid in self.output_processor.sample_request_ids(rid)]
+
+    def stats(self) -> dict[str, Any]:
+        kv = self.core.kv_manager
+        num_free = kv.num_free_blocks()
+        return {
+            "block_size": kv.block_size,
+            "num_blocks_total": kv.num_blocks_total,
+            "num_blocks_used": kv.num_blocks_total - num_free,
+            "num_blocks_free": num_free,
+            "kv_cache_dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_bytes": self.core.runner.kv.nbytes if self.core.runner.kv else 0,
+            "peak_num_blocks_used": self.core.peak.num_blocks_used,
+            "kv_waste_at_peak": self.core.peak.waste,
+            "num_running": self.core.scheduler.num_running,
+            "num_waiting": self.core.scheduler.num_waiting,
+            "num_preemptions": self.core.scheduler.num_preemptions,
+        }
