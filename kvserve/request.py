@@ -21,6 +21,14 @@ from kvserve.outputs import FinishReason
 from kvserve.sampling_params import SamplingParams
 
 
+SAMPLE_ID_SEPARATOR = "#"  # reserved: a submitted request id never contains it, so sample ids never collide
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The engine-side id of sample ``index`` of a request with n > 1; sample 0 keeps the request's own id."""
+    return request_id if index == 0 else f"{request_id}{SAMPLE_ID_SEPARATOR}{index}"
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -46,6 +54,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    num_prompt_logprobs_sent: int = 0  # prompt tokens 1..k had their logprobs returned (kept across preemption)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,298 @@
+"""AsyncEngine: the LLMEngine's step loop in one background thread, driven from asyncio.
+
+::
+
+    asyncio (HTTP)                         engine thread
+    --------------                         -------------
+    generate() --call(add)--> commands --> drain commands (add / abort / tokenize ...)
+                                           step()  -> outputs
+    await queue.get() <--call_soon_threadsafe-- per-request asyncio.Queue
+
+Everything that touches the engine or its tokenizer runs on the engine thread, between two steps, so the engine
+needs no locks and HTTP handling never stalls a step. When no request is unfinished and no command is queued the
+thread sleeps on a condition (no busy spin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, Sequence, TypeVar
+
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.input_processor import PromptInput
+    from kvserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised): no request can make progress."""
+
+
+class StepObserver(Protocol):
+    """Told, on the engine thread, what the engine did; the server's metrics implement it."""
+
+    def on_request_added(self, request_id: str, arrival_time: float) -> None: ...
+
+    def on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], step_start: float) -> None: ...
+
+
+@dataclass
+class _Stream:
+    """The asyncio side of one request: outputs are delivered to ``queue`` on ``loop``."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+
+class AsyncEngine:
+    """Runs ``engine`` in a background thread; ``generate`` streams each request's cumulative outputs."""
+
+    def __init__(self, engine: LLMEngine, observer: StepObserver | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self._commands: deque[tuple[Callable[[LLMEngine], Any], Future | None]] = deque()
+        self._wakeup = threading.Condition()
+        self._streams: dict[str, _Stream] = {}  # owned by the engine thread
+        self._stats: dict[str, Any] = engine.stats()
+        self._num_pending_adds = 0
+        self._request_counter = itertools.count()
+        self._stopped = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+
+    # ---- lifecycle ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Abort every request, stop the loop and join the thread."""
+        with self._wakeup:
+            self._stopped = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    # ---- the asyncio side ----
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps and return (or raise) its result."""
+        future: Future[T] = Future()
+        self._submit(fn, future)
+        return await asyncio.wrap_future(future)
+
+    async def generate(
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue one request and yield its cumulative outputs until the finished one.
+
+        Outputs may be coalesced: when the consumer falls behind, only the latest output is yielded (each is
+        cumulative, so nothing is lost). Bad input raises ValueError before anything is yielded. If the
+        consumer stops early (cancelled, closed, disconnected client), the request is aborted and its KV
+        blocks are freed.
+        """
+        async for outputs in self.generate_many([prompt], params, [request_id] if request_id else None):
+            yield outputs[0]
+
+    async def generate_many(
+        self, prompts: Sequence[PromptInput], params: SamplingParams, request_ids: Sequence[str] | None = None
+    ) -> AsyncIterator[list[RequestOutput]]:
+        """Queue several requests at once (all or none: one bad prompt raises ValueError and queues nothing)
+        and yield, each time one of them moves, the latest output of every request (``None``-free once each
+        has produced one; earlier entries hold the last output seen or a placeholder with no samples)."""
+        ids = list(request_ids) if request_ids else [f"req-{next(self._request_counter)}" for _ in prompts]
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        try:
+            await self._add(ids, prompts, params, loop, queue)
+        except asyncio.CancelledError:  # the add may have run before the cancellation reached it
+            self.abort(ids)
+            raise
+        latest: list[RequestOutput | None] = [None] * len(ids)
+        index = {rid: i for i, rid in enumerate(ids)}
+        num_finished = 0
+        try:
+            while num_finished < len(ids):
+                for item in await self._next_batch(queue):
+                    if isinstance(item, BaseException):
+                        raise item
+                    i = index[item.request_id]
+                    latest[i] = item
+                    num_finished += item.finished
+                yield [out or _placeholder(rid) for rid, out in zip(ids, latest)]
+        finally:
+            unfinished = [rid for rid, out in zip(ids, latest) if out is None or not out.finished]
+            if unfinished:
+                self.abort(unfinished)
+
+    @staticmethod
+    async def _next_batch(queue: asyncio.Queue) -> list[Any]:
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        return items
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests (a no-op for finished or unknown ids); their KV blocks are freed on the engine thread.
+        Once the engine has stopped there is nothing left to abort, and this does nothing."""
+        ids = list(request_ids)
+        try:
+            self._submit(lambda _: self._abort_now(ids), None)
+        except EngineDeadError:
+            pass
+
+    def abort_all(self) -> None:
+        """Abort every unfinished request (the server's shutdown, once its grace period is over)."""
+        try:
+            self._submit(lambda _: self._abort_now(list(self._streams)), None)
+        except EngineDeadError:
+            pass
+
+    def num_waiting(self) -> int:
+        """Requests queued but not yet running: the engine's waiting queue plus adds not yet handed to it."""
+        with self._wakeup:
+            return self._stats.get("num_waiting", 0) + self._num_pending_adds
+
+    def num_unfinished(self) -> int:
+        """Requests added (or being added) that have not finished."""
+        with self._wakeup:
+            return len(self._streams) + self._num_pending_adds
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of the end of the last step or command (see ``LLMEngine.stats``)."""
+        with self._wakeup:
+            return dict(self._stats)
+
+    async def _add(
+        self, ids: list[str], prompts: Sequence[PromptInput], params: SamplingParams,
+        loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,
+    ) -> None:
+        arrival_time = time.monotonic()
+
+        def add(engine: LLMEngine) -> None:
+            try:
+                for rid, prompt in zip(ids, prompts):
+                    if rid in self._streams:
+                        raise ValueError(f"request id {rid!r} is already in use")
+                    engine.add_request(rid, prompt, params)
+                    self._streams[rid] = _Stream(loop, queue)
+                    if self.observer:
+                        self.observer.on_request_added(rid, arrival_time)
+            except BaseException:
+                self._abort_now([rid for rid in ids if rid in self._streams])
+                raise
+
+        # Counted as waiting until the caller hears back: briefly counted twice (here and in the engine's
+        # stats), which only makes admission stricter, never looser.
+        with self._wakeup:
+            self._num_pending_adds += len(ids)
+        try:
+            await self.call(add)
+        finally:
+            with self._wakeup:
+                self._num_pending_adds -= len(ids)
+
+    # ---- the engine thread ----
+
+    def _submit(self, fn: Callable[[LLMEngine], Any], future: Future | None) -> None:
+        with self._wakeup:
+            if self._stopped:
+                raise EngineDeadError("the engine is not running") from self._error
+            self._commands.append((fn, future))
+            self._wakeup.notify()
+
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                self._run_commands()
+                if self.engine.has_unfinished_requests():
+                    step_start = time.monotonic()
+                    self._deliver(self.engine.step(), step_start)
+        except BaseException as e:
+            logger.exception("the engine loop failed")
+            self._fail_everything(e)
+        else:
+            self._run_commands()
+            self._abort_now(list(self._streams))
+            self._fail_everything(EngineDeadError("the engine was shut down"))
+
+    def _wait_for_work(self) -> bool:
+        """Sleep until a command arrives or requests are unfinished; False once shut down."""
+        with self._wakeup:
+            while not self._stopped and not self._commands and not self.engine.has_unfinished_requests():
+                self._wakeup.wait()
+            return not self._stopped
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._wakeup:
+                if not self._commands:
+                    break
+                fn, future = self._commands.popleft()
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue  # its caller was cancelled before it ran
+            try:
+                result = fn(self.engine)
+            except Exception as e:  # handed to the caller, who decides what it means
+                if future is None:
+                    raise
+                future.set_exception(e)
+            else:
+                if future is not None:
+                    future.set_result(result)
+        self._refresh_stats([], time.monotonic())
+
+    def _abort_now(self, request_ids: list[str]) -> None:
+        live = [rid for rid in request_ids if rid in self._streams]
+        if live:
+            self._deliver(self.engine.abort_request(live), time.monotonic())
+
+    def _deliver(self, outputs: list[RequestOutput], step_start: float) -> None:
+        # Stats and the observer first: a client that got its answer then reads metrics that include it.
+        self._refresh_stats(outputs, step_start)
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _refresh_stats(self, outputs: list[RequestOutput], step_start: float) -> None:
+        stats = self.engine.stats()
+        with self._wakeup:
+            self._stats = stats
+        if self.observer:
+            self.observer.on_step(outputs, stats, step_start)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._wakeup:
+            self._error = error
+            self._stopped = True
+            futures = [future for _, future in self._commands if future is not None]
+            self._commands.clear()
+        for future in futures:  # callers waiting on a command see the failure instead of hanging
+            future.set_exception(EngineDeadError(str(error)))
+        for stream in self._streams.values():
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(error)))
+        self._streams.clear()
+
+
+def _placeholder(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], outputs=[])

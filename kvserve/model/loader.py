@@ -1,0 +1,239 @@
+"""Read a resolved checkpoint: its config, tokenizer, stop tokens and Hugging Face-named weights.
+
+Two formats: a Hugging Face directory (config.json, tokenizer files, safetensors single or sharded) and a GGUF
+file (config, tokenizer and chat template in its metadata; quantized tensors dequantized on read). Both yield the
+same tensor names, those of the Hugging Face safetensors checkpoint (``model.layers.0.self_attn.q_proj.weight``),
+so a model's ``load_weights`` never knows which format it came from.
+
+Everything that can be checked without reading the tensors is checked in ``load_checkpoint``, so a broken file
+fails there, as a ``CheckpointError`` naming the file, before any memory is spent on weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, TokenizersBackend
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from kvserve.model.base import CheckpointError
+from kvserve.model.sources import ModelLocation
+
+WeightIterator = Iterator[tuple[str, torch.Tensor]]
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# any one of these lets AutoTokenizer build a tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint whose metadata is loaded and checked; its tensors are read only when ``weights()`` is called."""
+
+    hf_config: PretrainedConfig  # ``architectures`` is always set
+    tokenizer: PreTrainedTokenizerBase  # with the checkpoint's chat template, if it has one
+    eos_token_ids: frozenset[int]
+    max_model_len: int  # the model's own context length (max_position_embeddings)
+    read_weights: Callable[[], WeightIterator] = field(repr=False)
+
+    def weights(self) -> WeightIterator:
+        """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype.
+
+        A tied LM head that the file does not store is not yielded. Each call reads the file again.
+        """
+        return self.read_weights()
+
+
+def load_checkpoint(location: ModelLocation, dtype: torch.dtype) -> Checkpoint:
+    """Load the config and tokenizer of ``location`` and check its weight files; raises ``CheckpointError``."""
+    if location.kind == "hf_dir":
+        return _load_hf_dir(location.path, dtype)
+    return _load_gguf(location.path, dtype)
+
+
+# ---- Hugging Face directory ------------------------------------------------------------------------------
+
+
+def _load_hf_dir(directory: Path, dtype: torch.dtype) -> Checkpoint:
+    config = _read_hf_config(directory)
+    shards = _safetensors_shards(directory)
+    for shard in shards:
+        _check_safetensors(shard)
+    tokenizer = _read_hf_tokenizer(directory)
+    generation_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
+    return Checkpoint(
+        hf_config=config,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_token_ids(generation_eos, config, tokenizer),
+        max_model_len=_max_model_len(config, directory / "config.json"),
+        read_weights=partial(_read_safetensors, shards, dtype),
+    )
+
+
+def _read_hf_config(directory: Path) -> PretrainedConfig:
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{directory} has no config.json: it is not a Hugging Face model directory")
+    _read_json(config_file)  # a clear error for bad JSON, before transformers wraps it in a vaguer one
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except (ValueError, OSError, KeyError) as error:
+        raise CheckpointError(f"{config_file}: transformers cannot build a config from it: {error}") from None
+    return _with_architectures(config, config_file)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``, or ``{}`` when the (optional) file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not {type(content).__name__}")
+    return content
+
+
+def _safetensors_shards(directory: Path) -> list[Path]:
+    """The weight files in load order: those named by the index, else every ``*.safetensors`` file."""
+    index = directory / SAFETENSORS_INDEX
+    if not index.is_file():
+        shards = sorted(directory.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"{directory} has no .safetensors weight files")
+        return shards
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no weight_map naming the shard of each tensor")
+    shards = [directory / name for name in dict.fromkeys(weight_map.values())]
+    missing = [shard.name for shard in shards if not shard.is_file()]
+    if missing:
+        raise CheckpointError(f"{index} names shard(s) missing from {directory}: {', '.join(missing)}")
+    return shards
+
+
+def _check_safetensors(shard: Path) -> None:
+    # safetensors checks the header and that the data section covers every tensor: truncation shows up here
+    try:
+        with safe_open(shard, framework="pt") as reader:
+            reader.keys()
+    except SafetensorError as error:
+        raise CheckpointError(f"{shard} is not a readable safetensors file (truncated or corrupt): {error}") from None
+
+
+def _read_safetensors(shards: list[Path], dtype: torch.dtype) -> WeightIterator:
+    for shard in shards:
+        try:
+            with safe_open(shard, framework="pt") as reader:
+                for name in reader.keys():
+                    yield name, _cast(reader.get_tensor(name), dtype)
+        except SafetensorError as error:
+            raise CheckpointError(f"{shard}: reading tensors failed (truncated or corrupt): {error}") from None
+
+
+def _read_hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise CheckpointError(f"{directory} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(directory)
+    except (ValueError, OSError, KeyError) as error:
+        raise CheckpointError(f"{directory}: transformers cannot load its tokenizer: {error}") from None
+
+
+# ---- GGUF ------------------------------------------------------------------------------------------------
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+    _check_gguf_architecture(path)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        # Not AutoTokenizer: it parses the whole file again with the slow legacy reader only to pick a class;
+        # the tokenizer it then builds from the metadata is this same one.
+        tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as error:  # the reader fails deep inside numpy or struct on a damaged file
+        raise CheckpointError(_unreadable_gguf(path, error)) from None
+    config = _with_architectures(config, path)
+    return Checkpoint(
+        hf_config=config,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_token_ids(None, config, tokenizer),
+        max_model_len=_max_model_len(config, path),
+        read_weights=partial(_read_gguf, path, config, dtype),
+    )
+
+
+def _check_gguf_architecture(path: Path) -> None:
+    """Fail early, from the metadata alone (a fast read), on a file transformers cannot turn into a model."""
+    from transformers.integrations.gguf import read_gguf_metadata
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    try:
+        metadata, _ = read_gguf_metadata(str(path))
+    except Exception as error:
+        raise CheckpointError(_unreadable_gguf(path, error)) from None
+    architecture = metadata["general.architecture"]
+    if architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+        readable = ", ".join(sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}))
+        raise CheckpointError(
+            f"{path}: transformers cannot read GGUF files of architecture {architecture!r} (it reads {readable})"
+        )
+
+
+def _unreadable_gguf(path: Path, error: Exception) -> str:
+    size = path.stat().st_size
+    return f"{path} is not a readable GGUF file (truncated or corrupt; {size} bytes): {type(error).__name__}: {error}"
+
+
+def _read_gguf(path: Path, config: PretrainedConfig, dtype: torch.dtype) -> WeightIterator:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # transformers maps GGUF names to the parameter names of a model it is given (and undoes llama.cpp's
+    # Q/K permutation and Gemma's norm offset); a model on the meta device costs no memory.
+    with torch.device("meta"):
+        names_model = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=names_model, torch_dtype=dtype)
+    tensors = tensors["tensors"]
+    for name in list(tensors):
+        yield name, tensors.pop(name)  # popped: each tensor is freed once the model has copied it
+
+
+# ---- shared ----------------------------------------------------------------------------------------------
+
+
+def _with_architectures(config: PretrainedConfig, source: Path) -> PretrainedConfig:
+    """Set ``architectures`` (absent from GGUF metadata and some configs) from the model type."""
+    if not config.architectures:
+        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        if architecture is None:
+            raise CheckpointError(f"{source}: model type {config.model_type!r} is not a causal LM transformers knows")
+        config.architectures = [architecture]
+    return config
+
+
+def _eos_token_ids(
+    generation_eos: int | list[int] | None, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+) -> frozenset[int]:
+    """The first source that names any: generation_config.json, then the model config, then the tokenizer."""
+    for eos in (generation_eos, getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
+
+
+def _max_model_len(config: PretrainedConfig, source: Path) -> int:
+    max_len = getattr(config, "max_position_embeddings", None)
+    if not isinstance(max_len, int) or max_len < 1:
+        raise CheckpointError(f"{source}: the config has no valid max_position_embeddings ({max_len!r})")
+    return max_len
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor

@@ -1,0 +1,378 @@
+"""Scheduler: assigns tokens to requests under a token budget (vLLM v1 style: tokens, not phases).
+
+A step gives each request ``min(num_tokens - num_computed_tokens, budget left)`` tokens: 1 for a decode,
+the next chunk for a prompt (or a recompute after preemption). Running requests go first, in admission
+order, then waiting requests FCFS. When KV runs out for a running request, the newest running request is
+preempted by recompute: its blocks are freed and it waits, at the front, to run its tokens again.
+
+The scheduler owns request status, ``num_computed_tokens`` and ``output_token_ids``; blocks belong to the
+``KVCacheManager``. Admission refuses a request that could never fit, so the oldest running request can
+always make progress and the loop never deadlocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv.manager import KVCacheManager, NoFreeBlocksError
+from kvserve.outputs import FinishReason
+from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus, sample_request_id
+from kvserve.sched.output import (
+    EngineOutput,
+    KVTransferPlan,
+    ModelOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+
+
+@dataclass
+class _Budget:
+    num_tokens: int
+    num_seqs: int
+
+    def has_room(self) -> bool:
+        return self.num_tokens > 0 and self.num_seqs > 0
+
+    def take(self, num_tokens: int) -> None:
+        self.num_tokens -= num_tokens
+        self.num_seqs -= 1
+
+
+@dataclass(frozen=True)
+class _PendingCopy:
+    """A fork's copy-on-write of a partial block, applied before the next forward if the child still runs."""
+
+    child: Request
+    src: int
+    dst: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self._finished_ids: set[str] = set()
+        self._pending_copies: list[_PendingCopy] = []
+        self.num_preemptions = 0  # running requests preempted, since start
+        self.num_scheduled_tokens = 0  # tokens run through the model, recomputed ones included
+        self.num_generated_tokens = 0  # tokens appended to outputs, forks' first tokens included
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError, queuing nothing, if it is a duplicate or could never fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if SAMPLE_ID_SEPARATOR in request.request_id:
+            raise ValueError(
+                f"request id {request.request_id!r} contains {SAMPLE_ID_SEPARATOR!r}, which is kept for the ids "
+                "of the samples of an n > 1 request"
+            )
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        self._check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
+        """Refuse what could never run, so that no admitted request can deadlock the loop."""
+        num_prompt = request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        max_model_len = self.config.max_model_len
+        num_needed = num_prompt + (max_tokens or 1)  # max_tokens None: generate until max_model_len
+        if num_needed > max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens or 1}) "
+                f"= {num_needed} is over max_model_len={max_model_len}"
+            )
+        max_len = max_model_len if max_tokens is None else num_needed
+        if max_len > self.kv.num_slots_total:
+            raise ValueError(
+                f"request {request.request_id!r} may grow to {max_len} tokens, over the whole KV cache "
+                f"({self.kv.num_blocks_total} blocks x {self.kv.block_size} = {self.kv.num_slots_total} tokens)"
+            )
+
+    def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> None:
+        """Finish requests now (abort, or a stop string seen by the frontend), freeing their blocks at once;
+        works whether they wait, run or are preempted. Unknown or already finished ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, reason)
+
+    # ----------------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then waiting ones while the budget and KV allow.
+        Mutates queues and block tables (never ``num_computed_tokens``: ``update_from_output`` advances it)."""
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        scheduled: list[tuple[Request, int]] = []
+        num_preempted = self._schedule_running(budget, scheduled)
+        if not num_preempted:  # memory is tight when preempting: admitting now would only thrash
+            self._schedule_waiting(budget, scheduled)
+        requests = [self._scheduled_request(request, num_new) for request, num_new in scheduled]
+        requests.sort(key=lambda r: r.num_tokens > 1)  # one-token rows first, stable otherwise
+        num_tokens = sum(num_new for _, num_new in scheduled)
+        self.num_scheduled_tokens += num_tokens
+        out = SchedulerOutput(
+            requests, num_tokens, self._take_kv_transfers(), frozenset(self._finished_ids)
+        )
+        self._finished_ids.clear()
+        return out
+
+    def _schedule_running(self, budget: _Budget, scheduled: list[tuple[Request, int]]) -> int:
+        """Give each running request its next tokens, preempting the newest when KV runs out; returns the
+        number preempted. Victims come from the tail, which this loop has not reached yet."""
+        num_preempted = 0
+        index = 0
+        while index < len(self.running) and budget.has_room():
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget.num_tokens)
+            while not self.kv.allocate_slots(request, num_new):
+                num_preempted += 1
+                if self._preempt_newest() is request:
+                    return num_preempted
+            scheduled.append((request, num_new))
+            budget.take(num_new)
+            index += 1
+        return num_preempted
+
+    def _schedule_waiting(self, budget: _Budget, scheduled: list[tuple[Request, int]]) -> None:
+        """Admit waiting requests in order while their chunk's blocks fit; never preempts to make room."""
+        while self.waiting and budget.has_room() and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget.num_tokens)
+            if not self.kv.allocate_slots(request, num_new):
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget.take(num_new)
+
+    def _preempt_newest(self) -> Request:
+        """Recompute preemption: drop the newest running request's KV and queue it at the front of the
+        waiting queue to run all its tokens again. Returns it."""
+        request = self.running.pop()
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        return request
+
+    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        sample = start + num_new == request.num_tokens
+        params = request.sampling_params
+        forks = sample and params.n > 1 and request.parent_id is None and not request.output_token_ids
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=_token_slice(request, start, num_new),
+            start_pos=start,
+            block_ids=list(request.block_ids),
+            sample=sample,
+            sampling_params=params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sample_index=request.sample_index,
+            num_samples=params.n if forks else 1,
+            prompt_logprobs=_wants_prompt_logprobs(request, start + num_new),
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def _take_kv_transfers(self) -> KVTransferPlan:
+        # A child finished or preempted since its fork no longer owns dst: copying into it could clobber
+        # the block's next owner.
+        copies = tuple(
+            (c.src, c.dst) for c in self._pending_copies if c.child.status is RequestStatus.RUNNING
+        )
+        self._pending_copies.clear()
+        return KVTransferPlan(copies)
+
+    # ------------------------------------------------------------------------------- update_from_output
+
+    def update_from_output(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[EngineOutput]:
+        """Advance every scheduled request by its chunk, append sampled tokens, fork n > 1 requests, apply
+        stop conditions and free finished requests' blocks. One Python pass over the step's requests.
+        Returns one EngineOutput per request that got tokens or prompt logprobs, or finished."""
+        outputs: list[EngineOutput] = []
+        for row in sched_out.requests:
+            request = self.requests.get(row.request_id)
+            if request is None:  # finished (e.g. aborted) after this step was scheduled
+                continue
+            request.num_computed_tokens += row.num_tokens
+            children = self._fork(request, row, model_out) if row.num_samples > 1 else []
+            output = self._take_tokens(request, row, model_out)
+            outputs.extend(o for o in [output, *children] if o is not None)
+        return outputs
+
+    def _take_tokens(self, request: Request, row: ScheduledRequest, model_out: ModelOutput) -> EngineOutput | None:
+        """Append the row's sampled tokens (if it sampled) and return its output, or None if nothing moved."""
+        prompt_entries = model_out.prompt_logprobs.get(row.request_id)
+        prompt_logprobs = _new_prompt_logprobs(request, row.start_pos, prompt_entries)
+        new_token_ids: list[int] = []
+        logprobs = model_out.logprobs.get(row.request_id)
+        if row.sample:
+            if row.request_id not in model_out.sampled_token_ids:
+                raise ValueError(f"the model output has no sampled token for request {row.request_id!r}")
+            new_token_ids = self._append_tokens(request, model_out.sampled_token_ids[row.request_id])
+        if not new_token_ids and prompt_logprobs is None and not request.is_finished:
+            return None
+        return _engine_output(request, new_token_ids, logprobs, prompt_logprobs)
+
+    def _fork(self, parent: Request, row: ScheduledRequest, model_out: ModelOutput) -> list[EngineOutput]:
+        """Create samples 1..n-1 of ``parent`` right after its prompt completed: each starts with its own
+        first token and shares the parent's KV (full blocks shared, the partial one copied next step)."""
+        fork_token_ids = model_out.fork_token_ids.get(row.request_id, [])
+        if len(fork_token_ids) != row.num_samples - 1:
+            raise ValueError(
+                f"request {row.request_id!r} forks into {row.num_samples} samples but the model output has "
+                f"{len(fork_token_ids)} fork tokens (expected {row.num_samples - 1})"
+            )
+        fork_logprobs = model_out.fork_logprobs.get(row.request_id)
+        outputs = []
+        for index, token_id in enumerate(fork_token_ids, start=1):
+            child = self._new_child(parent, index)
+            self._place_child(parent, child)
+            new_token_ids = self._append_tokens(child, [token_id])
+            logprobs = fork_logprobs[index - 1 : index] if fork_logprobs else None
+            outputs.append(_engine_output(child, new_token_ids, logprobs, None))
+        return outputs
+
+    def _new_child(self, parent: Request, index: int) -> Request:
+        child = Request(
+            request_id=sample_request_id(parent.request_id, index),
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling_params=parent.sampling_params,
+            eos_token_ids=parent.eos_token_ids,
+            arrival_time=parent.arrival_time,
+            sample_index=index,
+            parent_id=parent.request_id,
+            num_computed_tokens=parent.num_computed_tokens,
+            num_cached_tokens=parent.num_cached_tokens,
+            status=RequestStatus.RUNNING,
+            num_prompt_logprobs_sent=parent.num_prompt_tokens - 1,  # the parent returns them all
+        )
+        self.requests[child.request_id] = child
+        return child
+
+    def _place_child(self, parent: Request, child: Request) -> None:
+        """Run the child on shared KV; with no block free for its partial-block copy it waits to recompute."""
+        try:
+            copies = self.kv.fork(parent, child)
+        except NoFreeBlocksError:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
+            return
+        self.running.append(child)
+        self._pending_copies.extend(_PendingCopy(child, src, dst) for src, dst in copies)
+
+    def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
+        """Append sampled tokens until one stops the request; returns those appended."""
+        appended = []
+        for token_id in token_ids:
+            request.output_token_ids.append(token_id)
+            appended.append(token_id)
+            self.num_generated_tokens += 1
+            stop = self._stop_reason(request, token_id)
+            if stop is not None:
+                self._finish(request, *stop)
+                break
+        return appended
+
+    def _stop_reason(self, request: Request, token_id: int) -> tuple[FinishReason, int | None] | None:
+        """Why the request stops after ``token_id``, checked in order: EOS, a stop token, max_tokens,
+        max_model_len. EOS and stop tokens count only once ``min_tokens`` outputs precede them (the sampler
+        masks EOS until then); both stay in ``output_token_ids``, the frontend hides them from text."""
+        params = request.sampling_params
+        past_min_tokens = request.num_output_tokens > params.min_tokens
+        if past_min_tokens and not params.ignore_eos and token_id in request.eos_token_ids:
+            return FinishReason.STOP, None
+        if past_min_tokens and token_id in params.stop_token_ids:
+            return FinishReason.STOP, token_id
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+
+def _engine_output(
+    request: Request,
+    new_token_ids: list[int],
+    logprobs: list[TokenLogprobs] | None,
+    prompt_logprobs: list[TokenLogprobs] | None,
+) -> EngineOutput:
+    return EngineOutput(
+        request_id=request.request_id,
+        new_token_ids=new_token_ids,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+        logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
+        prompt_logprobs=prompt_logprobs,
+        num_cached_tokens=request.num_cached_tokens,
+    )
+
+
+def _token_slice(request: Request, start: int, num_tokens: int) -> list[int]:
+    """``request.all_token_ids[start : start + num_tokens]`` without concatenating the whole history."""
+    prompt = request.prompt_token_ids
+    end = start + num_tokens
+    if start >= len(prompt):
+        return request.output_token_ids[start - len(prompt) : end - len(prompt)]
+    return prompt[start:end] + request.output_token_ids[: max(0, end - len(prompt))]
+
+
+def _wants_prompt_logprobs(request: Request, end: int) -> bool:
+    """True if the chunk ending at ``end`` predicts prompt tokens whose logprobs were not returned yet.
+
+        positions:  0   1   2  ...  P-2 | P-1 ...        (P = num_prompt_tokens)
+        predicts:  t1  t2  t3  ...  tP-1|  (outputs)     position p predicts prompt token p + 1
+    """
+    if request.sampling_params.prompt_logprobs is None:
+        return False
+    return min(end, request.num_prompt_tokens - 1) > request.num_prompt_logprobs_sent
+
+
+def _new_prompt_logprobs(
+    request: Request, start: int, entries: list[TokenLogprobs] | None
+) -> list[TokenLogprobs] | None:
+    """Drop entries already returned before a preemption; ``entries[j]`` predicts prompt token start+1+j."""
+    if entries is None:
+        return None
+    num_sent = request.num_prompt_logprobs_sent
+    request.num_prompt_logprobs_sent = max(num_sent, start + len(entries))
+    return entries[max(0, num_sent - start) :] or None

@@ -1,0 +1,194 @@
+"""The FastAPI app: OpenAI's routes, /health, /metrics, /tokenize, /detokenize, and the request guards.
+
+Guards (one ASGI middleware, before any routing): the body-size limit (413) and the API key (401) on the
+OpenAI and tokenizer routes. The model's lifecycle (loading, draining) belongs to ``launch``; the routes read it
+from ``ServerState``.
+"""
+
+from __future__ import annotations
+
+import secrets
+from http import HTTPStatus
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvserve.server.chat import ChatServer, render_chat
+from kvserve.server.completions import CompletionServer
+from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers
+from kvserve.server.metrics import CONTENT_TYPE
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvserve.server.state import ServerState
+from kvserve.server.streaming import until_disconnected
+
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+class _Generation(Protocol):
+    async def start(self) -> AsyncIterator[Any]: ...
+
+    async def respond(self, stream: AsyncIterator[Any]) -> Any: ...
+
+    def stream(self, stream: AsyncIterator[Any]) -> AsyncIterator[str]: ...
+
+
+def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+    """The app serving ``state``; ``lifespan`` loads and unloads the engine (see ``launch``)."""
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    _add_routes(app, state)
+    app.add_middleware(RequestGuard, state=state)
+    return app
+
+
+async def _answer(request: Request, generation: _Generation, stream: bool) -> Response:
+    """Queue the generation (400 on bad input), then stream it or answer once it is done. A client that
+    disconnects, streaming or not, aborts its requests."""
+    outputs = await until_disconnected(request, generation.start())
+    if stream:
+        return StreamingResponse(generation.stream(outputs), media_type="text/event-stream")
+    body = await until_disconnected(request, generation.respond(outputs))
+    return JSONResponse(body.model_dump())
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    settings = state.settings
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.is_ready:
+            return Response(status_code=HTTPStatus.OK)
+        why = "draining" if state.draining else "loading the model"
+        return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {why}")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body = state.metrics.render() if state.metrics else b""
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[
+            ModelCard(id=name, root=settings.model_root, max_model_len=state.max_model_len)
+            for name in settings.served_model_names
+        ])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        engine = state.admit(body.model)
+        try:
+            generation = CompletionServer(engine, body, settings.model_name)
+        except ValueError as e:
+            raise bad_request(e) from e
+        return await _answer(request, generation, body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        engine = state.admit(body.model)
+        try:
+            generation = ChatServer(engine, body, settings.model_name)
+        except ValueError as e:
+            raise bad_request(e) from e
+        return await _answer(request, generation, body.stream)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        engine = state.engine_for(body.model)
+        if body.messages is not None:
+            token_ids = (await render_chat(engine, body.messages, body.add_generation_prompt))["prompt_token_ids"]
+        else:
+            text, add_special = body.prompt, body.add_special_tokens
+            token_ids = await engine.call(lambda e: e.tokenizer.encode(text, add_special_tokens=add_special))
+        return TokenizeResponse(count=len(token_ids), max_model_len=state.max_model_len, tokens=token_ids)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        engine = state.engine_for(body.model)
+
+        def decode(e: Any) -> str:
+            bad = [t for t in body.tokens if not 0 <= t < e.input_processor.vocab_size]
+            if bad:
+                raise ValueError(f"tokens: {bad[0]} is not a token id of this model "
+                                 f"(vocabulary size {e.input_processor.vocab_size})")
+            return e.tokenizer.decode(body.tokens)
+
+        try:
+            return DetokenizeResponse(prompt=await engine.call(decode))
+        except ValueError as e:
+            raise bad_request(e, param="tokens") from e
+
+
+class RequestGuard:
+    """ASGI middleware: 413 for a body over ``max_body_bytes`` (read in full before the app sees it), 401 for
+    a missing or wrong bearer token on the protected routes when an API key is set."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.settings = state.settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            self._check_api_key(scope)
+            body = await self._read_body(scope, receive)
+        except APIError as e:
+            await error_response(e.status, e.message, e.param, e.headers)(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    def _check_api_key(self, scope: Scope) -> None:
+        key = self.settings.api_key
+        if key is None or not scope["path"].startswith(PROTECTED_PREFIXES):
+            return
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'")
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.settings.max_body_bytes
+        too_large = APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the request body is over the limit of {limit} bytes")
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                raise too_large
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands the app the buffered body once, then waits on the real one (for the disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+

@@ -1,0 +1,85 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every invalid request is a 400 (FastAPI's 422 validation errors included); nothing about bad input is a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvserve.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to answer with: raised anywhere in a handler, turned into an OpenAI-shaped JSON response."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = headers
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(
+        error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "server_error"), param=param, code=status)
+    )
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def bad_request(error: ValueError, param: str | None = None) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, str(error), param=param)
+
+
+def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """FastAPI's first validation error as one line, with the field it is about."""
+    first = error.errors()[0] if error.errors() else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
+    return (f"{param}: {message}" if param else message), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer APIError, validation errors, HTTP errors (404 route, 405 method) and crashes in OpenAI's shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return error_response(error.status, error.message, error.param, error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error)
+        return error_response(HTTPStatus.BAD_REQUEST, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail), headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request")
+        return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(error).__name__}")

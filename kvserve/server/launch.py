@@ -1,0 +1,216 @@
+"""``kvserve serve``: flags -> EngineConfig, then uvicorn with a model that loads behind a 503 /health and a
+SIGTERM that drains.
+
+Life of the process::
+
+    bind socket -> uvicorn starts (health 503) -> engine loads in a thread -> startup line, health 200
+    SIGTERM -> health 503, new requests 503 -> in-flight requests finish (up to --shutdown-timeout)
+            -> the rest are aborted -> uvicorn closes connections -> engine thread joined -> exit 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from types import FrameType
+from typing import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI
+
+from kvserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.server.app import build_app
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
+
+logger = logging.getLogger("kvserve.server")
+
+DRAIN_POLL_SECONDS = 0.05
+CONNECTION_CLOSE_SECONDS = 5.0  # after the drain: how long uvicorn waits for responses still being written
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``kvserve serve``; MODEL defaults to the packaged default model."""
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help=f"a packaged model name, a Hugging Face directory or a GGUF file (default {DEFAULT_MODEL})")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the name(s) clients use in 'model' (default: MODEL as given)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
+    parser.add_argument("--max-waiting", type=int, default=None,
+                        help="answer 503 (Retry-After) while more requests than this wait (default: no limit)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
+    parser.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=CacheConfig.enable_prefix_caching)
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies are answered 413")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from the flags; raises ValueError for a bad value before anything loads."""
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        device=args.device,
+    )
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        served_model_names=tuple(args.served_model_name or [args.model]),
+        model_root=args.model,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM / SIGINT; 0 after a clean drain, 1 if the model failed to load."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = engine_config(args)
+    state = ServerState(server_settings(args))
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}"
+    print(f"kvserve: loading {args.model}; listening on {url} (/health answers 503 until it is loaded)", flush=True)
+    server = DrainingServer(state, uvicorn.Config(
+        build_app(state, _lifespan(state, config, url)), log_level=args.log_level,
+        timeout_graceful_shutdown=CONNECTION_CLOSE_SECONDS,
+    ))
+    server.run(sockets=[sock])
+    if state.load_error is not None:
+        print(f"kvserve: error: could not load {args.model}: {state.load_error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def _lifespan(state: ServerState, config: EngineConfig, url: str):
+    """Load the engine in a thread (so /health can answer 503 meanwhile); shut it down when uvicorn stops."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = threading.Thread(target=_load, args=(state, config, url), name="kvserve-loader", daemon=True)
+        loader.start()
+        try:
+            yield
+        finally:
+            if state.engine is not None:
+                await asyncio.to_thread(state.engine.shutdown)
+
+    return lifespan
+
+
+def _load(state: ServerState, config: EngineConfig, url: str) -> None:
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.server.metrics import ServerMetrics
+
+    try:
+        started = time.monotonic()
+        engine = LLMEngine(config)
+        stats = engine.stats()
+        state.metrics = ServerMetrics(state.settings.model_name, stats, engine.max_model_len)
+        state.max_model_len = engine.max_model_len
+        async_engine = AsyncEngine(engine, observer=state.metrics)
+        async_engine.start()
+        state.engine = async_engine
+    except Exception as e:  # reported by serve(), which exits 1
+        logger.exception("loading the model failed")
+        state.load_error = e  # DrainingServer.on_tick sees it and stops
+        return
+    names = ", ".join(state.settings.served_model_names)
+    print(
+        f"kvserve: serving {state.settings.model_root} as {names!r} at {url}/v1 on {engine.device} "
+        f"({str(engine.dtype).removeprefix('torch.')}): {stats['num_blocks_total']} KV blocks of "
+        f"{stats['block_size']} tokens, max_model_len {engine.max_model_len} "
+        f"(loaded in {time.monotonic() - started:.1f} s)",
+        flush=True,
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM / SIGINT drains instead of stopping, and the process exits 0.
+
+    Draining: health turns 503 and new requests get 503, in-flight requests may finish for
+    ``shutdown_timeout`` seconds, the rest are aborted, then uvicorn's own shutdown runs. A second signal
+    stops at once.
+    """
+
+    def __init__(self, state: ServerState, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    async def on_tick(self, counter: int) -> bool:
+        return self.state.load_error is not None or await super().on_tick(counter)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise the signal at exit, and we exit 0.
+        if self.state.draining or self.state.engine is None or self._loop is None:
+            self.force_exit = self.state.draining and sig == signal.SIGINT
+            self.should_exit = True
+            return
+        logger.info("received %s: draining for up to %.0f s", signal.Signals(sig).name,
+                    self.state.settings.shutdown_timeout)
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        engine = self.state.engine
+        assert engine is not None
+        deadline = time.monotonic() + self.state.settings.shutdown_timeout
+        while engine.num_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        if engine.num_unfinished():
+            logger.warning("aborting %d requests still running after the grace period", engine.num_unfinished())
+            engine.abort_all()
+            while engine.num_unfinished() and engine.is_running:
+                await asyncio.sleep(DRAIN_POLL_SECONDS)
+        self.should_exit = True

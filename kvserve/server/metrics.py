@@ -1,0 +1,173 @@
+"""Prometheus metrics under vLLM's names, ``vllm:`` replaced by ``kvserve:``, so dashboards need only a prefix.
+
+``ServerMetrics`` is the AsyncEngine's ``StepObserver``: it is called on the engine thread after each step
+(or batch of commands) and owns the per-request timing it needs. Each instance has its own registry.
+
+Times are seen from the frontend: TTFT runs from arrival to the end of the step that made the first token,
+queue time from arrival to the start of that step (exact without chunked prefill; a prompt prefilled over
+several steps counts its earlier chunks as queueing).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvserve.outputs import FinishReason, RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                          10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def _token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len, as vLLM builds them."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+@dataclass
+class _RequestTimes:
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generation_tokens: int = 0
+
+
+class ServerMetrics:
+    """The server's metrics; ``on_request_added`` / ``on_step`` are called only from the engine thread."""
+
+    def __init__(self, model_name: str, stats: dict[str, Any], max_model_len: int) -> None:
+        self.registry = CollectorRegistry()
+        self._labels = {"model_name": model_name}
+        self._requests: dict[str, _RequestTimes] = {}
+        self._num_preemptions_seen = stats.get("num_preemptions", 0)
+        self._make_gauges(stats)
+        self._make_counters()
+        self._make_histograms(max_model_len)
+
+    # Each metric is labelled with model_name, like vLLM's; these return the child for this model, so that
+    # every metric is exported (at zero) from the start.
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(f"kvserve:{name}", doc, ["model_name"], registry=self.registry).labels(**self._labels)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(f"kvserve:{name}", doc, ["model_name"], registry=self.registry).labels(**self._labels)
+
+    def _histogram(self, name: str, doc: str, buckets: Any) -> Histogram:
+        metric = Histogram(f"kvserve:{name}", doc, ["model_name"], buckets=buckets, registry=self.registry)
+        return metric.labels(**self._labels)
+
+    def _make_gauges(self, stats: dict[str, Any]) -> None:
+        self.num_requests_running = self._gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).")
+        info = Gauge("kvserve:cache_config_info", "The KV cache configuration.",
+                     ["model_name", "block_size", "num_gpu_blocks"], registry=self.registry)
+        info.labels(
+            block_size=str(stats["block_size"]), num_gpu_blocks=str(stats["num_blocks_total"]), **self._labels
+        ).set(1)
+
+    def _make_counters(self) -> None:
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = self._counter("num_preemptions", "Requests preempted by the scheduler.")
+        self.request_success = Counter("kvserve:request_success", "Finished requests, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FinishReason:
+            self.request_success.labels(finished_reason=reason.value, **self._labels)
+
+    def _make_histograms(self, max_model_len: int) -> None:
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = self._histogram(
+            "inter_token_latency_seconds", "Time between two steps that gave a request tokens.", _TOKEN_LATENCY_BUCKETS
+        )
+        self.tpot = self._histogram(
+            "time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+            _TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Arrival to finish.", _REQUEST_BUCKETS)
+        self.queue_time = self._histogram("request_queue_time_seconds", "Time spent waiting.", _REQUEST_BUCKETS)
+        token_buckets = _token_buckets(max_model_len)
+        self.request_prompt_tokens = self._histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                                     token_buckets)
+        self.request_generation_tokens = self._histogram(
+            "request_generation_tokens", "Generated tokens per request (all samples).", token_buckets
+        )
+
+    # ---- StepObserver ----
+
+    def on_request_added(self, request_id: str, arrival_time: float) -> None:
+        self._requests[request_id] = _RequestTimes(arrival_time)
+
+    def on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], step_start: float) -> None:
+        now = time.monotonic()
+        self._set_gauges(stats)
+        for out in outputs:
+            times = self._requests.get(out.request_id)
+            if times is not None:
+                self._observe_request(out, times, step_start, now)
+
+    def _set_gauges(self, stats: dict[str, Any]) -> None:
+        self.num_requests_running.set(stats["num_running"])
+        self.num_requests_waiting.set(stats["num_waiting"])
+        total = stats["num_blocks_total"]
+        self.kv_cache_usage.set(stats["num_blocks_used"] / total if total else 0.0)
+        num_new = stats["num_preemptions"] - self._num_preemptions_seen
+        if num_new > 0:
+            self.num_preemptions.inc(num_new)
+        self._num_preemptions_seen = stats["num_preemptions"]
+
+    def _observe_request(self, out: RequestOutput, times: _RequestTimes, step_start: float, now: float) -> None:
+        num_tokens = sum(len(sample.token_ids) for sample in out.outputs)
+        num_new = num_tokens - times.num_generation_tokens
+        if num_new > 0:
+            if times.first_token is None:
+                self._observe_first_token(out, times, step_start, now)
+            else:
+                self.itl.observe(now - times.last_token)
+            self.generation_tokens.inc(num_new)
+            times.num_generation_tokens = num_tokens
+            times.last_token = now
+        if out.finished:
+            self._observe_finished(out, times, now)
+            del self._requests[out.request_id]
+
+    def _observe_first_token(self, out: RequestOutput, times: _RequestTimes, step_start: float, now: float) -> None:
+        times.first_token = now
+        num_prompt_tokens = len(out.prompt_token_ids)
+        self.ttft.observe(now - times.arrival)
+        self.queue_time.observe(max(0.0, step_start - times.arrival))
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prefix_cache_queries.inc(num_prompt_tokens)
+        self.prefix_cache_hits.inc(out.num_cached_tokens)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+
+    def _observe_finished(self, out: RequestOutput, times: _RequestTimes, now: float) -> None:
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.request_success.labels(finished_reason=str(reason or "abort"), **self._labels).inc()
+        self.e2e.observe(now - times.arrival)
+        self.request_generation_tokens.observe(times.num_generation_tokens)
+        if times.first_token is not None and times.num_generation_tokens > 1:
+            per_token = (times.last_token - times.first_token) / (times.num_generation_tokens - 1)
+            self.tpot.observe(per_token)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""ServerState: what the HTTP handlers share: the engine once loaded, the served names, limits, draining."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+from kvserve.server.errors import APIError
+
+if TYPE_CHECKING:
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.server.metrics import ServerMetrics
+
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The serving knobs that are not engine configuration."""
+
+    served_model_names: tuple[str, ...]
+    model_root: str  # what was loaded: a path or a packaged model's name
+    api_key: str | None = None
+    max_waiting: int | None = None  # None: no limit on the waiting queue
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("at least one served model name is needed")
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+    @property
+    def model_name(self) -> str:
+        """The name answers carry in their ``model`` field."""
+        return self.served_model_names[0]
+
+
+@dataclass
+class ServerState:
+    """Mutable server state: ``engine`` is None while the model loads; ``draining`` once SIGTERM arrived."""
+
+    settings: ServerSettings
+    engine: AsyncEngine | None = None
+    metrics: ServerMetrics | None = None
+    max_model_len: int = 0
+    draining: bool = False
+    load_error: BaseException | None = field(default=None, repr=False)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.engine.is_running and not self.draining
+
+    def engine_for(self, model: str | None) -> AsyncEngine:
+        """The engine to run a request for ``model`` on, or the APIError that says why there is none."""
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(HTTPStatus.NOT_FOUND, f"the model {model!r} does not exist; this server serves "
+                                                 f"{', '.join(self.settings.served_model_names)}", param="model")
+        if self.draining:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        if self.engine is None or not self.engine.is_running:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the model is not loaded yet",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return self.engine
+
+    def admit(self, model: str | None) -> AsyncEngine:
+        """``engine_for`` plus the waiting-queue limit: 503 with Retry-After while more than ``max_waiting``
+        requests wait (``max_waiting=0`` admits a request only when none is waiting)."""
+        engine = self.engine_for(model)
+        max_waiting = self.settings.max_waiting
+        if max_waiting is not None and (num_waiting := engine.num_waiting()) > max_waiting:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE,
+                           f"the server is overloaded: {num_waiting} requests are waiting (over --max-waiting "
+                           f"{max_waiting}); retry later",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return engine

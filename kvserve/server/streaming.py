@@ -1,0 +1,161 @@
+"""What completions and chat share: running a batch of prompts, deltas of cumulative outputs, SSE framing,
+logprob token text, and aborting on a client disconnect."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Sequence, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from kvserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.input_processor import PromptInput
+
+T = TypeVar("T")
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(body: BaseModel, exclude: set[str] | None = None) -> str:
+    return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
+
+
+@dataclass
+class SampleDelta:
+    """What one sample produced since its last emission."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    text_offset: int  # characters of this sample sent before ``text``
+    is_first: bool  # nothing of this sample was sent before
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.text and not self.token_ids and self.finish_reason is None
+
+
+@dataclass
+class SampleCursor:
+    """How much of one sample's cumulative output has been sent (text in characters, tokens in ids)."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    finished: bool = False
+
+    def advance(self, sample: CompletionOutput) -> SampleDelta | None:
+        """The delta since the last call, or None if there is nothing new (or the sample already finished)."""
+        if self.finished:
+            return None
+        # Text only grows, except that a stop string found at the end is cut off: nothing more is sent then.
+        text = sample.text[self.num_chars:]
+        token_ids = sample.token_ids[self.num_tokens:]
+        logprobs = sample.logprobs[self.num_tokens:] if sample.logprobs is not None else None
+        finish = str(sample.finish_reason) if sample.finish_reason is not None else None
+        is_first = self.num_chars == 0 and self.num_tokens == 0
+        delta = SampleDelta(text, list(token_ids), logprobs, finish, sample.stop_reason, self.num_chars, is_first)
+        self.num_chars = max(self.num_chars, len(sample.text))
+        self.num_tokens = len(sample.token_ids)
+        self.finished = finish is not None
+        return None if delta.is_empty else delta
+
+
+@dataclass
+class BatchCursor:
+    """Cursors for every choice of a batch of requests: choice ``i * n + j`` is sample j of prompt i."""
+
+    n: int
+    cursors: dict[int, SampleCursor] = field(default_factory=dict)
+
+    def advance(self, outputs: Sequence[RequestOutput]) -> list[tuple[int, SampleDelta]]:
+        deltas = []
+        for i, out in enumerate(outputs):
+            for sample in out.outputs:
+                index = i * self.n + sample.index
+                delta = self.cursors.setdefault(index, SampleCursor()).advance(sample)
+                if delta is not None:
+                    deltas.append((index, delta))
+        return deltas
+
+
+def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int]:
+    """(prompt tokens, completion tokens over every sample) of a batch of requests."""
+    num_prompt = sum(len(out.prompt_token_ids) for out in outputs)
+    num_completion = sum(len(s.token_ids) for out in outputs for s in out.outputs)
+    return num_prompt, num_completion
+
+
+async def start_generation(
+    engine: AsyncEngine, prompts: Sequence[PromptInput], params: SamplingParams, request_id: str
+) -> AsyncIterator[list[RequestOutput]]:
+    """Queue the batch and wait until it is accepted, so bad input is a 400 before any byte is streamed."""
+    request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    stream = engine.generate_many(prompts, params, request_ids)
+    try:
+        first = await anext(stream)
+    except ValueError as e:
+        raise bad_request(e) from e
+    except StopAsyncIteration:
+        raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output") from None
+    return _prepend(first, stream)
+
+
+async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()  # aborts whatever is unfinished
+
+
+async def last_item(stream: AsyncIterator[T]) -> T:
+    last = None
+    async for last in stream:
+        pass
+    assert last is not None
+    return last
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client goes away first, cancel it (aborting its requests) and raise APIError 499."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise APIError(499, "the client disconnected")
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """The body is already read, so the next ASGI message is the disconnect (uvicorn blocks until then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
+    """A logprob entry's token as text: the detokenizer's piece if it gave one, else the token decoded alone."""
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens at a position, most likely first."""
+    ranked = sorted(position.items(), key=lambda item: item[1].rank)
+    return [(token_id, lp) for token_id, lp in ranked if lp.rank <= k][:k]

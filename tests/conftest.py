@@ -1,0 +1,27 @@
+"""Shared fixtures: seeded tiny checkpoints of every family, and their Hugging Face reference models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.model.checkpoint import ARCHITECTURES, make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny seeded checkpoint per supported family, made once per test session."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {arch: make_checkpoint(root / arch, arch, "tiny", seed=0) for arch in ARCHITECTURES}
+
+
+def hf_greedy(hf_model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation (fp32, CPU): the reference every engine output is held to."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False,
+        )
+    return out[0, len(prompt_ids):].tolist()

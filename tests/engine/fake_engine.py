@@ -1,0 +1,103 @@
+"""A model-free stand-in for LLMEngine with the same driving API, for AsyncEngine tests.
+
+Tokens are bytes (vocabulary 256); each step gives every running request (at most ``max_num_seqs``) its next
+token, ``(last + 1) % 256``, until ``max_tokens``. One "KV block" is held per unfinished request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from kvserve.outputs import CompletionOutput, FinishReason, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class ByteTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+
+@dataclass
+class _FakeRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    max_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    def output(self, finish: FinishReason | None) -> RequestOutput:
+        sample = CompletionOutput(0, bytes(self.output_token_ids).decode("utf-8", "replace"),
+                                  list(self.output_token_ids), finish)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [sample], finished=finish is not None)
+
+
+class FakeEngine:
+    NUM_BLOCKS = 64
+
+    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_seconds: float = 0.0) -> None:
+        self.step_seconds = step_seconds
+        self.tokenizer = ByteTokenizer()
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.requests: dict[str, _FakeRequest] = {}
+        self.num_steps = 0
+        self.step_error: BaseException | None = None
+        self.threads_seen: set[str] = set()
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        self._note_thread()
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id}")
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt["prompt_token_ids"])
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ValueError("prompt + max_tokens is over max_model_len")
+        self.requests[request_id] = _FakeRequest(request_id, text, token_ids, max_tokens)
+
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        self._note_thread()
+        aborted = [self.requests.pop(rid) for rid in list(request_ids) if rid in self.requests]
+        return [r.output(FinishReason.ABORT) for r in aborted]
+
+    def step(self) -> list[RequestOutput]:
+        self._note_thread()
+        self.num_steps += 1
+        time.sleep(self.step_seconds)
+        if self.step_error is not None:
+            raise self.step_error
+        outputs = []
+        for request in list(self.requests.values())[: self.max_num_seqs]:
+            last = (request.output_token_ids or request.prompt_token_ids)[-1]
+            request.output_token_ids.append((last + 1) % 256)
+            finish = FinishReason.LENGTH if len(request.output_token_ids) >= request.max_tokens else None
+            if finish:
+                del self.requests[request.request_id]
+            outputs.append(request.output(finish))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, Any]:
+        num_running = min(len(self.requests), self.max_num_seqs)
+        return {
+            "block_size": 16,
+            "num_blocks_total": self.NUM_BLOCKS,
+            "num_blocks_used": len(self.requests),
+            "num_blocks_free": self.NUM_BLOCKS - len(self.requests),
+            "num_running": num_running,
+            "num_waiting": len(self.requests) - num_running,
+            "num_preemptions": 0,
+        }
+
+    def _note_thread(self) -> None:
+        self.threads_seen.add(threading.current_thread().name)

@@ -1,0 +1,162 @@
+"""AsyncEngine over a model-free fake engine: streaming, batching, errors, aborts, idling, failure."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kvserve.outputs import FinishReason, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from tests.engine.fake_engine import FakeEngine
+
+
+class RecordingObserver:
+    def __init__(self) -> None:
+        self.added: list[str] = []
+        self.finished: list[str] = []
+
+    def on_request_added(self, request_id: str, arrival_time: float) -> None:
+        self.added.append(request_id)
+
+    def on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], step_start: float) -> None:
+        self.finished += [o.request_id for o in outputs if o.finished]
+
+
+def run_with_engine(test, **engine_kwargs: Any) -> tuple[FakeEngine, AsyncEngine]:
+    fake = FakeEngine(**engine_kwargs)
+    engine = AsyncEngine(fake, observer=RecordingObserver())
+    engine.start()
+    try:
+        asyncio.run(asyncio.wait_for(test(engine), timeout=10))
+    finally:
+        engine.shutdown()
+    return fake, engine
+
+
+async def collect(engine: AsyncEngine, prompt: str, max_tokens: int) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, SamplingParams(max_tokens=max_tokens))]
+
+
+def test_generate_streams_cumulative_outputs_to_the_finished_one() -> None:
+    async def test(engine: AsyncEngine) -> None:
+        outputs = await collect(engine, "a", 5)
+        final = outputs[-1]
+        assert final.finished and final.outputs[0].finish_reason is FinishReason.LENGTH
+        assert final.outputs[0].token_ids == [98, 99, 100, 101, 102]
+        assert final.outputs[0].text == "bcdef"
+        lengths = [len(o.outputs[0].token_ids) for o in outputs]
+        assert lengths == sorted(lengths) and not any(o.finished for o in outputs[:-1])
+
+    fake, engine = run_with_engine(test)
+    assert fake.threads_seen == {"kvserve-engine"}  # the engine is only ever touched by its own thread
+    assert engine.observer.added == engine.observer.finished and len(engine.observer.added) == 1
+
+
+def test_bad_input_raises_value_error_and_queues_nothing() -> None:
+    async def test(engine: AsyncEngine) -> None:
+        with pytest.raises(ValueError, match="max_model_len"):
+            await collect(engine, "x" * 60, 10)
+        # a batch is all or nothing: the good first prompt is not left running
+        with pytest.raises(ValueError, match="empty"):
+            async for _ in engine.generate_many(["fine", ""], SamplingParams(max_tokens=3)):
+                pass
+        assert engine.num_unfinished() == 0
+        assert (await collect(engine, "b", 2))[-1].finished
+
+    fake, _ = run_with_engine(test)
+    assert not fake.requests
+
+
+def test_many_concurrent_requests_all_finish_with_their_token_count() -> None:
+    async def test(engine: AsyncEngine) -> None:
+        results = await asyncio.gather(*(collect(engine, chr(65 + i % 26), 3 + i % 7) for i in range(40)))
+        for i, outputs in enumerate(results):
+            assert len(outputs[-1].outputs[0].token_ids) == 3 + i % 7
+
+    run_with_engine(test, max_num_seqs=8)
+
+
+def test_generate_many_yields_every_request_of_the_batch() -> None:
+    async def test(engine: AsyncEngine) -> None:
+        last = None
+        async for last in engine.generate_many(["a", "b", "c"], SamplingParams(max_tokens=4), ["x", "y", "z"]):
+            assert [o.request_id for o in last] == ["x", "y", "z"]
+        assert all(o.finished and len(o.outputs[0].token_ids) == 4 for o in last)
+
+    run_with_engine(test)
+
+
+def test_a_consumer_that_stops_early_aborts_its_request() -> None:
+    async def test(engine: AsyncEngine) -> None:
+        stream = engine.generate("a", SamplingParams(max_tokens=50))
+        await anext(stream)
+        await stream.aclose()
+        task = asyncio.create_task(collect(engine, "b", 50))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await engine.call(lambda e: None)  # the aborts are queued before this command, so they have run
+        assert engine.num_unfinished() == 0
+        assert engine.stats()["num_blocks_used"] == 0
+
+    fake, _ = run_with_engine(test, step_seconds=0.002)
+    assert not fake.requests
+
+
+def test_the_loop_sleeps_when_idle() -> None:
+    async def test(engine: AsyncEngine) -> None:
+        await collect(engine, "a", 2)
+        steps = engine.engine.num_steps
+        await asyncio.sleep(0.2)
+        assert engine.engine.num_steps == steps
+
+    run_with_engine(test)
+
+
+def test_call_runs_on_the_engine_thread_and_passes_exceptions_back() -> None:
+    async def test(engine: AsyncEngine) -> None:
+        import threading
+
+        assert await engine.call(lambda e: threading.current_thread().name) == "kvserve-engine"
+        with pytest.raises(KeyError):
+            await engine.call(lambda e: {}["missing"])
+
+    run_with_engine(test)
+
+
+def test_a_failing_step_fails_every_request_instead_of_hanging() -> None:
+    async def test(engine: AsyncEngine) -> None:
+        engine.engine.step_error = RuntimeError("device lost")
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await collect(engine, "a", 5)
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "b", 5)
+
+    run_with_engine(test)
+
+
+def test_shutdown_aborts_requests_in_flight_and_refuses_new_ones() -> None:
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    engine.start()
+    fake.max_num_seqs = 0  # nothing makes progress: the request can only end by the shutdown
+
+    async def test() -> None:
+        task = asyncio.create_task(collect(engine, "a", 5))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await asyncio.to_thread(engine.shutdown)
+        outputs = await task
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason is FinishReason.ABORT
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "b", 5)
+        assert time.monotonic() - started < 2
+
+    asyncio.run(asyncio.wait_for(test(), timeout=10))
+    assert not fake.requests

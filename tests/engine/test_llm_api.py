@@ -1,0 +1,139 @@
+"""The offline API: input forms, output order, chat, stats, seeds, stops, and every bad argument."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.outputs import FinishReason
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints) -> LLM:
+    return LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=128)
+
+
+def test_outputs_come_back_in_input_order_with_per_prompt_params(llm: LLM) -> None:
+    prompts = ["hello there", {"prompt_token_ids": [5, 6, 7]}, "a longer prompt about the weather today"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 7, 5)]
+    outs = llm.generate(prompts, params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7, 5]
+    assert outs[0].prompt == "hello there" and outs[1].prompt_token_ids == [5, 6, 7]
+    assert all(o.finished and o.outputs[0].finish_reason is FinishReason.LENGTH for o in outs)
+    tokenizer = llm.get_tokenizer()
+    assert outs[0].prompt_token_ids == tokenizer.encode("hello there")
+
+
+def test_text_is_the_detokenized_tokens(llm: LLM) -> None:
+    out = llm.generate("the cat", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_chat_uses_the_chat_template(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    template_ids = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(template_ids, dict):
+        template_ids = template_ids["input_ids"]
+    assert out.prompt_token_ids == list(template_ids)
+    two = llm.chat([messages, messages], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in two] == [out.outputs[0].token_ids] * 2
+
+
+def test_stats_report_the_kv_cache(llm: LLM) -> None:
+    stats = llm.stats()
+    for key in ("block_size", "num_blocks_total", "num_blocks_used", "num_blocks_free", "kv_cache_dtype"):
+        assert key in stats
+    assert stats["num_blocks_total"] == 128 and stats["kv_cache_dtype"] == "float32"
+    assert stats["num_blocks_used"] + stats["num_blocks_free"] == stats["num_blocks_total"]
+
+
+def test_same_seed_same_text_whatever_the_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["tell me"], seeded)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=9, ignore_eos=True)
+    batch = llm.generate(["x y z", "tell me", "one two three four"], [others, seeded, others])
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
+    free = llm.generate("the cat", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    out = llm.generate("the cat", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))
+    completion = out[0].outputs[0]
+    assert completion.finish_reason is FinishReason.STOP and completion.stop_reason == stop
+    assert completion.text == free.text[: free.text.index(stop)]
+    assert llm.stats()["num_blocks_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", SamplingParams(), "empty"),
+        ({"prompt_token_ids": []}, SamplingParams(), "prompt_token_ids"),
+        ({"prompt_token_ids": [1, 10**9]}, SamplingParams(), "not a token id"),
+        ({"prompt_token_ids": [1, -1]}, SamplingParams(), "not a token id"),
+        (12, SamplingParams(), "must be a string"),
+        ("hi", SamplingParams(max_tokens=10**6), "max_model_len"),
+        ("hi", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
+        ("hi", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
+    ],
+)
+def test_bad_input_is_refused_and_leaves_nothing_queued(llm: LLM, prompt, params, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["fine", prompt], params)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.stats()["num_blocks_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n must"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -5}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"logprobs": 100}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_wrong_number_of_sampling_params(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()])
+
+
+def test_request_larger_than_the_kv_cache_is_refused_at_once(tiny_checkpoints) -> None:
+    small = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match="KV"):
+        small.generate({"prompt_token_ids": list(range(3, 20))}, SamplingParams(max_tokens=4))
+    assert small.stats()["num_blocks_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"block_size": 3}, "block_size"),
+        ({"num_kv_blocks": 0}, "num_kv_blocks"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+        ({"max_model_len": 10**9}, "max_model_len"),
+    ],
+)
+def test_bad_engine_arguments_name_the_problem(tiny_checkpoints, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_checkpoints["llama"]), **kwargs)

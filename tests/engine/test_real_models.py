@@ -1,0 +1,49 @@
+"""The real packaged models, loaded from their GGUFs, against transformers loading the same GGUF (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvserve import LLM, SamplingParams
+from kvserve.model.sources import resolve_model
+from tests.conftest import hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+]
+
+
+def _hf_from_gguf(name: str) -> torch.nn.Module:
+    path = resolve_model(name).path
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def _check_greedy_equality(name: str, max_new: int) -> LLM:
+    llm = LLM(name, dtype="float32", max_model_len=1024)
+    hf = _hf_from_gguf(name)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    expected = [hf_greedy(hf, ids, max_new) for ids in prompt_ids]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(temperature=0, max_tokens=max_new))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    chunked = LLM(name, dtype="float32", max_model_len=1024, max_num_batched_tokens=8, num_kv_blocks=64)
+    outs = chunked.generate([{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(temperature=0, max_tokens=max_new))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert chunked.stats()["num_blocks_used"] == 0
+    return llm
+
+
+def test_smollm2_matches_transformers_and_knows_paris() -> None:
+    llm = _check_greedy_equality("smollm2-135m-instruct", 24)
+    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in answer[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_gemma3_matches_transformers() -> None:
+    _check_greedy_equality("gemma-3-270m", 24)

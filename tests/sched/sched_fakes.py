@@ -1,0 +1,136 @@
+"""A model-free runner for scheduler tests (as vLLM's scheduler tests feed a fake model output).
+
+``FakeRunner`` keeps a fake paged KV cache that stores token ids instead of vectors. Every step it applies
+the planned block copies, checks that each row's block table holds the request's exact history (what
+attention would read), writes the row's tokens, and samples a deterministic token per (request, output index).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+from kvserve.config import SchedulerConfig
+from kvserve.kv.manager import KVCacheManager
+from kvserve.request import Request, sample_request_id
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import EngineOutput, ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from kvserve.sched.scheduler import Scheduler
+
+EOS = 2
+FIRST_ORDINARY_TOKEN = 10  # ids below this are reserved for EOS / stop-token tests
+
+
+def default_token(request_id: str, output_index: int) -> int:
+    """A token that depends only on the sample and its output index, never on batching or preemption."""
+    return FIRST_ORDINARY_TOKEN + zlib.crc32(f"{request_id}:{output_index}".encode()) % 1000
+
+
+TokenFn = Callable[[str, int], int]
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int, token_fn: TokenFn = default_token) -> None:
+        self.block_size = block_size
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.token_fn = token_fn
+        self.num_copies = 0
+
+    def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
+        for src, dst in sched_out.kv_transfers.copies:
+            self.kv[dst] = list(self.kv[src])
+            self.num_copies += 1
+        out = ModelOutput({}, {}, {}, {}, {})
+        for row in sched_out.requests:
+            self._check_history_and_write(row)
+            if row.prompt_logprobs:
+                out.prompt_logprobs[row.request_id] = _prompt_logprobs(row)
+            if row.sample:
+                self._sample(row, out)
+        return out
+
+    def _check_history_and_write(self, row: ScheduledRequest) -> None:
+        history = list(row.prompt_token_ids) + list(row.output_token_ids)
+        assert row.token_ids == history[row.start_pos : row.start_pos + row.num_tokens], row.request_id
+        assert len(row.block_ids) * self.block_size >= row.start_pos + row.num_tokens, "block table too short"
+        for pos in range(row.start_pos):
+            assert self._slot(row, pos) == history[pos], f"{row.request_id}: stale KV at position {pos}"
+        for i, token_id in enumerate(row.token_ids):
+            block, offset = divmod(row.start_pos + i, self.block_size)
+            self.kv[row.block_ids[block]][offset] = token_id
+
+    def _slot(self, row: ScheduledRequest, pos: int) -> int | None:
+        block, offset = divmod(pos, self.block_size)
+        return self.kv[row.block_ids[block]][offset]
+
+    def _sample(self, row: ScheduledRequest, out: ModelOutput) -> None:
+        output_index = row.start_pos + row.num_tokens - len(row.prompt_token_ids)
+        wants_logprobs = row.sampling_params.logprobs is not None
+        for index in range(row.num_samples):
+            sample_id = sample_request_id(row.request_id, index) if row.num_samples > 1 else row.request_id
+            token_id = self.token_fn(sample_id, output_index)
+            is_fork = index > 0
+            (out.fork_token_ids if is_fork else out.sampled_token_ids).setdefault(row.request_id, []).append(token_id)
+            if wants_logprobs:
+                target = out.fork_logprobs if is_fork else out.logprobs
+                target.setdefault(row.request_id, []).append(TokenLogprobs([token_id], [-1.0 - index], [1]))
+
+
+def _prompt_logprobs(row: ScheduledRequest) -> list[TokenLogprobs]:
+    """Like the real runner: position p of the chunk predicts prompt token p + 1; logprob encodes p + 1."""
+    last = min(row.start_pos + row.num_tokens, len(row.prompt_token_ids) - 1)
+    return [
+        TokenLogprobs([row.prompt_token_ids[p + 1]], [-float(p + 1)], [1]) for p in range(row.start_pos, last)
+    ]
+
+
+def make_scheduler(
+    num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32, max_num_seqs: int = 8,
+    max_model_len: int = 256,
+) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+
+
+def make_request(request_id: str, num_prompt: int, eos: frozenset[int] = frozenset({EOS}), **params) -> Request:
+    params.setdefault("ignore_eos", True)
+    prompt = [FIRST_ORDINARY_TOKEN + (zlib.crc32(f"{request_id}/{i}".encode()) % 500) for i in range(num_prompt)]
+    return Request(request_id, prompt, SamplingParams(**params), eos_token_ids=eos)
+
+
+def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineOutput]]:
+    """One engine step, checking the invariants that must hold for every step."""
+    sched_out = scheduler.schedule()
+    check_step(scheduler, sched_out)
+    outputs = scheduler.update_from_output(sched_out, runner.execute(sched_out))
+    scheduler.kv.check_integrity(scheduler.requests.values())
+    return sched_out, outputs
+
+
+def check_step(scheduler: Scheduler, sched_out: SchedulerOutput) -> None:
+    config = scheduler.config
+    lengths = [r.num_tokens for r in sched_out.requests]
+    assert sched_out.num_tokens == sum(lengths) <= config.max_num_batched_tokens
+    assert len(sched_out.requests) <= config.max_num_seqs
+    assert len({r.request_id for r in sched_out.requests}) == len(sched_out.requests)
+    assert all(n >= 1 for n in lengths)
+    assert lengths == sorted(lengths, key=lambda n: n > 1), f"one-token rows must come first: {lengths}"
+    scheduler.kv.check_integrity(scheduler.requests.values())
+
+
+def run_to_completion(
+    scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000
+) -> dict[str, list[EngineOutput]]:
+    """Step until nothing is left (bounded: a deadlock fails the test); returns outputs by request id."""
+    outputs: dict[str, list[EngineOutput]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return outputs
+        _, step_outputs = step(scheduler, runner)
+        for out in step_outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError(f"not finished after {max_steps} steps: a livelock or deadlock")
+
+
+def tokens_of(outputs: list[EngineOutput]) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]

@@ -1,0 +1,406 @@
+from __future__ import annotations
+
+import pytest
+from tests.sched.sched_fakes import (
+    EOS,
+    FakeRunner,
+    default_token,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    step,
+    tokens_of,
+)
+
+from kvserve.outputs import FinishReason
+from kvserve.request import RequestStatus
+from kvserve.sched.scheduler import Scheduler
+
+
+def runner_for(scheduler: Scheduler, token_fn=default_token) -> FakeRunner:
+    return FakeRunner(scheduler.kv.num_blocks_total, scheduler.kv.block_size, token_fn)
+
+
+def expected_tokens(request_id: str, num_tokens: int) -> list[int]:
+    return [default_token(request_id, k) for k in range(num_tokens)]
+
+
+def assert_all_blocks_free(scheduler: Scheduler) -> None:
+    assert scheduler.kv.num_free_blocks() == scheduler.kv.num_blocks_total
+    assert not scheduler.running and not scheduler.waiting and not scheduler.requests
+
+
+# --------------------------------------------------------------------------------------- budget and order
+
+
+def test_budget_and_max_num_seqs_hold_every_step_and_all_requests_finish() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=16, max_num_seqs=3)
+    lengths = {f"r{i}": (3 + 5 * i, 2 + i) for i in range(7)}
+    for rid, (num_prompt, max_tokens) in lengths.items():
+        scheduler.add_request(make_request(rid, num_prompt, max_tokens=max_tokens))
+    outputs = run_to_completion(scheduler, runner_for(scheduler))  # checks budget and seqs every step
+    assert scheduler.num_preemptions == 0
+    assert scheduler.num_generated_tokens == sum(m for _, m in lengths.values())
+    assert scheduler.num_scheduled_tokens == sum(p + m - 1 for p, m in lengths.values())
+    for rid, (_, max_tokens) in lengths.items():
+        assert tokens_of(outputs[rid]) == expected_tokens(rid, max_tokens)
+        assert outputs[rid][-1].finish_reason is FinishReason.LENGTH
+    assert_all_blocks_free(scheduler)
+
+
+def test_chunked_prefill_with_an_8_token_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("long", 20, max_tokens=3))
+    chunks = []
+    for _ in range(3):
+        sched_out, _ = step(scheduler, runner)
+        chunks.append([(r.start_pos, r.num_tokens, r.sample) for r in sched_out.requests])
+    assert chunks == [[(0, 8, False)], [(8, 8, False)], [(16, 4, True)]]
+    for i, num_prompt in enumerate([5, 9, 13, 17]):
+        scheduler.add_request(make_request(f"r{i}", num_prompt, max_tokens=4 + i))
+    outputs = run_to_completion(scheduler, runner)
+    assert len(tokens_of(outputs["long"])) == 2  # the third came with the last prompt chunk, above
+    for i in range(4):
+        assert tokens_of(outputs[f"r{i}"]) == expected_tokens(f"r{i}", 4 + i)
+    assert_all_blocks_free(scheduler)
+
+
+def test_one_token_rows_come_before_chunks() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("a", 15, max_tokens=2))
+    scheduler.add_request(make_request("b", 5, max_tokens=2))
+    step(scheduler, runner)  # a: 8 tokens
+    sched_out, _ = step(scheduler, runner)  # a: its last 7, b: the 1 left in the budget
+    assert [(r.request_id, r.num_tokens) for r in sched_out.requests] == [("b", 1), ("a", 7)]
+    sched_out, _ = step(scheduler, runner)  # a decodes, b continues its prompt
+    assert [(r.request_id, r.num_tokens) for r in sched_out.requests] == [("a", 1), ("b", 4)]
+
+
+def test_a_running_decode_is_scheduled_before_a_waiting_prompt() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("first", 3, max_tokens=4))
+    step(scheduler, runner)
+    scheduler.add_request(make_request("second", 30, max_tokens=1))
+    sched_out, _ = step(scheduler, runner)
+    assert [(r.request_id, r.num_tokens, r.sample) for r in sched_out.requests] == [
+        ("first", 1, True), ("second", 9, False),
+    ]
+
+
+def test_waiting_requests_beyond_max_num_seqs_wait() -> None:
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        scheduler.add_request(make_request(f"r{i}", 2, max_tokens=3))
+    sched_out, _ = step(scheduler, runner_for(scheduler))
+    assert [r.request_id for r in sched_out.requests] == ["r0", "r1"]
+    assert scheduler.num_running == 2 and scheduler.num_waiting == 1
+
+
+# ------------------------------------------------------------------------------------------- preemption
+
+
+def test_preemption_under_a_tiny_pool_still_finishes_every_request_exactly() -> None:
+    scheduler = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=12)
+    runner = runner_for(scheduler)
+    for i in range(5):
+        scheduler.add_request(make_request(f"r{i}", 4 + 2 * i, max_tokens=10))
+    outputs = run_to_completion(scheduler, runner, max_steps=500)
+    assert scheduler.num_preemptions > 0
+    for i in range(5):  # preempted == uninterrupted: the same tokens, exactly max_tokens of them
+        assert tokens_of(outputs[f"r{i}"]) == expected_tokens(f"r{i}", 10)
+    assert_all_blocks_free(scheduler)
+
+
+def test_the_newest_running_request_is_preempted_to_the_front_of_the_queue() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("old", 4, max_tokens=8))
+    scheduler.add_request(make_request("new", 4, max_tokens=8))
+    scheduler.add_request(make_request("later", 4, max_tokens=1))
+    while scheduler.num_preemptions == 0:
+        sched_out, _ = step(scheduler, runner)
+    new = scheduler.requests["new"]
+    assert [r.request_id for r in sched_out.requests] == ["old"]
+    assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0 and new.block_ids == []
+    assert new.num_preemptions == 1
+    assert [r.request_id for r in scheduler.waiting] == ["new", "later"]
+
+
+def test_a_request_that_is_itself_the_newest_preempts_itself() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("old", 1, max_tokens=11))
+    scheduler.add_request(make_request("new", 4, max_tokens=8))
+    while scheduler.num_preemptions == 0:
+        sched_out, _ = step(scheduler, runner)
+    assert [r.request_id for r in sched_out.requests] == ["old"]
+    new = scheduler.requests["new"]
+    assert new.status is RequestStatus.PREEMPTED
+    tokens_before = list(new.output_token_ids)
+    outputs = run_to_completion(scheduler, runner)
+    assert tokens_before + tokens_of(outputs["new"]) == expected_tokens("new", 8)
+
+
+def test_a_recomputed_request_runs_its_outputs_again_and_samples_the_next_token() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("old", 4, max_tokens=8))
+    scheduler.add_request(make_request("new", 4, max_tokens=8))
+    while scheduler.num_preemptions == 0:
+        step(scheduler, runner)
+    new = scheduler.requests["new"]
+    num_outputs = new.num_output_tokens
+    while new.num_computed_tokens == 0:
+        sched_out, _ = step(scheduler, runner)
+    (row,) = [r for r in sched_out.requests if r.request_id == "new"]
+    assert row.start_pos == 0 and row.token_ids == new.prompt_token_ids + new.output_token_ids[:num_outputs]
+    assert row.sample and new.num_output_tokens == num_outputs + 1
+
+
+# ------------------------------------------------------------------------------------------------ stops
+
+
+def scripted(*tokens: int):
+    return lambda request_id, output_index: tokens[output_index] if output_index < len(tokens) else 99
+
+
+def run_one(num_prompt: int = 3, script=None, max_model_len: int = 256, **params):
+    scheduler = make_scheduler(max_model_len=max_model_len)
+    scheduler.add_request(make_request("r", num_prompt, **params))
+    outputs = run_to_completion(scheduler, runner_for(scheduler, script or default_token))["r"]
+    assert_all_blocks_free(scheduler)
+    return tokens_of(outputs), outputs[-1]
+
+
+def test_eos_stops_and_is_kept_in_the_output() -> None:
+    tokens, last = run_one(script=scripted(11, 12, EOS, 13), ignore_eos=False, max_tokens=10)
+    assert tokens == [11, 12, EOS]
+    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, None)
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    tokens, last = run_one(script=scripted(EOS, EOS, EOS, EOS), ignore_eos=True, max_tokens=4)
+    assert tokens == [EOS] * 4 and last.finish_reason is FinishReason.LENGTH
+
+
+def test_eos_counts_only_after_min_tokens_outputs() -> None:
+    tokens, last = run_one(script=scripted(EOS, EOS, EOS, EOS, EOS), ignore_eos=False, min_tokens=3, max_tokens=10)
+    assert tokens == [EOS] * 4 and last.finish_reason is FinishReason.STOP
+
+
+def test_a_stop_token_id_stops_with_its_id_as_the_reason() -> None:
+    tokens, last = run_one(script=scripted(11, 5, 12), stop_token_ids=[5], max_tokens=10)
+    assert tokens == [11, 5] and (last.finish_reason, last.stop_reason) == (FinishReason.STOP, 5)
+
+
+def test_stop_token_ids_wait_for_min_tokens_too() -> None:
+    tokens, last = run_one(script=scripted(5, 5, 5), stop_token_ids=[5], min_tokens=2, max_tokens=10)
+    assert tokens == [5, 5, 5] and last.stop_reason == 5
+
+
+def test_eos_is_checked_before_stop_token_ids() -> None:
+    tokens, last = run_one(script=scripted(EOS), ignore_eos=False, stop_token_ids=[EOS], max_tokens=10)
+    assert tokens == [EOS] and (last.finish_reason, last.stop_reason) == (FinishReason.STOP, None)
+
+
+def test_max_tokens_stops_with_length() -> None:
+    tokens, last = run_one(max_tokens=3)
+    assert tokens == expected_tokens("r", 3) and (last.finish_reason, last.stop_reason) == (FinishReason.LENGTH, None)
+
+
+def test_without_max_tokens_a_request_stops_at_max_model_len() -> None:
+    tokens, last = run_one(num_prompt=4, max_model_len=10, max_tokens=None)
+    assert len(tokens) == 6 and last.finish_reason is FinishReason.LENGTH
+
+
+def test_sampled_logprobs_travel_with_their_tokens() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", 3, max_tokens=3, logprobs=2))
+    outputs = run_to_completion(scheduler, runner_for(scheduler))["r"]
+    for out in outputs:
+        assert [lp.token_ids[0] for lp in out.logprobs] == out.new_token_ids
+
+
+# ------------------------------------------------------------------------------------------------ forks
+
+
+def test_n_samples_fork_sharing_full_blocks_and_copying_the_partial_one() -> None:
+    scheduler = make_scheduler(block_size=4)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("p", 6, n=3, max_tokens=5, logprobs=0))
+    sched_out, outputs = step(scheduler, runner)
+    (row,) = sched_out.requests
+    assert row.sample and row.num_samples == 3
+    assert [o.request_id for o in outputs] == ["p", "p#1", "p#2"]
+    assert [o.new_token_ids for o in outputs] == [[default_token(rid, 0)] for rid in ("p", "p#1", "p#2")]
+    assert all(len(o.logprobs) == 1 for o in outputs)
+    parent, c1, c2 = (scheduler.requests[rid] for rid in ("p", "p#1", "p#2"))
+    assert (c1.parent_id, c1.sample_index, c2.sample_index) == ("p", 1, 2)
+    assert parent.block_ids[0] == c1.block_ids[0] == c2.block_ids[0]
+    assert scheduler.kv.pool.ref_count(parent.block_ids[0]) == 3
+    assert len({parent.block_ids[1], c1.block_ids[1], c2.block_ids[1]}) == 3
+
+    sched_out, _ = step(scheduler, runner)
+    src = parent.block_ids[1]
+    assert sched_out.kv_transfers.copies == ((src, c1.block_ids[1]), (src, c2.block_ids[1]))
+    assert [(r.request_id, r.num_tokens, r.num_samples) for r in sched_out.requests] == [
+        ("p", 1, 1), ("p#1", 1, 1), ("p#2", 1, 1),
+    ]
+    outputs = run_to_completion(scheduler, runner)
+    for rid in ("p#1", "p#2"):  # the fake KV check proved each sample read its own, correctly copied history
+        assert tokens_of(outputs[rid]) == expected_tokens(rid, 5)[2:]
+    assert runner.num_copies == 2
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_fork_at_a_block_boundary_needs_no_copy() -> None:
+    scheduler = make_scheduler(block_size=4)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("p", 8, n=2, max_tokens=3))
+    step(scheduler, runner)
+    sched_out, _ = step(scheduler, runner)
+    assert not sched_out.kv_transfers
+    run_to_completion(scheduler, runner)
+    assert_all_blocks_free(scheduler)
+
+
+def test_samples_that_finish_on_their_first_token_plan_no_copy() -> None:
+    scheduler = make_scheduler(block_size=4)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("p", 6, n=4, max_tokens=1))
+    _, outputs = step(scheduler, runner)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [
+        (rid, FinishReason.LENGTH) for rid in ("p", "p#1", "p#2", "p#3")
+    ]
+    assert_all_blocks_free(scheduler)
+    sched_out = scheduler.schedule()
+    assert not sched_out.kv_transfers and sched_out.finished_request_ids == {"p", "p#1", "p#2", "p#3"}
+
+
+def test_a_fork_with_no_block_free_for_its_copy_waits_and_recomputes() -> None:
+    scheduler = make_scheduler(num_blocks=2, block_size=4)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("p", 6, n=2, max_tokens=2))
+    step(scheduler, runner)
+    child = scheduler.requests["p#1"]
+    assert child.status is RequestStatus.PREEMPTED and child.block_ids == [] and child.num_output_tokens == 1
+    outputs = run_to_completion(scheduler, runner)
+    assert tokens_of(outputs["p#1"]) == expected_tokens("p#1", 2)[1:]
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_preempted_parent_does_not_fork_again() -> None:
+    scheduler = make_scheduler(num_blocks=5, block_size=4)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("old", 4, max_tokens=12))
+    parent = make_request("p", 4, n=2, max_tokens=6)
+    scheduler.add_request(parent)
+    outputs: dict[str, list[int]] = {}
+    num_fork_rows = 0
+    while scheduler.has_unfinished_requests():
+        sched_out, step_outputs = step(scheduler, runner)
+        num_fork_rows += sum(r.num_samples > 1 for r in sched_out.requests)
+        for out in step_outputs:
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert parent.num_preemptions == 1 and num_fork_rows == 1  # it forked on its first prompt pass only
+    assert outputs == {rid: expected_tokens(rid, n) for rid, n in [("old", 12), ("p", 6), ("p#1", 6)]}
+
+
+# -------------------------------------------------------------------------------------- prompt logprobs
+
+
+def test_prompt_logprobs_cover_every_prompt_token_once_across_chunks() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("r", 10, max_tokens=3, prompt_logprobs=1))
+    flags, returned = [], []
+    while scheduler.has_unfinished_requests():
+        sched_out, outputs = step(scheduler, runner)
+        flags.append(sched_out.requests[0].prompt_logprobs)
+        returned += [-lp.logprobs[0] for o in outputs for lp in o.prompt_logprobs or []]
+    assert returned == list(range(1, 10))
+    assert flags == [True, True, True, False, False]
+
+
+def test_prompt_logprobs_are_not_returned_again_after_a_mid_prefill_preemption() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=5)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("old", 4, max_tokens=12))
+    r = make_request("r", 12, max_tokens=1, prompt_logprobs=0)  # finishes with its prompt: preempted mid-prefill
+    scheduler.add_request(r)
+    outputs = run_to_completion(scheduler, runner)
+    returned = [-lp.logprobs[0] for o in outputs["r"] for lp in o.prompt_logprobs or []]
+    assert r.num_preemptions >= 1 and returned == list(range(1, 12))
+
+
+# --------------------------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    ("num_prompt", "max_tokens", "message"),
+    [
+        (60, 10, r"prompt \(60 tokens\) \+ max_tokens \(10\) = 70 is over max_model_len=64"),
+        (64, None, r"prompt \(64 tokens\) \+ max_tokens \(1\) = 65 is over max_model_len=64"),
+        (30, 10, r"may grow to 40 tokens, over the whole KV cache \(8 blocks x 4 = 32 tokens\)"),
+        (10, None, r"may grow to 64 tokens, over the whole KV cache"),
+    ],
+)
+def test_impossible_requests_are_refused_with_the_numbers(
+    num_prompt: int, max_tokens: int | None, message: str
+) -> None:
+    scheduler = make_scheduler(num_blocks=8, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match=message):
+        scheduler.add_request(make_request("r", num_prompt, max_tokens=max_tokens))
+    assert not scheduler.has_unfinished_requests()
+
+
+def test_empty_prompts_duplicate_ids_and_sample_like_ids_are_refused() -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match="contains '#'"):
+        scheduler.add_request(make_request("a#1", 3))
+    with pytest.raises(ValueError, match="empty prompt"):
+        scheduler.add_request(make_request("r", 0))
+    scheduler.add_request(make_request("r", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        scheduler.add_request(make_request("r", 3))
+
+
+# ------------------------------------------------------------------------------------- finish_requests
+
+
+def test_finish_requests_on_waiting_running_preempted_and_unknown_ids() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=2)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("old", 4, max_tokens=8))
+    scheduler.add_request(make_request("new", 4, max_tokens=8))
+    scheduler.add_request(make_request("waiting", 4, max_tokens=8))
+    while scheduler.num_preemptions == 0:
+        step(scheduler, runner)
+    assert scheduler.requests["new"].status is RequestStatus.PREEMPTED
+    assert scheduler.requests["waiting"].status is RequestStatus.WAITING
+    free_before = scheduler.kv.num_free_blocks()
+    old = scheduler.requests["old"]
+    num_old_blocks = len(old.block_ids)
+    scheduler.finish_requests(["new", "waiting", "old", "unknown"], FinishReason.ABORT)
+    assert scheduler.kv.num_free_blocks() == free_before + num_old_blocks == 4
+    assert old.status is RequestStatus.FINISHED and old.finish_reason is FinishReason.ABORT
+    assert_all_blocks_free(scheduler)
+    sched_out = scheduler.schedule()
+    assert sched_out.is_empty and sched_out.finished_request_ids == {"new", "waiting", "old"}
+    assert scheduler.schedule().finished_request_ids == frozenset()
+
+
+def test_a_request_finished_between_schedule_and_update_is_skipped() -> None:
+    scheduler = make_scheduler()
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("a", 3, max_tokens=4))
+    scheduler.add_request(make_request("b", 3, max_tokens=4))
+    sched_out = scheduler.schedule()
+    scheduler.finish_requests(["a"], FinishReason.STOP)
+    outputs = scheduler.update_from_output(sched_out, runner.execute(sched_out))
+    assert [o.request_id for o in outputs] == ["b"]
+    scheduler.kv.check_integrity(scheduler.requests.values())
+    assert scheduler.schedule().finished_request_ids == {"a"}
