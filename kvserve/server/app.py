@@ -176,7 +176,12 @@ class RequestGuard:
                 raise too_large
             if not message.get("more_body", False):
                 break
-        return b"".join(chunks)
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise APIError(HTTPStatus.BAD_REQUEST, f"the body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+        return body
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

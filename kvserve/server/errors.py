@@ -55,12 +55,17 @@ def bad_request(error: ValueError, param: str | None = None) -> APIError:
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
     """FastAPI's first validation error as one line, with the field it is about."""
     first = error.errors()[0] if error.errors() else {}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Drop "body" and pydantic's names for union members and validators (e.g. "function-after[...]").
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(str(part))]
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
     return (f"{param}: {message}" if param else message), param
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in {"str", "int", "float", "bool", "list", "dict"}
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -14,7 +14,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from kvserve.outputs import FinishReason, RequestOutput
 
@@ -51,6 +59,7 @@ class ServerMetrics:
     """The server's metrics; ``on_request_added`` / ``on_step`` are called only from the engine thread."""
 
     def __init__(self, model_name: str, stats: dict[str, Any], max_model_len: int) -> None:
+        disable_created_metrics()  # no *_created series, as in vLLM: dashboards do not use them
         self.registry = CollectorRegistry()
         self._labels = {"model_name": model_name}
         self._requests: dict[str, _RequestTimes] = {}

@@ -17,7 +17,11 @@ MAX_LOGIT_BIAS = 100.0
 
 
 def _check_utf8(text: str) -> str:
-    text.encode("utf-8")  # a lone surrogate ("\ud800") raises UnicodeEncodeError, a ValueError: a 400
+    """JSON can carry a lone surrogate ("\\ud800"), which is no UTF-8 text and no tokenizer input."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text is not valid UTF-8 (it holds a lone surrogate)") from None
     return text
 
 

@@ -23,6 +23,17 @@ class ByteTokenizer:
         return bytes(token_ids).decode("utf-8", errors="replace")
 
 
+class FakeInputProcessor:
+    vocab_size = 256
+
+    def __init__(self, tokenizer: ByteTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" * add_generation_prompt)
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
+
+
 @dataclass
 class _FakeRequest:
     request_id: str
@@ -43,6 +54,7 @@ class FakeEngine:
     def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_seconds: float = 0.0) -> None:
         self.step_seconds = step_seconds
         self.tokenizer = ByteTokenizer()
+        self.input_processor = FakeInputProcessor(self.tokenizer)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, _FakeRequest] = {}

@@ -129,6 +129,18 @@ def test_the_newest_running_request_is_preempted_to_the_front_of_the_queue() -> 
     assert [r.request_id for r in scheduler.waiting] == ["new", "later"]
 
 
+def test_no_request_is_admitted_in_a_step_that_preempted() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=5)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("old", 4, max_tokens=12))
+    scheduler.add_request(make_request("new", 4, max_tokens=8))
+    while scheduler.num_preemptions == 0:
+        sched_out, _ = step(scheduler, runner)
+    # a 4-token chunk of "new" would fit in the block just freed; readmitting it now would only thrash
+    assert scheduler.kv.num_free_blocks() == 1
+    assert [(r.request_id, r.num_tokens) for r in sched_out.requests] == [("old", 1)]
+
+
 def test_a_request_that_is_itself_the_newest_preempts_itself() -> None:
     scheduler = make_scheduler(num_blocks=4, block_size=4)
     runner = runner_for(scheduler)

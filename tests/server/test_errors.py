@@ -1,0 +1,118 @@
+"""Every bad input is a 400 (or 404 / 413) in OpenAI's error shape, and the server stays healthy after each."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, ServerProcess
+
+GOOD_COMPLETION = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
+GOOD_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({**GOOD_COMPLETION, **fields}).encode()
+
+
+def chat(**fields) -> bytes:
+    return json.dumps({**GOOD_CHAT, **fields}).encode()
+
+
+BAD_COMPLETIONS = {
+    "malformed json": b'{"prompt": "Hello", ',
+    "not an object": b'["Hello"]',
+    "missing prompt": json.dumps({"model": MODEL_NAME}).encode(),
+    "mistyped max_tokens": completion(max_tokens="many"),
+    "mistyped prompt": completion(prompt={"text": "Hello"}),
+    "max_tokens zero": completion(max_tokens=0),
+    "max_tokens negative": completion(max_tokens=-3),
+    "negative temperature": completion(temperature=-0.5),
+    "top_p zero": completion(top_p=0),
+    "top_p above one": completion(top_p=1.5),
+    "n zero": completion(n=0),
+    "n above the limit": completion(n=1000),
+    "empty prompt": completion(prompt=""),
+    "empty prompt list": completion(prompt=[]),
+    "prompt plus max_tokens over max_model_len": completion(max_tokens=MAX_MODEL_LEN),
+    "token id outside the vocabulary": completion(prompt=[1, 10**9]),
+    "negative token id": completion(prompt=[-1]),
+    "invalid utf-8": b'{"prompt": "Hel\xff\xfelo", "max_tokens": 2}',
+    "lone surrogate": b'{"prompt": "Hel\\ud800lo", "max_tokens": 2}',
+    "too many stop strings": completion(stop=[f"s{i}" for i in range(100)]),
+    "empty stop string": completion(stop=[""]),
+    "logprobs above the limit": completion(logprobs=100),
+    "logit_bias key not a token": completion(logit_bias={"abc": 1.0}),
+    "logit_bias out of range": completion(logit_bias={"1": 1000.0}),
+    "stop_token_ids outside the vocabulary": completion(stop_token_ids=[10**9]),
+    "stream_options without stream": completion(stream_options={"include_usage": True}),
+    "min_tokens above max_tokens": completion(min_tokens=5, max_tokens=2),
+}
+
+BAD_CHATS = {
+    "empty messages": chat(messages=[]),
+    "missing messages": json.dumps({"model": MODEL_NAME}).encode(),
+    "unknown role": chat(messages=[{"role": "wizard", "content": "Hi"}]),
+    "message without role": chat(messages=[{"content": "Hi"}]),
+    "image content": chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    "top_logprobs without logprobs": chat(top_logprobs=2),
+    "top_logprobs above the limit": chat(logprobs=True, top_logprobs=50),
+    "negative frequency_penalty": chat(frequency_penalty=-5),
+    "max_completion_tokens zero": chat(max_completion_tokens=0),
+}
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def assert_still_serving(server: ServerProcess) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    answer = httpx.post(f"{server.url}/v1/completions", json=GOOD_COMPLETION, timeout=30)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("body", BAD_COMPLETIONS.values(), ids=BAD_COMPLETIONS.keys())
+def test_a_bad_completion_request_is_a_400(server: ServerProcess, body: bytes) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_openai_error(response, 400)
+    assert_still_serving(server)
+
+
+@pytest.mark.parametrize("body", BAD_CHATS.values(), ids=BAD_CHATS.keys())
+def test_a_bad_chat_request_is_a_400(server: ServerProcess, body: bytes) -> None:
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=body,
+                          headers={"content-type": "application/json"})
+    assert_openai_error(response, 400)
+    assert_still_serving(server)
+
+
+def test_a_bad_streaming_request_is_a_400_before_any_event(server: ServerProcess) -> None:
+    response = httpx.post(f"{server.url}/v1/completions", content=completion(stream=True, max_tokens=0))
+    assert_openai_error(response, 400)
+    assert_still_serving(server)
+
+
+def test_an_unknown_model_is_a_404(server: ServerProcess) -> None:
+    error = assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=completion(model="gpt-9")), 404)
+    assert error["param"] == "model" and "gpt-9" in error["message"]
+    assert_openai_error(httpx.post(f"{server.url}/v1/chat/completions", content=chat(model="gpt-9")), 404)
+    assert_still_serving(server)
+
+
+def test_a_body_over_the_limit_is_a_413(server: ServerProcess) -> None:
+    huge = completion(prompt="a" * (5 * 2**20))
+    assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=huge), 413)
+    assert_still_serving(server)
+
+
+def test_unknown_routes_and_methods_answer_in_the_same_shape(server: ServerProcess) -> None:
+    assert_openai_error(httpx.get(f"{server.url}/v1/nothing"), 404)
+    assert_openai_error(httpx.get(f"{server.url}/v1/completions"), 405)
+    assert_openai_error(httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]}), 400)
+    assert_still_serving(server)

@@ -1,0 +1,105 @@
+"""Startup, the API key, the waiting-queue limit, and SIGTERM draining, each on its own server process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, ServerProcess
+
+
+def stream_in_background(client: openai.OpenAI, max_tokens: int, results: list) -> threading.Thread:
+    """Stream one completion in a thread; append (completion tokens, last finish_reason) to results."""
+
+    def run() -> None:
+        *text_chunks, usage_chunk = list(client.completions.create(
+            model=MODEL_NAME, prompt="Tell me", max_tokens=max_tokens, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+        results.append((usage_chunk.usage.completion_tokens, text_chunks[-1].choices[0].finish_reason))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_startup_line_says_what_is_served_where_and_how_many_blocks(server: ServerProcess) -> None:
+    line = next(line for line in server.log().splitlines() if line.startswith("kvserve: serving"))
+    assert repr(MODEL_NAME) in line and f"{server.url}/v1" in line and f"{NUM_KV_BLOCKS} KV blocks" in line
+
+
+def test_a_bad_flag_is_a_clear_startup_error(start_server) -> None:
+    server = start_server("--kv-cache-dtype", "fp8", wait=False)
+    assert server.process.wait(60) == 2
+    assert "kv_cache_dtype" in server.log()
+
+
+@pytest.fixture(scope="module")
+def guarded(start_server) -> ServerProcess:
+    """One sequence at a time, no waiting beyond one request, and an API key."""
+    return start_server("--api-key", "sesame", "--max-num-seqs", "1", "--max-waiting", "0")
+
+
+def test_the_api_key_is_required_when_set(guarded: ServerProcess) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        guarded.openai(api_key="wrong").completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1)
+    missing = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{guarded.url}/health").status_code == 200  # health and metrics stay open
+    answer = guarded.openai(api_key="sesame").completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1)
+    assert answer.usage.completion_tokens == 1
+
+
+def test_a_full_waiting_queue_is_a_503_with_retry_after(guarded: ServerProcess) -> None:
+    results: list = []
+    client = guarded.openai(api_key="sesame")
+    running = stream_in_background(client, 200, results)
+    wait_for(lambda: guarded.metric("kvserve:num_requests_running") == 1)
+    waiting = stream_in_background(client, 2, results)
+    wait_for(lambda: guarded.metric("kvserve:num_requests_waiting") == 1)
+    refused = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                         headers={"Authorization": "Bearer sesame"})
+    assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["message"]
+    running.join(60)
+    waiting.join(60)
+    assert sorted(results) == [(2, "length"), (200, "length")]
+
+
+def test_sigterm_lets_streams_in_flight_finish_then_exits_0(start_server) -> None:
+    server = start_server("--shutdown-timeout", "30")
+    results: list = []
+    threads = [stream_in_background(server.openai(), 200, results) for _ in range(4)]
+    wait_for(lambda: server.metric("kvserve:num_requests_running") == 4)
+    server.terminate()
+    wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503)
+    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert refused.status_code == 503
+    assert server.process.wait(30) == 0
+    for thread in threads:
+        thread.join(10)
+    assert results == [(200, "length")] * 4
+
+
+def test_sigterm_aborts_what_outlasts_the_grace_period(start_server) -> None:
+    server = start_server("--shutdown-timeout", "0.2")
+    results: list = []
+    threads = [stream_in_background(server.openai(), 250, results) for _ in range(3)]
+    wait_for(lambda: server.metric("kvserve:num_requests_running") == 3)
+    started = time.monotonic()
+    server.terminate()
+    assert server.process.wait(15) == 0
+    assert time.monotonic() - started < 8
+    for thread in threads:
+        thread.join(10)
+    assert [finish for _, finish in results] == ["abort"] * 3

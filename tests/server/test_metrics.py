@@ -1,0 +1,53 @@
+"""/metrics: every metric the issue names, under vLLM's names, and counters that move by exactly one request."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+
+from tests.server.conftest import MODEL_NAME, ServerProcess
+
+EXPECTED = [
+    "kvserve:time_to_first_token_seconds_bucket",
+    "kvserve:inter_token_latency_seconds_bucket",
+    "kvserve:time_per_output_token_seconds_bucket",
+    "kvserve:e2e_request_latency_seconds_bucket",
+    "kvserve:request_queue_time_seconds_bucket",
+    "kvserve:num_requests_running",
+    "kvserve:num_requests_waiting",
+    "kvserve:kv_cache_usage_perc",
+    "kvserve:prefix_cache_queries_total",
+    "kvserve:prefix_cache_hits_total",
+    "kvserve:prompt_tokens_total",
+    "kvserve:generation_tokens_total",
+    "kvserve:num_preemptions_total",
+    "kvserve:request_success_total",
+    "kvserve:cache_config_info",
+]
+
+
+def test_metrics_has_every_named_metric(server: ServerProcess) -> None:
+    response = httpx.get(f"{server.url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    names = {line.split("{")[0] for line in response.text.splitlines() if not line.startswith("#")}
+    assert set(EXPECTED) <= names, set(EXPECTED) - names
+    assert f'model_name="{MODEL_NAME}"' in response.text
+
+
+def test_counters_move_by_exactly_one_requests_tokens(server: ServerProcess, client: openai.OpenAI) -> None:
+    names = ["kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", "kvserve:prefix_cache_queries_total",
+             "kvserve:e2e_request_latency_seconds_count", "kvserve:time_to_first_token_seconds_count"]
+    before = {name: server.metric(name) for name in names}
+    length_before = server.metric("kvserve:request_success_total", finished_reason="length")
+    answer = client.completions.create(model=MODEL_NAME, prompt="Count my tokens", max_tokens=9, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    moved = {name: server.metric(name) - before[name] for name in names}
+    assert moved == {
+        "kvserve:prompt_tokens_total": answer.usage.prompt_tokens,
+        "kvserve:generation_tokens_total": 9,
+        "kvserve:prefix_cache_queries_total": answer.usage.prompt_tokens,
+        "kvserve:e2e_request_latency_seconds_count": 1,
+        "kvserve:time_to_first_token_seconds_count": 1,
+    }
+    assert server.metric("kvserve:request_success_total", finished_reason="length") - length_before == 1
+    assert server.metric("kvserve:num_requests_running") == 0

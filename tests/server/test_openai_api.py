@@ -1,0 +1,166 @@
+"""The OpenAI API over HTTP with the official SDK: shapes, streaming, usage, n, stop, logprobs, seeds."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL_NAME, ServerProcess
+
+PROMPT = "The capital of France is"
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def tokenize(server: ServerProcess, text: str) -> list[int]:
+    return httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL_NAME]
+    assert models[0].object == "model"
+
+
+def test_completion_has_text_usage_and_length_finish(client: openai.OpenAI, server: ServerProcess) -> None:
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=7, **GREEDY)
+    (choice,) = answer.choices
+    assert answer.object == "text_completion" and answer.model == MODEL_NAME and answer.id.startswith("cmpl-")
+    assert choice.finish_reason == "length" and choice.index == 0 and choice.text
+    assert answer.usage.prompt_tokens == len(tokenize(server, PROMPT))
+    assert answer.usage.completion_tokens == 7
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + 7
+
+
+def test_streamed_completion_equals_the_unstreamed_one(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    *text_chunks, usage_chunk = chunks
+    assert all(c.object == "text_completion" and len(c.choices) == 1 and c.usage is None for c in text_chunks)
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+def test_streaming_without_include_usage_sends_no_usage(server: ServerProcess) -> None:
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") and '"usage"' not in line for line in lines)
+
+
+def test_chat_answers_as_the_assistant(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=6, **GREEDY)
+    (choice,) = answer.choices
+    assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content and choice.finish_reason == "length"
+    assert answer.usage.completion_tokens == 6
+
+
+def test_streamed_chat_equals_the_unstreamed_one(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=9, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=9,
+                                                 stream=True, stream_options={"include_usage": True}, **GREEDY))
+    first, *content_chunks, usage_chunk = chunks
+    assert first.object == "chat.completion.chunk" and first.choices[0].delta.role == "assistant"
+    assert content_chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content for c in content_chunks) == whole.choices[0].message.content
+    assert usage_chunk.usage == whole.usage and usage_chunk.choices == []
+
+
+def test_n_samples_come_back_as_indexed_choices(client: openai.OpenAI) -> None:
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, n=3, temperature=1.0,
+                                       seed=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in answer.choices) == [0, 1, 2]
+    assert answer.usage.completion_tokens == 15
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, n=2, seed=3,
+                                          extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in chat.choices) == [0, 1] and chat.usage.completion_tokens == 8
+
+
+def test_a_batch_of_prompts_gets_one_choice_each(client: openai.OpenAI, server: ServerProcess) -> None:
+    token_prompt = tokenize(server, "Hello there")
+    answer = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "Hello there"], max_tokens=4, **GREEDY)
+    by_tokens = client.completions.create(model=MODEL_NAME, prompt=[token_prompt], max_tokens=4, **GREEDY)
+    assert [c.index for c in answer.choices] == [0, 1]
+    assert by_tokens.choices[0].text == answer.choices[1].text
+
+
+def test_a_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
+    free = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, **GREEDY).choices[0].text
+    stop = free[len(free) // 2: len(free) // 2 + 2]
+    assert stop.strip(), f"the greedy text {free!r} is too short to pick a stop string from"
+    cut = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, stop=[stop], **GREEDY)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == free[: free.index(stop)]
+    streamed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, stop=stop, stream=True,
+                                         **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_completion_logprobs_have_one_entry_per_token(client: openai.OpenAI) -> None:
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5, logprobs=3, **GREEDY)
+    logprobs = answer.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs)
+    # greedy: the chosen token is the most likely one
+    assert all(max(top.values()) == pytest.approx(lp) for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_chat_logprobs_have_the_asked_number_of_alternatives(client: openai.OpenAI) -> None:
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, logprobs=True,
+                                            top_logprobs=2, **GREEDY)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    assert "".join(e.token for e in content) == answer.choices[0].message.content
+
+
+def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, **GREEDY)
+    echoed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, echo=True, **GREEDY)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_the_same_seed_gives_the_same_text_whatever_runs_beside_it(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    alone = sample(11)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(sample, [11, 12, 11, 13]))
+    assert together[0] == together[2] == alone
+    assert alone != together[1] or alone != together[3]
+
+
+def test_tokenize_and_detokenize_round_trip(server: ServerProcess) -> None:
+    tokens = tokenize(server, PROMPT)
+    answer = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()
+    assert answer["count"] == len(tokens) and answer["max_model_len"] == 256
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert PROMPT in text
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["count"] > len(tokenize(server, MESSAGES[0]["content"]))
+
+
+def test_greedy_output_over_http_equals_the_offline_api(client: openai.OpenAI, tiny_checkpoint) -> None:
+    from kvserve import LLM, SamplingParams
+
+    prompts = [PROMPT, "Once upon a time", "1, 2, 3,"]
+    llm = LLM(str(tiny_checkpoint), num_kv_blocks=64, max_model_len=256, device="cpu")
+    offline = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for prompt, expected in zip(prompts, offline):
+        answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, **GREEDY)
+        assert answer.choices[0].text == expected.outputs[0].text
