@@ -10,7 +10,7 @@ whole workload; model loading is not timed. Systems:
     hf-static8   transformers generate, static batches of 8 in submission order, left-padded; a batch runs to
                  its longest output and only the requested tokens count as output
 
-The full measurement (the HF baselines take about 15 minutes on 2 cores: run it on a quiet machine)::
+The full measurement (the HF baselines take about 20 minutes on 2 cores: run it on a quiet machine)::
 
     python benchmarks/offline_throughput.py --json bench.json
 
@@ -32,12 +32,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import transformers
+from torch.autograd.profiler_util import FunctionEvent
+from torch.profiler import ProfilerActivity, profile
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from compute_bound import ModelDims, compute_bound
+from kvserve import LLM, SamplingParams
+from kvserve.model.sources import resolve_model
 
 SYSTEMS = ("kvserve", "hf-single", "hf-static8")
 STATIC_BATCH_SIZE = 8
@@ -71,7 +76,7 @@ class SystemResult:
 # --- workload -------------------------------------------------------------------------------------------
 
 
-def ordinary_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
+def ordinary_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
     """Every id below ``vocab_size`` that is not an added (special or control) token."""
     added = set(tokenizer.added_tokens_decoder)
     return [i for i in range(min(vocab_size, len(tokenizer))) if i not in added]
@@ -98,13 +103,16 @@ def lengths(workload: Sequence[BenchRequest]) -> list[tuple[int, int]]:
     return [(len(r.prompt_token_ids), r.num_output_tokens) for r in workload]
 
 
+def token_counts(workload: Sequence[BenchRequest]) -> tuple[int, int]:
+    """(prompt tokens, output tokens) of the whole workload."""
+    return sum(len(r.prompt_token_ids) for r in workload), sum(r.num_output_tokens for r in workload)
+
+
 # --- systems --------------------------------------------------------------------------------------------
 
 
 def hf_pretrained_args(model: str) -> tuple[str, dict[str, str]]:
     """``from_pretrained`` arguments for kvserve's model string (a packaged name, a GGUF file or an HF dir)."""
-    from kvserve.model.sources import resolve_model
-
     location = resolve_model(model)
     if location.kind == "gguf":
         return str(location.path.parent), {"gguf_file": location.path.name}
@@ -118,13 +126,10 @@ def timed(
     start = time.perf_counter()
     run(workload)
     wall_s = time.perf_counter() - start
-    num_prompt, num_output = (sum(x) for x in zip(*lengths(workload)))
-    return SystemResult(system, wall_s, num_prompt, num_output, details or {})
+    return SystemResult(system, wall_s, *token_counts(workload), details or {})
 
 
-def kvserve_generate(llm: Any, workload: Sequence[BenchRequest]) -> None:
-    from kvserve import SamplingParams
-
+def kvserve_generate(llm: LLM, workload: Sequence[BenchRequest]) -> None:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = [SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True, temperature=0) for r in workload]
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -133,21 +138,19 @@ def kvserve_generate(llm: Any, workload: Sequence[BenchRequest]) -> None:
         assert num_generated == request.num_output_tokens, (num_generated, request.num_output_tokens)
 
 
-def load_kvserve(args: argparse.Namespace, token_ids: list[int]) -> Any:
-    from kvserve import LLM
-
+def load_kvserve(args: argparse.Namespace, token_ids: list[int]) -> LLM:
     llm = LLM(model=args.model, dtype="float32", max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs)
     kvserve_generate(llm, warmup_workload(token_ids))
     return llm
 
 
-def run_kvserve(llm: Any, workload: Sequence[BenchRequest]) -> SystemResult:
+def run_kvserve(llm: LLM, workload: Sequence[BenchRequest]) -> SystemResult:
     result = timed("kvserve", lambda w: kvserve_generate(llm, w), workload)
     return dataclasses.replace(result, details={"stats": llm.stats()})
 
 
-def hf_generate(model: Any, batch: Sequence[BenchRequest], pad_token_id: int) -> None:
+def hf_generate(model: PreTrainedModel, batch: Sequence[BenchRequest], pad_token_id: int) -> None:
     """One left-padded ``generate`` call; every row runs to the batch's longest output."""
     max_prompt = max(len(r.prompt_token_ids) for r in batch)
     num_new = max(r.num_output_tokens for r in batch)
@@ -165,7 +168,7 @@ def hf_batches(workload: Sequence[BenchRequest], batch_size: int) -> list[Sequen
     return [workload[i:i + batch_size] for i in range(0, len(workload), batch_size)]
 
 
-def run_hf(system: str, model: Any, workload: Sequence[BenchRequest], pad_token_id: int) -> SystemResult:
+def run_hf(system: str, model: PreTrainedModel, workload: Sequence[BenchRequest], pad_token_id: int) -> SystemResult:
     batch_size = STATIC_BATCH_SIZE if system == "hf-static8" else 1
 
     def run(w: Sequence[BenchRequest]) -> None:
@@ -176,7 +179,7 @@ def run_hf(system: str, model: Any, workload: Sequence[BenchRequest], pad_token_
     return timed(system, run, workload, {"batch_size": batch_size, "num_generated_incl_padding": num_generated})
 
 
-def load_hf(model: str, pad_token_id: int, token_ids: list[int]) -> Any:
+def load_hf(model: str, pad_token_id: int, token_ids: list[int]) -> PreTrainedModel:
     path, kwargs = hf_pretrained_args(model)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
     hf_generate(hf_model, warmup_workload(token_ids), pad_token_id)
@@ -190,12 +193,15 @@ GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
 FRAME_GROUPS = (("attention + KV", ("kvserve/attention/", "kvserve/kv/")), ("sampling", ("kvserve/sample/",)))
 
 
-def op_group(event: Any) -> str:
-    frames = []
+def ancestors(event: FunctionEvent) -> Iterator[FunctionEvent]:
     parent = event.cpu_parent
     while parent is not None:
-        frames.append(parent.name)
+        yield parent
         parent = parent.cpu_parent
+
+
+def op_group(event: FunctionEvent) -> str:
+    frames = [parent.name for parent in ancestors(event)]  # Python frames, e.g. "kvserve/sample/sampler.py(40): ..."
     for group, folders in FRAME_GROUPS:
         if any(folder in frame for frame in frames for folder in folders):
             return group
@@ -204,25 +210,18 @@ def op_group(event: Any) -> str:
     return "GEMMs" if event.name in GEMM_OPS else "other ops"
 
 
-def top_level_ops(events: Sequence[Any]) -> list[Any]:
+def top_level_ops(events: Sequence[FunctionEvent]) -> list[FunctionEvent]:
     """aten ops called from Python: their inclusive times add up without counting nested ops twice."""
-    def is_top(event: Any) -> bool:
-        parent = event.cpu_parent
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                return False
-            parent = parent.cpu_parent
-        return True
-
-    return [e for e in events if e.name.startswith("aten::") and is_top(e)]
+    return [
+        e for e in events
+        if e.name.startswith("aten::") and not any(p.name.startswith("aten::") for p in ancestors(e))
+    ]
 
 
-def profile_kvserve(llm: Any, workload: Sequence[BenchRequest]) -> dict[str, Any]:
+def profile_kvserve(llm: LLM, workload: Sequence[BenchRequest]) -> dict[str, Any]:
     """Where kvserve's time goes on ``workload``: op time by group under torch.profiler (with Python stacks,
     to tell attention's and the sampler's ops from the model's), and the rest of an unprofiled run's wall
     time as Python/framework overhead."""
-    from torch.profiler import ProfilerActivity, profile
-
     unprofiled = timed("kvserve", lambda w: kvserve_generate(llm, w), workload).wall_s
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=True) as prof:
         profiled = timed("kvserve", lambda w: kvserve_generate(llm, w), workload).wall_s
@@ -280,6 +279,8 @@ def print_report(report: dict[str, Any], results: list[SystemResult]) -> None:
     print(f"compute bound: {bound['flops'] / 1e12:.2f} TFLOP at {bound['peak_flops_per_s'] / 1e9:.1f} GFLOP/s "
           f"= {bound['bound_s']:.1f} s\n")
     print(results_table(results, bound["bound_s"]))
+    if "kvserve" in report["systems"]:
+        print(f"\nkvserve KV cache: {json.dumps(report['systems']['kvserve']['details']['stats'])}")
     if "profile" in report:
         print("\n" + profile_table(report["profile"]))
 
@@ -361,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     workload = make_workload(args.num_requests, args.seed, (args.min_prompt, args.max_prompt),
                              (args.min_output, args.max_output), token_ids)
     bound = compute_bound(ModelDims.from_hf_config(hf_config), lengths(workload), args.max_num_batched_tokens)
-    num_prompt, num_output = (sum(x) for x in zip(*lengths(workload)))
+    num_prompt, num_output = token_counts(workload)
     report: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine_info(),

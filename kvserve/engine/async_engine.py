@@ -16,6 +16,7 @@ thread sleeps on a condition (no busy spin).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -107,15 +108,17 @@ class AsyncEngine:
         consumer stops early (cancelled, closed, disconnected client), the request is aborted and its KV
         blocks are freed.
         """
-        async for outputs in self.generate_many([prompt], params, [request_id] if request_id else None):
-            yield outputs[0]
+        stream = self.generate_many([prompt], params, [request_id] if request_id else None)
+        async with contextlib.aclosing(stream):
+            async for outputs in stream:
+                yield outputs[0]
 
     async def generate_many(
         self, prompts: Sequence[PromptInput], params: SamplingParams, request_ids: Sequence[str] | None = None
     ) -> AsyncIterator[list[RequestOutput]]:
-        """Queue several requests at once (all or none: one bad prompt raises ValueError and queues nothing)
-        and yield, each time one of them moves, the latest output of every request (``None``-free once each
-        has produced one; earlier entries hold the last output seen or a placeholder with no samples)."""
+        """Queue several requests with the same params, all or none (one bad prompt raises ValueError and
+        queues nothing), and yield, each time any of them moves, the latest output of each request in input
+        order; a request that has not produced anything yet appears as an output with no samples."""
         ids = list(request_ids) if request_ids else [f"req-{next(self._request_counter)}" for _ in prompts]
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

@@ -161,7 +161,8 @@ class RequestGuard:
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes
-        too_large = APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the request body is over the limit of {limit} bytes")
+        too_large = APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                             f"the request body is over the limit of {limit} bytes")
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
@@ -180,7 +181,8 @@ class RequestGuard:
         try:
             body.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise APIError(HTTPStatus.BAD_REQUEST, f"the body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+            message = f"the body is not valid UTF-8: {e.reason} at byte {e.start}"
+            raise APIError(HTTPStatus.BAD_REQUEST, message) from None
         return body
 
 

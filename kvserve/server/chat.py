@@ -83,7 +83,9 @@ class ChatServer:
         """Server-sent events: the role first for every choice, then content deltas, the finish reason with the
         last one, usage last if asked, then ``[DONE]``."""
         exclude = None if self.body.include_usage else {"usage"}
-        roles = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(self.params.n)]
+        roles = [
+            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(self.params.n)
+        ]
         yield sse(self._chunk(roles), exclude)
         cursor = BatchCursor(self.params.n)
         outputs: list[RequestOutput] = []

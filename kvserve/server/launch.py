@@ -38,7 +38,8 @@ CONNECTION_CLOSE_SECONDS = 5.0  # after the drain: how long uvicorn waits for re
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``kvserve serve``; MODEL defaults to the packaged default model."""
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                        help=f"a packaged model name, a Hugging Face directory or a GGUF file (default {DEFAULT_MODEL})")
+                        help=f"a packaged model name, a Hugging Face directory or a GGUF file "
+                             f"(default {DEFAULT_MODEL})")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--served-model-name", nargs="+", default=None,

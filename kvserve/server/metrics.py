@@ -94,7 +94,8 @@ class ServerMetrics:
     def _make_counters(self) -> None:
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = self._counter("generation_tokens", "Tokens generated.")
-        self.prefix_cache_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_queries = self._counter("prefix_cache_queries",
+                                                  "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_preemptions = self._counter("num_preemptions", "Requests preempted by the scheduler.")
         self.request_success = Counter("kvserve:request_success", "Finished requests, by finish reason.",

@@ -1,7 +1,7 @@
 """A model-free stand-in for LLMEngine with the same driving API, for AsyncEngine tests.
 
 Tokens are bytes (vocabulary 256); each step gives every running request (at most ``max_num_seqs``) its next
-token, ``(last + 1) % 256``, until ``max_tokens``. One "KV block" is held per unfinished request.
+token, ``(last + 1) % 256``, until ``max_tokens``; the n samples of a request are identical. One "KV block" is held per unfinished request.
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ class _FakeRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     max_tokens: int
+    n: int = 1  # n identical samples
     output_token_ids: list[int] = field(default_factory=list)
 
     def output(self, finish: FinishReason | None) -> RequestOutput:
-        sample = CompletionOutput(0, bytes(self.output_token_ids).decode("utf-8", "replace"),
-                                  list(self.output_token_ids), finish)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [sample], finished=finish is not None)
+        text = bytes(self.output_token_ids).decode("utf-8", "replace")
+        samples = [CompletionOutput(i, text, list(self.output_token_ids), finish) for i in range(self.n)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, samples, finished=finish is not None)
 
 
 class FakeEngine:
@@ -73,7 +74,7 @@ class FakeEngine:
         max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
         if len(token_ids) + max_tokens > self.max_model_len:
             raise ValueError("prompt + max_tokens is over max_model_len")
-        self.requests[request_id] = _FakeRequest(request_id, text, token_ids, max_tokens)
+        self.requests[request_id] = _FakeRequest(request_id, text, token_ids, max_tokens, params.n)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         self._note_thread()

@@ -16,8 +16,6 @@ import httpx
 import openai
 import pytest
 
-from kvserve.model.checkpoint import make_checkpoint
-
 STARTUP_TIMEOUT_S = 90.0
 MODEL_NAME = "tiny-llama"
 NUM_KV_BLOCKS = 512
@@ -89,6 +87,8 @@ def scrape(text: str, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvserve.model.checkpoint import make_checkpoint
+
     return make_checkpoint(tmp_path_factory.mktemp("server-ckpt") / "llama", "llama", "tiny", seed=0)
 
 

@@ -1,0 +1,39 @@
+"""Activation functions by their Hugging Face config names, and the gated MLP built on them."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model.layers.linear import PackedLinear
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(sorted(ACTIVATIONS))}")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up packed into one GEMM."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = PackedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act = get_activation(activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,69 @@
+"""The attention layer of a decoder: packed q/k/v projection, optional per-head q/k norm, RoPE, paged
+attention through the backend, output projection."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.kv.storage import KVCacheStorage
+from kvserve.model.layers.linear import PackedLinear
+from kvserve.model.layers.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer over the step's flat token batch.
+
+    ``qk_norm`` builds the per-head norm that Qwen3 and Gemma 3 apply to q and k before RoPE (None: no norm).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int,
+        backend: AttentionBackend,
+        scale: float,
+        sliding_window: int | None,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: Callable[[int], nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.scale = scale
+        self.sliding_window = sliding_window
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = PackedLinear(hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden_size, bias=o_bias)
+        self.q_norm = qk_norm(head_dim) if qk_norm else None
+        self.k_norm = qk_norm(head_dim) if qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+        kv: KVCacheStorage,
+    ) -> torch.Tensor:
+        num_tokens, num_heads = hidden.shape[0], self.num_heads
+        qkv = self.qkv_proj(hidden)
+        # q and k as one [T, heads + kv_heads, head_dim] view, so RoPE runs once for both
+        qk_size = (num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+        v = qkv[:, qk_size:].view(num_tokens, -1, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
+        q, k = apply_rotary(qk, *rope).split((num_heads, self.num_kv_heads), dim=1)
+        out = self.backend.forward(
+            q, k, v, self.layer_idx, kv, attn, scale=self.scale, sliding_window=self.sliding_window
+        )
+        return self.o_proj(out.reshape(num_tokens, -1))

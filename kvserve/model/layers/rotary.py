@@ -1,0 +1,76 @@
+"""Rotary position embeddings: inverse frequencies from transformers' own rope functions, cos/sin tables built once.
+
+The tables are half width: HF's ``q * cos + rotate_half(q) * sin`` with ``cos = cat(c, c)`` is, written per
+half, ``(q1 * c - q2 * sin, q2 * c + q1 * s)``; computing it that way gives the same fp32 values and halves
+the table.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+# These rescale the frequencies from the longest sequence of each forward pass: a paged batch mixes
+# sequences, so one table cannot serve them.
+SEQUENCE_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def rope_head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim / 2] and the cos/sin scaling (``attention_factor``) of ``config``'s rope.
+
+    ``layer_type`` selects the per-layer-type parameters of models that have them (Gemma 3).
+    """
+    params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
+    rope_type = params.get("rope_type", "default")
+    with torch.device("cpu"):  # also when the model is being built on the meta device
+        if rope_type == "default":  # not in ROPE_INIT_FUNCTIONS: each HF model class carries this formula
+            dim = rope_head_dim(config)
+            return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        if rope_type in SEQUENCE_DEPENDENT_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
+            static = ["default", *sorted(set(ROPE_INIT_FUNCTIONS) - set(SEQUENCE_DEPENDENT_ROPE_TYPES))]
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(static)}")
+        return ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
+
+
+class RotaryEmbedding:
+    """cos/sin at any position, from tables covering ``max_position_embeddings`` (grown if a step needs more).
+
+    The tables are built on first use on the device and in the dtype of the step (HF casts cos/sin to the
+    activation dtype before rotating), and rebuilt if either changes.
+    """
+
+    def __init__(self, config: PretrainedConfig, layer_type: str | None = None) -> None:
+        self.inv_freq, self.attention_scaling = rope_inv_freq(config, layer_type)
+        self.num_positions = config.max_position_embeddings
+        self._cos: torch.Tensor | None = None
+        self._sin: torch.Tensor | None = None
+
+    def __call__(
+        self, positions: torch.Tensor, max_position: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions`` ([T]), shaped [T, 1, head_dim / 2] to broadcast over heads.
+
+        ``max_position`` bounds ``positions`` (a host int, so that checking it needs no device sync).
+        """
+        if self._cos is None or self._cos.device != positions.device or self._cos.dtype != dtype:
+            self._build(max(self.num_positions, max_position + 1), positions.device, dtype)
+        elif max_position >= self._cos.shape[0]:
+            self._build(max(2 * self._cos.shape[0], max_position + 1), positions.device, dtype)
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    def _build(self, num_positions: int, device: torch.device, dtype: torch.dtype) -> None:
+        # the same fp32 product HF forms from position_ids, so the angles are identical
+        angles = torch.arange(num_positions, device=device).float()[:, None] * self.inv_freq.to(device)
+        self._cos = (angles.cos() * self.attention_scaling).to(dtype)
+        self._sin = (angles.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, head_dim] (HF's half-split convention) by the angles of ``cos``/``sin``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,207 @@
+"""Llama (2, 3, 3.1+ rope scaling; SmolLM2 is this architecture), and ``DecoderLM``, the skeleton every family
+in this package shares: embeddings, pre-norm decoder layers, final norm, LM head.
+
+A family varies the skeleton through ``DecoderLM``'s hooks (biases, q/k norm, attention scale, sliding
+windows, rope per layer, norm and layer classes). Parameters mirror Hugging Face names without the
+``model.`` prefix, except that q/k/v and gate/up are packed (``qkv_proj``, ``gate_up_proj``): fewer,
+larger GEMMs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.kv.storage import KVCacheStorage
+from kvserve.model.base import CausalLM, CheckpointError
+from kvserve.model.layers.activation import GatedMLP
+from kvserve.model.layers.attention import Attention
+from kvserve.model.layers.linear import PackedLinear
+from kvserve.model.layers.norm import RMSNorm
+from kvserve.model.layers.rotary import RotaryEmbedding, rope_head_dim
+
+WeightTargets = dict[str, tuple[nn.Parameter, slice | None]]
+
+
+def layer_type_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """The window of a layer under ``config.layer_types`` (HF's per-layer "sliding_attention"/"full_attention")."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or layer_types[layer_idx] != "sliding_attention":
+        return None
+    return config.sliding_window
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+
+    def __init__(self, self_attn: Attention, mlp: GatedMLP, make_norm: Callable[[int], nn.Module], dim: int) -> None:
+        super().__init__()
+        self.input_layernorm = make_norm(dim)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = make_norm(dim)
+        self.mlp = mlp
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata, kv: KVCacheStorage
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn, kv)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderLM(CausalLM):
+    """Embeddings, decoder layers, final norm and LM head (tied to the embeddings when the config says so)."""
+
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
+        super().__init__(config, backend)
+        self._head_dim = rope_head_dim(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(self._make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = self._make_norm(config.hidden_size)
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope_keys = [self._rope_key(i) for i in range(config.num_hidden_layers)]
+        self.rotaries = {key: RotaryEmbedding(config, key) for key in dict.fromkeys(self.rope_keys)}
+
+    # ---- hooks a family overrides ------------------------------------------------------------------------
+
+    def _attention_biases(self) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o)."""
+        return False, False
+
+    def _mlp_bias(self) -> bool:
+        return False
+
+    def _qk_norm(self) -> Callable[[int], nn.Module] | None:
+        return None
+
+    def _attention_scale(self) -> float:
+        return self._head_dim**-0.5
+
+    def _sliding_window(self, layer_idx: int) -> int | None:
+        return None
+
+    def _rope_key(self, layer_idx: int) -> str | None:
+        """Which rope parameters a layer uses: None for the config's single ``rope_parameters``."""
+        return None
+
+    def _activation(self) -> str:
+        return self.config.hidden_act
+
+    def _make_norm(self, dim: int) -> nn.Module:
+        return RMSNorm(dim, self.config.rms_norm_eps)
+
+    def _make_layer(self, layer_idx: int) -> nn.Module:
+        return DecoderLayer(self._make_attention(layer_idx), self._make_mlp(), self._make_norm, self.config.hidden_size)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    # ---- building blocks ---------------------------------------------------------------------------------
+
+    def _make_attention(self, layer_idx: int) -> Attention:
+        config = self.config
+        qkv_bias, o_bias = self._attention_biases()
+        return Attention(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=self._head_dim,
+            layer_idx=layer_idx,
+            backend=self.backend,
+            scale=self._attention_scale(),
+            sliding_window=self._sliding_window(layer_idx),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=self._qk_norm(),
+        )
+
+    def _make_mlp(self) -> GatedMLP:
+        config = self.config
+        return GatedMLP(config.hidden_size, config.intermediate_size, self._activation(), self._mlp_bias())
+
+    # ---- CausalLM ----------------------------------------------------------------------------------------
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv: KVCacheStorage
+    ) -> torch.Tensor:
+        hidden = self._embed(input_ids)
+        max_position = max(attn.inputs.seq_lens_list) - 1
+        ropes = {key: rotary(positions, max_position, hidden.dtype) for key, rotary in self.rotaries.items()}
+        for layer, rope_key in zip(self.layers, self.rope_keys):
+            hidden = layer(hidden, ropes[rope_key], attn, kv)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight).float()
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    def sliding_windows(self) -> set[int | None]:
+        return {layer.self_attn.sliding_window for layer in self.layers}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if self._is_ignored(name):
+                    continue
+                if name not in targets:
+                    raise CheckpointError(f"unexpected tensor {name!r}: {type(self).__name__} has no parameter for it")
+                param, rows = targets[name]
+                target = param if rows is None else param[rows]
+                if tensor.shape != target.shape:
+                    raise CheckpointError(
+                        f"tensor {name!r} has shape {list(tensor.shape)}, but {type(self).__name__} "
+                        f"expects {list(target.shape)}"
+                    )
+                target.copy_(tensor)
+                loaded.add(name)
+        missing = [name for name in targets if name not in loaded]
+        if missing:
+            listed = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CheckpointError(f"the checkpoint is missing {len(missing)} tensor(s): {listed}")
+
+    def _weight_targets(self) -> WeightTargets:
+        """HF tensor name -> (parameter, the rows of it that tensor fills; None for all of it)."""
+        targets: WeightTargets = {}
+        for module_name, module in self.named_modules():
+            for kind, param in module.named_parameters(recurse=False):
+                if isinstance(module, PackedLinear):
+                    parent = module_name.rpartition(".")[0]
+                    for shard, rows in module.shard_rows().items():
+                        targets[_hf_name(f"{parent}.{shard}.{kind}")] = (param, rows)
+                else:
+                    targets[_hf_name(f"{module_name}.{kind}")] = (param, None)
+        return targets
+
+    def _is_ignored(self, name: str) -> bool:
+        # Old Llama checkpoints store each layer's rotary inv_freq buffer; a tied model may still store
+        # lm_head.weight, which HF ignores in favour of the embeddings.
+        return name.endswith(".rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+class LlamaForCausalLM(DecoderLM):
+    """Llama: biases only where ``attention_bias`` / ``mlp_bias`` ask for them (then on o and down too)."""
+
+    def _attention_biases(self) -> tuple[bool, bool]:
+        return self.config.attention_bias, self.config.attention_bias
+
+    def _mlp_bias(self) -> bool:
+        return self.config.mlp_bias

@@ -1,0 +1,160 @@
+"""The HTTP layer in-process over the model-free FakeEngine: fast checks of shapes, errors, guards, aborts.
+
+The black-box tests against a real ``kvserve serve`` process are the other files here; these pin the server's
+own logic (deltas, usage, limits, disconnects) without a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvserve.engine.async_engine import AsyncEngine
+from kvserve.server.app import build_app
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.state import ServerSettings, ServerState
+from tests.engine.fake_engine import FakeEngine
+from tests.server.conftest import free_port, scrape
+
+MODEL = "fake"
+
+
+class InProcessServer:
+    def __init__(self, **settings) -> None:
+        self.fake = FakeEngine(max_num_seqs=2, max_model_len=256, step_seconds=0.002)
+        self.state = ServerState(ServerSettings((MODEL,), "fake-root", **settings), max_model_len=256)
+        self.state.metrics = ServerMetrics(MODEL, self.fake.stats(), 256)
+        self.state.engine = AsyncEngine(self.fake, observer=self.state.metrics)
+        self.state.engine.start()
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self.state), port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.state.engine.shutdown()
+
+    def metric(self, name: str, **labels: str) -> float:
+        return scrape(httpx.get(f"{self.url}/metrics").text, name, **labels)
+
+    def wait_idle(self) -> None:
+        deadline = time.monotonic() + 5
+        while self.fake.requests or self.state.engine.num_unfinished():
+            assert time.monotonic() < deadline, "requests left unfinished"
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[InProcessServer]:
+    server = InProcessServer(max_body_bytes=10_000)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(srv: InProcessServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_completion_stream_equals_non_stream_and_usage_adds_up(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=5, n=2)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert whole.usage.prompt_tokens == 4 and whole.usage.completion_tokens == 20
+    chunks = list(client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=5, n=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = {i: "" for i in range(4)}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+    assert [texts[c.index] for c in whole.choices] == [c.text for c in whole.choices] == ["cdefg"] * 2 + ["efghi"] * 2
+    assert chunks[-1].usage == whole.usage and chunks[-1].choices == []
+
+
+def test_echo_and_chat_shapes(client: openai.OpenAI) -> None:
+    echoed = client.completions.create(model=MODEL, prompt="ab", max_tokens=2, echo=True)
+    assert echoed.choices[0].text == "abcd"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                 max_tokens=3, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    assert "".join(c.choices[0].delta.content for c in chunks) == whole.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, status", [
+    (b"{", 400), (b'{"prompt": 5}', 400), (b'{"prompt": "a", "max_tokens": 0}', 400),
+    (b'{"prompt": "a", "top_p": 2}', 400), (b'{"prompt": "a\xff"}', 400), (b'{"prompt": "a", "model": "x"}', 404),
+    (b'{"prompt": "' + b"a" * 20_000 + b'"}', 413), (b'{"prompt": "a", "max_tokens": 1000}', 400),
+])
+def test_bad_requests_get_openai_shaped_errors(srv: InProcessServer, body: bytes, status: int) -> None:
+    response = httpx.post(f"{srv.url}/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+def test_disconnected_clients_abort_their_requests(srv: InProcessServer) -> None:
+    aborted_before = srv.metric("kvserve:request_success_total", finished_reason="abort")
+
+    async def leave_mid_stream(client: httpx.AsyncClient) -> None:
+        body = {"prompt": "a", "max_tokens": 200, "stream": True}
+        async with client.stream("POST", f"{srv.url}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    return
+
+    async def time_out(client: httpx.AsyncClient) -> None:
+        with pytest.raises(httpx.TimeoutException):
+            await client.post(f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 200}, timeout=0.2)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            await asyncio.gather(*(leave_mid_stream(client) for _ in range(6)), *(time_out(client) for _ in range(2)))
+
+    asyncio.run(run())
+    srv.wait_idle()
+    assert srv.metric("kvserve:request_success_total", finished_reason="abort") - aborted_before == 8
+    assert srv.metric("kvserve:kv_cache_usage_perc") == 0
+
+
+def test_metrics_count_one_requests_tokens(srv: InProcessServer, client: openai.OpenAI) -> None:
+    before = srv.metric("kvserve:generation_tokens_total"), srv.metric("kvserve:prompt_tokens_total")
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=7)
+    after = srv.metric("kvserve:generation_tokens_total"), srv.metric("kvserve:prompt_tokens_total")
+    assert (after[0] - before[0], after[1] - before[1]) == (7, 3)
+
+
+def test_api_key_and_waiting_limit() -> None:
+    server = InProcessServer(api_key="k", max_waiting=0)
+    try:
+        url = f"{server.url}/v1/completions"
+        assert httpx.post(url, json={"prompt": "a"}).status_code == 401
+        assert httpx.post(url, json={"prompt": "a"}, headers={"Authorization": "Bearer no"}).status_code == 401
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        server.fake.max_num_seqs = 0  # nothing runs: every request stays waiting
+        keyed = {"Authorization": "Bearer k"}
+        waiting = threading.Thread(target=lambda: httpx.post(url, json={"prompt": "a"}, headers=keyed, timeout=30))
+        waiting.start()
+        while server.state.engine.num_waiting() == 0:
+            time.sleep(0.01)
+        refused = httpx.post(url, json={"prompt": "a"}, headers=keyed)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        server.fake.max_num_seqs = 2
+        waiting.join(10)
+        server.state.draining = True
+        assert httpx.get(f"{server.url}/health").status_code == 503
+        assert httpx.post(url, json={"prompt": "a"}, headers=keyed).status_code == 503
+    finally:
+        server.stop()
