@@ -3,8 +3,9 @@
 A checkpoint is a Hugging Face directory: config.json and model.safetensors (fp32), a byte-level BPE tokenizer
 trained offline on a small built-in English corpus (with a ChatML chat template), and generation_config.json.
 Every tensor, norms and biases included, is drawn from the seed, so that a loader that swaps two norms or drops
-a bias is caught by comparing against transformers; the init scale keeps greedy decoding decisive (the top two
-logits far apart next to fp32 noise).
+a bias is caught by comparing against transformers. The init scale spreads the logits (std about 2): the top two
+logits of a greedy step are typically 0.4 apart and rarely under 1e-3, against about 1e-5 of fp32 difference
+between implementations, so greedy-equality tests do not hinge on rounding.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ from transformers import (
 )
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
-SIZES = ("tiny", "small")
 
 PAD, BOS, IM_START, EOS = "<|pad|>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = (PAD, BOS, IM_START, EOS)  # ids 0, 1, 2, 3
+# AutoTokenizer loads a qwen2 checkpoint with Qwen2Tokenizer, which adds <|endoftext|> unless the vocab has it
+SPECIAL_TOKENS = (PAD, BOS, IM_START, EOS, "<|endoftext|>")  # ids 0 .. 4
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -66,6 +67,7 @@ _SIZES = {
     "tiny": _Size(512, 64, 128, 2, 4, 2, 512, 12),
     "small": _Size(2048, 256, 512, 4, 8, 4, 2048, 64),
 }
+SIZES = tuple(_SIZES)
 
 
 def make_checkpoint(out_dir: str | Path, arch: str, size: str = "tiny", seed: int = 0) -> Path:
@@ -79,7 +81,7 @@ def make_checkpoint(out_dir: str | Path, arch: str, size: str = "tiny", seed: in
         raise ValueError(f"unknown checkpoint size {size!r}; expected one of {', '.join(SIZES)}")
     out_dir = Path(out_dir)
     tokenizer = _train_tokenizer(_SIZES[size].vocab_size)
-    model = _random_model(arch, _SIZES[size], len(tokenizer), tokenizer, seed)
+    model = _random_model(arch, _SIZES[size], tokenizer, seed)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
@@ -113,27 +115,29 @@ def _training_text() -> list[str]:
 # ---- model -----------------------------------------------------------------------------------------------
 
 
-def _random_model(
-    arch: str, size: _Size, vocab_size: int, tokenizer: PreTrainedTokenizerFast, seed: int
-) -> PreTrainedModel:
+def _random_model(arch: str, size: _Size, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
     special_ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    config = _CONFIG_MAKERS[arch](size, vocab_size, special_ids)
+    config = _CONFIG_MAKERS[arch](size, len(tokenizer), special_ids)
     model = _MODEL_CLASSES[arch](config).to(torch.float32)
-    if arch == "gemma3":  # its norms scale by 1 + weight, and it multiplies embeddings by sqrt(hidden_size)
-        _randomize(model, seed, norm_offset=0.0, embed_std=INIT_STD / config.hidden_size**0.5)
-    else:
-        _randomize(model, seed, norm_offset=1.0, embed_std=INIT_STD)
+    randomize(model, seed)
     model.generation_config = GenerationConfig(**special_ids)
     return model
 
 
-def _randomize(model: PreTrainedModel, seed: int, norm_offset: float, embed_std: float) -> None:
-    """Draw every parameter from ``seed``. Embeddings must stay small next to the layers' outputs: embeddings
-    that swamp the residual stream make a tied LM head predict its input token forever."""
+def randomize(model: PreTrainedModel, seed: int) -> None:
+    """Draw every parameter of a transformers model of a supported family from ``seed``.
+
+    Norm weights scatter around 1 (Gemma: around 0, as its norms scale by 1 + weight). Embeddings stay small
+    next to the layers' outputs (Gemma multiplies them by sqrt(hidden_size)): embeddings that swamp the
+    residual stream make a tied LM head predict its input token forever.
+    """
+    is_gemma = model.config.model_type == "gemma3_text"
+    norm_offset = 0.0 if is_gemma else 1.0
+    embed_std = INIT_STD / model.config.hidden_size**0.5 if is_gemma else INIT_STD
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-from kvserve.model.checkpoint import ARCHITECTURES
+from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.model.checkpoint import ARCHITECTURES, randomize
+from kvserve.model.registry import build_model
 from tests.conftest import hf_greedy
-from tests.model.conftest import Family, hf_logits, random_prompt
+from tests.model.conftest import Family, PagedRunner, hf_logits, random_prompt
 
 ATOL, RTOL = 1e-4, 1e-5
 
@@ -69,3 +72,42 @@ def test_greedy_decoding_matches_hf_generate(family: Family) -> None:
             break
     for seq, prompt in enumerate(prompts):
         assert generated[seq] == hf_greedy(family.hf, prompt, num_new)
+
+
+TINY = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256,
+)
+VARIANTS = {
+    "llama-linear-rope-tied-biases": lambda: LlamaConfig(
+        **TINY, rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0},
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+    ),
+    "llama-yarn-rope": lambda: LlamaConfig(
+        **TINY, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2-sliding-layers": lambda: Qwen2Config(**TINY, use_sliding_window=True, sliding_window=9, max_window_layers=1),
+    "qwen3-attention-bias": lambda: Qwen3Config(**TINY, head_dim=24, attention_bias=True),
+    "gemma3-logit-softcap": lambda: Gemma3TextConfig(
+        **TINY, head_dim=16, query_pre_attn_scalar=20, sliding_window=7, final_logit_softcapping=3.0,
+        layer_types=["full_attention", "sliding_attention"],
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_config_variants_match_hf(variant: str) -> None:
+    """Options the tiny checkpoints do not use, each through chunked prefill and decodes."""
+    config = VARIANTS[variant]()
+    hf = AutoModelForCausalLM.from_config(config).float().eval()
+    randomize(hf, seed=0)
+    backend = TorchRefBackend()
+    ours = build_model(config, backend, torch.float32, "cpu")
+    ours.load_weights(hf.state_dict().items())
+    prompt = random_prompt(config.vocab_size, 36, seed=9)
+    runner = PagedRunner(ours, backend, num_seqs=1, max_len=64)
+    chunks = [prompt[:11], prompt[11:30], *([t] for t in prompt[30:])]
+    logits = torch.cat([runner.step({0: chunk})[0] for chunk in chunks])
+    torch.testing.assert_close(logits, hf_logits(hf, prompt), atol=ATOL, rtol=RTOL)

@@ -30,7 +30,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = PackedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias)
+        shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+        self.gate_up_proj = PackedLinear(hidden_size, shards, bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(activation)
 

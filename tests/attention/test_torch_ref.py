@@ -1,0 +1,208 @@
+"""TorchRefBackend against a naive per-sequence attention over contiguous K/V histories."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.attention.backend import AttentionInputs
+from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+
+HEAD_DIM = 8
+NUM_LAYERS = 2
+LAYER = 1
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+])]
+
+
+@dataclass
+class Step:
+    """A step over sequences (context_len, query_len), decodes first, with the sequences' full histories."""
+
+    inputs: AttentionInputs
+    kv: KVCacheStorage
+    q: torch.Tensor  # [T, num_heads, d]: the step's queries
+    k: torch.Tensor  # [T, num_kv_heads, d]: the step's new keys
+    v: torch.Tensor
+    histories: list[tuple[torch.Tensor, torch.Tensor]]  # per sequence: K, V [seq_len, num_kv_heads, d]
+    query_lens: list[int]
+
+
+def make_step(
+    seqs: list[tuple[int, int]], num_decodes: int, *, block_size: int, num_kv_heads: int, group: int,
+    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+) -> Step:
+    """Random K/V histories whose contexts are already in shuffled, non-contiguous blocks of the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    blocks_per_seq = [math.ceil((c + n) / block_size) for c, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    block_ids = torch.randperm(num_blocks, generator=gen).tolist()
+    spec = KVCacheSpec(NUM_LAYERS, num_kv_heads, HEAD_DIM, block_size, dtype)
+    kv = KVCacheStorage(spec, num_blocks, device)
+    tables, histories, new_slots, qs = [], [], [], []
+    for (context_len, query_len), num_seq_blocks in zip(seqs, blocks_per_seq):
+        table, block_ids = block_ids[:num_seq_blocks], block_ids[num_seq_blocks:]
+        tables.append(table)
+        seq_len = context_len + query_len
+        history = [torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype) for _ in "kv"]
+        histories.append(tuple(h.to(device) for h in history))
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        context_slots = torch.tensor(slots[:context_len], dtype=torch.long, device=device)
+        kv.write(LAYER, histories[-1][0][:context_len], histories[-1][1][:context_len], context_slots)
+        new_slots += slots[context_len:]
+        qs.append(torch.randn(query_len, num_heads, HEAD_DIM, generator=gen).to(dtype))
+    width = max(len(t) for t in tables)
+    query_lens = [n for _, n in seqs]
+    seq_lens = [c + n for c, n in seqs]
+    inputs = AttentionInputs(
+        num_decodes=num_decodes,
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32,
+                                     device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(new_slots, dtype=torch.long, device=device),
+        query_lens_list=query_lens,
+        seq_lens_list=seq_lens,
+        block_size=block_size,
+    )
+    k = torch.cat([h[0][c:] for h, (c, _) in zip(histories, seqs)])
+    v = torch.cat([h[1][c:] for h, (c, _) in zip(histories, seqs)])
+    return Step(inputs, kv, torch.cat(qs).to(device), k, v, histories, query_lens)
+
+
+def naive_attention(step: Step, scale: float, window: int | None) -> torch.Tensor:
+    """Per sequence, in float64: repeated KV heads, explicit causal/window mask, softmax."""
+    outs, row = [], 0
+    group = step.q.shape[1] // step.k.shape[1]
+    for (keys, values), query_len in zip(step.histories, step.query_lens):
+        seq_len = keys.shape[0]
+        q = step.q[row : row + query_len].double().transpose(0, 1)  # [H, Lq, d]
+        k = keys.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, Lk, d]
+        v = values.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device).unsqueeze(1)
+        key_pos = torch.arange(seq_len, device=q.device)
+        visible = key_pos <= query_pos
+        if window is not None:
+            visible &= key_pos > query_pos - window
+        scores = (q @ k.transpose(1, 2) * scale).masked_fill(~visible, -math.inf)
+        outs.append((scores.softmax(-1) @ v).transpose(0, 1))
+        row += query_len
+    return torch.cat(outs)
+
+
+def check(step: Step, window: int | None, backend: TorchRefBackend | None = None) -> None:
+    backend = backend or TorchRefBackend()
+    scale = HEAD_DIM**-0.5
+    meta = backend.build_metadata(step.inputs, {None, window})
+    out = backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=scale, sliding_window=window)
+    assert out.shape == step.q.shape and out.dtype == step.q.dtype
+    expected = naive_attention(step, scale, window)
+    tol = TOLERANCE[step.q.dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+
+
+SCENARIOS = {
+    "decodes": ([(5, 1), (17, 1), (0, 1), (40, 1)], 4),
+    "prefill_no_context": ([(0, 23)], 0),
+    "prefill_with_context": ([(19, 13)], 0),
+    "mixed": ([(9, 1), (33, 1), (0, 21), (14, 7), (3, 1)], 2),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 4, 64])
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_matches_naive(scenario: str, block_size: int, group: int, window: int | None, dtype: torch.dtype,
+                       device: str) -> None:
+    seqs, num_decodes = SCENARIOS[scenario]
+    check(make_step(seqs, num_decodes, block_size=block_size, num_kv_heads=2, group=group, dtype=dtype,
+                    device=device), window)
+
+
+SHARED_BACKEND = TorchRefBackend()  # reused across examples: its workspace must not leak between steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    decode_contexts=st.lists(st.integers(0, 50), max_size=6),
+    chunks=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 24)), max_size=3),
+    block_size=st.sampled_from([4, 16]),
+    num_kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    window=st.none() | st.integers(1, 48),
+    seed=st.integers(0, 2**16),
+)
+def test_random_layouts(decode_contexts: list[int], chunks: list[tuple[int, int]], block_size: int,
+                        num_kv_heads: int, group: int, window: int | None, seed: int) -> None:
+    seqs = [(c, 1) for c in decode_contexts] + chunks
+    if not seqs:
+        return
+    step = make_step(seqs, len(decode_contexts), block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                     seed=seed)
+    check(step, window, SHARED_BACKEND)
+
+
+
+def test_workspace_reuse_across_step_sizes() -> None:
+    backend = TorchRefBackend()
+    large = make_step([(30, 1), (40, 1), (10, 20)], 2, block_size=4, num_kv_heads=2, group=2, seed=1)
+    small = make_step([(3, 1), (0, 5)], 1, block_size=4, num_kv_heads=2, group=2, seed=2)
+    for step in (large, small, large):
+        check(step, None, backend)
+
+
+def test_forward_writes_new_kv_at_slot_mapping() -> None:
+    step = make_step([(6, 1), (0, 9), (5, 4)], 1, block_size=4, num_kv_heads=2, group=2)
+    before_other_layer = step.kv.k_caches[0].clone()
+    backend = TorchRefBackend()
+    meta = backend.build_metadata(step.inputs, {None})
+    backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+    flat = (-1, 2, HEAD_DIM)
+    slots = step.inputs.slot_mapping
+    assert torch.equal(step.kv.k_caches[LAYER].view(flat)[slots], step.k)
+    assert torch.equal(step.kv.v_caches[LAYER].view(flat)[slots], step.v)
+    assert torch.equal(step.kv.k_caches[0], before_other_layer)
+
+
+def test_each_layer_reuses_the_step_metadata() -> None:
+    step = make_step([(7, 1), (2, 6)], 1, block_size=4, num_kv_heads=1, group=3)
+    backend = TorchRefBackend()
+    meta = backend.build_metadata(step.inputs, {None, 4})
+    for window in (None, 4, None):
+        out = backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=0.5, sliding_window=window)
+        torch.testing.assert_close(out.double(), naive_attention(step, 0.5, window), atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_window_is_rejected() -> None:
+    step = make_step([(3, 1)], 1, block_size=4, num_kv_heads=1, group=1)
+    backend = TorchRefBackend()
+    meta = backend.build_metadata(step.inputs, {None})
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0, sliding_window=8)
+
+
+def test_multi_token_sequence_among_decodes_is_rejected() -> None:
+    step = make_step([(3, 2), (4, 1)], 0, block_size=4, num_kv_heads=1, group=1)
+    bad = AttentionInputs(**{**step.inputs.__dict__, "num_decodes": 2})
+    with pytest.raises(ValueError, match="num_decodes=2"):
+        TorchRefBackend().build_metadata(bad, {None})
+
+
+def test_heads_not_a_multiple_of_kv_heads_is_rejected() -> None:
+    step = make_step([(3, 1)], 1, block_size=4, num_kv_heads=2, group=1)
+    backend = TorchRefBackend()
+    meta = backend.build_metadata(step.inputs, {None})
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        backend.forward(step.q[:, :1], step.k, step.v, LAYER, step.kv, meta, scale=1.0)
