@@ -206,3 +206,23 @@ def test_heads_not_a_multiple_of_kv_heads_is_rejected() -> None:
     meta = backend.build_metadata(step.inputs, {None})
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         backend.forward(step.q[:, :1], step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+
+
+def test_strided_qkv_views_as_the_model_passes_them() -> None:
+    """The attention layer hands over q, k, v as column slices of one packed projection."""
+    step = make_step([(5, 1), (9, 1), (4, 6)], 2, block_size=4, num_kv_heads=2, group=3)
+    packed = torch.cat([step.q, step.k, step.v], dim=1)  # [T, heads + 2 * kv_heads, d]
+    q, k, v = packed.split([6, 2, 2], dim=1)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    backend = TorchRefBackend()
+    meta = backend.build_metadata(step.inputs, {None})
+    out = backend.forward(q, k, v, LAYER, step.kv, meta, scale=0.3)
+    torch.testing.assert_close(out.double(), naive_attention(step, 0.3, None), atol=1e-5, rtol=1e-5)
+
+
+def test_empty_step_is_rejected() -> None:
+    step = make_step([(3, 1)], 1, block_size=4, num_kv_heads=1, group=1)
+    empty = AttentionInputs(**{**step.inputs.__dict__, "query_lens_list": [], "seq_lens_list": [],
+                               "slot_mapping": step.inputs.slot_mapping[:0], "num_decodes": 0})
+    with pytest.raises(ValueError, match="at least one sequence"):
+        TorchRefBackend().build_metadata(empty, {None})

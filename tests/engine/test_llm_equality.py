@@ -73,7 +73,7 @@ def test_n_samples_share_the_prompt(family) -> None:
 
 def test_preemption_under_a_small_kv_cache(family) -> None:
     path, prompts, expected = family
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=8, block_size=4, max_num_batched_tokens=16)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched_tokens=16)
     assert [o[0] for o in _generate(llm, prompts)] == expected
     assert llm.stats()["num_preemptions"] > 0
     _assert_all_blocks_free(llm)
