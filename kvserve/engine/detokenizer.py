@@ -1,0 +1,78 @@
+"""Incremental detokenization: one sample's output tokens -> text deltas, never half a character.
+
+A byte-level tokenizer may split one character over several tokens, and decoding a token alone may not give
+its text in context (SentencePiece drops a word's leading space at the start). So each update decodes a
+small window that starts a few tokens back and emits only what is new::
+
+    window:  | context: tokens emitted last time (or the prompt tail) | new, not yet emitted |
+             0                                                        ^ read_offset         ^ len
+
+    new text = decode(window) minus decode(window[:read_offset])
+
+After an emission the window restarts at the tokens just emitted, which become the next context.
+If the window's text ends in U+FFFD (the replacement character: an incomplete UTF-8 sequence), nothing is
+emitted and the window grows until the character completes. ``flush`` emits whatever is
+still held at the end, so the concatenated deltas always equal decoding all the output tokens at once.
+Decoding never cleans up tokenization spaces: that rewrites text across window boundaries.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+NUM_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output, as vLLM does
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """The text of one sample, built token by token. Not thread-safe; owned by the output processor."""
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.window = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        self.read_offset = len(self.window)
+
+    def update(self, new_token_ids: Sequence[int]) -> str:
+        """Append tokens; return the text they complete (empty while a character is still incomplete)."""
+        self.window.extend(new_token_ids)
+        prefix_text, full_text = self._window_texts()
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._emit(full_text[len(prefix_text):])
+
+    def flush(self) -> str:
+        """Return the text held back for an incomplete character (it stays incomplete: the sample ended)."""
+        prefix_text, full_text = self._window_texts()
+        return self._emit(full_text[len(prefix_text):]) if len(full_text) > len(prefix_text) else ""
+
+    def _window_texts(self) -> tuple[str, str]:
+        return self._decode(self.window[:self.read_offset]), self._decode(self.window)
+
+    def _emit(self, delta: str) -> str:
+        del self.window[:self.read_offset]
+        self.read_offset = len(self.window)
+        return delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+
+class TokenTextCache:
+    """Each token decoded alone (special tokens included), for logprob entries; memoised per token id."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], clean_up_tokenization_spaces=False)
+        return text

@@ -1,0 +1,278 @@
+"""OutputProcessor: the frontend half of a step. Token ids in, user-facing RequestOutputs out.
+
+Per sample it detokenizes incrementally, looks for stop strings across token boundaries, converts logprobs,
+and records how the sample ended; per request it gathers the n samples into one RequestOutput.
+
+Every RequestOutput is a fresh cumulative snapshot (text, token_ids, logprobs so far), and snapshots are
+append-only: a sample's next snapshot extends its previous one and never takes text back. That is the delta
+facility: a consumer keeps, per sample, how many characters and tokens it has sent, and the delta is
+``text[num_chars:]``, ``token_ids[num_tokens:]`` and ``logprobs[num_tokens:]`` (``server/streaming.py``'s
+``SampleCursor``). It also makes coalescing safe: skipping snapshots loses nothing. To keep text append-only,
+an unfinished sample hides the end of its text while it could still be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
+from kvserve.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
+from kvserve.request import sample_request_id
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import EngineOutput, TokenLogprobs
+
+
+class ProcessedOutputs(NamedTuple):
+    """One step's result: the requests that moved, and the samples a stop string ended, which the engine
+    must finish (engine-side sample ids, with finish reason STOP)."""
+
+    request_outputs: list[RequestOutput]
+    stopped_request_ids: list[str]
+
+
+class OutputProcessor:
+    """Owns the frontend state of every unfinished request. ``process`` is the per-step Python loop over
+    the step's EngineOutputs (one per sample that moved)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.token_texts = TokenTextCache(tokenizer)
+        self._requests: dict[str, _RequestState] = {}
+        self._samples: dict[str, tuple[_RequestState, int]] = {}  # engine-side sample id -> (request, index)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: frozenset[int] | Sequence[int] = frozenset(),
+    ) -> None:
+        """Track a request and its ``params.n`` samples. An EOS (``eos_token_ids``) or stop token that ends a
+        sample is kept in its token_ids but not in its text."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stop_token_ids = frozenset(eos_token_ids).union(params.stop_token_ids)
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, stop_token_ids, self.tokenizer)
+        self._requests[request_id] = state
+        for index in range(params.n):
+            self._samples[sample_request_id(request_id, index)] = (state, index)
+
+    def process(self, engine_outputs: list[EngineOutput]) -> ProcessedOutputs:
+        """Apply one step's EngineOutputs; return a snapshot of each request that moved (in order of first
+        appearance) and the sample ids stopped by a stop string. Finished requests are forgotten; outputs
+        for unknown (e.g. aborted) ids are ignored."""
+        moved: dict[str, _RequestState] = {}
+        stopped: list[str] = []
+        for engine_output in engine_outputs:
+            located = self._samples.get(engine_output.request_id)
+            if located is None:
+                continue
+            state, index = located
+            if state.update(index, engine_output, self.token_texts):
+                stopped.append(engine_output.request_id)
+            moved[state.request_id] = state
+        outputs = [state.snapshot() for state in moved.values()]
+        for state in moved.values():
+            if state.is_finished:
+                self._forget(state)
+        return ProcessedOutputs(outputs, stopped)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Finish every unfinished sample with ABORT and forget the request; its final snapshot, or None if the
+        request is unknown or already finished."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        state.abort()
+        self._forget(state)
+        return state.snapshot()
+
+    def sample_request_ids(self, request_id: str) -> list[str]:
+        """The engine-side ids of a request's samples (the id alone if the request is not tracked)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return [request_id]
+        return [sample_request_id(request_id, i) for i in range(state.params.n)]
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def _forget(self, state: _RequestState) -> None:
+        del self._requests[state.request_id]
+        for index in range(state.params.n):
+            del self._samples[sample_request_id(state.request_id, index)]
+
+
+class _SampleState:
+    """One sample's text, tokens and logprobs so far, and how it ended.
+
+        text:  |<-------------- visible -------------->|<- held ->|
+                                                         a possible stop-string start, hidden until it
+                                                         completes (then cut) or cannot (then shown)
+    """
+
+    def __init__(
+        self, index: int, params: SamplingParams, stop_token_ids: frozenset[int], detokenizer: IncrementalDetokenizer
+    ) -> None:
+        self.index = index
+        self.params = params
+        self.stop_token_ids = stop_token_ids
+        self.detokenizer = detokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.num_visible_chars = 0
+        self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, output: EngineOutput, token_texts: TokenTextCache) -> bool:
+        """Take one EngineOutput; return True if a stop string ended the sample while the engine still runs it."""
+        if self.is_finished:
+            return False
+        self.token_ids.extend(output.new_token_ids)
+        if self.logprobs is not None and output.logprobs:
+            self.logprobs.extend(to_position_logprobs(entry, token_texts) for entry in output.logprobs)
+        num_checked_chars = len(self.text)
+        self.text += self.detokenizer.update(self._text_token_ids(output))
+        if output.finished:
+            self.text += self.detokenizer.flush()
+        stopped_by_string = self._cut_at_stop_string(num_checked_chars)
+        if output.finished and not stopped_by_string:
+            self._finish(output.finish_reason, output.stop_reason)
+        self._update_visible()
+        return stopped_by_string and not output.finished
+
+    def abort(self) -> None:
+        if not self.is_finished:
+            self.text += self.detokenizer.flush()
+            self._finish(FinishReason.ABORT, None)
+            self._update_visible()
+
+    def snapshot(self) -> CompletionOutput:
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return CompletionOutput(
+            self.index, self.text[:self.num_visible_chars], list(self.token_ids),
+            self.finish_reason, self.stop_reason, logprobs,
+        )
+
+    def _text_token_ids(self, output: EngineOutput) -> list[int]:
+        """The new tokens that become text: an EOS or stop token that ended the sample is not text (it stays
+        in token_ids), unless ``include_stop_str_in_output``."""
+        new = output.new_token_ids
+        ended_by_token = output.finish_reason is FinishReason.STOP and bool(new) and new[-1] in self.stop_token_ids
+        if ended_by_token and not self.params.include_stop_str_in_output:
+            return new[:-1]
+        return new
+
+    def _cut_at_stop_string(self, num_checked_chars: int) -> bool:
+        """Look for a stop string ending in the new text (from ``min_tokens + 1`` outputs on); if one is there,
+        cut the text before it (after it with ``include_stop_str_in_output``) and finish."""
+        stops = self.params.stop_strings
+        if not stops or len(self.token_ids) <= self.params.min_tokens:
+            return False
+        found = find_stop_string(self.text, num_checked_chars, stops)
+        if found is None:
+            return False
+        position, stop = found
+        self.text = self.text[:position + len(stop) if self.params.include_stop_str_in_output else position]
+        self._finish(FinishReason.STOP, stop)
+        return True
+
+    def _update_visible(self) -> None:
+        held = 0 if self.is_finished else partial_stop_length(self.text, self.params.stop_strings)
+        self.num_visible_chars = len(self.text) - held
+
+    def _finish(self, reason: FinishReason | None, stop_reason: int | str | None) -> None:
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+
+class _RequestState:
+    """A request's n samples and its prompt logprobs (which only sample 0's outputs carry)."""
+
+    def __init__(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+        stop_token_ids: frozenset[int], tokenizer: PreTrainedTokenizerBase,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.samples = [
+            _SampleState(
+                i, params, stop_token_ids,
+                IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens),
+            )
+            for i in range(params.n)
+        ]
+        # the first prompt token has no logprobs: nothing predicts it
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.num_cached_tokens = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.samples)
+
+    def update(self, index: int, output: EngineOutput, token_texts: TokenTextCache) -> bool:
+        if index == 0:
+            self.num_cached_tokens = output.num_cached_tokens
+            if self.prompt_logprobs is not None and output.prompt_logprobs:
+                self.prompt_logprobs.extend(to_position_logprobs(e, token_texts) for e in output.prompt_logprobs)
+        return self.samples[index].update(output, token_texts)
+
+    def abort(self) -> None:
+        for sample in self.samples:
+            sample.abort()
+
+    def snapshot(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.snapshot() for s in self.samples],
+            finished=self.is_finished,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+def to_position_logprobs(entry: TokenLogprobs, token_texts: TokenTextCache) -> PositionLogprobs:
+    """TokenLogprobs -> {token id: Logprob}, the chosen token first; if it is also among the top-k, its entry
+    as the chosen token is kept."""
+    position: PositionLogprobs = {}
+    for token_id, logprob, rank in zip(entry.token_ids, entry.logprobs, entry.ranks):
+        if token_id not in position:
+            position[token_id] = Logprob(logprob, rank, token_texts(token_id))
+    return position
+
+
+def find_stop_string(text: str, num_checked_chars: int, stop_strings: Sequence[str]) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends after ``num_checked_chars`` (the text already searched),
+    as (start position, stop string); on a tie the one listed first."""
+    best: tuple[int, str] | None = None
+    for stop in stop_strings:
+        position = text.find(stop, max(0, num_checked_chars - len(stop) + 1))
+        if position != -1 and (best is None or position < best[0]):
+            best = (position, stop)
+    return best
+
+
+def partial_stop_length(text: str, stop_strings: Sequence[str]) -> int:
+    """The length of the longest end of ``text`` that is the start of a stop string (but not all of it)."""
+    longest = 0
+    for stop in stop_strings:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest

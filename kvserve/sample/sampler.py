@@ -1,0 +1,145 @@
+"""Sampler: one step's logits [N, V] -> one token per row (and logprobs for the rows that ask).
+
+    logits ─┬─> log_softmax ────────────────────────────────────────────> logprobs (raw, as vLLM v1)
+            └─> bias, min_tokens, repetition, presence/frequency (in place, rows that need them)
+                  ├─ greedy rows: argmax
+                  └─ random rows: / temperature -> top-k, top-p (one sort) -> min-p -> softmax -> draw
+
+An all-greedy batch with no processing and no logprobs is one argmax (the hot path). The draw is an
+exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to sampling from p): unseeded rows share
+one batched draw, a seeded row draws its ``q`` from its own generator, so its tokens depend only on its seed,
+its sample index and its logits, never on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from kvserve.sample.logits_processors import apply_history_processors, apply_min_p, apply_top_k_top_p
+from kvserve.sample.logprobs import gather_logprobs
+from kvserve.sample.metadata import SamplingBatch, SamplingRow
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import TokenLogprobs
+
+_SEED_MASK = 2**64 - 1
+
+
+class SamplerOutput(NamedTuple):
+    """One entry per row; ``logprobs`` is None when no row asked, else None at the rows that did not."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None
+
+
+class Sampler:
+    """Samples one token per row. Owns the generators of seeded samples, kept across steps under each
+    sample's engine-side id until ``drop``."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample row i of ``logits`` (fp32 [N, V], modified in place) with ``batch.rows[i]``.
+        Greedy (temperature 0) is the exact argmax of the processed logits. Logprobs are those of the raw
+        logits. The token ids' host copy is the call's only sync when no row wants logprobs."""
+        if logits.shape[0] != len(batch):
+            raise ValueError(f"logits have {logits.shape[0]} rows but the sampling batch has {len(batch)}")
+        if batch.is_plain_greedy:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+        raw_logprobs = self._raw_logprobs(logits, batch)
+        if batch.needs_processing:
+            apply_history_processors(logits, batch.rows)
+        token_ids = self._choose(logits, batch)
+        logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def drop(self, request_ids: Sequence[str] | frozenset[str]) -> None:
+        """Forget the generators of finished samples (engine-side ids; unknown ids are ignored)."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    @property
+    def num_generators(self) -> int:
+        return len(self._generators)
+
+    def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if batch.is_all_greedy:
+            return logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(batch.rows) if not r.params.is_greedy]
+        if len(random_rows) == len(batch):
+            return self._draw(logits, batch.rows)
+        token_ids = logits.argmax(dim=-1)
+        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        token_ids[index] = self._draw(logits[index], [batch.rows[i] for i in random_rows])
+        return token_ids
+
+    def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Temperature, truncation and a draw for rows that all have temperature > 0 (``logits`` modified)."""
+        params = [r.params for r in rows]
+        logits.div_(_per_row([p.temperature for p in params], logits)[:, None])
+        top_k = _per_row([p.top_k for p in params], logits, torch.long) if any(p.top_k for p in params) else None
+        top_p = _per_row([p.top_p for p in params], logits) if any(p.top_p < 1.0 for p in params) else None
+        if top_k is not None or top_p is not None:
+            apply_top_k_top_p(logits, top_k, top_p)
+        if any(p.min_p > 0.0 for p in params):
+            apply_min_p(logits, _per_row([p.min_p for p in params], logits))
+        probs = logits.softmax(dim=-1)
+        return probs.div_(self._exponentials(probs, rows)).argmax(dim=-1)
+
+    def _exponentials(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Exp(1) noise per row: one batched draw for unseeded rows, each seeded row from its own generator."""
+        noise = torch.empty_like(probs)
+        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
+        if len(seeded) < len(rows):
+            noise.exponential_()
+        for i in seeded:
+            noise[i].exponential_(generator=self._generator(rows[i], probs.device))
+        # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+    def _generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(row.generator_key)
+        if generator is None:
+            assert row.params.seed is not None
+            generator = torch.Generator(device=device)
+            generator.manual_seed(_sample_seed(row.params.seed, row.sample_index))
+            self._generators[row.generator_key] = generator
+        return generator
+
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+        if not batch.needs_logprobs:
+            return None
+        return torch.log_softmax(logits, dim=-1)
+
+    @staticmethod
+    def _token_logprobs(
+        raw_logprobs: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+    ) -> list[TokenLogprobs | None]:
+        wanted = [i for i, r in enumerate(batch.rows) if r.params.logprobs is not None]
+        index = torch.tensor(wanted, dtype=torch.long, device=token_ids.device)
+        num_top = [batch.rows[i].params.logprobs or 0 for i in wanted]
+        entries = gather_logprobs(raw_logprobs[index], token_ids[index], num_top)
+        out: list[TokenLogprobs | None] = [None] * len(batch)
+        for i, entry in zip(wanted, entries):
+            out[i] = entry
+        return out
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+    """Logprobs of prompt tokens: row j of ``logits`` [L, V] predicts ``target_ids[j]``; each entry holds that
+    token's logprob and rank, then the ``num_top`` most likely tokens."""
+    if logits.shape[0] != target_ids.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logit rows for {target_ids.shape[0]} prompt tokens")
+    return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, [num_top] * logits.shape[0])
+
+
+def _sample_seed(seed: int, sample_index: int) -> int:
+    """Distinct seeds for the samples of one request (sample_index < MAX_N), reproducible across runs."""
+    return (seed * SamplingParams.MAX_N + sample_index) & _SEED_MASK
+
+
+def _per_row(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype or like.dtype, device=like.device)

@@ -1,0 +1,221 @@
+"""OutputProcessor: stop strings across tokens, hold-back, n samples, finish flags, abort and logprobs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.engine.output_processor import OutputProcessor, find_stop_string, partial_stop_length
+from kvserve.outputs import FinishReason, Logprob, RequestOutput
+from kvserve.request import sample_request_id
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import EngineOutput, TokenLogprobs
+from tests.engine.byte_bpe import byte_bpe_tokenizer
+
+PROMPT = "prompt:"
+
+
+def tok():
+    return byte_bpe_tokenizer()
+
+
+def processor(request_id: str = "r", **params) -> OutputProcessor:
+    proc = OutputProcessor(tok())
+    params.setdefault("max_tokens", 100)
+    proc.add_request(request_id, PROMPT, tok().encode(PROMPT), SamplingParams(**params), {tok().eos_token_id})
+    return proc
+
+
+def feed(proc: OutputProcessor, token_ids: list[int], request_id: str = "r",
+         last: FinishReason | None = None, stop_reason: int | None = None) -> list[tuple[RequestOutput, list[str]]]:
+    """One EngineOutput per token; the last one carries ``last`` as its finish reason."""
+    steps = []
+    for i, token_id in enumerate(token_ids):
+        finish = last if i == len(token_ids) - 1 else None
+        out = proc.process([EngineOutput(request_id, [token_id], finish, stop_reason if finish else None)])
+        steps.append((out.request_outputs[0] if out.request_outputs else None, out.stopped_request_ids))
+    return steps
+
+
+def test_plain_text_streams_and_finishes_with_the_engine():
+    proc = processor()
+    ids = tok().encode("hello world 🙂")
+    steps = feed(proc, ids, last=FinishReason.LENGTH)
+    final = steps[-1][0]
+    assert final.finished and final.outputs[0].finish_reason is FinishReason.LENGTH
+    assert final.outputs[0].text == "hello world 🙂"
+    assert final.outputs[0].token_ids == ids
+    assert not any(out.finished for out, _ in steps[:-1])
+    assert all("\ufffd" not in out.outputs[0].text for out, _ in steps)
+    assert proc.num_unfinished_requests == 0
+
+
+def test_stop_string_across_token_boundaries_is_cut_and_reported():
+    proc = processor(stop=["o w"])
+    ids = tok().encode("hello world, the quick")
+    steps = feed(proc, ids)
+    stop_step = next(i for i, (_, stopped) in enumerate(steps) if stopped)
+    out, stopped = steps[stop_step]
+    assert stopped == ["r"]
+    assert out.finished
+    sample = out.outputs[0]
+    assert sample.text == "hell"
+    assert (sample.finish_reason, sample.stop_reason) == (FinishReason.STOP, "o w")
+    assert sample.token_ids == ids[:stop_step + 1]  # the tokens that completed the stop string stay
+    assert proc.process([EngineOutput("r", [ids[-1]])]).request_outputs == []  # forgotten
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string():
+    proc = processor(stop=["o w"], include_stop_str_in_output=True)
+    steps = feed(proc, tok().encode("hello world, the quick"))
+    final = next(out for out, stopped in steps if stopped)
+    assert final.outputs[0].text == "hello w"
+
+
+def test_possible_stop_string_start_is_held_back_then_released():
+    proc = processor(stop=["lo wx"])
+    ids = tok().encode("hello world")
+    assert [tok().decode([i]) for i in ids] == ["he", "l", "l", "o", " ", "w", "o", "r", "l", "d"]
+    texts = [out.outputs[0].text for out, _ in feed(proc, ids)]
+    # a trailing "l", "lo", "lo " or "lo w" could start "lo wx": hidden until the text rules it out
+    assert texts == ["he", "he", "hel", "hel", "hel", "hel", "hello wo", "hello wor", "hello wor", "hello world"]
+
+
+def test_held_text_is_released_when_the_sample_finishes():
+    proc = processor(stop=["ld!"])
+    out, _ = feed(proc, tok().encode("hello wor") + tok().encode("l"), last=FinishReason.LENGTH)[-1]
+    assert out.outputs[0].text == "hello worl"
+
+
+def test_earliest_stop_string_wins():
+    proc = processor(stop=["rld", "o w", "world"])
+    steps = feed(proc, tok().encode("hello world"), )
+    final = next(out for out, stopped in steps if stopped)
+    assert (final.outputs[0].text, final.outputs[0].stop_reason) == ("hell", "o w")
+    assert find_stop_string("a world", 0, ["world", "orl"]) == (2, "world")
+    assert find_stop_string("abcabc", 4, ["abc"]) == (3, "abc")  # must end in the unchecked text
+    assert find_stop_string("abcabc", 6, ["abc"]) is None
+
+
+def test_partial_stop_length():
+    assert partial_stop_length("hello wo", ["world", "xyz"]) == 2
+    assert partial_stop_length("hello", ["hello"]) == 0  # a whole stop string is not a partial one
+    assert partial_stop_length("aab", ["abx", "aabx"]) == 3
+
+
+def test_no_stop_string_check_before_min_tokens():
+    ids = tok().encode("stop STOP end.")
+    proc = processor(stop=["stop"], min_tokens=6)
+    steps = feed(proc, ids, last=FinishReason.LENGTH)
+    assert not any(stopped for _, stopped in steps)
+    assert steps[-1][0].outputs[0].text == "stop STOP end."
+    assert steps[-1][0].outputs[0].finish_reason is FinishReason.LENGTH
+
+
+def test_eos_stays_in_token_ids_but_not_in_text():
+    eos = tok().eos_token_id
+    proc = processor(skip_special_tokens=False)
+    ids = tok().encode("hello") + [eos]
+    out, stopped = feed(proc, ids, last=FinishReason.STOP)[-1]
+    assert stopped == []
+    assert out.outputs[0].text == "hello"
+    assert out.outputs[0].token_ids == ids
+
+
+def test_stop_token_id_hidden_unless_include_stop_str_in_output():
+    stop_id = tok().encode("!")[0]
+    for include, text in [(False, "The End"), (True, "The End!")]:
+        proc = processor(stop_token_ids=[stop_id], include_stop_str_in_output=include)
+        out, _ = feed(proc, tok().encode("The End!"), last=FinishReason.STOP, stop_reason=stop_id)[-1]
+        assert out.outputs[0].text == text and out.outputs[0].stop_reason == stop_id
+
+
+def test_n_samples_are_gathered_in_index_order_and_finish_together():
+    proc = processor(n=3, stop=["!"])
+    a, b, c = (sample_request_id("r", i) for i in range(3))
+    assert proc.sample_request_ids("r") == [a, b, c]
+    hi, yo = tok().encode("hi"), tok().encode("yo!")
+    out = proc.process([EngineOutput(a, hi[:1]), EngineOutput(c, yo[:1]), EngineOutput(b, hi[:1])])
+    (request,) = out.request_outputs
+    assert [s.index for s in request.outputs] == [0, 1, 2]
+    assert [s.token_ids for s in request.outputs] == [hi[:1], hi[:1], yo[:1]]
+    out = proc.process([EngineOutput(a, hi[1:], FinishReason.LENGTH), EngineOutput(c, yo[1:])])
+    assert out.stopped_request_ids == [c]
+    (request,) = out.request_outputs
+    assert [s.finished for s in request.outputs] == [True, False, True]
+    assert not request.finished
+    assert request.outputs[2].text == "yo"
+    (request,) = proc.process([EngineOutput(b, hi[1:], FinishReason.LENGTH)]).request_outputs
+    assert request.finished and [s.text for s in request.outputs] == ["hi", "hi", "yo"]
+
+
+def test_abort_finishes_unfinished_samples_only():
+    proc = processor(n=2, stop=["zz"])
+    a, b = proc.sample_request_ids("r")
+    proc.process([EngineOutput(a, tok().encode("ok"), FinishReason.LENGTH), EngineOutput(b, tok().encode("az"))])
+    out = proc.abort("r")
+    assert out.finished
+    assert [s.finish_reason for s in out.outputs] == [FinishReason.LENGTH, FinishReason.ABORT]
+    assert out.outputs[1].text == "az"  # the held "z" cannot become a stop string any more
+    assert proc.abort("r") is None and proc.abort("unknown") is None
+    assert proc.sample_request_ids("r") == ["r"]
+
+
+def test_logprobs_become_position_dicts_with_decoded_tokens():
+    proc = processor(logprobs=2)
+    ids = tok().encode("hi")
+    entry = TokenLogprobs([ids[0], 7, ids[0]], [-0.5, -0.4, -0.5], [2, 1, 2])
+    out = proc.process([EngineOutput("r", ids[:1], logprobs=[entry])]).request_outputs[0]
+    (position,) = out.outputs[0].logprobs
+    assert list(position) == [ids[0], 7]
+    assert position[ids[0]] == Logprob(-0.5, 2, tok().decode(ids[:1]))
+    assert position[7] == Logprob(-0.4, 1, tok().decode([7]))
+
+
+def test_prompt_logprobs_start_with_none_and_accumulate_over_chunks():
+    proc = processor(prompt_logprobs=1)
+    chunk1 = [TokenLogprobs([5, 9], [-1.0, -0.1], [3, 1])]
+    chunk2 = [TokenLogprobs([6, 6], [-0.2, -0.2], [1, 1])]
+    proc.process([EngineOutput("r", [], prompt_logprobs=chunk1)])
+    out = proc.process([EngineOutput("r", [11], prompt_logprobs=chunk2, num_cached_tokens=4)]).request_outputs[0]
+    assert out.prompt_logprobs[0] is None
+    assert out.prompt_logprobs[1] == {5: Logprob(-1.0, 3, tok().decode([5])), 9: Logprob(-0.1, 1, tok().decode([9]))}
+    assert out.prompt_logprobs[2] == {6: Logprob(-0.2, 1, tok().decode([6]))}
+    assert out.num_cached_tokens == 4
+    assert out.outputs[0].logprobs is None
+
+
+def test_snapshots_are_independent_of_later_steps():
+    proc = processor()
+    ids = tok().encode("hello")
+    first = proc.process([EngineOutput("r", ids[:1])]).request_outputs[0]
+    proc.process([EngineOutput("r", ids[1:])])
+    assert first.outputs[0].token_ids == ids[:1]
+
+
+def test_duplicate_request_id_is_rejected():
+    proc = processor()
+    with pytest.raises(ValueError, match="already in use"):
+        proc.add_request("r", None, [1], SamplingParams(), frozenset())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(["a", "b", "ab", " ", "é", "🙂", "the", "##"]), min_size=1, max_size=12),
+    stops=st.lists(st.sampled_from(["a", "ba", "b b", "é🙂", "the#", "🙂a", "abab"]), min_size=1, max_size=3),
+)
+def test_streamed_text_is_append_only_and_cut_at_the_first_stop(pieces, stops):
+    ids = tok().encode("".join(pieces))
+    full = tok().decode(ids)
+    proc = processor(stop=stops)
+    steps = feed(proc, ids, last=FinishReason.LENGTH)
+    texts = [out.outputs[0].text for out, _ in steps if out is not None]
+    assert all(after.startswith(before) for before, after in zip(texts, texts[1:]))
+    assert all("\ufffd" not in t for t in texts)
+    final = next(out for out, _ in steps if out.finished).outputs[0]
+    assert not any(stop in final.text for stop in stops)
+    if final.finish_reason is FinishReason.STOP:
+        assert full[len(final.text):].startswith(final.stop_reason)
+    else:
+        assert final.text == full

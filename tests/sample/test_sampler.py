@@ -1,0 +1,195 @@
+"""Sampler: exact greedy, truncation never picks excluded tokens, seeds independent of the batch, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.sample.metadata import SamplingBatch, SamplingRow
+from kvserve.sample.sampler import Sampler, prompt_logprobs
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import ScheduledRequest
+
+VOCAB = 32
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rng():
+    torch.manual_seed(0)  # unseeded rows draw from the global generator: keep the statistical tests stable
+
+
+def row(key="r", index=0, prompt=(), outputs=(), eos=frozenset(), **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), index, key, list(prompt), list(outputs), frozenset(eos))
+
+
+def batch(*rows: SamplingRow) -> SamplingBatch:
+    return SamplingBatch(list(rows))
+
+
+def random_logits(num_rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_plain_greedy_is_argmax_and_skips_logprobs():
+    logits = random_logits(5)
+    out = Sampler()(logits.clone(), batch(*[row(temperature=0.0)] * 5))
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.logprobs is None
+
+
+def test_greedy_with_penalties_is_argmax_of_the_hand_processed_logits():
+    logits = torch.tensor([[3.0, 2.9, 1.0, -0.5, 2.0]])
+    r = row(prompt=[0], outputs=[1], temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
+            logit_bias={3: 4.0})
+    # bias: [3, 2.9, 1, 3.5, 2]; repetition over {0, 1}: [2, 1.933, 1, 3.5, 2]; frequency on 1: 1.433
+    assert Sampler()(logits, batch(r)).token_ids == [3]
+
+
+def test_mixed_batch_greedy_rows_stay_exact():
+    logits = random_logits(6, seed=1)
+    rows = [row(temperature=0.0) if i % 2 == 0 else row(temperature=1.0) for i in range(6)]
+    out = Sampler()(logits.clone(), batch(*rows))
+    assert out.token_ids[0::2] == logits.argmax(-1)[0::2].tolist()
+
+
+def test_min_tokens_masks_eos_until_reached():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 7] = 10.0
+    rows = [row(eos={7}, outputs=[1], min_tokens=2, temperature=0.0),
+            row(eos={7}, outputs=[1, 2], min_tokens=2, temperature=0.0)]
+    out = Sampler()(logits, batch(*rows))
+    assert out.token_ids[0] != 7 and out.token_ids[1] == 7
+
+
+@pytest.mark.parametrize("params, allowed", [
+    (dict(top_k=3), {29, 30, 31}),
+    (dict(top_p=0.5), None),  # filled from the distribution below
+    (dict(min_p=0.5), None),
+    (dict(top_k=5, top_p=0.6, min_p=0.3), None),
+])
+def test_truncation_never_picks_excluded_tokens(params, allowed):
+    base = torch.arange(VOCAB, dtype=torch.float32) * 0.3  # token 31 most likely
+    probs = base.softmax(-1)
+    if allowed is None:
+        allowed = _allowed_by_hand(probs, params.get("top_k", 0), params.get("top_p", 1.0), params.get("min_p", 0.0))
+    num_draws = 2000
+    out = Sampler()(base.repeat(num_draws, 1), batch(*[row(**params)] * num_draws))
+    picked = set(out.token_ids)
+    assert picked <= allowed
+    assert len(picked) == len(allowed)  # every allowed token shows up in 2000 draws
+
+
+def _allowed_by_hand(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
+    order = probs.argsort(descending=True).tolist()
+    if top_k:
+        order = order[:top_k]
+    total = sum(probs[t].item() for t in order)
+    kept, mass = [], 0.0
+    for t in order:
+        if mass >= top_p:
+            break
+        kept.append(t)
+        mass += probs[t].item() / total
+    renorm = torch.tensor([probs[t].item() for t in kept])
+    renorm = renorm / renorm.sum()
+    return {t for t, p in zip(kept, renorm.tolist()) if p >= min_p * max(renorm.tolist())}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_temperature_scales_the_distribution(temperature):
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    expected = probs ** (1 / temperature)
+    expected = expected / expected.sum()
+    num_draws = 20000
+    out = Sampler()(probs.log().repeat(num_draws, 1), batch(*[row(temperature=temperature)] * num_draws))
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=3) / num_draws
+    assert torch.allclose(freq, expected, atol=0.015)
+
+
+def test_seeded_row_is_independent_of_its_batch():
+    target = random_logits(1, seed=3)
+
+    def draws(sampler: Sampler, others: int, position: int, seed_of_batch: int) -> list[int]:
+        tokens = []
+        for step in range(4):
+            logits = random_logits(others + 1, seed=seed_of_batch + step)
+            logits[position] = target[0]
+            rows = [row(key=f"o{i}") for i in range(others + 1)]
+            rows[position] = row(key="seeded", seed=1234)
+            tokens.append(sampler(logits, batch(*rows)).token_ids[position])
+        return tokens
+
+    alone = draws(Sampler(), 0, 0, 10)
+    assert draws(Sampler(), 5, 3, 20) == alone
+    assert draws(Sampler(), 2, 0, 30) == alone
+    assert len(set(alone)) > 1  # the generator advances across steps
+
+
+def test_seeded_samples_of_one_request_differ_but_reproduce():
+    logits = torch.zeros(4, VOCAB)  # uniform: different generators must disagree somewhere
+
+    def run() -> list[list[int]]:
+        sampler = Sampler()
+        rows = [row(key=f"r#{i}", index=i, seed=7) for i in range(4)]
+        return [sampler(logits.clone(), batch(*rows)).token_ids for _ in range(3)]
+
+    first = run()
+    assert first == run()
+    assert len({tuple(step[i] for step in first) for i in range(4)}) == 4
+
+
+def test_drop_forgets_generators_so_a_new_request_restarts_its_seed():
+    sampler = Sampler()
+    logits = torch.zeros(1, VOCAB)
+    first = [sampler(logits.clone(), batch(row(key="a", seed=5))).token_ids[0] for _ in range(5)]
+    assert sampler.num_generators == 1
+    sampler.drop(frozenset({"a", "unknown"}))
+    assert sampler.num_generators == 0
+    assert [sampler(logits.clone(), batch(row(key="a", seed=5))).token_ids[0] for _ in range(5)] == first
+
+
+def test_from_rows_keys_fork_rows_by_their_sample_ids():
+    params = SamplingParams(n=3, seed=1)
+    parent = ScheduledRequest("req", [1, 2], 0, [0], True, params, [1, 2], [], num_samples=3)
+    child = ScheduledRequest("req#2", [5], 3, [0], True, params, [1, 2], [5], sample_index=2)
+    sampling = SamplingBatch.from_rows([parent, parent, parent, child], [0, 1, 2, 2])
+    assert [r.generator_key for r in sampling.rows] == ["req", "req#1", "req#2", "req#2"]
+    assert [r.sample_index for r in sampling.rows] == [0, 1, 2, 2]
+
+
+def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_k():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    raw = torch.log_softmax(logits, -1)
+    rows = [row(temperature=0.0, logprobs=2, logit_bias={3: 10.0}), row(temperature=0.0)]
+    out = Sampler()(logits.clone(), batch(*rows))
+    assert out.token_ids == [3, 2]
+    entry = out.logprobs[0]
+    assert entry.token_ids == [3, 1, 2]
+    assert entry.ranks == [4, 1, 2]
+    assert entry.logprobs == pytest.approx([raw[0, 3].item(), raw[0, 1].item(), raw[0, 2].item()])
+    assert out.logprobs[1] is None
+
+
+def test_logprobs_zero_returns_only_the_sampled_token():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    out = Sampler()(logits.clone(), batch(row(temperature=0.0, logprobs=0)))
+    assert out.logprobs[0].token_ids == [1]
+    assert out.logprobs[0].ranks == [1]
+    expected = 3 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
+    assert out.logprobs[0].logprobs[0] == pytest.approx(expected)
+
+
+def test_prompt_logprobs():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    entries = prompt_logprobs(logits, torch.tensor([2, 0]), 1)
+    raw = torch.log_softmax(logits, -1)
+    assert entries[0].token_ids == [2, 1] and entries[0].ranks == [2, 1]
+    assert entries[0].logprobs == pytest.approx([raw[0, 2].item(), raw[0, 1].item()])
+    assert entries[1].token_ids == [0, 0] and entries[1].ranks == [1, 1]
+
+
+def test_row_count_mismatch_is_rejected():
+    with pytest.raises(ValueError, match="rows"):
+        Sampler()(torch.zeros(2, VOCAB), batch(row()))
