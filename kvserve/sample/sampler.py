@@ -13,7 +13,7 @@ its sample index and its logits, never on the other rows of the batch.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -55,7 +55,7 @@ class Sampler:
         logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
-    def drop(self, request_ids: Sequence[str] | frozenset[str]) -> None:
+    def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the generators of finished samples (engine-side ids; unknown ids are ignored)."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)

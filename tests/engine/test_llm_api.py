@@ -33,10 +33,10 @@ def test_text_is_the_detokenized_tokens(llm: LLM) -> None:
 def test_chat_uses_the_chat_template(llm: LLM) -> None:
     messages = [{"role": "user", "content": "hi"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
-    template_ids = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(template_ids, dict):
-        template_ids = template_ids["input_ids"]
-    assert out.prompt_token_ids == list(template_ids)
+    rendered = llm.get_tokenizer().apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    assert out.prompt_token_ids == list(rendered["input_ids"])
     two = llm.chat([messages, messages], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in two] == [out.outputs[0].token_ids] * 2
 
