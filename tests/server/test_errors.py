@@ -99,9 +99,12 @@ def test_a_bad_streaming_request_is_a_400_before_any_event(server: ServerProcess
 
 
 def test_an_unknown_model_is_a_404(server: ServerProcess) -> None:
-    error = assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=completion(model="gpt-9")), 404)
+    json_header = {"content-type": "application/json"}
+    response = httpx.post(f"{server.url}/v1/completions", content=completion(model="gpt-9"), headers=json_header)
+    error = assert_openai_error(response, 404)
     assert error["param"] == "model" and "gpt-9" in error["message"]
-    assert_openai_error(httpx.post(f"{server.url}/v1/chat/completions", content=chat(model="gpt-9")), 404)
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=chat(model="gpt-9"), headers=json_header)
+    assert_openai_error(response, 404)
     assert_still_serving(server)
 
 

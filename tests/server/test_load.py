@@ -65,12 +65,12 @@ def test_clients_that_disconnect_abort_their_requests_and_free_every_block(serve
                     return  # closes the connection mid-stream
 
     async def give_up_waiting(client: httpx.AsyncClient, i: int) -> None:
-        body = {"model": MODEL_NAME, "prompt": f"Patient {i}", "max_tokens": 200, "ignore_eos": True}
+        body = {"model": MODEL_NAME, "prompt": f"Patient {i}", "max_tokens": 240, "ignore_eos": True}
         try:
-            await client.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+            await client.post(f"{server.url}/v1/completions", json=body, timeout=0.2)
         except httpx.TimeoutException:
             return
-        raise AssertionError("a 200-token completion was expected to outlast the client's timeout")
+        raise AssertionError("a 240-token completion was expected to outlast the client's timeout")
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
