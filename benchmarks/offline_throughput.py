@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import transformers
@@ -129,10 +129,13 @@ def timed(
     return SystemResult(system, wall_s, *token_counts(workload), details or {})
 
 
+def kvserve_params(request: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=request.num_output_tokens, ignore_eos=True, temperature=0)
+
+
 def kvserve_generate(llm: LLM, workload: Sequence[BenchRequest]) -> None:
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
-    params = [SamplingParams(max_tokens=r.num_output_tokens, ignore_eos=True, temperature=0) for r in workload]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, [kvserve_params(r) for r in workload], use_tqdm=False)
     for request, output in zip(workload, outputs):
         num_generated = len(output.outputs[0].token_ids)
         assert num_generated == request.num_output_tokens, (num_generated, request.num_output_tokens)
@@ -159,7 +162,8 @@ def hf_generate(model: PreTrainedModel, batch: Sequence[BenchRequest], pad_token
     for row, request in enumerate(batch):
         input_ids[row, max_prompt - len(request.prompt_token_ids):] = torch.tensor(request.prompt_token_ids)
         attention_mask[row, max_prompt - len(request.prompt_token_ids):] = 1
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=num_new,
+    out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                         max_new_tokens=num_new,
                          min_new_tokens=num_new, do_sample=False, pad_token_id=pad_token_id)
     assert out.shape == (len(batch), max_prompt + num_new), (tuple(out.shape), max_prompt + num_new)
 
@@ -188,49 +192,62 @@ def load_hf(model: str, pad_token_id: int, token_ids: list[int]) -> PreTrainedMo
 
 # --- profile --------------------------------------------------------------------------------------------
 
-GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm"})
-# An op is charged to the first group whose Python source folder encloses its call, else by its own name.
-FRAME_GROUPS = (("attention + KV", ("kvserve/attention/", "kvserve/kv/")), ("sampling", ("kvserve/sample/",)))
+# Ops called from Python, grouped by name; ops nested inside them count toward their caller.
+OP_GROUPS = {
+    "GEMMs": {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm"},
+    "attention + KV": {"aten::scaled_dot_product_attention", "aten::index_select", "aten::index_copy_",
+                       "aten::index_put_", "aten::gather"},
+    "sampling": {"aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::log_softmax",
+                 "aten::multinomial"},
+}
 
 
-def ancestors(event: FunctionEvent) -> Iterator[FunctionEvent]:
-    parent = event.cpu_parent
-    while parent is not None:
-        yield parent
-        parent = parent.cpu_parent
-
-
-def op_group(event: FunctionEvent) -> str:
-    frames = [parent.name for parent in ancestors(event)]  # Python frames, e.g. "kvserve/sample/sampler.py(40): ..."
-    for group, folders in FRAME_GROUPS:
-        if any(folder in frame for frame in frames for folder in folders):
-            return group
-    if "scaled_dot_product" in event.name:
-        return "attention + KV"
-    return "GEMMs" if event.name in GEMM_OPS else "other ops"
+def op_group(name: str) -> str:
+    return next((group for group, names in OP_GROUPS.items() if name in names), "other ops")
 
 
 def top_level_ops(events: Sequence[FunctionEvent]) -> list[FunctionEvent]:
     """aten ops called from Python: their inclusive times add up without counting nested ops twice."""
-    return [
-        e for e in events
-        if e.name.startswith("aten::") and not any(p.name.startswith("aten::") for p in ancestors(e))
-    ]
+    return [e for e in events if e.name.startswith("aten::") and not _has_aten_ancestor(e)]
 
 
-def profile_kvserve(llm: LLM, workload: Sequence[BenchRequest]) -> dict[str, Any]:
-    """Where kvserve's time goes on ``workload`` under torch.profiler: op time by group (Python stacks tell
-    attention's and the sampler's ops from the model's), and the profiled wall time left over as
-    Python/framework overhead. The profiler's own cost lands in that remainder: the unprofiled wall time of
-    the same run is reported beside it to bound it."""
-    unprofiled = timed("kvserve", lambda w: kvserve_generate(llm, w), workload).wall_s
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=True) as prof:
-        profiled = timed("kvserve", lambda w: kvserve_generate(llm, w), workload).wall_s
-    groups = {"GEMMs": 0.0, "attention + KV": 0.0, "sampling": 0.0, "other ops": 0.0}
-    for event in top_level_ops(prof.events()):
-        groups[op_group(event)] += event.cpu_time_total / 1e6
-    groups["Python/framework"] = profiled - sum(groups.values())
-    return {"num_requests": len(workload), "wall_s": profiled, "unprofiled_wall_s": unprofiled, "groups_s": groups}
+def _has_aten_ancestor(event: FunctionEvent) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def profile_kvserve(llm: LLM, workload: Sequence[BenchRequest], every: int) -> dict[str, Any]:
+    """Where kvserve's step time goes on ``workload``: every ``every``-th engine step runs under torch.profiler
+    (CPU ops, no shapes), so both the prefill-heavy start and the decode-only tail are sampled while the
+    trace stays small enough to parse. Op time is grouped by name; the rest of those steps' wall time is
+    Python/framework overhead (the profiler's own small per-op cost included)."""
+    for i, request in enumerate(workload):
+        llm.engine.add_request(f"profile-{i}", {"prompt_token_ids": request.prompt_token_ids},
+                               kvserve_params(request))
+    groups = dict.fromkeys([*OP_GROUPS, "other ops"], 0.0)
+
+    def collect(prof: profile) -> None:
+        for event in top_level_ops(prof.events()):
+            groups[op_group(event.name)] += event.cpu_time_total / 1e6
+
+    # each cycle of ``every`` steps: wait, one warm-up step, then one recorded step
+    schedule = torch.profiler.schedule(wait=every - 2, warmup=1, active=1)
+    num_steps, profiled_wall_s = 0, 0.0
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule, on_trace_ready=collect) as prof:
+        while llm.engine.has_unfinished_requests():
+            start = time.perf_counter()
+            llm.engine.step()
+            if num_steps % every == every - 1:
+                profiled_wall_s += time.perf_counter() - start
+            num_steps += 1
+            prof.step()
+    groups["Python/framework"] = profiled_wall_s - sum(groups.values())
+    return {"num_steps": num_steps, "num_profiled_steps": num_steps // every, "wall_s": profiled_wall_s,
+            "groups_s": groups}
 
 
 # --- report ---------------------------------------------------------------------------------------------
@@ -264,9 +281,10 @@ def results_table(results: list[SystemResult], bound_s: float) -> str:
 
 def profile_table(profile_result: dict[str, Any]) -> str:
     wall = profile_result["wall_s"]
-    lines = [f"kvserve on {profile_result['num_requests']} requests: {wall:.2f} s under the profiler, "
-             f"{profile_result['unprofiled_wall_s']:.2f} s without", "",
-             "| where | s | share |", "|---|---|---|"]
+    if not profile_result["num_profiled_steps"]:
+        return f"kvserve ran {profile_result['num_steps']} steps, fewer than --profile-every: none was profiled"
+    lines = [f"kvserve step time: {profile_result['num_profiled_steps']} of {profile_result['num_steps']} steps "
+             f"profiled, {wall:.2f} s", "", "| where | s | share |", "|---|---|---|"]
     lines += [f"| {group} | {s:.2f} | {s / wall:.0%} |" for group, s in profile_result["groups_s"].items()]
     return "\n".join(lines)
 
@@ -324,14 +342,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--profile", action="store_true", help="also profile kvserve on the first --profile-requests")
-    p.add_argument("--profile-requests", type=int, default=8)
+    p.add_argument("--profile", action="store_true", help="also profile kvserve's steps on the workload")
+    p.add_argument("--profile-every", type=int, default=10, help="profile one engine step in this many (>= 2)")
     p.add_argument("--json", type=Path, help="write the full report here")
     args = p.parse_args(argv)
     if not 1 <= args.min_prompt <= args.max_prompt or not 1 <= args.min_output <= args.max_output:
         p.error("length ranges need 1 <= --min-* <= --max-*")
-    if args.num_requests < 1 or args.profile_requests < 1:
-        p.error("--num-requests and --profile-requests must be >= 1")
+    if args.num_requests < 1 or args.profile_every < 2:
+        p.error("--num-requests must be >= 1 and --profile-every >= 2")
     return args
 
 
@@ -343,7 +361,7 @@ def run_systems(args: argparse.Namespace, workload: list[BenchRequest], token_id
         if "kvserve" in args.systems:
             results.append(run_kvserve(llm, workload))
         if args.profile:
-            report["profile"] = profile_kvserve(llm, workload[:args.profile_requests])
+            report["profile"] = profile_kvserve(llm, workload, args.profile_every)
         del llm  # free its KV cache before transformers loads a second copy of the model
     hf_systems = [s for s in args.systems if s.startswith("hf-")]
     if hf_systems:
