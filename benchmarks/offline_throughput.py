@@ -163,8 +163,7 @@ def hf_generate(model: PreTrainedModel, batch: Sequence[BenchRequest], pad_token
         input_ids[row, max_prompt - len(request.prompt_token_ids):] = torch.tensor(request.prompt_token_ids)
         attention_mask[row, max_prompt - len(request.prompt_token_ids):] = 1
     out = model.generate(input_ids=input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                         max_new_tokens=num_new,
-                         min_new_tokens=num_new, do_sample=False, pad_token_id=pad_token_id)
+                         max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False, pad_token_id=pad_token_id)
     assert out.shape == (len(batch), max_prompt + num_new), (tuple(out.shape), max_prompt + num_new)
 
 
@@ -297,7 +296,8 @@ def print_report(report: dict[str, Any], results: list[SystemResult]) -> None:
         print(f"  GEMM {name:>12} {str(rate['shape']):>20}: {rate['flops_per_s'] / 1e9:7.1f} GFLOP/s")
     print(f"compute bound: {bound['flops'] / 1e12:.2f} TFLOP at {bound['peak_flops_per_s'] / 1e9:.1f} GFLOP/s "
           f"= {bound['bound_s']:.1f} s\n")
-    print(results_table(results, bound["bound_s"]))
+    if results:
+        print(results_table(results, bound["bound_s"]))
     if "kvserve" in report["systems"]:
         print(f"\nkvserve KV cache: {json.dumps(report['systems']['kvserve']['details']['stats'])}")
     if "profile" in report:
