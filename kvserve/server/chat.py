@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
 import jinja2
@@ -24,6 +23,7 @@ from kvserve.server.protocol import (
     Usage,
 )
 from kvserve.server.streaming import (
+    GenerationHandler,
     SSE_DONE,
     BatchCursor,
     last_item,
@@ -50,16 +50,11 @@ async def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_gene
         raise bad_request(ValueError(f"messages: {e}"), param="messages") from e
 
 
-class ChatServer:
+class ChatServer(GenerationHandler):
     """Turns one ChatCompletionRequest into an engine request and its outputs into OpenAI's answer."""
 
-    def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest, model_name: str) -> None:
-        self.engine = engine
-        self.body = body
-        self.model_name = model_name
-        self.request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        self.params = body.to_sampling_params()
-        self.tokenizer = engine.engine.tokenizer
+    id_prefix = "chatcmpl"
+    body: ChatCompletionRequest
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:
         """Render and queue the conversation (raising APIError 400 for bad input); return the output stream."""

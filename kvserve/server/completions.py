@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from kvserve.outputs import PositionLogprobs, RequestOutput
@@ -14,6 +13,7 @@ from kvserve.server.protocol import (
     Usage,
 )
 from kvserve.server.streaming import (
+    GenerationHandler,
     SSE_DONE,
     BatchCursor,
     SampleDelta,
@@ -26,7 +26,6 @@ from kvserve.server.streaming import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.input_processor import PromptInput
 
 
@@ -34,16 +33,11 @@ def engine_prompts(body: CompletionRequest) -> list[PromptInput]:
     return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in body.prompts]
 
 
-class CompletionServer:
+class CompletionServer(GenerationHandler):
     """Turns one CompletionRequest into engine requests and their outputs into OpenAI's answer."""
 
-    def __init__(self, engine: AsyncEngine, body: CompletionRequest, model_name: str) -> None:
-        self.engine = engine
-        self.body = body
-        self.model_name = model_name
-        self.request_id = f"cmpl-{uuid.uuid4().hex}"
-        self.params = body.to_sampling_params()
-        self.tokenizer = engine.engine.tokenizer
+    id_prefix = "cmpl"
+    body: CompletionRequest
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:
         """Queue the requests (raising APIError 400 for bad input) and return their output stream."""

@@ -4,6 +4,7 @@ logprob token text, and aborting on a client disconnect."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Sequence, TypeVar
@@ -86,6 +87,21 @@ class BatchCursor:
                 if delta is not None:
                     deltas.append((index, delta))
         return deltas
+
+
+class GenerationHandler:
+    """What both generation endpoints hold: the engine, the request body, the served model name, a fresh
+    request id (``{id_prefix}-{hex}``), the sampling params and the tokenizer."""
+
+    id_prefix = "req"
+
+    def __init__(self, engine: AsyncEngine, body: Any, model_name: str) -> None:
+        self.engine = engine
+        self.body = body
+        self.model_name = model_name
+        self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.params = body.to_sampling_params()
+        self.tokenizer = engine.engine.tokenizer
 
 
 def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int]:

@@ -31,13 +31,11 @@ def free_port() -> int:
 class ServerProcess:
     """``kvserve serve`` in a subprocess; its output goes to a log file (a pipe nobody reads would block it)."""
 
-    def __init__(self, checkpoint: Path, log_dir: Path, *flags: str) -> None:
+    def __init__(self, serve_args: list[str], log_dir: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server-{self.port}.log"
-        command = [sys.executable, "-m", "kvserve.cli", "serve", str(checkpoint), "--port", str(self.port),
-                   "--served-model-name", MODEL_NAME, "--num-kv-blocks", str(NUM_KV_BLOCKS),
-                   "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu", *flags]
+        command = [sys.executable, "-m", "kvserve.cli", "serve", *serve_args, "--port", str(self.port)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -99,7 +97,11 @@ def start_server(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
     log_dir = tmp_path_factory.mktemp("server-logs")
 
     def start(*flags: str, wait: bool = True) -> ServerProcess:
-        server = ServerProcess(tiny_checkpoint, log_dir, *flags)
+        server = ServerProcess(
+            [str(tiny_checkpoint), "--served-model-name", MODEL_NAME, "--num-kv-blocks", str(NUM_KV_BLOCKS),
+             "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu", *flags],
+            log_dir,
+        )
         started.append(server)
         if wait:
             server.wait_ready()

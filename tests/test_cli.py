@@ -1,0 +1,54 @@
+"""The `kvserve` command's offline subcommands (serve is covered by tests/server)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvserve.cli import main
+
+
+def test_make_checkpoint_writes_a_loadable_seeded_checkpoint(tmp_path: Path, capsys) -> None:
+    assert main(["make-checkpoint", str(tmp_path / "a"), "--arch", "qwen3", "--seed", "3"]) == 0
+    assert main(["make-checkpoint", str(tmp_path / "b"), "--arch", "qwen3", "--seed", "3"]) == 0
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert str(tmp_path / "a") in capsys.readouterr().out
+
+
+def test_generate_prints_the_completion(tiny_checkpoints, capsys) -> None:
+    from kvserve import LLM, SamplingParams
+
+    path = str(tiny_checkpoints["llama"])
+    assert main(["generate", "hello world", "--model", path, "--max-tokens", "6", "--dtype", "float32"]) == 0
+    printed = capsys.readouterr().out.rstrip("\n")
+    expected = LLM(path, dtype="float32", num_kv_blocks=16).generate("hello world", SamplingParams(temperature=0, max_tokens=6))
+    assert printed == expected[0].outputs[0].text
+
+
+def test_models_lists_the_packaged_models(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct" in out and "gemma-3-270m" in out and "not pulled" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["pull", "no-such-model"], "no-such-model"),
+        (["generate", "hi", "--model", "/nonexistent/dir/model.gguf"], "nonexistent"),
+    ],
+)
+def test_errors_are_one_line_and_exit_2(argv: list[str], message: str, capsys) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve: error:") and message in err
+
+
+def test_an_unknown_arch_is_refused_by_argparse(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["make-checkpoint", str(tmp_path), "--arch", "gpt2"])
+    assert exit_info.value.code == 2
