@@ -22,31 +22,34 @@ import torch.nn.functional as F
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata
 from kvserve.kv.storage import KVCacheStorage
 
+MIN_DECODE_GROUP = 8
+
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """All decodes of the step, as one SDPA call over keys padded to ``num_keys`` per sequence::
+    """A group of decodes of similar length, as one SDPA call over keys padded to ``num_keys`` per sequence::
 
         decode i:  | start_i ............ seq_len_i - 1 | padding (masked, reads position 0) |
                    |<------------------------------ num_keys ------------------------------->|
 
-    ``start_i`` is 0, or ``seq_len_i - window`` under a sliding window.
+    ``start_i`` is 0, or ``seq_len_i - window`` under a sliding window. ``rows`` are the group's query rows.
     """
 
-    slots: torch.Tensor  # int64 [num_decodes, num_keys]: flat cache slot of each key
-    mask: torch.Tensor  # bool [num_decodes, 1, 1, num_keys]: False on the padding
+    rows: torch.Tensor  # int64 [n]: the step's query rows of this group's decodes
+    slots: torch.Tensor  # int64 [n, num_keys]: flat cache slot of each key
+    mask: torch.Tensor  # bool [n, 1, 1, num_keys]: False on the padding
 
     def attend(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out: torch.Tensor, scale: float
     ) -> None:
-        """q, out: the step's [T, heads, d]; keys, values: this call's gathered rows [D * kv_heads * keys, d]."""
+        """q, out: the step's [T, heads, d]; keys, values: this call's gathered rows [n * kv_heads * keys, d]."""
         num_decodes, num_keys = self.slots.shape
         head_dim = q.shape[-1]
         kv_shape = (num_decodes, -1, num_keys, head_dim)
         keys, values = keys.view(kv_shape), values.view(kv_shape)
-        queries = q[:num_decodes].unflatten(1, (keys.shape[1], -1))  # [D, kv_heads, group, d]
+        queries = q.index_select(0, self.rows).unflatten(1, (keys.shape[1], -1))  # [n, kv_heads, group, d]
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=scale)
-        out[:num_decodes].view(o.shape).copy_(o)  # o may be strided (CUDA kernels return a transposed layout)
+        out.index_copy_(0, self.rows, o.reshape(num_decodes, *out.shape[1:]))
 
 
 @dataclass(frozen=True)
@@ -196,23 +199,47 @@ def _plan_for(meta: TorchRefMetadata, sliding_window: int | None) -> WindowPlan:
 def _window_plan(inputs: AttentionInputs, window: int | None) -> WindowPlan:
     if window is not None and window < 1:
         raise ValueError(f"sliding window must be a positive number of tokens, got {window}")
-    calls: list[DecodeBatch | PrefillChunk] = [_decode_batch(inputs, window)] if inputs.num_decodes else []
+    calls: list[DecodeBatch | PrefillChunk] = [
+        _decode_batch(inputs, rows, window) for rows in _decode_groups(inputs.seq_lens_list[: inputs.num_decodes])
+    ]
     query_starts = list(accumulate(inputs.query_lens_list, initial=0))
     for seq in range(inputs.num_decodes, inputs.num_seqs):
         calls.append(_prefill_chunk(inputs, seq, query_starts[seq], window))
     return WindowPlan(calls)
 
 
-def _decode_batch(inputs: AttentionInputs, window: int | None) -> DecodeBatch:
-    num_decodes = inputs.num_decodes
-    seq_lens = inputs.seq_lens[:num_decodes].long()
-    max_len = max(inputs.seq_lens_list[:num_decodes])
+def _decode_groups(seq_lens: list[int]) -> list[list[int]]:
+    """Decodes grouped by length so that padding to a group's longest costs at most a quarter more keys
+    than the group holds (contexts in a batch can differ tenfold; one padded call would read them all at
+    the longest). Groups have at least ``MIN_DECODE_GROUP`` members, so the number of SDPA calls stays small."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = []
+    total = 0
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is not None and (
+            len(group) < MIN_DECODE_GROUP or seq_lens[i] * (len(group) + 1) <= 1.25 * (total + seq_lens[i])
+        ):
+            group.append(i)
+            total += seq_lens[i]
+        else:
+            groups.append([i])
+            total = seq_lens[i]
+    return groups
+
+
+def _decode_batch(inputs: AttentionInputs, rows: list[int], window: int | None) -> DecodeBatch:
+    device = inputs.seq_lens.device
+    row_ids = torch.tensor(rows, dtype=torch.long, device=device)
+    seq_lens = inputs.seq_lens.long().index_select(0, row_ids)
+    max_len = max(inputs.seq_lens_list[r] for r in rows)
     num_keys = max_len if window is None else min(window, max_len)
     start = torch.zeros_like(seq_lens) if window is None else (seq_lens - window).clamp_min(0)
-    positions = start.unsqueeze(1) + torch.arange(num_keys, device=seq_lens.device)
+    positions = start.unsqueeze(1) + torch.arange(num_keys, device=device)
     valid = positions < seq_lens.unsqueeze(1)
-    slots = _slots(inputs.block_tables[:num_decodes], torch.where(valid, positions, 0), inputs.block_size)
-    return DecodeBatch(slots=slots, mask=valid[:, None, None, :])
+    block_tables = inputs.block_tables.index_select(0, row_ids)
+    slots = _slots(block_tables, torch.where(valid, positions, 0), inputs.block_size)
+    return DecodeBatch(rows=row_ids, slots=slots, mask=valid[:, None, None, :])
 
 
 def _prefill_chunk(inputs: AttentionInputs, seq: int, query_start: int, window: int | None) -> PrefillChunk:

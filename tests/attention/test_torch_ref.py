@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.attention.backend import AttentionInputs
-from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.attention.torch_ref import MIN_DECODE_GROUP, TorchRefBackend, _decode_groups
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 
 HEAD_DIM = 8
@@ -115,6 +115,9 @@ SCENARIOS = {
     "prefill_no_context": ([(0, 23)], 0),
     "prefill_with_context": ([(19, 13)], 0),
     "mixed": ([(9, 1), (33, 1), (0, 21), (14, 7), (3, 1)], 2),
+    # enough decodes of very different lengths to be split into several length groups
+    "many_decodes": ([(c, 1) for c in (0, 3, 7, 150, 12, 90, 1, 60, 33, 200, 5, 18, 120, 2, 75, 44, 9, 160, 27, 11)]
+                     + [(14, 7)], 20),
 }
 
 
@@ -136,7 +139,7 @@ SHARED_BACKEND = TorchRefBackend()  # reused across examples: its workspace must
 
 @settings(max_examples=60, deadline=None)
 @given(
-    decode_contexts=st.lists(st.integers(0, 50), max_size=6),
+    decode_contexts=st.lists(st.integers(0, 120), max_size=24),
     chunks=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 24)), max_size=3),
     block_size=st.sampled_from([4, 16]),
     num_kv_heads=st.integers(1, 3),
@@ -226,3 +229,16 @@ def test_empty_step_is_rejected() -> None:
                                "slot_mapping": step.inputs.slot_mapping[:0], "num_decodes": 0})
     with pytest.raises(ValueError, match="at least one sequence"):
         TorchRefBackend().build_metadata(empty, {None})
+
+
+def test_decodes_are_grouped_by_length_with_bounded_padding() -> None:
+    seq_lens = [1, 200, 3, 180, 7, 40, 41, 42, 43, 44, 45, 46, 47, 48, 190, 195, 199, 185, 170, 175, 2, 4, 5, 6]
+    groups = _decode_groups(seq_lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(seq_lens)))
+    assert len(groups) > 1
+    for group in groups[:-1]:
+        assert len(group) >= MIN_DECODE_GROUP
+    for group in groups:
+        lens = [seq_lens[i] for i in group]
+        if len(group) > MIN_DECODE_GROUP:  # the first MIN_DECODE_GROUP members join unconditionally
+            assert max(lens) * len(lens) <= 1.25 * sum(lens)
