@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 import torch
 
-from kvserve.config import EngineConfig, SchedulerConfig, parse_dtype, resolve_device
+from kvserve.config import EngineConfig, parse_dtype, resolve_device
 from kvserve.engine.core import EngineCore, num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor

