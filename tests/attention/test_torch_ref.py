@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.attention.backend import AttentionInputs
-from kvserve.attention.torch_ref import MIN_DECODE_GROUP, TorchRefBackend, _decode_groups
+from kvserve.attention.torch_ref import MAX_DECODE_GROUPS_CPU, MIN_DECODE_GROUP, TorchRefBackend, _decode_groups
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 
 HEAD_DIM = 8
@@ -233,12 +233,14 @@ def test_empty_step_is_rejected() -> None:
 
 def test_decodes_are_grouped_by_length_with_bounded_padding() -> None:
     seq_lens = [1, 200, 3, 180, 7, 40, 41, 42, 43, 44, 45, 46, 47, 48, 190, 195, 199, 185, 170, 175, 2, 4, 5, 6]
-    groups = _decode_groups(seq_lens)
+    groups = _decode_groups(seq_lens, MAX_DECODE_GROUPS_CPU)
     assert sorted(i for g in groups for i in g) == list(range(len(seq_lens)))
-    assert len(groups) > 1
+    assert 1 < len(groups) <= MAX_DECODE_GROUPS_CPU
     for group in groups[:-1]:
         assert len(group) >= MIN_DECODE_GROUP
     for group in groups:
         lens = [seq_lens[i] for i in group]
         if len(group) > MIN_DECODE_GROUP:  # the first MIN_DECODE_GROUP members join unconditionally
             assert max(lens) * len(lens) <= 1.25 * sum(lens)
+    many = [1 + (i * 37) % 500 for i in range(256)]
+    assert len(_decode_groups(many, 4)) <= 4 and _decode_groups(many, 1) == [sorted(range(256), key=many.__getitem__)]
