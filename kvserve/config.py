@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+SCHEDULING_POLICIES = ("fcfs", "lpm")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -91,8 +92,18 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    # Waiting requests: "fcfs" in arrival order, or "lpm" (longest cached prefix first, SGLang's policy)
+    # with requests waiting over ``lpm_aging_steps`` steps served first, in arrival order, so none starves.
+    scheduling_policy: str = "lpm"
+    lpm_aging_steps: int = 64
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
+            )
+        if self.lpm_aging_steps < 1:
+            raise ValueError(f"lpm_aging_steps must be >= 1, got {self.lpm_aging_steps}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

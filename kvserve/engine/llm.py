@@ -33,6 +33,7 @@ class LLM:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
+        scheduling_policy: str = "lpm",
         device: str = "auto",
         seed: int = 0,
     ) -> None:
@@ -46,7 +47,11 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 kv_cache_dtype=kv_cache_dtype,
             ),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                scheduling_policy=scheduling_policy,
+            ),
             device=device,
         )
         self.engine = LLMEngine(config)

@@ -61,7 +61,7 @@ class LLMEngine:
             self.config.cache, runner.kv_cache_spec(), self.device, max_blocks_needed
         )
         runner.init_kv_cache(self.num_kv_blocks)
-        kv_manager = KVCacheManager(self.num_kv_blocks, block_size)
+        kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching)
         return EngineCore(runner, Scheduler(sched_config, kv_manager), kv_manager)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
@@ -107,4 +107,5 @@ class LLMEngine:
             "num_running": self.core.scheduler.num_running,
             "num_waiting": self.core.scheduler.num_waiting,
             "num_preemptions": self.core.scheduler.num_preemptions,
+            **self.core.scheduler.prefix_cache_stats(),
         }

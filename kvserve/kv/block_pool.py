@@ -1,14 +1,21 @@
-"""BlockPool: fixed-size KV blocks named by ints, with reference counts and an O(1) free queue.
+"""BlockPool: fixed-size KV blocks named by ints, with reference counts and O(1) free queues.
 
-A block is either free (reference count 0, in the free queue) or held by one or more requests (count >= 1,
-not in the queue). Freed blocks join the tail of the queue and allocation takes from the head, so the blocks
-freed longest ago are reused first: the order an LRU prefix cache wants when it later keeps freed blocks.
+A block is held by one or more requests (reference count >= 1) or unheld (count 0). An unheld block waits
+in one of two queues, each in the order blocks were released (head = released longest ago)::
+
+    free:       | unheld, content worthless |  -> allocation takes these first
+    evictable:  | unheld, content kept by the prefix cache (LRU) |  -> then these, evicting each
+
+A block is *cached* while the prefix cache's tree names it (``mark_cached``); a cached block that loses its
+last holder becomes evictable instead of free. Allocation never evicts while a worthless block is left, and
+evicts the least recently released cached block first, telling the cache through ``on_evict``. A cache hit
+takes an evictable block back (``take``) without copying anything.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Iterable
+from collections import OrderedDict
+from typing import Callable, Iterable
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -16,31 +23,50 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least 1 block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.on_evict = on_evict
         self._ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._cached = [False] * num_blocks
+        # OrderedDicts as O(1) queues that also allow O(1) removal from the middle (a cache hit).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can get: the free ones and the evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._evictable)
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
+    def is_cached(self, block_id: int) -> bool:
+        self._check_id(block_id)
+        return self._cached[block_id]
+
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` free blocks (reference count 1 each); raises NoFreeBlocksError, taking none,
-        when fewer are free."""
+        """Take ``num_blocks`` blocks (reference count 1 each), free ones first, then evicting the least
+        recently released cached ones; raises NoFreeBlocksError, taking none, when too few are unheld."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
-        if num_blocks > len(self._free):
-            raise NoFreeBlocksError(f"asked for {num_blocks} blocks but only {len(self._free)} are free")
-        block_ids = [self._free.popleft() for _ in range(num_blocks)]
-        for block_id in block_ids:
+        if num_blocks > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free")
+        block_ids = []
+        for _ in range(num_blocks):
+            if self._free:
+                block_id, _ = self._free.popitem(last=False)
+            else:
+                block_id, _ = self._evictable.popitem(last=False)
+                self._evict(block_id)
             self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
         return block_ids
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -50,23 +76,60 @@ class BlockPool:
                 raise ValueError(f"block {block_id} is free; only a held block can gain another holder")
             self._ref_counts[block_id] += 1
 
+    def take(self, block_ids: Iterable[int]) -> None:
+        """Add one holder to each cached block, taking an unheld one out of the evictable queue (a hit)."""
+        for block_id in block_ids:
+            if not self.is_cached(block_id):
+                raise ValueError(f"block {block_id} is not cached; only cached blocks can be taken")
+            if self._ref_counts[block_id] == 0:
+                del self._evictable[block_id]
+            self._ref_counts[block_id] += 1
+
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one holder from each block; a block whose count reaches 0 joins the tail of the free queue."""
+        """Drop one holder from each block; one whose count reaches 0 joins the tail of the evictable queue
+        if cached, else of the free queue."""
         for block_id in block_ids:
             if self.ref_count(block_id) == 0:
                 raise ValueError(f"block {block_id} is already free")
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                queue = self._evictable if self._cached[block_id] else self._free
+                queue[block_id] = None
+
+    def mark_cached(self, block_id: int) -> None:
+        """The prefix cache now names this held block: keep its content when it is released."""
+        if self.ref_count(block_id) == 0:
+            raise ValueError(f"block {block_id} is free; only a held block can be cached")
+        self._cached[block_id] = True
+
+    def unmark_cached(self, block_id: int) -> None:
+        """The prefix cache dropped this held block: its content is worthless once released."""
+        if self.ref_count(block_id) == 0:
+            raise ValueError(f"block {block_id} is unheld; uncache it by eviction only")
+        self._cached[block_id] = False
+
+    def evictable_order(self) -> list[int]:
+        """The evictable blocks, next to be evicted first."""
+        return list(self._evictable)
 
     def check_integrity(self) -> None:
-        """The free queue holds exactly the blocks with reference count 0, each once; raises AssertionError."""
-        free = set(self._free)
-        assert len(free) == len(self._free), f"the free queue holds a block twice: {sorted(self._free)}"
-        unqueued = [b for b, count in enumerate(self._ref_counts) if count == 0 and b not in free]
-        assert not unqueued, f"blocks {unqueued} have reference count 0 but are not in the free queue"
-        held = [b for b in free if self._ref_counts[b] != 0]
-        assert not held, f"blocks {held} are in the free queue but still held"
+        """The two queues hold exactly the unheld blocks, each once, sorted by whether they are cached;
+        raises AssertionError."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert not free & evictable, f"blocks {sorted(free & evictable)} are in both queues"
+        unqueued = [b for b, count in enumerate(self._ref_counts) if count == 0 and b not in free | evictable]
+        assert not unqueued, f"blocks {unqueued} have reference count 0 but are in no queue"
+        held = [b for b in free | evictable if self._ref_counts[b] != 0]
+        assert not held, f"blocks {held} are in a free queue but still held"
+        wrong_free = [b for b in free if self._cached[b]]
+        assert not wrong_free, f"cached blocks {wrong_free} are in the free queue, not the evictable one"
+        wrong_evictable = [b for b in evictable if not self._cached[b]]
+        assert not wrong_evictable, f"uncached blocks {wrong_evictable} are in the evictable queue"
+
+    def _evict(self, block_id: int) -> None:
+        self._cached[block_id] = False
+        if self.on_evict is not None:
+            self.on_evict(block_id)
 
     def _check_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:

@@ -1,25 +1,55 @@
 """KVCacheManager: the scheduler's only view of KV memory.
 
-It owns the block pool and every request's block table (``request.block_ids``); nobody else allocates or
-frees blocks. Blocks stay opaque ints to the scheduler. New blocks come from one place, ``_take_blocks``:
-the seam where a prefix cache will first reuse cached blocks and evict unlocked ones.
+It owns the block pool, the prefix cache and every request's block table (``request.block_ids``); nobody
+else allocates or frees blocks. Blocks stay opaque ints to the scheduler.
+
+With prefix caching on, each request walks a path of the tree (``_CachePath``) as its blocks fill::
+
+    request.block_ids:  | b3 | b9 | b4 | b6 | b8 |
+    tree path:          | b3 | b9 | b4 | b6 |          b3..b4 computed, b6 pending (this step computes it);
+                                                      b8 not full of known tokens yet
+
+A block joins the tree as soon as all its token ids are known (prompt blocks when allocated, output blocks
+when filled), pending until computed, so that requests arriving with the same prefix wait for it rather
+than compute it again. If another block already holds the same tokens, the request leaves the tree there
+("detached"): its later blocks stay private, so a cached node's ancestors are always cached and held.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
+from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
 from kvserve.request import Request
 
 
+@dataclass
+class _CachePath:
+    """How far a request's blocks lie on the prefix tree."""
+
+    node: PrefixNode  # the deepest node of the request's path (the root before any)
+    num_blocks: int  # the request's leading blocks on the path: node's depth
+    pending: list[PrefixNode] = field(default_factory=list)  # the path's uncomputed tail, in order
+    detached: bool = False  # another block holds one of its keys: no later block of it joins the tree
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        self._paths: dict[str, _CachePath] = {}
+        self.num_evictions = 0  # cached blocks evicted to make room, since start
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the prefix cache names (held or evictable)."""
+        return self.prefix_cache.num_nodes if self.prefix_cache else 0
 
     @property
     def num_blocks_total(self) -> int:
@@ -40,8 +70,19 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow ``request.block_ids`` so that its computed tokens plus ``num_new_tokens`` fit.
+    def match_prefix(self, request: Request) -> PrefixMatch:
+        """The longest computed cached prefix of the request's tokens, leaving at least one token to compute
+        (its logits are needed). Empty when caching is off or the request wants prompt logprobs, which
+        need the prompt's logits."""
+        if self.prefix_cache is None or request.sampling_params.prompt_logprobs is not None:
+            return PrefixMatch((), self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        return self.prefix_cache.match(request.all_token_ids, max_blocks)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        """Grow ``request.block_ids`` so that its computed tokens plus ``num_new_tokens`` fit; ``prefix``, for a
+        request holding no blocks, is a cached prefix it starts from (the caller then counts those tokens
+        as computed).
 
         All or nothing: returns False and changes nothing when the pool cannot supply the blocks::
 
@@ -52,17 +93,46 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        num_needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
-        if num_needed <= 0:
-            return True
-        if num_needed > self.pool.num_free_blocks:
+        num_computed, cached = request.num_computed_tokens, []
+        if prefix is not None and prefix.nodes:
+            if request.block_ids:
+                raise ValueError(f"request {request.request_id} holds blocks; only a fresh one takes a prefix")
+            num_computed, cached = prefix.num_tokens, prefix.block_ids
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(request.block_ids) - len(cached)
+        num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)  # hits on evictable blocks
+        if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
             return False
-        request.block_ids.extend(self._take_blocks(num_needed))
+        if cached:  # taken first, so that the allocation below cannot evict them
+            self.pool.take(cached)
+            request.block_ids = cached
+            self._paths[request.request_id] = _CachePath(prefix.nodes[-1], len(cached))
+        if num_needed > 0:
+            request.block_ids.extend(self.pool.allocate(num_needed))
+        self._extend_path(request, num_computed)
         return True
 
+    def cache_computed(self, request: Request) -> None:
+        """After a step: the request's blocks now computed stop being pending, and blocks it has just filled
+        with known tokens (outputs) join the tree."""
+        path = self._paths.get(request.request_id)
+        if path is None:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        first_pending = path.num_blocks - len(path.pending)
+        num_done = min(len(path.pending), max(0, num_full - first_pending))
+        for node in path.pending[:num_done]:
+            node.computed = True
+        del path.pending[:num_done]
+        self._extend_path(request, request.num_computed_tokens)
+
     def free(self, request: Request) -> None:
-        """Release the request's hold on all its blocks (shared ones stay with their other holders)."""
-        # Tail blocks first, so they are reused before the head (a prefix cache keeps heads longest).
+        """Release the request's hold on all its blocks (shared ones stay with their other holders); its
+        computed cached blocks stay in the tree, evictable, and its pending ones leave it."""
+        path = self._paths.pop(request.request_id, None)
+        if path is not None:
+            for node in reversed(path.pending):
+                self._uncache(node.block_id)
+        # Tail blocks first: the evictable queue must see descendants before their ancestors.
         self.pool.free(reversed(request.block_ids))
         request.block_ids = []
 
@@ -82,15 +152,25 @@ class KVCacheManager:
         shared = parent.block_ids[:num_full]
         copies = []
         if num_partial:
-            (dst,) = self._take_blocks(1)
+            (dst,) = self.pool.allocate(1)
             copies.append((parent.block_ids[num_full], dst))
         self.pool.incref(shared)
         child.block_ids = shared + [dst for _, dst in copies]
+        parent_path = self._paths.get(parent.request_id)
+        if parent_path is not None:  # the child walks the parent's computed path
+            num_pending = len(parent_path.pending)
+            node = parent_path.pending[0].parent if num_pending else parent_path.node
+            assert node is not None
+            self._paths[child.request_id] = _CachePath(
+                node, parent_path.num_blocks - num_pending, detached=parent_path.detached
+            )
         return copies
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
-        """Every block's reference count equals the number of the given live requests holding it, and free +
-        held = total. ``requests`` must be every request that holds blocks. Raises AssertionError."""
+        """Every block's reference count equals the number of the given live requests holding it, free +
+        held = total, and the prefix tree agrees with the pool and the requests' paths. ``requests`` must be
+        every request that holds blocks. Raises AssertionError."""
+        requests = list(requests)
         self.pool.check_integrity()
         holders: Counter[int] = Counter()
         for request in requests:
@@ -107,9 +187,76 @@ class KVCacheManager:
         assert self.pool.num_free_blocks + num_held == self.pool.num_blocks, (
             f"{self.pool.num_free_blocks} free + {num_held} held != {self.pool.num_blocks} blocks"
         )
+        if self.prefix_cache is not None:
+            self._check_tree(requests)
 
-    def _take_blocks(self, num_blocks: int) -> list[int]:
-        return self.pool.allocate(num_blocks)
+    def _check_tree(self, requests: list[Request]) -> None:
+        assert self.prefix_cache is not None
+        nodes = list(self.prefix_cache.nodes())
+        tree_blocks = {node.block_id for node in nodes}
+        assert len(tree_blocks) == len(nodes) == self.prefix_cache.num_nodes, "a block is in the tree twice"
+        cached = {b for b in range(self.pool.num_blocks) if self.pool.is_cached(b)}
+        assert cached == tree_blocks, f"cached in the pool but not in the tree, or back: {cached ^ tree_blocks}"
+        evict_rank = {b: rank for rank, b in enumerate(self.pool.evictable_order())}
+        for node in nodes:
+            parent = node.parent
+            assert parent is not None
+            if not parent.is_root and node.block_id not in evict_rank:  # held: so is every ancestor
+                assert parent.block_id not in evict_rank, f"block {node.block_id} is held, its parent is not"
+            if not parent.is_root and node.block_id in evict_rank and parent.block_id in evict_rank:
+                assert evict_rank[node.block_id] < evict_rank[parent.block_id], (
+                    f"block {parent.block_id} would be evicted before its child {node.block_id}"
+                )
+        live = {request.request_id: request for request in requests}
+        pending = [node for node in nodes if not node.computed]
+        owned = [node for rid, path in self._paths.items() if rid in live for node in path.pending]
+        assert {id(n) for n in pending} == {id(n) for n in owned} and len(owned) == len(pending), (
+            "pending nodes and the live requests' pending tails disagree"
+        )
+        for request_id, path in self._paths.items():
+            request = live.get(request_id)
+            assert request is not None, f"request {request_id} has a tree path but holds no blocks"
+            node = path.node
+            for index in reversed(range(path.num_blocks)):
+                assert node.block_id == request.block_ids[index], (
+                    f"request {request_id}'s block {index} is not on its tree path"
+                )
+                assert node.parent is not None
+                node = node.parent
+            assert node.is_root, f"request {request_id}'s tree path is deeper than it says"
+
+    def _extend_path(self, request: Request, num_computed: int) -> None:
+        """Hang the request's blocks whose token ids are all known on its tree path, pending unless computed."""
+        path = self._paths.get(request.request_id)
+        if self.prefix_cache is None or (path is not None and path.detached):
+            return
+        num_known = min(len(request.block_ids), request.num_tokens // self.block_size)
+        if path is None:
+            path = self._paths[request.request_id] = _CachePath(self.prefix_cache.root, 0)
+        if path.num_blocks >= num_known:
+            return
+        keys = self.prefix_cache.keys(request.all_token_ids, path.num_blocks, num_known - path.num_blocks)
+        for index, key in enumerate(keys, start=path.num_blocks):
+            block_id = request.block_ids[index]
+            computed = index < num_computed // self.block_size
+            node = self.prefix_cache.add(path.node, key, block_id, computed)
+            if node is None:
+                path.detached = True
+                return
+            self.pool.mark_cached(block_id)
+            if not computed:
+                path.pending.append(node)
+            path.node, path.num_blocks = node, index + 1
+
+    def _uncache(self, block_id: int) -> None:
+        assert self.prefix_cache is not None
+        self.prefix_cache.remove(block_id)
+        self.pool.unmark_cached(block_id)
+
+    def _on_evict(self, block_id: int) -> None:
+        assert self.prefix_cache is not None
+        self.prefix_cache.remove(block_id)
+        self.num_evictions += 1
 
 
 __all__ = ["KVCacheManager", "NoFreeBlocksError"]

@@ -2,8 +2,11 @@
 
 A step gives each request ``min(num_tokens - num_computed_tokens, budget left)`` tokens: 1 for a decode,
 the next chunk for a prompt (or a recompute after preemption). Running requests go first, in admission
-order, then waiting requests FCFS. When KV runs out for a running request, the newest running request is
-preempted by recompute: its blocks are freed and it waits, at the front, to run its tokens again.
+order, then waiting requests, in arrival order (``fcfs``) or longest cached prefix first (``lpm``). A waiting
+request starts from its longest cached prefix, and waits while a running request is still computing the
+next blocks of that prefix, so that requests arriving together compute a shared prefix once. When KV runs
+out for a running request, the newest running request is preempted by recompute: its blocks are freed (the
+computed ones stay cached) and it waits, at the front, to run its tokens again.
 
 The scheduler owns request status, ``num_computed_tokens`` and ``output_token_ids``; blocks belong to the
 ``KVCacheManager``. Admission refuses a request that could never fit, so the oldest running request can
@@ -18,6 +21,7 @@ from typing import Iterable
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager, NoFreeBlocksError
+from kvserve.kv.prefix_cache import PrefixMatch
 from kvserve.outputs import FinishReason
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus, sample_request_id
 from kvserve.sched.output import (
@@ -64,6 +68,10 @@ class Scheduler:
         self.num_preemptions = 0  # running requests preempted, since start
         self.num_scheduled_tokens = 0  # tokens run through the model, recomputed ones included
         self.num_generated_tokens = 0  # tokens appended to outputs, forks' first tokens included
+        self.num_prefix_query_tokens = 0  # tokens of newly admitted requests looked up in the prefix cache
+        self.num_prefix_hit_tokens = 0  # of those, found cached
+        self._num_steps = 0
+        self._arrival_step: dict[str, int] = {}
 
     @property
     def num_running(self) -> int:
@@ -75,6 +83,18 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def prefix_cache_stats(self) -> dict[str, int | float | bool]:
+        """Prefix-cache figures since start: lookups and hits in tokens, hit rate, cached blocks, evictions."""
+        queries, hits = self.num_prefix_query_tokens, self.num_prefix_hit_tokens
+        return {
+            "prefix_caching": self.kv.prefix_cache is not None,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "prefix_cache_blocks": self.kv.num_cached_blocks,
+            "prefix_cache_evictions": self.kv.num_evictions,
+        }
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError, queuing nothing, if it is a duplicate or could never fit."""
@@ -90,6 +110,7 @@ class Scheduler:
         self._check_fits(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._arrival_step[request.request_id] = self._num_steps
         self.waiting.append(request)
 
     def _check_fits(self, request: Request) -> None:
@@ -123,6 +144,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones while the budget and KV allow.
         Mutates queues and block tables (never ``num_computed_tokens``: ``update_from_output`` advances it)."""
+        self._num_steps += 1
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: list[tuple[Request, int]] = []
         num_preempted = self._schedule_running(budget, scheduled)
@@ -156,17 +178,50 @@ class Scheduler:
         return num_preempted
 
     def _schedule_waiting(self, budget: _Budget, scheduled: list[tuple[Request, int]]) -> None:
-        """Admit waiting requests in order while their chunk's blocks fit; never preempts to make room."""
-        while self.waiting and budget.has_room() and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget.num_tokens)
-            if not self.kv.allocate_slots(request, num_new):
-                return
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+        """Admit waiting requests in policy order while their chunk's blocks fit; never preempts to make
+        room. One whose prefix a running request is still computing is passed over this step."""
+        admitted: set[Request] = set()
+        for request in self._waiting_in_policy_order():
+            if not budget.has_room() or len(self.running) >= self.config.max_num_seqs:
+                break
+            prefix = self.kv.match_prefix(request)
+            if prefix.sibling_computing:
+                continue
+            num_new = min(request.num_tokens - prefix.num_tokens, budget.num_tokens)
+            if not self.kv.allocate_slots(request, num_new, prefix):
+                break
+            self._admit(request, prefix)
+            admitted.add(request)
             scheduled.append((request, num_new))
             budget.take(num_new)
+        if admitted:
+            self.waiting = deque(r for r in self.waiting if r not in admitted)
+
+    def _waiting_in_policy_order(self) -> list[Request]:
+        """fcfs: queue order (preempted requests first). lpm: preempted and aged requests in queue order, then
+        the rest by longest cached prefix; the sort is stable, so ties keep arrival order."""
+        waiting = list(self.waiting)
+        if self.config.scheduling_policy == "fcfs" or self.kv.prefix_cache is None or len(waiting) < 2:
+            return waiting
+        oldest_fresh_step = self._num_steps - self.config.lpm_aging_steps
+
+        def priority(request: Request) -> tuple[bool, int]:
+            first = (
+                request.status is RequestStatus.PREEMPTED
+                or self._arrival_step.get(request.request_id, 0) <= oldest_fresh_step
+            )
+            return (not first, 0 if first else -self.kv.match_prefix(request).num_tokens)
+
+        return sorted(waiting, key=priority)
+
+    def _admit(self, request: Request, prefix: PrefixMatch) -> None:
+        if request.status is RequestStatus.WAITING:  # the first admission: count the lookup
+            request.num_cached_tokens = prefix.num_tokens
+            self.num_prefix_query_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += prefix.num_tokens
+        request.num_computed_tokens = prefix.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _preempt_newest(self) -> Request:
         """Recompute preemption: drop the newest running request's KV and queue it at the front of the
@@ -221,6 +276,7 @@ class Scheduler:
             if request is None:  # finished (e.g. aborted) after this step was scheduled
                 continue
             request.num_computed_tokens += row.num_tokens
+            self.kv.cache_computed(request)
             children = self._fork(request, row, model_out) if row.num_samples > 1 else []
             output = self._take_tokens(request, row, model_out)
             outputs.extend(o for o in [output, *children] if o is not None)
@@ -327,6 +383,7 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         del self.requests[request.request_id]
+        self._arrival_step.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
 

@@ -25,7 +25,7 @@ from typing import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 
-from kvserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import DEFAULT_MODEL, SCHEDULING_POLICIES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.server.app import build_app
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
 
@@ -56,6 +56,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=CacheConfig.enable_prefix_caching)
+    parser.add_argument("--scheduling-policy", default=SchedulerConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
+                        help="order of waiting requests: arrival (fcfs) or longest cached prefix first (lpm)")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -79,7 +81,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             kv_cache_dtype=args.kv_cache_dtype,
         ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            scheduling_policy=args.scheduling_policy,
+        ),
         device=args.device,
     )
 

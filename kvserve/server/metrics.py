@@ -63,9 +63,16 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._labels = {"model_name": model_name}
         self._requests: dict[str, _RequestTimes] = {}
-        self._num_preemptions_seen = stats.get("num_preemptions", 0)
         self._make_gauges(stats)
         self._make_counters()
+        # Engine counters mirrored as Prometheus counters: stats key -> (counter, value already counted).
+        self._engine_counters = {
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_evictions": self.prefix_cache_evictions,
+        }
+        self._engine_counts_seen = {key: stats.get(key, 0) for key in self._engine_counters}
         self._make_histograms(max_model_len)
 
     # Each metric is labelled with model_name, like vLLM's; these return the child for this model, so that
@@ -85,6 +92,7 @@ class ServerMetrics:
         self.num_requests_running = self._gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).")
+        self.prefix_cache_blocks = self._gauge("prefix_cache_blocks", "KV blocks the prefix cache names.")
         info = Gauge("kvserve:cache_config_info", "The KV cache configuration.",
                      ["model_name", "block_size", "num_gpu_blocks"], registry=self.registry)
         info.labels(
@@ -97,6 +105,8 @@ class ServerMetrics:
         self.prefix_cache_queries = self._counter("prefix_cache_queries",
                                                   "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prefix_cache_evictions = self._counter("prefix_cache_evictions",
+                                                    "Cached KV blocks evicted to make room.")
         self.num_preemptions = self._counter("num_preemptions", "Requests preempted by the scheduler.")
         self.request_success = Counter("kvserve:request_success", "Finished requests, by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
@@ -139,10 +149,12 @@ class ServerMetrics:
         self.num_requests_waiting.set(stats["num_waiting"])
         total = stats["num_blocks_total"]
         self.kv_cache_usage.set(stats["num_blocks_used"] / total if total else 0.0)
-        num_new = stats["num_preemptions"] - self._num_preemptions_seen
-        if num_new > 0:
-            self.num_preemptions.inc(num_new)
-        self._num_preemptions_seen = stats["num_preemptions"]
+        self.prefix_cache_blocks.set(stats.get("prefix_cache_blocks", 0))
+        for key, counter in self._engine_counters.items():
+            num_new = stats.get(key, 0) - self._engine_counts_seen[key]
+            if num_new > 0:
+                counter.inc(num_new)
+            self._engine_counts_seen[key] = stats.get(key, 0)
 
     def _observe_request(self, out: RequestOutput, times: _RequestTimes, step_start: float, now: float) -> None:
         num_tokens = sum(len(sample.token_ids) for sample in out.outputs)
@@ -165,8 +177,6 @@ class ServerMetrics:
         self.ttft.observe(now - times.arrival)
         self.queue_time.observe(max(0.0, step_start - times.arrival))
         self.prompt_tokens.inc(num_prompt_tokens)
-        self.prefix_cache_queries.inc(num_prompt_tokens)
-        self.prefix_cache_hits.inc(out.num_cached_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
 
     def _observe_finished(self, out: RequestOutput, times: _RequestTimes, now: float) -> None:

@@ -63,7 +63,7 @@ def test_check_integrity_catches_a_corrupted_free_queue() -> None:
     pool = BlockPool(3)
     pool.allocate(1)
     pool.check_integrity()
-    pool._free.append(0)  # a held block in the free queue
+    pool._free[0] = None  # a held block in the free queue
     with pytest.raises(AssertionError, match="still held"):
         pool.check_integrity()
 

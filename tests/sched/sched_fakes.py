@@ -30,11 +30,16 @@ TokenFn = Callable[[str, int], int]
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int, token_fn: TokenFn = default_token) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, token_fn: TokenFn = default_token,
+        ref_count: Callable[[int], int] | None = None,
+    ) -> None:
         self.block_size = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.token_fn = token_fn
+        self.ref_count = ref_count  # given: a block is never written while another request holds it
         self.num_copies = 0
+        self.num_tokens_written = 0
 
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
         for src, dst in sched_out.kv_transfers.copies:
@@ -57,7 +62,11 @@ class FakeRunner:
             assert self._slot(row, pos) == history[pos], f"{row.request_id}: stale KV at position {pos}"
         for i, token_id in enumerate(row.token_ids):
             block, offset = divmod(row.start_pos + i, self.block_size)
-            self.kv[row.block_ids[block]][offset] = token_id
+            block_id = row.block_ids[block]
+            if self.ref_count is not None:  # 0 only when a test aborts the request between schedule and execute
+                assert self.ref_count(block_id) <= 1, f"{row.request_id} writes block {block_id}, which is shared"
+            self.kv[block_id][offset] = token_id
+        self.num_tokens_written += row.num_tokens
 
     def _slot(self, row: ScheduledRequest, pos: int) -> int | None:
         block, offset = divmod(pos, self.block_size)
@@ -86,16 +95,24 @@ def _prompt_logprobs(row: ScheduledRequest) -> list[TokenLogprobs]:
 
 def make_scheduler(
     num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32, max_num_seqs: int = 8,
-    max_model_len: int = 256,
+    max_model_len: int = 256, prefix_caching: bool = False, policy: str = "fcfs",
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy=policy)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
 
 
-def make_request(request_id: str, num_prompt: int, eos: frozenset[int] = frozenset({EOS}), **params) -> Request:
+def make_request(
+    request_id: str, num_prompt: int, eos: frozenset[int] = frozenset({EOS}), prefix: list[int] = (), **params
+) -> Request:
+    """A request whose prompt is ``prefix`` followed by tokens unique to its id, ``num_prompt`` in all."""
     params.setdefault("ignore_eos", True)
-    prompt = [FIRST_ORDINARY_TOKEN + (zlib.crc32(f"{request_id}/{i}".encode()) % 500) for i in range(num_prompt)]
-    return Request(request_id, prompt, SamplingParams(**params), eos_token_ids=eos)
+    num_own = num_prompt - len(prefix)
+    own = [FIRST_ORDINARY_TOKEN + (zlib.crc32(f"{request_id}/{i}".encode()) % 500) for i in range(num_own)]
+    return Request(request_id, list(prefix) + own, SamplingParams(**params), eos_token_ids=eos)
+
+
+def shared_prefix(group: int, num_tokens: int) -> list[int]:
+    return [FIRST_ORDINARY_TOKEN + (zlib.crc32(f"group{group}/{i}".encode()) % 500) for i in range(num_tokens)]
 
 
 def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[EngineOutput]]:

@@ -13,7 +13,14 @@ from kvserve.outputs import FinishReason
 from kvserve.request import sample_request_id
 from kvserve.sched.output import EngineOutput
 from kvserve.sched.scheduler import Scheduler
-from tests.sched.sched_fakes import FakeRunner, check_step, default_token, make_request, make_scheduler
+from tests.sched.sched_fakes import (
+    FakeRunner,
+    check_step,
+    default_token,
+    make_request,
+    make_scheduler,
+    shared_prefix,
+)
 
 MAX_STEPS = 3000
 
@@ -28,6 +35,8 @@ class Spec:
     prompt_logprobs: bool
     abort_step: int | None
     abort_mid_step: bool  # abort between schedule() and update_from_output()
+    prefix_group: int  # requests of a group share the first prefix_len tokens of their prompts
+    prefix_len: int
 
     @property
     def sample_ids(self) -> list[str]:
@@ -47,6 +56,8 @@ def specs(draw: st.DrawFn) -> list[Spec]:
             prompt_logprobs=draw(st.booleans()),
             abort_step=draw(st.none() | st.integers(0, 40)),
             abort_mid_step=draw(st.booleans()),
+            prefix_group=draw(st.integers(0, 2)),
+            prefix_len=draw(st.integers(0, 24)),
         )
         for i in range(num_requests)
     ]
@@ -62,9 +73,10 @@ def run_workload(scheduler: Scheduler, runner: FakeRunner, workload: list[Spec])
     for step_index in range(MAX_STEPS):
         for spec in workload:
             if spec.arrival_step == step_index:
+                prefix = shared_prefix(spec.prefix_group, min(spec.prefix_len, spec.num_prompt))
                 scheduler.add_request(
-                    make_request(spec.request_id, spec.num_prompt, max_tokens=spec.max_tokens, n=spec.n,
-                                 prompt_logprobs=0 if spec.prompt_logprobs else None)
+                    make_request(spec.request_id, spec.num_prompt, prefix=prefix, max_tokens=spec.max_tokens,
+                                 n=spec.n, prompt_logprobs=0 if spec.prompt_logprobs else None)
                 )
         abort_now = [s for s in workload if s.abort_step == step_index]
         abort(scheduler, [s for s in abort_now if not s.abort_mid_step])
@@ -95,18 +107,24 @@ def check_results(spec: Spec, outputs: dict[str, list[EngineOutput]]) -> None:
     assert len(returned) == len(set(returned))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     workload=specs(),
     block_size=st.sampled_from([1, 2, 4, 8]),
     num_blocks=st.integers(1, 16),
     budget=st.integers(1, 32),
     max_num_seqs=st.integers(1, 6),
+    prefix_caching=st.booleans(),
+    policy=st.sampled_from(["fcfs", "lpm"]),
 )
 def test_random_workloads_finish_cleanly(
-    workload: list[Spec], block_size: int, num_blocks: int, budget: int, max_num_seqs: int
+    workload: list[Spec], block_size: int, num_blocks: int, budget: int, max_num_seqs: int, prefix_caching: bool,
+    policy: str,
 ) -> None:
-    scheduler = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len=64)
+    """With prefix caching on or off and either policy: the fake runner checks that every position a row
+    reads holds the request's own token (so no reused block is stale) and that no shared block is written."""
+    scheduler = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len=64,
+                               prefix_caching=prefix_caching, policy=policy)
     capacity = num_blocks * block_size
     accepted = [s for s in workload if s.num_prompt + s.max_tokens <= capacity]
     for spec in set(workload) - set(accepted):  # refused up front, with the numbers
@@ -118,7 +136,7 @@ def test_random_workloads_finish_cleanly(
             raise AssertionError(f"{spec} cannot fit in {capacity} KV slots but was accepted")
     if not accepted:
         return
-    runner = FakeRunner(num_blocks, block_size)
+    runner = FakeRunner(num_blocks, block_size, ref_count=scheduler.kv.pool.ref_count)
     outputs = run_workload(scheduler, runner, accepted)
     for spec in accepted:
         check_results(spec, outputs)

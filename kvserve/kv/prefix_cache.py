@@ -1,0 +1,119 @@
+"""PrefixCache: a radix tree of token ids over whole KV blocks, so that a shared prefix is computed once.
+
+Every edge is one block's worth of token ids (a radix tree whose keys are compared a block at a time, as a
+paged cache must reuse whole blocks), and every node names the block holding that KV::
+
+    root ─[t0..t15]─ b3 ─[t16..t31]─ b9 ─[t32..t47]─ b4        (a system prompt)
+                         │                └[u32..u47]─ b12      (a second conversation on it)
+                         └[v16..v31]─ b7 (pending)              (being computed by a running request)
+
+A node is *pending* while the request that allocated its block has not yet computed it: a request that
+arrives with the same prefix sees the pending node and waits for it instead of computing the prefix again.
+
+The tree holds no references: blocks are held by requests (``BlockPool`` counts them). A request holds the
+whole path of its blocks, so an unheld node has only unheld descendants, and since a request releases its
+blocks tail first, descendants always leave before their ancestors: the pool's evictable queue, oldest first,
+only ever evicts leaves. Eviction order is kept by the pool's queue, updated in O(1) per block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+
+@dataclass(eq=False)
+class PrefixNode:
+    key: tuple[int, ...]  # the block's token ids; () at the root
+    block_id: int  # -1 at the root
+    parent: PrefixNode | None
+    computed: bool = True  # False while the owning request has not yet written the block
+    children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest computed cached prefix of some tokens: ``nodes`` in order, one per block."""
+
+    nodes: tuple[PrefixNode, ...]
+    block_size: int
+    sibling_computing: bool = False  # the next block of the prefix is pending: a running request computes it
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [node.block_id for node in self.nodes]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.nodes) * self.block_size
+
+
+class PrefixCache:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.root = PrefixNode(key=(), block_id=-1, parent=None)
+        self._by_block: dict[int, PrefixNode] = {}
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._by_block)
+
+    def node_of(self, block_id: int) -> PrefixNode | None:
+        return self._by_block.get(block_id)
+
+    def match(self, token_ids: Sequence[int], max_blocks: int) -> PrefixMatch:
+        """Walk the tree along ``token_ids``, at most ``max_blocks`` blocks, through computed nodes."""
+        nodes: list[PrefixNode] = []
+        node = self.root
+        for key in self._keys(token_ids, max_blocks):
+            child = node.children.get(key)
+            if child is None:
+                break
+            if not child.computed:
+                return PrefixMatch(tuple(nodes), self.block_size, sibling_computing=True)
+            nodes.append(child)
+            node = child
+        return PrefixMatch(tuple(nodes), self.block_size)
+
+    def add(self, parent: PrefixNode, key: tuple[int, ...], block_id: int, computed: bool) -> PrefixNode | None:
+        """Hang ``block_id`` under ``parent`` as ``key``; returns None, adding nothing, if ``parent`` already
+        has that key (another request computed the same tokens into another block)."""
+        if len(key) != self.block_size:
+            raise ValueError(f"a key is one block of {self.block_size} tokens, got {len(key)}")
+        if block_id in self._by_block:
+            raise ValueError(f"block {block_id} is already in the prefix cache")
+        if key in parent.children:
+            return None
+        node = PrefixNode(key, block_id, parent, computed)
+        parent.children[key] = node
+        self._by_block[block_id] = node
+        return node
+
+    def remove(self, block_id: int) -> None:
+        """Drop the node of ``block_id``, which must be a leaf (eviction, or an uncomputed block let go)."""
+        node = self._by_block[block_id]
+        assert not node.children, f"block {block_id} is not a leaf of the prefix cache; it cannot be removed"
+        assert node.parent is not None
+        del node.parent.children[node.key]
+        del self._by_block[block_id]
+
+    def keys(self, token_ids: Sequence[int], first_block: int, num_blocks: int) -> Iterator[tuple[int, ...]]:
+        """The keys of blocks ``first_block .. first_block + num_blocks - 1`` of ``token_ids``."""
+        size = self.block_size
+        for index in range(first_block, first_block + num_blocks):
+            yield tuple(token_ids[index * size : (index + 1) * size])
+
+    def nodes(self) -> Iterator[PrefixNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def _keys(self, token_ids: Sequence[int], max_blocks: int) -> Iterator[tuple[int, ...]]:
+        return self.keys(token_ids, 0, min(max_blocks, len(token_ids) // self.block_size))

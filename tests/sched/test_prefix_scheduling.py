@@ -1,0 +1,125 @@
+"""The scheduler with the prefix cache: reuse, siblings that wait for a shared prefix, lpm order and aging,
+preemption that resumes from cached blocks, and the counters."""
+
+from __future__ import annotations
+
+from tests.sched.sched_fakes import (
+    FakeRunner,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+    shared_prefix,
+    step,
+    tokens_of,
+)
+
+from kvserve.sched.scheduler import Scheduler
+
+BLOCK = 4
+
+
+def cached_scheduler(**kwargs) -> Scheduler:
+    kwargs.setdefault("block_size", BLOCK)
+    kwargs.setdefault("policy", "lpm")
+    return make_scheduler(prefix_caching=True, **kwargs)
+
+
+def runner_for(scheduler: Scheduler) -> FakeRunner:
+    kv = scheduler.kv
+    return FakeRunner(kv.num_blocks_total, kv.block_size, ref_count=kv.pool.ref_count)
+
+
+def test_requests_arriving_together_compute_their_shared_prefix_once() -> None:
+    scheduler = cached_scheduler(num_blocks=128, max_num_batched_tokens=32, max_num_seqs=16)
+    prefix = shared_prefix(0, 64)
+    for i in range(16):
+        scheduler.add_request(make_request(f"r{i}", 68, prefix=prefix, max_tokens=1))
+    runner = runner_for(scheduler)
+    outputs = run_to_completion(scheduler, runner)
+    assert runner.num_tokens_written == 64 + 16 * 4  # the prefix once, then each request's own 4 tokens
+    assert all(len(tokens_of(outputs[f"r{i}"])) == 1 for i in range(16))
+    stats = scheduler.prefix_cache_stats()
+    assert stats["prefix_cache_queries"] == 16 * 68 and stats["prefix_cache_hits"] == 15 * 64
+    assert stats["prefix_cache_hit_rate"] == 15 * 64 / (16 * 68)
+
+
+def test_without_the_cache_each_request_computes_its_whole_prompt() -> None:
+    scheduler = make_scheduler(num_blocks=128, block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=16)
+    prefix = shared_prefix(0, 64)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", 68, prefix=prefix, max_tokens=1))
+    runner = runner_for(scheduler)
+    run_to_completion(scheduler, runner)
+    assert runner.num_tokens_written == 4 * 68
+    assert scheduler.prefix_cache_stats()["prefix_cache_hits"] == 0
+
+
+def test_a_later_turn_pays_only_for_its_new_tokens() -> None:
+    scheduler = cached_scheduler(num_blocks=64)
+    runner = runner_for(scheduler)
+    first = make_request("turn1", 40, max_tokens=8)
+    scheduler.add_request(first)
+    answer = tokens_of(run_to_completion(scheduler, runner)["turn1"])
+    history = first.prompt_token_ids + answer
+    second = make_request("turn2", len(history) + 8, prefix=history, max_tokens=4)
+    scheduler.add_request(second)
+    written_before = runner.num_tokens_written
+    run_to_completion(scheduler, runner)
+    # turn 1 computed its prompt and 7 answers (the 8th was never fed back): 47 tokens, 11 whole blocks
+    assert second.num_cached_tokens == 44
+    assert runner.num_tokens_written - written_before == (len(history) + 8 - 44) + 3
+
+
+def test_lpm_admits_the_request_with_the_longest_cached_prefix_first() -> None:
+    scheduler = cached_scheduler(num_blocks=64, max_num_batched_tokens=64, max_num_seqs=1)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("warm", 33, prefix=shared_prefix(1, 32), max_tokens=1))
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(make_request("cold", 20, max_tokens=1))
+    scheduler.add_request(make_request("hot", 36, prefix=shared_prefix(1, 32), max_tokens=1))
+    sched_out, _ = step(scheduler, runner)
+    assert [r.request_id for r in sched_out.requests] == ["hot"]
+
+
+def test_fcfs_keeps_arrival_order_even_with_a_cached_prefix() -> None:
+    scheduler = cached_scheduler(num_blocks=64, max_num_batched_tokens=64, max_num_seqs=1, policy="fcfs")
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("warm", 33, prefix=shared_prefix(1, 32), max_tokens=1))
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(make_request("cold", 20, max_tokens=1))
+    scheduler.add_request(make_request("hot", 36, prefix=shared_prefix(1, 32), max_tokens=1))
+    sched_out, _ = step(scheduler, runner)
+    assert [r.request_id for r in sched_out.requests] == ["cold"]
+
+
+def test_lpm_serves_a_request_that_waited_too_long_first() -> None:
+    scheduler = cached_scheduler(num_blocks=128, max_num_batched_tokens=64, max_num_seqs=1)
+    scheduler.config.lpm_aging_steps = 3
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("warm", 33, prefix=shared_prefix(1, 32), max_tokens=1))
+    run_to_completion(scheduler, runner)
+    scheduler.add_request(make_request("busy", 8, max_tokens=3))  # holds the one seat for 3 steps
+    scheduler.add_request(make_request("cold", 20, max_tokens=1))
+    step(scheduler, runner)
+    for i in range(3):  # a stream of cache hits that would overtake "cold" forever
+        scheduler.add_request(make_request(f"hot{i}", 36, prefix=shared_prefix(1, 32), max_tokens=1))
+    order = []
+    while scheduler.has_unfinished_requests():
+        sched_out, _ = step(scheduler, runner)
+        order += [r.request_id for r in sched_out.requests if r.request_id not in order]
+    assert order.index("cold") < order.index("hot1")
+
+
+def test_a_preempted_request_resumes_from_its_cached_blocks() -> None:
+    written = {}
+    for caching in (False, True):
+        scheduler = make_scheduler(num_blocks=8, block_size=BLOCK, max_num_batched_tokens=64, prefix_caching=caching)
+        runner = runner_for(scheduler)
+        scheduler.add_request(make_request("a", 12, max_tokens=12))
+        scheduler.add_request(make_request("b", 16, max_tokens=4))
+        outputs = run_to_completion(scheduler, runner)
+        assert scheduler.num_preemptions == 1  # b, when a grows; a finishes, b resumes
+        assert len(tokens_of(outputs["a"])) == 12 and len(tokens_of(outputs["b"])) == 4
+        written[caching] = runner.num_tokens_written
+    # b's prompt blocks survive in the cache (a's growth took worthless blocks): 8 tokens not recomputed
+    assert written[False] - written[True] == 8
