@@ -77,6 +77,11 @@ class EngineCore:
         num_used = self.kv_manager.num_blocks_total - self.kv_manager.num_free_blocks()
         if num_used <= self.peak.num_blocks_used:
             return
-        block_ids = {b for r in sched_out.requests for b in r.block_ids}
-        num_slots = sum(r.start_pos + r.num_tokens for r in sched_out.requests)
-        self.peak = KVUsagePeak(num_used, len(block_ids) * self.kv_manager.block_size, num_slots)
+        block_size = self.kv_manager.block_size
+        filled: dict[int, int] = {}  # block -> token slots in use; a block shared by prefix or fork counts once
+        for r in sched_out.requests:
+            num_tokens = r.start_pos + r.num_tokens
+            for index, block_id in enumerate(r.block_ids):
+                num_in_block = min(block_size, max(0, num_tokens - index * block_size))
+                filled[block_id] = max(filled.get(block_id, 0), num_in_block)
+        self.peak = KVUsagePeak(num_used, len(filled) * block_size, sum(filled.values()))

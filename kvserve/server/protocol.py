@@ -160,17 +160,23 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> Usage:
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> Usage:
         return cls(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
         )
 
 

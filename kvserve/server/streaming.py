@@ -104,11 +104,13 @@ class GenerationHandler:
         self.tokenizer = engine.engine.tokenizer
 
 
-def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int]:
-    """(prompt tokens, completion tokens over every sample) of a batch of requests."""
+def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:
+    """(prompt tokens, completion tokens over every sample, prompt tokens found in the prefix cache) of a
+    batch of requests."""
     num_prompt = sum(len(out.prompt_token_ids) for out in outputs)
     num_completion = sum(len(s.token_ids) for out in outputs for s in out.outputs)
-    return num_prompt, num_completion
+    num_cached = sum(out.num_cached_tokens for out in outputs)
+    return num_prompt, num_completion, num_cached
 
 
 async def start_generation(

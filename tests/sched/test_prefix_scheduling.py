@@ -123,3 +123,18 @@ def test_a_preempted_request_resumes_from_its_cached_blocks() -> None:
         written[caching] = runner.num_tokens_written
     # b's prompt blocks survive in the cache (a's growth took worthless blocks): 8 tokens not recomputed
     assert written[False] - written[True] == 8
+
+
+def test_decodes_keep_flowing_while_a_max_model_len_prompt_is_prefilled() -> None:
+    scheduler = cached_scheduler(num_blocks=128, max_num_batched_tokens=16, max_model_len=256)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("chat", 8, max_tokens=40))
+    step(scheduler, runner)
+    scheduler.add_request(make_request("long", 255, max_tokens=1))
+    steps_with_long = 0
+    while scheduler.has_unfinished_requests() and "long" in scheduler.requests:
+        sched_out, _ = step(scheduler, runner)
+        ids = [r.request_id for r in sched_out.requests]
+        assert ids[0] == "chat" and sched_out.requests[0].num_tokens == 1  # a token for the decode every step
+        steps_with_long += "long" in ids
+    assert steps_with_long == -(-255 // 15)  # the prompt in chunks of the budget left after the decode

@@ -23,6 +23,8 @@ EXPECTED = [
     "kvserve:num_preemptions_total",
     "kvserve:request_success_total",
     "kvserve:cache_config_info",
+    "kvserve:prefix_cache_blocks",
+    "kvserve:prefix_cache_evictions_total",
 ]
 
 
@@ -51,3 +53,17 @@ def test_counters_move_by_exactly_one_requests_tokens(server: ServerProcess, cli
     }
     assert server.metric("kvserve:request_success_total", finished_reason="length") - length_before == 1
     assert server.metric("kvserve:num_requests_running") == 0
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache(server: ServerProcess, client: openai.OpenAI) -> None:
+    prompt = "A long shared system prompt that many requests send before their question. " * 4
+    before = {name: server.metric(name) for name in ["kvserve:prefix_cache_queries_total",
+                                                     "kvserve:prefix_cache_hits_total"]}
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt + "One?", max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL_NAME, prompt=prompt + "Two?", max_tokens=2, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and cached >= 16
+    assert server.metric("kvserve:prefix_cache_hits_total") - before["kvserve:prefix_cache_hits_total"] == cached
+    queries = server.metric("kvserve:prefix_cache_queries_total") - before["kvserve:prefix_cache_queries_total"]
+    assert queries == first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert server.metric("kvserve:prefix_cache_blocks") > 0
