@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 9's measurement: the prefix cache off and on, and llama.cpp's llama-server, on the same workloads in one
+# run, each pass against a fresh server. Results go to $OUT (default docs/results/prefix-cache-<date>), one JSON
+# per pass, then `kvserve bench compare` tables.
+#
+#   benchmarks/prefix_cache.sh                       # kvserve on / off, plus llama.cpp if $LLAMA_SERVER is set
+#   LLAMA_SERVER=/work/peers/llamacpp/bin/llama-server LLAMA_GGUF=/work/peers/smollm2-f32.gguf benchmarks/prefix_cache.sh
+#   WORKLOADS="prefix" benchmarks/prefix_cache.sh    # a subset
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=smollm2-135m-instruct
+OUT=${OUT:-docs/results/prefix-cache-$(date +%Y%m%d-%H%M)}
+WORKLOADS=${WORKLOADS:-"prefix multiturn random"}
+PORT=${PORT:-18700}
+mkdir -p "$OUT"
+
+workload_flags() {
+  case "$1" in
+    # 8 groups x 16 requests sharing a 1,024-token system prompt, 32-token suffixes, 64 output tokens
+    prefix) echo "--dataset-name prefix --prefix-num-groups 8 --prefix-group-size 16 --prefix-len 1024 --suffix-len 32 --random-output-len 64 --max-concurrency 16" ;;
+    # 8 conversations of 4 turns: a ~1,000-token first message, ~100-token later ones, 64-token answers,
+    # so that the last turn resends a history of about 1,500 tokens
+    multiturn) echo "--dataset-name multiturn --num-conversations 8 --num-turns 4 --first-turn-len 1000 --turn-len 100 --random-output-len 64 --max-concurrency 8" ;;
+    # no sharing: what the cache costs
+    random) echo "--dataset-name random --num-prompts 64 --random-input-len 256 --random-output-len 64 --random-range-ratio 0.5 --max-concurrency 16" ;;
+  esac
+}
+
+wait_healthy() {
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
+    sleep 0.5
+  done
+  echo "server on port $PORT did not come up" >&2; return 1
+}
+
+run_pass() {  # label, workload, server command...
+  local label=$1 workload=$2; shift 2
+  "$@" >"$OUT/$label-$workload.server.log" 2>&1 &
+  local pid=$!
+  wait_healthy
+  # shellcheck disable=SC2046
+  kvserve bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$label" \
+    --result-json "$OUT/$label-$workload.json" $(workload_flags "$workload") 2>/dev/null | tee "$OUT/$label-$workload.txt"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+
+for workload in $WORKLOADS; do
+  run_pass kvserve-cache-off "$workload" kvserve serve "$MODEL" --port "$PORT" --no-enable-prefix-caching
+  run_pass kvserve-cache-on "$workload" kvserve serve "$MODEL" --port "$PORT"
+  if [ -n "${LLAMA_SERVER:-}" ] && [ "$workload" != random ]; then
+    run_pass "llamacpp-$(basename "${LLAMA_GGUF%.gguf}")" "$workload" "$LLAMA_SERVER" -m "$LLAMA_GGUF" \
+      --host 127.0.0.1 --port "$PORT" -t 2 -tb 2 -np 16 -c 32768 -b 512 -ub 512 --metrics
+  fi
+  kvserve bench compare "$OUT"/*-"$workload".json | tee "$OUT/compare-$workload.txt"
+done
