@@ -34,22 +34,22 @@ wait_healthy() {
   echo "server on port $PORT did not come up" >&2; return 1
 }
 
-run_pass() {  # label, workload, server command...
-  local label=$1 workload=$2; shift 2
+run_pass() {  # label, workload, bench backend, server command...
+  local label=$1 workload=$2 backend=$3; shift 3
   "$@" >"$OUT/$label-$workload.server.log" 2>&1 &
   local pid=$!
   wait_healthy
   # shellcheck disable=SC2046
-  kvserve bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$label" \
+  kvserve bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$label" --backend "$backend" \
     --result-json "$OUT/$label-$workload.json" $(workload_flags "$workload") 2>/dev/null | tee "$OUT/$label-$workload.txt"
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
 
 for workload in $WORKLOADS; do
-  run_pass kvserve-cache-off "$workload" kvserve serve "$MODEL" --port "$PORT" --no-enable-prefix-caching
-  run_pass kvserve-cache-on "$workload" kvserve serve "$MODEL" --port "$PORT"
+  run_pass kvserve-cache-off "$workload" kvserve kvserve serve "$MODEL" --port "$PORT" --no-enable-prefix-caching
+  run_pass kvserve-cache-on "$workload" kvserve kvserve serve "$MODEL" --port "$PORT"
   if [ -n "${LLAMA_SERVER:-}" ] && [ "$workload" != random ]; then
-    run_pass "llamacpp-$(basename "${LLAMA_GGUF%.gguf}")" "$workload" "$LLAMA_SERVER" -m "$LLAMA_GGUF" \
+    run_pass "llamacpp-$(basename "${LLAMA_GGUF%.gguf}")" "$workload" llamacpp "$LLAMA_SERVER" -m "$LLAMA_GGUF" \
       --host 127.0.0.1 --port "$PORT" -t 2 -tb 2 -np 16 -c 32768 -b 512 -ub 512 --metrics
   fi
   kvserve bench compare "$OUT"/*-"$workload".json | tee "$OUT/compare-$workload.txt"

@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: serve | generate | pull | models | make-checkpoint."""
+"""The ``kvserve`` command: serve | generate | pull | models | make-checkpoint | bench."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvserve.bench import cli as bench_cli
     from kvserve.model.checkpoint import ARCHITECTURES, SIZES
     from kvserve.server.launch import add_serve_arguments
 
@@ -88,20 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(func=_cmd_make_checkpoint)
 
-    bench = sub.add_parser("bench", help="measure a server or the offline engine")
-    add_bench_commands(bench.add_subparsers(dest="bench_command", required=True))
+    bench_cli.add_parser(sub)
     return parser
-
-
-def add_bench_commands(sub: argparse._SubParsersAction) -> None:
-    from kvserve.bench import report, serve
-
-    serve_cmd = sub.add_parser("serve", help="drive an OpenAI-compatible server with a workload")
-    serve.add_arguments(serve_cmd)
-    serve_cmd.set_defaults(func=serve.main)
-    compare = sub.add_parser("compare", help="result JSON files side by side, with ratios to the first")
-    report.add_compare_arguments(compare)
-    compare.set_defaults(func=report.compare_main)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,9 @@
-"""Result files of ``kvserve bench``: every figure with the whole configuration, and ``compare``."""
+"""What ``kvserve bench`` shows and keeps: the table of a run, the table of a sweep, result files with the whole
+configuration (machine, model, versions, git commit), and ``compare``, which puts result files side by side.
+
+A result file holds ``{"kind", "label", ...}`` and either its figures at the top level or a list of ``runs``
+(one per request rate of ``bench serve``); ``compare`` makes a column of each run.
+"""
 
 from __future__ import annotations
 
@@ -8,61 +13,173 @@ import os
 import platform
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-# The figures compare puts side by side: (key path, label, higher is better).
+from kvserve.bench.metrics import PERCENTILES
+
+LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+# The rows of compare: (key path, label). Figures no file has are left out.
 COMPARED = [
-    (("output_throughput",), "output tok/s", True),
-    (("total_throughput",), "total tok/s", True),
-    (("request_throughput",), "requests/s", True),
-    (("ttft_ms", "median"), "TTFT median ms", False),
-    (("ttft_ms", "p99"), "TTFT P99 ms", False),
-    (("tpot_ms", "median"), "TPOT median ms", False),
-    (("itl_ms", "p99"), "ITL P99 ms", False),
-    (("e2e_ms", "median"), "E2E median ms", False),
-    (("prefix_cache_hit_rate",), "prefix-cache hit rate", True),
-    (("failed",), "failed", False),
+    (("request_throughput",), "requests/s"),
+    (("input_throughput",), "input tok/s"),
+    (("output_throughput",), "output tok/s"),
+    (("total_throughput",), "total tok/s"),
+    (("goodput",), "goodput req/s"),
+    (("ttft_ms", "median"), "TTFT median ms"),
+    (("ttft_ms", "p99"), "TTFT P99 ms"),
+    (("tpot_ms", "median"), "TPOT median ms"),
+    (("tpot_ms", "p99"), "TPOT P99 ms"),
+    (("itl_ms", "p99"), "ITL P99 ms"),
+    (("e2e_ms", "median"), "E2E median ms"),
+    (("e2e_ms", "p99"), "E2E P99 ms"),
+    (("prefix_cache_hit_rate",), "prefix-cache hit rate"),
+    (("completed",), "completed"),
+    (("failed",), "failed"),
 ]
+VERSIONED_PACKAGES = ("kvserve", "torch", "transformers", "httpx", "numpy")
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "num_cpus": os.cpu_count(), "python": sys.version.split()[0]}
+# ---- tables --------------------------------------------------------------------------------------------
 
 
-def versions() -> dict[str, str]:
-    import torch
-    import transformers
+def format_run(run: dict[str, Any], title: str) -> str:
+    """The table of one ``bench serve`` run."""
+    lines = [f"== {title} ==",
+             f"completed {run['completed']}, failed {run['failed']}, {run['duration_s']:.2f} s"]
+    lines += [f"  error x{count}: {error}" for error, count in run["errors"].items()]
+    if run["num_without_usage"]:
+        lines.append(f"  {run['num_without_usage']} requests came without usage: their output tokens are counted "
+                     "chunks and their input tokens the workload's lengths")
+    lines.append(f"throughput: {run['request_throughput']:.3f} req/s, tokens/s input {run['input_throughput']:.1f}, "
+                 f"output {run['output_throughput']:.1f}, total {run['total_throughput']:.1f}")
+    if "goodput" in run:
+        slos = ", ".join(f"{name} <= {limit:g} ms" for name, limit in run["goodput_slos_ms"].items())
+        lines.append(f"goodput: {run['goodput']:.3f} req/s with {slos}")
+    lines.append(f"prefix-cache hit rate (server /metrics): {_percent(run['prefix_cache_hit_rate'])}, "
+                 f"cached prompt tokens (usage): {_percent(run['usage_cached_fraction'])}")
+    lines.append(f"{'ms':<6}" + "".join(f"{name:>10}" for name in PERCENTILES))
+    for metric in LATENCIES:
+        dist = run[metric]
+        cells = "".join(f"{dist[name]:>10.1f}" for name in PERCENTILES) if dist else "    (none)"
+        lines.append(f"{metric.removesuffix('_ms'):<6}" + cells)
+    for turn, dist in run.get("ttft_ms_by_turn", {}).items():
+        lines.append(f"turn {turn}: prompt {run['prompt_tokens_by_turn'][turn]:.0f} tokens, "
+                     f"TTFT median {dist['median']:.1f} ms, P99 {dist['p99']:.1f} ms")
+    return "\n".join(lines)
 
-    from importlib.metadata import version
 
-    return {"kvserve": version("kvserve"), "torch": torch.__version__, "transformers": transformers.__version__,
-            "git_commit": _git_commit()}
+def format_sweep(runs: list[dict[str, Any]]) -> str:
+    """Throughput and P99 latencies against request rate."""
+    lines = [f"{'rate':>6}{'req/s':>9}{'out tok/s':>11}{'TTFT P99':>10}{'TPOT P99':>10}{'E2E P99':>10}{'failed':>8}"]
+    for run in runs:
+        p99 = [f"{run[m]['p99']:>10.1f}" if run[m] else f"{'-':>10}" for m in ("ttft_ms", "tpot_ms", "e2e_ms")]
+        lines.append(f"{run['request_rate']!s:>6}{run['request_throughput']:>9.3f}{run['output_throughput']:>11.1f}"
+                     + "".join(p99) + f"{run['failed']:>8}")
+    return "\n".join(lines)
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+# ---- result files --------------------------------------------------------------------------------------
 
 
 def write_result_json(path: str | Path, result: dict[str, Any], args: argparse.Namespace) -> None:
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    """``result`` with the command's configuration, the machine, the package versions and the git commit."""
+    config = {key: value for key, value in vars(args).items() if key != "func"}
     document = {**result, "config": config, "machine": machine(), "versions": versions()}
-    Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n")
+    Path(path).write_text(json.dumps(document, indent=1, default=str) + "\n")  # default: Paths in the config
 
 
-def _get(result: dict[str, Any], keys: tuple[str, ...]) -> float | None:
-    value: Any = result
+def machine() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu": _cpu_name(), "num_cpus": os.cpu_count(),
+                            "memory_gib": _memory_gib(), "python": sys.version.split()[0]}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def versions() -> dict[str, Any]:
+    found = {}
+    for package in VERSIONED_PACKAGES:
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return {**found, **_git_state()}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _memory_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return round(kib / 2**20, 1)
+
+
+def _git_state() -> dict[str, Any]:
+    """The commit of the kvserve checkout and whether it has uncommitted changes (None outside a checkout)."""
+    def git(*command: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *command], capture_output=True, text=True, timeout=10,
+                                 cwd=Path(__file__).resolve().parent)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
+
+
+# ---- compare -------------------------------------------------------------------------------------------
+
+
+def compare_table(paths: list[str | Path]) -> str:
+    """The figures of every run of every file side by side; each column after the first with its ratio to the
+    first."""
+    columns = [column for path in paths for column in _columns(Path(path))]
+    names = [name for name, _ in columns]
+    width = max(16, *(len(name) + 2 for name in names))
+    lines = [f"{'':<24}" + "".join(f"{name:>{width}}" for name in names)]
+    for keys, row_name in COMPARED:
+        values = [_get(figures, keys) for _, figures in columns]
+        if all(value is None for value in values):
+            continue
+        cells = [_cell(value, values[0] if i else None) for i, value in enumerate(values)]
+        lines.append(f"{row_name:<24}" + "".join(f"{cell:>{width}}" for cell in cells))
+    return "\n".join(lines)
+
+
+def _columns(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    try:
+        document = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not a result JSON: {e}") from None
+    label = document.get("label") or path.stem
+    runs = document.get("runs", [document])
+    if len(runs) == 1:
+        return [(label, runs[0])]
+    return [(f"{label} @{run.get('request_rate')}", run) for run in runs]
+
+
+def _get(figures: dict[str, Any], keys: tuple[str, ...]) -> float | None:
+    value: Any = figures
     for key in keys:
         if not isinstance(value, dict) or key not in value:
             return None
@@ -70,29 +187,15 @@ def _get(result: dict[str, Any], keys: tuple[str, ...]) -> float | None:
     return value if isinstance(value, (int, float)) else None
 
 
-def compare_table(paths: list[str]) -> str:
-    """Figures of each result side by side; each column after the first with its ratio to the first."""
-    results = [json.loads(Path(p).read_text()) for p in paths]
-    labels = [r.get("label") or Path(p).stem for r, p in zip(results, paths)]
-    width = max(14, *(len(label) for label in labels)) + 2
-    lines = [f"{'':<24}" + "".join(f"{label:>{width}}" for label in labels)]
-    for keys, name, _ in COMPARED:
-        values = [_get(r, keys) for r in results]
-        if all(v is None for v in values):
-            continue
-        cells = []
-        for i, value in enumerate(values):
-            cell = "-" if value is None else f"{value:.4g}"
-            base = values[0]
-            if i and value is not None and base:
-                cell += f" ({value / base:.2f}x)"
-            cells.append(f"{cell:>{width}}")
-        lines.append(f"{name:<24}" + "".join(cells))
-    return "\n".join(lines)
+def _cell(value: float | None, base: float | None) -> str:
+    if value is None:
+        return "-"
+    cell = f"{value:.4g}"
+    return f"{cell} ({value / base:.2f}x)" if base else cell
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("results", nargs="+", help="result JSON files; ratios are to the first")
+    parser.add_argument("results", nargs="+", type=Path, help="result JSON files; ratios are to the first")
 
 
 def compare_main(args: argparse.Namespace) -> int:

@@ -1,76 +1,381 @@
-"""``kvserve bench serve``: drive any OpenAI-compatible server with a workload and report what it did."""
+"""``kvserve bench serve``: drive an OpenAI-compatible server with a workload and time every streamed chunk.
+
+Each request streams (``stream_options.include_usage``) and asks greedily for an exact number of tokens through
+the backend's extras: kvserve's and vLLM's ``ignore_eos`` + ``min_tokens``, llama.cpp's ``ignore_eos`` +
+``n_predict`` (``--backend openai`` sends none and checks no length). A request whose usage reports another
+length failed: it did different work. Token counts come from the final chunk's ``usage``; for a server that
+sends none, the chunks that carried text are counted instead and the report says so.
+
+Connections are not reused: llama.cpp's server sometimes closes a kept-alive connection after a stream, which
+would show up as failures that are the client's doing.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from typing import Any
+import json
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, AsyncIterator
 
+import httpx
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from kvserve.bench.client import LoadShape, Target, run_workload, scrape_metrics
-from kvserve.bench.report import write_result_json
-from kvserve.bench.summary import format_table, parse_goodput, summarize
-from kvserve.bench.workloads import SampleRequest, Workload, add_workload_arguments, build_workload
+from kvserve.bench.datasets import SampleRequest, add_dataset_arguments, build_dataset
+from kvserve.bench.metrics import (RequestRecord, parse_goodput, parse_prometheus, record_dict, server_hit_rate,
+                                   summarize)
+from kvserve.bench.report import format_run, format_sweep, write_result_json
 from kvserve.config import DEFAULT_MODEL
-from kvserve.model.loader import load_checkpoint
+from kvserve.model.loader import Checkpoint, load_checkpoint
 from kvserve.model.sources import resolve_model
 
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+BACKENDS = ("kvserve", "vllm", "llamacpp", "openai")
 NUM_WARMUP_TOKENS = 4
+ERROR_TEXT_LIMIT = 300  # characters of a server's error body kept in the report
+
+
+@dataclass(frozen=True)
+class Target:
+    """The server under test and how to talk to it."""
+
+    base_url: str
+    model: str
+    endpoint: str = COMPLETIONS
+    backend: str = "kvserve"
+    api_key: str | None = None
+    timeout_s: float = 3600.0
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + path
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def request_body(self, request: SampleRequest, answers: list[str]) -> tuple[str, dict[str, Any]]:
+        """The path and JSON body of ``request``; ``answers``: the server's answers to the earlier turns of its
+        conversation. Requests with messages (multiturn) go to the chat endpoint whatever ``endpoint`` says."""
+        body = {"model": self.model, **length_fields(self.backend, request.output_len)}
+        if request.messages is not None:
+            return CHAT, {**body, "messages": with_answers(request.messages, answers)}
+        if self.endpoint == CHAT:
+            return CHAT, {**body, "messages": [{"role": "user", "content": request.prompt}]}
+        return COMPLETIONS, {**body, "prompt": request.prompt}
+
+
+def length_fields(backend: str, output_len: int) -> dict[str, Any]:
+    """Streaming, greedy, and exactly ``output_len`` tokens, in the backend's own words."""
+    fields: dict[str, Any] = {"max_tokens": output_len, "temperature": 0, "stream": True,
+                              "stream_options": {"include_usage": True}}
+    if backend in ("kvserve", "vllm"):
+        fields.update(ignore_eos=True, min_tokens=output_len)
+    elif backend == "llamacpp":
+        fields.update(ignore_eos=True, n_predict=output_len)
+    return fields
+
+
+def with_answers(messages: list[dict[str, str]], answers: list[str]) -> list[dict[str, str]]:
+    """The history with its scripted assistant turns replaced, in order, by the server's answers."""
+    remaining = iter(answers)
+    return [{**m, "content": next(remaining)} if m["role"] == "assistant" else m for m in messages]
+
+
+# ---- one request -----------------------------------------------------------------------------------------
+
+
+def take_chunk(record: RequestRecord, chunk: dict[str, Any], now: float) -> None:
+    """Record one parsed SSE chunk that arrived at ``now``: its text and time, its usage, or its error."""
+    if "error" in chunk:
+        record.error = f"stream error: {json.dumps(chunk['error'])[:ERROR_TEXT_LIMIT]}"
+        return
+    text = _chunk_text(chunk)
+    if text:
+        record.chunk_times.append(now)
+        record.text += text
+    usage = chunk.get("usage")
+    if usage:
+        record.counted_from_usage = True
+        record.prompt_tokens = usage.get("prompt_tokens", record.prompt_tokens)
+        record.completion_tokens = usage.get("completion_tokens", 0)
+        record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+
+
+def finish(record: RequestRecord, now: float, saw_done: bool, exact_length: bool) -> None:
+    """Close the record of a stream that ended at ``now``: it succeeded if it reached [DONE] with the asked
+    number of tokens (or, without usage, counts its chunks as tokens)."""
+    if record.error is not None:
+        return
+    if not saw_done:
+        record.error = "the stream ended before [DONE] (connection closed)"
+        return
+    record.end = now
+    if not record.counted_from_usage:
+        record.completion_tokens = len(record.chunk_times)
+    elif exact_length and record.completion_tokens != record.expected_output_len:
+        record.error = f"got {record.completion_tokens} of {record.expected_output_len} tokens (cut short?)"
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    if "delta" in choices[0]:  # chat: the first chunk may carry only the role
+        return (choices[0]["delta"] or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+async def send(client: httpx.AsyncClient, target: Target, path: str, body: dict[str, Any],
+               record: RequestRecord) -> None:
+    """POST one streaming request and record it; whatever the server or the network does ends up in
+    ``record.error``, never in an exception."""
+    record.start = time.perf_counter()
+    saw_done = False
+    try:
+        async with client.stream("POST", target.url(path), json=body, headers=target.headers()) as response:
+            if response.status_code != 200:
+                raw = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {raw[:ERROR_TEXT_LIMIT]}"
+                return
+            async for data in _sse_data(response):
+                if data == "[DONE]":
+                    saw_done = True
+                    break
+                _take_data(record, data, time.perf_counter())
+                if record.error is not None:
+                    return
+    except httpx.HTTPError as e:
+        record.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        return
+    finish(record, time.perf_counter(), saw_done, exact_length=target.backend != "openai")
+
+
+def _take_data(record: RequestRecord, data: str, now: float) -> None:
+    try:
+        take_chunk(record, json.loads(data), now)
+    except (ValueError, AttributeError, TypeError, KeyError, IndexError) as e:  # not JSON, or not a chunk's shape
+        record.error = f"a malformed chunk ({type(e).__name__}: {e}): {data[:ERROR_TEXT_LIMIT]}"
+
+
+async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            yield line[len("data:"):].strip()
+
+
+# ---- the load ------------------------------------------------------------------------------------------
+
+
+def sessions(requests: list[SampleRequest]) -> list[list[SampleRequest]]:
+    """The turns of one conversation (multiturn) form one session, run in order; any other request is a
+    session of its own. Sessions keep the order of their first request."""
+    ordered: list[list[SampleRequest]] = []
+    conversations: dict[int | None, list[SampleRequest]] = {}
+    for request in requests:
+        if request.turn is None:
+            ordered.append([request])
+        elif request.group in conversations:
+            conversations[request.group].append(request)
+        else:
+            conversations[request.group] = [request]
+            ordered.append(conversations[request.group])
+    return ordered
+
+
+def arrival_delays(num_sessions: int, request_rate: float, seed: int) -> list[float]:
+    """Start times in seconds: a Poisson process at ``request_rate`` (exponential gaps, seeded), or all at 0."""
+    if request_rate == float("inf"):
+        return [0.0] * num_sessions
+    rng = random.Random(seed)
+    delays, t = [], 0.0
+    for _ in range(num_sessions):
+        delays.append(t)
+        t += rng.expovariate(request_rate)
+    return delays
+
+
+async def run_requests(target: Target, requests: list[SampleRequest], request_rate: float = float("inf"),
+                       max_concurrency: int | None = None, seed: int = 0, desc: str = "bench serve"
+                       ) -> tuple[list[RequestRecord], float]:
+    """Send every request under the load shape; returns their records, session by session, and the wall time in
+    seconds. Arrivals and ``max_concurrency`` count sessions: a conversation holds its slot for all its turns."""
+    groups = sessions(requests)
+    semaphore = asyncio.Semaphore(max_concurrency or max(len(groups), 1))
+    delays = arrival_delays(len(groups), request_rate, seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(target.timeout_s), limits=limits) as client:
+        with tqdm(total=len(requests), desc=desc, unit="req", disable=None) as progress:
+            start = time.perf_counter()
+            done = await asyncio.gather(*(_run_session(client, target, group, semaphore, delay, progress)
+                                          for group, delay in zip(groups, delays)))
+            duration = time.perf_counter() - start
+    return [record for group in done for record in group], duration
+
+
+async def _run_session(client: httpx.AsyncClient, target: Target, session: list[SampleRequest],
+                       semaphore: asyncio.Semaphore, delay: float, progress: tqdm) -> list[RequestRecord]:
+    await asyncio.sleep(delay)
+    records: list[RequestRecord] = []
+    answers: list[str] = []
+    async with semaphore:
+        for request in session:
+            record = RequestRecord(request.output_len, prompt_tokens=request.prompt_len, group=request.group,
+                                   turn=request.turn)
+            failed = next((r for r in records if not r.ok), None)
+            if failed is not None:  # the next turn would resend an answer that never came
+                record.error = f"not sent: turn {failed.turn} of its conversation failed"
+            else:
+                path, body = target.request_body(request, answers)
+                await send(client, target, path, body, record)
+                answers.append(record.text)
+            records.append(record)
+            progress.update(1)
+    return records
+
+
+async def scrape_metrics(target: Target) -> dict[str, float]:
+    """The server's /metrics, summed over labels; {} when it has none."""
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            response = await client.get(target.url("/metrics"), headers=target.headers())
+    except httpx.HTTPError:
+        return {}
+    return parse_prometheus(response.text) if response.status_code == 200 else {}
+
+
+async def server_context_len(target: Target) -> int | None:
+    """The server's context limit: ``max_model_len`` of /v1/models (kvserve, vLLM), or llama.cpp's per-slot
+    ``n_ctx`` from /props; None when neither says."""
+    async with httpx.AsyncClient(timeout=10, headers=target.headers()) as client:
+        for path, keys in (("/v1/models", ("data", 0, "max_model_len")),
+                           ("/props", ("default_generation_settings", "n_ctx"))):
+            try:
+                response = await client.get(target.url(path))
+                value: Any = response.json()
+                for key in keys:
+                    value = value[key]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                continue
+            if isinstance(value, int):
+                return value
+    return None
+
+
+# ---- the command ---------------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the model name the server answers to")
     parser.add_argument("--tokenizer", default=None,
-                        help="where to read the tokenizer that builds prompts (default: --model, resolved as kvserve "
-                             "resolves a model)")
+                        help="the model whose tokenizer builds the prompts, resolved as kvserve resolves a model "
+                             "(default: --model)")
+    parser.add_argument("--backend", choices=BACKENDS, default="kvserve",
+                        help="which extras make output lengths exact: kvserve/vllm (ignore_eos, min_tokens), "
+                             "llamacpp (ignore_eos, n_predict), openai (none, lengths unchecked)")
+    parser.add_argument("--endpoint", choices=(COMPLETIONS, CHAT), default=COMPLETIONS,
+                        help="multiturn always uses the chat endpoint")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--label", default=None, help="a name for this run in tables and compare")
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="Poisson arrivals per second (default inf: all at once)")
+    parser.add_argument("--label", default=None, help="this run's name in tables, plots and compare")
+    parser.add_argument("--request-rate", default="inf",
+                        help="Poisson arrivals per second (multiturn: conversations), or inf (all at once); a "
+                             "comma-separated list sweeps, "
+                             "each rate after the first with fresh prompts (seed + index) so that nothing an "
+                             "earlier rate left in the server's cache helps it")
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--num-warmups", type=int, default=2, help="short requests sent before timing")
-    parser.add_argument("--goodput", nargs="*", default=None, metavar="NAME:MS",
-                        help="SLOs for goodput, e.g. ttft:500 tpot:100 (ms)")
-    parser.add_argument("--result-json", default=None)
-    add_workload_arguments(parser)
+    parser.add_argument("--warmup", "--num-warmups", dest="num_warmups", type=int, default=2,
+                        help="short requests sent before timing")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                        help="SLOs for goodput, any of ttft, tpot, e2e in ms, e.g. ttft:500 tpot:100")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a request counts as failed")
+    parser.add_argument("--result-json", type=Path, default=None)
+    parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write latency (and sweep) PNGs")
+    add_dataset_arguments(parser)
+
+
+def parse_request_rates(value: str) -> list[float]:
+    """``"1,2,4,inf"`` -> [1.0, 2.0, 4.0, inf]."""
+    try:
+        rates = [float(item) for item in value.split(",")]
+    except ValueError:
+        raise ValueError(f"--request-rate takes numbers or inf, comma-separated, got {value!r}") from None
+    if any(rate <= 0 for rate in rates):
+        raise ValueError(f"--request-rate must be positive, got {value!r}")
+    return rates
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the workload at each request rate and report; 0 when every run completed at least one request (the
+    failures are in the report), 1 otherwise."""
     slos = parse_goodput(args.goodput)
-    tokenizer = load_checkpoint(resolve_model(args.tokenizer or args.model), torch.float32).tokenizer
-    workload = build_workload(args, tokenizer)
-    target = Target(args.base_url, args.model, args.api_key)
-    summary = asyncio.run(_measure(target, workload, args))
-    summary.update(summarize(summary.pop("results"), summary.pop("duration"), slos))
-    label = args.label or f"{args.base_url} {workload.name}"
-    print(format_table(summary, label))
+    rates = parse_request_rates(args.request_rate)
+    checkpoint = load_checkpoint(resolve_model(args.tokenizer or args.model), torch.float32)
+    target = Target(args.base_url, args.model, args.endpoint, args.backend, args.api_key, args.timeout)
+    runs = asyncio.run(_measure(target, args, checkpoint, rates, slos))
+    label = args.label or f"{args.backend} {args.dataset_name}"
+    for run in runs:
+        print(format_run(run, f"{label} | rate {run['request_rate']} | concurrency "
+                              f"{args.max_concurrency or 'unlimited'}"))
+    if len(runs) > 1:
+        print(format_sweep(runs))
+    result = {"kind": "serve", "label": label, "runs": runs}
     if args.result_json:
-        write_result_json(args.result_json, {"kind": "serve", "label": label, **summary}, args)
-    return 0 if summary["completed"] else 1
+        write_result_json(args.result_json, result, args)
+    if args.plot:
+        from kvserve.bench.plots import write_plots  # matplotlib only when asked for
+
+        for path in write_plots(runs, args.plot, label):
+            print(f"wrote {path}")
+    return 0 if all(run["completed"] for run in runs) else 1
 
 
-async def _measure(target: Target, workload: Workload, args: argparse.Namespace) -> dict[str, Any]:
-    await _warm_up(target, args.num_warmups)
-    before = await scrape_metrics(target.base_url)
-    shape = LoadShape(args.request_rate, args.max_concurrency, args.seed)
-    total = len(workload.requests) or sum(len(c.user_turns) for c in workload.conversations)
-    with tqdm(total=total, desc=f"bench serve {workload.name}", unit="req") as progress:
-        results, duration = await run_workload(target, workload, shape, progress)
-    after = await scrape_metrics(target.base_url)
-    moved = {name: after[name] - before.get(name, 0.0) for name in after if name.startswith("kvserve:prefix_cache")}
-    return {"results": results, "duration": duration, "server_prefix_cache_metrics": moved}
+async def _measure(target: Target, args: argparse.Namespace, checkpoint: Checkpoint, rates: list[float],
+                   slos: dict[str, float]) -> list[dict[str, Any]]:
+    await warm_up(target, args.num_warmups)
+    context_len = None
+    if args.dataset_name == "long" and args.long_prompt_len is None:
+        context_len = await server_context_len(target) or checkpoint.max_model_len
+    runs = []
+    for index, rate in enumerate(rates):
+        seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + index})
+        requests = build_dataset(seeded, checkpoint.tokenizer, context_len)
+        if target.endpoint == CHAT:
+            requests = as_text(requests, checkpoint.tokenizer)
+        runs.append(await measure_run(target, requests, rate, args.max_concurrency, seeded.seed, slos))
+    return runs
 
 
-async def _warm_up(target: Target, num_warmups: int) -> None:
-    """A few short requests, untimed, with their own prompts, so that nothing they cache helps the run."""
+async def measure_run(target: Target, requests: list[SampleRequest], request_rate: float,
+                      max_concurrency: int | None, seed: int, slos: dict[str, float]) -> dict[str, Any]:
+    """One timed run: its summary, the server's prefix-cache hit rate over it, and every request's figures."""
+    before = await scrape_metrics(target)
+    rate_label = "inf" if request_rate == float("inf") else request_rate
+    records, duration = await run_requests(target, requests, request_rate, max_concurrency, seed,
+                                           desc=f"bench serve (rate {rate_label})")
+    after = await scrape_metrics(target)
+    return {"request_rate": rate_label, "max_concurrency": max_concurrency, "num_requests": len(requests),
+            **summarize(records, duration, slos), "prefix_cache_hit_rate": server_hit_rate(before, after),
+            "requests": [record_dict(r) for r in records]}
+
+
+def as_text(requests: list[SampleRequest], tokenizer: PreTrainedTokenizerBase) -> list[SampleRequest]:
+    """Token-id prompts decoded to text, for the chat endpoint (the server's usage counts what it tokenized)."""
+    return [r if isinstance(r.prompt, str) else replace(r, prompt=tokenizer.decode(r.prompt)) for r in requests]
+
+
+async def warm_up(target: Target, num_warmups: int) -> None:
+    """Short requests, untimed, with prompts of their own so that nothing they cache helps the run; raises
+    ``RuntimeError`` if the server cannot answer them."""
     if num_warmups <= 0:
         return
-    warmup = Workload("warmup", [SampleRequest(f"Warm-up request {i}: say something.", 8, NUM_WARMUP_TOKENS)
-                                 for i in range(num_warmups)])
-    results, _ = await run_workload(target, warmup, LoadShape())
-    failed = [r.error for r in results if not r.ok]
+    requests = [SampleRequest(f"Warm-up request {i}: say something.", 8, NUM_WARMUP_TOKENS)
+                for i in range(num_warmups)]
+    records, _ = await run_requests(target, requests, desc="warm-up")
+    failed = [r.error for r in records if not r.ok]
     if failed:
-        raise SystemExit(f"warm-up failed against {target.base_url}: {failed[0]}")
+        raise RuntimeError(f"warm-up failed against {target.base_url}: {failed[0]}")

@@ -5,69 +5,198 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any, Awaitable, Callable
 
 import pytest
 
-from kvserve.bench.client import LoadShape, Target, run_workload
-from kvserve.bench.workloads import SampleRequest, Workload
+from kvserve.bench.datasets import SampleRequest
+from kvserve.bench.serve import (CHAT, Target, arrival_delays, length_fields, parse_request_rates, run_requests,
+                                 sessions, with_answers)
 from kvserve.cli import main
 from tests.server.conftest import MODEL_NAME, ServerProcess
 
 
-def test_a_run_against_kvserve_completes_and_compare_reads_it(
+def test_runs_against_kvserve_complete_and_compare_reads_them(
     server: ServerProcess, tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     common = ["bench", "serve", "--base-url", server.url, "--model", MODEL_NAME, "--tokenizer", str(tiny_checkpoint),
-              "--num-warmups", "1"]
-    random_json, prefix_json = tmp_path / "random.json", tmp_path / "prefix.json"
+              "--warmup", "1"]
+    paths = {name: tmp_path / f"{name}.json" for name in ("random", "prefix", "multiturn")}
     assert main([*common, "--dataset-name", "random", "--num-prompts", "6", "--random-input-len", "20",
-                 "--random-output-len", "5", "--max-concurrency", "3", "--result-json", str(random_json)]) == 0
+                 "--random-output-len", "5", "--max-concurrency", "3", "--goodput", "e2e:600000",
+                 "--result-json", str(paths["random"])]) == 0
     assert main([*common, "--dataset-name", "prefix", "--prefix-num-groups", "2", "--prefix-group-size", "3",
                  "--prefix-len", "48", "--suffix-len", "4", "--random-output-len", "3",
-                 "--result-json", str(prefix_json)]) == 0
-    random_result, prefix_result = (json.loads(p.read_text()) for p in (random_json, prefix_json))
-    assert random_result["completed"] == 6 and random_result["failed"] == 0
-    assert random_result["output_tokens"] == 6 * 5 and random_result["input_tokens"] == 6 * 20  # ids as sent
-    assert random_result["config"]["dataset_name"] == "random" and random_result["versions"]["git_commit"]
-    assert prefix_result["completed"] == 6 and prefix_result["prefix_cache_hit_rate"] > 0.5
-    capsys.readouterr()
-    assert main(["bench", "compare", str(random_json), str(prefix_json)]) == 0
+                 "--result-json", str(paths["prefix"])]) == 0
+    assert main([*common, "--dataset-name", "multiturn", "--num-conversations", "2", "--num-turns", "3",
+                 "--first-turn-len", "40", "--turn-len", "8", "--random-output-len", "4", "--request-rate", "50,inf",
+                 "--result-json", str(paths["multiturn"]), "--plot", str(tmp_path / "plots")]) == 0
     table = capsys.readouterr().out
-    assert "output tok/s" in table and "x)" in table
+    assert "turn 2: prompt" in table and "E2E P99" in table  # per-turn TTFT, and a sweep table
+
+    random_run, prefix_run = (json.loads(paths[name].read_text())["runs"][0] for name in ("random", "prefix"))
+    assert (random_run["completed"], random_run["failed"]) == (6, 0)
+    assert random_run["output_tokens"] == 6 * 5 and random_run["input_tokens"] == 6 * 20  # ids as sent
+    assert random_run["goodput"] == pytest.approx(random_run["request_throughput"])
+    # a token that decodes to no text yet (part of a character) sends an empty chunk, which times nothing
+    assert len(random_run["requests"]) == 6 and all(len(r["itl_ms"]) <= 4 for r in random_run["requests"])
+    assert all(r["ttft_ms"] <= r["e2e_ms"] and r["tpot_ms"] for r in random_run["requests"])
+    assert (prefix_run["completed"], prefix_run["failed"]) == (6, 0)
+    assert prefix_run["prefix_cache_hit_rate"] > 0.5 and prefix_run["usage_cached_fraction"] > 0.5
+
+    multiturn = json.loads(paths["multiturn"].read_text())
+    assert [run["request_rate"] for run in multiturn["runs"]] == [50.0, "inf"]
+    for run in multiturn["runs"]:
+        assert (run["completed"], run["failed"]) == (6, 0)
+        by_turn = run["prompt_tokens_by_turn"]
+        assert list(by_turn) == ["0", "1", "2"] and by_turn["0"] < by_turn["1"] < by_turn["2"]
+    assert multiturn["config"]["dataset_name"] == "multiturn" and multiturn["versions"]["kvserve"]
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 5  # three distributions and two against rate
+    assert multiturn["versions"]["git_commit"] and multiturn["machine"]["num_cpus"]
+
+    assert main(["bench", "compare", *map(str, paths.values())]) == 0
+    table = capsys.readouterr().out
+    assert "output tok/s" in table and "x)" in table and "@50.0" in table and "@inf" in table
 
 
-async def _misbehaving_server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, calls: list[int]) -> None:
-    """Request 0: a 500; 1: a stream cut mid-way; 2: a stream short of tokens; others: a proper stream."""
-    await reader.readuntil(b"\r\n\r\n")
-    calls.append(len(calls))
-    kind = calls[-1]
-    if kind == 0:
-        body = json.dumps({"error": {"message": "boom", "type": "server_error"}}).encode()
-        writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n"
-                     + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+# ---- a server that misbehaves -----------------------------------------------------------------------------
+
+Handler = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+def sse(*events: dict[str, Any] | str) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def text(t: str) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "text": t}]}
+
+
+def usage(completion: int) -> dict[str, Any]:
+    return {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": completion}}
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+# what the fake server does, by the prompt it is sent
+BEHAVIOURS: dict[str, bytes | None] = {
+    "http-500": None,
+    "drop-mid-stream": STREAM_HEAD + sse(text("a")),  # then the connection is reset
+    "close-before-done": STREAM_HEAD + sse(text("a"), text("b"), usage(2)),
+    "short": STREAM_HEAD + sse(text("a"), usage(1), "[DONE]"),
+    "stream-error": STREAM_HEAD + sse(text("a"), {"error": {"message": "out of memory", "code": 500}}),
+    "malformed": STREAM_HEAD + sse(text("a"), "[1, 2]", "[DONE]"),
+    "not-json": STREAM_HEAD + sse(text("a"), "{oops", "[DONE]"),
+    "no-usage": STREAM_HEAD + sse(text("a"), text("b"), "[DONE]"),
+    "hang": STREAM_HEAD,  # then nothing until the client gives up
+    "good": STREAM_HEAD + sse(text("a"), text("b"), usage(2), "[DONE]"),
+}
+
+
+async def _misbehave(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length")), 0)
+    body = json.loads(await reader.readexactly(length)) if length else {}
+    kind = body.get("prompt") if isinstance(body.get("prompt"), str) else "unknown"
+    if kind not in BEHAVIOURS or BEHAVIOURS[kind] is None:
+        error = json.dumps({"error": {"message": f"boom: {kind}"}}).encode()
+        status = b"500 Internal Server Error" if kind in BEHAVIOURS else b"404 Not Found"
+        writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                     + f"content-length: {len(error)}\r\n\r\n".encode() + error)
     else:
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
-        writer.write(b'data: {"choices": [{"text": "a"}]}\n\n')
-        if kind != 1:
-            writer.write(b'data: {"choices": [{"text": "b"}]}\n\n')
-            usage = {"prompt_tokens": 3, "completion_tokens": 1 if kind == 2 else 2}
-            writer.write(f'data: {json.dumps({"choices": [], "usage": usage})}\n\ndata: [DONE]\n\n'.encode())
+        writer.write(BEHAVIOURS[kind])
     await writer.drain()
-    writer.transport.abort() if kind == 1 else writer.close()
+    if kind == "hang":
+        await asyncio.sleep(30)
+    if kind == "drop-mid-stream":
+        writer.transport.abort()
+    else:
+        writer.close()
+
+
+async def _against_misbehaving_server(run: Callable[[str], Awaitable[Any]]) -> Any:
+    server = await asyncio.start_server(_misbehave, "127.0.0.1", 0)
+    async with server:
+        return await run(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
 
 
 def test_errors_and_dropped_connections_are_counted_not_crashed_on() -> None:
-    async def scenario():
-        calls: list[int] = []
-        server = await asyncio.start_server(lambda r, w: _misbehaving_server(r, w, calls), "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        workload = Workload("t", [SampleRequest("hi", 1, 2) for _ in range(4)])
-        async with server:
-            return await run_workload(Target(f"http://127.0.0.1:{port}", "m"), workload, LoadShape(max_concurrency=1))
+    kinds = list(BEHAVIOURS)
+    requests = [SampleRequest(kind, 1, 2) for kind in kinds]
 
-    results, _ = asyncio.run(scenario())
-    assert [r.ok for r in results] == [False, False, False, True]
-    assert results[0].error.startswith("HTTP 500") and "boom" in results[0].error
-    assert "RemoteProtocolError" in results[1].error or "no usage" in results[1].error
-    assert "got 1 of 2 tokens" in results[2].error
-    assert results[3].completion_tokens == 2 and results[3].ttft is not None and len(results[3].itl) == 1
+    async def run(url: str):
+        return await run_requests(Target(url, "m", timeout_s=0.5), requests, max_concurrency=2)
+
+    records, _ = asyncio.run(_against_misbehaving_server(run))
+    by_kind = dict(zip(kinds, records))
+    assert {kind for kind, r in by_kind.items() if r.ok} == {"no-usage", "good"}
+    assert by_kind["http-500"].error.startswith("HTTP 500") and "boom" in by_kind["http-500"].error
+    assert by_kind["drop-mid-stream"].error.split(":")[0] in {"RemoteProtocolError", "ReadError"} \
+        or "before [DONE]" in by_kind["drop-mid-stream"].error
+    assert "before [DONE]" in by_kind["close-before-done"].error
+    assert by_kind["short"].error == "got 1 of 2 tokens (cut short?)"
+    assert "out of memory" in by_kind["stream-error"].error
+    assert by_kind["hang"].error.startswith("ReadTimeout")
+    assert by_kind["malformed"].error.startswith("a malformed chunk (AttributeError")
+    assert by_kind["not-json"].error.startswith("a malformed chunk (JSONDecodeError")
+    assert not by_kind["no-usage"].counted_from_usage and by_kind["no-usage"].completion_tokens == 2
+    assert by_kind["good"].completion_tokens == 2 and len(by_kind["good"].itl) == 1
+
+
+def test_a_failing_server_is_reported_by_the_command(tiny_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
+    """Every request answered with a 404 (and no /metrics): the run is reported, the command fails."""
+    def command(url: str, *flags: str) -> int:
+        return main(["bench", "serve", "--base-url", url, "--model", "m", "--tokenizer", str(tiny_checkpoint),
+                     "--num-prompts", "3", "--random-input-len", "4", "--random-output-len", "2", *flags])
+
+    async def run(url: str) -> tuple[int, int]:
+        loop = asyncio.get_running_loop()  # the command runs its own event loop, so in a thread of its own
+        return (await loop.run_in_executor(None, command, url, "--warmup", "0"),
+                await loop.run_in_executor(None, command, url))
+
+    no_warmup, with_warmup = asyncio.run(_against_misbehaving_server(run))
+    captured = capsys.readouterr()
+    assert no_warmup == 1 and "completed 0, failed 3" in captured.out and "error x3: HTTP 404" in captured.out
+    assert "hit rate (server /metrics): n/a" in captured.out
+    assert with_warmup == 2 and "warm-up failed" in captured.err
+
+
+# ---- the pieces of the load generator ---------------------------------------------------------------------
+
+
+def test_arrivals_are_seeded_poisson_or_all_at_once() -> None:
+    assert arrival_delays(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+    delays = arrival_delays(2000, 4.0, seed=1)
+    assert delays == arrival_delays(2000, 4.0, seed=1) and delays != arrival_delays(2000, 4.0, seed=2)
+    gaps = [b - a for a, b in zip(delays, delays[1:])]
+    assert delays[0] == 0 and min(gaps) > 0 and sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)
+    assert parse_request_rates("1,2.5,inf") == [1.0, 2.5, float("inf")]
+    for bad in ("fast", "0", "1,-2"):
+        with pytest.raises(ValueError, match="--request-rate"):
+            parse_request_rates(bad)
+
+
+def test_conversations_run_as_sessions_with_the_servers_answers() -> None:
+    turns = [SampleRequest("p", 5, 2, messages=[{"role": "user", "content": f"u{c}"}], group=c, turn=0)
+             for c in range(2)]
+    second = SampleRequest("p", 9, 2, group=0, turn=1, messages=[
+        {"role": "user", "content": "u0"}, {"role": "assistant", "content": "scripted"},
+        {"role": "user", "content": "again"}])
+    plain = SampleRequest([1, 2], 2, 2)
+    assert sessions([turns[0], turns[1], second, plain]) == [[turns[0], second], [turns[1]], [plain]]
+    target = Target("http://x", "m")
+    path, body = target.request_body(second, ["the server's answer"])
+    assert path == CHAT and body["messages"][1] == {"role": "assistant", "content": "the server's answer"}
+    assert with_answers(second.messages, ["a"])[2] == second.messages[2]
+    assert target.request_body(plain, [])[1]["prompt"] == [1, 2]
+    assert Target("http://x", "m", endpoint=CHAT).request_body(SampleRequest("hi", 1, 2), [])[1]["messages"] == [
+        {"role": "user", "content": "hi"}]
+
+
+def test_each_backend_gets_its_exact_length_extras() -> None:
+    assert length_fields("kvserve", 7) | length_fields("vllm", 7) == length_fields("vllm", 7)
+    assert length_fields("vllm", 7)["min_tokens"] == 7 and length_fields("vllm", 7)["ignore_eos"] is True
+    assert length_fields("llamacpp", 7)["n_predict"] == 7 and "min_tokens" not in length_fields("llamacpp", 7)
+    assert {"ignore_eos", "min_tokens", "n_predict"}.isdisjoint(length_fields("openai", 7))
+    assert all(length_fields(b, 7)["max_tokens"] == 7 and length_fields(b, 7)["stream_options"]["include_usage"]
+               for b in ("kvserve", "vllm", "llamacpp", "openai"))

@@ -70,26 +70,24 @@ def test_a_later_turn_pays_only_for_its_new_tokens() -> None:
     assert runner.num_tokens_written - written_before == (len(history) + 8 - 44) + 3
 
 
-def test_lpm_admits_the_request_with_the_longest_cached_prefix_first() -> None:
-    scheduler = cached_scheduler(num_blocks=64, max_num_batched_tokens=64, max_num_seqs=1)
+def _first_admitted_after_a_warm_prefix(policy: str) -> list[str]:
+    """One seat; a request that arrives first with nothing cached, then one whose 32-token prefix is cached."""
+    scheduler = cached_scheduler(num_blocks=64, max_num_batched_tokens=64, max_num_seqs=1, policy=policy)
     runner = runner_for(scheduler)
     scheduler.add_request(make_request("warm", 33, prefix=shared_prefix(1, 32), max_tokens=1))
     run_to_completion(scheduler, runner)
     scheduler.add_request(make_request("cold", 20, max_tokens=1))
     scheduler.add_request(make_request("hot", 36, prefix=shared_prefix(1, 32), max_tokens=1))
     sched_out, _ = step(scheduler, runner)
-    assert [r.request_id for r in sched_out.requests] == ["hot"]
+    return [r.request_id for r in sched_out.requests]
+
+
+def test_lpm_admits_the_request_with_the_longest_cached_prefix_first() -> None:
+    assert _first_admitted_after_a_warm_prefix("lpm") == ["hot"]
 
 
 def test_fcfs_keeps_arrival_order_even_with_a_cached_prefix() -> None:
-    scheduler = cached_scheduler(num_blocks=64, max_num_batched_tokens=64, max_num_seqs=1, policy="fcfs")
-    runner = runner_for(scheduler)
-    scheduler.add_request(make_request("warm", 33, prefix=shared_prefix(1, 32), max_tokens=1))
-    run_to_completion(scheduler, runner)
-    scheduler.add_request(make_request("cold", 20, max_tokens=1))
-    scheduler.add_request(make_request("hot", 36, prefix=shared_prefix(1, 32), max_tokens=1))
-    sched_out, _ = step(scheduler, runner)
-    assert [r.request_id for r in sched_out.requests] == ["cold"]
+    assert _first_admitted_after_a_warm_prefix("fcfs") == ["cold"]
 
 
 def test_lpm_serves_a_request_that_waited_too_long_first() -> None:

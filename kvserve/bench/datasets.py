@@ -1,0 +1,219 @@
+"""Seeded benchmark workloads: what each request sends and how many tokens it must get back.
+
+``random``: prompts of random ordinary token ids, lengths drawn around ``--random-input-len`` /
+``--random-output-len``. ``sharegpt``: the first human turn of each conversation of a ShareGPT file, the reply's
+length as the output length. ``prefix``: groups of requests that share a long system prompt, listed group by group
+so that a group arrives together. ``multiturn``: conversations whose every turn resends the whole history; the
+list holds every turn with a scripted history, and ``kvserve bench serve`` swaps the scripted answers for the
+server's own. ``long``: prompts that fill the context but for the output.
+
+The same flags and seed give the same requests, whoever builds them (``bench serve``, ``bench throughput``, the
+peers' scripts), so every engine runs exactly the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+DATASETS = ("random", "sharegpt", "prefix", "multiturn", "long")
+SHAREGPT_SAMPLE = Path(__file__).parent / "data" / "sharegpt_sample.json"
+# vLLM's ShareGPT filter: pairs this short say little, and longer ones would not fit a 2k context.
+SHAREGPT_MIN_LEN = 4
+SHAREGPT_MAX_PROMPT_LEN = 1024
+SHAREGPT_MAX_TOTAL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One request of a workload."""
+
+    prompt: str | list[int]  # text, or token ids (random, prefix, long: servers take ids in /v1/completions)
+    prompt_len: int  # in tokens, as generated (the server's usage is what reports count)
+    output_len: int  # tokens to generate, exactly (ignore_eos)
+    messages: list[dict[str, str]] | None = None  # multiturn: the whole chat history, its answers scripted
+    group: int | None = None  # prefix group, or conversation
+    turn: int | None = None  # multiturn: the turn's index in its conversation
+
+
+def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload flags, shared by ``kvserve bench serve`` and ``kvserve bench throughput``."""
+    group = parser.add_argument_group("workload")
+    group.add_argument("--dataset-name", choices=DATASETS, default="random")
+    group.add_argument("--dataset-path", type=Path, default=None,
+                       help=f"sharegpt: a ShareGPT-format JSON file (a small synthetic one: {SHAREGPT_SAMPLE})")
+    group.add_argument("--num-prompts", type=int, default=64, help="requests (random, sharegpt, long)")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--random-input-len", type=int, default=256)
+    group.add_argument("--random-output-len", type=int, default=64,
+                       help="output tokens of every request of random, prefix, multiturn and long")
+    group.add_argument("--random-range-ratio", type=float, default=0.0,
+                       help="random: lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1 (vLLM's meaning)")
+    group.add_argument("--sharegpt-output-len", type=int, default=None,
+                       help="sharegpt: this output length for every request instead of the reply's")
+    group.add_argument("--prefix-num-groups", type=int, default=8)
+    group.add_argument("--prefix-group-size", type=int, default=16, help="prefix: requests per group")
+    group.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of each group's shared prompt")
+    group.add_argument("--suffix-len", type=int, default=32, help="prefix: tokens of each request's own suffix")
+    group.add_argument("--num-conversations", type=int, default=8)
+    group.add_argument("--num-turns", type=int, default=4)
+    group.add_argument("--first-turn-len", type=int, default=1000, help="multiturn: tokens of the first message")
+    group.add_argument("--turn-len", type=int, default=100, help="multiturn: tokens of each later message")
+    group.add_argument("--long-prompt-len", type=int, default=None,
+                       help="long: prompt tokens (default: the context limit minus --random-output-len)")
+
+
+def build_dataset(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
+                  max_model_len: int | None = None) -> list[SampleRequest]:
+    """The workload ``args.dataset_name`` describes, the same for the same flags and seed.
+
+    ``max_model_len`` is the context limit that ``long`` fills when ``--long-prompt-len`` is not given.
+    Raises ``ValueError`` naming the flag when a length or count is out of range.
+    """
+    _check_lengths(args)
+    rng = random.Random(args.seed)
+    name = args.dataset_name
+    if name == "sharegpt":
+        return _sharegpt(rng, tokenizer, args)
+    words = _RandomText(tokenizer)
+    if name == "random":
+        return [_random_request(rng, words, args) for _ in range(args.num_prompts)]
+    if name == "prefix":
+        return _prefix_requests(rng, words, args)
+    if name == "multiturn":
+        return _multiturn_requests(rng, words, tokenizer, args)
+    return _long_requests(rng, words, args, max_model_len)
+
+
+def ordinary_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) -> list[int]:
+    """Every id below ``vocab_size`` (default: the tokenizer's size) that is not an added (special or control)
+    token, so that a prompt of n of them is n tokens to every server."""
+    added = set(tokenizer.added_tokens_decoder)
+    limit = len(tokenizer) if vocab_size is None else min(vocab_size, len(tokenizer))
+    return [i for i in range(limit) if i not in added]
+
+
+def _check_lengths(args: argparse.Namespace) -> None:
+    positive = ["num_prompts", "random_input_len", "random_output_len", "prefix_num_groups", "prefix_group_size",
+                "prefix_len", "suffix_len", "num_conversations", "num_turns", "first_turn_len", "turn_len"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+
+
+class _RandomText:
+    """Seeded random token ids and texts of a given length in tokens."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.ids = ordinary_token_ids(tokenizer)
+
+    def ids_of_len(self, rng: random.Random, n: int) -> list[int]:
+        return rng.choices(self.ids, k=n)
+
+    def text_of_len(self, rng: random.Random, n: int) -> str:
+        """Decoded random ids re-tokenize to a few more tokens (merges across the joins); cutting the
+        re-tokenized ids back to n and decoding those gives a text of n tokens, or very nearly."""
+        text = self.tokenizer.decode(self.ids_of_len(rng, n))
+        return self.tokenizer.decode(self.tokenizer.encode(text, add_special_tokens=False)[:n])
+
+
+def _length(rng: random.Random, mean: int, ratio: float) -> int:
+    return rng.randint(max(1, math.floor(mean * (1 - ratio))), math.ceil(mean * (1 + ratio)))
+
+
+def _random_request(rng: random.Random, words: _RandomText, args: argparse.Namespace) -> SampleRequest:
+    prompt_len = _length(rng, args.random_input_len, args.random_range_ratio)
+    output_len = _length(rng, args.random_output_len, args.random_range_ratio)
+    return SampleRequest(words.ids_of_len(rng, prompt_len), prompt_len, output_len)
+
+
+def _prefix_requests(rng: random.Random, words: _RandomText, args: argparse.Namespace) -> list[SampleRequest]:
+    requests = []
+    for group in range(args.prefix_num_groups):
+        system = words.ids_of_len(rng, args.prefix_len)
+        for _ in range(args.prefix_group_size):
+            prompt = system + words.ids_of_len(rng, args.suffix_len)
+            requests.append(SampleRequest(prompt, len(prompt), args.random_output_len, group=group))
+    return requests
+
+
+def _long_requests(rng: random.Random, words: _RandomText, args: argparse.Namespace,
+                   max_model_len: int | None) -> list[SampleRequest]:
+    prompt_len = args.long_prompt_len
+    if prompt_len is None:
+        if max_model_len is None:
+            raise ValueError("the long workload needs --long-prompt-len, or a context limit to fill")
+        prompt_len = max_model_len - args.random_output_len
+    if prompt_len < 1:
+        raise ValueError(f"the long workload's prompts would have {prompt_len} tokens: the context limit "
+                         f"{max_model_len} leaves no room beside --random-output-len {args.random_output_len}")
+    return [SampleRequest(words.ids_of_len(rng, prompt_len), prompt_len, args.random_output_len)
+            for _ in range(args.num_prompts)]
+
+
+def _multiturn_requests(rng: random.Random, words: _RandomText, tokenizer: PreTrainedTokenizerBase,
+                        args: argparse.Namespace) -> list[SampleRequest]:
+    """Conversation by conversation, turn by turn. Turn t's history holds the user messages 0..t and scripted
+    answers of ``--random-output-len`` tokens; its prompt is that history through the chat template."""
+    requests = []
+    for conversation in range(args.num_conversations):
+        messages: list[dict[str, str]] = []
+        for turn in range(args.num_turns):
+            user_len = args.first_turn_len if turn == 0 else args.turn_len
+            messages.append({"role": "user", "content": words.text_of_len(rng, user_len)})
+            prompt = _chat_prompt(tokenizer, messages)
+            prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+            requests.append(SampleRequest(prompt, prompt_len, args.random_output_len, messages=list(messages),
+                                          group=conversation, turn=turn))
+            messages.append({"role": "assistant", "content": words.text_of_len(rng, args.random_output_len)})
+    return requests
+
+
+def _chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    if tokenizer.chat_template is None:
+        raise ValueError("the multiturn workload needs a tokenizer with a chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _sharegpt(rng: random.Random, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace
+              ) -> list[SampleRequest]:
+    """The first human turn and the token length of the reply to it, in a seeded order, skipping the pairs
+    vLLM's benchmark skips (under 4 tokens, over 1,024 prompt tokens or 2,048 in all)."""
+    pairs = _sharegpt_pairs(args.dataset_path)
+    rng.shuffle(pairs)
+    requests = []
+    for prompt, reply in pairs:
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        output_len = args.sharegpt_output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+        if min(prompt_len, output_len) < SHAREGPT_MIN_LEN or prompt_len > SHAREGPT_MAX_PROMPT_LEN \
+                or prompt_len + output_len > SHAREGPT_MAX_TOTAL_LEN:
+            continue
+        requests.append(SampleRequest(prompt, prompt_len, output_len))
+        if len(requests) == args.num_prompts:
+            return requests
+    raise ValueError(f"only {len(requests)} conversations of {args.dataset_path} pass the length filter; "
+                     f"ask for --num-prompts {len(requests)} or fewer")
+
+
+def _sharegpt_pairs(path: Path | None) -> list[tuple[str, str]]:
+    if path is None:
+        raise ValueError(f"the sharegpt workload needs --dataset-path FILE (ShareGPT JSON; a small synthetic "
+                         f"one ships at {SHAREGPT_SAMPLE})")
+    try:
+        data: Any = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a list of {{'conversations': [...]}} entries")
+    return [(c["conversations"][0]["value"], c["conversations"][1]["value"])
+            for c in data if len(c.get("conversations", [])) >= 2]

@@ -1,0 +1,68 @@
+"""Where kvserve's engine step time goes: ops recorded by ``torch.profiler`` grouped by kind, and the rest of
+the steps' wall time as Python/framework overhead. ``kvserve bench throughput --profile`` drives it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from torch.autograd.profiler_util import FunctionEvent
+from torch.profiler import profile
+
+# Ops called from Python, grouped by name; ops nested inside them count toward their caller.
+OP_GROUPS = {
+    "GEMMs": {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm"},
+    "attention + KV": {"aten::scaled_dot_product_attention", "aten::index_select", "aten::index_copy_",
+                       "aten::index_put_", "aten::gather"},
+    "sampling": {"aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::log_softmax",
+                 "aten::multinomial"},
+}
+
+
+@dataclass
+class StepProfile:
+    """Where the profiled steps' time went: op time by group; the rest of their wall time is Python/framework
+    overhead (the profiler's own small per-op cost included)."""
+
+    every: int
+    num_calls: int = 0
+    num_steps: int = 0
+    num_profiled_steps: int = 0
+    wall_s: float = 0.0
+    groups_s: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys([*OP_GROUPS, "other ops"], 0.0))
+
+    def collect(self, prof: profile) -> None:
+        for event in top_level_ops(prof.events()):
+            group = next((g for g, names in OP_GROUPS.items() if event.name in names), "other ops")
+            self.groups_s[group] += event.cpu_time_total / 1e6
+
+    def summary(self) -> dict[str, Any]:
+        groups = {**self.groups_s, "Python/framework": self.wall_s - sum(self.groups_s.values())}
+        return {"num_steps": self.num_steps, "num_profiled_steps": self.num_profiled_steps,
+                "wall_s": self.wall_s, "groups_s": groups}
+
+
+def top_level_ops(events: Sequence[FunctionEvent]) -> list[FunctionEvent]:
+    """aten ops called from Python: their inclusive times add up without counting nested ops twice."""
+    return [e for e in events if e.name.startswith("aten::") and not _has_aten_ancestor(e)]
+
+
+def _has_aten_ancestor(event: FunctionEvent) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def format_profile(summary: dict[str, Any]) -> str:
+    if not summary["num_profiled_steps"]:
+        return f"kvserve ran {summary['num_steps']} steps, fewer than --profile-every: none was profiled"
+    wall = summary["wall_s"]
+    lines = [f"kvserve step time: {summary['num_profiled_steps']} of {summary['num_steps']} steps profiled, "
+             f"{wall:.2f} s"]
+    lines += [f"  {group:<18}{s:>8.2f} s {s / wall:>5.0%}" for group, s in summary["groups_s"].items()]
+    return "\n".join(lines)

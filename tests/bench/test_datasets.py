@@ -1,0 +1,123 @@
+"""Each workload is deterministic for a seed and respects its lengths."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvserve.bench.datasets import SHAREGPT_SAMPLE, add_dataset_arguments, build_dataset, ordinary_token_ids
+
+
+def args(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_dataset_arguments(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_random_is_seeded_and_within_vllms_ranges(tokenizer) -> None:
+    flags = ["--num-prompts", "40", "--random-input-len", "40", "--random-output-len", "10",
+             "--random-range-ratio", "0.5"]
+    a, b = build_dataset(args(*flags), tokenizer), build_dataset(args(*flags), tokenizer)
+    other = build_dataset(args(*flags, "--seed", "1"), tokenizer)
+    assert a == b and a != other
+    assert all(20 <= r.prompt_len <= 60 and 5 <= r.output_len <= 15 for r in a)
+    assert len({r.prompt_len for r in a}) > 5  # the range is used, not one length
+    assert all(len(r.prompt) == r.prompt_len for r in a)
+    special = set(tokenizer.added_tokens_decoder)
+    assert not any(t in special for r in a for t in r.prompt)
+
+
+def test_random_without_a_range_has_exact_lengths(tokenizer) -> None:
+    requests = build_dataset(args("--num-prompts", "5", "--random-input-len", "7", "--random-output-len", "3"),
+                             tokenizer)
+    assert [(r.prompt_len, r.output_len) for r in requests] == [(7, 3)] * 5
+
+
+def test_ordinary_ids_leave_out_added_tokens(tokenizer) -> None:
+    ids = ordinary_token_ids(tokenizer)
+    assert len(ids) == len(tokenizer) - len(tokenizer.added_tokens_decoder)
+    assert ordinary_token_ids(tokenizer, vocab_size=100) == [i for i in ids if i < 100]
+
+
+def test_prefix_groups_share_their_system_prompt_and_arrive_together(tokenizer) -> None:
+    flags = ["--dataset-name", "prefix", "--prefix-num-groups", "3", "--prefix-group-size", "4", "--prefix-len", "50",
+             "--suffix-len", "6", "--random-output-len", "9"]
+    requests = build_dataset(args(*flags), tokenizer)
+    assert requests == build_dataset(args(*flags), tokenizer)
+    assert [r.group for r in requests] == [0] * 4 + [1] * 4 + [2] * 4
+    assert all(len(r.prompt) == r.prompt_len == 56 and r.output_len == 9 for r in requests)
+    for group in range(3):
+        members = [r.prompt for r in requests if r.group == group]
+        assert len({tuple(p[:50]) for p in members}) == 1 and len({tuple(p[50:]) for p in members}) == 4
+    assert requests[0].prompt[:50] != requests[4].prompt[:50]
+
+
+def test_multiturn_turns_resend_the_history_in_order(tokenizer) -> None:
+    flags = ["--dataset-name", "multiturn", "--num-conversations", "3", "--num-turns", "4", "--first-turn-len", "60",
+             "--turn-len", "10", "--random-output-len", "8"]
+    requests = build_dataset(args(*flags), tokenizer)
+    assert requests == build_dataset(args(*flags), tokenizer)
+    assert [(r.group, r.turn) for r in requests] == [(c, t) for c in range(3) for t in range(4)]
+    first, last = requests[0], requests[3]
+    assert [m["role"] for m in last.messages] == ["user", "assistant"] * 3 + ["user"]
+    assert last.messages[:1] == first.messages  # later turns resend the first message
+    def num_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    assert num_tokens(first.messages[0]["content"]) == pytest.approx(60, abs=3)
+    assert num_tokens(last.messages[-1]["content"]) == pytest.approx(10, abs=2)
+    assert num_tokens(last.messages[1]["content"]) == pytest.approx(8, abs=2)  # a scripted answer
+    assert last.prompt_len > 60 + 3 * 10 + 3 * 8 - 10 and last.prompt.startswith(first.prompt[:20])
+    assert all(r.output_len == 8 for r in requests)
+
+
+def test_long_prompts_fill_the_context_but_the_output(tokenizer) -> None:
+    requests = build_dataset(args("--dataset-name", "long", "--num-prompts", "2", "--random-output-len", "16"),
+                             tokenizer, max_model_len=200)
+    assert [(r.prompt_len, len(r.prompt), r.output_len) for r in requests] == [(184, 184, 16)] * 2
+    explicit = build_dataset(args("--dataset-name", "long", "--num-prompts", "1", "--long-prompt-len", "90"),
+                             tokenizer)
+    assert explicit[0].prompt_len == 90
+    with pytest.raises(ValueError, match="--long-prompt-len"):
+        build_dataset(args("--dataset-name", "long"), tokenizer)
+
+
+def test_sharegpt_takes_first_turns_and_reply_lengths_filtered_like_vllm(tokenizer) -> None:
+    flags = ["--dataset-name", "sharegpt", "--dataset-path", str(SHAREGPT_SAMPLE), "--num-prompts", "20"]
+    requests = build_dataset(args(*flags), tokenizer)
+    assert requests == build_dataset(args(*flags), tokenizer)
+    assert requests != build_dataset(args(*flags, "--seed", "3"), tokenizer)
+    data = json.loads(SHAREGPT_SAMPLE.read_text())
+    replies = {c["conversations"][0]["value"]: c["conversations"][1]["value"] for c in data
+               if len(c["conversations"]) >= 2}
+    for r in requests:
+        assert r.output_len == len(tokenizer.encode(replies[r.prompt], add_special_tokens=False))
+        assert r.prompt_len == len(tokenizer.encode(r.prompt, add_special_tokens=False))
+        assert r.prompt_len >= 4 and r.output_len >= 4 and r.prompt_len <= 1024
+    fixed = build_dataset(args(*flags, "--sharegpt-output-len", "12"), tokenizer)
+    assert {r.output_len for r in fixed} == {12}
+
+
+def test_sharegpt_errors_name_the_problem(tokenizer, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--dataset-path"):
+        build_dataset(args("--dataset-name", "sharegpt"), tokenizer)
+    with pytest.raises(ValueError, match="pass the length filter"):  # 48 usable pairs in the sample
+        build_dataset(args("--dataset-name", "sharegpt", "--dataset-path", str(SHAREGPT_SAMPLE),
+                           "--num-prompts", "1000"), tokenizer)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        build_dataset(args("--dataset-name", "sharegpt", "--dataset-path", str(broken)), tokenizer)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-prompts", "0"], "--num-prompts"),
+    (["--random-range-ratio", "1.0"], "--random-range-ratio"),
+    (["--dataset-name", "prefix", "--prefix-len", "0"], "--prefix-len"),
+])
+def test_bad_lengths_name_their_flag(tokenizer, flags: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_dataset(args(*flags), tokenizer)

@@ -1,0 +1,59 @@
+"""Result files carry the whole configuration, and ``compare`` puts any of them side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvserve.bench.report import compare_table, format_sweep, write_result_json
+
+
+def write(path: Path, document: dict) -> Path:
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_result_json_holds_config_machine_versions_and_commit(tmp_path: Path) -> None:
+    args = argparse.Namespace(dataset_name="random", dataset_path=Path("/data/x.json"), func=print)
+    path = tmp_path / "r.json"
+    write_result_json(path, {"kind": "serve", "label": "a", "runs": []}, args)
+    document = json.loads(path.read_text())
+    assert document["config"] == {"dataset_name": "random", "dataset_path": "/data/x.json"}
+    assert document["label"] == "a" and document["machine"]["num_cpus"] >= 1 and document["machine"]["cpu"]
+    versions = document["versions"]
+    assert versions["kvserve"] and versions["torch"] and len(versions["git_commit"]) == 40
+    assert isinstance(versions["git_dirty"], bool)
+
+
+def test_compare_puts_runs_side_by_side_with_ratios_to_the_first(tmp_path: Path) -> None:
+    offline = write(tmp_path / "offline.json", {"kind": "throughput", "label": "offline",
+                                                "output_throughput": 100.0, "request_throughput": 2.0})
+    sweep = write(tmp_path / "sweep.json", {"kind": "serve", "label": "served", "runs": [
+        {"request_rate": 1.0, "output_throughput": 50.0, "request_throughput": 1.0, "ttft_ms": {"p99": 30.0}},
+        {"request_rate": "inf", "output_throughput": 150.0, "request_throughput": 3.0, "ttft_ms": None}]})
+    table = compare_table([offline, sweep])
+    header, *rows = table.splitlines()
+    assert header.split() == ["offline", "served", "@1.0", "served", "@inf"]
+    by_name = {row[:24].strip(): row[24:].split() for row in rows}
+    assert by_name["output tok/s"] == ["100", "50", "(0.50x)", "150", "(1.50x)"]
+    assert by_name["requests/s"] == ["2", "1", "(0.50x)", "3", "(1.50x)"]
+    assert by_name["TTFT P99 ms"] == ["-", "30", "-"]  # no ratio without a first figure
+    assert "TPOT median ms" not in by_name  # a figure no file has
+
+
+def test_compare_names_a_file_that_is_not_a_result(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="bad.json is not a result JSON"):
+        compare_table([bad])
+
+
+def test_sweep_table_has_a_row_per_rate() -> None:
+    run = {"request_throughput": 1.5, "output_throughput": 96.0, "failed": 0, "ttft_ms": {"p99": 12.0},
+           "tpot_ms": None, "e2e_ms": {"p99": 80.0}}
+    lines = format_sweep([{**run, "request_rate": 2.0}, {**run, "request_rate": "inf"}]).splitlines()
+    assert len(lines) == 3 and lines[1].split() == ["2.0", "1.500", "96.0", "12.0", "-", "80.0", "0"]
+    assert lines[2].split()[0] == "inf"
