@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.attention.selector import select_backend
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import build_model
@@ -21,7 +21,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.backend: AttentionBackend = TorchRefBackend()
+        self.backend: AttentionBackend = select_backend(device, dtype)
         self.model = build_model(checkpoint.hf_config, self.backend, dtype, device)
         self.model.load_weights(checkpoint.weights())
         self.model.eval()

@@ -1,0 +1,245 @@
+"""CpuPagedBackend against TorchRefBackend and the float64 naive attention; its kernel build; the selector."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tests.attention.test_torch_ref as ref_tests
+from kvserve.attention import cpu_paged, selector
+from kvserve.attention.cpu_paged import CpuPagedBackend, KernelBuildError
+from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend
+from kvserve.attention.torch_ref import TorchRefBackend
+from tests.attention.test_torch_ref import LAYER, SCENARIOS, TOLERANCE, Step, naive_attention
+
+CPU = torch.device("cpu")
+
+
+def make_step(seqs: list[tuple[int, int]], num_decodes: int, *, head_dim: int, **kwargs) -> Step:
+    """``test_torch_ref.make_step`` at a chosen head_dim: the kernel has a compiled copy per common head_dim
+    (64, 128, 256) and a generic one for the rest (the reference tests' 8)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ref_tests, "HEAD_DIM", head_dim)
+        return ref_tests.make_step(seqs, num_decodes, **kwargs)
+
+
+def check(step: Step, window: int | None, backend: CpuPagedBackend | None = None) -> None:
+    """The new backend equals the reference backend, and both equal the float64 naive attention."""
+    scale = step.q.shape[-1] ** -0.5
+    outs = []
+    for b in (backend or CpuPagedBackend(), TorchRefBackend()):
+        kv = step.kv  # each backend writes the same new K/V at the same slots, so the cache can be shared
+        meta = b.build_metadata(step.inputs, {None, window})
+        outs.append(b.forward(step.q, step.k, step.v, LAYER, kv, meta, scale=scale, sliding_window=window))
+    paged, reference = outs
+    assert paged.shape == step.q.shape and paged.dtype == torch.float32
+    tol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(paged, reference, atol=tol, rtol=tol)
+    torch.testing.assert_close(paged.double(), naive_attention(step, scale, window), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 4, 64])
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_matches_reference(scenario: str, block_size: int, group: int, window: int | None) -> None:
+    seqs, num_decodes = SCENARIOS[scenario]
+    check(make_step(seqs, num_decodes, head_dim=8, block_size=block_size, num_kv_heads=2, group=group), window)
+
+
+@pytest.fixture(params=[1, 4])
+def num_threads(request: pytest.FixtureRequest):
+    """The kernel's work items are whole sequences when there are at least 4 per thread, else single KV heads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 48])
+@pytest.mark.parametrize("window", [None, 100])
+def test_compiled_head_dims_on_long_contexts(head_dim: int, window: int | None, num_threads: int) -> None:
+    """SmolLM2's shape (3 KV heads, 3 query heads each) at contexts of several tiles."""
+    contexts = [0, 1, 31, 32, 33, 95, 300, 447, 64, 200, 15, 129]
+    step = make_step([(c, 1) for c in contexts] + [(40, 24)], len(contexts), head_dim=head_dim, block_size=16,
+                     num_kv_heads=3, group=3, seed=head_dim)
+    check(step, window)
+
+
+SHARED_BACKEND = CpuPagedBackend()  # reused across examples, as the runner reuses it across steps
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    decode_contexts=st.lists(st.integers(0, 120), max_size=24),
+    chunks=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 24)), max_size=3),
+    block_size=st.sampled_from([1, 4, 16]),
+    num_kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    head_dim=st.sampled_from([8, 64]),
+    window=st.none() | st.integers(1, 48),
+    seed=st.integers(0, 2**16),
+)
+def test_random_layouts(decode_contexts: list[int], chunks: list[tuple[int, int]], block_size: int,
+                        num_kv_heads: int, group: int, head_dim: int, window: int | None, seed: int) -> None:
+    seqs = [(c, 1) for c in decode_contexts] + chunks
+    if not seqs:
+        return
+    step = make_step(seqs, len(decode_contexts), head_dim=head_dim, block_size=block_size,
+                     num_kv_heads=num_kv_heads, group=group, seed=seed)
+    check(step, window, SHARED_BACKEND)
+
+
+def test_forward_writes_new_kv_of_decodes_and_chunks_at_slot_mapping() -> None:
+    step = make_step([(6, 1), (9, 1), (0, 9), (5, 4)], 2, head_dim=64, block_size=4, num_kv_heads=2, group=2)
+    other_layer = step.kv.k_caches[0].clone()
+    backend = CpuPagedBackend()
+    backend.forward(step.q, step.k, step.v, LAYER, step.kv, backend.build_metadata(step.inputs, {None}), scale=1.0)
+    slots, flat = step.inputs.slot_mapping, (-1, 2, 64)
+    assert torch.equal(step.kv.k_caches[LAYER].view(flat)[slots], step.k)
+    assert torch.equal(step.kv.v_caches[LAYER].view(flat)[slots], step.v)
+    assert torch.equal(step.kv.k_caches[0], other_layer)
+
+
+def test_strided_qkv_views_as_the_model_passes_them() -> None:
+    """The attention layer hands over q, k, v as column slices of one packed projection."""
+    step = make_step([(5, 1), (40, 1), (4, 6)], 2, head_dim=64, block_size=16, num_kv_heads=2, group=3)
+    q, k, v = torch.cat([step.q, step.k, step.v], dim=1).split([6, 2, 2], dim=1)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    backend = CpuPagedBackend()
+    out = backend.forward(q, k, v, LAYER, step.kv, backend.build_metadata(step.inputs, {None}), scale=0.3)
+    torch.testing.assert_close(out.double(), naive_attention(step, 0.3, None), atol=1e-5, rtol=1e-5)
+
+
+def test_each_layer_reuses_the_step_metadata() -> None:
+    step = make_step([(7, 1), (30, 1), (2, 6)], 2, head_dim=64, block_size=4, num_kv_heads=1, group=3)
+    backend = CpuPagedBackend()
+    meta = backend.build_metadata(step.inputs, {None, 4})
+    for window in (None, 4, None):
+        out = backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=0.5, sliding_window=window)
+        torch.testing.assert_close(out.double(), naive_attention(step, 0.5, window), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_calls_are_rejected_with_what_is_wrong() -> None:
+    step = make_step([(3, 1), (0, 4)], 1, head_dim=8, block_size=4, num_kv_heads=2, group=1)
+    backend = CpuPagedBackend()
+    meta = backend.build_metadata(step.inputs, {None})
+    with pytest.raises(ValueError, match="multiple of the cache's num_kv_heads"):
+        backend.forward(step.q[:, :1], step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+    with pytest.raises(ValueError, match="head_dim=8"):
+        backend.forward(step.q[..., :4], step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+    with pytest.raises(TypeError, match="fp32"):
+        backend.forward(step.q.double(), step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+    with pytest.raises(TypeError, match="CpuPagedMetadata"):
+        backend.forward(step.q, step.k, step.v, LAYER, step.kv, TorchRefBackend().build_metadata(step.inputs, {None}),
+                        scale=1.0)
+    with pytest.raises(ValueError, match="sliding_window=8"):  # the prefill chunk's window was not planned
+        backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0, sliding_window=8)
+
+
+def test_corrupt_block_tables_raise_instead_of_reading_outside_the_cache() -> None:
+    step = make_step([(20, 1), (5, 1)], 2, head_dim=64, block_size=4, num_kv_heads=1, group=2)
+    backend = CpuPagedBackend()
+    tables = step.inputs.block_tables.clone()
+    tables[0, 2] = step.kv.num_blocks  # one past the last block
+    meta = backend.build_metadata(replace(step.inputs, block_tables=tables), {None})
+    with pytest.raises(ValueError, match=f"outside the cache's {step.kv.num_blocks} blocks"):
+        backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+    with pytest.raises(ValueError, match="too narrow for decodes of up to 21 tokens"):
+        backend.build_metadata(replace(step.inputs, block_tables=tables[:, :5]), {None})
+
+
+# --- the kernel build -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(cpu_paged.platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
+    return tmp_path / "kvserve" / "kernels"
+
+
+def test_kernel_is_built_once_into_the_cache_folder(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = cpu_paged._library_path()
+    assert path.parent == cache_dir and [p.name for p in cache_dir.iterdir()] == [path.name]
+    monkeypatch.setattr(cpu_paged.subprocess, "run", lambda *a, **k: pytest.fail("compiled a second time"))
+    assert cpu_paged._library_path() == path
+    assert callable(cpu_paged._load(path))
+
+
+def test_kernel_shares_torchs_openmp_runtime() -> None:
+    """The kernel's OpenMP calls bind to the libgomp torch loaded: a second runtime would bring a second
+    thread pool that fights torch's for the cores."""
+    def address(library: ctypes.CDLL) -> int:
+        return ctypes.cast(library.omp_get_max_threads, ctypes.c_void_p).value
+
+    kernel = ctypes.CDLL(str(cpu_paged._library_path()))
+    assert address(kernel) == address(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libgomp.so.1")))
+
+
+def test_missing_compiler_is_a_build_error(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_paged.shutil, "which", lambda name: None)
+    with pytest.raises(KernelBuildError, match="no C compiler"):
+        cpu_paged._library_path()
+
+
+def test_compile_error_is_a_build_error_that_shows_gcc(cache_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("void f(void) { this is not C }\n")
+    monkeypatch.setattr(cpu_paged, "KERNEL_SOURCE", broken)
+    with pytest.raises(KernelBuildError, match="gcc failed to compile broken.c"):
+        cpu_paged._library_path()
+    assert not any(cache_dir.iterdir())  # no half-written library left behind
+
+
+def test_missing_source_is_a_build_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(cpu_paged, "KERNEL_SOURCE", tmp_path / "absent.c")
+    with pytest.raises(KernelBuildError, match="absent.c is missing"):
+        cpu_paged._library_path()
+
+
+# --- the selector -----------------------------------------------------------------------------------------------
+
+
+def test_selector_picks_the_kernel_for_fp32_cpu_and_the_reference_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    assert isinstance(select_backend(CPU, torch.float32), CpuPagedBackend)
+    assert type(select_backend(CPU, torch.bfloat16)) is TorchRefBackend
+    assert type(select_backend(torch.device("cuda"), torch.float32)) is TorchRefBackend
+
+
+def test_selector_honours_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV_VAR, "torch_ref")
+    assert type(select_backend(CPU, torch.float32)) is TorchRefBackend
+    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu_paged")
+    assert isinstance(select_backend(CPU, torch.float32), CpuPagedBackend)
+    with pytest.raises(ValueError, match="runs fp32 on CPU"):
+        select_backend(CPU, torch.bfloat16)
+    monkeypatch.setenv(BACKEND_ENV_VAR, "flash")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        select_backend(CPU, torch.float32)
+
+
+def test_selector_falls_back_with_one_warning_when_the_kernel_cannot_be_built(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def unbuildable() -> CpuPagedBackend:
+        raise KernelBuildError("no C compiler: gcc is not on PATH (test_cpu_paged)")
+
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    monkeypatch.setattr(selector, "CpuPagedBackend", unbuildable)
+    with caplog.at_level(logging.WARNING, logger=selector.__name__):
+        backends = [select_backend(CPU, torch.float32) for _ in range(3)]
+    assert all(type(b) is TorchRefBackend for b in backends)
+    assert [r.getMessage() for r in caplog.records] == [
+        "CPU attention falls back to the slower TorchRefBackend: no C compiler: gcc is not on PATH (test_cpu_paged)"
+    ]
+    with pytest.raises(KernelBuildError):  # forcing the kernel does not fall back
+        select_backend(CPU, torch.float32, name="cpu_paged")
