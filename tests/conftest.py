@@ -25,3 +25,17 @@ def hf_greedy(hf_model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: 
             max_new_tokens=max_new_tokens, do_sample=False,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+def greedy_token_ids(llm, prompts: list[list[int]], max_tokens: int, n: int = 1) -> list[list[list[int]]]:
+    """kvserve's greedy samples for token-id prompts: [prompt][sample] -> token ids."""
+    from kvserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, n=n)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def assert_all_blocks_free(llm) -> None:
+    stats = llm.stats()
+    assert stats["num_blocks_used"] == 0 and stats["num_blocks_free"] == stats["num_blocks_total"], stats

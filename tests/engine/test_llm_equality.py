@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM
 from kvserve.model.checkpoint import ARCHITECTURES
-from tests.conftest import hf_greedy
+from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
 
 MAX_NEW = 12
 
@@ -31,14 +31,7 @@ def family(request: pytest.FixtureRequest, tiny_checkpoints):
 
 
 def _generate(llm: LLM, prompts: list[list[int]], n: int = 1) -> list[list[list[int]]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, n=n)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
-
-def _assert_all_blocks_free(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats["num_blocks_used"] == 0 and stats["num_blocks_free"] == stats["num_blocks_total"], stats
+    return greedy_token_ids(llm, prompts, MAX_NEW, n)
 
 
 def test_alone(family) -> None:
@@ -46,21 +39,21 @@ def test_alone(family) -> None:
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
     for prompt, want in zip(prompts, expected):
         assert _generate(llm, [prompt])[0][0] == want
-    _assert_all_blocks_free(llm)
+    assert_all_blocks_free(llm)
 
 
 def test_batched_with_mixed_lengths(family) -> None:
     path, prompts, expected = family
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
     assert [o[0] for o in _generate(llm, prompts)] == expected
-    _assert_all_blocks_free(llm)
+    assert_all_blocks_free(llm)
 
 
 def test_chunked_prefill_with_an_8_token_budget(family) -> None:
     path, prompts, expected = family
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=8)
     assert [o[0] for o in _generate(llm, prompts)] == expected
-    _assert_all_blocks_free(llm)
+    assert_all_blocks_free(llm)
 
 
 def test_n_samples_share_the_prompt(family) -> None:
@@ -68,7 +61,7 @@ def test_n_samples_share_the_prompt(family) -> None:
     llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
     for samples, want in zip(_generate(llm, prompts, n=3), expected):
         assert samples == [want] * 3
-    _assert_all_blocks_free(llm)
+    assert_all_blocks_free(llm)
 
 
 def test_preemption_under_a_small_kv_cache(family) -> None:
@@ -76,4 +69,4 @@ def test_preemption_under_a_small_kv_cache(family) -> None:
     llm = LLM(str(path), dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched_tokens=16)
     assert [o[0] for o in _generate(llm, prompts)] == expected
     assert llm.stats()["num_preemptions"] > 0
-    _assert_all_blocks_free(llm)
+    assert_all_blocks_free(llm)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
 
 MAX_NEW = 8
 NEW_USER_TOKENS = 5
@@ -45,14 +45,7 @@ def _llm(path, caching: bool, **kwargs) -> LLM:
 
 
 def _generate(llm: LLM, prompts: list[list[int]], n: int = 1) -> list[list[list[int]]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, n=n)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
-
-def _assert_all_blocks_free(llm: LLM) -> None:
-    stats = llm.stats()
-    assert stats["num_blocks_used"] == 0 and stats["num_blocks_free"] == stats["num_blocks_total"], stats
+    return greedy_token_ids(llm, prompts, MAX_NEW, n)
 
 
 def test_shared_system_prompts_match_cache_off_and_transformers(family) -> None:
@@ -64,7 +57,7 @@ def test_shared_system_prompts_match_cache_off_and_transformers(family) -> None:
     stats = on.stats()
     assert stats["prefix_cache_hits"] >= 6 * 20 // 4 * 4  # 2 of each 3 siblings reuse >= 20 tokens' blocks
     assert off.stats()["prefix_cache_hits"] == 0
-    _assert_all_blocks_free(on)
+    assert_all_blocks_free(on)
 
 
 def test_a_multi_turn_history_is_reused(family) -> None:
@@ -79,7 +72,7 @@ def test_a_multi_turn_history_is_reused(family) -> None:
         if turn:  # the previous turn's prompt and answer but the answer's last token, in whole blocks
             assert out.num_cached_tokens == (len(history) - NEW_USER_TOKENS - 1) // 4 * 4
         history = history + want + prompts[turn + 1][-NEW_USER_TOKENS:]
-    _assert_all_blocks_free(on)
+    assert_all_blocks_free(on)
 
 
 def test_n_samples_with_shared_prefixes(family) -> None:
@@ -96,7 +89,7 @@ def test_preemption_under_a_small_kv_cache(family) -> None:
     on = _llm(path, True, **small)
     assert _generate(on, prompts) == _generate(_llm(path, False, **small), prompts)
     assert on.stats()["num_preemptions"] > 0
-    _assert_all_blocks_free(on)
+    assert_all_blocks_free(on)
 
 
 def test_an_eviction_heavy_run_stays_exact(family) -> None:
@@ -104,7 +97,7 @@ def test_an_eviction_heavy_run_stays_exact(family) -> None:
     on = _llm(path, True, num_kv_blocks=40, max_num_seqs=2)
     assert _generate(on, prompts) == _generate(_llm(path, False, num_kv_blocks=40, max_num_seqs=2), prompts)
     assert on.stats()["prefix_cache_evictions"] > 0
-    _assert_all_blocks_free(on)
+    assert_all_blocks_free(on)
 
 
 @pytest.fixture(scope="module")
@@ -144,5 +137,5 @@ def test_random_interleavings_and_aborts(llama, arrivals: list[int], aborts: lis
         assert tokens == reference[i][: len(tokens)]
         if aborts[i] is None:
             assert tokens == reference[i]
-    _assert_all_blocks_free(llm)
+    assert_all_blocks_free(llm)
     engine.core.kv_manager.check_integrity([])
