@@ -10,11 +10,15 @@ from typing import Any, Sequence
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import profile
 
+from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE
+
+OP_NAMESPACES = ("aten::", "mkldnn::")
 # Ops called from Python, grouped by name; ops nested inside them count toward their caller.
 OP_GROUPS = {
-    "GEMMs": {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm"},
+    "GEMMs": {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
+              "mkldnn::_linear_pointwise"},
     "attention + KV": {"aten::scaled_dot_product_attention", "aten::index_select", "aten::index_copy_",
-                       "aten::index_put_", "aten::gather"},
+                       "aten::index_put_", "aten::gather", DECODE_KERNEL_RANGE},
     "sampling": {"aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::log_softmax",
                  "aten::multinomial"},
 }
@@ -45,14 +49,19 @@ class StepProfile:
 
 
 def top_level_ops(events: Sequence[FunctionEvent]) -> list[FunctionEvent]:
-    """aten ops called from Python: their inclusive times add up without counting nested ops twice."""
-    return [e for e in events if e.name.startswith("aten::") and not _has_aten_ancestor(e)]
+    """Ops (and kvserve's own kernels) called from Python: their inclusive times add up without counting
+    nested ops twice."""
+    return [e for e in events if _is_op(e.name) and not _has_op_ancestor(e)]
 
 
-def _has_aten_ancestor(event: FunctionEvent) -> bool:
+def _is_op(name: str) -> bool:
+    return name.startswith(OP_NAMESPACES) or name == DECODE_KERNEL_RANGE
+
+
+def _has_op_ancestor(event: FunctionEvent) -> bool:
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith("aten::"):
+        if _is_op(parent.name):
             return True
         parent = parent.cpu_parent
     return False

@@ -33,6 +33,10 @@ class CausalLM(nn.Module):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def tie_weights(self) -> None:
+        """Make parameters that the checkpoint stores once (a tied LM head) one tensor again; ``build_model``
+        calls it after moving the parameters to their device, which unties them."""
+
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (fusing q/k/v and gate/up as the model packs

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -62,8 +61,9 @@ class DecoderLM(CausalLM):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self._make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = self._make_norm(config.hidden_size)
-        tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = None if tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
         self.rope_keys = [self._rope_key(i) for i in range(config.num_hidden_layers)]
         self.rotaries = {key: RotaryEmbedding(config, key) for key in dict.fromkeys(self.rope_keys)}
 
@@ -137,8 +137,7 @@ class DecoderLM(CausalLM):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight).float()
+        return self.lm_head(hidden).float()
 
     @property
     def num_kv_heads(self) -> int:
@@ -147,6 +146,10 @@ class DecoderLM(CausalLM):
     @property
     def head_dim(self) -> int:
         return self._head_dim
+
+    def tie_weights(self) -> None:
+        if self.tied:  # one parameter under two modules, as in HF; the checkpoint fills it as the embeddings
+            self.lm_head.weight = self.embed_tokens.weight
 
     def sliding_windows(self) -> set[int | None]:
         return {layer.self_attn.sliding_window for layer in self.layers}
@@ -178,6 +181,8 @@ class DecoderLM(CausalLM):
         """HF tensor name -> (parameter, the rows of it that tensor fills; None for all of it)."""
         targets: WeightTargets = {}
         for module_name, module in self.named_modules():
+            if self.tied and module is self.lm_head:
+                continue
             for kind, param in module.named_parameters(recurse=False):
                 if isinstance(module, PackedLinear):
                     parent = module_name.rpartition(".")[0]
@@ -190,7 +195,7 @@ class DecoderLM(CausalLM):
     def _is_ignored(self, name: str) -> bool:
         # Old Llama checkpoints store each layer's rotary inv_freq buffer; a tied model may still store
         # lm_head.weight, which HF ignores in favour of the embeddings.
-        return name.endswith(".rotary_emb.inv_freq") or (self.lm_head is None and name == "lm_head.weight")
+        return name.endswith(".rotary_emb.inv_freq") or (self.tied and name == "lm_head.weight")
 
 
 def _hf_name(name: str) -> str:

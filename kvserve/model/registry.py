@@ -56,4 +56,6 @@ def build_model(
     model_class = get_model_class(config)
     with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
         model = model_class(config, backend)
-    return model.to(dtype=dtype).to_empty(device=device)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    return model

@@ -97,6 +97,52 @@ def test_random_layouts(decode_contexts: list[int], chunks: list[tuple[int, int]
     check(step, window, SHARED_BACKEND)
 
 
+def share_leading_blocks(step: Step, groups: list[tuple[list[int], int]]) -> Step:
+    """The step with each group's decodes reading their first ``num_blocks`` blocks from the group's first
+    member's blocks, as prefix-cache hits on one prompt do; the histories follow, so the naive attention agrees."""
+    tables, histories = step.inputs.block_tables.clone(), list(step.histories)
+    for members, num_blocks in groups:
+        leader, shared = members[0], num_blocks * step.inputs.block_size
+        for seq in members[1:]:
+            tables[seq, :num_blocks] = tables[leader, :num_blocks]
+            histories[seq] = tuple(torch.cat([lead[:shared], own[shared:]])
+                                   for lead, own in zip(histories[leader], histories[seq]))
+    return replace(step, inputs=replace(step.inputs, block_tables=tables), histories=histories)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_decodes_sharing_a_prefix_read_it_once_and_agree(window: int | None, num_threads: int) -> None:
+    """Two groups on shared prompts (one with more members than one work item takes), members of different
+    lengths, one member sharing less than the rest, and decodes that share nothing, mixed with a chunk."""
+    contexts = [70, 100, 65, 300, 90, 200, 33, 64, 47] + [80 + 7 * i for i in range(24)]
+    step = make_step([(c, 1) for c in contexts] + [(40, 9)], len(contexts), head_dim=64, block_size=16,
+                     num_kv_heads=3, group=3, seed=7)
+    big_group = list(range(9, 33))
+    step = share_leading_blocks(step, [([0, 1, 3, 5], 4), ([2, 4], 4), ([3, 5], 12), (big_group, 5),
+                                       ([7, 8], 2)])
+    check(step, window)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    contexts=st.lists(st.integers(1, 120), min_size=2, max_size=20),
+    data=st.data(),
+    block_size=st.sampled_from([1, 4, 16]),
+    group=st.integers(1, 4),
+    window=st.none() | st.integers(1, 64),
+    seed=st.integers(0, 2**16),
+)
+def test_random_shared_prefixes(contexts: list[int], data: st.DataObject, block_size: int, group: int,
+                                window: int | None, seed: int) -> None:
+    step = make_step([(c, 1) for c in contexts], len(contexts), head_dim=64, block_size=block_size,
+                     num_kv_heads=2, group=group, seed=seed)
+    members = data.draw(st.lists(st.integers(0, len(contexts) - 1), min_size=2, max_size=len(contexts), unique=True))
+    shortest = min(contexts[m] for m in members) // block_size  # blocks wholly before every member's new token
+    if shortest:
+        step = share_leading_blocks(step, [(sorted(members), data.draw(st.integers(1, shortest)))])
+    check(step, window, SHARED_BACKEND)
+
+
 def test_forward_writes_new_kv_of_decodes_and_chunks_at_slot_mapping() -> None:
     step = make_step([(6, 1), (9, 1), (0, 9), (5, 4)], 2, head_dim=64, block_size=4, num_kv_heads=2, group=2)
     other_layer = step.kv.k_caches[0].clone()

@@ -40,8 +40,10 @@ def test_packed_projections_hold_the_hf_tensors_in_order(tiny_checkpoints: dict[
 
 def test_a_tied_head_ignores_a_stored_lm_head(tiny_checkpoints: dict[str, Path], qwen2_weights) -> None:
     model = fresh_model(tiny_checkpoints["qwen2"])
-    model.load_weights([*qwen2_weights.items(), ("lm_head.weight", qwen2_weights["model.embed_tokens.weight"])])
-    assert model.lm_head is None
+    embeddings = qwen2_weights["model.embed_tokens.weight"]
+    model.load_weights([*qwen2_weights.items(), ("lm_head.weight", torch.zeros_like(embeddings))])
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, embeddings)
 
 
 def test_missing_tensor_is_named(tiny_checkpoints: dict[str, Path], qwen2_weights) -> None:

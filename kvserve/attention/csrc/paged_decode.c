@@ -5,6 +5,12 @@
  * and values once, in tiles of TILE positions, for the query heads of a range of KV heads, with an online
  * softmax (running max and sum per query head), so no key or value is copied anywhere.
  *
+ * Sequences whose tables start with the same block ids (prefix-cache hits on one system prompt, the samples of
+ * one prompt) hold the same keys there: a first pass reads those shared keys once per KV head for the queries
+ * of the whole group (a tile's keys stay in L1 while every member's query heads use them) and leaves each
+ * member's softmax state; the second pass, per sequence, goes on from it over the sequence's own keys. Sixteen
+ * requests on a 1,024-token prompt read 16x fewer bytes of it than sixteen independent walks.
+ *
  * What made it fast, measured at SmolLM2's shapes (3 KV heads x 3 query heads, head_dim 64, 32 decodes):
  *   - head_dim known at compile time (a copy per common head_dim): 1.6x over a runtime head_dim;
  *   - GNU vector types (lowered to whatever SIMD the CPU has) for the dot products and the weighted sum of
@@ -18,6 +24,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 32
@@ -155,44 +162,108 @@ static inline __attribute__((always_inline)) void weighted_values(float *acc, co
     for (int j = 0; j < num_vecs; j++) store(acc + j * VEC, sum[j]);
 }
 
-/* One sequence, KV heads first_kv_head .. first_kv_head + num_kv - 1 and their query heads; 0, or 1 if its
- * block table names a block outside the cache (then nothing is written). */
-static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, int seq, int first_kv_head,
-                                                         int num_kv, const int d) {
-    const int group = a->group, num_heads = num_kv * group, seq_len = a->seq_lens[seq];
-    const int start = a->window > 0 && seq_len > a->window ? seq_len - a->window : 0;
-    const int64_t head_offset = (int64_t)first_kv_head * d, slot_stride = (int64_t)a->num_kv_heads * d;
-    KeyCursor cursor = {a->block_tables + seq * a->block_table_stride, start / a->block_size,
-                        start % a->block_size, seq_len - start};
-    if (!blocks_in_cache(a, cursor.table, start, seq_len)) return 1;
-    float q[num_heads * d], acc[num_heads * d], scores[num_heads * TILE], row_max[num_heads], row_sum[num_heads];
-    int64_t rows[TILE], next_rows[TILE];
 
-    const float *q_in = a->q + seq * a->q_row_stride + head_offset * group;
-    for (int i = 0; i < num_heads * d; i++) q[i] = q_in[i] * a->scale;
-    memset(acc, 0, sizeof acc);
-    for (int h = 0; h < num_heads; h++) row_max[h] = -INFINITY, row_sum[h] = 0.0f;
+/* Streams the keys under the cursor through the online-softmax state (acc, row_max, row_sum) of num_queries
+ * query heads; query h reads KV head (h / group) % num_kv of the item, which starts head_offset floats into a
+ * slot. One sequence's heads (num_kv KV heads), or the heads of one KV head for a whole sharing group. */
+static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *a, KeyCursor *cursor,
+                                                              int64_t head_offset, int num_kv, int num_queries,
+                                                              const float *q, float *acc, float *row_max,
+                                                              float *row_sum, const int d) {
+    const int64_t slot_stride = (int64_t)a->num_kv_heads * d;
+    float scores[num_queries * TILE];
+    int64_t rows[TILE], next_rows[TILE], kv_offset[num_queries];
+    for (int h = 0; h < num_queries; h++) kv_offset[h] = (int64_t)(h / a->group % num_kv) * d;
 
-    int num_next = next_tile(&cursor, a->block_size, slot_stride, head_offset, next_rows);
+    int num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
     while (num_next > 0) {
         const int num_keys = num_next;
         memcpy(rows, next_rows, sizeof rows);
-        num_next = next_tile(&cursor, a->block_size, slot_stride, head_offset, next_rows);
+        num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
         for (int t = 0; t < TILE; t++) {
             if (t < num_next)
                 for (int i = 0; i < num_kv * d; i += FLOATS_PER_LINE) {
                     __builtin_prefetch(a->k_cache + next_rows[t] + i);
                     __builtin_prefetch(a->v_cache + next_rows[t] + i);
                 }
-            for (int h = 0; h < num_heads; h++)
-                scores[h * TILE + t] = t < num_keys ? dot(q + h * d, a->k_cache + rows[t] + h / group * d, d)
+            for (int h = 0; h < num_queries; h++)
+                scores[h * TILE + t] = t < num_keys ? dot(q + h * d, a->k_cache + rows[t] + kv_offset[h], d)
                                                     : -INFINITY;
         }
-        softmax_tile(scores, num_heads, d, acc, row_max, row_sum);
-        for (int kv = 0; kv < num_kv; kv++)
-            for (int h = kv * group; h < (kv + 1) * group; h++)
-                weighted_values(acc + h * d, scores + h * TILE, a->v_cache + kv * d, rows, num_keys, d);
+        softmax_tile(scores, num_queries, d, acc, row_max, row_sum);
+        for (int h = 0; h < num_queries; h++)
+            weighted_values(acc + h * d, scores + h * TILE, a->v_cache + kv_offset[h], rows, num_keys, d);
     }
+}
+
+/* Sequences of a step that share their leading blocks (a prefix-cache hit, or the samples of one prompt):
+ * their shared keys are attended once per KV head for all their queries ("cascade" attention), and each
+ * sequence then goes on from that state over its own keys. */
+typedef struct {
+    int *shared_len;   /* [num_seqs]: leading keys the group pass covered (0: the sequence attends alone) */
+    float *state;      /* [num_seqs * num_heads, head_dim + 2]: acc, running max, running sum after them */
+    int *members;      /* the sharing sequences, one group after another */
+    int *chunk_first;  /* [num_chunks]: a chunk is members[chunk_first[c] .. chunk_first[c + 1]) */
+    int num_chunks;
+} Cascade;
+
+#define MAX_SHARED_QUERIES 64 /* query heads per group work item: bounds its stack arrays */
+
+/* The shared keys of one chunk of a group, for the query heads of one KV head; 0, or 1 on a bad block id. */
+static inline __attribute__((always_inline)) int attend_shared(const DecodeArgs *a, const Cascade *c, int chunk,
+                                                                int kv_head, const int d) {
+    const int first = c->chunk_first[chunk], count = c->chunk_first[chunk + 1] - first, group = a->group;
+    const int leader = c->members[first], num_shared = c->shared_len[leader], num_queries = count * group;
+    const int num_heads = a->num_kv_heads * group;
+    const int64_t head_offset = (int64_t)kv_head * d;
+    KeyCursor cursor = {a->block_tables + leader * a->block_table_stride, 0, 0, num_shared};
+    if (!blocks_in_cache(a, cursor.table, 0, num_shared)) return 1;
+    float q[num_queries * d], acc[num_queries * d], row_max[num_queries], row_sum[num_queries];
+    for (int m = 0; m < count; m++) {
+        const float *q_in = a->q + c->members[first + m] * a->q_row_stride + head_offset * group;
+        for (int i = 0; i < group * d; i++) q[m * group * d + i] = q_in[i] * a->scale;
+    }
+    memset(acc, 0, sizeof acc);
+    for (int h = 0; h < num_queries; h++) row_max[h] = -INFINITY, row_sum[h] = 0.0f;
+    attend_keys(a, &cursor, head_offset, 1, num_queries, q, acc, row_max, row_sum, d);
+    for (int h = 0; h < num_queries; h++) {
+        const int seq = c->members[first + h / group];
+        float *state = c->state + ((int64_t)seq * num_heads + kv_head * group + h % group) * (d + 2);
+        memcpy(state, acc + h * d, d * sizeof(float));
+        state[d] = row_max[h], state[d + 1] = row_sum[h];
+    }
+    return 0;
+}
+
+/* One sequence, KV heads first_kv_head .. first_kv_head + num_kv - 1 and their query heads, from where the
+ * group pass left it (if it had one); 0, or 1 if its block table names a block outside the cache (then
+ * nothing is written). */
+static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, const Cascade *c, int seq,
+                                                         int first_kv_head, int num_kv, const int d) {
+    const int group = a->group, num_heads = num_kv * group, seq_len = a->seq_lens[seq];
+    const int num_shared = c->shared_len[seq]; /* only sequences within their window share */
+    const int window_start = a->window > 0 && seq_len > a->window ? seq_len - a->window : 0;
+    const int start = num_shared > window_start ? num_shared : window_start;
+    const int64_t head_offset = (int64_t)first_kv_head * d;
+    KeyCursor cursor = {a->block_tables + seq * a->block_table_stride, start / a->block_size,
+                        start % a->block_size, seq_len - start};
+    if (!blocks_in_cache(a, cursor.table, start, seq_len)) return 1;
+    float q[num_heads * d], acc[num_heads * d], row_max[num_heads], row_sum[num_heads];
+
+    const float *q_in = a->q + seq * a->q_row_stride + head_offset * group;
+    for (int i = 0; i < num_heads * d; i++) q[i] = q_in[i] * a->scale;
+    for (int h = 0; h < num_heads; h++) {
+        if (num_shared) {
+            const int64_t head = (int64_t)seq * a->num_kv_heads * group + first_kv_head * group + h;
+            const float *state = c->state + head * (d + 2);
+            memcpy(acc + h * d, state, d * sizeof(float));
+            row_max[h] = state[d], row_sum[h] = state[d + 1];
+        } else {
+            memset(acc + h * d, 0, d * sizeof(float));
+            row_max[h] = -INFINITY, row_sum[h] = 0.0f;
+        }
+    }
+    attend_keys(a, &cursor, head_offset, num_kv, num_heads, q, acc, row_max, row_sum, d);
 
     float *out = a->out + seq * a->out_row_stride + head_offset * group;
     for (int h = 0; h < num_heads; h++) {
@@ -202,14 +273,87 @@ static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, int
     return 0;
 }
 
-typedef int (*AttendFn)(const DecodeArgs *, int, int, int);
-static int attend_any(const DecodeArgs *a, int s, int h, int n) { return attend(a, s, h, n, a->head_dim); }
-static int attend_64(const DecodeArgs *a, int s, int h, int n) { return attend(a, s, h, n, 64); }
-static int attend_128(const DecodeArgs *a, int s, int h, int n) { return attend(a, s, h, n, 128); }
-static int attend_256(const DecodeArgs *a, int s, int h, int n) { return attend(a, s, h, n, 256); }
+typedef int (*AttendFn)(const DecodeArgs *, const Cascade *, int, int, int);
+typedef int (*SharedFn)(const DecodeArgs *, const Cascade *, int, int);
+#define HEAD_DIM_COPIES(D)                                                                                        \
+    static int attend_##D(const DecodeArgs *a, const Cascade *c, int s, int h, int n) {                         \
+        return attend(a, c, s, h, n, D);                                                                          \
+    }                                                                                                             \
+    static int shared_##D(const DecodeArgs *a, const Cascade *c, int chunk, int h) {                            \
+        return attend_shared(a, c, chunk, h, D);                                                                  \
+    }
+HEAD_DIM_COPIES(64)
+HEAD_DIM_COPIES(128)
+HEAD_DIM_COPIES(256)
+static int attend_any(const DecodeArgs *a, const Cascade *c, int s, int h, int n) {
+    return attend(a, c, s, h, n, a->head_dim);
+}
+static int shared_any(const DecodeArgs *a, const Cascade *c, int chunk, int h) {
+    return attend_shared(a, c, chunk, h, a->head_dim);
+}
+
+/* Groups the sequences whose block tables start with the same blocks. A group's shared length is the blocks
+ * all its members have in common with its first member, counting only blocks before each member's last one (so
+ * every shared key is older than every member's new token), and none for a sequence past its sliding window.
+ * Groups are cut into chunks of at most MAX_SHARED_QUERIES query heads, and into enough chunks to give every
+ * thread work. Fills c (owning its arrays; free with free_cascade); -1 when out of memory. */
+static int plan_cascade(const DecodeArgs *a, int num_seqs, int num_threads, Cascade *c) {
+    const int n = num_seqs, bs = a->block_size;
+    int *leader_of = malloc(n * sizeof(int)), *blocks = malloc(n * sizeof(int)), *size = calloc(n, sizeof(int));
+    c->shared_len = calloc(n, sizeof(int));
+    c->members = malloc(n * sizeof(int));
+    c->chunk_first = malloc((n + 1) * sizeof(int));
+    c->state = NULL, c->num_chunks = 0;
+    if (!leader_of || !blocks || !size || !c->shared_len || !c->members || !c->chunk_first) goto fail;
+    for (int i = 0; i < n; i++) {
+        const int seq_len = a->seq_lens[i];
+        const int own = a->window > 0 && seq_len > a->window ? 0 : (seq_len - 1) / bs;
+        const int32_t *table = a->block_tables + i * a->block_table_stride;
+        leader_of[i] = -1;
+        for (int j = 0; j < i && own > 0; j++) {
+            if (leader_of[j] != j) continue;
+            const int32_t *leader_table = a->block_tables + j * a->block_table_stride;
+            if (leader_table[0] != table[0]) continue;
+            int common = 0;
+            while (common < blocks[j] && common < own && leader_table[common] == table[common]) common++;
+            blocks[j] = common, leader_of[i] = j, size[j]++;
+            break;
+        }
+        if (leader_of[i] < 0 && own > 0) leader_of[i] = i, blocks[i] = own, size[i] = 1;
+    }
+    int num_members = 0, num_groups = 0;
+    for (int j = 0; j < n; j++)
+        if (leader_of[j] == j && size[j] > 1) num_members += size[j], num_groups++;
+    const int wanted_items = 2 * num_threads;
+    int next = 0;
+    for (int j = 0; j < n && num_members; j++) {
+        if (leader_of[j] != j || size[j] < 2) continue;
+        const int by_stack = (size[j] * a->group + MAX_SHARED_QUERIES - 1) / MAX_SHARED_QUERIES;
+        const int by_threads = (wanted_items + num_groups * a->num_kv_heads - 1) / (num_groups * a->num_kv_heads);
+        const int chunks = by_stack > by_threads ? by_stack : by_threads < size[j] ? by_threads : size[j];
+        const int first = next;
+        for (int i = j; i < n; i++)
+            if (leader_of[i] == j) c->members[next++] = i, c->shared_len[i] = blocks[j] * bs;
+        for (int k = 0; k < chunks; k++) c->chunk_first[c->num_chunks++] = first + (int)((int64_t)size[j] * k / chunks);
+    }
+    c->chunk_first[c->num_chunks] = next;
+    if (num_members) {
+        c->state = malloc((size_t)n * a->num_kv_heads * a->group * (a->head_dim + 2) * sizeof(float));
+        if (!c->state) goto fail;
+    }
+    free(leader_of), free(blocks), free(size);
+    return 0;
+fail:
+    free(leader_of), free(blocks), free(size);
+    free(c->shared_len), free(c->members), free(c->chunk_first);
+    return -1;
+}
+
+static void free_cascade(Cascade *c) { free(c->shared_len), free(c->members), free(c->chunk_first), free(c->state); }
 
 /* Attention of one query token per sequence over its cached keys; the step's own key is already written.
- * Returns how many work items met a block id outside the cache's num_blocks (0 when all is well). */
+ * Returns how many work items met a block id outside the cache's num_blocks (0 when all is well), or -1 when
+ * memory for the plan could not be had. */
 int kvserve_paged_decode_f32(float *out, int64_t out_row_stride, const float *q, int64_t q_row_stride,
                              const float *k_cache, const float *v_cache, int64_t num_blocks,
                              const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
@@ -217,15 +361,24 @@ int kvserve_paged_decode_f32(float *out, int64_t out_row_stride, const float *q,
                              float scale, int num_threads) {
     const DecodeArgs a = {out, q, k_cache, v_cache, block_tables, seq_lens, out_row_stride, q_row_stride,
                           block_table_stride, num_blocks, num_kv_heads, group, head_dim, block_size, window, scale};
-    const AttendFn fn = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : head_dim == 256 ? attend_256
-                                                                                                     : attend_any;
+    const AttendFn attend_fn = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128
+                             : head_dim == 256 ? attend_256 : attend_any;
+    const SharedFn shared_fn = head_dim == 64 ? shared_64 : head_dim == 128 ? shared_128
+                             : head_dim == 256 ? shared_256 : shared_any;
+    Cascade cascade;
+    if (plan_cascade(&a, num_seqs, num_threads, &cascade)) return -1;
+    int num_bad = 0;
+    /* the groups' shared keys first: every (chunk, KV head) item writes its members' states */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : num_bad)
+    for (int item = 0; item < cascade.num_chunks * num_kv_heads; item++)
+        num_bad += shared_fn(&a, &cascade, item / num_kv_heads, item % num_kv_heads);
     /* whole sequences per item when they are enough to keep every thread busy, else one KV head per item */
     const int kv_per_item = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
     const int items_per_seq = num_kv_heads / kv_per_item;
-    int num_bad = 0;
     /* dynamic: sequences differ tenfold in length */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : num_bad)
     for (int item = 0; item < num_seqs * items_per_seq; item++)
-        num_bad += fn(&a, item / items_per_seq, item % items_per_seq * kv_per_item, kv_per_item);
+        num_bad += attend_fn(&a, &cascade, item / items_per_seq, item % items_per_seq * kv_per_item, kv_per_item);
+    free_cascade(&cascade);
     return num_bad;
 }

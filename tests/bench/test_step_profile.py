@@ -1,0 +1,31 @@
+"""The step profile's grouping: aten ops, oneDNN's prepacked GEMMs and kvserve's own decode kernel."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE, CpuPagedBackend
+from kvserve.bench.step_profile import OP_GROUPS, StepProfile, top_level_ops
+from kvserve.model.layers.prepacked import PrepackedLinear
+from tests.attention.test_cpu_paged import make_step
+from tests.attention.test_torch_ref import LAYER
+
+
+def test_each_kind_of_op_lands_in_its_group() -> None:
+    step = make_step([(40, 1), (90, 1)], 2, head_dim=64, block_size=16, num_kv_heads=1, group=2)
+    backend = CpuPagedBackend()
+    meta = backend.build_metadata(step.inputs, {None})
+    linear = PrepackedLinear(torch.randn(256, 128), None)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = linear(torch.randn(8, 128))
+        backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=0.1)  # writes K/V, then the kernel
+        logits.argmax(-1)
+        torch.relu(logits)
+    names = {event.name for event in top_level_ops(prof.events())}
+    assert "mkldnn::_linear_pointwise" in names and "mkldnn::_linear_pointwise" in OP_GROUPS["GEMMs"]
+    assert DECODE_KERNEL_RANGE in names and DECODE_KERNEL_RANGE in OP_GROUPS["attention + KV"]
+    profiled = StepProfile(every=2)
+    profiled.collect(prof)
+    assert set(profiled.groups_s) == {"GEMMs", "attention + KV", "sampling", "other ops"}
+    assert all(seconds > 0 for seconds in profiled.groups_s.values()), profiled.groups_s
