@@ -110,12 +110,14 @@ def share_leading_blocks(step: Step, groups: list[tuple[list[int], int]]) -> Ste
     return replace(step, inputs=replace(step.inputs, block_tables=tables), histories=histories)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 48, 8])  # 48: whole vectors, not a power of 2; 8: not whole
 @pytest.mark.parametrize("window", [None, 40])
-def test_decodes_sharing_a_prefix_read_it_once_and_agree(window: int | None, num_threads: int) -> None:
+def test_decodes_sharing_a_prefix_read_it_once_and_agree(head_dim: int, window: int | None,
+                                                         num_threads: int) -> None:
     """Two groups on shared prompts (one with more members than one work item takes), members of different
     lengths, one member sharing less than the rest, and decodes that share nothing, mixed with a chunk."""
     contexts = [70, 100, 65, 300, 90, 200, 33, 64, 47] + [80 + 7 * i for i in range(24)]
-    step = make_step([(c, 1) for c in contexts] + [(40, 9)], len(contexts), head_dim=64, block_size=16,
+    step = make_step([(c, 1) for c in contexts] + [(40, 9)], len(contexts), head_dim=head_dim, block_size=16,
                      num_kv_heads=3, group=3, seed=7)
     big_group = list(range(9, 33))
     step = share_leading_blocks(step, [([0, 1, 3, 5], 4), ([2, 4], 4), ([3, 5], 12), (big_group, 5),
@@ -129,12 +131,13 @@ def test_decodes_sharing_a_prefix_read_it_once_and_agree(window: int | None, num
     data=st.data(),
     block_size=st.sampled_from([1, 4, 16]),
     group=st.integers(1, 4),
+    head_dim=st.sampled_from([8, 48, 64, 128]),
     window=st.none() | st.integers(1, 64),
     seed=st.integers(0, 2**16),
 )
 def test_random_shared_prefixes(contexts: list[int], data: st.DataObject, block_size: int, group: int,
-                                window: int | None, seed: int) -> None:
-    step = make_step([(c, 1) for c in contexts], len(contexts), head_dim=64, block_size=block_size,
+                                head_dim: int, window: int | None, seed: int) -> None:
+    step = make_step([(c, 1) for c in contexts], len(contexts), head_dim=head_dim, block_size=block_size,
                      num_kv_heads=2, group=group, seed=seed)
     members = data.draw(st.lists(st.integers(0, len(contexts) - 1), min_size=2, max_size=len(contexts), unique=True))
     shortest = min(contexts[m] for m in members) // block_size  # blocks wholly before every member's new token

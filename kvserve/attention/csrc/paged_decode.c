@@ -34,6 +34,7 @@
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 typedef float half_vec __attribute__((vector_size(VEC / 2 * sizeof(float))));
 typedef float quarter_vec __attribute__((vector_size(VEC / 4 * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
 
 typedef struct {
     float *out;                  /* [num_seqs rows, num_kv_heads * group, head_dim], rows out_row_stride apart */
@@ -78,7 +79,8 @@ static inline float horizontal_sum(vec v) {
 static inline float exp_nonpositive(float x) {
     const int underflow = x < -87.0f;
     x = underflow ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    /* round(x / ln2) by a truncating conversion, which (unlike floorf) GCC vectorises; x <= 0 here */
+    const float n = (float)(int32_t)(x * 1.44269504088896341f - 0.5f);
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -196,6 +198,125 @@ static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *
     }
 }
 
+/* exp_nonpositive on a whole vector, in GNU vector arithmetic (GCC does not vectorise the scalar one in loops
+ * of a runtime trip count); comparisons give all-ones lanes, which select by bitwise and/or. */
+static inline vec exp_nonpositive_vec(vec x) {
+    const vec lowest = (vec){0} - 87.0f;
+    const ivec keep = x >= lowest; /* all ones where the result is not flushed to 0 (-inf included) */
+    x = (vec)((keep & (ivec)x) | (~keep & (ivec)lowest));
+    const ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec); /* round, as above */
+    const vec nf = __builtin_convertvector(n, vec);
+    const vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    vec p = (vec){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return (vec)((ivec)(p * (vec)((n + 127) << 23)) & keep);
+}
+
+static inline vec max_vec(vec a, vec b) {
+    const ivec a_greater = a > b;
+    return (vec)((a_greater & (ivec)a) | (~a_greater & (ivec)b));
+}
+
+/* softmax_tile for scores laid out [key][query lane] (width lanes, a multiple of VEC; num_keys rows): the
+ * running max and sum of each lane, and the correction its accumulator needs. */
+static inline __attribute__((always_inline)) void softmax_down_lanes(float *scores, int num_keys, int width,
+                                                                     float *max_w, float *sum_w,
+                                                                     float *correction) {
+    for (int lane = 0; lane < width; lane += VEC) {
+        const vec old_max = load(max_w + lane);
+        vec new_max = old_max;
+        for (int t = 0; t < num_keys; t++) new_max = max_vec(load(scores + t * width + lane), new_max);
+        const vec lane_correction = exp_nonpositive_vec(old_max - new_max); /* 0 on the first tile */
+        vec sum = load(sum_w + lane) * lane_correction;
+        for (int t = 0; t < num_keys; t++) {
+            const vec weights = exp_nonpositive_vec(load(scores + t * width + lane) - new_max);
+            store(scores + t * width + lane, weights);
+            sum += weights;
+        }
+        store(max_w + lane, new_max);
+        store(sum_w + lane, sum);
+        store(correction + lane, lane_correction);
+    }
+}
+
+#define KEYS_PER_BLOCK 8 /* keys whose scores one pass over the transposed queries accumulates */
+
+/* attend_keys for many query heads of one KV head at once (a sharing group's), with the queries across the
+ * vector lanes: a key's scores against VEC queries are broadcast-FMAs of its elements with rows of the
+ * transposed queries, so no dot product ends in a horizontal sum and neither keys nor values are transposed;
+ * the softmax then runs down the lanes, and each value row is read once for several queries. The queries are
+ * transposed once for all the shared keys. head_dim a multiple of VEC. */
+static inline __attribute__((always_inline)) void attend_keys_across_lanes(const DecodeArgs *a, KeyCursor *cursor,
+                                                                           int64_t head_offset, int num_queries,
+                                                                           const float *q, float *acc,
+                                                                           float *row_max, float *row_sum,
+                                                                           const int d) {
+    const int width = (num_queries + VEC - 1) / VEC * VEC, num_vecs = d / VEC;
+    const int queries_per_pass = num_vecs <= 4 ? 4 : num_vecs <= 8 ? 2 : 1; /* accumulators fit the registers */
+    const int64_t slot_stride = (int64_t)a->num_kv_heads * d;
+    float q_t[d * width], scores[TILE * width], max_w[width], sum_w[width], correction[width];
+    for (int i = 0; i < d; i++)
+        for (int h = 0; h < width; h++) q_t[i * width + h] = h < num_queries ? q[h * d + i] : 0.0f;
+    for (int h = 0; h < width; h++) max_w[h] = h < num_queries ? row_max[h] : -INFINITY;
+    for (int h = 0; h < width; h++) sum_w[h] = h < num_queries ? row_sum[h] : 0.0f;
+    int64_t rows[TILE], next_rows[TILE];
+
+    int num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
+    while (num_next > 0) {
+        const int num_keys = num_next;
+        memcpy(rows, next_rows, sizeof rows);
+        num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
+        for (int t = 0; t < num_next; t++)
+            for (int i = 0; i < d; i += FLOATS_PER_LINE) {
+                __builtin_prefetch(a->k_cache + next_rows[t] + i);
+                __builtin_prefetch(a->v_cache + next_rows[t] + i);
+            }
+        for (int lane = 0; lane < width; lane += VEC) {
+            int t = 0;
+            for (; t + KEYS_PER_BLOCK <= num_keys; t += KEYS_PER_BLOCK) {
+                const float *k[KEYS_PER_BLOCK];
+                vec s[KEYS_PER_BLOCK];
+                for (int j = 0; j < KEYS_PER_BLOCK; j++) k[j] = a->k_cache + rows[t + j], s[j] = (vec){0};
+                for (int i = 0; i < d; i++) {
+                    const vec q_i = load(q_t + i * width + lane);
+                    for (int j = 0; j < KEYS_PER_BLOCK; j++) s[j] += k[j][i] * q_i;
+                }
+                for (int j = 0; j < KEYS_PER_BLOCK; j++) store(scores + (t + j) * width + lane, s[j]);
+            }
+            for (; t < num_keys; t++) {
+                const float *k = a->k_cache + rows[t];
+                vec s = {0};
+                for (int i = 0; i < d; i++) s += k[i] * load(q_t + i * width + lane);
+                store(scores + t * width + lane, s);
+            }
+        }
+        softmax_down_lanes(scores, num_keys, width, max_w, sum_w, correction);
+        /* whole passes of queries_per_pass (padding lanes past num_queries have scores too) keep sum in
+         * registers; only the real queries' accumulators are read and written */
+        for (int h = 0; h < num_queries; h += queries_per_pass) {
+            vec sum[queries_per_pass][num_vecs];
+            for (int p = 0; p < queries_per_pass; p++)
+                for (int j = 0; j < num_vecs; j++)
+                    sum[p][j] = h + p < num_queries ? load(acc + (h + p) * d + j * VEC) * correction[h + p] : (vec){0};
+            for (int t = 0; t < num_keys; t++) {
+                const float *v = a->v_cache + rows[t];
+                for (int j = 0; j < num_vecs; j++) {
+                    const vec v_j = load(v + j * VEC);
+                    for (int p = 0; p < queries_per_pass; p++) sum[p][j] += scores[t * width + h + p] * v_j;
+                }
+            }
+            for (int p = 0; p < queries_per_pass && h + p < num_queries; p++)
+                for (int j = 0; j < num_vecs; j++) store(acc + (h + p) * d + j * VEC, sum[p][j]);
+        }
+    }
+    for (int h = 0; h < num_queries; h++) row_max[h] = max_w[h], row_sum[h] = sum_w[h];
+}
+
 /* Sequences of a step that share their leading blocks (a prefix-cache hit, or the samples of one prompt):
  * their shared keys are attended once per KV head for all their queries ("cascade" attention), and each
  * sequence then goes on from that state over its own keys. */
@@ -225,7 +346,10 @@ static inline __attribute__((always_inline)) int attend_shared(const DecodeArgs 
     }
     memset(acc, 0, sizeof acc);
     for (int h = 0; h < num_queries; h++) row_max[h] = -INFINITY, row_sum[h] = 0.0f;
-    attend_keys(a, &cursor, head_offset, 1, num_queries, q, acc, row_max, row_sum, d);
+    if (d % VEC == 0)
+        attend_keys_across_lanes(a, &cursor, head_offset, num_queries, q, acc, row_max, row_sum, d);
+    else
+        attend_keys(a, &cursor, head_offset, 1, num_queries, q, acc, row_max, row_sum, d);
     for (int h = 0; h < num_queries; h++) {
         const int seq = c->members[first + h / group];
         float *state = c->state + ((int64_t)seq * num_heads + kv_head * group + h % group) * (d + 2);

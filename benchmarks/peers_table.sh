@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 8's served table: kvserve, llama.cpp's llama-server on the shipped Q4_1 GGUF and on the F32 GGUF of the
+# same weights, each a fresh server with 16 slots / sequences, driven by `kvserve bench serve` over the same
+# seeded `random` workload at concurrency 1, 4 and 16, then the `prefix` workload. One JSON per pass in $OUT
+# (default docs/results/peers-<date>), then `kvserve bench compare` tables per load.
+#
+#   LLAMA_SERVER=/work/peers/llamacpp/bin/llama-server LLAMA_F32=/work/peers/smollm2-f32.gguf benchmarks/peers_table.sh
+#   SYSTEMS="kvserve llamacpp-f32" LOADS="c16" benchmarks/peers_table.sh      # a subset
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=smollm2-135m-instruct
+Q4_GGUF=${Q4_GGUF:-$(kvserve pull "$MODEL" | tail -1)}
+OUT=${OUT:-docs/results/peers-$(date +%Y%m%d-%H%M)}
+SYSTEMS=${SYSTEMS:-"kvserve llamacpp-q4_1 llamacpp-f32"}
+LOADS=${LOADS:-"c1 c4 c16 prefix"}
+PORT=${PORT:-18710}
+mkdir -p "$OUT"
+
+RANDOM_FLAGS="--dataset-name random --random-input-len 256 --random-output-len 128 --random-range-ratio 0.5"
+load_flags() {
+  case "$1" in
+    c1) echo "$RANDOM_FLAGS --num-prompts 16 --max-concurrency 1" ;;
+    c4) echo "$RANDOM_FLAGS --num-prompts 32 --max-concurrency 4" ;;
+    c16) echo "$RANDOM_FLAGS --num-prompts 64 --max-concurrency 16" ;;
+    # issue 9's prefix workload: 8 groups x 16 requests on a 1,024-token system prompt
+    prefix) echo "--dataset-name prefix --prefix-num-groups 8 --prefix-group-size 16 --prefix-len 1024 --suffix-len 32 --random-output-len 64 --max-concurrency 16" ;;
+  esac
+}
+
+server_command() {
+  local llama=(-t 2 -tb 2 -np 16 -c 32768 -b 512 -ub 512 --metrics --host 127.0.0.1 --port "$PORT")
+  case "$1" in
+    kvserve) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 ;;
+    llamacpp-q4_1) echo "$LLAMA_SERVER" -m "$Q4_GGUF" "${llama[@]}" ;;
+    llamacpp-f32) echo "$LLAMA_SERVER" -m "$LLAMA_F32" "${llama[@]}" ;;
+  esac
+}
+
+wait_healthy() {
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
+    sleep 0.5
+  done
+  echo "server on port $PORT did not come up" >&2; return 1
+}
+
+for system in $SYSTEMS; do
+  backend=kvserve; [ "$system" = kvserve ] || backend=llamacpp
+  for load in $LOADS; do  # a fresh server per pass: no pass finds another's prompts cached
+    # shellcheck disable=SC2046
+    $(server_command "$system") >"$OUT/$system-$load.server.log" 2>&1 &
+    pid=$!
+    wait_healthy
+    # shellcheck disable=SC2046
+    kvserve bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$system" --backend "$backend" \
+      --warmup 2 --result-json "$OUT/$system-$load.json" $(load_flags "$load") 2>/dev/null | tee "$OUT/$system-$load.txt"
+    kill "$pid"; wait "$pid" 2>/dev/null || true
+  done
+done
+for load in $LOADS; do
+  kvserve bench compare "$OUT"/*-"$load".json | tee "$OUT/compare-$load.txt"
+done
