@@ -5,7 +5,8 @@
 # (default docs/results/peers-<date>), then `kvserve bench compare` tables per load.
 #
 #   LLAMA_SERVER=/work/peers/llamacpp/bin/llama-server LLAMA_F32=/work/peers/smollm2-f32.gguf benchmarks/peers_table.sh
-#   SYSTEMS="kvserve llamacpp-f32" LOADS="c16" benchmarks/peers_table.sh      # a subset
+#   SYSTEMS="kvserve-nocache" LOADS="c16 prefix" benchmarks/peers_table.sh   # a subset; kvserve-nocache: the
+#                                                                           # prefix cache off (issue 9)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=smollm2-135m-instruct
@@ -31,6 +32,7 @@ server_command() {
   local llama=(-t 2 -tb 2 -np 16 -c 32768 -b 512 -ub 512 --metrics --host 127.0.0.1 --port "$PORT")
   case "$1" in
     kvserve) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 ;;
+    kvserve-nocache) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --no-enable-prefix-caching ;;
     llamacpp-q4_1) echo "$LLAMA_SERVER" -m "$Q4_GGUF" "${llama[@]}" ;;
     llamacpp-f32) echo "$LLAMA_SERVER" -m "$LLAMA_F32" "${llama[@]}" ;;
   esac
@@ -45,7 +47,7 @@ wait_healthy() {
 }
 
 for system in $SYSTEMS; do
-  backend=kvserve; [ "$system" = kvserve ] || backend=llamacpp
+  backend=llamacpp; [ "${system#kvserve}" = "$system" ] || backend=kvserve
   for load in $LOADS; do  # a fresh server per pass: no pass finds another's prompts cached
     # shellcheck disable=SC2046
     $(server_command "$system") >"$OUT/$system-$load.server.log" 2>&1 &
