@@ -33,7 +33,8 @@ server_command() {
   case "$1" in
     kvserve) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 ;;
     kvserve-nocache) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --no-enable-prefix-caching ;;
-    llamacpp-q4_1) echo "$LLAMA_SERVER" -m "$Q4_GGUF" "${llama[@]}" ;;
+    # its Q4_1 weight repacking segfaults while loading on a Sapphire Rapids Xeon (AMX): repacking off
+    llamacpp-q4_1) echo "$LLAMA_SERVER" -m "$Q4_GGUF" "${llama[@]}" --no-repack ;;
     llamacpp-f32) echo "$LLAMA_SERVER" -m "$LLAMA_F32" "${llama[@]}" ;;
   esac
 }
