@@ -39,13 +39,8 @@ server_command() {
   esac
 }
 
-wait_healthy() {
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
-    sleep 0.5
-  done
-  echo "server on port $PORT did not come up" >&2; return 1
-}
+# shellcheck source=wait_healthy.sh
+source "benchmarks/wait_healthy.sh"
 
 for system in $SYSTEMS; do
   backend=llamacpp; [ "${system#kvserve}" = "$system" ] || backend=kvserve

@@ -26,13 +26,8 @@ workload_flags() {
   esac
 }
 
-wait_healthy() {
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && return 0
-    sleep 0.5
-  done
-  echo "server on port $PORT did not come up" >&2; return 1
-}
+# shellcheck source=wait_healthy.sh
+source "benchmarks/wait_healthy.sh"
 
 run_pass() {  # label, workload, bench backend, server command...
   local label=$1 workload=$2 backend=$3; shift 3
