@@ -74,25 +74,25 @@ static inline float horizontal_sum(vec v) {
     return (quarters[0] + quarters[2]) + (quarters[1] + quarters[3]);
 }
 
-/* exp(x) for x <= 0, vectorisable (no libm call): 2^n * p(r) with |r| <= ln2 / 2, Cephes' polynomial;
- * relative error about 2e-7; exactly 0 below -87 (and for -inf), where the float result would be denormal. */
-static inline float exp_nonpositive(float x) {
-    const int underflow = x < -87.0f;
-    x = underflow ? -87.0f : x;
-    /* round(x / ln2) by a truncating conversion, which (unlike floorf) GCC vectorises; x <= 0 here */
-    const float n = (float)(int32_t)(x * 1.44269504088896341f - 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+/* exp(x) for x <= 0 on a whole vector: 2^n * p(r) with |r| <= ln2 / 2, Cephes' polynomial; relative error about
+ * 2e-7; exactly 0 below -87 (and for -inf), where the float result would be denormal. Written in GNU vector
+ * arithmetic because GCC 12 left a scalar version (floorf) unvectorised; comparisons give all-ones lanes, which
+ * select by bitwise and/or. */
+static inline vec exp_nonpositive_vec(vec x) {
+    const vec lowest = (vec){0} - 87.0f;
+    const ivec keep = x >= lowest; /* all ones where the result is not flushed to 0 (-inf included) */
+    x = (vec)((keep & (ivec)x) | (~keep & (ivec)lowest));
+    const ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec); /* round: x <= 0 */
+    const vec nf = __builtin_convertvector(n, vec);
+    const vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    vec p = (vec){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float two_to_n;
-    memcpy(&two_to_n, &bits, sizeof two_to_n);
-    return underflow ? 0.0f : p * two_to_n;
+    return (vec)((ivec)(p * (vec)((n + 127) << 23)) & keep);
 }
 
 /* Whether every block that keys start .. seq_len - 1 live in is inside the cache (a corrupt table must not
@@ -134,12 +134,12 @@ static inline __attribute__((always_inline)) void softmax_tile(float *scores, in
 #pragma omp simd reduction(max : tile_max)
         for (int t = 0; t < TILE; t++) tile_max = s[t] > tile_max ? s[t] : tile_max;
         const float new_max = tile_max > row_max[h] ? tile_max : row_max[h];
-        const float correction = exp_nonpositive(row_max[h] - new_max); /* 0 on the first tile */
+        const float correction = exp_nonpositive_vec((vec){0} + (row_max[h] - new_max))[0]; /* 0 at first */
         float tile_sum = 0.0f;
-#pragma omp simd reduction(+ : tile_sum)
-        for (int t = 0; t < TILE; t++) {
-            s[t] = exp_nonpositive(s[t] - new_max);
-            tile_sum += s[t];
+        for (int t = 0; t < TILE; t += VEC) {
+            const vec weights = exp_nonpositive_vec(load(s + t) - new_max);
+            store(s + t, weights);
+            tile_sum += horizontal_sum(weights);
         }
         row_sum[h] = row_sum[h] * correction + tile_sum;
         row_max[h] = new_max;
@@ -196,25 +196,6 @@ static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *
         for (int h = 0; h < num_queries; h++)
             weighted_values(acc + h * d, scores + h * TILE, a->v_cache + kv_offset[h], rows, num_keys, d);
     }
-}
-
-/* exp_nonpositive on a whole vector, in GNU vector arithmetic (GCC does not vectorise the scalar one in loops
- * of a runtime trip count); comparisons give all-ones lanes, which select by bitwise and/or. */
-static inline vec exp_nonpositive_vec(vec x) {
-    const vec lowest = (vec){0} - 87.0f;
-    const ivec keep = x >= lowest; /* all ones where the result is not flushed to 0 (-inf included) */
-    x = (vec)((keep & (ivec)x) | (~keep & (ivec)lowest));
-    const ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec); /* round, as above */
-    const vec nf = __builtin_convertvector(n, vec);
-    const vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    vec p = (vec){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return (vec)((ivec)(p * (vec)((n + 127) << 23)) & keep);
 }
 
 static inline vec max_vec(vec a, vec b) {
