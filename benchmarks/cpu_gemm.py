@@ -1,10 +1,12 @@
-"""One decode step's GEMMs on CPU, fp32: ``F.linear`` against kvserve's ``PrepackedLinear`` (oneDNN layout).
+"""One decode step's GEMMs on CPU, fp32: ``F.linear``, oneDNN's blocked weights and kvserve's small-GEMM panels.
 
     python benchmarks/cpu_gemm.py [--threads N] [--tokens 1,7,16,33,64,256]
 
 SmolLM2-135M's projections (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, 30 layers each, and
 the 576->49152 LM head once), with 30 distinct weight copies per layer projection so that each comes from
-memory, as in a real step. For each token count: the best of 3 passes over all of them, both kinds alternated.
+memory, as in a real step. For each token count: the best of 3 passes over all of them, the kinds alternated.
+``oneDNN``: ``PrepackedLinear`` without panels; ``panels``: the small-GEMM kernel alone (any row count);
+``kvserve``: ``PrepackedLinear`` as the engine builds it (panels up to SMALL_GEMM_MAX_ROWS where tuned).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.layers.prepacked import PrepackedLinear
+from kvserve.model.layers.prepacked import PrepackedLinear, SmallGemm, small_gemm
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -30,10 +32,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     weights = [torch.randn(n, k) for name, (n, k) in SHAPES.items()
                for _ in range(1 if name == "lm_head" else NUM_LAYERS)]
-    packed = [PrepackedLinear(w, None) for w in weights]
-    kinds = {"F.linear": [lambda x, w=w: F.linear(x, w) for w in weights], "prepacked": packed}
+    kernel = SmallGemm()
+    panels = [kernel.pack(w) for w in weights]
+    kinds = {"F.linear": [lambda x, w=w: F.linear(x, w) for w in weights],
+             "oneDNN": [PrepackedLinear(w, None) for w in weights],
+             "panels": [lambda x, p=p, n=w.shape[0]: kernel(x, p, None, n) for w, p in zip(weights, panels)],
+             "kvserve": [PrepackedLinear(w, None, small_gemm()) for w in weights]}
     print(f"{args.threads} threads; ms for one step's GEMMs (all layers and the LM head)")
-    print(f"{'tokens':>6} {'F.linear':>9} {'prepacked':>9} {'speedup':>8}")
+    print(f"{'tokens':>6} " + " ".join(f"{kind:>9}" for kind in kinds) + "  kvserve vs F.linear, vs oneDNN")
     with torch.no_grad():
         for num_tokens in map(int, args.tokens.split(",")):
             inputs = {k: torch.randn(num_tokens, k) for k in {k for _, k in SHAPES.values()}}
@@ -44,8 +50,8 @@ def main() -> None:
                     for w, fn in zip(weights, fns):
                         fn(inputs[w.shape[1]])
                     best[kind] = min(best[kind], time.perf_counter() - start)
-            print(f"{num_tokens:6d} {best['F.linear'] * 1e3:9.1f} {best['prepacked'] * 1e3:9.1f} "
-                  f"{best['F.linear'] / best['prepacked']:7.2f}x")
+            print(f"{num_tokens:6d} " + " ".join(f"{best[kind] * 1e3:9.1f}" for kind in kinds)
+                  + f"  {best['F.linear'] / best['kvserve']:7.2f}x {best['oneDNN'] / best['kvserve']:7.2f}x")
 
 
 if __name__ == "__main__":

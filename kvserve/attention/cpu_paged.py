@@ -12,36 +12,25 @@ each chunk query through the kernel by 1.2-1.7x); the reference backend runs the
     q rows:  | d0 | d1 | ... | d{D-1} |  chunk 0  |  chunk 1  | ...
              |<-- decode kernel ---->|<-- TorchRefBackend --->|
 
-The kernel is compiled with the system's gcc at first use (about a second) into the user's cache folder,
-keyed by a hash of its source, the flags and the CPU, and called through ctypes with raw pointers, on
-torch's thread count. Where torch ships GNU OpenMP (the Linux wheels) the library binds to torch's
-``libgomp.so.1``, already loaded, so the kernel and torch's ops share one thread pool rather than fighting.
+The kernel is built at first use (``kvserve.native``) and called through ctypes with raw pointers, on torch's
+thread count.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-import platformdirs
 import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata
 from kvserve.attention.torch_ref import TorchRefBackend, TorchRefMetadata, _validate
 from kvserve.kv.storage import KVCacheStorage
+from kvserve.native import kernel_range, load_library
 
 KERNEL_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
-COMPILE_TIMEOUT_S = 120
 DECODE_KERNEL_RANGE = "kvserve::paged_decode"  # the kernel's name in torch.profiler traces (a ctypes call is no op)
 _C_ARG_TYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # out, its row stride, q, its row stride
@@ -49,10 +38,6 @@ _C_ARG_TYPES = (
     + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # block tables + stride, seq lens
     + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]  # num_seqs .. window, scale, num_threads
 )
-
-
-class KernelBuildError(RuntimeError):
-    """The decode kernel could not be compiled or loaded (no compiler, a compile error, an unloadable library)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +113,7 @@ class CpuPagedBackend(AttentionBackend):
         if q.stride(2) != 1 or q.stride(1) != head_dim:  # the kernel walks heads head_dim apart within a row
             q = q.contiguous()
         tables, num_kv_heads = meta.decode_block_tables, kv.spec.num_kv_heads
-        with torch.profiler.record_function(DECODE_KERNEL_RANGE):
+        with kernel_range(DECODE_KERNEL_RANGE):
             num_bad = self._decode(
                 out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
                 kv.k_caches[layer].data_ptr(), kv.v_caches[layer].data_ptr(), kv.num_blocks,
@@ -173,75 +158,12 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: i
         )
 
 
-# --- the kernel: compiled once per source, flags and CPU, cached in the user's cache folder ---------------------
+# --- the kernel ---------------------------------------------------------------------------------------------------
 
 
 def decode_kernel() -> Callable[..., int]:
     """The compiled ``kvserve_paged_decode_f32``; raises ``KernelBuildError`` (every time) if it cannot be had."""
-    kernel = _load_once()
-    if isinstance(kernel, KernelBuildError):
-        raise KernelBuildError(str(kernel))
-    return kernel
-
-
-@functools.cache
-def _load_once() -> Callable[..., int] | KernelBuildError:
-    """Build at most once per process, remembering a failure too (a retry would fail the same way)."""
-    try:
-        return _load(_library_path())
-    except KernelBuildError as error:
-        return error
-
-
-def _library_path() -> Path:
-    try:
-        source = KERNEL_SOURCE.read_bytes()
-    except OSError as error:
-        raise KernelBuildError(f"the kernel source {KERNEL_SOURCE} is missing: {error}") from error
-    key = hashlib.sha256(b"\0".join([source, " ".join(COMPILE_FLAGS).encode(), _cpu_id().encode()])).hexdigest()
-    path = Path(platformdirs.user_cache_dir("kvserve")) / "kernels" / f"paged_decode-{key[:16]}.so"
-    if not path.exists():
-        _compile(path)
-    return path
-
-
-def _cpu_id() -> str:
-    """What ``-march=native`` depends on: a library built for one CPU may not run on another sharing the cache."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
-    return platform.machine() + next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
-
-
-def _compile(path: Path) -> None:
-    compiler = shutil.which("gcc")
-    if compiler is None:
-        raise KernelBuildError("no C compiler: gcc is not on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename, so concurrent processes never load a half-written library
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *COMPILE_FLAGS, str(KERNEL_SOURCE), "-o", tmp, "-lm"],
-            capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
-        )
-        if result.returncode != 0:
-            raise KernelBuildError(f"gcc failed to compile {KERNEL_SOURCE.name}:\n{result.stderr.strip()}")
-        os.replace(tmp, path)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise KernelBuildError(f"could not build {KERNEL_SOURCE.name} into {path}: {error}") from error
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def _load(path: Path) -> Callable[..., int]:
-    try:
-        # torch already loaded its libgomp.so.1, so the kernel's OpenMP runs on torch's thread pool
-        function = ctypes.CDLL(str(path)).kvserve_paged_decode_f32
-    except (OSError, AttributeError) as error:
-        raise KernelBuildError(f"could not load the decode kernel {path}: {error}") from error
+    function = load_library(KERNEL_SOURCE).kvserve_paged_decode_f32
     function.argtypes = _C_ARG_TYPES
     function.restype = ctypes.c_int
     return function

@@ -14,8 +14,9 @@ import os
 import torch
 
 from kvserve.attention.backend import AttentionBackend
-from kvserve.attention.cpu_paged import CpuPagedBackend, KernelBuildError
+from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.native import KernelBuildError
 
 BACKEND_ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
 BACKEND_NAMES = ("cpu_paged", "torch_ref")

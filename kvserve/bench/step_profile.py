@@ -11,12 +11,14 @@ from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import profile
 
 from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE
+from kvserve.model.layers.prepacked import SMALL_GEMM_RANGE
 
 OP_NAMESPACES = ("aten::", "mkldnn::")
+KERNEL_RANGES = (DECODE_KERNEL_RANGE, SMALL_GEMM_RANGE)  # kvserve's own C kernels, as record_function ranges
 # Ops called from Python, grouped by name; ops nested inside them count toward their caller.
 OP_GROUPS = {
     "GEMMs": {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
-              "mkldnn::_linear_pointwise"},
+              "mkldnn::_linear_pointwise", SMALL_GEMM_RANGE},
     "attention + KV": {"aten::scaled_dot_product_attention", "aten::index_select", "aten::index_copy_",
                        "aten::index_put_", "aten::gather", DECODE_KERNEL_RANGE},
     "sampling": {"aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::log_softmax",
@@ -55,7 +57,7 @@ def top_level_ops(events: Sequence[FunctionEvent]) -> list[FunctionEvent]:
 
 
 def _is_op(name: str) -> bool:
-    return name.startswith(OP_NAMESPACES) or name == DECODE_KERNEL_RANGE
+    return name.startswith(OP_NAMESPACES) or name in KERNEL_RANGES
 
 
 def _has_op_ancestor(event: FunctionEvent) -> bool:

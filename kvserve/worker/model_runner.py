@@ -7,7 +7,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_backend
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
-from kvserve.model.layers.prepacked import can_prepack, prepack_linears
+from kvserve.model.layers.prepacked import can_prepack, prepack_linears, small_gemm
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import build_model
 from kvserve.sample.sampler import Sampler, SamplingBatch, prompt_logprobs
@@ -27,7 +27,7 @@ class ModelRunner:
         self.model.load_weights(checkpoint.weights())
         self.model.eval()
         if can_prepack(device, dtype):
-            prepack_linears(self.model)
+            prepack_linears(self.model, small_gemm())
         self.sampler = Sampler()
         self.kv: KVCacheStorage | None = None
         self._sliding_windows = self.model.sliding_windows()

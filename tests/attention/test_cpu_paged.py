@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 import tests.attention.test_torch_ref as ref_tests
 from kvserve.attention import cpu_paged, selector
-from kvserve.attention.cpu_paged import CpuPagedBackend, KernelBuildError
+from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend
 from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.native import KernelBuildError
 from tests.attention.test_torch_ref import LAYER, SCENARIOS, TOLERANCE, Step, naive_attention
 
 CPU = torch.device("cpu")
@@ -203,55 +204,6 @@ def test_corrupt_block_tables_raise_instead_of_reading_outside_the_cache() -> No
         backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0)
     with pytest.raises(ValueError, match="too narrow for decodes of up to 21 tokens"):
         backend.build_metadata(replace(step.inputs, block_tables=tables[:, :5]), {None})
-
-
-# --- the kernel build -------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setattr(cpu_paged.platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
-    return tmp_path / "kvserve" / "kernels"
-
-
-def test_kernel_is_built_once_into_the_cache_folder(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = cpu_paged._library_path()
-    assert path.parent == cache_dir and [p.name for p in cache_dir.iterdir()] == [path.name]
-    monkeypatch.setattr(cpu_paged.subprocess, "run", lambda *a, **k: pytest.fail("compiled a second time"))
-    assert cpu_paged._library_path() == path
-    assert callable(cpu_paged._load(path))
-
-
-def test_kernel_shares_torchs_openmp_runtime() -> None:
-    """The kernel's OpenMP calls bind to the libgomp torch loaded: a second runtime would bring a second
-    thread pool that fights torch's for the cores."""
-    def address(library: ctypes.CDLL) -> int:
-        return ctypes.cast(library.omp_get_max_threads, ctypes.c_void_p).value
-
-    kernel = ctypes.CDLL(str(cpu_paged._library_path()))
-    assert address(kernel) == address(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libgomp.so.1")))
-
-
-def test_missing_compiler_is_a_build_error(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_paged.shutil, "which", lambda name: None)
-    with pytest.raises(KernelBuildError, match="no C compiler"):
-        cpu_paged._library_path()
-
-
-def test_compile_error_is_a_build_error_that_shows_gcc(cache_dir: Path, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    broken = tmp_path / "broken.c"
-    broken.write_text("void f(void) { this is not C }\n")
-    monkeypatch.setattr(cpu_paged, "KERNEL_SOURCE", broken)
-    with pytest.raises(KernelBuildError, match="gcc failed to compile broken.c"):
-        cpu_paged._library_path()
-    assert not any(cache_dir.iterdir())  # no half-written library left behind
-
-
-def test_missing_source_is_a_build_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(cpu_paged, "KERNEL_SOURCE", tmp_path / "absent.c")
-    with pytest.raises(KernelBuildError, match="absent.c is missing"):
-        cpu_paged._library_path()
 
 
 # --- the selector -----------------------------------------------------------------------------------------------

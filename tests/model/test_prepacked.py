@@ -1,4 +1,5 @@
-"""PrepackedLinear against nn.Linear, and a whole model prepacked against the same model unpacked."""
+"""PrepackedLinear and the small-GEMM kernel against nn.Linear, and a whole model prepacked against the same model
+unpacked."""
 
 from __future__ import annotations
 
@@ -9,23 +10,77 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.layers.prepacked import PrepackedLinear, can_prepack, prepack_linears
+from kvserve.model.layers import prepacked
+from kvserve.model.layers.prepacked import (SMALL_GEMM_MAX_ROWS, PrepackedLinear, SmallGemm, can_prepack,
+                                            prepack_linears)
 from tests.model.conftest import Family, load_ours
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32),
                                 reason="this torch build has no oneDNN linear")
 
 
+@pytest.fixture(scope="module")
+def small() -> SmallGemm:
+    return SmallGemm()  # built on any CPU; whether the engine uses it is small_gemm()'s call
+
+
+@pytest.mark.parametrize("with_small_gemm", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [0, 1, 7, 64])
-def test_prepacked_linear_equals_linear(rows: int, bias: bool) -> None:
+@pytest.mark.parametrize("rows", [0, 1, 7, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS + 1, 64])
+def test_prepacked_linear_equals_linear(rows: int, bias: bool, with_small_gemm: bool, small: SmallGemm) -> None:
     gen = torch.Generator().manual_seed(rows)
-    linear = nn.Linear(96, 40, bias=bias)
+    linear = nn.Linear(96, 40, bias=bias)  # 40 columns: a full panel and a padded one
     x = torch.randn(rows, 128, generator=gen)[:, 16:112]  # a strided view, as the layers' slices are
-    packed = PrepackedLinear(linear.weight, linear.bias)
+    packed = PrepackedLinear(linear.weight, linear.bias, small if with_small_gemm else None)
     with torch.no_grad():
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
     assert (packed.in_features, packed.out_features) == (96, 40)
+
+
+@pytest.mark.parametrize("with_small_gemm", [False, True])
+def test_prepacked_linear_keeps_leading_dimensions(with_small_gemm: bool, small: SmallGemm) -> None:
+    linear = nn.Linear(24, 40)
+    x = torch.randn(3, 4, 24, generator=torch.Generator().manual_seed(0))
+    packed = PrepackedLinear(linear.weight, linear.bias, small if with_small_gemm else None)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (31, 5), (32, 64), (33, 64), (200, 17)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 32])
+def test_small_gemm_equals_matmul(n: int, k: int, rows: int, small: SmallGemm) -> None:
+    gen = torch.Generator().manual_seed(n * k + rows)
+    weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
+    expected = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(small(x, small.pack(weight), bias, n).double(), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(small(x, small.pack(weight), None, n).double(), expected - bias.double(),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_small_gemm_rows_do_not_depend_on_the_rest_of_the_step(small: SmallGemm) -> None:
+    """A request's logits must not change with what it is batched with (seeded sampling relies on it)."""
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(100, 64, generator=gen), torch.randn(SMALL_GEMM_MAX_ROWS, 64, generator=gen)
+    panels = small.pack(weight)
+    alone = torch.cat([small(x[i:i + 1], panels, None, 100) for i in range(len(x))])
+    assert torch.equal(small(x, panels, None, 100), alone)
+
+
+def test_small_gemm_refuses_what_does_not_fit(small: SmallGemm) -> None:
+    panels = small.pack(torch.randn(40, 16))
+    with pytest.raises(ValueError, match="does not fit panels"):
+        small(torch.randn(2, 17), panels, None, 40)
+    with pytest.raises(ValueError, match="does not fit panels"):
+        small(torch.randn(2, 16, dtype=torch.float64), panels, None, 40)
+
+
+def test_the_engine_keeps_panels_only_where_the_kernel_is_tuned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SmallGemm, "__init__", lambda self: setattr(self, "tuned", False))
+    prepacked.small_gemm.cache_clear()
+    try:
+        assert prepacked.small_gemm() is None
+    finally:
+        prepacked.small_gemm.cache_clear()
 
 
 def test_only_fp32_on_cpu_is_prepacked() -> None:
@@ -33,9 +88,10 @@ def test_only_fp32_on_cpu_is_prepacked() -> None:
     assert not can_prepack(torch.device("cuda"), torch.float32)
 
 
+@pytest.mark.parametrize("with_small_gemm", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # an untied and a tied LM head
-def test_a_prepacked_model_computes_what_it_did(arch: str, tiny_checkpoints: dict[str, Path],
-                                                families: dict[str, Family]) -> None:
+def test_a_prepacked_model_computes_what_it_did(arch: str, with_small_gemm: bool, tiny_checkpoints: dict[str, Path],
+                                                families: dict[str, Family], small: SmallGemm) -> None:
     family = families[arch]
     model = load_ours(tiny_checkpoints[arch], family.ours.backend)
     num_linears = sum(isinstance(m, nn.Linear) for m in model.modules())
@@ -43,7 +99,7 @@ def test_a_prepacked_model_computes_what_it_did(arch: str, tiny_checkpoints: dic
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model.compute_logits(hidden)
-        assert prepack_linears(model) == num_linears
+        assert prepack_linears(model, small if with_small_gemm else None) == num_linears
         after = model.compute_logits(hidden)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert torch.equal(model.embed_tokens.weight, embeddings)  # a tied head is packed into a copy of its own

@@ -1,41 +1,109 @@
-"""Linear layers whose weights are laid out once, at load, in oneDNN's blocked format for CPU GEMMs.
+"""Linear layers whose weights are laid out once, at load, for CPU GEMMs: oneDNN's blocked format for steps of
+many tokens, and kvserve's column panels (``csrc/small_gemm.c``) for steps of a few.
 
 A plain ``F.linear`` on CPU packs the weight into the GEMM's panel layout on every call: at decode batch sizes
-that repacking reads and writes every weight again each step, and it dominates. Measured on 2 cores (AVX-512)
-at SmolLM2's shapes, one step's GEMMs over all 30 layers and the LM head:
+that repacking reads and writes every weight again each step, and it dominates. oneDNN's blocked weights
+(``torch.ops.mkldnn._linear_pointwise``, the path PyTorch's own CPU compiler takes for frozen fp32 linears) win
+from a few dozen tokens up; below that a step only streams the weights from memory, and the small-GEMM kernel,
+which prefetches the next panel while it computes on this one, streams them faster. Measured on 2 cores
+(AVX-512) at SmolLM2's shapes, one step's GEMMs over all 30 layers and the LM head (``benchmarks/cpu_gemm.py``):
 
-    tokens in the step     7      16     33     64     256
-    F.linear             43 ms  61 ms  72 ms  106 ms  264 ms
-    prepacked            34 ms  44 ms  60 ms   92 ms  255 ms
+    tokens in the step     1      7      16     33     64     256
+    F.linear             27 ms  62 ms  67 ms  76 ms  113 ms  284 ms
+    oneDNN blocked       32 ms  39 ms  47 ms  63 ms   98 ms  266 ms
+    small-GEMM panels    26 ms  30 ms  39 ms  65 ms   ...
 
-(one token: 21 vs 27 ms, the one case it loses; batches of one are not what a server runs). This is the path
-PyTorch's own CPU compiler takes for frozen fp32 linears (``torch.ops.mkldnn._linear_pointwise``).
+Keeping both layouts doubles the memory of the linear weights; the panels are kept only where the kernel was
+built for AVX-512, the only kind of CPU it was measured on.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from kvserve.native import KernelBuildError, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
 
+SMALL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
+SMALL_GEMM_MAX_ROWS = 32  # from 33 rows up oneDNN's blocked kernels are as fast (see the table above)
+SMALL_GEMM_RANGE = "kvserve::small_gemm"  # the kernel's name in torch.profiler traces (a ctypes call is no op)
+_C_ARG_TYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its
+                + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4)  # panels, bias, m, n, k, threads
+
+
+class SmallGemm:
+    """The compiled small-GEMM kernel: ``pack`` lays a weight out in panels once, a call multiplies by it."""
+
+    def __init__(self) -> None:
+        library = load_library(SMALL_GEMM_SOURCE)
+        self.panel_width: int = library.kvserve_small_gemm_panel()
+        self.tuned = bool(library.kvserve_small_gemm_tuned())  # built for AVX-512, where it was measured to win
+        self._gemm = library.kvserve_small_gemm_f32
+        self._gemm.argtypes = _C_ARG_TYPES
+        self._gemm.restype = None
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] fp32 -> [ceil(N / panel), K, panel]: each panel's columns side by side, k after k."""
+        n, k = weight.shape
+        num_panels = -(-n // self.panel_width)
+        padded = F.pad(weight.detach().to(torch.float32), (0, 0, 0, num_panels * self.panel_width - n))
+        return padded.view(num_panels, self.panel_width, k).transpose(1, 2).contiguous()
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """x [M, K] (rows may be strided, elements not) times the packed [N, K] weight, plus bias: [M, N]."""
+        m, k = x.shape
+        if x.dtype != torch.float32 or panels.shape[1] != k or panels.shape[0] * self.panel_width < n:
+            raise ValueError(f"small GEMM: x {tuple(x.shape)} {x.dtype} does not fit panels {tuple(panels.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m:
+            with kernel_range(SMALL_GEMM_RANGE):
+                self._gemm(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), panels.data_ptr(),
+                           None if bias is None else bias.data_ptr(), m, n, k, torch.get_num_threads())
+        return y
+
+
+@functools.cache
+def small_gemm() -> SmallGemm | None:
+    """The kernel where it is worth its memory (built, and tuned for this CPU); None elsewhere."""
+    try:
+        kernel = SmallGemm()
+    except KernelBuildError as error:
+        logger.warning("CPU GEMMs of a few tokens use oneDNN alone: %s", error)
+        return None
+    return kernel if kernel.tuned else None
+
 
 class PrepackedLinear(nn.Module):
-    """``nn.Linear``'s forward over a weight reordered for oneDNN; the plain weight is not kept."""
+    """``nn.Linear``'s forward over a weight reordered for oneDNN, and also in panels for ``small_gemm`` when it
+    is given; the plain weight is not kept."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small: SmallGemm | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.bias = None if bias is None else bias.detach()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.small = small
+        self.panels = small.pack(weight) if small is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.small is None or x.numel() > SMALL_GEMM_MAX_ROWS * self.in_features:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        y = self.small(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"small_gemm={self.small is not None}")
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -44,12 +112,13 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a ``PrepackedLinear`` of its weights; how many were replaced.
-    A weight shared with another module (a tied LM head) is reordered into a copy of its own."""
+def prepack_linears(model: nn.Module, small: SmallGemm | None = None) -> int:
+    """Replace every ``nn.Linear`` in ``model`` by a ``PrepackedLinear`` of its weights (with panels for
+    ``small`` if given); how many were replaced. A weight shared with another module (a tied LM head) is
+    reordered into a copy of its own."""
     parents = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, linear in parents:
-        setattr(parent, name, PrepackedLinear(linear.weight, linear.bias))
-    logger.debug("prepacked %d linear layers for oneDNN", len(parents))
+        setattr(parent, name, PrepackedLinear(linear.weight, linear.bias, small))
+    logger.debug("prepacked %d linear layers (small-GEMM panels: %s)", len(parents), small is not None)
     return len(parents)

@@ -1,0 +1,104 @@
+"""kvserve's C kernels: compiled with the system's gcc at first use, cached, and called through ctypes.
+
+A kernel is one C file with no torch headers, so it builds in about a second. The library goes into the user's
+cache folder under a name keyed by a hash of the source, the flags and the CPU (``-march=native`` code built on
+one CPU may not run on another sharing the folder). Where torch ships GNU OpenMP (the Linux wheels) the library
+binds to torch's ``libgomp.so.1``, already loaded, so the kernels and torch's ops share one thread pool rather
+than fighting for the cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import platformdirs
+import torch
+
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+COMPILE_TIMEOUT_S = 120
+
+
+def kernel_range(name: str) -> contextlib.AbstractContextManager:
+    """A ``torch.profiler`` range named ``name`` around a kernel call (a ctypes call is no op the profiler sees),
+    entered only while a profiler records: a range costs ~5 us, and a step calls the kernels a hundred times."""
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
+class KernelBuildError(RuntimeError):
+    """A kernel could not be compiled or loaded (no compiler, a compile error, an unloadable library)."""
+
+
+def load_library(source: Path) -> ctypes.CDLL:
+    """The compiled library of ``source``, built at most once per process; raises ``KernelBuildError`` (every
+    time, without retrying: a retry would fail the same way)."""
+    library = _load_once(source)
+    if isinstance(library, KernelBuildError):
+        raise KernelBuildError(str(library))
+    return library
+
+
+@functools.cache
+def _load_once(source: Path) -> ctypes.CDLL | KernelBuildError:
+    try:
+        path = library_path(source)
+        try:
+            return ctypes.CDLL(str(path))
+        except OSError as error:
+            raise KernelBuildError(f"could not load the kernel library {path}: {error}") from error
+    except KernelBuildError as error:
+        return error
+
+
+def library_path(source: Path) -> Path:
+    """Where the library of ``source`` is cached, compiling it first if it is not there yet."""
+    try:
+        text = source.read_bytes()
+    except OSError as error:
+        raise KernelBuildError(f"the kernel source {source} is missing: {error}") from error
+    key = hashlib.sha256(b"\0".join([text, " ".join(COMPILE_FLAGS).encode(), _cpu_id().encode()])).hexdigest()
+    path = Path(platformdirs.user_cache_dir("kvserve")) / "kernels" / f"{source.stem}-{key[:16]}.so"
+    if not path.exists():
+        _compile(source, path)
+    return path
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    return platform.machine() + next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+
+
+def _compile(source: Path, path: Path) -> None:
+    compiler = shutil.which("gcc")
+    if compiler is None:
+        raise KernelBuildError("no C compiler: gcc is not on PATH")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename, so concurrent processes never load a half-written library
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *COMPILE_FLAGS, str(source), "-o", tmp, "-lm"],
+            capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
+        )
+        if result.returncode != 0:
+            raise KernelBuildError(f"gcc failed to compile {source.name}:\n{result.stderr.strip()}")
+        os.replace(tmp, path)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise KernelBuildError(f"could not build {source.name} into {path}: {error}") from error
+    finally:
+        Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,68 @@
+"""Building kvserve's C kernels: once, into the cache folder, on torch's OpenMP runtime; clear errors otherwise."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import native
+from kvserve.attention.cpu_paged import KERNEL_SOURCE
+from kvserve.native import KernelBuildError
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(native.platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
+    return tmp_path / "kvserve" / "kernels"
+
+
+def test_kernel_is_built_once_into_the_cache_folder(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = native.library_path(KERNEL_SOURCE)
+    assert path.parent == cache_dir and [p.name for p in cache_dir.iterdir()] == [path.name]
+    assert path.name.startswith("paged_decode-")
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: pytest.fail("compiled a second time"))
+    assert native.library_path(KERNEL_SOURCE) == path
+    assert callable(ctypes.CDLL(str(path)).kvserve_paged_decode_f32)
+
+
+def test_kernel_shares_torchs_openmp_runtime() -> None:
+    """The kernel's OpenMP calls bind to the libgomp torch loaded: a second runtime would bring a second
+    thread pool that fights torch's for the cores."""
+    def address(library: ctypes.CDLL) -> int:
+        return ctypes.cast(library.omp_get_max_threads, ctypes.c_void_p).value
+
+    kernel = native.load_library(KERNEL_SOURCE)
+    assert address(kernel) == address(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libgomp.so.1")))
+
+
+def test_missing_compiler_is_a_build_error(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.raises(KernelBuildError, match="no C compiler"):
+        native.library_path(KERNEL_SOURCE)
+
+
+def test_compile_error_is_a_build_error_that_shows_gcc(cache_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("void f(void) { this is not C }\n")
+    with pytest.raises(KernelBuildError, match="gcc failed to compile broken.c"):
+        native.library_path(broken)
+    assert not any(cache_dir.iterdir())  # no half-written library left behind
+
+
+def test_a_failed_build_is_remembered_and_raised_again(cache_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken_once.c"
+    broken.write_text("not C\n")
+    for _ in range(2):
+        with pytest.raises(KernelBuildError, match="gcc failed to compile broken_once.c"):
+            native.load_library(broken)
+    broken.write_text("int f(void) { return 1; }\n")  # not retried within the process
+    with pytest.raises(KernelBuildError):
+        native.load_library(broken)
+
+
+def test_missing_source_is_a_build_error(tmp_path: Path) -> None:
+    with pytest.raises(KernelBuildError, match="absent.c is missing"):
+        native.library_path(tmp_path / "absent.c")
