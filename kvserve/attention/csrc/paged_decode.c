@@ -7,9 +7,10 @@
  *
  * Sequences whose tables start with the same block ids (prefix-cache hits on one system prompt, the samples of
  * one prompt) hold the same keys there: a first pass reads those shared keys once per KV head for the queries
- * of the whole group (a tile's keys stay in L1 while every member's query heads use them) and leaves each
- * member's softmax state; the second pass, per sequence, goes on from it over the sequence's own keys. Sixteen
- * requests on a 1,024-token prompt read 16x fewer bytes of it than sixteen independent walks.
+ * of the whole group (a tile's keys stay in L1 while every member's query heads use them), the shared blocks
+ * cut into runs so that every thread has work, and leaves each member's softmax state per run; the second pass,
+ * per sequence, merges those states and goes on over the sequence's own keys. Sixteen requests on a
+ * 1,024-token prompt read 16x fewer bytes of it than sixteen independent walks.
  *
  * What made it fast, measured at SmolLM2's shapes (3 KV heads x 3 query heads, head_dim 64, 32 decodes):
  *   - head_dim known at compile time (a copy per common head_dim): 1.6x over a runtime head_dim;
@@ -225,7 +226,47 @@ static inline __attribute__((always_inline)) void softmax_down_lanes(float *scor
     }
 }
 
-#define KEYS_PER_BLOCK 8 /* keys whose scores one pass over the transposed queries accumulates */
+/* The scores of keys t .. t + num_keys - 1 (num_keys <= 8) against lane_vecs vectors of transposed queries
+ * (lane_vecs <= 4), all lane_vecs x num_keys sums in registers: per element of the keys, lane_vecs loads of
+ * queries feed lane_vecs x num_keys broadcast-FMAs. */
+static inline __attribute__((always_inline)) void score_block(const int lane_vecs, const int num_keys,
+                                                              const float *q_t, int width, const float *k_cache,
+                                                              const int64_t *rows, float *scores, const int d) {
+    vec s[8][4];
+    for (int j = 0; j < num_keys; j++)
+        for (int l = 0; l < lane_vecs; l++) s[j][l] = (vec){0};
+    for (int i = 0; i < d; i++) {
+        vec q_i[4];
+        for (int l = 0; l < lane_vecs; l++) q_i[l] = load(q_t + i * width + l * VEC);
+        for (int j = 0; j < num_keys; j++) {
+            const float k_ji = k_cache[rows[j] + i];
+            for (int l = 0; l < lane_vecs; l++) s[j][l] += k_ji * q_i[l];
+        }
+    }
+    for (int j = 0; j < num_keys; j++)
+        for (int l = 0; l < lane_vecs; l++) store(scores + j * width + l * VEC, s[j][l]);
+}
+
+/* A tile's scores, [key][query lane], for width / VEC lane vectors (1 to 4): blocks of keys sized so that the
+ * sums fill at most 24 of the 32 registers. */
+static inline __attribute__((always_inline)) void scores_down_lanes(const float *q_t, int width,
+                                                                    const float *k_cache, const int64_t *rows,
+                                                                    int num_keys, float *scores, const int d) {
+#define SCORE_BLOCKS(L, K)                                                                                        \
+    {                                                                                                             \
+        int t = 0;                                                                                                \
+        for (; t + (K) <= num_keys; t += (K)) score_block(L, K, q_t, width, k_cache, rows + t, scores + t * width, d); \
+        for (; t < num_keys; t++) score_block(L, 1, q_t, width, k_cache, rows + t, scores + t * width, d);         \
+        return;                                                                                                   \
+    }
+    switch (width / VEC) {
+    case 1: SCORE_BLOCKS(1, 8)
+    case 2: SCORE_BLOCKS(2, 8)
+    case 3: SCORE_BLOCKS(3, 8)
+    default: SCORE_BLOCKS(4, 6)
+    }
+#undef SCORE_BLOCKS
+}
 
 /* attend_keys for many query heads of one KV head at once (a sharing group's), with the queries across the
  * vector lanes: a key's scores against VEC queries are broadcast-FMAs of its elements with rows of the
@@ -257,25 +298,7 @@ static inline __attribute__((always_inline)) void attend_keys_across_lanes(const
                 __builtin_prefetch(a->k_cache + next_rows[t] + i);
                 __builtin_prefetch(a->v_cache + next_rows[t] + i);
             }
-        for (int lane = 0; lane < width; lane += VEC) {
-            int t = 0;
-            for (; t + KEYS_PER_BLOCK <= num_keys; t += KEYS_PER_BLOCK) {
-                const float *k[KEYS_PER_BLOCK];
-                vec s[KEYS_PER_BLOCK];
-                for (int j = 0; j < KEYS_PER_BLOCK; j++) k[j] = a->k_cache + rows[t + j], s[j] = (vec){0};
-                for (int i = 0; i < d; i++) {
-                    const vec q_i = load(q_t + i * width + lane);
-                    for (int j = 0; j < KEYS_PER_BLOCK; j++) s[j] += k[j][i] * q_i;
-                }
-                for (int j = 0; j < KEYS_PER_BLOCK; j++) store(scores + (t + j) * width + lane, s[j]);
-            }
-            for (; t < num_keys; t++) {
-                const float *k = a->k_cache + rows[t];
-                vec s = {0};
-                for (int i = 0; i < d; i++) s += k[i] * load(q_t + i * width + lane);
-                store(scores + t * width + lane, s);
-            }
-        }
+        scores_down_lanes(q_t, width, a->k_cache, rows, num_keys, scores, d);
         softmax_down_lanes(scores, num_keys, width, max_w, sum_w, correction);
         /* whole passes of queries_per_pass (padding lanes past num_queries have scores too) keep sum in
          * registers; only the real queries' accumulators are read and written */
@@ -303,23 +326,30 @@ static inline __attribute__((always_inline)) void attend_keys_across_lanes(const
  * sequence then goes on from that state over its own keys. */
 typedef struct {
     int *shared_len;   /* [num_seqs]: leading keys the group pass covered (0: the sequence attends alone) */
-    float *state;      /* [num_seqs * num_heads, head_dim + 2]: acc, running max, running sum after them */
+    float *state;      /* [num_splits, num_seqs * num_heads, head_dim + 2]: acc, running max, running sum after
+                          each split's keys */
     int *members;      /* the sharing sequences, one group after another */
     int *chunk_first;  /* [num_chunks]: a chunk is members[chunk_first[c] .. chunk_first[c + 1]) */
     int num_chunks;
+    int num_splits;    /* every group's shared blocks are cut into this many runs, a work item each */
+    int64_t split_stride; /* floats from one split's states to the next's */
 } Cascade;
 
 #define MAX_SHARED_QUERIES 64 /* query heads per group work item: bounds its stack arrays */
 
-/* The shared keys of one chunk of a group, for the query heads of one KV head; 0, or 1 on a bad block id. */
+/* One split of the shared keys of one chunk of a group, for the query heads of one KV head; 0, or 1 on a bad
+ * block id. */
 static inline __attribute__((always_inline)) int attend_shared(const DecodeArgs *a, const Cascade *c, int chunk,
-                                                                int kv_head, const int d) {
+                                                                int split, int kv_head, const int d) {
     const int first = c->chunk_first[chunk], count = c->chunk_first[chunk + 1] - first, group = a->group;
-    const int leader = c->members[first], num_shared = c->shared_len[leader], num_queries = count * group;
-    const int num_heads = a->num_kv_heads * group;
+    const int leader = c->members[first], num_queries = count * group, num_heads = a->num_kv_heads * group;
+    const int num_blocks = c->shared_len[leader] / a->block_size;
+    const int first_block = (int)((int64_t)num_blocks * split / c->num_splits);
+    const int end_block = (int)((int64_t)num_blocks * (split + 1) / c->num_splits);
     const int64_t head_offset = (int64_t)kv_head * d;
-    KeyCursor cursor = {a->block_tables + leader * a->block_table_stride, 0, 0, num_shared};
-    if (!blocks_in_cache(a, cursor.table, 0, num_shared)) return 1;
+    KeyCursor cursor = {a->block_tables + leader * a->block_table_stride, first_block, 0,
+                        (end_block - first_block) * a->block_size};
+    if (!blocks_in_cache(a, cursor.table, first_block * a->block_size, end_block * a->block_size)) return 1;
     float q[num_queries * d], acc[num_queries * d], row_max[num_queries], row_sum[num_queries];
     for (int m = 0; m < count; m++) {
         const float *q_in = a->q + c->members[first + m] * a->q_row_stride + head_offset * group;
@@ -333,11 +363,33 @@ static inline __attribute__((always_inline)) int attend_shared(const DecodeArgs 
         attend_keys(a, &cursor, head_offset, 1, num_queries, q, acc, row_max, row_sum, d);
     for (int h = 0; h < num_queries; h++) {
         const int seq = c->members[first + h / group];
-        float *state = c->state + ((int64_t)seq * num_heads + kv_head * group + h % group) * (d + 2);
+        const int64_t head = (int64_t)seq * num_heads + kv_head * group + h % group;
+        float *state = c->state + split * c->split_stride + head * (d + 2);
         memcpy(state, acc + h * d, d * sizeof(float));
         state[d] = row_max[h], state[d + 1] = row_sum[h];
     }
     return 0;
+}
+
+/* The softmax state of one head after all the shared keys, from its num_splits partial states (each split
+ * has at least one key, so every partial max is finite). */
+static inline __attribute__((always_inline)) void merge_splits(const Cascade *c, int64_t head, float *acc,
+                                                               float *row_max, float *row_sum, const int d) {
+    const float *state = c->state + head * (d + 2);
+    float max = state[d];
+    for (int s = 1; s < c->num_splits; s++) {
+        const float split_max = state[s * c->split_stride + d];
+        max = split_max > max ? split_max : max;
+    }
+    float sum = 0.0f;
+    memset(acc, 0, d * sizeof(float));
+    for (int s = 0; s < c->num_splits; s++) {
+        const float *part = state + s * c->split_stride;
+        const float weight = expf(part[d] - max);
+        for (int i = 0; i < d; i++) acc[i] += weight * part[i];
+        sum += weight * part[d + 1];
+    }
+    *row_max = max, *row_sum = sum;
 }
 
 /* One sequence, KV heads first_kv_head .. first_kv_head + num_kv - 1 and their query heads, from where the
@@ -360,9 +412,7 @@ static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, con
     for (int h = 0; h < num_heads; h++) {
         if (num_shared) {
             const int64_t head = (int64_t)seq * a->num_kv_heads * group + first_kv_head * group + h;
-            const float *state = c->state + head * (d + 2);
-            memcpy(acc + h * d, state, d * sizeof(float));
-            row_max[h] = state[d], row_sum[h] = state[d + 1];
+            merge_splits(c, head, acc + h * d, &row_max[h], &row_sum[h], d);
         } else {
             memset(acc + h * d, 0, d * sizeof(float));
             row_max[h] = -INFINITY, row_sum[h] = 0.0f;
@@ -379,13 +429,13 @@ static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, con
 }
 
 typedef int (*AttendFn)(const DecodeArgs *, const Cascade *, int, int, int);
-typedef int (*SharedFn)(const DecodeArgs *, const Cascade *, int, int);
+typedef int (*SharedFn)(const DecodeArgs *, const Cascade *, int, int, int);
 #define HEAD_DIM_COPIES(D)                                                                                        \
     static int attend_##D(const DecodeArgs *a, const Cascade *c, int s, int h, int n) {                         \
         return attend(a, c, s, h, n, D);                                                                          \
     }                                                                                                             \
-    static int shared_##D(const DecodeArgs *a, const Cascade *c, int chunk, int h) {                            \
-        return attend_shared(a, c, chunk, h, D);                                                                  \
+    static int shared_##D(const DecodeArgs *a, const Cascade *c, int chunk, int split, int h) {               \
+        return attend_shared(a, c, chunk, split, h, D);                                                           \
     }
 HEAD_DIM_COPIES(64)
 HEAD_DIM_COPIES(128)
@@ -393,22 +443,24 @@ HEAD_DIM_COPIES(256)
 static int attend_any(const DecodeArgs *a, const Cascade *c, int s, int h, int n) {
     return attend(a, c, s, h, n, a->head_dim);
 }
-static int shared_any(const DecodeArgs *a, const Cascade *c, int chunk, int h) {
-    return attend_shared(a, c, chunk, h, a->head_dim);
+static int shared_any(const DecodeArgs *a, const Cascade *c, int chunk, int split, int h) {
+    return attend_shared(a, c, chunk, split, h, a->head_dim);
 }
 
 /* Groups the sequences whose block tables start with the same blocks. A group's shared length is the blocks
  * all its members have in common with its first member, counting only blocks before each member's last one (so
  * every shared key is older than every member's new token), and none for a sequence past its sliding window.
- * Groups are cut into chunks of at most MAX_SHARED_QUERIES query heads, and into enough chunks to give every
- * thread work. Fills c (owning its arrays; free with free_cascade); -1 when out of memory. */
+ * Groups are cut into chunks of at most MAX_SHARED_QUERIES query heads, and their shared blocks into enough
+ * splits to give every thread work: each key is then read by one work item for all of a chunk's queries
+ * (cutting the members instead would read it once per chunk). Fills c (owning its arrays; free with
+ * free_cascade); -1 when out of memory. */
 static int plan_cascade(const DecodeArgs *a, int num_seqs, int num_threads, Cascade *c) {
     const int n = num_seqs, bs = a->block_size;
     int *leader_of = malloc(n * sizeof(int)), *blocks = malloc(n * sizeof(int)), *size = calloc(n, sizeof(int));
     c->shared_len = calloc(n, sizeof(int));
     c->members = malloc(n * sizeof(int));
     c->chunk_first = malloc((n + 1) * sizeof(int));
-    c->state = NULL, c->num_chunks = 0;
+    c->state = NULL, c->num_chunks = 0, c->num_splits = 1;
     if (!leader_of || !blocks || !size || !c->shared_len || !c->members || !c->chunk_first) goto fail;
     for (int i = 0; i < n; i++) {
         const int seq_len = a->seq_lens[i];
@@ -426,16 +478,16 @@ static int plan_cascade(const DecodeArgs *a, int num_seqs, int num_threads, Casc
         }
         if (leader_of[i] < 0 && own > 0) leader_of[i] = i, blocks[i] = own, size[i] = 1;
     }
-    int num_members = 0, num_groups = 0;
+    int num_members = 0, fewest_blocks = 0;
     for (int j = 0; j < n; j++)
-        if (leader_of[j] == j && size[j] > 1) num_members += size[j], num_groups++;
-    const int wanted_items = 2 * num_threads;
+        if (leader_of[j] == j && size[j] > 1) {
+            num_members += size[j];
+            fewest_blocks = !fewest_blocks || blocks[j] < fewest_blocks ? blocks[j] : fewest_blocks;
+        }
     int next = 0;
     for (int j = 0; j < n && num_members; j++) {
         if (leader_of[j] != j || size[j] < 2) continue;
-        const int by_stack = (size[j] * a->group + MAX_SHARED_QUERIES - 1) / MAX_SHARED_QUERIES;
-        const int by_threads = (wanted_items + num_groups * a->num_kv_heads - 1) / (num_groups * a->num_kv_heads);
-        const int chunks = by_stack > by_threads ? by_stack : by_threads < size[j] ? by_threads : size[j];
+        const int chunks = (size[j] * a->group + MAX_SHARED_QUERIES - 1) / MAX_SHARED_QUERIES;
         const int first = next;
         for (int i = j; i < n; i++)
             if (leader_of[i] == j) c->members[next++] = i, c->shared_len[i] = blocks[j] * bs;
@@ -443,7 +495,11 @@ static int plan_cascade(const DecodeArgs *a, int num_seqs, int num_threads, Casc
     }
     c->chunk_first[c->num_chunks] = next;
     if (num_members) {
-        c->state = malloc((size_t)n * a->num_kv_heads * a->group * (a->head_dim + 2) * sizeof(float));
+        const int items = c->num_chunks * a->num_kv_heads, wanted_items = 2 * num_threads;
+        const int splits = (wanted_items + items - 1) / items;
+        c->num_splits = splits < fewest_blocks ? splits : fewest_blocks; /* at least a block each */
+        c->split_stride = (int64_t)n * a->num_kv_heads * a->group * (a->head_dim + 2);
+        c->state = malloc((size_t)c->num_splits * c->split_stride * sizeof(float));
         if (!c->state) goto fail;
     }
     free(leader_of), free(blocks), free(size);
@@ -473,10 +529,12 @@ int kvserve_paged_decode_f32(float *out, int64_t out_row_stride, const float *q,
     Cascade cascade;
     if (plan_cascade(&a, num_seqs, num_threads, &cascade)) return -1;
     int num_bad = 0;
-    /* the groups' shared keys first: every (chunk, KV head) item writes its members' states */
+    /* the groups' shared keys first: every (chunk, split, KV head) item writes its members' states */
+    const int items_per_chunk = cascade.num_splits * num_kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : num_bad)
-    for (int item = 0; item < cascade.num_chunks * num_kv_heads; item++)
-        num_bad += shared_fn(&a, &cascade, item / num_kv_heads, item % num_kv_heads);
+    for (int item = 0; item < cascade.num_chunks * items_per_chunk; item++)
+        num_bad += shared_fn(&a, &cascade, item / items_per_chunk, item % items_per_chunk / num_kv_heads,
+                             item % num_kv_heads);
     /* whole sequences per item when they are enough to keep every thread busy, else one KV head per item */
     const int kv_per_item = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
     const int items_per_seq = num_kv_heads / kv_per_item;
