@@ -127,6 +127,16 @@ def test_decodes_sharing_a_prefix_read_it_once_and_agree(head_dim: int, window: 
     check(step, window)
 
 
+@pytest.mark.parametrize(("num_decodes", "group"), [(512, 3), (3, 80)])
+def test_groups_too_large_for_one_work_item(num_decodes: int, group: int) -> None:
+    """512 sharers of one prompt with 3 query heads each (a prefill chunk's rows, say) are cut into chunks of
+    at most 64 query heads; 80 query heads on one KV head make a chunk of one member wider than 64 lanes."""
+    contexts = [24 + i % 17 for i in range(num_decodes)]
+    step = make_step([(c, 1) for c in contexts], num_decodes, head_dim=64, block_size=4, num_kv_heads=1,
+                     group=group, seed=num_decodes)
+    check(share_leading_blocks(step, [(list(range(num_decodes)), 5)]), None)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     contexts=st.lists(st.integers(1, 120), min_size=2, max_size=20),

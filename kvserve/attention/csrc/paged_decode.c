@@ -247,23 +247,27 @@ static inline __attribute__((always_inline)) void score_block(const int lane_vec
         for (int l = 0; l < lane_vecs; l++) store(scores + j * width + l * VEC, s[j][l]);
 }
 
-/* A tile's scores, [key][query lane], for width / VEC lane vectors (1 to 4): blocks of keys sized so that the
- * sums fill at most 24 of the 32 registers. */
+/* A tile's scores, [key][query lane], for width / VEC lane vectors, up to 4 at a time: blocks of keys sized so
+ * that the sums fill at most 24 of the 32 registers. */
 static inline __attribute__((always_inline)) void scores_down_lanes(const float *q_t, int width,
                                                                     const float *k_cache, const int64_t *rows,
                                                                     int num_keys, float *scores, const int d) {
 #define SCORE_BLOCKS(L, K)                                                                                        \
     {                                                                                                             \
         int t = 0;                                                                                                \
-        for (; t + (K) <= num_keys; t += (K)) score_block(L, K, q_t, width, k_cache, rows + t, scores + t * width, d); \
-        for (; t < num_keys; t++) score_block(L, 1, q_t, width, k_cache, rows + t, scores + t * width, d);         \
-        return;                                                                                                   \
+        for (; t + (K) <= num_keys; t += (K)) score_block(L, K, q, width, k_cache, rows + t, out + t * width, d);  \
+        for (; t < num_keys; t++) score_block(L, 1, q, width, k_cache, rows + t, out + t * width, d);             \
+        break;                                                                                                    \
     }
-    switch (width / VEC) {
-    case 1: SCORE_BLOCKS(1, 8)
-    case 2: SCORE_BLOCKS(2, 8)
-    case 3: SCORE_BLOCKS(3, 8)
-    default: SCORE_BLOCKS(4, 6)
+    for (int lane = 0; lane < width; lane += 4 * VEC) {
+        const float *q = q_t + lane;
+        float *out = scores + lane;
+        switch ((width - lane) / VEC) {
+        case 1: SCORE_BLOCKS(1, 8)
+        case 2: SCORE_BLOCKS(2, 8)
+        case 3: SCORE_BLOCKS(3, 8)
+        default: SCORE_BLOCKS(4, 6)
+        }
     }
 #undef SCORE_BLOCKS
 }
@@ -487,7 +491,8 @@ static int plan_cascade(const DecodeArgs *a, int num_seqs, int num_threads, Casc
     int next = 0;
     for (int j = 0; j < n && num_members; j++) {
         if (leader_of[j] != j || size[j] < 2) continue;
-        const int chunks = (size[j] * a->group + MAX_SHARED_QUERIES - 1) / MAX_SHARED_QUERIES;
+        const int per_chunk = MAX_SHARED_QUERIES / a->group > 1 ? MAX_SHARED_QUERIES / a->group : 1;
+        const int chunks = (size[j] + per_chunk - 1) / per_chunk;
         const int first = next;
         for (int i = j; i < n; i++)
             if (leader_of[i] == j) c->members[next++] = i, c->shared_len[i] = blocks[j] * bs;
