@@ -4,14 +4,15 @@ many tokens, and kvserve's column panels (``csrc/small_gemm.c``) for steps of a 
 A plain ``F.linear`` on CPU packs the weight into the GEMM's panel layout on every call: at decode batch sizes
 that repacking reads and writes every weight again each step, and it dominates. oneDNN's blocked weights
 (``torch.ops.mkldnn._linear_pointwise``, the path PyTorch's own CPU compiler takes for frozen fp32 linears) win
-from a few dozen tokens up; below that a step only streams the weights from memory, and the small-GEMM kernel,
-which prefetches the next panel while it computes on this one, streams them faster. Measured on 2 cores
-(AVX-512) at SmolLM2's shapes, one step's GEMMs over all 30 layers and the LM head (``benchmarks/cpu_gemm.py``):
+above a hundred tokens; below that a step mostly streams the weights from memory, and the small-GEMM
+kernel, which prefetches the next panel while it computes on this one, overlaps that stream with its FMAs.
+Measured on 2 cores (AVX-512) at SmolLM2's shapes, one step's GEMMs over all 30 layers and the LM head
+(``benchmarks/cpu_gemm.py``, ms):
 
-    tokens in the step     1      7      16     33     64     256
-    F.linear             27 ms  62 ms  67 ms  76 ms  113 ms  284 ms
-    oneDNN blocked       32 ms  39 ms  47 ms  63 ms   98 ms  266 ms
-    small-GEMM panels    26 ms  30 ms  39 ms  65 ms   ...
+    tokens in the step     1     16     32     48     64     96    128    256
+    F.linear             26     65     73     96    110    133    156    288
+    oneDNN blocked       33     47     63     85    124    128    149    269
+    small-GEMM panels    25     37     48     63     94    114    165    305
 
 Keeping both layouts doubles the memory of the linear weights; the panels are kept only where the kernel was
 built for AVX-512, the only kind of CPU it was measured on.
@@ -33,7 +34,7 @@ from kvserve.native import KernelBuildError, kernel_range, load_library
 logger = logging.getLogger(__name__)
 
 SMALL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
-SMALL_GEMM_MAX_ROWS = 32  # from 33 rows up oneDNN's blocked kernels are as fast (see the table above)
+SMALL_GEMM_MAX_ROWS = 96  # from about 112 rows up oneDNN's blocked kernels are as fast (see the table above)
 SMALL_GEMM_RANGE = "kvserve::small_gemm"  # the kernel's name in torch.profiler traces (a ctypes call is no op)
 _C_ARG_TYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its
                 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4)  # panels, bias, m, n, k, threads

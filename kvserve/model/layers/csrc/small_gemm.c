@@ -4,11 +4,13 @@
  * 0 .. K-1, the PANEL weights W[p * PANEL + j, k] side by side (the last panel padded with zeros), so a panel is
  * one contiguous run that a tile of rows streams once, k after k, as vector loads.
  *
- * Why not oneDNN here: at 1-32 rows a step's GEMMs are bound by reading the weights from memory, and on the
- * machines we measured (2 vCPUs, each core alone reaches ~10 GB/s) a core does not overlap those reads with
- * its FMAs unless told: the time was the sum of the two. Each tile therefore prefetches the next panel while it
- * computes on this one (measured at SmolLM2-135M's shapes, one step's GEMMs: 16 rows 39 ms against oneDNN's
- * 47, one row 26 against 32; from ~40 rows up oneDNN's blocked kernels win, and the caller switches).
+ * Why not oneDNN here: up to about a hundred rows a step's GEMMs are bound by reading the weights from memory,
+ * and on the machines we measured (2 vCPUs, each core alone reaches ~10 GB/s) a core does not overlap those
+ * reads with its FMAs unless told: the time was the sum of the two. Each panel's row tiles therefore prefetch
+ * the next panel between them, a line every few k, while they compute on this one (bursts of prefetches are
+ * dropped). Measured at SmolLM2-135M's shapes, one step's GEMMs: 16 rows 37 ms against oneDNN's 47, 64 rows 94
+ * against 124, one row 25 against 33; from ~112 rows up oneDNN's blocked kernels are as fast, and the caller
+ * switches.
  *
  * Each output element is one chain of FMAs over k in order, whatever the number of rows: a row's result does
  * not depend on what else is in the step.
@@ -20,6 +22,7 @@
 
 #define VEC 16                    /* floats per vector (one AVX-512 register) */
 #define PANEL (2 * VEC)           /* output columns per panel: two vectors */
+#define FLOATS_PER_LINE 16
 #if defined(__AVX512F__)
 #define TILE_ROWS 8               /* 8 rows x 2 vectors = 16 of the 32 vector registers hold the sums */
 #else
@@ -34,20 +37,19 @@ static inline vec load(const float *p) {
     return v;
 }
 
-/* rows x PANEL outputs of one panel; prefetch: also pull the next panel (of as many floats) toward the cache. */
-static inline __attribute__((always_inline)) void tile(const int rows, const int prefetch, const float *x,
-                                                       int64_t x_stride, const float *panel, int k_dim,
-                                                       float *y, int64_t y_stride, int num_cols,
+/* rows x PANEL outputs of one panel, pulling num_lines cache lines from `ahead` toward the cache on the way
+ * (spread evenly over the k loop: prefetches issued in a burst are dropped). */
+static inline __attribute__((always_inline)) void tile(const int rows, const float *x, int64_t x_stride,
+                                                       const float *panel, int k_dim, const float *ahead,
+                                                       int num_lines, float *y, int64_t y_stride, int num_cols,
                                                        const float *bias) {
     vec sum[TILE_ROWS][2];
     for (int r = 0; r < rows; r++) sum[r][0] = sum[r][1] = (vec){0};
-    const float *next_panel = panel + (int64_t)k_dim * PANEL;
+    int owed = 0; /* in units of 1 / k_dim lines */
     for (int k = 0; k < k_dim; k++) {
         const float *w = panel + (int64_t)k * PANEL;
-        if (prefetch) {
-            __builtin_prefetch(next_panel + (int64_t)k * PANEL, 0, 2);
-            __builtin_prefetch(next_panel + (int64_t)k * PANEL + VEC, 0, 2);
-        }
+        for (owed += num_lines; owed >= k_dim; owed -= k_dim, ahead += FLOATS_PER_LINE)
+            __builtin_prefetch(ahead, 0, 2);
         const vec w0 = load(w), w1 = load(w + VEC);
         for (int r = 0; r < rows; r++) {
             const float x_rk = x[r * x_stride + k];
@@ -65,12 +67,11 @@ static inline __attribute__((always_inline)) void tile(const int rows, const int
 }
 
 /* tile() with the row count a compile-time constant, so its loops unroll into registers. */
-static void tile_of(int rows, int prefetch, const float *x, int64_t x_stride, const float *panel, int k_dim,
-                    float *y, int64_t y_stride, int num_cols, const float *bias) {
+static void tile_of(int rows, const float *x, int64_t x_stride, const float *panel, int k_dim, const float *ahead,
+                    int num_lines, float *y, int64_t y_stride, int num_cols, const float *bias) {
 #define ROWS(n)                                                                                                   \
     case n:                                                                                                       \
-        if (prefetch) tile(n, 1, x, x_stride, panel, k_dim, y, y_stride, num_cols, bias);                         \
-        else tile(n, 0, x, x_stride, panel, k_dim, y, y_stride, num_cols, bias);                                  \
+        tile(n, x, x_stride, panel, k_dim, ahead, num_lines, y, y_stride, num_cols, bias);                        \
         return;
     switch (rows) {
         ROWS(1) ROWS(2) ROWS(3) ROWS(4)
@@ -92,17 +93,23 @@ int kvserve_small_gemm_tuned(void) {
 }
 
 /* y [m, n] (rows y_stride apart) = x [m, k] (rows x_stride apart) times the panels of W [n, k], plus bias
- * (NULL: none). Threads split the panels; the last row tile of each panel prefetches the next one. */
+ * (NULL: none). Threads split the panels; the row tiles of a panel share the prefetching of the next one. */
 void kvserve_small_gemm_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride, const float *panels,
                             const float *bias, int m, int n, int k, int num_threads) {
-    const int num_panels = (n + PANEL - 1) / PANEL, last_tile = (m - 1) / TILE_ROWS * TILE_ROWS;
+    const int num_panels = (n + PANEL - 1) / PANEL, num_tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    const int panel_lines = k * PANEL / FLOATS_PER_LINE;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int p = 0; p < num_panels; p++) {
         const float *panel = panels + (int64_t)p * k * PANEL;
         const int num_cols = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
-        for (int r = 0; r < m; r += TILE_ROWS)
-            tile_of(m - r < TILE_ROWS ? m - r : TILE_ROWS, r == last_tile && p + 1 < num_panels,
-                    x + r * x_stride, x_stride, panel, k, y + r * y_stride + p * PANEL, y_stride, num_cols,
-                    bias ? bias + p * PANEL : NULL);
+        const int next_lines = p + 1 < num_panels ? panel_lines : 0;
+        for (int t = 0; t < num_tiles; t++) {
+            const int first = (int)((int64_t)next_lines * t / num_tiles);
+            const int last = (int)((int64_t)next_lines * (t + 1) / num_tiles);
+            const int r = t * TILE_ROWS;
+            tile_of(m - r < TILE_ROWS ? m - r : TILE_ROWS, x + r * x_stride, x_stride, panel, k,
+                    panel + (int64_t)k * PANEL + (int64_t)first * FLOATS_PER_LINE, last - first,
+                    y + r * y_stride + p * PANEL, y_stride, num_cols, bias ? bias + p * PANEL : NULL);
+        }
     }
 }
