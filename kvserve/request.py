@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Sequence, overload
 
 from kvserve.outputs import FinishReason
 from kvserve.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     num_prompt_logprobs_sent: int = 0  # prompt tokens 1..k had their logprobs returned (kept across preemption)
+    has_forked: bool = False  # an n > 1 request has made its samples 1..n-1 (it forks once, before its last prompt token)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -69,8 +71,14 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids(self) -> TokenIds:
+        """Prompt then outputs, as a read-only view: slicing it copies only the slice."""
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
+
+    @property
+    def will_fork(self) -> bool:
+        """True for an n > 1 request that has not yet made its other samples."""
+        return self.sampling_params.n > 1 and self.parent_id is None and not self.has_forked
 
     @property
     def is_finished(self) -> bool:
@@ -81,3 +89,38 @@ class Request:
         """The output budget; the engine fills ``sampling_params.max_tokens`` from max_model_len if None."""
         assert self.sampling_params.max_tokens is not None
         return self.sampling_params.max_tokens
+
+
+class TokenIds(Sequence[int]):
+    """``prompt + outputs`` without concatenating them: a step reads a few tokens of a long history, and
+    copying the whole history each time would make the step's cost grow with context length."""
+
+    __slots__ = ("_prompt", "_outputs")
+
+    def __init__(self, prompt: list[int], outputs: list[int]) -> None:
+        self._prompt, self._outputs = prompt, outputs
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._outputs)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        num_prompt = len(self._prompt)
+        if isinstance(index, int):
+            if index < 0:
+                index += len(self)
+            if not 0 <= index < len(self):
+                raise IndexError(f"token index {index} outside a history of {len(self)} tokens")
+            return self._prompt[index] if index < num_prompt else self._outputs[index - num_prompt]
+        start, stop, step = index.indices(len(self))
+        if step != 1:
+            return list(self)[index]
+        if stop <= num_prompt:
+            return self._prompt[start:stop]
+        if start >= num_prompt:
+            return self._outputs[start - num_prompt : stop - num_prompt]
+        return self._prompt[start:] + self._outputs[: stop - num_prompt]

@@ -79,9 +79,10 @@ class EngineCore:
             return
         block_size = self.kv_manager.block_size
         filled: dict[int, int] = {}  # block -> token slots in use; a block shared by prefix or fork counts once
+        requests = self.scheduler.requests
         for r in sched_out.requests:
             num_tokens = r.start_pos + r.num_tokens
-            for index, block_id in enumerate(r.block_ids):
+            for index, block_id in enumerate(requests[r.request_id].block_ids):
                 num_in_block = min(block_size, max(0, num_tokens - index * block_size))
                 filled[block_id] = max(filled.get(block_id, 0), num_in_block)
         self.peak = KVUsagePeak(num_used, len(filled) * block_size, sum(filled.values()))

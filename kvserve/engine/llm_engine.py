@@ -60,7 +60,7 @@ class LLMEngine:
         self.num_kv_blocks = num_kv_blocks_for(
             self.config.cache, runner.kv_cache_spec(), self.device, max_blocks_needed
         )
-        runner.init_kv_cache(self.num_kv_blocks)
+        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len)
         kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching)
         return EngineCore(runner, Scheduler(sched_config, kv_manager), kv_manager)
 

@@ -44,6 +44,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
         self._paths: dict[str, _CachePath] = {}
+        self._matches: dict[str, PrefixMatch] = {}  # waiting requests' last prefix match, extended as the tree grows
         self.num_evictions = 0  # cached blocks evicted to make room, since start
 
     @property
@@ -70,14 +71,20 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, request: Request) -> PrefixMatch:
-        """The longest computed cached prefix of the request's tokens, leaving at least one token to compute
-        (its logits are needed). Empty when caching is off or the request wants prompt logprobs, which
-        need the prompt's logits."""
-        if self.prefix_cache is None or request.sampling_params.prompt_logprobs is not None:
+    def match_prefix(self, request: Request, max_cached_tokens: int | None = None) -> PrefixMatch:
+        """The longest computed cached prefix of the request's tokens, of at most ``max_cached_tokens``
+        tokens, leaving at least one token to compute (its logits are needed). Empty when caching is off.
+        The match is remembered until the request takes blocks or is freed, so that matching a waiting
+        request again costs O(1) while the tree does not change under it."""
+        if self.prefix_cache is None:
             return PrefixMatch((), self.block_size)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        return self.prefix_cache.match(request.all_token_ids, max_blocks)
+        max_tokens = request.num_tokens - 1
+        if max_cached_tokens is not None:
+            max_tokens = min(max_tokens, max_cached_tokens)
+        earlier = self._matches.get(request.request_id)
+        match = self.prefix_cache.match(request.token_ids, max_tokens // self.block_size, earlier)
+        self._matches[request.request_id] = match
+        return match
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Grow ``request.block_ids`` so that its computed tokens plus ``num_new_tokens`` fit; ``prefix``, for a
@@ -102,6 +109,7 @@ class KVCacheManager:
         num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)  # hits on evictable blocks
         if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
             return False
+        self._matches.pop(request.request_id, None)
         if cached:  # taken first, so that the allocation below cannot evict them
             self.pool.take(cached)
             request.block_ids = cached
@@ -128,6 +136,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's hold on all its blocks (shared ones stay with their other holders); its
         computed cached blocks stay in the tree, evictable, and its pending ones leave it."""
+        self._matches.pop(request.request_id, None)
         path = self._paths.pop(request.request_id, None)
         if path is not None:
             for node in reversed(path.pending):
@@ -235,7 +244,7 @@ class KVCacheManager:
             path = self._paths[request.request_id] = _CachePath(self.prefix_cache.root, 0)
         if path.num_blocks >= num_known:
             return
-        keys = self.prefix_cache.keys(request.all_token_ids, path.num_blocks, num_known - path.num_blocks)
+        keys = self.prefix_cache.keys(request.token_ids, path.num_blocks, num_known - path.num_blocks)
         for index, key in enumerate(keys, start=path.num_blocks):
             block_id = request.block_ids[index]
             computed = index < num_computed // self.block_size

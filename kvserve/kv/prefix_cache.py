@@ -65,11 +65,16 @@ class PrefixCache:
     def node_of(self, block_id: int) -> PrefixNode | None:
         return self._by_block.get(block_id)
 
-    def match(self, token_ids: Sequence[int], max_blocks: int) -> PrefixMatch:
-        """Walk the tree along ``token_ids``, at most ``max_blocks`` blocks, through computed nodes."""
-        nodes: list[PrefixNode] = []
-        node = self.root
-        for key in self._keys(token_ids, max_blocks):
+    def match(self, token_ids: Sequence[int], max_blocks: int, start: PrefixMatch | None = None) -> PrefixMatch:
+        """Walk the tree along ``token_ids``, at most ``max_blocks`` blocks, through computed nodes.
+
+        ``start``, an earlier match of the same tokens, is reused while its last node is still in the tree
+        (nodes leave only as leaves, so then all of them are): the walk goes on from there, and a request
+        re-matched every step while it waits costs one block's key, not its whole prefix."""
+        max_blocks = min(max_blocks, len(token_ids) // self.block_size)
+        nodes = list(start.nodes[:max_blocks]) if start is not None and self._is_live(start) else []
+        node = nodes[-1] if nodes else self.root
+        for key in self.keys(token_ids, len(nodes), max_blocks - len(nodes)):
             child = node.children.get(key)
             if child is None:
                 break
@@ -93,6 +98,9 @@ class PrefixCache:
         self._by_block[block_id] = node
         return node
 
+    def _is_live(self, match: PrefixMatch) -> bool:
+        return not match.nodes or self._by_block.get(match.nodes[-1].block_id) is match.nodes[-1]
+
     def remove(self, block_id: int) -> None:
         """Drop the node of ``block_id``, which must be a leaf (eviction, or an uncomputed block let go)."""
         node = self._by_block[block_id]
@@ -114,6 +122,3 @@ class PrefixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
-
-    def _keys(self, token_ids: Sequence[int], max_blocks: int) -> Iterator[tuple[int, ...]]:
-        return self.keys(token_ids, 0, min(max_blocks, len(token_ids) // self.block_size))

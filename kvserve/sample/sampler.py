@@ -55,6 +55,10 @@ class Sampler:
         logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A sample forked from ``parent_id`` before either sampled: a seeded child's generator is seeded
+        from its own sample index when it first draws, so there is no state to copy."""
+
     def drop(self, request_ids: Iterable[str]) -> None:
         """Forget the generators of finished samples (engine-side ids; unknown ids are ignored)."""
         for request_id in request_ids:

@@ -6,7 +6,7 @@ Only Python ints, floats and lists travel back from the device to the scheduler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 from kvserve.outputs import FinishReason
 from kvserve.sampling_params import SamplingParams
@@ -22,34 +22,39 @@ class TokenLogprobs(NamedTuple):
 
 
 @dataclass(frozen=True)
-class ScheduledRequest:
-    """One request's share of a step.
+class NewRequestData:
+    """A request entering the runner's batch, named in full once: at admission, when it resumes after a
+    preemption (with its outputs so far, to recompute), or when it is forked from an n > 1 request
+    (``forked_from``: the runner's sampler copies the parent's per-request state). From then on each step
+    names only what changed (``ScheduledRequest``), so a step's size does not grow with context length."""
 
-    ``token_ids`` are the tokens to run now (a prefill chunk, or the one token sampled last step), at
-    positions ``start_pos .. start_pos + len(token_ids) - 1``; ``start_pos`` equals the request's
-    ``num_computed_tokens`` before the step. ``block_ids`` is the full block table. ``sample`` is False for a
-    non-final prefill chunk. ``num_samples > 1`` only on the step that completes the prompt of a request with
-    n > 1: the runner then draws that many first tokens from the one distribution (sample 0 for the request
-    itself, the rest for its forks). ``prompt_token_ids`` and ``output_token_ids`` are read-only views of the
-    request's history, for penalties.
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the block table as it stands when the request enters the batch
+    sample_index: int = 0
+    eos_token_ids: frozenset[int] = frozenset()  # masked by the sampler while min_tokens is not reached
+    forked_from: str | None = None
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step, as a diff against what the runner already holds.
+
+    The step runs the request's tokens at positions ``start_pos .. start_pos + num_tokens - 1`` (a prefill
+    chunk, or the one token sampled last step); ``start_pos`` equals the request's ``num_computed_tokens``
+    before the step. ``new_block_ids`` are appended to its block table (empty on the step a request enters
+    the batch: its ``NewRequestData`` has the whole table). ``sample`` is False for a non-final prefill
+    chunk; ``prompt_logprobs`` asks for the logprobs of the prompt tokens this chunk predicts.
     """
 
     request_id: str
-    token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
-    sample: bool
-    sampling_params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    sample_index: int = 0
-    num_samples: int = 1
-    prompt_logprobs: bool = False  # return logprobs of the prompt tokens predicted inside this chunk
-    eos_token_ids: frozenset[int] = frozenset()  # masked by the sampler while min_tokens is not reached
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    num_tokens: int
+    new_block_ids: tuple[int, ...] = ()
+    sample: bool = True
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,12 +70,17 @@ class KVTransferPlan:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step: decodes come first in ``requests``, then prefill chunks (the attention backend relies on it)."""
+    """One step, as a diff of the runner's batch. The runner applies it in this order: drop
+    ``finished_request_ids`` (all per-request state) and ``preempted_request_ids`` (batch rows only; a
+    preempted request comes back in ``new_requests``), add ``new_requests``, apply ``kv_transfers``, then
+    run ``requests``: one-token rows first, then prefill chunks (the attention backend relies on it)."""
 
     requests: list[ScheduledRequest]
     num_tokens: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
     kv_transfers: KVTransferPlan = field(default_factory=KVTransferPlan)
-    finished_request_ids: frozenset[str] = frozenset()  # finished since the last step: drop per-request state
+    finished_request_ids: frozenset[str] = frozenset()  # finished since the last step
+    preempted_request_ids: frozenset[str] = frozenset()  # left the batch since the last step, to come back
 
     @property
     def is_empty(self) -> bool:
@@ -79,14 +89,12 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    """What the runner computed. ``sampled_token_ids[rid]`` holds the token appended to request rid (empty
-    list for non-final prefill chunks); for a row with ``num_samples > 1`` the fork tokens of samples
-    1..n-1 are in ``fork_token_ids[rid]``. Logprobs are per sampled token, and per predicted prompt token."""
+    """What the runner computed: ``sampled_token_ids[rid]`` holds the tokens appended to request rid (which
+    the runner has already appended to its own copy of the history). Logprobs are per sampled token, and
+    per predicted prompt token."""
 
     sampled_token_ids: dict[str, list[int]]
-    fork_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    fork_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 

@@ -8,6 +8,14 @@ next blocks of that prefix, so that requests arriving together compute a shared 
 out for a running request, the newest running request is preempted by recompute: its blocks are freed (the
 computed ones stay cached) and it waits, at the front, to run its tokens again.
 
+A step's ``SchedulerOutput`` is a diff of the runner's batch: a request is named in full once, when it enters
+the batch (``NewRequestData``), and after that only by its chunk and its newly allocated blocks, so a step's
+size and the scheduler's work per step do not grow with context length.
+
+A request with n > 1 forks once: when all but its last prompt token are computed, samples 1..n-1 are made
+as requests of their own that share its KV (copy-on-write), and each sample then runs the last prompt token
+itself and samples its own first token. Nothing below the scheduler and the KV manager knows about forks.
+
 The scheduler owns request status, ``num_computed_tokens`` and ``output_token_ids``; blocks belong to the
 ``KVCacheManager``. Admission refuses a request that could never fit, so the oldest running request can
 always make progress and the loop never deadlocks.
@@ -28,6 +36,7 @@ from kvserve.sched.output import (
     EngineOutput,
     KVTransferPlan,
     ModelOutput,
+    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
@@ -64,6 +73,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._finished_ids: set[str] = set()
+        self._preempted_ids: set[str] = set()
+        self._num_blocks_sent: dict[str, int] = {}  # requests in the runner's batch -> blocks of theirs it knows
         self._pending_copies: list[_PendingCopy] = []
         self.num_preemptions = 0  # running requests preempted, since start
         self.num_scheduled_tokens = 0  # tokens run through the model, recomputed ones included
@@ -150,14 +161,17 @@ class Scheduler:
         num_preempted = self._schedule_running(budget, scheduled)
         if not num_preempted:  # memory is tight when preempting: admitting now would only thrash
             self._schedule_waiting(budget, scheduled)
-        requests = [self._scheduled_request(request, num_new) for request, num_new in scheduled]
+        new_requests: list[NewRequestData] = []
+        requests = [self._scheduled_request(request, num_new, new_requests) for request, num_new in scheduled]
         requests.sort(key=lambda r: r.num_tokens > 1)  # one-token rows first, stable otherwise
         num_tokens = sum(num_new for _, num_new in scheduled)
         self.num_scheduled_tokens += num_tokens
         out = SchedulerOutput(
-            requests, num_tokens, self._take_kv_transfers(), frozenset(self._finished_ids)
+            requests, num_tokens, new_requests, self._take_kv_transfers(),
+            frozenset(self._finished_ids), frozenset(self._preempted_ids),
         )
         self._finished_ids.clear()
+        self._preempted_ids.clear()
         return out
 
     def _schedule_running(self, budget: _Budget, scheduled: list[tuple[Request, int]]) -> int:
@@ -167,7 +181,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.has_room():
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget.num_tokens)
+            num_new = min(_num_tokens_left(request, request.num_computed_tokens), budget.num_tokens)
             while not self.kv.allocate_slots(request, num_new):
                 num_preempted += 1
                 if self._preempt_newest() is request:
@@ -184,10 +198,10 @@ class Scheduler:
         for request in self._waiting_in_policy_order():
             if not budget.has_room() or len(self.running) >= self.config.max_num_seqs:
                 break
-            prefix = self.kv.match_prefix(request)
+            prefix = self._match_prefix(request)
             if prefix.sibling_computing:
                 continue
-            num_new = min(request.num_tokens - prefix.num_tokens, budget.num_tokens)
+            num_new = min(_num_tokens_left(request, prefix.num_tokens), budget.num_tokens)
             if not self.kv.allocate_slots(request, num_new, prefix):
                 break
             self._admit(request, prefix)
@@ -210,7 +224,7 @@ class Scheduler:
                 request.status is RequestStatus.PREEMPTED
                 or self._arrival_step.get(request.request_id, 0) <= oldest_fresh_step
             )
-            return (not first, 0 if first else -self.kv.match_prefix(request).num_tokens)
+            return (not first, 0 if first else -self._match_prefix(request).num_tokens)
 
         return sorted(waiting, key=priority)
 
@@ -222,12 +236,22 @@ class Scheduler:
         request.num_computed_tokens = prefix.num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if _is_ready_to_fork(request):  # all but its last prompt token were cached (or it has only one)
+            self._fork(request)
+
+    def _match_prefix(self, request: Request) -> PrefixMatch:
+        """The request's cached prefix. One that wants prompt logprobs may start only from positions whose
+        logprobs it has returned already (after a preemption): the others' logits must be computed."""
+        wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
+        return self.kv.match_prefix(request, request.num_prompt_logprobs_sent if wants_prompt_logprobs else None)
 
     def _preempt_newest(self) -> Request:
         """Recompute preemption: drop the newest running request's KV and queue it at the front of the
         waiting queue to run all its tokens again. Returns it."""
         request = self.running.pop()
         self.kv.free(request)
+        if self._num_blocks_sent.pop(request.request_id, None) is not None:
+            self._preempted_ids.add(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -235,25 +259,33 @@ class Scheduler:
         self.waiting.appendleft(request)
         return request
 
-    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled_request(
+        self, request: Request, num_new: int, new_requests: list[NewRequestData]
+    ) -> ScheduledRequest:
+        """The request's row of this step; a request not in the runner's batch yet is named in full."""
+        num_sent = self._num_blocks_sent.get(request.request_id)
+        if num_sent is None:
+            new_requests.append(_new_request_data(request, self._fork_source(request)))
+            num_sent = len(request.block_ids)
+        self._num_blocks_sent[request.request_id] = len(request.block_ids)
         start = request.num_computed_tokens
-        sample = start + num_new == request.num_tokens
-        params = request.sampling_params
-        forks = sample and params.n > 1 and request.parent_id is None and not request.output_token_ids
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=_token_slice(request, start, num_new),
             start_pos=start,
-            block_ids=list(request.block_ids),
-            sample=sample,
-            sampling_params=params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
-            sample_index=request.sample_index,
-            num_samples=params.n if forks else 1,
+            num_tokens=num_new,
+            new_block_ids=tuple(request.block_ids[num_sent:]),
+            sample=start + num_new == request.num_tokens,
             prompt_logprobs=_wants_prompt_logprobs(request, start + num_new),
-            eos_token_ids=request.eos_token_ids,
         )
+
+    def _fork_source(self, request: Request) -> str | None:
+        """The parent whose per-request sampling state a sample entering the batch copies: only while the
+        parent has sampled nothing, so that what is copied is the state at the fork. Otherwise (a sample
+        that waited for a block, or a resumed one) the runner creates its state afresh or keeps its own."""
+        parent = self.requests.get(request.parent_id) if request.parent_id is not None else None
+        if parent is None or parent.output_token_ids or request.output_token_ids:
+            return None
+        return parent.request_id
 
     def _take_kv_transfers(self) -> KVTransferPlan:
         # A child finished or preempted since its fork no longer owns dst: copying into it could clobber
@@ -277,9 +309,11 @@ class Scheduler:
                 continue
             request.num_computed_tokens += row.num_tokens
             self.kv.cache_computed(request)
-            children = self._fork(request, row, model_out) if row.num_samples > 1 else []
             output = self._take_tokens(request, row, model_out)
-            outputs.extend(o for o in [output, *children] if o is not None)
+            if output is not None:
+                outputs.append(output)
+            if _is_ready_to_fork(request):
+                self._fork(request)
         return outputs
 
     def _take_tokens(self, request: Request, row: ScheduledRequest, model_out: ModelOutput) -> EngineOutput | None:
@@ -296,24 +330,13 @@ class Scheduler:
             return None
         return _engine_output(request, new_token_ids, logprobs, prompt_logprobs)
 
-    def _fork(self, parent: Request, row: ScheduledRequest, model_out: ModelOutput) -> list[EngineOutput]:
-        """Create samples 1..n-1 of ``parent`` right after its prompt completed: each starts with its own
-        first token and shares the parent's KV (full blocks shared, the partial one copied next step)."""
-        fork_token_ids = model_out.fork_token_ids.get(row.request_id, [])
-        if len(fork_token_ids) != row.num_samples - 1:
-            raise ValueError(
-                f"request {row.request_id!r} forks into {row.num_samples} samples but the model output has "
-                f"{len(fork_token_ids)} fork tokens (expected {row.num_samples - 1})"
-            )
-        fork_logprobs = model_out.fork_logprobs.get(row.request_id)
-        outputs = []
-        for index, token_id in enumerate(fork_token_ids, start=1):
-            child = self._new_child(parent, index)
-            self._place_child(parent, child)
-            new_token_ids = self._append_tokens(child, [token_id])
-            logprobs = fork_logprobs[index - 1 : index] if fork_logprobs else None
-            outputs.append(_engine_output(child, new_token_ids, logprobs, None))
-        return outputs
+    def _fork(self, parent: Request) -> None:
+        """Make samples 1..n-1 of ``parent``, whose computed tokens are all but its last prompt token: each
+        shares the parent's KV (full blocks shared, the partial one copied before the next step) and runs
+        the last prompt token itself."""
+        parent.has_forked = True
+        for index in range(1, parent.sampling_params.n):
+            self._place_child(parent, self._new_child(parent, index))
 
     def _new_child(self, parent: Request, index: int) -> Request:
         child = Request(
@@ -384,6 +407,7 @@ class Scheduler:
         request.stop_reason = stop_reason
         del self.requests[request.request_id]
         self._arrival_step.pop(request.request_id, None)
+        self._num_blocks_sent.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
 
@@ -404,13 +428,31 @@ def _engine_output(
     )
 
 
-def _token_slice(request: Request, start: int, num_tokens: int) -> list[int]:
-    """``request.all_token_ids[start : start + num_tokens]`` without concatenating the whole history."""
-    prompt = request.prompt_token_ids
-    end = start + num_tokens
-    if start >= len(prompt):
-        return request.output_token_ids[start - len(prompt) : end - len(prompt)]
-    return prompt[start:end] + request.output_token_ids[: max(0, end - len(prompt))]
+def _new_request_data(request: Request, forked_from: str | None) -> NewRequestData:
+    return NewRequestData(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=list(request.output_token_ids),
+        sampling_params=request.sampling_params,
+        block_ids=list(request.block_ids),
+        sample_index=request.sample_index,
+        eos_token_ids=request.eos_token_ids,
+        forked_from=forked_from,
+    )
+
+
+def _num_tokens_left(request: Request, num_computed: int) -> int:
+    """Tokens the request may run from ``num_computed`` on: all it has, except that an n > 1 request that
+    has not forked yet stops before its last prompt token (each of its samples runs that token itself)."""
+    end = request.num_tokens
+    if request.will_fork and num_computed < request.num_prompt_tokens - 1:
+        end = request.num_prompt_tokens - 1
+    return end - num_computed
+
+
+def _is_ready_to_fork(request: Request) -> bool:
+    return (request.will_fork and request.status is RequestStatus.RUNNING
+            and request.num_computed_tokens == request.num_prompt_tokens - 1)
 
 
 def _wants_prompt_logprobs(request: Request, end: int) -> bool:

@@ -1,6 +1,16 @@
-"""InputBatch: the flat tensors of one step, built from a SchedulerOutput.
+"""PersistentBatch: the runner's own copy of the requests it runs, updated in place from each step's diff.
 
-One Python pass over the step's requests builds host arrays (numpy); everything per token is vectorised.
+The scheduler names a request in full once (``NewRequestData``) and afterwards sends only its chunk and its
+new blocks (``ScheduledRequest``); the runner appends the tokens it samples to its copy itself (vLLM v1's
+persistent batch). So a step's host work is proportional to the tokens it runs, not to context or queue
+length::
+
+    rows (one per request in the batch, reused):   row r: token ids (prompt + outputs), sampling row
+    block_table [capacity, max_blocks_per_request]:  row r: | b3 | b9 | b4 | 0 ... |   num_blocks[r] = 3
+
+``prepare`` gathers a step's rows of the persistent block table and its tokens into flat arrays (numpy,
+vectorised per token), then copies them to the device: through persistent pinned buffers on CUDA, so each
+input is one non-blocking copy.
 """
 
 from __future__ import annotations
@@ -11,105 +21,228 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionInputs
-from kvserve.sched.output import ScheduledRequest, SchedulerOutput
+from kvserve.request import TokenIds
+from kvserve.sample.metadata import SamplingBatch, SamplingRow
+from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 @dataclass(frozen=True)
 class InputBatch:
+    """The flat model inputs of one step, rows in the step's order (one-token rows first)."""
+
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     attn: AttentionInputs
-    sample_rows: torch.Tensor  # int64 [S]: the token row whose hidden state each sample row reads
-    sample_requests: list[ScheduledRequest]  # [S]: a request with num_samples = n appears n times
-    sample_indices: list[int]  # [S]: the sample index (0 .. n-1) of each sample row
-    prompt_logprob_requests: list[ScheduledRequest]
-    prompt_logprob_rows: list[torch.Tensor]  # per such request: rows predicting prompt tokens
-    prompt_logprob_targets: list[torch.Tensor]  # per such request: the prompt tokens they predict
+    sample_rows: torch.Tensor  # int64 [S]: the token row whose hidden state each sampling request reads
+    sample_request_ids: list[str]  # [S]
+    sampling: SamplingBatch  # [S]
+    prompt_logprobs: list[PromptLogprobRows]
 
 
-def build_input_batch(sched_out: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
-    reqs = sched_out.requests
-    query_lens = np.array([r.num_tokens for r in reqs], dtype=np.int64)
-    start_pos = np.array([r.start_pos for r in reqs], dtype=np.int64)
-    query_start = np.zeros(len(reqs) + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start[1:])
-    seq_lens = start_pos + query_lens
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """The rows of one request's chunk that predict prompt tokens, and those tokens."""
 
-    seq_of_token = np.repeat(np.arange(len(reqs)), query_lens)
-    positions = np.arange(int(query_start[-1])) - query_start[seq_of_token] + start_pos[seq_of_token]
-    block_tables = _pad_block_tables(reqs)
-    slot_mapping = block_tables[seq_of_token, positions // block_size] * block_size + positions % block_size
-    input_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=int(query_start[-1]))
-
-    def to_dev(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
-
-    attn = AttentionInputs(
-        num_decodes=int(np.count_nonzero(query_lens == 1)),
-        query_start_loc=to_dev(query_start, torch.int32),
-        seq_lens=to_dev(seq_lens, torch.int32),
-        block_tables=to_dev(block_tables, torch.int32),
-        slot_mapping=to_dev(slot_mapping, torch.int64),
-        query_lens_list=query_lens.tolist(),
-        seq_lens_list=seq_lens.tolist(),
-        block_size=block_size,
-    )
-    sample_requests, sample_indices, sample_rows = _sample_rows(reqs, query_start)
-    lp_reqs, lp_rows, lp_targets = _prompt_logprob_rows(reqs, query_start, device)
-    return InputBatch(
-        input_ids=to_dev(input_ids, torch.int64),
-        positions=to_dev(positions, torch.int64),
-        attn=attn,
-        sample_rows=to_dev(np.array(sample_rows, dtype=np.int64), torch.int64),
-        sample_requests=sample_requests,
-        sample_indices=sample_indices,
-        prompt_logprob_requests=lp_reqs,
-        prompt_logprob_rows=lp_rows,
-        prompt_logprob_targets=lp_targets,
-    )
+    request_id: str
+    rows: torch.Tensor  # int64 [L]
+    target_ids: torch.Tensor  # int64 [L]
+    num_top: int
 
 
-def _pad_block_tables(reqs: list[ScheduledRequest]) -> np.ndarray:
-    width = max((len(r.block_ids) for r in reqs), default=0)
-    table = np.zeros((len(reqs), max(width, 1)), dtype=np.int64)
-    for i, r in enumerate(reqs):
-        table[i, : len(r.block_ids)] = r.block_ids
-    return table
+@dataclass
+class _Row:
+    """One request as the runner knows it; ``output_token_ids`` is appended to by the runner."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingRow
+
+    @property
+    def token_ids(self) -> TokenIds:
+        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
 
-def _sample_rows(
-    reqs: list[ScheduledRequest], query_start: np.ndarray
-) -> tuple[list[ScheduledRequest], list[int], list[int]]:
-    """The last token of each sampling request is its sample row, repeated once per sample when it forks."""
-    sample_requests, sample_indices, rows = [], [], []
-    for i, r in enumerate(reqs):
-        if not r.sample:
-            continue
-        for s in range(r.num_samples):
-            sample_requests.append(r)
-            sample_indices.append(r.sample_index if r.num_samples == 1 else s)
-            rows.append(int(query_start[i + 1]) - 1)
-    return sample_requests, sample_indices, rows
+class PersistentBatch:
+    """Owns the runner's rows and block tables; ``update`` applies a step's diff, ``prepare`` builds its
+    inputs, ``append_sampled`` records the sampled tokens."""
 
+    def __init__(self, max_blocks_per_request: int, block_size: int, device: torch.device, capacity: int = 64):
+        self.block_size = block_size
+        self.device = device
+        self.block_table = np.zeros((capacity, max_blocks_per_request), dtype=np.int32)
+        self.num_blocks = np.zeros(capacity, dtype=np.int64)
+        self._rows: list[_Row | None] = [None] * capacity
+        self._index: dict[str, int] = {}  # request id -> row
+        self._free_rows = list(reversed(range(capacity)))
+        self._staging: dict[str, torch.Tensor] = {}  # pinned host buffers, CUDA only
 
-def _prompt_logprob_rows(
-    reqs: list[ScheduledRequest], query_start: np.ndarray, device: torch.device
-) -> tuple[list[ScheduledRequest], list[torch.Tensor], list[torch.Tensor]]:
-    """Rows of a chunk whose next token is still a prompt token: position p predicts prompt[p + 1].
+    @property
+    def num_requests(self) -> int:
+        return len(self._index)
 
-        chunk positions:   s ......................... s+L-1
-        predict prompt:    s+1 ........ P-1               (P = num prompt tokens; p + 1 < P)
-    """
-    lp_reqs, lp_rows, lp_targets = [], [], []
-    for i, r in enumerate(reqs):
-        if not r.prompt_logprobs:
-            continue
-        last = min(r.start_pos + r.num_tokens, len(r.prompt_token_ids) - 1)  # exclusive end of predicting positions
-        if last <= r.start_pos:
-            continue
-        first_row = int(query_start[i])
-        lp_reqs.append(r)
-        lp_rows.append(torch.arange(first_row, first_row + last - r.start_pos, device=device))
-        targets = r.prompt_token_ids[r.start_pos + 1 : last + 1]
-        lp_targets.append(torch.tensor(targets, dtype=torch.int64, device=device))
-    return lp_reqs, lp_rows, lp_targets
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._index
+
+    def output_token_ids(self, request_id: str) -> list[int]:
+        return self._row(request_id).output_token_ids
+
+    def block_ids(self, request_id: str) -> list[int]:
+        row = self._index[request_id]
+        return self.block_table[row, : self.num_blocks[row]].tolist()
+
+    # ------------------------------------------------------------------------------------------ the diff
+
+    def update(self, sched_out: SchedulerOutput) -> None:
+        """Apply a step's diff: drop finished and preempted requests (unknown ids are ignored: a request
+        may finish before it ever ran), add new ones, append each scheduled request's new blocks."""
+        for request_id in sched_out.finished_request_ids | sched_out.preempted_request_ids:
+            self._remove(request_id)
+        for new in sched_out.new_requests:
+            self._add(new)
+        for scheduled in sched_out.requests:
+            self._append_blocks(scheduled)
+
+    def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
+        """Record the tokens the runner sampled, as the scheduler will append them to its requests."""
+        for request_id, token_ids in sampled_token_ids.items():
+            self._row(request_id).output_token_ids.extend(token_ids)
+
+    def _add(self, new: NewRequestData) -> None:
+        if new.request_id in self._index:
+            raise ValueError(f"request {new.request_id!r} is already in the runner's batch")
+        if not self._free_rows:
+            self._grow()
+        row = self._free_rows.pop()
+        output_token_ids = list(new.output_token_ids)
+        sampling = SamplingRow(new.sampling_params, new.sample_index, new.request_id, new.prompt_token_ids,
+                               output_token_ids, new.eos_token_ids)
+        self._rows[row] = _Row(new.request_id, new.prompt_token_ids, output_token_ids, sampling)
+        self._index[new.request_id] = row
+        self.block_table[row] = 0  # a row's table is padded with 0, whatever its last holder left there
+        self.num_blocks[row] = 0
+        self._set_blocks(row, new.block_ids)
+
+    def _remove(self, request_id: str) -> None:
+        row = self._index.pop(request_id, None)
+        if row is not None:
+            self._rows[row] = None
+            self._free_rows.append(row)
+
+    def _append_blocks(self, scheduled: ScheduledRequest) -> None:
+        if scheduled.new_block_ids:
+            self._set_blocks(self._index_of(scheduled.request_id), scheduled.new_block_ids)
+
+    def _set_blocks(self, row: int, block_ids: list[int] | tuple[int, ...]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        if end > self.block_table.shape[1]:
+            raise ValueError(f"a block table of {end} blocks is over the {self.block_table.shape[1]} a request may hold")
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def _grow(self) -> None:
+        """Double the rows (the batch may briefly hold more requests than max_num_seqs: n > 1 forks)."""
+        capacity = len(self._rows)
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+        self._rows.extend([None] * capacity)
+        self._free_rows.extend(reversed(range(capacity, 2 * capacity)))
+
+    def _index_of(self, request_id: str) -> int:
+        row = self._index.get(request_id)
+        if row is None:
+            raise ValueError(f"request {request_id!r} is scheduled but was never added to the runner's batch")
+        return row
+
+    def _row(self, request_id: str) -> _Row:
+        row = self._rows[self._index_of(request_id)]
+        assert row is not None
+        return row
+
+    # ------------------------------------------------------------------------------------ step inputs
+
+    def prepare(self, sched_out: SchedulerOutput) -> InputBatch:
+        """The step's flat inputs; one Python pass over the step's requests, everything per token in numpy."""
+        scheduled = sched_out.requests
+        rows = np.fromiter((self._index_of(r.request_id) for r in scheduled), dtype=np.int64, count=len(scheduled))
+        query_lens = np.fromiter((r.num_tokens for r in scheduled), dtype=np.int64, count=len(scheduled))
+        start_pos = np.fromiter((r.start_pos for r in scheduled), dtype=np.int64, count=len(scheduled))
+        query_start = np.zeros(len(scheduled) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        seq_lens = start_pos + query_lens
+        num_tokens = int(query_start[-1])
+
+        seq_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
+        positions = np.arange(num_tokens) - query_start[seq_of_token] + start_pos[seq_of_token]
+        width = max(1, int(self.num_blocks[rows].max(initial=0)))
+        block_tables = self.block_table[rows, :width]
+        slot_mapping = block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+        slot_mapping += positions % self.block_size
+        input_ids = np.fromiter(
+            (t for r in scheduled for t in self._tokens_to_run(r)), dtype=np.int64, count=num_tokens
+        )
+        attn = AttentionInputs(
+            num_decodes=int(np.count_nonzero(query_lens == 1)),
+            query_start_loc=self._to_device("query_start_loc", query_start, torch.int32),
+            seq_lens=self._to_device("seq_lens", seq_lens, torch.int32),
+            block_tables=self._to_device("block_tables", block_tables, torch.int32),
+            slot_mapping=self._to_device("slot_mapping", slot_mapping, torch.int64),
+            query_lens_list=query_lens.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            block_size=self.block_size,
+        )
+        sampling = [i for i, r in enumerate(scheduled) if r.sample]
+        return InputBatch(
+            input_ids=self._to_device("input_ids", input_ids, torch.int64),
+            positions=self._to_device("positions", positions, torch.int64),
+            attn=attn,
+            sample_rows=self._to_device("sample_rows", query_start[1:][sampling] - 1, torch.int64),
+            sample_request_ids=[scheduled[i].request_id for i in sampling],
+            sampling=SamplingBatch([self._row(scheduled[i].request_id).sampling for i in sampling]),
+            prompt_logprobs=[
+                rows for i, r in enumerate(scheduled) if r.prompt_logprobs
+                if (rows := self._prompt_logprob_rows(r, int(query_start[i]))) is not None
+            ],
+        )
+
+    def _tokens_to_run(self, scheduled: ScheduledRequest) -> list[int]:
+        token_ids = self._row(scheduled.request_id).token_ids
+        end = scheduled.start_pos + scheduled.num_tokens
+        if end > len(token_ids):
+            raise ValueError(
+                f"request {scheduled.request_id!r} is scheduled up to position {end - 1}, but the runner knows "
+                f"only {len(token_ids)} of its tokens"
+            )
+        return token_ids[scheduled.start_pos : end]
+
+    def _prompt_logprob_rows(self, scheduled: ScheduledRequest, first_row: int) -> PromptLogprobRows | None:
+        """Rows of a chunk whose next token is still a prompt token: position p predicts prompt[p + 1].
+
+            chunk positions:   s ......................... s+L-1
+            predict prompt:    s+1 ........ P-1               (P = num prompt tokens; p + 1 < P)
+        """
+        row = self._row(scheduled.request_id)
+        start, prompt = scheduled.start_pos, row.prompt_token_ids
+        last = min(start + scheduled.num_tokens, len(prompt) - 1)  # exclusive end of predicting positions
+        if last <= start:
+            return None
+        return PromptLogprobRows(
+            request_id=scheduled.request_id,
+            rows=torch.arange(first_row, first_row + last - start, device=self.device),
+            target_ids=torch.tensor(prompt[start + 1 : last + 1], dtype=torch.int64, device=self.device),
+            num_top=row.sampling.params.prompt_logprobs or 0,
+        )
+
+    def _to_device(self, name: str, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """The array on the device: as it is on CPU; on CUDA through a persistent pinned buffer (the step's
+        sampled-token read syncs before the next step writes the buffer again)."""
+        host = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+        if self.device.type != "cuda":
+            return host
+        buffer = self._staging.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < host.numel():
+            buffer = self._staging[name] = torch.empty(max(host.numel(), 1024), dtype=dtype).pin_memory()
+        staged = buffer[: host.numel()].view(host.shape)
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)

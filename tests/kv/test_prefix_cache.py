@@ -140,10 +140,13 @@ def test_at_least_one_token_is_left_to_compute() -> None:
     assert kv.match_prefix(request("b", list(range(1, 9)))).num_tokens == 4
 
 
-def test_prompt_logprobs_requests_and_a_disabled_cache_match_nothing() -> None:
+def test_a_capped_match_and_a_disabled_cache_match_no_more_than_allowed() -> None:
+    # the scheduler caps a prompt-logprobs request's match at the positions whose logprobs it has returned
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_prefix_caching=True)
     compute(kv, request("a", list(range(1, 10))), 9)
-    assert kv.match_prefix(request("b", list(range(1, 10)), prompt_logprobs=1)).num_tokens == 0
+    assert kv.match_prefix(request("b", list(range(1, 10)), prompt_logprobs=1), 0).num_tokens == 0
+    assert kv.match_prefix(request("c", list(range(1, 10)), prompt_logprobs=1), 7).num_tokens == 4
+    assert kv.match_prefix(request("d", list(range(1, 10)))).num_tokens == 8
     off = KVCacheManager(num_blocks=8, block_size=BLOCK)
     r = request("a", list(range(1, 10)))
     compute(off, r, 9)

@@ -1,18 +1,21 @@
 """A model-free runner for scheduler tests (as vLLM's scheduler tests feed a fake model output).
 
-``FakeRunner`` keeps a fake paged KV cache that stores token ids instead of vectors. Every step it applies
-the planned block copies, checks that each row's block table holds the request's exact history (what
-attention would read), writes the row's tokens, and samples a deterministic token per (request, output index).
+``FakeRunner`` keeps a fake paged KV cache that stores token ids instead of vectors, and its own copy of each
+request built from the step diffs alone (as the real runner's persistent batch is). Every step it applies the
+diff and the planned block copies, checks that each row's block table holds the request's exact history (what
+attention would read), writes the row's tokens, and samples a deterministic token per (request, output index);
+after the step its copies must equal the scheduler's requests.
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from typing import Callable
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
-from kvserve.request import Request, sample_request_id
+from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import EngineOutput, ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvserve.sched.scheduler import Scheduler
@@ -29,6 +32,20 @@ def default_token(request_id: str, output_index: int) -> int:
 TokenFn = Callable[[str, int], int]
 
 
+@dataclass
+class _Mirror:
+    """What the fake runner knows of a request: only what the step diffs told it, plus what it sampled."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    wants_logprobs: bool
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
 class FakeRunner:
     def __init__(
         self, num_blocks: int, block_size: int, token_fn: TokenFn = default_token,
@@ -38,59 +55,75 @@ class FakeRunner:
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.token_fn = token_fn
         self.ref_count = ref_count  # given: a block is never written while another request holds it
+        self.requests: dict[str, _Mirror] = {}  # the runner's batch, rebuilt from the diffs alone
         self.num_copies = 0
         self.num_tokens_written = 0
 
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
+        for request_id in sched_out.finished_request_ids | sched_out.preempted_request_ids:
+            self.requests.pop(request_id, None)
+        for new in sched_out.new_requests:
+            assert new.request_id not in self.requests, f"{new.request_id} added twice"
+            self.requests[new.request_id] = _Mirror(
+                list(new.prompt_token_ids), list(new.output_token_ids), list(new.block_ids),
+                new.sampling_params.logprobs is not None,
+            )
         for src, dst in sched_out.kv_transfers.copies:
             self.kv[dst] = list(self.kv[src])
             self.num_copies += 1
-        out = ModelOutput({}, {}, {}, {}, {})
+        out = ModelOutput({}, {}, {})
         for row in sched_out.requests:
-            self._check_history_and_write(row)
+            mirror = self.requests[row.request_id]
+            mirror.block_ids.extend(row.new_block_ids)
+            self._check_history_and_write(row, mirror)
             if row.prompt_logprobs:
-                out.prompt_logprobs[row.request_id] = _prompt_logprobs(row)
+                out.prompt_logprobs[row.request_id] = _prompt_logprobs(row, mirror.prompt_token_ids)
             if row.sample:
-                self._sample(row, out)
+                self._sample(row, mirror, out)
         return out
 
-    def _check_history_and_write(self, row: ScheduledRequest) -> None:
-        history = list(row.prompt_token_ids) + list(row.output_token_ids)
-        assert row.token_ids == history[row.start_pos : row.start_pos + row.num_tokens], row.request_id
-        assert len(row.block_ids) * self.block_size >= row.start_pos + row.num_tokens, "block table too short"
+    def check_mirrors(self, scheduler: Scheduler) -> None:
+        """The diffs kept the runner's copy of every request in its batch equal to the scheduler's."""
+        for request_id, mirror in self.requests.items():
+            request = scheduler.requests.get(request_id)
+            if request is None:  # finished since the last step: the next diff drops it
+                continue
+            assert request.status is RequestStatus.RUNNING, f"{request_id} is in the runner's batch but not running"
+            assert mirror.output_token_ids == request.output_token_ids, request_id
+            assert mirror.block_ids == request.block_ids, request_id
+
+    def _check_history_and_write(self, row: ScheduledRequest, mirror: _Mirror) -> None:
+        history = mirror.history
+        assert row.start_pos + row.num_tokens <= len(history), f"{row.request_id}: runs tokens the runner lacks"
+        assert len(mirror.block_ids) * self.block_size >= row.start_pos + row.num_tokens, "block table too short"
         for pos in range(row.start_pos):
-            assert self._slot(row, pos) == history[pos], f"{row.request_id}: stale KV at position {pos}"
-        for i, token_id in enumerate(row.token_ids):
-            block, offset = divmod(row.start_pos + i, self.block_size)
-            block_id = row.block_ids[block]
+            assert self._slot(mirror, pos) == history[pos], f"{row.request_id}: stale KV at position {pos}"
+        for pos in range(row.start_pos, row.start_pos + row.num_tokens):
+            block, offset = divmod(pos, self.block_size)
+            block_id = mirror.block_ids[block]
             if self.ref_count is not None:  # 0 only when a test aborts the request between schedule and execute
                 assert self.ref_count(block_id) <= 1, f"{row.request_id} writes block {block_id}, which is shared"
-            self.kv[block_id][offset] = token_id
+            self.kv[block_id][offset] = history[pos]
         self.num_tokens_written += row.num_tokens
 
-    def _slot(self, row: ScheduledRequest, pos: int) -> int | None:
+    def _slot(self, mirror: _Mirror, pos: int) -> int | None:
         block, offset = divmod(pos, self.block_size)
-        return self.kv[row.block_ids[block]][offset]
+        return self.kv[mirror.block_ids[block]][offset]
 
-    def _sample(self, row: ScheduledRequest, out: ModelOutput) -> None:
-        output_index = row.start_pos + row.num_tokens - len(row.prompt_token_ids)
-        wants_logprobs = row.sampling_params.logprobs is not None
-        for index in range(row.num_samples):
-            sample_id = sample_request_id(row.request_id, index) if row.num_samples > 1 else row.request_id
-            token_id = self.token_fn(sample_id, output_index)
-            is_fork = index > 0
-            (out.fork_token_ids if is_fork else out.sampled_token_ids).setdefault(row.request_id, []).append(token_id)
-            if wants_logprobs:
-                target = out.fork_logprobs if is_fork else out.logprobs
-                target.setdefault(row.request_id, []).append(TokenLogprobs([token_id], [-1.0 - index], [1]))
+    def _sample(self, row: ScheduledRequest, mirror: _Mirror, out: ModelOutput) -> None:
+        output_index = row.start_pos + row.num_tokens - len(mirror.prompt_token_ids)
+        token_id = self.token_fn(row.request_id, output_index)
+        mirror.output_token_ids.append(token_id)
+        out.sampled_token_ids[row.request_id] = [token_id]
+        if mirror.wants_logprobs:
+            index = int(row.request_id.partition(SAMPLE_ID_SEPARATOR)[2] or 0)
+            out.logprobs[row.request_id] = [TokenLogprobs([token_id], [-1.0 - index], [1])]
 
 
-def _prompt_logprobs(row: ScheduledRequest) -> list[TokenLogprobs]:
+def _prompt_logprobs(row: ScheduledRequest, prompt_token_ids: list[int]) -> list[TokenLogprobs]:
     """Like the real runner: position p of the chunk predicts prompt token p + 1; logprob encodes p + 1."""
-    last = min(row.start_pos + row.num_tokens, len(row.prompt_token_ids) - 1)
-    return [
-        TokenLogprobs([row.prompt_token_ids[p + 1]], [-float(p + 1)], [1]) for p in range(row.start_pos, last)
-    ]
+    last = min(row.start_pos + row.num_tokens, len(prompt_token_ids) - 1)
+    return [TokenLogprobs([prompt_token_ids[p + 1]], [-float(p + 1)], [1]) for p in range(row.start_pos, last)]
 
 
 def make_scheduler(
@@ -121,6 +154,7 @@ def step(scheduler: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, lis
     check_step(scheduler, sched_out)
     outputs = scheduler.update_from_output(sched_out, runner.execute(sched_out))
     scheduler.kv.check_integrity(scheduler.requests.values())
+    runner.check_mirrors(scheduler)
     return sched_out, outputs
 
 
