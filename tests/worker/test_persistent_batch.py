@@ -1,0 +1,148 @@
+"""The runner's persistent batch, fed only by step diffs, against inputs built from scratch from the scheduler's
+own requests (the truth), over random sequences of admissions, preemptions, resumptions, forks and aborts."""
+
+from __future__ import annotations
+
+import pickle
+import zlib
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.outputs import FinishReason
+from kvserve.sched.output import ModelOutput, SchedulerOutput
+from kvserve.sched.scheduler import Scheduler
+from kvserve.worker.input_batch import InputBatch, PersistentBatch
+from tests.sched.sched_fakes import make_request, make_scheduler
+
+CPU = torch.device("cpu")
+
+
+def sampled_token(request_id: str, num_tokens: int) -> int:
+    return 10 + zlib.crc32(f"{request_id}:{num_tokens}".encode()) % 500
+
+
+def reference_inputs(scheduler: Scheduler, sched_out: SchedulerOutput) -> dict[str, list]:
+    """What the step's inputs must be, from the scheduler's full requests (block tables padded with 0)."""
+    block_size = scheduler.kv.block_size
+    requests = [scheduler.requests[r.request_id] for r in sched_out.requests]
+    width = max(len(request.block_ids) for request in requests)
+    input_ids, positions, slots, sample_rows = [], [], [], []
+    for row, request in zip(sched_out.requests, requests):
+        span = range(row.start_pos, row.start_pos + row.num_tokens)
+        input_ids += (request.prompt_token_ids + request.output_token_ids)[span.start : span.stop]
+        positions += span
+        slots += [request.block_ids[p // block_size] * block_size + p % block_size for p in span]
+        if row.sample:
+            sample_rows.append(len(positions) - 1)
+    return {
+        "input_ids": input_ids,
+        "positions": positions,
+        "slot_mapping": slots,
+        "seq_lens": [r.start_pos + r.num_tokens for r in sched_out.requests],
+        "block_tables": [request.block_ids + [0] * (width - len(request.block_ids)) for request in requests],
+        "sample_rows": sample_rows,
+        "sample_request_ids": [r.request_id for r in sched_out.requests if r.sample],
+    }
+
+
+def actual_inputs(batch: InputBatch) -> dict[str, list]:
+    return {
+        "input_ids": batch.input_ids.tolist(),
+        "positions": batch.positions.tolist(),
+        "slot_mapping": batch.attn.slot_mapping.tolist(),
+        "seq_lens": batch.attn.seq_lens.tolist(),
+        "block_tables": batch.attn.block_tables.tolist(),
+        "sample_rows": batch.sample_rows.tolist(),
+        "sample_request_ids": batch.sample_request_ids,
+    }
+
+
+def run_step(scheduler: Scheduler, batch: PersistentBatch) -> SchedulerOutput:
+    """One step through the persistent batch, checked against the from-scratch inputs."""
+    sched_out = scheduler.schedule()
+    batch.update(sched_out)
+    if not sched_out.is_empty:
+        inputs = batch.prepare(sched_out)
+        assert actual_inputs(inputs) == reference_inputs(scheduler, sched_out)
+        assert [row.params for row in inputs.sampling.rows] == [
+            scheduler.requests[rid].sampling_params for rid in inputs.sample_request_ids
+        ]
+    sampled = {
+        r.request_id: [sampled_token(r.request_id, r.start_pos + r.num_tokens)]
+        for r in sched_out.requests if r.sample
+    }
+    batch.append_sampled(sampled)
+    scheduler.update_from_output(sched_out, ModelOutput(sampled))
+    for request_id, request in scheduler.requests.items():
+        if request_id in batch:
+            assert batch.output_token_ids(request_id) == request.output_token_ids
+            assert batch.block_ids(request_id) == request.block_ids
+    return sched_out
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from([1, 1, 2, 3]), st.booleans()),
+        min_size=1, max_size=10,
+    ),
+    st.integers(8, 40),
+    st.booleans(),
+    st.randoms(use_true_random=False),
+)
+def test_the_persistent_batch_fed_by_diffs_equals_a_batch_built_from_scratch(
+    specs: list[tuple[int, int, int, bool]], num_blocks: int, prefix_caching: bool, rng
+) -> None:
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+                               max_model_len=48, prefix_caching=prefix_caching)
+    batch = PersistentBatch(max_blocks_per_request=12, block_size=4, device=CPU, capacity=2)
+    pending = [make_request(f"r{i}", p, max_tokens=m, n=n, prefix=[7] * min(p, 8) if shared else [])
+               for i, (p, m, n, shared) in enumerate(specs)]
+    for _ in range(500):
+        if pending and rng.random() < 0.5:
+            try:
+                scheduler.add_request(pending.pop())
+            except ValueError:  # larger than the whole cache: refused, nothing queued
+                pass
+        if scheduler.requests and rng.random() < 0.1:  # abort a random request, wherever it is
+            scheduler.finish_requests([rng.choice(sorted(scheduler.requests))], FinishReason.ABORT)
+        if not pending and not scheduler.has_unfinished_requests():
+            break
+        run_step(scheduler, batch)
+    else:
+        raise AssertionError("the workload did not finish")
+    run_step(scheduler, batch)  # the last diff drops the finished requests
+    assert batch.num_requests == 0
+
+
+def decode_step_bytes(context_len: int) -> int:
+    """The pickled size of a decode step of 8 requests with ``context_len``-token prompts."""
+    scheduler = make_scheduler(num_blocks=8 * context_len // 16 + 64, block_size=16, max_num_batched_tokens=8192,
+                               max_num_seqs=8, max_model_len=context_len + 64)
+    batch = PersistentBatch(-(-(context_len + 64) // 16), 16, CPU)
+    for i in range(8):
+        scheduler.add_request(make_request(f"r{i}", context_len, max_tokens=32))
+    while any(r.num_computed_tokens < context_len for r in scheduler.requests.values()):
+        run_step(scheduler, batch)
+    sizes = [len(pickle.dumps(run_step(scheduler, batch))) for _ in range(8)]
+    return int(np.median(sizes))
+
+
+def test_a_steps_size_does_not_grow_with_context_length() -> None:
+    assert decode_step_bytes(8000) == decode_step_bytes(512)  # positions of both pickle in two bytes
+
+
+def test_a_request_scheduled_before_it_was_added_is_a_clear_error() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", 4, max_tokens=2))
+    sched_out = scheduler.schedule()
+    batch = PersistentBatch(8, 4, CPU)
+    try:
+        batch.prepare(sched_out)
+    except ValueError as error:
+        assert "never added" in str(error)
+    else:
+        raise AssertionError("prepare ran a request the batch does not hold")
