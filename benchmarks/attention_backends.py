@@ -79,8 +79,9 @@ def run_case(name: str, seqs: list[tuple[int, int]], num_decodes: int) -> None:
     inputs = make_inputs(seqs, num_decodes, "cpu")
     kv = KVCacheStorage(KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32),
                         int(inputs.block_tables.max()) + 1, "cpu")
-    for cache in (*kv.k_caches, *kv.v_caches):
-        cache.normal_()
+    slots = torch.arange(kv.num_slots)
+    for layer in range(NUM_LAYERS):
+        kv.write(layer, slots, *(torch.randn(kv.num_slots, NUM_KV_HEADS, HEAD_DIM) for _ in "kv"))
     q = torch.randn(inputs.num_tokens, NUM_HEADS, HEAD_DIM)
     k, v = (torch.randn(inputs.num_tokens, NUM_KV_HEADS, HEAD_DIM) for _ in range(2))
     backends = {"torch_ref": (TorchRefBackend(), inputs), "cpu_paged": (CpuPagedBackend(), inputs)}

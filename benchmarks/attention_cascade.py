@@ -68,8 +68,9 @@ def main() -> None:
     steps, copies = layouts(args.num_decodes, args.prefix_len)
     num_blocks = max(int(s.block_tables.max()) for s in steps.values()) + 1
     kv = KVCacheStorage(KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32), num_blocks, "cpu")
-    for cache in kv.k_caches + kv.v_caches:
-        cache.normal_()
+    slots = torch.arange(kv.num_slots)
+    for layer in range(NUM_LAYERS):
+        kv.write(layer, slots, *(torch.randn(kv.num_slots, NUM_KV_HEADS, HEAD_DIM) for _ in "kv"))
     kv.copy_blocks(tuple(copies))
     backend = CpuPagedBackend()
     q = torch.randn(args.num_decodes, NUM_HEADS, HEAD_DIM)

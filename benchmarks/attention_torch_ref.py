@@ -50,12 +50,13 @@ def make_inputs(seqs: list[tuple[int, int]], num_decodes: int, device: str) -> A
 
 def naive_forward(q, k, v, kv: KVCacheStorage, inputs: AttentionInputs, scale: float) -> torch.Tensor:
     """The loop TorchRefBackend replaces: per sequence, gather its blocks, repeat KV heads, one SDPA call."""
-    kv.write(0, k, v, inputs.slot_mapping)
+    kv.write(0, inputs.slot_mapping, k, v)
     group, outs, row = NUM_HEADS // NUM_KV_HEADS, [], 0
+    layer_kv = kv.layer(0)
     for i, (query_len, seq_len) in enumerate(zip(inputs.query_lens_list, inputs.seq_lens_list)):
         blocks = inputs.block_tables[i, : math.ceil(seq_len / BLOCK_SIZE)].long()
         keys, values = (c[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).repeat_interleave(group, 0)
-                        for c in (kv.k_caches[0], kv.v_caches[0]))
+                        for c in (layer_kv.k, layer_kv.v))
         mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - query_len)
         outs.append(F.scaled_dot_product_attention(
             q[row : row + query_len].transpose(0, 1), keys, values, attn_mask=mask, scale=scale
@@ -82,8 +83,8 @@ def run_case(name: str, seqs: list[tuple[int, int]], num_decodes: int, dtype: to
     inputs = make_inputs(seqs, num_decodes, device)
     num_blocks = int(inputs.block_tables.max()) + 1
     kv = KVCacheStorage(KVCacheSpec(1, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype), num_blocks, device)
-    for cache in (*kv.k_caches, *kv.v_caches):
-        cache.normal_()
+    kv.write(0, torch.arange(kv.num_slots, device=device),
+             *(torch.randn(kv.num_slots, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in "kv"))
     T = inputs.num_tokens
     q = torch.randn(T, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device)
     k, v = (torch.randn(T, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in range(2))

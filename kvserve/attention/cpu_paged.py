@@ -96,7 +96,7 @@ class CpuPagedBackend(AttentionBackend):
         num_decodes = meta.inputs.num_decodes
         out = torch.empty(q.shape, dtype=q.dtype)
         if num_decodes:
-            kv.write(layer, k[:num_decodes], v[:num_decodes], meta.inputs.slot_mapping[:num_decodes])
+            kv.write(layer, meta.inputs.slot_mapping[:num_decodes], k[:num_decodes], v[:num_decodes])
             self._attend_decodes(q, out, layer, kv, meta, scale, sliding_window)
         if meta.prefill is not None:  # writes the chunks' K/V itself
             out[num_decodes:] = self._prefill.forward(
@@ -112,11 +112,11 @@ class CpuPagedBackend(AttentionBackend):
         num_heads, head_dim = q.shape[1:]
         if q.stride(2) != 1 or q.stride(1) != head_dim:  # the kernel walks heads head_dim apart within a row
             q = q.contiguous()
-        tables, num_kv_heads = meta.decode_block_tables, kv.spec.num_kv_heads
+        tables, num_kv_heads, layer_kv = meta.decode_block_tables, kv.spec.num_kv_heads, kv.layer(layer)
         with kernel_range(DECODE_KERNEL_RANGE):
             num_bad = self._decode(
                 out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
-                kv.k_caches[layer].data_ptr(), kv.v_caches[layer].data_ptr(), kv.num_blocks,
+                layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), kv.num_blocks,
                 tables.data_ptr(), tables.stride(0), meta.decode_seq_lens.data_ptr(), meta.inputs.num_decodes,
                 num_kv_heads, num_heads // num_kv_heads, head_dim, meta.inputs.block_size, sliding_window or 0, scale,
                 torch.get_num_threads(),
@@ -151,11 +151,12 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: i
             f"q {tuple(q.shape)} / k {tuple(k.shape)} do not fit a step of {inputs.num_tokens} tokens with "
             f"num_heads a multiple of the cache's num_kv_heads={kv.spec.num_kv_heads} and head_dim={kv.spec.head_dim}"
         )
-    caches = (kv.k_caches[layer], kv.v_caches[layer])
-    if q.dtype != torch.float32 or any(c.dtype != torch.float32 or not c.is_contiguous() for c in caches):
-        raise TypeError(
-            f"CpuPagedBackend needs fp32 queries and contiguous fp32 caches; got {q.dtype} and {caches[0].dtype}"
-        )
+    layer_kv = kv.layer(layer)
+    paged = (layer_kv.k, layer_kv.v)
+    if (q.dtype != torch.float32 or layer_kv.k_scale is not None
+            or any(c.dtype != torch.float32 or not c.is_contiguous() for c in paged)):
+        raise TypeError(f"CpuPagedBackend needs fp32 queries and contiguous, unquantized fp32 caches; got {q.dtype} "
+                        f"and a {kv.spec.kv_dtype.name} cache")
 
 
 # --- the kernel ---------------------------------------------------------------------------------------------------

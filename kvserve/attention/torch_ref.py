@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata
-from kvserve.kv.storage import KVCacheStorage
+from kvserve.kv.storage import KVCacheStorage, KVLayerView
 
 MIN_DECODE_GROUP = 8
 MAX_DECODE_GROUPS_CPU = 4
@@ -152,8 +152,8 @@ class TorchRefBackend(AttentionBackend):
                 f"q {tuple(q.shape)} / k {tuple(k.shape)} do not fit a step of {meta.inputs.num_tokens} tokens "
                 "with num_heads a multiple of num_kv_heads"
             )
-        kv.write(layer, k, v, meta.inputs.slot_mapping)
-        keys, values = self._gather(kv, layer, plan.gather_rows(num_kv_heads), q.dtype)
+        kv.write(layer, meta.inputs.slot_mapping, k, v)
+        keys, values = self._gather(kv.layer(layer), plan.gather_rows(num_kv_heads), q)
         sizes = [c.slots.numel() * num_kv_heads for c in plan.calls]
         out = q.new_empty(q.shape)
         for call, call_keys, call_values in zip(plan.calls, keys.split(sizes), values.split(sizes)):
@@ -161,15 +161,13 @@ class TorchRefBackend(AttentionBackend):
         return out
 
     def _gather(
-        self, kv: KVCacheStorage, layer: int, rows: torch.Tensor, dtype: torch.dtype
+        self, layer_kv: KVLayerView, rows: torch.Tensor, q: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the step's K and V rows ([num_rows, head_dim]) out of the cache into the workspace."""
-        k_cache, v_cache = kv.k_caches[layer], kv.v_caches[layer]
-        head_dim, num_rows = k_cache.shape[-1], rows.numel()
-        buffer = self._buffer(2 * num_rows * head_dim, k_cache.dtype, k_cache.device).view(2, num_rows, head_dim)
-        torch.index_select(k_cache.view(-1, head_dim), 0, rows, out=buffer[0])
-        torch.index_select(v_cache.view(-1, head_dim), 0, rows, out=buffer[1])
-        return buffer[0].to(dtype), buffer[1].to(dtype)
+        """Copy the step's K and V rows ([num_rows, head_dim], q's dtype) out of the cache into the workspace."""
+        head_dim, num_rows = q.shape[-1], rows.numel()
+        buffer = self._buffer(2 * num_rows * head_dim, q.dtype, q.device).view(2, num_rows, head_dim)
+        keys, values = layer_kv.gather_rows(rows, buffer)
+        return keys, values
 
     def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         ws = self._workspace

@@ -160,13 +160,13 @@ def test_random_shared_prefixes(contexts: list[int], data: st.DataObject, block_
 
 def test_forward_writes_new_kv_of_decodes_and_chunks_at_slot_mapping() -> None:
     step = make_step([(6, 1), (9, 1), (0, 9), (5, 4)], 2, head_dim=64, block_size=4, num_kv_heads=2, group=2)
-    other_layer = step.kv.k_caches[0].clone()
+    other_layer = step.kv.layer(0).k.clone()
     backend = CpuPagedBackend()
     backend.forward(step.q, step.k, step.v, LAYER, step.kv, backend.build_metadata(step.inputs, {None}), scale=1.0)
-    slots, flat = step.inputs.slot_mapping, (-1, 2, 64)
-    assert torch.equal(step.kv.k_caches[LAYER].view(flat)[slots], step.k)
-    assert torch.equal(step.kv.v_caches[LAYER].view(flat)[slots], step.v)
-    assert torch.equal(step.kv.k_caches[0], other_layer)
+    keys, values = step.kv.layer(LAYER).gather(step.inputs.slot_mapping)
+    assert torch.equal(keys, step.k)
+    assert torch.equal(values, step.v)
+    assert torch.equal(step.kv.layer(0).k, other_layer)
 
 
 def test_strided_qkv_views_as_the_model_passes_them() -> None:

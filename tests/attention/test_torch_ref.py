@@ -57,7 +57,7 @@ def make_step(
         histories.append(tuple(h.to(device) for h in history))
         slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
         context_slots = torch.tensor(slots[:context_len], dtype=torch.long, device=device)
-        kv.write(LAYER, histories[-1][0][:context_len], histories[-1][1][:context_len], context_slots)
+        kv.write(LAYER, context_slots, histories[-1][0][:context_len], histories[-1][1][:context_len])
         new_slots += slots[context_len:]
         qs.append(torch.randn(query_len, num_heads, HEAD_DIM, generator=gen).to(dtype))
     width = max(len(t) for t in tables)
@@ -168,15 +168,14 @@ def test_workspace_reuse_across_step_sizes() -> None:
 
 def test_forward_writes_new_kv_at_slot_mapping() -> None:
     step = make_step([(6, 1), (0, 9), (5, 4)], 1, block_size=4, num_kv_heads=2, group=2)
-    before_other_layer = step.kv.k_caches[0].clone()
+    before_other_layer = step.kv.layer(0).k.clone()
     backend = TorchRefBackend()
     meta = backend.build_metadata(step.inputs, {None})
     backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0)
-    flat = (-1, 2, HEAD_DIM)
-    slots = step.inputs.slot_mapping
-    assert torch.equal(step.kv.k_caches[LAYER].view(flat)[slots], step.k)
-    assert torch.equal(step.kv.v_caches[LAYER].view(flat)[slots], step.v)
-    assert torch.equal(step.kv.k_caches[0], before_other_layer)
+    keys, values = step.kv.layer(LAYER).gather(step.inputs.slot_mapping)
+    assert torch.equal(keys, step.k)
+    assert torch.equal(values, step.v)
+    assert torch.equal(step.kv.layer(0).k, before_other_layer)
 
 
 def test_each_layer_reuses_the_step_metadata() -> None:
