@@ -17,32 +17,14 @@ from kvserve.sched.output import ScheduledRequest
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One row: its params, its history (for penalties and min_tokens) and the key of its seeded generator."""
+    """One row: its params, its history (for penalties and min_tokens; lists or integer arrays) and its key."""
 
     params: SamplingParams
     sample_index: int
-    generator_key: str  # the engine-side id of this sample: a seeded generator lives under it across steps
+    generator_key: str  # the engine-side id of this sample: its sampler state lives under it across steps
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = frozenset()
-
-    @property
-    def banned_token_ids(self) -> list[int]:
-        """Tokens masked while fewer than ``min_tokens`` outputs exist: EOS (unless ignored) and stop tokens."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
-            return []
-        eos = () if self.params.ignore_eos else self.eos_token_ids
-        return sorted(set(eos).union(self.params.stop_token_ids))
-
-    @property
-    def has_penalty(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-    @property
-    def needs_processing(self) -> bool:
-        """True if any logits processor changes this row (bias, a pending min_tokens ban, a penalty)."""
-        return bool(self.params.logit_bias) or self.has_penalty or bool(self.banned_token_ids)
 
 
 @dataclass(frozen=True)
@@ -73,14 +55,6 @@ class SamplingBatch:
         return all(r.params.is_greedy for r in self.rows)
 
     @cached_property
-    def needs_processing(self) -> bool:
-        return any(r.needs_processing for r in self.rows)
-
-    @cached_property
     def needs_logprobs(self) -> bool:
         return any(r.params.logprobs is not None for r in self.rows)
 
-    @property
-    def is_plain_greedy(self) -> bool:
-        """The hot path: every row takes the argmax of untouched logits, and nobody wants logprobs."""
-        return self.is_all_greedy and not self.needs_processing and not self.needs_logprobs
