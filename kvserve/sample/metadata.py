@@ -1,7 +1,8 @@
 """SamplingBatch: what the sampler needs to know about each row of one step's logits.
 
-A row is one (request, sample index): a request forking into n samples on its last prompt step contributes n
-rows that share a history and differ only in their sample index (so in their seeded generator).
+A row is one (request, sample index), built by the model runner: a request forking into n samples on its last
+prompt step contributes n rows that share a history and differ only in their sample index and key (so in their
+seeded generator and in the sampler state kept under the key).
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from kvserve.request import sample_request_id
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.output import ScheduledRequest
 
 
 @dataclass(frozen=True)
@@ -33,20 +32,6 @@ class SamplingBatch:
 
     rows: list[SamplingRow]
 
-    @classmethod
-    def from_rows(cls, requests: Sequence[ScheduledRequest], sample_indices: Sequence[int]) -> SamplingBatch:
-        """One row per (request, sample index); a forking request appears once per sample, and its rows'
-        generators are keyed by the ids its samples will carry from the next step on."""
-        if len(requests) != len(sample_indices):
-            raise ValueError(f"{len(requests)} sampling requests but {len(sample_indices)} sample indices")
-        rows = []
-        for req, index in zip(requests, sample_indices):
-            key = sample_request_id(req.request_id, index) if req.num_samples > 1 else req.request_id
-            rows.append(SamplingRow(
-                req.sampling_params, index, key, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids
-            ))
-        return cls(rows)
-
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -57,4 +42,3 @@ class SamplingBatch:
     @cached_property
     def needs_logprobs(self) -> bool:
         return any(r.params.logprobs is not None for r in self.rows)
-

@@ -15,7 +15,6 @@ from kvserve.sample.logits_processors import LogitsProcessor
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sample.sampler import Sampler, first_max, prompt_logprobs
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.output import ScheduledRequest
 
 VOCAB = 32
 
@@ -261,15 +260,6 @@ def test_drop_frees_every_piece_of_state():
     assert len(processor.produced["r"]) == 3
     sampler.drop(["r", "r#2", "u", "u#1"])
     assert (sampler.num_states, sampler.num_generators, processor.num_states) == (0, 0, 0)
-
-
-def test_from_rows_keys_fork_rows_by_their_sample_ids():
-    params = SamplingParams(n=3, seed=1)
-    parent = ScheduledRequest("req", [1, 2], 0, [0], True, params, [1, 2], [], num_samples=3)
-    child = ScheduledRequest("req#2", [5], 3, [0], True, params, [1, 2], [5], sample_index=2)
-    sampling = SamplingBatch.from_rows([parent, parent, parent, child], [0, 1, 2, 2])
-    assert [r.generator_key for r in sampling.rows] == ["req", "req#1", "req#2", "req#2"]
-    assert [r.sample_index for r in sampling.rows] == [0, 1, 2, 2]
 
 
 def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_k():
