@@ -32,13 +32,12 @@ class LLMEngine:
         self.config = config
         self.device = torch.device(resolve_device(config.device))
         self.dtype = parse_dtype(config.model.dtype, self.device.type)
-        torch.manual_seed(config.model.seed)
         self.location = resolve_model(config.model.model)
         checkpoint = load_checkpoint(self.location, self.dtype)
         self.max_model_len = self._max_model_len(checkpoint.max_model_len)
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids
-        runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size)
+        runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed)
         self.core = self._build_core(runner)
         self.input_processor = InputProcessor(self.tokenizer, checkpoint.hf_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -100,7 +99,7 @@ class LLMEngine:
             "num_blocks_total": kv.num_blocks_total,
             "num_blocks_used": kv.num_blocks_total - num_free,
             "num_blocks_free": num_free,
-            "kv_cache_dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache_dtype": self.core.runner.kv_cache_spec().kv_dtype.name,
             "kv_cache_bytes": self.core.runner.kv.nbytes if self.core.runner.kv else 0,
             "peak_num_blocks_used": self.core.peak.num_blocks_used,
             "kv_waste_at_peak": self.core.peak.waste,

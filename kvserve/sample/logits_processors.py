@@ -1,18 +1,16 @@
-"""Logits processors: in-place transforms of fp32 logits [N, V], one row per sampling row.
+"""Logits processors: the history and constraint transforms the sampler applies, in place, to a step's fp32
+logits [N, V] before the greedy/random split, behind one interface (``LogitsProcessor``).
 
-Two groups, applied in vLLM's order:
-
-- history processors, on every row before the greedy/random split: logit bias, the min_tokens ban,
-  the repetition penalty (prompt + outputs), presence and frequency penalties (outputs);
-- truncation, on temperature-scaled logits of the rows that draw: top-k and top-p (one shared sort), min-p.
-
-Each processor touches only the rows that need it; per-row values travel as [R, 1] tensors.
+They run in the order of ``default_processors()`` (vLLM's): logit bias, the min_tokens ban, the repetition
+penalty (prompt + outputs), presence and frequency penalties (outputs). Each touches only the rows that need
+it, with per-row values travelling as [R, 1] tensors. Truncation (temperature, top-k/p, min-p) is not a
+processor: it belongs to the draw (``sample/truncation.py``).
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import Iterable, Sequence
+from abc import ABC, abstractmethod
+from typing import ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -20,92 +18,137 @@ import torch
 from kvserve.sample.metadata import SamplingRow
 
 
-def apply_history_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Bias, min_tokens ban, repetition penalty, then presence / frequency penalties, in place."""
-    apply_logit_bias(logits, rows)
-    apply_min_tokens(logits, rows)
-    apply_repetition_penalty(logits, rows)
-    apply_presence_frequency_penalties(logits, rows)
+class LogitsProcessor(ABC):
+    """One transform of the logits, with optional per-request state whose lifecycle the ``Sampler`` drives.
+
+    State is keyed by ``SamplingRow.generator_key`` (the engine-side id of one sample). A stateful processor
+    sets ``is_stateful`` and overrides the hooks below; the sampler calls them only on stateful processors, so
+    a stateless one costs nothing per row and per step beyond ``is_needed`` and ``apply``:
+
+        add(key, row)           once, the first time ``key`` appears in a batch, before ``apply``
+        fork(parent, child)     when a sample forks into n, before the child's first row is sampled
+        accept(key, token_ids)  after each draw, with the tokens appended to ``key``
+        drop(key)               when the request finishes or is aborted
+    """
+
+    is_stateful: ClassVar[bool] = False
+
+    @abstractmethod
+    def is_needed(self, row: SamplingRow) -> bool:
+        """Whether ``apply`` changes this row this step. It must hold for every row whose key has state here:
+        the sampler skips all processing when no processor needs any row."""
+
+    @abstractmethod
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """Transform, in place, the rows ``i`` of ``logits`` for which ``is_needed(rows[i])``; leave the
+        others bit for bit. Batched over those rows: no Python loop over the vocabulary."""
+
+    def add(self, key: str, row: SamplingRow) -> None:
+        """Create the state of a new key from its first row (its params and history so far)."""
+
+    def fork(self, parent_key: str, child_key: str) -> None:
+        """Give ``child_key`` (which holds no state) a copy of ``parent_key``'s state, if it has any; later
+        ``accept`` calls on either leave the other unchanged."""
+
+    def accept(self, key: str, token_ids: Sequence[int]) -> None:
+        """Advance the state of ``key`` (if any) past the tokens just appended to it."""
+
+    def drop(self, key: str) -> None:
+        """Free the state of ``key``; unknown keys are ignored."""
+
+    @property
+    def num_states(self) -> int:
+        """How many keys hold state here (for tests and leak checks)."""
+        return 0
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Add each row's ``logit_bias[token]`` to its logit."""
-    entries = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
-    if not entries:
-        return
-    row_ids, token_ids, biases = zip(*entries)
-    _check_token_ids(token_ids, logits.shape[1], "logit_bias")
-    index = (_long(row_ids, logits.device), _long(token_ids, logits.device))
-    logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
-
-
-def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Mask EOS and stop tokens to -inf in rows that have fewer than ``min_tokens`` outputs."""
-    entries = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
-    if not entries:
-        return
-    row_ids, token_ids = zip(*entries)
-    _check_token_ids(token_ids, logits.shape[1], "eos / stop_token_ids")
-    logits[_long(row_ids, logits.device), _long(token_ids, logits.device)] = -float("inf")
-
-
-def apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """For tokens seen in the prompt or the outputs: positive logits divided by the penalty, others multiplied."""
-    selected = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if not selected:
-        return
-    index = _long(selected, logits.device)
-    sub = logits[index]
-    histories = [itertools.chain(rows[i].prompt_token_ids, rows[i].output_token_ids) for i in selected]
-    seen = token_counts(histories, sub.shape[1], sub.device) > 0
-    penalty = _column([rows[i].params.repetition_penalty for i in selected], sub)
-    penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-    logits[index] = torch.where(seen, penalized, sub)
-
-
-def apply_presence_frequency_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Subtract ``frequency_penalty * count + presence_penalty * (count > 0)`` over output tokens."""
-    selected = [
-        i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
+def default_processors() -> list[LogitsProcessor]:
+    """A fresh set of processors, in the order they run. The bias runs before the min_tokens ban, so no bias
+    can lift a banned EOS; the penalties run last, on biased logits, as in vLLM."""
+    return [
+        # Structured output's grammar mask (sample/grammar.py) goes here, first: it only turns disallowed tokens
+        # into -inf, which every processor below keeps at -inf, so they all work on the allowed tokens alone.
+        LogitBias(),
+        MinTokensBan(),
+        RepetitionPenalty(),
+        PresenceFrequencyPenalties(),
     ]
-    if not selected:
-        return
-    index = _long(selected, logits.device)
-    sub = logits[index]
-    counts = token_counts([rows[i].output_token_ids for i in selected], sub.shape[1], sub.device)
-    frequency = _column([rows[i].params.frequency_penalty for i in selected], sub)
-    presence = _column([rows[i].params.presence_penalty for i in selected], sub)
-    logits[index] = sub - frequency * counts - presence * (counts > 0).to(sub.dtype)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
-    """Keep each row's ``top_k`` largest logits (0: all), then the smallest set of those whose probability
-    reaches ``top_p`` (1: all); the rest become -inf. One sort serves both."""
-    vocab_size = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
-        beyond_k = torch.arange(vocab_size, device=logits.device)[None, :] >= k[:, None]
-        sorted_logits.masked_fill_(beyond_k, -float("inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # the most likely token always stays: its mass_before is 0 < top_p
-        beyond_p = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-        sorted_logits.masked_fill_(beyond_p, -float("inf"))
-    logits.scatter_(1, order, sorted_logits)
+class LogitBias(LogitsProcessor):
+    """Adds each row's ``logit_bias[token]`` to its logit."""
+
+    def is_needed(self, row: SamplingRow) -> bool:
+        return bool(row.params.logit_bias)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        entries = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
+        if not entries:
+            return
+        row_ids, token_ids, biases = zip(*entries)
+        _check_token_ids(token_ids, logits.shape[1], "logit_bias")
+        index = (_long(row_ids, logits.device), _long(token_ids, logits.device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Mask tokens whose probability is below ``min_p`` times the row's highest probability."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    logits.masked_fill_(probs < threshold, -float("inf"))
+class MinTokensBan(LogitsProcessor):
+    """Masks EOS (unless ignored) and stop tokens to -inf in rows that have fewer than ``min_tokens`` outputs."""
+
+    def is_needed(self, row: SamplingRow) -> bool:
+        p = row.params
+        if len(row.output_token_ids) >= p.min_tokens:
+            return False
+        return bool(p.stop_token_ids) or (not p.ignore_eos and bool(row.eos_token_ids))
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        entries = [(i, t) for i, r in enumerate(rows) for t in _banned_token_ids(r)]
+        if not entries:
+            return
+        row_ids, token_ids = zip(*entries)
+        _check_token_ids(token_ids, logits.shape[1], "eos / stop_token_ids")
+        logits[_long(row_ids, logits.device), _long(token_ids, logits.device)] = -float("inf")
 
 
-def token_counts(histories: Sequence[Iterable[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[R, V] float counts of each token in each row's history."""
-    flat = [np.fromiter(h, dtype=np.int64) for h in histories]
+class RepetitionPenalty(LogitsProcessor):
+    """For tokens seen in the prompt or the outputs: positive logits divided by the penalty, others multiplied."""
+
+    def is_needed(self, row: SamplingRow) -> bool:
+        return row.params.repetition_penalty != 1.0
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        selected = _needed_rows(self, rows)
+        if not selected:
+            return
+        index = _long(selected, logits.device)
+        sub = logits[index]
+        histories = [_full_history(rows[i]) for i in selected]
+        seen = token_counts(histories, sub.shape[1], sub.device) > 0
+        penalty = _column([rows[i].params.repetition_penalty for i in selected], sub)
+        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[index] = torch.where(seen, penalized, sub)
+
+
+class PresenceFrequencyPenalties(LogitsProcessor):
+    """Subtracts ``frequency_penalty * count + presence_penalty * (count > 0)`` over output tokens."""
+
+    def is_needed(self, row: SamplingRow) -> bool:
+        return row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        selected = _needed_rows(self, rows)
+        if not selected:
+            return
+        index = _long(selected, logits.device)
+        sub = logits[index]
+        counts = token_counts([rows[i].output_token_ids for i in selected], sub.shape[1], sub.device)
+        frequency = _column([rows[i].params.frequency_penalty for i in selected], sub)
+        presence = _column([rows[i].params.presence_penalty for i in selected], sub)
+        logits[index] = sub - frequency * counts - presence * (counts > 0).to(sub.dtype)
+
+
+def token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float counts of each token in each row's history (lists or integer arrays)."""
+    flat = [np.asarray(h, dtype=np.int64) for h in histories]
     lengths = [len(f) for f in flat]
     row_ids = np.repeat(np.arange(len(flat)), lengths)
     counts = torch.zeros(len(flat), vocab_size, device=device)
@@ -115,6 +158,23 @@ def token_counts(histories: Sequence[Iterable[int]], vocab_size: int, device: to
         index = (torch.from_numpy(row_ids).to(device), torch.from_numpy(token_ids).to(device))
         counts.index_put_(index, torch.ones(len(token_ids), device=device), accumulate=True)
     return counts
+
+
+def _banned_token_ids(row: SamplingRow) -> list[int]:
+    if len(row.output_token_ids) >= row.params.min_tokens:
+        return []
+    eos = () if row.params.ignore_eos else row.eos_token_ids
+    return sorted(set(eos).union(row.params.stop_token_ids))
+
+
+def _full_history(row: SamplingRow) -> np.ndarray:
+    return np.concatenate(
+        (np.asarray(row.prompt_token_ids, dtype=np.int64), np.asarray(row.output_token_ids, dtype=np.int64))
+    )
+
+
+def _needed_rows(processor: LogitsProcessor, rows: Sequence[SamplingRow]) -> list[int]:
+    return [i for i, r in enumerate(rows) if processor.is_needed(r)]
 
 
 def _check_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int, what: str) -> None:

@@ -1,7 +1,8 @@
 """SamplingBatch: what the sampler needs to know about each row of one step's logits.
 
-A row is one (request, sample index): a request forking into n samples on its last prompt step contributes n
-rows that share a history and differ only in their sample index (so in their seeded generator).
+A row is one (request, sample index), built by the model runner: a request forking into n samples on its last
+prompt step contributes n rows that share a history and differ only in their sample index and key (so in their
+seeded generator and in the sampler state kept under the key).
 """
 
 from __future__ import annotations
@@ -10,39 +11,19 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
-from kvserve.request import sample_request_id
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.output import ScheduledRequest
 
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One row: its params, its history (for penalties and min_tokens) and the key of its seeded generator."""
+    """One row: its params, its history (for penalties and min_tokens; lists or integer arrays) and its key."""
 
     params: SamplingParams
     sample_index: int
-    generator_key: str  # the engine-side id of this sample: a seeded generator lives under it across steps
+    generator_key: str  # the engine-side id of this sample: its sampler state lives under it across steps
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = frozenset()
-
-    @property
-    def banned_token_ids(self) -> list[int]:
-        """Tokens masked while fewer than ``min_tokens`` outputs exist: EOS (unless ignored) and stop tokens."""
-        if len(self.output_token_ids) >= self.params.min_tokens:
-            return []
-        eos = () if self.params.ignore_eos else self.eos_token_ids
-        return sorted(set(eos).union(self.params.stop_token_ids))
-
-    @property
-    def has_penalty(self) -> bool:
-        p = self.params
-        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-    @property
-    def needs_processing(self) -> bool:
-        """True if any logits processor changes this row (bias, a pending min_tokens ban, a penalty)."""
-        return bool(self.params.logit_bias) or self.has_penalty or bool(self.banned_token_ids)
 
 
 @dataclass(frozen=True)
@@ -50,20 +31,6 @@ class SamplingBatch:
     """The rows of one step, in logits order, with the batch-wide facts the sampler branches on."""
 
     rows: list[SamplingRow]
-
-    @classmethod
-    def from_rows(cls, requests: Sequence[ScheduledRequest], sample_indices: Sequence[int]) -> SamplingBatch:
-        """One row per (request, sample index); a forking request appears once per sample, and its rows'
-        generators are keyed by the ids its samples will carry from the next step on."""
-        if len(requests) != len(sample_indices):
-            raise ValueError(f"{len(requests)} sampling requests but {len(sample_indices)} sample indices")
-        rows = []
-        for req, index in zip(requests, sample_indices):
-            key = sample_request_id(req.request_id, index) if req.num_samples > 1 else req.request_id
-            rows.append(SamplingRow(
-                req.sampling_params, index, key, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids
-            ))
-        return cls(rows)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -73,14 +40,5 @@ class SamplingBatch:
         return all(r.params.is_greedy for r in self.rows)
 
     @cached_property
-    def needs_processing(self) -> bool:
-        return any(r.needs_processing for r in self.rows)
-
-    @cached_property
     def needs_logprobs(self) -> bool:
         return any(r.params.logprobs is not None for r in self.rows)
-
-    @property
-    def is_plain_greedy(self) -> bool:
-        """The hot path: every row takes the argmax of untouched logits, and nobody wants logprobs."""
-        return self.is_all_greedy and not self.needs_processing and not self.needs_logprobs

@@ -1,14 +1,15 @@
 """Sampler: one step's logits [N, V] -> one token per row (and logprobs for the rows that ask).
 
     logits ─┬─> log_softmax ────────────────────────────────────────────> logprobs (raw, as vLLM v1)
-            └─> bias, min_tokens, repetition, presence/frequency (in place, rows that need them)
+            └─> logits processors, in order (in place, rows that need them)
                   ├─ greedy rows: argmax
                   └─ random rows: / temperature -> top-k, top-p (one sort) -> min-p -> softmax -> draw
 
-An all-greedy batch with no processing and no logprobs is one argmax (the hot path). The draw is an
-exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to sampling from p): unseeded rows share
-one batched draw, a seeded row draws its ``q`` from its own generator, so its tokens depend only on its seed,
-its sample index and its logits, never on the other rows of the batch.
+An all-greedy batch that no processor touches and that wants no logprobs is one max (the hot path). The draw
+is an exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to sampling from p): unseeded rows
+share one batched draw from the sampler's own generator (seeded from the engine seed, never torch's global
+one), a seeded row draws its ``q`` from its own generator, so its tokens depend only on its seed, its sample
+index and its logits, never on the other rows of the batch.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
-from kvserve.sample.logits_processors import apply_history_processors, apply_min_p, apply_top_k_top_p
+from kvserve.sample.logits_processors import LogitsProcessor, default_processors
 from kvserve.sample.logprobs import gather_logprobs
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
+from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import TokenLogprobs
 
@@ -34,11 +36,22 @@ class SamplerOutput(NamedTuple):
 
 
 class Sampler:
-    """Samples one token per row. Owns the generators of seeded samples, kept across steps under each
-    sample's engine-side id until ``drop``."""
+    """Samples one token per row. Owns the logits processors and every piece of per-request sampling state,
+    keyed by each sample's engine-side id (``SamplingRow.generator_key``) and kept across steps until
+    ``drop``: the generators of seeded samples and the processors' state.
 
-    def __init__(self) -> None:
+    What the caller owes it, per key: nothing when it first appears (state is created from its first row);
+    ``fork(parent, child)`` before a child sample's first row, when the child starts from a parent that was
+    already sampled; ``drop`` once the request finished or was aborted. The sampler advances the processors'
+    state past each token it draws by itself."""
+
+    def __init__(self, seed: int = 0, processors: Sequence[LogitsProcessor] | None = None) -> None:
+        self.seed = seed
+        self._processors = default_processors() if processors is None else list(processors)
+        self._stateful = [p for p in self._processors if p.is_stateful]
+        self._keys: set[str] = set()  # keys whose processor state exists (tracked only with stateful processors)
         self._generators: dict[str, torch.Generator] = {}
+        self._unseeded: torch.Generator | None = None
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample row i of ``logits`` (fp32 [N, V], modified in place) with ``batch.rows[i]``.
@@ -46,27 +59,71 @@ class Sampler:
         logits. The token ids' host copy is the call's only sync when no row wants logprobs."""
         if logits.shape[0] != len(batch):
             raise ValueError(f"logits have {logits.shape[0]} rows but the sampling batch has {len(batch)}")
-        if batch.is_plain_greedy:
+        if self._stateful:
+            self._add_new_keys(batch.rows)
+        output = self._sample(logits, batch)
+        if self._stateful:
+            self._accept(batch.rows, output.token_ids)
+        return output
+
+    def fork(self, parent_key: str, child_key: str) -> None:
+        """Start sample ``child_key`` with a copy of ``parent_key``'s processor state; call it before the
+        child's first row. A parent never sampled yet has nothing to copy: the child's state is then created
+        from its own first row, as the parent's will be. Generators are not copied: a seeded child draws from
+        its own, seeded from (seed, its sample index)."""
+        if child_key in self._keys or child_key in self._generators:
+            raise ValueError(f"cannot fork into {child_key!r}: it already holds sampler state")
+        if parent_key not in self._keys:
+            return
+        self._keys.add(child_key)
+        for processor in self._stateful:
+            processor.fork(parent_key, child_key)
+
+    def drop(self, keys: Iterable[str]) -> None:
+        """Free all state of finished or aborted samples (engine-side ids; unknown ids are ignored)."""
+        for key in keys:
+            self._generators.pop(key, None)
+            if key in self._keys:
+                self._keys.remove(key)
+                for processor in self._stateful:
+                    processor.drop(key)
+
+    @property
+    def num_states(self) -> int:
+        """Keys holding processor state."""
+        return len(self._keys)
+
+    @property
+    def num_generators(self) -> int:
+        """Keys holding a seeded generator."""
+        return len(self._generators)
+
+    def _add_new_keys(self, rows: Sequence[SamplingRow]) -> None:
+        for row in rows:
+            if row.generator_key not in self._keys:
+                self._keys.add(row.generator_key)
+                for processor in self._stateful:
+                    processor.add(row.generator_key, row)
+
+    def _accept(self, rows: Sequence[SamplingRow], token_ids: list[int]) -> None:
+        for row, token_id in zip(rows, token_ids):
+            for processor in self._stateful:
+                processor.accept(row.generator_key, [token_id])
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        needs_processing = self._needs_processing(batch.rows)
+        if batch.is_all_greedy and not needs_processing and not batch.needs_logprobs:
             return SamplerOutput(first_max(logits).tolist(), None)
         raw_logprobs = self._raw_logprobs(logits, batch)
-        if batch.needs_processing:
-            apply_history_processors(logits, batch.rows)
+        if needs_processing:
+            for processor in self._processors:
+                processor.apply(logits, batch.rows)
         token_ids = self._choose(logits, batch)
         logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """A sample forked from ``parent_id`` before either sampled: a seeded child's generator is seeded
-        from its own sample index when it first draws, so there is no state to copy."""
-
-    def drop(self, request_ids: Iterable[str]) -> None:
-        """Forget the generators of finished samples (engine-side ids; unknown ids are ignored)."""
-        for request_id in request_ids:
-            self._generators.pop(request_id, None)
-
-    @property
-    def num_generators(self) -> int:
-        return len(self._generators)
+    def _needs_processing(self, rows: Sequence[SamplingRow]) -> bool:
+        return any(any(map(p.is_needed, rows)) for p in self._processors)
 
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.is_all_greedy:
@@ -93,15 +150,22 @@ class Sampler:
         return first_max(probs.div_(self._exponentials(probs, rows)))
 
     def _exponentials(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Exp(1) noise per row: one batched draw for unseeded rows, each seeded row from its own generator."""
+        """Exp(1) noise per row: one batched draw for unseeded rows from the sampler's generator, each seeded
+        row from its own."""
         noise = torch.empty_like(probs)
         seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
         if len(seeded) < len(rows):
-            noise.exponential_()
+            noise.exponential_(generator=self._unseeded_generator(probs.device))
         for i in seeded:
             noise[i].exponential_(generator=self._generator(rows[i], probs.device))
         # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks
         return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+    def _unseeded_generator(self, device: torch.device) -> torch.Generator:
+        if self._unseeded is None:
+            self._unseeded = torch.Generator(device=device)
+            self._unseeded.manual_seed(self.seed & _SEED_MASK)
+        return self._unseeded
 
     def _generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
         generator = self._generators.get(row.generator_key)

@@ -93,7 +93,8 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests still running, or finished ones whose runner state the next step's diff must free."""
+        return bool(self.requests) or bool(self._finished_ids)
 
     def prefix_cache_stats(self) -> dict[str, int | float | bool]:
         """Prefix-cache figures since start: lookups and hits in tokens, hit rate, cached blocks, evictions."""

@@ -20,7 +20,9 @@ class ModelRunner:
     """Owns the model weights, the paged KV tensors, the persistent batch, the attention backend and the
     sampler state."""
 
-    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0
+    ) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -30,7 +32,7 @@ class ModelRunner:
         self.model.eval()
         if can_prepack(device, dtype):
             prepack_linears(self.model, small_gemm())
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed)
         self.kv: KVCacheStorage | None = None
         self.batch: PersistentBatch | None = None
         self._sliding_windows = self.model.sliding_windows()

@@ -1,26 +1,30 @@
-"""Each logits processor against a hand computation on small logits."""
+"""Each logits processor against a hand computation on small logits and a plain per-row reference on random
+ones; truncation against hand computations."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvserve.sample.logits_processors import (
-    apply_history_processors,
-    apply_logit_bias,
-    apply_min_p,
-    apply_min_tokens,
-    apply_presence_frequency_penalties,
-    apply_repetition_penalty,
-    apply_top_k_top_p,
+    LogitBias,
+    MinTokensBan,
+    PresenceFrequencyPenalties,
+    RepetitionPenalty,
+    default_processors,
     token_counts,
 )
 from kvserve.sample.metadata import SamplingRow
+from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
 from kvserve.sampling_params import SamplingParams
 
 INF = float("inf")
+VOCAB = 8
 
 
 def row(prompt=(), outputs=(), eos=frozenset(), **params) -> SamplingRow:
@@ -29,13 +33,13 @@ def row(prompt=(), outputs=(), eos=frozenset(), **params) -> SamplingRow:
 
 def test_logit_bias_adds_per_row():
     logits = torch.zeros(2, 4)
-    apply_logit_bias(logits, [row(logit_bias={1: 2.5, 3: -1.0}), row()])
+    LogitBias().apply(logits, [row(logit_bias={1: 2.5, 3: -1.0}), row()])
     assert logits.tolist() == [[0, 2.5, 0, -1.0], [0, 0, 0, 0]]
 
 
 def test_logit_bias_outside_vocabulary_is_rejected():
     with pytest.raises(ValueError, match="logit_bias"):
-        apply_logit_bias(torch.zeros(1, 4), [row(logit_bias={9: 1.0})])
+        LogitBias().apply(torch.zeros(1, 4), [row(logit_bias={9: 1.0})])
 
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
@@ -45,7 +49,7 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
         row(outputs=[4, 4], eos={0}, min_tokens=2, stop_token_ids=[3]),  # reached: untouched
         row(outputs=[], eos={0}, min_tokens=1, ignore_eos=True),  # EOS ignored anyway: nothing to ban
     ]
-    apply_min_tokens(logits, rows)
+    MinTokensBan().apply(logits, rows)
     assert logits[0].tolist() == [-INF, 0, 0, -INF, 0]
     assert logits[1].tolist() == [0] * 5
     assert logits[2].tolist() == [0] * 5
@@ -53,14 +57,14 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
     logits = torch.tensor([[2.0, -2.0, 3.0, -1.0], [2.0, -2.0, 3.0, -1.0]])
-    apply_repetition_penalty(logits, [row(prompt=[0], outputs=[1, 1], repetition_penalty=2.0), row()])
+    RepetitionPenalty().apply(logits, [row(prompt=[0], outputs=[1, 1], repetition_penalty=2.0), row()])
     assert logits[0].tolist() == [1.0, -4.0, 3.0, -1.0]
     assert logits[1].tolist() == [2.0, -2.0, 3.0, -1.0]
 
 
 def test_presence_and_frequency_penalties_count_outputs_only():
     logits = torch.zeros(1, 4)
-    apply_presence_frequency_penalties(
+    PresenceFrequencyPenalties().apply(
         logits, [row(prompt=[3, 3], outputs=[1, 1, 1, 2], presence_penalty=0.5, frequency_penalty=0.25)]
     )
     assert logits[0].tolist() == pytest.approx([0.0, -(0.5 + 3 * 0.25), -(0.5 + 0.25), 0.0])
@@ -70,9 +74,64 @@ def test_history_processors_run_in_vllm_order():
     logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
     r = row(prompt=[0], outputs=[2], eos={3}, min_tokens=5, logit_bias={0: -3.0, 2: 1.0},
             repetition_penalty=2.0, presence_penalty=0.5)
-    apply_history_processors(logits, [r])
+    processors = default_processors()
+    assert [type(p) for p in processors] == [LogitBias, MinTokensBan, RepetitionPenalty, PresenceFrequencyPenalties]
+    for processor in processors:
+        processor.apply(logits, [r])
     # bias: [-2, 1, 2, 1]; min_tokens bans 3; repetition over {0, 2}: [-4, 1, 1, -inf]; presence on 2: 0.5
     assert logits[0].tolist() == [-4.0, 1.0, 0.5, -INF]
+
+
+tokens = st.integers(0, VOCAB - 1)
+
+
+@st.composite
+def random_rows(draw) -> list[SamplingRow]:
+    """1-5 rows with any mix of bias, min_tokens, stop tokens and penalties; histories as lists or arrays."""
+    rows = []
+    for _ in range(draw(st.integers(1, 5))):
+        params = SamplingParams(
+            logit_bias=draw(st.dictionaries(tokens, st.sampled_from([-5.0, -0.5, 1.5]), max_size=3)),
+            min_tokens=draw(st.integers(0, 3)),
+            stop_token_ids=draw(st.lists(tokens, max_size=2)),
+            ignore_eos=draw(st.booleans()),
+            repetition_penalty=draw(st.sampled_from([1.0, 0.7, 1.3, 2.0])),
+            presence_penalty=draw(st.sampled_from([0.0, 0.5, -1.0])),
+            frequency_penalty=draw(st.sampled_from([0.0, 0.25, -0.5])),
+        )
+        prompt, outputs = draw(st.lists(tokens, max_size=6)), draw(st.lists(tokens, max_size=5))
+        if draw(st.booleans()):
+            prompt, outputs = np.array(prompt, dtype=np.int64), np.array(outputs, dtype=np.int32)
+        rows.append(SamplingRow(params, 0, "r", prompt, outputs, frozenset(draw(st.sets(tokens, max_size=2)))))
+    return rows
+
+
+def reference_row(processor: type, logits: list[float], r: SamplingRow) -> list[float]:
+    """One row by the definitions, token by token in plain Python."""
+    p, out = r.params, list(r.output_token_ids)
+    if processor is LogitBias:
+        return [x + (p.logit_bias or {}).get(t, 0.0) for t, x in enumerate(logits)]
+    if processor is MinTokensBan:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+        return [-INF if len(out) < p.min_tokens and t in banned else x for t, x in enumerate(logits)]
+    if processor is RepetitionPenalty:
+        seen = set(list(r.prompt_token_ids) + out)
+        pen = p.repetition_penalty
+        return [(x / pen if x > 0 else x * pen) if t in seen else x for t, x in enumerate(logits)]
+    return [x - p.frequency_penalty * out.count(t) - p.presence_penalty * (t in out) for t, x in enumerate(logits)]
+
+
+@pytest.mark.parametrize("processor", [LogitBias, MinTokensBan, RepetitionPenalty, PresenceFrequencyPenalties])
+@settings(max_examples=50, deadline=None)
+@given(rows=random_rows(), seed=st.integers(0, 2**16))
+def test_processor_matches_a_per_row_reference(processor: type, rows: list[SamplingRow], seed: int) -> None:
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    expected = [reference_row(processor, logits[i].tolist(), r) for i, r in enumerate(rows)]
+    untouched = [i for i, r in enumerate(rows) if not processor().is_needed(r)]
+    before = logits.clone()
+    processor().apply(logits, rows)
+    torch.testing.assert_close(logits, torch.tensor(expected), rtol=1e-6, atol=1e-6)
+    assert torch.equal(logits[untouched], before[untouched])  # rows that need nothing stay bit for bit
 
 
 def test_token_counts():

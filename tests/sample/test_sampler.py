@@ -1,25 +1,22 @@
-"""Sampler: exact greedy, truncation never picks excluded tokens, seeds independent of the batch, logprobs."""
+"""Sampler: exact greedy, truncation never picks excluded tokens, seeds independent of the batch, the engine
+seed for unseeded rows, per-request state forked and dropped, logprobs."""
 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.sample.logits_processors import LogitsProcessor
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sample.sampler import Sampler, first_max, prompt_logprobs
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.output import ScheduledRequest
 
 VOCAB = 32
-
-
-@pytest.fixture(autouse=True)
-def _seeded_global_rng():
-    torch.manual_seed(0)  # unseeded rows draw from the global generator: keep the statistical tests stable
 
 
 def row(key="r", index=0, prompt=(), outputs=(), eos=frozenset(), **params) -> SamplingRow:
@@ -152,13 +149,117 @@ def test_drop_forgets_generators_so_a_new_request_restarts_its_seed():
     assert [sampler(logits.clone(), batch(row(key="a", seed=5))).token_ids[0] for _ in range(5)] == first
 
 
-def test_from_rows_keys_fork_rows_by_their_sample_ids():
-    params = SamplingParams(n=3, seed=1)
-    parent = ScheduledRequest("req", [1, 2], 0, [0], True, params, [1, 2], [], num_samples=3)
-    child = ScheduledRequest("req#2", [5], 3, [0], True, params, [1, 2], [5], sample_index=2)
-    sampling = SamplingBatch.from_rows([parent, parent, parent, child], [0, 1, 2, 2])
-    assert [r.generator_key for r in sampling.rows] == ["req", "req#1", "req#2", "req#2"]
-    assert [r.sample_index for r in sampling.rows] == [0, 1, 2, 2]
+def test_unseeded_draws_follow_the_sampler_seed_not_torchs_global_rng():
+    logits = torch.zeros(8, VOCAB)  # uniform: any change of noise shows
+
+    def draws(sampler_seed: int, global_seed: int) -> list[list[int]]:
+        torch.manual_seed(global_seed)
+        sampler = Sampler(sampler_seed)
+        return [sampler(logits.clone(), batch(*[row(key=f"r{i}") for i in range(8)])).token_ids for _ in range(3)]
+
+    assert draws(3, 0) == draws(3, 99)
+    assert draws(3, 0) != draws(4, 0)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    Sampler(3)(logits.clone(), batch(*[row()] * 8))
+    assert torch.equal(torch.get_rng_state(), before)  # the global generator is never advanced
+
+
+class BanAccepted(LogitsProcessor):
+    """A stateful processor for these tests: bans every token its key has produced so far."""
+
+    is_stateful = True
+
+    def __init__(self) -> None:
+        self.produced: dict[str, list[int]] = {}
+
+    def is_needed(self, row: SamplingRow) -> bool:
+        return True
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        for i, r in enumerate(rows):
+            logits[i, self.produced[r.generator_key]] = -math.inf
+
+    def add(self, key: str, row: SamplingRow) -> None:
+        self.produced[key] = list(row.output_token_ids)
+
+    def fork(self, parent_key: str, child_key: str) -> None:
+        self.produced[child_key] = list(self.produced[parent_key])
+
+    def accept(self, key: str, token_ids: Sequence[int]) -> None:
+        self.produced[key].extend(token_ids)
+
+    def drop(self, key: str) -> None:
+        self.produced.pop(key, None)
+
+    @property
+    def num_states(self) -> int:
+        return len(self.produced)
+
+
+def greedy_step(sampler: Sampler, *keys: str) -> list[int]:
+    """One greedy step over uniform logits: each key takes its lowest token not yet banned."""
+    rows = [row(key=k, temperature=0.0) for k in keys]
+    return sampler(torch.zeros(len(keys), VOCAB), batch(*rows)).token_ids
+
+
+def test_state_is_created_from_the_first_row_and_advanced_by_each_draw():
+    processor = BanAccepted()
+    sampler = Sampler(processors=[processor])
+    sampler(torch.zeros(1, VOCAB), batch(row(key="a", outputs=[0, 2], temperature=0.0)))
+    assert processor.produced == {"a": [0, 2, 1]}
+    assert greedy_step(sampler, "a") == [3]
+
+
+def test_fork_gives_the_child_a_copy_that_evolves_on_its_own():
+    processor = BanAccepted()
+    sampler = Sampler(processors=[processor])
+    assert [greedy_step(sampler, "p") for _ in range(2)] == [[0], [1]]
+    sampler.fork("p", "p#1")
+    sampler.fork("p", "p#2")
+    assert sampler.num_states == 3
+    assert processor.produced["p#1"] == [0, 1]
+    assert greedy_step(sampler, "p#1") == [2]
+    assert greedy_step(sampler, "p#1") == [3]
+    assert greedy_step(sampler, "p", "p#2") == [2, 2]  # neither saw the first child's tokens
+    assert processor.produced == {"p": [0, 1, 2], "p#1": [0, 1, 2, 3], "p#2": [0, 1, 2]}
+    with pytest.raises(ValueError, match="already holds"):
+        sampler.fork("p", "p#1")
+
+
+def test_fork_of_a_parent_not_sampled_yet_starts_the_children_from_their_rows():
+    processor = BanAccepted()
+    sampler = Sampler(processors=[processor])
+    sampler.fork("q", "q#1")
+    assert sampler.num_states == 0
+    assert greedy_step(sampler, "q", "q#1") == [0, 0]  # the n first tokens, drawn in one step from one history
+
+
+def test_forked_seeded_child_draws_from_its_own_sample_index_not_a_copy():
+    logits = torch.zeros(1, VOCAB)
+    sampler = Sampler()
+    for _ in range(3):
+        sampler(logits.clone(), batch(row(key="p", index=0, seed=7)))
+    sampler.fork("p", "p#1")
+    child = [sampler(logits.clone(), batch(row(key="p#1", index=1, seed=7))).token_ids[0] for _ in range(5)]
+    fresh = Sampler()
+    assert child == [fresh(logits.clone(), batch(row(key="x", index=1, seed=7))).token_ids[0] for _ in range(5)]
+
+
+def test_drop_frees_every_piece_of_state():
+    processor = BanAccepted()
+    sampler = Sampler(processors=[processor])
+    keys = ["r", "r#1", "r#2", "u"]
+    rows = [row(key=k, index=i, seed=None if k == "u" else 5) for i, k in enumerate(keys)]
+    for _ in range(3):
+        sampler(torch.zeros(4, VOCAB), batch(*rows))
+    sampler.fork("u", "u#1")
+    assert (sampler.num_states, sampler.num_generators, processor.num_states) == (5, 3, 5)
+    sampler.drop(["r#1", "unknown"])  # an abort of one sample leaves the others alone
+    assert (sampler.num_states, sampler.num_generators, processor.num_states) == (4, 2, 4)
+    assert len(processor.produced["r"]) == 3
+    sampler.drop(["r", "r#2", "u", "u#1"])
+    assert (sampler.num_states, sampler.num_generators, processor.num_states) == (0, 0, 0)
 
 
 def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_k():

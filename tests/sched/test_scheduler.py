@@ -349,10 +349,11 @@ def test_prompt_logprobs_cover_every_prompt_token_once_across_chunks() -> None:
     flags, returned = [], []
     while scheduler.has_unfinished_requests():
         sched_out, outputs = step(scheduler, runner)
-        flags.append(sched_out.requests[0].prompt_logprobs)
+        flags += [r.prompt_logprobs for r in sched_out.requests]
         returned += [-lp.logprobs[0] for o in outputs for lp in o.prompt_logprobs or []]
     assert returned == list(range(1, 10))
     assert flags == [True, True, True, False, False]
+    assert sched_out.is_empty and sched_out.finished_request_ids == {"r"}  # the last step only frees runner state
 
 
 def test_prompt_logprobs_are_not_returned_again_after_a_mid_prefill_preemption() -> None:
