@@ -7,9 +7,8 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_backend
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
-from kvserve.model.layers.prepacked import can_prepack, prepack_linears, small_gemm
 from kvserve.model.loader import Checkpoint
-from kvserve.model.registry import build_model
+from kvserve.model.registry import load_model
 from kvserve.sample.sampler import Sampler, SamplingBatch, prompt_logprobs
 from kvserve.sched.output import ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.worker.input_batch import InputBatch, build_input_batch
@@ -23,11 +22,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.backend: AttentionBackend = select_backend(device, dtype)
-        self.model = build_model(checkpoint.hf_config, self.backend, dtype, device)
-        self.model.load_weights(checkpoint.weights())
-        self.model.eval()
-        if can_prepack(device, dtype):
-            prepack_linears(self.model, small_gemm())
+        self.model = load_model(checkpoint, self.backend, dtype, device)
         self.sampler = Sampler()
         self.kv: KVCacheStorage | None = None
         self._sliding_windows = self.model.sliding_windows()
