@@ -74,6 +74,7 @@ def build_model(
     model_class = get_model_class(config)
     linear_method = linear_method or UnquantizedLinearMethod()
     with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
+        # cast before binding: a method's parameters keep the dtypes it chose (a quantized weight, its scales)
         model = model_class(config, backend).to(dtype=dtype)
         for layer in model.modules():
             if isinstance(layer, Linear):
