@@ -5,8 +5,8 @@
 SmolLM2-135M's projections (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, 30 layers each, and
 the 576->49152 LM head once), with 30 distinct weight copies per layer projection so that each comes from
 memory, as in a real step. For each token count: the best of 3 passes over all of them, the kinds alternated.
-``oneDNN``: ``PrepackedLinear`` without panels; ``panels``: the small-GEMM kernel alone (any row count);
-``kvserve``: ``PrepackedLinear`` as the engine builds it (panels up to SMALL_GEMM_MAX_ROWS where tuned).
+``oneDNN``: ``CpuPrepackedLinearMethod`` without panels; ``panels``: the small-GEMM kernel alone (any row count);
+``kvserve``: the linear method the engine selects for fp32 on CPU (panels up to SMALL_GEMM_MAX_ROWS where tuned).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.layers.prepacked import PrepackedLinear, SmallGemm, small_gemm
+from kvserve.model.layers.linear import linear_from_tensors
+from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, SmallGemm
+from kvserve.model.registry import select_linear_method
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -33,11 +35,12 @@ def main() -> None:
     weights = [torch.randn(n, k) for name, (n, k) in SHAPES.items()
                for _ in range(1 if name == "lm_head" else NUM_LAYERS)]
     kernel = SmallGemm()
+    engine_method = select_linear_method(torch.device("cpu"), torch.float32)
     panels = [kernel.pack(w) for w in weights]
     kinds = {"F.linear": [lambda x, w=w: F.linear(x, w) for w in weights],
-             "oneDNN": [PrepackedLinear(w, None) for w in weights],
+             "oneDNN": [linear_from_tensors(w, None, CpuPrepackedLinearMethod(None)) for w in weights],
              "panels": [lambda x, p=p, n=w.shape[0]: kernel(x, p, None, n) for w, p in zip(weights, panels)],
-             "kvserve": [PrepackedLinear(w, None, small_gemm()) for w in weights]}
+             "kvserve": [linear_from_tensors(w, None, engine_method) for w in weights]}
     print(f"{args.threads} threads; ms for one step's GEMMs (all layers and the LM head)")
     print(f"{'tokens':>6} " + " ".join(f"{kind:>9}" for kind in kinds) + "  kvserve vs F.linear, vs oneDNN")
     with torch.no_grad():

@@ -40,7 +40,8 @@ class CausalLM(nn.Module):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the parameters (fusing q/k/v and gate/up as the model packs
-        them). Raises ``CheckpointError`` naming any missing, unexpected-shaped or absent tensor."""
+        them), a linear layer's through its ``LinearMethod``. Raises ``CheckpointError`` naming any missing,
+        unexpected-shaped or absent tensor."""
 
     @property
     @abstractmethod

@@ -9,6 +9,7 @@ larger GEMMs.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -20,11 +21,11 @@ from kvserve.kv.storage import KVCacheStorage
 from kvserve.model.base import CausalLM, CheckpointError
 from kvserve.model.layers.activation import GatedMLP
 from kvserve.model.layers.attention import Attention
-from kvserve.model.layers.linear import PackedLinear
+from kvserve.model.layers.linear import Linear, PackedLinear, WeightShapeError, copy_weight
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import RotaryEmbedding, rope_head_dim
 
-WeightTargets = dict[str, tuple[nn.Parameter, slice | None]]
+WeightLoaders = dict[str, Callable[[torch.Tensor], None]]
 
 
 def layer_type_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -62,8 +63,7 @@ class DecoderLM(CausalLM):
         self.layers = nn.ModuleList(self._make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = self._make_norm(config.hidden_size)
         self.tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope_keys = [self._rope_key(i) for i in range(config.num_hidden_layers)]
         self.rotaries = {key: RotaryEmbedding(config, key) for key in dict.fromkeys(self.rope_keys)}
 
@@ -148,49 +148,46 @@ class DecoderLM(CausalLM):
         return self._head_dim
 
     def tie_weights(self) -> None:
-        if self.tied:  # one parameter under two modules, as in HF; the checkpoint fills it as the embeddings
+        # One parameter under two modules, as in HF; the checkpoint fills it as the embeddings. A linear method
+        # that re-lays out the head's weight does so into a copy: the embeddings stay as loaded.
+        if self.tied:
             self.lm_head.weight = self.embed_tokens.weight
 
     def sliding_windows(self) -> set[int | None]:
         return {layer.self_attn.sliding_window for layer in self.layers}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        targets = self._weight_targets()
+        loaders = self._weight_loaders()
         loaded: set[str] = set()
-        with torch.no_grad():
-            for name, tensor in weights:
-                if self._is_ignored(name):
-                    continue
-                if name not in targets:
-                    raise CheckpointError(f"unexpected tensor {name!r}: {type(self).__name__} has no parameter for it")
-                param, rows = targets[name]
-                target = param if rows is None else param[rows]
-                if tensor.shape != target.shape:
-                    raise CheckpointError(
-                        f"tensor {name!r} has shape {list(tensor.shape)}, but {type(self).__name__} "
-                        f"expects {list(target.shape)}"
-                    )
-                target.copy_(tensor)
-                loaded.add(name)
-        missing = [name for name in targets if name not in loaded]
+        for name, tensor in weights:
+            if self._is_ignored(name):
+                continue
+            if name not in loaders:
+                raise CheckpointError(f"unexpected tensor {name!r}: {type(self).__name__} has no parameter for it")
+            try:
+                loaders[name](tensor)
+            except WeightShapeError as error:
+                raise CheckpointError(f"tensor {name!r} has shape {error.got}, but {type(self).__name__} "
+                                      f"expects {error.expected}") from None
+            loaded.add(name)
+        missing = [name for name in loaders if name not in loaded]
         if missing:
             listed = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise CheckpointError(f"the checkpoint is missing {len(missing)} tensor(s): {listed}")
 
-    def _weight_targets(self) -> WeightTargets:
-        """HF tensor name -> (parameter, the rows of it that tensor fills; None for all of it)."""
-        targets: WeightTargets = {}
+    def _weight_loaders(self) -> WeightLoaders:
+        """HF tensor name -> what copies it in: a linear layer's method (packed projections into their rows),
+        else a plain copy into the parameter."""
+        loaders: WeightLoaders = {}
         for module_name, module in self.named_modules():
             if self.tied and module is self.lm_head:
                 continue
             for kind, param in module.named_parameters(recurse=False):
-                if isinstance(module, PackedLinear):
-                    parent = module_name.rpartition(".")[0]
-                    for shard, rows in module.shard_rows().items():
-                        targets[_hf_name(f"{parent}.{shard}.{kind}")] = (param, rows)
+                if isinstance(module, Linear):
+                    loaders.update(_linear_loaders(module_name, module, kind))
                 else:
-                    targets[_hf_name(f"{module_name}.{kind}")] = (param, None)
-        return targets
+                    loaders[_hf_name(f"{module_name}.{kind}")] = partial(copy_weight, param)
+        return loaders
 
     def _is_ignored(self, name: str) -> bool:
         # Old Llama checkpoints store each layer's rotary inv_freq buffer; a tied model may still store
@@ -200,6 +197,15 @@ class DecoderLM(CausalLM):
 
 def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def _linear_loaders(module_name: str, linear: Linear, kind: str) -> WeightLoaders:
+    """A packed layer's ``kind`` tensors are named by their projection, beside the layer (``self_attn.q_proj``)."""
+    if not isinstance(linear, PackedLinear):
+        return {_hf_name(f"{module_name}.{kind}"): partial(linear.load_weight, kind)}
+    parent = module_name.rpartition(".")[0]
+    return {_hf_name(f"{parent}.{shard}.{kind}"): partial(linear.load_weight, kind, shard=shard)
+            for shard in linear.shards}
 
 
 class LlamaForCausalLM(DecoderLM):

@@ -1,4 +1,5 @@
-"""Architecture name -> model class, and building a model ready for ``load_weights``."""
+"""Architecture name -> model class; building a model with the linear method of its device and dtype, and
+loading it ready to run. The one place a linear method is chosen: model files only name shapes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from transformers import PretrainedConfig
 from kvserve.attention.backend import AttentionBackend
 from kvserve.model.base import CausalLM
 from kvserve.model.gemma3 import Gemma3ForCausalLM
+from kvserve.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, can_prepack, small_gemm
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import Checkpoint
 from kvserve.model.mistral import MistralForCausalLM
 from kvserve.model.qwen2 import Qwen2ForCausalLM
 from kvserve.model.qwen3 import Qwen3ForCausalLM
@@ -48,14 +52,51 @@ def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
     return MODEL_CLASSES[architecture]
 
 
+def select_linear_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
+    """Prepacked oneDNN weights (and small-GEMM panels where that kernel is tuned) for fp32 on CPU; the plain
+    weights elsewhere."""
+    if can_prepack(device, dtype):
+        return CpuPrepackedLinearMethod(small_gemm())
+    return UnquantizedLinearMethod()
+
+
 def build_model(
-    config: PretrainedConfig, backend: AttentionBackend, dtype: torch.dtype, device: torch.device | str
+    config: PretrainedConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    linear_method: LinearMethod | None = None,
 ) -> CausalLM:
     """The model for ``config`` in ``dtype`` on ``device``, its parameters allocated but not initialised:
-    ``load_weights`` must fill them (it checks that every one is filled)."""
+    ``load_weights`` must fill them (it checks that every one is filled), then
+    ``process_weights_after_loading`` finishes the linear layers. Every linear layer gets ``linear_method``
+    (default: the plain weights)."""
     model_class = get_model_class(config)
+    linear_method = linear_method or UnquantizedLinearMethod()
     with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
-        model = model_class(config, backend)
-    model = model.to(dtype=dtype).to_empty(device=device)
+        # cast before binding: a method's parameters keep the dtypes it chose (a quantized weight, its scales)
+        model = model_class(config, backend).to(dtype=dtype)
+        for layer in model.modules():
+            if isinstance(layer, Linear):
+                layer.bind(linear_method, dtype)
+    model = model.to_empty(device=device)
     model.tie_weights()
     return model
+
+
+def process_weights_after_loading(model: CausalLM) -> None:
+    """Let each linear layer's method re-lay out its loaded weights (once, after ``load_weights``)."""
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.process_weights_after_loading()
+
+
+def load_model(
+    checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+) -> CausalLM:
+    """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method chosen for
+    them, its weights loaded and laid out for that method, in eval mode."""
+    model = build_model(checkpoint.hf_config, backend, dtype, device, select_linear_method(device, dtype))
+    model.load_weights(checkpoint.weights())
+    process_weights_after_loading(model)
+    return model.eval()

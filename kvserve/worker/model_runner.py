@@ -8,9 +8,8 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_backend
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
-from kvserve.model.layers.prepacked import can_prepack, prepack_linears, small_gemm
 from kvserve.model.loader import Checkpoint
-from kvserve.model.registry import build_model
+from kvserve.model.registry import load_model
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
@@ -27,11 +26,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.backend: AttentionBackend = select_backend(device, dtype)
-        self.model = build_model(checkpoint.hf_config, self.backend, dtype, device)
-        self.model.load_weights(checkpoint.weights())
-        self.model.eval()
-        if can_prepack(device, dtype):
-            prepack_linears(self.model, small_gemm())
+        self.model = load_model(checkpoint, self.backend, dtype, device)
         self.sampler = Sampler(seed)
         self.kv: KVCacheStorage | None = None
         self.batch: PersistentBatch | None = None

@@ -7,7 +7,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE, CpuPagedBackend
 from kvserve.bench.step_profile import OP_GROUPS, StepProfile, top_level_ops
-from kvserve.model.layers.prepacked import PrepackedLinear
+from kvserve.model.layers.linear import linear_from_tensors
+from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod
 from tests.attention.test_cpu_paged import make_step
 from tests.attention.test_torch_ref import LAYER
 
@@ -16,7 +17,7 @@ def test_each_kind_of_op_lands_in_its_group() -> None:
     step = make_step([(40, 1), (90, 1)], 2, head_dim=64, block_size=16, num_kv_heads=1, group=2)
     backend = CpuPagedBackend()
     meta = backend.build_metadata(step.inputs, {None})
-    linear = PrepackedLinear(torch.randn(256, 128), None)
+    linear = linear_from_tensors(torch.randn(256, 128), None, CpuPrepackedLinearMethod(None))
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         logits = linear(torch.randn(8, 128))
         backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=0.1)  # writes K/V, then the kernel

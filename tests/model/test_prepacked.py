@@ -1,5 +1,5 @@
-"""PrepackedLinear and the small-GEMM kernel against nn.Linear, and a whole model prepacked against the same model
-unpacked."""
+"""The CPU prepacked linear method and the small-GEMM kernel against nn.Linear, and a whole model prepacked against
+the same model unpacked."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from kvserve.model.layers import prepacked
-from kvserve.model.layers.prepacked import (SMALL_GEMM_MAX_ROWS, PrepackedLinear, SmallGemm, can_prepack,
-                                            prepack_linears)
+from kvserve.model.layers.linear import Linear, linear_from_tensors
+from kvserve.model.layers.prepacked import SMALL_GEMM_MAX_ROWS, CpuPrepackedLinearMethod, SmallGemm, can_prepack
+from kvserve.model.registry import build_model, process_weights_after_loading
 from tests.model.conftest import Family, load_ours
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32),
@@ -31,7 +33,8 @@ def test_prepacked_linear_equals_linear(rows: int, bias: bool, with_small_gemm: 
     gen = torch.Generator().manual_seed(rows)
     linear = nn.Linear(96, 40, bias=bias)  # 40 columns: a full panel and a padded one
     x = torch.randn(rows, 128, generator=gen)[:, 16:112]  # a strided view, as the layers' slices are
-    packed = PrepackedLinear(linear.weight, linear.bias, small if with_small_gemm else None)
+    method = CpuPrepackedLinearMethod(small if with_small_gemm else None)
+    packed = linear_from_tensors(linear.weight, linear.bias, method)
     with torch.no_grad():
         torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
     assert (packed.in_features, packed.out_features) == (96, 40)
@@ -41,7 +44,8 @@ def test_prepacked_linear_equals_linear(rows: int, bias: bool, with_small_gemm: 
 def test_prepacked_linear_keeps_leading_dimensions(with_small_gemm: bool, small: SmallGemm) -> None:
     linear = nn.Linear(24, 40)
     x = torch.randn(3, 4, 24, generator=torch.Generator().manual_seed(0))
-    packed = PrepackedLinear(linear.weight, linear.bias, small if with_small_gemm else None)
+    method = CpuPrepackedLinearMethod(small if with_small_gemm else None)
+    packed = linear_from_tensors(linear.weight, linear.bias, method)
     with torch.no_grad():
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
 
@@ -94,13 +98,16 @@ def test_a_prepacked_model_computes_what_it_did(arch: str, with_small_gemm: bool
                                                 families: dict[str, Family], small: SmallGemm) -> None:
     family = families[arch]
     model = load_ours(tiny_checkpoints[arch], family.ours.backend)
-    num_linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-    embeddings = model.embed_tokens.weight.clone()
+    num_linears = sum(isinstance(m, Linear) for m in model.modules())
+    method = CpuPrepackedLinearMethod(small if with_small_gemm else None)
+    packed = build_model(model.config, family.ours.backend, torch.float32, "cpu", method)
+    packed.load_weights(load_file(tiny_checkpoints[arch] / "model.safetensors").items())
+    process_weights_after_loading(packed)
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model.compute_logits(hidden)
-        assert prepack_linears(model, small if with_small_gemm else None) == num_linears
-        after = model.compute_logits(hidden)
-    assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert torch.equal(model.embed_tokens.weight, embeddings)  # a tied head is packed into a copy of its own
+        after = packed.compute_logits(hidden)
+    assert sum(isinstance(m, Linear) and m.method is method for m in packed.modules()) == num_linears
+    assert not any(isinstance(m, Linear) and "weight" in m._parameters for m in packed.modules())  # not kept
+    assert torch.equal(packed.embed_tokens.weight, model.embed_tokens.weight)  # a tied head is packed into a copy
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)

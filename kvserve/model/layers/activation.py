@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.layers.linear import PackedLinear
+from kvserve.model.layers.linear import Linear, PackedLinear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -32,7 +32,7 @@ class GatedMLP(nn.Module):
         super().__init__()
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = PackedLinear(hidden_size, shards, bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act = get_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.storage import KVCacheStorage
-from kvserve.model.layers.linear import PackedLinear
+from kvserve.model.layers.linear import Linear, PackedLinear
 from kvserve.model.layers.rotary import apply_rotary
 
 
@@ -43,7 +43,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = PackedLinear(hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
 

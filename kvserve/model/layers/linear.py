@@ -1,19 +1,122 @@
-"""PackedLinear: several Hugging Face projections of the same input stored as one weight, so they cost one GEMM."""
+"""Linear layers and the seam behind them: a ``Linear`` knows its shapes, its ``LinearMethod`` owns how the
+weight is stored, loaded and multiplied (plain, prepacked for CPU GEMMs, and later quantized or sharded).
+
+A layer's life, driven by ``model/registry.py``; the model files only construct layers with their shapes:
+
+    Linear(in, out, bias)        shapes only, no parameters yet
+    bind(method, dtype)          the method creates the parameters the checkpoint fills (its shapes and dtypes)
+    load_weight(name, tensor)    each checkpoint tensor, through the method (a TP method would slice it here)
+    process_weights_after_loading()   the method may re-lay the weights out for its kernels
+    forward(x)                   method.apply(layer, x)
+
+``PackedLinear`` stores several Hugging Face projections of the same input as one weight, so they cost one GEMM.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 
-class PackedLinear(nn.Linear):
+class WeightShapeError(ValueError):
+    """A checkpoint tensor whose shape is not the one its parameter (or the rows of it) expects."""
+
+    def __init__(self, got: torch.Size, expected: torch.Size) -> None:
+        super().__init__(f"has shape {list(got)}, but {list(expected)} is expected")
+        self.got, self.expected = list(got), list(expected)
+
+
+def copy_weight(target: torch.Tensor, tensor: torch.Tensor) -> None:
+    """``target.copy_(tensor)`` for tensors of the same shape only: broadcasting would hide a wrong checkpoint."""
+    if tensor.shape != target.shape:
+        raise WeightShapeError(tensor.shape, target.shape)
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+class LinearMethod(ABC):
+    """How a ``Linear`` stores its weight and computes ``x @ W.T + b``. One method object may serve many
+    layers: per-layer state (parameters, re-laid-out weights) lives on the layer, never on the method."""
+
+    @abstractmethod
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        """Register on ``layer`` the parameters its checkpoint tensors load into, named by their checkpoint
+        suffix (``weight``, ``bias``; a quantized format has its own), in shapes and dtypes of the method's
+        choosing; ``dtype`` is the model's. ``layer.bias`` must be set (None without one)."""
+
+    def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor, shard: str | None) -> None:
+        """Copy checkpoint tensor ``name`` of the projection ``shard`` of a ``PackedLinear`` (None: of the whole
+        layer) into its parameter's rows. Raises ``WeightShapeError``. A sharding method narrows it here."""
+        param = getattr(layer, name)
+        copy_weight(param if shard is None else param[layer.shard_rows()[shard]], tensor)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        """Called once after every tensor is loaded: a method may replace the parameters by a layout of its
+        kernels' own. A parameter shared with another module (a tied LM head's weight) must be left intact."""
+
+    @abstractmethod
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in_features] -> [..., out_features]``, in ``x``'s dtype."""
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """The weight as the checkpoint stores it, multiplied by ``F.linear``: the reference every method is
+    tested against, and the method of every device and dtype that has no faster one."""
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        layer.weight = _parameter(layer.out_features, layer.in_features, dtype=dtype)
+        layer.bias = _parameter(layer.out_features, dtype=dtype) if layer.has_bias else None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` over ``[..., in_features]``, computed by the ``LinearMethod`` bound to the layer."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+        self.method: LinearMethod | None = None
+
+    def bind(self, method: LinearMethod, dtype: torch.dtype) -> None:
+        """Give the layer its method, which creates its parameters (on the current default device)."""
+        self.method = method
+        method.create_weights(self, dtype)
+
+    def shard_rows(self) -> dict[str, slice]:
+        """The output rows of each packed projection; a plain Linear packs none."""
+        return {}
+
+    def load_weight(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        self.method.load_weight(self, name, tensor, shard)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, "
+                f"method={type(self.method).__name__}")
+
+
+class PackedLinear(Linear):
     """A Linear whose output rows are the concatenation of named Hugging Face projections.
 
-    ``shards`` maps each HF projection name (``q_proj``) to its number of output rows, in packing order;
-    ``shard_rows`` tells the weight loader where each one goes.
+    ``shards`` maps each HF projection name (``q_proj``) to its number of output rows, in packing order.
     """
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias=bias)
+        super().__init__(in_features, sum(shards.values()), bias)
         self.shards = dict(shards)
 
     def shard_rows(self) -> dict[str, slice]:
@@ -22,3 +125,15 @@ class PackedLinear(nn.Linear):
             rows[name] = slice(start, start + size)
             start += size
         return rows
+
+
+def linear_from_tensors(weight: torch.Tensor, bias: torch.Tensor | None, method: LinearMethod) -> Linear:
+    """A ready Linear holding ``weight [out, in]`` and ``bias`` through ``method``: the life a model's layers
+    go through at load, for benchmarks and tests of one layer."""
+    layer = Linear(weight.shape[1], weight.shape[0], bias is not None)
+    layer.bind(method, weight.dtype)
+    layer.load_weight("weight", weight)
+    if bias is not None:
+        layer.load_weight("bias", bias)
+    layer.process_weights_after_loading()
+    return layer

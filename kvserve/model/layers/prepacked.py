@@ -1,4 +1,4 @@
-"""Linear layers whose weights are laid out once, at load, for CPU GEMMs: oneDNN's blocked format for steps of
+"""The linear method whose weights are laid out once, at load, for CPU GEMMs: oneDNN's blocked format for steps of
 many tokens, and kvserve's column panels (``csrc/small_gemm.c``) for steps of a few.
 
 A plain ``F.linear`` on CPU packs the weight into the GEMM's panel layout on every call: at decode batch sizes
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
 from kvserve.native import KernelBuildError, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
@@ -84,42 +84,28 @@ def small_gemm() -> SmallGemm | None:
     return kernel if kernel.tuned else None
 
 
-class PrepackedLinear(nn.Module):
-    """``nn.Linear``'s forward over a weight reordered for oneDNN, and also in panels for ``small_gemm`` when it
-    is given; the plain weight is not kept."""
+class CpuPrepackedLinearMethod(UnquantizedLinearMethod):
+    """Loads the weight as ``UnquantizedLinearMethod`` does, then reorders it for oneDNN, and also lays it out in
+    panels for ``small`` when given; the plain weight is not kept (a tied head's weight, the embeddings', is
+    reordered into a copy of its own). fp32 only: see ``can_prepack``."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, small: SmallGemm | None = None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.bias = None if bias is None else bias.detach().contiguous()
+    def __init__(self, small: SmallGemm | None) -> None:
         self.small = small
-        self.panels = small.pack(weight) if small is not None else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is None or x.numel() > SMALL_GEMM_MAX_ROWS * self.in_features:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        y = self.small(x.reshape(-1, self.in_features), self.panels, self.bias, self.out_features)
-        return y.view(*x.shape[:-1], self.out_features)
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        weight = layer.weight.detach()
+        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        layer.panels = self.small.pack(weight) if self.small is not None else None
+        del layer.weight
 
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"small_gemm={self.small is not None}")
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.panels is None or x.numel() > SMALL_GEMM_MAX_ROWS * layer.in_features:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
+        y = self.small(x.reshape(-1, layer.in_features), layer.panels, layer.bias, layer.out_features)
+        return y.view(*x.shape[:-1], layer.out_features)
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """fp32 on a CPU build of torch that has oneDNN and the op (an internal one: checked, not assumed)."""
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-def prepack_linears(model: nn.Module, small: SmallGemm | None = None) -> int:
-    """Replace every ``nn.Linear`` in ``model`` by a ``PrepackedLinear`` of its weights (with panels for
-    ``small`` if given); how many were replaced. A weight shared with another module (a tied LM head) is
-    reordered into a copy of its own."""
-    parents = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if isinstance(child, nn.Linear)]
-    for parent, name, linear in parents:
-        setattr(parent, name, PrepackedLinear(linear.weight, linear.bias, small))
-    logger.debug("prepacked %d linear layers (small-GEMM panels: %s)", len(parents), small is not None)
-    return len(parents)
