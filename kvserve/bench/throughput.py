@@ -35,8 +35,9 @@ from kvserve.bench.datasets import SampleRequest, add_dataset_arguments, build_d
 from kvserve.bench.report import write_result_json
 from kvserve.bench.serve import with_answers
 from kvserve.bench.step_profile import StepProfile, format_profile
-from kvserve.config import DEFAULT_MODEL, CacheConfig, SchedulerConfig, parse_dtype, resolve_device
+from kvserve.config import parse_dtype, resolve_device
 from kvserve.engine.input_processor import InputProcessor
+from kvserve.engine_args import EngineArgs
 from kvserve.model.loader import load_checkpoint
 from kvserve.model.sources import resolve_model
 
@@ -80,21 +81,10 @@ class SystemResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                        help=f"a packaged model name, a Hugging Face directory or a GGUF file "
-                             f"(default {DEFAULT_MODEL})")
     parser.add_argument("--backend", default="kvserve", help=f"comma-separated, of {', '.join(BACKENDS)}")
     parser.add_argument("--hf-mode", default=",".join(HF_MODES),
                         help=f"transformers modes for --backend hf, comma-separated, of {', '.join(HF_MODES)}")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="batch size of --hf-mode static")
-    parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=CacheConfig.enable_prefix_caching)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--profile", action="store_true", help="also profile kvserve's engine steps")
     parser.add_argument("--profile-every", type=int, default=10, help="profile one engine step in this many (>= 2)")
@@ -102,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-json", default=None)
     roofline.add_probe_arguments(parser)
     add_dataset_arguments(parser)
+    EngineArgs.add_cli_args(parser, skip=("seed",))  # --seed is the workload's, and seeds the engine too
 
 
 def selected_systems(args: argparse.Namespace) -> list[tuple[str, str | None]]:
@@ -263,10 +254,7 @@ def run_systems(bench: Bench, systems: list[tuple[str, str | None]], args: argpa
 
 
 def load_kvserve(args: argparse.Namespace) -> LLM:
-    return LLM(args.model, dtype=args.dtype, device=args.device, seed=args.seed,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-               enable_prefix_caching=args.enable_prefix_caching)
+    return LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
 
 
 def greedy_exact(request: SampleRequest) -> SamplingParams:

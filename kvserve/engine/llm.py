@@ -7,9 +7,10 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from kvserve.config import DEFAULT_MODEL, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import DEFAULT_MODEL
 from kvserve.engine.input_processor import ChatMessages, PromptInput
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine_args import EngineArgs
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -19,41 +20,10 @@ PROGRESS_BAR_MIN_PROMPTS = 8
 class LLM:
     """Generate from a model offline: ``LLM().generate(["Hello"], SamplingParams(max_tokens=8))``."""
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: float | None = None,
-        gpu_memory_utilization: float = 0.85,
-        kv_cache_dtype: str = "auto",
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = True,
-        scheduling_policy: str = "lpm",
-        device: str = "auto",
-        seed: int = 0,
-    ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory=kv_cache_memory,
-                gpu_memory_utilization=gpu_memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                scheduling_policy=scheduling_policy,
-            ),
-            device=device,
-        )
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
+        """``engine_options`` are ``EngineArgs``'s fields (``dtype``, ``max_num_seqs``, ``num_kv_blocks``, ...);
+        an unknown one is a TypeError that names it, a bad value a ValueError that names it."""
+        config = EngineArgs(model=model, **engine_options).create_engine_config()
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
 

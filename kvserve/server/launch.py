@@ -25,7 +25,8 @@ from typing import AsyncIterator
 import uvicorn
 from fastapi import FastAPI
 
-from kvserve.config import DEFAULT_MODEL, SCHEDULING_POLICIES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import EngineConfig
+from kvserve.engine_args import EngineArgs
 from kvserve.server.app import build_app
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
 
@@ -36,58 +37,26 @@ CONNECTION_CLOSE_SECONDS = 5.0  # after the drain: how long uvicorn waits for re
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``kvserve serve``; MODEL defaults to the packaged default model."""
-    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                        help=f"a packaged model name, a Hugging Face directory or a GGUF file "
-                             f"(default {DEFAULT_MODEL})")
+    """The flags of ``kvserve serve``: the server's own, then every engine option (MODEL defaults to the packaged
+    default model)."""
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the name(s) clients use in 'model' (default: MODEL as given)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
     parser.add_argument("--max-waiting", type=int, default=None,
                         help="answer 503 (Retry-After) while more requests than this wait (default: no limit)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory", type=float, default=None, help="GiB for the KV cache")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
-    parser.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=CacheConfig.enable_prefix_caching)
-    parser.add_argument("--scheduling-policy", default=SchedulerConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
-                        help="order of waiting requests: arrival (fcfs) or longest cached prefix first (lpm)")
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies are answered 413")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    EngineArgs.add_cli_args(parser)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's configuration from the flags; raises ValueError for a bad value before anything loads."""
-    return EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enable_prefix_caching=args.enable_prefix_caching,
-            kv_cache_dtype=args.kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            scheduling_policy=args.scheduling_policy,
-        ),
-        device=args.device,
-    )
+    return EngineArgs.from_cli_args(args).create_engine_config()
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

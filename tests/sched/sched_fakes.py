@@ -128,9 +128,11 @@ def _prompt_logprobs(row: ScheduledRequest, prompt_token_ids: list[int]) -> list
 
 def make_scheduler(
     num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32, max_num_seqs: int = 8,
-    max_model_len: int = 256, prefix_caching: bool = False, policy: str = "fcfs",
+    max_model_len: int = 256, prefix_caching: bool = False, policy: str = "fcfs", lpm_aging_steps: int = 64,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy=policy)
+    config = SchedulerConfig(
+        max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy=policy, lpm_aging_steps=lpm_aging_steps
+    )
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
 
 

@@ -91,8 +91,7 @@ def test_fcfs_keeps_arrival_order_even_with_a_cached_prefix() -> None:
 
 
 def test_lpm_serves_a_request_that_waited_too_long_first() -> None:
-    scheduler = cached_scheduler(num_blocks=128, max_num_batched_tokens=64, max_num_seqs=1)
-    scheduler.config.lpm_aging_steps = 3
+    scheduler = cached_scheduler(num_blocks=128, max_num_batched_tokens=64, max_num_seqs=1, lpm_aging_steps=3)
     runner = runner_for(scheduler)
     scheduler.add_request(make_request("warm", 33, prefix=shared_prefix(1, 32), max_tokens=1))
     run_to_completion(scheduler, runner)

@@ -1,0 +1,108 @@
+"""EngineArgs: every engine option, defined once.
+
+``LLM(...)``'s keyword arguments, the engine flags of ``kvserve serve``, ``kvserve bench throughput`` and
+``kvserve generate``, their defaults and their help all come from the fields below (``max_num_seqs`` is
+``--max-num-seqs``), so a new option is added here and nowhere else. ``create_engine_config`` turns the flat
+arguments into the frozen, validated ``EngineConfig`` that the components read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Collection
+
+from kvserve.config import (
+    DEFAULT_MODEL,
+    DEVICES,
+    DTYPE_CHOICES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+
+
+def _option(default: Any, help: str, type: type | None = None, choices: Collection[str] | None = None) -> Any:
+    """A field that is also a command-line flag; ``type`` None for a boolean ``--x / --no-x`` flag."""
+    return field(default=default, metadata={"help": help, "type": type, "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine's options as users give them: flat, with the defaults of the configs they fill in."""
+
+    model: str = _option(DEFAULT_MODEL, "a packaged model name, a Hugging Face directory or a GGUF file", str)
+    dtype: str = _option(ModelConfig.dtype, "weights and activations ('auto': fp32 on CPU, bf16 on CUDA)", str,
+                         DTYPE_CHOICES)
+    max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
+    seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
+    device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)
+    block_size: int = _option(CacheConfig.block_size, "tokens per KV block (a power of two)", int)
+    num_kv_blocks: int | None = _option(None, "KV blocks to allocate (wins over the memory options)", int)
+    kv_cache_memory: float | None = _option(None, "GiB for the KV cache (CPU; default: sized from free memory)",
+                                            float)
+    gpu_memory_utilization: float = _option(CacheConfig.gpu_memory_utilization,
+                                            "fraction of free CUDA memory the KV cache may take", float)
+    kv_cache_dtype: str = _option(CacheConfig.kv_cache_dtype, "how KV blocks are stored", str)
+    enable_prefix_caching: bool = _option(CacheConfig.enable_prefix_caching,
+                                          "reuse the KV of shared prompt prefixes (radix tree)")
+    max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "requests running at once", int)
+    max_num_batched_tokens: int = _option(SchedulerConfig.max_num_batched_tokens,
+                                          "tokens per step; longer prompts are prefilled in chunks", int)
+    scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,
+                                     "order of waiting requests: arrival (fcfs) or longest cached prefix first "
+                                     "(lpm)", str, SCHEDULING_POLICIES)
+    lpm_aging_steps: int = _option(SchedulerConfig.lpm_aging_steps,
+                                   "lpm: requests waiting longer than this many steps go first, in arrival order",
+                                   int)
+
+    def create_engine_config(self) -> EngineConfig:
+        """The frozen configuration; raises ValueError naming the first bad option."""
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                scheduling_policy=self.scheduling_policy,
+                lpm_aging_steps=self.lpm_aging_steps,
+            ),
+            device=self.device,
+        )
+
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, *, skip: Collection[str] = (), model_flag: bool = False
+    ) -> None:
+        """Add a flag per option to ``parser`` (MODEL positional unless ``model_flag``); ``skip`` leaves out
+        options whose flag the command already uses for something of its own."""
+        group = parser.add_argument_group("engine")
+        for option in dataclasses.fields(cls):
+            if option.name in skip:
+                continue
+            meta = option.metadata
+            kwargs: dict[str, Any] = {"default": option.default, "help": meta["help"]}
+            if meta["type"] is None:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs.update(type=meta["type"], choices=meta["choices"])
+            if option.name == "model" and not model_flag:
+                group.add_argument("model", nargs="?", **kwargs)
+            else:
+                group.add_argument("--" + option.name.replace("_", "-"), **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The options parsed by a parser that ``add_cli_args`` filled; skipped ones keep their defaults
+        unless the command's own flag of that name set them."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})

@@ -1,0 +1,113 @@
+"""EngineArgs: one definition of the engine's options behind LLM(...), serve, bench throughput and generate;
+configs frozen after validation; no global seeding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.cli import build_parser
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.engine_args import EngineArgs
+
+# A value other than the default for every option, and how it is written on a command line.
+CHANGED = {
+    "model": "some-model",
+    "dtype": "bfloat16",
+    "max_model_len": 512,
+    "seed": 7,
+    "device": "cpu",
+    "block_size": 32,
+    "num_kv_blocks": 99,
+    "kv_cache_memory": 1.5,
+    "gpu_memory_utilization": 0.5,
+    "kv_cache_dtype": "auto",  # the only value today; still a flag
+    "enable_prefix_caching": False,
+    "max_num_seqs": 3,
+    "max_num_batched_tokens": 64,
+    "scheduling_policy": "fcfs",
+    "lpm_aging_steps": 5,
+}
+
+
+def _flags(skip: tuple[str, ...] = (), model_flag: bool = False) -> list[str]:
+    argv = []
+    for name, value in CHANGED.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name == "model" and not model_flag:
+            argv.insert(0, value)
+        elif isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def test_the_changed_values_cover_every_option() -> None:
+    assert set(CHANGED) == {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+@pytest.mark.parametrize(
+    "command, skip, model_flag",
+    [
+        (["serve"], (), False),
+        (["bench", "throughput"], ("seed",), False),  # --seed is the workload's there, and seeds the engine too
+        (["generate", "a prompt"], (), True),
+    ],
+)
+def test_every_command_takes_every_engine_option(command, skip, model_flag) -> None:
+    args = build_parser().parse_args(command + _flags(skip, model_flag) + (["--seed", "7"] if skip else []))
+    assert EngineArgs.from_cli_args(args) == EngineArgs(**CHANGED)
+
+
+def test_defaults_are_the_configs_defaults() -> None:
+    assert EngineArgs().create_engine_config() == EngineConfig()
+    assert build_parser().parse_args(["serve"]).max_num_seqs == SchedulerConfig.max_num_seqs
+
+
+def test_flat_options_land_in_the_narrow_configs() -> None:
+    config = EngineArgs(**CHANGED).create_engine_config()
+    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7)
+    assert config.cache == CacheConfig(32, 99, 1.5, 0.5, False, "auto")
+    assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
+    assert config.device == "cpu"
+
+
+@pytest.mark.parametrize("config", [ModelConfig(), CacheConfig(), SchedulerConfig(), EngineConfig()])
+def test_configs_are_frozen(config) -> None:
+    name = dataclasses.fields(config)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(config, name, getattr(config, name))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"dtype": "float64"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"block_size": 6}, "block_size"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"scheduling_policy": "random"}, "scheduling_policy"),
+        ({"lpm_aging_steps": 0}, "lpm_aging_steps"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ],
+)
+def test_a_bad_value_is_refused_before_anything_loads(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**options).create_engine_config()
+
+
+def test_an_unknown_llm_option_is_named() -> None:
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        LLM("any-model", max_num_sequences=4)
+
+
+def test_building_an_engine_leaves_the_global_rng_alone(tiny_checkpoints) -> None:
+    before = torch.get_rng_state()
+    LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=16, seed=1234)
+    assert torch.equal(torch.get_rng_state(), before)
