@@ -101,6 +101,11 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         num_computed, cached = request.num_computed_tokens, []
+        if prefix is None and (num_computed + num_new_tokens + self.block_size - 1) // self.block_size <= len(
+            request.block_ids
+        ):  # the common decode step: its blocks already hold the new tokens
+            self._extend_path(request, num_computed)
+            return True
         if prefix is not None and prefix.nodes:
             if request.block_ids:
                 raise ValueError(f"request {request.request_id} holds blocks; only a fresh one takes a prefix")
@@ -123,8 +128,8 @@ class KVCacheManager:
         """After a step: the request's blocks now computed stop being pending, and blocks it has just filled
         with known tokens (outputs) join the tree."""
         path = self._paths.get(request.request_id)
-        if path is None:
-            return
+        if path is None or (not path.pending and request.num_tokens // self.block_size <= path.num_blocks):
+            return  # nothing pending, no block newly filled with known tokens
         num_full = request.num_computed_tokens // self.block_size
         first_pending = path.num_blocks - len(path.pending)
         num_done = min(len(path.pending), max(0, num_full - first_pending))

@@ -195,6 +195,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: _Budget, scheduled: list[tuple[Request, int]]) -> None:
         """Admit waiting requests in policy order while their chunk's blocks fit; never preempts to make
         room. One whose prefix a running request is still computing is passed over this step."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return  # before ordering the queue: under lpm that matches every waiting request's prefix
         admitted: set[Request] = set()
         for request in self._waiting_in_policy_order():
             if not budget.has_room() or len(self.running) >= self.config.max_num_seqs:
@@ -268,13 +270,14 @@ class Scheduler:
         if num_sent is None:
             new_requests.append(_new_request_data(request, self._fork_source(request)))
             num_sent = len(request.block_ids)
-        self._num_blocks_sent[request.request_id] = len(request.block_ids)
+        num_blocks = len(request.block_ids)
+        self._num_blocks_sent[request.request_id] = num_blocks
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,
             start_pos=start,
             num_tokens=num_new,
-            new_block_ids=tuple(request.block_ids[num_sent:]),
+            new_block_ids=tuple(request.block_ids[num_sent:]) if num_sent < num_blocks else (),
             sample=start + num_new == request.num_tokens,
             prompt_logprobs=_wants_prompt_logprobs(request, start + num_new),
         )

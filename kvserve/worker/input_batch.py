@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionInputs
-from kvserve.request import TokenIds
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -57,10 +56,6 @@ class _Row:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling: SamplingRow
-
-    @property
-    def token_ids(self) -> TokenIds:
-        return TokenIds(self.prompt_token_ids, self.output_token_ids)
 
 
 class PersistentBatch:
@@ -165,9 +160,7 @@ class PersistentBatch:
     def prepare(self, sched_out: SchedulerOutput) -> InputBatch:
         """The step's flat inputs; one Python pass over the step's requests, everything per token in numpy."""
         scheduled = sched_out.requests
-        rows = np.fromiter((self._index_of(r.request_id) for r in scheduled), dtype=np.int64, count=len(scheduled))
-        query_lens = np.fromiter((r.num_tokens for r in scheduled), dtype=np.int64, count=len(scheduled))
-        start_pos = np.fromiter((r.start_pos for r in scheduled), dtype=np.int64, count=len(scheduled))
+        rows, start_pos, query_lens, tokens = self._gather(scheduled)
         query_start = np.zeros(len(scheduled) + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start[1:])
         seq_lens = start_pos + query_lens
@@ -179,9 +172,7 @@ class PersistentBatch:
         block_tables = self.block_table[rows, :width]
         slot_mapping = block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
         slot_mapping += positions % self.block_size
-        input_ids = np.fromiter(
-            (t for r in scheduled for t in self._tokens_to_run(r)), dtype=np.int64, count=num_tokens
-        )
+        input_ids = np.array(tokens, dtype=np.int64)
         attn = AttentionInputs(
             num_decodes=int(np.count_nonzero(query_lens == 1)),
             query_start_loc=self._to_device("query_start_loc", query_start, torch.int32),
@@ -199,22 +190,37 @@ class PersistentBatch:
             attn=attn,
             sample_rows=self._to_device("sample_rows", query_start[1:][sampling] - 1, torch.int64),
             sample_request_ids=[scheduled[i].request_id for i in sampling],
-            sampling=SamplingBatch([self._row(scheduled[i].request_id).sampling for i in sampling]),
+            sampling=SamplingBatch([self._rows[rows[i]].sampling for i in sampling]),
             prompt_logprobs=[
                 rows for i, r in enumerate(scheduled) if r.prompt_logprobs
                 if (rows := self._prompt_logprob_rows(r, int(query_start[i]))) is not None
             ],
         )
 
-    def _tokens_to_run(self, scheduled: ScheduledRequest) -> list[int]:
-        token_ids = self._row(scheduled.request_id).token_ids
-        end = scheduled.start_pos + scheduled.num_tokens
-        if end > len(token_ids):
-            raise ValueError(
-                f"request {scheduled.request_id!r} is scheduled up to position {end - 1}, but the runner knows "
-                f"only {len(token_ids)} of its tokens"
-            )
-        return token_ids[scheduled.start_pos : end]
+    def _gather(self, scheduled: tuple[ScheduledRequest, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+        """Each scheduled request's row, start position and token count, and the token ids the step runs, in
+        order: one pass, as a decode step's host time is this loop's per-request cost times the batch size."""
+        rows, starts, lengths, tokens = [], [], [], []
+        for r in scheduled:
+            index = self._index_of(r.request_id)
+            row = self._rows[index]
+            prompt, outputs = row.prompt_token_ids, row.output_token_ids
+            start, end = r.start_pos, r.start_pos + r.num_tokens
+            num_prompt = len(prompt)
+            if end > num_prompt + len(outputs):
+                raise ValueError(
+                    f"request {r.request_id!r} is scheduled up to position {end - 1}, but the runner knows "
+                    f"only {num_prompt + len(outputs)} of its tokens"
+                )
+            if start >= num_prompt:
+                tokens += outputs[start - num_prompt : end - num_prompt]
+            else:
+                tokens += prompt[start:end]
+                tokens += outputs[: max(0, end - num_prompt)]
+            rows.append(index)
+            starts.append(start)
+            lengths.append(r.num_tokens)
+        return tuple(np.array(values, dtype=np.int64) for values in (rows, starts, lengths)) + (tokens,)
 
     def _prompt_logprob_rows(self, scheduled: ScheduledRequest, first_row: int) -> PromptLogprobRows | None:
         """Rows of a chunk whose next token is still a prompt token: position p predicts prompt[p + 1].
