@@ -1,6 +1,7 @@
 """One decode step's GEMMs on CPU, fp32: ``F.linear``, oneDNN's blocked weights and kvserve's small-GEMM panels.
 
     python benchmarks/cpu_gemm.py [--threads N] [--tokens 1,7,16,33,64,256]
+    KVSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/cpu_gemm.py   # AVX2 paths on an AVX-512 CPU
 
 SmolLM2-135M's projections (qkv 576->960, o 576->576, gate_up 576->3072, down 1536->576, 30 layers each, and
 the 576->49152 LM head once), with 30 distinct weight copies per layer projection so that each comes from
@@ -12,12 +13,14 @@ memory, as in a real step. For each token count: the best of 3 passes over all o
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers.linear import linear_from_tensors
+from kvserve.native import ISA_ENV_VAR
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, SmallGemm
 from kvserve.model.registry import select_linear_method
 
@@ -35,6 +38,9 @@ def main() -> None:
     weights = [torch.randn(n, k) for name, (n, k) in SHAPES.items()
                for _ in range(1 if name == "lm_head" else NUM_LAYERS)]
     kernel = SmallGemm()
+    isa = os.environ.get(ISA_ENV_VAR, "native")
+    print(f"small-GEMM kernel built for {isa} ({ISA_ENV_VAR}): panels of {kernel.panel_width} columns, "
+          f"{'used' if kernel.tuned else 'not used'} by the engine on this CPU")
     engine_method = select_linear_method(torch.device("cpu"), torch.float32)
     panels = [kernel.pack(w) for w in weights]
     kinds = {"F.linear": [lambda x, w=w: F.linear(x, w) for w in weights],

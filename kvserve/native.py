@@ -23,7 +23,12 @@ from pathlib import Path
 import platformdirs
 import torch
 
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+# The one environment variable kvserve's kernels read: KVSERVE_CPU_ISA=avx2 builds them for AVX2 + FMA
+# (Haswell) on any x86-64 CPU, so that a developer on an AVX-512 machine can measure the AVX2 code paths too
+# (ATEN_CPU_CAPABILITY=avx2 does the same for torch's own kernels). Default: the machine's own ISA.
+ISA_ENV_VAR = "KVSERVE_CPU_ISA"
+ISA_MARCH = {"native": "-march=native", "avx2": "-march=haswell"}
 COMPILE_TIMEOUT_S = 120
 
 
@@ -66,11 +71,20 @@ def library_path(source: Path) -> Path:
         text = source.read_bytes()
     except OSError as error:
         raise KernelBuildError(f"the kernel source {source} is missing: {error}") from error
-    key = hashlib.sha256(b"\0".join([text, " ".join(COMPILE_FLAGS).encode(), _cpu_id().encode()])).hexdigest()
+    flags = compile_flags()
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _cpu_id().encode()])).hexdigest()
     path = Path(platformdirs.user_cache_dir("kvserve")) / "kernels" / f"{source.stem}-{key[:16]}.so"
     if not path.exists():
-        _compile(source, path)
+        _compile(source, path, flags)
     return path
+
+
+def compile_flags() -> tuple[str, ...]:
+    """gcc's flags for the kernels, for the ISA that ``$KVSERVE_CPU_ISA`` names (default: this CPU's own)."""
+    isa = os.environ.get(ISA_ENV_VAR, "native")
+    if isa not in ISA_MARCH:
+        raise KernelBuildError(f"{ISA_ENV_VAR}={isa!r} is not a kernel ISA; expected one of {', '.join(ISA_MARCH)}")
+    return (*COMPILE_FLAGS, ISA_MARCH[isa])
 
 
 def _cpu_id() -> str:
@@ -82,7 +96,7 @@ def _cpu_id() -> str:
     return platform.machine() + next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
 
 
-def _compile(source: Path, path: Path) -> None:
+def _compile(source: Path, path: Path, flags: tuple[str, ...]) -> None:
     compiler = shutil.which("gcc")
     if compiler is None:
         raise KernelBuildError("no C compiler: gcc is not on PATH")
@@ -92,7 +106,7 @@ def _compile(source: Path, path: Path) -> None:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *COMPILE_FLAGS, str(source), "-o", tmp, "-lm"],
+            [compiler, *flags, str(source), "-o", tmp, "-lm"],
             capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
         )
         if result.returncode != 0:

@@ -3,6 +3,7 @@ the same model unpacked."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from kvserve import native
 from kvserve.model.layers import prepacked
 from kvserve.model.layers.linear import Linear, linear_from_tensors
 from kvserve.model.layers.prepacked import SMALL_GEMM_MAX_ROWS, CpuPrepackedLinearMethod, SmallGemm, can_prepack
@@ -51,8 +53,12 @@ def test_prepacked_linear_keeps_leading_dimensions(with_small_gemm: bool, small:
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (31, 5), (32, 64), (33, 64), (200, 17)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 32])
+@pytest.mark.parametrize("rows", [1, 3, 6, 8, 9, 13, 16, 32, 97])
 def test_small_gemm_equals_matmul(n: int, k: int, rows: int, small: SmallGemm) -> None:
+    _check_small_gemm(small, n, k, rows)
+
+
+def _check_small_gemm(small: SmallGemm, n: int, k: int, rows: int) -> None:
     gen = torch.Generator().manual_seed(n * k + rows)
     weight, bias, x = torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(rows, k, generator=gen)
     expected = x.double() @ weight.double().T + bias.double()
@@ -68,6 +74,29 @@ def test_small_gemm_rows_do_not_depend_on_the_rest_of_the_step(small: SmallGemm)
     panels = small.pack(weight)
     alone = torch.cat([small(x[i:i + 1], panels, None, 100) for i in range(len(x))])
     assert torch.equal(small(x, panels, None, 100), alone)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((line for line in lines if line.startswith("flags")), "").split())
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="this CPU has no AVX2 + FMA to run the AVX2 build")
+def test_the_avx2_build_asked_for_on_any_cpu_equals_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ISA_ENV_VAR, "avx2")
+    avx2 = SmallGemm(ctypes.CDLL(str(native.library_path(prepacked.SMALL_GEMM_SOURCE))))
+    assert avx2.panel_width == 16 and avx2.tuned
+    for n, k, rows in [(33, 64, 1), (200, 17, 6), (17, 5, 13), (100, 64, 97)]:
+        _check_small_gemm(avx2, n, k, rows)
+
+
+def test_an_unknown_kernel_isa_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ISA_ENV_VAR, "avx9000")
+    with pytest.raises(native.KernelBuildError, match="KVSERVE_CPU_ISA='avx9000'"):
+        native.library_path(prepacked.SMALL_GEMM_SOURCE)
 
 
 def test_small_gemm_refuses_what_does_not_fit(small: SmallGemm) -> None:

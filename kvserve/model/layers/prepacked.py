@@ -14,8 +14,16 @@ Measured on 2 cores (AVX-512) at SmolLM2's shapes, one step's GEMMs over all 30 
     oneDNN blocked       33     47     63     85    124    128    149    269
     small-GEMM panels    25     37     48     63     94    114    165    305
 
+The same on AVX2 (2-core AMD EPYC Zen 2; other jobs shared the cores, so only the same-run ratios hold), with
+the kernel built for AVX2 (8-wide vectors, panels of 16 columns, tiles of 6 rows):
+
+    tokens in the step     1     16     32     64     96
+    oneDNN blocked       41.8  117.2  214.1  320.8  437.3
+    small-GEMM panels    32.8   78.4  201.0  265.3  385.8
+
 Keeping both layouts doubles the memory of the linear weights; the panels are kept only where the kernel was
-built for AVX-512, the only kind of CPU it was measured on.
+built for a vector ISA it was measured on (AVX-512, or AVX2 with FMA). ``KVSERVE_CPU_ISA=avx2`` builds the AVX2
+kernel on an AVX-512 machine (``kvserve.native``).
 """
 
 from __future__ import annotations
@@ -43,10 +51,11 @@ _C_ARG_TYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int6
 class SmallGemm:
     """The compiled small-GEMM kernel: ``pack`` lays a weight out in panels once, a call multiplies by it."""
 
-    def __init__(self) -> None:
-        library = load_library(SMALL_GEMM_SOURCE)
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        """``library``: a build of ``SMALL_GEMM_SOURCE`` (default: this process's, for its CPU)."""
+        library = library or load_library(SMALL_GEMM_SOURCE)
         self.panel_width: int = library.kvserve_small_gemm_panel()
-        self.tuned = bool(library.kvserve_small_gemm_tuned())  # built for AVX-512, where it was measured to win
+        self.tuned = bool(library.kvserve_small_gemm_tuned())  # built for AVX-512 or AVX2 + FMA, measured to win
         self._gemm = library.kvserve_small_gemm_f32
         self._gemm.argtypes = _C_ARG_TYPES
         self._gemm.restype = None
