@@ -36,13 +36,13 @@
 #define VEC 16          /* floats per vector register */
 #define SCORE_LANES 3   /* score block: up to 3 lane vectors x SCORE_KEYS keys = 24 of 32 registers */
 #define SCORE_KEYS 8
-#define VALUE_ROWS 4    /* weighted values: 4 rows x VALUE_VECS vectors of head_dim = 16 of 32 registers */
+#define VALUE_ROWS 6    /* weighted values: 6 rows x VALUE_VECS vectors of head_dim = 24 of 32 registers */
 #define VALUE_VECS 4
 #else
 #define VEC 8
 #define SCORE_LANES 3   /* 3 x 4 sums + 3 query vectors + 1 broadcast key element = 16 registers */
 #define SCORE_KEYS 4
-#define VALUE_ROWS 4    /* 4 x 2 sums + 2 value vectors + 1 broadcast weight */
+#define VALUE_ROWS 6    /* 6 x 2 sums + 2 value vectors + 1 broadcast weight; 12 sums hide the FMA latency */
 #define VALUE_VECS 2
 #endif
 #define KEY_TILE 32
@@ -159,15 +159,20 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q_t, 
 #undef SCORE_BLOCKS
 }
 
-/* -inf on the scores of keys a row may not see: later than its position, or window or more before it. Only
- * tiles that reach past the tile's first query position, or back past its last query's window, need this. */
-static void mask_tile(const PrefillArgs *a, float *scores, int width, int num_lanes, int first_key, int num_keys,
-                      int first_pos) {
+/* -inf on the scores of keys a row may not see: later than its position (query_pos, per lane), or window or more
+ * before it. Only tiles that reach past the item's first query position, or back past its last query's window,
+ * need this. */
+static inline void mask_tile(float *scores, int width, const int32_t *query_pos, int first_key, int num_keys,
+                             int window) {
+    const ivec no_window = (ivec){0} + (window > 0 ? 0 : -1); /* all ones: nothing is too old */
     for (int t = 0; t < num_keys; t++)
-        for (int lane = 0; lane < num_lanes; lane++) {
-            const int query_pos = first_pos + lane / a->group, key_pos = first_key + t;
-            if (key_pos > query_pos || (a->window > 0 && key_pos <= query_pos - a->window))
-                scores[t * width + lane] = -INFINITY;
+        for (int lane = 0; lane < width; lane += VEC) {
+            ivec pos;
+            memcpy(&pos, query_pos + lane, sizeof pos);
+            const ivec key = (ivec){0} + (first_key + t);
+            const ivec visible = (key <= pos) & ((key > pos - window) | no_window);
+            const vec s = load(scores + t * width + lane);
+            store(scores + t * width + lane, (vec)((visible & (ivec)s) | (~visible & (ivec)((vec){0} - INFINITY))));
         }
 }
 
@@ -193,42 +198,53 @@ static inline void softmax_down_lanes(float *scores, int num_keys, int width, fl
 }
 
 /* acc[r][j..j + num_vecs) = acc * correction + sum over the tile's keys of weight[t][r] * value row t, for
- * VALUE_ROWS rows from first_lane, the sums in registers. */
-static inline __attribute__((always_inline)) void value_block(const int num_vecs, float *acc, int j,
-                                                              const float *weights, int width, int first_lane,
-                                                              const float *correction, const float *v_cache,
-                                                              const int64_t *rows, int num_keys, const int d) {
+ * num_rows rows from first_lane, the sums in registers. */
+static inline __attribute__((always_inline)) void value_block(const int num_rows, const int num_vecs, float *acc,
+                                                              int j, const float *weights, int width,
+                                                              int first_lane, const float *correction,
+                                                              const float *v_cache, const int64_t *rows,
+                                                              int num_keys, const int d) {
     vec sum[VALUE_ROWS][VALUE_VECS];
-    for (int r = 0; r < VALUE_ROWS; r++)
+    for (int r = 0; r < num_rows; r++)
         for (int s = 0; s < num_vecs; s++)
             sum[r][s] = load(acc + (first_lane + r) * d + j + s * VEC) * correction[first_lane + r];
     for (int t = 0; t < num_keys; t++) {
         const float *v = v_cache + rows[t] + j;
         vec v_s[VALUE_VECS];
         for (int s = 0; s < num_vecs; s++) v_s[s] = load(v + s * VEC);
-        for (int r = 0; r < VALUE_ROWS; r++) {
+        for (int r = 0; r < num_rows; r++) {
             const float w = weights[t * width + first_lane + r];
             for (int s = 0; s < num_vecs; s++) sum[r][s] += w * v_s[s];
         }
     }
-    for (int r = 0; r < VALUE_ROWS; r++)
+    for (int r = 0; r < num_rows; r++)
         for (int s = 0; s < num_vecs; s++) store(acc + (first_lane + r) * d + j + s * VEC, sum[r][s]);
 }
 
-/* acc = acc * correction + weights^T . values over all width lanes (a multiple of VALUE_ROWS); the elements of
- * head_dim past its last whole vector one by one. */
+/* value_block over the whole vectors of head_dim for num_rows rows from first_lane. */
+static inline __attribute__((always_inline)) void value_rows(const int num_rows, float *acc, const float *weights,
+                                                             int width, int first_lane, const float *correction,
+                                                             const float *v_cache, const int64_t *rows,
+                                                             int num_keys, const int d) {
+    int j = 0;
+    for (; j + VALUE_VECS * VEC <= d; j += VALUE_VECS * VEC)
+        value_block(num_rows, VALUE_VECS, acc, j, weights, width, first_lane, correction, v_cache, rows, num_keys, d);
+    for (; j + VEC <= d; j += VEC)
+        value_block(num_rows, 1, acc, j, weights, width, first_lane, correction, v_cache, rows, num_keys, d);
+}
+
+/* acc = acc * correction + weights^T . values over all width lanes (a multiple of VEC, so of 2), VALUE_ROWS rows
+ * at a time and then 2; the elements of head_dim past its last whole vector one by one. */
 static inline __attribute__((always_inline)) void tile_values(float *acc, const float *weights, int width,
                                                               const float *correction, const float *v_cache,
                                                               const int64_t *rows, int num_keys, const int d) {
+    int lane = 0;
+    for (; lane + VALUE_ROWS <= width; lane += VALUE_ROWS)
+        value_rows(VALUE_ROWS, acc, weights, width, lane, correction, v_cache, rows, num_keys, d);
+    for (; lane < width; lane += 2)
+        value_rows(2, acc, weights, width, lane, correction, v_cache, rows, num_keys, d);
     const int whole = d / VEC * VEC;
-    for (int lane = 0; lane < width; lane += VALUE_ROWS) {
-        int j = 0;
-        for (; j + VALUE_VECS * VEC <= whole; j += VALUE_VECS * VEC)
-            value_block(VALUE_VECS, acc, j, weights, width, lane, correction, v_cache, rows, num_keys, d);
-        for (; j < whole; j += VEC)
-            value_block(1, acc, j, weights, width, lane, correction, v_cache, rows, num_keys, d);
-    }
-    for (int lane = 0; lane < width && whole < d; lane++) {
+    for (lane = 0; lane < width && whole < d; lane++) {
         float *acc_lane = acc + lane * d;
         for (int i = whole; i < d; i++) acc_lane[i] *= correction[lane];
         for (int t = 0; t < num_keys; t++)
@@ -257,13 +273,17 @@ static inline __attribute__((always_inline)) int attend_tile(const PrefillArgs *
 
     float q_t[d * width], acc[width * d], scores[KEY_TILE * width];
     float row_max[width], row_sum[width], correction[width];
+    int32_t query_pos[width]; /* the padding lanes take the last position: never all masked, never written */
     const int64_t first_row = a->query_starts[item.chunk] + item.first_query;
     memset(q_t, 0, sizeof q_t); /* the padding lanes score 0 and are never written out */
     for (int lane = 0; lane < num_lanes; lane++) {
         const float *q = a->q + (first_row + lane / group) * a->q_row_stride + head_offset * group + lane % group * d;
         for (int i = 0; i < d; i++) q_t[i * width + lane] = q[i] * a->scale;
     }
-    for (int lane = 0; lane < width; lane++) row_max[lane] = -INFINITY, row_sum[lane] = 0.0f;
+    for (int lane = 0; lane < width; lane++) {
+        row_max[lane] = -INFINITY, row_sum[lane] = 0.0f;
+        query_pos[lane] = lane < num_lanes ? first_pos + lane / group : last_pos;
+    }
     memset(acc, 0, sizeof acc);
 
     int64_t rows[KEY_TILE];
@@ -274,7 +294,7 @@ static inline __attribute__((always_inline)) int attend_tile(const PrefillArgs *
         const int reaches_future = first_key + num_keys - 1 > first_pos;
         const int reaches_past_window = a->window > 0 && first_key <= last_pos - a->window;
         if (reaches_future || reaches_past_window)
-            mask_tile(a, scores, width, num_lanes, first_key, num_keys, first_pos);
+            mask_tile(scores, width, query_pos, first_key, num_keys, a->window);
         softmax_down_lanes(scores, num_keys, width, row_max, row_sum, correction);
         tile_values(acc, scores, width, correction, a->v_cache, rows, num_keys, d);
     }
