@@ -20,21 +20,22 @@
  * Vectors are GNU vector types of one register (8 floats on AVX2, 16 on AVX-512), and the register blocks of
  * the two inner products are sized for that ISA's register file (16 or 32 registers).
  *
- * Measured on AMD EPYC Zen 2, AVX2, 2 cores shared with other benchmarks (load ~3.5), so figures are noisy: ms
- * per layer at 2 threads, SDPA over gathered K/V (TorchRefBackend) -> this kernel, best of 8 interleaved rounds
- * of benchmarks/attention_backends.py, two runs:
- *   SmolLM2 (9 heads, 3 KV heads, head_dim 64)     512-token chunk on 0 cached:     66-70 -> 36     (1.9x)
- *                                                   512 on 512 cached:              98-104 -> 52-60 (1.7-1.9x)
- *                                                   512 on 1,400 cached:           148-151 -> 107-108 (1.4x)
- *                                                   4 chunks of 128:                21-90 -> 14-30  (1.5-3.0x)
- *                                                   32 queries on 1,024 cached:   2.9-3.7 -> 2.1-2.5 (1.4-1.5x)
- *   Gemma-3-270M sliding (4 heads, 1 KV head,      512-token chunk on 0 cached:     33-66 -> 18-31  (1.9-2.2x)
- *   head_dim 256, window 512)                      512 on 512 cached:             92-117 -> 21-47  (2.5-4.3x)
- *                                                   512 on 1,400 cached:           64-104 -> 44     (1.5-2.4x)
- *                                                   4 chunks of 128:                20-61 -> 14-33  (1.4-1.8x)
- *                                                   32 queries on 1,024 cached:   2.1-4.3 -> 1.5-3.0 (1.4-1.5x)
- * One thread, SmolLM2, 512 on 0 cached: 24-25 ms -> 12.6 ms, 24 GFLOP/s, where torch.matmul reaches 32 on the
- * same core; the time splits about 35% scores, 35% weighted values, 20% exp (perf). Vectorising the mask and
+ * Measured on AMD EPYC Zen 2, AVX2, 2 cores: ms per layer (KV write + attention) at 2 threads, SDPA over gathered
+ * K/V (TorchRefBackend) -> this kernel, best of 8 interleaved rounds of benchmarks/attention_backends.py in a quiet
+ * spell (two runs beside other benchmarks, load ~3.5, gave 1.4-4.3x, the kernel ahead in every case):
+ *   SmolLM2 (9 heads, 3 KV heads, head_dim 64)     512-token chunk on 0 cached:    12.6 -> 6.6  (1.9x)
+ *                                                   512 on 512 cached:              25.9 -> 18.4 (1.4x)
+ *                                                   512 on 1,400 cached:            49.5 -> 39.7 (1.25x)
+ *                                                   4 chunks of 128 (0-700 cached): 13.7 -> 10.2 (1.35x)
+ *                                                   32 queries on 1,024 cached:      2.5 -> 1.8  (1.35x)
+ *   Gemma-3-270M sliding (4 heads, 1 KV head,      512-token chunk on 0 cached:    18.4 -> 9.7  (1.9x)
+ *   head_dim 256, window 512)                      512 on 512 cached:              38.3 -> 19.3 (2.0x)
+ *                                                   512 on 1,400 cached:            38.5 -> 19.1 (2.0x)
+ *                                                   4 chunks of 128:                18.1 -> 12.9 (1.4x)
+ *                                                   32 queries on 1,024 cached:      1.9 -> 1.4  (1.4x)
+ * That is ~48 GFLOP/s over both cores at SmolLM2's shapes whatever the context (SDPA gains on long contexts,
+ * where its GEMMs grow). One thread, SmolLM2, 512 on 0 cached: 24-25 ms -> 12.6 ms, 24 GFLOP/s, where
+ * torch.matmul reaches 32 on the same core; the time splits about 35% scores, 35% weighted values, 20% exp (perf). Vectorising the mask and
  * 6-row value blocks (12 sums in flight, FMA latency 5 x 2 ports) gave ~5% each; more keys per score block when
  * a tile has only 1-2 lane vectors, and 16 / 32 / 64 lanes per tile at head_dim 256, changed nothing measurable.
  *
