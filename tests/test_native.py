@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve import native
-from kvserve.attention.cpu_paged import KERNEL_SOURCE
+from kvserve.attention.cpu_paged import DECODE_SOURCE as KERNEL_SOURCE
 from kvserve.native import KernelBuildError
 
 

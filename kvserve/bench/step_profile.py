@@ -10,17 +10,17 @@ from typing import Any, Sequence
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import profile
 
-from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE
+from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE
 from kvserve.model.layers.prepacked import SMALL_GEMM_RANGE
 
 OP_NAMESPACES = ("aten::", "mkldnn::")
-KERNEL_RANGES = (DECODE_KERNEL_RANGE, SMALL_GEMM_RANGE)  # kvserve's own C kernels, as record_function ranges
+KERNEL_RANGES = (DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE, SMALL_GEMM_RANGE)  # kvserve's own C kernels, as record_function ranges
 # Ops called from Python, grouped by name; ops nested inside them count toward their caller.
 OP_GROUPS = {
     "GEMMs": {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
               "mkldnn::_linear_pointwise", SMALL_GEMM_RANGE},
     "attention + KV": {"aten::scaled_dot_product_attention", "aten::index_select", "aten::index_copy_",
-                       "aten::index_put_", "aten::gather", DECODE_KERNEL_RANGE},
+                       "aten::index_put_", "aten::gather", DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE},
     "sampling": {"aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::log_softmax",
                  "aten::multinomial"},
 }

@@ -158,6 +158,31 @@ def test_random_shared_prefixes(contexts: list[int], data: st.DataObject, block_
     check(step, window, SHARED_BACKEND)
 
 
+CHUNK_LENS, CONTEXT_LENS = (1, 3, 17, 130), (0, 5, 33, 700)
+
+
+@pytest.mark.parametrize("window", [None, 7, 64])
+@pytest.mark.parametrize("head_dim", [64, 256, 80, 20])  # 80: no compiled copy; 20: not whole vectors
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_chunks_on_odd_shapes(block_size: int, group: int, head_dim: int, window: int | None) -> None:
+    """Every chunk length on every cached context, in one step: query tiles cut short, diagonal tiles, windows
+    that start inside a tile and inside a block, chunks shorter and longer than the window."""
+    seqs = [(c, n) for c in CONTEXT_LENS for n in CHUNK_LENS]
+    step = make_step(seqs, 0, head_dim=head_dim, block_size=block_size, num_kv_heads=2, group=group,
+                     seed=head_dim + group)
+    check(step, window)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_decodes_and_chunks_in_one_step(window: int | None, num_threads: int) -> None:
+    """Both kernels in one forward, a chunk long enough for many work items beside chunks of one token."""
+    contexts = [0, 17, 300, 64, 129, 5]
+    step = make_step([(c, 1) for c in contexts] + [(0, 200), (70, 1), (33, 45)], len(contexts), head_dim=64,
+                     block_size=16, num_kv_heads=3, group=3, seed=3)
+    check(step, window)
+
+
 def test_forward_writes_new_kv_of_decodes_and_chunks_at_slot_mapping() -> None:
     step = make_step([(6, 1), (9, 1), (0, 9), (5, 4)], 2, head_dim=64, block_size=4, num_kv_heads=2, group=2)
     other_layer = step.kv.layer(0).k.clone()
@@ -215,6 +240,20 @@ def test_corrupt_block_tables_raise_instead_of_reading_outside_the_cache() -> No
         backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0)
     with pytest.raises(ValueError, match="too narrow for decodes of up to 21 tokens"):
         backend.build_metadata(replace(step.inputs, block_tables=tables[:, :5]), {None})
+
+
+@pytest.mark.parametrize("bad_block", ["past_the_end", "negative"])
+def test_corrupt_chunk_block_tables_raise_instead_of_reading_outside_the_cache(bad_block: str) -> None:
+    step = make_step([(3, 1), (40, 9), (0, 5)], 1, head_dim=64, block_size=4, num_kv_heads=1, group=2)
+    backend = CpuPagedBackend()
+    tables = step.inputs.block_tables.clone()
+    tables[1, 3] = step.kv.num_blocks if bad_block == "past_the_end" else -1  # a block of the cached context
+    meta = backend.build_metadata(replace(step.inputs, block_tables=tables), {None})
+    with pytest.raises(ValueError, match=f"a prefill's block table names a block outside the cache's "
+                                         f"{step.kv.num_blocks} blocks"):
+        backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+    with pytest.raises(ValueError, match="too narrow for sequences of up to 49 tokens"):
+        backend.build_metadata(replace(step.inputs, block_tables=tables[:, :10]), {None})
 
 
 # --- the selector -----------------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
-"""The step profile's grouping: aten ops, oneDNN's prepacked GEMMs and kvserve's own decode kernel."""
+"""The step profile's grouping: aten ops, oneDNN's prepacked GEMMs and kvserve's own attention kernels."""
 
 from __future__ import annotations
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE, CpuPagedBackend
+from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE, CpuPagedBackend
 from kvserve.bench.step_profile import OP_GROUPS, StepProfile, top_level_ops
 from kvserve.model.layers.linear import linear_from_tensors
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod
@@ -14,7 +14,7 @@ from tests.attention.test_torch_ref import LAYER
 
 
 def test_each_kind_of_op_lands_in_its_group() -> None:
-    step = make_step([(40, 1), (90, 1)], 2, head_dim=64, block_size=16, num_kv_heads=1, group=2)
+    step = make_step([(40, 1), (90, 1), (10, 12)], 2, head_dim=64, block_size=16, num_kv_heads=1, group=2)
     backend = CpuPagedBackend()
     meta = backend.build_metadata(step.inputs, {None})
     linear = linear_from_tensors(torch.randn(256, 128), None, CpuPrepackedLinearMethod(None))
@@ -25,7 +25,8 @@ def test_each_kind_of_op_lands_in_its_group() -> None:
         torch.relu(logits)
     names = {event.name for event in top_level_ops(prof.events())}
     assert "mkldnn::_linear_pointwise" in names and "mkldnn::_linear_pointwise" in OP_GROUPS["GEMMs"]
-    assert DECODE_KERNEL_RANGE in names and DECODE_KERNEL_RANGE in OP_GROUPS["attention + KV"]
+    for kernel in (DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE):
+        assert kernel in names and kernel in OP_GROUPS["attention + KV"]
     profiled = StepProfile(every=2)
     profiled.collect(prof)
     assert set(profiled.groups_s) == {"GEMMs", "attention + KV", "sampling", "other ops"}
