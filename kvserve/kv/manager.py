@@ -242,9 +242,9 @@ class KVCacheManager:
     def _extend_path(self, request: Request, num_computed: int) -> None:
         """Hang the request's blocks whose token ids are all known on its tree path, pending unless computed."""
         path = self._paths.get(request.request_id)
-        if self.prefix_cache is None or (path is not None and path.detached):
-            return
         num_known = min(len(request.block_ids), request.num_tokens // self.block_size)
+        if self.prefix_cache is None or (path is not None and (path.detached or path.num_blocks >= num_known)):
+            return  # the common decode step ends here: no block newly filled with known tokens
         if path is None:
             path = self._paths[request.request_id] = _CachePath(self.prefix_cache.root, 0)
         if path.num_blocks >= num_known:

@@ -164,8 +164,9 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled)
         new_requests: list[NewRequestData] = []
         requests = [self._scheduled_request(request, num_new, new_requests) for request, num_new in scheduled]
-        requests.sort(key=lambda r: r.num_tokens > 1)  # one-token rows first, stable otherwise
         num_tokens = sum(num_new for _, num_new in scheduled)
+        if num_tokens > len(requests):  # one-token rows first, in order, then the chunks
+            requests = [r for r in requests if r.num_tokens == 1] + [r for r in requests if r.num_tokens > 1]
         self.num_scheduled_tokens += num_tokens
         out = SchedulerOutput(
             requests, num_tokens, new_requests, self._take_kv_transfers(),
@@ -272,14 +273,14 @@ class Scheduler:
             num_sent = len(request.block_ids)
         num_blocks = len(request.block_ids)
         self._num_blocks_sent[request.request_id] = num_blocks
-        start = request.num_computed_tokens
+        end = request.num_computed_tokens + num_new
         return ScheduledRequest(
-            request_id=request.request_id,
-            start_pos=start,
-            num_tokens=num_new,
-            new_block_ids=tuple(request.block_ids[num_sent:]) if num_sent < num_blocks else (),
-            sample=start + num_new == request.num_tokens,
-            prompt_logprobs=_wants_prompt_logprobs(request, start + num_new),
+            request.request_id,
+            request.num_computed_tokens,
+            num_new,
+            tuple(request.block_ids[num_sent:]) if num_sent < num_blocks else (),
+            end == request.num_tokens,
+            request.sampling_params.prompt_logprobs is not None and _wants_prompt_logprobs(request, end),
         )
 
     def _fork_source(self, request: Request) -> str | None:
@@ -322,8 +323,8 @@ class Scheduler:
 
     def _take_tokens(self, request: Request, row: ScheduledRequest, model_out: ModelOutput) -> EngineOutput | None:
         """Append the row's sampled tokens (if it sampled) and return its output, or None if nothing moved."""
-        prompt_entries = model_out.prompt_logprobs.get(row.request_id)
-        prompt_logprobs = _new_prompt_logprobs(request, row.start_pos, prompt_entries)
+        entries = model_out.prompt_logprobs.get(row.request_id)
+        prompt_logprobs = None if entries is None else _new_prompt_logprobs(request, row.start_pos, entries)
         new_token_ids: list[int] = []
         logprobs = model_out.logprobs.get(row.request_id)
         if row.sample:
@@ -389,14 +390,15 @@ class Scheduler:
         max_model_len. EOS and stop tokens count only once ``min_tokens`` outputs precede them (the sampler
         masks EOS until then); both stay in ``output_token_ids``, the frontend hides them from text."""
         params = request.sampling_params
-        past_min_tokens = request.num_output_tokens > params.min_tokens
+        num_outputs = len(request.output_token_ids)
+        past_min_tokens = num_outputs > params.min_tokens
         if past_min_tokens and not params.ignore_eos and token_id in request.eos_token_ids:
             return FinishReason.STOP, None
         if past_min_tokens and token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return FinishReason.LENGTH, None
-        if request.num_tokens >= self.config.max_model_len:
+        if request.num_prompt_tokens + num_outputs >= self.config.max_model_len:
             return FinishReason.LENGTH, None
         return None
 
@@ -421,14 +423,14 @@ def _engine_output(
     logprobs: list[TokenLogprobs] | None,
     prompt_logprobs: list[TokenLogprobs] | None,
 ) -> EngineOutput:
-    return EngineOutput(
-        request_id=request.request_id,
-        new_token_ids=new_token_ids,
-        finish_reason=request.finish_reason,
-        stop_reason=request.stop_reason,
-        logprobs=logprobs[: len(new_token_ids)] if logprobs else None,
-        prompt_logprobs=prompt_logprobs,
-        num_cached_tokens=request.num_cached_tokens,
+    return EngineOutput(  # positional: keyword arguments double the cost of one output per request per step
+        request.request_id,
+        new_token_ids,
+        request.finish_reason,
+        request.stop_reason,
+        logprobs[: len(new_token_ids)] if logprobs else None,
+        prompt_logprobs,
+        request.num_cached_tokens,
     )
 
 
@@ -470,12 +472,8 @@ def _wants_prompt_logprobs(request: Request, end: int) -> bool:
     return min(end, request.num_prompt_tokens - 1) > request.num_prompt_logprobs_sent
 
 
-def _new_prompt_logprobs(
-    request: Request, start: int, entries: list[TokenLogprobs] | None
-) -> list[TokenLogprobs] | None:
+def _new_prompt_logprobs(request: Request, start: int, entries: list[TokenLogprobs]) -> list[TokenLogprobs] | None:
     """Drop entries already returned before a preemption; ``entries[j]`` predicts prompt token start+1+j."""
-    if entries is None:
-        return None
     num_sent = request.num_prompt_logprobs_sent
     request.num_prompt_logprobs_sent = max(num_sent, start + len(entries))
     return entries[max(0, num_sent - start) :] or None

@@ -200,9 +200,9 @@ class PersistentBatch:
     def _gather(self, scheduled: tuple[ScheduledRequest, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
         """Each scheduled request's row, start position and token count, and the token ids the step runs, in
         order: one pass, as a decode step's host time is this loop's per-request cost times the batch size."""
-        rows, starts, lengths, tokens = [], [], [], []
-        for r in scheduled:
-            index = self._index_of(r.request_id)
+        rows = [self._index_of(r.request_id) for r in scheduled]
+        tokens: list[int] = []
+        for r, index in zip(scheduled, rows):
             row = self._rows[index]
             prompt, outputs = row.prompt_token_ids, row.output_token_ids
             start, end = r.start_pos, r.start_pos + r.num_tokens
@@ -217,10 +217,9 @@ class PersistentBatch:
             else:
                 tokens += prompt[start:end]
                 tokens += outputs[: max(0, end - num_prompt)]
-            rows.append(index)
-            starts.append(start)
-            lengths.append(r.num_tokens)
-        return tuple(np.array(values, dtype=np.int64) for values in (rows, starts, lengths)) + (tokens,)
+        starts = np.fromiter((r.start_pos for r in scheduled), np.int64, len(scheduled))
+        lengths = np.fromiter((r.num_tokens for r in scheduled), np.int64, len(scheduled))
+        return np.array(rows, dtype=np.int64), starts, lengths, tokens
 
     def _prompt_logprob_rows(self, scheduled: ScheduledRequest, first_row: int) -> PromptLogprobRows | None:
         """Rows of a chunk whose next token is still a prompt token: position p predicts prompt[p + 1].
