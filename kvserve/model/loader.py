@@ -17,12 +17,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, TokenizersBackend
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kvserve.model.base import CheckpointError
+from kvserve.model.layers.ggml import GGMLTensor
 from kvserve.model.sources import ModelLocation
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
@@ -40,14 +42,16 @@ class Checkpoint:
     tokenizer: PreTrainedTokenizerBase  # with the checkpoint's chat template, if it has one
     eos_token_ids: frozenset[int]
     max_model_len: int  # the model's own context length (max_position_embeddings)
-    read_weights: Callable[[], WeightIterator] = field(repr=False)
+    read_weights: Callable[[frozenset[int]], WeightIterator] = field(repr=False)
+    is_gguf: bool = False
 
-    def weights(self) -> WeightIterator:
-        """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype.
+    def weights(self, keep_quantized: frozenset[int] = frozenset()) -> WeightIterator:
+        """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype; a GGUF's
+        2-D tensors of the ggml types in ``keep_quantized`` come as their blocks (``GGMLTensor``) instead.
 
         A tied LM head that the file does not store is not yielded. Each call reads the file again.
         """
-        return self.read_weights()
+        return self.read_weights(keep_quantized)
 
 
 def load_checkpoint(location: ModelLocation, dtype: torch.dtype) -> Checkpoint:
@@ -128,7 +132,8 @@ def _check_safetensors(shard: Path) -> None:
         raise CheckpointError(f"{shard} is not a readable safetensors file (truncated or corrupt): {error}") from None
 
 
-def _read_safetensors(shards: list[Path], dtype: torch.dtype) -> WeightIterator:
+def _read_safetensors(shards: list[Path], dtype: torch.dtype, keep_quantized: frozenset[int]) -> WeightIterator:
+    del keep_quantized  # safetensors hold no ggml blocks
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as reader:
@@ -166,6 +171,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         eos_token_ids=_eos_token_ids(None, config, tokenizer),
         max_model_len=_max_model_len(config, path),
         read_weights=partial(_read_gguf, path, config, dtype),
+        is_gguf=True,
     )
 
 
@@ -191,18 +197,32 @@ def _unreadable_gguf(path: Path, error: Exception) -> str:
     return f"{path} is not a readable GGUF file (truncated or corrupt; {size} bytes): {type(error).__name__}: {error}"
 
 
-def _read_gguf(path: Path, config: PretrainedConfig, dtype: torch.dtype) -> WeightIterator:
+def _read_gguf(
+    path: Path, config: PretrainedConfig, dtype: torch.dtype, keep_quantized: frozenset[int] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
+    """Each tensor under its Hugging Face name: dequantized to ``dtype``, or, for a 2-D tensor whose ggml type
+    is in ``keep_quantized``, as the file's blocks (``GGMLTensor``, rows in Hugging Face order)."""
+    from gguf import GGUFReader, dequantize
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    # transformers maps GGUF names to the parameter names of a model it is given (and undoes llama.cpp's
-    # Q/K permutation and Gemma's norm offset); a model on the meta device costs no memory.
+    reader = GGUFReader(path)
+    architecture = reader.fields["general.architecture"].contents()
+    # transformers' processor undoes llama.cpp's Q/K row permutation (rows are whole block runs, so it applies
+    # to blocks as to values) and Gemma's norm offset; its name map comes from a model on the meta device.
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     with torch.device("meta"):
-        names_model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=names_model, torch_dtype=dtype)
-    tensors = tensors["tensors"]
-    for name in list(tensors):
-        yield name, tensors.pop(name)  # popped: each tensor is freed once the model has copied it
+        names = get_gguf_hf_weights_map(AutoModelForCausalLM.from_config(config), processor)
+    for tensor in reader.tensors:
+        keep = tensor.tensor_type in keep_quantized and len(tensor.shape) == 2
+        weights = tensor.data if keep else dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters={})
+        if result.name not in names:
+            continue
+        if keep:
+            yield names[result.name], GGMLTensor.from_numpy(result.weights, tensor.tensor_type)
+        else:
+            yield names[result.name], torch.from_numpy(np.array(result.weights)).to(dtype)
 
 
 # ---- shared ----------------------------------------------------------------------------------------------
