@@ -8,10 +8,14 @@
  *     Q8_0  | d | 32 int8                                                  |   w = d * q           34 bytes
  *
  * Why: a decode step is bound by reading the weights, and these read 4.5 to 8.5 bits a weight where fp32 reads
- * 32. A task dequantizes COLS weight rows into a scratch buffer that stays in L1 (the same fp32 values as
- * gguf's reference dequantization, d * q + m rounded once), then multiplies every row of x by them, two rows
- * by COLS columns at a time, so that each vector of x loaded serves COLS FMAs. Each output is one chain of FMAs
- * over k in order (in VEC lanes), whatever else is in the step.
+ * 32. Each block is unpacked once into VEC-wide float vectors of its quants (bytes widened through 32-bit
+ * integers: straight to floats gcc converts byte by byte, 3x slower), then every row of a tile of up to
+ * TILE_ROWS rows of x takes d * (x . q) from it; the offset term m * (sum of x over the block) uses sums of x
+ * computed once per call. A row's result does not depend on the other rows of the step.
+ *
+ * Measured (2-core AMD EPYC Zen 2, AVX2), a 49152 x 576 weight: one row Q4_1 3.9 ms, Q8_0 3.4 ms, fp32 through
+ * the small-GEMM panels 5.9 ms; 4 rows 6.9 / 6.5 / 6.4; 16 rows 28.5 / 27.0 / 12.8. Each row costs the kernel
+ * the unpacking again per tile, the dense GEMMs nothing: from 4 rows up the caller uses the dense layout.
  *
  * No torch headers: called through ctypes with raw pointers.
  */
