@@ -20,10 +20,11 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, TokenizersBackend
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kvserve.model.base import CheckpointError
+from kvserve.model.gguf_index import GGUFIndex, load_gguf_index
 from kvserve.model.layers.ggml import GGMLTensor
 from kvserve.model.sources import ModelLocation
 
@@ -156,21 +157,18 @@ def _read_hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    _check_gguf_architecture(path)
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        # Not AutoTokenizer: it parses the whole file again with the slow legacy reader only to pick a class;
-        # the tokenizer it then builds from the metadata is this same one.
-        tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as error:  # the reader fails deep inside numpy or struct on a damaged file
+        index = load_gguf_index(path)
+    except Exception as error:  # the readers fail deep inside numpy or struct on a damaged file
+        _check_gguf_architecture(path)  # the clearer error, where that is the cause
         raise CheckpointError(_unreadable_gguf(path, error)) from None
-    config = _with_architectures(config, path)
+    config = _with_architectures(index.config, path)
     return Checkpoint(
         hf_config=config,
-        tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(None, config, tokenizer),
+        tokenizer=index.tokenizer,
+        eos_token_ids=_eos_token_ids(None, config, index.tokenizer),
         max_model_len=_max_model_len(config, path),
-        read_weights=partial(_read_gguf, path, config, dtype),
+        read_weights=partial(_read_gguf, path, index, dtype),
         is_gguf=True,
     )
 
@@ -198,31 +196,27 @@ def _unreadable_gguf(path: Path, error: Exception) -> str:
 
 
 def _read_gguf(
-    path: Path, config: PretrainedConfig, dtype: torch.dtype, keep_quantized: frozenset[int] = frozenset()
+    path: Path, index: GGUFIndex, dtype: torch.dtype, keep_quantized: frozenset[int] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
     """Each tensor under its Hugging Face name: dequantized to ``dtype``, or, for a 2-D tensor whose ggml type
     is in ``keep_quantized``, as the file's blocks (``GGMLTensor``, rows in Hugging Face order)."""
-    from gguf import GGUFReader, dequantize
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from gguf import GGMLQuantizationType, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    reader = GGUFReader(path)
-    architecture = reader.fields["general.architecture"].contents()
     # transformers' processor undoes llama.cpp's Q/K row permutation (rows are whole block runs, so it applies
-    # to blocks as to values) and Gemma's norm offset; its name map comes from a model on the meta device.
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    with torch.device("meta"):
-        names = get_gguf_hf_weights_map(AutoModelForCausalLM.from_config(config), processor)
-    for tensor in reader.tensors:
-        keep = tensor.tensor_type in keep_quantized and len(tensor.shape) == 2
-        weights = tensor.data if keep else dequantize(tensor.data, tensor.tensor_type)
-        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters={})
-        if result.name not in names:
-            continue
+    # to blocks as to values) and Gemma's norm offset
+    processor = TENSOR_PROCESSORS.get(index.architecture, TensorProcessor)(config=index.config.to_dict())
+    for entry, data in index.arrays(path):
+        qtype = GGMLQuantizationType(entry.qtype)
+        keep = qtype in keep_quantized and len(entry.dims) == 2
+        weights = data if keep else dequantize(data, qtype)
+        result = processor.process(
+            weights=weights, name=entry.name, tensor_key_mapping={entry.name: entry.hf_name}, parsed_parameters={}
+        )
         if keep:
-            yield names[result.name], GGMLTensor.from_numpy(result.weights, tensor.tensor_type)
+            yield entry.hf_name, GGMLTensor.from_numpy(result.weights, qtype)
         else:
-            yield names[result.name], torch.from_numpy(np.array(result.weights)).to(dtype)
+            yield entry.hf_name, torch.from_numpy(np.array(result.weights)).to(dtype)
 
 
 # ---- shared ----------------------------------------------------------------------------------------------

@@ -159,3 +159,12 @@ def test_quantization_gguf_says_why_it_cannot_keep_blocks(tmp_path: Path) -> Non
         LLM(str(plain), quantization="gguf", dtype="bfloat16", num_kv_blocks=16)
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         LLM(str(plain), quantization="int3")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_kernels_dequantization_equals_ggufs(kernel: GGMLGemm, qtype: Q) -> None:
+    weight = blocks_of(torch.randn(37, 96, generator=torch.Generator().manual_seed(4)), qtype)
+    # one rounding apart at most: the kernel may fuse d * q + m into one multiply-add
+    torch.testing.assert_close(kernel.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)
+    with pytest.raises(ValueError, match="not a contiguous fp32"):
+        kernel.dequantize(weight, torch.empty(36, 96))

@@ -70,6 +70,9 @@ class GGMLGemm:
         self._gemm = library.kvserve_ggml_gemm_f32
         self._gemm.argtypes = _C_ARG_TYPES
         self._gemm.restype = ctypes.c_int
+        self._dequantize = library.kvserve_ggml_dequantize
+        self._dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4
+        self._dequantize.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
         n, k = weight.shape
@@ -87,6 +90,21 @@ class GGMLGemm:
             if status:
                 raise MemoryError(f"ggml GEMM: no scratch memory for a {weight.shape} weight")
         return y
+
+
+    def dequantize(self, weight: GGMLTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 values of ``weight`` (into ``out`` [rows, k] if given): ``GGMLTensor.dequantize`` in C,
+        two orders of magnitude faster, equal to it up to the rounding of a fused multiply-add."""
+        n, k = weight.shape
+        out = torch.empty(n, k, dtype=torch.float32) if out is None else out
+        if out.shape != (n, k) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"dequantize: out {tuple(out.shape)} {out.dtype} is not a contiguous fp32 [{n}, {k}]")
+        if weight.qtype not in KERNEL_TYPES or self._dequantize(
+            out.data_ptr(), weight.blocks.data_ptr(), weight.blocks.stride(0), int(weight.qtype), n, k,
+            torch.get_num_threads(),
+        ):
+            raise ValueError(f"dequantize: the kernel does not read {weight.qtype.name} blocks of {k} values")
+        return out
 
 
 @functools.cache
@@ -139,9 +157,21 @@ class GGMLLinearMethod(LinearMethod):
             blocks = torch.cat([part.blocks for part in parts])
             layer.ggml_weight = GGMLTensor(blocks, parts[0].qtype, (layer.out_features, layer.in_features))
         if parts:  # the dense method gets the fp32 weight, as from any other checkpoint
-            dense = torch.cat([p.dequantize() if isinstance(p, GGMLTensor) else p.float() for p in parts])
-            layer.weight = torch.nn.Parameter(dense.to(layer.weight.dtype), requires_grad=False)
+            layer.weight = torch.nn.Parameter(self._dense_weight(parts), requires_grad=False)
         self.dense.process_weights_after_loading(layer)  # a tied head holds the embeddings' weight already
+
+    def _dense_weight(self, parts: list[GGMLTensor | torch.Tensor]) -> torch.Tensor:
+        """The parts' fp32 rows, one under the other (blocks the kernel reads are dequantized by it)."""
+        dense = torch.empty(sum(part.shape[0] for part in parts), parts[0].shape[1], dtype=torch.float32)
+        start = 0
+        for part in parts:
+            rows = dense[start : start + part.shape[0]]
+            if isinstance(part, GGMLTensor) and part.qtype in KERNEL_TYPES:
+                self.kernel.dequantize(part, rows)
+            else:
+                rows.copy_(part.dequantize() if isinstance(part, GGMLTensor) else part)
+            start += part.shape[0]
+        return dense
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.ggml_weight is None or x.numel() > GGML_MAX_ROWS * layer.in_features:

@@ -211,3 +211,31 @@ int kvserve_ggml_gemm_f32(float *y, int64_t y_stride, const float *x, int64_t x_
     free(x_sums);
     return 0;
 }
+
+/* out [n, k] = the fp32 values of W [n, k] in blocks of `type` (rows row_bytes apart): d * q + offset, in
+ * fp32 as gguf's reference computes them (up to the rounding of a fused multiply-add). For the dense layouts
+ * of larger steps, at load. Returns 0, or -1 for a type it does not read. */
+int kvserve_ggml_dequantize(float *out, const uint8_t *weight, int64_t row_bytes, int type, int n, int k,
+                            int num_threads) {
+    if (kvserve_ggml_row_bytes(type, k) == 0 || row_bytes < kvserve_ggml_row_bytes(type, k)) return -1;
+    const int block_bytes = kvserve_ggml_block_bytes(type), num_blocks = k / BLOCK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int c = 0; c < n; c++) {
+        for (int b = 0; b < num_blocks; b++) {
+            vec q[BLOCK / VEC];
+            float offset, *w = out + (int64_t)c * k + b * BLOCK;
+            const uint8_t *block = weight + (int64_t)c * row_bytes + (int64_t)b * block_bytes;
+            float d;
+            switch (type) {
+            case Q4_0: d = unpack(Q4_0, block, q, &offset); break;
+            case Q4_1: d = unpack(Q4_1, block, q, &offset); break;
+            default: d = unpack(Q8_0, block, q, &offset); break;
+            }
+            for (int j = 0; j < BLOCK / VEC; j++) {
+                const vec values = d * q[j] + offset;
+                memcpy(w + j * VEC, &values, sizeof values);
+            }
+        }
+    }
+    return 0;
+}
