@@ -1,9 +1,9 @@
 """kvserve: an LLM inference and serving engine built around the KV cache."""
 
 from kvserve.outputs import CompletionOutput, FinishReason, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "FinishReason"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "FinishReason"]
 
 
 def __getattr__(name: str):

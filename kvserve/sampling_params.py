@@ -3,6 +3,38 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's offline shape): a JSON schema (a dict or its text), any
+    JSON object, a regex, a choice among strings, or an EBNF grammar. Exactly one must be given."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured output takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None:
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("structured output: choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """What the constraint is, for messages: "JSON schema", "regex"..."""
+        if self.json is not None:
+            return "JSON schema"
+        return "JSON object grammar" if self.json_object else "regex" if self.regex is not None \
+            else "choice" if self.choice is not None else "grammar"
 
 
 @dataclass
@@ -34,6 +66,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     MAX_N = 64

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Sequence, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.sampling_params import SamplingParams
 
 # A prompt is text, or {"prompt_token_ids": [...]} (optionally with the "prompt" text it came from).
@@ -22,15 +23,22 @@ class ProcessedPrompt:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
+                 structured: StructuredOutputCompiler | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.structured = structured
 
     def process(self, prompt: PromptInput, params: SamplingParams) -> ProcessedPrompt:
-        """Tokenize (or check) the prompt and fit ``params`` to it; raise ValueError naming what is wrong."""
+        """Tokenize (or check) the prompt and fit ``params`` to it; raise ValueError naming what is wrong (a
+        constraint that does not compile included: compiled here, the runner finds it in xgrammar's cache)."""
         text, token_ids = self._tokenize(prompt)
         self._check_token_ids(token_ids, "prompt_token_ids")
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured output is not available in this engine")
+            self.structured.compile(params.structured_outputs)
         return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids)))
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> dict[str, Any]:

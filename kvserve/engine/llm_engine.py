@@ -18,6 +18,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.loader import load_checkpoint
 from kvserve.model.registry import keeps_gguf_blocks
+from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput
 from kvserve.request import Request
@@ -41,10 +42,12 @@ class LLMEngine:
         self.keeps_gguf_blocks = keeps_gguf_blocks(
             config.model.quantization, checkpoint, self.device, self.dtype, dtype_forced=config.model.dtype != "auto"
         )
+        vocab_size = checkpoint.hf_config.vocab_size
+        structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
         runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
-                             self.keeps_gguf_blocks)
+                             self.keeps_gguf_blocks, structured)
         self.core = self._build_core(runner)
-        self.input_processor = InputProcessor(self.tokenizer, checkpoint.hf_config.vocab_size, self.max_model_len)
+        self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
             "kvserve: %s on %s (%s weights, %s activations), %d KV blocks of %d tokens",

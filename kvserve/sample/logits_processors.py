@@ -62,12 +62,13 @@ class LogitsProcessor(ABC):
         return 0
 
 
-def default_processors() -> list[LogitsProcessor]:
+def default_processors(grammar: LogitsProcessor | None = None) -> list[LogitsProcessor]:
     """A fresh set of processors, in the order they run. The bias runs before the min_tokens ban, so no bias
     can lift a banned EOS; the penalties run last, on biased logits, as in vLLM."""
     return [
-        # Structured output's grammar mask (sample/grammar.py) goes here, first: it only turns disallowed tokens
-        # into -inf, which every processor below keeps at -inf, so they all work on the allowed tokens alone.
+        # Structured output's grammar mask (sample/grammar.py) first: it only turns disallowed tokens into -inf,
+        # which every processor below keeps at -inf, so they all work on the allowed tokens alone.
+        *([grammar] if grammar is not None else []),
         LogitBias(),
         MinTokensBan(),
         RepetitionPenalty(),

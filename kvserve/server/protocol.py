@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_LOGIT_BIAS = 100.0
 
@@ -35,6 +35,33 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON under a schema (kvserve always
+    enforces the schema, as ``strict`` asks)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+    def params(self) -> StructuredOutputsParams:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        assert self.json_schema is not None and self.json_schema.schema_ is not None
+        return StructuredOutputsParams(json=self.json_schema.schema_)
 
 
 class SamplingRequest(_Body):
@@ -61,12 +88,61 @@ class SamplingRequest(_Body):
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # OpenAI fields kvserve does not implement: refused by name rather than ignored
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _refuse_what_is_not_implemented(self) -> SamplingRequest:
+        unsupported = {
+            "tools": self.tools, "functions": self.functions, "function_call": self.function_call,
+            "audio": self.audio, "prediction": self.prediction, "web_search_options": self.web_search_options,
+            "reasoning_effort": self.reasoning_effort,
+            "tool_choice": None if self.tool_choice in (None, "none") else self.tool_choice,
+            "modalities": None if self.modalities in (None, ["text"]) else self.modalities,
+        }
+        for name, value in unsupported.items():
+            if value is not None:
+                raise ValueError(f"{name} is not supported by kvserve yet")
+        return self
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint the request asks for, from whichever field names it; ValueError for several."""
+        given: dict[str, StructuredOutputsParams] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format.params()
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given[name] = StructuredOutputsParams(**{key: getattr(self, name)})
+        if self.structured_outputs is not None:
+            try:
+                given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as error:
+                raise ValueError(f"structured_outputs: {error}") from None
+        if len(given) > 1:
+            raise ValueError(f"give one constraint, not several: {', '.join(given)}")
+        return next(iter(given.values()), None)
 
     @property
     def include_usage(self) -> bool:
@@ -95,6 +171,7 @@ class SamplingRequest(_Body):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
             **extra,
         )
 

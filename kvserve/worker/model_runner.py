@@ -10,6 +10,8 @@ from kvserve.attention.selector import select_backend
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
+from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
+from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
@@ -21,14 +23,15 @@ class ModelRunner:
 
     def __init__(
         self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
-        keep_gguf_blocks: bool = False,
+        keep_gguf_blocks: bool = False, structured: StructuredOutputCompiler | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.backend: AttentionBackend = select_backend(device, dtype)
         self.model = load_model(checkpoint, self.backend, dtype, device, keep_gguf_blocks)
-        self.sampler = Sampler(seed)
+        grammar = GrammarProcessor(structured) if structured is not None else None
+        self.sampler = Sampler(seed, default_processors(grammar))
         self.kv: KVCacheStorage | None = None
         self.batch: PersistentBatch | None = None
         self._sliding_windows = self.model.sliding_windows()

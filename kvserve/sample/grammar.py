@@ -1,0 +1,124 @@
+"""Structured output: constraints compiled by xgrammar, and the logits processor that masks every token a
+request's constraint forbids, before every other processor.
+
+``StructuredOutputCompiler`` turns a request's ``StructuredOutputsParams`` (a JSON schema, any JSON object, a
+regex, a choice among strings, an EBNF grammar) into xgrammar's compiled grammar for the model's tokenizer;
+xgrammar caches compiled grammars by their text, so a schema many requests share is compiled once. The
+frontend compiles each constrained request when it arrives, so a constraint that does not compile is the
+client's 400, never a failed step. ``GrammarProcessor`` keeps one matcher per sample (created from the
+sample's outputs so far, forked with n > 1, advanced past each drawn token, dropped when the request ends):
+a recompute preemption keeps the outputs, so the matcher stays where it was. Once a matcher has accepted a
+complete match it allows only the stop tokens, so the request ends with EOS.
+
+xgrammar and the tokenizer's vocabulary table are loaded on first use: an engine that never sees a constraint
+never pays for them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+
+import torch
+
+from kvserve.sample.logits_processors import LogitsProcessor
+from kvserve.sample.metadata import SamplingRow
+from kvserve.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
+
+
+class StructuredOutputCompiler:
+    """Compiles constraints for one tokenizer and a vocabulary of ``vocab_size`` (the logits' width)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._lock = threading.Lock()  # the frontend and the runner may compile at once
+
+    def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The compiled grammar; ValueError naming the problem if the constraint does not compile."""
+        compiler = self._get_compiler()
+        try:
+            if spec.json is not None:
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                return compiler.compile_json_schema(schema, any_whitespace=False)
+            if spec.json_object:  # OpenAI's json_object: a JSON object (xgrammar's builtin takes any value)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec.regex is not None:
+                return compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except RuntimeError as error:  # xgrammar reports a bad schema, regex or grammar as a RuntimeError
+            raise ValueError(f"structured output: the {spec.kind} does not compile: {error}") from None
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids or None
+                )
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+            return self._compiler
+
+
+class GrammarProcessor(LogitsProcessor):
+    """Sets to -inf the logits of every token the row's constraint forbids next."""
+
+    is_stateful: ClassVar[bool] = True
+
+    def __init__(self, compiler: StructuredOutputCompiler) -> None:
+        self.compiler = compiler
+        self._matchers: dict[str, Any] = {}
+
+    def is_needed(self, row: SamplingRow) -> bool:
+        return row.params.structured_outputs is not None
+
+    def add(self, key: str, row: SamplingRow) -> None:
+        if row.params.structured_outputs is None:
+            return
+        import xgrammar
+
+        matcher = xgrammar.GrammarMatcher(self.compiler.compile(row.params.structured_outputs))
+        for token_id in row.output_token_ids:  # a sample that already has outputs (a resumed request)
+            matcher.accept_token(int(token_id))
+        self._matchers[key] = matcher
+
+    def fork(self, parent_key: str, child_key: str) -> None:
+        matcher = self._matchers.get(parent_key)
+        if matcher is not None:
+            self._matchers[child_key] = matcher.fork()
+
+    def accept(self, key: str, token_ids: Sequence[int]) -> None:
+        matcher = self._matchers.get(key)
+        if matcher is not None:
+            for token_id in token_ids:
+                if not matcher.is_terminated():
+                    matcher.accept_token(int(token_id))
+
+    def drop(self, key: str) -> None:
+        self._matchers.pop(key, None)
+
+    @property
+    def num_states(self) -> int:
+        return len(self._matchers)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        import xgrammar
+
+        selected = [i for i, row in enumerate(rows) if row.generator_key in self._matchers]
+        if not selected:
+            return
+        bitmask = xgrammar.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
+        for i in selected:
+            self._matchers[rows[i].generator_key].fill_next_token_bitmask(bitmask, i)
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.compiler.vocab_size,
+                                             indices=selected)
