@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.kv.quant import ENCODINGS
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEVICES = ("auto", "cpu", "cuda")
@@ -25,6 +27,7 @@ _DTYPES = {
     "half": torch.float16,
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
+KV_CACHE_DTYPES = ("auto", *ENCODINGS)  # "auto": the model's dtype, unquantized
 
 
 def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
@@ -90,8 +93,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet; use 'auto'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 @dataclass(frozen=True)

@@ -37,13 +37,15 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(checkpoint.max_model_len)
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids
-        runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed)
+        runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
+                             config.cache.kv_cache_dtype)
         self.core = self._build_core(runner)
         self.input_processor = InputProcessor(self.tokenizer, checkpoint.hf_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
-            "kvserve: %s on %s (%s), %d KV blocks of %d tokens",
+            "kvserve: %s on %s (%s), %d KV blocks of %d tokens (%s)",
             self.location.name, self.device, self.dtype, self.num_kv_blocks, config.cache.block_size,
+            runner.kv_cache_dtype.name,
         )
 
     def _max_model_len(self, model_limit: int) -> int:
