@@ -3,6 +3,8 @@ dequantizes what it gathers, and both agree with the float64 naive attention ove
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,13 +14,36 @@ import tests.attention.test_cpu_paged as paged_tests
 from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv.quant import ENCODINGS
-from tests.attention.test_torch_ref import LAYER, SCENARIOS, naive_attention
+from tests.attention.test_torch_ref import LAYER, SCENARIOS, Step, naive_attention
 
+TOLERANCE = 1e-5
 ENCODING_NAMES = list(ENCODINGS)
 
 
-def make_step(seqs: list[tuple[int, int]], num_decodes: int, encoding: str, **kwargs):
+def make_step(seqs: list[tuple[int, int]], num_decodes: int, encoding: str, **kwargs) -> Step:
     return paged_tests.make_step(seqs, num_decodes, encoding=ENCODINGS[encoding], **kwargs)
+
+
+def check(step: Step, window: int | None, backend: CpuPagedBackend | None = None) -> None:
+    """The kernels equal the reference backend, and both the float64 naive attention over what the cache holds
+    once the step's keys are written (its histories read back, dequantized)."""
+    scale = step.q.shape[-1] ** -0.5
+    outs = []
+    for b in (backend or CpuPagedBackend(), TorchRefBackend()):  # both quantize the same new K/V the same way
+        meta = b.build_metadata(step.inputs, {None, window})
+        outs.append(b.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=scale, sliding_window=window))
+    paged, reference = outs
+    torch.testing.assert_close(paged, reference, atol=TOLERANCE, rtol=TOLERANCE)
+    stored = replace(step, histories=[step.kv.layer(LAYER).gather(seq_slots(step, seq))
+                                      for seq in range(len(step.histories))])
+    torch.testing.assert_close(paged.double(), naive_attention(stored, scale, window), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def seq_slots(step: Step, seq: int) -> torch.Tensor:
+    inputs = step.inputs
+    positions = torch.arange(inputs.seq_lens_list[seq])
+    blocks = inputs.block_tables[seq].long()[positions // inputs.block_size]
+    return blocks * inputs.block_size + positions % inputs.block_size
 
 
 @pytest.mark.parametrize("encoding", ENCODING_NAMES)
@@ -29,7 +54,7 @@ def make_step(seqs: list[tuple[int, int]], num_decodes: int, encoding: str, **kw
 def test_matches_reference(scenario: str, block_size: int, group: int, window: int | None, encoding: str) -> None:
     seqs, num_decodes = SCENARIOS[scenario]
     step = make_step(seqs, num_decodes, encoding, head_dim=8, block_size=block_size, num_kv_heads=2, group=group)
-    paged_tests.check(step, window)
+    check(step, window)
 
 
 @pytest.mark.parametrize("encoding", ENCODING_NAMES)
@@ -39,7 +64,7 @@ def test_compiled_head_dims_on_long_contexts(encoding: str, head_dim: int, windo
     contexts = [0, 1, 31, 32, 33, 95, 300, 447, 64, 200, 15, 129]
     step = make_step([(c, 1) for c in contexts] + [(40, 24)], len(contexts), encoding, head_dim=head_dim,
                      block_size=16, num_kv_heads=3, group=3, seed=head_dim)
-    paged_tests.check(step, window)
+    check(step, window)
 
 
 @pytest.mark.parametrize("encoding", ENCODING_NAMES)
@@ -52,7 +77,7 @@ def test_decodes_sharing_a_prefix(encoding: str, head_dim: int, window: int | No
                      block_size=16, num_kv_heads=3, group=3, seed=7)
     big_group = list(range(9, 33))
     step = paged_tests.share_leading_blocks(step, [([0, 1, 3, 5], 4), ([2, 4], 4), ([3, 5], 12), (big_group, 5)])
-    paged_tests.check(step, window)
+    check(step, window)
 
 
 @pytest.mark.parametrize("encoding", ENCODING_NAMES)
@@ -63,7 +88,7 @@ def test_prefill_chunks_on_odd_shapes(encoding: str, group: int, head_dim: int, 
     seqs = [(c, n) for c in paged_tests.CONTEXT_LENS for n in paged_tests.CHUNK_LENS]
     step = make_step(seqs, 0, encoding, head_dim=head_dim, block_size=16, num_kv_heads=2, group=group,
                      seed=head_dim + group)
-    paged_tests.check(step, window)
+    check(step, window)
 
 
 SHARED_BACKEND = CpuPagedBackend()
@@ -88,14 +113,6 @@ def test_random_layouts(encoding: str, decode_contexts: list[int], chunks: list[
         return
     step = make_step(seqs, len(decode_contexts), encoding, head_dim=head_dim, block_size=block_size,
                      num_kv_heads=num_kv_heads, group=group, seed=seed)
-    paged_tests.check(step, window, SHARED_BACKEND)
+    check(step, window, SHARED_BACKEND)
 
 
-@pytest.mark.parametrize("encoding", ENCODING_NAMES)
-def test_the_reference_alone_matches_the_dequantized_oracle(encoding: str) -> None:
-    seqs, num_decodes = SCENARIOS["mixed"]
-    step = make_step(seqs, num_decodes, encoding, head_dim=64, block_size=4, num_kv_heads=2, group=2)
-    backend = TorchRefBackend()
-    meta = backend.build_metadata(step.inputs, {None})
-    out = backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=0.125)
-    torch.testing.assert_close(out.double(), naive_attention(step, 0.125, None), atol=1e-5, rtol=1e-5)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvserve.attention.backend import AttentionInputs
 from kvserve.attention.torch_ref import MAX_DECODE_GROUPS_CPU, MIN_DECODE_GROUP, TorchRefBackend, _decode_groups
-from kvserve.kv.quant import KVCacheDtype, dequantize, quantize
+from kvserve.kv.quant import KVCacheDtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 
 HEAD_DIM = 8
@@ -42,7 +42,7 @@ def make_step(
     dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, encoding: KVCacheDtype | None = None,
 ) -> Step:
     """Random K/V histories whose contexts are already in shuffled, non-contiguous blocks of the cache, stored in
-    ``encoding`` (default: ``dtype`` itself); the histories are what the cache then holds, dequantized."""
+    ``encoding`` (default: ``dtype`` itself; the histories are then the values before quantization)."""
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
     blocks_per_seq = [math.ceil((c + n) / block_size) for c, n in seqs]
@@ -56,8 +56,6 @@ def make_step(
         tables.append(table)
         seq_len = context_len + query_len
         history = [torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype) for _ in "kv"]
-        if encoding is not None and encoding.has_scales:
-            history = [dequantize(*quantize(h, encoding), encoding, dtype) for h in history]
         histories.append(tuple(h.to(device) for h in history))
         slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
         context_slots = torch.tensor(slots[:context_len], dtype=torch.long, device=device)
