@@ -143,7 +143,7 @@ static inline vec codes_to_vec(const uint8_t *p, const int enc) {
     if (enc == INT8) {
         signed_byte_vec b;
         memcpy(&b, p, sizeof b);
-        return __builtin_convertvector(b, vec);
+        return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); /* via int32: GCC scalarizes int8 -> float */
     }
     byte_vec b;
     memcpy(&b, p, sizeof b);
@@ -151,6 +151,8 @@ static inline vec codes_to_vec(const uint8_t *p, const int enc) {
     const vec magnitude = __builtin_convertvector((x & 7) | (normal & 8), vec) * (vec)((e + normal + 118) << 23);
     return (vec)((ivec)magnitude | ((x & 0x80) << 24));
 }
+
+static inline vec nibbles_to_vec(byte_vec b) { return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); }
 
 static inline float code_value(const uint8_t *p, int i, const int enc) {
     if (enc == INT8) return (float)(int8_t)p[i];
@@ -203,8 +205,8 @@ static inline __attribute__((always_inline)) float dot_int4(const float *q, cons
         vec sum = (vec){0};
         for (; j + VEC <= half; j += VEC) {
             const byte_vec b = load_bytes(k + j);
-            sum += load(q + j) * __builtin_convertvector(b & 15, vec);
-            sum += load(q + half + j) * __builtin_convertvector(b >> 4, vec);
+            sum += load(q + j) * nibbles_to_vec(b & 15);
+            sum += load(q + half + j) * nibbles_to_vec(b >> 4);
         }
         total = horizontal_sum(sum);
     }
@@ -236,8 +238,8 @@ static inline __attribute__((always_inline)) void dequantize_row(const void *cac
         int j = 0;
         for (; j + VEC <= half; j += VEC) {
             const byte_vec b = load_bytes(p + j);
-            store(out + j, __builtin_convertvector(b & 15, vec) * scale + zero);
-            store(out + half + j, __builtin_convertvector(b >> 4, vec) * scale + zero);
+            store(out + j, nibbles_to_vec(b & 15) * scale + zero);
+            store(out + half + j, nibbles_to_vec(b >> 4) * scale + zero);
         }
         for (; j < half; j++) out[j] = (float)(p[j] & 15) * scale + zero, out[half + j] = (float)(p[j] >> 4) * scale + zero;
         return;
@@ -308,8 +310,8 @@ static inline __attribute__((always_inline)) void weighted_values(const DecodeAr
             zero_sum += weights[t] * param(a->v_params, row / d, 1, enc);
             for (int j = 0; j < num_vecs / 2; j++) {
                 const byte_vec b = load_bytes(v + j * VEC);
-                sum[j] += w * __builtin_convertvector(b & 15, vec);
-                sum[num_vecs / 2 + j] += w * __builtin_convertvector(b >> 4, vec);
+                sum[j] += w * nibbles_to_vec(b & 15);
+                sum[num_vecs / 2 + j] += w * nibbles_to_vec(b >> 4);
             }
             continue;
         }

@@ -138,7 +138,7 @@ static inline vec codes_to_vec(const uint8_t *p, const int enc) {
     if (enc == INT8) {
         signed_byte_vec b;
         memcpy(&b, p, sizeof b);
-        return __builtin_convertvector(b, vec);
+        return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); /* via int32: GCC scalarizes int8 -> float */
     }
     byte_vec b;
     memcpy(&b, p, sizeof b);
@@ -146,6 +146,8 @@ static inline vec codes_to_vec(const uint8_t *p, const int enc) {
     const vec magnitude = __builtin_convertvector((x & 7) | (normal & 8), vec) * (vec)((e + normal + 118) << 23);
     return (vec)((ivec)magnitude | ((x & 0x80) << 24));
 }
+
+static inline vec nibbles_to_vec(byte_vec b) { return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); }
 
 static inline float code_value(const uint8_t *p, int i, const int enc) {
     if (enc == INT8) return (float)(int8_t)p[i];
@@ -168,8 +170,8 @@ static inline __attribute__((always_inline)) void dequantize_row(const void *cac
         for (; j + VEC <= half; j += VEC) {
             byte_vec b;
             memcpy(&b, p + j, sizeof b);
-            store(out + j, __builtin_convertvector(b & 15, vec) * scale + zero);
-            store(out + half + j, __builtin_convertvector(b >> 4, vec) * scale + zero);
+            store(out + j, nibbles_to_vec(b & 15) * scale + zero);
+            store(out + half + j, nibbles_to_vec(b >> 4) * scale + zero);
         }
         for (; j < half; j++) out[j] = (float)(p[j] & 15) * scale + zero, out[half + j] = (float)(p[j] >> 4) * scale + zero;
         return;
