@@ -1,4 +1,5 @@
-/* Decode attention read in place from the paged KV cache (fp32), parallel over (sequence, KV heads) with OpenMP.
+/* Decode attention read in place from the paged KV cache (fp32 queries; the cache fp32, int8, fp8 or int4),
+ * parallel over (sequence, KV heads) with OpenMP.
  *
  * Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]; position p of a sequence lives at
  * flat slot block_table[p / block_size] * block_size + p % block_size. A work item streams one sequence's keys
@@ -21,7 +22,19 @@
  *   - all KV heads of a sequence in one work item when there are enough sequences, so each token's K and V
  *     rows are read as one contiguous run: 1.1x on one thread, 1.3x on two.
  *
- * No torch headers: the module is called through ctypes with raw pointers, so it builds in about a second.
+ * A quantized cache (kvserve/kv/quant.py) is read as its codes, a quarter (int8, fp8) or an eighth (int4) of
+ * fp32's bytes plus 4 bytes a row, and each tile's rows of the item's KV heads are dequantized once into an fp32
+ * tile on the stack (24 KB at SmolLM2's shapes, L1 / L2) that the fp32 inner products then read: every row
+ * serves its KV head's group of query heads. Converting the codes in registers inside each dot product and
+ * weighted sum instead (the scale folded into the score or the weight, int4's zero point into a sum) converted
+ * each row once per query head: against fp32 in the same run, 1.9x (int8) and 4.3x (fp8) the time where the
+ * tile takes 1.6x and 2.3x; only int4 did better in registers (1.4x against 1.8x), not worth a second path.
+ * Measured on AMD EPYC Zen 2, AVX2, 2 cores shared with other work (benchmarks/kv_quant.py, 32 decodes x 1,000
+ * tokens, one layer): fp32 56 ms, int8 88, fp8 132, int4 99: on two busy cores the kernel is bound by
+ * instructions, not bytes, and the conversions cost more than the bytes they save; where decodes are bound by
+ * memory bandwidth (many cores per memory channel) the 3.8x / 7.1x fewer bytes are what counts.
+ *
+ * No torch headers: the module is called through ctypes with raw pointers, so it builds in seconds.
  */
 #include <math.h>
 #include <stdint.h>
@@ -185,48 +198,7 @@ static inline void prefetch_row(const void *cache, const void *params, int64_t r
     if (enc != F32) __builtin_prefetch((const uint8_t *)params + row / d * 4);
 }
 
-static inline __attribute__((always_inline)) float dot_codes(const float *q, const uint8_t *k, const int d,
-                                                             const int enc) {
-    float total = 0.0f;
-    if (d >= VEC) {
-        vec sum = load(q) * codes_to_vec(k, enc);
-        for (int j = VEC; j + VEC <= d; j += VEC) sum += load(q + j) * codes_to_vec(k + j, enc);
-        total = horizontal_sum(sum);
-    }
-    for (int i = d / VEC * VEC; i < d; i++) total += q[i] * code_value(k, i, enc);
-    return total;
-}
-
-static inline __attribute__((always_inline)) float dot_int4(const float *q, const uint8_t *k, const int d) {
-    const int half = d / 2;
-    float total = 0.0f;
-    int j = 0;
-    if (half >= VEC) {
-        vec sum = (vec){0};
-        for (; j + VEC <= half; j += VEC) {
-            const byte_vec b = load_bytes(k + j);
-            sum += load(q + j) * nibbles_to_vec(b & 15);
-            sum += load(q + half + j) * nibbles_to_vec(b >> 4);
-        }
-        total = horizontal_sum(sum);
-    }
-    for (; j < half; j++) total += q[j] * (float)(k[j] & 15) + q[half + j] * (float)(k[j] >> 4);
-    return total;
-}
-
-/* q . the key at value index row, dequantized in registers: a group's scale (and int4's zero point, times
- * q_sum, the sum of q) factor out of the dot product of q with the codes. */
-static inline __attribute__((always_inline)) float dot_key(const DecodeArgs *a, const float *q, float q_sum,
-                                                           int64_t row, const int d, const int enc) {
-    if (enc == F32) return dot(q, (const float *)a->k_cache + row, d);
-    const uint8_t *k = row_bytes(a->k_cache, row, enc);
-    const float scale = param(a->k_params, row / d, 0, enc);
-    if (enc == INT4) return dot_int4(q, k, d) * scale + q_sum * param(a->k_params, row / d, 1, enc);
-    return dot_codes(q, k, d, enc) * scale;
-}
-
-/* A row of d values at value index row, dequantized into out (for the paths whose inner products take keys
- * and values from a tile of fp32 rows). */
+/* A row of d values at value index row (a multiple of d), dequantized into out. */
 static inline __attribute__((always_inline)) void dequantize_row(const void *cache, const void *params,
                                                                  int64_t row, float *out, const int d,
                                                                  const int enc) {
@@ -273,52 +245,29 @@ static inline __attribute__((always_inline)) void softmax_tile(float *scores, in
     }
 }
 
-/* acc += sum over the tile's keys of weight * value row (the value rows at value index rows[t] + offset), the
- * head_dim / VEC vectors held in registers; codes are converted in registers, a row's scale folded into its
- * weight and int4's zero points summed apart (sum of weight * zero, added to every element). */
-static inline __attribute__((always_inline)) void weighted_values(const DecodeArgs *a, float *acc,
-                                                                  const float *weights, int64_t offset,
-                                                                  const int64_t *rows, int num_keys, const int d,
-                                                                  const int enc) {
-    const int half = d / 2;
-    if (enc == INT4 && half % VEC) { /* no whole vectors of either half: element by element */
-        for (int t = 0; t < num_keys; t++) {
-            const int64_t row = rows[t] + offset;
-            const uint8_t *v = row_bytes(a->v_cache, row, enc);
-            const float w = weights[t] * param(a->v_params, row / d, 0, enc);
-            const float wz = weights[t] * param(a->v_params, row / d, 1, enc);
-            for (int j = 0; j < half; j++)
-                acc[j] += w * (float)(v[j] & 15) + wz, acc[half + j] += w * (float)(v[j] >> 4) + wz;
-        }
-        return;
-    }
+/* acc += sum over the tile's keys of weight * value row, the head_dim / VEC vectors held in registers. */
+static inline __attribute__((always_inline)) void weighted_values(float *acc, const float *weights,
+                                                                  const float *v_cache, const int64_t *rows,
+                                                                  int num_keys, const int d) {
     const int num_vecs = d / VEC;
     vec sum[num_vecs > 0 ? num_vecs : 1];
-    float zero_sum = 0.0f;
     for (int j = 0; j < num_vecs; j++) sum[j] = load(acc + j * VEC);
     for (int t = 0; t < num_keys; t++) {
-        const int64_t row = rows[t] + offset;
-        if (enc == F32) {
-            const float *v = (const float *)a->v_cache + row;
-            for (int j = 0; j < num_vecs; j++) sum[j] += weights[t] * load(v + j * VEC);
-            for (int i = num_vecs * VEC; i < d; i++) acc[i] += weights[t] * v[i];
-            continue;
-        }
-        const uint8_t *v = row_bytes(a->v_cache, row, enc);
-        const float w = weights[t] * param(a->v_params, row / d, 0, enc);
-        if (enc == INT4) {
-            zero_sum += weights[t] * param(a->v_params, row / d, 1, enc);
-            for (int j = 0; j < num_vecs / 2; j++) {
-                const byte_vec b = load_bytes(v + j * VEC);
-                sum[j] += w * nibbles_to_vec(b & 15);
-                sum[num_vecs / 2 + j] += w * nibbles_to_vec(b >> 4);
-            }
-            continue;
-        }
-        for (int j = 0; j < num_vecs; j++) sum[j] += w * codes_to_vec(v + j * VEC, enc);
-        for (int i = num_vecs * VEC; i < d; i++) acc[i] += w * code_value(v, i, enc);
+        const float *v = v_cache + rows[t];
+        for (int j = 0; j < num_vecs; j++) sum[j] += weights[t] * load(v + j * VEC);
+        for (int i = num_vecs * VEC; i < d; i++) acc[i] += weights[t] * v[i];
     }
-    for (int j = 0; j < num_vecs; j++) store(acc + j * VEC, sum[j] + zero_sum);
+    for (int j = 0; j < num_vecs; j++) store(acc + j * VEC, sum[j]);
+}
+
+/* The tile's num_keys rows (num_kv KV heads of d values from value index rows[t]) dequantized into
+ * tile[t][num_kv * d]. */
+static inline __attribute__((always_inline)) void dequantize_tile(const void *cache, const void *params,
+                                                                  const int64_t *rows, int num_keys, int num_kv,
+                                                                  float *tile, const int d, const int enc) {
+    for (int t = 0; t < num_keys; t++)
+        for (int h = 0; h < num_kv; h++)
+            dequantize_row(cache, params, rows[t] + h * d, tile + ((int64_t)t * num_kv + h) * d, d, enc);
 }
 
 
@@ -329,33 +278,32 @@ static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *
                                                               int64_t head_offset, int num_kv, int num_queries,
                                                               const float *q, float *acc, float *row_max,
                                                               float *row_sum, const int d, const int enc) {
-    const int64_t slot_stride = (int64_t)a->num_kv_heads * d;
-    float scores[num_queries * TILE], q_sum[num_queries];
-    int64_t rows[TILE], next_rows[TILE], kv_offset[num_queries];
+    const int64_t slot_stride = (int64_t)a->num_kv_heads * d, tile_stride = (int64_t)num_kv * d;
+    float scores[num_queries * TILE], tile[enc == F32 ? 1 : TILE * tile_stride];
+    int64_t rows[TILE], next_rows[TILE], tile_rows[TILE], kv_offset[num_queries];
     for (int h = 0; h < num_queries; h++) kv_offset[h] = (int64_t)(h / a->group % num_kv) * d;
-    for (int h = 0; h < num_queries; h++) {
-        q_sum[h] = 0.0f;
-        if (enc == INT4)
-            for (int i = 0; i < d; i++) q_sum[h] += q[h * d + i];
-    }
+    for (int t = 0; t < TILE; t++) tile_rows[t] = t * tile_stride;
+    const float *keys = enc == F32 ? a->k_cache : tile, *values = enc == F32 ? a->v_cache : tile;
+    const int64_t *read_rows = enc == F32 ? rows : tile_rows;
 
     int num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
     while (num_next > 0) {
         const int num_keys = num_next;
         memcpy(rows, next_rows, sizeof rows);
         num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
+        if (enc != F32) dequantize_tile(a->k_cache, a->k_params, rows, num_keys, num_kv, tile, d, enc);
         for (int t = 0; t < TILE; t++) {
             if (t < num_next) {
                 prefetch_row(a->k_cache, a->k_params, next_rows[t], num_kv * d, d, enc);
                 prefetch_row(a->v_cache, a->v_params, next_rows[t], num_kv * d, d, enc);
             }
             for (int h = 0; h < num_queries; h++)
-                scores[h * TILE + t] = t < num_keys ? dot_key(a, q + h * d, q_sum[h], rows[t] + kv_offset[h], d, enc)
-                                                    : -INFINITY;
+                scores[h * TILE + t] = t < num_keys ? dot(q + h * d, keys + read_rows[t] + kv_offset[h], d) : -INFINITY;
         }
         softmax_tile(scores, num_queries, d, acc, row_max, row_sum);
+        if (enc != F32) dequantize_tile(a->v_cache, a->v_params, rows, num_keys, num_kv, tile, d, enc);
         for (int h = 0; h < num_queries; h++)
-            weighted_values(a, acc + h * d, scores + h * TILE, kv_offset[h], rows, num_keys, d, enc);
+            weighted_values(acc + h * d, scores + h * TILE, values + kv_offset[h], read_rows, num_keys, d);
     }
 }
 
@@ -466,11 +414,10 @@ static inline __attribute__((always_inline)) void attend_keys_across_lanes(const
             prefetch_row(a->k_cache, a->k_params, next_rows[t], d, d, enc);
             prefetch_row(a->v_cache, a->v_params, next_rows[t], d, d, enc);
         }
-        if (enc != F32)
-            for (int t = 0; t < num_keys; t++) {
-                dequantize_row(a->k_cache, a->k_params, rows[t], k_tile + t * d, d, enc);
-                dequantize_row(a->v_cache, a->v_params, rows[t], v_tile + t * d, d, enc);
-            }
+        if (enc != F32) {
+            dequantize_tile(a->k_cache, a->k_params, rows, num_keys, 1, k_tile, d, enc);
+            dequantize_tile(a->v_cache, a->v_params, rows, num_keys, 1, v_tile, d, enc);
+        }
         scores_down_lanes(q_t, width, keys, key_rows, num_keys, scores, d);
         softmax_down_lanes(scores, num_keys, width, max_w, sum_w, correction);
         /* whole passes of queries_per_pass (padding lanes past num_queries have scores too) keep sum in
@@ -605,8 +552,8 @@ static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, con
 
 typedef int (*AttendFn)(const DecodeArgs *, const Cascade *, int, int, int);
 typedef int (*SharedFn)(const DecodeArgs *, const Cascade *, int, int, int);
-/* A copy per head_dim (64 / 128 / 256 known at compile time, any other at run time) for the group pass, and
- * per (head_dim, encoding) for the sequences' own keys, whose inner loops dequantize in registers. */
+/* A copy per head_dim (64 / 128 / 256 known at compile time, any other at run time) for the group pass, whose
+ * tile dequantization is shared by the whole group, and per (head_dim, encoding) for the sequences' own keys. */
 #define HEAD_DIM_COPY(D, NAME)                                                                                    \
     static int shared_##NAME(const DecodeArgs *a, const Cascade *c, int chunk, int split, int h) {              \
         return attend_shared(a, c, chunk, split, h, D);                                                           \
