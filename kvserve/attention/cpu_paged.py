@@ -17,8 +17,11 @@ kernels because they are bound by different things:
     q rows:  | d0 | d1 | ... | d{D-1} |  chunk 0  |  chunk 1  | ...
              |<-- paged_decode ----->|<---- paged_prefill --->|
 
-``TorchRefBackend`` is the twin the tests compare both against. The kernels are built at first use
-(``kvserve.native``) and called through ctypes with raw pointers.
+Both kernels read a quantized cache (int8, fp8, int4: ``kvserve/kv/quant.py``) as it is stored, codes and
+per-row parameters, dequantizing a tile of rows at a time into fp32 on the stack; queries and outputs stay fp32.
+
+``TorchRefBackend`` is the twin the tests compare both against (it dequantizes what it gathers). The kernels are
+built at first use (``kvserve.native``) and called through ctypes with raw pointers.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class CpuPagedMetadata(AttentionMetadata):
 
 
 class CpuPagedBackend(AttentionBackend):
-    """Decodes and prefill chunks through the in-place C kernels; fp32 on CPU only.
+    """Decodes and prefill chunks through the in-place C kernels; fp32 models on CPU, any KV encoding.
 
     Construction builds (or loads the cached) kernels and raises ``KernelBuildError`` when it cannot.
     """
