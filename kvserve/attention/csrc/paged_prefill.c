@@ -138,7 +138,8 @@ static inline vec codes_to_vec(const uint8_t *p, const int enc) {
     if (enc == INT8) {
         signed_byte_vec b;
         memcpy(&b, p, sizeof b);
-        return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); /* via int32: GCC scalarizes int8 -> float */
+        /* via int32: GCC 12 turns a direct int8 -> float conversion into scalar code */
+        return __builtin_convertvector(__builtin_convertvector(b, ivec), vec);
     }
     byte_vec b;
     memcpy(&b, p, sizeof b);
@@ -173,7 +174,10 @@ static inline __attribute__((always_inline)) void dequantize_row(const void *cac
             store(out + j, nibbles_to_vec(b & 15) * scale + zero);
             store(out + half + j, nibbles_to_vec(b >> 4) * scale + zero);
         }
-        for (; j < half; j++) out[j] = (float)(p[j] & 15) * scale + zero, out[half + j] = (float)(p[j] >> 4) * scale + zero;
+        for (; j < half; j++) {
+            out[j] = (float)(p[j] & 15) * scale + zero;
+            out[half + j] = (float)(p[j] >> 4) * scale + zero;
+        }
         return;
     }
     const float scale = ((const float *)params)[g];
@@ -462,8 +466,8 @@ int kvserve_paged_prefill_f32(float *out, int64_t out_row_stride, const float *q
                               int num_kv_heads, int group, int head_dim, int block_size, int window,
                               int queries_per_tile, float scale, int num_threads) {
     const PrefillArgs a = {out, q, k_cache, v_cache, k_params, v_params, block_tables, seq_lens, query_starts,
-                           query_lens, out_row_stride, q_row_stride, block_table_stride, num_blocks, num_kv_heads, group,
-                           head_dim, block_size, window, queries_per_tile, scale, encoding};
+                           query_lens, out_row_stride, q_row_stride, block_table_stride, num_blocks, num_kv_heads,
+                           group, head_dim, block_size, window, queries_per_tile, scale, encoding};
     const AttendFn attend_fn = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128
                              : head_dim == 256 ? attend_256 : attend_any;
     int num_items = 0, num_bad = 0;
