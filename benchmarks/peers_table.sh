@@ -4,7 +4,8 @@
 # seeded `random` workload at concurrency 1, 4 and 16, then the `prefix` workload. One JSON per pass in $OUT
 # (default docs/results/peers-<date>), then `kvserve bench compare` tables per load.
 #
-#   LLAMA_SERVER=/work/peers/llamacpp/bin/llama-server LLAMA_F32=/work/peers/smollm2-f32.gguf benchmarks/peers_table.sh
+#   LLAMA_SERVER=$LCPP_DIR/bin/llama-server LLAMA_F32=$LLAMA_F32_GGUF benchmarks/peers_table.sh
+#   (benchmarks/peers/README.md says how to build llama-server and make the F32 GGUF)
 #   SYSTEMS="kvserve-nocache" LOADS="c16 prefix" benchmarks/peers_table.sh   # a subset; kvserve-nocache: the
 #                                                                           # prefix cache off (issue 9)
 set -euo pipefail
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 MODEL=smollm2-135m-instruct
 Q4_GGUF=${Q4_GGUF:-$(kvserve pull "$MODEL" | tail -1)}
 OUT=${OUT:-docs/results/peers-$(date +%Y%m%d-%H%M)}
-SYSTEMS=${SYSTEMS:-"kvserve llamacpp-q4_1 llamacpp-f32"}
+SYSTEMS=${SYSTEMS:-"kvserve kvserve-f32 llamacpp-q4_1 llamacpp-f32"}
 LOADS=${LOADS:-"c1 c4 c16 prefix"}
 PORT=${PORT:-18710}
 mkdir -p "$OUT"
@@ -20,7 +21,7 @@ mkdir -p "$OUT"
 RANDOM_FLAGS="--dataset-name random --random-input-len 256 --random-output-len 128 --random-range-ratio 0.5"
 load_flags() {
   case "$1" in
-    c1) echo "$RANDOM_FLAGS --num-prompts 16 --max-concurrency 1" ;;
+    c1) echo "$RANDOM_FLAGS --num-prompts ${C1_PROMPTS:-16} --max-concurrency 1" ;;
     c4) echo "$RANDOM_FLAGS --num-prompts 32 --max-concurrency 4" ;;
     c16) echo "$RANDOM_FLAGS --num-prompts 64 --max-concurrency 16" ;;
     # issue 9's prefix workload: 8 groups x 16 requests on a 1,024-token system prompt
@@ -33,6 +34,8 @@ server_command() {
   case "$1" in
     kvserve) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 ;;
     kvserve-nocache) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --no-enable-prefix-caching ;;
+    # the default form keeps the GGUF's Q4_1 / Q8_0 blocks for single-stream steps; fp32 weights throughout:
+    kvserve-f32) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantization none ;;
     # its Q4_1 weight repacking segfaults while loading on a Sapphire Rapids Xeon (AMX): repacking off
     llamacpp-q4_1) echo "$LLAMA_SERVER" -m "$Q4_GGUF" "${llama[@]}" --no-repack ;;
     llamacpp-f32) echo "$LLAMA_SERVER" -m "$LLAMA_F32" "${llama[@]}" ;;

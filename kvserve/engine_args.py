@@ -18,6 +18,7 @@ from kvserve.config import (
     DEVICES,
     DTYPE_CHOICES,
     QUANTIZATION_CHOICES,
+    KV_CACHE_DTYPES,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
@@ -50,7 +51,10 @@ class EngineArgs:
                                             float)
     gpu_memory_utilization: float = _option(CacheConfig.gpu_memory_utilization,
                                             "fraction of free CUDA memory the KV cache may take", float)
-    kv_cache_dtype: str = _option(CacheConfig.kv_cache_dtype, "how KV blocks are stored", str)
+    kv_cache_dtype: str = _option(CacheConfig.kv_cache_dtype,
+                                  f"how KV blocks are stored: {' | '.join(KV_CACHE_DTYPES)} ('auto': the model's "
+                                  "dtype; the others quantize per token and KV head, holding ~4x / ~4x / ~7x the "
+                                  "tokens of fp32 in the same memory)", str)
     enable_prefix_caching: bool = _option(CacheConfig.enable_prefix_caching,
                                           "reuse the KV of shared prompt prefixes (radix tree)")
     max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "requests running at once", int)

@@ -25,7 +25,7 @@ CHANGED = {
     "num_kv_blocks": 99,
     "kv_cache_memory": 1.5,
     "gpu_memory_utilization": 0.5,
-    "kv_cache_dtype": "auto",  # the only value today; still a flag
+    "kv_cache_dtype": "int8",
     "enable_prefix_caching": False,
     "max_num_seqs": 3,
     "max_num_batched_tokens": 64,
@@ -74,7 +74,7 @@ def test_defaults_are_the_configs_defaults() -> None:
 def test_flat_options_land_in_the_narrow_configs() -> None:
     config = EngineArgs(**CHANGED).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none")
-    assert config.cache == CacheConfig(32, 99, 1.5, 0.5, False, "auto")
+    assert config.cache == CacheConfig(32, 99, 1.5, 0.5, False, "int8")
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
     assert config.device == "cpu"
 

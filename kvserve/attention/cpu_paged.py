@@ -17,8 +17,11 @@ kernels because they are bound by different things:
     q rows:  | d0 | d1 | ... | d{D-1} |  chunk 0  |  chunk 1  | ...
              |<-- paged_decode ----->|<---- paged_prefill --->|
 
-``TorchRefBackend`` is the twin the tests compare both against. The kernels are built at first use
-(``kvserve.native``) and called through ctypes with raw pointers.
+Both kernels read a quantized cache (int8, fp8, int4: ``kvserve/kv/quant.py``) as it is stored, codes and
+per-row parameters, dequantizing a tile of rows at a time into fp32 on the stack; queries and outputs stay fp32.
+
+``TorchRefBackend`` is the twin the tests compare both against (it dequantizes what it gathers). The kernels are
+built at first use (``kvserve.native``) and called through ctypes with raw pointers.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ DECODE_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 PREFILL_SOURCE = Path(__file__).parent / "csrc" / "paged_prefill.c"
 DECODE_KERNEL_RANGE = "kvserve::paged_decode"  # the kernels' names in torch.profiler traces (a ctypes call is no op)
 PREFILL_KERNEL_RANGE = "kvserve::paged_prefill"
+# The kernels' codes for the encodings they read (csrc/paged_decode.c's enum); the queries are fp32 whatever the cache.
+ENCODING_CODES = {"float32": 0, "int8": 1, "fp8": 2, "int4": 3}
 _COMMON_ARG_TYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # out, its row stride, q, its row stride
-    + [ctypes.c_void_p] * 2 + [ctypes.c_int64]  # k/v caches, num_blocks
+    + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64]  # k/v caches, k/v params, encoding, num_blocks
     + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]  # block tables + stride, seq lens
 )
 _DECODE_ARG_TYPES = _COMMON_ARG_TYPES + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]  # num_seqs .. window,
@@ -71,7 +76,7 @@ class CpuPagedMetadata(AttentionMetadata):
 
 
 class CpuPagedBackend(AttentionBackend):
-    """Decodes and prefill chunks through the in-place C kernels; fp32 on CPU only.
+    """Decodes and prefill chunks through the in-place C kernels; fp32 models on CPU, any KV encoding.
 
     Construction builds (or loads the cached) kernels and raises ``KernelBuildError`` when it cannot.
     """
@@ -138,7 +143,7 @@ class CpuPagedBackend(AttentionBackend):
         with kernel_range(DECODE_KERNEL_RANGE):
             num_bad = self._decode(
                 out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
-                layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), kv.num_blocks,
+                *_cache_args(layer_kv), kv.num_blocks,
                 tables.data_ptr(), tables.stride(0), meta.decode_seq_lens.data_ptr(), meta.inputs.num_decodes,
                 num_kv_heads, num_heads // num_kv_heads, head_dim, meta.inputs.block_size, sliding_window or 0, scale,
                 torch.get_num_threads(),
@@ -156,13 +161,19 @@ class CpuPagedBackend(AttentionBackend):
         with kernel_range(PREFILL_KERNEL_RANGE):
             num_bad = self._prefill(
                 out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
-                layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), kv.num_blocks,
+                *_cache_args(layer_kv), kv.num_blocks,
                 tables.data_ptr(), tables.stride(0), meta.chunk_seq_lens.data_ptr(),
                 meta.chunk_query_starts.data_ptr(), meta.chunk_query_lens.data_ptr(), meta.num_chunks,
                 num_kv_heads, group, head_dim, meta.inputs.block_size, sliding_window or 0,
                 self._queries_per_tile(group, _tile_lanes(head_dim)), scale, torch.get_num_threads(),
             )
         _raise_on_failure(num_bad, "prefill", kv)
+
+
+def _cache_args(layer_kv: KVLayerView) -> tuple[int | None, ...]:
+    """The kernels' k/v cache, k/v params (None: unquantized) and encoding arguments."""
+    params = [p.data_ptr() if p is not None else None for p in (layer_kv.k_scale, layer_kv.v_scale)]
+    return layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), *params, ENCODING_CODES[layer_kv.encoding.name]
 
 
 def _check_table_width(inputs: AttentionInputs) -> None:
@@ -199,11 +210,10 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: i
             f"num_heads a multiple of the cache's num_kv_heads={kv.spec.num_kv_heads} and head_dim={kv.spec.head_dim}"
         )
     layer_kv = kv.layer(layer)
-    paged = (layer_kv.k, layer_kv.v)
-    if (q.dtype != torch.float32 or layer_kv.k_scale is not None
-            or any(c.dtype != torch.float32 or not c.is_contiguous() for c in paged)):
-        raise TypeError(f"CpuPagedBackend needs fp32 queries and contiguous, unquantized fp32 caches; got {q.dtype} "
-                        f"and a {kv.spec.kv_dtype.name} cache")
+    if (q.dtype != torch.float32 or kv.spec.dtype != torch.float32 or layer_kv.encoding.name not in ENCODING_CODES
+            or not all(t.is_contiguous() for t in layer_kv.tensors())):
+        raise TypeError(f"CpuPagedBackend needs fp32 queries and contiguous caches of fp32 models, stored as "
+                        f"{', '.join(ENCODING_CODES)}; got {q.dtype} and a {kv.spec.kv_dtype.name} cache")
 
 
 # --- the kernel ---------------------------------------------------------------------------------------------------

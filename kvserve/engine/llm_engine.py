@@ -45,14 +45,14 @@ class LLMEngine:
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
         runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
-                             self.keeps_gguf_blocks, structured)
+                             self.keeps_gguf_blocks, structured, config.cache.kv_cache_dtype)
         self.core = self._build_core(runner)
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
-            "kvserve: %s on %s (%s weights, %s activations), %d KV blocks of %d tokens",
+            "kvserve: %s on %s (%s weights, %s activations), %d KV blocks of %d tokens (%s)",
             self.location.name, self.device, runner.weights_format(), self.dtype, self.num_kv_blocks,
-            config.cache.block_size,
+            config.cache.block_size, runner.kv_cache_dtype.name,
         )
 
     def _max_model_len(self, model_limit: int) -> int:

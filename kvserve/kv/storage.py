@@ -1,14 +1,17 @@
 """KVCacheStorage: the paged K and V tensors of every layer, in a layout the storage owns.
 
 The backends write a step's new keys and values through ``write`` and read a layer through ``layer(i)``, a
-``KVLayerView``; how elements are encoded (``KVCacheDtype``: today the model's own dtype, later packed
-int8 / fp8 / int4 with scales) is known here and in the kernels that read a view, never in the scheduler or
-the model. Layout per layer, where a token's flat slot is ``block_id * block_size + offset``::
+``KVLayerView``; how elements are encoded (``KVCacheDtype``: the model's own dtype, or int8 / fp8 / int4 with
+parameters per token per KV head, ``kv/quant.py``) is known here and in the kernels that read a view, never in
+the scheduler or the model. ``write`` quantizes; ``KVLayerView.gather_rows`` dequantizes for the reference
+backend, and the C kernels dequantize as they read. Layout per layer, where a token's flat slot is
+``block_id * block_size + offset``::
 
     k, v:              [num_blocks, block_size, num_kv_heads, head_dim // values_per_element]  (data dtype)
-    k_scale, v_scale:  [num_blocks, block_size, num_kv_heads]  (scale dtype; quantized encodings only)
+    k_scale, v_scale:  [num_blocks, block_size, num_kv_heads, params_per_group]  (scale dtype; quantized only)
 
-The scheduler never sees these tensors, only block ids.
+A quantized block is smaller (``KVCacheSpec.bytes_per_block`` counts data and parameters), so the same memory
+budget holds more blocks; the scheduler never sees these tensors, only block ids.
 """
 
 from __future__ import annotations
@@ -18,44 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-@dataclass(frozen=True)
-class KVCacheDtype:
-    """How stored K and V elements are encoded: a data dtype holding ``values_per_element`` values each
-    (2 for int4 packed in uint8), and, for quantized encodings, one scale per token per KV head."""
-
-    name: str  # what flags and stats call it: "float32", "bfloat16", and later "int8", "fp8_e4m3", "int4"
-    data_dtype: torch.dtype
-    scale_dtype: torch.dtype | None = None  # None: unquantized, the data are the values themselves
-    values_per_element: int = 1
-
-    def __post_init__(self) -> None:
-        if self.values_per_element < 1:
-            raise ValueError(f"values_per_element must be >= 1, got {self.values_per_element}")
-        if self.scale_dtype is None and (self.values_per_element != 1 or not self.data_dtype.is_floating_point):
-            raise ValueError(f"KV dtype {self.name!r}: only float data may be stored without scales, one value each")
-
-    @classmethod
-    def unquantized(cls, dtype: torch.dtype) -> KVCacheDtype:
-        """The values stored as they are, in ``dtype``."""
-        return cls(_dtype_name(dtype), dtype)
-
-    @property
-    def has_scales(self) -> bool:
-        return self.scale_dtype is not None
-
-    def bytes_per_token_head(self, head_dim: int) -> int:
-        """Bytes that one token's K (or V) of one KV head takes: its data plus its scale."""
-        scale_bytes = _element_size(self.scale_dtype) if self.scale_dtype is not None else 0
-        return head_dim // self.values_per_element * _element_size(self.data_dtype) + scale_bytes
+from kvserve.kv.quant import KVCacheDtype, dequantize, quantize
 
 
 @dataclass(frozen=True)
@@ -98,43 +64,63 @@ class KVLayerView(NamedTuple):
     v: torch.Tensor
     k_scale: torch.Tensor | None  # None: unquantized
     v_scale: torch.Tensor | None
+    encoding: KVCacheDtype
+    dtype: torch.dtype  # the model's: what reads give back
 
     def gather_rows(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Copy K and V rows into ``out`` ([2, len(rows), head_dim]: K, then V) and return it. Row r is
-        (slot r // num_kv_heads, KV head r % num_kv_heads), so a backend picks its own order of heads and keys."""
-        head_dim = self.k.shape[-1]
-        torch.index_select(self.k.view(-1, head_dim), 0, rows, out=out[0])
-        torch.index_select(self.v.view(-1, head_dim), 0, rows, out=out[1])
+        """Copy K and V rows, dequantized, into ``out`` ([2, len(rows), head_dim]: K, then V) and return it. Row
+        r is (slot r // num_kv_heads, KV head r % num_kv_heads), so a backend picks its own order of heads and
+        keys."""
+        for i, (data, params) in enumerate(((self.k, self.k_scale), (self.v, self.v_scale))):
+            stored = _as_copyable(data).view(-1, data.shape[-1])
+            if params is None:
+                torch.index_select(stored, 0, rows, out=out[i])
+            else:
+                codes = stored.index_select(0, rows).view(data.dtype)
+                row_params = params.view(-1, params.shape[-1]).index_select(0, rows)
+                out[i].copy_(dequantize(codes, row_params, self.encoding, out.dtype))
         return out
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given flat slots: two [len(slots), num_kv_heads, head_dim] tensors."""
-        num_kv_heads, head_dim = self.k.shape[-2:]
+        """K and V of the given flat slots, dequantized: two [len(slots), num_kv_heads, head_dim] tensors."""
+        num_kv_heads = self.k.shape[-2]
+        head_dim = self.k.shape[-1] * self.encoding.values_per_element
         heads = torch.arange(num_kv_heads, device=slots.device)
         rows = (slots.unsqueeze(-1) * num_kv_heads + heads).flatten()
-        out = self.k.new_empty(2, rows.numel(), head_dim)
+        out = torch.empty(2, rows.numel(), head_dim, dtype=self.dtype, device=self.k.device)
         keys, values = self.gather_rows(rows, out).view(2, -1, num_kv_heads, head_dim)
         return keys, values
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor of the layer: data, and parameters where quantized."""
+        return tuple(t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
+
+
+def _as_copyable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as bytes where torch's CPU copy ops do not take its dtype (float8), else ``t`` itself."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
 
 class KVCacheStorage:
-    """Owns the paged K/V tensors of every layer; stores the model's dtype unquantized (``KVCacheDtype``
-    describes the quantized encodings, which need their quantize step before they can be stored)."""
+    """Owns the paged K/V tensors of every layer, stored in the spec's encoding (quantized in ``write``)."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
-        if spec.kv_dtype != KVCacheDtype.unquantized(spec.dtype):
-            raise ValueError(f"KVCacheStorage stores the model's dtype ({_dtype_name(spec.dtype)}) unquantized; "
-                             f"KV dtype {spec.kv_dtype.name!r} is not supported yet")
         if num_blocks < 1:
             raise ValueError(f"a KV cache needs at least one block, got num_blocks={num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self._layers = [
-            KVLayerView(torch.zeros(shape, dtype=spec.dtype, device=device),
-                        torch.zeros(shape, dtype=spec.dtype, device=device), None, None)
-            for _ in range(spec.num_layers)
-        ]
+        self._layers = [self._new_layer(device) for _ in range(spec.num_layers)]
+
+    def _new_layer(self, device: torch.device | str) -> KVLayerView:
+        spec, encoding = self.spec, self.spec.kv_dtype
+        shape = (self.num_blocks, spec.block_size, spec.num_kv_heads)
+        data_shape = (*shape, spec.head_dim // encoding.values_per_element)
+        k, v = (torch.zeros(data_shape, dtype=encoding.data_dtype, device=device) for _ in "kv")
+        k_scale = v_scale = None
+        if encoding.scale_dtype is not None:
+            params_shape = (*shape, encoding.params_per_group)
+            k_scale, v_scale = (torch.zeros(params_shape, dtype=encoding.scale_dtype, device=device) for _ in "kv")
+        return KVLayerView(k, v, k_scale, v_scale, encoding, spec.dtype)
 
     @property
     def num_slots(self) -> int:
@@ -156,10 +142,14 @@ class KVCacheStorage:
         """
         self._check_write(slot_mapping, k, v)
         view = self.layer(layer)
-        flat_shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         try:
-            view.k.view(flat_shape).index_copy_(0, slot_mapping, k)
-            view.v.view(flat_shape).index_copy_(0, slot_mapping, v)
+            for new, data, params in ((k, view.k, view.k_scale), (v, view.v, view.v_scale)):
+                if params is None:
+                    data.view(-1, *data.shape[2:]).index_copy_(0, slot_mapping, new)
+                    continue
+                codes, new_params = quantize(new, view.encoding)
+                _as_copyable(data).view(-1, *data.shape[2:]).index_copy_(0, slot_mapping, _as_copyable(codes))
+                params.view(-1, *params.shape[2:]).index_copy_(0, slot_mapping, new_params)
         except IndexError as error:
             raise ValueError(f"a slot of the step is outside the cache's {self.num_slots} slots") from error
 
@@ -181,9 +171,8 @@ class KVCacheStorage:
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
         for view in self._layers:
-            for paged in view:
-                if paged is not None:
-                    paged.index_copy_(0, dst, paged.index_select(0, src))
+            for paged in map(_as_copyable, view.tensors()):
+                paged.index_copy_(0, dst, paged.index_select(0, src))
 
     @property
     def nbytes(self) -> int:

@@ -7,6 +7,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_backend
+from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
@@ -24,10 +25,12 @@ class ModelRunner:
     def __init__(
         self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
         keep_gguf_blocks: bool = False, structured: StructuredOutputCompiler | None = None,
+        kv_cache_dtype_name: str = "auto",
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.kv_cache_dtype = kv_cache_dtype(kv_cache_dtype_name, dtype)
         self.backend: AttentionBackend = select_backend(device, dtype)
         self.model = load_model(checkpoint, self.backend, dtype, device, keep_gguf_blocks)
         grammar = GrammarProcessor(structured) if structured is not None else None
@@ -45,7 +48,7 @@ class ModelRunner:
 
     def kv_cache_spec(self) -> KVCacheSpec:
         m = self.model
-        return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype)
+        return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype, self.kv_cache_dtype)
 
     def init_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``)."""

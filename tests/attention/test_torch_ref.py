@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvserve.attention.backend import AttentionInputs
 from kvserve.attention.torch_ref import MAX_DECODE_GROUPS_CPU, MIN_DECODE_GROUP, TorchRefBackend, _decode_groups
+from kvserve.kv.quant import KVCacheDtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 
 HEAD_DIM = 8
@@ -38,15 +39,16 @@ class Step:
 
 def make_step(
     seqs: list[tuple[int, int]], num_decodes: int, *, block_size: int, num_kv_heads: int, group: int,
-    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+    dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, encoding: KVCacheDtype | None = None,
 ) -> Step:
-    """Random K/V histories whose contexts are already in shuffled, non-contiguous blocks of the cache."""
+    """Random K/V histories whose contexts are already in shuffled, non-contiguous blocks of the cache, stored in
+    ``encoding`` (default: ``dtype`` itself; the histories are then the values before quantization)."""
     gen = torch.Generator().manual_seed(seed)
     num_heads = num_kv_heads * group
     blocks_per_seq = [math.ceil((c + n) / block_size) for c, n in seqs]
     num_blocks = sum(blocks_per_seq) + 3
     block_ids = torch.randperm(num_blocks, generator=gen).tolist()
-    spec = KVCacheSpec(NUM_LAYERS, num_kv_heads, HEAD_DIM, block_size, dtype)
+    spec = KVCacheSpec(NUM_LAYERS, num_kv_heads, HEAD_DIM, block_size, dtype, encoding)
     kv = KVCacheStorage(spec, num_blocks, device)
     tables, histories, new_slots, qs = [], [], [], []
     for (context_len, query_len), num_seq_blocks in zip(seqs, blocks_per_seq):

@@ -130,7 +130,7 @@ def test_request_larger_than_the_kv_cache_is_refused_at_once(tiny_checkpoints) -
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"dtype": "float64"}, "dtype"),
         ({"device": "tpu"}, "device"),
-        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
+        ({"kv_cache_dtype": "int3"}, "kv_cache_dtype='int3' is not one of auto, int8, fp8, int4"),
         ({"max_model_len": 10**9}, "max_model_len"),
     ],
 )

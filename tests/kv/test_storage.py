@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.kv.quant import ENCODINGS
 from kvserve.kv.storage import KVCacheDtype, KVCacheSpec, KVCacheStorage
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 3, 2, 8, 4, 6
@@ -71,7 +72,7 @@ def test_bytes_per_block_counts_k_and_v_of_every_layer(dtype: torch.dtype, eleme
     assert kv.spec.kv_dtype == KVCacheDtype.unquantized(dtype) and not kv.spec.kv_dtype.has_scales
     assert kv.spec.bytes_per_block == 2 * NUM_LAYERS * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * element_bytes
     assert kv.nbytes == kv.spec.bytes_per_block * NUM_BLOCKS
-    assert kv.nbytes == sum(t.nbytes for layer in range(NUM_LAYERS) for t in kv.layer(layer) if t is not None)
+    assert kv.nbytes == sum(t.nbytes for layer in range(NUM_LAYERS) for t in kv.layer(layer).tensors())
 
 
 def test_bytes_per_block_of_a_quantized_encoding_counts_its_scales() -> None:
@@ -83,8 +84,11 @@ def test_bytes_per_block_of_a_quantized_encoding_counts_its_scales() -> None:
     assert spec.kv_dtype.name == "int8" and spec.bytes_per_block == per_block * (HEAD_DIM * 1 + 4)
     spec = KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, cache_dtype=int4)
     assert spec.bytes_per_block == per_block * (HEAD_DIM // 2 + 2)
-    with pytest.raises(ValueError, match="not supported yet"):
-        KVCacheStorage(spec, NUM_BLOCKS, "cpu")
+    for name, row_bytes in (("int8", HEAD_DIM + 4), ("fp8", HEAD_DIM + 4), ("int4", HEAD_DIM // 2 + 2 * 2)):
+        spec = KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32, ENCODINGS[name])
+        kv = KVCacheStorage(spec, NUM_BLOCKS, "cpu")
+        assert spec.bytes_per_block == per_block * row_bytes
+        assert kv.nbytes == sum(t.nbytes for layer in range(NUM_LAYERS) for t in kv.layer(layer).tensors())
 
 
 def test_specs_that_cannot_be_stored_are_refused() -> None:

@@ -1,4 +1,5 @@
-/* Decode attention read in place from the paged KV cache (fp32), parallel over (sequence, KV heads) with OpenMP.
+/* Decode attention read in place from the paged KV cache (fp32 queries; the cache fp32, int8, fp8 or int4),
+ * parallel over (sequence, KV heads) with OpenMP.
  *
  * Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]; position p of a sequence lives at
  * flat slot block_table[p / block_size] * block_size + p % block_size. A work item streams one sequence's keys
@@ -21,7 +22,19 @@
  *   - all KV heads of a sequence in one work item when there are enough sequences, so each token's K and V
  *     rows are read as one contiguous run: 1.1x on one thread, 1.3x on two.
  *
- * No torch headers: the module is called through ctypes with raw pointers, so it builds in about a second.
+ * A quantized cache (kvserve/kv/quant.py) is read as its codes, a quarter (int8, fp8) or an eighth (int4) of
+ * fp32's bytes plus 4 bytes a row, and each tile's rows of the item's KV heads are dequantized once into an fp32
+ * tile on the stack (24 KB at SmolLM2's shapes, L1 / L2) that the fp32 inner products then read: every row
+ * serves its KV head's group of query heads. Converting the codes in registers inside each dot product and
+ * weighted sum instead (the scale folded into the score or the weight, int4's zero point into a sum) converted
+ * each row once per query head: against fp32 in the same run, 1.9x (int8) and 4.3x (fp8) the time where the
+ * tile takes 1.6x and 2.3x; only int4 did better in registers (1.4x against 1.8x), not worth a second path.
+ * Measured on AMD EPYC Zen 2, AVX2, 2 cores shared with other work (benchmarks/kv_quant.py, 32 decodes x 1,000
+ * tokens, one layer): fp32 56 ms, int8 88, fp8 132, int4 99: on two busy cores the kernel is bound by
+ * instructions, not bytes, and the conversions cost more than the bytes they save; where decodes are bound by
+ * memory bandwidth (many cores per memory channel) the 3.8x / 7.1x fewer bytes are what counts.
+ *
+ * No torch headers: the module is called through ctypes with raw pointers, so it builds in seconds.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,17 +49,28 @@ typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 typedef float half_vec __attribute__((vector_size(VEC / 2 * sizeof(float))));
 typedef float quarter_vec __attribute__((vector_size(VEC / 4 * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
+typedef uint8_t byte_vec __attribute__((vector_size(VEC)));
+typedef int8_t signed_byte_vec __attribute__((vector_size(VEC)));
+
+/* How the cache stores values (kvserve/kv/quant.py, the reference): fp32 itself, or codes with 4 bytes of
+ * parameters per group (a token's row of one KV head): int8 and fp8 (e4m3) codes times an fp32 scale; int4
+ * codes times an fp16 scale plus an fp16 zero point, two a byte (byte i of a row: value i in the low nibble,
+ * value i + head_dim / 2 in the high one). */
+enum { F32 = 0, INT8 = 1, FP8 = 2, INT4 = 3 };
 
 typedef struct {
     float *out;                  /* [num_seqs rows, num_kv_heads * group, head_dim], rows out_row_stride apart */
     const float *q;              /* same shape, rows q_row_stride apart; heads head_dim apart */
-    const float *k_cache;
-    const float *v_cache;
+    const void *k_cache;         /* [num_blocks, block_size, num_kv_heads, head_dim] values in the encoding */
+    const void *v_cache;
+    const void *k_params;        /* [num_blocks, block_size, num_kv_heads]: 4 bytes a group; NULL for F32 */
+    const void *v_params;
     const int32_t *block_tables; /* [num_seqs, block_table_stride] */
     const int32_t *seq_lens;     /* [num_seqs]: keys per sequence, the new token included */
     int64_t out_row_stride, q_row_stride, block_table_stride, num_blocks;
     int num_kv_heads, group, head_dim, block_size, window; /* window <= 0: no sliding window */
     float scale;
+    int encoding;
 } DecodeArgs;
 
 /* Walks a sequence's positions through its block table without a division per key. */
@@ -126,6 +150,81 @@ static inline __attribute__((always_inline)) float dot(const float *q, const flo
     return total;
 }
 
+/* VEC int8 or fp8 codes as floats. An e4m3 code is built from its bits, exactly: (8 + mantissa) * 2^(e - 10)
+ * for exponent e > 0, mantissa * 2^-9 for e == 0 (no fp32 denormals, so no flush-to-zero can change it). */
+static inline vec codes_to_vec(const uint8_t *p, const int enc) {
+    if (enc == INT8) {
+        signed_byte_vec b;
+        memcpy(&b, p, sizeof b);
+        /* via int32: GCC 12 turns a direct int8 -> float conversion into scalar code */
+        return __builtin_convertvector(__builtin_convertvector(b, ivec), vec);
+    }
+    byte_vec b;
+    memcpy(&b, p, sizeof b);
+    const ivec x = __builtin_convertvector(b, ivec), e = (x >> 3) & 15, normal = e != 0; /* all ones */
+    const vec magnitude = __builtin_convertvector((x & 7) | (normal & 8), vec) * (vec)((e + normal + 118) << 23);
+    return (vec)((ivec)magnitude | ((x & 0x80) << 24));
+}
+
+static inline vec nibbles_to_vec(byte_vec b) { return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); }
+
+static inline float code_value(const uint8_t *p, int i, const int enc) {
+    if (enc == INT8) return (float)(int8_t)p[i];
+    const int x = p[i], e = (x >> 3) & 15;
+    const float magnitude = e ? ldexpf((float)(8 + (x & 7)), e - 10) : ldexpf((float)(x & 7), -9);
+    return x & 0x80 ? -magnitude : magnitude;
+}
+
+static inline byte_vec load_bytes(const uint8_t *p) {
+    byte_vec b;
+    memcpy(&b, p, sizeof b);
+    return b;
+}
+
+/* Parameter k (0: scale, 1: int4's zero point) of group g (value index / head_dim). */
+static inline float param(const void *params, int64_t g, int k, const int enc) {
+    return enc == INT4 ? (float)((const _Float16 *)params)[2 * g + k] : ((const float *)params)[g];
+}
+
+/* The stored bytes of the value at index row (a multiple of head_dim: a row's first). */
+static inline const uint8_t *row_bytes(const void *cache, int64_t row, const int enc) {
+    return (const uint8_t *)cache + (enc == F32 ? row * 4 : enc == INT4 ? row / 2 : row);
+}
+
+static inline void prefetch_row(const void *cache, const void *params, int64_t row, int num_values, const int d,
+                                const int enc) {
+    const uint8_t *p = row_bytes(cache, row, enc);
+    const int num_bytes = enc == F32 ? num_values * 4 : enc == INT4 ? num_values / 2 : num_values;
+    for (int i = 0; i < num_bytes; i += 4 * FLOATS_PER_LINE) __builtin_prefetch(p + i);
+    if (enc != F32) __builtin_prefetch((const uint8_t *)params + row / d * 4);
+}
+
+/* A row of d values at value index row (a multiple of d), dequantized into out. */
+static inline __attribute__((always_inline)) void dequantize_row(const void *cache, const void *params,
+                                                                 int64_t row, float *out, const int d,
+                                                                 const int enc) {
+    const uint8_t *p = row_bytes(cache, row, enc);
+    const float scale = param(params, row / d, 0, enc);
+    if (enc == INT4) {
+        const float zero = param(params, row / d, 1, enc);
+        const int half = d / 2;
+        int j = 0;
+        for (; j + VEC <= half; j += VEC) {
+            const byte_vec b = load_bytes(p + j);
+            store(out + j, nibbles_to_vec(b & 15) * scale + zero);
+            store(out + half + j, nibbles_to_vec(b >> 4) * scale + zero);
+        }
+        for (; j < half; j++) {
+            out[j] = (float)(p[j] & 15) * scale + zero;
+            out[half + j] = (float)(p[j] >> 4) * scale + zero;
+        }
+        return;
+    }
+    int i = 0;
+    for (; i + VEC <= d; i += VEC) store(out + i, codes_to_vec(p + i, enc) * scale);
+    for (; i < d; i++) out[i] = code_value(p, i, enc) * scale;
+}
+
 /* Turn one tile's scores (padded to TILE with -inf) into softmax weights against each query head's running
  * max, rescaling what is already accumulated when that max grows. */
 static inline __attribute__((always_inline)) void softmax_tile(float *scores, int num_heads, const int d,
@@ -165,6 +264,16 @@ static inline __attribute__((always_inline)) void weighted_values(float *acc, co
     for (int j = 0; j < num_vecs; j++) store(acc + j * VEC, sum[j]);
 }
 
+/* The tile's num_keys rows (num_kv KV heads of d values from value index rows[t]) dequantized into
+ * tile[t][num_kv * d]. */
+static inline __attribute__((always_inline)) void dequantize_tile(const void *cache, const void *params,
+                                                                  const int64_t *rows, int num_keys, int num_kv,
+                                                                  float *tile, const int d, const int enc) {
+    for (int t = 0; t < num_keys; t++)
+        for (int h = 0; h < num_kv; h++)
+            dequantize_row(cache, params, rows[t] + h * d, tile + ((int64_t)t * num_kv + h) * d, d, enc);
+}
+
 
 /* Streams the keys under the cursor through the online-softmax state (acc, row_max, row_sum) of num_queries
  * query heads; query h reads KV head (h / group) % num_kv of the item, which starts head_offset floats into a
@@ -172,30 +281,33 @@ static inline __attribute__((always_inline)) void weighted_values(float *acc, co
 static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *a, KeyCursor *cursor,
                                                               int64_t head_offset, int num_kv, int num_queries,
                                                               const float *q, float *acc, float *row_max,
-                                                              float *row_sum, const int d) {
-    const int64_t slot_stride = (int64_t)a->num_kv_heads * d;
-    float scores[num_queries * TILE];
-    int64_t rows[TILE], next_rows[TILE], kv_offset[num_queries];
+                                                              float *row_sum, const int d, const int enc) {
+    const int64_t slot_stride = (int64_t)a->num_kv_heads * d, tile_stride = (int64_t)num_kv * d;
+    float scores[num_queries * TILE], tile[enc == F32 ? 1 : TILE * tile_stride];
+    int64_t rows[TILE], next_rows[TILE], tile_rows[TILE], kv_offset[num_queries];
     for (int h = 0; h < num_queries; h++) kv_offset[h] = (int64_t)(h / a->group % num_kv) * d;
+    for (int t = 0; t < TILE; t++) tile_rows[t] = t * tile_stride;
+    const float *keys = enc == F32 ? a->k_cache : tile, *values = enc == F32 ? a->v_cache : tile;
+    const int64_t *read_rows = enc == F32 ? rows : tile_rows;
 
     int num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
     while (num_next > 0) {
         const int num_keys = num_next;
         memcpy(rows, next_rows, sizeof rows);
         num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
+        if (enc != F32) dequantize_tile(a->k_cache, a->k_params, rows, num_keys, num_kv, tile, d, enc);
         for (int t = 0; t < TILE; t++) {
-            if (t < num_next)
-                for (int i = 0; i < num_kv * d; i += FLOATS_PER_LINE) {
-                    __builtin_prefetch(a->k_cache + next_rows[t] + i);
-                    __builtin_prefetch(a->v_cache + next_rows[t] + i);
-                }
+            if (t < num_next) {
+                prefetch_row(a->k_cache, a->k_params, next_rows[t], num_kv * d, d, enc);
+                prefetch_row(a->v_cache, a->v_params, next_rows[t], num_kv * d, d, enc);
+            }
             for (int h = 0; h < num_queries; h++)
-                scores[h * TILE + t] = t < num_keys ? dot(q + h * d, a->k_cache + rows[t] + kv_offset[h], d)
-                                                    : -INFINITY;
+                scores[h * TILE + t] = t < num_keys ? dot(q + h * d, keys + read_rows[t] + kv_offset[h], d) : -INFINITY;
         }
         softmax_tile(scores, num_queries, d, acc, row_max, row_sum);
+        if (enc != F32) dequantize_tile(a->v_cache, a->v_params, rows, num_keys, num_kv, tile, d, enc);
         for (int h = 0; h < num_queries; h++)
-            weighted_values(acc + h * d, scores + h * TILE, a->v_cache + kv_offset[h], rows, num_keys, d);
+            weighted_values(acc + h * d, scores + h * TILE, values + kv_offset[h], read_rows, num_keys, d);
     }
 }
 
@@ -276,12 +388,13 @@ static inline __attribute__((always_inline)) void scores_down_lanes(const float 
  * vector lanes: a key's scores against VEC queries are broadcast-FMAs of its elements with rows of the
  * transposed queries, so no dot product ends in a horizontal sum and neither keys nor values are transposed;
  * the softmax then runs down the lanes, and each value row is read once for several queries. The queries are
- * transposed once for all the shared keys. head_dim a multiple of VEC. */
+ * transposed once for all the shared keys. head_dim a multiple of VEC. Quantized keys and values are
+ * dequantized a tile at a time into fp32 rows: each serves every query of the group. */
 static inline __attribute__((always_inline)) void attend_keys_across_lanes(const DecodeArgs *a, KeyCursor *cursor,
                                                                            int64_t head_offset, int num_queries,
                                                                            const float *q, float *acc,
                                                                            float *row_max, float *row_sum,
-                                                                           const int d) {
+                                                                           const int d, const int enc) {
     const int width = (num_queries + VEC - 1) / VEC * VEC, num_vecs = d / VEC;
     const int queries_per_pass = num_vecs <= 4 ? 4 : num_vecs <= 8 ? 2 : 1; /* accumulators fit the registers */
     const int64_t slot_stride = (int64_t)a->num_kv_heads * d;
@@ -290,19 +403,26 @@ static inline __attribute__((always_inline)) void attend_keys_across_lanes(const
         for (int h = 0; h < width; h++) q_t[i * width + h] = h < num_queries ? q[h * d + i] : 0.0f;
     for (int h = 0; h < width; h++) max_w[h] = h < num_queries ? row_max[h] : -INFINITY;
     for (int h = 0; h < width; h++) sum_w[h] = h < num_queries ? row_sum[h] : 0.0f;
-    int64_t rows[TILE], next_rows[TILE];
+    int64_t rows[TILE], next_rows[TILE], tile_rows[TILE];
+    float k_tile[enc == F32 ? 1 : TILE * d], v_tile[enc == F32 ? 1 : TILE * d];
+    for (int t = 0; t < TILE; t++) tile_rows[t] = (int64_t)t * d;
+    const float *keys = enc == F32 ? a->k_cache : k_tile, *values = enc == F32 ? a->v_cache : v_tile;
+    const int64_t *key_rows = enc == F32 ? rows : tile_rows;
 
     int num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
     while (num_next > 0) {
         const int num_keys = num_next;
         memcpy(rows, next_rows, sizeof rows);
         num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
-        for (int t = 0; t < num_next; t++)
-            for (int i = 0; i < d; i += FLOATS_PER_LINE) {
-                __builtin_prefetch(a->k_cache + next_rows[t] + i);
-                __builtin_prefetch(a->v_cache + next_rows[t] + i);
-            }
-        scores_down_lanes(q_t, width, a->k_cache, rows, num_keys, scores, d);
+        for (int t = 0; t < num_next; t++) {
+            prefetch_row(a->k_cache, a->k_params, next_rows[t], d, d, enc);
+            prefetch_row(a->v_cache, a->v_params, next_rows[t], d, d, enc);
+        }
+        if (enc != F32) {
+            dequantize_tile(a->k_cache, a->k_params, rows, num_keys, 1, k_tile, d, enc);
+            dequantize_tile(a->v_cache, a->v_params, rows, num_keys, 1, v_tile, d, enc);
+        }
+        scores_down_lanes(q_t, width, keys, key_rows, num_keys, scores, d);
         softmax_down_lanes(scores, num_keys, width, max_w, sum_w, correction);
         /* whole passes of queries_per_pass (padding lanes past num_queries have scores too) keep sum in
          * registers; only the real queries' accumulators are read and written */
@@ -312,7 +432,7 @@ static inline __attribute__((always_inline)) void attend_keys_across_lanes(const
                 for (int j = 0; j < num_vecs; j++)
                     sum[p][j] = h + p < num_queries ? load(acc + (h + p) * d + j * VEC) * correction[h + p] : (vec){0};
             for (int t = 0; t < num_keys; t++) {
-                const float *v = a->v_cache + rows[t];
+                const float *v = values + key_rows[t];
                 for (int j = 0; j < num_vecs; j++) {
                     const vec v_j = load(v + j * VEC);
                     for (int p = 0; p < queries_per_pass; p++) sum[p][j] += scores[t * width + h + p] * v_j;
@@ -345,6 +465,7 @@ typedef struct {
  * block id. */
 static inline __attribute__((always_inline)) int attend_shared(const DecodeArgs *a, const Cascade *c, int chunk,
                                                                 int split, int kv_head, const int d) {
+    const int enc = a->encoding; /* at run time: a tile's dequantization is shared by the whole group */
     const int first = c->chunk_first[chunk], count = c->chunk_first[chunk + 1] - first, group = a->group;
     const int leader = c->members[first], num_queries = count * group, num_heads = a->num_kv_heads * group;
     const int num_blocks = c->shared_len[leader] / a->block_size;
@@ -362,9 +483,9 @@ static inline __attribute__((always_inline)) int attend_shared(const DecodeArgs 
     memset(acc, 0, sizeof acc);
     for (int h = 0; h < num_queries; h++) row_max[h] = -INFINITY, row_sum[h] = 0.0f;
     if (d % VEC == 0)
-        attend_keys_across_lanes(a, &cursor, head_offset, num_queries, q, acc, row_max, row_sum, d);
+        attend_keys_across_lanes(a, &cursor, head_offset, num_queries, q, acc, row_max, row_sum, d, enc);
     else
-        attend_keys(a, &cursor, head_offset, 1, num_queries, q, acc, row_max, row_sum, d);
+        attend_keys(a, &cursor, head_offset, 1, num_queries, q, acc, row_max, row_sum, d, enc);
     for (int h = 0; h < num_queries; h++) {
         const int seq = c->members[first + h / group];
         const int64_t head = (int64_t)seq * num_heads + kv_head * group + h % group;
@@ -400,7 +521,8 @@ static inline __attribute__((always_inline)) void merge_splits(const Cascade *c,
  * group pass left it (if it had one); 0, or 1 if its block table names a block outside the cache (then
  * nothing is written). */
 static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, const Cascade *c, int seq,
-                                                         int first_kv_head, int num_kv, const int d) {
+                                                         int first_kv_head, int num_kv, const int d,
+                                                         const int enc) {
     const int group = a->group, num_heads = num_kv * group, seq_len = a->seq_lens[seq];
     const int num_shared = c->shared_len[seq]; /* only sequences within their window share */
     const int window_start = a->window > 0 && seq_len > a->window ? seq_len - a->window : 0;
@@ -422,7 +544,7 @@ static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, con
             row_max[h] = -INFINITY, row_sum[h] = 0.0f;
         }
     }
-    attend_keys(a, &cursor, head_offset, num_kv, num_heads, q, acc, row_max, row_sum, d);
+    attend_keys(a, &cursor, head_offset, num_kv, num_heads, q, acc, row_max, row_sum, d, enc);
 
     float *out = a->out + seq * a->out_row_stride + head_offset * group;
     for (int h = 0; h < num_heads; h++) {
@@ -434,22 +556,25 @@ static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, con
 
 typedef int (*AttendFn)(const DecodeArgs *, const Cascade *, int, int, int);
 typedef int (*SharedFn)(const DecodeArgs *, const Cascade *, int, int, int);
-#define HEAD_DIM_COPIES(D)                                                                                        \
-    static int attend_##D(const DecodeArgs *a, const Cascade *c, int s, int h, int n) {                         \
-        return attend(a, c, s, h, n, D);                                                                          \
-    }                                                                                                             \
-    static int shared_##D(const DecodeArgs *a, const Cascade *c, int chunk, int split, int h) {               \
+/* A copy per head_dim (64 / 128 / 256 known at compile time, any other at run time) for the group pass, whose
+ * tile dequantization is shared by the whole group, and per (head_dim, encoding) for the sequences' own keys. */
+#define HEAD_DIM_COPY(D, NAME)                                                                                    \
+    static int shared_##NAME(const DecodeArgs *a, const Cascade *c, int chunk, int split, int h) {              \
         return attend_shared(a, c, chunk, split, h, D);                                                           \
     }
-HEAD_DIM_COPIES(64)
-HEAD_DIM_COPIES(128)
-HEAD_DIM_COPIES(256)
-static int attend_any(const DecodeArgs *a, const Cascade *c, int s, int h, int n) {
-    return attend(a, c, s, h, n, a->head_dim);
-}
-static int shared_any(const DecodeArgs *a, const Cascade *c, int chunk, int split, int h) {
-    return attend_shared(a, c, chunk, split, h, a->head_dim);
-}
+#define COPY(D, E, NAME)                                                                                          \
+    static int attend_##NAME(const DecodeArgs *a, const Cascade *c, int s, int h, int n) {                       \
+        return attend(a, c, s, h, n, D, E);                                                                       \
+    }
+#define ENCODING_COPIES(D, NAME) COPY(D, F32, NAME##_f32) COPY(D, INT8, NAME##_int8) COPY(D, FP8, NAME##_fp8) \
+    COPY(D, INT4, NAME##_int4) HEAD_DIM_COPY(D, NAME)
+ENCODING_COPIES(64, 64)
+ENCODING_COPIES(128, 128)
+ENCODING_COPIES(256, 256)
+ENCODING_COPIES(a->head_dim, any)
+#define BY_ENCODING(NAME) {attend_##NAME##_f32, attend_##NAME##_int8, attend_##NAME##_fp8, attend_##NAME##_int4}
+static const AttendFn ATTEND[4][4] = {BY_ENCODING(64), BY_ENCODING(128), BY_ENCODING(256), BY_ENCODING(any)};
+static const SharedFn SHARED[4] = {shared_64, shared_128, shared_256, shared_any};
 
 /* Groups the sequences whose block tables start with the same blocks. A group's shared length is the blocks
  * all its members have in common with its first member, counting only blocks before each member's last one (so
@@ -521,16 +646,17 @@ static void free_cascade(Cascade *c) { free(c->shared_len), free(c->members), fr
  * Returns how many work items met a block id outside the cache's num_blocks (0 when all is well), or -1 when
  * memory for the plan could not be had. */
 int kvserve_paged_decode_f32(float *out, int64_t out_row_stride, const float *q, int64_t q_row_stride,
-                             const float *k_cache, const float *v_cache, int64_t num_blocks,
+                             const void *k_cache, const void *v_cache, const void *k_params,
+                             const void *v_params, int encoding, int64_t num_blocks,
                              const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                              int num_seqs, int num_kv_heads, int group, int head_dim, int block_size, int window,
                              float scale, int num_threads) {
-    const DecodeArgs a = {out, q, k_cache, v_cache, block_tables, seq_lens, out_row_stride, q_row_stride,
-                          block_table_stride, num_blocks, num_kv_heads, group, head_dim, block_size, window, scale};
-    const AttendFn attend_fn = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128
-                             : head_dim == 256 ? attend_256 : attend_any;
-    const SharedFn shared_fn = head_dim == 64 ? shared_64 : head_dim == 128 ? shared_128
-                             : head_dim == 256 ? shared_256 : shared_any;
+    const DecodeArgs a = {out, q, k_cache, v_cache, k_params, v_params, block_tables, seq_lens, out_row_stride,
+                          q_row_stride, block_table_stride, num_blocks, num_kv_heads, group, head_dim, block_size,
+                          window, scale, encoding};
+    const int copy = head_dim == 64 ? 0 : head_dim == 128 ? 1 : head_dim == 256 ? 2 : 3;
+    const AttendFn attend_fn = ATTEND[copy][encoding];
+    const SharedFn shared_fn = SHARED[copy];
     Cascade cascade;
     if (plan_cascade(&a, num_seqs, num_threads, &cascade)) return -1;
     int num_bad = 0;

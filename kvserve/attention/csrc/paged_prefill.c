@@ -39,7 +39,11 @@
  * 6-row value blocks (12 sums in flight, FMA latency 5 x 2 ports) gave ~5% each; more keys per score block when
  * a tile has only 1-2 lane vectors, and 16 / 32 / 64 lanes per tile at head_dim 256, changed nothing measurable.
  *
- * The shared helpers (exp, loads) repeat paged_decode.c's on purpose: kvserve.native builds and caches a kernel
+ * Quantized caches (kvserve/kv/quant.py) are dequantized a key tile at a time into fp32 rows on the stack, which
+ * the tile's inner products then read as they read an fp32 cache: a prefill is bound by FLOPs, and each row
+ * dequantized serves every query row of the tile.
+ *
+ * The shared helpers (exp, loads, dequantization) repeat paged_decode.c's on purpose: kvserve.native builds and caches a kernel
  * keyed by its one source file's text, so an included header could change without a rebuild.
  */
 #include <math.h>
@@ -66,12 +70,21 @@
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
+typedef uint8_t byte_vec __attribute__((vector_size(VEC)));
+typedef int8_t signed_byte_vec __attribute__((vector_size(VEC)));
+
+/* How the cache stores values (paged_decode.c's): fp32, or int8 / fp8 (e4m3) codes times an fp32 scale per
+ * group (a token's row of one KV head), or int4 codes times an fp16 scale plus an fp16 zero point, two a byte
+ * (byte i of a row: value i in the low nibble, value i + head_dim / 2 in the high one). */
+enum { F32 = 0, INT8 = 1, FP8 = 2, INT4 = 3 };
 
 typedef struct {
     float *out;                   /* [num_tokens, num_kv_heads * group, head_dim], rows out_row_stride apart */
     const float *q;               /* same shape, rows q_row_stride apart; heads head_dim apart */
-    const float *k_cache;
-    const float *v_cache;
+    const void *k_cache;          /* [num_blocks, block_size, num_kv_heads, head_dim] values in the encoding */
+    const void *v_cache;
+    const void *k_params;         /* [num_blocks, block_size, num_kv_heads]: 4 bytes a group; NULL for F32 */
+    const void *v_params;
     const int32_t *block_tables;  /* [num_chunks, block_table_stride] */
     const int32_t *seq_lens;      /* [num_chunks]: keys after the chunk (cached context + the chunk) */
     const int32_t *query_starts;  /* [num_chunks]: row of the chunk's first query in q and out */
@@ -80,6 +93,7 @@ typedef struct {
     int num_kv_heads, group, head_dim, block_size, window; /* window <= 0: no sliding window */
     int queries_per_tile;
     float scale;
+    int encoding;
 } PrefillArgs;
 
 /* A work item: queries first_query .. first_query + num_queries - 1 of a chunk, one KV head. */
@@ -117,6 +131,77 @@ static inline vec exp_nonpositive_vec(vec x) {
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
     return (vec)((ivec)(p * (vec)((n + 127) << 23)) & keep);
+}
+
+/* VEC int8 or fp8 codes as floats; an e4m3 code built exactly from its bits (paged_decode.c's). */
+static inline vec codes_to_vec(const uint8_t *p, const int enc) {
+    if (enc == INT8) {
+        signed_byte_vec b;
+        memcpy(&b, p, sizeof b);
+        /* via int32: GCC 12 turns a direct int8 -> float conversion into scalar code */
+        return __builtin_convertvector(__builtin_convertvector(b, ivec), vec);
+    }
+    byte_vec b;
+    memcpy(&b, p, sizeof b);
+    const ivec x = __builtin_convertvector(b, ivec), e = (x >> 3) & 15, normal = e != 0;
+    const vec magnitude = __builtin_convertvector((x & 7) | (normal & 8), vec) * (vec)((e + normal + 118) << 23);
+    return (vec)((ivec)magnitude | ((x & 0x80) << 24));
+}
+
+static inline vec nibbles_to_vec(byte_vec b) { return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); }
+
+static inline float code_value(const uint8_t *p, int i, const int enc) {
+    if (enc == INT8) return (float)(int8_t)p[i];
+    const int x = p[i], e = (x >> 3) & 15;
+    const float magnitude = e ? ldexpf((float)(8 + (x & 7)), e - 10) : ldexpf((float)(x & 7), -9);
+    return x & 0x80 ? -magnitude : magnitude;
+}
+
+/* The row of d values at value index row (a multiple of d), dequantized into out. */
+static inline __attribute__((always_inline)) void dequantize_row(const void *cache, const void *params,
+                                                                 int64_t row, float *out, const int d,
+                                                                 const int enc) {
+    const uint8_t *p = (const uint8_t *)cache + (enc == INT4 ? row / 2 : row);
+    const int64_t g = row / d;
+    if (enc == INT4) {
+        const _Float16 *scale_zero = (const _Float16 *)params + 2 * g;
+        const float scale = (float)scale_zero[0], zero = (float)scale_zero[1];
+        const int half = d / 2;
+        int j = 0;
+        for (; j + VEC <= half; j += VEC) {
+            byte_vec b;
+            memcpy(&b, p + j, sizeof b);
+            store(out + j, nibbles_to_vec(b & 15) * scale + zero);
+            store(out + half + j, nibbles_to_vec(b >> 4) * scale + zero);
+        }
+        for (; j < half; j++) {
+            out[j] = (float)(p[j] & 15) * scale + zero;
+            out[half + j] = (float)(p[j] >> 4) * scale + zero;
+        }
+        return;
+    }
+    const float scale = ((const float *)params)[g];
+    int i = 0;
+    for (; i + VEC <= d; i += VEC) store(out + i, codes_to_vec(p + i, enc) * scale);
+    for (; i < d; i++) out[i] = code_value(p, i, enc) * scale;
+}
+
+/* A tile's key and value rows dequantized into k_tile and v_tile ([num_keys, d]), by the encoding's copy. */
+static inline __attribute__((always_inline)) void dequantize_tile(const PrefillArgs *a, const int64_t *rows,
+                                                                  int num_keys, float *k_tile, float *v_tile,
+                                                                  const int d) {
+#define DEQUANTIZE(E)                                                                                             \
+    for (int t = 0; t < num_keys; t++) {                                                                          \
+        dequantize_row(a->k_cache, a->k_params, rows[t], k_tile + t * d, d, E);                                   \
+        dequantize_row(a->v_cache, a->v_params, rows[t], v_tile + t * d, d, E);                                   \
+    }                                                                                                             \
+    break;
+    switch (a->encoding) {
+    case INT8: DEQUANTIZE(INT8)
+    case FP8: DEQUANTIZE(FP8)
+    default: DEQUANTIZE(INT4)
+    }
+#undef DEQUANTIZE
 }
 
 /* Cache offsets (floats, to the item's KV head) of keys first .. first + num_keys - 1 of a block table. */
@@ -301,17 +386,23 @@ static inline __attribute__((always_inline)) int attend_tile(const PrefillArgs *
     }
     memset(acc, 0, sizeof acc);
 
-    int64_t rows[KEY_TILE];
+    int64_t rows[KEY_TILE], tile_rows[KEY_TILE];
+    const int quantized = a->encoding != F32;
+    float k_tile[quantized ? KEY_TILE * d : 1], v_tile[quantized ? KEY_TILE * d : 1];
+    for (int t = 0; t < KEY_TILE; t++) tile_rows[t] = (int64_t)t * d;
+    const float *keys = quantized ? k_tile : a->k_cache, *values = quantized ? v_tile : a->v_cache;
+    const int64_t *read_rows = quantized ? tile_rows : rows;
     for (int first_key = start; first_key <= last_pos; first_key += KEY_TILE) {
         const int num_keys = last_pos + 1 - first_key < KEY_TILE ? last_pos + 1 - first_key : KEY_TILE;
         key_rows(a, table, first_key, num_keys, head_offset, rows);
-        tile_scores(q_t, width, a->k_cache, rows, num_keys, scores, d);
+        if (quantized) dequantize_tile(a, rows, num_keys, k_tile, v_tile, d);
+        tile_scores(q_t, width, keys, read_rows, num_keys, scores, d);
         const int reaches_future = first_key + num_keys - 1 > first_pos;
         const int reaches_past_window = a->window > 0 && first_key <= last_pos - a->window;
         if (reaches_future || reaches_past_window)
             mask_tile(scores, width, query_pos, first_key, num_keys, a->window);
         softmax_down_lanes(scores, num_keys, width, row_max, row_sum, correction);
-        tile_values(acc, scores, width, correction, a->v_cache, rows, num_keys, d);
+        tile_values(acc, scores, width, correction, values, read_rows, num_keys, d);
     }
 
     for (int lane = 0; lane < num_lanes; lane++) {
@@ -368,14 +459,15 @@ int kvserve_paged_prefill_queries_per_tile(int group, int target_lanes) {
  * already written). Returns how many work items met a block id outside the cache's num_blocks (0 when all is
  * well), or -1 when memory for the plan could not be had. */
 int kvserve_paged_prefill_f32(float *out, int64_t out_row_stride, const float *q, int64_t q_row_stride,
-                              const float *k_cache, const float *v_cache, int64_t num_blocks,
+                              const void *k_cache, const void *v_cache, const void *k_params,
+                              const void *v_params, int encoding, int64_t num_blocks,
                               const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                               const int32_t *query_starts, const int32_t *query_lens, int num_chunks,
                               int num_kv_heads, int group, int head_dim, int block_size, int window,
                               int queries_per_tile, float scale, int num_threads) {
-    const PrefillArgs a = {out, q, k_cache, v_cache, block_tables, seq_lens, query_starts, query_lens,
-                           out_row_stride, q_row_stride, block_table_stride, num_blocks, num_kv_heads, group,
-                           head_dim, block_size, window, queries_per_tile, scale};
+    const PrefillArgs a = {out, q, k_cache, v_cache, k_params, v_params, block_tables, seq_lens, query_starts,
+                           query_lens, out_row_stride, q_row_stride, block_table_stride, num_blocks, num_kv_heads,
+                           group, head_dim, block_size, window, queries_per_tile, scale, encoding};
     const AttendFn attend_fn = head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128
                              : head_dim == 256 ? attend_256 : attend_any;
     int num_items = 0, num_bad = 0;

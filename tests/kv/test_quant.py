@@ -1,0 +1,101 @@
+"""KV quantization: round-trip error bounds per encoding, and a quantized KVCacheStorage (write, gather, copies)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.config import KV_CACHE_DTYPES, CacheConfig
+from kvserve.kv.quant import ENCODINGS, dequantize, kv_cache_dtype, quantize
+from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+
+
+def round_trip(x: torch.Tensor, name: str) -> torch.Tensor:
+    encoding = ENCODINGS[name]
+    data, params = quantize(x, encoding)
+    assert data.dtype == encoding.data_dtype and params.dtype == encoding.scale_dtype
+    assert data.shape == (*x.shape[:-1], x.shape[-1] // encoding.values_per_element)
+    assert params.shape == (*x.shape[:-1], encoding.params_per_group)
+    return dequantize(data, params, encoding, x.dtype)
+
+
+def error_bound(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The most a value of each row may move: half a step of the row's grid (fp8: half a step of 3 mantissa
+    bits, relative, or of the subnormal grid), plus the fp16 rounding of int4's zero point and scale."""
+    amax = x.abs().amax(-1, keepdim=True)
+    if name == "int8":
+        return amax / 127 / 2 * (1 + 1e-5)
+    if name == "fp8":
+        return torch.maximum(x.abs() * 2**-4, amax / 448 * 2**-10) * (1 + 1e-5)
+    step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / 15
+    return step / 2 * (1 + 2**-9) + amax * 2**-10
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(list(ENCODINGS)),
+    rows=st.integers(1, 7),
+    heads=st.integers(1, 3),
+    half_dim=st.integers(1, 70),
+    magnitude=st.sampled_from([1e-3, 1.0, 30.0, 1000.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_error_is_within_half_a_step(name: str, rows: int, heads: int, half_dim: int, magnitude: float,
+                                               seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, heads, 2 * half_dim, generator=gen) * magnitude
+    x[0, 0, 0] += 5 * magnitude  # an outlier, as keys have
+    error = (round_trip(x, name) - x).abs()
+    assert (error <= error_bound(x, name)).all(), (error - error_bound(x, name)).max()
+
+
+@pytest.mark.parametrize("name", list(ENCODINGS))
+def test_zero_rows_stay_zero_and_bf16_comes_back_as_bf16(name: str) -> None:
+    x = torch.zeros(2, 3, 8)
+    assert torch.equal(round_trip(x, name), x)
+    y = torch.randn(4, 2, 16).bfloat16()
+    assert round_trip(y, name).dtype == torch.bfloat16
+
+
+def test_kv_cache_dtypes_are_the_encodings_and_bad_names_are_refused() -> None:
+    assert KV_CACHE_DTYPES == ("auto", *ENCODINGS)
+    assert kv_cache_dtype("auto", torch.bfloat16).name == "bfloat16"
+    assert kv_cache_dtype("int4", torch.float32) is ENCODINGS["int4"]
+    with pytest.raises(ValueError, match="kv_cache_dtype='int2' is not one of auto, int8, fp8, int4"):
+        kv_cache_dtype("int2", torch.float32)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is not one of auto, int8, fp8, int4"):
+        CacheConfig(kv_cache_dtype="fp16")
+
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 2, 16, 4, 6
+
+
+@pytest.mark.parametrize("name", list(ENCODINGS))
+def test_storage_writes_quantized_and_reads_back_dequantized(name: str) -> None:
+    encoding = ENCODINGS[name]
+    kv = KVCacheStorage(KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32, encoding),
+                        NUM_BLOCKS, "cpu")
+    view = kv.layer(1)
+    assert view.k.dtype == encoding.data_dtype and view.k_scale.shape[-1] == encoding.params_per_group
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.tensor([3, 9, 10, 0, 23])
+    k, v = (torch.randn(5, NUM_KV_HEADS, HEAD_DIM, generator=gen) for _ in "kv")
+    kv.write(1, slots, k, v)
+    keys, values = view.gather(slots)
+    assert keys.dtype == torch.float32
+    assert torch.equal(keys, round_trip(k, name)) and torch.equal(values, round_trip(v, name))
+    assert not kv.layer(0).k_scale.any()
+
+    kv.copy_blocks(((2, 5),))  # slots 9 and 10 live in block 2: their codes and parameters both travel
+    copied = view.gather(torch.tensor([21, 22]))
+    assert torch.equal(copied[0], keys[1:3]) and torch.equal(copied[1], values[1:3])
+
+
+def test_a_quantized_budget_holds_proportionally_more_blocks() -> None:
+    """SmolLM2's shape (3 KV heads, head_dim 64): tokens per byte against fp32."""
+    spec = KVCacheSpec(30, 3, 64, 16, torch.float32)
+    ratios = {name: spec.bytes_per_block / KVCacheSpec(30, 3, 64, 16, torch.float32, e).bytes_per_block
+              for name, e in ENCODINGS.items()}
+    assert ratios == {"int8": 256 / 68, "fp8": 256 / 68, "int4": 256 / 36}  # 3.76x, 3.76x, 7.1x
