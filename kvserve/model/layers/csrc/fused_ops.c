@@ -9,7 +9,7 @@
  * Vectors are GNU vector types of the build's width (8 floats on AVX2, 16 on AVX-512), a row's last partial
  * vector zero-padded, so any size works. The exponential is computed here, in vector arithmetic (libm's expf
  * stays scalar under GCC 12 without -ffast-math). Rows are split across OpenMP threads only when each thread
- * gets enough floats to pay for waking it: a decode row is a few microseconds of work.
+ * gets enough floats to pay for waking it.
  *
  * No torch headers: called through ctypes with raw pointers.
  */
@@ -21,7 +21,9 @@
 #else
 #define VEC 8
 #endif
-#define MIN_FLOATS_PER_THREAD 8192
+/* Waking a second thread costs microseconds, and much more when another process holds that core: a decode step
+ * (up to 16 rows of 1,536 floats) runs on one, a prefill chunk on all. */
+#define MIN_FLOATS_PER_THREAD 32768
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
@@ -43,7 +45,18 @@ static inline void store(float *p, vec v, int n) {
         memcpy(p, &v, n * sizeof(float));
 }
 
-static inline int width(int i, int n) { return n - i < VEC ? n - i : VEC; }
+/* Runs the block (the last argument) for i = 0, VEC, 2 VEC .. below n, w the width of the vector at i: the
+ * constant VEC (so that the block's loads and stores compile to plain vector moves), then n - i for a partial
+ * last one. */
+#define FOR_EACH_VEC(i, w, n, ...)                                                                                \
+    do {                                                                                                          \
+        int i = 0;                                                                                                \
+        for (const int w = VEC; i + VEC <= (n); i += VEC) __VA_ARGS__                                             \
+        if (i < (n)) {                                                                                            \
+            const int w = (n) - i;                                                                                \
+            __VA_ARGS__                                                                                           \
+        }                                                                                                         \
+    } while (0)
 
 static inline float horizontal_sum(vec v) {
     float lanes[VEC], total = 0.0f;
@@ -78,10 +91,10 @@ static inline vec exp_vec(vec x) {
 /* 1 / rms(x) of n floats. */
 static inline float inv_rms(const float *x, int n, float eps) {
     vec sum = {0};
-    for (int i = 0; i < n; i += VEC) {
-        const vec v = load(x + i, width(i, n));
+    FOR_EACH_VEC(i, w, n, {
+        const vec v = load(x + i, w);
         sum += v * v;
-    }
+    });
     return 1.0f / __builtin_sqrtf(horizontal_sum(sum) / n + eps);
 }
 
@@ -96,27 +109,20 @@ static void add_rms_norm_row(float *out, float *residual, const float *x, const 
                              float offset, float eps, int n) {
     if (!residual) {
         const float scale = inv_rms(x, n, eps);
-        for (int i = 0; i < n; i += VEC) {
-            const int w = width(i, n);
-            store(out + i, load(x + i, w) * scale * (load(weight + i, w) + offset), w);
-        }
+        FOR_EACH_VEC(i, w, n, { store(out + i, load(x + i, w) * scale * (load(weight + i, w) + offset), w); });
         return;
     }
     const float x_scale = x_weight ? inv_rms(x, n, eps) : 1.0f;
     vec sum = {0};
-    for (int i = 0; i < n; i += VEC) {
-        const int w = width(i, n);
+    FOR_EACH_VEC(i, w, n, {
         vec v = load(x + i, w);
         if (x_weight) v = v * x_scale * (load(x_weight + i, w) + offset);
         const vec r = load(residual + i, w) + v;
         store(residual + i, r, w);
         sum += r * r;
-    }
+    });
     const float scale = 1.0f / __builtin_sqrtf(horizontal_sum(sum) / n + eps);
-    for (int i = 0; i < n; i += VEC) {
-        const int w = width(i, n);
-        store(out + i, load(residual + i, w) * scale * (load(weight + i, w) + offset), w);
-    }
+    FOR_EACH_VEC(i, w, n, { store(out + i, load(residual + i, w) * scale * (load(weight + i, w) + offset), w); });
 }
 
 /* Over `rows` rows of n floats (each tensor's rows its own stride apart): residual += x, or residual +=
@@ -143,12 +149,11 @@ void kvserve_rotary_f32(float *x, int64_t row_stride, const float *cos, const fl
         const float *c = cos + (int64_t)r * half, *s = sin + (int64_t)r * half;
         for (int h = 0; h < num_heads; h++) {
             float *x1 = x + r * row_stride + h * head_dim, *x2 = x1 + half;
-            for (int i = 0; i < half; i += VEC) {
-                const int w = width(i, half);
+            FOR_EACH_VEC(i, w, half, {
                 const vec a = load(x1 + i, w), b = load(x2 + i, w), cv = load(c + i, w), sv = load(s + i, w);
                 store(x1 + i, a * cv - b * sv, w);
                 store(x2 + i, b * cv + a * sv, w);
-            }
+            });
         }
     }
 }
@@ -157,7 +162,7 @@ enum { SILU = 0, GELU_TANH = 1 };
 
 /* x * sigmoid(a(x)): a(x) = x is SiLU; a(x) = 2 sqrt(2 / pi) (x + 0.044715 x^3) is GELU's tanh form, since
  * (1 + tanh(y)) / 2 = sigmoid(2y). */
-static inline vec activate(vec x, int activation) {
+static inline __attribute__((always_inline)) vec activate(vec x, int activation) {
     vec a = x;
     if (activation == GELU_TANH) a = 1.5957691216057308f * (x + 0.044715f * x * x * x);
     return x / (1.0f + exp_vec(-a));
@@ -170,9 +175,10 @@ void kvserve_act_and_mul_f32(float *out, int64_t out_stride, const float *gate_u
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int r = 0; r < rows; r++) {
         const float *gate = gate_up + r * in_stride, *up = gate + n;
-        for (int i = 0; i < n; i += VEC) {
-            const int w = width(i, n);
-            store(out + r * out_stride + i, activate(load(gate + i, w), activation) * load(up + i, w), w);
-        }
+        float *y = out + r * out_stride;
+        if (activation == GELU_TANH)
+            FOR_EACH_VEC(i, w, n, { store(y + i, activate(load(gate + i, w), GELU_TANH) * load(up + i, w), w); });
+        else
+            FOR_EACH_VEC(i, w, n, { store(y + i, activate(load(gate + i, w), SILU) * load(up + i, w), w); });
     }
 }
