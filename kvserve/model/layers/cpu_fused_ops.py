@@ -56,38 +56,41 @@ class CpuFusedOps(TorchFusedOps):
     def rms_norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None, x_norm: RMSNorm | None = None
     ) -> torch.Tensor:
-        if (x.dim() != 2 or x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1)
+        x_strides = x.stride()
+        residual_strides = (0, 1) if residual is None else residual.stride()
+        if (len(x_strides) != 2 or x_strides[1] != 1 or residual_strides[1] != 1
                 or (x_norm is not None and (x_norm.eps, x_norm.weight_offset) != (norm.eps, norm.weight_offset))):
             return super().rms_norm(norm, x, residual, x_norm)
         rows, n = x.shape
         out = torch.empty(rows, n, dtype=torch.float32)
         if rows:
             with kernel_range(FUSED_OPS_RANGE):
-                self._norm(out.data_ptr(), n, None if residual is None else residual.data_ptr(),
-                           0 if residual is None else residual.stride(0), x.data_ptr(), x.stride(0),
+                self._norm(out.data_ptr(), n, None if residual is None else residual.data_ptr(), residual_strides[0],
+                           x.data_ptr(), x_strides[0],
                            None if x_norm is None else x_norm.weight.data_ptr(), norm.weight.data_ptr(),
                            norm.weight_offset, norm.eps, rows, n, torch.get_num_threads())
         return out
 
     def rotary_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         rows, num_heads, head_dim = qk.shape
-        if (qk.stride(2) != 1 or qk.stride(1) != head_dim or 2 * cos.shape[-1] != head_dim
+        strides = qk.stride()
+        if (strides[1:] != (head_dim, 1) or 2 * cos.shape[-1] != head_dim
                 or not (cos.is_contiguous() and sin.is_contiguous())):
             return super().rotary_(qk, cos, sin)
         if rows:
             with kernel_range(FUSED_OPS_RANGE):
-                self._rotary(qk.data_ptr(), qk.stride(0), cos.data_ptr(), sin.data_ptr(), rows, num_heads,
+                self._rotary(qk.data_ptr(), strides[0], cos.data_ptr(), sin.data_ptr(), rows, num_heads,
                              head_dim, torch.get_num_threads())
 
     def act_and_mul(self, mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
-        activation = KERNEL_ACTIVATIONS.get(mlp.activation)
-        if activation is None or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        activation, strides = KERNEL_ACTIVATIONS.get(mlp.activation), gate_up.stride()
+        if activation is None or len(strides) != 2 or strides[1] != 1:
             return super().act_and_mul(mlp, gate_up)
         rows, n = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, n, dtype=torch.float32)
         if rows:
             with kernel_range(FUSED_OPS_RANGE):
-                self._act_and_mul(out.data_ptr(), n, gate_up.data_ptr(), gate_up.stride(0), rows, n, activation,
+                self._act_and_mul(out.data_ptr(), n, gate_up.data_ptr(), strides[0], rows, n, activation,
                                   torch.get_num_threads())
         return out
 
