@@ -1,15 +1,26 @@
 """The fused ops for fp32 on CPU: one C kernel call (``csrc/fused_ops.c``) per op where the twin runs several
 PyTorch ops, each allocating its result and passing over memory again.
 
-Per layer of a Llama-shaped model the twin runs about 20 ops between the GEMMs (the residual add, RMSNorm's
-pow, mean, add, rsqrt and two multiplies, twice; rotary's slices, four multiplies, subtract, add, cat and the
-copy back; SiLU and the multiply); the kernels run four. Measured at SmolLM2-135M's shapes (hidden 576, 9 + 3
-heads of 64, intermediate 1536), all four ops of one layer, µs, 2 threads (``benchmarks/cpu_fused_ops.py``):
+Per layer of a Llama-shaped model the twin calls 16 PyTorch ops between the GEMMs (the residual add and RMSNorm,
+itself six ops inside, twice; rotary's halves, four multiplies, a subtract, an add, a cat and the copy back; the
+halves of gate_up, SiLU and the multiply); the kernels make four calls. Measured at SmolLM2-135M's shapes (hidden 576, 9 + 3 heads of 64, intermediate 1536), one
+layer's four ops, µs, the median of 300 layer runs (in brackets the fastest: another job shared the 2 cores),
+with ``benchmarks/cpu_fused_ops.py --threads N`` on the AVX2 machine (2-core AMD EPYC Zen 2), kernels built for
+it (native; the ``KVSERVE_CPU_ISA=avx2`` build measured alike: 179 µs at 1 token, 206 at 16)::
 
-    FIGURES
+    tokens in the step          1            4           16          512
+    2 threads  twin        342 (239)    297 (265)    384 (349)   17616 (3060)
+               compiled   7296 (498)    642 (564)    667 (604)   13602 (2904)
+               kernels     197 (110)    136 (124)    189 (177)    9843 (1657)
+    1 thread   twin        263 (236)    311 (271)    456 (369)    5858 (5038)
+               compiled    548 (499)    641 (570)    787 (664)    5163 (4585)
+               kernels     121 (110)    145 (129)    214 (185)    3228 (2877)
 
-``torch.compile`` of the twin (inductor's C++ with OpenMP, dynamic shapes) fuses each op as well, but its
-guards and wrapper cost more per call than a ctypes call, which is what decode steps are made of.
+The kernels take about half the twin's time at every size. ``torch.compile`` of the twin (inductor's C++ with
+OpenMP, dynamic shapes) also fuses each op, but its guards and wrapper cost ~100 µs more per call than a ctypes
+call, which is what decode steps are made of, and its 512-token kernels came out slower than these.
+SiLU-and-multiply is the one op the kernels do not speed up at decode sizes (their vector exponential costs about
+what PyTorch's does); at 512 tokens it is one pass instead of two, on both threads.
 """
 
 from __future__ import annotations
