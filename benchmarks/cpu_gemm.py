@@ -1,4 +1,5 @@
-"""One decode step's GEMMs on CPU, fp32: ``F.linear``, oneDNN's blocked weights and kvserve's small-GEMM panels.
+"""One decode step's GEMMs on CPU, fp32: ``F.linear``, oneDNN's blocked weights, kvserve's small-GEMM panels, and
+the layers' weights kept in GGUF Q4_1 blocks (the default model's file) read by kvserve's block kernel.
 
     python benchmarks/cpu_gemm.py [--threads N] [--tokens 1,7,16,33,64,256]
     KVSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/cpu_gemm.py   # AVX2 paths on an AVX-512 CPU
@@ -7,7 +8,9 @@ SmolLM2-135M's projections (qkv 576->960, o 576->576, gate_up 576->3072, down 15
 the 576->49152 LM head once), with 30 distinct weight copies per layer projection so that each comes from
 memory, as in a real step. For each token count: the best of 3 passes over all of them, the kinds alternated.
 ``oneDNN``: ``CpuPrepackedLinearMethod`` without panels; ``panels``: the small-GEMM kernel alone (any row count);
-``kvserve``: the linear method the engine selects for fp32 on CPU (panels up to SMALL_GEMM_MAX_ROWS where tuned).
+``kvserve``: the linear method the engine selects for fp32 on CPU (panels up to SMALL_GEMM_MAX_ROWS where tuned);
+``Q4_1``: the layers in Q4_1 blocks through ``GGMLLinearMethod``, the LM head through the engine's fp32 method
+(the default model ties it to its embeddings, which the engine keeps dense).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ import argparse
 import os
 import time
 
+import gguf
 import torch
 import torch.nn.functional as F
 
+from kvserve.model.layers.ggml import GGMLTensor, ggml_gemm
 from kvserve.model.layers.linear import linear_from_tensors
 from kvserve.native import ISA_ENV_VAR
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, SmallGemm
@@ -47,6 +52,8 @@ def main() -> None:
              "oneDNN": [linear_from_tensors(w, None, CpuPrepackedLinearMethod(None)) for w in weights],
              "panels": [lambda x, p=p, n=w.shape[0]: kernel(x, p, None, n) for w, p in zip(weights, panels)],
              "kvserve": [linear_from_tensors(w, None, engine_method) for w in weights]}
+    kinds["Q4_1"] = [kinds["kvserve"][i] if w.shape[0] == SHAPES["lm_head"][0] else q4_1_linear(w)
+                     for i, w in enumerate(weights)]
     print(f"{args.threads} threads; ms for one step's GEMMs (all layers and the LM head)")
     print(f"{'tokens':>6} " + " ".join(f"{kind:>9}" for kind in kinds) + "  kvserve vs F.linear, vs oneDNN")
     with torch.no_grad():
@@ -61,6 +68,14 @@ def main() -> None:
                     best[kind] = min(best[kind], time.perf_counter() - start)
             print(f"{num_tokens:6d} " + " ".join(f"{best[kind] * 1e3:9.1f}" for kind in kinds)
                   + f"  {best['F.linear'] / best['kvserve']:7.2f}x {best['oneDNN'] / best['kvserve']:7.2f}x")
+
+
+def q4_1_linear(weight: torch.Tensor):
+    """``weight`` quantized to Q4_1 by gguf, multiplied by the block kernel."""
+    blocks = GGMLTensor.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_1),
+                                   gguf.GGMLQuantizationType.Q4_1)
+    kernel = ggml_gemm()
+    return lambda x: kernel(x, blocks, None)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The ``kvserve`` command: serve | generate | pull | models | make-checkpoint | bench."""
+"""The ``kvserve`` command: serve | router | generate | pull | models | make-checkpoint | bench."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 
 from kvserve.config import DEFAULT_MODEL
@@ -51,12 +52,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvserve.server.launch import serve
 
-    return serve(args)
+    if args.data_parallel_size == 1:
+        return serve(args)
+    from kvserve.router.launch import serve_data_parallel
+
+    if args.data_parallel_size < 1 or args.port == 0:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size} needs a size >= 1 and a fixed --port "
+                         "(its replicas take the ports after it)")
+    return serve_data_parallel(args, args.argv)
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from kvserve.router.launch import run_router
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run_router(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench import cli as bench_cli
     from kvserve.model.checkpoint import ARCHITECTURES, SIZES
+    from kvserve.router.launch import add_router_arguments
     from kvserve.server.launch import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
@@ -65,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+
+    router = sub.add_parser("router", help="route OpenAI requests to kvserve replicas, cache-aware")
+    add_router_arguments(router)
+    router.set_defaults(func=_cmd_router)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, offline")
     gen.add_argument("prompt")
@@ -94,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what replicas of `serve` are started with
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -25,6 +25,9 @@ _DTYPES = {
     "half": torch.float16,
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
+# how a quantized checkpoint's weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32
+# activations, dtype not forced); none dequantizes at load; gguf insists on the blocks
+QUANTIZATION_CHOICES = ("auto", "none", "gguf")
 
 
 def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
@@ -61,10 +64,14 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             parse_dtype(self.dtype, "cpu")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"unknown quantization {self.quantization!r}; expected one of "
+                             f"{', '.join(QUANTIZATION_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

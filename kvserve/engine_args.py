@@ -17,6 +17,7 @@ from kvserve.config import (
     DEFAULT_MODEL,
     DEVICES,
     DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
@@ -37,6 +38,9 @@ class EngineArgs:
     model: str = _option(DEFAULT_MODEL, "a packaged model name, a Hugging Face directory or a GGUF file", str)
     dtype: str = _option(ModelConfig.dtype, "weights and activations ('auto': fp32 on CPU, bf16 on CUDA)", str,
                          DTYPE_CHOICES)
+    quantization: str = _option(ModelConfig.quantization, "weights of a quantized checkpoint: 'auto' keeps a GGUF's "
+                                "Q4_0 / Q4_1 / Q8_0 blocks on CPU unless --dtype is given, 'none' dequantizes "
+                                "them at load, 'gguf' requires the blocks", str, QUANTIZATION_CHOICES)
     max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)
@@ -62,7 +66,8 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The frozen configuration; raises ValueError naming the first bad option."""
         return EngineConfig(
-            model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed),
+            model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+                              quantization=self.quantization),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
+from kvserve.model import gguf_index
 from kvserve.model.checkpoint import ARCHITECTURES, make_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def gguf_indexes_in_a_temporary_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """GGUF indexes of the session's files go to a folder of its own, not into the user's model cache."""
+    root = tmp_path_factory.mktemp("gguf-index")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_index, "index_root", lambda: root)
+        yield root
 
 
 @pytest.fixture(scope="session")

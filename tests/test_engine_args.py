@@ -17,6 +17,7 @@ from kvserve.engine_args import EngineArgs
 CHANGED = {
     "model": "some-model",
     "dtype": "bfloat16",
+    "quantization": "none",
     "max_model_len": 512,
     "seed": 7,
     "device": "cpu",
@@ -72,7 +73,7 @@ def test_defaults_are_the_configs_defaults() -> None:
 
 def test_flat_options_land_in_the_narrow_configs() -> None:
     config = EngineArgs(**CHANGED).create_engine_config()
-    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7)
+    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none")
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, False, "auto")
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
     assert config.device == "cpu"

@@ -17,6 +17,7 @@ from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.loader import load_checkpoint
+from kvserve.model.registry import keeps_gguf_blocks
 from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput
 from kvserve.request import Request
@@ -37,13 +38,18 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(checkpoint.max_model_len)
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids
-        runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed)
+        self.keeps_gguf_blocks = keeps_gguf_blocks(
+            config.model.quantization, checkpoint, self.device, self.dtype, dtype_forced=config.model.dtype != "auto"
+        )
+        runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
+                             self.keeps_gguf_blocks)
         self.core = self._build_core(runner)
         self.input_processor = InputProcessor(self.tokenizer, checkpoint.hf_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
-            "kvserve: %s on %s (%s), %d KV blocks of %d tokens",
-            self.location.name, self.device, self.dtype, self.num_kv_blocks, config.cache.block_size,
+            "kvserve: %s on %s (%s weights, %s activations), %d KV blocks of %d tokens",
+            self.location.name, self.device, runner.weights_format(), self.dtype, self.num_kv_blocks,
+            config.cache.block_size,
         )
 
     def _max_model_len(self, model_limit: int) -> int:
@@ -99,6 +105,7 @@ class LLMEngine:
             "num_blocks_total": kv.num_blocks_total,
             "num_blocks_used": kv.num_blocks_total - num_free,
             "num_blocks_free": num_free,
+            "weights_format": self.core.runner.weights_format(),
             "kv_cache_dtype": self.core.runner.kv_cache_spec().kv_dtype.name,
             "kv_cache_bytes": self.core.runner.kv.nbytes if self.core.runner.kv else 0,
             "peak_num_blocks_used": self.core.peak.num_blocks_used,

@@ -207,6 +207,9 @@ class DecoderLM(CausalLM):
                     loaders.update(_linear_loaders(module_name, module, kind))
                 else:
                     loaders[_hf_name(f"{module_name}.{kind}")] = partial(copy_weight, param)
+        if self.tied:
+            embeddings = _hf_name("embed_tokens.weight")
+            loaders[embeddings] = partial(_load_tied, loaders[embeddings], self.lm_head)
         return loaders
 
     def _is_ignored(self, name: str) -> bool:
@@ -217,6 +220,11 @@ class DecoderLM(CausalLM):
 
 def _hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def _load_tied(load_embeddings: Callable[[torch.Tensor], None], lm_head: Linear, tensor: torch.Tensor) -> None:
+    load_embeddings(tensor)
+    lm_head.method.load_tied_weight(lm_head, tensor)
 
 
 def _linear_loaders(module_name: str, linear: Linear, kind: str) -> WeightLoaders:

@@ -17,12 +17,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, TokenizersBackend
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from kvserve.model.base import CheckpointError
+from kvserve.model.gguf_index import GGUFIndex, load_gguf_index
+from kvserve.model.layers.ggml import GGMLTensor
 from kvserve.model.sources import ModelLocation
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
@@ -40,14 +43,16 @@ class Checkpoint:
     tokenizer: PreTrainedTokenizerBase  # with the checkpoint's chat template, if it has one
     eos_token_ids: frozenset[int]
     max_model_len: int  # the model's own context length (max_position_embeddings)
-    read_weights: Callable[[], WeightIterator] = field(repr=False)
+    read_weights: Callable[[frozenset[int]], WeightIterator] = field(repr=False)
+    is_gguf: bool = False
 
-    def weights(self) -> WeightIterator:
-        """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype.
+    def weights(self, keep_quantized: frozenset[int] = frozenset()) -> WeightIterator:
+        """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype; a GGUF's
+        2-D tensors of the ggml types in ``keep_quantized`` come as their blocks (``GGMLTensor``) instead.
 
         A tied LM head that the file does not store is not yielded. Each call reads the file again.
         """
-        return self.read_weights()
+        return self.read_weights(keep_quantized)
 
 
 def load_checkpoint(location: ModelLocation, dtype: torch.dtype) -> Checkpoint:
@@ -128,7 +133,8 @@ def _check_safetensors(shard: Path) -> None:
         raise CheckpointError(f"{shard} is not a readable safetensors file (truncated or corrupt): {error}") from None
 
 
-def _read_safetensors(shards: list[Path], dtype: torch.dtype) -> WeightIterator:
+def _read_safetensors(shards: list[Path], dtype: torch.dtype, keep_quantized: frozenset[int]) -> WeightIterator:
+    del keep_quantized  # safetensors hold no ggml blocks
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as reader:
@@ -151,21 +157,19 @@ def _read_hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    _check_gguf_architecture(path)
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        # Not AutoTokenizer: it parses the whole file again with the slow legacy reader only to pick a class;
-        # the tokenizer it then builds from the metadata is this same one.
-        tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as error:  # the reader fails deep inside numpy or struct on a damaged file
+        index = load_gguf_index(path)
+    except Exception as error:  # the readers fail deep inside numpy or struct on a damaged file
+        _check_gguf_architecture(path)  # the clearer error, where that is the cause
         raise CheckpointError(_unreadable_gguf(path, error)) from None
-    config = _with_architectures(config, path)
+    config = _with_architectures(index.config, path)
     return Checkpoint(
         hf_config=config,
-        tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(None, config, tokenizer),
+        tokenizer=index.tokenizer,
+        eos_token_ids=_eos_token_ids(None, config, index.tokenizer),
         max_model_len=_max_model_len(config, path),
-        read_weights=partial(_read_gguf, path, config, dtype),
+        read_weights=partial(_read_gguf, path, index, dtype),
+        is_gguf=True,
     )
 
 
@@ -191,18 +195,28 @@ def _unreadable_gguf(path: Path, error: Exception) -> str:
     return f"{path} is not a readable GGUF file (truncated or corrupt; {size} bytes): {type(error).__name__}: {error}"
 
 
-def _read_gguf(path: Path, config: PretrainedConfig, dtype: torch.dtype) -> WeightIterator:
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+def _read_gguf(
+    path: Path, index: GGUFIndex, dtype: torch.dtype, keep_quantized: frozenset[int] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
+    """Each tensor under its Hugging Face name: dequantized to ``dtype``, or, for a 2-D tensor whose ggml type
+    is in ``keep_quantized``, as the file's blocks (``GGMLTensor``, rows in Hugging Face order)."""
+    from gguf import GGMLQuantizationType, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    # transformers maps GGUF names to the parameter names of a model it is given (and undoes llama.cpp's
-    # Q/K permutation and Gemma's norm offset); a model on the meta device costs no memory.
-    with torch.device("meta"):
-        names_model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=names_model, torch_dtype=dtype)
-    tensors = tensors["tensors"]
-    for name in list(tensors):
-        yield name, tensors.pop(name)  # popped: each tensor is freed once the model has copied it
+    # transformers' processor undoes llama.cpp's Q/K row permutation (rows are whole block runs, so it applies
+    # to blocks as to values) and Gemma's norm offset
+    processor = TENSOR_PROCESSORS.get(index.architecture, TensorProcessor)(config=index.config.to_dict())
+    for entry, data in index.arrays(path):
+        qtype = GGMLQuantizationType(entry.qtype)
+        keep = qtype in keep_quantized and len(entry.dims) == 2
+        weights = data if keep else dequantize(data, qtype)
+        result = processor.process(
+            weights=weights, name=entry.name, tensor_key_mapping={entry.name: entry.hf_name}, parsed_parameters={}
+        )
+        if keep:
+            yield entry.hf_name, GGMLTensor.from_numpy(result.weights, qtype)
+        else:
+            yield entry.hf_name, torch.from_numpy(np.array(result.weights)).to(dtype)
 
 
 # ---- shared ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from kvserve.model.base import CausalLM
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.layers.cpu_fused_ops import can_fuse, cpu_fused_ops
 from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
+from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLLinearMethod, ggml_gemm
 from kvserve.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, can_prepack, small_gemm
 from kvserve.model.llama import LlamaForCausalLM
@@ -54,12 +55,33 @@ def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
     return MODEL_CLASSES[architecture]
 
 
-def select_linear_method(device: torch.device, dtype: torch.dtype) -> LinearMethod:
+def select_linear_method(device: torch.device, dtype: torch.dtype, keep_gguf_blocks: bool = False) -> LinearMethod:
     """Prepacked oneDNN weights (and small-GEMM panels where that kernel is tuned) for fp32 on CPU; the plain
-    weights elsewhere."""
-    if can_prepack(device, dtype):
-        return CpuPrepackedLinearMethod(small_gemm())
-    return UnquantizedLinearMethod()
+    weights elsewhere; with ``keep_gguf_blocks`` (see ``keeps_gguf_blocks``), a GGUF's blocks in front of those."""
+    dense = CpuPrepackedLinearMethod(small_gemm()) if can_prepack(device, dtype) else UnquantizedLinearMethod()
+    if keep_gguf_blocks:
+        kernel = ggml_gemm()
+        assert kernel is not None, "keeps_gguf_blocks() said no kernel was needed"
+        return GGMLLinearMethod(kernel, dense)
+    return dense
+
+
+def keeps_gguf_blocks(
+    quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool
+) -> bool:
+    """Whether the linear layers keep a GGUF's quantized blocks: ``auto`` does where the kernel runs (CPU, fp32
+    activations) unless a dtype was asked for (which dequantizes, as before); ``gguf`` must or raises
+    ValueError saying why it cannot."""
+    if quantization == "none" or not checkpoint.is_gguf and quantization == "auto":
+        return False
+    possible = "" if checkpoint.is_gguf else "the checkpoint is not a GGUF file"
+    if not possible and (device.type != "cpu" or dtype != torch.float32):
+        possible = f"GGUF blocks run on CPU with fp32 activations only, not {device.type} {dtype}"
+    if not possible and ggml_gemm() is None:
+        possible = "the GGUF block kernel could not be built (see the warning above)"
+    if quantization == "gguf" and possible:
+        raise ValueError(f"quantization='gguf': {possible}")
+    return not possible and not (quantization == "auto" and dtype_forced)
 
 
 def select_fused_ops(device: torch.device, dtype: torch.dtype) -> TorchFusedOps:
@@ -104,12 +126,13 @@ def process_weights_after_loading(model: CausalLM) -> None:
 
 
 def load_model(
-    checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device
+    checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
+    keep_gguf_blocks: bool = False,
 ) -> CausalLM:
     """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method and fused ops
     chosen for them, its weights loaded and laid out for that method, in eval mode."""
-    model = build_model(checkpoint.hf_config, backend, dtype, device, select_linear_method(device, dtype),
-                        select_fused_ops(device, dtype))
-    model.load_weights(checkpoint.weights())
+    method = select_linear_method(device, dtype, keep_gguf_blocks)
+    model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype))
+    model.load_weights(checkpoint.weights(KERNEL_TYPES if keep_gguf_blocks else frozenset()))
     process_weights_after_loading(model)
     return model.eval()

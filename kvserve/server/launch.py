@@ -27,6 +27,7 @@ from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
 from kvserve.engine_args import EngineArgs
+from kvserve.router.launch import add_policy_argument
 from kvserve.server.app import build_app
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
 
@@ -51,6 +52,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies are answered 413")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="replicas to start, each its own process on the ports after --port, behind a router "
+                             "on --port (kvserve.router)")
+    add_policy_argument(parser)
     EngineArgs.add_cli_args(parser)
 
 

@@ -20,17 +20,25 @@ class ModelRunner:
     sampler state."""
 
     def __init__(
-        self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0
+        self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
+        keep_gguf_blocks: bool = False,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.backend: AttentionBackend = select_backend(device, dtype)
-        self.model = load_model(checkpoint, self.backend, dtype, device)
+        self.model = load_model(checkpoint, self.backend, dtype, device, keep_gguf_blocks)
         self.sampler = Sampler(seed)
         self.kv: KVCacheStorage | None = None
         self.batch: PersistentBatch | None = None
         self._sliding_windows = self.model.sliding_windows()
+
+    def weights_format(self) -> str:
+        """How the linear layers hold their weights: the dtype, or the GGUF block types kept (e.g. "gguf Q4_1,
+        Q8_0"), from the layers themselves."""
+        kept = sorted({layer.ggml_weight.qtype.name for layer in self.model.modules()
+                       if getattr(layer, "ggml_weight", None) is not None})
+        return f"gguf {', '.join(kept)}" if kept else str(self.dtype).removeprefix("torch.")
 
     def kv_cache_spec(self) -> KVCacheSpec:
         m = self.model

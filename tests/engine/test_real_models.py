@@ -44,6 +44,27 @@ def test_smollm2_matches_transformers_and_knows_paris() -> None:
     assert "Paris" in answer[0].outputs[0].text
 
 
+def test_smollm2_on_its_own_q4_1_blocks_matches_transformers() -> None:
+    """The default form: the file's Q4_1 (layers) and Q8_0 (tied head) blocks kept and read by the block
+    kernel. Its logits differ from the dequantized model's only by the order of fp32 sums: greedy tokens equal
+    transformers' over 32 tokens, and the chosen tokens' logprobs stay within 2e-3 of the dense model's."""
+    name, max_new = "smollm2-135m-instruct", 32
+    blocks = LLM(name, max_model_len=1024, num_kv_blocks=256)
+    assert blocks.stats()["weights_format"] == "gguf Q4_1, Q8_0"
+    tokenizer = blocks.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
+    hf = _hf_from_gguf(name)
+    expected = [hf_greedy(hf, p["prompt_token_ids"], max_new) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_new, logprobs=0)
+    kept = blocks.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in kept] == expected
+    dense = LLM(name, quantization="none", max_model_len=1024, num_kv_blocks=256).generate(prompts, params)
+    for a, b in zip(kept, dense):
+        chosen = [(next(iter(x.values())).logprob, next(iter(y.values())).logprob)
+                  for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)]
+        assert max(abs(x - y) for x, y in chosen) < 2e-3
+
+
 @pytest.mark.slow
 def test_gemma3_matches_transformers() -> None:
     _check_greedy_equality("gemma-3-270m", 24)

@@ -215,8 +215,11 @@ def byte_level_tokens() -> tuple[list[str], list[str]]:
     return tokens, ["Ġ Ġ"]
 
 
-def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama") -> Path:
-    """Write ``model`` as llama.cpp's converter would (F32 tensors, GGUF names, permuted Q/K)."""
+def write_gguf(
+    path: Path, model: LlamaForCausalLM, arch: str = "llama", qtype: gguf.GGMLQuantizationType | None = None
+) -> Path:
+    """Write ``model`` as llama.cpp's converter would (GGUF names, permuted Q/K): F32 tensors, or its 2-D ones
+    quantized to ``qtype`` by gguf's reference quantizer."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -241,7 +244,11 @@ def write_gguf(path: Path, model: LlamaForCausalLM, arch: str = "llama") -> Path
             tensor = llama_cpp_permute(tensor, config.num_attention_heads)
         elif "k_proj" in hf_name:
             tensor = llama_cpp_permute(tensor, config.num_key_value_heads)
-        writer.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), tensor.numpy())
+        name = names.get_name(hf_name, try_suffixes=(".weight",))
+        if qtype is not None and tensor.dim() == 2:
+            writer.add_tensor(name, gguf.quants.quantize(tensor.numpy(), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

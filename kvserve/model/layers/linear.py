@@ -30,7 +30,9 @@ class WeightShapeError(ValueError):
 
 
 def copy_weight(target: torch.Tensor, tensor: torch.Tensor) -> None:
-    """``target.copy_(tensor)`` for tensors of the same shape only: broadcasting would hide a wrong checkpoint."""
+    """``target.copy_(tensor)`` for tensors of the same shape only: broadcasting would hide a wrong checkpoint.
+    A checkpoint tensor kept quantized (a GGUF's blocks) is dequantized first: only linear methods keep blocks."""
+    tensor = tensor.dequantize()  # a float tensor's is itself
     if tensor.shape != target.shape:
         raise WeightShapeError(tensor.shape, target.shape)
     with torch.no_grad():
@@ -52,6 +54,10 @@ class LinearMethod(ABC):
         layer) into its parameter's rows. Raises ``WeightShapeError``. A sharding method narrows it here."""
         param = getattr(layer, name)
         copy_weight(param if shard is None else param[layer.shard_rows()[shard]], tensor)
+
+    def load_tied_weight(self, layer: Linear, tensor: torch.Tensor) -> None:
+        """Offered the checkpoint tensor of the embeddings that a tied LM head ``layer`` shares (already its
+        weight, as loaded into the embeddings): a method that keeps a checkpoint format of its own may keep it."""
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         """Called once after every tensor is loaded: a method may replace the parameters by a layout of its

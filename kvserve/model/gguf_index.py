@@ -1,0 +1,145 @@
+"""GGUFIndex: what a GGUF file's metadata yields (config, tokenizer, and where each tensor lies under which
+Hugging Face name), parsed once and kept in the model cache.
+
+gguf's reader parses every metadata field element by element through numpy, so a 49k-token vocabulary takes
+seconds, and transformers parses the file again for the config, for the tokenizer and for the weights (and
+builds its tensor-name map once per submodule): about 30 s before the default model's first weight is read on
+2 cores. The index is written by those readers on first use, atomically, under a key made of the file's path,
+size and modification time and the readers' versions, and read back in milliseconds afterwards; tensors then
+come straight from a memory map of the file. An index that cannot be read is rebuilt with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import gguf
+import numpy as np
+import torch
+import transformers
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase, TokenizersBackend
+
+from kvserve.model.packaged import cache_dir
+
+logger = logging.getLogger(__name__)
+
+INDEX_VERSION = 1  # bump when the layout below changes
+TENSORS_FILE = "tensors.json"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor: its GGUF and Hugging Face names, ggml type, and its array as gguf's reader shapes it (blocks
+    as uint8 rows of bytes, float types as themselves) at ``offset`` bytes into the file."""
+
+    name: str
+    hf_name: str
+    qtype: int
+    dims: tuple[int, ...]
+    dtype: str  # numpy's dtype string of the array
+    offset: int
+
+    def array(self, data: np.ndarray) -> np.ndarray:
+        """The tensor's array inside ``data``, the whole file mapped as uint8 (a view, not a copy)."""
+        dtype = np.dtype(self.dtype)
+        count = int(np.prod(self.dims))
+        return np.frombuffer(data, dtype, count, self.offset).reshape(self.dims)
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    architecture: str  # the file's general.architecture, which picks transformers' tensor processor
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    tensors: tuple[TensorEntry, ...]
+
+    def arrays(self, path: Path) -> Iterator[tuple[TensorEntry, np.ndarray]]:
+        data = np.memmap(path, np.uint8, "r")
+        for entry in self.tensors:
+            yield entry, entry.array(data)
+
+
+def load_gguf_index(path: Path) -> GGUFIndex:
+    """The index of ``path`` from the model cache, built there first if it is missing or unreadable. Raises
+    whatever the readers raise on a damaged file (the loader turns it into a CheckpointError)."""
+    directory = _index_dir(path)
+    if directory.is_dir():
+        try:
+            return _read_index(directory)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logger.warning("rebuilding the unreadable GGUF index %s: %s", directory, error)
+            shutil.rmtree(directory, ignore_errors=True)
+    index = _build_index(path)
+    _write_index(index, directory)
+    return index
+
+
+def index_root() -> Path:
+    """Where indexes are kept: beside the pulled models."""
+    return cache_dir() / ".gguf-index"
+
+
+def _index_dir(path: Path) -> Path:
+    stat = path.stat()
+    key = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, INDEX_VERSION, transformers.__version__,
+                      getattr(gguf, "__version__", "")])
+    return index_root() / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _build_index(path: Path) -> GGUFIndex:
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    # Not AutoTokenizer: it parses the whole file again with the slow legacy reader only to pick a class; the
+    # tokenizer it then builds from the metadata is this same one.
+    tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
+    reader = gguf.GGUFReader(path)
+    architecture = reader.fields["general.architecture"].contents()
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    with torch.device("meta"):  # the name map comes from a model that costs no memory
+        names = get_gguf_hf_weights_map(AutoModelForCausalLM.from_config(config), processor)
+    tensors = tuple(
+        TensorEntry(t.name, names[t.name], int(t.tensor_type), tuple(t.data.shape), t.data.dtype.str, t.data_offset)
+        for t in reader.tensors if t.name in names
+    )
+    return GGUFIndex(architecture, config, tokenizer, tensors)
+
+
+def _write_index(index: GGUFIndex, directory: Path) -> None:
+    """Write the index whole into a fresh folder, then rename it into place: a reader sees all of it or none.
+    A folder that cannot be written only costs the next start its parse."""
+    staging = None
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".tmp-"))
+        index.config.save_pretrained(staging)
+        index.tokenizer.save_pretrained(staging)
+        entries = [vars(entry) for entry in index.tensors]
+        (staging / TENSORS_FILE).write_text(json.dumps({"architecture": index.architecture, "tensors": entries}))
+        os.replace(staging, directory)
+    except OSError as error:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if not directory.is_dir():  # else another process has just written the same index
+            logger.warning("could not keep the GGUF index in %s (%s); the next start parses the file again",
+                           directory, error)
+
+
+def _read_index(directory: Path) -> GGUFIndex:
+    listing = json.loads((directory / TENSORS_FILE).read_text())
+    tensors = tuple(
+        TensorEntry(e["name"], e["hf_name"], e["qtype"], tuple(e["dims"]), e["dtype"], e["offset"])
+        for e in listing["tensors"]
+    )
+    config = AutoConfig.from_pretrained(directory)
+    tokenizer = TokenizersBackend.from_pretrained(directory)
+    return GGUFIndex(listing["architecture"], config, tokenizer, tensors)

@@ -1,0 +1,185 @@
+"""GGMLTensor: a weight kept in llama.cpp's quantized blocks as a GGUF file stores it, and the linear method that
+multiplies by it without dequantizing it first (``csrc/ggml_gemm.c``).
+
+A decode step on CPU is bound by reading the weights: the default model's Q4_1 blocks are 5 bits a weight, its
+fp32 dequantization 32. ``GGMLLinearMethod`` keeps every linear layer whose checkpoint tensors arrive as
+blocks of one type the kernel reads (Q4_0, Q4_1, Q8_0) in those blocks; any other layer (a tied LM head, a
+float tensor, a packed layer whose projections differ in type) is dequantized at load and handed to the dense
+method it wraps. ``dequantize`` (gguf's own numpy reference) then ``F.linear`` is the twin the kernel is tested
+against: the kernel dequantizes to the same fp32 values, so the two differ only in the order of the sums.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+
+from kvserve.model.layers.linear import Linear, LinearMethod, WeightShapeError
+from kvserve.native import KernelBuildError, kernel_range, load_library
+
+logger = logging.getLogger(__name__)
+
+GGML_GEMM_SOURCE = Path(__file__).parent / "csrc" / "ggml_gemm.c"
+GGML_GEMM_RANGE = "kvserve::ggml_gemm"  # the kernel's name in torch.profiler traces
+# from 4 rows a step up the dense layouts are as fast (a row costs the kernel its unpacking of every block again
+# per 4 rows, the dense GEMMs nothing): see benchmarks/cpu_gemm.py
+GGML_MAX_ROWS = 3
+KERNEL_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+_C_ARG_TYPES = (
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its row stride
+    + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]  # blocks, bytes per row, type, bias
+    + [ctypes.c_int] * 4  # m, n, k, threads
+)
+
+
+class GGMLTensor(NamedTuple):
+    """A 2-D weight in ggml blocks: ``blocks`` uint8 [rows, bytes per row], each row ``shape[1]`` values."""
+
+    blocks: torch.Tensor
+    qtype: GGMLQuantizationType
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_numpy(cls, blocks: np.ndarray, qtype: GGMLQuantizationType) -> GGMLTensor:
+        """From gguf's reader: its rows of raw blocks (a copy: the reader's arrays map the file)."""
+        block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+        rows, row_bytes = blocks.shape
+        return cls(torch.from_numpy(np.array(blocks)), qtype, (rows, row_bytes // block_bytes * block_size))
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 values, as gguf's reference computes them."""
+        values = gguf_dequantize(self.blocks.numpy(), self.qtype)
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
+
+
+class GGMLGemm:
+    """The compiled kernel: ``x [M, K] @ W.T (+ bias)`` for W a ``GGMLTensor`` of a type in ``KERNEL_TYPES``."""
+
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        """``library``: a build of ``GGML_GEMM_SOURCE`` (default: this process's, for its CPU)."""
+        library = library or load_library(GGML_GEMM_SOURCE)
+        self._gemm = library.kvserve_ggml_gemm_f32
+        self._gemm.argtypes = _C_ARG_TYPES
+        self._gemm.restype = ctypes.c_int
+        self._dequantize = library.kvserve_ggml_dequantize
+        self._dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4
+        self._dequantize.restype = ctypes.c_int
+
+    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n, k = weight.shape
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or weight.qtype not in KERNEL_TYPES:
+            raise ValueError(f"ggml GEMM: x {tuple(x.shape)} {x.dtype} does not fit a {weight.qtype.name} "
+                             f"weight of shape {weight.shape}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        if x.shape[0]:
+            with kernel_range(GGML_GEMM_RANGE):
+                status = self._gemm(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
+                                    weight.blocks.stride(0), int(weight.qtype), None if bias is None else bias.data_ptr(),
+                                    x.shape[0], n, k, torch.get_num_threads())
+            if status:
+                raise MemoryError(f"ggml GEMM: no scratch memory for a {weight.shape} weight")
+        return y
+
+
+    def dequantize(self, weight: GGMLTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 values of ``weight`` (into ``out`` [rows, k] if given): ``GGMLTensor.dequantize`` in C,
+        two orders of magnitude faster, equal to it up to the rounding of a fused multiply-add."""
+        n, k = weight.shape
+        out = torch.empty(n, k, dtype=torch.float32) if out is None else out
+        if out.shape != (n, k) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"dequantize: out {tuple(out.shape)} {out.dtype} is not a contiguous fp32 [{n}, {k}]")
+        if weight.qtype not in KERNEL_TYPES or self._dequantize(
+            out.data_ptr(), weight.blocks.data_ptr(), weight.blocks.stride(0), int(weight.qtype), n, k,
+            torch.get_num_threads(),
+        ):
+            raise ValueError(f"dequantize: the kernel does not read {weight.qtype.name} blocks of {k} values")
+        return out
+
+
+@functools.cache
+def ggml_gemm() -> GGMLGemm | None:
+    """The kernel, or None where it cannot be built (the weights are then dequantized at load)."""
+    try:
+        return GGMLGemm()
+    except KernelBuildError as error:
+        logger.warning("GGUF weights are dequantized at load: %s", error)
+        return None
+
+
+class GGMLLinearMethod(LinearMethod):
+    """Keeps a layer's weight in ggml blocks when every checkpoint tensor of it arrives as blocks of one type the
+    kernel reads, for steps of up to ``GGML_MAX_ROWS`` tokens; ``dense`` lays the dequantized weight out for
+    larger steps, and serves every step of a layer not kept in blocks. fp32 activations on CPU."""
+
+    def __init__(self, kernel: GGMLGemm, dense: LinearMethod) -> None:
+        self.kernel = kernel
+        self.dense = dense
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        # An empty placeholder names the tensor the checkpoint fills; its rows arrive in ``load_weight``.
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        layer.bias = torch.nn.Parameter(torch.empty(layer.out_features, dtype=dtype), requires_grad=False) \
+            if layer.has_bias else None
+        layer.weight_parts = {}
+
+    def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor | GGMLTensor, shard: str | None) -> None:
+        if name != "weight":
+            return super().load_weight(layer, name, tensor, shard)
+        rows = layer.shard_rows()
+        expected = (rows[shard].stop - rows[shard].start if shard else layer.out_features, layer.in_features)
+        if tuple(tensor.shape) != expected:
+            raise WeightShapeError(torch.Size(tensor.shape), torch.Size(expected))
+        layer.weight_parts[shard] = tensor
+
+    def load_tied_weight(self, layer: Linear, tensor: torch.Tensor | GGMLTensor) -> None:
+        # a tied LM head multiplies by the embeddings' own blocks (the embeddings keep their dequantized rows)
+        if isinstance(tensor, GGMLTensor):
+            self.load_weight(layer, "weight", tensor, None)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        parts = [layer.weight_parts[shard] for shard in (layer.shard_rows() or {None: None})] \
+            if layer.weight_parts else []
+        del layer.weight_parts
+        qtypes = {part.qtype if isinstance(part, GGMLTensor) else None for part in parts}
+        layer.ggml_weight = None
+        if parts and len(qtypes) == 1 and qtypes <= KERNEL_TYPES:
+            blocks = torch.cat([part.blocks for part in parts])
+            layer.ggml_weight = GGMLTensor(blocks, parts[0].qtype, (layer.out_features, layer.in_features))
+        if parts:  # the dense method gets the fp32 weight, as from any other checkpoint
+            layer.weight = torch.nn.Parameter(self._dense_weight(parts), requires_grad=False)
+        self.dense.process_weights_after_loading(layer)  # a tied head holds the embeddings' weight already
+
+    def _dense_weight(self, parts: list[GGMLTensor | torch.Tensor]) -> torch.Tensor:
+        """The parts' fp32 rows, one under the other (blocks the kernel reads are dequantized by it)."""
+        dense = torch.empty(sum(part.shape[0] for part in parts), parts[0].shape[1], dtype=torch.float32)
+        start = 0
+        for part in parts:
+            rows = dense[start : start + part.shape[0]]
+            if isinstance(part, GGMLTensor) and part.qtype in KERNEL_TYPES:
+                self.kernel.dequantize(part, rows)
+            else:
+                rows.copy_(part.dequantize() if isinstance(part, GGMLTensor) else part)
+            start += part.shape[0]
+        return dense
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.ggml_weight is None or x.numel() > GGML_MAX_ROWS * layer.in_features:
+            return self.dense.apply(layer, x)
+        y = self.kernel(x.reshape(-1, layer.in_features), layer.ggml_weight, layer.bias)
+        return y.view(*x.shape[:-1], layer.out_features)
+
+
+def reference_linear(x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The twin of ``GGMLGemm``: gguf's dequantization, then ``F.linear``."""
+    return F.linear(x, weight.dequantize(), bias)

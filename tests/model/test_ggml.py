@@ -1,0 +1,170 @@
+"""GGUF blocks kept quantized: the block kernel against gguf's dequantize-then-matmul twin, the linear method's
+choice per layer and per step size, the loader handing out blocks in Hugging Face row order, and an engine on a
+quantized GGUF against the same file dequantized."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvserve import LLM, SamplingParams, native
+from kvserve.model.layers import ggml
+from kvserve.model.layers.ggml import GGML_MAX_ROWS, KERNEL_TYPES, GGMLGemm, GGMLLinearMethod, GGMLTensor
+from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
+from kvserve.model.loader import load_checkpoint
+from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf
+from tests.model.test_prepacked import _cpu_flags
+
+TYPES = sorted(KERNEL_TYPES)
+
+
+def blocks_of(weight: torch.Tensor, qtype: Q) -> GGMLTensor:
+    return GGMLTensor.from_numpy(gguf.quants.quantize(weight.numpy(), qtype), qtype)
+
+
+def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> None:
+    """Within fp32 rounding of the reference: the kernel sums d * (x . q) per block where the reference sums
+    x * (d * q + m), so the bound scales with |x| . |w| (every term's magnitude), not with |y|."""
+    dense = weight.dequantize()
+    reference = ggml.reference_linear(x, weight, bias)
+    scale = x.abs() @ dense.abs().T + (0 if bias is None else bias.abs())
+    assert y.shape == reference.shape
+    assert ((y - reference).abs() <= 2e-6 * scale + 1e-6).all(), float((y - reference).abs().max())
+
+
+@pytest.fixture(scope="module")
+def kernel() -> GGMLGemm:
+    return GGMLGemm()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n, k", [(7, 32), (33, 96), (130, 160)])
+def test_kernel_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    weight = blocks_of(torch.randn(n, k, generator=gen), qtype)
+    x = torch.randn(rows, k + 16, generator=gen)[:, 8 : 8 + k]  # strided rows, as the layers' slices are
+    bias = torch.randn(n, generator=gen) if rows % 2 else None
+    assert_close_to_reference(kernel(x, weight, bias), x, weight, bias)
+
+
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="this CPU cannot run the AVX2 build")
+def test_the_avx2_build_asked_for_on_any_cpu_equals_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ISA_ENV_VAR, "avx2")
+    library = ctypes.CDLL(str(native.library_path(ggml.GGML_GEMM_SOURCE)))
+    avx2 = GGMLGemm(library)
+    gen = torch.Generator().manual_seed(1)
+    for qtype in TYPES:
+        weight = blocks_of(torch.randn(19, 64, generator=gen), qtype)
+        x = torch.randn(5, 64, generator=gen)
+        assert_close_to_reference(avx2(x, weight, None), x, weight, None)
+
+
+def test_kernel_refuses_what_it_cannot_read(kernel: GGMLGemm) -> None:
+    weight = blocks_of(torch.randn(8, 64), Q.Q8_0)
+    with pytest.raises(ValueError, match="does not fit a Q8_0 weight"):
+        kernel(torch.randn(2, 32), weight, None)
+    with pytest.raises(ValueError, match="Q5_K"):
+        kernel(torch.randn(2, 64), GGMLTensor(weight.blocks, Q.Q5_K, weight.shape), None)
+
+
+def packed_layer(parts: dict[str, GGMLTensor | torch.Tensor], method: GGMLLinearMethod) -> PackedLinear:
+    layer = PackedLinear(64, {name: part.shape[0] for name, part in parts.items()}, bias=False)
+    layer.bind(method, torch.float32)
+    for name, part in parts.items():
+        layer.load_weight("weight", part, shard=name)
+    layer.process_weights_after_loading()
+    return layer
+
+
+@pytest.fixture
+def method(kernel: GGMLGemm) -> GGMLLinearMethod:
+    return GGMLLinearMethod(kernel, UnquantizedLinearMethod())
+
+
+def test_a_packed_layer_of_one_block_type_keeps_its_blocks(method: GGMLLinearMethod) -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, k = blocks_of(torch.randn(32, 64, generator=gen), Q.Q4_1), blocks_of(torch.randn(16, 64, generator=gen), Q.Q4_1)
+    layer = packed_layer({"q_proj": q, "k_proj": k}, method)
+    assert layer.ggml_weight is not None and layer.ggml_weight.qtype == Q.Q4_1
+    dense = torch.cat([q.dequantize(), k.dequantize()])
+    assert torch.equal(layer.ggml_weight.dequantize(), dense)
+    for rows in (1, GGML_MAX_ROWS, GGML_MAX_ROWS + 1, 17):  # the kernel, then the dense layout
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("second", [Q.Q8_0, "float"])
+def test_a_layer_of_mixed_forms_is_dequantized_for_the_dense_method(method: GGMLLinearMethod, second) -> None:
+    gen = torch.Generator().manual_seed(3)
+    q = blocks_of(torch.randn(32, 64, generator=gen), Q.Q4_0)
+    k = torch.randn(16, 64, generator=gen)
+    layer = packed_layer({"q_proj": q, "k_proj": k if second == "float" else blocks_of(k, second)}, method)
+    assert layer.ggml_weight is None
+    x = torch.randn(2, 64, generator=gen)
+    expected_k = k if second == "float" else blocks_of(k, second).dequantize()
+    torch.testing.assert_close(layer(x), x @ torch.cat([q.dequantize(), expected_k]).T)
+
+
+def test_a_part_of_the_wrong_shape_names_both_shapes(method: GGMLLinearMethod) -> None:
+    layer = PackedLinear(64, {"q_proj": 32}, bias=False)
+    layer.bind(method, torch.float32)
+    with pytest.raises(ValueError, match=r"\[16, 64\].*\[32, 64\]"):
+        layer.load_weight("weight", blocks_of(torch.randn(16, 64), Q.Q8_0), shard="q_proj")
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tiny_llama(vocab_size=len(byte_level_tokens()[0]))
+    return write_gguf(tmp_path_factory.mktemp("q") / "tiny-q4_1.gguf", model, qtype=Q.Q4_1)
+
+
+def test_the_loader_hands_out_blocks_in_hugging_face_row_order(quantized_gguf: Path) -> None:
+    checkpoint = load_checkpoint(gguf_location(quantized_gguf), torch.float32)
+    dequantized = dict(checkpoint.weights())
+    kept = dict(checkpoint.weights(KERNEL_TYPES))
+    assert kept.keys() == dequantized.keys()
+    blocks = {name: t for name, t in kept.items() if isinstance(t, GGMLTensor)}
+    assert "model.layers.0.self_attn.q_proj.weight" in blocks and "model.layers.1.mlp.down_proj.weight" in blocks
+    for name, tensor in kept.items():  # q and k rows un-permuted as whole runs of blocks
+        expected = dequantized[name]
+        assert torch.equal(tensor.dequantize() if name in blocks else tensor, expected), name
+
+
+def test_an_engine_keeps_the_blocks_and_agrees_with_the_dequantized_file(quantized_gguf: Path) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [5, 9, 30, 31, 40]}, {"prompt_token_ids": [7] * 3}]
+    runs = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(str(quantized_gguf), quantization=quantization, num_kv_blocks=64)
+        runs[quantization] = (llm.stats()["weights_format"], llm.generate(prompts, params))
+    assert runs["auto"][0] == "gguf Q4_1" and runs["none"][0] == "float32"
+    for kept, dense in zip(runs["auto"][1], runs["none"][1]):
+        assert kept.outputs[0].token_ids == dense.outputs[0].token_ids
+        kept_lp = [next(iter(step.values())).logprob for step in kept.outputs[0].logprobs]
+        dense_lp = [next(iter(step.values())).logprob for step in dense.outputs[0].logprobs]
+        np.testing.assert_allclose(kept_lp, dense_lp, atol=1e-4)
+
+
+def test_quantization_gguf_says_why_it_cannot_keep_blocks(tmp_path: Path) -> None:
+    model = tiny_llama(vocab_size=len(byte_level_tokens()[0]))
+    plain = write_gguf(tmp_path / "tiny-f32.gguf", model)
+    with pytest.raises(ValueError, match="quantization='gguf'"):
+        LLM(str(plain), quantization="gguf", dtype="bfloat16", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        LLM(str(plain), quantization="int3")
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_kernels_dequantization_equals_ggufs(kernel: GGMLGemm, qtype: Q) -> None:
+    weight = blocks_of(torch.randn(37, 96, generator=torch.Generator().manual_seed(4)), qtype)
+    # one rounding apart at most: the kernel may fuse d * q + m into one multiply-add
+    torch.testing.assert_close(kernel.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)
+    with pytest.raises(ValueError, match="not a contiguous fp32"):
+        kernel.dequantize(weight, torch.empty(36, 96))
