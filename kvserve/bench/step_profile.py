@@ -11,10 +11,12 @@ from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import profile
 
 from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE
+from kvserve.model.layers.cpu_fused_ops import FUSED_OPS_RANGE
 from kvserve.model.layers.prepacked import SMALL_GEMM_RANGE
 
 OP_NAMESPACES = ("aten::", "mkldnn::")
-KERNEL_RANGES = (DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE, SMALL_GEMM_RANGE)  # kvserve's own C kernels, as record_function ranges
+# kvserve's own C kernels, as record_function ranges; the fused elementwise ops count as "other ops"
+KERNEL_RANGES = (DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE, SMALL_GEMM_RANGE, FUSED_OPS_RANGE)
 # Ops called from Python, grouped by name; ops nested inside them count toward their caller.
 OP_GROUPS = {
     "GEMMs": {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",

@@ -20,11 +20,12 @@ from kvserve.kv.storage import KVCacheStorage
 from kvserve.model.layers.activation import GatedMLP
 from kvserve.model.layers.attention import Attention
 from kvserve.model.layers.norm import GemmaRMSNorm
-from kvserve.model.llama import DecoderLM, layer_type_window
+from kvserve.model.llama import DecoderLM, input_norm, layer_type_window
 
 
 class Gemma3DecoderLayer(nn.Module):
-    """``h = x + norm(attn(norm(x)))``, then ``h + norm(mlp(norm(h)))``."""
+    """``h = x + norm(attn(norm(x)))``, then ``h + norm(mlp(norm(h)))``; ``DecoderLayer``'s contract (each
+    residual add folded into the norm after it)."""
 
     def __init__(self, self_attn: Attention, mlp: GatedMLP, make_norm: Callable[[int], nn.Module], dim: int) -> None:
         super().__init__()
@@ -36,11 +37,17 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = make_norm(dim)
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata, kv: KVCacheStorage
-    ) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(hidden), rope, attn, kv)
-        hidden = hidden + self.post_attention_layernorm(attn_out)
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+        kv: KVCacheStorage,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual)
+        attn_out = self.self_attn(hidden, rope, attn, kv)
+        hidden = self.pre_feedforward_layernorm(attn_out, residual, x_norm=self.post_attention_layernorm)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma3ForCausalLM(DecoderLM):

@@ -37,7 +37,8 @@ def layer_type_window(config: PretrainedConfig, layer_idx: int) -> int | None:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``."""
+    """Pre-norm block: ``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``, each residual add folded into the
+    norm after it (the next layer's input norm, or the final norm, adds this layer's MLP output)."""
 
     def __init__(self, self_attn: Attention, mlp: GatedMLP, make_norm: Callable[[int], nn.Module], dim: int) -> None:
         super().__init__()
@@ -47,10 +48,28 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata, kv: KVCacheStorage
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, attn, kv)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+        kv: KVCacheStorage,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden``: the previous layer's output, still to be added to the ``residual`` stream (before the
+        first layer, the embeddings and no residual). Returns this layer's output and the residual stream,
+        which it updates in place."""
+        hidden, residual = input_norm(self.input_layernorm, hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, rope, attn, kv), residual)
+        return self.mlp(hidden), residual
+
+
+def input_norm(
+    norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first norm and the residual stream: the embeddings themselves before the first layer."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual), residual
 
 
 class DecoderLM(CausalLM):
@@ -129,12 +148,13 @@ class DecoderLM(CausalLM):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv: KVCacheStorage
     ) -> torch.Tensor:
-        hidden = self._embed(input_ids)
+        hidden, residual = self._embed(input_ids), None
         max_position = max(attn.inputs.seq_lens_list) - 1
+        # cos / sin gathered once per step for each rope kind, shared by the layers
         ropes = {key: rotary(positions, max_position, hidden.dtype) for key, rotary in self.rotaries.items()}
         for layer, rope_key in zip(self.layers, self.rope_keys):
-            hidden = layer(hidden, ropes[rope_key], attn, kv)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, ropes[rope_key], attn, kv)
+        return self.norm(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,5 +1,5 @@
-"""Architecture name -> model class; building a model with the linear method of its device and dtype, and
-loading it ready to run. The one place a linear method is chosen: model files only name shapes."""
+"""Architecture name -> model class; building a model with the linear method and the fused elementwise ops of its
+device and dtype, and loading it ready to run. The one place either is chosen: model files only name shapes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from transformers import PretrainedConfig
 from kvserve.attention.backend import AttentionBackend
 from kvserve.model.base import CausalLM
 from kvserve.model.gemma3 import Gemma3ForCausalLM
+from kvserve.model.layers.cpu_fused_ops import can_fuse, cpu_fused_ops
+from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
 from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLLinearMethod, ggml_gemm
 from kvserve.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, can_prepack, small_gemm
@@ -82,25 +84,35 @@ def keeps_gguf_blocks(
     return not possible and not (quantization == "auto" and dtype_forced)
 
 
+def select_fused_ops(device: torch.device, dtype: torch.dtype) -> TorchFusedOps:
+    """The C kernels of ``cpu_fused_ops`` for fp32 on CPU where they build; the plain-PyTorch twin elsewhere."""
+    fused = cpu_fused_ops() if can_fuse(device, dtype) else None
+    return fused or TorchFusedOps()
+
+
 def build_model(
     config: PretrainedConfig,
     backend: AttentionBackend,
     dtype: torch.dtype,
     device: torch.device | str,
     linear_method: LinearMethod | None = None,
+    fused_ops: TorchFusedOps | None = None,
 ) -> CausalLM:
     """The model for ``config`` in ``dtype`` on ``device``, its parameters allocated but not initialised:
     ``load_weights`` must fill them (it checks that every one is filled), then
     ``process_weights_after_loading`` finishes the linear layers. Every linear layer gets ``linear_method``
-    (default: the plain weights)."""
+    (default: the plain weights), every norm, attention and MLP ``fused_ops`` (default: the plain twin)."""
     model_class = get_model_class(config)
     linear_method = linear_method or UnquantizedLinearMethod()
+    fused_ops = fused_ops or TorchFusedOps()
     with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
         # cast before binding: a method's parameters keep the dtypes it chose (a quantized weight, its scales)
         model = model_class(config, backend).to(dtype=dtype)
         for layer in model.modules():
             if isinstance(layer, Linear):
                 layer.bind(linear_method, dtype)
+            if isinstance(layer, UsesFusedOps):
+                layer.ops = fused_ops
     model = model.to_empty(device=device)
     model.tie_weights()
     return model
@@ -117,10 +129,10 @@ def load_model(
     checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
     keep_gguf_blocks: bool = False,
 ) -> CausalLM:
-    """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method chosen for
-    them, its weights loaded and laid out for that method, in eval mode."""
+    """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method and fused ops
+    chosen for them, its weights loaded and laid out for that method, in eval mode."""
     method = select_linear_method(device, dtype, keep_gguf_blocks)
-    model = build_model(checkpoint.hf_config, backend, dtype, device, method)
+    model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype))
     model.load_weights(checkpoint.weights(KERNEL_TYPES if keep_gguf_blocks else frozenset()))
     process_weights_after_loading(model)
     return model.eval()

@@ -1,4 +1,5 @@
-"""The step profile's grouping: aten ops, oneDNN's prepacked GEMMs and kvserve's own attention kernels."""
+"""The step profile's grouping: aten ops, oneDNN's prepacked GEMMs and kvserve's own attention and fused-op
+kernels."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE, CpuPagedBackend
 from kvserve.bench.step_profile import OP_GROUPS, StepProfile, top_level_ops
+from kvserve.model.layers.activation import GatedMLP
+from kvserve.model.layers.cpu_fused_ops import FUSED_OPS_RANGE, CpuFusedOps
 from kvserve.model.layers.linear import linear_from_tensors
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod
 from tests.attention.test_cpu_paged import make_step
@@ -23,7 +26,9 @@ def test_each_kind_of_op_lands_in_its_group() -> None:
         backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=0.1)  # writes K/V, then the kernel
         logits.argmax(-1)
         torch.relu(logits)
+        CpuFusedOps().act_and_mul(GatedMLP(8, 128, "silu", bias=False), logits)
     names = {event.name for event in top_level_ops(prof.events())}
+    assert FUSED_OPS_RANGE in names and not any(FUSED_OPS_RANGE in group for group in OP_GROUPS.values())
     assert "mkldnn::_linear_pointwise" in names and "mkldnn::_linear_pointwise" in OP_GROUPS["GEMMs"]
     for kernel in (DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE):
         assert kernel in names and kernel in OP_GROUPS["attention + KV"]

@@ -14,14 +14,16 @@ from kvserve.attention.backend import AttentionBackend, AttentionInputs
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.model.base import CausalLM
-from kvserve.model.registry import build_model
+from kvserve.model.registry import build_model, select_fused_ops
 
 BLOCK_SIZE = 16
 
 
 def load_ours(directory: Path, backend: AttentionBackend) -> CausalLM:
-    """Our model for a checkpoint directory, in fp32 on CPU, read with nothing but safetensors."""
-    model = build_model(AutoConfig.from_pretrained(directory), backend, torch.float32, "cpu")
+    """Our model for a checkpoint directory, in fp32 on CPU (with the fused ops the engine selects for that), read
+    with nothing but safetensors."""
+    model = build_model(AutoConfig.from_pretrained(directory), backend, torch.float32, "cpu",
+                        fused_ops=select_fused_ops(torch.device("cpu"), torch.float32))
     model.load_weights(load_file(directory / "model.safetensors").items())
     return model.eval()
 

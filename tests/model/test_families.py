@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qw
 
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.model.checkpoint import ARCHITECTURES, randomize
-from kvserve.model.registry import build_model
+from kvserve.model.registry import build_model, select_fused_ops
 from tests.conftest import hf_greedy
 from tests.model.conftest import Family, PagedRunner, hf_logits, random_prompt
 
@@ -104,7 +104,8 @@ def test_config_variants_match_hf(variant: str) -> None:
     hf = AutoModelForCausalLM.from_config(config).float().eval()
     randomize(hf, seed=0)
     backend = TorchRefBackend()
-    ours = build_model(config, backend, torch.float32, "cpu")
+    fused_ops = select_fused_ops(torch.device("cpu"), torch.float32)  # the engine's, as the tiny families use
+    ours = build_model(config, backend, torch.float32, "cpu", fused_ops=fused_ops)
     ours.load_weights(hf.state_dict().items())
     prompt = random_prompt(config.vocab_size, 36, seed=9)
     runner = PagedRunner(ours, backend, num_seqs=1, max_len=64)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.linear import Linear, PackedLinear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -25,16 +26,15 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
-class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))`` with gate and up packed into one GEMM."""
+class GatedMLP(UsesFusedOps, nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up packed into one GEMM; ``activation`` is the config's name."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool) -> None:
         super().__init__()
         shards = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = PackedLinear(hidden_size, shards, bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
-        self.act = get_activation(activation)
+        self.activation, self.act = activation, get_activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.ops.act_and_mul(self, self.gate_up_proj(x)))

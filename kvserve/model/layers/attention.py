@@ -10,11 +10,11 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.storage import KVCacheStorage
+from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.linear import Linear, PackedLinear
-from kvserve.model.layers.rotary import apply_rotary
 
 
-class Attention(nn.Module):
+class Attention(UsesFusedOps, nn.Module):
     """Self-attention of one layer over the step's flat token batch.
 
     ``qk_norm`` builds the per-head norm that Qwen3 and Gemma 3 apply to q and k before RoPE (None: no norm).
@@ -54,15 +54,14 @@ class Attention(nn.Module):
         attn: AttentionMetadata,
         kv: KVCacheStorage,
     ) -> torch.Tensor:
-        num_tokens, num_heads = hidden.shape[0], self.num_heads
-        qkv = self.qkv_proj(hidden)
-        # q and k as one [T, heads + kv_heads, head_dim] view, so RoPE runs once for both
-        qk_size = (num_heads + self.num_kv_heads) * self.head_dim
-        qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
-        v = qkv[:, qk_size:].view(num_tokens, -1, self.head_dim)
+        num_tokens, num_heads, num_kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        qk = heads[:, : num_heads + num_kv_heads]  # q and k together, so RoPE runs once for both, in place
+        q, k, v = heads.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
         if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :num_heads]), self.k_norm(qk[:, num_heads:])), dim=1)
-        q, k = apply_rotary(qk, *rope).split((num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            q, k = qk.split((num_heads, num_kv_heads), dim=1)
+        self.ops.rotary_(qk, *rope)
         out = self.backend.forward(
             q, k, v, self.layer_idx, kv, attn, scale=self.scale, sliding_window=self.sliding_window
         )
