@@ -72,7 +72,8 @@ def library_path(source: Path) -> Path:
     except OSError as error:
         raise KernelBuildError(f"the kernel source {source} is missing: {error}") from error
     flags = compile_flags()
-    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), _cpu_id().encode()])).hexdigest()
+    headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]  # what it may include
+    key = hashlib.sha256(b"\0".join([text, *headers, " ".join(flags).encode(), _cpu_id().encode()])).hexdigest()
     path = Path(platformdirs.user_cache_dir("kvserve")) / "kernels" / f"{source.stem}-{key[:16]}.so"
     if not path.exists():
         _compile(source, path, flags)

@@ -52,11 +52,8 @@ typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
 typedef uint8_t byte_vec __attribute__((vector_size(VEC)));
 typedef int8_t signed_byte_vec __attribute__((vector_size(VEC)));
 
-/* How the cache stores values (kvserve/kv/quant.py, the reference): fp32 itself, or codes with 4 bytes of
- * parameters per group (a token's row of one KV head): int8 and fp8 (e4m3) codes times an fp32 scale; int4
- * codes times an fp16 scale plus an fp16 zero point, two a byte (byte i of a row: value i in the low nibble,
- * value i + head_dim / 2 in the high one). */
-enum { F32 = 0, INT8 = 1, FP8 = 2, INT4 = 3 };
+#include "kv_vectors.h"
+
 
 typedef struct {
     float *out;                  /* [num_seqs rows, num_kv_heads * group, head_dim], rows out_row_stride apart */
@@ -79,14 +76,6 @@ typedef struct {
     int block, offset, remaining;
 } KeyCursor;
 
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v); /* unaligned */
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
 static inline float horizontal_sum(vec v) {
     half_vec lo, hi;
     memcpy(&lo, &v, sizeof lo);
@@ -97,27 +86,6 @@ static inline float horizontal_sum(vec v) {
     memcpy(&h4, (const char *)&halves + sizeof l4, sizeof h4);
     const quarter_vec quarters = l4 + h4;
     return (quarters[0] + quarters[2]) + (quarters[1] + quarters[3]);
-}
-
-/* exp(x) for x <= 0 on a whole vector: 2^n * p(r) with |r| <= ln2 / 2, Cephes' polynomial; relative error about
- * 2e-7; exactly 0 below -87 (and for -inf), where the float result would be denormal. Written in GNU vector
- * arithmetic because GCC 12 left a scalar version (floorf) unvectorised; comparisons give all-ones lanes, which
- * select by bitwise and/or. */
-static inline vec exp_nonpositive_vec(vec x) {
-    const vec lowest = (vec){0} - 87.0f;
-    const ivec keep = x >= lowest; /* all ones where the result is not flushed to 0 (-inf included) */
-    x = (vec)((keep & (ivec)x) | (~keep & (ivec)lowest));
-    const ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec); /* round: x <= 0 */
-    const vec nf = __builtin_convertvector(n, vec);
-    const vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    vec p = (vec){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return (vec)((ivec)(p * (vec)((n + 127) << 23)) & keep);
 }
 
 /* Whether every block that keys start .. seq_len - 1 live in is inside the cache (a corrupt table must not
@@ -148,31 +116,6 @@ static inline __attribute__((always_inline)) float dot(const float *q, const flo
     }
     for (int i = d / VEC * VEC; i < d; i++) total += q[i] * k[i];
     return total;
-}
-
-/* VEC int8 or fp8 codes as floats. An e4m3 code is built from its bits, exactly: (8 + mantissa) * 2^(e - 10)
- * for exponent e > 0, mantissa * 2^-9 for e == 0 (no fp32 denormals, so no flush-to-zero can change it). */
-static inline vec codes_to_vec(const uint8_t *p, const int enc) {
-    if (enc == INT8) {
-        signed_byte_vec b;
-        memcpy(&b, p, sizeof b);
-        /* via int32: GCC 12 turns a direct int8 -> float conversion into scalar code */
-        return __builtin_convertvector(__builtin_convertvector(b, ivec), vec);
-    }
-    byte_vec b;
-    memcpy(&b, p, sizeof b);
-    const ivec x = __builtin_convertvector(b, ivec), e = (x >> 3) & 15, normal = e != 0; /* all ones */
-    const vec magnitude = __builtin_convertvector((x & 7) | (normal & 8), vec) * (vec)((e + normal + 118) << 23);
-    return (vec)((ivec)magnitude | ((x & 0x80) << 24));
-}
-
-static inline vec nibbles_to_vec(byte_vec b) { return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); }
-
-static inline float code_value(const uint8_t *p, int i, const int enc) {
-    if (enc == INT8) return (float)(int8_t)p[i];
-    const int x = p[i], e = (x >> 3) & 15;
-    const float magnitude = e ? ldexpf((float)(8 + (x & 7)), e - 10) : ldexpf((float)(x & 7), -9);
-    return x & 0x80 ? -magnitude : magnitude;
 }
 
 static inline byte_vec load_bytes(const uint8_t *p) {
@@ -309,11 +252,6 @@ static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *
         for (int h = 0; h < num_queries; h++)
             weighted_values(acc + h * d, scores + h * TILE, values + kv_offset[h], read_rows, num_keys, d);
     }
-}
-
-static inline vec max_vec(vec a, vec b) {
-    const ivec a_greater = a > b;
-    return (vec)((a_greater & (ivec)a) | (~a_greater & (ivec)b));
 }
 
 /* softmax_tile for scores laid out [key][query lane] (width lanes, a multiple of VEC; num_keys rows): the

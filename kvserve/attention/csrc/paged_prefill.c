@@ -43,8 +43,7 @@
  * the tile's inner products then read as they read an fp32 cache: a prefill is bound by FLOPs, and each row
  * dequantized serves every query row of the tile.
  *
- * The shared helpers (exp, loads, dequantization) repeat paged_decode.c's on purpose: kvserve.native builds and caches a kernel
- * keyed by its one source file's text, so an included header could change without a rebuild.
+ * The encodings and the vector helpers (loads, exp, code conversion) are paged_decode.c's, from kv_vectors.h.
  */
 #include <math.h>
 #include <stdint.h>
@@ -73,10 +72,8 @@ typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
 typedef uint8_t byte_vec __attribute__((vector_size(VEC)));
 typedef int8_t signed_byte_vec __attribute__((vector_size(VEC)));
 
-/* How the cache stores values (paged_decode.c's): fp32, or int8 / fp8 (e4m3) codes times an fp32 scale per
- * group (a token's row of one KV head), or int4 codes times an fp16 scale plus an fp16 zero point, two a byte
- * (byte i of a row: value i in the low nibble, value i + head_dim / 2 in the high one). */
-enum { F32 = 0, INT8 = 1, FP8 = 2, INT4 = 3 };
+#include "kv_vectors.h"
+
 
 typedef struct {
     float *out;                   /* [num_tokens, num_kv_heads * group, head_dim], rows out_row_stride apart */
@@ -100,62 +97,6 @@ typedef struct {
 typedef struct {
     int chunk, kv_head, first_query, num_queries;
 } Item;
-
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v); /* unaligned */
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
-static inline vec max_vec(vec a, vec b) {
-    const ivec a_greater = a > b;
-    return (vec)((a_greater & (ivec)a) | (~a_greater & (ivec)b));
-}
-
-/* exp(x) for x <= 0 on a whole vector (paged_decode.c's): 2^n * p(r), Cephes' polynomial, relative error about
- * 2e-7; exactly 0 below -87, for -inf and for NaN (-inf - -inf: a row none of whose keys so far is visible). */
-static inline vec exp_nonpositive_vec(vec x) {
-    const vec lowest = (vec){0} - 87.0f;
-    const ivec keep = x >= lowest;
-    x = (vec)((keep & (ivec)x) | (~keep & (ivec)lowest));
-    const ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec);
-    const vec nf = __builtin_convertvector(n, vec);
-    const vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    vec p = (vec){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return (vec)((ivec)(p * (vec)((n + 127) << 23)) & keep);
-}
-
-/* VEC int8 or fp8 codes as floats; an e4m3 code built exactly from its bits (paged_decode.c's). */
-static inline vec codes_to_vec(const uint8_t *p, const int enc) {
-    if (enc == INT8) {
-        signed_byte_vec b;
-        memcpy(&b, p, sizeof b);
-        /* via int32: GCC 12 turns a direct int8 -> float conversion into scalar code */
-        return __builtin_convertvector(__builtin_convertvector(b, ivec), vec);
-    }
-    byte_vec b;
-    memcpy(&b, p, sizeof b);
-    const ivec x = __builtin_convertvector(b, ivec), e = (x >> 3) & 15, normal = e != 0;
-    const vec magnitude = __builtin_convertvector((x & 7) | (normal & 8), vec) * (vec)((e + normal + 118) << 23);
-    return (vec)((ivec)magnitude | ((x & 0x80) << 24));
-}
-
-static inline vec nibbles_to_vec(byte_vec b) { return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); }
-
-static inline float code_value(const uint8_t *p, int i, const int enc) {
-    if (enc == INT8) return (float)(int8_t)p[i];
-    const int x = p[i], e = (x >> 3) & 15;
-    const float magnitude = e ? ldexpf((float)(8 + (x & 7)), e - 10) : ldexpf((float)(x & 7), -9);
-    return x & 0x80 ? -magnitude : magnitude;
-}
 
 /* The row of d values at value index row (a multiple of d), dequantized into out. */
 static inline __attribute__((always_inline)) void dequantize_row(const void *cache, const void *params,
