@@ -41,8 +41,10 @@ class InputProcessor:
             self.structured.compile(params.structured_outputs)
         return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids)))
 
-    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> dict[str, Any]:
-        """Render a conversation with the model's chat template into a token-id prompt."""
+    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+        """Render a conversation (and the tools it may call, as JSON schemas in OpenAI's shape) with the model's
+        chat template into a token-id prompt."""
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         for i, message in enumerate(messages):
@@ -51,7 +53,8 @@ class InputProcessor:
         if self.tokenizer.chat_template is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            list(messages), tools=list(tools) if tools else None, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
         # The template already holds the special tokens it wants (BOS included): don't add them twice.
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -98,7 +98,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = state.admit(body.model)
         try:
-            generation = ChatServer(engine, body, settings.model_name)
+            generation = ChatServer(engine, body, settings.model_name, settings.tool_call_parser)
         except ValueError as e:
             raise bad_request(e) from e
         return await _answer(request, generation, body.stream)

@@ -1,8 +1,10 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template -> an assistant reply."""
+"""POST /v1/chat/completions: messages (and tools) rendered with the model's chat template -> an assistant
+reply: content, or tool calls read out of the output by ``tools``' parser."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator
+import dataclasses
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import jinja2
 
@@ -17,8 +19,12 @@ from kvserve.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -33,21 +39,31 @@ from kvserve.server.streaming import (
     token_text,
     top_entries,
 )
+from kvserve.server.tool_parsers import NamedToolCallParser, ParsedDelta, ToolCallDelta, ToolCallParser, parse_tool_calls
+from kvserve.server.tools import for_template, needs_special_tokens, output_parser, tool_call_format
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
 
 
-async def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool) -> dict:
-    """The conversation as a token-id prompt, rendered on the engine thread (which owns the tokenizer);
-    a template that rejects the conversation (e.g. roles that do not alternate) is a 400."""
-    conversation = [m.template_dict() for m in messages]
+async def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool,
+                      tools: list[dict[str, Any]] | None = None) -> dict:
+    """The conversation (and tools) as a token-id prompt, rendered on the engine thread (which owns the
+    tokenizer); a template that rejects the conversation (e.g. roles that do not alternate) is a 400."""
     try:
+        conversation, template_tools = for_template(
+            [m.template_dict() for m in messages], tools, _chat_template(engine.engine.tokenizer)
+        )
         return await engine.call(
-            lambda e: e.input_processor.apply_chat_template(conversation, add_generation_prompt)
+            lambda e: e.input_processor.apply_chat_template(conversation, add_generation_prompt, template_tools)
         )
     except (ValueError, jinja2.TemplateError) as e:
         raise bad_request(ValueError(f"messages: {e}"), param="messages") from e
+
+
+def _chat_template(tokenizer: Any) -> str | None:
+    template = tokenizer.chat_template
+    return template if isinstance(template, str) else None
 
 
 class ChatServer(GenerationHandler):
@@ -56,20 +72,28 @@ class ChatServer(GenerationHandler):
     id_prefix = "chatcmpl"
     body: ChatCompletionRequest
 
+    def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest, model_name: str,
+                 tool_call_parser: str = "auto") -> None:
+        super().__init__(engine, body, model_name)
+        self.tool_choice = body.effective_tool_choice
+        self.tool_format = tool_call_format(tool_call_parser, _chat_template(self.tokenizer))
+        if self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer.all_special_tokens):
+            self.params = dataclasses.replace(self.params, skip_special_tokens=False)
+        self._parsers: dict[int, ToolCallParser | NamedToolCallParser | None] = {}
+
     async def start(self) -> AsyncIterator[list[RequestOutput]]:
         """Render and queue the conversation (raising APIError 400 for bad input); return the output stream."""
-        prompt = await render_chat(self.engine, self.body.messages, self.body.add_generation_prompt)
+        body = self.body
+        prompt = await render_chat(self.engine, body.messages, body.add_generation_prompt, body.tool_dicts)
         return await start_generation(self.engine, [prompt], self.params, self.request_id)
 
     async def respond(self, stream: AsyncIterator[list[RequestOutput]]) -> ChatCompletionResponse:
         (out,) = await last_item(stream)
-        choices = [
-            ChatChoice(
-                index=s.index, message=AssistantMessage(content=s.text), finish_reason=str(s.finish_reason),
-                stop_reason=s.stop_reason, logprobs=self._logprobs(s.token_ids, s.logprobs),
-            )
-            for s in out.outputs
-        ]
+        choices = []
+        for s in out.outputs:
+            message, finish_reason = self._message(s.text, str(s.finish_reason))
+            choices.append(ChatChoice(index=s.index, message=message, finish_reason=finish_reason,
+                                      stop_reason=s.stop_reason, logprobs=self._logprobs(s.token_ids, s.logprobs)))
         return ChatCompletionResponse(
             id=self.request_id, model=self.model_name, choices=choices, usage=Usage.of(*num_tokens_used([out]))
         )
@@ -86,14 +110,48 @@ class ChatServer(GenerationHandler):
         outputs: list[RequestOutput] = []
         async for outputs in stream:
             for index, delta in cursor.advance(outputs):
+                message, finish_reason = self._delta(index, delta.text, delta.finish_reason)
                 choice = ChatChunkChoice(
-                    index=index, delta=DeltaMessage(content=delta.text), finish_reason=delta.finish_reason,
+                    index=index, delta=message, finish_reason=finish_reason,
                     stop_reason=delta.stop_reason, logprobs=self._logprobs(delta.token_ids, delta.logprobs),
                 )
                 yield sse(self._chunk([choice]), exclude)
         if self.body.include_usage:
             yield sse(self._chunk([], Usage.of(*num_tokens_used(outputs))))
         yield SSE_DONE
+
+    def _new_parser(self) -> ToolCallParser | NamedToolCallParser | None:
+        """A parser for one sample's output; None when the output is only content."""
+        return output_parser(self.tool_choice, self.body.parallel_tool_calls, self.tool_format)
+
+    def _parser(self, index: int) -> ToolCallParser | NamedToolCallParser | None:
+        if index not in self._parsers:
+            self._parsers[index] = self._new_parser()
+        return self._parsers[index]
+
+    def _message(self, text: str, finish_reason: str) -> tuple[AssistantMessage, str]:
+        """A whole sample's message: its content, or its tool calls and what content they leave."""
+        parser = self._new_parser()
+        if parser is None:
+            return AssistantMessage(content=text), finish_reason
+        content, calls = parse_tool_calls(parser, text)
+        if not calls:
+            return AssistantMessage(content=content), finish_reason
+        tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+        return AssistantMessage(content=content.strip() or None, tool_calls=tool_calls), _calls_finish(finish_reason)
+
+    def _delta(self, index: int, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+        """A streamed piece of choice ``index``: content, pieces of calls, and the finish reason with the last."""
+        parser = self._parser(index)
+        if parser is None:
+            return DeltaMessage(content=text), finish_reason
+        parsed = parser.feed(text)
+        if finish_reason is not None:
+            parsed.extend(parser.finish())
+            if parser.num_calls:
+                finish_reason = _calls_finish(finish_reason)
+        tool_calls = [_delta_call(d) for d in _merged(parsed)] or None
+        return DeltaMessage(content=parsed.content or None, tool_calls=tool_calls), finish_reason
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, model=self.model_name, choices=choices, usage=usage)
@@ -112,3 +170,26 @@ class ChatServer(GenerationHandler):
     def _top(self, token_id: int, position: PositionLogprobs) -> TopLogprob:
         token = token_text(token_id, position[token_id], self.tokenizer)
         return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=list(token.encode("utf-8")))
+
+
+def _calls_finish(finish_reason: str) -> str:
+    """A sample that ended by itself after calling tools finished for its calls (one cut by max_tokens did not)."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def _merged(parsed: ParsedDelta) -> list[ToolCallDelta]:
+    """Consecutive pieces of one call joined, so a chunk names each call once."""
+    out: list[ToolCallDelta] = []
+    for piece in parsed.tool_calls:
+        if out and out[-1].index == piece.index and piece.id is None:
+            out[-1] = dataclasses.replace(out[-1], arguments=out[-1].arguments + piece.arguments)
+        else:
+            out.append(piece)
+    return out
+
+
+def _delta_call(piece: ToolCallDelta) -> DeltaToolCall:
+    if piece.id is None:
+        return DeltaToolCall(index=piece.index, function=DeltaFunctionCall(arguments=piece.arguments))
+    return DeltaToolCall(index=piece.index, id=piece.id, type="function",
+                         function=DeltaFunctionCall(name=piece.name, arguments=piece.arguments))

@@ -30,6 +30,7 @@ from kvserve.engine_args import EngineArgs
 from kvserve.router.launch import add_policy_argument
 from kvserve.server.app import build_app
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
+from kvserve.server.tools import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("kvserve.server")
 
@@ -52,6 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies are answered 413")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                        help="the format of the model's own tool calls, read under tool_choice auto (auto: the one "
+                             "the chat template uses; hermes where the template takes no tools)")
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="replicas to start, each its own process on the ports after --port, behind a router "
                              "on --port (kvserve.router)")
@@ -72,6 +76,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

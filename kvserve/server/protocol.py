@@ -1,19 +1,24 @@
 """The OpenAI-compatible request and response bodies (pydantic), and their mapping to SamplingParams.
 
 Ranges are checked once, by ``SamplingParams`` (its ValueError becomes a 400); the models here check shapes
-and types only. Unknown fields are ignored, as OpenAI's and vLLM's servers do.
+and types only. Unknown fields are ignored, as OpenAI's and vLLM's servers do, and logged once by name.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.server.tools import tool_constraint
 
 MAX_LOGIT_BIAS = 100.0
+logger = logging.getLogger(__name__)
+_LOGGED_UNKNOWN_FIELDS: set[str] = set()
 
 
 def _check_utf8(text: str) -> str:
@@ -30,7 +35,22 @@ TokenIds = list[StrictInt]
 
 
 class _Body(BaseModel):
+    """Unknown fields are ignored, as OpenAI's and vLLM's servers do, and logged once each: a misspelt field
+    shows in the log instead of silently doing nothing."""
+
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            for key in sorted(data.keys() - known):
+                name = f"{cls.__name__}.{key}"
+                if name not in _LOGGED_UNKNOWN_FIELDS:
+                    _LOGGED_UNKNOWN_FIELDS.add(name)
+                    logger.warning("ignoring the unknown field %r of %s (logged once)", key, cls.__name__)
+        return data
 
 
 class StreamOptions(_Body):
@@ -96,8 +116,6 @@ class SamplingRequest(_Body):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     # OpenAI fields kvserve does not implement: refused by name rather than ignored
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -115,19 +133,25 @@ class SamplingRequest(_Body):
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self) -> SamplingRequest:
         unsupported = {
-            "tools": self.tools, "functions": self.functions, "function_call": self.function_call,
+            "functions": self.functions, "function_call": self.function_call,
             "audio": self.audio, "prediction": self.prediction, "web_search_options": self.web_search_options,
             "reasoning_effort": self.reasoning_effort,
-            "tool_choice": None if self.tool_choice in (None, "none") else self.tool_choice,
             "modalities": None if self.modalities in (None, ["text"]) else self.modalities,
         }
         for name, value in unsupported.items():
             if value is not None:
-                raise ValueError(f"{name} is not supported by kvserve yet")
+                hint = " (OpenAI deprecated it: use tools)" if name.startswith("function") else ""
+                raise ValueError(f"{name} is not supported by kvserve yet{hint}")
         return self
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint the request asks for, from whichever field names it; ValueError for several."""
+        given = self._constraints()
+        if len(given) > 1:
+            raise ValueError(f"give one constraint, not several: {', '.join(given)}")
+        return next(iter(given.values()), None)
+
+    def _constraints(self) -> dict[str, StructuredOutputsParams]:
         given: dict[str, StructuredOutputsParams] = {}
         if self.response_format is not None and self.response_format.type != "text":
             given["response_format"] = self.response_format.params()
@@ -140,9 +164,7 @@ class SamplingRequest(_Body):
                 given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
             except TypeError as error:
                 raise ValueError(f"structured_outputs: {error}") from None
-        if len(given) > 1:
-            raise ValueError(f"give one constraint, not several: {', '.join(given)}")
-        return next(iter(given.values()), None)
+        return given
 
     @property
     def include_usage(self) -> bool:
@@ -200,11 +222,16 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = None
     echo: bool = False
     suffix: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
+        for name in ("tools", "tool_choice"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is only supported on /v1/chat/completions")
         if self.prompt == [] or any(p == [] or p == "" for p in self.prompts):
             raise ValueError("prompt must not be empty")
         return self
@@ -277,20 +304,81 @@ class TextContentPart(_Body):
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Role
     content: Text | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template expects it: text parts joined, like vLLM, with newlines."""
+        """The message as the chat template expects it: text parts joined, like vLLM, with newlines; a call's
+        arguments as a dict, as transformers' templates take them."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"tool call arguments are not JSON: {text[:80]!r}") from None
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # kvserve enforces every schema it is given
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -300,12 +388,41 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # OpenAI's default: auto with tools, none without
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is "
+                                 f"not among the tools ({', '.join(names)})")
         return self
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the constraint take them."""
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+    def _constraints(self) -> dict[str, StructuredOutputsParams]:
+        given = super()._constraints()
+        if self.tools:
+            constraint = tool_constraint(self.tool_dicts or [], self.effective_tool_choice, self.parallel_tool_calls)
+            if constraint is not None:
+                given["tool_choice"] = constraint
+        return given
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -329,7 +446,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -349,9 +467,30 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: ``id``, ``type`` and the function's name come once, in its first piece."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        data["function"] = {k: v for k, v in data["function"].items() if v is not None}
+        return {k: v for k, v in data.items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -26,6 +26,7 @@ class ServerSettings:
     max_waiting: int | None = None  # None: no limit on the waiting queue
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
+    tool_call_parser: str = "auto"  # the format of the model's own tool calls (``tools.TOOL_CALL_PARSERS``)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

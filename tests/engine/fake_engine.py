@@ -16,6 +16,9 @@ from kvserve.sampling_params import SamplingParams
 
 
 class ByteTokenizer:
+    chat_template = None  # the fake renders chats itself
+    all_special_tokens: list[str] = []
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
@@ -29,7 +32,8 @@ class FakeInputProcessor:
     def __init__(self, tokenizer: ByteTokenizer) -> None:
         self.tokenizer = tokenizer
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> dict:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> dict:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" * add_generation_prompt)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 

@@ -1,6 +1,6 @@
 """Structured output over HTTP with the official SDK: response_format (json_schema through ``parse``,
 json_object), vLLM's guided_* extras, 400 for a constraint that does not compile, and 400 naming each OpenAI
-field kvserve does not implement."""
+field kvserve does not implement (tools: test_tool_calls.py)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,7 @@ def test_streamed_structured_output_equals_the_unstreamed_one(client: openai.Ope
     ({"guided_json": {"type": "object", "properties": {"a": {"type": "nope"}}}}, "JSON schema does not compile"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "one constraint"),
     ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is not supported"),
-    ({"tool_choice": "required"}, "tool_choice is not supported"),
+    ({"function_call": "auto"}, "function_call is not supported"),
     ({"audio": {"voice": "alloy"}}, "audio is not supported"),
     ({"modalities": ["text", "audio"]}, "modalities is not supported"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction is not supported"),

@@ -1,0 +1,399 @@
+"""Tool calls read out of a model's text as it streams: Hermes / Qwen ``<tool_call>{...}</tool_call>``, Llama 3's
+bare JSON (``{"name": ..., "parameters": {...}}``, after ``<|python_tag|>`` or at the start of the output),
+Mistral's ``[TOOL_CALLS][{...}, ...]``, and the JSON array that ``tool_choice: required`` constrains the
+output to.
+
+One parser serves both the streamed and the whole answer: ``feed`` takes each new piece of text and returns
+what can be said of it now (content, a call's id and name, pieces of its arguments), ``finish`` flushes what
+was held back. The whole answer is the same deltas folded, so streaming and non-streaming always give the
+same calls. The parser walks each call's JSON object one character at a time (strings and escapes included),
+so a call ends where its object closes: braces or a literal ``</tool_call>`` inside an argument string end
+nothing. A call's ``arguments`` are the raw JSON text of its arguments object as the model wrote it, streamed
+as it grows; text that only might start a marker (``<tool_`` at the end of a delta) waits for the next delta.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes and Mistral write "arguments", Llama 3 "parameters"
+_SEPARATORS = " \t\r\n[],;"  # what may stand between the calls of one run: arrays, commas, Llama's "; "
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model writes its tool calls."""
+
+    name: str
+    markers: tuple[str, ...]  # text that opens a run of calls
+    end_marker: str | None = None  # text that may close one call (Hermes)
+    markers_anywhere: bool = True  # False: calls open only at the start of the output (Llama 3)
+    bare_json_start: bool = False  # a "{" or "[" at the start of the output opens calls
+
+
+FORMATS = {
+    "hermes": ToolCallFormat("hermes", ("<tool_call>",), end_marker="</tool_call>"),
+    "llama3_json": ToolCallFormat("llama3_json", ("<|python_tag|>",), markers_anywhere=False, bare_json_start=True),
+    "mistral": ToolCallFormat("mistral", ("[TOOL_CALLS]",)),
+}
+# What ``tool_choice: required`` constrains the output to: a JSON array of {"name", "parameters"} objects.
+REQUIRED_FORMAT = ToolCallFormat("required", (), markers_anywhere=False, bare_json_start=True)
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of call ``index``: its id and name once (the first delta of the call), then argument text."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ParsedDelta:
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def extend(self, other: ParsedDelta) -> None:
+        self.content += other.content
+        self.tool_calls.extend(other.tool_calls)
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def fold(deltas: ParsedDelta) -> tuple[str, list[ToolCall]]:
+    """The content and the calls that a run of deltas adds up to."""
+    calls: dict[int, ToolCall] = {}
+    for delta in deltas.tool_calls:
+        if delta.index not in calls:
+            calls[delta.index] = ToolCall(delta.id or new_call_id(), delta.name or "", "")
+        calls[delta.index].arguments += delta.arguments
+    return deltas.content, [calls[i] for i in sorted(calls)]
+
+
+class _ObjectScan:
+    """Walks one JSON object in ``text`` from ``start``, a character at a time across calls, and records where
+    each top-level member's value lies. It checks structure only; the finished object is parsed by json."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.pos = start
+        self.end: int | None = None  # one past the closing brace, once seen
+        self.members: dict[str, list[int | None]] = {}  # key -> [value start, value end or None]
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+        self._expect = "key"  # at depth 1: key, colon, value, scalar (a number or literal in progress), comma
+        self._token_start = 0
+        self._key: str | None = None
+
+    def advance(self, text: str) -> None:
+        while self.end is None and self.pos < len(text):
+            self._step(text, self.pos)
+            self.pos += 1
+
+    def _step(self, text: str, i: int) -> None:
+        c = text[i]
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif c == "\\":
+                self._escape = True
+            elif c == '"':
+                self._in_string = False
+                if self._depth == 1:
+                    self._string_closed(text, i)
+            return
+        if c == '"':
+            self._in_string = True
+            if self._depth == 1 and self._expect in ("key", "value"):
+                self._token_start = i
+        elif c in "{[":
+            self._depth += 1
+            if self._depth == 2 and self._expect == "value":
+                self._open_value(i)
+        elif c in "}]":
+            if self._depth == 1 and self._expect == "scalar":
+                self._close_value(i)
+            self._depth -= 1
+            if self._depth == 1:
+                self._close_value(i + 1)
+            elif self._depth == 0:
+                self.end = i + 1
+        elif self._depth == 1:
+            self._structural(c, i)
+
+    def _structural(self, c: str, i: int) -> None:
+        if c == ":" and self._expect == "colon":
+            self._expect = "value"
+        elif c == ",":
+            if self._expect == "scalar":
+                self._close_value(i)
+            self._expect = "key"
+        elif not c.isspace() and self._expect == "value":  # a number, true, false or null begins
+            self._open_value(i)
+            self._expect = "scalar"
+
+    def _string_closed(self, text: str, i: int) -> None:
+        if self._expect == "key":
+            try:
+                self._key = json.loads(text[self._token_start:i + 1])
+            except json.JSONDecodeError:
+                self._key = None
+            self._expect = "colon"
+        elif self._expect == "value":
+            self._open_value(self._token_start)
+            self._close_value(i + 1)
+
+    def _open_value(self, i: int) -> None:
+        if self._key is not None:
+            self.members[self._key] = [i, None]
+
+    def _close_value(self, i: int) -> None:
+        span = self.members.get(self._key) if self._key is not None else None
+        if span is not None and span[1] is None:
+            span[1] = i
+        self._key = None
+        self._expect = "comma"
+
+    def span(self, keys: tuple[str, ...]) -> list[int | None] | None:
+        return next((self.members[k] for k in keys if k in self.members), None)
+
+
+class ToolCallParser:
+    """Splits a model's output into content and tool calls of one ``ToolCallFormat``, incrementally.
+    ``max_calls`` (1 when ``parallel_tool_calls`` is false) drops the calls after it."""
+
+    def __init__(self, fmt: ToolCallFormat, max_calls: int | None = None) -> None:
+        self.fmt = fmt
+        self.max_calls = max_calls
+        self._text = ""
+        self._pos = 0  # everything before it has been said (or is held in a call)
+        self._state = "start" if fmt.bare_json_start or not fmt.markers_anywhere else "content"
+        self._run_start = 0  # where the current run of calls began (its marker), while no call of it finished
+        self._run_has_call = False
+        self._scan: _ObjectScan | None = None
+        self._num_calls = 0
+        self._named = False  # the current call's id and name were said
+        self._args_sent = 0
+        self._handlers = {"start": self._in_start, "text": self._in_text, "content": self._in_content,
+                          "calls": self._in_calls, "object": self._in_object}
+
+    @property
+    def num_calls(self) -> int:
+        return self._num_calls + self._named
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._text += text
+        out = ParsedDelta()
+        while self._pos < len(self._text):
+            before = (self._pos, self._state)
+            self._handlers[self._state](out)
+            if (self._pos, self._state) == before:  # waiting for more text
+                break
+        return out
+
+    def finish(self) -> ParsedDelta:
+        """The end of the output: held-back text is content; a call cut short keeps what was said of it."""
+        out = ParsedDelta()
+        if self._state == "object" and self._named:
+            return out
+        if self._state in ("object", "calls") and not self._run_has_call:
+            out.content += self._text[self._run_start:]
+        elif self._state in ("content", "start"):
+            out.content += self._text[self._pos:]
+        self._pos = len(self._text)
+        return out
+
+    # ---- states: start (nothing but whitespace yet), content, calls (between objects of a run), object ----
+
+    def _in_start(self, out: ParsedDelta) -> None:
+        rest = self._text[self._pos:].lstrip()
+        if not rest:
+            return
+        if self.fmt.bare_json_start and rest[0] in "{[":
+            self._open_run(out, len(self._text) - len(rest), 0)
+            return
+        marker = self._marker_at(rest)
+        if marker is None and any(m.startswith(rest) for m in self.fmt.markers):
+            return  # a marker may be coming
+        if marker is not None:
+            self._open_run(out, len(self._text) - len(rest), len(marker))
+        elif self.fmt.markers_anywhere:
+            self._state = "content"
+        else:
+            self._state = "text"  # Llama 3: no calls after the start; the rest is content
+
+    def _in_text(self, out: ParsedDelta) -> None:
+        out.content += self._text[self._pos:]
+        self._pos = len(self._text)
+
+    def _in_content(self, out: ParsedDelta) -> None:
+        found = [(i, m) for m in self.fmt.markers if (i := self._text.find(m, self._pos)) >= 0]
+        if found:
+            i, marker = min(found)
+            out.content += self._text[self._pos:i]
+            self._open_run(out, i, len(marker))
+            return
+        keep = max((_partial_suffix(self._text, m) for m in self.fmt.markers), default=0)
+        end = len(self._text) - keep
+        out.content += self._text[self._pos:end]
+        self._pos = end
+
+    def _in_calls(self, out: ParsedDelta) -> None:
+        text, i = self._text, self._pos
+        while i < len(text) and text[i] in _SEPARATORS:
+            i += 1
+        self._pos = i
+        if i == len(text):
+            return
+        end_marker = self.fmt.end_marker
+        if end_marker is not None and text.startswith(end_marker, i):
+            self._pos = i + len(end_marker)
+            self._close_run()
+        elif end_marker is not None and end_marker.startswith(text[i:]):
+            return  # the end marker may be coming
+        elif text[i] == "{":
+            self._scan = _ObjectScan(i)
+            self._state = "object"
+        elif not self._run_has_call:  # the marker opened no call after all: it was content
+            out.content += text[self._run_start:i]
+            self._close_run()
+        else:
+            self._close_run()
+
+    def _in_object(self, out: ParsedDelta) -> None:
+        scan = self._scan
+        assert scan is not None
+        scan.advance(self._text)
+        self._pos = scan.pos
+        if self._keeps_call():
+            self._say_call(scan, out)
+        if scan.end is not None:
+            self._end_call(scan, out)
+
+    # ---- calls ----
+
+    def _open_run(self, out: ParsedDelta, start: int, marker_length: int) -> None:
+        self._run_start = start
+        self._run_has_call = False
+        self._pos = start + marker_length
+        self._state = "calls"
+
+    def _close_run(self) -> None:
+        self._state = "content" if self.fmt.markers_anywhere else "text"
+
+    def _keeps_call(self) -> bool:
+        return self.max_calls is None or self._num_calls < self.max_calls
+
+    def _say_call(self, scan: _ObjectScan, out: ParsedDelta) -> None:
+        if not self._named:
+            name = _string_member(self._text, scan, ("name",))
+            if name is None:
+                return
+            out.tool_calls.append(ToolCallDelta(self._num_calls, new_call_id(), name))
+            self._named = True
+        span = scan.span(ARGUMENT_KEYS)
+        if span is not None:
+            start, end = span
+            assert start is not None
+            available = (end if end is not None else scan.pos) - start  # an unclosed value is all arguments
+            if available > self._args_sent:
+                piece = self._text[start + self._args_sent:start + available]
+                out.tool_calls.append(ToolCallDelta(self._num_calls, arguments=piece))
+                self._args_sent = available
+
+    def _end_call(self, scan: _ObjectScan, out: ParsedDelta) -> None:
+        assert scan.end is not None
+        valid = _is_call(self._text[scan.start:scan.end])
+        if self._named:
+            if self._args_sent == 0:
+                out.tool_calls.append(ToolCallDelta(self._num_calls, arguments="{}"))
+            self._num_calls += 1
+            self._run_has_call = True
+        elif valid and not self._keeps_call():
+            self._run_has_call = True  # a call past max_calls: dropped
+        elif not valid and not self._run_has_call:
+            out.content += self._text[self._run_start:scan.end]
+            self._close_run()
+        self._scan = None
+        self._named = False
+        self._args_sent = 0
+        if self._state == "object":
+            self._state = "calls"
+
+    def _marker_at(self, text: str) -> str | None:
+        return next((m for m in self.fmt.markers if text.startswith(m)), None)
+
+
+class NamedToolCallParser:
+    """``tool_choice`` naming a function: the whole output, constrained to its parameters' schema, is the
+    arguments of one call."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._started = False
+
+    @property
+    def num_calls(self) -> int:
+        return int(self._started)
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if not self._started:
+            out.tool_calls.append(ToolCallDelta(0, new_call_id(), self.name))
+            self._started = True
+        if text:
+            out.tool_calls.append(ToolCallDelta(0, arguments=text))
+        return out
+
+    def finish(self) -> ParsedDelta:
+        return self.feed("")
+
+
+def parse_tool_calls(parser: ToolCallParser | NamedToolCallParser, text: str) -> tuple[str, list[ToolCall]]:
+    """A whole output's content and calls (the same deltas a stream of it gives, folded)."""
+    deltas = parser.feed(text)
+    deltas.extend(parser.finish())
+    return fold(deltas)
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker`` (and is shorter than it)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _string_member(text: str, scan: _ObjectScan, keys: tuple[str, ...]) -> str | None:
+    span = scan.span(keys)
+    if span is None or span[1] is None:
+        return None
+    assert span[0] is not None
+    try:
+        value: Any = json.loads(text[span[0]:span[1]])
+    except json.JSONDecodeError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _is_call(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(value, dict) and isinstance(value.get("name"), str)

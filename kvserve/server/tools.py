@@ -1,0 +1,134 @@
+"""Tools in chat requests: what ``tool_choice`` does to a request, and how tool conversations reach a chat
+template.
+
+- ``required`` and a named function are enforced by a grammar: the output is constrained to a JSON array of
+  ``{"name", "parameters"}`` calls of the given functions (one at most without ``parallel_tool_calls``), or to
+  the named function's parameters object; ``auto`` lets the model write its own call format, which a
+  ``tool_parsers`` parser reads out of the text (``--tool-call-parser``, or the format the chat template
+  names). ``none`` shows the tools to the template and reads nothing.
+- Templates that take ``tools`` get them as transformers passes them (``--tool-call-parser`` or the
+  template's own markers say which format to read). A template that knows no tools (the
+  default SmolLM2's among them) still gets a working tool conversation: the tools are described in the
+  system message in the Hermes format (which the parser then reads), earlier calls are written into the
+  assistant's text as ``<tool_call>`` blocks and tool results go back as ``<tool_response>`` blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.server.tool_parsers import (
+    FORMATS,
+    REQUIRED_FORMAT,
+    NamedToolCallParser,
+    ToolCallFormat,
+    ToolCallParser,
+)
+
+TOOL_CALL_PARSERS = ("auto", *FORMATS)
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def tool_constraint(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any],
+                    parallel_tool_calls: bool) -> StructuredOutputsParams | None:
+    """The grammar ``tool_choice`` puts on the output (None for ``auto`` and ``none``). ``tools`` are OpenAI's
+    ``{"type": "function", "function": {...}}`` dicts."""
+    if isinstance(tool_choice, dict):
+        function = _function(tools, tool_choice["function"]["name"])
+        return StructuredOutputsParams(json=function.get("parameters") or _ANY_OBJECT)
+    if tool_choice != "required":
+        return None
+    calls = [
+        {"type": "object",
+         "properties": {"name": {"const": t["function"]["name"]},
+                        "parameters": t["function"].get("parameters") or _ANY_OBJECT},
+         "required": ["name", "parameters"]}
+        for t in tools
+    ]
+    array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if not parallel_tool_calls:
+        array["maxItems"] = 1
+    return StructuredOutputsParams(json=array)
+
+
+def tool_call_format(parser: str, chat_template: str | None) -> ToolCallFormat:
+    """The format the model writes calls in: Hermes for a template that takes no tools (kvserve describes them
+    in that format), else the one ``--tool-call-parser`` names; ``auto`` reads it off the template's own
+    markers, and falls back to Hermes, the most common."""
+    if not takes_tools(chat_template):
+        return FORMATS["hermes"]
+    if parser != "auto":
+        return FORMATS[parser]
+    assert chat_template is not None
+    return next((fmt for fmt in FORMATS.values() if any(m in chat_template for m in fmt.markers)), FORMATS["hermes"])
+
+
+def output_parser(tool_choice: str | dict[str, Any], parallel_tool_calls: bool,
+                  fmt: ToolCallFormat) -> ToolCallParser | NamedToolCallParser | None:
+    """A fresh parser for one sample's output, or None when the output is plain content."""
+    if isinstance(tool_choice, dict):
+        return NamedToolCallParser(tool_choice["function"]["name"])
+    max_calls = None if parallel_tool_calls else 1
+    if tool_choice == "required":
+        return ToolCallParser(REQUIRED_FORMAT, max_calls)
+    return ToolCallParser(fmt, max_calls) if tool_choice == "auto" else None
+
+
+def needs_special_tokens(fmt: ToolCallFormat, special_tokens: Sequence[str]) -> bool:
+    """Whether the format's markers are special tokens, which the detokenizer would otherwise drop."""
+    return any(marker in special_tokens for marker in fmt.markers)
+
+
+def takes_tools(chat_template: str | None) -> bool:
+    return chat_template is not None and "tools" in chat_template
+
+
+def for_template(conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                 chat_template: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The conversation and the tools to render: unchanged for a template that takes tools; for one that
+    does not, calls and results as Hermes blocks in the text (a result speaks as the user, which every
+    template takes) and the tools described in the system message."""
+    if takes_tools(chat_template):
+        return conversation, list(tools) if tools else None
+    conversation = [_with_calls_in_text(m) for m in conversation]
+    return (_describe_tools(conversation, tools) if tools else conversation), None
+
+
+def _describe_tools(conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    preamble = (
+        "You can call functions to answer. Their signatures, one JSON object a line:\n<tools>\n"
+        f"{lines}\n</tools>\n"
+        "To call one, reply with a JSON object naming it and giving its arguments, inside a <tool_call> block:\n"
+        '<tool_call>\n{"name": "function name", "arguments": {"argument": "value"}}\n</tool_call>'
+    )
+    out = list(conversation)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{preamble}"}
+    else:
+        out.insert(0, {"role": "system", "content": preamble})
+    return out
+
+
+def _with_calls_in_text(message: dict[str, Any]) -> dict[str, Any]:
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    blocks = [
+        "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                     ensure_ascii=False) + "\n</tool_call>"
+        for c in calls
+    ]
+    text = "\n".join(([message["content"]] if message["content"] else []) + blocks)
+    return {key: value for key, value in message.items() if key != "tool_calls"} | {"content": text}
+
+
+def _function(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            return tool["function"]
+    raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")

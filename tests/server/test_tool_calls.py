@@ -1,0 +1,183 @@
+"""Tool calling against a real ``kvserve serve``: the openai SDK and LangChain, every tool_choice, streamed and
+whole, a full round trip through the chat template, and 400s naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator, Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.server.conftest import MODEL_NAME, ServerProcess
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+# Under tool_choice auto the model writes its own calls; this regex makes the tiny random model write a Hermes
+# call (with content before it) so the server's parser has something to read.
+HERMES_CALL = r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "unit": "C"\}\}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A server over the small checkpoint: its 2,048-token context has room for the tools' description."""
+    from kvserve.model.checkpoint import make_checkpoint
+
+    checkpoint = make_checkpoint(tmp_path_factory.mktemp("tool-ckpt") / "llama", "llama", "small", seed=0)
+    server = ServerProcess([str(checkpoint), "--served-model-name", MODEL_NAME, "--num-kv-blocks", "512",
+                            "--device", "cpu"], tmp_path_factory.mktemp("tool-logs"))
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_server: ServerProcess) -> openai.OpenAI:
+    return tool_server.openai()
+
+
+def create(client: openai.OpenAI, **kwargs: Any):
+    kwargs = {"messages": MESSAGES, "temperature": 0, "max_tokens": 120, **kwargs}
+    return client.chat.completions.create(model=MODEL_NAME, **kwargs)
+
+
+def assert_valid_calls(calls: list, allowed: set[str]) -> list[tuple[str, dict]]:
+    parsed = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    for name, arguments in parsed:
+        assert name in allowed
+        jsonschema.validate(arguments, SCHEMAS[name])
+    assert len({c.id for c in calls}) == len(calls) and all(c.type == "function" for c in calls)
+    return parsed
+
+
+def streamed_calls(client: openai.OpenAI, **kwargs: Any) -> tuple[str, list[tuple[str, str]], str]:
+    """Content, (name, arguments) per call and the finish reason, reassembled from the stream's deltas."""
+    content, calls, finish = "", {}, None
+    for chunk in create(client, stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or []:
+                call = calls.setdefault(piece.index, {"name": "", "arguments": ""})
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_returns_valid_calls_of_the_given_tools(tool_client: openai.OpenAI, parallel: bool) -> None:
+    reply = create(tool_client, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel, max_tokens=400)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = assert_valid_calls(choice.message.tool_calls, {"get_weather", "get_time"})
+    assert len(calls) >= 1 and (parallel or len(calls) == 1)
+
+
+def test_a_named_function_is_called_with_valid_arguments(tool_client: openai.OpenAI) -> None:
+    reply = create(tool_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = assert_valid_calls(reply.choices[0].message.tool_calls, {"get_time"})
+    assert len(calls) == 1 and reply.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_calls_equal_the_whole_ones(tool_client: openai.OpenAI, tool_choice) -> None:
+    whole = create(tool_client, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False).choices[0]
+    content, calls, finish = streamed_calls(tool_client, tools=TOOLS, tool_choice=tool_choice,
+                                            parallel_tool_calls=False)
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert finish == whole.finish_reason == "tool_calls" and content == ""
+
+
+def test_auto_reads_the_models_own_calls_streamed_and_whole(tool_client: openai.OpenAI) -> None:
+    extra = {"guided_regex": HERMES_CALL}
+    whole = create(tool_client, tools=TOOLS, extra_body=extra).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    assert assert_valid_calls(whole.message.tool_calls, {"get_weather"}) == [
+        ("get_weather", {"city": "Oslo", "unit": "C"})]
+    content, calls, finish = streamed_calls(tool_client, tools=TOOLS, extra_body=extra)
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert content.strip() == "Checking." and finish == "tool_calls"
+
+
+def test_auto_without_a_call_is_plain_content(tool_client: openai.OpenAI) -> None:
+    reply = create(tool_client, tools=TOOLS, extra_body={"guided_regex": "No call needed"}).choices[0]
+    assert reply.message.content == "No call needed" and reply.message.tool_calls is None
+    assert reply.finish_reason == "stop"
+
+
+def test_a_tool_round_trip_renders_the_call_and_its_result(tool_client: openai.OpenAI) -> None:
+    first = create(tool_client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).choices[0].message
+    call = first.tool_calls[0]
+    history = [*MESSAGES, first.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": -3})}]
+    answer = create(tool_client, messages=history, tools=TOOLS, tool_choice="none", max_tokens=16)
+    assert answer.choices[0].message.tool_calls is None and isinstance(answer.choices[0].message.content, str)
+    without = create(tool_client, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=16)
+    assert answer.usage.prompt_tokens > without.usage.prompt_tokens  # the call and its result were rendered
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "one constraint"),
+    ({"functions": [{"name": "f"}]}, "functions is not supported"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "not JSON"),
+])
+def test_a_bad_tool_request_is_a_400_naming_it(tool_client: openai.OpenAI, body: dict, fragment: str) -> None:
+    body = dict(body)
+    messages = body.pop("messages", MESSAGES)
+    with pytest.raises(openai.BadRequestError) as error:
+        tool_client.chat.completions.create(model=MODEL_NAME, max_tokens=4, messages=messages, extra_body=body)
+    assert fragment in str(error.value)
+
+
+def test_tools_on_completions_are_a_400(tool_client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="only supported on /v1/chat/completions"):
+        tool_client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={"tools": TOOLS})
+
+
+class Forecast(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    unit: Literal["C", "F"]
+
+
+def test_langchain_bind_tools_and_with_structured_output(tool_server: ServerProcess) -> None:
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Paris", "Oslo"], unit: Literal["C", "F"]) -> str:
+        """The weather in a city."""
+        return f"-3 {unit} in {city}"
+
+    @tool
+    def get_time(zone: Literal["UTC", "CET"]) -> str:
+        """The time in a zone."""
+        return "12:00"
+
+    chat = ChatOpenAI(base_url=f"{tool_server.url}/v1", api_key="unused", model=MODEL_NAME, temperature=0,
+                      max_tokens=120, max_retries=0)
+    for choice, allowed in (("required", {"get_weather", "get_time"}), ("get_weather", {"get_weather"})):
+        message = chat.bind_tools([get_weather, get_time], tool_choice=choice, parallel_tool_calls=False).invoke(
+            "What is the weather in Oslo?")
+        assert len(message.tool_calls) == 1 and message.tool_calls[0]["name"] in allowed
+        tool_by_name = {"get_weather": get_weather, "get_time": get_time}
+        assert isinstance(tool_by_name[message.tool_calls[0]["name"]].invoke(message.tool_calls[0]["args"]), str)
+    forecast = chat.with_structured_output(Forecast).invoke("The weather in Oslo, please.")
+    assert isinstance(forecast, Forecast)

@@ -1,0 +1,122 @@
+"""Tool-call parsing: every format, adversarial arguments, and the same calls whether the text arrives whole
+or in pieces of any size."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvserve.server.tool_parsers import (
+    FORMATS,
+    REQUIRED_FORMAT,
+    NamedToolCallParser,
+    ParsedDelta,
+    ToolCallFormat,
+    ToolCallParser,
+    fold,
+    parse_tool_calls,
+)
+
+ADVERSARIAL_ARGUMENTS = [
+    {"q": "a } b { c"},
+    {"q": "</tool_call> and [TOOL_CALLS] and <|python_tag|> inside"},
+    {"q": "quote \" backslash \\ newline \n tab \t"},
+    {"q": "ünïcödé 漢字 🙂", "n": [1, 2.5, -3e2, True, None]},
+    {"nested": {"deep": [{"x": "}}]]"}], "empty": {}}},
+    {"long": "x" * 5000},
+    {},
+]
+
+
+def hermes(calls: list[tuple[str, dict]], before: str = "", between: str = "\n") -> str:
+    blocks = [f'<tool_call>\n{json.dumps({"name": n, "arguments": a}, ensure_ascii=False)}\n</tool_call>'
+              for n, a in calls]
+    return before + between.join(blocks)
+
+
+TEXTS = {
+    "hermes": hermes([("get", a) for a in ADVERSARIAL_ARGUMENTS], before="Let me look.\n"),
+    "llama3_json": "<|python_tag|>" + "; ".join(json.dumps({"name": "get", "parameters": a}, ensure_ascii=False)
+                                                  for a in ADVERSARIAL_ARGUMENTS),
+    "mistral": "[TOOL_CALLS]" + json.dumps([{"name": "get", "arguments": a} for a in ADVERSARIAL_ARGUMENTS],
+                                           ensure_ascii=False),
+}
+
+
+def streamed(fmt: ToolCallFormat, text: str, cuts: list[int]) -> tuple[str, list]:
+    parser = ToolCallParser(fmt)
+    deltas = ParsedDelta()
+    start = 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        deltas.extend(parser.feed(text[start:cut]))
+        start = max(start, cut)
+    deltas.extend(parser.finish())
+    return fold(deltas)
+
+
+def calls_of(result: tuple[str, list]) -> list[tuple[str, object]]:
+    return [(c.name, json.loads(c.arguments)) for c in result[1]]
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_every_format_reads_adversarial_arguments_exactly(name: str) -> None:
+    content, calls = parse_tool_calls(ToolCallParser(FORMATS[name]), TEXTS[name])
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get", a) for a in ADVERSARIAL_ARGUMENTS]
+    assert content.strip() == ("Let me look." if name == "hermes" else "")
+    assert len({c.id for c in calls}) == len(calls)
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(TEXTS)), cuts=st.lists(st.integers(0, 6000), max_size=40))
+def test_streaming_in_any_pieces_gives_the_whole_texts_calls(name: str, cuts: list[int]) -> None:
+    text = TEXTS[name]
+    whole = parse_tool_calls(ToolCallParser(FORMATS[name]), text)
+    pieces = streamed(FORMATS[name], text, cuts)
+    assert calls_of(pieces) == calls_of(whole)
+    assert pieces[0] == whole[0]
+
+
+def test_arguments_stream_as_they_are_written() -> None:
+    parser = ToolCallParser(FORMATS["hermes"])
+    first = parser.feed('<tool_call>{"name": "f", "arguments": {"city": "Pa')
+    assert [(d.name, d.arguments) for d in first.tool_calls] == [("f", ""), (None, '{"city": "Pa')]
+    second = parser.feed('ris"}}</tool_call>')
+    assert "".join(d.arguments for d in second.tool_calls) == 'ris"}'
+    assert parser.num_calls == 1
+
+
+@pytest.mark.parametrize("text", [
+    "plain text with a < and a <tool in it",
+    "<tool_call> this is no JSON",
+    '<tool_call>{"no_name": 1}</tool_call>',
+])
+def test_text_that_is_not_a_call_is_content(text: str) -> None:
+    content, calls = parse_tool_calls(ToolCallParser(FORMATS["hermes"]), text)
+    assert calls == [] and content == text
+
+
+def test_llama3_reads_calls_only_at_the_start() -> None:
+    text = 'Sure: {"name": "f", "parameters": {}}'
+    assert parse_tool_calls(ToolCallParser(FORMATS["llama3_json"]), text) == (text, [])
+    _, calls = parse_tool_calls(ToolCallParser(FORMATS["llama3_json"]), ' {"name": "f", "parameters": {"a": 1}}')
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
+
+
+def test_a_call_without_arguments_gets_an_empty_object_and_max_calls_drops_the_rest() -> None:
+    text = hermes([("a", {}), ("b", {"x": 1})]).replace(', "arguments": {}', "")
+    _, calls = parse_tool_calls(ToolCallParser(FORMATS["hermes"], max_calls=1), text)
+    assert [(c.name, c.arguments) for c in calls] == [("a", "{}")]
+
+
+def test_a_call_cut_short_keeps_what_was_written() -> None:
+    content, calls = parse_tool_calls(ToolCallParser(FORMATS["hermes"]), '<tool_call>{"name": "f", "arguments": {"a"')
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("f", '{"a"')]
+
+
+def test_the_required_array_and_a_named_function() -> None:
+    text = json.dumps([{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}])
+    assert calls_of(parse_tool_calls(ToolCallParser(REQUIRED_FORMAT), text)) == [("f", {"a": 1}), ("g", {})]
+    assert calls_of(parse_tool_calls(NamedToolCallParser("f"), '{"a": 1}')) == [("f", {"a": 1})]

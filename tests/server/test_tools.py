@@ -1,0 +1,97 @@
+"""What tool_choice does to a request (the grammar of required and named calls) and how tool conversations
+reach chat templates, with and without their own tool support."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from kvserve.engine.input_processor import InputProcessor
+from kvserve.sample.grammar import StructuredOutputCompiler
+from kvserve.server.tool_parsers import FORMATS
+from kvserve.server.tools import for_template, tool_call_format, tool_constraint
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+# A template of our own that renders tools, in the shape tool-aware templates (Qwen, Hermes) have.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}{{ c.function.arguments | tojson }}</call>"
+    "{% endfor %}{% endfor %}<tool_call>"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint: Path):
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def matcher_accepts(tokenizer, constraint, text: str) -> bool:
+    import xgrammar
+
+    compiled = StructuredOutputCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).compile(constraint)
+    matcher = xgrammar.GrammarMatcher(compiled)
+    return matcher.accept_string(text) and matcher.is_completed()
+
+
+def test_required_constrains_to_an_array_of_valid_calls(tokenizer) -> None:
+    constraint = tool_constraint([WEATHER, TIME], "required", parallel_tool_calls=True)
+    assert constraint is not None and isinstance(constraint.json, dict)
+    two = [{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]
+    jsonschema.validate(two, constraint.json)
+    assert matcher_accepts(tokenizer, constraint, json.dumps(two))
+    for bad in ([], [{"name": "get_weather", "parameters": {"city": "Rome"}}], [{"name": "nope", "parameters": {}}]):
+        assert not matcher_accepts(tokenizer, constraint, json.dumps(bad))
+    single = tool_constraint([WEATHER, TIME], "required", parallel_tool_calls=False)
+    assert single is not None and not matcher_accepts(tokenizer, single, json.dumps(two))
+
+
+def test_a_named_function_constrains_to_its_parameters_and_auto_to_nothing(tokenizer) -> None:
+    named = tool_constraint([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, True)
+    assert named is not None and named.json == WEATHER["function"]["parameters"]
+    assert matcher_accepts(tokenizer, named, '{"city": "Paris"}')
+    assert tool_constraint([WEATHER], "auto", True) is None and tool_constraint([WEATHER], "none", True) is None
+
+
+def test_the_call_format_follows_the_template() -> None:
+    assert tool_call_format("auto", None) is FORMATS["hermes"]
+    assert tool_call_format("mistral", "no tool support here") is FORMATS["hermes"]  # kvserve describes them
+    assert tool_call_format("auto", "{{ tools }} [TOOL_CALLS]") is FORMATS["mistral"]
+    assert tool_call_format("auto", "{{ tools }} <|python_tag|>") is FORMATS["llama3_json"]
+    assert tool_call_format("llama3_json", "{{ tools }}") is FORMATS["llama3_json"]
+
+
+def test_a_template_without_tools_gets_them_described_and_calls_as_text() -> None:
+    conversation = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "-3 C", "tool_call_id": "call_1"},
+    ]
+    rendered, tools = for_template(conversation, [WEATHER], chat_template="{{ messages }}")
+    assert tools is None
+    assert rendered[0]["role"] == "system" and '"get_weather"' in rendered[0]["content"]
+    assert "<tool_call>" in rendered[0]["content"]
+    assert rendered[2] == {"role": "assistant", "content":
+                           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'}
+    assert rendered[3] == {"role": "user", "content": "<tool_response>\n-3 C\n</tool_response>"}
+    unchanged, passed = for_template(conversation, [WEATHER], chat_template=TOOLS_TEMPLATE)
+    assert unchanged == conversation and passed == [WEATHER]
+
+
+def test_a_template_that_takes_tools_receives_them(tokenizer) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tokenizer.chat_template = TOOLS_TEMPLATE
+    processor = InputProcessor(tokenizer, len(tokenizer), max_model_len=512)
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": {}}}]}]
+    prompt = processor.apply_chat_template(conversation, tools=[WEATHER, TIME])["prompt"]
+    assert prompt.startswith("<tools>get_weather;get_time;</tools><user>hi") and "<call>get_time{}</call>" in prompt
