@@ -117,4 +117,13 @@ class LLMEngine:
             "num_waiting": self.core.scheduler.num_waiting,
             "num_preemptions": self.core.scheduler.num_preemptions,
             **self.core.scheduler.prefix_cache_stats(),
+            **self._structured_output_stats(),
         }
+
+    def _structured_output_stats(self) -> dict[str, Any]:
+        grammar = self.core.runner.grammar
+        if grammar is None:
+            return {}
+        masks = grammar.stats
+        return {"grammar_mask_steps": masks.steps, "grammar_mask_rows": masks.rows,
+                "grammar_mask_fill_seconds": masks.fill_seconds, "grammar_mask_wait_seconds": masks.wait_seconds}

@@ -26,6 +26,8 @@ class LogitsProcessor(ABC):
     a stateless one costs nothing per row and per step beyond ``is_needed`` and ``apply``:
 
         add(key, row)           once, the first time ``key`` appears in a batch, before ``apply``
+        prepare(rows)           before the forward pass whose logits ``rows`` will sample: work that needs
+                                no logits may start here and overlap the model (the grammar masks)
         fork(parent, child)     when a sample forks into n, before the child's first row is sampled
         accept(key, token_ids)  after each draw, with the tokens appended to ``key``
         drop(key)               when the request finishes or is aborted
@@ -45,6 +47,9 @@ class LogitsProcessor(ABC):
 
     def add(self, key: str, row: SamplingRow) -> None:
         """Create the state of a new key from its first row (its params and history so far)."""
+
+    def prepare(self, rows: Sequence[SamplingRow]) -> None:
+        """Start what ``apply(logits, rows)`` will need that does not depend on the logits."""
 
     def fork(self, parent_key: str, child_key: str) -> None:
         """Give ``child_key`` (which holds no state) a copy of ``parent_key``'s state, if it has any; later

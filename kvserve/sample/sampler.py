@@ -66,6 +66,15 @@ class Sampler:
             self._accept(batch.rows, output.token_ids)
         return output
 
+    def prepare(self, batch: SamplingBatch) -> None:
+        """Called before the forward pass whose logits ``batch`` will sample: new samples' state is created and
+        the processors start the work that needs no logits (the grammar masks, on a worker thread), so that it
+        overlaps the model."""
+        if self._stateful:
+            self._add_new_keys(batch.rows)
+        for processor in self._processors:
+            processor.prepare(batch.rows)
+
     def fork(self, parent_key: str, child_key: str) -> None:
         """Start sample ``child_key`` with a copy of ``parent_key``'s processor state; call it before the
         child's first row. A parent never sampled yet has nothing to copy: the child's state is then created

@@ -33,8 +33,8 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype(kv_cache_dtype_name, dtype)
         self.backend: AttentionBackend = select_backend(device, dtype)
         self.model = load_model(checkpoint, self.backend, dtype, device, keep_gguf_blocks)
-        grammar = GrammarProcessor(structured) if structured is not None else None
-        self.sampler = Sampler(seed, default_processors(grammar))
+        self.grammar = GrammarProcessor(structured) if structured is not None else None
+        self.sampler = Sampler(seed, default_processors(self.grammar))
         self.kv: KVCacheStorage | None = None
         self.batch: PersistentBatch | None = None
         self._sliding_windows = self.model.sliding_windows()
@@ -68,6 +68,7 @@ class ModelRunner:
         if sched_out.is_empty:
             return ModelOutput(sampled_token_ids={})
         batch = self.batch.prepare(sched_out)
+        self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
         meta = self.backend.build_metadata(batch.attn, self._sliding_windows)
         hidden = self.model(batch.input_ids, batch.positions, meta, self.kv)
         output = self._sample(batch, hidden)

@@ -1,11 +1,13 @@
 """Structured output through the engine on a seeded tiny checkpoint: every output under a JSON schema (a suite
 of 32) parses and validates, regex / choice / grammar outputs match, free requests beside constrained ones get
-exactly their own tokens, and no matcher outlives its request."""
+exactly their own tokens, constrained requests survive preemption, chunked prefill, stop strings and prefix
+hits, masks are filled on the worker thread, and no matcher outlives its request."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -149,3 +151,47 @@ def test_one_constraint_at_a_time() -> None:
         StructuredOutputsParams(json={"type": "integer"}, regex="a")
     with pytest.raises(ValueError, match="non-empty list"):
         StructuredOutputsParams(choice=[])
+
+
+def test_constrained_requests_survive_preemption_and_chunked_prefill(tiny_checkpoints) -> None:
+    """A pool too small for the batch preempts (by recompute) in the middle of constrained outputs, and long
+    prompts go in chunks: every output still matches, equals its run alone, and no matcher is left."""
+    small = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=24, block_size=4,
+                max_num_batched_tokens=16)
+    prompts = [f"request {i} " * 6 for i in range(6)]
+    params = constrained(regex="[a-f]{6}-[0-9]{20}", max_tokens=40)
+    outs = small.generate(prompts, params)
+    assert small.stats()["num_preemptions"] > 0
+    assert all(re.fullmatch("[a-f]{6}-[0-9]{20}", o.outputs[0].text) for o in outs)
+    assert [o.outputs[0].text for o in outs] == [small.generate([p], params)[0].outputs[0].text for p in prompts]
+    assert small.engine.core.runner.sampler.num_states == 0
+
+
+def test_stop_strings_logprobs_and_prefix_hits_under_a_constraint(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=2, stop=["-"],
+                            structured_outputs=StructuredOutputsParams(regex="[a-c]{4}-[0-9]{4}"))
+    prompt = "a shared prefix that spans several blocks of the cache, " * 2
+    first, second = llm.generate([prompt], params)[0], llm.generate([prompt], params)[0]
+    assert re.fullmatch("[a-c]{4}", first.outputs[0].text)  # cut at the stop string
+    assert second.num_cached_tokens > 0 and second.outputs[0].text == first.outputs[0].text
+    assert len(first.outputs[0].logprobs) == len(first.outputs[0].token_ids)
+
+
+def test_masks_are_filled_on_the_worker_thread_while_the_model_runs(llm: LLM) -> None:
+    grammar = llm.engine.core.runner.grammar
+    before = grammar.stats.steps
+    threads: set[str] = set()
+    fill = grammar._fill
+
+    def recording_fill(rows):
+        threads.add(threading.current_thread().name)
+        return fill(rows)
+
+    grammar._fill = recording_fill
+    try:
+        llm.generate(["x", "y"], [constrained(regex="[0-9]{8}"), SamplingParams(max_tokens=8, temperature=0)])
+    finally:
+        del grammar._fill
+    assert grammar.stats.steps - before >= 8
+    assert threads and all(name.startswith("kvserve-grammar") for name in threads)
+    assert llm.stats()["grammar_mask_rows"] >= llm.stats()["grammar_mask_steps"] > 0
