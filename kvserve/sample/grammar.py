@@ -47,6 +47,7 @@ class StructuredOutputCompiler:
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._info: xgrammar.TokenizerInfo | None = None
         self._lock = threading.Lock()  # the frontend and the runner may compile at once
 
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
@@ -71,11 +72,17 @@ class StructuredOutputCompiler:
             if self._compiler is None:
                 import xgrammar
 
-                info = xgrammar.TokenizerInfo.from_huggingface(
+                self._info = xgrammar.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids or None
                 )
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+                self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=2)
             return self._compiler
+
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end a document (the tokenizer's, as xgrammar found them)."""
+        self._get_compiler()
+        assert self._info is not None
+        return list(self._info.stop_token_ids)
 
 
 @dataclass
@@ -106,6 +113,7 @@ class GrammarProcessor(LogitsProcessor):
         self._matchers: dict[str, Any] = {}
         self._worker: ThreadPoolExecutor | None = None  # started by the first constrained step
         self._pending: tuple[Sequence[SamplingRow], Future[_Masks]] | None = None
+        self._stop_only: torch.Tensor | None = None  # the mask row of a finished document
 
     def is_needed(self, row: SamplingRow) -> bool:
         return row.params.structured_outputs is not None
@@ -170,5 +178,20 @@ class GrammarProcessor(LogitsProcessor):
         selected = [i for i, row in enumerate(rows) if row.generator_key in self._matchers]
         bitmask = xgrammar.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
         for i in selected:
-            self._matchers[rows[i].generator_key].fill_next_token_bitmask(bitmask, i)
+            matcher = self._matchers[rows[i].generator_key]
+            if matcher.is_terminated():  # its document ended with a stop token that ignore_eos kept going
+                bitmask[i] = self._stop_only_row()
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
         return _Masks(bitmask, selected, time.perf_counter() - start)
+
+    def _stop_only_row(self) -> torch.Tensor:
+        """A mask row that allows only the stop tokens (bit t % 32 of word t // 32, xgrammar's layout)."""
+        if self._stop_only is None:
+            import numpy as np
+
+            words = np.zeros(-(-self.compiler.vocab_size // 32), dtype=np.uint32)
+            for token_id in self.compiler.stop_token_ids():
+                words[token_id // 32] |= np.uint32(1 << (token_id % 32))
+            self._stop_only = torch.from_numpy(words.view(np.int32))
+        return self._stop_only

@@ -210,3 +210,18 @@ def test_the_real_smollm2_follows_every_schema() -> None:
     assert len(finished) >= 0.9 * len(params)
     for text, p in finished:
         jsonschema.validate(json.loads(text), p.structured_outputs.json)
+
+
+def test_ignore_eos_after_a_finished_document_allows_only_stop_tokens(llm: LLM) -> None:
+    """A complete document ends with EOS; with ignore_eos the request goes on, and every later token is a stop
+    token (the matcher has terminated) instead of a failed step."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    (out,) = llm.generate(["answer:"], params)
+    eos = llm.get_tokenizer().eos_token_id
+    text_ids = out.outputs[0].token_ids
+    assert len(text_ids) == 24
+    first_eos = text_ids.index(eos)
+    assert llm.get_tokenizer().decode(text_ids[:first_eos]) in ("yes", "no")
+    assert set(text_ids[first_eos:]) == {eos}
+    assert llm.engine.core.runner.sampler.num_states == 0
