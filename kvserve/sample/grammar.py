@@ -32,6 +32,7 @@ import torch
 
 from kvserve.sample.logits_processors import LogitsProcessor
 from kvserve.sample.metadata import SamplingRow
+from kvserve.sample.token_mask import apply_token_mask
 from kvserve.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -155,8 +156,6 @@ class GrammarProcessor(LogitsProcessor):
             self._pending = (rows, self._worker.submit(self._fill, rows))
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-        import xgrammar
-
         pending, self._pending = self._pending, None
         start = time.perf_counter()
         masks = pending[1].result() if pending is not None and pending[0] is rows else self._fill(rows)
@@ -166,8 +165,7 @@ class GrammarProcessor(LogitsProcessor):
         self.stats.rows += len(masks.selected)
         self.stats.fill_seconds += masks.seconds
         self.stats.wait_seconds += time.perf_counter() - start
-        xgrammar.apply_token_bitmask_inplace(logits, masks.bitmask.to(logits.device),
-                                             vocab_size=self.compiler.vocab_size, indices=masks.selected)
+        apply_token_mask(logits, masks.bitmask, masks.selected, self.compiler.vocab_size)
 
     def _fill(self, rows: Sequence[SamplingRow]) -> _Masks:
         """The masks of the constrained rows. Runs on the worker thread while the model runs: matchers only
