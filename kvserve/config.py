@@ -29,7 +29,7 @@ _DTYPES = {
 DTYPE_CHOICES = ("auto", *_DTYPES)
 # how a quantized checkpoint's weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32
 # activations, dtype not forced); none dequantizes at load; gguf insists on the blocks
-QUANTIZATION_CHOICES = ("auto", "none", "gguf")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", *ENCODINGS)  # "auto": the model's dtype, unquantized
 
 

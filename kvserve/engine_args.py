@@ -39,9 +39,11 @@ class EngineArgs:
     model: str = _option(DEFAULT_MODEL, "a packaged model name, a Hugging Face directory or a GGUF file", str)
     dtype: str = _option(ModelConfig.dtype, "weights and activations ('auto': fp32 on CPU, bf16 on CUDA)", str,
                          DTYPE_CHOICES)
-    quantization: str = _option(ModelConfig.quantization, "weights of a quantized checkpoint: 'auto' keeps a GGUF's "
+    quantization: str = _option(ModelConfig.quantization, "how linear weights are held: 'auto' keeps a GGUF's "
                                 "Q4_0 / Q4_1 / Q8_0 blocks on CPU unless --dtype is given, 'none' dequantizes "
-                                "them at load, 'gguf' requires the blocks", str, QUANTIZATION_CHOICES)
+                                "them at load, 'gguf' requires the blocks; 'int8' (per channel) / 'int4' (groups "
+                                "of 128) quantize any checkpoint's weights at load (CPU, fp32)", str,
+                                QUANTIZATION_CHOICES)
     max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)

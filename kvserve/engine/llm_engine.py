@@ -17,7 +17,7 @@ from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.manager import KVCacheManager
 from kvserve.model.loader import load_checkpoint
-from kvserve.model.registry import keeps_gguf_blocks
+from kvserve.model.registry import weight_format
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput
@@ -39,13 +39,13 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(checkpoint.max_model_len)
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids
-        self.keeps_gguf_blocks = keeps_gguf_blocks(
+        self.weight_format = weight_format(
             config.model.quantization, checkpoint, self.device, self.dtype, dtype_forced=config.model.dtype != "auto"
         )
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
         runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
-                             self.keeps_gguf_blocks, structured, config.cache.kv_cache_dtype)
+                             self.weight_format, structured, config.cache.kv_cache_dtype)
         self.core = self._build_core(runner)
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -14,6 +14,7 @@ from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
 from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLLinearMethod, ggml_gemm
 from kvserve.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, can_prepack, small_gemm
+from kvserve.model.layers.weight_quant import WEIGHT_ONLY_SCHEMES, WeightOnlyLinearMethod
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import Checkpoint
 from kvserve.model.mistral import MistralForCausalLM
@@ -55,15 +56,31 @@ def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
     return MODEL_CLASSES[architecture]
 
 
-def select_linear_method(device: torch.device, dtype: torch.dtype, keep_gguf_blocks: bool = False) -> LinearMethod:
+def select_linear_method(device: torch.device, dtype: torch.dtype, weights: str = "dense") -> LinearMethod:
     """Prepacked oneDNN weights (and small-GEMM panels where that kernel is tuned) for fp32 on CPU; the plain
-    weights elsewhere; with ``keep_gguf_blocks`` (see ``keeps_gguf_blocks``), a GGUF's blocks in front of those."""
+    weights elsewhere; in front of those, a GGUF's blocks kept (``weights="gguf"``) or every weight quantized at
+    load (``"int8"``, ``"int4"``), as ``weight_format`` decided."""
     dense = CpuPrepackedLinearMethod(small_gemm()) if can_prepack(device, dtype) else UnquantizedLinearMethod()
-    if keep_gguf_blocks:
-        kernel = ggml_gemm()
-        assert kernel is not None, "keeps_gguf_blocks() said no kernel was needed"
-        return GGMLLinearMethod(kernel, dense)
-    return dense
+    if weights == "dense":
+        return dense
+    kernel = ggml_gemm()
+    assert kernel is not None, "weight_format() said no block kernel was needed"
+    return GGMLLinearMethod(kernel, dense) if weights == "gguf" else WeightOnlyLinearMethod(kernel, dense, weights)
+
+
+def weight_format(
+    quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool
+) -> str:
+    """How the linear layers hold their weights: "dense" (as loaded, in ``dtype``), "gguf" (a GGUF's blocks kept,
+    see ``keeps_gguf_blocks``), or "int8" / "int4" (quantized at load; ValueError where they cannot run)."""
+    if quantization in WEIGHT_ONLY_SCHEMES:
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"quantization={quantization!r} runs on CPU with fp32 activations for now, not "
+                             f"{device.type} {dtype}")
+        if ggml_gemm() is None:
+            raise ValueError(f"quantization={quantization!r}: the block kernel could not be built (see the warning)")
+        return quantization
+    return "gguf" if keeps_gguf_blocks(quantization, checkpoint, device, dtype, dtype_forced) else "dense"
 
 
 def keeps_gguf_blocks(
@@ -127,12 +144,12 @@ def process_weights_after_loading(model: CausalLM) -> None:
 
 def load_model(
     checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-    keep_gguf_blocks: bool = False,
+    weights: str = "dense",
 ) -> CausalLM:
     """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method and fused ops
     chosen for them, its weights loaded and laid out for that method, in eval mode."""
-    method = select_linear_method(device, dtype, keep_gguf_blocks)
+    method = select_linear_method(device, dtype, weights)
     model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype))
-    model.load_weights(checkpoint.weights(KERNEL_TYPES if keep_gguf_blocks else frozenset()))
+    model.load_weights(checkpoint.weights(KERNEL_TYPES if weights == "gguf" else frozenset()))
     process_weights_after_loading(model)
     return model.eval()

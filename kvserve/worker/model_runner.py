@@ -24,7 +24,7 @@ class ModelRunner:
 
     def __init__(
         self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
-        keep_gguf_blocks: bool = False, structured: StructuredOutputCompiler | None = None,
+        weights: str = "dense", structured: StructuredOutputCompiler | None = None,
         kv_cache_dtype_name: str = "auto",
     ) -> None:
         self.device = device
@@ -32,7 +32,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype(kv_cache_dtype_name, dtype)
         self.backend: AttentionBackend = select_backend(device, dtype)
-        self.model = load_model(checkpoint, self.backend, dtype, device, keep_gguf_blocks)
+        self.weights = weights
+        self.model = load_model(checkpoint, self.backend, dtype, device, weights)
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(seed, default_processors(self.grammar))
         self.kv: KVCacheStorage | None = None
@@ -40,10 +41,12 @@ class ModelRunner:
         self._sliding_windows = self.model.sliding_windows()
 
     def weights_format(self) -> str:
-        """How the linear layers hold their weights: the dtype, or the GGUF block types kept (e.g. "gguf Q4_1,
-        Q8_0"), from the layers themselves."""
+        """How the linear layers hold their weights: the dtype, the GGUF block types kept (e.g. "gguf Q4_1,
+        Q8_0", from the layers themselves), or the weight-only scheme they were quantized to at load."""
         kept = sorted({layer.ggml_weight.qtype.name for layer in self.model.modules()
                        if getattr(layer, "ggml_weight", None) is not None})
+        if self.weights in ("int8", "int4"):
+            return f"{self.weights} weight-only"
         return f"gguf {', '.join(kept)}" if kept else str(self.dtype).removeprefix("torch.")
 
     def kv_cache_spec(self) -> KVCacheSpec:

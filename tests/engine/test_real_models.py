@@ -68,3 +68,26 @@ def test_smollm2_on_its_own_q4_1_blocks_matches_transformers() -> None:
 @pytest.mark.slow
 def test_gemma3_matches_transformers() -> None:
     _check_greedy_equality("gemma-3-270m", 24)
+
+
+def test_smollm2_weight_only_int8_and_int4_stay_within_their_stated_bounds() -> None:
+    """``--quantization int8|int4`` against the same weights in fp32, teacher-forced on the fp32 model's 32
+    greedy tokens per prompt: the chosen tokens' logprobs differ by (measured) at most 0.31 / 4.7 and on average
+    0.045 / 0.72; asserted with margin. Per-channel INT8 and group-128 INT4 are coarser than the GGUF's own
+    groups of 32, and this 135M model is sensitive to it: greedy outputs part from fp32's after a few tokens on
+    some prompts (docs/benchmarks.md)."""
+    name = "smollm2-135m-instruct"
+    dense = LLM(name, quantization="none", max_model_len=1024, num_kv_blocks=256)
+    tokenizer = dense.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
+    greedy = dense.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
+    forced = [{"prompt_token_ids": p["prompt_token_ids"] + list(o.outputs[0].token_ids)}
+              for p, o in zip(prompts, greedy)]
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    reference = dense.generate(forced, scored)
+    for scheme, (max_bound, mean_bound) in {"int8": (0.6, 0.08), "int4": (8.0, 1.2)}.items():
+        quantized = LLM(name, quantization=scheme, max_model_len=1024, num_kv_blocks=256)
+        diffs = [abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
+                 for a, b in zip(reference, quantized.generate(forced, scored))
+                 for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+        assert max(diffs) < max_bound and sum(diffs) / len(diffs) < mean_bound, scheme
