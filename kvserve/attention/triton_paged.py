@@ -27,6 +27,7 @@ import triton
 from kvserve.attention import triton_kernels as kernels
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata
 from kvserve.attention.torch_ref import _validate
+from kvserve.kv.quant import KVCacheDtype
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -41,6 +42,11 @@ MIN_DOT_ROWS = 16  # tl.dot's smallest M: decode groups are padded up to it
 def is_interpreted() -> bool:
     """Whether the kernels run through Triton's interpreter (on CPU tensors) rather than compiled for a GPU."""
     return not isinstance(kernels.paged_decode_kernel, triton.runtime.JITFunction)
+
+
+def can_read(encoding: KVCacheDtype) -> bool:
+    """Whether the kernels read a cache stored in ``encoding``."""
+    return not encoding.has_scales or encoding.name in QUANTIZED_ENCODINGS
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: i
     if q.dtype not in MODEL_DTYPES or q.dtype != spec.dtype:
         raise TypeError(f"TritonPagedBackend takes fp16 / bf16 / fp32 queries in the cache's {spec.dtype}; "
                         f"got {q.dtype}")
-    if encoding.has_scales and encoding.name not in QUANTIZED_ENCODINGS:
+    if not can_read(encoding):
         raise NotImplementedError(f"TritonPagedBackend reads caches stored unquantized or as "
                                   f"{' / '.join(QUANTIZED_ENCODINGS)}, not {encoding.name}; use torch_ref")

@@ -3,11 +3,15 @@ program in numpy), natively on CUDA where there is one (``-m gpu`` adds real sha
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
 
+from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  # noqa: E402
 from kvserve.kv.quant import ENCODINGS  # noqa: E402
@@ -91,6 +95,44 @@ def test_unsupported_inputs_are_rejected_with_what_is_wrong() -> None:
         SPLIT.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0, sliding_window=8)
     with pytest.raises(TypeError, match="fp16 / bf16 / fp32"):
         SPLIT.forward(step.q.double(), step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+
+
+CUDA = torch.device("cuda")
+
+
+def test_selector_picks_triton_on_cuda_where_its_kernels_read_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert isinstance(select_backend(CUDA, dtype), TritonPagedBackend)
+    assert isinstance(select_backend(CUDA, torch.bfloat16, kv_dtype=ENCODINGS["int8"]), TritonPagedBackend)
+    assert type(select_backend(CUDA, torch.bfloat16, kv_dtype=ENCODINGS["int4"])) is TorchRefBackend
+    assert type(select_backend(CUDA, torch.float64)) is TorchRefBackend
+    with pytest.raises(ValueError, match="not torch.bfloat16 on a int4 cache"):
+        select_backend(CUDA, torch.bfloat16, name="triton", kv_dtype=ENCODINGS["int4"])
+
+
+def test_selector_forces_triton_on_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    if is_interpreted():
+        assert isinstance(select_backend(torch.device("cpu"), torch.float32), TritonPagedBackend)
+    else:
+        with pytest.raises(ValueError, match="under TRITON_INTERPRET=1"):
+            select_backend(torch.device("cpu"), torch.float32)
+
+
+def test_kvserve_imports_and_selects_without_triton() -> None:
+    """With triton unimportable, the engine still imports, CUDA falls back to the reference (with a warning),
+    and forcing triton raises ImportError."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, kvserve, kvserve.worker.model_runner\n"
+        "from kvserve.attention.selector import select_backend\n"
+        "assert type(select_backend(torch.device('cuda'), torch.bfloat16)).__name__ == 'TorchRefBackend'\n"
+        "try:\n    select_backend(torch.device('cuda'), torch.bfloat16, name='triton')\n"
+        "except ImportError:\n    print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
 
 
 @pytest.mark.gpu
