@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run only through Triton's interpreter, on CPU tensors (tests/attention/
+# test_triton_paged.py). Triton reads TRITON_INTERPRET as it decorates each kernel, its own library functions
+# included, at import, and the imports below import it (torch imports triton as transformers loads), so it is set here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from kvserve.model import gguf_index
 from kvserve.model.checkpoint import ARCHITECTURES, make_checkpoint

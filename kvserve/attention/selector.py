@@ -1,8 +1,12 @@
 """The one place that picks the attention backend for a device and dtype.
 
-fp32 on CPU gets ``CpuPagedBackend`` when its kernel builds, else ``TorchRefBackend`` with a warning (once per
-process); every other device or dtype gets ``TorchRefBackend``. ``KVSERVE_ATTENTION_BACKEND`` (``cpu_paged`` or
-``torch_ref``) forces one, e.g. to compare them or to rule the kernel out.
+On CUDA, fp16 / bf16 / fp32 models get ``TritonPagedBackend`` when triton imports and the kernels read the
+cache's encoding (unquantized, int8, fp8), else ``TorchRefBackend`` with a warning (once per process). fp32 on
+CPU gets ``CpuPagedBackend`` when its kernel builds, else ``TorchRefBackend`` with a warning; every other CPU
+dtype gets ``TorchRefBackend``. ``KVSERVE_ATTENTION_BACKEND`` (``cpu_paged``, ``torch_ref`` or ``triton``)
+forces one, e.g. to compare them or to rule a kernel out; ``triton`` on CPU runs only under Triton's
+interpreter (``TRITON_INTERPRET=1``, as the tests do). triton is imported here only when it is picked, so
+kvserve imports without it.
 """
 
 from __future__ import annotations
@@ -16,17 +20,20 @@ import torch
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.kv.quant import KVCacheDtype
 from kvserve.native import KernelBuildError
 
 BACKEND_ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
-BACKEND_NAMES = ("cpu_paged", "torch_ref")
+BACKEND_NAMES = ("cpu_paged", "torch_ref", "triton")
 
 logger = logging.getLogger(__name__)
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, name: str | None = None) -> AttentionBackend:
-    """The backend for a model on ``device`` in ``dtype``; ``name`` (default: ``$KVSERVE_ATTENTION_BACKEND``)
-    forces one of ``BACKEND_NAMES``, and a forced ``cpu_paged`` that cannot run raises instead of falling back."""
+def select_backend(device: torch.device, dtype: torch.dtype, name: str | None = None,
+                   kv_dtype: KVCacheDtype | None = None) -> AttentionBackend:
+    """The backend for a model on ``device`` in ``dtype`` whose cache is stored as ``kv_dtype`` (None: ``dtype``
+    itself); ``name`` (default: ``$KVSERVE_ATTENTION_BACKEND``) forces one of ``BACKEND_NAMES``, and a forced
+    ``cpu_paged`` or ``triton`` that cannot run raises instead of falling back."""
     name = name or os.environ.get(BACKEND_ENV_VAR) or None
     if name is not None and name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r} (from {BACKEND_ENV_VAR}?); choose one of {BACKEND_NAMES}")
@@ -36,15 +43,37 @@ def select_backend(device: torch.device, dtype: torch.dtype, name: str | None = 
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"the cpu_paged attention backend runs fp32 on CPU, not {dtype} on {device}")
         return CpuPagedBackend()
+    if name == "triton":
+        return _triton_backend(device, dtype, kv_dtype)
+    if device.type == "cuda":
+        try:
+            return _triton_backend(device, dtype, kv_dtype)
+        except (ImportError, ValueError) as error:
+            _warn_fallback("CUDA", str(error))
+            return TorchRefBackend()
     if device.type != "cpu" or dtype != torch.float32:
         return TorchRefBackend()
     try:
         return CpuPagedBackend()
     except KernelBuildError as error:
-        _warn_fallback(str(error))
+        _warn_fallback("CPU", str(error))
         return TorchRefBackend()
 
 
+def _triton_backend(device: torch.device, dtype: torch.dtype, kv_dtype: KVCacheDtype | None) -> AttentionBackend:
+    """``TritonPagedBackend``, or ImportError (no triton) / ValueError (a case its kernels do not run)."""
+    from kvserve.attention import triton_paged  # imports triton
+
+    encoding = kv_dtype or KVCacheDtype.unquantized(dtype)
+    if dtype not in triton_paged.MODEL_DTYPES or not triton_paged.can_read(encoding):
+        raise ValueError(f"the triton attention backend runs fp16 / bf16 / fp32 models on caches stored "
+                         f"unquantized or as {' / '.join(triton_paged.QUANTIZED_ENCODINGS)}, not {dtype} on "
+                         f"a {encoding.name} cache")
+    if device.type != "cuda" and not triton_paged.is_interpreted():
+        raise ValueError(f"the triton attention backend runs on CUDA, or on {device} under TRITON_INTERPRET=1")
+    return triton_paged.TritonPagedBackend()
+
+
 @functools.cache
-def _warn_fallback(reason: str) -> None:
-    logger.warning("CPU attention falls back to the slower TorchRefBackend: %s", reason)
+def _warn_fallback(device_type: str, reason: str) -> None:
+    logger.warning("%s attention falls back to the slower TorchRefBackend: %s", device_type, reason)

@@ -31,7 +31,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype(kv_cache_dtype_name, dtype)
-        self.backend: AttentionBackend = select_backend(device, dtype)
+        self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=self.kv_cache_dtype)
         self.weights = weights
         self.model = load_model(checkpoint, self.backend, dtype, device, weights)
         self.grammar = GrammarProcessor(structured) if structured is not None else None

@@ -259,11 +259,12 @@ def test_corrupt_chunk_block_tables_raise_instead_of_reading_outside_the_cache(b
 # --- the selector -----------------------------------------------------------------------------------------------
 
 
-def test_selector_picks_the_kernel_for_fp32_cpu_and_the_reference_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_selector_picks_the_kernel_for_fp32_cpu_and_the_reference_for_other_cpu_dtypes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
     assert isinstance(select_backend(CPU, torch.float32), CpuPagedBackend)
     assert type(select_backend(CPU, torch.bfloat16)) is TorchRefBackend
-    assert type(select_backend(torch.device("cuda"), torch.float32)) is TorchRefBackend
 
 
 def test_selector_honours_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:

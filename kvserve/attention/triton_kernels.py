@@ -1,0 +1,197 @@
+"""The Triton kernels of ``TritonPagedBackend``: paged decode (flash-decoding), its split merge, and paged prefill.
+
+All three read K/V in place from the paged cache (``[num_blocks, block_size, num_kv_heads, head_dim]``), a
+key at position p of a sequence lying at slot ``table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``. Scores
+are kept in the log2 domain (the softmax scale is pre-multiplied by log2 e, so ``exp2`` is one instruction),
+and every softmax state (running max, sum, accumulator) is fp32 whatever the inputs.
+
+A quantized cache (``QUANT``: int8 or fp8 codes with one fp32 scale per token per KV head, ``kv/quant.py``)
+is dequantized tile by tile as it is loaded, to the queries' dtype, as the reference's gather does.
+
+Importing this module imports triton; only the backend (and the tests) do, never the CPU engine.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# A running max that starts finite: a row that sees no key in a tile then gets exp2(-inf - NEG_INIT) = 0 rather
+# than exp2(-inf + inf) = nan (padding rows, and rows whose window starts after the tile).
+NEG_INIT = -1.0e30
+
+
+@triton.jit
+def _slots(table_row, pos, mask, PAGE_SIZE: tl.constexpr):
+    """Flat cache slots (int64) of key positions ``pos`` through one sequence's row of the block tables."""
+    block = tl.load(table_row + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+    return block * PAGE_SIZE + pos % PAGE_SIZE
+
+
+@triton.jit
+def _load_rows(cache, scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
+               scale_stride_slot, OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr):
+    """A [BLOCK_N, BLOCK_D] tile of one KV head's keys (or values), dequantized to ``OUT_DTYPE``."""
+    ptrs = cache + slots[:, None] * stride_slot + kv_head * stride_head + offs_d[None, :]
+    mask = mask_n[:, None] & mask_d[None, :]
+    if QUANT:  # scales are [num_slots, num_kv_heads, 1]: one per token per KV head
+        s = tl.load(scales + slots * scale_stride_slot + kv_head, mask=mask_n, other=0.0)
+        # no ``other`` for the codes: the interpreter cannot make an fp8 zero; masked lanes are zeroed after
+        return tl.where(mask, tl.load(ptrs, mask=mask).to(tl.float32) * s[:, None], 0.0).to(OUT_DTYPE)
+    return tl.load(ptrs, mask=mask, other=0.0).to(OUT_DTYPE)
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+    """a @ b with fp32 accumulation. ``UPCAST_DOTS``: the operands (already rounded to their dtype) go in as
+    fp32, because Triton 3.9's interpreter multiplies bf16 operands as garbage."""
+    if UPCAST_DOTS:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _online_softmax_step(acc, m, l, scores, v, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+    """Fold one tile of log2-domain scores [rows, keys] (-inf where hidden) and its values into the state."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST_DOTS)
+    return acc, m_new, l
+
+
+@triton.jit
+def paged_decode_kernel(
+    out, stride_ot, stride_oh, stride_os, lse, q, stride_qt, stride_qh,
+    k_cache, v_cache, k_scales, v_scales, stride_slot, stride_head, scale_stride_slot,
+    block_tables, stride_table, seq_lens, scale_log2, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """One program per (decode, KV head, split): the GROUP query heads of the KV head (rows of a BLOCK_G tile,
+    padded to the 16 rows a dot needs) over the split's share of the visible keys::
+
+        keys:  | hidden by the window | split 0 | split 1 | ... | split S-1 |     (lo = seq_len - window)
+               0                      lo                                  seq_len
+
+    With one split (``STORE_LSE`` off) ``out`` is the step's output; else it is the fp32 partial output
+    [D, num_heads, S, head_dim], normalised per split, and ``lse`` gets each split's log2-sum-exp2 for
+    ``merge_splits_kernel``; an empty split stores zeros and lse ~ NEG_INIT.
+    """
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens + seq)
+    lo = tl.maximum(seq_len - window, 0)
+    num_splits = tl.num_programs(2)
+    split_len = (seq_len - lo + num_splits - 1) // num_splits
+    start = lo + split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g, offs_n, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    mask_g, mask_d = offs_g < GROUP, offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    queries = tl.load(q + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                      mask=mask_g[:, None] & mask_d[None, :], other=0)
+    m = tl.full([BLOCK_G], NEG_INIT, tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = block_tables + seq * stride_table
+    for n in range(start, end, BLOCK_N):
+        pos = n + offs_n
+        mask_n = pos < end
+        slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
+        keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
+                          scale_stride_slot, q.dtype.element_ty, QUANT)
+        scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
+                            scale_stride_slot, q.dtype.element_ty, QUANT)
+        acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
+
+    l = tl.where(l > 0, l, 1.0)  # an empty split: acc is 0, and lse ~ NEG_INIT weighs it 0 in the merge
+    out_ptrs = out + seq * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(out_ptrs, (acc / l[:, None]).to(out.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
+    if STORE_LSE:
+        num_heads = tl.num_programs(1) * GROUP
+        lse_ptrs = lse + (seq * num_heads + heads) * tl.num_programs(2) + split
+        tl.store(lse_ptrs, m + tl.log2(l), mask=mask_g)
+
+
+@triton.jit
+def merge_splits_kernel(
+    out, stride_ot, stride_oh, partial, lse, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (decode, query head): the splits' outputs weighted by their share of the softmax sum,
+    exp2(lse_s - max) / sum over splits."""
+    seq, head = tl.program_id(0), tl.program_id(1)
+    offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    mask_s, mask_d = offs_s < num_splits, offs_d < HEAD_DIM
+    row = seq * tl.num_programs(1) + head
+    split_lse = tl.load(lse + row * num_splits + offs_s, mask=mask_s, other=float("-inf"))
+    weights = tl.exp2(split_lse - tl.max(split_lse, 0))  # split 0 is never empty: the max is a real lse
+    outs = tl.load(partial + (row * num_splits + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+                   mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    merged = tl.sum(weights[:, None] * outs, 0) / tl.sum(weights, 0)
+    tl.store(out + seq * stride_ot + head * stride_oh + offs_d, merged.to(out.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def paged_prefill_kernel(
+    out, stride_ot, stride_oh, q, stride_qt, stride_qh,
+    k_cache, v_cache, k_scales, v_scales, stride_slot, stride_head, scale_stride_slot,
+    block_tables, stride_table, seq_lens, query_starts, query_lens, scale_log2, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, QUERIES_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    """One program per (chunk, KV head, tile of QUERIES_PER_TILE query positions). A tile's rows are its
+    positions x the KV head's GROUP query heads (row r: position r // GROUP, head r % GROUP), so each key and
+    value tile loaded serves every query head that reads it. The chunk's queries sit after its cached context::
+
+        positions:  0 ........ lo ........ context_len ... first ... last ... seq_len - 1
+        keys read:             |<------------------------------->|              (lo: first - window + 1)
+        this tile's queries:                              |<------->|
+
+    Keys are masked per row: causal (key <= query) and windowed (key > query - window).
+    """
+    chunk, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    query_len = tl.load(query_lens + chunk)
+    first = tile * QUERIES_PER_TILE
+    if first < query_len:  # the grid covers the longest chunk; shorter chunks leave their last tiles idle
+        seq_len = tl.load(seq_lens + chunk)
+        context_len = seq_len - query_len
+        offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+        query_idx = first + offs_m // GROUP
+        mask_m = (offs_m < QUERIES_PER_TILE * GROUP) & (query_idx < query_len)
+        mask_d = offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_m % GROUP
+        token_rows = tl.load(query_starts + chunk) + query_idx
+        row_offsets = token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+        queries = tl.load(q + row_offsets, mask=mask_m[:, None] & mask_d[None, :], other=0)
+        query_pos = context_len + query_idx
+
+        m = tl.full([BLOCK_M], NEG_INIT, tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table_row = block_tables + chunk * stride_table
+        lo = tl.maximum(context_len + first - window + 1, 0)
+        hi = context_len + tl.minimum(first + QUERIES_PER_TILE, query_len)
+        for n in range(lo, hi, BLOCK_N):
+            pos = n + offs_n
+            mask_n = pos < hi
+            slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
+            keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
+                              scale_stride_slot, q.dtype.element_ty, QUANT)
+            scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
+            visible = ((pos[None, :] <= query_pos[:, None]) & (pos[None, :] > query_pos[:, None] - window)
+                       & mask_n[None, :])
+            scores = tl.where(visible, scores, float("-inf"))
+            values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot,
+                                stride_head, scale_stride_slot, q.dtype.element_ty, QUANT)
+            acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
+
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]  # 0 only on padding rows: a real row sees its own key
+        out_offsets = token_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out + out_offsets, o.to(out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])

@@ -1,0 +1,212 @@
+"""Paged attention in Triton for CUDA: the step's decodes through a flash-decoding kernel, its prefill chunks
+through one varlen prefill launch, both reading K/V in place from the blocks (``triton_kernels.py``)::
+
+    q rows:  | d0 | d1 | ... | d{D-1} |  chunk 0  |  chunk 1  | ...
+             |<-- decode (+ merge) -->|<-- prefill: one launch ->|
+
+The step's new K/V go into their slots first through ``KVCacheStorage.write`` (one ``index_copy_`` per
+tensor, which also quantizes), so a chunk's own keys are read back from the cache like its context.
+
+Decodes are bound by the bytes of K/V they read. A program takes one decode and one KV head (its query heads
+ride together, so each key row is loaded once for the group); when decodes x KV heads are too few to fill the
+GPU, the visible keys of each decode are split across ``num_splits`` programs whose normalised partial outputs
+and log-sum-exps a second, small kernel merges (flash-decoding).
+
+Runs on CUDA; on CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported),
+which is how CI tests it. ``TorchRefBackend`` is the twin the tests compare it with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kvserve.attention import triton_kernels as kernels
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata
+from kvserve.attention.torch_ref import _validate
+from kvserve.kv.quant import KVCacheDtype
+from kvserve.kv.storage import KVCacheStorage, KVLayerView
+
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+QUANTIZED_ENCODINGS = ("int8", "fp8")  # codes x one scale per token per KV head; int4 (packed, zero point) is not
+NO_WINDOW = 1 << 30  # a window longer than any sequence: the kernels mask by position with no branch
+MIN_SPLIT_KEYS = 64  # a split reads at least this many keys, or its merge costs more than it saves
+BLOCK_N = 64  # keys per tile
+PREFILL_ROWS = 64  # query rows (positions x query heads of a KV head) per prefill tile
+MIN_DOT_ROWS = 16  # tl.dot's smallest M: decode groups are padded up to it
+
+
+def is_interpreted() -> bool:
+    """Whether the kernels run through Triton's interpreter (on CPU tensors) rather than compiled for a GPU."""
+    return not isinstance(kernels.paged_decode_kernel, triton.runtime.JITFunction)
+
+
+def can_read(encoding: KVCacheDtype) -> bool:
+    """Whether the kernels read a cache stored in ``encoding``."""
+    return not encoding.has_scales or encoding.name in QUANTIZED_ENCODINGS
+
+
+@dataclass(frozen=True)
+class TritonPagedMetadata(AttentionMetadata):
+    """The step's inputs cut into the decodes (the first ``num_decodes`` sequences) and the prefill chunks."""
+
+    inputs: AttentionInputs
+    sliding_windows: frozenset[int | None]  # those build_metadata was given; forward refuses others, as the twin
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
+    chunk_query_starts: torch.Tensor  # int32 [num_chunks]: the step's row of each chunk's first query
+    chunk_query_lens: torch.Tensor  # int32 [num_chunks]
+    max_chunk_len: int
+    max_decode_len: int
+
+    @property
+    def num_chunks(self) -> int:
+        return self.inputs.num_seqs - self.inputs.num_decodes
+
+
+class TritonPagedBackend(AttentionBackend):
+    """Decodes and prefill chunks through Triton kernels; fp16 / bf16 / fp32 models, caches unquantized or
+    int8 / fp8. ``max_kv_splits`` caps the flash-decoding split (1 turns it off)."""
+
+    def __init__(self, max_kv_splits: int = 32) -> None:
+        if max_kv_splits < 1:
+            raise ValueError(f"max_kv_splits must be >= 1, got {max_kv_splits}")
+        self.max_kv_splits = max_kv_splits
+
+    def build_metadata(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> TritonPagedMetadata:
+        _validate(inputs)
+        device = inputs.seq_lens.device
+        if device.type != "cuda" and not is_interpreted():
+            raise ValueError(f"TritonPagedBackend runs on CUDA, or on CPU under TRITON_INTERPRET=1; the step's "
+                             f"tensors are on {device}")
+        if any(w is not None and w < 1 for w in sliding_windows):
+            raise ValueError(f"sliding windows must be positive numbers of tokens, got {sliding_windows}")
+        num_decodes = inputs.num_decodes
+        return TritonPagedMetadata(
+            inputs=inputs,
+            sliding_windows=frozenset(sliding_windows),
+            block_tables=inputs.block_tables.to(torch.int32),
+            seq_lens=inputs.seq_lens.to(torch.int32),
+            chunk_query_starts=inputs.query_start_loc[num_decodes:-1].to(torch.int32),
+            chunk_query_lens=inputs.query_start_loc.diff()[num_decodes:].to(torch.int32),
+            max_chunk_len=max(inputs.query_lens_list[num_decodes:], default=0),
+            max_decode_len=max(inputs.seq_lens_list[:num_decodes], default=0),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        kv: KVCacheStorage,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        if not isinstance(meta, TritonPagedMetadata):
+            raise TypeError(f"TritonPagedBackend needs TritonPagedMetadata, got {type(meta).__name__}")
+        if sliding_window not in meta.sliding_windows:
+            raise ValueError(f"sliding_window={sliding_window} was not among the windows given to build_metadata "
+                             f"({sorted(meta.sliding_windows, key=str)})")
+        _check_inputs(q, k, kv, layer, meta.inputs)
+        if q.stride(-1) != 1:  # the kernels take row and head strides, so column slices of a packed qkv pass as is
+            q = q.contiguous()
+        kv.write(layer, meta.inputs.slot_mapping, k, v)
+        layer_kv, window = kv.layer(layer), sliding_window or NO_WINDOW
+        out = torch.empty_like(q)
+        if meta.inputs.num_decodes:
+            self._attend_decodes(q, out, layer_kv, meta, scale, window)
+        if meta.num_chunks:
+            _attend_chunks(q, out, layer_kv, meta, scale, window)
+        return out
+
+    def _attend_decodes(self, q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, meta: TritonPagedMetadata,
+                        scale: float, window: int) -> None:
+        num_decodes, (num_heads, head_dim) = meta.inputs.num_decodes, q.shape[1:]
+        num_kv_heads = layer_kv.k.shape[2]
+        num_splits = self._num_splits(num_decodes * num_kv_heads, min(meta.max_decode_len, window), q.device)
+        group = num_heads // num_kv_heads
+        block_d = triton.next_power_of_2(head_dim)
+        target, lse = out, out  # one split: straight into the step's output (lse is then never touched)
+        if num_splits > 1:
+            target = torch.empty(num_decodes, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+            lse = torch.empty(num_decodes, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        kernels.paged_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+            target, target.stride(0), target.stride(1), target.stride(2) if num_splits > 1 else 0, lse,
+            q, q.stride(0), q.stride(1), *_cache_args(layer_kv),
+            meta.block_tables, meta.block_tables.stride(0), meta.seq_lens, scale * math.log2(math.e), window,
+            GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
+            BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+            QUANT=layer_kv.k_scale is not None, **_dot_args(q), STORE_LSE=num_splits > 1,
+        )
+        if num_splits > 1:
+            kernels.merge_splits_kernel[(num_decodes, num_heads)](
+                out, out.stride(0), out.stride(1), target, lse, num_splits,
+                HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            )
+
+    def _num_splits(self, num_programs: int, max_visible_keys: int, device: torch.device) -> int:
+        """Splits per decode: enough programs to fill the GPU's multiprocessors twice over, each split reading
+        at least ``MIN_SPLIT_KEYS`` keys (under the interpreter, as many as that allows, so tests split)."""
+        by_length = math.ceil(max_visible_keys / MIN_SPLIT_KEYS)
+        if device.type != "cuda":
+            return max(1, min(self.max_kv_splits, by_length))
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return max(1, min(self.max_kv_splits, by_length, math.ceil(2 * num_sms / num_programs)))
+
+
+def _attend_chunks(q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, meta: TritonPagedMetadata,
+                   scale: float, window: int) -> None:
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = layer_kv.k.shape[2]
+    group = num_heads // num_kv_heads
+    block_m = max(PREFILL_ROWS, triton.next_power_of_2(group))
+    queries_per_tile = block_m // group
+    chunk_rows = slice(meta.inputs.num_decodes, None)
+    grid = (meta.num_chunks, num_kv_heads, math.ceil(meta.max_chunk_len / queries_per_tile))
+    kernels.paged_prefill_kernel[grid](
+        out, out.stride(0), out.stride(1), q, q.stride(0), q.stride(1), *_cache_args(layer_kv),
+        meta.block_tables[chunk_rows], meta.block_tables.stride(0), meta.seq_lens[chunk_rows],
+        meta.chunk_query_starts, meta.chunk_query_lens, scale * math.log2(math.e), window,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size, QUERIES_PER_TILE=queries_per_tile,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANT=layer_kv.k_scale is not None, **_dot_args(q),
+    )
+
+
+def _cache_args(layer_kv: KVLayerView) -> tuple[torch.Tensor | int, ...]:
+    """The kernels' k/v cache, k/v scales (the data themselves where unquantized: never read) and strides."""
+    k, v = layer_kv.k, layer_kv.v
+    k_scale = layer_kv.k_scale if layer_kv.k_scale is not None else k
+    v_scale = layer_kv.v_scale if layer_kv.v_scale is not None else v
+    return k, v, k_scale, v_scale, k.stride(1), k.stride(2), k_scale.stride(1)
+
+
+def _dot_args(q: torch.Tensor) -> dict[str, str | bool]:
+    """fp32 models get fp32 dots (Triton's default for fp32 is tf32, about 3e-4 off the reference); bf16 dots
+    are upcast under the interpreter, which gets them wrong."""
+    return {"PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+            "UPCAST_DOTS": q.dtype == torch.bfloat16 and is_interpreted()}
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: int, inputs: AttentionInputs) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    spec = kv.spec
+    if (num_tokens != inputs.num_tokens or num_heads % spec.num_kv_heads or k.shape[1] != spec.num_kv_heads
+            or head_dim != spec.head_dim):
+        raise ValueError(
+            f"q {tuple(q.shape)} / k {tuple(k.shape)} do not fit a step of {inputs.num_tokens} tokens with "
+            f"num_heads a multiple of the cache's num_kv_heads={spec.num_kv_heads} and head_dim={spec.head_dim}"
+        )
+    encoding = kv.layer(layer).encoding
+    if q.dtype not in MODEL_DTYPES or q.dtype != spec.dtype:
+        raise TypeError(f"TritonPagedBackend takes fp16 / bf16 / fp32 queries in the cache's {spec.dtype}; "
+                        f"got {q.dtype}")
+    if not can_read(encoding):
+        raise NotImplementedError(f"TritonPagedBackend reads caches stored unquantized or as "
+                                  f"{' / '.join(QUANTIZED_ENCODINGS)}, not {encoding.name}; use torch_ref")

@@ -1,0 +1,151 @@
+"""TritonPagedBackend against TorchRefBackend: through Triton's interpreter on CPU (small shapes: it runs each
+program in numpy), natively on CUDA where there is one (``-m gpu`` adds real shapes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
+
+from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend  # noqa: E402
+from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
+from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  # noqa: E402
+from kvserve.kv.quant import ENCODINGS  # noqa: E402
+from tests.attention.test_cpu_paged import make_step  # noqa: E402
+from tests.attention.test_torch_ref import LAYER, Step  # noqa: E402
+
+DEVICE = "cpu" if is_interpreted() else "cuda"
+# fp32 runs ieee dots, so it lands on the reference up to summation order; bf16 rounds the probabilities to bf16
+# before the P @ V dot, as SDPA's flash kernels do, about 2^-8 relative.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+NO_SPLIT, SPLIT = TritonPagedBackend(max_kv_splits=1), TritonPagedBackend(max_kv_splits=4)
+MIXED = [(0, 1), (70, 1), (130, 1), (5, 1), (0, 19), (37, 11), (200, 3)]  # 4 decodes, then 3 chunks
+
+
+def check(step: Step, window: int | None, backend: TritonPagedBackend) -> None:
+    """The Triton backend equals the reference backend on the same step (each writes the same new K/V at the
+    same slots, so the cache is shared)."""
+    scale = step.q.shape[-1] ** -0.5
+    outs = []
+    for b in (backend, TorchRefBackend()):
+        meta = b.build_metadata(step.inputs, {None, window})
+        outs.append(b.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=scale, sliding_window=window))
+    fast, reference = outs
+    assert fast.shape == step.q.shape and fast.dtype == step.q.dtype
+    tol = TOLERANCE[step.q.dtype]
+    torch.testing.assert_close(fast.float(), reference.float(), atol=tol, rtol=tol)
+
+
+def triton_step(seqs: list[tuple[int, int]], num_decodes: int, **kwargs) -> Step:
+    kwargs = {"head_dim": 64, "block_size": 16, "num_kv_heads": 2, "device": DEVICE, **kwargs}
+    return make_step(seqs, num_decodes, **kwargs)
+
+
+@pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decodes(group: int, window: int | None, backend: TritonPagedBackend) -> None:
+    """Decodes of 1 to 300 keys: splits longer and shorter than a tile, empty splits of short decodes, windows
+    that cut inside a block."""
+    contexts = [0, 1, 63, 64, 150, 299]
+    check(triton_step([(c, 1) for c in contexts], len(contexts), group=group, seed=group), window, backend)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_chunks_with_and_without_context(group: int, window: int | None) -> None:
+    """Chunks of 1, 23 and 70 tokens (more than a 64-row tile) on contexts of 0, 19 and 100."""
+    seqs = [(0, 23), (19, 13), (100, 70), (0, 1), (45, 1)]
+    check(triton_step(seqs, 0, group=group, seed=10 + group), window, SPLIT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 33])
+def test_mixed_decodes_and_chunks(dtype: torch.dtype, window: int | None) -> None:
+    check(triton_step(MIXED, 4, group=3, dtype=dtype, seed=3), window, SPLIT)
+
+
+def test_head_dim_not_a_power_of_two() -> None:
+    """head_dim 80 runs in 128-wide tiles, the last 48 columns masked."""
+    check(triton_step(MIXED, 4, head_dim=80, group=3, seed=4), 40, SPLIT)
+
+
+def test_strided_qkv_views_as_the_model_passes_them() -> None:
+    step = triton_step([(5, 1), (90, 1), (4, 6)], 2, group=3)
+    q, k, v = torch.cat([step.q, step.k, step.v], dim=1).split([6, 2, 2], dim=1)
+    assert not q.is_contiguous()
+    check(Step(step.inputs, step.kv, q, k, v, step.histories, step.query_lens), None, SPLIT)
+
+
+@pytest.mark.parametrize("encoding", ["int8", "fp8"])
+def test_quantized_cache_is_dequantized_in_the_kernels(encoding: str) -> None:
+    check(triton_step(MIXED, 4, group=3, encoding=ENCODINGS[encoding], seed=5), 33, SPLIT)
+
+
+def test_unsupported_inputs_are_rejected_with_what_is_wrong() -> None:
+    step = triton_step([(3, 1), (0, 4)], 1, group=1, encoding=ENCODINGS["int4"])
+    meta = SPLIT.build_metadata(step.inputs, {None})
+    with pytest.raises(NotImplementedError, match="not int4"):
+        SPLIT.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+    with pytest.raises(ValueError, match="sliding_window=8"):
+        SPLIT.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0, sliding_window=8)
+    with pytest.raises(TypeError, match="fp16 / bf16 / fp32"):
+        SPLIT.forward(step.q.double(), step.k, step.v, LAYER, step.kv, meta, scale=1.0)
+
+
+CUDA = torch.device("cuda")
+
+
+def test_selector_picks_triton_on_cuda_where_its_kernels_read_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert isinstance(select_backend(CUDA, dtype), TritonPagedBackend)
+    assert isinstance(select_backend(CUDA, torch.bfloat16, kv_dtype=ENCODINGS["int8"]), TritonPagedBackend)
+    assert type(select_backend(CUDA, torch.bfloat16, kv_dtype=ENCODINGS["int4"])) is TorchRefBackend
+    assert type(select_backend(CUDA, torch.float64)) is TorchRefBackend
+    with pytest.raises(ValueError, match="not torch.bfloat16 on a int4 cache"):
+        select_backend(CUDA, torch.bfloat16, name="triton", kv_dtype=ENCODINGS["int4"])
+
+
+def test_selector_forces_triton_on_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    if is_interpreted():
+        assert isinstance(select_backend(torch.device("cpu"), torch.float32), TritonPagedBackend)
+    else:
+        with pytest.raises(ValueError, match="under TRITON_INTERPRET=1"):
+            select_backend(torch.device("cpu"), torch.float32)
+
+
+def test_kvserve_imports_and_selects_without_triton() -> None:
+    """With triton unimportable, the engine still imports, CUDA falls back to the reference (with a warning),
+    and forcing triton raises ImportError."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, kvserve, kvserve.worker.model_runner\n"
+        "from kvserve.attention.selector import select_backend\n"
+        "assert type(select_backend(torch.device('cuda'), torch.bfloat16)).__name__ == 'TorchRefBackend'\n"
+        "try:\n    select_backend(torch.device('cuda'), torch.bfloat16, name='triton')\n"
+        "except ImportError:\n    print('ok')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(is_interpreted(), reason="needs CUDA (natively compiled kernels)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (8, 4, 128)])
+@pytest.mark.parametrize("window", [None, 500])
+def test_real_shapes_on_cuda(dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int,
+                             window: int | None) -> None:
+    """SmolLM2's and Llama-3-8B's attention shapes, at contexts of thousands of tokens and a batch small enough
+    to split the keys, beside a 1,000-token chunk and chunks on long contexts."""
+    contexts = [1, 17, 700, 2048, 4000, 129, 3000, 64]
+    seqs = [(c, 1) for c in contexts] + [(0, 1000), (1500, 300), (4000, 17)]
+    step = triton_step(seqs, len(contexts), head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
+                       dtype=dtype, seed=head_dim)
+    check(step, window, TritonPagedBackend())
