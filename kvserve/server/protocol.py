@@ -115,7 +115,15 @@ class SamplingRequest(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # OpenAI fields that change nothing here: informational (user, safety_identifier, metadata), or a cache hint
+    # the automatic prefix cache does not need (prompt_cache_key); service_tier only in its default meanings
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default"] | None = None
     # OpenAI fields kvserve does not implement: refused by name rather than ignored
+    store: bool | None = None
+    verbosity: str | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     audio: Any = None
@@ -135,7 +143,8 @@ class SamplingRequest(_Body):
         unsupported = {
             "functions": self.functions, "function_call": self.function_call,
             "audio": self.audio, "prediction": self.prediction, "web_search_options": self.web_search_options,
-            "reasoning_effort": self.reasoning_effort,
+            "reasoning_effort": self.reasoning_effort, "verbosity": self.verbosity,
+            "store": self.store or None,
             "modalities": None if self.modalities in (None, ["text"]) else self.modalities,
         }
         for name, value in unsupported.items():
@@ -222,6 +231,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: StrictInt | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 
@@ -229,6 +239,8 @@ class CompletionRequest(SamplingRequest):
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported (every sample is returned)")
         for name in ("tools", "tool_choice"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name} is only supported on /v1/chat/completions")

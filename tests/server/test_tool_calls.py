@@ -112,6 +112,17 @@ def test_auto_reads_the_models_own_calls_streamed_and_whole(tool_client: openai.
     assert content.strip() == "Checking." and finish == "tool_calls"
 
 
+def test_the_sdks_stream_helper_reassembles_the_calls(tool_client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    whole = create(tool_client, tools=TOOLS, tool_choice=choice).choices[0].message.tool_calls
+    with tool_client.chat.completions.stream(model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=120,
+                                             tools=TOOLS, tool_choice=choice) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole]
+    assert final.finish_reason == "tool_calls"
+
+
 def test_auto_without_a_call_is_plain_content(tool_client: openai.OpenAI) -> None:
     reply = create(tool_client, tools=TOOLS, extra_body={"guided_regex": "No call needed"}).choices[0]
     assert reply.message.content == "No call needed" and reply.message.tool_calls is None
