@@ -600,7 +600,8 @@ int kvserve_paged_decode_f32(float *out, int64_t out_row_stride, const float *q,
     int num_bad = 0;
     /* the groups' shared keys first: every (chunk, split, KV head) item writes its members' states */
     const int items_per_chunk = cascade.num_splits * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : num_bad)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : num_bad) \
+    if (cascade.num_chunks > 0) /* no threads woken for a step without groups */
     for (int item = 0; item < cascade.num_chunks * items_per_chunk; item++)
         num_bad += shared_fn(&a, &cascade, item / items_per_chunk, item % items_per_chunk / num_kv_heads,
                              item % num_kv_heads);
