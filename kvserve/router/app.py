@@ -76,6 +76,15 @@ class Router:
         self.health_interval = health_interval
         self.metrics = RouterMetrics()
 
+    def move(self, old_url: str, new_url: str) -> None:
+        """A replica now answers at ``new_url`` (Ray restarted it elsewhere): a fresh entry, since the prompts
+        sent to the old one are not cached at the new one."""
+        for i, replica in enumerate(self.replicas):
+            if replica.url == old_url.rstrip("/"):
+                self.replicas[i] = Replica(new_url.rstrip("/"), healthy=False)  # until its health check
+                return
+        raise ValueError(f"no replica at {old_url}")
+
     async def forward(self, path: str, body: bytes, payload: dict[str, Any], headers: dict[str, str]) -> Response:
         keys = prefix_keys(prompt_text(payload))
         tried: set[Replica] = set()

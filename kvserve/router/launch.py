@@ -1,5 +1,6 @@
 """``kvserve router --worker URL ...`` (replicas started elsewhere) and ``kvserve serve --data-parallel-size N``
-(N replicas started here, each its own process on its own port, the router in front on the usual port).
+(N replicas, each its own process on its own port, the router in front on the usual port): started here
+(``--data-parallel-backend mp``), or placed on a Ray cluster (``ray``, see ``ray_replicas``).
 
     kvserve serve MODEL --port 8000 --data-parallel-size 2
         -> kvserve serve MODEL --port 8001      (replica 0)
@@ -20,6 +21,7 @@ import uvicorn
 
 from kvserve.router.app import Router, build_router_app
 from kvserve.router.policy import POLICIES, make_policy
+from kvserve.router.ray_replicas import RayReplicas, ray_available
 
 logger = logging.getLogger(__name__)
 
@@ -39,32 +41,71 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    router = Router(args.worker, make_policy(args.routing_policy))
-    logger.info("kvserve router on http://%s:%d -> %s (%s)", args.host, args.port, ", ".join(args.worker),
-                args.routing_policy)
-    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="warning")
+    return _run(Router(args.worker, make_policy(args.routing_policy)), args.host, args.port, args.routing_policy)
+
+
+def _run(router: Router, host: str, port: int, policy: str) -> int:
+    logger.info("kvserve router on http://%s:%d -> %s (%s)", host, port, ", ".join(r.url for r in router.replicas),
+                policy)
+    uvicorn.run(build_router_app(router), host=host, port=port, log_level="warning")
     return 0
+
+
+def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="replicas to start, each its own process on the ports after --port, behind a router "
+                             "on --port (kvserve.router)")
+    parser.add_argument("--data-parallel-backend", default="mp", choices=("mp", "ray"),
+                        help="mp: replica processes on this machine; ray: Ray actors placed on a Ray cluster "
+                             "(pip install 'kvserve[ray]')")
+    parser.add_argument("--ray-address", default=None,
+                        help="the Ray cluster to join (default: a local one, or $RAY_ADDRESS)")
+    parser.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
 
 
 def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``args.data_parallel_size`` replicas of ``kvserve serve`` (the same flags, ports after the router's)
     and run the router in front until it is stopped; then stop the replicas."""
     size = args.data_parallel_size
-    replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy"))
-    ports = [args.port + 1 + i for i in range(size)]
-    replicas = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *replica_argv, "--port", str(port)])
-                for port in ports]
-    router_args = argparse.Namespace(worker=[f"http://127.0.0.1:{port}" for port in ports], host=args.host,
-                                     port=args.port, routing_policy=args.routing_policy)
+    replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
+                                         "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host"))
+    if args.data_parallel_backend == "ray":
+        ray_available()
+        replicas: LocalReplicas | RayReplicas = RayReplicas(replica_argv, size, args.port + 1, args.ray_address,
+                                                            args.replica_cpus)
+    else:
+        replicas = LocalReplicas(replica_argv, [args.port + 1 + i for i in range(size)])
+    router = Router(replicas.urls, make_policy(args.routing_policy))
+    if isinstance(replicas, RayReplicas):
+        replicas.supervise(router)
     # uvicorn re-raises the signal that stopped it once it has shut down: ignored here, so that the replicas
     # are stopped below instead of being left running by a process killed on the spot
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return run_router(router_args)
+        return _run(router, args.host, args.port, args.routing_policy)
     finally:
-        _stop(replicas)
+        replicas.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class LocalReplicas:
+    """Replica processes on this machine, one port each."""
+
+    def __init__(self, argv: list[str], ports: list[int]) -> None:
+        self.urls = [f"http://127.0.0.1:{port}" for port in ports]
+        self.processes = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--port", str(port)])
+                          for port in ports]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)  # each drains its requests, as a lone server does
+        timer = threading.Timer(60.0, lambda: [p.kill() for p in self.processes if p.poll() is None])
+        timer.start()
+        for process in self.processes:
+            process.wait()
+        timer.cancel()
 
 
 def _without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -80,14 +121,3 @@ def _without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
             continue
         kept.append(arg)
     return kept
-
-
-def _stop(replicas: list[subprocess.Popen]) -> None:
-    for process in replicas:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)  # each drains its requests, as a lone server does
-    timer = threading.Timer(60.0, lambda: [p.kill() for p in replicas if p.poll() is None])
-    timer.start()
-    for process in replicas:
-        process.wait()
-    timer.cancel()

@@ -27,7 +27,7 @@ from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
 from kvserve.engine_args import EngineArgs
-from kvserve.router.launch import add_policy_argument
+from kvserve.router.launch import add_data_parallel_arguments, add_policy_argument
 from kvserve.server.app import build_app
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
 from kvserve.server.tools import TOOL_CALL_PARSERS
@@ -56,9 +56,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                         help="the format of the model's own tool calls, read under tool_choice auto (auto: the one "
                              "the chat template uses; hermes where the template takes no tools)")
-    parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="replicas to start, each its own process on the ports after --port, behind a router "
-                             "on --port (kvserve.router)")
+    add_data_parallel_arguments(parser)
     add_policy_argument(parser)
     EngineArgs.add_cli_args(parser)
 
