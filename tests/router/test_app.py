@@ -160,3 +160,13 @@ def test_metrics_count_requests_and_prefix_hits_per_replica() -> None:
 ])
 def test_prompt_text(payload: dict, text: str) -> None:
     assert prompt_text(payload) == text
+
+
+def test_a_moved_replica_is_a_fresh_entry_until_its_health_check() -> None:
+    router = Router(["http://a:1", "http://b:1"], make_policy("cache_aware"))
+    router.replicas[0].index.insert([b"k"])
+    router.move("http://a:1/", "http://c:2")
+    moved = router.replicas[0]
+    assert (moved.url, moved.healthy, moved.index.match([b"k"])) == ("http://c:2", False, 0)
+    with pytest.raises(ValueError, match="no replica at http://zz"):
+        router.move("http://zz", "http://c:3")
