@@ -5,7 +5,8 @@
 length as the output length. ``prefix``: groups of requests that share a long system prompt, listed group by group
 so that a group arrives together. ``multiturn``: conversations whose every turn resends the whole history; the
 list holds every turn with a scripted history, and ``kvserve bench serve`` swaps the scripted answers for the
-server's own. ``long``: prompts that fill the context but for the output.
+server's own. ``long``: prompts that fill the context but for the output. ``grounded``: chat turns whose answers
+quote their prompt (code edits, summaries with quotes, extraction; ``bench/grounded.py``), for speculation.
 
 The same flags and seed give the same requests, whoever builds them (``bench serve``, ``bench throughput``, the
 peers' scripts), so every engine runs exactly the same work.
@@ -23,7 +24,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-DATASETS = ("random", "sharegpt", "prefix", "multiturn", "long")
+from kvserve.bench.grounded import grounded_messages
+
+DATASETS = ("random", "sharegpt", "prefix", "multiturn", "long", "grounded")
 SHAREGPT_SAMPLE = Path(__file__).parent / "data" / "sharegpt_sample.json"
 # vLLM's ShareGPT filter: pairs this short say little, and longer ones would not fit a 2k context.
 SHAREGPT_MIN_LEN = 4
@@ -82,6 +85,8 @@ def build_dataset(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
     name = args.dataset_name
     if name == "sharegpt":
         return _sharegpt(rng, tokenizer, args)
+    if name == "grounded":
+        return _grounded_requests(rng, tokenizer, args)
     words = _RandomText(tokenizer)
     if name == "random":
         return [_random_request(rng, words, args) for _ in range(args.num_prompts)]
@@ -179,9 +184,21 @@ def _multiturn_requests(rng: random.Random, words: _RandomText, tokenizer: PreTr
     return requests
 
 
+def _grounded_requests(rng: random.Random, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace
+                       ) -> list[SampleRequest]:
+    """``--num-prompts`` chat turns of documents of about ``--random-input-len`` tokens and tasks that quote them."""
+    requests = []
+    for i in range(args.num_prompts):
+        prompt = _chat_prompt(tokenizer, grounded_messages(rng, i, tokenizer, args.random_input_len))
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        output_len = _length(rng, args.random_output_len, args.random_range_ratio)
+        requests.append(SampleRequest(prompt, prompt_len, output_len))
+    return requests
+
+
 def _chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
     if tokenizer.chat_template is None:
-        raise ValueError("the multiturn workload needs a tokenizer with a chat template")
+        raise ValueError("this workload needs a tokenizer with a chat template")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

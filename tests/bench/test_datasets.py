@@ -85,6 +85,19 @@ def test_long_prompts_fill_the_context_but_the_output(tokenizer) -> None:
         build_dataset(args("--dataset-name", "long"), tokenizer)
 
 
+def test_grounded_prompts_hold_what_their_answers_quote(tokenizer) -> None:
+    flags = ["--dataset-name", "grounded", "--num-prompts", "6", "--random-input-len", "200",
+             "--random-output-len", "50"]
+    requests = build_dataset(args(*flags), tokenizer)
+    assert requests == build_dataset(args(*flags), tokenizer) != build_dataset(args(*flags, "--seed", "2"), tokenizer)
+    assert all(r.prompt_len >= 200 and r.output_len == 50 for r in requests)
+    assert all(r.prompt_len == len(tokenizer.encode(r.prompt, add_special_tokens=False)) for r in requests)
+    code, summary, extraction = requests[:3]
+    renamed = code.prompt.split("`")[1]
+    assert f"def {renamed}(" in code.prompt  # the function to rename is in the file
+    assert "word for word" in summary.prompt and "- id 1000:" in extraction.prompt
+
+
 def test_sharegpt_takes_first_turns_and_reply_lengths_filtered_like_vllm(tokenizer) -> None:
     flags = ["--dataset-name", "sharegpt", "--dataset-path", str(SHAREGPT_SAMPLE), "--num-prompts", "20"]
     requests = build_dataset(args(*flags), tokenizer)
