@@ -33,7 +33,10 @@ GGML_GEMM_RANGE = "kvserve::ggml_gemm"  # the kernel's name in torch.profiler tr
 # from 4 rows a step up the dense layouts are as fast (a row costs the kernel its unpacking of every block again
 # per 4 rows, the dense GEMMs nothing): see benchmarks/cpu_gemm.py
 GGML_MAX_ROWS = 3
-KERNEL_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+KERNEL_TYPES = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
 _C_ARG_TYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its row stride
     + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]  # blocks, bytes per row, type, bias
