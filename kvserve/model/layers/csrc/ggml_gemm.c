@@ -1,4 +1,5 @@
-/* y = x W^T (+ bias) in fp32 over a weight kept in llama.cpp's (ggml's) quantized blocks: Q4_0, Q4_1, Q8_0.
+/* y = x W^T (+ bias) in fp32 over a weight kept in llama.cpp's (ggml's) quantized blocks: Q4_0, Q4_1, Q8_0 and
+ * the K-quants Q4_K, Q5_K, Q6_K.
  *
  * Each weight row (one output column) is a run of blocks of 32 consecutive k; a block is an fp16 scale d (and,
  * for Q4_1, an fp16 minimum m) followed by its 32 quants:
@@ -7,11 +8,20 @@
  *     Q4_1  | d | m | 16 bytes, nibbles as Q4_0                            |   w = d * q + m       20 bytes
  *     Q8_0  | d | 32 int8                                                  |   w = d * q           34 bytes
  *
+ * or of K-quant blocks of 256 k, each 8 groups of 32 (Q6_K: 16 of 16) with a scale of their own:
+ *
+ *     Q4_K  | d | dmin | 12 bytes: 6-bit sc, m per group | 128 bytes of nibbles |  w = d sc q - dmin m   144 bytes
+ *     Q5_K  | d | dmin | 12 bytes as Q4_K | 32 bytes of fifth bits | 128 nibbles |  as Q4_K, q 5 bits    176 bytes
+ *     Q6_K  | 128 bytes low nibbles | 64 bytes 2-bit high parts | 16 int8 sc | d |  w = d sc (q - 32)   210 bytes
+ *
+ * (bit positions in block_scales and group_bytes). The kernel sees every type as groups of GROUP = 32 k with a
+ * scale d and an offset: a K-quant block's scales are decoded once, then each group is one like Q4_1's.
+ *
  * Why: a decode step is bound by reading the weights, and these read 4.5 to 8.5 bits a weight where fp32 reads
- * 32. Each block is unpacked once into VEC-wide float vectors of its quants (bytes widened through 32-bit
+ * 32. Each group is unpacked once into VEC-wide float vectors of its quants (bytes widened through 32-bit
  * integers: straight to floats gcc converts byte by byte, 3x slower), then every row of a tile of up to
- * TILE_ROWS rows of x takes d * (x . q) from it; the offset term m * (sum of x over the block) uses sums of x
- * computed once per call. A row's result does not depend on the other rows of the step.
+ * TILE_ROWS rows of x takes d * (x . q) from it; the offset term (offset times the sum of x over the group)
+ * uses sums of x computed once per call. A row's result does not depend on the other rows of the step.
  *
  * Measured (2-core AMD EPYC Zen 2, AVX2), a 49152 x 576 weight: one row Q4_1 3.9 ms, Q8_0 3.4 ms, fp32 through
  * the small-GEMM panels 5.9 ms; 4 rows 6.9 / 6.5 / 6.4; 16 rows 28.5 / 27.0 / 12.8. Each row costs the kernel
