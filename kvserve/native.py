@@ -26,9 +26,10 @@ import torch
 COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 # The one environment variable kvserve's kernels read: KVSERVE_CPU_ISA=avx2 builds them for AVX2 + FMA
 # (Haswell) on any x86-64 CPU, so that a developer on an AVX-512 machine can measure the AVX2 code paths too
-# (ATEN_CPU_CAPABILITY=avx2 does the same for torch's own kernels). Default: the machine's own ISA.
+# (ATEN_CPU_CAPABILITY=avx2 does the same for torch's own kernels); avx512 builds for Skylake-X's AVX-512, so
+# that tests name the AVX-512 paths whatever the machine's newer extensions. Default: the machine's own ISA.
 ISA_ENV_VAR = "KVSERVE_CPU_ISA"
-ISA_MARCH = {"native": "-march=native", "avx2": "-march=haswell"}
+ISA_MARCH = {"native": "-march=native", "avx2": "-march=haswell", "avx512": "-march=skylake-avx512"}
 COMPILE_TIMEOUT_S = 120
 
 

@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from kvserve import LLM, SamplingParams, native
@@ -21,11 +22,24 @@ from kvserve.model.loader import load_checkpoint
 from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf
 from tests.model.test_prepacked import _cpu_flags
 
-TYPES = sorted(KERNEL_TYPES)
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # blocks of 256 values that gguf-py does not quantize
+TYPES = sorted(KERNEL_TYPES - set(K_TYPES))  # blocks of 32 that it does
+# where a K-quant block's fp16 scales sit (d and dmin; Q6_K: d): random bytes there could be inf or NaN
+K_HALF_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def blocks_of(weight: torch.Tensor, qtype: Q) -> GGMLTensor:
     return GGMLTensor.from_numpy(gguf.quants.quantize(weight.numpy(), qtype), qtype)
+
+
+def random_k_blocks(n: int, k: int, qtype: Q, gen: torch.Generator) -> GGMLTensor:
+    """A valid [n, k] weight of random K-quant blocks: random bytes, with finite fp16 scales of about 0.01."""
+    block_size, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = torch.randint(0, 256, (n, k // block_size, block_bytes), dtype=torch.uint8, generator=gen)
+    for offset in K_HALF_OFFSETS[qtype]:
+        scales = (torch.rand(n, k // block_size, 1, generator=gen) * 0.02).to(torch.float16)
+        blocks[..., offset : offset + 2] = scales.view(torch.uint8)
+    return GGMLTensor(blocks.reshape(n, -1), qtype, (n, k))
 
 
 def assert_close_to_reference(y: torch.Tensor, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> None:
@@ -54,24 +68,46 @@ def test_kernel_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: 
     assert_close_to_reference(kernel(x, weight, bias), x, weight, bias)
 
 
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("n, k", [(7, 256), (33, 512), (130, 1280)])
+def test_kernel_on_k_quants_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    weight = random_k_blocks(n, k, qtype, gen)
+    x = torch.randn(rows, k + 16, generator=gen)[:, 8 : 8 + k]
+    bias = torch.randn(n, generator=gen) if rows % 2 else None
+    assert_close_to_reference(kernel(x, weight, bias), x, weight, bias)
+
+
+def assert_build_equals_the_reference(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel built for ``isa`` (``$KVSERVE_CPU_ISA``), on every type it reads."""
+    monkeypatch.setenv(native.ISA_ENV_VAR, isa)
+    build = GGMLGemm(ctypes.CDLL(str(native.library_path(ggml.GGML_GEMM_SOURCE))))
+    gen = torch.Generator().manual_seed(1)
+    weights = [blocks_of(torch.randn(19, 512, generator=gen), qtype) for qtype in TYPES]
+    weights += [random_k_blocks(19, 512, qtype, gen) for qtype in K_TYPES]
+    for weight in weights:
+        x = torch.randn(5, 512, generator=gen)
+        assert_close_to_reference(build(x, weight, None), x, weight, None)
+        torch.testing.assert_close(build.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)
+
+
 @pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="this CPU cannot run the AVX2 build")
 def test_the_avx2_build_asked_for_on_any_cpu_equals_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(native.ISA_ENV_VAR, "avx2")
-    library = ctypes.CDLL(str(native.library_path(ggml.GGML_GEMM_SOURCE)))
-    avx2 = GGMLGemm(library)
-    gen = torch.Generator().manual_seed(1)
-    for qtype in TYPES:
-        weight = blocks_of(torch.randn(19, 64, generator=gen), qtype)
-        x = torch.randn(5, 64, generator=gen)
-        assert_close_to_reference(avx2(x, weight, None), x, weight, None)
+    assert_build_equals_the_reference("avx2", monkeypatch)
+
+
+@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="this CPU cannot run the AVX-512 build")
+def test_the_avx512_build_equals_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert_build_equals_the_reference("avx512", monkeypatch)
 
 
 def test_kernel_refuses_what_it_cannot_read(kernel: GGMLGemm) -> None:
     weight = blocks_of(torch.randn(8, 64), Q.Q8_0)
     with pytest.raises(ValueError, match="does not fit a Q8_0 weight"):
         kernel(torch.randn(2, 32), weight, None)
-    with pytest.raises(ValueError, match="Q5_K"):
-        kernel(torch.randn(2, 64), GGMLTensor(weight.blocks, Q.Q5_K, weight.shape), None)
+    with pytest.raises(ValueError, match="Q2_K"):
+        kernel(torch.randn(2, 64), GGMLTensor(weight.blocks, Q.Q2_K, weight.shape), None)
 
 
 def packed_layer(parts: dict[str, GGMLTensor | torch.Tensor], method: GGMLLinearMethod) -> PackedLinear:
@@ -168,3 +204,9 @@ def test_the_kernels_dequantization_equals_ggufs(kernel: GGMLGemm, qtype: Q) -> 
     torch.testing.assert_close(kernel.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)
     with pytest.raises(ValueError, match="not a contiguous fp32"):
         kernel.dequantize(weight, torch.empty(36, 96))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_the_kernels_k_quant_dequantization_equals_ggufs(kernel: GGMLGemm, qtype: Q) -> None:
+    weight = random_k_blocks(37, 768, qtype, torch.Generator().manual_seed(4))
+    torch.testing.assert_close(kernel.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)

@@ -3,7 +3,7 @@ multiplies by it without dequantizing it first (``csrc/ggml_gemm.c``).
 
 A decode step on CPU is bound by reading the weights: the default model's Q4_1 blocks are 5 bits a weight, its
 fp32 dequantization 32. ``GGMLLinearMethod`` keeps every linear layer whose checkpoint tensors arrive as
-blocks of one type the kernel reads (Q4_0, Q4_1, Q8_0) in those blocks; any other layer (a tied LM head, a
+blocks of one type the kernel reads (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) in those blocks; any other layer (a tied LM head, a
 float tensor, a packed layer whose projections differ in type) is dequantized at load and handed to the dense
 method it wraps. ``dequantize`` (gguf's own numpy reference) then ``F.linear`` is the twin the kernel is tested
 against: the kernel dequantizes to the same fp32 values, so the two differ only in the order of the sums.
@@ -33,7 +33,10 @@ GGML_GEMM_RANGE = "kvserve::ggml_gemm"  # the kernel's name in torch.profiler tr
 # from 4 rows a step up the dense layouts are as fast (a row costs the kernel its unpacking of every block again
 # per 4 rows, the dense GEMMs nothing): see benchmarks/cpu_gemm.py
 GGML_MAX_ROWS = 3
-KERNEL_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+KERNEL_TYPES = frozenset({
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
 _C_ARG_TYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its row stride
     + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]  # blocks, bytes per row, type, bias
