@@ -56,7 +56,7 @@ def test_smollm2_on_its_own_q4_1_blocks_matches_transformers() -> None:
     hf = _hf_from_gguf(name)
     expected = [hf_greedy(hf, p["prompt_token_ids"], max_new) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=max_new, logprobs=0)
-    kept = blocks.generate(prompts, params)
+    kept = [blocks.generate([p], params)[0] for p in prompts]  # alone: every decode step is one row, on blocks
     assert [o.outputs[0].token_ids for o in kept] == expected
     dense = LLM(name, quantization="none", max_model_len=1024, num_kv_blocks=256).generate(prompts, params)
     for a, b in zip(kept, dense):
