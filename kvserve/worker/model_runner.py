@@ -13,6 +13,7 @@ from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
+from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
@@ -74,8 +75,11 @@ class ModelRunner:
         self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
         meta = self.backend.build_metadata(batch.attn, self._sliding_windows)
         hidden = self.model(batch.input_ids, batch.positions, meta, self.kv)
-        output = self._sample(batch, hidden)
+        output = self._sample(batch, hidden) if not any(batch.draft_token_ids) else self._verify(batch, hidden)
         self.batch.append_sampled(output.sampled_token_ids)
+        for request_id, draft in zip(batch.sample_request_ids, batch.draft_token_ids):
+            if draft:
+                self.batch.drop_rejected_blocks(request_id)
         output.prompt_logprobs.update(self._prompt_logprobs(batch, hidden))
         return output
 
@@ -88,6 +92,28 @@ class ModelRunner:
         logprobs = {} if result.logprobs is None else {
             rid: [entry] for rid, entry in zip(batch.sample_request_ids, result.logprobs) if entry is not None
         }
+        return ModelOutput(sampled, logprobs)
+
+    def _verify(self, batch: InputBatch, hidden: torch.Tensor) -> ModelOutput:
+        """A step with speculating rows: plain rows sample their one token as usual; each speculating row
+        verifies its drafts against the logits at its 1 + k rows (speculating rows want no logprobs)."""
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        counts = [1 + len(draft) for draft in batch.draft_token_ids]
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        plain = [i for i, draft in enumerate(batch.draft_token_ids) if not draft]
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        if plain:
+            rows = [batch.sampling.rows[i] for i in plain]
+            result = self.sampler(logits[[ends[i] - 1 for i in plain]], SamplingBatch(rows))
+            for n, i in enumerate(plain):
+                sampled[batch.sample_request_ids[i]] = [result.token_ids[n]]
+                if result.logprobs is not None and result.logprobs[n] is not None:
+                    logprobs[batch.sample_request_ids[i]] = [result.logprobs[n]]
+        for i, draft in enumerate(batch.draft_token_ids):
+            if draft:
+                row_logits = logits[ends[i] - counts[i] : ends[i]]
+                sampled[batch.sample_request_ids[i]] = self.sampler.verify(row_logits, batch.sampling.rows[i], draft)
         return ModelOutput(sampled, logprobs)
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
