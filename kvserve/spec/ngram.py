@@ -1,7 +1,10 @@
 """N-gram (prompt-lookup) proposals: the tokens that followed the latest earlier occurrence of the last n tokens.
 
     history:  ... a b c x y ... a b c | (last 3 tokens "a b c")
-                  ^^^^^ earlier match: propose "x y ..." (up to k tokens)
+                  ^^^^^ earlier match: propose "x y ..." (k tokens)
+
+A match close to the end continues into the draft itself: the history is taken to repeat with the period
+between the match and the end, so ``1 2 1 2`` proposes ``1 2 1 2 ...``, not just ``1 2``.
 
 No model runs: a request that repeats itself (code edits, quoting its prompt, lists) gets drafts for free,
 and the target model verifies them. The search is vectorised over the history with numpy: one comparison
@@ -14,8 +17,9 @@ import numpy as np
 
 
 def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """Up to ``k`` tokens following the most recent earlier occurrence of the history's last n tokens, for the
-    largest n in ``[min_n, max_n]`` that occurs; an empty array when none does."""
+    """``k`` tokens following the most recent earlier occurrence of the history's last n tokens, for the
+    largest n in ``[min_n, max_n]`` that occurs (repeating with the match's period where the history runs
+    out); an empty array when none occurs."""
     num_tokens = len(token_ids)
     if k < 1 or num_tokens < min_n + 1:
         return token_ids[:0]
@@ -34,4 +38,5 @@ def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.n
     if longest < min_n:
         return token_ids[:0]
     end = int(ends[np.flatnonzero(match_len >= longest)[-1]])
-    return token_ids[end + 1 : end + 1 + k]
+    period = num_tokens - 1 - end
+    return token_ids[end + 1 + np.arange(k) % period]
