@@ -36,7 +36,6 @@ from kvserve.kv.manager import KVCacheManager, NoFreeBlocksError
 from kvserve.kv.prefix_cache import PrefixMatch
 from kvserve.outputs import FinishReason
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus, sample_request_id
-from kvserve.spec.policy import SpeculationPolicy
 from kvserve.sched.output import (
     EngineOutput,
     KVTransferPlan,
@@ -46,6 +45,7 @@ from kvserve.sched.output import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from kvserve.spec.policy import SpeculationPolicy
 
 
 @dataclass
@@ -71,7 +71,9 @@ class _PendingCopy:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, speculation: SpeculationPolicy | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, speculation: SpeculationPolicy | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
         self.speculation = speculation

@@ -275,5 +275,6 @@ def _sample_rows(query_start: np.ndarray, sampling: list[int], drafts: list[tupl
     if not any(drafts):
         return last_rows
     counts = np.array([1 + len(d) for d in drafts], dtype=np.int64)
-    ends = np.cumsum(counts)
-    return np.repeat(last_rows - counts + 1, counts) + np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+    starts = np.cumsum(counts) - counts  # where each request's rows begin in the result
+    offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)  # 0 .. count - 1 within each request
+    return np.repeat(last_rows - counts + 1, counts) + offsets

@@ -3,6 +3,8 @@ token ids (and logprobs)."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvserve.attention.backend import AttentionBackend
@@ -75,7 +77,7 @@ class ModelRunner:
         self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
         meta = self.backend.build_metadata(batch.attn, self._sliding_windows)
         hidden = self.model(batch.input_ids, batch.positions, meta, self.kv)
-        output = self._sample(batch, hidden) if not any(batch.draft_token_ids) else self._verify(batch, hidden)
+        output = self._sample(batch, hidden)
         self.batch.append_sampled(output.sampled_token_ids)
         for request_id, draft in zip(batch.sample_request_ids, batch.draft_token_ids):
             if draft:
@@ -87,34 +89,35 @@ class ModelRunner:
         if not batch.sample_request_ids:
             return ModelOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.sample_rows])
-        result = self.sampler(logits, batch.sampling)  # the token ids' host copy is the step's one sync
-        sampled = {rid: [token_id] for rid, token_id in zip(batch.sample_request_ids, result.token_ids)}
+        if any(batch.draft_token_ids):
+            return self._verify(batch, logits)
+        return self._draw(logits, batch.sample_request_ids, batch.sampling)
+
+    def _draw(self, logits: torch.Tensor, request_ids: list[str], sampling: SamplingBatch) -> ModelOutput:
+        """One token per row of ``logits``."""
+        result = self.sampler(logits, sampling)  # the token ids' host copy is the step's one sync
+        sampled = {rid: [token_id] for rid, token_id in zip(request_ids, result.token_ids)}
         logprobs = {} if result.logprobs is None else {
-            rid: [entry] for rid, entry in zip(batch.sample_request_ids, result.logprobs) if entry is not None
+            rid: [entry] for rid, entry in zip(request_ids, result.logprobs) if entry is not None
         }
         return ModelOutput(sampled, logprobs)
 
-    def _verify(self, batch: InputBatch, hidden: torch.Tensor) -> ModelOutput:
-        """A step with speculating rows: plain rows sample their one token as usual; each speculating row
-        verifies its drafts against the logits at its 1 + k rows (speculating rows want no logprobs)."""
-        logits = self.model.compute_logits(hidden[batch.sample_rows])
-        counts = [1 + len(draft) for draft in batch.draft_token_ids]
-        ends = torch.tensor(counts).cumsum(0).tolist()
-        plain = [i for i, draft in enumerate(batch.draft_token_ids) if not draft]
-        sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
+    def _verify(self, batch: InputBatch, logits: torch.Tensor) -> ModelOutput:
+        """A step with speculating rows: plain rows draw their one token as usual (at their last logit row);
+        each speculating row verifies its drafts against its 1 + k logit rows (speculating rows want no
+        logprobs)."""
+        drafts, request_ids, rows = batch.draft_token_ids, batch.sample_request_ids, batch.sampling.rows
+        ends = list(itertools.accumulate(1 + len(draft) for draft in drafts))
+        plain = [i for i, draft in enumerate(drafts) if not draft]
+        output = ModelOutput(sampled_token_ids={})
         if plain:
-            rows = [batch.sampling.rows[i] for i in plain]
-            result = self.sampler(logits[[ends[i] - 1 for i in plain]], SamplingBatch(rows))
-            for n, i in enumerate(plain):
-                sampled[batch.sample_request_ids[i]] = [result.token_ids[n]]
-                if result.logprobs is not None and result.logprobs[n] is not None:
-                    logprobs[batch.sample_request_ids[i]] = [result.logprobs[n]]
-        for i, draft in enumerate(batch.draft_token_ids):
+            output = self._draw(logits[[ends[i] - 1 for i in plain]], [request_ids[i] for i in plain],
+                                SamplingBatch([rows[i] for i in plain]))
+        for i, draft in enumerate(drafts):
             if draft:
-                row_logits = logits[ends[i] - counts[i] : ends[i]]
-                sampled[batch.sample_request_ids[i]] = self.sampler.verify(row_logits, batch.sampling.rows[i], draft)
-        return ModelOutput(sampled, logprobs)
+                row_logits = logits[ends[i] - 1 - len(draft) : ends[i]]
+                output.sampled_token_ids[request_ids[i]] = self.sampler.verify(row_logits, rows[i], draft)
+        return output
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
         return {
