@@ -55,12 +55,12 @@ class SpeculationPolicy:
         self.num_accepted_tokens = 0
         self.num_emitted_tokens = 0
 
-    def draft(self, request: Request, num_running: int, max_tokens: int) -> tuple[int, ...]:
+    def draft(self, request: Request, num_running: int, max_draft: int) -> tuple[int, ...]:
         """The tokens ``request`` (a decode: all but its last token computed) proposes this step, at most
-        ``max_tokens``; empty when it does not speculate."""
+        ``max_draft``; empty when it does not speculate."""
         if num_running > MAX_RUNNING_TO_SPECULATE or not can_speculate(request.sampling_params):
             return ()
-        k = min(self._num_to_propose(request.request_id), max_tokens)
+        k = min(self._num_to_propose(request.request_id), max_draft)
         if k < 1:
             return ()
         config = self.config

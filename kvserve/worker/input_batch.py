@@ -112,7 +112,10 @@ class PersistentBatch:
         row = self._rows[index]
         assert row is not None
         num_tokens = len(row.prompt_token_ids) + len(row.output_token_ids)
-        self.num_blocks[index] = min(int(self.num_blocks[index]), -(-num_tokens // self.block_size))
+        num_held, num_kept = int(self.num_blocks[index]), -(-num_tokens // self.block_size)
+        if num_kept < num_held:
+            self.block_table[index, num_kept:num_held] = 0  # a table stays padded with 0
+            self.num_blocks[index] = num_kept
 
     def _add(self, new: NewRequestData) -> None:
         if new.request_id in self._index:

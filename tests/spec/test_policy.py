@@ -21,13 +21,13 @@ def request(**params) -> Request:
 
 
 def test_a_repeating_request_proposes_k_tokens_within_the_limit() -> None:
-    assert policy().draft(request(), num_running=1, max_tokens=10) == (1, 2, 3, 4)
-    assert policy().draft(request(), num_running=1, max_tokens=2) == (1, 2)
-    assert policy().draft(request(), num_running=1, max_tokens=0) == ()
+    assert policy().draft(request(), num_running=1, max_draft=10) == (1, 2, 3, 4)
+    assert policy().draft(request(), num_running=1, max_draft=2) == (1, 2)
+    assert policy().draft(request(), num_running=1, max_draft=0) == ()
 
 
 def test_no_speculation_in_a_busy_step() -> None:
-    assert policy().draft(request(), num_running=MAX_RUNNING_TO_SPECULATE + 1, max_tokens=10) == ()
+    assert policy().draft(request(), num_running=MAX_RUNNING_TO_SPECULATE + 1, max_draft=10) == ()
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_no_speculation_in_a_busy_step() -> None:
 )
 def test_requests_whose_sampling_reads_the_history_do_not_speculate(params) -> None:
     assert not can_speculate(request(**params).sampling_params)
-    assert policy().draft(request(**params), num_running=1, max_tokens=10) == ()
+    assert policy().draft(request(**params), num_running=1, max_draft=10) == ()
 
 
 def test_a_low_acceptance_rate_lowers_k_then_stops_then_probes_again() -> None:
