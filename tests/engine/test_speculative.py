@@ -41,6 +41,11 @@ def test_greedy_output_is_that_of_plain_decoding(tiny_checkpoints, plain, arch) 
     assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
     assert stats["spec_decode_num_emitted_tokens"] > stats["spec_decode_num_accepted_tokens"]
     assert_all_blocks_free(llm)
+    # again, from the prefix cache: the blocks it published hold the accepted tokens' KV, never a rejected one's
+    resumed = [p + o[:20] for p, o in zip(PROMPTS, plain[arch])]
+    hits_before = llm.stats()["prefix_cache_hits"]
+    assert _token_ids(llm, SamplingParams(temperature=0, max_tokens=20), resumed) == [o[20:] for o in plain[arch]]
+    assert llm.stats()["prefix_cache_hits"] - hits_before == 3 * 28  # 7 of each prompt's 8 blocks: outputs too
 
 
 def test_off_by_default(tiny_checkpoints) -> None:
