@@ -16,6 +16,7 @@ from kvserve.kv.quant import ENCODINGS
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEVICES = ("auto", "cpu", "cuda")
+SPECULATIVE_METHODS = ("ngram",)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -132,10 +133,38 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, off while ``method`` is None. ``ngram`` (prompt lookup) proposes up to
+    ``num_speculative_tokens`` tokens that followed the latest earlier occurrence of the request's last n
+    tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min < 1:
+            raise ValueError(f"ngram_min (prompt_lookup_min) must be >= 1, got {self.prompt_lookup_min}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"ngram_max (prompt_lookup_max) must be >= ngram_min ({self.prompt_lookup_min}), "
+                             f"got {self.prompt_lookup_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     device: str = "auto"
 
     def __post_init__(self) -> None:

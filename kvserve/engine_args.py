@@ -20,11 +20,21 @@ from kvserve.config import (
     QUANTIZATION_CHOICES,
     KV_CACHE_DTYPES,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
+
+# vLLM's ``speculative_config`` dict keys -> our flat options
+_SPECULATIVE_CONFIG_KEYS = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_min": "ngram_min",
+    "prompt_lookup_max": "ngram_max",
+}
 
 
 def _option(default: Any, help: str, type: type | None = None, choices: Collection[str] | None = None) -> Any:
@@ -68,6 +78,25 @@ class EngineArgs:
     lpm_aging_steps: int = _option(SchedulerConfig.lpm_aging_steps,
                                    "lpm: requests waiting longer than this many steps go first, in arrival order",
                                    int)
+    speculative_method: str | None = _option(None, "speculative decoding: 'ngram' proposes the tokens that "
+                                             "followed the latest earlier occurrence of the last n tokens "
+                                             "(prompt lookup), verified exactly by the model; off by default",
+                                             str, SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _option(SpeculativeConfig.num_speculative_tokens,
+                                          "speculation: most tokens proposed per request per step", int)
+    ngram_min: int = _option(SpeculativeConfig.prompt_lookup_min, "ngram speculation: shortest n-gram matched",
+                             int)
+    ngram_max: int = _option(SpeculativeConfig.prompt_lookup_max, "ngram speculation: longest n-gram matched",
+                             int)
+
+    @staticmethod
+    def speculative_options(speculative_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's ``speculative_config`` dict as our flat options; an unknown key is a ValueError naming it."""
+        unknown = set(speculative_config) - set(_SPECULATIVE_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; expected some of "
+                             f"{', '.join(_SPECULATIVE_CONFIG_KEYS)}")
+        return {_SPECULATIVE_CONFIG_KEYS[key]: value for key, value in speculative_config.items()}
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen configuration; raises ValueError naming the first bad option."""
@@ -87,6 +116,12 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 scheduling_policy=self.scheduling_policy,
                 lpm_aging_steps=self.lpm_aging_steps,
+            ),
+            speculative=SpeculativeConfig(
+                method=self.speculative_method,
+                num_speculative_tokens=self.num_speculative_tokens,
+                prompt_lookup_min=self.ngram_min,
+                prompt_lookup_max=self.ngram_max,
             ),
             device=self.device,
         )

@@ -10,7 +10,7 @@ import torch
 
 from kvserve import LLM
 from kvserve.cli import build_parser
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from kvserve.engine_args import EngineArgs
 
 # A value other than the default for every option, and how it is written on a command line.
@@ -31,6 +31,10 @@ CHANGED = {
     "max_num_batched_tokens": 64,
     "scheduling_policy": "fcfs",
     "lpm_aging_steps": 5,
+    "speculative_method": "ngram",
+    "num_speculative_tokens": 5,
+    "ngram_min": 2,
+    "ngram_max": 6,
 }
 
 
@@ -76,7 +80,31 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none")
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, False, "int8")
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
+    assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
     assert config.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"speculative_method": "medusa"}, "speculative_method"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"ngram_min": 0}, "ngram_min"),
+        ({"ngram_min": 3, "ngram_max": 2}, "ngram_max"),
+    ],
+)
+def test_bad_speculative_options_name_the_option(options, named) -> None:
+    with pytest.raises(ValueError, match=named):
+        EngineArgs(**options).create_engine_config()
+
+
+def test_vllm_speculative_config_maps_to_the_flat_options() -> None:
+    options = EngineArgs.speculative_options(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    )
+    assert EngineArgs(**options).create_engine_config().speculative == SpeculativeConfig("ngram", 4, 1, 3)
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineArgs.speculative_options({"method": "ngram", "draft_model": "x"})
 
 
 @pytest.mark.parametrize("config", [ModelConfig(), CacheConfig(), SchedulerConfig(), EngineConfig()])

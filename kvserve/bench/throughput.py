@@ -44,7 +44,8 @@ from kvserve.model.sources import resolve_model
 BACKENDS = ("kvserve", "hf")
 WARMUP_OUTPUT_LEN = 4
 # Counters of llm.stats() that count since the engine started: the run's own figure is after minus before.
-RUN_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions")
+RUN_COUNTERS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_evictions",
+                "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_emitted_tokens")
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,9 @@ def run_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     if "prefix_cache_queries" in stats:
         queries = stats["prefix_cache_queries"]
         stats["prefix_cache_hit_rate"] = stats["prefix_cache_hits"] / queries if queries else 0.0
+    if "spec_decode_num_draft_tokens" in stats:
+        drafted = stats["spec_decode_num_draft_tokens"]
+        stats["spec_decode_acceptance_rate"] = stats["spec_decode_num_accepted_tokens"] / drafted if drafted else 0.0
     return stats
 
 
@@ -365,4 +369,8 @@ def format_stats(stats: dict[str, Any]) -> str:
     if stats.get("prefix_caching"):
         line += (f", prefix-cache hit rate {stats['prefix_cache_hit_rate']:.1%} ({stats['prefix_cache_hits']} of "
                  f"{stats['prefix_cache_queries']} tokens looked up), evictions {stats['prefix_cache_evictions']}")
+    if "spec_decode_num_draft_tokens" in stats:
+        line += (f", speculation: {stats['spec_decode_num_accepted_tokens']} of "
+                 f"{stats['spec_decode_num_draft_tokens']} draft tokens accepted "
+                 f"({stats['spec_decode_acceptance_rate']:.1%})")
     return line

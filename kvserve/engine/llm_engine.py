@@ -24,6 +24,7 @@ from kvserve.outputs import FinishReason, RequestOutput
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.scheduler import Scheduler
+from kvserve.spec.policy import SpeculationPolicy
 from kvserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,9 @@ class LLMEngine:
         )
         runner.init_kv_cache(self.num_kv_blocks, self.max_model_len)
         kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching)
-        return EngineCore(runner, Scheduler(sched_config, kv_manager), kv_manager)
+        speculative = self.config.speculative
+        speculation = SpeculationPolicy(speculative) if speculative.enabled else None
+        return EngineCore(runner, Scheduler(sched_config, kv_manager, speculation), kv_manager)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad."""
@@ -118,6 +121,7 @@ class LLMEngine:
             "num_preemptions": self.core.scheduler.num_preemptions,
             **self.core.scheduler.prefix_cache_stats(),
             **self._structured_output_stats(),
+            **(speculation.stats() if (speculation := self.core.scheduler.speculation) else {}),
         }
 
     def _structured_output_stats(self) -> dict[str, Any]:

@@ -134,9 +134,20 @@ class _SampleState:
         return self.finish_reason is not None
 
     def update(self, output: EngineOutput, token_texts: TokenTextCache) -> bool:
-        """Take one EngineOutput; return True if a stop string ended the sample while the engine still runs it."""
+        """Take one EngineOutput; return True if a stop string ended the sample while the engine still runs it.
+        Several new tokens (a speculating step's accepted run) are taken one at a time when there are stop
+        strings, so that ``token_ids`` end at the token completing a stop string, as with one-token steps."""
         if self.is_finished:
             return False
+        if len(output.new_token_ids) > 1 and self.params.stop_strings:
+            for one in _one_token_outputs(output):
+                stopped_by_string = self._update(one, token_texts)
+                if self.is_finished:
+                    return stopped_by_string
+            return False
+        return self._update(output, token_texts)
+
+    def _update(self, output: EngineOutput, token_texts: TokenTextCache) -> bool:
         self.token_ids.extend(output.new_token_ids)
         if self.logprobs is not None and output.logprobs:
             self.logprobs.extend(to_position_logprobs(entry, token_texts) for entry in output.logprobs)
@@ -193,6 +204,22 @@ class _SampleState:
     def _finish(self, reason: FinishReason | None, stop_reason: int | str | None) -> None:
         self.finish_reason = reason
         self.stop_reason = stop_reason
+
+
+def _one_token_outputs(output: EngineOutput) -> list[EngineOutput]:
+    """``output`` as one EngineOutput per new token; only the last one carries how the sample ended."""
+    last = len(output.new_token_ids) - 1
+    return [
+        EngineOutput(
+            output.request_id, [token_id],
+            output.finish_reason if i == last else None,
+            output.stop_reason if i == last else None,
+            output.logprobs[i : i + 1] if output.logprobs else None,
+            output.prompt_logprobs if i == 0 else None,
+            output.num_cached_tokens,
+        )
+        for i, token_id in enumerate(output.new_token_ids)
+    ]
 
 
 class _RequestState:

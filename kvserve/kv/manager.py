@@ -138,6 +138,21 @@ class KVCacheManager:
         del path.pending[:num_done]
         self._extend_path(request, request.num_computed_tokens)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Release the request's blocks past those its first ``num_tokens`` tokens need: blocks taken for
+        draft tokens that verification rejected. Their slots hold no known token, so none is on the tree::
+
+            block_ids:  | b0 full | b1: last tokens | b5: rejected drafts only |   -> b5 freed
+        """
+        num_kept = self.num_blocks_for(num_tokens)
+        tail = request.block_ids[num_kept:]
+        if not tail:
+            return
+        path = self._paths.get(request.request_id)
+        assert path is None or path.num_blocks <= num_kept, "a block past the request's known tokens is cached"
+        self.pool.free(reversed(tail))
+        del request.block_ids[num_kept:]
+
     def free(self, request: Request) -> None:
         """Release the request's hold on all its blocks (shared ones stay with their other holders); its
         computed cached blocks stay in the tree, evictable, and its pending ones leave it."""

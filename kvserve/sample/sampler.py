@@ -21,6 +21,7 @@ import torch
 from kvserve.sample.logits_processors import LogitsProcessor, default_processors
 from kvserve.sample.logprobs import gather_logprobs
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
+from kvserve.sample.rejection import accept_greedy, accept_sampled
 from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import TokenLogprobs
@@ -65,6 +66,24 @@ class Sampler:
         if self._stateful:
             self._accept(batch.rows, output.token_ids)
         return output
+
+    def verify(self, logits: torch.Tensor, row: SamplingRow, draft: Sequence[int]) -> list[int]:
+        """The tokens a speculating row emits: its accepted drafts then one of the target's own.
+        ``logits`` [k + 1, V] (modified in place) are the target's at the row's last token and at each draft
+        token. Only for rows that no logits processor changes and that want no logprobs (see
+        ``kvserve.spec.policy.can_speculate``); a seeded row draws from its own generator."""
+        if row.params.is_greedy:
+            token_ids = accept_greedy(draft, first_max(logits).tolist())
+        else:
+            probs = self._probs(logits, [row] * logits.shape[0])
+            generator = self._generator(row, logits.device) if row.params.seed is not None else \
+                self._unseeded_generator(logits.device)
+            token_ids = accept_sampled(probs, draft, generator)
+        if self._stateful:
+            self._add_new_keys([row])
+            for processor in self._stateful:
+                processor.accept(row.generator_key, token_ids)
+        return token_ids
 
     def prepare(self, batch: SamplingBatch) -> None:
         """Called before the forward pass whose logits ``batch`` will sample: new samples' state is created and
@@ -147,6 +166,12 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Temperature, truncation and a draw for rows that all have temperature > 0 (``logits`` modified)."""
+        probs = self._probs(logits, rows)
+        return first_max(probs.div_(self._exponentials(probs, rows)))
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The distributions rows with temperature > 0 draw from: temperature, top-k, top-p, min-p, softmax."""
         params = [r.params for r in rows]
         logits.div_(_per_row([p.temperature for p in params], logits)[:, None])
         top_k = _per_row([p.top_k for p in params], logits, torch.long) if any(p.top_k for p in params) else None
@@ -155,8 +180,7 @@ class Sampler:
             apply_top_k_top_p(logits, top_k, top_p)
         if any(p.min_p > 0.0 for p in params):
             apply_min_p(logits, _per_row([p.min_p for p in params], logits))
-        probs = logits.softmax(dim=-1)
-        return first_max(probs.div_(self._exponentials(probs, rows)))
+        return logits.softmax(dim=-1)
 
     def _exponentials(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Exp(1) noise per row: one batched draw for unseeded rows from the sampler's generator, each seeded

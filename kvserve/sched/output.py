@@ -47,6 +47,11 @@ class ScheduledRequest(NamedTuple):
     before the step. ``new_block_ids`` are appended to its block table (empty on the step a request enters
     the batch: its ``NewRequestData`` has the whole table). ``sample`` is False for a non-final prefill
     chunk; ``prompt_logprobs`` asks for the logprobs of the prompt tokens this chunk predicts.
+
+    A speculating decode runs its last sampled token then ``draft_token_ids`` (``num_tokens`` = 1 + drafts),
+    and the runner returns the accepted drafts plus one token of its own. Afterwards both sides keep only
+    the blocks that the request's known tokens need (``ceil(num_tokens / block_size)``): blocks taken only
+    for rejected drafts are freed by the scheduler and dropped from the runner's table.
     """
 
     request_id: str
@@ -55,6 +60,7 @@ class ScheduledRequest(NamedTuple):
     new_block_ids: tuple[int, ...] = ()
     sample: bool = True
     prompt_logprobs: bool = False
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

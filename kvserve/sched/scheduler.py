@@ -16,6 +16,10 @@ A request with n > 1 forks once: when all but its last prompt token are computed
 as requests of their own that share its KV (copy-on-write), and each sample then runs the last prompt token
 itself and samples its own first token. Nothing below the scheduler and the KV manager knows about forks.
 
+A running decode may speculate (``spec/``): it runs its last token plus k drafted tokens as one chunk, and
+``update_from_output`` advances it by the accepted drafts + 1 only; blocks taken just for rejected drafts are
+freed, and drafts never enter ``output_token_ids``, so the prefix tree never holds a rejected token.
+
 The scheduler owns request status, ``num_computed_tokens`` and ``output_token_ids``; blocks belong to the
 ``KVCacheManager``. Admission refuses a request that could never fit, so the oldest running request can
 always make progress and the loop never deadlocks.
@@ -41,6 +45,7 @@ from kvserve.sched.output import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from kvserve.spec.policy import SpeculationPolicy
 
 
 @dataclass
@@ -66,9 +71,12 @@ class _PendingCopy:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, speculation: SpeculationPolicy | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.speculation = speculation
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
@@ -159,11 +167,15 @@ class Scheduler:
         self._num_steps += 1
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: list[tuple[Request, int]] = []
-        num_preempted = self._schedule_running(budget, scheduled)
+        drafts: dict[str, tuple[int, ...]] = {}
+        num_preempted = self._schedule_running(budget, scheduled, drafts)
         if not num_preempted:  # memory is tight when preempting: admitting now would only thrash
             self._schedule_waiting(budget, scheduled)
         new_requests: list[NewRequestData] = []
-        requests = [self._scheduled_request(request, num_new, new_requests) for request, num_new in scheduled]
+        requests = [
+            self._scheduled_request(request, num_new, new_requests, drafts.get(request.request_id, ()))
+            for request, num_new in scheduled
+        ]
         num_tokens = sum(num_new for _, num_new in scheduled)
         if num_tokens > len(requests):  # one-token rows first, in order, then the chunks
             requests = [r for r in requests if r.num_tokens == 1] + [r for r in requests if r.num_tokens > 1]
@@ -176,22 +188,42 @@ class Scheduler:
         self._preempted_ids.clear()
         return out
 
-    def _schedule_running(self, budget: _Budget, scheduled: list[tuple[Request, int]]) -> int:
-        """Give each running request its next tokens, preempting the newest when KV runs out; returns the
-        number preempted. Victims come from the tail, which this loop has not reached yet."""
+    def _schedule_running(
+        self, budget: _Budget, scheduled: list[tuple[Request, int]], drafts: dict[str, tuple[int, ...]]
+    ) -> int:
+        """Give each running request its next tokens (plus a draft, if it speculates), preempting the newest
+        when KV runs out; returns the number preempted. Victims come from the tail, which this loop has not
+        reached yet. A draft never preempts: without the blocks for it, the request decodes one token."""
         num_preempted = 0
         index = 0
         while index < len(self.running) and budget.has_room():
             request = self.running[index]
             num_new = min(_num_tokens_left(request, request.num_computed_tokens), budget.num_tokens)
-            while not self.kv.allocate_slots(request, num_new):
-                num_preempted += 1
-                if self._preempt_newest() is request:
-                    return num_preempted
+            draft = self._draft(request, budget) if num_new == 1 else ()
+            if draft and self.kv.allocate_slots(request, 1 + len(draft)):
+                drafts[request.request_id] = draft
+                num_new += len(draft)
+            else:
+                while not self.kv.allocate_slots(request, num_new):
+                    num_preempted += 1
+                    if self._preempt_newest() is request:
+                        return num_preempted
             scheduled.append((request, num_new))
             budget.take(num_new)
             index += 1
         return num_preempted
+
+    def _draft(self, request: Request, budget: _Budget) -> tuple[int, ...]:
+        """The request's draft tokens this step: only for a decode (all but its last token computed), and no
+        more than fit the step's budget or could be kept under max_tokens and max_model_len (a verified row
+        emits up to len(draft) + 1 tokens)."""
+        if self.speculation is None or request.num_computed_tokens != request.num_tokens - 1:
+            return ()
+        room = min(budget.num_tokens, self.config.max_model_len - request.num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens)
+        return self.speculation.draft(request, len(self.running), room - 1)
 
     def _schedule_waiting(self, budget: _Budget, scheduled: list[tuple[Request, int]]) -> None:
         """Admit waiting requests in policy order while their chunk's blocks fit; never preempts to make
@@ -264,7 +296,7 @@ class Scheduler:
         return request
 
     def _scheduled_request(
-        self, request: Request, num_new: int, new_requests: list[NewRequestData]
+        self, request: Request, num_new: int, new_requests: list[NewRequestData], draft: tuple[int, ...]
     ) -> ScheduledRequest:
         """The request's row of this step; a request not in the runner's batch yet is named in full."""
         num_sent = self._num_blocks_sent.get(request.request_id)
@@ -273,7 +305,7 @@ class Scheduler:
             num_sent = len(request.block_ids)
         num_blocks = len(request.block_ids)
         self._num_blocks_sent[request.request_id] = num_blocks
-        end = request.num_computed_tokens + num_new
+        end = request.num_computed_tokens + num_new - len(draft)  # drafts are not the request's tokens yet
         return ScheduledRequest(
             request.request_id,
             request.num_computed_tokens,
@@ -281,6 +313,7 @@ class Scheduler:
             tuple(request.block_ids[num_sent:]) if num_sent < num_blocks else (),
             end == request.num_tokens,
             request.sampling_params.prompt_logprobs is not None and _wants_prompt_logprobs(request, end),
+            draft,
         )
 
     def _fork_source(self, request: Request) -> str | None:
@@ -312,11 +345,15 @@ class Scheduler:
             request = self.requests.get(row.request_id)
             if request is None:  # finished (e.g. aborted) after this step was scheduled
                 continue
-            request.num_computed_tokens += row.num_tokens
+            num_emitted = len(model_out.sampled_token_ids.get(row.request_id, ())) if row.draft_token_ids else 0
+            # a verified row's KV is valid up to its accepted drafts: its last token + the accepted drafts
+            request.num_computed_tokens += num_emitted if row.draft_token_ids else row.num_tokens
             self.kv.cache_computed(request)
             output = self._take_tokens(request, row, model_out)
             if output is not None:
                 outputs.append(output)
+            if row.draft_token_ids:
+                self._roll_back_rejected(request, row, num_emitted)
             if _is_ready_to_fork(request):
                 self._fork(request)
         return outputs
@@ -334,6 +371,16 @@ class Scheduler:
         if not new_token_ids and prompt_logprobs is None and not request.is_finished:
             return None
         return _engine_output(request, new_token_ids, logprobs, prompt_logprobs)
+
+    def _roll_back_rejected(self, request: Request, row: ScheduledRequest, num_emitted: int) -> None:
+        """After a verified row: count it, and free the blocks taken only for rejected drafts (the runner
+        drops them from its table by the same rule, so its count of the blocks sent stays right)."""
+        assert self.speculation is not None
+        self.speculation.record(request.request_id, len(row.draft_token_ids), num_emitted)
+        if request.is_finished:
+            return
+        self.kv.free_tail(request, request.num_tokens)
+        self._num_blocks_sent[request.request_id] = len(request.block_ids)
 
     def _fork(self, parent: Request) -> None:
         """Make samples 1..n-1 of ``parent``, whose computed tokens are all but its last prompt token: each
@@ -415,6 +462,8 @@ class Scheduler:
         self._arrival_step.pop(request.request_id, None)
         self._num_blocks_sent.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
+        if self.speculation is not None:
+            self.speculation.drop(request.request_id)
 
 
 def _engine_output(

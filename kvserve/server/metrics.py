@@ -71,6 +71,9 @@ class ServerMetrics:
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_evictions": self.prefix_cache_evictions,
+            "spec_decode_num_draft_tokens": self.spec_decode_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.spec_decode_num_accepted_tokens,
+            "spec_decode_num_emitted_tokens": self.spec_decode_num_emitted_tokens,
         }
         self._engine_counts_seen = {key: stats.get(key, 0) for key in self._engine_counters}
         self._make_histograms(max_model_len)
@@ -108,6 +111,12 @@ class ServerMetrics:
         self.prefix_cache_evictions = self._counter("prefix_cache_evictions",
                                                     "Cached KV blocks evicted to make room.")
         self.num_preemptions = self._counter("num_preemptions", "Requests preempted by the scheduler.")
+        # speculative decoding (zero while it is off), vLLM's names
+        self.spec_decode_num_draft_tokens = self._counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_decode_num_accepted_tokens = self._counter("spec_decode_num_accepted_tokens",
+                                                             "Draft tokens accepted by verification.")
+        self.spec_decode_num_emitted_tokens = self._counter(
+            "spec_decode_num_emitted_tokens", "Tokens emitted by verified rows: accepted drafts + 1 each.")
         self.request_success = Counter("kvserve:request_success", "Finished requests, by finish reason.",
                                        ["model_name", "finished_reason"], registry=self.registry)
         for reason in FinishReason:

@@ -32,9 +32,11 @@ class InputBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     attn: AttentionInputs
-    sample_rows: torch.Tensor  # int64 [S]: the token row whose hidden state each sampling request reads
+    sample_rows: torch.Tensor  # int64 [S + drafts]: the token rows whose hidden states sampling reads
     sample_request_ids: list[str]  # [S]
     sampling: SamplingBatch  # [S]
+    # [S]: a speculating request's drafts (it reads 1 + len(drafts) consecutive sample rows), else ()
+    draft_token_ids: list[tuple[int, ...]]
     prompt_logprobs: list[PromptLogprobRows]
 
 
@@ -102,6 +104,18 @@ class PersistentBatch:
         """Record the tokens the runner sampled, as the scheduler will append them to its requests."""
         for request_id, token_ids in sampled_token_ids.items():
             self._row(request_id).output_token_ids.extend(token_ids)
+
+    def drop_rejected_blocks(self, request_id: str) -> None:
+        """After a speculating row: keep only the blocks the request's known tokens need, as the scheduler
+        does when it frees the blocks taken for rejected drafts (``ScheduledRequest``)."""
+        index = self._index_of(request_id)
+        row = self._rows[index]
+        assert row is not None
+        num_tokens = len(row.prompt_token_ids) + len(row.output_token_ids)
+        num_held, num_kept = int(self.num_blocks[index]), -(-num_tokens // self.block_size)
+        if num_kept < num_held:
+            self.block_table[index, num_kept:num_held] = 0  # a table stays padded with 0
+            self.num_blocks[index] = num_kept
 
     def _add(self, new: NewRequestData) -> None:
         if new.request_id in self._index:
@@ -184,12 +198,15 @@ class PersistentBatch:
             block_size=self.block_size,
         )
         sampling = [i for i, r in enumerate(scheduled) if r.sample]
+        draft_token_ids = [scheduled[i].draft_token_ids for i in sampling]
         return InputBatch(
             input_ids=self._to_device("input_ids", input_ids, torch.int64),
             positions=self._to_device("positions", positions, torch.int64),
             attn=attn,
-            sample_rows=self._to_device("sample_rows", query_start[1:][sampling] - 1, torch.int64),
+            sample_rows=self._to_device("sample_rows", _sample_rows(query_start, sampling, draft_token_ids),
+                                        torch.int64),
             sample_request_ids=[scheduled[i].request_id for i in sampling],
+            draft_token_ids=draft_token_ids,
             sampling=SamplingBatch([self._rows[rows[i]].sampling for i in sampling]),
             prompt_logprobs=[
                 rows for i, r in enumerate(scheduled) if r.prompt_logprobs
@@ -205,7 +222,7 @@ class PersistentBatch:
         for r, index in zip(scheduled, rows):
             row = self._rows[index]
             prompt, outputs = row.prompt_token_ids, row.output_token_ids
-            start, end = r.start_pos, r.start_pos + r.num_tokens
+            start, end = r.start_pos, r.start_pos + r.num_tokens - len(r.draft_token_ids)
             num_prompt = len(prompt)
             if end > num_prompt + len(outputs):
                 raise ValueError(
@@ -217,6 +234,7 @@ class PersistentBatch:
             else:
                 tokens += prompt[start:end]
                 tokens += outputs[: max(0, end - num_prompt)]
+            tokens += r.draft_token_ids
         starts = np.fromiter((r.start_pos for r in scheduled), np.int64, len(scheduled))
         lengths = np.fromiter((r.num_tokens for r in scheduled), np.int64, len(scheduled))
         return np.array(rows, dtype=np.int64), starts, lengths, tokens
@@ -251,3 +269,15 @@ class PersistentBatch:
         staged = buffer[: host.numel()].view(host.shape)
         staged.copy_(host)
         return staged.to(self.device, non_blocking=True)
+
+
+def _sample_rows(query_start: np.ndarray, sampling: list[int], drafts: list[tuple[int, ...]]) -> np.ndarray:
+    """The token rows sampling reads: each sampling request's last row, and a speculating request's
+    1 + len(draft) last rows (its last sampled token and each draft token)."""
+    last_rows = query_start[1:][sampling] - 1
+    if not any(drafts):
+        return last_rows
+    counts = np.array([1 + len(d) for d in drafts], dtype=np.int64)
+    starts = np.cumsum(counts) - counts  # where each request's rows begin in the result
+    offsets = np.arange(int(counts.sum())) - np.repeat(starts, counts)  # 0 .. count - 1 within each request
+    return np.repeat(last_rows - counts + 1, counts) + offsets

@@ -3,6 +3,8 @@ token ids (and logprobs)."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvserve.attention.backend import AttentionBackend
@@ -13,6 +15,7 @@ from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
+from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
@@ -76,6 +79,9 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, meta, self.kv)
         output = self._sample(batch, hidden)
         self.batch.append_sampled(output.sampled_token_ids)
+        for request_id, draft in zip(batch.sample_request_ids, batch.draft_token_ids):
+            if draft:
+                self.batch.drop_rejected_blocks(request_id)
         output.prompt_logprobs.update(self._prompt_logprobs(batch, hidden))
         return output
 
@@ -83,12 +89,35 @@ class ModelRunner:
         if not batch.sample_request_ids:
             return ModelOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.sample_rows])
-        result = self.sampler(logits, batch.sampling)  # the token ids' host copy is the step's one sync
-        sampled = {rid: [token_id] for rid, token_id in zip(batch.sample_request_ids, result.token_ids)}
+        if any(batch.draft_token_ids):
+            return self._verify(batch, logits)
+        return self._draw(logits, batch.sample_request_ids, batch.sampling)
+
+    def _draw(self, logits: torch.Tensor, request_ids: list[str], sampling: SamplingBatch) -> ModelOutput:
+        """One token per row of ``logits``."""
+        result = self.sampler(logits, sampling)  # the token ids' host copy is the step's one sync
+        sampled = {rid: [token_id] for rid, token_id in zip(request_ids, result.token_ids)}
         logprobs = {} if result.logprobs is None else {
-            rid: [entry] for rid, entry in zip(batch.sample_request_ids, result.logprobs) if entry is not None
+            rid: [entry] for rid, entry in zip(request_ids, result.logprobs) if entry is not None
         }
         return ModelOutput(sampled, logprobs)
+
+    def _verify(self, batch: InputBatch, logits: torch.Tensor) -> ModelOutput:
+        """A step with speculating rows: plain rows draw their one token as usual (at their last logit row);
+        each speculating row verifies its drafts against its 1 + k logit rows (speculating rows want no
+        logprobs)."""
+        drafts, request_ids, rows = batch.draft_token_ids, batch.sample_request_ids, batch.sampling.rows
+        ends = list(itertools.accumulate(1 + len(draft) for draft in drafts))
+        plain = [i for i, draft in enumerate(drafts) if not draft]
+        output = ModelOutput(sampled_token_ids={})
+        if plain:
+            output = self._draw(logits[[ends[i] - 1 for i in plain]], [request_ids[i] for i in plain],
+                                SamplingBatch([rows[i] for i in plain]))
+        for i, draft in enumerate(drafts):
+            if draft:
+                row_logits = logits[ends[i] - 1 - len(draft) : ends[i]]
+                output.sampled_token_ids[request_ids[i]] = self.sampler.verify(row_logits, rows[i], draft)
+        return output
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
         return {

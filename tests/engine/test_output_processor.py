@@ -219,3 +219,22 @@ def test_streamed_text_is_append_only_and_cut_at_the_first_stop(pieces, stops):
         assert full[len(final.text):].startswith(final.stop_reason)
     else:
         assert final.text == full
+
+
+@pytest.mark.parametrize("stop", ["o w", "hello", "quick"])
+def test_a_multi_token_step_stops_where_one_token_steps_would(stop):
+    """A speculating step hands over several tokens at once: text and token ids still end at the token that
+    completed the stop string."""
+    ids = tok().encode("hello world, the quick brown fox")
+    one_by_one = processor(stop=[stop])
+    steps = feed(one_by_one, ids)
+    want = next(out for out, stopped in steps if stopped).outputs[0]
+    at_once = processor(stop=[stop])
+    for chunk in (ids[:3], ids[3:]):  # two steps of several tokens each
+        out = at_once.process([EngineOutput("r", chunk)])
+        if out.stopped_request_ids:
+            break
+    assert out.stopped_request_ids == ["r"]
+    got = out.request_outputs[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+        want.text, want.token_ids, want.finish_reason, want.stop_reason)

@@ -25,6 +25,9 @@ EXPECTED = [
     "kvserve:cache_config_info",
     "kvserve:prefix_cache_blocks",
     "kvserve:prefix_cache_evictions_total",
+    "kvserve:spec_decode_num_draft_tokens_total",
+    "kvserve:spec_decode_num_accepted_tokens_total",
+    "kvserve:spec_decode_num_emitted_tokens_total",
 ]
 
 

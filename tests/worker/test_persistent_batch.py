@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.outputs import FinishReason
-from kvserve.sched.output import ModelOutput, SchedulerOutput
+from kvserve.config import SpeculativeConfig
+from kvserve.sched.output import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvserve.sched.scheduler import Scheduler
+from kvserve.spec.policy import SpeculationPolicy
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
 from tests.sched.sched_fakes import make_request, make_scheduler
 
@@ -32,11 +34,12 @@ def reference_inputs(scheduler: Scheduler, sched_out: SchedulerOutput) -> dict[s
     input_ids, positions, slots, sample_rows = [], [], [], []
     for row, request in zip(sched_out.requests, requests):
         span = range(row.start_pos, row.start_pos + row.num_tokens)
-        input_ids += (request.prompt_token_ids + request.output_token_ids)[span.start : span.stop]
+        history = request.prompt_token_ids + request.output_token_ids + list(row.draft_token_ids)
+        input_ids += history[span.start : span.stop]
         positions += span
         slots += [request.block_ids[p // block_size] * block_size + p % block_size for p in span]
-        if row.sample:
-            sample_rows.append(len(positions) - 1)
+        if row.sample:  # a speculating row samples at its last token and at each draft token
+            sample_rows += range(len(positions) - 1 - len(row.draft_token_ids), len(positions))
     return {
         "input_ids": input_ids,
         "positions": positions,
@@ -60,6 +63,13 @@ def actual_inputs(batch: InputBatch) -> dict[str, list]:
     }
 
 
+def verified_tokens(row: ScheduledRequest) -> list[int]:
+    """A fake verification: a number of the row's drafts that depends on the row alone, then a token."""
+    draft = row.draft_token_ids
+    num_accepted = zlib.crc32(f"{row.request_id}@{row.start_pos}".encode()) % (len(draft) + 1)
+    return [*draft[:num_accepted], sampled_token(row.request_id, row.start_pos + num_accepted + 1)]
+
+
 def run_step(scheduler: Scheduler, batch: PersistentBatch) -> SchedulerOutput:
     """One step through the persistent batch, checked against the from-scratch inputs."""
     sched_out = scheduler.schedule()
@@ -70,11 +80,11 @@ def run_step(scheduler: Scheduler, batch: PersistentBatch) -> SchedulerOutput:
         assert [row.params for row in inputs.sampling.rows] == [
             scheduler.requests[rid].sampling_params for rid in inputs.sample_request_ids
         ]
-    sampled = {
-        r.request_id: [sampled_token(r.request_id, r.start_pos + r.num_tokens)]
-        for r in sched_out.requests if r.sample
-    }
+    sampled = {r.request_id: verified_tokens(r) for r in sched_out.requests if r.sample}
     batch.append_sampled(sampled)
+    for r in sched_out.requests:
+        if r.draft_token_ids:
+            batch.drop_rejected_blocks(r.request_id)
     scheduler.update_from_output(sched_out, ModelOutput(sampled))
     for request_id, request in scheduler.requests.items():
         if request_id in batch:
@@ -91,13 +101,16 @@ def run_step(scheduler: Scheduler, batch: PersistentBatch) -> SchedulerOutput:
     ),
     st.integers(8, 40),
     st.booleans(),
+    st.booleans(),
     st.randoms(use_true_random=False),
 )
 def test_the_persistent_batch_fed_by_diffs_equals_a_batch_built_from_scratch(
-    specs: list[tuple[int, int, int, bool]], num_blocks: int, prefix_caching: bool, rng
+    specs: list[tuple[int, int, int, bool]], num_blocks: int, prefix_caching: bool, speculate: bool, rng
 ) -> None:
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
                                max_model_len=48, prefix_caching=prefix_caching)
+    if speculate:  # drafts from repeated prompt tokens (the shared prefix) and repeated sampled tokens
+        scheduler.speculation = SpeculationPolicy(SpeculativeConfig("ngram", 3, 1, 2))
     batch = PersistentBatch(max_blocks_per_request=12, block_size=4, device=CPU, capacity=2)
     pending = [make_request(f"r{i}", p, max_tokens=m, n=n, prefix=[7] * min(p, 8) if shared else [])
                for i, (p, m, n, shared) in enumerate(specs)]

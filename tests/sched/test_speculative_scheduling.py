@@ -1,0 +1,100 @@
+"""The scheduler's side of speculation, with a fake model output: a draft is scheduled as query tokens in the
+budget, the request advances by the accepted drafts + 1 only, and blocks taken just for rejected drafts go
+back to the pool (the prefix tree never holds a rejected token)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvserve.config import SchedulerConfig, SpeculativeConfig
+from kvserve.kv.manager import KVCacheManager
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import ModelOutput
+from kvserve.sched.scheduler import Scheduler
+from kvserve.spec.policy import SpeculationPolicy
+
+BLOCK_SIZE = 4
+PROMPT = [5, 6, 7, 8, 5, 6, 7]  # "5 6 7" repeats: the proposer drafts "8 5 6 7 ..."
+
+
+def _scheduler(num_blocks: int = 16) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=64)
+    return Scheduler(config, kv, SpeculationPolicy(SpeculativeConfig("ngram", 4, 1, 3)))
+
+
+def _prefilled(scheduler: Scheduler, first_token: int = 8, **params) -> Request:
+    request = Request("r", list(PROMPT), SamplingParams(**{"temperature": 0, "max_tokens": 20, **params}))
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, ModelOutput({"r": [first_token]}))
+    return request
+
+
+def test_a_decode_runs_its_last_token_and_its_draft_within_the_budget() -> None:
+    scheduler = _scheduler()
+    request = _prefilled(scheduler)
+    out = scheduler.schedule()
+    (row,) = out.requests
+    assert row.draft_token_ids == (5, 6, 7, 8)
+    assert (row.start_pos, row.num_tokens, out.num_tokens) == (7, 5, 5)
+    assert len(request.block_ids) == 3  # positions 0..11
+
+
+def test_the_request_advances_by_the_accepted_drafts_and_frees_the_rejected_blocks() -> None:
+    scheduler = _scheduler()
+    request = _prefilled(scheduler)
+    out = scheduler.schedule()
+    free_before = scheduler.kv.num_free_blocks()
+    outputs = scheduler.update_from_output(out, ModelOutput({"r": [5, 9]}))  # one draft accepted, then 9
+    assert outputs[0].new_token_ids == [5, 9]
+    assert request.output_token_ids == [8, 5, 9]
+    assert request.num_computed_tokens == request.num_tokens - 1 == 9
+    assert len(request.block_ids) == 3 and scheduler.kv.num_free_blocks() == free_before
+    scheduler.kv.check_integrity([request])
+    out = scheduler.schedule()  # the next row starts at the first uncomputed position
+    assert out.requests[0].start_pos == 9
+
+
+def test_blocks_taken_only_for_rejected_drafts_go_back_to_the_pool() -> None:
+    scheduler = _scheduler()
+    request = _prefilled(scheduler)
+    scheduler.update_from_output(scheduler.schedule(), ModelOutput({"r": [5, 6, 7, 8, 5]}))  # all accepted
+    assert request.num_computed_tokens == 12 and len(request.block_ids) == 3  # position 12 not yet taken
+    out = scheduler.schedule()  # positions 12..16: a fifth block for position 16
+    assert out.requests[0].num_tokens == 5 and len(request.block_ids) == 5
+    free_before = scheduler.kv.num_free_blocks()
+    scheduler.update_from_output(out, ModelOutput({"r": [1]}))  # every draft rejected
+    assert request.num_tokens == 14 and len(request.block_ids) == 4
+    assert scheduler.kv.num_free_blocks() == free_before + 1
+    scheduler.kv.check_integrity([request])
+
+
+def test_a_stop_token_inside_the_accepted_run_truncates_it_and_frees_everything() -> None:
+    scheduler = _scheduler()
+    request = _prefilled(scheduler, stop_token_ids=[6])
+    outputs = scheduler.update_from_output(scheduler.schedule(), ModelOutput({"r": [5, 6, 7, 8, 5]}))
+    assert outputs[0].new_token_ids == [5, 6] and request.is_finished
+    assert scheduler.kv.num_free_blocks() == 16
+
+
+def test_no_draft_past_max_tokens_or_the_budget() -> None:
+    scheduler = _scheduler()
+    _prefilled(scheduler)
+    scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=3)
+    assert scheduler.schedule().requests[0].draft_token_ids == (5, 6)
+    scheduler = _scheduler()
+    request = Request("r", list(PROMPT), SamplingParams(temperature=0, max_tokens=3))
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), ModelOutput({"r": [8]}))
+    assert scheduler.schedule().requests[0].draft_token_ids == (5,)  # 2 outputs left: 1 draft + 1
+
+
+def test_a_draft_that_does_not_fit_in_memory_is_dropped_rather_than_preempting() -> None:
+    scheduler = _scheduler(num_blocks=3)
+    _prefilled(scheduler, max_tokens=5)  # 8 tokens in 2 blocks
+    scheduler.kv.pool.allocate(1)  # another holder takes the last free block
+    out = scheduler.schedule()
+    assert out.requests[0].draft_token_ids == () and out.requests[0].num_tokens == 1
+    assert scheduler.num_preemptions == 0
