@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 
@@ -73,3 +74,10 @@ class AttentionBackend(ABC):
         """Write k and v of the step's tokens into layer ``layer``'s cache, then return causal attention of
         each query over its sequence's cached keys: [T, num_heads, head_dim]. With ``sliding_window`` w, a
         query at position p sees keys at positions p - w + 1 .. p (HF's convention)."""
+
+
+def check_sliding_window(sliding_window: int | None, windows: Collection[int | None]) -> None:
+    """ValueError unless ``sliding_window`` is one of the windows the step's metadata was built for."""
+    if sliding_window not in windows:
+        raise ValueError(f"sliding_window={sliding_window} was not among the windows given to build_metadata "
+                         f"({sorted(windows, key=str)})")

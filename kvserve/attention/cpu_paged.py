@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, check_sliding_window
 from kvserve.attention.torch_ref import _validate
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 from kvserve.native import kernel_range, load_library
@@ -121,9 +121,7 @@ class CpuPagedBackend(AttentionBackend):
         if not isinstance(meta, CpuPagedMetadata):
             raise TypeError(f"CpuPagedBackend needs CpuPagedMetadata, got {type(meta).__name__}")
         _check_shapes(q, k, kv, layer, meta.inputs)
-        if sliding_window not in meta.sliding_windows:
-            raise ValueError(f"sliding_window={sliding_window} was not among the windows given to build_metadata "
-                             f"({sorted(meta.sliding_windows, key=str)})")
+        check_sliding_window(sliding_window, meta.sliding_windows)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernels walk heads head_dim apart within a row
             q = q.contiguous()
         kv.write(layer, meta.inputs.slot_mapping, k, v)  # the chunks' keys are read back in place

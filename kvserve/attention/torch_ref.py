@@ -19,7 +19,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, check_sliding_window
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 
 MIN_DECODE_GROUP = 8
@@ -191,13 +191,8 @@ def _validate(inputs: AttentionInputs) -> None:
 
 
 def _plan_for(meta: TorchRefMetadata, sliding_window: int | None) -> WindowPlan:
-    plan = meta.plans.get(sliding_window)
-    if plan is None:
-        raise ValueError(
-            f"sliding_window={sliding_window} was not among the windows given to build_metadata "
-            f"({sorted(meta.plans, key=str)})"
-        )
-    return plan
+    check_sliding_window(sliding_window, meta.plans)
+    return meta.plans[sliding_window]
 
 
 def _window_plan(inputs: AttentionInputs, window: int | None, max_decode_groups: int) -> WindowPlan:

@@ -25,7 +25,7 @@ import torch
 import triton
 
 from kvserve.attention import triton_kernels as kernels
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, check_sliding_window
 from kvserve.attention.torch_ref import _validate
 from kvserve.kv.quant import KVCacheDtype
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
@@ -110,9 +110,7 @@ class TritonPagedBackend(AttentionBackend):
     ) -> torch.Tensor:
         if not isinstance(meta, TritonPagedMetadata):
             raise TypeError(f"TritonPagedBackend needs TritonPagedMetadata, got {type(meta).__name__}")
-        if sliding_window not in meta.sliding_windows:
-            raise ValueError(f"sliding_window={sliding_window} was not among the windows given to build_metadata "
-                             f"({sorted(meta.sliding_windows, key=str)})")
+        check_sliding_window(sliding_window, meta.sliding_windows)
         _check_inputs(q, k, kv, layer, meta.inputs)
         if q.stride(-1) != 1:  # the kernels take row and head strides, so column slices of a packed qkv pass as is
             q = q.contiguous()
