@@ -41,9 +41,15 @@ def can_speculate(params: SamplingParams) -> bool:
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
         and not params.logit_bias
-        and params.min_tokens == 0
+        and (params.min_tokens == 0 or _min_tokens_bans_nothing(params))
         and params.structured_outputs is None
     )
+
+
+def _min_tokens_bans_nothing(params: SamplingParams) -> bool:
+    """min_tokens bans EOS unless it is ignored, and the stop ids: with neither, it changes no logit (benchmarks
+    ask for exact lengths this way)."""
+    return params.ignore_eos and not params.stop_token_ids
 
 
 class SpeculationPolicy:
