@@ -150,7 +150,7 @@ class GrammarProcessor(LogitsProcessor):
 
     def prepare(self, rows: Sequence[SamplingRow]) -> None:
         self._pending = None
-        if any(row.generator_key in self._matchers for row in rows):
+        if self._matchers and any(row.generator_key in self._matchers for row in rows):
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
             self._pending = (rows, self._worker.submit(self._fill, rows))

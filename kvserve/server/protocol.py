@@ -6,6 +6,7 @@ and types only. Unknown fields are ignored, as OpenAI's and vLLM's servers do, a
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -44,13 +45,18 @@ class _Body(BaseModel):
     @classmethod
     def _log_unknown_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-            for key in sorted(data.keys() - known):
+            for key in sorted(data.keys() - _field_names(cls)):
                 name = f"{cls.__name__}.{key}"
                 if name not in _LOGGED_UNKNOWN_FIELDS:
                     _LOGGED_UNKNOWN_FIELDS.add(name)
                     logger.warning("ignoring the unknown field %r of %s (logged once)", key, cls.__name__)
         return data
+
+
+@functools.cache
+def _field_names(model: type[BaseModel]) -> frozenset[str]:
+    """A body's field names and aliases, once per class (every request is checked against them)."""
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 
 class StreamOptions(_Body):
