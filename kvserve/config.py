@@ -91,8 +91,16 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    kv_offload_memory: float | None = None  # GiB of host memory for blocks evicted from the device pool
+    kv_offload_dir: str | None = None  # a directory for the disk tier (persistent, shareable between servers)
+    kv_offload_disk: float = 16.0  # GiB the disk tier may fill; oldest blocks go first
+
+    @property
+    def offloads_kv(self) -> bool:
+        return self.kv_offload_memory is not None or self.kv_offload_dir is not None
 
     def __post_init__(self) -> None:
+        self._check_offload()
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -103,6 +111,17 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+
+    def _check_offload(self) -> None:
+        if self.kv_offload_memory is not None and self.kv_offload_memory <= 0:
+            raise ValueError(f"kv_offload_memory must be > 0 GiB, got {self.kv_offload_memory}")
+        if self.kv_offload_disk <= 0:
+            raise ValueError(f"kv_offload_disk must be > 0 GiB, got {self.kv_offload_disk}")
+        if self.kv_offload_dir is not None and not self.kv_offload_dir:
+            raise ValueError("kv_offload_dir must name a directory")
+        if self.offloads_kv and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_memory / kv_offload_dir keep prefix-cache blocks: they need prefix caching "
+                             "on (drop --no-enable-prefix-caching)")
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,13 @@ class EngineArgs:
                                   "tokens of fp32 in the same memory)", str)
     enable_prefix_caching: bool = _option(CacheConfig.enable_prefix_caching,
                                           "reuse the KV of shared prompt prefixes (radix tree)")
+    kv_offload_memory: float | None = _option(None, "GiB of host memory for KV blocks the device pool evicts; a "
+                                              "prefix hit on one loads it back instead of recomputing it", float)
+    kv_offload_dir: str | None = _option(None, "a directory for a disk tier of KV blocks, written as they are "
+                                         "computed: it outlives restarts and can be shared by servers of the same "
+                                         "model (a block is used only if verified)", str)
+    kv_offload_disk: float = _option(CacheConfig.kv_offload_disk, "GiB the disk tier may fill (oldest out first)",
+                                     float)
     max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "requests running at once", int)
     max_num_batched_tokens: int = _option(SchedulerConfig.max_num_batched_tokens,
                                           "tokens per step; longer prompts are prefilled in chunks", int)
@@ -109,6 +116,9 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_offload_memory=self.kv_offload_memory,
+                kv_offload_dir=self.kv_offload_dir,
+                kv_offload_disk=self.kv_offload_disk,
                 kv_cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(

@@ -27,6 +27,9 @@ CHANGED = {
     "gpu_memory_utilization": 0.5,
     "kv_cache_dtype": "int8",
     "enable_prefix_caching": False,
+    "kv_offload_memory": 0.5,
+    "kv_offload_dir": "/tmp/kv-blocks",
+    "kv_offload_disk": 2.0,
     "max_num_seqs": 3,
     "max_num_batched_tokens": 64,
     "scheduling_policy": "fcfs",
@@ -76,9 +79,10 @@ def test_defaults_are_the_configs_defaults() -> None:
 
 
 def test_flat_options_land_in_the_narrow_configs() -> None:
-    config = EngineArgs(**CHANGED).create_engine_config()
+    # KV offload keeps prefix-cache blocks: the one changed value it cannot go with is caching off
+    config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none")
-    assert config.cache == CacheConfig(32, 99, 1.5, 0.5, False, "int8")
+    assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
     assert config.device == "cpu"
@@ -94,6 +98,20 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     ],
 )
 def test_bad_speculative_options_name_the_option(options, named) -> None:
+    with pytest.raises(ValueError, match=named):
+        EngineArgs(**options).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"kv_offload_memory": 0.0}, "kv_offload_memory"),
+        ({"kv_offload_disk": -1.0}, "kv_offload_disk"),
+        ({"kv_offload_dir": ""}, "kv_offload_dir"),
+        ({"kv_offload_dir": "/tmp/x", "enable_prefix_caching": False}, "prefix caching"),
+    ],
+)
+def test_bad_kv_offload_options_name_the_option(options, named) -> None:
     with pytest.raises(ValueError, match=named):
         EngineArgs(**options).create_engine_config()
 

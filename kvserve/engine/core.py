@@ -17,6 +17,7 @@ from kvserve.sched.scheduler import Scheduler
 from kvserve.worker.model_runner import ModelRunner
 
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
+DISK_READ_WAIT_SECONDS = 0.05
 
 
 def num_kv_blocks_for(cache: CacheConfig, spec: KVCacheSpec, device: torch.device, max_blocks_needed: int) -> int:
@@ -71,6 +72,9 @@ class EngineCore:
         sched_out = self.scheduler.schedule()
         self._track_peak(sched_out)
         model_out = self.runner.execute(sched_out)
+        store = self.kv_manager.store
+        if sched_out.is_empty and store is not None and store.num_reading:
+            store.wait_for_reads(DISK_READ_WAIT_SECONDS)  # only requests waiting on the disk: don't spin
         return self.scheduler.update_from_output(sched_out, model_out)
 
     def _track_peak(self, sched_out: SchedulerOutput) -> None:

@@ -16,6 +16,7 @@ from kvserve.engine.core import EngineCore, num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.tiers import DEFAULT_STAGING_GIB, BlockFormat, TieredStore
 from kvserve.model.loader import load_checkpoint
 from kvserve.model.registry import weight_format
 from kvserve.sample.grammar import StructuredOutputCompiler
@@ -69,11 +70,30 @@ class LLMEngine:
         self.num_kv_blocks = num_kv_blocks_for(
             self.config.cache, runner.kv_cache_spec(), self.device, max_blocks_needed
         )
-        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len)
-        kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching)
+        tiers = self._build_kv_tiers(runner)
+        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, tiers)
+        kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching, tiers)
         speculative = self.config.speculative
         speculation = SpeculationPolicy(speculative) if speculative.enabled else None
         return EngineCore(runner, Scheduler(sched_config, kv_manager, speculation), kv_manager)
+
+    def _build_kv_tiers(self, runner: ModelRunner) -> TieredStore | None:
+        """The host and disk tiers under the device pool, if asked for. With a disk tier alone, a host slab of
+        ``DEFAULT_STAGING_GIB`` stages its reads and writes."""
+        cache = self.config.cache
+        if not cache.offloads_kv:
+            return None
+        spec = runner.kv_cache_spec()
+        block_format = BlockFormat(runner.model_identity(), spec.kv_dtype.name, spec.block_size, spec.bytes_per_block)
+        host_gib = cache.kv_offload_memory if cache.kv_offload_memory is not None else DEFAULT_STAGING_GIB
+        return TieredStore(block_format, host_gib * 2**30, host_is_tier=cache.kv_offload_memory is not None,
+                           disk_dir=cache.kv_offload_dir, disk_bytes=cache.kv_offload_disk * 2**30,
+                           pin_memory=self.device.type == "cuda")
+
+    def flush_kv_offload(self) -> None:
+        """Wait until every KV block queued for the disk tier is written (a restart then finds them all)."""
+        if self.core.kv_manager.store is not None:
+            self.core.kv_manager.store.flush()
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad."""
@@ -120,6 +140,7 @@ class LLMEngine:
             "num_waiting": self.core.scheduler.num_waiting,
             "num_preemptions": self.core.scheduler.num_preemptions,
             **self.core.scheduler.prefix_cache_stats(),
+            **(store.stats() if (store := self.core.kv_manager.store) else {}),
             **self._structured_output_stats(),
             **(speculation.stats() if (speculation := self.core.scheduler.speculation) else {}),
         }

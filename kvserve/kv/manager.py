@@ -21,9 +21,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from kvserve.kv.block_keys import KeyedBlock, block_key
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
 from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
+from kvserve.kv.tiers import Tier, TieredStore
 from kvserve.request import Request
+
+# steps a waiting request may wait for its prefix to come off the disk before it computes it instead
+MAX_LOAD_WAIT_STEPS = 200
 
 
 @dataclass
@@ -37,14 +42,24 @@ class _CachePath:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 store: TieredStore | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if store is not None and not enable_prefix_caching:
+            raise ValueError("KV offload (host or disk tiers) keeps prefix-cache blocks: it needs prefix caching on")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        self.store = store
+        if store is not None:
+            assert self.prefix_cache is not None
+            self.prefix_cache.root.content_key = store.root_key
         self._paths: dict[str, _CachePath] = {}
         self._matches: dict[str, PrefixMatch] = {}  # waiting requests' last prefix match, extended as the tree grows
+        self._load_waits: Counter[str] = Counter()  # steps each waiting request has waited on disk reads
+        self._offloads: dict[bytes, tuple[int, KeyedBlock]] = {}  # planned since the last step, by key
+        self._loads: list[tuple[bytes, int]] = []
         self.num_evictions = 0  # cached blocks evicted to make room, since start
 
     @property
@@ -82,9 +97,37 @@ class KVCacheManager:
         if max_cached_tokens is not None:
             max_tokens = min(max_tokens, max_cached_tokens)
         earlier = self._matches.get(request.request_id)
-        match = self.prefix_cache.match(request.token_ids, max_tokens // self.block_size, earlier)
+        max_blocks = max_tokens // self.block_size
+        match = self.prefix_cache.match(request.token_ids, max_blocks, earlier)
         self._matches[request.request_id] = match
+        if self.store is not None and not match.sibling_computing and len(match.nodes) < max_blocks:
+            return self._match_tiers(request, match, max_blocks)
         return match
+
+    def _match_tiers(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
+        """Extend a device match with the blocks the host tier holds next; if the disk holds the next ones,
+        start reading them into the host tier and say the request should wait for them (at most
+        ``MAX_LOAD_WAIT_STEPS`` steps, then it computes them)."""
+        store = self.store
+        assert store is not None and self.prefix_cache is not None
+        parent = match.nodes[-1].content_key if match.nodes else self.prefix_cache.root.content_key
+        assert parent is not None
+        tiered: list[bytes] = []
+        from_disk: list[KeyedBlock] = []
+        for tokens in self.prefix_cache.keys(request.token_ids, len(match.nodes), max_blocks - len(match.nodes)):
+            key = block_key(parent, tokens)
+            where = store.locate(key)
+            if where is Tier.HOST and not from_disk:
+                tiered.append(key)
+            elif where is not None or store.is_reading(key):
+                from_disk.append(KeyedBlock(key, parent, tokens))
+            else:
+                break
+            parent = key
+        waits = self._load_waits[request.request_id]
+        loading = bool(from_disk) and waits < MAX_LOAD_WAIT_STEPS and store.prefetch(from_disk) > 0
+        self._load_waits[request.request_id] = waits + loading
+        return PrefixMatch(match.nodes, self.block_size, tiered=tuple(tiered), loading=loading)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
         """Grow ``request.block_ids`` so that its computed tokens plus ``num_new_tokens`` fit; ``prefix``, for a
@@ -106,7 +149,8 @@ class KVCacheManager:
         ):  # the common decode step: its blocks already hold the new tokens
             self._extend_path(request, num_computed)
             return True
-        if prefix is not None and prefix.nodes:
+        tiered = prefix.tiered if prefix is not None else ()
+        if prefix is not None and (prefix.nodes or tiered):
             if request.block_ids:
                 raise ValueError(f"request {request.request_id} holds blocks; only a fresh one takes a prefix")
             num_computed, cached = prefix.num_tokens, prefix.block_ids
@@ -114,15 +158,29 @@ class KVCacheManager:
         num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)  # hits on evictable blocks
         if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
             return False
+        if tiered and not self.store.pin(tiered):  # a tiered block left the host since the match: match again
+            return False
         self._matches.pop(request.request_id, None)
+        self._load_waits.pop(request.request_id, None)
         if cached:  # taken first, so that the allocation below cannot evict them
+            assert prefix is not None
             self.pool.take(cached)
             request.block_ids = cached
             self._paths[request.request_id] = _CachePath(prefix.nodes[-1], len(cached))
         if num_needed > 0:
             request.block_ids.extend(self.pool.allocate(num_needed))
+        self._loads.extend(zip(tiered, request.block_ids[len(cached) : len(cached) + len(tiered)]))
         self._extend_path(request, num_computed)
         return True
+
+    def take_tier_transfers(self) -> tuple[tuple[tuple[int, KeyedBlock], ...], tuple[tuple[bytes, int], ...]]:
+        """The offloads ((block_id, content) copied out) and loads ((content key, block_id) copied in) planned
+        since the last call, for the runner to apply before the next forward pass, offloads first: a block
+        evicted this step may be the target of a load or of new tokens."""
+        offloads, loads = tuple(self._offloads.values()), tuple(self._loads)
+        self._offloads.clear()
+        self._loads.clear()
+        return offloads, loads
 
     def cache_computed(self, request: Request) -> None:
         """After a step: the request's blocks now computed stop being pending, and blocks it has just filled
@@ -135,6 +193,7 @@ class KVCacheManager:
         num_done = min(len(path.pending), max(0, num_full - first_pending))
         for node in path.pending[:num_done]:
             node.computed = True
+            self._offer(node, evicted=False)
         del path.pending[:num_done]
         self._extend_path(request, request.num_computed_tokens)
 
@@ -157,6 +216,7 @@ class KVCacheManager:
         """Release the request's hold on all its blocks (shared ones stay with their other holders); its
         computed cached blocks stay in the tree, evictable, and its pending ones leave it."""
         self._matches.pop(request.request_id, None)
+        self._load_waits.pop(request.request_id, None)
         path = self._paths.pop(request.request_id, None)
         if path is not None:
             for node in reversed(path.pending):
@@ -273,9 +333,24 @@ class KVCacheManager:
                 path.detached = True
                 return
             self.pool.mark_cached(block_id)
-            if not computed:
+            if self.store is not None:
+                assert path.node.content_key is not None
+                node.content_key = block_key(path.node.content_key, key)
+            if computed:
+                self._offer(node, evicted=False)
+            else:
                 path.pending.append(node)
             path.node, path.num_blocks = node, index + 1
+
+    def _offer(self, node: PrefixNode, evicted: bool) -> None:
+        """A computed block's content is final: offload it if the tiers want it (evicted from the pool, or
+        newly computed and not yet on the disk)."""
+        if self.store is None:
+            return
+        key, parent = node.content_key, node.parent
+        assert key is not None and parent is not None and parent.content_key is not None
+        if self.store.wants_offload(key, evicted):
+            self._offloads[key] = (node.block_id, KeyedBlock(key, parent.content_key, node.key))
 
     def _uncache(self, block_id: int) -> None:
         assert self.prefix_cache is not None
@@ -284,6 +359,9 @@ class KVCacheManager:
 
     def _on_evict(self, block_id: int) -> None:
         assert self.prefix_cache is not None
+        node = self.prefix_cache.node_of(block_id)
+        assert node is not None
+        self._offer(node, evicted=True)  # its content stays valid until the runner applies this step
         self.prefix_cache.remove(block_id)
         self.num_evictions += 1
 

@@ -29,6 +29,7 @@ class PrefixNode:
     parent: PrefixNode | None
     computed: bool = True  # False while the owning request has not yet written the block
     children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
+    content_key: bytes | None = None  # the block's key in the KV tiers (``block_keys``); None without tiers
 
     @property
     def is_root(self) -> bool:
@@ -37,19 +38,28 @@ class PrefixNode:
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """The longest computed cached prefix of some tokens: ``nodes`` in order, one per block."""
+    """The longest computed cached prefix of some tokens: ``nodes`` in order, one per block, then the content
+    keys of the blocks after them that the host KV tier holds (``tiered``: loaded into fresh device blocks)."""
 
     nodes: tuple[PrefixNode, ...]
     block_size: int
     sibling_computing: bool = False  # the next block of the prefix is pending: a running request computes it
+    tiered: tuple[bytes, ...] = ()
+    loading: bool = False  # the next blocks are being read from the disk tier
 
     @property
     def block_ids(self) -> list[int]:
+        """The device blocks of the match (not the tiered ones, which have none yet)."""
         return [node.block_id for node in self.nodes]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.nodes) * self.block_size
+        return (len(self.nodes) + len(self.tiered)) * self.block_size
+
+    @property
+    def must_wait(self) -> bool:
+        """The prefix goes on beyond the match and will soon be ready: computing it again would be waste."""
+        return self.sibling_computing or self.loading
 
 
 class PrefixCache:

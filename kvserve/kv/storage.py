@@ -177,3 +177,37 @@ class KVCacheStorage:
     @property
     def nbytes(self) -> int:
         return self.spec.bytes_per_block * self.num_blocks
+
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor, rows: list[int]) -> None:
+        """Copy whole blocks, every layer's data and parameters as stored, into rows of ``out`` (uint8
+        ``[*, bytes_per_block]``, e.g. a host tier's slab): the bytes a tier keeps and ``write_blocks`` puts
+        back bit for bit. Row layout: each layer's K, V (then K, V parameters) of the block, in layer order."""
+        self._move_blocks(block_ids, out, rows, into_cache=False)
+
+    def write_blocks(self, block_ids: list[int], src: torch.Tensor, rows: list[int]) -> None:
+        """Overwrite blocks with rows of ``src`` written by ``read_blocks`` (a tier's copy coming back)."""
+        self._move_blocks(block_ids, src, rows, into_cache=True)
+
+    def _move_blocks(self, block_ids: list[int], host: torch.Tensor, rows: list[int], into_cache: bool) -> None:
+        if len(block_ids) != len(rows):
+            raise ValueError(f"{len(block_ids)} blocks but {len(rows)} rows")
+        if host.dtype != torch.uint8 or host.dim() != 2 or host.shape[1] != self.spec.bytes_per_block:
+            raise ValueError(f"block rows must be uint8 [n, {self.spec.bytes_per_block}], got "
+                             f"{host.dtype} {tuple(host.shape)}")
+        if not block_ids:
+            return
+        device = self._layers[0].k.device
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+        host_rows = torch.tensor(rows, dtype=torch.long)
+        offset = 0
+        for part in self._block_bytes():
+            end = offset + part.shape[1]
+            if into_cache:
+                part.index_copy_(0, ids, host[host_rows, offset:end].to(device, non_blocking=True))
+            else:
+                host[host_rows, offset:end] = part.index_select(0, ids).to(host.device)
+            offset = end
+
+    def _block_bytes(self) -> list[torch.Tensor]:
+        """Every stored tensor as uint8 ``[num_blocks, bytes of one block]``, in the order of a block's row."""
+        return [t.view(torch.uint8).view(self.num_blocks, -1) for view in self._layers for t in view.tensors()]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvserve.kv.block_keys import KeyedBlock
 from kvserve.outputs import FinishReason
 from kvserve.sampling_params import SamplingParams
 
@@ -65,13 +66,17 @@ class ScheduledRequest(NamedTuple):
 
 @dataclass(frozen=True)
 class KVTransferPlan:
-    """Block moves to apply before the forward pass: ``copies`` are (src_block, dst_block) pairs, e.g. the
-    copy-on-write of a partly filled block when a request forks into n samples."""
+    """Block moves to apply before the forward pass, in this order: ``offloads`` copy (block_id, its content)
+    from the device pool to the KV tiers; ``copies`` are (src_block, dst_block) pairs, e.g. the copy-on-write
+    of a partly filled block when a request forks into n samples; ``loads`` copy (content key, block_id) from
+    the host tier into fresh blocks (a prefix hit on an offloaded block)."""
 
     copies: tuple[tuple[int, int], ...] = ()
+    offloads: tuple[tuple[int, KeyedBlock], ...] = ()
+    loads: tuple[tuple[bytes, int], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.copies)
+        return bool(self.copies or self.offloads or self.loads)
 
 
 @dataclass(frozen=True)

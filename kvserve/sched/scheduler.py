@@ -235,7 +235,7 @@ class Scheduler:
             if not budget.has_room() or len(self.running) >= self.config.max_num_seqs:
                 break
             prefix = self._match_prefix(request)
-            if prefix.sibling_computing:
+            if prefix.must_wait:
                 continue
             num_new = min(_num_tokens_left(request, prefix.num_tokens), budget.num_tokens)
             if not self.kv.allocate_slots(request, num_new, prefix):
@@ -332,7 +332,7 @@ class Scheduler:
             (c.src, c.dst) for c in self._pending_copies if c.child.status is RequestStatus.RUNNING
         )
         self._pending_copies.clear()
-        return KVTransferPlan(copies)
+        return KVTransferPlan(copies, *self.kv.take_tier_transfers())
 
     # ------------------------------------------------------------------------------- update_from_output
 

@@ -11,13 +11,14 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.selector import select_backend
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from kvserve.kv.tiers import TieredStore, model_identity
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler, prompt_logprobs
-from kvserve.sched.output import ModelOutput, SchedulerOutput, TokenLogprobs
+from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
 
 
@@ -40,6 +41,7 @@ class ModelRunner:
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(seed, default_processors(self.grammar))
         self.kv: KVCacheStorage | None = None
+        self.kv_tiers: TieredStore | None = None
         self.batch: PersistentBatch | None = None
         self._sliding_windows = self.model.sliding_windows()
 
@@ -56,10 +58,19 @@ class ModelRunner:
         m = self.model
         return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype, self.kv_cache_dtype)
 
-    def init_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``)."""
+    def model_identity(self) -> str:
+        """A fingerprint of the loaded weights and of what shapes their KV (device, dtypes, weight format,
+        attention backend): KV tiers on disk use blocks written under the same fingerprint only."""
+        extra = "|".join((type(self.model).__name__, self.device.type, str(self.dtype), self.weights_format(),
+                          type(self.backend).__name__))
+        return model_identity(itertools.chain(self.model.named_parameters(), self.model.named_buffers()), extra)
+
+    def init_kv_cache(self, num_blocks: int, max_model_len: int, tiers: TieredStore | None = None) -> None:
+        """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``);
+        ``tiers`` holds blocks offloaded from them."""
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device)
         self.batch = PersistentBatch(-(-max_model_len // self.block_size), self.block_size, self.device)
+        self.kv_tiers = tiers
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
@@ -70,7 +81,7 @@ class ModelRunner:
         for new in sched_out.new_requests:
             if new.forked_from is not None:
                 self.sampler.fork(new.forked_from, new.request_id)
-        self.kv.copy_blocks(sched_out.kv_transfers.copies)
+        self._apply_transfers(sched_out.kv_transfers)
         if sched_out.is_empty:
             return ModelOutput(sampled_token_ids={})
         batch = self.batch.prepare(sched_out)
@@ -84,6 +95,17 @@ class ModelRunner:
                 self.batch.drop_rejected_blocks(request_id)
         output.prompt_logprobs.update(self._prompt_logprobs(batch, hidden))
         return output
+
+    def _apply_transfers(self, plan: KVTransferPlan) -> None:
+        """Offloads first (they save blocks this step may overwrite), then fork copies, then tier loads."""
+        assert self.kv is not None
+        tiers = self.kv_tiers
+        assert tiers is not None or not (plan.offloads or plan.loads), "a tier transfer but no KV tiers"
+        if plan.offloads:
+            tiers.offload(self.kv, plan.offloads)
+        self.kv.copy_blocks(plan.copies)
+        if plan.loads:
+            tiers.load(self.kv, plan.loads)
 
     def _sample(self, batch: InputBatch, hidden: torch.Tensor) -> ModelOutput:
         if not batch.sample_request_ids:

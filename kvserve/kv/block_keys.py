@@ -1,0 +1,43 @@
+"""Content keys of KV blocks, stable across processes, restarts and machines.
+
+A block's key names everything its KV depends on: the model and how its KV is stored (the root), and every
+token of the prefix up to the block's end, chained through its parent's key::
+
+    root   = H("kvserve-kv-block/1" | model identity | KV dtype | block size)
+    key(b) = H(key(parent of b) | b's token ids as little-endian int32)
+
+H is BLAKE2b with a 16-byte digest, never Python's ``hash`` (salted per process), so a block written by one
+server is found under the same key by a restarted one or by a second server on the same directory, and
+blocks of another model, KV dtype or block size live under other keys altogether.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import NamedTuple, Sequence
+
+KEY_BYTES = 16
+_NAMESPACE = b"kvserve-kv-block/1"
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=KEY_BYTES).digest()
+
+
+def root_key(model_identity: str, kv_dtype: str, block_size: int) -> bytes:
+    """The key a model's first block chains from."""
+    return _digest(b"|".join((_NAMESPACE, model_identity.encode(), kv_dtype.encode(), str(block_size).encode())))
+
+
+def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key of the block holding ``token_ids`` after the prefix whose last block has ``parent_key``."""
+    return _digest(parent_key + struct.pack(f"<{len(token_ids)}i", *token_ids))
+
+
+class KeyedBlock(NamedTuple):
+    """A full block named by its content: its key, its parent's key and its token ids."""
+
+    key: bytes
+    parent_key: bytes
+    token_ids: tuple[int, ...]
