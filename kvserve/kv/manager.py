@@ -167,9 +167,10 @@ class KVCacheManager:
             self.pool.take(cached)
             request.block_ids = cached
             self._paths[request.request_id] = _CachePath(prefix.nodes[-1], len(cached))
+        num_cached = len(cached)  # request.block_ids is now ``cached`` itself: count before it grows
         if num_needed > 0:
             request.block_ids.extend(self.pool.allocate(num_needed))
-        self._loads.extend(zip(tiered, request.block_ids[len(cached) : len(cached) + len(tiered)]))
+        self._loads.extend(zip(tiered, request.block_ids[num_cached : num_cached + len(tiered)]))
         self._extend_path(request, num_computed)
         return True
 

@@ -13,8 +13,11 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.tiers import BlockFormat, TieredStore
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import EngineOutput, ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
@@ -46,15 +49,44 @@ class _Mirror:
         return self.prompt_token_ids + self.output_token_ids
 
 
+EMPTY_SLOT = -1  # a fake KV slot never written, as a tier stores it
+
+
+class FakeKVBytes:
+    """The fake cache's blocks as the KV tiers move them (``KVCacheStorage.read_blocks`` / ``write_blocks``):
+    each block one row of int32 token ids, so that what a tier brings back is checked like any other KV."""
+
+    def __init__(self, kv: list[list[int | None]]) -> None:
+        self.kv = kv
+
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor, rows: list[int]) -> None:
+        for block_id, row in zip(block_ids, rows):
+            slots = [EMPTY_SLOT if t is None else t for t in self.kv[block_id]]
+            out[row] = torch.tensor(slots, dtype=torch.int32).view(torch.uint8)
+
+    def write_blocks(self, block_ids: list[int], src: torch.Tensor, rows: list[int]) -> None:
+        for block_id, row in zip(block_ids, rows):
+            self.kv[block_id] = [None if t == EMPTY_SLOT else t for t in src[row].view(torch.int32).tolist()]
+
+
+def fake_tiers(block_size: int, host_blocks: int, disk_dir: str | None = None) -> TieredStore:
+    """Real KV tiers over fake blocks of int32 token ids."""
+    block_format = BlockFormat("fake-model", "int32", block_size, 4 * block_size)
+    return TieredStore(block_format, host_blocks * block_format.bytes_per_block, host_is_tier=True,
+                       disk_dir=disk_dir)
+
+
 class FakeRunner:
     def __init__(
         self, num_blocks: int, block_size: int, token_fn: TokenFn = default_token,
-        ref_count: Callable[[int], int] | None = None,
+        ref_count: Callable[[int], int] | None = None, tiers: TieredStore | None = None,
     ) -> None:
         self.block_size = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.token_fn = token_fn
         self.ref_count = ref_count  # given: a block is never written while another request holds it
+        self.tiers = tiers
+        self.num_loads = 0
         self.requests: dict[str, _Mirror] = {}  # the runner's batch, rebuilt from the diffs alone
         self.num_copies = 0
         self.num_tokens_written = 0
@@ -68,9 +100,17 @@ class FakeRunner:
                 list(new.prompt_token_ids), list(new.output_token_ids), list(new.block_ids),
                 new.sampling_params.logprobs is not None,
             )
-        for src, dst in sched_out.kv_transfers.copies:
+        transfers = sched_out.kv_transfers
+        if transfers.offloads or transfers.loads:
+            assert self.tiers is not None, "a tier transfer without tiers"
+        if transfers.offloads:
+            self.tiers.offload(FakeKVBytes(self.kv), transfers.offloads)
+        for src, dst in transfers.copies:
             self.kv[dst] = list(self.kv[src])
             self.num_copies += 1
+        if transfers.loads:
+            self.tiers.load(FakeKVBytes(self.kv), transfers.loads)
+            self.num_loads += len(transfers.loads)
         out = ModelOutput({}, {}, {})
         for row in sched_out.requests:
             mirror = self.requests[row.request_id]
@@ -129,11 +169,12 @@ def _prompt_logprobs(row: ScheduledRequest, prompt_token_ids: list[int]) -> list
 def make_scheduler(
     num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32, max_num_seqs: int = 8,
     max_model_len: int = 256, prefix_caching: bool = False, policy: str = "fcfs", lpm_aging_steps: int = 64,
+    tiers: TieredStore | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy=policy, lpm_aging_steps=lpm_aging_steps
     )
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching, tiers))
 
 
 def make_request(
