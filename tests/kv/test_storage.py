@@ -127,3 +127,30 @@ def test_a_slot_outside_the_cache_is_refused(bad_slot: int) -> None:
     k, v = random_kv(2, torch.float32, torch.Generator().manual_seed(3))
     with pytest.raises(ValueError, match=f"outside the cache's {NUM_BLOCKS * BLOCK_SIZE} slots"):
         kv.write(0, torch.tensor([3, bad_slot]), k, v)
+
+
+@pytest.mark.parametrize("encoding", [None, *ENCODINGS])
+def test_blocks_read_out_and_written_back_are_bit_exact(encoding: str | None) -> None:
+    """What the KV tiers keep: whole blocks as stored, data and scales, moved out to rows and back."""
+    spec = KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32,
+                       ENCODINGS[encoding] if encoding else None)
+    source, target = (KVCacheStorage(spec, NUM_BLOCKS, "cpu") for _ in range(2))
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(NUM_LAYERS):
+        source.write(layer, torch.arange(source.num_slots), *random_kv(source.num_slots, torch.float32, gen))
+    rows = torch.zeros(5, spec.bytes_per_block, dtype=torch.uint8)
+    source.read_blocks([4, 1], rows, [3, 0])
+    target.write_blocks([0, 5], rows, [3, 0])  # block 4 -> row 3 -> block 0; block 1 -> row 0 -> block 5
+    for layer in range(NUM_LAYERS):
+        for src, dst in zip(source.layer(layer).tensors(), target.layer(layer).tensors()):
+            assert torch.equal(src[4].view(torch.uint8), dst[0].view(torch.uint8))
+            assert torch.equal(src[1].view(torch.uint8), dst[5].view(torch.uint8))
+            assert not dst[1:5].view(torch.uint8).any()  # nothing else written
+
+
+def test_block_rows_of_the_wrong_shape_are_refused() -> None:
+    kv = make_storage()
+    with pytest.raises(ValueError, match="uint8"):
+        kv.read_blocks([0], torch.zeros(1, kv.spec.bytes_per_block - 1, dtype=torch.uint8), [0])
+    with pytest.raises(ValueError, match="2 blocks but 1 rows"):
+        kv.write_blocks([0, 1], torch.zeros(1, kv.spec.bytes_per_block, dtype=torch.uint8), [0])

@@ -1,0 +1,216 @@
+"""The host and disk KV tiers: LRU with pins, bit-exact round trips through each tier, a restarted store
+finding its predecessor's files, and every bad file or disk fault degrading with a count and a warning."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.kv import tiers as tiers_module
+from kvserve.kv.block_keys import KeyedBlock, block_key
+from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from kvserve.kv.tiers import BlockFormat, HostTier, Tier, TieredStore
+
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+NUM_BLOCKS = 8
+
+
+def _storage(seed: int = 0) -> KVCacheStorage:
+    kv = KVCacheStorage(SPEC, NUM_BLOCKS, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    for layer in range(SPEC.num_layers):
+        k, v = (torch.randn(kv.num_slots, SPEC.num_kv_heads, SPEC.head_dim, generator=gen) for _ in "kv")
+        kv.write(layer, torch.arange(kv.num_slots), k, v)
+    return kv
+
+
+def _store(host_blocks: int = 8, disk_dir: Path | None = None, identity: str = "model-a",
+           disk_blocks: float | None = None, host_is_tier: bool = True) -> TieredStore:
+    fmt = BlockFormat(identity, "float32", SPEC.block_size, SPEC.bytes_per_block)
+    disk_bytes = None if disk_blocks is None else disk_blocks * (SPEC.bytes_per_block + 400)
+    return TieredStore(fmt, host_blocks * SPEC.bytes_per_block, host_is_tier, str(disk_dir) if disk_dir else None,
+                       disk_bytes)
+
+
+def _chain(store: TieredStore, num_blocks: int) -> list[KeyedBlock]:
+    """Content descriptions of a prefix of ``num_blocks`` blocks."""
+    blocks, parent = [], store.root_key
+    for index in range(num_blocks):
+        tokens = tuple(range(index * 4, index * 4 + 4))
+        key = block_key(parent, tokens)
+        blocks.append(KeyedBlock(key, parent, tokens))
+        parent = key
+    return blocks
+
+
+def _block_bytes(kv: KVCacheStorage, block_id: int) -> bytes:
+    rows = torch.zeros(1, SPEC.bytes_per_block, dtype=torch.uint8)
+    kv.read_blocks([block_id], rows, [0])
+    return rows.numpy().tobytes()
+
+
+def _load(store: TieredStore, kv: KVCacheStorage, pairs: list[tuple[bytes, int]]) -> None:
+    assert store.pin([key for key, _ in pairs])
+    store.load(kv, pairs)
+
+
+def test_host_tier_evicts_the_least_recently_used_unpinned_block() -> None:
+    host = HostTier(num_rows=2, bytes_per_block=4, pin_memory=False)
+    for key in (b"a", b"b"):
+        host.publish(key, host.reserve())
+    host.row(b"a")  # a is now the most recently used
+    host.publish(b"c", host.reserve())
+    assert b"b" not in host and b"a" in host and b"c" in host
+    host.pin(b"a")
+    host.publish(b"d", host.reserve())  # c goes, a is pinned
+    assert b"c" not in host and b"a" in host
+    host.pin(b"d")
+    assert host.reserve() is None  # every block pinned
+    host.unpin(b"d")
+    assert host.reserve() is not None
+
+
+def test_offload_then_load_through_the_host_tier_is_bit_exact() -> None:
+    store, source, target = _store(), _storage(0), _storage(1)
+    blocks = _chain(store, 3)
+    assert all(store.wants_offload(b.key, evicted=True) for b in blocks)
+    store.offload(source, [(5, blocks[0]), (2, blocks[1]), (7, blocks[2])])
+    assert [store.locate(b.key) for b in blocks] == [Tier.HOST] * 3
+    assert not store.wants_offload(blocks[0].key, evicted=True)  # held already
+    _load(store, target, [(blocks[0].key, 0), (blocks[2].key, 1)])
+    assert _block_bytes(target, 0) == _block_bytes(source, 5)
+    assert _block_bytes(target, 1) == _block_bytes(source, 7)
+    stats = store.stats()
+    assert stats["kv_offload_host_hit_tokens"] == 8 and stats["kv_offload_blocks_loaded"] == 2
+    assert stats["kv_offload_host_blocks"] == 3 and stats["kv_offload_blocks_offloaded"] == 3
+
+
+def test_pin_fails_for_a_block_that_left_the_host_tier() -> None:
+    store, kv = _store(host_blocks=1), _storage()
+    first, second = _chain(store, 2)
+    store.offload(kv, [(0, first)])
+    store.offload(kv, [(1, second)])  # the one host row now holds the second block
+    assert not store.pin([first.key, second.key])
+    assert store.pin([second.key])
+
+
+def _write_through(store: TieredStore, kv: KVCacheStorage, blocks: list[KeyedBlock]) -> None:
+    assert all(store.wants_offload(b.key, evicted=False) for b in blocks)
+    store.offload(kv, list(enumerate(blocks)))
+    store.flush()
+
+
+def _prefetched(store: TieredStore, blocks: list[KeyedBlock]) -> list[Tier | None]:
+    store.prefetch(blocks)
+    store.flush()
+    return [store.locate(b.key) for b in blocks]
+
+
+def test_a_restarted_store_finds_its_predecessors_blocks_on_disk(tmp_path: Path) -> None:
+    first, kv = _store(disk_dir=tmp_path), _storage(0)
+    blocks = _chain(first, 3)
+    _write_through(first, kv, blocks)
+    assert first.stats()["kv_offload_disk_blocks"] == 3
+    first.close()
+    second, target = _store(disk_dir=tmp_path), _storage(1)
+    assert second.stats()["kv_offload_disk_blocks"] == 3  # indexed at start
+    assert [second.locate(b.key) for b in blocks] == [Tier.DISK] * 3
+    assert not second.wants_offload(blocks[0].key, evicted=False)  # on disk already
+    assert _prefetched(second, blocks) == [Tier.HOST] * 3
+    _load(second, target, [(b.key, i + 4) for i, b in enumerate(blocks)])
+    for i in range(3):
+        assert _block_bytes(target, i + 4) == _block_bytes(kv, i)
+    assert second.stats()["kv_offload_disk_hit_tokens"] == 12
+
+
+def test_two_stores_share_one_directory(tmp_path: Path) -> None:
+    writer, reader, kv = _store(disk_dir=tmp_path), _store(disk_dir=tmp_path), _storage()
+    blocks = _chain(writer, 2)
+    _write_through(writer, kv, blocks)
+    assert [reader.locate(b.key) for b in blocks] == [Tier.DISK] * 2  # written after the reader started
+    assert _prefetched(reader, blocks) == [Tier.HOST] * 2
+
+
+def test_corrupt_and_truncated_files_are_skipped_counted_and_removed(tmp_path: Path, caplog) -> None:
+    first, kv = _store(disk_dir=tmp_path), _storage()
+    blocks = _chain(first, 2)
+    _write_through(first, kv, blocks)
+    paths = [first.disk.path(b.key) for b in blocks]
+    data = bytearray(Path(paths[0]).read_bytes())
+    data[-1] ^= 0xFF
+    Path(paths[0]).write_bytes(bytes(data))
+    Path(paths[1]).write_bytes(Path(paths[1]).read_bytes()[:-7])
+    second = _store(disk_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        assert _prefetched(second, blocks) == [None, None]
+    assert second.stats()["kv_offload_corrupt_blocks"] == 2
+    assert "checksum" in caplog.text and "truncated" in caplog.text
+    assert not any(os.path.exists(p) for p in paths)
+
+
+def test_a_block_file_of_another_model_is_never_used(tmp_path: Path) -> None:
+    theirs, kv = _store(disk_dir=tmp_path, identity="model-b"), _storage()
+    their_block = _chain(theirs, 1)[0]
+    _write_through(theirs, kv, [their_block])
+    ours = _store(disk_dir=tmp_path)
+    our_block = _chain(ours, 1)[0]  # the same tokens: another key, so no file at first
+    assert ours.locate(our_block.key) is None
+    os.makedirs(os.path.dirname(ours.disk.path(our_block.key)), exist_ok=True)
+    shutil.copy(theirs.disk.path(their_block.key), ours.disk.path(our_block.key))  # planted under our key
+    assert _prefetched(ours, [our_block]) == [None]
+    assert ours.stats()["kv_offload_corrupt_blocks"] == 1
+
+
+def test_a_full_disk_stops_writing_with_one_warning(tmp_path: Path, monkeypatch, caplog) -> None:
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiers_module, "write_block_file", full)
+    store, kv = _store(disk_dir=tmp_path), _storage()
+    blocks = _chain(store, 3)
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        store.offload(kv, list(enumerate(blocks)))
+        store.flush()
+    assert caplog.text.count("no more blocks are written there") == 1
+    stats = store.stats()
+    assert not stats["kv_offload_disk_writable"] and stats["kv_offload_disk_write_errors"] == 3
+    assert not store.wants_offload(_chain(store, 4)[3].key, evicted=False)  # not tried again
+    assert [store.locate(b.key) for b in blocks] == [Tier.HOST] * 3  # the host tier still serves them
+
+
+def test_an_unusable_directory_leaves_the_host_tier_working(tmp_path: Path, caplog) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        store = _store(disk_dir=not_a_dir / "blocks")
+    assert "cannot use" in caplog.text
+    kv = _storage()
+    block = _chain(store, 1)[0]
+    assert store.wants_offload(block.key, evicted=True) and not store.wants_offload(block.key, evicted=False)
+    store.offload(kv, [(0, block)])
+    assert store.locate(block.key) is Tier.HOST
+
+
+def test_the_disk_tier_keeps_within_its_capacity_oldest_out(tmp_path: Path) -> None:
+    store, kv = _store(disk_dir=tmp_path, disk_blocks=2), _storage()
+    blocks = _chain(store, 4)
+    for index, block in enumerate(blocks):
+        _write_through(store, kv, [block])
+    assert store.stats()["kv_offload_disk_blocks"] == 2
+    assert [os.path.exists(store.disk.path(b.key)) for b in blocks] == [False, False, True, True]
+
+
+def test_a_staging_slab_keeps_evicted_blocks_only_when_the_disk_lacks_them(tmp_path: Path) -> None:
+    store, kv = _store(host_blocks=1, disk_dir=tmp_path, host_is_tier=False), _storage()
+    on_disk, not_on_disk, other = _chain(store, 3)
+    _write_through(store, kv, [on_disk])
+    _write_through(store, kv, [other])  # takes the one host row
+    assert store.locate(on_disk.key) is Tier.DISK
+    assert not store.wants_offload(on_disk.key, evicted=True)
+    assert store.wants_offload(not_on_disk.key, evicted=True)
