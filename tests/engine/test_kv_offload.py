@@ -1,0 +1,162 @@
+"""KV tiers through the whole engine: with a device pool too small for the workload, the host and disk tiers
+give the same tokens as a large pool (and transformers), a restarted or second engine on the same directory
+reuses the blocks on disk, and bad files or a full disk never change an output."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvserve import LLM
+from kvserve.kv import tiers as tiers_module
+from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
+
+MAX_NEW = 6
+SMALL_POOL = {"num_kv_blocks": 24, "max_num_seqs": 2, "block_size": 4}
+
+
+def _prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """Three conversations of three turns, taking turns; each turn is the previous one plus new tokens. The
+    three histories (8 to 12 blocks each) do not fit a pool of 24 blocks together: a conversation's next turn
+    finds its history evicted, offloaded if tiers are on."""
+    rng = random.Random(seed)
+    histories = [[rng.randrange(3, vocab_size) for _ in range(32)] for _ in range(3)]
+    prompts = []
+    for _ in range(3):
+        for history in histories:
+            prompts.append(list(history))
+            history += [rng.randrange(3, vocab_size) for _ in range(8)]
+    return prompts
+
+
+def _llm(path: Path, **options) -> LLM:
+    return LLM(str(path), dtype="float32", **options)
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    # one request at a time, in order, as a user's turns arrive: each turn finds the previous in the tiers
+    return [greedy_token_ids(llm, [prompt], MAX_NEW)[0][0] for prompt in prompts]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def family(request: pytest.FixtureRequest, tiny_checkpoints):
+    path = tiny_checkpoints[request.param]
+    prompts = _prompts(AutoModelForCausalLM.from_pretrained(path).config.vocab_size)
+    expected = _run(_llm(path, num_kv_blocks=256, block_size=4), prompts)
+    return path, prompts, expected
+
+
+def test_a_small_pool_over_host_and_disk_tiers_matches_a_large_pool_and_transformers(family, tmp_path) -> None:
+    path, prompts, expected = family
+    llm = _llm(path, kv_offload_memory=0.01, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    assert _run(llm, prompts) == expected
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert expected == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    stats = llm.stats()
+    assert stats["prefix_cache_evictions"] > 0 and stats["kv_offload_host_hit_tokens"] > 0, stats
+    assert stats["kv_offload_blocks_loaded"] * 4 == stats["kv_offload_host_hit_tokens"]
+    assert_all_blocks_free(llm)
+
+
+def test_without_tiers_the_small_pool_recomputes_what_it_evicted(family) -> None:
+    path, prompts, expected = family
+    llm = _llm(path, **SMALL_POOL)
+    assert _run(llm, prompts) == expected
+    recomputing_hits = llm.stats()["prefix_cache_hits"]
+    assert "kv_offload_host_hit_tokens" not in llm.stats()
+    tiered = _llm(path, kv_offload_memory=0.01, **SMALL_POOL)
+    assert _run(tiered, prompts) == expected
+    assert tiered.stats()["prefix_cache_hits"] > recomputing_hits
+
+
+def test_a_restarted_engine_reuses_the_disk_tier(family, tmp_path) -> None:
+    path, prompts, expected = family
+    first = _llm(path, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    assert _run(first, prompts) == expected
+    first.engine.flush_kv_offload()
+    assert first.stats()["kv_offload_disk_hit_tokens"] == 0
+    restarted = _llm(path, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    assert _run(restarted, prompts) == expected
+    stats = restarted.stats()
+    assert stats["kv_offload_disk_hit_tokens"] >= 32, stats  # the first turn's prompt, at least, came off disk
+    assert stats["kv_offload_corrupt_blocks"] == 0
+    assert_all_blocks_free(restarted)
+
+
+def test_two_engines_share_one_directory(tiny_checkpoints, tmp_path) -> None:
+    path = tiny_checkpoints["llama"]
+    prompts = _prompts(200, seed=1)
+    a = _llm(path, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    b = _llm(path, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    expected = _run(a, prompts[:3])
+    a.engine.flush_kv_offload()
+    assert _run(b, prompts[:3]) == expected
+    assert b.stats()["kv_offload_disk_hit_tokens"] >= 32
+
+
+def test_corrupt_block_files_are_skipped_and_recomputed(tiny_checkpoints, tmp_path, caplog) -> None:
+    path = tiny_checkpoints["llama"]
+    prompts = _prompts(200, seed=2)
+    first = _llm(path, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    expected = _run(first, prompts)
+    first.engine.flush_kv_offload()
+    files = sorted(tmp_path.rglob("*.kvb"))
+    for index, file in enumerate(files):
+        data = bytearray(file.read_bytes())
+        if index % 2:
+            data[-1] ^= 0x01  # a flipped bit
+        else:
+            del data[-10:]  # truncated
+        file.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        second = _llm(path, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+        assert _run(second, prompts) == expected
+    stats = second.stats()
+    assert stats["kv_offload_corrupt_blocks"] > 0 and stats["kv_offload_disk_hit_tokens"] == 0, stats
+    assert "skipping block file" in caplog.text
+    assert_all_blocks_free(second)
+
+
+def test_a_full_disk_changes_no_output(tiny_checkpoints, tmp_path, monkeypatch, caplog) -> None:
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiers_module, "write_block_file", full)
+    path = tiny_checkpoints["llama"]
+    prompts = _prompts(200, seed=3)
+    expected = _run(_llm(path, **SMALL_POOL), prompts)
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        llm = _llm(path, kv_offload_memory=0.01, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+        assert _run(llm, prompts) == expected
+        llm.engine.flush_kv_offload()
+    assert caplog.text.count("no more blocks are written there") == 1
+    assert not llm.stats()["kv_offload_disk_writable"]
+    assert llm.stats()["kv_offload_host_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
+def test_quantized_kv_blocks_go_through_the_tiers_unchanged(tiny_checkpoints, tmp_path, kv_cache_dtype) -> None:
+    path = tiny_checkpoints["llama"]
+    prompts = _prompts(200, seed=4)
+    expected = _run(_llm(path, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=256, block_size=4), prompts)
+    llm = _llm(path, kv_cache_dtype=kv_cache_dtype, kv_offload_memory=0.01, kv_offload_dir=str(tmp_path),
+               **SMALL_POOL)
+    assert _run(llm, prompts) == expected
+    assert llm.stats()["kv_offload_host_hit_tokens"] > 0
+
+
+def test_n_samples_and_preemption_over_the_tiers(tiny_checkpoints) -> None:
+    path = tiny_checkpoints["llama"]
+    prompts = _prompts(200, seed=5)
+    options = {"num_kv_blocks": 20, "max_num_seqs": 4, "block_size": 4}
+    expected = greedy_token_ids(_llm(path, num_kv_blocks=256, block_size=4), prompts, MAX_NEW, n=2)
+    llm = _llm(path, kv_offload_memory=0.01, **options)
+    assert greedy_token_ids(llm, prompts, MAX_NEW, n=2) == expected
+    assert llm.stats()["num_preemptions"] > 0
+    assert_all_blocks_free(llm)
