@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+SHUTDOWN_FLUSH_SECONDS = 30.0  # at most this long for queued KV block writes at shutdown
 
 
 class EngineDeadError(RuntimeError):
@@ -233,6 +234,7 @@ class AsyncEngine:
         else:
             self._run_commands()
             self._abort_now(list(self._streams))
+            self.engine.flush_kv_offload(SHUTDOWN_FLUSH_SECONDS)  # a restart finds every computed block on disk
             self._fail_everything(EngineDeadError("the engine was shut down"))
 
     def _wait_for_work(self) -> bool:

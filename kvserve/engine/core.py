@@ -12,7 +12,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.storage import KVCacheSpec
 from kvserve.outputs import FinishReason
 from kvserve.request import Request
-from kvserve.sched.output import EngineOutput, SchedulerOutput
+from kvserve.sched.output import EngineOutput, KVTransferPlan, SchedulerOutput
 from kvserve.sched.scheduler import Scheduler
 from kvserve.worker.model_runner import ModelRunner
 
@@ -75,7 +75,16 @@ class EngineCore:
         store = self.kv_manager.store
         if sched_out.is_empty and store is not None and store.num_reading:
             store.wait_for_reads(DISK_READ_WAIT_SECONDS)  # only requests waiting on the disk: don't spin
-        return self.scheduler.update_from_output(sched_out, model_out)
+        outputs = self.scheduler.update_from_output(sched_out, model_out)
+        if store is not None and not self.scheduler.has_unfinished_requests():
+            self.offload_pending()  # idle now: the last step's blocks go to the tiers without waiting for a step
+        return outputs
+
+    def offload_pending(self) -> None:
+        """Apply the tier offloads planned since the last step (blocks computed in it) at once."""
+        offloads, loads = self.kv_manager.take_tier_transfers()
+        assert not loads, "tier loads are planned only while scheduling, and sent with that step"
+        self.runner.apply_kv_transfers(KVTransferPlan(offloads=offloads))
 
     def _track_peak(self, sched_out: SchedulerOutput) -> None:
         num_used = self.kv_manager.num_blocks_total - self.kv_manager.num_free_blocks()

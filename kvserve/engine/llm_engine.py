@@ -90,10 +90,13 @@ class LLMEngine:
                            disk_dir=cache.kv_offload_dir, disk_bytes=cache.kv_offload_disk * 2**30,
                            pin_memory=self.device.type == "cuda")
 
-    def flush_kv_offload(self) -> None:
-        """Wait until every KV block queued for the disk tier is written (a restart then finds them all)."""
-        if self.core.kv_manager.store is not None:
-            self.core.kv_manager.store.flush()
+    def flush_kv_offload(self, timeout: float | None = None) -> None:
+        """Hand every computed block still due to the tiers over, and wait up to ``timeout`` seconds for the
+        disk tier's writes (a restart then finds them all)."""
+        store = self.core.kv_manager.store
+        if store is not None:
+            self.core.offload_pending()
+            store.flush(timeout)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad."""

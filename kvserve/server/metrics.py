@@ -55,6 +55,25 @@ class _RequestTimes:
     num_generation_tokens: int = 0
 
 
+# KV tiers (zero while offload is off): stats key -> help; bandwidth is rate(bytes) / rate(seconds)
+_TIER_GAUGES = {
+    "kv_offload_host_blocks": "KV blocks held in the host-memory tier.",
+    "kv_offload_host_bytes": "Bytes of KV blocks held in the host-memory tier.",
+    "kv_offload_disk_blocks": "KV block files in the disk tier.",
+    "kv_offload_disk_bytes": "Bytes of KV block files in the disk tier.",
+}
+_TIER_COUNTERS = {
+    "kv_offload_host_hit_tokens": "Prefix tokens loaded back from the host-memory tier.",
+    "kv_offload_disk_hit_tokens": "Prefix tokens loaded back from the disk tier.",
+    "kv_offload_bytes_offloaded": "Bytes of KV blocks copied from the device pool to the tiers.",
+    "kv_offload_seconds": "Seconds spent copying KV blocks to the tiers.",
+    "kv_offload_bytes_loaded": "Bytes of KV blocks copied from the tiers into the device pool.",
+    "kv_reload_seconds": "Seconds spent copying KV blocks from the tiers into the device pool.",
+    "kv_offload_corrupt_blocks": "KV block files skipped as corrupt, truncated or written for something else.",
+    "kv_offload_disk_write_errors": "KV block files that could not be written.",
+}
+
+
 class ServerMetrics:
     """The server's metrics; ``on_request_added`` / ``on_step`` are called only from the engine thread."""
 
@@ -74,9 +93,11 @@ class ServerMetrics:
             "spec_decode_num_draft_tokens": self.spec_decode_num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.spec_decode_num_accepted_tokens,
             "spec_decode_num_emitted_tokens": self.spec_decode_num_emitted_tokens,
+            **{key: self._counter(key, doc) for key, doc in _TIER_COUNTERS.items()},
         }
         self._engine_counts_seen = {key: stats.get(key, 0) for key in self._engine_counters}
         self._make_histograms(max_model_len)
+        self._set_gauges(stats)  # e.g. the disk tier's blocks, found at start, before any request
 
     # Each metric is labelled with model_name, like vLLM's; these return the child for this model, so that
     # every metric is exported (at zero) from the start.
@@ -96,10 +117,12 @@ class ServerMetrics:
         self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).")
         self.prefix_cache_blocks = self._gauge("prefix_cache_blocks", "KV blocks the prefix cache names.")
+        self.tier_gauges = {key: self._gauge(key, doc) for key, doc in _TIER_GAUGES.items()}
         info = Gauge("kvserve:cache_config_info", "The KV cache configuration.",
-                     ["model_name", "block_size", "num_gpu_blocks"], registry=self.registry)
+                     ["model_name", "block_size", "num_gpu_blocks", "cache_dtype"], registry=self.registry)
         info.labels(
-            block_size=str(stats["block_size"]), num_gpu_blocks=str(stats["num_blocks_total"]), **self._labels
+            block_size=str(stats["block_size"]), num_gpu_blocks=str(stats["num_blocks_total"]),
+            cache_dtype=stats["kv_cache_dtype"], **self._labels
         ).set(1)
 
     def _make_counters(self) -> None:
@@ -159,6 +182,8 @@ class ServerMetrics:
         total = stats["num_blocks_total"]
         self.kv_cache_usage.set(stats["num_blocks_used"] / total if total else 0.0)
         self.prefix_cache_blocks.set(stats.get("prefix_cache_blocks", 0))
+        for key, gauge in self.tier_gauges.items():
+            gauge.set(stats.get(key, 0))
         for key, counter in self._engine_counters.items():
             num_new = stats.get(key, 0) - self._engine_counts_seen[key]
             if num_new > 0:

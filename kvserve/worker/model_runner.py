@@ -81,7 +81,7 @@ class ModelRunner:
         for new in sched_out.new_requests:
             if new.forked_from is not None:
                 self.sampler.fork(new.forked_from, new.request_id)
-        self._apply_transfers(sched_out.kv_transfers)
+        self.apply_kv_transfers(sched_out.kv_transfers)
         if sched_out.is_empty:
             return ModelOutput(sampled_token_ids={})
         batch = self.batch.prepare(sched_out)
@@ -96,8 +96,8 @@ class ModelRunner:
         output.prompt_logprobs.update(self._prompt_logprobs(batch, hidden))
         return output
 
-    def _apply_transfers(self, plan: KVTransferPlan) -> None:
-        """Offloads first (they save blocks this step may overwrite), then fork copies, then tier loads."""
+    def apply_kv_transfers(self, plan: KVTransferPlan) -> None:
+        """Apply a step's block moves. Offloads first (they save blocks this step may overwrite), then fork copies, then tier loads."""
         assert self.kv is not None
         tiers = self.kv_tiers
         assert tiers is not None or not (plan.offloads or plan.loads), "a tier transfer but no KV tiers"

@@ -66,6 +66,7 @@ class FakeEngine:
         self.num_steps = 0
         self.step_error: BaseException | None = None
         self.threads_seen: set[str] = set()
+        self.num_kv_flushes = 0
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
         self._note_thread()
@@ -114,7 +115,11 @@ class FakeEngine:
             "num_running": num_running,
             "num_waiting": len(self.requests) - num_running,
             "num_preemptions": 0,
+            "kv_cache_dtype": "float32",
         }
+
+    def flush_kv_offload(self, timeout: float | None = None) -> None:
+        self.num_kv_flushes += 1
 
     def _note_thread(self) -> None:
         self.threads_seen.add(threading.current_thread().name)

@@ -160,3 +160,4 @@ def test_shutdown_aborts_requests_in_flight_and_refuses_new_ones() -> None:
 
     asyncio.run(asyncio.wait_for(test(), timeout=10))
     assert not fake.requests
+    assert fake.num_kv_flushes == 1  # blocks due to the KV disk tier are written before the engine stops
