@@ -199,15 +199,21 @@ class KVCacheStorage:
         device = self._layers[0].k.device
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
         host_rows = torch.tensor(rows, dtype=torch.long)
+        parts, word = self._block_words()
+        host_words = host.view(word)
         offset = 0
-        for part in self._block_bytes():
+        for part in parts:
             end = offset + part.shape[1]
             if into_cache:
-                part.index_copy_(0, ids, host[host_rows, offset:end].to(device, non_blocking=True))
+                part.index_copy_(0, ids, host_words[host_rows, offset:end].to(device, non_blocking=True))
             else:
-                host[host_rows, offset:end] = part.index_select(0, ids).to(host.device)
+                host_words[host_rows, offset:end] = part.index_select(0, ids).to(host.device)
             offset = end
 
-    def _block_bytes(self) -> list[torch.Tensor]:
-        """Every stored tensor as uint8 ``[num_blocks, bytes of one block]``, in the order of a block's row."""
-        return [t.view(torch.uint8).view(self.num_blocks, -1) for view in self._layers for t in view.tensors()]
+    def _block_words(self) -> tuple[list[torch.Tensor], torch.dtype]:
+        """Every stored tensor as ``[num_blocks, words of one block]``, in the order of a block's row, in the
+        widest integer word that divides every part: the index copies then move words, not bytes (8x faster)."""
+        parts = [t.view(torch.uint8).view(self.num_blocks, -1) for view in self._layers for t in view.tensors()]
+        word = next(dtype for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                    if all(part.shape[1] % dtype.itemsize == 0 for part in parts))
+        return [part.view(word) for part in parts], word

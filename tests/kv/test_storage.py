@@ -130,14 +130,17 @@ def test_a_slot_outside_the_cache_is_refused(bad_slot: int) -> None:
 
 
 @pytest.mark.parametrize("encoding", [None, *ENCODINGS])
-def test_blocks_read_out_and_written_back_are_bit_exact(encoding: str | None) -> None:
+@pytest.mark.parametrize("shape", [(NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE), (1, 2, 1)])  # (1, 2, 1): 1- to 4-byte parts
+def test_blocks_read_out_and_written_back_are_bit_exact(encoding: str | None, shape: tuple[int, int, int]) -> None:
     """What the KV tiers keep: whole blocks as stored, data and scales, moved out to rows and back."""
-    spec = KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32,
+    num_kv_heads, head_dim, block_size = shape
+    spec = KVCacheSpec(NUM_LAYERS, num_kv_heads, head_dim, block_size, torch.float32,
                        ENCODINGS[encoding] if encoding else None)
     source, target = (KVCacheStorage(spec, NUM_BLOCKS, "cpu") for _ in range(2))
     gen = torch.Generator().manual_seed(0)
     for layer in range(NUM_LAYERS):
-        source.write(layer, torch.arange(source.num_slots), *random_kv(source.num_slots, torch.float32, gen))
+        k, v = (torch.randn(source.num_slots, num_kv_heads, head_dim, generator=gen) for _ in "kv")
+        source.write(layer, torch.arange(source.num_slots), k, v)
     rows = torch.zeros(5, spec.bytes_per_block, dtype=torch.uint8)
     source.read_blocks([4, 1], rows, [3, 0])
     target.write_blocks([0, 5], rows, [3, 0])  # block 4 -> row 3 -> block 0; block 1 -> row 0 -> block 5
