@@ -10,7 +10,7 @@ to keep the histories between turns. Each turn asks for one token, so its time i
 fresh engine on the same requests: ``recompute`` (no tiers: evicted histories are prefilled again), ``host``
 (``kv_offload_memory``), ``disk`` (``kv_offload_dir`` alone: the host slab only stages its reads and writes;
 the files sit in the OS page cache, as on a machine with memory to spare), and ``device`` (a pool that keeps
-every history: the floor). Their first tokens must agree.
+every history, ``--large-pool-blocks``: the floor). Their first tokens must agree.
 
 ``restart``: ``kvserve serve --kv-offload-dir DIR`` answers a ``--prefix-len``-token prompt, is stopped with
 SIGTERM and started again on DIR; the second server answers the same prompt (its prefix from the disk tier)
@@ -73,7 +73,7 @@ def multiturn(args: argparse.Namespace) -> dict:
         "recompute": {"num_kv_blocks": args.num_kv_blocks},
         "host": {"num_kv_blocks": args.num_kv_blocks, "kv_offload_memory": 2.0},
         "disk": {"num_kv_blocks": args.num_kv_blocks, "kv_offload_dir": tempfile.mkdtemp(prefix="kv-blocks-")},
-        "device": {},
+        "device": {"num_kv_blocks": args.large_pool_blocks},
     }
     results, tokens = {}, {}
     prompts = None
@@ -179,6 +179,7 @@ def main() -> None:
     turns.add_argument("--turn-len", type=int, default=100)
     turns.add_argument("--answer-len", type=int, default=64)
     turns.add_argument("--num-kv-blocks", type=int, default=128, help="the small device pool (blocks of 16)")
+    turns.add_argument("--large-pool-blocks", type=int, default=1024, help="the pool that keeps every history")
     again = sub.add_parser("restart")
     again.add_argument("--prefix-len", type=int, default=1500)
     again.add_argument("--max-tokens", type=int, default=32)
