@@ -3,7 +3,8 @@
 ``random``: prompts of random ordinary token ids, lengths drawn around ``--random-input-len`` /
 ``--random-output-len``. ``sharegpt``: the first human turn of each conversation of a ShareGPT file, the reply's
 length as the output length. ``prefix``: groups of requests that share a long system prompt, listed group by group
-so that a group arrives together. ``multiturn``: conversations whose every turn resends the whole history; the
+so that a group arrives together (``--prefix-order shuffled``: in a seeded random order, so that every group
+keeps coming back among the others: what a router must keep apart). ``multiturn``: conversations whose every turn resends the whole history; the
 list holds every turn with a scripted history, and ``kvserve bench serve`` swaps the scripted answers for the
 server's own. ``long``: prompts that fill the context but for the output. ``grounded``: chat turns whose answers
 quote their prompt (code edits, summaries with quotes, extraction; ``bench/grounded.py``), for speculation.
@@ -65,6 +66,8 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefix-group-size", type=int, default=16, help="prefix: requests per group")
     group.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of each group's shared prompt")
     group.add_argument("--suffix-len", type=int, default=32, help="prefix: tokens of each request's own suffix")
+    group.add_argument("--prefix-order", choices=("grouped", "shuffled"), default="grouped",
+                       help="prefix: a group's requests together, or all requests in a seeded random order")
     group.add_argument("--num-conversations", type=int, default=8)
     group.add_argument("--num-turns", type=int, default=4)
     group.add_argument("--first-turn-len", type=int, default=1000, help="multiturn: tokens of the first message")
@@ -149,6 +152,8 @@ def _prefix_requests(rng: random.Random, words: _RandomText, args: argparse.Name
         for _ in range(args.prefix_group_size):
             prompt = system + words.ids_of_len(rng, args.suffix_len)
             requests.append(SampleRequest(prompt, len(prompt), args.random_output_len, group=group))
+    if args.prefix_order == "shuffled":
+        rng.shuffle(requests)
     return requests
 
 

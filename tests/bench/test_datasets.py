@@ -55,6 +55,16 @@ def test_prefix_groups_share_their_system_prompt_and_arrive_together(tokenizer) 
     assert requests[0].prompt[:50] != requests[4].prompt[:50]
 
 
+def test_shuffled_prefix_groups_are_the_same_requests_in_a_seeded_order(tokenizer) -> None:
+    flags = ["--dataset-name", "prefix", "--prefix-num-groups", "3", "--prefix-group-size", "4", "--prefix-len", "50",
+             "--suffix-len", "6"]
+    grouped = build_dataset(args(*flags), tokenizer)
+    shuffled = build_dataset(args(*flags, "--prefix-order", "shuffled"), tokenizer)
+    assert shuffled == build_dataset(args(*flags, "--prefix-order", "shuffled"), tokenizer)
+    assert [r.group for r in shuffled] != [r.group for r in grouped]
+    assert sorted(map(tuple, (r.prompt for r in shuffled))) == sorted(map(tuple, (r.prompt for r in grouped)))
+
+
 def test_multiturn_turns_resend_the_history_in_order(tokenizer) -> None:
     flags = ["--dataset-name", "multiturn", "--num-conversations", "3", "--num-turns", "4", "--first-turn-len", "60",
              "--turn-len", "10", "--random-output-len", "8"]

@@ -1,0 +1,235 @@
+"""The router in front of replicas (issue 19), each scenario with its baseline in the same run.
+
+    PYTHONPATH=. python benchmarks/router.py cache [--replicas 4] [--num-kv-blocks 80]
+    PYTHONPATH=. python benchmarks/router.py skew [--replicas 4]
+    PYTHONPATH=. python benchmarks/router.py overhead [--streams 64]
+
+``cache``: ``kvserve serve --data-parallel-size N`` with small KV pools, once with ``--routing-policy round_robin``
+and once with ``cache_aware``, each serving the same ``prefix`` workload in ``shuffled`` order (8 groups of
+8 requests sharing a 512-token system prompt, in a seeded random order): a pool of 80 blocks keeps about two
+groups' prompts, a quarter of them. Reports the replicas' prefix-cache hit rate (their ``/metrics``, summed) and ``kvserve bench serve``'s
+output throughput. Each replica gets one thread (``OMP_NUM_THREADS=1``), so N replicas share N cores.
+
+``skew``: one hot prefix (one group of 64 requests) through ``cache_aware``: the requests each replica took
+(the router's ``/metrics``), as the most loaded replica's share against the mean.
+
+``overhead``: the router's own cost, without a model: a fake replica that streams a short answer at once,
+called by ``--streams`` concurrent clients directly and through ``kvserve router``; the difference of the
+median times to the first streamed chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "smollm2-135m-instruct"
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[:4]} exited with {process.returncode}")
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def metric_sum(url: str, name: str) -> dict[str, float]:
+    """Samples of ``name`` on ``url``'s /metrics, by their labels."""
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name:
+                samples[json.dumps(sample.labels, sort_keys=True)] = sample.value
+    return samples
+
+
+def start_dp(port: int, replicas: int, policy: str, extra: list[str], log: Path) -> subprocess.Popen:
+    command = ["kvserve", "serve", MODEL, "--port", str(port), "--data-parallel-size", str(replicas),
+               "--routing-policy", policy, *extra]
+    server = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    for index in range(replicas):
+        wait_healthy(f"http://127.0.0.1:{port + 1 + index}", server)
+    wait_healthy(f"http://127.0.0.1:{port}", server)
+    return server
+
+
+def stop(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def bench_serve(port: int, flags: list[str], out: Path) -> dict:
+    subprocess.run(["kvserve", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", MODEL,
+                    "--result-json", str(out), *flags], check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def cache(args: argparse.Namespace, work: Path) -> dict:
+    workload = ["--dataset-name", "prefix", "--prefix-order", "shuffled", "--prefix-num-groups", "8",
+                "--prefix-group-size", "8", "--prefix-len", "512", "--suffix-len", "32", "--random-output-len", "32",
+                "--max-concurrency", str(args.concurrency), "--warmup", "0"]
+    results = {}
+    for policy in ("round_robin", "cache_aware"):
+        server = start_dp(args.port, args.replicas, policy, ["--num-kv-blocks", str(args.num_kv_blocks)],
+                          work / f"{policy}.log")
+        try:
+            report = bench_serve(args.port, workload, work / f"{policy}.json")["runs"][0]
+            urls = [f"http://127.0.0.1:{args.port + 1 + i}" for i in range(args.replicas)]
+            hits = sum(sum(metric_sum(u, "kvserve:prefix_cache_hits_total").values()) for u in urls)
+            queries = sum(sum(metric_sum(u, "kvserve:prefix_cache_queries_total").values()) for u in urls)
+        finally:
+            stop(server)
+        results[policy] = {"hit_rate": hits / queries, "prefix_cache_hits": hits, "prefix_cache_queries": queries,
+                           "cached_fraction_seen_by_clients": report["usage_cached_fraction"],
+                           "output_throughput": report["output_throughput"], "ttft_ms": report["ttft_ms"]}
+        print(f"{policy:12s} hit rate {hits / queries:6.1%}  output {report['output_throughput']:6.1f} tok/s",
+              flush=True)
+    rr, ca = results["round_robin"], results["cache_aware"]
+    results["hit_rate_ratio"] = ca["hit_rate"] / rr["hit_rate"] if rr["hit_rate"] else float("inf")
+    results["throughput_ratio"] = ca["output_throughput"] / rr["output_throughput"]
+    print(f"cache_aware / round_robin: hit rate {results['hit_rate_ratio']:.2f}x, "
+          f"output throughput {results['throughput_ratio']:.2f}x")
+    return results
+
+
+def skew(args: argparse.Namespace, work: Path) -> dict:
+    workload = ["--dataset-name", "prefix", "--prefix-num-groups", "1", "--prefix-group-size", "64",
+                "--prefix-len", "256", "--suffix-len", "16", "--random-output-len", "16",
+                "--max-concurrency", str(args.concurrency), "--warmup", "0"]
+    server = start_dp(args.port, args.replicas, "cache_aware", [], work / "skew.log")
+    try:
+        bench_serve(args.port, workload, work / "skew.json")
+        per_replica = metric_sum(f"http://127.0.0.1:{args.port}", "kvserve_router:requests_total")
+        decisions = metric_sum(f"http://127.0.0.1:{args.port}", "kvserve_router:decisions_total")
+    finally:
+        stop(server)
+    counts = sorted(per_replica.values(), reverse=True)
+    mean = statistics.mean(counts + [0] * (args.replicas - len(counts)))
+    result = {"requests_per_replica": counts, "max_over_mean": counts[0] / mean, "decisions": decisions}
+    print(f"one hot prefix over {args.replicas} replicas: requests {counts}, the most loaded "
+          f"{counts[0] / mean:.2f}x the mean; decisions {decisions}")
+    return result
+
+
+def fake_replica(port: int, num_chunks: int) -> None:
+    """A replica without a model: streams ``num_chunks`` one-token chunks at once."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse("kvserve:num_requests_running 0\nkvserve:num_requests_waiting 0\n")
+
+    @app.post("/v1/completions")
+    async def completions() -> StreamingResponse:
+        async def chunks():
+            for _ in range(num_chunks):
+                yield 'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+async def ttfts(url: str, streams: int, requests_each: int) -> list[float]:
+    body = {"model": MODEL, "prompt": "a shared prefix " * 20, "max_tokens": 8, "stream": True}
+    limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        async def one_stream() -> list[float]:
+            times = []
+            for _ in range(requests_each):
+                start = time.perf_counter()
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                    first = None
+                    async for line in response.aiter_lines():
+                        if first is None and line.startswith("data: "):
+                            first = time.perf_counter() - start
+                times.append(first)
+            return times
+        return [t for times in await asyncio.gather(*(one_stream() for _ in range(streams))) for t in times]
+
+
+def overhead(args: argparse.Namespace, work: Path) -> dict:
+    replica_port, router_port = args.port + 1, args.port
+    replica = subprocess.Popen([sys.executable, __file__, "fake-replica", "--port", str(replica_port)],
+                               stdout=(work / "fake.log").open("ab"), stderr=subprocess.STDOUT)
+    router = subprocess.Popen(["kvserve", "router", "--worker", f"http://127.0.0.1:{replica_port}", "--port",
+                               str(router_port)], stdout=(work / "router.log").open("ab"), stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{replica_port}", replica)
+        wait_healthy(f"http://127.0.0.1:{router_port}", router)
+        asyncio.run(ttfts(f"http://127.0.0.1:{router_port}", args.streams, 2))  # warm-up: connections
+        results = {}
+        for name, port in (("direct", replica_port), ("router", router_port), ("direct_again", replica_port)):
+            results[name] = statistics.median(asyncio.run(ttfts(f"http://127.0.0.1:{port}", args.streams,
+                                                                args.requests_each)))
+    finally:
+        for process in (router, replica):
+            process.terminate()
+            process.wait(30)
+    direct = (results["direct"] + results["direct_again"]) / 2
+    results["overhead_ms"] = (results["router"] - direct) * 1e3
+    print(f"{args.streams} streams: median TTFT direct {direct * 1e3:.2f} ms, through the router "
+          f"{results['router'] * 1e3:.2f} ms: {results['overhead_ms']:.2f} ms a request")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="scenario", required=True)
+    for name in ("cache", "skew", "overhead", "fake-replica"):
+        p = sub.add_parser(name)
+        p.add_argument("--port", type=int, default=18800)
+        p.add_argument("--json", type=Path, default=None)
+    sub.choices["cache"].add_argument("--replicas", type=int, default=4)
+    sub.choices["cache"].add_argument("--num-kv-blocks", type=int, default=80)
+    sub.choices["cache"].add_argument("--concurrency", type=int, default=8)
+    sub.choices["skew"].add_argument("--replicas", type=int, default=4)
+    sub.choices["skew"].add_argument("--concurrency", type=int, default=16)
+    sub.choices["overhead"].add_argument("--streams", type=int, default=64)
+    sub.choices["overhead"].add_argument("--requests-each", type=int, default=10)
+    sub.choices["fake-replica"].add_argument("--num-chunks", type=int, default=8)
+    args = parser.parse_args()
+    if args.scenario == "fake-replica":
+        fake_replica(args.port, args.num_chunks)
+        return
+    work = Path(tempfile.mkdtemp(prefix=f"router-{args.scenario}-"))
+    result = {"cache": cache, "skew": skew, "overhead": overhead}[args.scenario](args, work)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
