@@ -95,25 +95,29 @@ class Router:
                                       headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
             decision = self.policy.choose(candidates, keys)
             replica = decision.replica
+            # Counted before the send, which waits for the replica's headers: requests arriving meanwhile must
+            # see this one's load and prefix, or a burst all goes where the first one went.
+            replica.index.insert(keys)
+            replica.in_flight += 1
             request = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
             try:
                 upstream = await self.client.send(request, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as error:  # not started there: try another one
+                replica.in_flight -= 1
                 logger.warning("replica %s refused a request (%s); marking it down", replica.url, error)
                 self._set_health(replica, False)
                 tried.add(replica)
                 self.metrics.retries.inc()
                 continue
             except httpx.TransportError as error:  # sent, perhaps started, and the replica went away
+                replica.in_flight -= 1
                 self._set_health(replica, False)
                 return error_response(502, f"the replica serving this request failed: {error!r}")
-            self._count(decision, keys)
+            self._count(decision)
             return await self._respond(replica, upstream)
 
-    def _count(self, decision: Decision, keys: list[bytes]) -> None:
+    def _count(self, decision: Decision) -> None:
         replica = decision.replica
-        replica.index.insert(keys)
-        replica.in_flight += 1
         self.metrics.requests.labels(replica.url).inc()
         self.metrics.prefix_hits.labels(replica.url).inc(decision.matched_chunks)
         self.metrics.decisions.labels(decision.reason).inc()

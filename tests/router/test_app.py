@@ -170,3 +170,31 @@ def test_a_moved_replica_is_a_fresh_entry_until_its_health_check() -> None:
     assert (moved.url, moved.healthy, moved.index.match([b"k"])) == ("http://c:2", False, 0)
     with pytest.raises(ValueError, match="no replica at http://zz"):
         router.move("http://zz", "http://c:3")
+
+
+def test_a_burst_sees_the_load_and_prefix_of_requests_still_waiting_for_headers() -> None:
+    """Replicas that answer only once the whole burst has arrived: each decision must count the requests
+    routed before it, or the burst all lands on the first replica."""
+    fakes, num_requests = FakeReplicas(2), 20
+    arrived: list[str] = []
+    all_arrived = asyncio.Event()
+
+    async def slow_replicas(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            arrived.append(f"http://{request.url.host}")
+            if len(arrived) == num_requests:
+                all_arrived.set()
+            await all_arrived.wait()
+        return fakes(request)
+
+    async def scenario() -> None:
+        router = Router(fakes.urls, make_policy("cache_aware"),
+                        client=httpx.AsyncClient(transport=httpx.MockTransport(slow_replicas)))
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://router")
+        body = {"model": "m", "prompt": LONG}
+        answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(num_requests)))
+        assert all(answer.status_code == 200 for answer in answers)
+
+    run(scenario())
+    counts = {url: arrived.count(url) for url in fakes.urls}
+    assert counts["http://r0"] == 9 + 1 and counts["http://r1"] == 10, counts  # r0 by prefix until 9 ahead, then the two alternate
