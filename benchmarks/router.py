@@ -15,7 +15,7 @@ output throughput. Each replica gets one thread (``OMP_NUM_THREADS=1``), so N re
 
 ``overhead``: the router's own cost, without a model: a fake replica that streams a short answer at once,
 called by ``--streams`` concurrent clients directly and through ``kvserve router``; the difference of the
-median times to the first streamed chunk.
+median times to the first streamed chunk, and the router process's CPU time per request.
 """
 
 from __future__ import annotations
@@ -181,6 +181,12 @@ async def ttfts(url: str, streams: int, requests_each: int) -> list[float]:
         return [t for times in await asyncio.gather(*(one_stream() for _ in range(streams))) for t in times]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def overhead(args: argparse.Namespace, work: Path) -> dict:
     replica_port, router_port = args.port + 1, args.port
     replica = subprocess.Popen([sys.executable, __file__, "fake-replica", "--port", str(replica_port)],
@@ -193,8 +199,12 @@ def overhead(args: argparse.Namespace, work: Path) -> dict:
         asyncio.run(ttfts(f"http://127.0.0.1:{router_port}", args.streams, 2))  # warm-up: connections
         results = {}
         for name, port in (("direct", replica_port), ("router", router_port), ("direct_again", replica_port)):
+            cpu_before = cpu_seconds(router.pid)
             results[name] = statistics.median(asyncio.run(ttfts(f"http://127.0.0.1:{port}", args.streams,
                                                                 args.requests_each)))
+            if name == "router":
+                num_requests = args.streams * args.requests_each
+                results["router_cpu_ms_per_request"] = (cpu_seconds(router.pid) - cpu_before) / num_requests * 1e3
     finally:
         for process in (router, replica):
             process.terminate()
@@ -202,7 +212,8 @@ def overhead(args: argparse.Namespace, work: Path) -> dict:
     direct = (results["direct"] + results["direct_again"]) / 2
     results["overhead_ms"] = (results["router"] - direct) * 1e3
     print(f"{args.streams} streams: median TTFT direct {direct * 1e3:.2f} ms, through the router "
-          f"{results['router'] * 1e3:.2f} ms: {results['overhead_ms']:.2f} ms a request")
+          f"{results['router'] * 1e3:.2f} ms: {results['overhead_ms']:.2f} ms a request; the router's CPU time "
+          f"{results['router_cpu_ms_per_request']:.2f} ms a request")
     return results
 
 
