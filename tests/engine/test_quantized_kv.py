@@ -1,6 +1,6 @@
 """The engine on a quantized KV cache: chunked prefill, n > 1, prefix hits and preemption give the tokens of a
-plain run on the same encoding; the budget holds proportionally more blocks; and, on the real SmolLM2, int8 and
-fp8 keep logits and greedy tokens close to the fp32 cache (int4 within its own, looser bound)."""
+plain run on the same encoding; the budget holds proportionally more blocks; and, on the real SmolLM2 and Gemma 3,
+int8 and fp8 keep logits and greedy tokens close to the fp32 cache (int4 within its own, looser bound)."""
 
 from __future__ import annotations
 
@@ -72,10 +72,22 @@ def test_the_same_budget_holds_proportionally_more_blocks(llama) -> None:
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
           "movable metal type, oil-based inks and a wooden press adapted from those used to make wine. Within a few "
           "decades printing shops had spread across Europe, and the price of books fell")
-# max / mean |logit error| against the fp32 cache over every prompt position, and the greedy tokens that must agree
-# (of 32). Measured on AMD EPYC Zen 2 (AVX2): int8 0.56 / 0.070, 32 agree; fp8 1.52 / 0.167, 32; int4 7.8 / 1.28,
-# 10 (the argmax of 83% of the prompt positions unchanged): the bounds leave room for other CPUs' rounding.
-BOUNDS = {"int8": (1.0, 0.12, 16), "fp8": (2.5, 0.3, 16), "int4": (12.0, 2.0, 4)}
+# Per model and encoding, against the fp32 cache over every prompt position: the max and mean |logit error|, the
+# greedy tokens that must agree (of 32), and the fraction of prompt positions whose argmax must not change.
+# Measured on AMD EPYC Zen 2 (AVX2), session 8 (max / mean, greedy agreeing, argmax kept):
+#   SmolLM2  int8 0.57 / 0.069, 32, 100%;  fp8 1.62 / 0.177, 32, 94%;  int4 8.1 / 1.22, 0, 72%
+#   Gemma 3  int8 1.29 / 0.143, 18, 91%;   fp8 0.98 / 0.100, 14, 96%;  int4 31.7 / 3.01, 0, 43%
+# int4's greedy tokens are not held to agree: with a quarter or more of the positions changing their argmax, the
+# first token is a coin toss (SmolLM2's agreed on 10 in session 6 and on 0 since, its errors unchanged); Gemma 3's
+# 256-wide head rows share one int4 scale, hence its larger error. The bounds leave room for other CPUs' rounding.
+BOUNDS = {
+    ("smollm2-135m-instruct", "int8"): (1.0, 0.12, 16, 0.97),
+    ("smollm2-135m-instruct", "fp8"): (2.5, 0.3, 16, 0.88),
+    ("smollm2-135m-instruct", "int4"): (12.0, 2.0, 0, 0.6),
+    ("gemma-3-270m", "int8"): (2.5, 0.25, 8, 0.85),
+    ("gemma-3-270m", "fp8"): (2.0, 0.2, 8, 0.9),
+    ("gemma-3-270m", "int4"): (50.0, 5.0, 0, 0.35),
+}
 
 
 def prompt_logits(runner, token_ids: list[int]) -> torch.Tensor:
@@ -96,15 +108,17 @@ def prompt_logits(runner, token_ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ENCODING_NAMES)
-def test_smollm2_logits_and_greedy_tokens_stay_close_to_the_fp32_cache(kv_cache_dtype: str) -> None:
-    max_bound, mean_bound, num_agree = BOUNDS[kv_cache_dtype]
-    plain = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=512)
-    quantized = LLM("smollm2-135m-instruct", dtype="float32", max_model_len=512, kv_cache_dtype=kv_cache_dtype)
+@pytest.mark.parametrize("model, kv_cache_dtype", list(BOUNDS))
+def test_real_models_logits_and_greedy_tokens_stay_close_to_the_fp32_cache(model: str, kv_cache_dtype: str) -> None:
+    max_bound, mean_bound, num_agree, argmax_kept = BOUNDS[model, kv_cache_dtype]
+    plain = LLM(model, dtype="float32", max_model_len=512)
+    quantized = LLM(model, dtype="float32", max_model_len=512, kv_cache_dtype=kv_cache_dtype)
     token_ids = plain.get_tokenizer().encode(PROMPT)
     reference = prompt_logits(plain.engine.core.runner, token_ids)
-    error = (prompt_logits(quantized.engine.core.runner, token_ids) - reference).abs()
-    print(f"{kv_cache_dtype}: max |logit error| {error.max():.3f}, mean {error.mean():.4f}")
-    assert error.max() < max_bound and error.mean() < mean_bound
+    logits = prompt_logits(quantized.engine.core.runner, token_ids)
+    error = (logits - reference).abs()
+    kept = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    print(f"{model} {kv_cache_dtype}: max |logit error| {error.max():.3f}, mean {error.mean():.4f}, argmax kept {kept:.1%}")
+    assert error.max() < max_bound and error.mean() < mean_bound and kept >= argmax_kept
     want, got = (greedy_token_ids(llm, [token_ids], 32)[0][0] for llm in (plain, quantized))
     assert got[:num_agree] == want[:num_agree]
