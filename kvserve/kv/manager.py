@@ -27,8 +27,9 @@ from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
 from kvserve.kv.tiers import Tier, TieredStore
 from kvserve.request import Request
 
-# steps a waiting request may wait for its prefix to come off the disk before it computes it instead
-MAX_LOAD_WAIT_STEPS = 200
+# lookups (about two a step under lpm) in which a waiting request may find its prefix still coming off the
+# disk before it computes it instead
+MAX_LOAD_WAITS = 200
 
 
 @dataclass
@@ -57,7 +58,7 @@ class KVCacheManager:
             self.prefix_cache.root.content_key = store.root_key
         self._paths: dict[str, _CachePath] = {}
         self._matches: dict[str, PrefixMatch] = {}  # waiting requests' last prefix match, extended as the tree grows
-        self._load_waits: Counter[str] = Counter()  # steps each waiting request has waited on disk reads
+        self._load_waits: Counter[str] = Counter()  # lookups in which each waiting request waited on disk reads
         self._offloads: dict[bytes, tuple[int, KeyedBlock]] = {}  # planned since the last step, by key
         self._loads: list[tuple[bytes, int]] = []
         self.num_evictions = 0  # cached blocks evicted to make room, since start
@@ -106,8 +107,8 @@ class KVCacheManager:
 
     def _match_tiers(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
         """Extend a device match with the blocks the host tier holds next; if the disk holds the next ones,
-        start reading them into the host tier and say the request should wait for them (at most
-        ``MAX_LOAD_WAIT_STEPS`` steps, then it computes them)."""
+        start reading them into the host tier and say the request should wait for them (for at most
+        ``MAX_LOAD_WAITS`` lookups, then it computes them)."""
         store = self.store
         assert store is not None and self.prefix_cache is not None
         parent = match.nodes[-1].content_key if match.nodes else self.prefix_cache.root.content_key
@@ -125,7 +126,7 @@ class KVCacheManager:
                 break
             parent = key
         waits = self._load_waits[request.request_id]
-        loading = bool(from_disk) and waits < MAX_LOAD_WAIT_STEPS and store.prefetch(from_disk) > 0
+        loading = bool(from_disk) and waits < MAX_LOAD_WAITS and store.prefetch(from_disk) > 0
         self._load_waits[request.request_id] = waits + loading
         return PrefixMatch(match.nodes, self.block_size, tiered=tuple(tiered), loading=loading)
 
