@@ -15,7 +15,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -64,8 +64,20 @@ class GGMLTensor(NamedTuple):
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
 
 
+class BlockGemm(Protocol):
+    """A kernel that multiplies by a ``GGMLTensor``: ``x [M, K] @ W.T (+ bias)``, for steps of up to ``max_rows``
+    rows (from there the dense layout is faster)."""
+
+    max_rows: int
+
+    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class GGMLGemm:
-    """The compiled kernel: ``x [M, K] @ W.T (+ bias)`` for W a ``GGMLTensor`` of a type in ``KERNEL_TYPES``."""
+    """The compiled exact kernel: ``x [M, K] @ W.T (+ bias)`` for W a ``GGMLTensor`` of a type in
+    ``KERNEL_TYPES``, fp32 activations; also dequantizes blocks for the dense layouts."""
+
+    max_rows = GGML_MAX_ROWS
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``GGML_GEMM_SOURCE`` (default: this process's, for its CPU)."""
@@ -122,12 +134,14 @@ def ggml_gemm() -> GGMLGemm | None:
 
 class GGMLLinearMethod(LinearMethod):
     """Keeps a layer's weight in ggml blocks when every checkpoint tensor of it arrives as blocks of one type the
-    kernel reads, for steps of up to ``GGML_MAX_ROWS`` tokens; ``dense`` lays the dequantized weight out for
-    larger steps, and serves every step of a layer not kept in blocks. fp32 activations on CPU."""
+    kernel reads, multiplied by ``gemm`` (default: ``kernel``, the exact one; or the int8-activation
+    ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens; ``dense`` lays the weight out,
+    dequantized by ``kernel``, for larger steps, and serves every step of a layer not kept in blocks. CPU, fp32."""
 
-    def __init__(self, kernel: GGMLGemm, dense: LinearMethod) -> None:
+    def __init__(self, kernel: GGMLGemm, dense: LinearMethod, gemm: BlockGemm | None = None) -> None:
         self.kernel = kernel
         self.dense = dense
+        self.gemm = gemm or kernel
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         # An empty placeholder names the tensor the checkpoint fills; its rows arrive in ``load_weight``.
@@ -177,9 +191,9 @@ class GGMLLinearMethod(LinearMethod):
         return dense
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.ggml_weight is None or x.numel() > GGML_MAX_ROWS * layer.in_features:
+        if layer.ggml_weight is None or x.numel() > self.gemm.max_rows * layer.in_features:
             return self.dense.apply(layer, x)
-        y = self.kernel(x.reshape(-1, layer.in_features), layer.ggml_weight, layer.bias)
+        y = self.gemm(x.reshape(-1, layer.in_features), layer.ggml_weight, layer.bias)
         return y.view(*x.shape[:-1], layer.out_features)
 
 

@@ -106,6 +106,7 @@ static inline __attribute__((always_inline)) void group_dot(const int type, cons
     __m256i w = group_vector(type, block, g, &is_signed);
     const __m256i weights = pair_weights(type, block, g), sign = w;
     if (is_signed) w = _mm256_sign_epi8(w, w); /* |w|: -128 becomes 128 as an unsigned byte */
+#pragma GCC unroll 4
     for (int r = 0; r < rows; r++) {
         __m256i codes;
         memcpy(&codes, x->q + (int64_t)(r0 + r) * x->k + group * GROUP, 32);
@@ -149,6 +150,7 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
     float offsets[TILE_COLS][TILE_ROWS];
     memset(sum, 0, sizeof sum), memset(offsets, 0, sizeof offsets);
     for (int b = 0; b < x->num_groups / groups; b++) {
+#pragma GCC unroll 4 /* the tile's sums stay in registers only when every index is a constant */
         for (int c = 0; c < cols; c++) {
             const uint8_t *block = weight + c * row_bytes + (int64_t)b * block_bytes;
             float d[SUPER_GROUPS], offset[SUPER_GROUPS];
@@ -157,6 +159,7 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
             for (int g = 0; g < groups; g++) {
                 const int group = b * groups + g;
                 group_dot(type, rows, block, g, d[g], x, r0, group, sum[c]);
+#pragma GCC unroll 4
                 for (int r = 0; r < rows; r++) offsets[c][r] += offset[g] * x->sx[(int64_t)(r0 + r) * x->num_groups + group];
             }
         }
