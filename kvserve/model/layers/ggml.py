@@ -6,7 +6,9 @@ fp32 dequantization 32. ``GGMLLinearMethod`` keeps every linear layer whose chec
 blocks of one type the kernel reads (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) in those blocks; any other layer (a tied LM head, a
 float tensor, a packed layer whose projections differ in type) is dequantized at load and handed to the dense
 method it wraps. ``dequantize`` (gguf's own numpy reference) then ``F.linear`` is the twin the kernel is tested
-against: the kernel dequantizes to the same fp32 values, so the two differ only in the order of the sums.
+against: the kernel dequantizes to the same fp32 values, so the two differ only in the order of the sums. The
+engine's default multiplies the blocks through ``ggml_qdot``'s int8-activation kernel instead (llama.cpp's
+numerics, about twice as fast at one row); this exact kernel also dequantizes the blocks for the dense layouts.
 """
 
 from __future__ import annotations
