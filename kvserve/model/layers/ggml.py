@@ -39,7 +39,7 @@ KERNEL_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
-_C_ARG_TYPES = (
+BLOCK_GEMM_ARG_TYPES = (  # every block kernel's GEMM
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its row stride
     + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]  # blocks, bytes per row, type, bias
     + [ctypes.c_int] * 4  # m, n, k, threads
@@ -85,29 +85,14 @@ class GGMLGemm:
         """``library``: a build of ``GGML_GEMM_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(GGML_GEMM_SOURCE)
         self._gemm = library.kvserve_ggml_gemm_f32
-        self._gemm.argtypes = _C_ARG_TYPES
+        self._gemm.argtypes = BLOCK_GEMM_ARG_TYPES
         self._gemm.restype = ctypes.c_int
         self._dequantize = library.kvserve_ggml_dequantize
         self._dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4
         self._dequantize.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n, k = weight.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or weight.qtype not in KERNEL_TYPES:
-            raise ValueError(f"ggml GEMM: x {tuple(x.shape)} {x.dtype} does not fit a {weight.qtype.name} "
-                             f"weight of shape {weight.shape}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        if x.shape[0]:
-            with kernel_range(GGML_GEMM_RANGE):
-                status = self._gemm(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
-                                    weight.blocks.stride(0), int(weight.qtype), None if bias is None else bias.data_ptr(),
-                                    x.shape[0], n, k, torch.get_num_threads())
-            if status:
-                raise MemoryError(f"ggml GEMM: no scratch memory for a {weight.shape} weight")
-        return y
-
+        return call_block_kernel(self._gemm, "ggml GEMM", GGML_GEMM_RANGE, x, weight, bias)
 
     def dequantize(self, weight: GGMLTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 values of ``weight`` (into ``out`` [rows, k] if given): ``GGMLTensor.dequantize`` in C,
@@ -122,6 +107,28 @@ class GGMLGemm:
         ):
             raise ValueError(f"dequantize: the kernel does not read {weight.qtype.name} blocks of {k} values")
         return out
+
+
+def call_block_kernel(
+    gemm: ctypes._CFuncPtr, name: str, range_name: str, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` by a block kernel's C function of ``BLOCK_GEMM_ARG_TYPES`` (``name`` in errors,
+    ``range_name`` in profiles)."""
+    n, k = weight.shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or weight.qtype not in KERNEL_TYPES:
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} does not fit a {weight.qtype.name} "
+                         f"weight of shape {weight.shape}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0]:
+        with kernel_range(range_name):
+            status = gemm(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
+                          weight.blocks.stride(0), int(weight.qtype), None if bias is None else bias.data_ptr(),
+                          x.shape[0], n, k, torch.get_num_threads())
+        if status:
+            raise MemoryError(f"{name}: no scratch memory for a {weight.shape} weight and x {tuple(x.shape)}")
+    return y
 
 
 @functools.cache

@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLTensor
-from kvserve.native import KernelBuildError, kernel_range, load_library
+from kvserve.model.layers.ggml import BLOCK_GEMM_ARG_TYPES, GGMLTensor, call_block_kernel
+from kvserve.native import KernelBuildError, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,6 @@ ACTIVATION_BLOCK = 32  # values of x per int8 block (one scale)
 # one step's GEMMs of SmolLM2 (1 thread, Zen 2): 1 row 32.7 ms, 3 rows 61.6, 4 rows 91.3, where the dense panels
 # take 62-65 ms from 1 to 4 rows: from 4 rows up the dense layout serves (csrc/ggml_qdot.c's header)
 QDOT_MAX_ROWS = 3
-_C_ARG_TYPES = (
-    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its row stride
-    + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]  # blocks, bytes per row, type, bias
-    + [ctypes.c_int] * 4  # m, n, k, threads
-)
 
 
 class QuantizedActivations(NamedTuple):
@@ -71,7 +66,6 @@ def reference_qdot_linear(x: torch.Tensor, weight: GGMLTensor, bias: torch.Tenso
 def activation_error_bound(x: torch.Tensor, weight: GGMLTensor) -> torch.Tensor:
     """[m, n]: how far the int8 path's result may be from the exact one's (``ggml.reference_linear``), fp32
     rounding aside: each value of x moves by at most half its block's scale, so ``sum_k |w| * dx / 2``."""
-    m, k = x.shape
     half_steps = quantize_activations(x).dx.repeat_interleave(ACTIVATION_BLOCK, dim=1) / 2
     return half_steps @ weight.dequantize().abs().T
 
@@ -86,28 +80,14 @@ class QDotGemm:
         """``library``: a build of ``GGML_QDOT_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(GGML_QDOT_SOURCE)
         self._gemm = library.kvserve_ggml_qdot_gemm
-        self._gemm.argtypes = _C_ARG_TYPES
+        self._gemm.argtypes = BLOCK_GEMM_ARG_TYPES
         self._gemm.restype = ctypes.c_int
         self._quantize = library.kvserve_ggml_quantize_rows
         self._quantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_int] * 2
         self._quantize.restype = None
 
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n, k = weight.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or weight.qtype not in KERNEL_TYPES:
-            raise ValueError(f"ggml int8 GEMM: x {tuple(x.shape)} {x.dtype} does not fit a {weight.qtype.name} "
-                             f"weight of shape {weight.shape}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        if x.shape[0]:
-            with kernel_range(GGML_QDOT_RANGE):
-                status = self._gemm(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
-                                    weight.blocks.stride(0), int(weight.qtype), None if bias is None else bias.data_ptr(),
-                                    x.shape[0], n, k, torch.get_num_threads())
-            if status:
-                raise MemoryError(f"ggml int8 GEMM: no scratch memory for x {tuple(x.shape)}")
-        return y
+        return call_block_kernel(self._gemm, "ggml int8 GEMM", GGML_QDOT_RANGE, x, weight, bias)
 
     def quantize_activations(self, x: torch.Tensor) -> QuantizedActivations:
         """The kernel's own quantization of x [m, k] (fp32, k a multiple of 32), for tests against the twin."""

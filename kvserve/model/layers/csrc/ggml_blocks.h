@@ -156,6 +156,8 @@ static inline __attribute__((always_inline)) int group_bytes(const int type, con
 
 
 /* Q6_K's int8 scales of group g's two runs of 16 quants. */
-static inline const int8_t *group_scales16(const uint8_t *block, int g) { return (const int8_t *)(block + 192) + 2 * g; }
+static inline const int8_t *group_scales16(const uint8_t *block, int g) {
+    return (const int8_t *)(block + 192) + 2 * g;
+}
 
 #endif

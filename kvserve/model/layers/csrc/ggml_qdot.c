@@ -165,7 +165,8 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
                 const int group = b * groups + g;
                 group_dot(type, rows, block, g, d[g], x, r0, group, sum[c]);
 #pragma GCC unroll 4
-                for (int r = 0; r < rows; r++) offsets[c][r] += offset[g] * x->sx[(int64_t)(r0 + r) * x->num_groups + group];
+                for (int r = 0; r < rows; r++)
+                    offsets[c][r] += offset[g] * x->sx[(int64_t)(r0 + r) * x->num_groups + group];
             }
         }
     }
@@ -209,7 +210,8 @@ static void columns(int type, const struct codes *x, int m, const uint8_t *weigh
  * for tests); k a multiple of GROUP. */
 void kvserve_ggml_quantize_rows(int8_t *q, float *dx, float *sx, const float *x, int64_t x_stride, int m, int k) {
     for (int i = 0; i < m; i++)
-        quantize_row(x + i * x_stride, k, q + (int64_t)i * k, dx + (int64_t)i * (k / GROUP), sx + (int64_t)i * (k / GROUP));
+        quantize_row(x + i * x_stride, k, q + (int64_t)i * k, dx + (int64_t)i * (k / GROUP),
+                     sx + (int64_t)i * (k / GROUP));
 }
 
 /* y [m, n] (rows y_stride apart) = x [m, k] (rows x_stride apart), quantized, times W [n, k] in blocks of `type`
@@ -226,8 +228,10 @@ int kvserve_ggml_qdot_gemm(float *y, int64_t y_stride, const float *x, int64_t x
     const struct codes codes = {q, dx, sx, k, num_groups};
     const int num_tiles = (n + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel for schedule(static) num_threads(num_threads) /* a contiguous run of tiles per thread */
-    for (int t = 0; t < num_tiles; t++)
-        columns(type, &codes, m, weight, row_bytes, bias, y, y_stride, t * TILE_COLS, t * TILE_COLS + TILE_COLS < n ? t * TILE_COLS + TILE_COLS : n);
+    for (int t = 0; t < num_tiles; t++) {
+        const int end = (t + 1) * TILE_COLS < n ? (t + 1) * TILE_COLS : n;
+        columns(type, &codes, m, weight, row_bytes, bias, y, y_stride, t * TILE_COLS, end);
+    }
     free(q);
     return 0;
 }
