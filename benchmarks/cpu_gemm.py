@@ -1,5 +1,6 @@
 """One decode step's GEMMs on CPU, fp32: ``F.linear``, oneDNN's blocked weights, kvserve's small-GEMM panels, and
-the layers' weights kept in GGUF Q4_1 blocks (the default model's file) read by kvserve's block kernel.
+the weights kept in GGUF blocks as the default model's file holds them (layers Q4_1, head Q8_0) read by
+kvserve's block kernel, exact (fp32 activations) or with int8 activations.
 
     python benchmarks/cpu_gemm.py [--threads N] [--tokens 1,7,16,33,64,256]
     KVSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/cpu_gemm.py   # AVX2 paths on an AVX-512 CPU
@@ -9,8 +10,11 @@ the 576->49152 LM head once), with 30 distinct weight copies per layer projectio
 memory, as in a real step. For each token count: the best of 3 passes over all of them, the kinds alternated.
 ``oneDNN``: ``CpuPrepackedLinearMethod`` without panels; ``panels``: the small-GEMM kernel alone (any row count);
 ``kvserve``: the linear method the engine selects for fp32 on CPU (panels up to SMALL_GEMM_MAX_ROWS where tuned);
-``Q4_1``: the layers in Q4_1 blocks through ``GGMLLinearMethod``, the LM head through the engine's fp32 method
-(the default model ties it to its embeddings, which the engine keeps dense).
+``Q4_1``: the layers in Q4_1 blocks through the exact block kernel, the LM head through the engine's fp32 method
+(as before the head ran on blocks); ``blocks`` and ``int8``: the layers in Q4_1 and the
+head in Q8_0 blocks (the engine's tied head on the file's embeddings), through the exact kernel and the
+int8-activation kernel alone at every row count (where they cross the dense ``kvserve`` column sets their
+``max_rows``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers.ggml import GGMLTensor, ggml_gemm
+from kvserve.model.layers.ggml_qdot import qdot_gemm
 from kvserve.model.layers.linear import linear_from_tensors
 from kvserve.native import ISA_ENV_VAR
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, SmallGemm
@@ -32,6 +37,7 @@ from kvserve.model.registry import select_linear_method
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
 NUM_LAYERS, NUM_PASSES = 30, 3
+Q4_1, Q8_0 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
 
 
 def main() -> None:
@@ -54,6 +60,10 @@ def main() -> None:
              "kvserve": [linear_from_tensors(w, None, engine_method) for w in weights]}
     kinds["Q4_1"] = [kinds["kvserve"][i] if w.shape[0] == SHAPES["lm_head"][0] else q4_1_linear(w)
                      for i, w in enumerate(weights)]
+    blocks = [blocks_of(w, Q8_0 if w.shape[0] == SHAPES["lm_head"][0] else Q4_1) for w in weights]
+    exact, int8 = ggml_gemm(), qdot_gemm()
+    kinds["blocks"] = [lambda x, b=b: exact(x, b, None) for b in blocks]
+    kinds["int8"] = [lambda x, b=b: int8(x, b, None) for b in blocks]
     print(f"{args.threads} threads; ms for one step's GEMMs (all layers and the LM head)")
     print(f"{'tokens':>6} " + " ".join(f"{kind:>9}" for kind in kinds) + "  kvserve vs F.linear, vs oneDNN")
     with torch.no_grad():
@@ -70,11 +80,13 @@ def main() -> None:
                   + f"  {best['F.linear'] / best['kvserve']:7.2f}x {best['oneDNN'] / best['kvserve']:7.2f}x")
 
 
+def blocks_of(weight: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> GGMLTensor:
+    return GGMLTensor.from_numpy(gguf.quants.quantize(weight.numpy(), qtype), qtype)
+
+
 def q4_1_linear(weight: torch.Tensor):
-    """``weight`` quantized to Q4_1 by gguf, multiplied by the block kernel."""
-    blocks = GGMLTensor.from_numpy(gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q4_1),
-                                   gguf.GGMLQuantizationType.Q4_1)
-    kernel = ggml_gemm()
+    """``weight`` quantized to Q4_1 by gguf, multiplied by the exact block kernel."""
+    blocks, kernel = blocks_of(weight, Q4_1), ggml_gemm()
     return lambda x: kernel(x, blocks, None)
 
 

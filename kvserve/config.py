@@ -69,6 +69,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     quantization: str = "auto"
+    quantize_activations: bool = True  # weights kept in blocks multiply int8 activations (llama.cpp's numerics)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

@@ -54,6 +54,12 @@ class EngineArgs:
                                 "them at load, 'gguf' requires the blocks; 'int8' (per channel) / 'int4' (groups "
                                 "of 128) quantize any checkpoint's weights at load (CPU, fp32)", str,
                                 QUANTIZATION_CHOICES)
+    quantize_activations: bool = _option(ModelConfig.quantize_activations,
+                                         "weights kept in blocks (a GGUF's, --quantization int8|int4) multiply "
+                                         "activations quantized to int8 in blocks of 32, as llama.cpp does (faster; "
+                                         "each activation moves by at most half its block's step); "
+                                         "--no-quantize-activations keeps them fp32, equal to the dequantized model "
+                                         "up to the order of sums")
     max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)
@@ -109,7 +115,7 @@ class EngineArgs:
         """The frozen configuration; raises ValueError naming the first bad option."""
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
-                              quantization=self.quantization),
+                              quantization=self.quantization, quantize_activations=self.quantize_activations),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,

@@ -27,9 +27,11 @@ COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 # The one environment variable kvserve's kernels read: KVSERVE_CPU_ISA=avx2 builds them for AVX2 + FMA
 # (Haswell) on any x86-64 CPU, so that a developer on an AVX-512 machine can measure the AVX2 code paths too
 # (ATEN_CPU_CAPABILITY=avx2 does the same for torch's own kernels); avx512 builds for Skylake-X's AVX-512, so
-# that tests name the AVX-512 paths whatever the machine's newer extensions. Default: the machine's own ISA.
+# that tests name the AVX-512 paths whatever the machine's newer extensions; avx512vnni (Cascade Lake) and
+# avxvnni (Alder Lake: AVX2 with VNNI) name the int8 dot products' VNNI paths. Default: the machine's own ISA.
 ISA_ENV_VAR = "KVSERVE_CPU_ISA"
-ISA_MARCH = {"native": "-march=native", "avx2": "-march=haswell", "avx512": "-march=skylake-avx512"}
+ISA_MARCH = {"native": "-march=native", "avx2": "-march=haswell", "avx512": "-march=skylake-avx512",
+             "avx512vnni": "-march=cascadelake", "avxvnni": "-march=alderlake"}
 COMPILE_TIMEOUT_S = 120
 
 

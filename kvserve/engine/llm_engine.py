@@ -47,7 +47,8 @@ class LLMEngine:
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
         runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
-                             self.weight_format, structured, config.cache.kv_cache_dtype)
+                             self.weight_format, structured, config.cache.kv_cache_dtype,
+                             config.model.quantize_activations)
         self.core = self._build_core(runner)
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
         self.output_processor = OutputProcessor(self.tokenizer)

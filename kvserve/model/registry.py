@@ -12,6 +12,7 @@ from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.layers.cpu_fused_ops import can_fuse, cpu_fused_ops
 from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
 from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLLinearMethod, ggml_gemm
+from kvserve.model.layers.ggml_qdot import qdot_gemm
 from kvserve.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, can_prepack, small_gemm
 from kvserve.model.layers.weight_quant import WEIGHT_ONLY_SCHEMES, WeightOnlyLinearMethod
@@ -56,16 +57,22 @@ def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
     return MODEL_CLASSES[architecture]
 
 
-def select_linear_method(device: torch.device, dtype: torch.dtype, weights: str = "dense") -> LinearMethod:
+def select_linear_method(
+    device: torch.device, dtype: torch.dtype, weights: str = "dense", quantize_activations: bool = True
+) -> LinearMethod:
     """Prepacked oneDNN weights (and small-GEMM panels where that kernel is tuned) for fp32 on CPU; the plain
     weights elsewhere; in front of those, a GGUF's blocks kept (``weights="gguf"``) or every weight quantized at
-    load (``"int8"``, ``"int4"``), as ``weight_format`` decided."""
+    load (``"int8"``, ``"int4"``), as ``weight_format`` decided, multiplied by the block kernel's int8-activation
+    path (``quantize_activations``, where it builds) or its exact fp32 one."""
     dense = CpuPrepackedLinearMethod(small_gemm()) if can_prepack(device, dtype) else UnquantizedLinearMethod()
     if weights == "dense":
         return dense
     kernel = ggml_gemm()
     assert kernel is not None, "weight_format() said no block kernel was needed"
-    return GGMLLinearMethod(kernel, dense) if weights == "gguf" else WeightOnlyLinearMethod(kernel, dense, weights)
+    gemm = (qdot_gemm() if quantize_activations else None) or kernel
+    if weights == "gguf":
+        return GGMLLinearMethod(kernel, dense, gemm)
+    return WeightOnlyLinearMethod(kernel, dense, weights, gemm)
 
 
 def weight_format(
@@ -144,11 +151,11 @@ def process_weights_after_loading(model: CausalLM) -> None:
 
 def load_model(
     checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-    weights: str = "dense",
+    weights: str = "dense", quantize_activations: bool = True,
 ) -> CausalLM:
     """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method and fused ops
     chosen for them, its weights loaded and laid out for that method, in eval mode."""
-    method = select_linear_method(device, dtype, weights)
+    method = select_linear_method(device, dtype, weights, quantize_activations)
     model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype))
     model.load_weights(checkpoint.weights(KERNEL_TYPES if weights == "gguf" else frozenset()))
     process_weights_after_loading(model)

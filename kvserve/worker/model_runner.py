@@ -29,7 +29,7 @@ class ModelRunner:
     def __init__(
         self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
         weights: str = "dense", structured: StructuredOutputCompiler | None = None,
-        kv_cache_dtype_name: str = "auto",
+        kv_cache_dtype_name: str = "auto", quantize_activations: bool = True,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -37,7 +37,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype(kv_cache_dtype_name, dtype)
         self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=self.kv_cache_dtype)
         self.weights = weights
-        self.model = load_model(checkpoint, self.backend, dtype, device, weights)
+        self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations)
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(seed, default_processors(self.grammar))
         self.kv: KVCacheStorage | None = None

@@ -6,7 +6,9 @@ fp32 dequantization 32. ``GGMLLinearMethod`` keeps every linear layer whose chec
 blocks of one type the kernel reads (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) in those blocks; any other layer (a tied LM head, a
 float tensor, a packed layer whose projections differ in type) is dequantized at load and handed to the dense
 method it wraps. ``dequantize`` (gguf's own numpy reference) then ``F.linear`` is the twin the kernel is tested
-against: the kernel dequantizes to the same fp32 values, so the two differ only in the order of the sums.
+against: the kernel dequantizes to the same fp32 values, so the two differ only in the order of the sums. The
+engine's default multiplies the blocks through ``ggml_qdot``'s int8-activation kernel instead (llama.cpp's
+numerics, about twice as fast at one row); this exact kernel also dequantizes the blocks for the dense layouts.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import ctypes
 import functools
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ KERNEL_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
-_C_ARG_TYPES = (
+BLOCK_GEMM_ARG_TYPES = (  # every block kernel's GEMM
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its row stride
     + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]  # blocks, bytes per row, type, bias
     + [ctypes.c_int] * 4  # m, n, k, threads
@@ -64,36 +66,33 @@ class GGMLTensor(NamedTuple):
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(self.shape)
 
 
+class BlockGemm(Protocol):
+    """A kernel that multiplies by a ``GGMLTensor``: ``x [M, K] @ W.T (+ bias)``, for steps of up to ``max_rows``
+    rows (from there the dense layout is faster)."""
+
+    max_rows: int
+
+    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 class GGMLGemm:
-    """The compiled kernel: ``x [M, K] @ W.T (+ bias)`` for W a ``GGMLTensor`` of a type in ``KERNEL_TYPES``."""
+    """The compiled exact kernel: ``x [M, K] @ W.T (+ bias)`` for W a ``GGMLTensor`` of a type in
+    ``KERNEL_TYPES``, fp32 activations; also dequantizes blocks for the dense layouts."""
+
+    max_rows = GGML_MAX_ROWS
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``GGML_GEMM_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(GGML_GEMM_SOURCE)
         self._gemm = library.kvserve_ggml_gemm_f32
-        self._gemm.argtypes = _C_ARG_TYPES
+        self._gemm.argtypes = BLOCK_GEMM_ARG_TYPES
         self._gemm.restype = ctypes.c_int
         self._dequantize = library.kvserve_ggml_dequantize
         self._dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4
         self._dequantize.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n, k = weight.shape
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or weight.qtype not in KERNEL_TYPES:
-            raise ValueError(f"ggml GEMM: x {tuple(x.shape)} {x.dtype} does not fit a {weight.qtype.name} "
-                             f"weight of shape {weight.shape}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        if x.shape[0]:
-            with kernel_range(GGML_GEMM_RANGE):
-                status = self._gemm(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
-                                    weight.blocks.stride(0), int(weight.qtype), None if bias is None else bias.data_ptr(),
-                                    x.shape[0], n, k, torch.get_num_threads())
-            if status:
-                raise MemoryError(f"ggml GEMM: no scratch memory for a {weight.shape} weight")
-        return y
-
+        return call_block_kernel(self._gemm, "ggml GEMM", GGML_GEMM_RANGE, x, weight, bias)
 
     def dequantize(self, weight: GGMLTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 values of ``weight`` (into ``out`` [rows, k] if given): ``GGMLTensor.dequantize`` in C,
@@ -110,6 +109,28 @@ class GGMLGemm:
         return out
 
 
+def call_block_kernel(
+    gemm: ctypes._CFuncPtr, name: str, range_name: str, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` by a block kernel's C function of ``BLOCK_GEMM_ARG_TYPES`` (``name`` in errors,
+    ``range_name`` in profiles)."""
+    n, k = weight.shape
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or weight.qtype not in KERNEL_TYPES:
+        raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} does not fit a {weight.qtype.name} "
+                         f"weight of shape {weight.shape}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0]:
+        with kernel_range(range_name):
+            status = gemm(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
+                          weight.blocks.stride(0), int(weight.qtype), None if bias is None else bias.data_ptr(),
+                          x.shape[0], n, k, torch.get_num_threads())
+        if status:
+            raise MemoryError(f"{name}: no scratch memory for a {weight.shape} weight and x {tuple(x.shape)}")
+    return y
+
+
 @functools.cache
 def ggml_gemm() -> GGMLGemm | None:
     """The kernel, or None where it cannot be built (the weights are then dequantized at load)."""
@@ -122,12 +143,14 @@ def ggml_gemm() -> GGMLGemm | None:
 
 class GGMLLinearMethod(LinearMethod):
     """Keeps a layer's weight in ggml blocks when every checkpoint tensor of it arrives as blocks of one type the
-    kernel reads, for steps of up to ``GGML_MAX_ROWS`` tokens; ``dense`` lays the dequantized weight out for
-    larger steps, and serves every step of a layer not kept in blocks. fp32 activations on CPU."""
+    kernel reads, multiplied by ``gemm`` (default: ``kernel``, the exact one; or the int8-activation
+    ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens; ``dense`` lays the weight out,
+    dequantized by ``kernel``, for larger steps, and serves every step of a layer not kept in blocks. CPU, fp32."""
 
-    def __init__(self, kernel: GGMLGemm, dense: LinearMethod) -> None:
+    def __init__(self, kernel: GGMLGemm, dense: LinearMethod, gemm: BlockGemm | None = None) -> None:
         self.kernel = kernel
         self.dense = dense
+        self.gemm = gemm or kernel
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         # An empty placeholder names the tensor the checkpoint fills; its rows arrive in ``load_weight``.
@@ -177,9 +200,9 @@ class GGMLLinearMethod(LinearMethod):
         return dense
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.ggml_weight is None or x.numel() > GGML_MAX_ROWS * layer.in_features:
+        if layer.ggml_weight is None or x.numel() > self.gemm.max_rows * layer.in_features:
             return self.dense.apply(layer, x)
-        y = self.kernel(x.reshape(-1, layer.in_features), layer.ggml_weight, layer.bias)
+        y = self.gemm(x.reshape(-1, layer.in_features), layer.ggml_weight, layer.bias)
         return y.view(*x.shape[:-1], layer.out_features)
 
 

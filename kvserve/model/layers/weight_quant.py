@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from kvserve.model.layers.ggml import GGMLGemm, GGMLLinearMethod, GGMLTensor
+from kvserve.model.layers.ggml import BlockGemm, GGMLGemm, GGMLLinearMethod, GGMLTensor
 from kvserve.model.layers.linear import Linear, LinearMethod
 
 WEIGHT_ONLY_SCHEMES = ("int8", "int4")
@@ -72,8 +72,8 @@ class WeightOnlyLinearMethod(GGMLLinearMethod):
     for steps of a few tokens, the dequantized weight in the dense layout for larger ones). A tied LM head keeps
     the embeddings' weight as loaded, as vLLM leaves the head unquantized."""
 
-    def __init__(self, kernel: GGMLGemm, dense: LinearMethod, scheme: str) -> None:
-        super().__init__(kernel, dense)
+    def __init__(self, kernel: GGMLGemm, dense: LinearMethod, scheme: str, gemm: BlockGemm | None = None) -> None:
+        super().__init__(kernel, dense, gemm)
         self.scheme = scheme
 
     def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor | GGMLTensor, shard: str | None) -> None:

@@ -1,21 +1,9 @@
 /* y = x W^T (+ bias) in fp32 over a weight kept in llama.cpp's (ggml's) quantized blocks: Q4_0, Q4_1, Q8_0 and
  * the K-quants Q4_K, Q5_K, Q6_K.
  *
- * Each weight row (one output column) is a run of blocks of 32 consecutive k; a block is an fp16 scale d (and,
- * for Q4_1, an fp16 minimum m) followed by its 32 quants:
- *
- *     Q4_0  | d | 16 bytes: q[j] low nibble = k j, high nibble = k j + 16 |   w = d * (q - 8)     18 bytes
- *     Q4_1  | d | m | 16 bytes, nibbles as Q4_0                            |   w = d * q + m       20 bytes
- *     Q8_0  | d | 32 int8                                                  |   w = d * q           34 bytes
- *
- * or of K-quant blocks of 256 k, each 8 groups of 32 (Q6_K: 16 of 16) with a scale of their own:
- *
- *     Q4_K  | d | dmin | 12 bytes: 6-bit sc, m per group | 128 bytes of nibbles |  w = d sc q - dmin m   144 bytes
- *     Q5_K  | d | dmin | 12 bytes as Q4_K | 32 bytes of fifth bits | 128 nibbles |  as Q4_K, q 5 bits    176 bytes
- *     Q6_K  | 128 bytes low nibbles | 64 bytes 2-bit high parts | 16 int8 sc | d |  w = d sc (q - 32)   210 bytes
- *
- * (bit positions in block_scales and group_bytes). The kernel sees every type as groups of GROUP = 32 k with a
- * scale d and an offset: a K-quant block's scales are decoded once, then each group is one like Q4_1's.
+ * The block layouts, and their decoding into groups of GROUP = 32 quants with a scale d and an offset, are in
+ * ggml_blocks.h; ggml_qdot.c is the faster path that quantizes x to int8 first (llama.cpp's numerics), this one
+ * the exact one.
  *
  * Why: a decode step is bound by reading the weights, and these read 4.5 to 8.5 bits a weight where fp32 reads
  * 32. Each group is unpacked once into VEC-wide float vectors of its quants (bytes widened through 32-bit
@@ -33,77 +21,20 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
-
-#if defined(__F16C__)
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
-#else
-static inline float half_to_float(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
-    uint32_t bits;
-    float f;
-    if (exponent == 0x1f) {
-        bits = sign | 0x7f800000 | (mantissa << 13);
-    } else if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
-        f = (float)mantissa * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    } else {
-        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
-#endif
+#include "ggml_blocks.h"
 
 #if defined(__AVX512F__)
 #define VEC 16
 #else
 #define VEC 8 /* one AVX2 register: a wider GNU vector is split and spilled */
 #endif
-#define GROUP 32        /* values that share one scale and one offset in the kernel's sums */
-#define SUPER_GROUPS 8  /* groups in a K-quant block of 256 */
 #define TILE_ROWS 4 /* rows of x per pass over a weight row: 4 sums + 4 weight vectors + x in 16 registers */
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
-typedef uint8_t bytes16 __attribute__((vector_size(16)));
-
-/* ggml's type ids */
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-int kvserve_ggml_block_bytes(int type) {
-    switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-    }
-}
-
-/* Groups of GROUP values in a block of `type`. */
-static inline int block_groups(int type) {
-    return type == Q4_K || type == Q5_K || type == Q6_K ? SUPER_GROUPS : 1;
-}
 
 static inline vec load(const float *p) {
     vec v;
     memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline bytes16 load16(const uint8_t *p) {
-    bytes16 v;
-    memcpy(&v, p, 16);
     return v;
 }
 
@@ -140,67 +71,6 @@ static inline vec widen(bytes16 q, int first, int is_signed) {
 }
 #endif
 
-/* The scale d and the offset every weight carries, of each group of a block: Q4_0 -8 d (its quants stored
- * + 8), Q4_1 m, Q8_0 none; Q4_K and Q5_K d * sc and -dmin * m of 6-bit sc and m packed into 12 bytes; Q6_K the
- * block's d and no offset (its int8 scales of 16 values ride on the quants: see group_quants). */
-static inline __attribute__((always_inline)) void block_scales(const int type, const uint8_t *block,
-                                                               float d[SUPER_GROUPS], float offset[SUPER_GROUPS]) {
-    if (type == Q4_K || type == Q5_K) {
-        const float super_d = half_to_float(block), super_min = half_to_float(block + 2);
-        const uint8_t *s = block + 4; /* bytes 0-3: sc 0-3, 4-7: m 0-3, 8-11: sc and m 4-7's low 4 bits; the
-                                       * top 2 bits of bytes 0-7 are those of sc and m 4-7 */
-        for (int g = 0; g < SUPER_GROUPS; g++) {
-            const int sc = g < 4 ? s[g] & 63 : (s[g + 4] & 15) | (s[g - 4] >> 6) << 4;
-            const int m = g < 4 ? s[g + 4] & 63 : (s[g + 4] >> 4) | (s[g] >> 6) << 4;
-            d[g] = super_d * (float)sc;
-            offset[g] = -(super_min * (float)m);
-        }
-        return;
-    }
-    if (type == Q6_K) {
-        for (int g = 0; g < SUPER_GROUPS; g++) d[g] = half_to_float(block + 208), offset[g] = 0.0f;
-        return;
-    }
-    d[0] = half_to_float(block);
-    offset[0] = type == Q4_1 ? half_to_float(block + 2) : type == Q4_0 ? -8.0f * d[0] : 0.0f;
-}
-
-/* Group g of a block as its 32 quants in k order, two runs of 16 bytes; returns whether they are signed. */
-static inline __attribute__((always_inline)) int group_bytes(const int type, const uint8_t *block, int g,
-                                                             bytes16 half[2]) {
-    switch (type) {
-    case Q8_0:
-        half[0] = load16(block + 2), half[1] = load16(block + 18);
-        return 1;
-    case Q4_0:
-    case Q4_1: {
-        const bytes16 raw = load16(block + (type == Q4_1 ? 4 : 2));
-        half[0] = raw & 15, half[1] = raw >> 4;
-        return 0;
-    }
-    case Q4_K:
-    case Q5_K: { /* groups 2i and 2i+1: the low and high nibbles of the same 32 bytes; Q5_K's fifth bit of
-                  * group g is bit g of 32 bytes shared by all groups */
-        const uint8_t *nibbles = block + (type == Q5_K ? 48 : 16) + 32 * (g / 2);
-        for (int h = 0; h < 2; h++) {
-            const bytes16 raw = load16(nibbles + 16 * h);
-            half[h] = g % 2 ? raw >> 4 : raw & 15;
-            if (type == Q5_K) half[h] |= ((load16(block + 16 + 16 * h) >> g) & 1) << 4;
-        }
-        return 0;
-    }
-    default: { /* Q6_K: 128 bytes of low nibbles, 64 of 2-bit high parts, each half of the block in 64 and 32:
-                * group 4i + j takes the low (j < 2) or high nibbles of bytes 32 (j % 2) on, and bits 2j. */
-        const uint8_t *low = block + 64 * (g / 4) + 32 * (g % 2), *high = block + 128 + 32 * (g / 4);
-        for (int h = 0; h < 2; h++) {
-            const bytes16 raw = load16(low + 16 * h);
-            half[h] = ((g % 4 < 2 ? raw & 15 : raw >> 4) | ((load16(high + 16 * h) >> (2 * (g % 4))) & 3) << 4) - 32;
-        }
-        return 1;
-    }
-    }
-}
-
 /* Group g of a block as GROUP / VEC float vectors (k order): its quants, and for Q6_K times their int8 scale
  * (an exact product), so that every type's group is d * q + offset. */
 static inline __attribute__((always_inline)) void group_quants(const int type, const uint8_t *block, int g,
@@ -210,7 +80,7 @@ static inline __attribute__((always_inline)) void group_quants(const int type, c
     for (int h = 0; h < 2; h++)
         for (int j = 0; j < 16 / VEC; j++) q[h * (16 / VEC) + j] = widen(half[h], j * VEC, is_signed);
     if (type == Q6_K) {
-        const int8_t *scales = (const int8_t *)(block + 192) + 2 * g;
+        const int8_t *scales = group_scales16(block, g);
         for (int j = 0; j < GROUP / VEC; j++) q[j] *= (float)scales[j * VEC / 16];
     }
 }
@@ -221,7 +91,7 @@ static inline __attribute__((always_inline)) void group_quants(const int type, c
 static inline __attribute__((always_inline)) void row_tile(const int type, const int rows, const float *x,
                                                            int64_t x_stride, const float *x_sums, int num_groups,
                                                            const uint8_t *weight_row, float out[TILE_ROWS]) {
-    const int block_bytes = kvserve_ggml_block_bytes(type), groups = block_groups(type);
+    const int block_bytes = block_bytes_of(type), groups = block_groups(type);
     vec sum[TILE_ROWS];
     float offsets[TILE_ROWS];
     for (int r = 0; r < rows; r++) sum[r] = (vec){0}, offsets[r] = 0.0f;
@@ -260,19 +130,12 @@ static void row_tile_of(int type, int rows, const float *x, int64_t x_stride, co
 #undef CASE
 }
 
-/* Bytes a row of a k-wide weight takes in blocks of `type` (0: not a type this kernel reads, or k not a
- * whole number of its blocks). */
-int64_t kvserve_ggml_row_bytes(int type, int k) {
-    const int block_values = GROUP * block_groups(type);
-    return k % block_values ? 0 : (int64_t)kvserve_ggml_block_bytes(type) * (k / block_values);
-}
-
 /* y [m, n] (rows y_stride apart) = x [m, k] (rows x_stride apart) times W [n, k] in blocks of `type` (rows
  * row_bytes apart), plus bias (NULL: none). k must be a multiple of the type's block (32 or 256 values).
  * Returns 0, or -1 for a type it does not read or a failed allocation (nothing written then). */
 int kvserve_ggml_gemm_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride, const uint8_t *weight,
                           int64_t row_bytes, int type, const float *bias, int m, int n, int k, int num_threads) {
-    if (kvserve_ggml_row_bytes(type, k) == 0 || row_bytes < kvserve_ggml_row_bytes(type, k)) return -1;
+    if (row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
     const int num_groups = k / GROUP;
     float *x_sums = malloc((size_t)m * num_groups * sizeof(float) + 1);
     if (!x_sums) return -1;
@@ -316,8 +179,8 @@ static inline __attribute__((always_inline)) void dequantize_block(const int typ
  * of larger steps, at load. Returns 0, or -1 for a type it does not read. */
 int kvserve_ggml_dequantize(float *out, const uint8_t *weight, int64_t row_bytes, int type, int n, int k,
                             int num_threads) {
-    if (kvserve_ggml_row_bytes(type, k) == 0 || row_bytes < kvserve_ggml_row_bytes(type, k)) return -1;
-    const int block_bytes = kvserve_ggml_block_bytes(type), block_values = GROUP * block_groups(type);
+    if (row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
+    const int block_bytes = block_bytes_of(type), block_values = GROUP * block_groups(type);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int c = 0; c < n; c++) {
         for (int b = 0; b < k / block_values; b++) {

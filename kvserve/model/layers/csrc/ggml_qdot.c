@@ -1,0 +1,237 @@
+/* y = x W^T (+ bias) over a weight kept in ggml's quantized blocks (layouts in ggml_blocks.h), with x quantized
+ * to int8 first, as llama.cpp does: each row of x in blocks of GROUP values, an int8 code per value and an fp32
+ * scale per block,
+ *
+ *     dx = max |x| / 127,   qx = x * (1 / dx) rounded half to even,   sx = dx * sum(qx)   (dx = 0: qx = 0),
+ *
+ * then each weight group (a scale d, an offset, 32 quants qw) adds
+ *
+ *     d * dx * (qw . qx)  +  offset * sx          (Q6_K: qw . qx is the sum of its two runs of 16, each times its
+ *                                                  int8 scale; its offset is 0)
+ *
+ * which is exactly (dequantized W) . (dx * qx): the result is that of x's quantized values, up to the order of
+ * fp32 sums (kvserve/model/layers/ggml_qdot.py's twin quantizes x the same way, bit for bit). Each |x - dx qx|
+ * <= dx / 2, which bounds the difference from the exact fp32 kernel (ggml_gemm.c) by sum |w| * dx / 2.
+ *
+ * Why: the exact kernel widens every quant to fp32 and spends its time on that and on the FMAs (~6 GB/s of
+ * blocks on one Zen 2 core), where a decode step should be bound by reading the weights. Here a group's 32
+ * quants stay bytes in one 256-bit register, and its dot with a row's codes is two instructions
+ * (_mm256_maddubs_epi16: unsigned weight bytes times signed codes, pairs summed to int16; _mm256_madd_epi16 to
+ * int32 lanes; a signed weight type takes its sign off the weight onto the codes first), then one conversion
+ * and one FMA by d * dx per group and row; AVX-512 VNNI / AVX-VNNI do the first two in one
+ * (_mm256_dpbusd_epi32). No overflow: a pair is at most 2 * 128 * 127 < 2^15, and Q6_K's pairs times its
+ * scales at most 2 * 8128 * 128 < 2^31. A tile of TILE_COLS weight rows times up to TILE_ROWS rows of x keeps
+ * independent FMA chains in flight (one chain would wait on the FMA's latency every group); threads split the
+ * columns.
+ *
+ * Measured (2-core AMD EPYC Zen 2, AVX2, one thread: the other core and a half were busy with other jobs, so only
+ * same-run ratios hold), one decode step's GEMMs of SmolLM2-135M (layers Q4_1, head Q8_0; benchmarks/cpu_gemm.py
+ * --threads 1): 1 token 32.7 ms against 61.4 ms for the exact kernel and 62.6 ms for the dense fp32 panels; 2
+ * tokens 54.5 / 55.1 / 64.7; 3 tokens 61.6 / 76.9 / 64.1; 4 tokens 91.3 / 93.1 / 61.8. A row costs about as much
+ * as the first (the integer dot, its conversion and FMA per group and row dominate once the unpacking is shared):
+ * from 4 rows up the caller uses the dense layout (QDOT_MAX_ROWS in ggml_qdot.py).
+ *
+ * No torch headers: called through ctypes with raw pointers.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ggml_blocks.h"
+
+#define TILE_ROWS 4 /* rows of x per pass over a weight row */
+#define TILE_COLS 2 /* weight rows per pass: TILE_COLS * TILE_ROWS sums + the group vectors in 16 registers */
+
+/* x quantized: codes [m, k] int8, and per row and group its scale dx and dx * sum(codes). */
+struct codes {
+    const int8_t *q;
+    const float *dx, *sx;
+    int k, num_groups;
+};
+
+/* One row of GROUP-value blocks of x into codes (see the header comment: the twin does the same in torch). */
+static void quantize_row(const float *x, int k, int8_t *q, float *dx, float *sx) {
+    for (int g = 0; g < k / GROUP; g++) {
+        const float *xg = x + g * GROUP;
+        float amax = 0.0f;
+        for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < GROUP; j++) {
+            const int code = (int)nearbyintf(xg[j] * inverse);
+            q[g * GROUP + j] = (int8_t)code;
+            sum += code;
+        }
+        dx[g] = d, sx[g] = d * (float)sum;
+    }
+}
+
+#if defined(__AVX2__)
+typedef __m256 sums; /* a tile entry's running sum, in lanes */
+
+static inline __attribute__((always_inline)) __m256i group_vector(const int type, const uint8_t *block, int g,
+                                                                  int *is_signed) {
+    bytes16 half[2];
+    *is_signed = group_bytes(type, block, g, half);
+    __m128i low, high;
+    memcpy(&low, &half[0], 16), memcpy(&high, &half[1], 16);
+    return _mm256_set_m128i(high, low);
+}
+
+/* Multiplies each int16 pair sum by: 1, or for Q6_K its run's scale (lanes 0-7: the first 16 quants). */
+static inline __m256i pair_weights(const int type, const uint8_t *block, int g) {
+    if (type != Q6_K) return _mm256_set1_epi16(1);
+    const int8_t *scales = group_scales16(block, g);
+    return _mm256_set_m128i(_mm_set1_epi16(scales[1]), _mm_set1_epi16(scales[0]));
+}
+
+/* Int32 lanes summing to w . x, w unsigned bytes (a signed w's sign already moved onto x). */
+static inline __m256i dot_lanes(const int type, __m256i w, __m256i x, __m256i weights) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    if (type != Q6_K) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#elif defined(__AVXVNNI__)
+    if (type != Q6_K) return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
+#endif
+    (void)type;
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), weights);
+}
+
+static inline float hsum(__m256 v) {
+    const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+    return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+/* Group g of a block (scale d) against `rows` rows of codes from row r0, into sum[0 .. rows). */
+static inline __attribute__((always_inline)) void group_dot(const int type, const int rows, const uint8_t *block,
+                                                            int g, float d, const struct codes *x, int r0,
+                                                            int group, sums sum[TILE_ROWS]) {
+    int is_signed;
+    __m256i w = group_vector(type, block, g, &is_signed);
+    const __m256i weights = pair_weights(type, block, g), sign = w;
+    if (is_signed) w = _mm256_sign_epi8(w, w); /* |w|: -128 becomes 128 as an unsigned byte */
+#pragma GCC unroll 4
+    for (int r = 0; r < rows; r++) {
+        __m256i codes;
+        memcpy(&codes, x->q + (int64_t)(r0 + r) * x->k + group * GROUP, 32);
+        if (is_signed) codes = _mm256_sign_epi8(codes, sign);
+        const __m256 scale = _mm256_set1_ps(d * x->dx[(int64_t)(r0 + r) * x->num_groups + group]);
+        sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_lanes(type, w, codes, weights)), scale, sum[r]);
+    }
+}
+#else
+typedef float sums;
+
+static inline float hsum(float v) { return v; }
+
+static inline __attribute__((always_inline)) void group_dot(const int type, const int rows, const uint8_t *block,
+                                                            int g, float d, const struct codes *x, int r0,
+                                                            int group, sums sum[TILE_ROWS]) {
+    bytes16 half[2];
+    const int is_signed = group_bytes(type, block, g, half);
+    const int8_t *scales = type == Q6_K ? group_scales16(block, g) : NULL;
+    for (int r = 0; r < rows; r++) {
+        const int8_t *codes = x->q + (int64_t)(r0 + r) * x->k + group * GROUP;
+        int dot = 0;
+        for (int h = 0; h < 2; h++) {
+            int run = 0;
+            for (int j = 0; j < 16; j++)
+                run += (is_signed ? (int8_t)half[h][j] : (int)half[h][j]) * codes[16 * h + j];
+            dot += scales ? scales[h] * run : run;
+        }
+        sum[r] += d * x->dx[(int64_t)(r0 + r) * x->num_groups + group] * (float)dot;
+    }
+}
+#endif
+
+/* out[c][r] = row r0 + r of x (quantized) . weight row c, for `cols` weight rows (row_bytes apart) and `rows`
+ * rows of x: each block's scales and each group are decoded once for all the rows. */
+static inline __attribute__((always_inline)) void tile(const int type, const int rows, const int cols,
+                                                       const struct codes *x, int r0, const uint8_t *weight,
+                                                       int64_t row_bytes, float out[TILE_COLS][TILE_ROWS]) {
+    const int block_bytes = block_bytes_of(type), groups = block_groups(type);
+    sums sum[TILE_COLS][TILE_ROWS];
+    float offsets[TILE_COLS][TILE_ROWS];
+    memset(sum, 0, sizeof sum), memset(offsets, 0, sizeof offsets);
+    for (int b = 0; b < x->num_groups / groups; b++) {
+#pragma GCC unroll 4 /* the tile's sums stay in registers only when every index is a constant */
+        for (int c = 0; c < cols; c++) {
+            const uint8_t *block = weight + c * row_bytes + (int64_t)b * block_bytes;
+            float d[SUPER_GROUPS], offset[SUPER_GROUPS];
+            block_scales(type, block, d, offset);
+#pragma GCC unroll 8 /* constant group numbers: the quants' bit positions become immediate shifts */
+            for (int g = 0; g < groups; g++) {
+                const int group = b * groups + g;
+                group_dot(type, rows, block, g, d[g], x, r0, group, sum[c]);
+#pragma GCC unroll 4
+                for (int r = 0; r < rows; r++)
+                    offsets[c][r] += offset[g] * x->sx[(int64_t)(r0 + r) * x->num_groups + group];
+            }
+        }
+    }
+    for (int c = 0; c < cols; c++)
+        for (int r = 0; r < rows; r++) out[c][r] = hsum(sum[c][r]) + offsets[c][r];
+}
+
+/* tile() with the type, the row count and the column count compile-time constants. */
+static void tile_of(int type, int rows, int cols, const struct codes *x, int r0, const uint8_t *weight,
+                    int64_t row_bytes, float out[TILE_COLS][TILE_ROWS]) {
+#define CASE(t, n, c)                                                                                             \
+    if (type == t && rows == n && cols == c) {                                                                    \
+        tile(t, n, c, x, r0, weight, row_bytes, out);                                                             \
+        return;                                                                                                   \
+    }
+#define ROWS(t, c) CASE(t, 1, c) CASE(t, 2, c) CASE(t, 3, c) CASE(t, 4, c)
+#define TYPE(t) ROWS(t, 1) ROWS(t, TILE_COLS)
+    TYPE(Q4_0) TYPE(Q4_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
+#undef TYPE
+#undef ROWS
+#undef CASE
+}
+
+/* The column tiles from `first` to n, every row of x. */
+static void columns(int type, const struct codes *x, int m, const uint8_t *weight, int64_t row_bytes,
+                    const float *bias, float *y, int64_t y_stride, int first, int n) {
+    for (int c0 = first; c0 < n; c0 += TILE_COLS) {
+        const int cols = n - c0 < TILE_COLS ? n - c0 : TILE_COLS;
+        for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {
+            const int rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+            float out[TILE_COLS][TILE_ROWS];
+            tile_of(type, rows, cols, x, r0, weight + c0 * row_bytes, row_bytes, out);
+            for (int c = 0; c < cols; c++)
+                for (int r = 0; r < rows; r++)
+                    y[(r0 + r) * y_stride + c0 + c] = out[c][r] + (bias ? bias[c0 + c] : 0.0f);
+        }
+    }
+}
+
+/* x [m, k] (rows x_stride apart) quantized into codes [m, k] and dx, sx [m, k / GROUP] (the twin's inputs,
+ * for tests); k a multiple of GROUP. */
+void kvserve_ggml_quantize_rows(int8_t *q, float *dx, float *sx, const float *x, int64_t x_stride, int m, int k) {
+    for (int i = 0; i < m; i++)
+        quantize_row(x + i * x_stride, k, q + (int64_t)i * k, dx + (int64_t)i * (k / GROUP),
+                     sx + (int64_t)i * (k / GROUP));
+}
+
+/* y [m, n] (rows y_stride apart) = x [m, k] (rows x_stride apart), quantized, times W [n, k] in blocks of `type`
+ * (rows row_bytes apart), plus bias (NULL: none). k must be a multiple of the type's block (32 or 256 values).
+ * Returns 0, or -1 for a type it does not read or a failed allocation (nothing written then). */
+int kvserve_ggml_qdot_gemm(float *y, int64_t y_stride, const float *x, int64_t x_stride, const uint8_t *weight,
+                           int64_t row_bytes, int type, const float *bias, int m, int n, int k, int num_threads) {
+    if (row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
+    const int num_groups = k / GROUP;
+    int8_t *q = malloc((size_t)m * k + 2 * (size_t)m * num_groups * sizeof(float) + 1);
+    if (!q) return -1;
+    float *dx = (float *)(q + (size_t)m * k), *sx = dx + (size_t)m * num_groups; /* k: a multiple of 32 */
+    kvserve_ggml_quantize_rows(q, dx, sx, x, x_stride, m, k);
+    const struct codes codes = {q, dx, sx, k, num_groups};
+    const int num_tiles = (n + TILE_COLS - 1) / TILE_COLS;
+#pragma omp parallel for schedule(static) num_threads(num_threads) /* a contiguous run of tiles per thread */
+    for (int t = 0; t < num_tiles; t++) {
+        const int end = (t + 1) * TILE_COLS < n ? (t + 1) * TILE_COLS : n;
+        columns(type, &codes, m, weight, row_bytes, bias, y, y_stride, t * TILE_COLS, end);
+    }
+    free(q);
+    return 0;
+}

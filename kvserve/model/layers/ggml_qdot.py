@@ -1,0 +1,110 @@
+"""The block kernel's int8-activation path (``csrc/ggml_qdot.c``): each row of x quantized into blocks of 32 int8
+codes with an fp32 scale (llama.cpp's Q8 activations), then integer dot products with the weight's blocks.
+
+This changes the numerics on purpose, as llama.cpp does: the result is exactly that of x's quantized values
+(``quantize_activations``, the twin, equal bit for bit to the kernel's quantization) times the dequantized
+weight, up to the order of fp32 sums; each value of x moves by at most half its block's scale, so ``y`` moves
+from the exact kernel's by at most ``activation_error_bound``. ``ggml.GGMLGemm`` stays the exact path
+(``--no-quantize-activations``). On the default model: tests/engine/test_real_models.py states the bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.model.layers.ggml import BLOCK_GEMM_ARG_TYPES, GGMLTensor, call_block_kernel
+from kvserve.native import KernelBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+GGML_QDOT_SOURCE = Path(__file__).parent / "csrc" / "ggml_qdot.c"
+GGML_QDOT_RANGE = "kvserve::ggml_qdot"  # the kernel's name in torch.profiler traces
+ACTIVATION_BLOCK = 32  # values of x per int8 block (one scale)
+# one step's GEMMs of SmolLM2 (1 thread, Zen 2): 1 row 32.7 ms, 3 rows 61.6, 4 rows 91.3, where the dense panels
+# take 62-65 ms from 1 to 4 rows: from 4 rows up the dense layout serves (csrc/ggml_qdot.c's header)
+QDOT_MAX_ROWS = 3
+
+
+class QuantizedActivations(NamedTuple):
+    """Rows of x in blocks of ``ACTIVATION_BLOCK``: ``codes`` int8 [m, k], per block its scale ``dx`` and
+    ``dx * sum(codes)`` (``sx``), fp32 [m, k / 32]."""
+
+    codes: torch.Tensor
+    dx: torch.Tensor
+    sx: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        m, k = self.codes.shape
+        blocks = self.codes.view(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK).float() * self.dx.unsqueeze(-1)
+        return blocks.view(m, k)
+
+
+def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
+    """The twin of the kernel's quantization, bit for bit: per block of 32, ``dx = max|x| / 127``,
+    ``codes = round_half_even(x * (1 / dx))`` (0 where dx is 0), ``sx = dx * sum(codes)``."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    dx = blocks.abs().amax(dim=-1) / 127
+    inverse = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    codes = torch.round(blocks * inverse.unsqueeze(-1))
+    return QuantizedActivations(codes.to(torch.int8).view(m, k), dx, dx * codes.sum(dim=-1))
+
+
+def reference_qdot_linear(x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The twin of ``QDotGemm``: x quantized as the kernel does and dequantized, times gguf's dequantized
+    weight."""
+    return F.linear(quantize_activations(x).dequantize(), weight.dequantize(), bias)
+
+
+def activation_error_bound(x: torch.Tensor, weight: GGMLTensor) -> torch.Tensor:
+    """[m, n]: how far the int8 path's result may be from the exact one's (``ggml.reference_linear``), fp32
+    rounding aside: each value of x moves by at most half its block's scale, so ``sum_k |w| * dx / 2``."""
+    half_steps = quantize_activations(x).dx.repeat_interleave(ACTIVATION_BLOCK, dim=1) / 2
+    return half_steps @ weight.dequantize().abs().T
+
+
+class QDotGemm:
+    """The compiled kernel: ``x [M, K] @ W.T (+ bias)`` with x quantized to int8 blocks, for W a ``GGMLTensor``
+    of a type in ``KERNEL_TYPES``; serves steps of up to ``max_rows`` rows for ``GGMLLinearMethod``."""
+
+    max_rows = QDOT_MAX_ROWS
+
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        """``library``: a build of ``GGML_QDOT_SOURCE`` (default: this process's, for its CPU)."""
+        library = library or load_library(GGML_QDOT_SOURCE)
+        self._gemm = library.kvserve_ggml_qdot_gemm
+        self._gemm.argtypes = BLOCK_GEMM_ARG_TYPES
+        self._gemm.restype = ctypes.c_int
+        self._quantize = library.kvserve_ggml_quantize_rows
+        self._quantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_int] * 2
+        self._quantize.restype = None
+
+    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return call_block_kernel(self._gemm, "ggml int8 GEMM", GGML_QDOT_RANGE, x, weight, bias)
+
+    def quantize_activations(self, x: torch.Tensor) -> QuantizedActivations:
+        """The kernel's own quantization of x [m, k] (fp32, k a multiple of 32), for tests against the twin."""
+        m, k = x.shape
+        if x.dtype != torch.float32 or k % ACTIVATION_BLOCK or x.stride(1) != 1:
+            raise ValueError(f"quantize: x {tuple(x.shape)} {x.dtype} is not fp32 rows of whole blocks of 32")
+        codes = torch.empty(m, k, dtype=torch.int8)
+        dx, sx = torch.empty(m, k // ACTIVATION_BLOCK), torch.empty(m, k // ACTIVATION_BLOCK)
+        self._quantize(codes.data_ptr(), dx.data_ptr(), sx.data_ptr(), x.data_ptr(), x.stride(0), m, k)
+        return QuantizedActivations(codes, dx, sx)
+
+
+@functools.cache
+def qdot_gemm() -> QDotGemm | None:
+    """The kernel, or None where it cannot be built (the exact kernel then serves)."""
+    try:
+        return QDotGemm()
+    except KernelBuildError as error:
+        logger.warning("GGUF blocks multiply fp32 activations: %s", error)
+        return None

@@ -1,0 +1,118 @@
+"""The block kernel's int8-activation path: its quantization of x equal bit for bit to the torch twin's, its
+products within fp32 rounding of the twin (x quantized, dequantized, times the dequantized weight) for every
+block type and ISA build this CPU runs, within the stated bound of the exact path, and chosen by the linear
+method for steps of up to its ``max_rows`` rows."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvserve import native
+from kvserve.model.layers import ggml, ggml_qdot
+from kvserve.model.layers.ggml import GGMLLinearMethod, GGMLTensor
+from kvserve.model.layers.ggml_qdot import (
+    QDotGemm, activation_error_bound, quantize_activations, reference_qdot_linear,
+)
+from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
+from tests.model.test_ggml import K_TYPES, TYPES, blocks_of, random_k_blocks
+from tests.model.test_prepacked import _cpu_flags
+
+
+@pytest.fixture(scope="module")
+def kernel() -> QDotGemm:
+    return QDotGemm()
+
+
+def random_weight(n: int, k: int, qtype: Q, gen: torch.Generator) -> GGMLTensor:
+    if qtype in K_TYPES:
+        return random_k_blocks(n, k, qtype, gen)
+    return blocks_of(torch.randn(n, k, generator=gen), qtype)
+
+
+def assert_equals_the_twin(y: torch.Tensor, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> None:
+    """Within fp32 rounding of the twin: the kernel sums integer dots times d * dx per group, the twin
+    products of fp32 values, so the bound scales with the terms' magnitudes, |x_q| . |w|."""
+    reference = reference_qdot_linear(x, weight, bias)
+    scale = quantize_activations(x).dequantize().abs() @ weight.dequantize().abs().T
+    assert y.shape == reference.shape
+    assert ((y - reference).abs() <= 2e-6 * (scale + (0 if bias is None else bias.abs())) + 1e-6).all(), \
+        float((y - reference).abs().max())
+
+
+def test_the_kernels_quantization_equals_the_twins_bit_for_bit(kernel: QDotGemm) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 160, generator=gen) * torch.logspace(-8, 4, 9).unsqueeze(1)
+    x[3, 32:64] = 0  # a block of zeros: scale 0, codes 0
+    x[4, :32] = torch.arange(32) - 15.5  # halves: rounded to even
+    ours, twin = kernel.quantize_activations(x), quantize_activations(x)
+    for a, b in zip(ours, twin):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert twin.codes.abs().amax() == 127 and (twin.dx[3, 1] == 0 and twin.sx[3, 1] == 0)
+
+
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9, 17, 128])
+def test_the_kernel_equals_its_twin_and_stays_within_the_bound(kernel: QDotGemm, qtype: Q, rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 100 + int(qtype))
+    n, k = (37, 512) if qtype in K_TYPES else (37, 160)  # odd columns: a last tile of one
+    weight = random_weight(n, k, qtype, gen)
+    x = torch.randn(rows, k + 16, generator=gen)[:, 8 : 8 + k]  # strided rows, as the layers' slices are
+    bias = torch.randn(n, generator=gen) if rows % 2 else None
+    y = kernel(x, weight, bias)
+    assert_equals_the_twin(y, x, weight, bias)
+    # the stated bound against the exact path: each x moves by at most dx / 2
+    exact = ggml.reference_linear(x, weight, bias)
+    fp32 = 2e-6 * (x.abs() @ weight.dequantize().abs().T) + 1e-6
+    assert ((y - exact).abs() <= activation_error_bound(x, weight) + fp32).all()
+
+
+def assert_build_equals_the_twin(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ISA_ENV_VAR, isa)
+    build = QDotGemm(ctypes.CDLL(str(native.library_path(ggml_qdot.GGML_QDOT_SOURCE))))
+    gen = torch.Generator().manual_seed(1)
+    for qtype in TYPES + K_TYPES:
+        weight = random_weight(19, 512, qtype, gen)
+        for rows in (1, 4, 7):
+            x = torch.randn(rows, 512, generator=gen)
+            assert_equals_the_twin(build(x, weight, None), x, weight, None)
+
+
+@pytest.mark.parametrize("isa, flags", [
+    ("avx2", {"avx2", "fma", "f16c"}),
+    ("avx512", {"avx512f", "avx512bw", "avx512vl"}),
+    ("avx512vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    ("avxvnni", {"avx2", "fma", "f16c", "avx_vnni"}),
+])
+def test_each_isa_build_equals_the_twin(isa: str, flags: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every build this CPU can run; the others are at least compiled (a VNNI path that does not build fails)."""
+    if flags <= _cpu_flags():
+        assert_build_equals_the_twin(isa, monkeypatch)
+        return
+    monkeypatch.setenv(native.ISA_ENV_VAR, isa)
+    assert native.library_path(ggml_qdot.GGML_QDOT_SOURCE).exists()
+
+
+def test_the_linear_method_takes_the_int8_path_up_to_its_row_limit(kernel: QDotGemm) -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = blocks_of(torch.randn(48, 64, generator=gen), Q.Q4_1)
+    layer = Linear(64, 48, bias=False)
+    layer.bind(GGMLLinearMethod(ggml.GGMLGemm(), UnquantizedLinearMethod(), kernel), torch.float32)
+    layer.load_weight("weight", weight)
+    layer.process_weights_after_loading()
+    for rows in (1, kernel.max_rows):
+        x = torch.randn(rows, 64, generator=gen)
+        assert_equals_the_twin(layer(x), x, weight, None)
+    x = torch.randn(kernel.max_rows + 1, 64, generator=gen)
+    torch.testing.assert_close(layer(x), x @ weight.dequantize().T)
+
+
+def test_the_kernel_refuses_what_it_cannot_read(kernel: QDotGemm) -> None:
+    weight = blocks_of(torch.randn(8, 64), Q.Q8_0)
+    with pytest.raises(ValueError, match="does not fit a Q8_0 weight"):
+        kernel(torch.randn(2, 32), weight, None)
+    with pytest.raises(ValueError, match="Q2_K"):
+        kernel(torch.randn(2, 64), GGMLTensor(weight.blocks, Q.Q2_K, weight.shape), None)
