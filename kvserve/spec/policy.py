@@ -29,27 +29,9 @@ RATE_RECOVERY = 0.02
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's sampling allows verifying drafts. Not yet: logits processors that read the history
-    (penalties, min_tokens, logit_bias, structured output: each draft position would need the history
-    extended by the drafts before it), logprobs (one entry per emitted token from the verified rows), and
-    n > 1 (its samples fork from shared KV)."""
-    return (
-        params.n == 1
-        and params.logprobs is None
-        and params.prompt_logprobs is None
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and not params.logit_bias
-        and (params.min_tokens == 0 or _min_tokens_bans_nothing(params))
-        and params.structured_outputs is None
-    )
-
-
-def _min_tokens_bans_nothing(params: SamplingParams) -> bool:
-    """min_tokens bans EOS unless it is ignored, and the stop ids: with neither, it changes no logit (benchmarks
-    ask for exact lengths this way)."""
-    return params.ignore_eos and not params.stop_token_ids
+    """Whether a request's sampling allows verifying drafts. Not yet with structured output: its matcher
+    would have to follow each draft token and roll back."""
+    return params.structured_outputs is None
 
 
 class SpeculationPolicy:
