@@ -62,12 +62,79 @@ def test_greedy_under_preemption_and_chunked_prefill_leaves_no_block(tiny_checkp
     assert_all_blocks_free(llm)
 
 
-def test_seeded_sampling_is_reproducible(tiny_checkpoints) -> None:
-    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=11, max_tokens=30)
-    llm = _spec_llm(tiny_checkpoints["gemma3"])
-    first = _token_ids(llm, params)
-    assert _token_ids(llm, params) == first
-    assert _token_ids(_spec_llm(tiny_checkpoints["gemma3"]), params) == first
+def _plain_llm(path, **options) -> LLM:
+    return LLM(str(path), **{**SMALL, "num_kv_blocks": 64, **options})
+
+
+def test_seeded_sampling_is_that_of_plain_decoding_alone_or_in_a_batch(tiny_checkpoints) -> None:
+    """A seeded request draws the same noise at each output position whether it speculated there or not, and
+    whatever runs beside it."""
+    path = tiny_checkpoints["gemma3"]
+    # cool enough that the tiny model's repeats are drafted and accepted, and rejected too
+    params = SamplingParams(temperature=0.3, top_k=5, top_p=0.9, seed=11, max_tokens=30)
+    want = _token_ids(_plain_llm(path), params)
+    llm = _spec_llm(path)
+    assert _token_ids(llm, params) == want
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    alone = [_token_ids(llm, params, [prompt])[0] for prompt in PROMPTS]
+    assert alone == want
+    neighbours = [SamplingParams(temperature=1.0, max_tokens=n) for n in (5, 20)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in [PROMPTS[0], PROMPTS[1], PROMPTS[1]]],
+                        [params, *neighbours], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want[0]
+    assert_all_blocks_free(llm)
+
+
+HISTORY_PROCESSORS = {  # each changes gemma3's greedy output on PROMPTS, which still accepts drafts
+    "penalties": dict(repetition_penalty=1.05, presence_penalty=0.1, frequency_penalty=0.02),
+    "min_tokens": dict(min_tokens=25, stop_token_ids=[170, 16]),  # the first outputs of two of the prompts
+    "logit_bias": dict(logit_bias={7: -2.0, 4: 1.5, 1: 3.0}),
+}
+
+
+@pytest.mark.parametrize("processors", HISTORY_PROCESSORS.values(), ids=HISTORY_PROCESSORS.keys())
+def test_greedy_with_logits_processors_is_that_of_plain_decoding(tiny_checkpoints, plain, processors) -> None:
+    """Each draft position is processed with the history plain decoding would have had there."""
+    path = tiny_checkpoints["gemma3"]
+    params = SamplingParams(temperature=0, max_tokens=40, **processors)
+    want = _token_ids(_plain_llm(path), params)
+    assert want != plain["gemma3"]
+    llm = _spec_llm(path)
+    assert _token_ids(llm, params) == want
+    stats = llm.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    assert_all_blocks_free(llm)
+
+
+def _outputs(llm: LLM, params: SamplingParams, prompts: list[list[int]] = PROMPTS) -> list:
+    return [o.outputs for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+def test_logprobs_of_accepted_tokens_are_those_of_plain_decoding(tiny_checkpoints) -> None:
+    path = tiny_checkpoints["qwen3"]
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=3, prompt_logprobs=2)
+    llm = _spec_llm(path)
+    got, want = _outputs(llm, params), _outputs(_plain_llm(path), params)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    for (g,), (w,) in zip(got, want):
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs) == 30
+        for g_step, w_step in zip(g.logprobs, w.logprobs):
+            assert list(g_step) == list(w_step)  # the chosen token, then the same top 3
+            for token_id, entry in w_step.items():
+                assert g_step[token_id].logprob == pytest.approx(entry.logprob, abs=1e-4)
+                assert g_step[token_id].rank == entry.rank
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+def test_each_of_n_samples_speculates_on_its_own(tiny_checkpoints, temperature) -> None:
+    path = tiny_checkpoints["gemma3"]
+    params = SamplingParams(temperature=temperature, top_k=5, seed=5, n=3, max_tokens=30)
+    llm = _spec_llm(path)
+    got = [s.token_ids for s in _outputs(llm, params, PROMPTS[:1])[0]]
+    want = [s.token_ids for s in _outputs(_plain_llm(path), params, PROMPTS[:1])[0]]
+    assert got == want
+    assert (got[0] != got[1]) == (temperature > 0)  # seeded samples differ; greedy ones are one text
     assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_all_blocks_free(llm)
 
