@@ -1,7 +1,9 @@
 """SpeculationPolicy: which running requests speculate, how many tokens each proposes, and the counters.
 
 The scheduler asks it for a request's draft each step and reports back how many draft tokens the runner
-accepted. It runs no model: ``ngram`` drafts come from the request's own history (``spec/ngram.py``).
+accepted. It runs no model: ``ngram`` drafts come from the request's own history (``spec/ngram.py``). Any
+request may speculate, whatever its sampling: the sampler verifies each draft position as plain decoding
+would have sampled it there (``sample/rejection.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import numpy as np
 
 from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
 from kvserve.spec.ngram import propose_ngram
 
 # Verification turns each speculating decode into a (1 + k)-token chunk. With many decodes in a step the
@@ -28,12 +29,6 @@ MIN_ACCEPTANCE_RATE = 0.2
 RATE_RECOVERY = 0.02
 
 
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's sampling allows verifying drafts. Not yet with structured output: its matcher
-    would have to follow each draft token and roll back."""
-    return params.structured_outputs is None
-
-
 class SpeculationPolicy:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -46,7 +41,7 @@ class SpeculationPolicy:
     def draft(self, request: Request, num_running: int, max_draft: int) -> tuple[int, ...]:
         """The tokens ``request`` (a decode: all but its last token computed) proposes this step, at most
         ``max_draft``; empty when it does not speculate."""
-        if num_running > MAX_RUNNING_TO_SPECULATE or not can_speculate(request.sampling_params):
+        if num_running > MAX_RUNNING_TO_SPECULATE:
             return ()
         k = min(self._num_to_propose(request.request_id), max_draft)
         if k < 1:

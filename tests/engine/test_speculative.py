@@ -1,14 +1,16 @@
 """N-gram speculative decoding through the whole engine: greedy output token for token that of plain decoding
-on every family (with drafts both accepted and rejected), seeded sampling reproducible, stops applied inside
-an accepted run, and no block left behind after preemption or an abort."""
+on every family (with drafts both accepted and rejected), and so with logits processors, logprobs, n > 1 and
+structured output; seeded sampling that of plain decoding whatever the batch; stops applied inside an
+accepted run, and no block left behind after preemption or an abort."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.model.checkpoint import ARCHITECTURES
 from tests.conftest import assert_all_blocks_free
+from tests.sample.test_grammar import SCHEMAS
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # prompts that repeat themselves, so that the proposer has matches from the first step on
@@ -177,4 +179,33 @@ def test_an_abort_mid_speculation_leaves_no_block(tiny_checkpoints) -> None:
     engine.abort_request(["r1"])
     while engine.has_unfinished_requests():
         engine.step()
+    assert_all_blocks_free(llm)
+
+
+def _structured(temperature: float = 0.0, max_tokens: int = 60, **constraint) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=3, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+def test_structured_output_is_that_of_plain_decoding(tiny_checkpoints) -> None:
+    """Each verified position is masked by the matcher walked along the draft tokens before it (and rolled
+    back): greedy and seeded outputs under a JSON schema suite, a regex, a grammar and a finished document
+    kept going by ignore_eos equal plain decoding's, with drafts both accepted and refused."""
+    path = tiny_checkpoints["llama"]
+    grammar = 'root ::= "(" digit ("+" digit)* ")"\ndigit ::= [0-9]'
+    params = [*(_structured(json=schema) for schema in SCHEMAS), _structured(regex=r"(ab ){3,12}[0-9]{3}"),
+              _structured(grammar=grammar, temperature=0.8), _structured(json=SCHEMAS[20], temperature=0.8),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    prompts = [{"prompt_token_ids": PROMPTS[i % 3]} for i in range(len(params))]
+    options = {"dtype": "float32", "num_kv_blocks": 512, "max_num_seqs": 4}  # at most 4 running: all speculate
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(str(path), speculative_config=NGRAM, **options)
+    assert run(llm) == run(LLM(str(path), **options))
+    stats = llm.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    assert llm.engine.core.runner.sampler.num_states == 0
     assert_all_blocks_free(llm)
