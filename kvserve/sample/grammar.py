@@ -12,10 +12,10 @@ complete match it allows only the stop tokens, so the request ends with EOS.
 
 The masks of a step depend only on the tokens accepted so far, so ``prepare`` (called before the forward
 pass) fills them on a worker thread while the model runs (xgrammar releases the GIL), and ``apply`` only
-waits for them, which costs nothing when they were faster than the forward. A speculating request's rows
-(its history extended by one more draft token each) are masked by walking its matcher along the draft, a
-token per row, and rolling it back afterwards: only ``accept`` moves a matcher for good. ``stats`` reports the time spent
-filling masks and the time the step waited for them.
+waits for them, which costs nothing when they were faster than the forward. ``stats`` reports the time spent
+filling masks and the time the step waited for them. A speculating request's rows (its history extended by
+one more draft token each) are masked by walking its matcher along the draft, a token per row, and rolling
+it back afterwards: only ``accept`` moves a matcher for good.
 
 xgrammar and the tokenizer's vocabulary table are loaded on first use: an engine that never sees a constraint
 never pays for them.

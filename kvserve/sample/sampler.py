@@ -238,23 +238,19 @@ def _mix64(x: int) -> int:
 def _per_request(
     token_ids: list[int], logprobs: list[TokenLogprobs | None] | None, batch: SamplingBatch
 ) -> SamplerOutput:
-    """Per request, the rows' tokens (and logprobs) it appends: one row's, or a speculating request's up to
-    its first rejected draft token."""
+    """Per request, the rows' tokens (and logprobs) it appends: its one row's, or a speculating request's up
+    to its first rejected draft token (a request's rows share its params: all want logprobs, or none)."""
     if batch.draft_token_ids is None:
         return SamplerOutput([[t] for t in token_ids],
                              None if logprobs is None else [None if e is None else [e] for e in logprobs])
-    spans = []
-    for start, draft in zip(batch.first_rows, batch.draft_token_ids):
-        spans.append((start, start + len(accept_draft(draft, token_ids[start : start + len(draft) + 1]))))
+    spans = [(start, start + len(accept_draft(draft, token_ids[start : start + len(draft) + 1])))
+             for start, draft in zip(batch.first_rows, batch.draft_token_ids)]
     return SamplerOutput(
         [token_ids[start:end] for start, end in spans],
-        None if logprobs is None else [_entries(logprobs[start:end]) for start, end in spans],
+        None if logprobs is None else [
+            None if logprobs[start] is None else logprobs[start:end] for start, end in spans  # type: ignore[misc]
+        ],
     )
-
-
-def _entries(logprobs: list[TokenLogprobs | None]) -> list[TokenLogprobs] | None:
-    """A request's logprobs entries, or None if it wants none (all its rows share its params)."""
-    return None if logprobs[0] is None else logprobs  # type: ignore[return-value]
 
 
 def _per_row(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
