@@ -13,7 +13,9 @@ complete match it allows only the stop tokens, so the request ends with EOS.
 The masks of a step depend only on the tokens accepted so far, so ``prepare`` (called before the forward
 pass) fills them on a worker thread while the model runs (xgrammar releases the GIL), and ``apply`` only
 waits for them, which costs nothing when they were faster than the forward. ``stats`` reports the time spent
-filling masks and the time the step waited for them.
+filling masks and the time the step waited for them. A speculating request's rows (its history extended by
+one more draft token each) are masked by walking its matcher along the draft, a token per row, and rolling
+it back afterwards: only ``accept`` moves a matcher for good.
 
 xgrammar and the tokenizer's vocabulary table are loaded on first use: an engine that never sees a constraint
 never pays for them.
@@ -175,12 +177,20 @@ class GrammarProcessor(LogitsProcessor):
         start = time.perf_counter()
         selected = [i for i, row in enumerate(rows) if row.generator_key in self._matchers]
         bitmask = xgrammar.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
+        walks: dict[str, _DraftWalk] = {}
         for i in selected:
-            matcher = self._matchers[rows[i].generator_key]
-            if matcher.is_terminated():  # its document ended with a stop token that ignore_eos kept going
+            row = rows[i]
+            walk = walks.get(row.generator_key)
+            if walk is None:  # the request's first row: its matcher is where its outputs end
+                walk = walks[row.generator_key] = _DraftWalk(self._matchers[row.generator_key], row)
+            elif not walk.advance_to(row):
+                continue  # past a draft token the grammar refuses: masked out, so this row is never emitted
+            if walk.matcher.is_terminated():  # its document ended with a stop token that ignore_eos kept going
                 bitmask[i] = self._stop_only_row()
             else:
-                matcher.fill_next_token_bitmask(bitmask, i)
+                walk.matcher.fill_next_token_bitmask(bitmask, i)
+        for walk in walks.values():
+            walk.rewind()
         return _Masks(bitmask, selected, time.perf_counter() - start)
 
     def _stop_only_row(self) -> torch.Tensor:
@@ -193,3 +203,31 @@ class GrammarProcessor(LogitsProcessor):
                 words[token_id // 32] |= np.uint32(1 << (token_id % 32))
             self._stop_only = torch.from_numpy(words.view(np.int32))
         return self._stop_only
+
+
+class _DraftWalk:
+    """A matcher walked along a speculating request's draft tokens, one row (one more token) at a time, to
+    mask each verified position, then rolled back. Tokens after the document's end are skipped, as
+    ``GrammarProcessor.accept`` skips them."""
+
+    def __init__(self, matcher: Any, first_row: SamplingRow) -> None:
+        self.matcher = matcher
+        self._num_outputs = len(first_row.output_token_ids)  # the outputs the matcher has accepted
+        self._num_accepted = 0  # by the walk, to roll back
+        self._refused = False
+
+    def advance_to(self, row: SamplingRow) -> bool:
+        """Accept the row's outputs past those already walked; False once the grammar refused one."""
+        for token_id in row.output_token_ids[self._num_outputs :]:
+            self._num_outputs += 1
+            if self._refused or self.matcher.is_terminated():
+                continue
+            if not self.matcher.accept_token(int(token_id)):
+                self._refused = True
+                continue
+            self._num_accepted += 1
+        return not self._refused
+
+    def rewind(self) -> None:
+        if self._num_accepted:
+            self.matcher.rollback(self._num_accepted)

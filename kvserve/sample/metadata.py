@@ -1,13 +1,18 @@
 """SamplingBatch: what the sampler needs to know about each row of one step's logits.
 
-A row is one (request, sample index), built by the model runner: a request forking into n samples on its last
-prompt step contributes n rows that share a history and differ only in their sample index and key (so in their
-seeded generator and in the sampler state kept under the key).
+A row is one (request, sample index) at one output position, built by the model runner: a request forking
+into n samples on its last prompt step contributes n rows that share a history and differ only in their
+sample index and key (so in their seeded draws and in the sampler state kept under the key). A speculating
+request contributes one row per verified position, consecutive: row j's history is its outputs followed by
+its first j draft tokens, as if they had been sampled, so that every logits processor sees at each position
+the history plain decoding would have shown it::
+
+    draft  d1 d2 d3      rows:  outputs | outputs d1 | outputs d1 d2 | outputs d1 d2 d3
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Sequence
 
@@ -16,7 +21,8 @@ from kvserve.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One row: its params, its history (for penalties and min_tokens; lists or integer arrays) and its key."""
+    """One row: its params, its history (for penalties and min_tokens; lists or integer arrays) and its key.
+    The number of outputs is the output position the row draws (a seeded row's noise depends on it)."""
 
     params: SamplingParams
     sample_index: int
@@ -25,15 +31,45 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = frozenset()
 
+    def after(self, token_ids: Sequence[int]) -> SamplingRow:
+        """This row ``len(token_ids)`` positions later, ``token_ids`` taken as its next outputs. Copies the
+        outputs: only speculating requests (a few per step) make such rows."""
+        return replace(self, output_token_ids=[*self.output_token_ids, *token_ids])
+
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """The rows of one step, in logits order, with the batch-wide facts the sampler branches on."""
+    """The rows of one step, in logits order, with the batch-wide facts the sampler branches on.
+    ``draft_token_ids`` has one entry per request, its draft (``()`` if it does not speculate), and the
+    request reads ``1 + len(draft)`` rows; None when no request speculates: a row per request."""
 
     rows: list[SamplingRow]
+    draft_token_ids: Sequence[tuple[int, ...]] | None = None
+
+    @classmethod
+    def of_requests(cls, rows: Sequence[SamplingRow], draft_token_ids: Sequence[tuple[int, ...]]) -> SamplingBatch:
+        """The batch of requests whose rows (as plain decoding would sample them) are ``rows``: each
+        speculating request's row followed by one row per draft token."""
+        if not any(draft_token_ids):
+            return cls(list(rows))
+        expanded = [r.after(draft[:j]) for r, draft in zip(rows, draft_token_ids) for j in range(len(draft) + 1)]
+        return cls(expanded, draft_token_ids)
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @cached_property
+    def first_rows(self) -> list[int]:
+        """Each request's first row (its only one unless it speculates)."""
+        if self.draft_token_ids is None:
+            return list(range(len(self.rows)))
+        starts, row = [], 0
+        for draft in self.draft_token_ids:
+            starts.append(row)
+            row += 1 + len(draft)
+        if row != len(self.rows):
+            raise ValueError(f"{len(self.rows)} sampling rows for requests that read {row}")
+        return starts
 
     @cached_property
     def is_all_greedy(self) -> bool:

@@ -1,50 +1,36 @@
 """Verifying draft tokens against the target model, exactly (speculative sampling).
 
-``probs[i]`` is the target's processed distribution at draft position i (k + 1 rows for k drafts: the last
-row follows the whole draft). A draft token x is accepted with probability p(x); at the first rejection the
-emitted token is drawn from p with x removed and renormalised; after k acceptances a bonus token is drawn from
-the last row. For a proposer whose distribution is one-hot (n-gram lookup) this emits exactly p's samples:
+A speculating request has k + 1 rows: row j holds the target's processed distribution p_j after the first j
+draft tokens, and the sampler draws the target's own choice x_j from each row exactly as it draws any token
+(the argmax for greedy; for random sampling the exponential race ``argmax(p_j / q_j)``, ``q_j ~ Exp(1)``).
+The request keeps its drafts while they equal the target's choices, then emits the target's choice at the
+first disagreement (or after the last draft)::
 
-    P(emit y) = p(x) [y = x] + (1 - p(x)) * p(y) [y != x] / (1 - p(x)) = p(y)
+    draft:   d1  d2  d3          choices:  x0 = d1, x1 = d2, x2 != d3, x3
+    emits:   d1  d2  x2          (x3 is discarded with d3)
 
-Greedy is the limit of one-hot p: drafts are accepted while they equal the argmax, so greedy output is token
-for token that of plain decoding.
+This is the rejection rule of speculative sampling for a one-hot proposer (n-gram lookup): d is accepted when
+x = d, which has probability p(d), and given x != d, x is distributed as p with d removed and renormalised::
+
+    P(emit y) = p(d) [y = d] + (1 - p(d)) * p(y) [y != d] / (1 - p(d)) = p(y)
+
+The choices after a rejection are never looked at, so each emitted token is a fresh draw from its position's
+distribution. Every emitted token is the token plain decoding would draw at its position with the same
+noise: greedy output is plain decoding's token for token, and so is a seeded request's, whose noise at each
+output position depends only on its seed, its sample index and the position (``Sampler``).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 
-
-def accept_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
-    """The accepted drafts then the target's own token: ``target[i]`` is the argmax at draft position i."""
+def accept_draft(draft: Sequence[int], choices: Sequence[int]) -> list[int]:
+    """The tokens a speculating request emits: its drafts while ``draft[j] == choices[j]``, then the target's
+    choice at the first disagreement. ``choices[j]`` is the target's token at row j (k + 1 of them)."""
+    if len(choices) != len(draft) + 1:
+        raise ValueError(f"{len(choices)} target tokens for {len(draft)} draft tokens (expected k + 1)")
     num_accepted = 0
-    while num_accepted < len(draft) and draft[num_accepted] == target[num_accepted]:
+    while num_accepted < len(draft) and draft[num_accepted] == choices[num_accepted]:
         num_accepted += 1
-    return [*draft[:num_accepted], target[num_accepted]]
-
-
-def accept_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator) -> list[int]:
-    """The accepted drafts then one token drawn from the residual (or bonus) distribution. Draws k uniforms
-    and one row of exponentials from ``generator`` whatever happens, so a seeded request's random stream
-    does not depend on how many drafts it had accepted before."""
-    num_draft = len(draft)
-    if probs.shape[0] != num_draft + 1:
-        raise ValueError(f"{probs.shape[0]} probability rows for {num_draft} draft tokens (expected k + 1)")
-    draft_ids = torch.tensor(draft, dtype=torch.long, device=probs.device)
-    p_draft = probs[torch.arange(num_draft, device=probs.device), draft_ids]
-    uniforms = torch.rand(num_draft, generator=generator, device=probs.device)
-    rejected = torch.nonzero(uniforms >= p_draft)
-    num_accepted = int(rejected[0]) if len(rejected) else num_draft
-    residual = probs[num_accepted].clone()
-    if num_accepted < num_draft:
-        residual[draft[num_accepted]] = 0.0  # renormalising is implicit in the draw below
-    return [*draft[:num_accepted], draw(residual, generator)]
-
-
-def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """One token with probability proportional to ``weights`` [V] (an exponential race, as the sampler's)."""
-    noise = torch.empty_like(weights).exponential_(generator=generator)
-    return int(weights.div(noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax())
+    return [*draft[:num_accepted], choices[num_accepted]]

@@ -1,4 +1,6 @@
-"""Sampler: one step's logits [N, V] -> one token per row (and logprobs for the rows that ask).
+"""Sampler: one step's logits [N, V] -> the tokens each request appends (and logprobs for those that ask):
+one per row, or for a speculating request (one row per verified position) its accepted draft tokens and the
+target's next token (``sample/rejection.py``).
 
     logits ─┬─> log_softmax ────────────────────────────────────────────> logprobs (raw, as vLLM v1)
             └─> logits processors, in order (in place, rows that need them)
@@ -8,8 +10,9 @@
 An all-greedy batch that no processor touches and that wants no logprobs is one max (the hot path). The draw
 is an exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to sampling from p): unseeded rows
 share one batched draw from the sampler's own generator (seeded from the engine seed, never torch's global
-one), a seeded row draws its ``q`` from its own generator, so its tokens depend only on its seed, its sample
-index and its logits, never on the other rows of the batch.
+one); a seeded row draws its ``q`` from a generator seeded by its seed, its sample index and the output
+position it draws, so its tokens depend only on those and its logits: never on the other rows of the batch,
+on a preemption, or on how many tokens it speculated.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 from kvserve.sample.logits_processors import LogitsProcessor, default_processors
 from kvserve.sample.logprobs import gather_logprobs
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
-from kvserve.sample.rejection import accept_greedy, accept_sampled
+from kvserve.sample.rejection import accept_draft
 from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import TokenLogprobs
@@ -30,60 +33,45 @@ _SEED_MASK = 2**64 - 1
 
 
 class SamplerOutput(NamedTuple):
-    """One entry per row; ``logprobs`` is None when no row asked, else None at the rows that did not."""
+    """One entry per request: the tokens it appends; ``logprobs`` is None when no row asked, else None for the
+    requests that did not and one entry per appended token for the others."""
 
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None
 
 
 class Sampler:
-    """Samples one token per row. Owns the logits processors and every piece of per-request sampling state,
-    keyed by each sample's engine-side id (``SamplingRow.generator_key``) and kept across steps until
-    ``drop``: the generators of seeded samples and the processors' state.
+    """Samples the tokens of each request. Owns the logits processors and every piece of per-request sampling
+    state, keyed by each sample's engine-side id (``SamplingRow.generator_key``) and kept across steps until
+    ``drop``: the processors' state.
 
     What the caller owes it, per key: nothing when it first appears (state is created from its first row);
     ``fork(parent, child)`` before a child sample's first row, when the child starts from a parent that was
     already sampled; ``drop`` once the request finished or was aborted. The sampler advances the processors'
-    state past each token it draws by itself."""
+    state past each token a request appends by itself."""
 
     def __init__(self, seed: int = 0, processors: Sequence[LogitsProcessor] | None = None) -> None:
         self.seed = seed
         self._processors = default_processors() if processors is None else list(processors)
         self._stateful = [p for p in self._processors if p.is_stateful]
         self._keys: set[str] = set()  # keys whose processor state exists (tracked only with stateful processors)
-        self._generators: dict[str, torch.Generator] = {}
         self._unseeded: torch.Generator | None = None
+        self._seeded: torch.Generator | None = None  # reseeded for each seeded row's draw
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """Sample row i of ``logits`` (fp32 [N, V], modified in place) with ``batch.rows[i]``.
-        Greedy (temperature 0) is the exact argmax of the processed logits. Logprobs are those of the raw
-        logits. The token ids' host copy is the call's only sync when no row wants logprobs."""
+        """Sample row i of ``logits`` (fp32 [N, V], modified in place) with ``batch.rows[i]``, then keep each
+        speculating request's draft tokens up to the first the target disagrees with. Greedy (temperature 0)
+        is the exact argmax of the processed logits. Logprobs are those of the raw logits. The token ids' host
+        copy is the call's only sync when no row wants logprobs."""
         if logits.shape[0] != len(batch):
             raise ValueError(f"logits have {logits.shape[0]} rows but the sampling batch has {len(batch)}")
         if self._stateful:
             self._add_new_keys(batch.rows)
-        output = self._sample(logits, batch)
+        token_ids, logprobs = self._sample(logits, batch)
+        output = _per_request(token_ids, logprobs, batch)
         if self._stateful:
-            self._accept(batch.rows, output.token_ids)
+            self._accept([batch.rows[i] for i in batch.first_rows], output.token_ids)
         return output
-
-    def verify(self, logits: torch.Tensor, row: SamplingRow, draft: Sequence[int]) -> list[int]:
-        """The tokens a speculating row emits: its accepted drafts then one of the target's own.
-        ``logits`` [k + 1, V] (modified in place) are the target's at the row's last token and at each draft
-        token. Only for rows that no logits processor changes and that want no logprobs (see
-        ``kvserve.spec.policy.can_speculate``); a seeded row draws from its own generator."""
-        if row.params.is_greedy:
-            token_ids = accept_greedy(draft, first_max(logits).tolist())
-        else:
-            probs = self._probs(logits, [row] * logits.shape[0])
-            generator = self._generator(row, logits.device) if row.params.seed is not None else \
-                self._unseeded_generator(logits.device)
-            token_ids = accept_sampled(probs, draft, generator)
-        if self._stateful:
-            self._add_new_keys([row])
-            for processor in self._stateful:
-                processor.accept(row.generator_key, token_ids)
-        return token_ids
 
     def prepare(self, batch: SamplingBatch) -> None:
         """Called before the forward pass whose logits ``batch`` will sample: new samples' state is created and
@@ -97,9 +85,8 @@ class Sampler:
     def fork(self, parent_key: str, child_key: str) -> None:
         """Start sample ``child_key`` with a copy of ``parent_key``'s processor state; call it before the
         child's first row. A parent never sampled yet has nothing to copy: the child's state is then created
-        from its own first row, as the parent's will be. Generators are not copied: a seeded child draws from
-        its own, seeded from (seed, its sample index)."""
-        if child_key in self._keys or child_key in self._generators:
+        from its own first row, as the parent's will be. A seeded child draws by its own sample index."""
+        if child_key in self._keys:
             raise ValueError(f"cannot fork into {child_key!r}: it already holds sampler state")
         if parent_key not in self._keys:
             return
@@ -110,7 +97,6 @@ class Sampler:
     def drop(self, keys: Iterable[str]) -> None:
         """Free all state of finished or aborted samples (engine-side ids; unknown ids are ignored)."""
         for key in keys:
-            self._generators.pop(key, None)
             if key in self._keys:
                 self._keys.remove(key)
                 for processor in self._stateful:
@@ -121,11 +107,6 @@ class Sampler:
         """Keys holding processor state."""
         return len(self._keys)
 
-    @property
-    def num_generators(self) -> int:
-        """Keys holding a seeded generator."""
-        return len(self._generators)
-
     def _add_new_keys(self, rows: Sequence[SamplingRow]) -> None:
         for row in rows:
             if row.generator_key not in self._keys:
@@ -133,22 +114,25 @@ class Sampler:
                 for processor in self._stateful:
                     processor.add(row.generator_key, row)
 
-    def _accept(self, rows: Sequence[SamplingRow], token_ids: list[int]) -> None:
-        for row, token_id in zip(rows, token_ids):
+    def _accept(self, rows: Sequence[SamplingRow], token_ids: list[list[int]]) -> None:
+        for row, appended in zip(rows, token_ids):
             for processor in self._stateful:
-                processor.accept(row.generator_key, [token_id])
+                processor.accept(row.generator_key, appended)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def _sample(
+        self, logits: torch.Tensor, batch: SamplingBatch
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """The target's token at each row, and the logprobs of the rows that ask (None if none does)."""
         needs_processing = self._needs_processing(batch.rows)
         if batch.is_all_greedy and not needs_processing and not batch.needs_logprobs:
-            return SamplerOutput(first_max(logits).tolist(), None)
+            return first_max(logits).tolist(), None
         raw_logprobs = self._raw_logprobs(logits, batch)
         if needs_processing:
             for processor in self._processors:
                 processor.apply(logits, batch.rows)
         token_ids = self._choose(logits, batch)
         logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        return token_ids.tolist(), logprobs
 
     def _needs_processing(self, rows: Sequence[SamplingRow]) -> bool:
         return any(any(map(p.is_needed, rows)) for p in self._processors)
@@ -184,13 +168,17 @@ class Sampler:
 
     def _exponentials(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Exp(1) noise per row: one batched draw for unseeded rows from the sampler's generator, each seeded
-        row from its own."""
+        row from a generator seeded for its seed, sample index and output position."""
         noise = torch.empty_like(probs)
         seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
         if len(seeded) < len(rows):
             noise.exponential_(generator=self._unseeded_generator(probs.device))
         for i in seeded:
-            noise[i].exponential_(generator=self._generator(rows[i], probs.device))
+            row = rows[i]
+            assert row.params.seed is not None
+            generator = self._seeded_generator(probs.device)
+            generator.manual_seed(draw_seed(row.params.seed, row.sample_index, len(row.output_token_ids)))
+            noise[i].exponential_(generator=generator)
         # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks
         return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
@@ -200,14 +188,10 @@ class Sampler:
             self._unseeded.manual_seed(self.seed & _SEED_MASK)
         return self._unseeded
 
-    def _generator(self, row: SamplingRow, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(row.generator_key)
-        if generator is None:
-            assert row.params.seed is not None
-            generator = torch.Generator(device=device)
-            generator.manual_seed(_sample_seed(row.params.seed, row.sample_index))
-            self._generators[row.generator_key] = generator
-        return generator
+    def _seeded_generator(self, device: torch.device) -> torch.Generator:
+        if self._seeded is None:
+            self._seeded = torch.Generator(device=device)
+        return self._seeded
 
     @staticmethod
     def _raw_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
@@ -237,9 +221,36 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
     return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, [num_top] * logits.shape[0])
 
 
-def _sample_seed(seed: int, sample_index: int) -> int:
-    """Distinct seeds for the samples of one request (sample_index < MAX_N), reproducible across runs."""
-    return (seed * SamplingParams.MAX_N + sample_index) & _SEED_MASK
+def draw_seed(seed: int, sample_index: int, position: int) -> int:
+    """The seed of a seeded sample's draw at output ``position``: distinct for the samples of one request
+    (sample_index < MAX_N) and for each position, reproducible across runs (splitmix64's mixing, so that
+    nearby seeds and positions give unrelated streams)."""
+    return _mix64(_mix64(seed * SamplingParams.MAX_N + sample_index) ^ position)
+
+
+def _mix64(x: int) -> int:
+    x &= _SEED_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
+    return x ^ (x >> 31)
+
+
+def _per_request(
+    token_ids: list[int], logprobs: list[TokenLogprobs | None] | None, batch: SamplingBatch
+) -> SamplerOutput:
+    """Per request, the rows' tokens (and logprobs) it appends: its one row's, or a speculating request's up
+    to its first rejected draft token (a request's rows share its params: all want logprobs, or none)."""
+    if batch.draft_token_ids is None:
+        return SamplerOutput([[t] for t in token_ids],
+                             None if logprobs is None else [None if e is None else [e] for e in logprobs])
+    spans = [(start, start + len(accept_draft(draft, token_ids[start : start + len(draft) + 1])))
+             for start, draft in zip(batch.first_rows, batch.draft_token_ids)]
+    return SamplerOutput(
+        [token_ids[start:end] for start, end in spans],
+        None if logprobs is None else [
+            None if logprobs[start] is None else logprobs[start:end] for start, end in spans  # type: ignore[misc]
+        ],
+    )
 
 
 def _per_row(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

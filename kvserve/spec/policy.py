@@ -1,7 +1,9 @@
 """SpeculationPolicy: which running requests speculate, how many tokens each proposes, and the counters.
 
 The scheduler asks it for a request's draft each step and reports back how many draft tokens the runner
-accepted. It runs no model: ``ngram`` drafts come from the request's own history (``spec/ngram.py``).
+accepted. It runs no model: ``ngram`` drafts come from the request's own history (``spec/ngram.py``). Any
+request may speculate, whatever its sampling: the sampler verifies each draft position as plain decoding
+would have sampled it there (``sample/rejection.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import numpy as np
 
 from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
 from kvserve.spec.ngram import propose_ngram
 
 # Verification turns each speculating decode into a (1 + k)-token chunk. With many decodes in a step the
@@ -28,30 +29,6 @@ MIN_ACCEPTANCE_RATE = 0.2
 RATE_RECOVERY = 0.02
 
 
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's sampling allows verifying drafts. Not yet: logits processors that read the history
-    (penalties, min_tokens, logit_bias, structured output: each draft position would need the history
-    extended by the drafts before it), logprobs (one entry per emitted token from the verified rows), and
-    n > 1 (its samples fork from shared KV)."""
-    return (
-        params.n == 1
-        and params.logprobs is None
-        and params.prompt_logprobs is None
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and not params.logit_bias
-        and (params.min_tokens == 0 or _min_tokens_bans_nothing(params))
-        and params.structured_outputs is None
-    )
-
-
-def _min_tokens_bans_nothing(params: SamplingParams) -> bool:
-    """min_tokens bans EOS unless it is ignored, and the stop ids: with neither, it changes no logit (benchmarks
-    ask for exact lengths this way)."""
-    return params.ignore_eos and not params.stop_token_ids
-
-
 class SpeculationPolicy:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -64,7 +41,7 @@ class SpeculationPolicy:
     def draft(self, request: Request, num_running: int, max_draft: int) -> tuple[int, ...]:
         """The tokens ``request`` (a decode: all but its last token computed) proposes this step, at most
         ``max_draft``; empty when it does not speculate."""
-        if num_running > MAX_RUNNING_TO_SPECULATE or not can_speculate(request.sampling_params):
+        if num_running > MAX_RUNNING_TO_SPECULATE:
             return ()
         k = min(self._num_to_propose(request.request_id), max_draft)
         if k < 1:

@@ -34,7 +34,7 @@ class InputBatch:
     attn: AttentionInputs
     sample_rows: torch.Tensor  # int64 [S + drafts]: the token rows whose hidden states sampling reads
     sample_request_ids: list[str]  # [S]
-    sampling: SamplingBatch  # [S]
+    sampling: SamplingBatch  # [S + drafts]: a row per sample row
     # [S]: a speculating request's drafts (it reads 1 + len(drafts) consecutive sample rows), else ()
     draft_token_ids: list[tuple[int, ...]]
     prompt_logprobs: list[PromptLogprobRows]
@@ -207,7 +207,7 @@ class PersistentBatch:
                                         torch.int64),
             sample_request_ids=[scheduled[i].request_id for i in sampling],
             draft_token_ids=draft_token_ids,
-            sampling=SamplingBatch([self._rows[rows[i]].sampling for i in sampling]),
+            sampling=SamplingBatch.of_requests([self._rows[rows[i]].sampling for i in sampling], draft_token_ids),
             prompt_logprobs=[
                 rows for i, r in enumerate(scheduled) if r.prompt_logprobs
                 if (rows := self._prompt_logprob_rows(r, int(query_start[i]))) is not None

@@ -3,8 +3,6 @@ token ids (and logprobs)."""
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from kvserve.attention.backend import AttentionBackend
@@ -16,7 +14,6 @@ from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
-from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
@@ -108,38 +105,16 @@ class ModelRunner:
             tiers.load(self.kv, plan.loads)
 
     def _sample(self, batch: InputBatch, hidden: torch.Tensor) -> ModelOutput:
+        """The tokens each sampling request appends: one, or a speculating request's accepted drafts + 1."""
         if not batch.sample_request_ids:
             return ModelOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.sample_rows])
-        if any(batch.draft_token_ids):
-            return self._verify(batch, logits)
-        return self._draw(logits, batch.sample_request_ids, batch.sampling)
-
-    def _draw(self, logits: torch.Tensor, request_ids: list[str], sampling: SamplingBatch) -> ModelOutput:
-        """One token per row of ``logits``."""
-        result = self.sampler(logits, sampling)  # the token ids' host copy is the step's one sync
-        sampled = {rid: [token_id] for rid, token_id in zip(request_ids, result.token_ids)}
+        result = self.sampler(logits, batch.sampling)  # the token ids' host copy is the step's one sync
+        request_ids = batch.sample_request_ids
         logprobs = {} if result.logprobs is None else {
-            rid: [entry] for rid, entry in zip(request_ids, result.logprobs) if entry is not None
+            rid: entries for rid, entries in zip(request_ids, result.logprobs) if entries is not None
         }
-        return ModelOutput(sampled, logprobs)
-
-    def _verify(self, batch: InputBatch, logits: torch.Tensor) -> ModelOutput:
-        """A step with speculating rows: plain rows draw their one token as usual (at their last logit row);
-        each speculating row verifies its drafts against its 1 + k logit rows (speculating rows want no
-        logprobs)."""
-        drafts, request_ids, rows = batch.draft_token_ids, batch.sample_request_ids, batch.sampling.rows
-        ends = list(itertools.accumulate(1 + len(draft) for draft in drafts))
-        plain = [i for i, draft in enumerate(drafts) if not draft]
-        output = ModelOutput(sampled_token_ids={})
-        if plain:
-            output = self._draw(logits[[ends[i] - 1 for i in plain]], [request_ids[i] for i in plain],
-                                SamplingBatch([rows[i] for i in plain]))
-        for i, draft in enumerate(drafts):
-            if draft:
-                row_logits = logits[ends[i] - 1 - len(draft) : ends[i]]
-                output.sampled_token_ids[request_ids[i]] = self.sampler.verify(row_logits, rows[i], draft)
-        return output
+        return ModelOutput(dict(zip(request_ids, result.token_ids)), logprobs)
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
         return {

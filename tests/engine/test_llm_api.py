@@ -145,8 +145,7 @@ def test_seeded_samples_of_one_prompt_differ_and_leave_no_sampler_state(llm: LLM
     again = [s.token_ids for s in llm.generate("tell me", params)[0].outputs]
     assert first == again, "a seeded request must repeat itself sample by sample"
     assert len({tuple(t) for t in first}) == 3, "each sample draws from its own generator"
-    sampler = llm.engine.core.runner.sampler
-    assert (sampler.num_states, sampler.num_generators) == (0, 0)
+    assert llm.engine.core.runner.sampler.num_states == 0
 
 
 def test_aborted_requests_leave_no_sampler_state(llm: LLM) -> None:
@@ -154,9 +153,7 @@ def test_aborted_requests_leave_no_sampler_state(llm: LLM) -> None:
     engine.add_request("gone", "a prompt to abort", SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=50))
     for _ in range(3):
         engine.step()
-    assert engine.core.runner.sampler.num_generators > 0
     engine.abort_request(["gone"])
     engine.step()  # the abort reaches the runner with the next step's diff
-    sampler = engine.core.runner.sampler
-    assert (sampler.num_states, sampler.num_generators) == (0, 0)
+    assert engine.core.runner.sampler.num_states == 0
     assert llm.stats()["num_blocks_used"] == 0 or llm.engine.config.cache.enable_prefix_caching

@@ -1,14 +1,16 @@
 """N-gram speculative decoding through the whole engine: greedy output token for token that of plain decoding
-on every family (with drafts both accepted and rejected), seeded sampling reproducible, stops applied inside
-an accepted run, and no block left behind after preemption or an abort."""
+on every family (with drafts both accepted and rejected), and so with logits processors, logprobs, n > 1 and
+structured output; seeded sampling that of plain decoding whatever the batch; stops applied inside an
+accepted run, and no block left behind after preemption or an abort."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.model.checkpoint import ARCHITECTURES
 from tests.conftest import assert_all_blocks_free
+from tests.sample.test_grammar import SCHEMAS
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # prompts that repeat themselves, so that the proposer has matches from the first step on
@@ -62,12 +64,79 @@ def test_greedy_under_preemption_and_chunked_prefill_leaves_no_block(tiny_checkp
     assert_all_blocks_free(llm)
 
 
-def test_seeded_sampling_is_reproducible(tiny_checkpoints) -> None:
-    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=11, max_tokens=30)
-    llm = _spec_llm(tiny_checkpoints["gemma3"])
-    first = _token_ids(llm, params)
-    assert _token_ids(llm, params) == first
-    assert _token_ids(_spec_llm(tiny_checkpoints["gemma3"]), params) == first
+def _plain_llm(path, **options) -> LLM:
+    return LLM(str(path), **{**SMALL, "num_kv_blocks": 64, **options})
+
+
+def test_seeded_sampling_is_that_of_plain_decoding_alone_or_in_a_batch(tiny_checkpoints) -> None:
+    """A seeded request draws the same noise at each output position whether it speculated there or not, and
+    whatever runs beside it."""
+    path = tiny_checkpoints["gemma3"]
+    # cool enough that the tiny model's repeats are drafted and accepted, and rejected too
+    params = SamplingParams(temperature=0.3, top_k=5, top_p=0.9, seed=11, max_tokens=30)
+    want = _token_ids(_plain_llm(path), params)
+    llm = _spec_llm(path)
+    assert _token_ids(llm, params) == want
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    alone = [_token_ids(llm, params, [prompt])[0] for prompt in PROMPTS]
+    assert alone == want
+    neighbours = [SamplingParams(temperature=1.0, max_tokens=n) for n in (5, 20)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in [PROMPTS[0], PROMPTS[1], PROMPTS[1]]],
+                        [params, *neighbours], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == want[0]
+    assert_all_blocks_free(llm)
+
+
+HISTORY_PROCESSORS = {  # each changes gemma3's greedy output on PROMPTS, which still accepts drafts
+    "penalties": dict(repetition_penalty=1.05, presence_penalty=0.1, frequency_penalty=0.02),
+    "min_tokens": dict(min_tokens=25, stop_token_ids=[170, 16]),  # the first outputs of two of the prompts
+    "logit_bias": dict(logit_bias={7: -2.0, 4: 1.5, 1: 3.0}),
+}
+
+
+@pytest.mark.parametrize("processors", HISTORY_PROCESSORS.values(), ids=HISTORY_PROCESSORS.keys())
+def test_greedy_with_logits_processors_is_that_of_plain_decoding(tiny_checkpoints, plain, processors) -> None:
+    """Each draft position is processed with the history plain decoding would have had there."""
+    path = tiny_checkpoints["gemma3"]
+    params = SamplingParams(temperature=0, max_tokens=40, **processors)
+    want = _token_ids(_plain_llm(path), params)
+    assert want != plain["gemma3"]
+    llm = _spec_llm(path)
+    assert _token_ids(llm, params) == want
+    stats = llm.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    assert_all_blocks_free(llm)
+
+
+def _outputs(llm: LLM, params: SamplingParams, prompts: list[list[int]] = PROMPTS) -> list:
+    return [o.outputs for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+def test_logprobs_of_accepted_tokens_are_those_of_plain_decoding(tiny_checkpoints) -> None:
+    path = tiny_checkpoints["qwen3"]
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=3, prompt_logprobs=2)
+    llm = _spec_llm(path)
+    got, want = _outputs(llm, params), _outputs(_plain_llm(path), params)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+    for (g,), (w,) in zip(got, want):
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs) == 30
+        for g_step, w_step in zip(g.logprobs, w.logprobs):
+            assert list(g_step) == list(w_step)  # the chosen token, then the same top 3
+            for token_id, entry in w_step.items():
+                assert g_step[token_id].logprob == pytest.approx(entry.logprob, abs=1e-4)
+                assert g_step[token_id].rank == entry.rank
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3])
+def test_each_of_n_samples_speculates_on_its_own(tiny_checkpoints, temperature) -> None:
+    path = tiny_checkpoints["gemma3"]
+    params = SamplingParams(temperature=temperature, top_k=5, seed=5, n=3, max_tokens=30)
+    llm = _spec_llm(path)
+    got = [s.token_ids for s in _outputs(llm, params, PROMPTS[:1])[0]]
+    want = [s.token_ids for s in _outputs(_plain_llm(path), params, PROMPTS[:1])[0]]
+    assert got == want
+    assert (got[0] != got[1]) == (temperature > 0)  # seeded samples differ; greedy ones are one text
     assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
     assert_all_blocks_free(llm)
 
@@ -110,4 +179,33 @@ def test_an_abort_mid_speculation_leaves_no_block(tiny_checkpoints) -> None:
     engine.abort_request(["r1"])
     while engine.has_unfinished_requests():
         engine.step()
+    assert_all_blocks_free(llm)
+
+
+def _structured(temperature: float = 0.0, max_tokens: int = 60, **constraint) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=3, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**constraint))
+
+
+def test_structured_output_is_that_of_plain_decoding(tiny_checkpoints) -> None:
+    """Each verified position is masked by the matcher walked along the draft tokens before it (and rolled
+    back): greedy and seeded outputs under a JSON schema suite, a regex, a grammar and a finished document
+    kept going by ignore_eos equal plain decoding's, with drafts both accepted and refused."""
+    path = tiny_checkpoints["llama"]
+    grammar = 'root ::= "(" digit ("+" digit)* ")"\ndigit ::= [0-9]'
+    params = [*(_structured(json=schema) for schema in SCHEMAS), _structured(regex=r"(ab ){3,12}[0-9]{3}"),
+              _structured(grammar=grammar, temperature=0.8), _structured(json=SCHEMAS[20], temperature=0.8),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    prompts = [{"prompt_token_ids": PROMPTS[i % 3]} for i in range(len(params))]
+    options = {"dtype": "float32", "num_kv_blocks": 512, "max_num_seqs": 4}  # at most 4 running: all speculate
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    llm = LLM(str(path), speculative_config=NGRAM, **options)
+    assert run(llm) == run(LLM(str(path), **options))
+    stats = llm.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"], stats
+    assert llm.engine.core.runner.sampler.num_states == 0
     assert_all_blocks_free(llm)

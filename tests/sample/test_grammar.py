@@ -225,3 +225,39 @@ def test_ignore_eos_after_a_finished_document_allows_only_stop_tokens(llm: LLM) 
     assert llm.get_tokenizer().decode(text_ids[:first_eos]) in ("yes", "no")
     assert set(text_ids[first_eos:]) == {eos}
     assert llm.engine.core.runner.sampler.num_states == 0
+
+
+def test_a_speculating_request_is_masked_at_each_draft_position_and_its_matcher_rolled_back(llm: LLM) -> None:
+    """Row j's mask is the matcher's after the first j draft tokens; a row past a draft token the grammar
+    refuses is left unmasked (it is never emitted); afterwards the matcher is where it was."""
+    import torch
+    import xgrammar
+
+    from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
+    from kvserve.sample.metadata import SamplingBatch, SamplingRow
+
+    tokenizer = llm.get_tokenizer()
+    compiler = StructuredOutputCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    processor = GrammarProcessor(compiler)
+    params = constrained(regex="[0-9]{2}[a-z]+")
+    one, two, letter = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("1", "2", "a"))
+    base = SamplingRow(params, 0, "r", [5], [one])
+    processor.add("r", base)
+
+    def allowed(rows: list[SamplingRow]) -> torch.Tensor:
+        logits = torch.zeros(len(rows), compiler.vocab_size)
+        processor.prepare(rows)
+        processor.apply(logits, rows)
+        return logits > -torch.inf
+
+    got = allowed(SamplingBatch.of_requests([base], [(two, letter, two)]).rows)
+    reference = xgrammar.GrammarMatcher(compiler.compile(params.structured_outputs))
+    bitmask = xgrammar.allocate_token_bitmask(4, compiler.vocab_size)  # all ones
+    for j, token_id in enumerate([one, two, letter]):  # then "2" after "12a" is refused: row 3 stays all ones
+        assert reference.accept_token(token_id)
+        reference.fill_next_token_bitmask(bitmask, j)
+    bits = torch.arange(compiler.vocab_size)
+    expected = (bitmask[:, bits // 32] >> (bits % 32)) & 1 == 1
+    assert torch.equal(got, expected)
+    assert got[0, two] and not got[0, letter] and got[1, letter] and not got[1, two]  # digits, then letters
+    assert torch.equal(allowed([base]), expected[:1])  # the walk was rolled back

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvserve.sample.logits_processors import LogitsProcessor
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
-from kvserve.sample.sampler import Sampler, first_max, prompt_logprobs
+from kvserve.sample.sampler import Sampler, SamplerOutput, draw_seed, first_max, prompt_logprobs
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -27,6 +27,11 @@ def batch(*rows: SamplingRow) -> SamplingBatch:
     return SamplingBatch(list(rows))
 
 
+def tokens(out: SamplerOutput) -> list[int]:
+    """The one token each request of a batch without drafts appends."""
+    return [token for (token,) in out.token_ids]
+
+
 def random_logits(num_rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
@@ -34,7 +39,7 @@ def random_logits(num_rows: int, seed: int = 0) -> torch.Tensor:
 def test_plain_greedy_is_argmax_and_skips_logprobs():
     logits = random_logits(5)
     out = Sampler()(logits.clone(), batch(*[row(temperature=0.0)] * 5))
-    assert out.token_ids == logits.argmax(-1).tolist()
+    assert tokens(out) == logits.argmax(-1).tolist()
     assert out.logprobs is None
 
 
@@ -43,14 +48,14 @@ def test_greedy_with_penalties_is_argmax_of_the_hand_processed_logits():
     r = row(prompt=[0], outputs=[1], temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
             logit_bias={3: 4.0})
     # bias: [3, 2.9, 1, 3.5, 2]; repetition over {0, 1}: [2, 1.933, 1, 3.5, 2]; frequency on 1: 1.433
-    assert Sampler()(logits, batch(r)).token_ids == [3]
+    assert tokens(Sampler()(logits, batch(r))) == [3]
 
 
 def test_mixed_batch_greedy_rows_stay_exact():
     logits = random_logits(6, seed=1)
     rows = [row(temperature=0.0) if i % 2 == 0 else row(temperature=1.0) for i in range(6)]
     out = Sampler()(logits.clone(), batch(*rows))
-    assert out.token_ids[0::2] == logits.argmax(-1)[0::2].tolist()
+    assert tokens(out)[0::2] == logits.argmax(-1)[0::2].tolist()
 
 
 def test_min_tokens_masks_eos_until_reached():
@@ -59,7 +64,7 @@ def test_min_tokens_masks_eos_until_reached():
     rows = [row(eos={7}, outputs=[1], min_tokens=2, temperature=0.0),
             row(eos={7}, outputs=[1, 2], min_tokens=2, temperature=0.0)]
     out = Sampler()(logits, batch(*rows))
-    assert out.token_ids[0] != 7 and out.token_ids[1] == 7
+    assert out.token_ids[0] != [7] and out.token_ids[1] == [7]
 
 
 @pytest.mark.parametrize("params, allowed", [
@@ -75,7 +80,7 @@ def test_truncation_never_picks_excluded_tokens(params, allowed):
         allowed = _allowed_by_hand(probs, params.get("top_k", 0), params.get("top_p", 1.0), params.get("min_p", 0.0))
     num_draws = 2000
     out = Sampler()(base.repeat(num_draws, 1), batch(*[row(**params)] * num_draws))
-    picked = set(out.token_ids)
+    picked = set(tokens(out))
     assert picked <= allowed
     assert len(picked) == len(allowed)  # every allowed token shows up in 2000 draws
 
@@ -103,7 +108,7 @@ def test_temperature_scales_the_distribution(temperature):
     expected = expected / expected.sum()
     num_draws = 20000
     out = Sampler()(probs.log().repeat(num_draws, 1), batch(*[row(temperature=temperature)] * num_draws))
-    freq = torch.bincount(torch.tensor(out.token_ids), minlength=3) / num_draws
+    freq = torch.bincount(torch.tensor(tokens(out)), minlength=3) / num_draws
     assert torch.allclose(freq, expected, atol=0.015)
 
 
@@ -111,19 +116,19 @@ def test_seeded_row_is_independent_of_its_batch():
     target = random_logits(1, seed=3)
 
     def draws(sampler: Sampler, others: int, position: int, seed_of_batch: int) -> list[int]:
-        tokens = []
+        drawn: list[int] = []
         for step in range(4):
             logits = random_logits(others + 1, seed=seed_of_batch + step)
             logits[position] = target[0]
             rows = [row(key=f"o{i}") for i in range(others + 1)]
-            rows[position] = row(key="seeded", seed=1234)
-            tokens.append(sampler(logits, batch(*rows)).token_ids[position])
-        return tokens
+            rows[position] = row(key="seeded", seed=1234, outputs=drawn)
+            drawn.append(tokens(sampler(logits, batch(*rows)))[position])
+        return drawn
 
     alone = draws(Sampler(), 0, 0, 10)
     assert draws(Sampler(), 5, 3, 20) == alone
     assert draws(Sampler(), 2, 0, 30) == alone
-    assert len(set(alone)) > 1  # the generator advances across steps
+    assert len(set(alone)) > 1  # each output position draws its own noise
 
 
 def test_seeded_samples_of_one_request_differ_but_reproduce():
@@ -132,21 +137,28 @@ def test_seeded_samples_of_one_request_differ_but_reproduce():
     def run() -> list[list[int]]:
         sampler = Sampler()
         rows = [row(key=f"r#{i}", index=i, seed=7) for i in range(4)]
-        return [sampler(logits.clone(), batch(*rows)).token_ids for _ in range(3)]
+        return [tokens(sampler(logits.clone(), batch(*rows))) for _ in range(3)]
 
     first = run()
     assert first == run()
     assert len({tuple(step[i] for step in first) for i in range(4)}) == 4
 
 
-def test_drop_forgets_generators_so_a_new_request_restarts_its_seed():
-    sampler = Sampler()
+def test_a_seeded_draw_depends_only_on_seed_sample_index_and_position():
+    """Whatever the sampler, the key, or the draws before it: a retried or preempted request, or one whose
+    earlier positions were drawn as verified draft rows, draws the same noise at each position."""
     logits = torch.zeros(1, VOCAB)
-    first = [sampler(logits.clone(), batch(row(key="a", seed=5))).token_ids[0] for _ in range(5)]
-    assert sampler.num_generators == 1
-    sampler.drop(frozenset({"a", "unknown"}))
-    assert sampler.num_generators == 0
-    assert [sampler(logits.clone(), batch(row(key="a", seed=5))).token_ids[0] for _ in range(5)] == first
+
+    def at(sampler: Sampler, position: int, key: str = "a", seed: int = 5, index: int = 0) -> int:
+        return tokens(sampler(logits.clone(), batch(row(key=key, index=index, seed=seed, outputs=[0] * position))))[0]
+
+    sampler = Sampler(seed=1)
+    first = [at(sampler, p) for p in range(8)]
+    assert [at(Sampler(seed=2), p, key="b") for p in reversed(range(8))] == first[::-1]
+    assert len(set(first)) > 1
+    assert [at(sampler, p, seed=6) for p in range(8)] != first
+    assert [at(sampler, p, index=1) for p in range(8)] != first
+    assert len({draw_seed(s, i, p) for s in range(4) for i in range(4) for p in range(4)}) == 64
 
 
 def test_unseeded_draws_follow_the_sampler_seed_not_torchs_global_rng():
@@ -155,7 +167,7 @@ def test_unseeded_draws_follow_the_sampler_seed_not_torchs_global_rng():
     def draws(sampler_seed: int, global_seed: int) -> list[list[int]]:
         torch.manual_seed(global_seed)
         sampler = Sampler(sampler_seed)
-        return [sampler(logits.clone(), batch(*[row(key=f"r{i}") for i in range(8)])).token_ids for _ in range(3)]
+        return [tokens(sampler(logits.clone(), batch(*[row(key=f"r{i}") for i in range(8)]))) for _ in range(3)]
 
     assert draws(3, 0) == draws(3, 99)
     assert draws(3, 0) != draws(4, 0)
@@ -200,7 +212,7 @@ class BanAccepted(LogitsProcessor):
 def greedy_step(sampler: Sampler, *keys: str) -> list[int]:
     """One greedy step over uniform logits: each key takes its lowest token not yet banned."""
     rows = [row(key=k, temperature=0.0) for k in keys]
-    return sampler(torch.zeros(len(keys), VOCAB), batch(*rows)).token_ids
+    return tokens(sampler(torch.zeros(len(keys), VOCAB), batch(*rows)))
 
 
 def test_state_is_created_from_the_first_row_and_advanced_by_each_draw():
@@ -241,9 +253,11 @@ def test_forked_seeded_child_draws_from_its_own_sample_index_not_a_copy():
     for _ in range(3):
         sampler(logits.clone(), batch(row(key="p", index=0, seed=7)))
     sampler.fork("p", "p#1")
-    child = [sampler(logits.clone(), batch(row(key="p#1", index=1, seed=7))).token_ids[0] for _ in range(5)]
+    child = [tokens(sampler(logits.clone(), batch(row(key="p#1", index=1, seed=7, outputs=[0] * p))))[0]
+             for p in range(5)]
     fresh = Sampler()
-    assert child == [fresh(logits.clone(), batch(row(key="x", index=1, seed=7))).token_ids[0] for _ in range(5)]
+    assert child == [tokens(fresh(logits.clone(), batch(row(key="x", index=1, seed=7, outputs=[0] * p))))[0]
+                     for p in range(5)]
 
 
 def test_drop_frees_every_piece_of_state():
@@ -254,12 +268,12 @@ def test_drop_frees_every_piece_of_state():
     for _ in range(3):
         sampler(torch.zeros(4, VOCAB), batch(*rows))
     sampler.fork("u", "u#1")
-    assert (sampler.num_states, sampler.num_generators, processor.num_states) == (5, 3, 5)
+    assert (sampler.num_states, processor.num_states) == (5, 5)
     sampler.drop(["r#1", "unknown"])  # an abort of one sample leaves the others alone
-    assert (sampler.num_states, sampler.num_generators, processor.num_states) == (4, 2, 4)
+    assert (sampler.num_states, processor.num_states) == (4, 4)
     assert len(processor.produced["r"]) == 3
     sampler.drop(["r", "r#2", "u", "u#1"])
-    assert (sampler.num_states, sampler.num_generators, processor.num_states) == (0, 0, 0)
+    assert (sampler.num_states, processor.num_states) == (0, 0)
 
 
 def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_k():
@@ -267,8 +281,8 @@ def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_k():
     raw = torch.log_softmax(logits, -1)
     rows = [row(temperature=0.0, logprobs=2, logit_bias={3: 10.0}), row(temperature=0.0)]
     out = Sampler()(logits.clone(), batch(*rows))
-    assert out.token_ids == [3, 2]
-    entry = out.logprobs[0]
+    assert tokens(out) == [3, 2]
+    (entry,) = out.logprobs[0]
     assert entry.token_ids == [3, 1, 2]
     assert entry.ranks == [4, 1, 2]
     assert entry.logprobs == pytest.approx([raw[0, 3].item(), raw[0, 1].item(), raw[0, 2].item()])
@@ -278,10 +292,11 @@ def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_k():
 def test_logprobs_zero_returns_only_the_sampled_token():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     out = Sampler()(logits.clone(), batch(row(temperature=0.0, logprobs=0)))
-    assert out.logprobs[0].token_ids == [1]
-    assert out.logprobs[0].ranks == [1]
+    (entry,) = out.logprobs[0]
+    assert entry.token_ids == [1]
+    assert entry.ranks == [1]
     expected = 3 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
-    assert out.logprobs[0].logprobs[0] == pytest.approx(expected)
+    assert entry.logprobs[0] == pytest.approx(expected)
 
 
 def test_prompt_logprobs():

@@ -3,8 +3,10 @@
 ``FakeRunner`` keeps a fake paged KV cache that stores token ids instead of vectors, and its own copy of each
 request built from the step diffs alone (as the real runner's persistent batch is). Every step it applies the
 diff and the planned block copies, checks that each row's block table holds the request's exact history (what
-attention would read), writes the row's tokens, and samples a deterministic token per (request, output index);
-after the step its copies must equal the scheduler's requests.
+attention would read), writes the row's tokens (draft tokens too), and samples a deterministic token per
+(request, output index), keeping a speculating row's draft tokens up to the first that differs from it (as
+the real sampler's verification does) and dropping the blocks of rejected ones from its table; after the step
+its copies must equal the scheduler's requests.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from typing import Callable
 
 import torch
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.tiers import BlockFormat, TieredStore
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import EngineOutput, ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvserve.sched.scheduler import Scheduler
+from kvserve.spec.policy import SpeculationPolicy
 
 EOS = 2
 FIRST_ORDINARY_TOKEN = 10  # ids below this are reserved for EOS / stop-token tests
@@ -30,6 +33,15 @@ FIRST_ORDINARY_TOKEN = 10  # ids below this are reserved for EOS / stop-token te
 def default_token(request_id: str, output_index: int) -> int:
     """A token that depends only on the sample and its output index, never on batching or preemption."""
     return FIRST_ORDINARY_TOKEN + zlib.crc32(f"{request_id}:{output_index}".encode()) % 1000
+
+
+def looping_token(request_id: str, output_index: int) -> int:
+    """Outputs that loop with a period of 2 to 5 tokens, one in five replaced by another token: drafts from
+    the request's own outputs are often right and sometimes wrong."""
+    if zlib.crc32(f"{request_id}/{output_index}".encode()) % 5 == 0:
+        return default_token(request_id, output_index)
+    key = zlib.crc32(request_id.encode())
+    return FIRST_ORDINARY_TOKEN + key % 500 + output_index % (2 + key % 4)
 
 
 TokenFn = Callable[[str, int], int]
@@ -133,12 +145,14 @@ class FakeRunner:
             assert mirror.block_ids == request.block_ids, request_id
 
     def _check_history_and_write(self, row: ScheduledRequest, mirror: _Mirror) -> None:
-        history = mirror.history
-        assert row.start_pos + row.num_tokens <= len(history), f"{row.request_id}: runs tokens the runner lacks"
-        assert len(mirror.block_ids) * self.block_size >= row.start_pos + row.num_tokens, "block table too short"
+        history = mirror.history + list(row.draft_token_ids)
+        end = row.start_pos + row.num_tokens
+        assert end == len(history) if row.draft_token_ids else end <= len(history), \
+            f"{row.request_id}: runs tokens the runner lacks, or a draft after the wrong token"
+        assert len(mirror.block_ids) * self.block_size >= end, "block table too short"
         for pos in range(row.start_pos):
             assert self._slot(mirror, pos) == history[pos], f"{row.request_id}: stale KV at position {pos}"
-        for pos in range(row.start_pos, row.start_pos + row.num_tokens):
+        for pos in range(row.start_pos, end):
             block, offset = divmod(pos, self.block_size)
             block_id = mirror.block_ids[block]
             if self.ref_count is not None:  # 0 only when a test aborts the request between schedule and execute
@@ -151,13 +165,21 @@ class FakeRunner:
         return self.kv[mirror.block_ids[block]][offset]
 
     def _sample(self, row: ScheduledRequest, mirror: _Mirror, out: ModelOutput) -> None:
-        output_index = row.start_pos + row.num_tokens - len(mirror.prompt_token_ids)
-        token_id = self.token_fn(row.request_id, output_index)
-        mirror.output_token_ids.append(token_id)
-        out.sampled_token_ids[row.request_id] = [token_id]
+        """The request's token at its next output index; for a speculating row, one more for each draft token
+        while they agree, then only the blocks its known tokens need (as the real runner keeps)."""
+        first_index = row.start_pos + row.num_tokens - len(row.draft_token_ids) - len(mirror.prompt_token_ids)
+        token_ids = [self.token_fn(row.request_id, first_index)]
+        for draft_token in row.draft_token_ids:
+            if draft_token != token_ids[-1]:
+                break
+            token_ids.append(self.token_fn(row.request_id, first_index + len(token_ids)))
+        mirror.output_token_ids.extend(token_ids)
+        if row.draft_token_ids:
+            del mirror.block_ids[-(-len(mirror.history) // self.block_size):]
+        out.sampled_token_ids[row.request_id] = token_ids
         if mirror.wants_logprobs:
             index = int(row.request_id.partition(SAMPLE_ID_SEPARATOR)[2] or 0)
-            out.logprobs[row.request_id] = [TokenLogprobs([token_id], [-1.0 - index], [1])]
+            out.logprobs[row.request_id] = [TokenLogprobs([t], [-1.0 - index], [1]) for t in token_ids]
 
 
 def _prompt_logprobs(row: ScheduledRequest, prompt_token_ids: list[int]) -> list[TokenLogprobs]:
@@ -169,12 +191,13 @@ def _prompt_logprobs(row: ScheduledRequest, prompt_token_ids: list[int]) -> list
 def make_scheduler(
     num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32, max_num_seqs: int = 8,
     max_model_len: int = 256, prefix_caching: bool = False, policy: str = "fcfs", lpm_aging_steps: int = 64,
-    tiers: TieredStore | None = None,
+    tiers: TieredStore | None = None, speculative: SpeculativeConfig | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy=policy, lpm_aging_steps=lpm_aging_steps
     )
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching, tiers))
+    speculation = SpeculationPolicy(speculative) if speculative is not None else None
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching, tiers), speculation)
 
 
 def make_request(

@@ -10,15 +10,18 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.config import SpeculativeConfig
 from kvserve.outputs import FinishReason
 from kvserve.request import sample_request_id
 from kvserve.sched.output import EngineOutput
 from kvserve.sched.scheduler import Scheduler
 from tests.sched.sched_fakes import (
     FakeRunner,
+    TokenFn,
     check_step,
     default_token,
     fake_tiers,
+    looping_token,
     make_request,
     make_scheduler,
     shared_prefix,
@@ -46,14 +49,14 @@ class Spec:
 
 
 @st.composite
-def specs(draw: st.DrawFn) -> list[Spec]:
+def specs(draw: st.DrawFn, max_tokens: int = 10) -> list[Spec]:
     num_requests = draw(st.integers(1, 8))
     return [
         Spec(
             request_id=f"r{i}",
             arrival_step=draw(st.integers(0, 12)),
             num_prompt=draw(st.integers(1, 24)),
-            max_tokens=draw(st.integers(1, 10)),
+            max_tokens=draw(st.integers(1, max_tokens)),
             n=draw(st.sampled_from([1, 1, 1, 2, 3])),
             prompt_logprobs=draw(st.booleans()),
             abort_step=draw(st.none() | st.integers(0, 40)),
@@ -91,15 +94,16 @@ def run_workload(scheduler: Scheduler, runner: FakeRunner, workload: list[Spec])
             assert not outputs.get(out.request_id) or not outputs[out.request_id][-1].finished, "output after finish"
             outputs.setdefault(out.request_id, []).append(out)
         scheduler.kv.check_integrity(scheduler.requests.values())
+        runner.check_mirrors(scheduler)
     raise AssertionError(f"workload not done after {MAX_STEPS} steps: deadlock or livelock")
 
 
-def check_results(spec: Spec, outputs: dict[str, list[EngineOutput]]) -> None:
+def check_results(spec: Spec, outputs: dict[str, list[EngineOutput]], token_fn: TokenFn = default_token) -> None:
     aborted = spec.abort_step is not None
     for sample_id in spec.sample_ids:
         sample_outputs = outputs.get(sample_id, [])
         tokens = [t for o in sample_outputs for t in o.new_token_ids]
-        expected = [default_token(sample_id, k) for k in range(spec.max_tokens)]
+        expected = [token_fn(sample_id, k) for k in range(spec.max_tokens)]
         assert tokens == expected[: len(tokens)], sample_id
         if not aborted:
             assert tokens == expected and sample_outputs[-1].finish_reason is FinishReason.LENGTH, sample_id
@@ -179,3 +183,35 @@ def test_random_workloads_over_kv_tiers_finish_cleanly(
     assert scheduler.kv.num_free_blocks() == num_blocks
     assert tiers.counters.blocks_loaded == runner.num_loads
     assert not tiers.host._pins, "a pinned host block outlived its load or write"
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    workload=specs(max_tokens=24),
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(8, 24),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 6),
+    prefix_caching=st.booleans(),
+    num_speculative_tokens=st.integers(1, 5),
+)
+def test_random_workloads_with_speculation_finish_cleanly(
+    workload: list[Spec], block_size: int, num_blocks: int, budget: int, max_num_seqs: int, prefix_caching: bool,
+    num_speculative_tokens: int,
+) -> None:
+    """Speculating decodes among prefills, forks, preemptions and aborts: each sample's tokens are exactly
+    its own (drafts kept only while they agree), the KV a row reads always holds the request's history (never
+    a rejected draft token), tables match on both sides after each rollback, and every block is free at the
+    end."""
+    speculative = SpeculativeConfig("ngram", num_speculative_tokens, 1, 3)
+    scheduler = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len=64,
+                               prefix_caching=prefix_caching, speculative=speculative)
+    accepted = [s for s in workload if s.num_prompt + s.max_tokens <= num_blocks * block_size]
+    if not accepted:
+        return
+    runner = FakeRunner(num_blocks, block_size, looping_token, ref_count=scheduler.kv.pool.ref_count)
+    outputs = run_workload(scheduler, runner, accepted)
+    for spec in accepted:
+        check_results(spec, outputs, looping_token)
+    assert scheduler.kv.num_free_blocks() == num_blocks
+    assert not scheduler.running and not scheduler.waiting

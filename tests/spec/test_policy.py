@@ -7,7 +7,8 @@ import pytest
 from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.spec.policy import MAX_RUNNING_TO_SPECULATE, SpeculationPolicy, can_speculate
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.spec.policy import MAX_RUNNING_TO_SPECULATE, SpeculationPolicy
 
 REPEATING = [1, 2, 3, 4, 5, 6] * 3
 
@@ -33,17 +34,14 @@ def test_no_speculation_in_a_busy_step() -> None:
 @pytest.mark.parametrize(
     "params",
     [{"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"min_tokens": 2},
-     {"logit_bias": {3: 1.0}}, {"logprobs": 1}, {"n": 2},
-     {"min_tokens": 2, "ignore_eos": True, "stop_token_ids": [7]}],
+     {"logit_bias": {3: 1.0}}, {"logprobs": 1}, {"prompt_logprobs": 1}, {"n": 2},
+     {"min_tokens": 2, "ignore_eos": True, "stop_token_ids": [7]},
+     {"structured_outputs": StructuredOutputsParams(regex="[0-9]+")}],
 )
-def test_requests_whose_sampling_reads_the_history_do_not_speculate(params) -> None:
-    assert not can_speculate(request(**params).sampling_params)
-    assert policy().draft(request(**params), num_running=1, max_draft=10) == ()
-
-
-def test_min_tokens_that_bans_nothing_allows_speculation() -> None:
-    """With EOS ignored and no stop ids, the min_tokens ban touches no logit (kvserve bench's exact lengths)."""
-    assert can_speculate(request(min_tokens=8, ignore_eos=True).sampling_params)
+def test_requests_whose_sampling_reads_the_history_speculate(params) -> None:
+    """The sampler verifies each draft position with its own history (``SamplingBatch.of_requests``), and the
+    grammar masks it with its matcher walked along the draft."""
+    assert policy().draft(request(**params), num_running=1, max_draft=10) == (1, 2, 3, 4)
 
 
 def test_a_low_acceptance_rate_lowers_k_then_stops_then_probes_again() -> None:

@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.outputs import FinishReason
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
 from kvserve.config import SpeculativeConfig
 from kvserve.sched.output import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvserve.sched.scheduler import Scheduler
@@ -70,6 +72,11 @@ def verified_tokens(row: ScheduledRequest) -> list[int]:
     return [*draft[:num_accepted], sampled_token(row.request_id, row.start_pos + num_accepted + 1)]
 
 
+def sampling_row(request: Request, drafts: tuple[int, ...]) -> tuple[SamplingParams, list[int]]:
+    """A sampling row's params and history: a speculating request's row j has its first j drafts appended."""
+    return request.sampling_params, [*request.output_token_ids, *drafts]
+
+
 def run_step(scheduler: Scheduler, batch: PersistentBatch) -> SchedulerOutput:
     """One step through the persistent batch, checked against the from-scratch inputs."""
     sched_out = scheduler.schedule()
@@ -77,8 +84,9 @@ def run_step(scheduler: Scheduler, batch: PersistentBatch) -> SchedulerOutput:
     if not sched_out.is_empty:
         inputs = batch.prepare(sched_out)
         assert actual_inputs(inputs) == reference_inputs(scheduler, sched_out)
-        assert [row.params for row in inputs.sampling.rows] == [
-            scheduler.requests[rid].sampling_params for rid in inputs.sample_request_ids
+        assert [(row.params, list(row.output_token_ids)) for row in inputs.sampling.rows] == [
+            sampling_row(scheduler.requests[r.request_id], r.draft_token_ids[:j])
+            for r in sched_out.requests if r.sample for j in range(len(r.draft_token_ids) + 1)
         ]
     sampled = {r.request_id: verified_tokens(r) for r in sched_out.requests if r.sample}
     batch.append_sampled(sampled)
