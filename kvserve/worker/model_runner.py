@@ -3,6 +3,8 @@ token ids (and logprobs)."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvserve.attention.backend import AttentionBackend
