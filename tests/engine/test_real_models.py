@@ -67,14 +67,11 @@ def test_smollm2_on_its_own_q4_1_blocks_matches_transformers() -> None:
         assert max(abs(x - y) for x, y in chosen) < 2e-3
 
 
-def test_smollm2_on_its_own_q4_1_blocks_with_int8_activations_stays_within_its_bound() -> None:
-    """The default form: the file's blocks times activations quantized to int8 in blocks of 32 (llama.cpp's
-    numerics). Teacher-forced on the dequantized fp32 model's 32 greedy tokens per prompt, in chunks of
-    ``max_rows`` tokens so that every step runs the int8 kernel: the chosen tokens' logprobs differ from fp32's
-    by (measured, AVX2) at most 0.29 and on average 0.045; asserted with margin. Run alone, its own greedy tokens
-    equal fp32's over the first 5, 24, 32 and 10 tokens of the four prompts (measured; the first prompt parts at
-    a near tie): asserted, with a token of margin, over the first 4 of every prompt."""
-    name = "smollm2-135m-instruct"
+def _int8_activation_drift(name: str, weights_format: str) -> tuple[list[float], list[int]]:
+    """The file's blocks times int8 activations against the file dequantized to fp32: teacher-forced on fp32's 32
+    greedy tokens per prompt, in chunks of ``QDOT_MAX_ROWS`` tokens so that every step runs the int8 kernel, the
+    |difference| of each chosen token's logprob; and, run alone, how many of its first greedy tokens equal
+    fp32's, per prompt."""
     dense = LLM(name, quantization="none", max_model_len=1024, num_kv_blocks=256)
     tokenizer = dense.get_tokenizer()
     prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
@@ -84,14 +81,33 @@ def test_smollm2_on_its_own_q4_1_blocks_with_int8_activations_stays_within_its_b
     scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     reference = dense.generate(forced, scored)
     int8 = LLM(name, max_model_len=1024, num_kv_blocks=256, max_num_batched_tokens=QDOT_MAX_ROWS)
-    assert int8.stats()["weights_format"] == "gguf Q4_1, Q8_0"
+    assert int8.stats()["weights_format"] == weights_format
     diffs = [abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
              for a, b in zip(reference, int8.generate(forced, scored))
              for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
     alone = [int8.generate([p], SamplingParams(temperature=0, max_tokens=32))[0] for p in prompts]
     agreed = [next((i for i, (a, b) in enumerate(zip(x.outputs[0].token_ids, y.outputs[0].token_ids)) if a != b), 32)
               for x, y in zip(alone, greedy)]
+    return diffs, agreed
+
+
+def test_smollm2_on_its_own_q4_1_blocks_with_int8_activations_stays_within_its_bound() -> None:
+    """The default form: the file's blocks times activations quantized to int8 in blocks of 32 (llama.cpp's
+    numerics). The chosen tokens' logprobs differ from fp32's by (measured, AVX2) at most 0.29 and on average
+    0.045; asserted with margin. Its own greedy tokens equal fp32's over the first 5, 24, 32 and 10 tokens of the
+    four prompts (measured; the first prompt parts at a near tie): asserted, with a token of margin, over the
+    first 4 of every prompt."""
+    diffs, agreed = _int8_activation_drift("smollm2-135m-instruct", "gguf Q4_1, Q8_0")
     assert max(diffs) < 0.6 and sum(diffs) / len(diffs) < 0.09 and min(agreed) >= 4
+
+
+@pytest.mark.slow
+def test_gemma3_on_its_own_k_quant_blocks_with_int8_activations_stays_within_its_bound() -> None:
+    """Gemma 3's Q4_K / Q6_K / Q8_0 blocks times int8 activations: logprobs within (measured, AVX2) 0.16 of fp32's
+    at most and 0.017 on average, asserted with margin; greedy tokens equal fp32's over all 32 of every prompt
+    (measured), asserted over the first 16."""
+    diffs, agreed = _int8_activation_drift("gemma-3-270m", "gguf Q4_K, Q6_K, Q8_0")
+    assert max(diffs) < 0.4 and sum(diffs) / len(diffs) < 0.04 and min(agreed) >= 16
 
 
 @pytest.mark.slow
