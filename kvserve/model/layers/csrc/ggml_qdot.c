@@ -27,9 +27,10 @@
  * Measured (2-core AMD EPYC Zen 2, AVX2, one thread: the other core and a half were busy with other jobs, so only
  * same-run ratios hold), one decode step's GEMMs of SmolLM2-135M (layers Q4_1, head Q8_0; benchmarks/cpu_gemm.py
  * --threads 1): 1 token 32.7 ms against 61.4 ms for the exact kernel and 62.6 ms for the dense fp32 panels; 2
- * tokens 54.5 / 55.1 / 64.7; 3 tokens 61.6 / 76.9 / 64.1; 4 tokens 91.3 / 93.1 / 61.8. A row costs about as much
- * as the first (the integer dot, its conversion and FMA per group and row dominate once the unpacking is shared):
- * from 4 rows up the caller uses the dense layout (QDOT_MAX_ROWS in ggml_qdot.py).
+ * tokens 54.5 / 55.1 / 64.7; 3 tokens 61.6 / 76.9 / 64.1; 4 tokens 91.3 / 93.1 / 61.8; 16 tokens 219.5 / 240.2 /
+ * 153.6. A row costs about as much as the first (the integer dot, its conversion and FMA per group and row
+ * dominate once the unpacking is shared): from 4 rows up the caller uses the dense layout (QDOT_MAX_ROWS in
+ * ggml_qdot.py), which is why the dense copies stay (16 streams would take 1.4x to 1.8x longer on blocks alone).
  *
  * No torch headers: called through ctypes with raw pointers.
  */
