@@ -69,7 +69,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     quantization: str = "auto"
-    quantize_activations: bool = True  # weights kept in blocks multiply int8 activations (llama.cpp's numerics)
+    # weights kept in blocks multiply int8 activations (llama.cpp's numerics): opt-in, since on the default model
+    # they change greedy answers (it no longer answers Paris to the capital of France)
+    quantize_activations: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

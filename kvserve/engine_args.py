@@ -57,9 +57,9 @@ class EngineArgs:
     quantize_activations: bool = _option(ModelConfig.quantize_activations,
                                          "weights kept in blocks (a GGUF's, --quantization int8|int4) multiply "
                                          "activations quantized to int8 in blocks of 32, as llama.cpp does (faster; "
-                                         "each activation moves by at most half its block's step); "
-                                         "--no-quantize-activations keeps them fp32, equal to the dequantized model "
-                                         "up to the order of sums")
+                                         "each activation moves by at most half its block's step; opt-in: on the default "
+                                         "model it changes greedy answers); off, they stay fp32, equal to the "
+                                         "dequantized model up to the order of sums")
     max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)

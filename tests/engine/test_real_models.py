@@ -80,7 +80,8 @@ def _int8_activation_drift(name: str, weights_format: str) -> tuple[list[float],
               for p, o in zip(prompts, greedy)]
     scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     reference = dense.generate(forced, scored)
-    int8 = LLM(name, max_model_len=1024, num_kv_blocks=256, max_num_batched_tokens=QDOT_MAX_ROWS)
+    int8 = LLM(name, max_model_len=1024, num_kv_blocks=256, max_num_batched_tokens=QDOT_MAX_ROWS,
+               quantize_activations=True)
     assert int8.stats()["weights_format"] == weights_format
     diffs = [abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
              for a, b in zip(reference, int8.generate(forced, scored))

@@ -179,7 +179,7 @@ def test_an_engine_keeps_the_blocks_and_agrees_with_the_dequantized_file(quantiz
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     prompts = [{"prompt_token_ids": [5, 9, 30, 31, 40]}, {"prompt_token_ids": [7] * 3}]
     runs = {}
-    for name, options in {"exact": {"quantize_activations": False}, "int8": {}, "none": {"quantization": "none"}}.items():
+    for name, options in {"exact": {}, "int8": {"quantize_activations": True}, "none": {"quantization": "none"}}.items():
         llm = LLM(str(quantized_gguf), num_kv_blocks=64, **options)
         runs[name] = (llm.stats()["weights_format"], llm.generate(prompts, params))
     assert runs["exact"][0] == runs["int8"][0] == "gguf Q4_1" and runs["none"][0] == "float32"
@@ -190,7 +190,7 @@ def test_an_engine_keeps_the_blocks_and_agrees_with_the_dequantized_file(quantiz
         np.testing.assert_allclose(exact_lp, dense_lp, atol=1e-4)
         # teacher-forced on the dense tokens (the int8 path's own greedy tokens may part where logits are close),
         # in chunks of 2 tokens so that every step runs the block kernel
-        forced = LLM(str(quantized_gguf), num_kv_blocks=64, max_num_batched_tokens=2).generate(
+        forced = LLM(str(quantized_gguf), num_kv_blocks=64, max_num_batched_tokens=2, quantize_activations=True).generate(
             [{"prompt_token_ids": dense.prompt_token_ids + list(dense.outputs[0].token_ids)}],
             SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
         int8_lp = [next(iter(step.values())).logprob for step in forced.prompt_logprobs[len(dense.prompt_token_ids):]]
