@@ -8,6 +8,7 @@
 #   (benchmarks/peers/README.md says how to build llama-server and make the F32 GGUF)
 #   SYSTEMS="kvserve-nocache" LOADS="c16 prefix" benchmarks/peers_table.sh   # a subset; kvserve-nocache: the
 #                                                                           # prefix cache off (issue 9)
+#   SYSTEMS="kvserve-q8act llamacpp-q4_1" LOADS=c1 ...   # kvserve-q8act: int8 activations (issue 22)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=smollm2-135m-instruct
@@ -34,6 +35,8 @@ server_command() {
   case "$1" in
     kvserve) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 ;;
     kvserve-nocache) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --no-enable-prefix-caching ;;
+    # issue 22's int8-activation block kernel (opt-in: it moves near-tie greedy choices)
+    kvserve-q8act) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantize-activations ;;
     # the default form keeps the GGUF's Q4_1 / Q8_0 blocks for single-stream steps; fp32 weights throughout:
     kvserve-f32) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantization none ;;
     # its Q4_1 weight repacking segfaults while loading on a Sapphire Rapids Xeon (AMX): repacking off

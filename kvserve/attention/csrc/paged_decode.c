@@ -43,11 +43,23 @@
 
 #define TILE 32
 #define FLOATS_PER_LINE 16
-#define VEC 16 /* floats per vector */
+/* A vec is one register: GCC lowers a wider GNU vector on AVX2 (16 floats in two ymm) badly where a scalar
+ * multiplies it (the broadcast is built on the stack one float at a time, then reloaded: a store-forwarding stall
+ * per weighted value row) and spills its sums; at 8 floats a decode of one sequence ran 4.6x faster on Zen 2. */
+#if defined(__AVX512F__)
+#define VEC 16
+#define NUM_REGISTERS 32
+#else
+#define VEC 8
+#define NUM_REGISTERS 16
+#endif
+/* score blocks (queries across the lanes): lane vectors x keys of sums, plus the query vectors and a broadcast
+ * key element, within the registers */
+#define SCORE_LANES (NUM_REGISTERS == 32 ? 4 : 3)
+#define SCORE_KEYS (NUM_REGISTERS == 32 ? 6 : 3)
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 typedef float half_vec __attribute__((vector_size(VEC / 2 * sizeof(float))));
-typedef float quarter_vec __attribute__((vector_size(VEC / 4 * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
 typedef uint8_t byte_vec __attribute__((vector_size(VEC)));
 typedef int8_t signed_byte_vec __attribute__((vector_size(VEC)));
@@ -81,11 +93,9 @@ static inline float horizontal_sum(vec v) {
     memcpy(&lo, &v, sizeof lo);
     memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
     const half_vec halves = lo + hi;
-    quarter_vec l4, h4;
-    memcpy(&l4, &halves, sizeof l4);
-    memcpy(&h4, (const char *)&halves + sizeof l4, sizeof h4);
-    const quarter_vec quarters = l4 + h4;
-    return (quarters[0] + quarters[2]) + (quarters[1] + quarters[3]);
+    float total = 0.0f;
+    for (int i = 0; i < VEC / 2; i += 2) total += halves[i] + halves[i + 1];
+    return total;
 }
 
 /* Whether every block that keys start .. seq_len - 1 live in is inside the cache (a corrupt table must not
@@ -107,16 +117,38 @@ static inline int next_tile(KeyCursor *c, int block_size, int64_t slot_stride, i
     return num_keys;
 }
 
+/* Four independent sums: one chain of d / VEC dependent FMAs waits on the FMA's latency at every step. */
 static inline __attribute__((always_inline)) float dot(const float *q, const float *k, const int d) {
-    float total = 0.0f;
-    if (d >= VEC) {
-        vec sum = load(q) * load(k);
-        for (int j = VEC; j + VEC <= d; j += VEC) sum += load(q + j) * load(k + j);
-        total = horizontal_sum(sum);
-    }
-    for (int i = d / VEC * VEC; i < d; i++) total += q[i] * k[i];
+    vec sums[4] = {{0}, {0}, {0}, {0}};
+    int j = 0;
+    for (; j + VEC <= d; j += VEC) sums[j / VEC % 4] += load(q + j) * load(k + j);
+    float total = horizontal_sum((sums[0] + sums[1]) + (sums[2] + sums[3]));
+    for (; j < d; j++) total += q[j] * k[j];
     return total;
 }
+
+#if VEC == 8 && defined(__AVX__)
+#include <immintrin.h>
+#define HAVE_DOT8
+/* out[t] = q . k[rows[t]] for 8 keys: eight independent sums (no chain waits on the FMA's latency), folded into
+ * one vector of the 8 dots by a tree of horizontal adds instead of a horizontal sum per key. d a multiple of 8. */
+static inline __attribute__((always_inline)) void dot8(const float *q, const float *k, const int64_t *rows,
+                                                       float *out, const int d) {
+    vec sum[8];
+    for (int t = 0; t < 8; t++) sum[t] = (vec){0};
+    for (int j = 0; j < d; j += VEC) {
+        const vec q_j = load(q + j);
+        for (int t = 0; t < 8; t++) sum[t] += q_j * load(k + rows[t] + j);
+    }
+    __m256 pairs[4], quads[2];
+    for (int i = 0; i < 4; i++) pairs[i] = _mm256_hadd_ps((__m256)sum[2 * i], (__m256)sum[2 * i + 1]);
+    for (int i = 0; i < 2; i++) quads[i] = _mm256_hadd_ps(pairs[2 * i], pairs[2 * i + 1]);
+    /* quads: [dots 0-3 over lanes 0-3 | dots 0-3 over lanes 4-7], then the same for keys 4-7 */
+    const __m256 low = _mm256_permute2f128_ps(quads[0], quads[1], 0x20);
+    const __m256 high = _mm256_permute2f128_ps(quads[0], quads[1], 0x31);
+    store(out, (vec)_mm256_add_ps(low, high));
+}
+#endif
 
 static inline byte_vec load_bytes(const uint8_t *p) {
     byte_vec b;
@@ -239,13 +271,19 @@ static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *
         memcpy(rows, next_rows, sizeof rows);
         num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
         if (enc != F32) dequantize_tile(a->k_cache, a->k_params, rows, num_keys, num_kv, tile, d, enc);
-        for (int t = 0; t < TILE; t++) {
-            if (t < num_next) {
-                prefetch_row(a->k_cache, a->k_params, next_rows[t], num_kv * d, d, enc);
-                prefetch_row(a->v_cache, a->v_params, next_rows[t], num_kv * d, d, enc);
-            }
-            for (int h = 0; h < num_queries; h++)
-                scores[h * TILE + t] = t < num_keys ? dot(q + h * d, keys + read_rows[t] + kv_offset[h], d) : -INFINITY;
+        for (int t = 0; t < num_next; t++) {
+            prefetch_row(a->k_cache, a->k_params, next_rows[t], num_kv * d, d, enc);
+            prefetch_row(a->v_cache, a->v_params, next_rows[t], num_kv * d, d, enc);
+        }
+        for (int h = 0; h < num_queries; h++) {
+            float *s = scores + h * TILE;
+            int t = 0;
+#ifdef HAVE_DOT8
+            if (d % VEC == 0)
+                for (; t + 8 <= num_keys; t += 8) dot8(q + h * d, keys + kv_offset[h], read_rows + t, s + t, d);
+#endif
+            for (; t < num_keys; t++) s[t] = dot(q + h * d, keys + read_rows[t] + kv_offset[h], d);
+            for (; t < TILE; t++) s[t] = -INFINITY;
         }
         softmax_tile(scores, num_queries, d, acc, row_max, row_sum);
         if (enc != F32) dequantize_tile(a->v_cache, a->v_params, rows, num_keys, num_kv, tile, d, enc);
@@ -282,11 +320,11 @@ static inline __attribute__((always_inline)) void softmax_down_lanes(float *scor
 static inline __attribute__((always_inline)) void score_block(const int lane_vecs, const int num_keys,
                                                               const float *q_t, int width, const float *k_cache,
                                                               const int64_t *rows, float *scores, const int d) {
-    vec s[8][4];
+    vec s[8][SCORE_LANES];
     for (int j = 0; j < num_keys; j++)
         for (int l = 0; l < lane_vecs; l++) s[j][l] = (vec){0};
     for (int i = 0; i < d; i++) {
-        vec q_i[4];
+        vec q_i[SCORE_LANES];
         for (int l = 0; l < lane_vecs; l++) q_i[l] = load(q_t + i * width + l * VEC);
         for (int j = 0; j < num_keys; j++) {
             const float k_ji = k_cache[rows[j] + i];
@@ -297,8 +335,8 @@ static inline __attribute__((always_inline)) void score_block(const int lane_vec
         for (int l = 0; l < lane_vecs; l++) store(scores + j * width + l * VEC, s[j][l]);
 }
 
-/* A tile's scores, [key][query lane], for width / VEC lane vectors, up to 4 at a time: blocks of keys sized so
- * that the sums fill at most 24 of the 32 registers. */
+/* A tile's scores, [key][query lane], for width / VEC lane vectors, up to SCORE_LANES at a time: blocks of keys
+ * sized so that the sums, the query vectors and a key element fit the registers. */
 static inline __attribute__((always_inline)) void scores_down_lanes(const float *q_t, int width,
                                                                     const float *k_cache, const int64_t *rows,
                                                                     int num_keys, float *scores, const int d) {
@@ -309,14 +347,14 @@ static inline __attribute__((always_inline)) void scores_down_lanes(const float 
         for (; t < num_keys; t++) score_block(L, 1, q, width, k_cache, rows + t, out + t * width, d);             \
         break;                                                                                                    \
     }
-    for (int lane = 0; lane < width; lane += 4 * VEC) {
+    for (int lane = 0; lane < width; lane += SCORE_LANES * VEC) {
         const float *q = q_t + lane;
         float *out = scores + lane;
         switch ((width - lane) / VEC) {
-        case 1: SCORE_BLOCKS(1, 8)
-        case 2: SCORE_BLOCKS(2, 8)
-        case 3: SCORE_BLOCKS(3, 8)
-        default: SCORE_BLOCKS(4, 6)
+        case 1: SCORE_BLOCKS(1, NUM_REGISTERS == 32 ? 8 : 7)
+        case 2: SCORE_BLOCKS(2, NUM_REGISTERS == 32 ? 8 : 4)
+        case 3: SCORE_BLOCKS(3, NUM_REGISTERS == 32 ? 8 : SCORE_KEYS)
+        default: SCORE_BLOCKS(SCORE_LANES, SCORE_KEYS)
         }
     }
 #undef SCORE_BLOCKS
@@ -334,7 +372,8 @@ static inline __attribute__((always_inline)) void attend_keys_across_lanes(const
                                                                            float *row_max, float *row_sum,
                                                                            const int d, const int enc) {
     const int width = (num_queries + VEC - 1) / VEC * VEC, num_vecs = d / VEC;
-    const int queries_per_pass = num_vecs <= 4 ? 4 : num_vecs <= 8 ? 2 : 1; /* accumulators fit the registers */
+    /* the accumulators (queries_per_pass x num_vecs) fit half the registers */
+    const int queries_per_pass = num_vecs <= NUM_REGISTERS / 8 ? 4 : num_vecs <= NUM_REGISTERS / 4 ? 2 : 1;
     const int64_t slot_stride = (int64_t)a->num_kv_heads * d;
     float q_t[d * width], scores[TILE * width], max_w[width], sum_w[width], correction[width];
     for (int i = 0; i < d; i++)
