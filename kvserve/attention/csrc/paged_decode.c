@@ -30,9 +30,10 @@
  * each row once per query head: against fp32 in the same run, 1.9x (int8) and 4.3x (fp8) the time where the
  * tile takes 1.6x and 2.3x; only int4 did better in registers (1.4x against 1.8x), not worth a second path.
  * Measured on AMD EPYC Zen 2, AVX2, 2 cores shared with other work (benchmarks/kv_quant.py, 32 decodes x 1,000
- * tokens, one layer): fp32 56 ms, int8 88, fp8 132, int4 99: on two busy cores the kernel is bound by
- * instructions, not bytes, and the conversions cost more than the bytes they save; where decodes are bound by
- * memory bandwidth (many cores per memory channel) the 3.8x / 7.1x fewer bytes are what counts.
+ * tokens, one layer, median of 5): fp32 5.1 ms, int8 7.0, fp8 9.9, int4 6.1 (before the AVX2 changes below:
+ * 9.8, 14.4, 33.7, 15.5): on two cores the kernel is bound by instructions, not bytes, and the conversions
+ * cost more than the bytes they save; where decodes are bound by memory bandwidth (many cores per memory
+ * channel) the 3.8x / 7.1x fewer bytes are what counts.
  *
  * No torch headers: the module is called through ctypes with raw pointers, so it builds in seconds.
  */
@@ -45,7 +46,8 @@
 #define FLOATS_PER_LINE 16
 /* A vec is one register: GCC lowers a wider GNU vector on AVX2 (16 floats in two ymm) badly where a scalar
  * multiplies it (the broadcast is built on the stack one float at a time, then reloaded: a store-forwarding stall
- * per weighted value row) and spills its sums; at 8 floats a decode of one sequence ran 4.6x faster on Zen 2. */
+ * per weighted value row) and spills its sums. With 8 floats, dot8 and four sums per dot: one decode over 300-1,000 keys 2.9x faster on
+ * Zen 2 (one thread), 32 decodes over 1,000 keys 1.9x (fp32) to 3.4x (fp8). */
 #if defined(__AVX512F__)
 #define VEC 16
 #define NUM_REGISTERS 32
