@@ -72,6 +72,8 @@ class ModelConfig:
     # weights kept in blocks multiply int8 activations (llama.cpp's numerics): opt-in, since on the default model
     # they change greedy answers (it no longer answers Paris to the capital of France)
     quantize_activations: bool = False
+    # every step op by op from Python: no CPU step graphs (kvserve/worker/cpu_graph.py)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":

@@ -60,6 +60,9 @@ class EngineArgs:
                                          "each activation moves by at most half its block's step; opt-in: on the default "
                                          "model it changes greedy answers); off, they stay fp32, equal to the "
                                          "dequantized model up to the order of sums")
+    enforce_eager: bool = _option(ModelConfig.enforce_eager,
+                                  "run every step op by op; by default a CPU decode step of up to 8 tokens is "
+                                  "recorded once per size and replayed without its Python (a step graph)")
     max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)
@@ -115,7 +118,8 @@ class EngineArgs:
         """The frozen configuration; raises ValueError naming the first bad option."""
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
-                              quantization=self.quantization, quantize_activations=self.quantize_activations),
+                              quantization=self.quantization, quantize_activations=self.quantize_activations,
+                              enforce_eager=self.enforce_eager),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,

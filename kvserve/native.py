@@ -18,7 +18,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import platformdirs
 import torch
@@ -41,6 +43,41 @@ def kernel_range(name: str) -> contextlib.AbstractContextManager:
     if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):
         return torch.profiler.record_function(name)
     return contextlib.nullcontext()
+
+
+class KernelFunction:
+    """A C function of a kernel library, called with raw pointers and numbers. While a ``recording`` is open on
+    the calling thread, each call is also handed to it: a CPU step graph (``kvserve/worker/cpu_graph.py``)
+    replays the step's calls later without the Python that made them."""
+
+    def __init__(self, function: ctypes._CFuncPtr, arg_types: list, result_type: Any = None) -> None:
+        function.argtypes = arg_types
+        function.restype = result_type
+        self.function = function
+        self.name = function.__name__
+
+    def __call__(self, *args: Any) -> Any:
+        result = self.function(*args)
+        if _recorder is not None and _recorder[0] == threading.get_ident():
+            _recorder[1](self, args)
+        return result
+
+
+_recorder: tuple[int, Callable[[KernelFunction, tuple], None]] | None = None
+
+
+@contextlib.contextmanager
+def recording(record: Callable[[KernelFunction, tuple], None]):
+    """Hand every ``KernelFunction`` call this thread makes to ``record`` (the function and its arguments),
+    after the call has run. One recording at a time."""
+    global _recorder
+    if _recorder is not None:
+        raise RuntimeError("a kernel recording is already open")
+    _recorder = (threading.get_ident(), record)
+    try:
+        yield
+    finally:
+        _recorder = None
 
 
 class KernelBuildError(RuntimeError):

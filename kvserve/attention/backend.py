@@ -53,6 +53,11 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     """Paged attention over a step's mixed batch of decodes and prefill chunks."""
 
+    # True where the metadata of a decode-only step reads nothing but the input tensors (no host lists), so
+    # that metadata built once over static tensors serves every later step of that size once they are refilled
+    # (kvserve/worker/cpu_graph.py); the kernels must then read every per-step value from those tensors.
+    static_metadata: bool = False
+
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> AttentionMetadata:
         """Precompute what every layer of this step reuses; ``sliding_windows`` lists the distinct windows

@@ -36,7 +36,7 @@ import torch
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, check_sliding_window
 from kvserve.attention.torch_ref import _validate
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
-from kvserve.native import kernel_range, load_library
+from kvserve.native import KernelFunction, kernel_range, load_library
 
 DECODE_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 PREFILL_SOURCE = Path(__file__).parent / "csrc" / "paged_prefill.c"
@@ -80,6 +80,8 @@ class CpuPagedBackend(AttentionBackend):
 
     Construction builds (or loads the cached) kernels and raises ``KernelBuildError`` when it cannot.
     """
+
+    static_metadata = True  # decodes' tables and lengths are read from the input tensors by the kernel
 
     def __init__(self) -> None:
         self._decode = decode_kernel()
@@ -217,21 +219,17 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: i
 # --- the kernel ---------------------------------------------------------------------------------------------------
 
 
-def decode_kernel() -> Callable[..., int]:
+def decode_kernel() -> KernelFunction:
     """The compiled ``kvserve_paged_decode_f32``; raises ``KernelBuildError`` (every time) if it cannot be had."""
-    function = load_library(DECODE_SOURCE).kvserve_paged_decode_f32
-    function.argtypes = _DECODE_ARG_TYPES
-    function.restype = ctypes.c_int
-    return function
+    return KernelFunction(load_library(DECODE_SOURCE).kvserve_paged_decode_f32, _DECODE_ARG_TYPES, ctypes.c_int)
 
 
-def prefill_kernel() -> tuple[Callable[..., int], Callable[[int, int], int]]:
+def prefill_kernel() -> tuple[KernelFunction, Callable[[int, int], int]]:
     """The compiled ``kvserve_paged_prefill_f32`` and its ``queries_per_tile(group, target_lanes)``; raises
     ``KernelBuildError`` (every time) if they cannot be had."""
     library = load_library(PREFILL_SOURCE)
-    function, queries_per_tile = library.kvserve_paged_prefill_f32, library.kvserve_paged_prefill_queries_per_tile
-    function.argtypes = _PREFILL_ARG_TYPES
-    function.restype = ctypes.c_int
+    function = KernelFunction(library.kvserve_paged_prefill_f32, _PREFILL_ARG_TYPES, ctypes.c_int)
+    queries_per_tile = library.kvserve_paged_prefill_queries_per_tile
     queries_per_tile.argtypes = [ctypes.c_int, ctypes.c_int]
     queries_per_tile.restype = ctypes.c_int
     return function, queries_per_tile

@@ -48,7 +48,7 @@ class LLMEngine:
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
         runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
                              self.weight_format, structured, config.cache.kv_cache_dtype,
-                             config.model.quantize_activations)
+                             config.model.quantize_activations, config.model.enforce_eager)
         self.core = self._build_core(runner)
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -8,7 +8,7 @@ rounded to the embedding dtype; a gelu-tanh MLP; optional final logit soft-cappi
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 from typing import Callable
 
 import torch
@@ -84,9 +84,7 @@ class Gemma3ForCausalLM(DecoderLM):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embeds = self.embed_tokens(input_ids)
-        # HF multiplies by the scale cast to the embedding dtype (bf16 rounds sqrt(hidden_size)); a host
-        # tensor, so no device sync
-        return embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype).item()
+        return embeds * _scale_in(self.embed_scale, embeds.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
@@ -99,3 +97,10 @@ def _check_supported(config: PretrainedConfig) -> None:
         raise ValueError("Gemma 3 with attn_logit_softcapping is not supported: the attention backends do not soft-cap")
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("Gemma 3 with use_bidirectional_attention (an encoder) is not a causal LM")
+
+
+@cache
+def _scale_in(scale: float, dtype: torch.dtype) -> float:
+    """HF multiplies the embeddings by their scale cast to the embedding dtype (bf16 rounds sqrt(hidden_size)):
+    that value, worked out once on the host (a value read in the forward would keep it from a CPU step graph)."""
+    return torch.tensor(scale, dtype=dtype).item()

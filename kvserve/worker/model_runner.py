@@ -18,6 +18,7 @@ from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
+from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
 
 
@@ -28,7 +29,7 @@ class ModelRunner:
     def __init__(
         self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
         weights: str = "dense", structured: StructuredOutputCompiler | None = None,
-        kv_cache_dtype_name: str = "auto", quantize_activations: bool = True,
+        kv_cache_dtype_name: str = "auto", quantize_activations: bool = True, enforce_eager: bool = False,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -43,6 +44,8 @@ class ModelRunner:
         self.kv_tiers: TieredStore | None = None
         self.batch: PersistentBatch | None = None
         self._sliding_windows = self.model.sliding_windows()
+        self.enforce_eager = enforce_eager
+        self.graphs: CpuStepGraphs | None = None
 
     def weights_format(self) -> str:
         """How the linear layers hold their weights: the dtype, the GGUF block types kept (e.g. "gguf Q4_1,
@@ -68,8 +71,13 @@ class ModelRunner:
         """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``);
         ``tiers`` holds blocks offloaded from them."""
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device)
-        self.batch = PersistentBatch(-(-max_model_len // self.block_size), self.block_size, self.device)
+        max_blocks = -(-max_model_len // self.block_size)
+        self.batch = PersistentBatch(max_blocks, self.block_size, self.device)
         self.kv_tiers = tiers
+        self.graphs = None
+        if self.device.type == "cpu" and self.backend.static_metadata and not self.enforce_eager:
+            self.graphs = CpuStepGraphs(self.model, self.backend, self.kv, self._sliding_windows, max_blocks,
+                                        self.model.config.max_position_embeddings)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
@@ -85,8 +93,7 @@ class ModelRunner:
             return ModelOutput(sampled_token_ids={})
         batch = self.batch.prepare(sched_out)
         self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
-        meta = self.backend.build_metadata(batch.attn, self._sliding_windows)
-        hidden = self.model(batch.input_ids, batch.positions, meta, self.kv)
+        hidden = self._forward(batch)
         output = self._sample(batch, hidden)
         self.batch.append_sampled(output.sampled_token_ids)
         for request_id, draft in zip(batch.sample_request_ids, batch.draft_token_ids):
@@ -94,6 +101,13 @@ class ModelRunner:
                 self.batch.drop_rejected_blocks(request_id)
         output.prompt_logprobs.update(self._prompt_logprobs(batch, hidden))
         return output
+
+    def _forward(self, batch: InputBatch) -> torch.Tensor:
+        """The model's hidden states for the step: replayed from a CPU step graph where one serves it."""
+        if self.graphs is not None and (hidden := self.graphs.forward(batch)) is not None:
+            return hidden
+        meta = self.backend.build_metadata(batch.attn, self._sliding_windows)
+        return self.model(batch.input_ids, batch.positions, meta, self.kv)
 
     def apply_kv_transfers(self, plan: KVTransferPlan) -> None:
         """Apply a step's block moves. Offloads first (they save blocks this step may overwrite), then fork copies, then tier loads."""

@@ -35,7 +35,7 @@ import torch
 from kvserve.model.layers.activation import GatedMLP
 from kvserve.model.layers.fused_ops import TorchFusedOps
 from kvserve.model.layers.norm import RMSNorm
-from kvserve.native import KernelBuildError, kernel_range, load_library
+from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,9 @@ class CpuFusedOps(TorchFusedOps):
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``FUSED_OPS_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(FUSED_OPS_SOURCE)
-        self._norm = _function(library.kvserve_add_rms_norm_f32, _NORM_ARG_TYPES)
-        self._rotary = _function(library.kvserve_rotary_f32, _ROTARY_ARG_TYPES)
-        self._act_and_mul = _function(library.kvserve_act_and_mul_f32, _ACT_ARG_TYPES)
+        self._norm = KernelFunction(library.kvserve_add_rms_norm_f32, _NORM_ARG_TYPES)
+        self._rotary = KernelFunction(library.kvserve_rotary_f32, _ROTARY_ARG_TYPES)
+        self._act_and_mul = KernelFunction(library.kvserve_act_and_mul_f32, _ACT_ARG_TYPES)
 
     def rms_norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None, x_norm: RMSNorm | None = None
@@ -104,12 +104,6 @@ class CpuFusedOps(TorchFusedOps):
                 self._act_and_mul(out.data_ptr(), n, gate_up.data_ptr(), strides[0], rows, n, activation,
                                   torch.get_num_threads())
         return out
-
-
-def _function(function: ctypes._CFuncPtr, arg_types: list) -> ctypes._CFuncPtr:
-    function.argtypes = arg_types
-    function.restype = None
-    return function
 
 
 @functools.cache

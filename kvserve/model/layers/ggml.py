@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvserve.model.layers.linear import Linear, LinearMethod, WeightShapeError
-from kvserve.native import KernelBuildError, kernel_range, load_library
+from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +84,10 @@ class GGMLGemm:
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``GGML_GEMM_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(GGML_GEMM_SOURCE)
-        self._gemm = library.kvserve_ggml_gemm_f32
-        self._gemm.argtypes = BLOCK_GEMM_ARG_TYPES
-        self._gemm.restype = ctypes.c_int
-        self._dequantize = library.kvserve_ggml_dequantize
-        self._dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4
-        self._dequantize.restype = ctypes.c_int
+        self._gemm = KernelFunction(library.kvserve_ggml_gemm_f32, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
+        self._dequantize = KernelFunction(library.kvserve_ggml_dequantize,
+                                          [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4,
+                                          ctypes.c_int)
 
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
         return call_block_kernel(self._gemm, "ggml GEMM", GGML_GEMM_RANGE, x, weight, bias)
@@ -110,7 +108,7 @@ class GGMLGemm:
 
 
 def call_block_kernel(
-    gemm: ctypes._CFuncPtr, name: str, range_name: str, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None
+    gemm: KernelFunction, name: str, range_name: str, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` by a block kernel's C function of ``BLOCK_GEMM_ARG_TYPES`` (``name`` in errors,
     ``range_name`` in profiles)."""

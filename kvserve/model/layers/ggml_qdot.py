@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers.ggml import BLOCK_GEMM_ARG_TYPES, GGMLTensor, call_block_kernel
-from kvserve.native import KernelBuildError, load_library
+from kvserve.native import KernelBuildError, KernelFunction, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -79,12 +79,9 @@ class QDotGemm:
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``GGML_QDOT_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(GGML_QDOT_SOURCE)
-        self._gemm = library.kvserve_ggml_qdot_gemm
-        self._gemm.argtypes = BLOCK_GEMM_ARG_TYPES
-        self._gemm.restype = ctypes.c_int
-        self._quantize = library.kvserve_ggml_quantize_rows
-        self._quantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_int] * 2
-        self._quantize.restype = None
+        self._gemm = KernelFunction(library.kvserve_ggml_qdot_gemm, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
+        self._quantize = KernelFunction(library.kvserve_ggml_quantize_rows,
+                                        [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_int] * 2)
 
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
         return call_block_kernel(self._gemm, "ggml int8 GEMM", GGML_QDOT_RANGE, x, weight, bias)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
-from kvserve.native import KernelBuildError, kernel_range, load_library
+from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,7 @@ class SmallGemm:
         library = library or load_library(SMALL_GEMM_SOURCE)
         self.panel_width: int = library.kvserve_small_gemm_panel()
         self.tuned = bool(library.kvserve_small_gemm_tuned())  # built for AVX-512 or AVX2 + FMA, measured to win
-        self._gemm = library.kvserve_small_gemm_f32
-        self._gemm.argtypes = _C_ARG_TYPES
-        self._gemm.restype = None
+        self._gemm = KernelFunction(library.kvserve_small_gemm_f32, _C_ARG_TYPES)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] fp32 -> [ceil(N / panel), K, panel]: each panel's columns side by side, k after k."""

@@ -1,0 +1,190 @@
+"""CPU step graphs: a decode step's forward recorded once per batch size, then replayed without the Python that
+made it, as a CUDA graph replays a step's kernels on a GPU.
+
+Why: at one stream a SmolLM2 decode step on two Zen 2 cores spent ~10 ms of its ~24 ms forward in Python between
+the kernels (module calls, argument checks, views, ctypes conversions: ~300 us a layer), where the kernels
+themselves take ~14 ms. Replayed, a step is the kernels and a few microseconds of Python per call.
+
+Recording runs the step eagerly (its output is that step's output) with two observers:
+
+- ``kvserve.native.recording``: every C kernel call (``KernelFunction``), replayed with the same arguments, raw
+  pointers into tensors that the graph keeps alive;
+- a ``TorchDispatchMode``: every aten op. ``empty`` and ops that returned a view of an input need no replay (the
+  graph keeps their tensors, so no pointer is ever handed to anything else); an op that computes (the embedding lookup, the rope gather, the
+  KV write, a twin's elementwise ops) is replayed on the same tensors and its result copied into the tensor it
+  returned at recording (an in-place op's result is its input: nothing to copy). An op that hands a value to
+  Python (``.item()``, ``.tolist()``) makes the step unreplayable: that batch size stays eager.
+
+The step's inputs live in static tensors (token ids, positions, slots, sequence lengths, block tables as wide as
+the longest context), filled from each step's batch before a replay; the attention metadata is built once from
+them, so only a backend whose metadata reads nothing but those tensors (``AttentionBackend.static_metadata``)
+can be replayed. Steps of up to ``MAX_GRAPH_TOKENS`` decodes are recorded, each size at its first occurrence:
+at more tokens the kernels' time dwarfs the Python's. ``--enforce-eager`` turns graphs off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from kvserve.attention.backend import AttentionBackend, AttentionInputs
+from kvserve.kv.storage import KVCacheStorage
+from kvserve.native import KernelFunction, recording
+from kvserve.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_TOKENS = 8
+_NOT_REPLAYED = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+
+
+class UnreplayableStep(RuntimeError):
+    """The recorded step did something a replay cannot repeat (handed a tensor's value to Python)."""
+
+
+@dataclass(frozen=True)
+class _KernelCall:
+    function: KernelFunction
+    args: tuple
+
+    def __call__(self) -> None:
+        status = self.function.function(*self.args)
+        if status:  # the kernels return 0 or None when all is well
+            raise RuntimeError(f"{self.function.name} returned {status} in a replayed step")
+
+
+@dataclass(frozen=True)
+class _TorchOp:
+    op: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    copy_into: tuple[tuple[int, torch.Tensor], ...]  # (index among the flat outputs, the recorded output)
+
+    def __call__(self) -> None:
+        outputs, _ = tree_flatten(self.op(*self.args, **self.kwargs))
+        for index, recorded in self.copy_into:
+            recorded.copy_(outputs[index])
+
+
+class _StepRecorder(TorchDispatchMode):
+    """Collects a step's replayable calls, in order, and keeps every tensor the step made alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Callable[[], None]] = []
+        self.tensors: list[Any] = []
+
+    def record_kernel(self, function: KernelFunction, args: tuple) -> None:
+        self.calls.append(_KernelCall(function, args))
+
+    def __torch_dispatch__(self, op, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = op(*args, **kwargs)
+        self.tensors.append(result)
+        if op in _NOT_REPLAYED:
+            return result
+        outputs, _ = tree_flatten(result)
+        if not all(isinstance(out, torch.Tensor) for out in outputs):
+            raise UnreplayableStep(f"{op} hands a value to Python")
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        copy_into = tuple((i, out) for i, out in enumerate(outputs) if out.untyped_storage().data_ptr() not in inputs)
+        # an op that may alias (a view, and under inference mode ``to`` and ``reshape``) needs no replay where it
+        # did alias; where it copied, it is replayed like any other
+        if not (op.is_view and not copy_into):
+            self.calls.append(_TorchOp(op, args, kwargs, copy_into))
+        return result
+
+
+class _StaticInputs:
+    """A decode step's inputs for ``num_tokens`` sequences, in tensors whose memory never moves."""
+
+    def __init__(self, num_tokens: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.input_ids = zeros(num_tokens, dtype=torch.int64)
+        self.positions = zeros(num_tokens, dtype=torch.int64)
+        self.slot_mapping = zeros(num_tokens, dtype=torch.int64)
+        self.seq_lens = zeros(num_tokens, dtype=torch.int32)
+        self.block_tables = zeros(num_tokens, max_blocks, dtype=torch.int32)
+        self.query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
+        self.block_size = block_size
+
+    def load(self, batch: InputBatch) -> None:
+        attn = batch.attn
+        self.input_ids.copy_(batch.input_ids)
+        self.positions.copy_(batch.positions)
+        self.slot_mapping.copy_(attn.slot_mapping)
+        self.seq_lens.copy_(attn.seq_lens)
+        self.block_tables[:, : attn.block_tables.shape[1]].copy_(attn.block_tables)
+
+    def attention_inputs(self, seq_lens_list: list[int]) -> AttentionInputs:
+        num_tokens = len(self.input_ids)
+        return AttentionInputs(
+            num_decodes=num_tokens, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+            block_tables=self.block_tables, slot_mapping=self.slot_mapping, query_lens_list=[1] * num_tokens,
+            seq_lens_list=seq_lens_list, block_size=self.block_size,
+        )
+
+
+class _StepGraph:
+    """One batch size's recorded forward: its static inputs, its calls and its output tensor."""
+
+    def __init__(self, inputs: _StaticInputs, calls: list[Callable[[], None]], tensors: list[Any],
+                 keep: tuple, output: torch.Tensor) -> None:
+        self.inputs, self.calls, self.output = inputs, calls, output
+        self._alive = (tensors, keep)  # every tensor a recorded pointer may point into
+
+    def replay(self, batch: InputBatch) -> torch.Tensor:
+        self.inputs.load(batch)
+        for call in self.calls:
+            call()
+        return self.output
+
+
+class CpuStepGraphs:
+    """Runs decode steps of up to ``MAX_GRAPH_TOKENS`` tokens through step graphs, recording each batch size at
+    its first step; ``forward`` returns None for a step that must run eagerly."""
+
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv: KVCacheStorage,
+                 sliding_windows: set[int | None], max_blocks: int, max_positions: int) -> None:
+        self.model, self.backend, self.kv = model, backend, kv
+        self.sliding_windows = sliding_windows
+        self.max_blocks = max_blocks
+        self.max_positions = max_positions  # rope tables cover these positions; a step past them runs eagerly
+        self.graphs: dict[int, _StepGraph] = {}
+        self.eager_sizes: set[int] = set()
+        self.num_replays = 0
+
+    def forward(self, batch: InputBatch) -> torch.Tensor | None:
+        attn = batch.attn
+        num_tokens = attn.num_tokens
+        if (num_tokens > MAX_GRAPH_TOKENS or attn.num_decodes != num_tokens or attn.num_seqs != num_tokens
+                or num_tokens in self.eager_sizes or max(attn.seq_lens_list) > self.max_positions):
+            return None
+        graph = self.graphs.get(num_tokens)
+        if graph is None:
+            return self._record(batch)
+        self.num_replays += 1
+        return graph.replay(batch)
+
+    def _record(self, batch: InputBatch) -> torch.Tensor:
+        num_tokens = batch.attn.num_tokens
+        inputs = _StaticInputs(num_tokens, self.max_blocks, batch.attn.block_size, batch.input_ids.device)
+        inputs.load(batch)
+        meta = self.backend.build_metadata(inputs.attention_inputs(batch.attn.seq_lens_list), self.sliding_windows)
+        recorder = _StepRecorder()
+        try:
+            with recorder, recording(recorder.record_kernel):
+                output = self.model(inputs.input_ids, inputs.positions, meta, self.kv)
+        except UnreplayableStep as error:
+            logger.info("decode steps of %d tokens run eagerly: %s", num_tokens, error)
+            self.eager_sizes.add(num_tokens)
+            return None
+        self.graphs[num_tokens] = _StepGraph(inputs, recorder.calls, recorder.tensors, (meta,), output)
+        return output

@@ -1,0 +1,128 @@
+"""CPU step graphs: replayed decode steps give exactly the eager steps' tokens and hidden states, for every family
+and through chunked prefill, prefix hits, preemption, samples and quantized KV; kernel calls are recorded on the
+recording thread only; a step that reads a value into Python stays eager."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from kvserve import LLM
+from kvserve.model.checkpoint import ARCHITECTURES
+from kvserve.native import recording
+from kvserve.worker.cpu_graph import MAX_GRAPH_TOKENS, UnreplayableStep, _StepRecorder
+from kvserve.model.layers.cpu_fused_ops import cpu_fused_ops
+from kvserve.model.layers.norm import RMSNorm
+from tests.conftest import assert_all_blocks_free, greedy_token_ids
+
+MAX_NEW = 10
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 40, 17, 1, 33, 9)]
+
+
+def graphs_of(llm: LLM):
+    return llm.engine.core.runner.graphs
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_replayed_steps_give_the_eager_tokens_for_every_family(tiny_checkpoints, arch: str) -> None:
+    path = str(tiny_checkpoints[arch])
+    eager = LLM(path, dtype="float32", num_kv_blocks=64, enforce_eager=True)
+    assert graphs_of(eager) is None
+    expected = greedy_token_ids(eager, prompts(), MAX_NEW)
+
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    assert greedy_token_ids(llm, prompts(), MAX_NEW) == expected
+    graphs = graphs_of(llm)
+    assert graphs.num_replays > 0 and set(graphs.graphs) <= set(range(1, MAX_GRAPH_TOKENS + 1))
+    assert_all_blocks_free(llm)
+
+
+def test_chunks_prefix_hits_preemption_samples_and_quantized_kv_replay_exactly(tiny_checkpoints) -> None:
+    path = str(tiny_checkpoints["llama"])
+    for kv_cache_dtype in ("auto", "int8"):
+        options = dict(dtype="float32", kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16)
+        eager = LLM(path, num_kv_blocks=64, enforce_eager=True, **options)
+        expected = greedy_token_ids(eager, prompts(), MAX_NEW, n=2)
+
+        cached = LLM(path, num_kv_blocks=64, **options)
+        assert greedy_token_ids(cached, prompts(), MAX_NEW, n=2) == expected
+        assert greedy_token_ids(cached, prompts(), MAX_NEW, n=2) == expected  # prefix hits now
+        assert cached.stats()["prefix_cache_hits"] > 0 and graphs_of(cached).num_replays > 0
+        assert_all_blocks_free(cached)
+
+        small = LLM(path, num_kv_blocks=14, block_size=4, **options)
+        assert greedy_token_ids(small, prompts(), MAX_NEW, n=2) == expected
+        assert small.stats()["num_preemptions"] > 0 and graphs_of(small).num_replays > 0
+        assert_all_blocks_free(small)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "int4"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_replay_equals_the_eager_forward_bit_for_bit(tiny_checkpoints, arch: str, kv_cache_dtype: str) -> None:
+    llm = LLM(str(tiny_checkpoints[arch]), dtype="float32", num_kv_blocks=64, max_num_seqs=3,
+              kv_cache_dtype=kv_cache_dtype)
+    runner = llm.engine.core.runner
+    hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forward = runner._forward
+
+    def both(batch):
+        replayed = forward(batch).clone()
+        meta = runner.backend.build_metadata(batch.attn, runner._sliding_windows)
+        eager = runner.model(batch.input_ids, batch.positions, meta, runner.kv)  # rewrites the same K/V
+        hidden.append((replayed, eager))
+        return replayed
+
+    runner._forward = both
+    greedy_token_ids(llm, prompts()[:3], MAX_NEW)
+    assert runner.graphs.num_replays > 0
+    for replayed, eager in hidden:
+        assert torch.equal(replayed, eager)
+
+
+def test_kernel_calls_are_recorded_on_the_recording_thread_only() -> None:
+    ops = cpu_fused_ops()
+    norm = RMSNorm(64, 1e-6)
+    x = torch.randn(2, 64)
+    calls: list[str] = []
+    with recording(lambda function, args: calls.append(function.name)):
+        ops.rms_norm(norm, x)
+        other = threading.Thread(target=ops.rms_norm, args=(norm, x))
+        other.start()
+        other.join()
+        with pytest.raises(RuntimeError, match="already open"):
+            with recording(lambda *_: None):
+                pass
+    assert calls == ["kvserve_add_rms_norm_f32"]
+    ops.rms_norm(norm, x)  # closed: nothing more is recorded
+    assert calls == ["kvserve_add_rms_norm_f32"]
+
+
+def test_reading_a_value_into_python_makes_a_step_unreplayable() -> None:
+    x = torch.randn(4)
+    with pytest.raises(UnreplayableStep, match="_local_scalar_dense"):
+        with _StepRecorder():
+            (x * 2).sum().item()
+
+
+def test_a_step_that_reads_a_value_runs_eagerly_with_the_same_tokens(tiny_checkpoints, monkeypatch) -> None:
+    path = str(tiny_checkpoints["llama"])
+    expected = greedy_token_ids(LLM(path, dtype="float32", num_kv_blocks=64, enforce_eager=True), prompts(), MAX_NEW)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    model = llm.engine.core.runner.model
+    forward = type(model).forward
+
+    def reads_a_value(self, input_ids, positions, attn, kv):
+        int(input_ids.sum())  # a host read inside the forward: no graph can replay that
+        return forward(self, input_ids, positions, attn, kv)
+
+    monkeypatch.setattr(type(model), "forward", reads_a_value)
+    assert greedy_token_ids(llm, prompts(), MAX_NEW) == expected
+    graphs = graphs_of(llm)
+    assert graphs.graphs == {} and graphs.eager_sizes and graphs.num_replays == 0
