@@ -80,7 +80,7 @@ class _StepRecorder(TorchDispatchMode):
         self.tensors: list[Any] = []
 
     def record_kernel(self, function: KernelFunction, args: tuple) -> None:
-        self.calls.append(_KernelCall(function, args))
+        self.calls.append(_KernelCall(function, function.converted(args)))
 
     def __torch_dispatch__(self, op, types, args=(), kwargs=None):
         kwargs = kwargs or {}
