@@ -38,6 +38,7 @@ class ModelRunner:
         self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=self.kv_cache_dtype)
         self.weights = weights
         self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations)
+        self._weights_format = self._find_weights_format()
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(seed, default_processors(self.grammar))
         self.kv: KVCacheStorage | None = None
@@ -50,6 +51,10 @@ class ModelRunner:
     def weights_format(self) -> str:
         """How the linear layers hold their weights: the dtype, the GGUF block types kept (e.g. "gguf Q4_1,
         Q8_0", from the layers themselves), or the weight-only scheme they were quantized to at load."""
+        return self._weights_format
+
+    def _find_weights_format(self) -> str:
+        # a walk over every module: done once, as stats() (which reports it) runs at every server step
         kept = sorted({layer.ggml_weight.qtype.name for layer in self.model.modules()
                        if getattr(layer, "ggml_weight", None) is not None})
         if self.weights in ("int8", "int4"):
