@@ -37,6 +37,9 @@ server_command() {
     kvserve-nocache) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --no-enable-prefix-caching ;;
     # issue 22's int8-activation block kernel (opt-in: it moves near-tie greedy choices)
     kvserve-q8act) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantize-activations ;;
+    # every step op by op: no CPU step graphs
+    kvserve-eager) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --enforce-eager ;;
+    kvserve-f32-eager) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantization none --enforce-eager ;;
     # the default form keeps the GGUF's Q4_1 / Q8_0 blocks for single-stream steps; fp32 weights throughout:
     kvserve-f32) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantization none ;;
     # its Q4_1 weight repacking segfaults while loading on a Sapphire Rapids Xeon (AMX): repacking off
