@@ -61,7 +61,7 @@ class EngineArgs:
                                          "model it changes greedy answers); off, they stay fp32, equal to the "
                                          "dequantized model up to the order of sums")
     enforce_eager: bool = _option(ModelConfig.enforce_eager,
-                                  "run every step op by op; by default a CPU decode step of up to 8 tokens is "
+                                  "run every step op by op; by default a CPU decode step of up to 16 tokens is "
                                   "recorded once per size and replayed without its Python (a step graph)")
     max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)

@@ -18,8 +18,10 @@ Recording runs the step eagerly (its output is that step's output) with two obse
 The step's inputs live in static tensors (token ids, positions, slots, sequence lengths, block tables as wide as
 the longest context), filled from each step's batch before a replay; the attention metadata is built once from
 them, so only a backend whose metadata reads nothing but those tensors (``AttentionBackend.static_metadata``)
-can be replayed. Steps of up to ``MAX_GRAPH_TOKENS`` decodes are recorded, each size at its first occurrence:
-at more tokens the kernels' time dwarfs the Python's. ``--enforce-eager`` turns graphs off.
+can be replayed. Steps of up to ``MAX_GRAPH_TOKENS`` decodes are recorded, each size at its first occurrence
+(at more tokens the kernels' time dwarfs the Python's), while the graphs' own tensors (every intermediate result
+of a step, none reused: ~1 MB a token for SmolLM2) stay within ``MAX_GRAPH_BYTES``; a size past it stays eager.
+``--enforce-eager`` turns graphs off.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from kvserve.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
-MAX_GRAPH_TOKENS = 8
+MAX_GRAPH_TOKENS = 16
+MAX_GRAPH_BYTES = 256 << 20
 _NOT_REPLAYED = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
 
 
@@ -78,6 +81,7 @@ class _StepRecorder(TorchDispatchMode):
         super().__init__()
         self.calls: list[Callable[[], None]] = []
         self.tensors: list[Any] = []
+        self.num_bytes = 0  # of the tensors the step allocated (views of weights or KV are not the graph's)
 
     def record_kernel(self, function: KernelFunction, args: tuple) -> None:
         self.calls.append(_KernelCall(function, function.converted(args)))
@@ -87,12 +91,14 @@ class _StepRecorder(TorchDispatchMode):
         result = op(*args, **kwargs)
         self.tensors.append(result)
         if op in _NOT_REPLAYED:
+            self.num_bytes += result.untyped_storage().nbytes()
             return result
         outputs, _ = tree_flatten(result)
         if not all(isinstance(out, torch.Tensor) for out in outputs):
             raise UnreplayableStep(f"{op} hands a value to Python")
         inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         copy_into = tuple((i, out) for i, out in enumerate(outputs) if out.untyped_storage().data_ptr() not in inputs)
+        self.num_bytes += sum(out.untyped_storage().nbytes() for _, out in copy_into)
         # an op that may alias (a view, and under inference mode ``to`` and ``reshape``) needs no replay where it
         # did alias; where it copied, it is replayed like any other
         if not (op.is_view and not copy_into):
@@ -159,6 +165,7 @@ class CpuStepGraphs:
         self.max_positions = max_positions  # rope tables cover these positions; a step past them runs eagerly
         self.graphs: dict[int, _StepGraph] = {}
         self.eager_sizes: set[int] = set()
+        self.num_bytes = 0
         self.num_replays = 0
 
     def forward(self, batch: InputBatch) -> torch.Tensor | None:
@@ -186,5 +193,11 @@ class CpuStepGraphs:
             logger.info("decode steps of %d tokens run eagerly: %s", num_tokens, error)
             self.eager_sizes.add(num_tokens)
             return None
+        if self.num_bytes + recorder.num_bytes > MAX_GRAPH_BYTES:
+            logger.info("decode steps of %d tokens run eagerly: the step graphs would hold more than %d MiB",
+                        num_tokens, MAX_GRAPH_BYTES >> 20)
+            self.eager_sizes.add(num_tokens)
+            return output  # the recording ran the step: its output stands
+        self.num_bytes += recorder.num_bytes
         self.graphs[num_tokens] = _StepGraph(inputs, recorder.calls, recorder.tensors, (meta,), output)
         return output

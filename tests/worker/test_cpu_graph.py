@@ -1,6 +1,7 @@
 """CPU step graphs: replayed decode steps give exactly the eager steps' tokens and hidden states, for every family
 and through chunked prefill, prefix hits, preemption, samples and quantized KV; kernel calls are recorded on the
-recording thread only; a step that reads a value into Python stays eager."""
+recording thread only; a step that reads a value into Python, or whose graph would pass the memory budget, stays
+eager."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 
 from kvserve import LLM
 from kvserve.model.checkpoint import ARCHITECTURES
-from kvserve.native import recording
-from kvserve.worker.cpu_graph import MAX_GRAPH_TOKENS, UnreplayableStep, _StepRecorder
 from kvserve.model.layers.cpu_fused_ops import cpu_fused_ops
 from kvserve.model.layers.norm import RMSNorm
+from kvserve.native import recording
+from kvserve.worker import cpu_graph
+from kvserve.worker.cpu_graph import MAX_GRAPH_TOKENS, UnreplayableStep, _StepRecorder
 from tests.conftest import assert_all_blocks_free, greedy_token_ids
 
 MAX_NEW = 10
@@ -126,3 +128,18 @@ def test_a_step_that_reads_a_value_runs_eagerly_with_the_same_tokens(tiny_checkp
     assert greedy_token_ids(llm, prompts(), MAX_NEW) == expected
     graphs = graphs_of(llm)
     assert graphs.graphs == {} and graphs.eager_sizes and graphs.num_replays == 0
+
+
+def test_sizes_past_the_memory_budget_stay_eager(tiny_checkpoints, monkeypatch) -> None:
+    path = str(tiny_checkpoints["llama"])
+    expected = greedy_token_ids(LLM(path, dtype="float32", num_kv_blocks=64, enforce_eager=True), prompts(), MAX_NEW)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    first = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=1)
+    greedy_token_ids(first, prompts()[:1], 3)
+    one_token_bytes = graphs_of(first).num_bytes  # the one-token graph's own tensors
+    assert one_token_bytes > 0
+    monkeypatch.setattr(cpu_graph, "MAX_GRAPH_BYTES", 3 * one_token_bytes)  # room for sizes 1 and 2 at most
+    assert greedy_token_ids(llm, prompts(), MAX_NEW) == expected
+    graphs = graphs_of(llm)
+    assert graphs.eager_sizes and graphs.num_bytes <= 3 * one_token_bytes
+    assert max(graphs.graphs, default=0) <= 2
