@@ -96,14 +96,21 @@ class _StepRecorder(TorchDispatchMode):
         outputs, _ = tree_flatten(result)
         if not all(isinstance(out, torch.Tensor) for out in outputs):
             raise UnreplayableStep(f"{op} hands a value to Python")
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        copy_into = tuple((i, out) for i, out in enumerate(outputs) if out.untyped_storage().data_ptr() not in inputs)
+        if not all(out.layout == torch.strided for out in outputs):
+            raise UnreplayableStep(f"{op} returns a tensor without plain storage")
+        inputs = {_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        copy_into = tuple((i, out) for i, out in enumerate(outputs) if _storage(out) not in inputs)
         self.num_bytes += sum(out.untyped_storage().nbytes() for _, out in copy_into)
         # an op that may alias (a view, and under inference mode ``to`` and ``reshape``) needs no replay where it
         # did alias; where it copied, it is replayed like any other
         if not (op.is_view and not copy_into):
             self.calls.append(_TorchOp(op, args, kwargs, copy_into))
         return result
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where ``t``'s memory starts (None for a tensor without plain storage, such as an opaque oneDNN one)."""
+    return t.untyped_storage().data_ptr() if t.layout == torch.strided else None
 
 
 class _StaticInputs:
