@@ -56,7 +56,8 @@ class EngineArgs:
                                 QUANTIZATION_CHOICES)
     quantize_activations: bool = _option(ModelConfig.quantize_activations,
                                          "weights kept in blocks (a GGUF's, --quantization int8|int4) multiply "
-                                         "activations quantized to int8 in blocks of 32, as llama.cpp does (faster; "
+                                         "activations quantized to int8 in blocks of 32, as llama.cpp does, all but "
+                                         "the LM head's (faster; "
                                          "each activation moves by at most half its block's step; opt-in: on the default "
                                          "model it changes greedy answers); off, they stay fp32, equal to the "
                                          "dequantized model up to the order of sums")

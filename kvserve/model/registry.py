@@ -121,20 +121,24 @@ def build_model(
     device: torch.device | str,
     linear_method: LinearMethod | None = None,
     fused_ops: TorchFusedOps | None = None,
+    head_method: LinearMethod | None = None,
 ) -> CausalLM:
     """The model for ``config`` in ``dtype`` on ``device``, its parameters allocated but not initialised:
     ``load_weights`` must fill them (it checks that every one is filled), then
     ``process_weights_after_loading`` finishes the linear layers. Every linear layer gets ``linear_method``
-    (default: the plain weights), every norm, attention and MLP ``fused_ops`` (default: the plain twin)."""
+    (default: the plain weights) but the LM head, which gets ``head_method`` (default: ``linear_method``); every
+    norm, attention and MLP ``fused_ops`` (default: the plain twin)."""
     model_class = get_model_class(config)
     linear_method = linear_method or UnquantizedLinearMethod()
+    head_method = head_method or linear_method
     fused_ops = fused_ops or TorchFusedOps()
     with torch.device("meta"):  # no memory and no random init for weights about to be overwritten
         # cast before binding: a method's parameters keep the dtypes it chose (a quantized weight, its scales)
         model = model_class(config, backend).to(dtype=dtype)
+        head = getattr(model, "lm_head", None)
         for layer in model.modules():
             if isinstance(layer, Linear):
-                layer.bind(linear_method, dtype)
+                layer.bind(head_method if layer is head else linear_method, dtype)
             if isinstance(layer, UsesFusedOps):
                 layer.ops = fused_ops
     model = model.to_empty(device=device)
@@ -156,7 +160,12 @@ def load_model(
     """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method and fused ops
     chosen for them, its weights loaded and laid out for that method, in eval mode."""
     method = select_linear_method(device, dtype, weights, quantize_activations)
-    model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype))
+    # the LM head multiplies fp32 activations whatever ``quantize_activations`` says: the logits are what sampling
+    # reads, and on the default model int8 activations in the head alone turn its answer to "What is the capital
+    # of France?" away from Paris (in the layers they do not); the head is about a third of a step's weight bytes
+    head_method = select_linear_method(device, dtype, weights, quantize_activations=False)
+    model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype),
+                        head_method)
     model.load_weights(checkpoint.weights(KERNEL_TYPES if weights == "gguf" else frozenset()))
     process_weights_after_loading(model)
     return model.eval()

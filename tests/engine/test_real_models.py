@@ -93,11 +93,11 @@ def _int8_activation_drift(name: str, weights_format: str) -> tuple[list[float],
 
 
 def test_smollm2_on_its_own_q4_1_blocks_with_int8_activations_stays_within_its_bound() -> None:
-    """The default form: the file's blocks times activations quantized to int8 in blocks of 32 (llama.cpp's
-    numerics). The chosen tokens' logprobs differ from fp32's by (measured, AVX2) at most 0.29 and on average
-    0.045; asserted with margin. Its own greedy tokens equal fp32's over the first 5, 24, 32 and 10 tokens of the
-    four prompts (measured; the first prompt parts at a near tie): asserted, with a token of margin, over the
-    first 4 of every prompt."""
+    """The file's blocks times activations quantized to int8 in blocks of 32 (llama.cpp's numerics) in the
+    layers; the LM head keeps fp32 activations. The chosen tokens' logprobs differ from fp32's by (measured, AVX2)
+    at most 0.35 and on average 0.039 (int8 activations in the head too: 0.29 and 0.045); asserted with margin.
+    Its own greedy tokens equal fp32's over the first 5, 25, 16 and 10 tokens of the four prompts (measured; the
+    first prompt parts at a near tie): asserted, with a token of margin, over the first 4 of every prompt."""
     diffs, agreed = _int8_activation_drift("smollm2-135m-instruct", "gguf Q4_1, Q8_0")
     assert max(diffs) < 0.6 and sum(diffs) / len(diffs) < 0.09 and min(agreed) >= 4
 
