@@ -19,6 +19,7 @@ CHANGED = {
     "dtype": "bfloat16",
     "quantization": "none",
     "quantize_activations": True,
+    "enforce_eager": True,
     "max_model_len": 512,
     "seed": 7,
     "device": "cpu",
@@ -82,7 +83,7 @@ def test_defaults_are_the_configs_defaults() -> None:
 def test_flat_options_land_in_the_narrow_configs() -> None:
     # KV offload keeps prefix-cache blocks: the one changed value it cannot go with is caching off
     config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True}).create_engine_config()
-    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True)
+    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True)
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
