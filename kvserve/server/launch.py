@@ -116,7 +116,7 @@ def _lifespan(state: ServerState, config: EngineConfig, url: str):
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = threading.Thread(target=_load, args=(state, config, url), name="kvserve-loader", daemon=True)
+        loader = threading.Thread(target=load_engine, args=(state, config, url), name="kvserve-loader", daemon=True)
         loader.start()
         try:
             yield
@@ -127,7 +127,9 @@ def _lifespan(state: ServerState, config: EngineConfig, url: str):
     return lifespan
 
 
-def _load(state: ServerState, config: EngineConfig, url: str) -> None:
+def load_engine(state: ServerState, config: EngineConfig, url: str) -> None:
+    """Build the engine into ``state`` (its metrics, its limits) and start its loop; a failure is kept in
+    ``state.load_error``, not raised. ``url`` is where it is served, for the start-up line."""
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.server.metrics import ServerMetrics

@@ -1,0 +1,86 @@
+"""``serve run kvserve.ray:app``: two engine replicas on a local Ray cluster (``ray.init(num_cpus=2)``) behind
+the ingress, serving the openai SDK with the same text as the engine offline, a shared prefix kept on one
+replica by the request router, errors relayed, and options checked before any replica starts. Needs Ray Serve
+(``pip install 'kvserve[ray]'``), which CI does not install."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+import ray  # noqa: E402
+from openai import OpenAI  # noqa: E402
+from ray import serve  # noqa: E402
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.ray import app, serve_arguments  # noqa: E402
+from tests.router.test_router_e2e import MAX_MODEL_LEN, MODEL_NAME, checkpoint  # noqa: E402,F401 (a fixture)
+from tests.server.conftest import free_port  # noqa: E402
+
+PREFIX = "You are a careful assistant who answers questions about the weather in short sentences. " * 3
+
+
+@pytest.fixture(scope="module")
+def deployment(checkpoint: Path):  # noqa: F811
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    options = {"model": str(checkpoint), "served_model_name": MODEL_NAME, "num_kv_blocks": "256",
+               "max_model_len": str(MAX_MODEL_LEN), "device": "cpu", "data_parallel_size": "2",
+               "replica_cpus": "0.5"}
+    serve.run(app(options), name="kvserve", route_prefix="/")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_the_openai_sdk_gets_the_engines_own_text(deployment: str, checkpoint: Path) -> None:  # noqa: F811
+    client = OpenAI(base_url=f"{deployment}/v1", api_key="unused")
+    prompts = ["hello there", "the weather is"]
+    served = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=8, temperature=0).choices[0].text
+              for p in prompts]
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=MODEL_NAME, prompt=prompts[0], max_tokens=8, temperature=0, stream=True))
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=4, temperature=0)
+    offline = LLM(str(checkpoint), device="cpu", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)
+    expected = [out.outputs[0].text for out in offline.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+    assert served == expected
+    assert streamed == expected[0]
+    assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_shared_prefix_stays_on_one_replica(deployment: str) -> None:
+    body = {"model": MODEL_NAME, "max_tokens": 2, "temperature": 0}
+    replicas = []
+    for i in range(6):
+        reply = httpx.post(f"{deployment}/v1/completions", json={**body, "prompt": PREFIX + f"question {i}"},
+                           timeout=120)
+        assert reply.status_code == 200, reply.text
+        replicas.append(reply.headers["x-kvserve-replica"])
+    assert len(set(replicas)) == 1
+
+
+def test_errors_are_relayed_as_openai_errors(deployment: str) -> None:
+    bad_json = httpx.post(f"{deployment}/v1/completions", content=b"{not json", timeout=60,
+                          headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    unknown = httpx.post(f"{deployment}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=60)
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
+    assert httpx.get(f"{deployment}/v1/models", timeout=60).json()["data"][0]["id"] == MODEL_NAME
+
+
+def test_bad_options_are_named_before_anything_starts() -> None:
+    assert serve_arguments({"model": "m", "max_num_seqs": "3", "enable_prefix_caching": "false"}).max_num_seqs == 3
+    with pytest.raises(ValueError, match="no_such_option"):
+        serve_arguments({"no_such_option": "1"})
+    with pytest.raises(ValueError, match="enable_prefix_caching takes true or false"):
+        serve_arguments({"enable_prefix_caching": "maybe"})
+    with pytest.raises(ValueError, match="routing policy"):
+        app({"routing_policy": "random"})
