@@ -11,6 +11,10 @@
  * value i + head_dim / 2 in the high one). */
 enum { F32 = 0, INT8 = 1, FP8 = 2, INT4 = 3 };
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 static inline vec load(const float *p) {
     vec v;
     memcpy(&v, p, sizeof v); /* unaligned */
@@ -45,23 +49,53 @@ static inline vec exp_nonpositive_vec(vec x) {
     return (vec)((ivec)(p * (vec)((n + 127) << 23)) & keep);
 }
 
+/* VEC bytes widened to int32 lanes, sign- or zero-extended. GCC 12 scalarises __builtin_convertvector from a
+ * byte vector (a byte extracted, extended and inserted per lane, on AVX2 and AVX-512 alike), which made every
+ * quantized cache slower to read than fp32; one vpmovsxbd / vpmovzxbd does it. */
+static inline ivec widen_signed(signed_byte_vec b) {
+#if VEC == 16 && defined(__AVX512F__)
+    __m128i x;
+    memcpy(&x, &b, sizeof x);
+    return (ivec)_mm512_cvtepi8_epi32(x);
+#elif VEC == 8 && defined(__AVX2__)
+    int64_t bits;
+    memcpy(&bits, &b, sizeof bits);
+    return (ivec)_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bits));
+#else
+    return __builtin_convertvector(b, ivec);
+#endif
+}
+
+static inline ivec widen_unsigned(byte_vec b) {
+#if VEC == 16 && defined(__AVX512F__)
+    __m128i x;
+    memcpy(&x, &b, sizeof x);
+    return (ivec)_mm512_cvtepu8_epi32(x);
+#elif VEC == 8 && defined(__AVX2__)
+    int64_t bits;
+    memcpy(&bits, &b, sizeof bits);
+    return (ivec)_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bits));
+#else
+    return __builtin_convertvector(b, ivec);
+#endif
+}
+
 /* VEC int8 or fp8 codes as floats. An e4m3 code is built from its bits, exactly: (8 + mantissa) * 2^(e - 10)
  * for exponent e > 0, mantissa * 2^-9 for e == 0 (no fp32 denormals, so no flush-to-zero can change it). */
 static inline vec codes_to_vec(const uint8_t *p, const int enc) {
     if (enc == INT8) {
         signed_byte_vec b;
         memcpy(&b, p, sizeof b);
-        /* via int32: GCC 12 turns a direct int8 -> float conversion into scalar code */
-        return __builtin_convertvector(__builtin_convertvector(b, ivec), vec);
+        return __builtin_convertvector(widen_signed(b), vec);
     }
     byte_vec b;
     memcpy(&b, p, sizeof b);
-    const ivec x = __builtin_convertvector(b, ivec), e = (x >> 3) & 15, normal = e != 0; /* all ones */
+    const ivec x = widen_unsigned(b), e = (x >> 3) & 15, normal = e != 0; /* all ones */
     const vec magnitude = __builtin_convertvector((x & 7) | (normal & 8), vec) * (vec)((e + normal + 118) << 23);
     return (vec)((ivec)magnitude | ((x & 0x80) << 24));
 }
 
-static inline vec nibbles_to_vec(byte_vec b) { return __builtin_convertvector(__builtin_convertvector(b, ivec), vec); }
+static inline vec nibbles_to_vec(byte_vec b) { return __builtin_convertvector(widen_unsigned(b), vec); }
 
 static inline float code_value(const uint8_t *p, int i, const int enc) {
     if (enc == INT8) return (float)(int8_t)p[i];

@@ -31,9 +31,12 @@
  * tile takes 1.6x and 2.3x; only int4 did better in registers (1.4x against 1.8x), not worth a second path.
  * Measured on AMD EPYC Zen 2, AVX2, 2 cores shared with other work (benchmarks/kv_quant.py, 32 decodes x 1,000
  * tokens, one layer, median of 5): fp32 5.1 ms, int8 7.0, fp8 9.9, int4 6.1 (before the AVX2 changes below:
- * 9.8, 14.4, 33.7, 15.5): on two cores the kernel is bound by instructions, not bytes, and the conversions
- * cost more than the bytes they save; where decodes are bound by memory bandwidth (many cores per memory
- * channel) the 3.8x / 7.1x fewer bytes are what counts.
+ * 9.8, 14.4, 33.7, 15.5). Most of that cost turned out to be GCC 12 scalarising the byte-to-int32 widening
+ * of every code (kv_vectors.h now widens with one vpmovsxbd / vpmovzxbd) and, in the write, torch's round
+ * opening a parallel region (kv/quant.py). After both, on Zen 4 with AVX-512 (2 cores shared with other work,
+ * same benchmark, median of 9, interleaved): fp32 20.8 ms, int8 16.0, fp8 17.4, int4 10.6, where before they
+ * were 16.0, 32.0, 16.0, 24.0: the quantized caches are now read faster than fp32's, as their 3.8x / 7.1x
+ * fewer bytes should make them.
  *
  * No torch headers: the module is called through ctypes with raw pointers, so it builds in seconds.
  */
