@@ -17,8 +17,8 @@ from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.tiers import DEFAULT_STAGING_GIB, BlockFormat, TieredStore
-from kvserve.model.loader import load_checkpoint
-from kvserve.model.registry import weight_format
+from kvserve.model.loader import Checkpoint, load_checkpoint
+from kvserve.model.registry import check_shardable, weight_format
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput
@@ -49,7 +49,7 @@ class LLMEngine:
         )
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
-        workers = self._start_workers(tp_size) if tp_size > 1 else None
+        workers = self._start_workers(checkpoint, tp_size) if tp_size > 1 else None
         try:
             runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
                                  self.weight_format, structured, config.cache.kv_cache_dtype,
@@ -68,8 +68,10 @@ class LLMEngine:
             f", tensor parallel over {tp_size} ranks (KV blocks per rank)" if tp_size > 1 else "",
         )
 
-    def _start_workers(self, size: int) -> WorkerGroup:
-        """Ranks 1 .. size - 1 of tensor parallelism, each loading its part of the model meanwhile."""
+    def _start_workers(self, checkpoint: Checkpoint, size: int) -> WorkerGroup:
+        """Ranks 1 .. size - 1 of tensor parallelism, each loading its part of the model meanwhile (once the
+        model's shapes are known to split)."""
+        check_shardable(checkpoint.hf_config, size)
         cpu_threads = max(1, torch.get_num_threads() // size)
         spec = WorkerSpec(self.location, self.dtype, self.device.type, self.config.cache.block_size,
                           self.config.cache.kv_cache_dtype, cpu_threads)

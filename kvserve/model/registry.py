@@ -162,6 +162,12 @@ def build_model(
     return model
 
 
+def check_shardable(config: PretrainedConfig, tensor_parallel_size: int) -> None:
+    """Raise ``ShardingError`` naming the shape that does not split over ``tensor_parallel_size`` ranks: a dry run
+    of ``build_model`` on the meta device (no memory), before any worker process starts."""
+    build_model(config, None, torch.float32, "meta", tp=TensorParallel(0, tensor_parallel_size))
+
+
 def process_weights_after_loading(model: CausalLM) -> None:
     """Let each linear layer's method re-lay out its loaded weights (once, after ``load_weights``)."""
     for layer in model.modules():
