@@ -21,7 +21,7 @@ others down, and refuses further steps. A worker whose start-up fails sends its 
 loses rank 0 exits. Workers are daemon processes: they also end with rank 0's interpreter.
 
 On CPU the cores are split: every rank runs ``max(1, threads // N)`` torch threads, rank 0 included (its own
-count is lowered for the life of the process), so N ranks on few cores do not oversubscribe them.
+count is lowered until the workers are closed), so N ranks on few cores do not oversubscribe them.
 """
 
 from __future__ import annotations
@@ -151,8 +151,9 @@ class DriverLink(StepPeers):
 class WorkerGroup(StepPeers):
     """Rank 0's view: the worker processes, a pipe to each, and the process group they share."""
 
-    def __init__(self, processes: list[Any], conns: list[Connection]) -> None:
+    def __init__(self, processes: list[Any], conns: list[Connection], num_threads_before: int) -> None:
         self.processes, self.conns = processes, conns
+        self.num_threads_before = num_threads_before  # rank 0's torch threads, given back at close
         self._error: str | None = None
 
     def broadcast_step(self, sched_out: SchedulerOutput) -> None:
@@ -199,6 +200,8 @@ class WorkerGroup(StepPeers):
         for conn in self.conns:
             conn.close()
         self.conns = []
+        self._error = self._error or "the workers were shut down"
+        torch.set_num_threads(self.num_threads_before)
 
     def _send_all(self, data: bytes) -> None:
         for conn in self.conns:
@@ -259,6 +262,7 @@ def start_workers(spec: WorkerSpec, size: int) -> WorkerGroup:
     first ``init_kv_cache`` waits for them. Raises ``TensorParallelError`` (workers stopped) on failure."""
     if spec.device_type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, found {torch.cuda.device_count()}")
+    num_threads_before = torch.get_num_threads()
     if spec.device_type == "cpu":
         torch.set_num_threads(spec.num_threads)
         logger.info("tensor parallel: %d ranks, %d CPU threads each", size, spec.num_threads)
@@ -273,7 +277,7 @@ def start_workers(spec: WorkerSpec, size: int) -> WorkerGroup:
         child_end.close()
         processes.append(process)
         conns.append(parent_end)
-    group = WorkerGroup(processes, conns)
+    group = WorkerGroup(processes, conns, num_threads_before)
     with group.stepping():
         group.tp = join_group(0, size, store, spec.device_type)
     return group
