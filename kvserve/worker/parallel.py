@@ -32,7 +32,7 @@ import pickle
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any, Iterator
 
 import torch
@@ -230,17 +230,25 @@ class WorkerGroup(StepPeers):
         return failure
 
     def _expect_ready(self, what: str) -> None:
+        """Wait for every worker's Ready (in any order), or raise naming the first that failed, died or timed out."""
         deadline = time.monotonic() + LOAD_TIMEOUT_SECONDS
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
-            while not conn.poll(_POLL_SECONDS):
-                self._check_alive()
-                if time.monotonic() > deadline:
-                    raise TensorParallelError(f"worker rank {rank} (pid {process.pid}) did not {what} within "
-                                              f"{LOAD_TIMEOUT_SECONDS:.0f} s")
-            message = conn.recv()
-            if isinstance(message, Failed):
-                raise TensorParallelError(f"worker rank {rank} (pid {process.pid}) failed to {what}: "
-                                          f"{message.error}")
+        waiting = {conn: rank for rank, conn in enumerate(self.conns, start=1)}
+        while waiting:
+            for conn in wait(list(waiting), _POLL_SECONDS):
+                rank = waiting.pop(conn)
+                process = self.processes[rank - 1]
+                try:
+                    message = conn.recv()
+                except EOFError:  # it exited without a word
+                    process.join(SHUTDOWN_SECONDS)
+                    message = Failed(f"it died (exit code {process.exitcode})")
+                if isinstance(message, Failed):
+                    raise TensorParallelError(f"worker rank {rank} (pid {process.pid}) failed to {what}: "
+                                              f"{message.error}")
+            if waiting and time.monotonic() > deadline:
+                rank = min(waiting.values())
+                raise TensorParallelError(f"worker rank {rank} (pid {self.processes[rank - 1].pid}) did not {what} "
+                                          f"within {LOAD_TIMEOUT_SECONDS:.0f} s")
 
 
 def _pending_failure(conn: Connection) -> str | None:

@@ -1,5 +1,5 @@
-"""Tensor parallelism through the whole engine, over gloo on CPU: TP=2 gives transformers' greedy tokens for every
-family (and with one KV head, replicated), under chunked prefill, prefix hits and preemption; the features that
+"""Tensor parallelism through the whole engine, over gloo on CPU: TP=2 (and 4) gives transformers' greedy tokens for
+every family (and with KV heads replicated), under chunked prefill, prefix hits and preemption; the features that
 live on rank 0 give what TP=1 gives; a dead worker and a shape that does not split are clear errors that leave
 no process behind. Each engine starts worker processes (a few seconds each): the tests share them where they can.
 """
@@ -19,7 +19,8 @@ from kvserve import LLM, SamplingParams
 from kvserve.engine_args import EngineArgs
 from kvserve.model.checkpoint import ARCHITECTURES, make_checkpoint
 from kvserve.sampling_params import StructuredOutputsParams
-from kvserve.worker.parallel import TensorParallelError
+from kvserve.worker import parallel
+from kvserve.worker.parallel import Failed, InitKV, Ready, TensorParallelError, WorkerGroup
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
 from tests.engine.test_llm_equality import MAX_NEW, _prompts
 
@@ -39,20 +40,23 @@ def one_kv_head_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
 
 # by default the families that differ most: biases on q/k/v; a tied head with q/k norms; Gemma's norms, sliding
-# layers and a single KV head that each rank holds whole
-FAMILIES = ["qwen2", "qwen3", "gemma3-1kv"] + [pytest.param(arch, marks=pytest.mark.slow)
-                                               for arch in ARCHITECTURES if arch not in ("qwen2", "qwen3")]
+# layers and a single KV head that each rank holds whole. Slow: the others, and 4 ranks (each KV head on 2 ranks)
+FAMILIES = [("qwen2", 2), ("qwen3", 2), ("gemma3-1kv", 2)] + [
+    pytest.param(arch, size, marks=pytest.mark.slow)
+    for arch, size in [("qwen3", 4), ("llama", 2), ("mistral", 2), ("gemma3", 2)]
+]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tp2_greedy_equals_transformers(family: str, tiny_checkpoints, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("family, size", FAMILIES)
+def test_tp_greedy_equals_transformers(family: str, size: int, tiny_checkpoints,
+                                       request: pytest.FixtureRequest) -> None:
     path = (request.getfixturevalue("one_kv_head_checkpoint") if family == "gemma3-1kv"
             else tiny_checkpoints[family])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = _prompts(hf.config.vocab_size, [5, 40, 17, 1, 33, 9])
     prompts.append(prompts[1][:24] + prompts[4][:5])  # shares whole blocks with the second prompt: a prefix hit
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
-    llm = LLM(str(path), tensor_parallel_size=2, **SQUEEZED)
+    llm = LLM(str(path), tensor_parallel_size=size, **SQUEEZED)
     try:
         assert [o[0] for o in greedy_token_ids(llm, prompts, MAX_NEW)] == expected
         stats = llm.stats()
@@ -122,3 +126,45 @@ def test_a_shape_that_does_not_split_is_an_error_at_start_up(tiny_checkpoints) -
 def test_combinations_not_supported_yet_are_refused_by_name(options: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         EngineArgs(**{"tensor_parallel_size": 2, **options}).create_engine_config()
+
+
+class _FakeWorker:
+    """A worker process alive until joined: the pipes are what the test drives."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.exitcode = pid, None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        self.exitcode = 0
+
+
+def _group_of_fakes(num_workers: int) -> tuple[WorkerGroup, list]:
+    pipes = [multiprocessing.Pipe() for _ in range(num_workers)]
+    workers = [_FakeWorker(100 + rank) for rank in range(1, num_workers + 1)]
+    return WorkerGroup(workers, [ours for ours, _ in pipes], torch.get_num_threads()), [theirs for _, theirs in pipes]
+
+
+def test_workers_may_answer_in_any_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel, "LOAD_TIMEOUT_SECONDS", 5.0)
+    group, worker_ends = _group_of_fakes(3)
+    for end in worker_ends[1:]:  # the others are ready (model loaded, KV pool allocated) before the first
+        end.send(Ready())
+        end.send(Ready())
+    first_ready = threading.Timer(0.3, lambda: [worker_ends[0].send(Ready()) for _ in range(2)])
+    first_ready.start()
+    group.init_kv_cache(num_blocks=5, max_model_len=64)
+    first_ready.join()
+    assert all(end.recv() == InitKV(5, 64) for end in worker_ends)
+    group.close()
+
+
+def test_a_worker_that_fails_to_start_is_named() -> None:
+    group, worker_ends = _group_of_fakes(2)
+    worker_ends[0].send(Ready())
+    worker_ends[1].send(Failed("CheckpointError: the checkpoint is missing 1 tensor(s)"))
+    with pytest.raises(TensorParallelError, match=r"worker rank 2 \(pid 102\) failed to load the model: "
+                                                  "CheckpointError"):
+        group.init_kv_cache(num_blocks=5, max_model_len=64)
