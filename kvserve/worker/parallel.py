@@ -3,11 +3,11 @@
 The scheduler, the KV manager and the sampler stay in rank 0, the engine's process; ranks 1 .. N-1 are worker
 processes (spawned) that each hold a ``ModelRunner`` over their part of the weights and of the KV pool::
 
-    rank 0: ModelRunner.execute(sched_out)            rank r: worker_main's loop
-      WorkerGroup.broadcast_step  ─── pipe ────────▶   SchedulerOutput -> ModelRunner.execute(sched_out)
+    rank 0: ModelRunner.execute(sched_out)           rank r: worker_main's loop
+      WorkerGroup.broadcast_step  ---- pipe ---->     SchedulerOutput -> ModelRunner.execute(sched_out)
       forward: embeddings, one all-reduce per attention and per MLP block, LM head gathered to rank 0
-                                  ◀── gloo (CPU) / NCCL (CUDA) ──▶
-      sample; WorkerGroup.share_sampled ── pipe ──▶    DriverLink.share_sampled: the tokens its batch appends
+                                 <--- gloo (CPU) / NCCL (CUDA) --->
+      sample; WorkerGroup.share_sampled -- pipe -->   DriverLink.share_sampled: the tokens its batch appends
 
 Only rank 0 samples (grammar, penalties, seeds and logprobs live there); each worker appends the token ids rank 0
 sends it right after sampling, so its persistent batch stays in step. Steps and tokens travel over one pipe per
@@ -19,6 +19,10 @@ Failures end in a ``TensorParallelError`` naming the worker, never a hang: rank 
 alive before each step, turns a failed collective (a dead peer closes its connection) into that error, shuts the
 others down, and refuses further steps. A worker whose start-up fails sends its error before it exits; one that
 loses rank 0 exits. Workers are daemon processes: they also end with rank 0's interpreter.
+
+Not combined with tensor parallelism yet: weights kept in blocks (``EngineConfig`` refuses ``quantization`` gguf /
+int8 / int4 by name; ``auto`` dequantizes a GGUF, and says so in the log), the KV tiers (refused by name) and
+CPU step graphs (every step runs eagerly, logged once).
 
 On CPU the cores are split: every rank runs ``max(1, threads // N)`` torch threads, rank 0 included (its own
 count is lowered until the workers are closed), so N ranks on few cores do not oversubscribe them.

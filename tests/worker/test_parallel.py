@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine_args import EngineArgs
-from kvserve.model.checkpoint import ARCHITECTURES, make_checkpoint
+from kvserve.model.checkpoint import make_checkpoint
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.worker import parallel
 from kvserve.worker.parallel import Failed, InitKV, Ready, TensorParallelError, WorkerGroup
