@@ -11,7 +11,7 @@ from torch import nn
 
 from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.linear import Linear, PackedLinear
-from kvserve.model.layers.tensor_parallel import Shardable, TensorParallel, shard_columns, shard_rows
+from kvserve.model.layers.tensor_parallel import Shardable, TensorParallel, column_parallel, row_parallel
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -40,8 +40,8 @@ class GatedMLP(UsesFusedOps, Shardable, nn.Module):
     def shard(self, tp: TensorParallel) -> None:
         """gate and up column-parallel, down row-parallel: one all-reduce per MLP block."""
         columns = tp.split(self.down_proj.in_features, "intermediate (MLP) features")
-        shard_columns(self.gate_up_proj, tp, {"gate_proj": columns, "up_proj": columns})
-        shard_rows(self.down_proj, tp, columns)
+        column_parallel(self.gate_up_proj, tp, {"gate_proj": columns, "up_proj": columns})
+        row_parallel(self.down_proj, tp, columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.act_and_mul(self, self.gate_up_proj(x)))

@@ -12,7 +12,7 @@ from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.linear import Linear, PackedLinear
-from kvserve.model.layers.tensor_parallel import Shardable, TensorParallel, shard_columns, shard_rows
+from kvserve.model.layers.tensor_parallel import Shardable, TensorParallel, column_parallel, row_parallel
 
 
 class Attention(UsesFusedOps, Shardable, nn.Module):
@@ -55,10 +55,9 @@ class Attention(UsesFusedOps, Shardable, nn.Module):
         first_q, self.num_heads = tp.split(self.num_heads, "attention heads")
         first_kv, self.num_kv_heads = tp.split_kv_heads(self.num_kv_heads)
         d = self.head_dim
-        kv_rows = (first_kv * d, self.num_kv_heads * d)
-        shard_columns(self.qkv_proj, tp, {"q_proj": (first_q * d, self.num_heads * d), "k_proj": kv_rows,
-                                          "v_proj": kv_rows})
-        shard_rows(self.o_proj, tp, (first_q * d, self.num_heads * d))
+        q_rows, kv_rows = (first_q * d, self.num_heads * d), (first_kv * d, self.num_kv_heads * d)
+        column_parallel(self.qkv_proj, tp, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
+        row_parallel(self.o_proj, tp, q_rows)  # its input columns are this rank's query heads' outputs
 
     def forward(
         self,

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from kvserve.model.layers.linear import Linear
+from kvserve.model.layers.linear import Linear, PackedLinear
 
 
 class Shardable(ABC):
@@ -122,24 +121,26 @@ class LinearShard:
         return gathered[..., : self.gathered_features].contiguous() if self.tp.rank == 0 else gathered
 
 
-def shard_columns(layer: Linear, tp: TensorParallel, ranges: dict[str | None, tuple[int, int]],
-                  gathered_features: int | None = None) -> None:
-    """Make ``layer`` (parameters not yet created) hold the output rows ``ranges`` of each projection."""
-    if hasattr(layer, "shards"):
+def column_parallel(layer: Linear, tp: TensorParallel, ranges: dict[str | None, tuple[int, int]],
+                    gathered_features: int | None = None) -> None:
+    """Make ``layer`` (parameters not yet created) column-parallel: it holds the output rows ``ranges`` of each of
+    its projections (the rows of ``W``, so its outputs stay split over the ranks)."""
+    if isinstance(layer, PackedLinear):
         layer.shards = {name: ranges[name][1] for name in layer.shards}
     layer.out_features = sum(count for _, count in ranges.values())
     layer.tp_shard = LinearShard(tp, 0, ranges, gathered_features=gathered_features)
 
 
-def shard_rows(layer: Linear, tp: TensorParallel, columns: tuple[int, int]) -> None:
-    """Make ``layer`` (parameters not yet created) hold the input columns ``columns`` and all-reduce its output."""
+def row_parallel(layer: Linear, tp: TensorParallel, columns: tuple[int, int]) -> None:
+    """Make ``layer`` (parameters not yet created) row-parallel: it holds the input columns ``columns`` (the
+    columns of ``W``: its input arrives split) and all-reduces its output."""
     layer.in_features = columns[1]
     layer.tp_shard = LinearShard(tp, 1, {None: columns}, reduce=True)
 
 
 def shard_vocab_head(layer: Linear, tp: TensorParallel) -> None:
     """The LM head: this rank's vocabulary rows, logits gathered to rank 0 and cut back to the vocabulary."""
-    shard_columns(layer, tp, {None: tp.split_vocab(layer.out_features)}, gathered_features=layer.out_features)
+    column_parallel(layer, tp, {None: tp.split_vocab(layer.out_features)}, gathered_features=layer.out_features)
 
 
 def shard_model(model: nn.Module, head: Linear | None, tp: TensorParallel) -> None:
