@@ -56,14 +56,17 @@ def test_tp_greedy_equals_transformers(family: str, size: int, tiny_checkpoints,
     prompts = _prompts(hf.config.vocab_size, [5, 40, 17, 1, 33, 9])
     prompts.append(prompts[1][:24] + prompts[4][:5])  # shares whole blocks with the second prompt: a prefix hit
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    num_threads = torch.get_num_threads()
     llm = LLM(str(path), tensor_parallel_size=size, **SQUEEZED)
     try:
+        assert torch.get_num_threads() == max(1, num_threads // size)  # rank 0's share of the cores
         assert [o[0] for o in greedy_token_ids(llm, prompts, MAX_NEW)] == expected
         stats = llm.stats()
         assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
         assert_all_blocks_free(llm)
     finally:
         _close(llm)
+    assert torch.get_num_threads() == num_threads  # given back
 
 
 def _rank_zero_features(llm: LLM, prompt: list[int]) -> tuple[list[list[int]], list[float]]:
