@@ -184,12 +184,40 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the model's layers and KV heads split over ``tensor_parallel_size`` processes
+    (``kvserve/worker/parallel.py``)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
 
     def __post_init__(self) -> None:
         _check_device_name(self.device)
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """What tensor parallelism does not combine with yet: weights kept in blocks (GGUF's, int8 / int4) and
+        the KV tiers. (``quantization="auto"`` dequantizes a GGUF instead; CPU step graphs are left off.)"""
+        size = self.parallel.tensor_parallel_size
+        if size == 1:
+            return
+        if self.model.quantization in ("gguf", "int8", "int4"):
+            raise ValueError(f"tensor_parallel_size={size} with quantization={self.model.quantization!r} is not "
+                             "supported: tensor-parallel layers hold dense weights (use quantization='none' or "
+                             "'auto', which dequantizes a GGUF)")
+        if self.cache.offloads_kv:
+            raise ValueError(f"tensor_parallel_size={size} with kv_offload_memory / kv_offload_dir is not "
+                             "supported yet: the KV tiers hold whole blocks of one process")

@@ -24,6 +24,7 @@ from kvserve.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -86,6 +87,11 @@ class EngineArgs:
                                          "model (a block is used only if verified)", str)
     kv_offload_disk: float = _option(CacheConfig.kv_offload_disk, "GiB the disk tier may fill (oldest out first)",
                                      float)
+    tensor_parallel_size: int = _option(ParallelConfig.tensor_parallel_size,
+                                        "split the model's layers and KV heads over this many processes (gloo on "
+                                        "CPU, each rank taking its share of the threads; NCCL on CUDA, one GPU "
+                                        "each); rank 0 schedules and samples; dense weights and eager steps only",
+                                        int)
     max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "requests running at once", int)
     max_num_batched_tokens: int = _option(SchedulerConfig.max_num_batched_tokens,
                                           "tokens per step; longer prompts are prefilled in chunks", int)
@@ -144,6 +150,7 @@ class EngineArgs:
                 prompt_lookup_min=self.ngram_min,
                 prompt_lookup_max=self.ngram_max,
             ),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=self.device,
         )
 

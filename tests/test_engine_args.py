@@ -10,7 +10,14 @@ import torch
 
 from kvserve import LLM
 from kvserve.cli import build_parser
-from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from kvserve.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvserve.engine_args import EngineArgs
 
 # A value other than the default for every option, and how it is written on a command line.
@@ -40,6 +47,7 @@ CHANGED = {
     "num_speculative_tokens": 5,
     "ngram_min": 2,
     "ngram_max": 6,
+    "tensor_parallel_size": 2,
 }
 
 
@@ -81,13 +89,19 @@ def test_defaults_are_the_configs_defaults() -> None:
 
 
 def test_flat_options_land_in_the_narrow_configs() -> None:
-    # KV offload keeps prefix-cache blocks: the one changed value it cannot go with is caching off
-    config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True}).create_engine_config()
+    # KV offload keeps prefix-cache blocks: the changed values it cannot go with are caching off and (not yet)
+    # tensor parallelism, whose option lands in the test below
+    config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True)
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
     assert config.device == "cpu"
+
+
+def test_tensor_parallel_size_lands_in_the_parallel_config() -> None:
+    config = EngineArgs(tensor_parallel_size=CHANGED["tensor_parallel_size"]).create_engine_config()
+    assert config.parallel == ParallelConfig(2)
 
 
 @pytest.mark.parametrize(

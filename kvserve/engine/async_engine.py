@@ -236,6 +236,8 @@ class AsyncEngine:
             self._abort_now(list(self._streams))
             self.engine.flush_kv_offload(SHUTDOWN_FLUSH_SECONDS)  # a restart finds every computed block on disk
             self._fail_everything(EngineDeadError("the engine was shut down"))
+        finally:
+            self.engine.close()  # tensor-parallel workers, if any
 
     def _wait_for_work(self) -> bool:
         """Sleep until a command arrives or requests are unfinished; False once shut down."""

@@ -17,8 +17,8 @@ from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.tiers import DEFAULT_STAGING_GIB, BlockFormat, TieredStore
-from kvserve.model.loader import load_checkpoint
-from kvserve.model.registry import weight_format
+from kvserve.model.loader import Checkpoint, load_checkpoint
+from kvserve.model.registry import check_shardable, weight_format
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput
@@ -27,6 +27,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sched.scheduler import Scheduler
 from kvserve.spec.policy import SpeculationPolicy
 from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.parallel import WorkerGroup, WorkerSpec, start_workers
 
 logger = logging.getLogger(__name__)
 
@@ -41,22 +42,44 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(checkpoint.max_model_len)
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids
+        tp_size = config.parallel.tensor_parallel_size
         self.weight_format = weight_format(
-            config.model.quantization, checkpoint, self.device, self.dtype, dtype_forced=config.model.dtype != "auto"
+            config.model.quantization, checkpoint, self.device, self.dtype, dtype_forced=config.model.dtype != "auto",
+            tensor_parallel_size=tp_size,
         )
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
-        runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
-                             self.weight_format, structured, config.cache.kv_cache_dtype,
-                             config.model.quantize_activations, config.model.enforce_eager)
-        self.core = self._build_core(runner)
+        workers = self._start_workers(checkpoint, tp_size) if tp_size > 1 else None
+        try:
+            runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
+                                 self.weight_format, structured, config.cache.kv_cache_dtype,
+                                 config.model.quantize_activations, config.model.enforce_eager, workers)
+            self.core = self._build_core(runner)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
-            "kvserve: %s on %s (%s weights, %s activations), %d KV blocks of %d tokens (%s)",
+            "kvserve: %s on %s (%s weights, %s activations), %d KV blocks of %d tokens (%s)%s",
             self.location.name, self.device, runner.weights_format(), self.dtype, self.num_kv_blocks,
             config.cache.block_size, runner.kv_cache_dtype.name,
+            f", tensor parallel over {tp_size} ranks (KV blocks per rank)" if tp_size > 1 else "",
         )
+
+    def _start_workers(self, checkpoint: Checkpoint, size: int) -> WorkerGroup:
+        """Ranks 1 .. size - 1 of tensor parallelism, each loading its part of the model meanwhile (once the
+        model's shapes are known to split)."""
+        check_shardable(checkpoint.hf_config, size)
+        cpu_threads = max(1, torch.get_num_threads() // size)
+        spec = WorkerSpec(self.location, self.dtype, self.device.type, self.config.cache.block_size,
+                          self.config.cache.kv_cache_dtype, cpu_threads)
+        return start_workers(spec, size)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        self.core.runner.close()
 
     def _max_model_len(self, model_limit: int) -> int:
         asked = self.config.model.max_model_len

@@ -66,6 +66,7 @@ class _Size:
 _SIZES = {
     "tiny": _Size(512, 64, 128, 2, 4, 2, 512, 12),
     "small": _Size(2048, 256, 512, 4, 8, 4, 2048, 64),
+    "tiny-1kv": _Size(512, 64, 128, 2, 4, 1, 512, 12),  # one KV head: replicated under tensor parallelism
 }
 SIZES = tuple(_SIZES)
 

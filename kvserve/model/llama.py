@@ -21,6 +21,7 @@ from kvserve.kv.storage import KVCacheStorage
 from kvserve.model.base import CausalLM, CheckpointError
 from kvserve.model.layers.activation import GatedMLP
 from kvserve.model.layers.attention import Attention
+from kvserve.model.layers.embedding import VocabEmbedding
 from kvserve.model.layers.linear import Linear, PackedLinear, WeightShapeError, copy_weight
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import RotaryEmbedding, rope_head_dim
@@ -78,7 +79,7 @@ class DecoderLM(CausalLM):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
         super().__init__(config, backend)
         self._head_dim = rope_head_dim(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self._make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = self._make_norm(config.hidden_size)
         self.tied = getattr(config, "tie_word_embeddings", False)
@@ -161,7 +162,7 @@ class DecoderLM(CausalLM):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        return self.layers[0].self_attn.num_kv_heads  # this rank's, under tensor parallelism
 
     @property
     def head_dim(self) -> int:
@@ -197,7 +198,7 @@ class DecoderLM(CausalLM):
 
     def _weight_loaders(self) -> WeightLoaders:
         """HF tensor name -> what copies it in: a linear layer's method (packed projections into their rows),
-        else a plain copy into the parameter."""
+        the embeddings (this rank's rows), else a plain copy into the parameter."""
         loaders: WeightLoaders = {}
         for module_name, module in self.named_modules():
             if self.tied and module is self.lm_head:
@@ -205,6 +206,8 @@ class DecoderLM(CausalLM):
             for kind, param in module.named_parameters(recurse=False):
                 if isinstance(module, Linear):
                     loaders.update(_linear_loaders(module_name, module, kind))
+                elif isinstance(module, VocabEmbedding):
+                    loaders[_hf_name(f"{module_name}.{kind}")] = module.load_weight
                 else:
                     loaders[_hf_name(f"{module_name}.{kind}")] = partial(copy_weight, param)
         if self.tied:

@@ -3,6 +3,8 @@ device and dtype, and loading it ready to run. The one place either is chosen: m
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import PretrainedConfig
 
@@ -14,6 +16,7 @@ from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
 from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLLinearMethod, ggml_gemm
 from kvserve.model.layers.ggml_qdot import qdot_gemm
 from kvserve.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from kvserve.model.layers.tensor_parallel import TensorParallel, shard_model
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, can_prepack, small_gemm
 from kvserve.model.layers.weight_quant import WEIGHT_ONLY_SCHEMES, WeightOnlyLinearMethod
 from kvserve.model.llama import LlamaForCausalLM
@@ -21,6 +24,8 @@ from kvserve.model.loader import Checkpoint
 from kvserve.model.mistral import MistralForCausalLM
 from kvserve.model.qwen2 import Qwen2ForCausalLM
 from kvserve.model.qwen3 import Qwen3ForCausalLM
+
+logger = logging.getLogger(__name__)
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -76,10 +81,16 @@ def select_linear_method(
 
 
 def weight_format(
-    quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool
+    quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool,
+    tensor_parallel_size: int = 1,
 ) -> str:
     """How the linear layers hold their weights: "dense" (as loaded, in ``dtype``), "gguf" (a GGUF's blocks kept,
-    see ``keeps_gguf_blocks``), or "int8" / "int4" (quantized at load; ValueError where they cannot run)."""
+    see ``keeps_gguf_blocks``), or "int8" / "int4" (quantized at load; ValueError where they cannot run).
+    Tensor-parallel layers are dense (``EngineConfig`` refuses the other formats by name; ``auto`` dequantizes)."""
+    if tensor_parallel_size > 1:
+        if checkpoint.is_gguf:
+            logger.info("tensor parallel: the GGUF's weights are dequantized to %s (blocks are not sharded)", dtype)
+        return "dense"
     if quantization in WEIGHT_ONLY_SCHEMES:
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"quantization={quantization!r} runs on CPU with fp32 activations for now, not "
@@ -122,12 +133,15 @@ def build_model(
     linear_method: LinearMethod | None = None,
     fused_ops: TorchFusedOps | None = None,
     head_method: LinearMethod | None = None,
+    tp: TensorParallel = TensorParallel(),
 ) -> CausalLM:
     """The model for ``config`` in ``dtype`` on ``device``, its parameters allocated but not initialised:
     ``load_weights`` must fill them (it checks that every one is filled), then
     ``process_weights_after_loading`` finishes the linear layers. Every linear layer gets ``linear_method``
     (default: the plain weights) but the LM head, which gets ``head_method`` (default: ``linear_method``); every
-    norm, attention and MLP ``fused_ops`` (default: the plain twin)."""
+    norm, attention and MLP ``fused_ops`` (default: the plain twin). With ``tp.size`` > 1 the model holds this
+    rank's part of every shardable layer (``tensor_parallel.shard_model``; ShardingError if a shape does not
+    split)."""
     model_class = get_model_class(config)
     linear_method = linear_method or UnquantizedLinearMethod()
     head_method = head_method or linear_method
@@ -136,6 +150,8 @@ def build_model(
         # cast before binding: a method's parameters keep the dtypes it chose (a quantized weight, its scales)
         model = model_class(config, backend).to(dtype=dtype)
         head = getattr(model, "lm_head", None)
+        if tp.size > 1:
+            shard_model(model, head, tp)
         for layer in model.modules():
             if isinstance(layer, Linear):
                 layer.bind(head_method if layer is head else linear_method, dtype)
@@ -144,6 +160,12 @@ def build_model(
     model = model.to_empty(device=device)
     model.tie_weights()
     return model
+
+
+def check_shardable(config: PretrainedConfig, tensor_parallel_size: int) -> None:
+    """Raise ``ShardingError`` naming the shape that does not split over ``tensor_parallel_size`` ranks: a dry run
+    of ``build_model`` on the meta device (no memory), before any worker process starts."""
+    build_model(config, None, torch.float32, "meta", tp=TensorParallel(0, tensor_parallel_size))
 
 
 def process_weights_after_loading(model: CausalLM) -> None:
@@ -155,17 +177,17 @@ def process_weights_after_loading(model: CausalLM) -> None:
 
 def load_model(
     checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-    weights: str = "dense", quantize_activations: bool = True,
+    weights: str = "dense", quantize_activations: bool = True, tp: TensorParallel = TensorParallel(),
 ) -> CausalLM:
     """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method and fused ops
-    chosen for them, its weights loaded and laid out for that method, in eval mode."""
+    chosen for them, its weights loaded and laid out for that method, in eval mode; ``tp``'s rank's part of it."""
     method = select_linear_method(device, dtype, weights, quantize_activations)
     # the LM head multiplies fp32 activations whatever ``quantize_activations`` says: the logits are what sampling
     # reads, and on the default model int8 activations in the head alone turn its answer to "What is the capital
     # of France?" away from Paris (in the layers they do not); the head is about a third of a step's weight bytes
     head_method = select_linear_method(device, dtype, weights, quantize_activations=False)
     model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype),
-                        head_method)
+                        head_method, tp)
     model.load_weights(checkpoint.weights(KERNEL_TYPES if weights == "gguf" else frozenset()))
     process_weights_after_loading(model)
     return model.eval()

@@ -4,6 +4,7 @@ token ids (and logprobs)."""
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 
@@ -20,16 +21,25 @@ from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
+from kvserve.worker.parallel import StepPeers
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
     """Owns the model weights, the paged KV tensors, the persistent batch, the attention backend and the
-    sampler state."""
+    sampler state.
+
+    Under tensor parallelism (``peers.tp.size`` > 1) every rank runs one, over its part of the weights and of the
+    KV heads, and ``peers`` links them (``worker/parallel.py``): rank 0's sends each step to the workers before
+    running it, samples, and sends the tokens; a worker's runs the same steps, joins the model's collectives,
+    and appends the tokens it receives. CPU step graphs are off (they do not record collectives)."""
 
     def __init__(
         self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
         weights: str = "dense", structured: StructuredOutputCompiler | None = None,
         kv_cache_dtype_name: str = "auto", quantize_activations: bool = True, enforce_eager: bool = False,
+        peers: StepPeers | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -37,7 +47,9 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype(kv_cache_dtype_name, dtype)
         self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=self.kv_cache_dtype)
         self.weights = weights
-        self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations)
+        self.peers = peers or StepPeers()
+        self.tp = self.peers.tp
+        self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations, self.tp)
         self._weights_format = self._find_weights_format()
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(seed, default_processors(self.grammar))
@@ -74,13 +86,17 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int, max_model_len: int, tiers: TieredStore | None = None) -> None:
         """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``);
-        ``tiers`` holds blocks offloaded from them."""
+        ``tiers`` holds blocks offloaded from them. Rank 0's has the workers allocate theirs."""
+        self.peers.init_kv_cache(num_blocks, max_model_len)
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device)
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = PersistentBatch(max_blocks, self.block_size, self.device)
         self.kv_tiers = tiers
         self.graphs = None
-        if self.device.type == "cpu" and self.backend.static_metadata and not self.enforce_eager:
+        if self.tp.size > 1:
+            if self.tp.rank == 0 and not self.enforce_eager:
+                logger.info("tensor parallel: every step runs eagerly (CPU step graphs do not record collectives)")
+        elif self.device.type == "cpu" and self.backend.static_metadata and not self.enforce_eager:
             self.graphs = CpuStepGraphs(self.model, self.backend, self.kv, self._sliding_windows, max_blocks,
                                         self.model.config.max_position_embeddings)
 
@@ -88,16 +104,21 @@ class ModelRunner:
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
         """Apply the step's diff to the persistent batch, run the model, sample. Returns token ids only."""
         assert self.kv is not None and self.batch is not None, "init_kv_cache() must run before execute()"
+        with self.peers.stepping():
+            return self._execute(sched_out)
+
+    def _execute(self, sched_out: SchedulerOutput) -> ModelOutput:
+        self.peers.broadcast_step(sched_out)
         self.batch.update(sched_out)
-        self.sampler.drop(sched_out.finished_request_ids)
-        for new in sched_out.new_requests:
-            if new.forked_from is not None:
-                self.sampler.fork(new.forked_from, new.request_id)
+        samples = self.peers.is_driver
+        if samples:
+            self._update_sampler(sched_out)
         self.apply_kv_transfers(sched_out.kv_transfers)
         if sched_out.is_empty:
             return ModelOutput(sampled_token_ids={})
         batch = self.batch.prepare(sched_out)
-        self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
+        if samples:
+            self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
         hidden = self._forward(batch)
         output = self._sample(batch, hidden)
         self.batch.append_sampled(output.sampled_token_ids)
@@ -106,6 +127,16 @@ class ModelRunner:
                 self.batch.drop_rejected_blocks(request_id)
         output.prompt_logprobs.update(self._prompt_logprobs(batch, hidden))
         return output
+
+    def _update_sampler(self, sched_out: SchedulerOutput) -> None:
+        self.sampler.drop(sched_out.finished_request_ids)
+        for new in sched_out.new_requests:
+            if new.forked_from is not None:
+                self.sampler.fork(new.forked_from, new.request_id)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        self.peers.close()
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         """The model's hidden states for the step: replayed from a CPU step graph where one serves it."""
@@ -129,16 +160,20 @@ class ModelRunner:
         """The tokens each sampling request appends: one, or a speculating request's accepted drafts + 1."""
         if not batch.sample_request_ids:
             return ModelOutput(sampled_token_ids={})
-        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # under TP every rank joins the head
+        if not self.peers.is_driver:
+            return ModelOutput(self.peers.share_sampled(None))
         result = self.sampler(logits, batch.sampling)  # the token ids' host copy is the step's one sync
         request_ids = batch.sample_request_ids
         logprobs = {} if result.logprobs is None else {
             rid: entries for rid, entries in zip(request_ids, result.logprobs) if entries is not None
         }
-        return ModelOutput(dict(zip(request_ids, result.token_ids)), logprobs)
+        return ModelOutput(self.peers.share_sampled(dict(zip(request_ids, result.token_ids))), logprobs)
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
-        return {
-            rows.request_id: prompt_logprobs(self.model.compute_logits(hidden[rows.rows]), rows.target_ids, rows.num_top)
-            for rows in batch.prompt_logprobs
-        }
+        logprobs = {}
+        for rows in batch.prompt_logprobs:
+            logits = self.model.compute_logits(hidden[rows.rows])  # under TP every rank joins the head
+            if self.peers.is_driver:
+                logprobs[rows.request_id] = prompt_logprobs(logits, rows.target_ids, rows.num_top)
+        return logprobs

@@ -118,6 +118,9 @@ class FakeEngine:
             "kv_cache_dtype": "float32",
         }
 
+    def close(self) -> None:
+        pass
+
     def flush_kv_offload(self, timeout: float | None = None) -> None:
         self.num_kv_flushes += 1
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.linear import Linear, PackedLinear
+from kvserve.model.layers.tensor_parallel import Shardable, TensorParallel, column_parallel, row_parallel
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -26,7 +27,7 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return ACTIVATIONS[name]
 
 
-class GatedMLP(UsesFusedOps, nn.Module):
+class GatedMLP(UsesFusedOps, Shardable, nn.Module):
     """``down(act(gate(x)) * up(x))`` with gate and up packed into one GEMM; ``activation`` is the config's name."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, bias: bool) -> None:
@@ -35,6 +36,12 @@ class GatedMLP(UsesFusedOps, nn.Module):
         self.gate_up_proj = PackedLinear(hidden_size, shards, bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.activation, self.act = activation, get_activation(activation)
+
+    def shard(self, tp: TensorParallel) -> None:
+        """gate and up column-parallel, down row-parallel: one all-reduce per MLP block."""
+        columns = tp.split(self.down_proj.in_features, "intermediate (MLP) features")
+        column_parallel(self.gate_up_proj, tp, {"gate_proj": columns, "up_proj": columns})
+        row_parallel(self.down_proj, tp, columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.act_and_mul(self, self.gate_up_proj(x)))

@@ -12,12 +12,14 @@ from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.linear import Linear, PackedLinear
+from kvserve.model.layers.tensor_parallel import Shardable, TensorParallel, column_parallel, row_parallel
 
 
-class Attention(UsesFusedOps, nn.Module):
+class Attention(UsesFusedOps, Shardable, nn.Module):
     """Self-attention of one layer over the step's flat token batch.
 
     ``qk_norm`` builds the per-head norm that Qwen3 and Gemma 3 apply to q and k before RoPE (None: no norm).
+    Under tensor parallelism ``num_heads`` / ``num_kv_heads`` count this rank's heads.
     """
 
     def __init__(
@@ -46,6 +48,16 @@ class Attention(UsesFusedOps, nn.Module):
         self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
         self.q_norm = qk_norm(head_dim) if qk_norm else None
         self.k_norm = qk_norm(head_dim) if qk_norm else None
+
+    def shard(self, tp: TensorParallel) -> None:
+        """Query heads split evenly, KV heads split or replicated (``split_kv_heads``); q/k/v column-parallel by
+        heads, o row-parallel: one all-reduce per attention block."""
+        first_q, self.num_heads = tp.split(self.num_heads, "attention heads")
+        first_kv, self.num_kv_heads = tp.split_kv_heads(self.num_kv_heads)
+        d = self.head_dim
+        q_rows, kv_rows = (first_q * d, self.num_heads * d), (first_kv * d, self.num_kv_heads * d)
+        column_parallel(self.qkv_proj, tp, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows})
+        row_parallel(self.o_proj, tp, q_rows)  # its input columns are this rank's query heads' outputs
 
     def forward(
         self,

@@ -5,9 +5,10 @@ A layer's life, driven by ``model/registry.py``; the model files only construct 
 
     Linear(in, out, bias)        shapes only, no parameters yet
     bind(method, dtype)          the method creates the parameters the checkpoint fills (its shapes and dtypes)
-    load_weight(name, tensor)    each checkpoint tensor, through the method (a TP method would slice it here)
+    load_weight(name, tensor)    each checkpoint tensor, through the method (this rank's slice of it under
+                                 tensor parallelism: ``tp_shard``, set before ``bind`` by ``tensor_parallel.py``)
     process_weights_after_loading()   the method may re-lay the weights out for its kernels
-    forward(x)                   method.apply(layer, x)
+    forward(x)                   method.apply(layer, x), then the ranks' outputs joined (``tp_shard.join``)
 
 ``PackedLinear`` stores several Hugging Face projections of the same input as one weight, so they cost one GEMM.
 """
@@ -15,10 +16,14 @@ A layer's life, driven by ``model/registry.py``; the model files only construct 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvserve.model.layers.tensor_parallel import LinearShard
 
 
 class WeightShapeError(ValueError):
@@ -51,7 +56,8 @@ class LinearMethod(ABC):
 
     def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor, shard: str | None) -> None:
         """Copy checkpoint tensor ``name`` of the projection ``shard`` of a ``PackedLinear`` (None: of the whole
-        layer) into its parameter's rows. Raises ``WeightShapeError``. A sharding method narrows it here."""
+        layer) into its parameter's rows. Raises ``WeightShapeError``. Under tensor parallelism ``tensor`` is
+        already this rank's slice (``Linear.load_weight`` narrows it)."""
         param = getattr(layer, name)
         copy_weight(param if shard is None else param[layer.shard_rows()[shard]], tensor)
 
@@ -91,6 +97,7 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
         self.method: LinearMethod | None = None
+        self.tp_shard: LinearShard | None = None  # this rank's part under tensor parallelism (shapes above are its)
 
     def bind(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Give the layer its method, which creates its parameters (on the current default device)."""
@@ -102,13 +109,16 @@ class Linear(nn.Module):
         return {}
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
+        if self.tp_shard is not None:
+            tensor = self.tp_shard.narrow(name, tensor, shard)
         self.method.load_weight(self, name, tensor, shard)
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.tp_shard is None else self.tp_shard.join(y)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}, "

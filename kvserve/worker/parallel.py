@@ -1,0 +1,345 @@
+"""Tensor parallelism across processes: the process group, the worker processes and what rank 0 tells them.
+
+The scheduler, the KV manager and the sampler stay in rank 0, the engine's process; ranks 1 .. N-1 are worker
+processes (spawned) that each hold a ``ModelRunner`` over their part of the weights and of the KV pool::
+
+    rank 0: ModelRunner.execute(sched_out)           rank r: worker_main's loop
+      WorkerGroup.broadcast_step  ---- pipe ---->     SchedulerOutput -> ModelRunner.execute(sched_out)
+      forward: embeddings, one all-reduce per attention and per MLP block, LM head gathered to rank 0
+                                 <--- gloo (CPU) / NCCL (CUDA) --->
+      sample; WorkerGroup.share_sampled -- pipe -->   DriverLink.share_sampled: the tokens its batch appends
+
+Only rank 0 samples (grammar, penalties, seeds and logprobs live there); each worker appends the token ids rank 0
+sends it right after sampling, so its persistent batch stays in step. Steps and tokens travel over one pipe per
+worker, not a collective: a worker waits for the next step as long as the server idles (a collective would time
+out) and sees rank 0's exit as the pipe's end. The model's collectives run on a process group of their own
+(``TensorParallel``; no global default group), with ``COLLECTIVE_TIMEOUT`` on each, start-up included.
+
+Failures end in a ``TensorParallelError`` naming the worker, never a hang: rank 0 checks that every worker is
+alive before each step, turns a failed collective (a dead peer closes its connection) into that error, shuts the
+others down, and refuses further steps. A worker whose start-up fails sends its error before it exits; one that
+loses rank 0 exits. Workers are daemon processes: they also end with rank 0's interpreter.
+
+Not combined with tensor parallelism yet: weights kept in blocks (``EngineConfig`` refuses ``quantization`` gguf /
+int8 / int4 by name; ``auto`` dequantizes a GGUF, and says so in the log), the KV tiers (refused by name) and
+CPU step graphs (every step runs eagerly, logged once).
+
+On CPU the cores are split: every rank runs ``max(1, threads // N)`` torch threads, rank 0 included (its own
+count is lowered until the workers are closed), so N ranks on few cores do not oversubscribe them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+import time
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvserve.model.layers.tensor_parallel import TensorParallel
+from kvserve.model.sources import ModelLocation
+from kvserve.sched.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)  # every collective, the group's rendezvous included
+LOAD_TIMEOUT_SECONDS = 600.0  # a worker's checkpoint load and KV allocation (a dead worker is noticed at once)
+SHUTDOWN_SECONDS = 5.0  # a worker's time to exit on Shutdown before it is killed
+FAILURE_GRACE_SECONDS = 1.0  # after a failed step, how long to look for the worker that caused it
+_POLL_SECONDS = 0.05
+
+
+class TensorParallelError(RuntimeError):
+    """A worker died, failed or did not answer: the message names it. The engine cannot step any more."""
+
+
+# ---- messages over a worker's pipe ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its runner, besides its rank."""
+
+    location: ModelLocation
+    dtype: torch.dtype
+    device_type: str
+    block_size: int
+    kv_cache_dtype: str
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class InitKV:
+    """Rank 0 -> worker: allocate the KV pool (as many blocks as rank 0's) and the persistent batch."""
+
+    num_blocks: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """Rank 0 -> worker: the tokens the step appended to each request."""
+
+    token_ids: dict[str, list[int]]
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Rank 0 -> worker: exit."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Worker -> rank 0: the model is loaded (first), the KV pool allocated (after ``InitKV``)."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Worker -> rank 0: start-up or a step raised; the worker exits."""
+
+    error: str
+
+
+# ---- the other ranks, as a runner sees them ------------------------------------------------------------
+
+
+class StepPeers:
+    """The other ranks as a ``ModelRunner`` sees them. This base is a runner alone (no tensor parallelism):
+    it samples, and there is no one to tell."""
+
+    is_driver = True  # samples, and tells the others
+    tp = TensorParallel()  # this rank among the ranks, for the model's layers
+
+    def broadcast_step(self, sched_out: SchedulerOutput) -> None:
+        """Rank 0: send the step to the workers before running it."""
+
+    def share_sampled(self, token_ids: dict[str, list[int]] | None) -> dict[str, list[int]]:
+        """Rank 0: send the step's sampled tokens and return them; a worker: receive them."""
+        assert token_ids is not None
+        return token_ids
+
+    def init_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Rank 0: have the workers allocate their KV pools (after their models loaded)."""
+
+    def stepping(self) -> AbstractContextManager[None]:
+        """Around each step on rank 0: a failure becomes a ``TensorParallelError`` naming the worker."""
+        return nullcontext()
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+
+
+class DriverLink(StepPeers):
+    """A worker's view: rank 0 sends the steps (``worker_main`` receives them) and the sampled tokens."""
+
+    is_driver = False
+
+    def __init__(self, conn: Connection, tp: TensorParallel) -> None:
+        self.conn, self.tp = conn, tp
+
+    def share_sampled(self, token_ids: dict[str, list[int]] | None) -> dict[str, list[int]]:
+        message = self.conn.recv()
+        if isinstance(message, Shutdown):
+            raise EOFError("rank 0 shut the workers down in the middle of a step")
+        assert isinstance(message, Sampled), f"expected the step's sampled tokens, got {type(message).__name__}"
+        return message.token_ids
+
+
+class WorkerGroup(StepPeers):
+    """Rank 0's view: the worker processes, a pipe to each, and the process group they share."""
+
+    def __init__(self, processes: list[Any], conns: list[Connection], num_threads_before: int) -> None:
+        self.processes, self.conns = processes, conns
+        self.num_threads_before = num_threads_before  # rank 0's torch threads, given back at close
+        self._error: str | None = None
+
+    def broadcast_step(self, sched_out: SchedulerOutput) -> None:
+        self._check_alive()
+        self._send_all(pickle.dumps(sched_out, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def share_sampled(self, token_ids: dict[str, list[int]] | None) -> dict[str, list[int]]:
+        assert token_ids is not None
+        self._send_all(pickle.dumps(Sampled(token_ids), protocol=pickle.HIGHEST_PROTOCOL))
+        return token_ids
+
+    def init_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+        with self.stepping():
+            self._expect_ready("load the model")
+            self._send_all(pickle.dumps(InitKV(num_blocks, max_model_len)))
+            self._expect_ready("allocate its KV cache")
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        if self._error is not None:
+            raise TensorParallelError(f"tensor parallelism stopped after an earlier failure: {self._error}")
+        try:
+            yield
+        except BaseException as error:
+            failure = self._wait_for_failure(FAILURE_GRACE_SECONDS)
+            self._error = failure or f"{type(error).__name__}: {error}"
+            self.close()
+            if failure is None or isinstance(error, TensorParallelError):
+                raise
+            raise TensorParallelError(failure) from error
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(Shutdown())
+            except OSError:
+                pass  # that worker is gone already
+        deadline = time.monotonic() + SHUTDOWN_SECONDS
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self._error = self._error or "the workers were shut down"
+        torch.set_num_threads(self.num_threads_before)
+
+    def _send_all(self, data: bytes) -> None:
+        for conn in self.conns:
+            conn.send_bytes(data)
+
+    def _check_alive(self) -> None:
+        failure = self._describe_failure()
+        if failure is not None:
+            raise TensorParallelError(failure)
+
+    def _describe_failure(self) -> str | None:
+        """What went wrong with the first worker that died or reported a failure, if any did."""
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            reported = _pending_failure(conn)
+            if reported is not None:
+                return f"worker rank {rank} (pid {process.pid}) failed: {reported}"
+            if not process.is_alive():
+                return f"worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
+        return None
+
+    def _wait_for_failure(self, seconds: float) -> str | None:
+        """A failed collective may be seen before its dead peer has finished exiting: look for a while."""
+        deadline = time.monotonic() + seconds
+        while (failure := self._describe_failure()) is None and time.monotonic() < deadline:
+            time.sleep(_POLL_SECONDS)
+        return failure
+
+    def _expect_ready(self, what: str) -> None:
+        """Wait for every worker's Ready (in any order), or raise naming the first that failed, died or timed out."""
+        deadline = time.monotonic() + LOAD_TIMEOUT_SECONDS
+        waiting = {conn: rank for rank, conn in enumerate(self.conns, start=1)}
+        while waiting:
+            for conn in wait(list(waiting), _POLL_SECONDS):
+                rank = waiting.pop(conn)
+                process = self.processes[rank - 1]
+                try:
+                    message = conn.recv()
+                except EOFError:  # it exited without a word
+                    process.join(SHUTDOWN_SECONDS)
+                    message = Failed(f"it died (exit code {process.exitcode})")
+                if isinstance(message, Failed):
+                    raise TensorParallelError(f"worker rank {rank} (pid {process.pid}) failed to {what}: "
+                                              f"{message.error}")
+            if waiting and time.monotonic() > deadline:
+                rank = min(waiting.values())
+                raise TensorParallelError(f"worker rank {rank} (pid {self.processes[rank - 1].pid}) did not {what} "
+                                          f"within {LOAD_TIMEOUT_SECONDS:.0f} s")
+
+
+def _pending_failure(conn: Connection) -> str | None:
+    try:
+        if conn.poll(0):
+            message = conn.recv()
+            return message.error if isinstance(message, Failed) else None
+    except (EOFError, OSError):
+        return None
+    return None
+
+
+# ---- start-up --------------------------------------------------------------------------------------------
+
+
+def start_workers(spec: WorkerSpec, size: int) -> WorkerGroup:
+    """Spawn ranks 1 .. ``size`` - 1, join them in a process group (gloo on CPU, NCCL on CUDA) on a free port,
+    and split the CPU threads (rank 0's own count included). The workers load their models meanwhile; the
+    first ``init_kv_cache`` waits for them. Raises ``TensorParallelError`` (workers stopped) on failure."""
+    if spec.device_type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, found {torch.cuda.device_count()}")
+    num_threads_before = torch.get_num_threads()
+    if spec.device_type == "cpu":
+        torch.set_num_threads(spec.num_threads)
+        logger.info("tensor parallel: %d ranks, %d CPU threads each", size, spec.num_threads)
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+    context = mp.get_context("spawn")
+    processes, conns = [], []
+    for rank in range(1, size):
+        parent_end, child_end = context.Pipe()
+        process = context.Process(target=worker_main, args=(rank, size, store.port, spec, child_end), daemon=True,
+                                  name=f"kvserve-tp-rank{rank}")
+        process.start()
+        child_end.close()
+        processes.append(process)
+        conns.append(parent_end)
+    group = WorkerGroup(processes, conns, num_threads_before)
+    with group.stepping():
+        group.tp = join_group(0, size, store, spec.device_type)
+    return group
+
+
+def join_group(rank: int, size: int, store: dist.Store, device_type: str) -> TensorParallel:
+    """This rank's ``TensorParallel`` on a process group of its own over ``store`` (blocks until all join)."""
+    prefixed = dist.PrefixStore("kvserve-tp", store)
+    if device_type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        return TensorParallel(rank, size, dist.ProcessGroupNCCL(prefixed, rank, size, options))
+    return TensorParallel(rank, size, dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT))
+
+
+def worker_main(rank: int, size: int, port: int, spec: WorkerSpec, conn: Connection) -> None:
+    """A worker process: join the group, build the runner for rank ``rank``, report Ready, then run each step
+    rank 0 sends until Shutdown or until rank 0 is gone. An exception is reported to rank 0, then raised."""
+    # imported here: the runner imports this module for its peers
+    from kvserve.model.loader import load_checkpoint
+    from kvserve.worker.model_runner import ModelRunner
+
+    try:
+        torch.set_num_threads(spec.num_threads)
+        device = torch.device("cuda", rank) if spec.device_type == "cuda" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        link = DriverLink(conn, join_group(rank, size, store, spec.device_type))
+        runner = ModelRunner(load_checkpoint(spec.location, spec.dtype), spec.dtype, device, spec.block_size,
+                             kv_cache_dtype_name=spec.kv_cache_dtype, peers=link)
+        conn.send(Ready())
+        _serve(runner, conn)
+    except (EOFError, BrokenPipeError):
+        return  # rank 0 is gone: nothing to report to
+    except BaseException as error:
+        try:
+            conn.send(Failed(f"{type(error).__name__}: {error}"))
+        except OSError:
+            pass
+        raise
+
+
+def _serve(runner: Any, conn: Connection) -> None:
+    while True:
+        message = conn.recv()
+        if isinstance(message, Shutdown):
+            return
+        if isinstance(message, InitKV):
+            runner.init_kv_cache(message.num_blocks, message.max_model_len)
+            conn.send(Ready())
+        else:
+            runner.execute(message)

@@ -1,0 +1,173 @@
+"""Tensor parallelism through the whole engine, over gloo on CPU: TP=2 (and 4) gives transformers' greedy tokens for
+every family (and with KV heads replicated), under chunked prefill, prefix hits and preemption; the features that
+live on rank 0 give what TP=1 gives; a dead worker and a shape that does not split are clear errors that leave
+no process behind. Each engine starts worker processes (a few seconds each): the tests share them where they can.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvserve import LLM, SamplingParams
+from kvserve.engine_args import EngineArgs
+from kvserve.model.checkpoint import make_checkpoint
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.worker import parallel
+from kvserve.worker.parallel import Failed, InitKV, Ready, TensorParallelError, WorkerGroup
+from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
+from tests.engine.test_llm_equality import MAX_NEW, _prompts
+
+# a small pool, a small step and small blocks: prompts are prefilled in chunks and requests get preempted
+SQUEEZED = dict(dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched_tokens=16)
+
+
+def _close(llm: LLM) -> None:
+    processes = llm.engine.core.runner.peers.processes
+    llm.engine.close()
+    assert not any(p.is_alive() for p in processes)
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    return make_checkpoint(tmp_path_factory.mktemp("gemma3-1kv"), "gemma3", "tiny-1kv", seed=0)
+
+
+# by default the families that differ most: biases on q/k/v; a tied head with q/k norms; Gemma's norms, sliding
+# layers and a single KV head that each rank holds whole. Slow: the others, and 4 ranks (each KV head on 2 ranks)
+FAMILIES = [("qwen2", 2), ("qwen3", 2), ("gemma3-1kv", 2)] + [
+    pytest.param(arch, size, marks=pytest.mark.slow)
+    for arch, size in [("qwen3", 4), ("llama", 2), ("mistral", 2), ("gemma3", 2)]
+]
+
+
+@pytest.mark.parametrize("family, size", FAMILIES)
+def test_tp_greedy_equals_transformers(family: str, size: int, tiny_checkpoints,
+                                       request: pytest.FixtureRequest) -> None:
+    path = (request.getfixturevalue("one_kv_head_checkpoint") if family == "gemma3-1kv"
+            else tiny_checkpoints[family])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(hf.config.vocab_size, [5, 40, 17, 1, 33, 9])
+    prompts.append(prompts[1][:24] + prompts[4][:5])  # shares whole blocks with the second prompt: a prefix hit
+    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+    num_threads = torch.get_num_threads()
+    llm = LLM(str(path), tensor_parallel_size=size, **SQUEEZED)
+    try:
+        assert torch.get_num_threads() == max(1, num_threads // size)  # rank 0's share of the cores
+        assert [o[0] for o in greedy_token_ids(llm, prompts, MAX_NEW)] == expected
+        stats = llm.stats()
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+        assert_all_blocks_free(llm)
+    finally:
+        _close(llm)
+    assert torch.get_num_threads() == num_threads  # given back
+
+
+def _rank_zero_features(llm: LLM, prompt: list[int]) -> tuple[list[list[int]], list[float]]:
+    """n > 1, seeded sampling, logprobs, prompt logprobs, a grammar and speculation (all on rank 0): the tokens
+    of every sample, and every logprob returned."""
+    params = [
+        SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10, logprobs=3, prompt_logprobs=2),
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")),
+        SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3),
+    ]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+    samples = [c for o in outs for c in o.outputs]
+    positions = [pos for c in samples for pos in c.logprobs or []] + outs[0].prompt_logprobs[1:]
+    return [c.token_ids for c in samples], [v.logprob for pos in positions for v in pos.values()]
+
+
+def test_tp2_rank_zero_features_equal_tp1(tiny_checkpoints) -> None:
+    path = str(tiny_checkpoints["llama"])
+    prompt = _prompts(512, [20])[0] * 2  # repeats itself: ngram speculation finds drafts
+    options = dict(dtype="float32", num_kv_blocks=64, speculative_method="ngram")
+    want_tokens, want_logprobs = _rank_zero_features(LLM(path, **options), prompt)
+    llm = LLM(path, tensor_parallel_size=2, **options)
+    try:
+        tokens, logprobs = _rank_zero_features(llm, prompt)
+        assert tokens == want_tokens
+        assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
+        assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+        assert_all_blocks_free(llm)
+    finally:
+        _close(llm)
+
+
+def test_a_killed_worker_ends_the_run_with_an_error_naming_it(tiny_checkpoints) -> None:
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    worker = llm.engine.core.runner.peers.processes[0]
+    assert greedy_token_ids(llm, [[5, 6, 7]], 4)  # runs
+    killer = threading.Timer(0.2, os.kill, (worker.pid, signal.SIGKILL))
+    killer.start()
+    with pytest.raises(TensorParallelError, match=rf"worker rank 1 \(pid {worker.pid}\) died"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4,
+                     SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), use_tqdm=False)
+    killer.join()
+    assert not worker.is_alive()
+    with pytest.raises(TensorParallelError, match="stopped after an earlier failure"):
+        greedy_token_ids(llm, [[5, 6, 7]], 4)
+    assert not multiprocessing.active_children()
+
+
+def test_a_shape_that_does_not_split_is_an_error_at_start_up(tiny_checkpoints) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, tensor_parallel_size=3)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(quantization="int8"), "quantization='int8'"),
+    (dict(kv_offload_memory=1.0), "kv_offload_memory"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+])
+def test_combinations_not_supported_yet_are_refused_by_name(options: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        EngineArgs(**{"tensor_parallel_size": 2, **options}).create_engine_config()
+
+
+class _FakeWorker:
+    """A worker process alive until joined: the pipes are what the test drives."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.exitcode = pid, None
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        self.exitcode = 0
+
+
+def _group_of_fakes(num_workers: int) -> tuple[WorkerGroup, list]:
+    pipes = [multiprocessing.Pipe() for _ in range(num_workers)]
+    workers = [_FakeWorker(100 + rank) for rank in range(1, num_workers + 1)]
+    return WorkerGroup(workers, [ours for ours, _ in pipes], torch.get_num_threads()), [theirs for _, theirs in pipes]
+
+
+def test_workers_may_answer_in_any_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(parallel, "LOAD_TIMEOUT_SECONDS", 5.0)
+    group, worker_ends = _group_of_fakes(3)
+    for end in worker_ends[1:]:  # the others are ready (model loaded, KV pool allocated) before the first
+        end.send(Ready())
+        end.send(Ready())
+    first_ready = threading.Timer(0.3, lambda: [worker_ends[0].send(Ready()) for _ in range(2)])
+    first_ready.start()
+    group.init_kv_cache(num_blocks=5, max_model_len=64)
+    first_ready.join()
+    assert all(end.recv() == InitKV(5, 64) for end in worker_ends)
+    group.close()
+
+
+def test_a_worker_that_fails_to_start_is_named() -> None:
+    group, worker_ends = _group_of_fakes(2)
+    worker_ends[0].send(Ready())
+    worker_ends[1].send(Failed("CheckpointError: the checkpoint is missing 1 tensor(s)"))
+    with pytest.raises(TensorParallelError, match=r"worker rank 2 \(pid 102\) failed to load the model: "
+                                                  "CheckpointError"):
+        group.init_kv_cache(num_blocks=5, max_model_len=64)
