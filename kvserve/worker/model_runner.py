@@ -109,7 +109,8 @@ class ModelRunner:
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         """The model's hidden states for the step: replayed from a CPU step graph where one serves it."""
-        if self.graphs is not None and (hidden := self.graphs.forward(batch)) is not None:
+        graphs = self.graphs
+        if graphs is not None and (hidden := graphs.forward(batch.input_ids, batch.positions, batch.attn)) is not None:
             return hidden
         meta = self.backend.build_metadata(batch.attn, self._sliding_windows)
         return self.model(batch.input_ids, batch.positions, meta, self.kv)
