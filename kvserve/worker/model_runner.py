@@ -18,18 +18,20 @@ from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
+from kvserve.spec.draft import DraftModel
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
 
 
 class ModelRunner:
-    """Owns the model weights, the paged KV tensors, the persistent batch, the attention backend and the
-    sampler state."""
+    """Owns the model weights, the paged KV tensors, the persistent batch, the attention backend, the sampler
+    state and, with draft speculation, the draft model (which fills the step's draft slots before the forward)."""
 
     def __init__(
         self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
         weights: str = "dense", structured: StructuredOutputCompiler | None = None,
         kv_cache_dtype_name: str = "auto", quantize_activations: bool = True, enforce_eager: bool = False,
+        draft: DraftModel | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -47,6 +49,7 @@ class ModelRunner:
         self._sliding_windows = self.model.sliding_windows()
         self.enforce_eager = enforce_eager
         self.graphs: CpuStepGraphs | None = None
+        self.draft = draft
 
     def weights_format(self) -> str:
         """How the linear layers hold their weights: the dtype, the GGUF block types kept (e.g. "gguf Q4_1,
@@ -65,6 +68,16 @@ class ModelRunner:
         m = self.model
         return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype, self.kv_cache_dtype)
 
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block id holds: the target's KV, and the draft model's (the same block ids index both)."""
+        draft = self.draft.kv_cache_spec().bytes_per_block if self.draft is not None else 0
+        return self.kv_cache_spec().bytes_per_block + draft
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        kv = [self.kv, self.draft.kv if self.draft is not None else None]
+        return sum(storage.nbytes for storage in kv if storage is not None)
+
     def model_identity(self) -> str:
         """A fingerprint of the loaded weights and of what shapes their KV (device, dtypes, weight format,
         attention backend): KV tiers on disk use blocks written under the same fingerprint only."""
@@ -79,6 +92,8 @@ class ModelRunner:
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = PersistentBatch(max_blocks, self.block_size, self.device)
         self.kv_tiers = tiers
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks, max_blocks)
         self.graphs = None
         if self.device.type == "cpu" and self.backend.static_metadata and not self.enforce_eager:
             self.graphs = CpuStepGraphs(self.model, self.backend, self.kv, self._sliding_windows, max_blocks,
@@ -90,17 +105,23 @@ class ModelRunner:
         assert self.kv is not None and self.batch is not None, "init_kv_cache() must run before execute()"
         self.batch.update(sched_out)
         self.sampler.drop(sched_out.finished_request_ids)
+        if self.draft is not None:
+            self.draft.drop(sched_out.finished_request_ids | sched_out.preempted_request_ids)
         for new in sched_out.new_requests:
             if new.forked_from is not None:
                 self.sampler.fork(new.forked_from, new.request_id)
         self.apply_kv_transfers(sched_out.kv_transfers)
         if sched_out.is_empty:
             return ModelOutput(sampled_token_ids={})
+        if self.draft is not None:  # before the sampler's prepare: the grammar masks walk the drafts
+            sched_out = self.draft.fill(sched_out, self.batch)
         batch = self.batch.prepare(sched_out)
         self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
         hidden = self._forward(batch)
         output = self._sample(batch, hidden)
         self.batch.append_sampled(output.sampled_token_ids)
+        if self.draft is not None:
+            self.draft.record(sched_out, output.sampled_token_ids)
         for request_id, draft in zip(batch.sample_request_ids, batch.draft_token_ids):
             if draft:
                 self.batch.drop_rejected_blocks(request_id)
@@ -123,6 +144,8 @@ class ModelRunner:
         if plan.offloads:
             tiers.offload(self.kv, plan.offloads)
         self.kv.copy_blocks(plan.copies)
+        if self.draft is not None:
+            self.draft.copy_blocks(plan.copies)
         if plan.loads:
             tiers.load(self.kv, plan.loads)
 

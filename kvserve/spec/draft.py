@@ -1,0 +1,165 @@
+"""DraftModel: the runner's side of draft-model speculation (``--speculative-method draft``).
+
+The scheduler reserves k ``DRAFT_SLOT`` positions after a speculating decode's last token (``spec/proposer.py``);
+before the target's forward pass the runner hands the step to ``fill``, which runs the draft model and puts its
+greedy tokens in those slots. The target then verifies them as any draft (``sample/rejection.py``): a greedy
+draft is a deterministic proposal, so output is exactly the target's. Per step that speculates::
+
+    1 forward   every row's tokens the draft has not seen (its chunk, a decode's last token, tokens accepted
+                last step past what the draft ran), one-token rows first  -> speculating rows' d1
+    k-1 decodes the speculating rows with k > i, at position p + i, token d_i  -> d_{i+1}
+                (p: the row's last known token; replayed from CPU step graphs where they serve)
+
+The draft's KV lives in a ``KVCacheStorage`` of its own shape with as many blocks as the target's, indexed by
+the same block ids: a request's block table covers both models, so the pool accounts for both (a block's bytes
+are the sum, ``ModelRunner.kv_bytes_per_block``), rejected drafts' slots go with the target's, prefix hits and
+fork copies carry the draft's KV too, and the scheduler knows nothing of it.
+
+Per request, ``num_computed`` is how far the draft's KV is valid (positions ``0 .. num_computed - 1``)::
+
+    tokens:      | ... known ... | x | d1 ... dj | y        x at p; j drafts accepted, then the target's y
+    draft KV:    | ........................ | d_{k-1}       the draft ran x, d1 .. d_{k-1}
+    valid after: p + 1 + min(j, k - 1)                    the next step runs [that, p + j + 2)
+
+The draft runs in every step that runs more than one token for some request (a prefill chunk or a speculating
+decode), over every row, so it computes every prompt position the target computes; in steps of plain one-token
+decodes only (busy steps, where nobody speculates) it does not run, and those requests catch up in their next
+speculating step. Where the draft's KV may be stale (lower acceptance, never a different output): blocks that a
+request filled with decode tokens in such steps, until it catches up, seen through a prefix hit by another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.selector import select_backend
+from kvserve.kv.quant import KVCacheDtype
+from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from kvserve.model.loader import Checkpoint
+from kvserve.model.registry import load_model
+from kvserve.sample.sampler import first_max
+from kvserve.sched.output import ScheduledRequest, SchedulerOutput
+from kvserve.worker.cpu_graph import CpuStepGraphs
+from kvserve.worker.input_batch import PersistentBatch, StepLayout
+
+
+class DraftModel:
+    """Owns the draft model, its paged KV and, per request in the runner's batch, how far that KV is valid."""
+
+    def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int,
+                 kv_dtype: KVCacheDtype, weights: str = "dense", quantize_activations: bool = False,
+                 enforce_eager: bool = False) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.kv_dtype = kv_dtype
+        self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=kv_dtype)
+        self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations)
+        self.enforce_eager = enforce_eager
+        self.kv: KVCacheStorage | None = None
+        self.graphs: CpuStepGraphs | None = None
+        self._sliding_windows = self.model.sliding_windows()
+        self._num_computed: dict[str, int] = {}  # request id -> positions whose draft KV is valid
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        m = self.model
+        return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype, self.kv_dtype)
+
+    def init_kv_cache(self, num_blocks: int, max_blocks_per_request: int) -> None:
+        """The draft's KV, ``num_blocks`` blocks like the target's (block ids are shared); step graphs for its
+        decode steps on CPU, as the target has."""
+        self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device)
+        self.graphs = None
+        if self.device.type == "cpu" and self.backend.static_metadata and not self.enforce_eager:
+            self.graphs = CpuStepGraphs(self.model, self.backend, self.kv, self._sliding_windows,
+                                        max_blocks_per_request, self.model.config.max_position_embeddings)
+
+    def drop(self, request_ids: frozenset[str]) -> None:
+        """Forget requests that left the runner's batch (finished, or preempted: their blocks were freed)."""
+        for request_id in request_ids:
+            self._num_computed.pop(request_id, None)
+
+    @torch.inference_mode()
+    def fill(self, sched_out: SchedulerOutput, batch: PersistentBatch) -> SchedulerOutput:
+        """The step with each speculating row's ``DRAFT_SLOT`` entries replaced by the draft's greedy tokens.
+        ``batch`` holds the step's diff already (tokens, block tables). One Python pass over the rows."""
+        rows = sched_out.requests
+        for row in rows:  # a request entering the batch starts from the target's start: a prefix hit's blocks
+            self._num_computed.setdefault(row.request_id, row.start_pos)  # were filled with the draft's KV too
+        if not any(row.num_tokens > 1 for row in rows):
+            return sched_out
+        drafts = self._first_tokens(rows, batch)
+        self._decode(rows, drafts, batch)
+        if not drafts:
+            return sched_out
+        filled = [row._replace(draft_token_ids=tuple(drafts[row.request_id])) if row.request_id in drafts else row
+                  for row in rows]
+        return dataclasses.replace(sched_out, requests=filled)
+
+    def record(self, sched_out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> None:
+        """After verification: a speculating row's draft KV is valid up to its last accepted draft that the
+        draft model ran (``num_computed`` in the module docstring)."""
+        for row in sched_out.requests:
+            if row.draft_token_ids and row.request_id in sampled_token_ids:
+                num_accepted = len(sampled_token_ids[row.request_id]) - 1
+                end = _end(row)
+                self._num_computed[row.request_id] = end + min(num_accepted, len(row.draft_token_ids) - 1)
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """A fork's copy-on-write, applied to the draft's KV as the runner applies it to the target's."""
+        assert self.kv is not None
+        self.kv.copy_blocks(copies)
+
+    def _first_tokens(self, rows: list[ScheduledRequest], batch: PersistentBatch) -> dict[str, list[int]]:
+        """Run every row's tokens the draft has not seen; returns each speculating row's d1."""
+        spans = []  # (request id, first position the draft runs, end)
+        for row in rows:
+            start = min(self._num_computed[row.request_id], row.start_pos)
+            spans.append((row.request_id, start, _end(row)))
+            self._num_computed[row.request_id] = _end(row)
+        spans.sort(key=lambda span: span[2] - span[1] > 1)  # one-token queries first (stable)
+        request_ids = [request_id for request_id, _, _ in spans]
+        starts = np.array([start for _, start, _ in spans], dtype=np.int64)
+        ends = np.array([end for _, _, end in spans], dtype=np.int64)
+        tokens = [t for request_id, start, end in spans for t in batch.token_ids(request_id, start, end)]
+        layout = batch.layout(batch.rows_of(request_ids), starts, ends - starts, tokens)
+        hidden = self._forward(layout)
+        speculating = {row.request_id for row in rows if row.draft_token_ids}
+        last = [i for i, request_id in enumerate(request_ids) if request_id in speculating]
+        if not last:
+            return {}
+        token_ids = self._argmax(hidden, layout.query_start[1:][last] - 1)
+        return {request_ids[i]: [token] for i, token in zip(last, token_ids)}
+
+    def _decode(self, rows: list[ScheduledRequest], drafts: dict[str, list[int]], batch: PersistentBatch) -> None:
+        """Extend each speculating row's draft to its k tokens, one batched decode step per position."""
+        speculating = [row for row in rows if row.draft_token_ids]
+        for i in range(1, max((len(row.draft_token_ids) for row in speculating), default=0)):
+            active = [row for row in speculating if len(row.draft_token_ids) > i]
+            positions = np.array([_end(row) - 1 + i for row in active], dtype=np.int64)
+            tokens = [drafts[row.request_id][-1] for row in active]
+            layout = batch.layout(batch.rows_of([row.request_id for row in active]), positions,
+                                  np.ones(len(active), dtype=np.int64), tokens)
+            for row, token in zip(active, self._argmax(self._forward(layout), np.arange(len(active)))):
+                drafts[row.request_id].append(token)
+
+    def _forward(self, layout: StepLayout) -> torch.Tensor:
+        """The draft's hidden states for a pass over ``layout``: replayed from a step graph where one serves."""
+        if self.graphs is not None and (hidden := self.graphs.forward(*layout[:3])) is not None:
+            return hidden
+        meta = self.backend.build_metadata(layout.attn, self._sliding_windows)
+        return self.model(layout.input_ids, layout.positions, meta, self.kv)
+
+    def _argmax(self, hidden: torch.Tensor, rows: np.ndarray) -> list[int]:
+        """The draft's greedy token at the given token rows (a host sync: the next pass needs them)."""
+        index = torch.from_numpy(np.ascontiguousarray(rows)).to(hidden.device)
+        return first_max(self.model.compute_logits(hidden[index])).tolist()
+
+
+def _end(row: ScheduledRequest) -> int:
+    """The end of the row's known tokens: its start plus the tokens it runs, drafts excluded."""
+    return row.start_pos + row.num_tokens - len(row.draft_token_ids)
