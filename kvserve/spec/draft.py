@@ -65,6 +65,11 @@ class DraftModel:
         self._sliding_windows = self.model.sliding_windows()
         self._num_computed: dict[str, int] = {}  # request id -> positions whose draft KV is valid
 
+    @property
+    def num_requests(self) -> int:
+        """Requests whose draft KV it tracks (those in the runner's batch)."""
+        return len(self._num_computed)
+
     def kv_cache_spec(self) -> KVCacheSpec:
         m = self.model
         return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype, self.kv_dtype)
