@@ -24,8 +24,9 @@ Per request, ``num_computed`` is how far the draft's KV is valid (positions ``0 
 The draft runs in every step that runs more than one token for some request (a prefill chunk or a speculating
 decode), over every row, so it computes every prompt position the target computes; in steps of plain one-token
 decodes only (busy steps, where nobody speculates) it does not run, and those requests catch up in their next
-speculating step. Where the draft's KV may be stale (lower acceptance, never a different output): blocks that a
-request filled with decode tokens in such steps, until it catches up, seen through a prefix hit by another.
+speculating step. Where the draft's KV may be stale (lower acceptance, never a different output), seen through
+a prefix hit by another request: blocks that a request filled with decode tokens in such steps, until it catches
+up, and the last one or two tokens of a finished request (emitted after the draft's last pass).
 """
 
 from __future__ import annotations
