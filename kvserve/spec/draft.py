@@ -6,7 +6,8 @@ greedy tokens in those slots. The target then verifies them as any draft (``samp
 draft is a deterministic proposal, so output is exactly the target's. Per step that speculates::
 
     1 forward   every row's tokens the draft has not seen (its chunk, a decode's last token, tokens accepted
-                last step past what the draft ran), one-token rows first  -> speculating rows' d1
+                last step past what the draft ran; a few of them as one-token queries each), one-token
+                queries first  -> speculating rows' d1
     k-1 decodes the speculating rows with k > i, at position p + i, token d_i  -> d_{i+1}
                 (p: the row's last known token; replayed from CPU step graphs where they serve)
 
@@ -46,6 +47,13 @@ from kvserve.sample.sampler import first_max
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.input_batch import PersistentBatch, StepLayout
+
+
+# A request's unseen tokens up to this many run as one-token queries of their own, each over the same block
+# table with its own length: the backends write a step's KV before attending, so each still sees the ones
+# before it, and a pass of one-token queries is a decode step that a CPU step graph replays (the usual catch-up
+# after every draft was accepted is 2 tokens: d_k and the target's token after it).
+MAX_SPLIT_TOKENS = 4
 
 
 class DraftModel:
@@ -122,24 +130,27 @@ class DraftModel:
 
     def _first_tokens(self, rows: list[ScheduledRequest], batch: PersistentBatch) -> dict[str, list[int]]:
         """Run every row's tokens the draft has not seen; returns each speculating row's d1."""
-        spans = []  # (request id, first position the draft runs, end)
+        queries = []  # (request id, first position, end), one-token queries first
         for row in rows:
-            start = min(self._num_computed[row.request_id], row.start_pos)
-            spans.append((row.request_id, start, _end(row)))
-            self._num_computed[row.request_id] = _end(row)
-        spans.sort(key=lambda span: span[2] - span[1] > 1)  # one-token queries first (stable)
-        request_ids = [request_id for request_id, _, _ in spans]
-        starts = np.array([start for _, start, _ in spans], dtype=np.int64)
-        ends = np.array([end for _, _, end in spans], dtype=np.int64)
-        tokens = [t for request_id, start, end in spans for t in batch.token_ids(request_id, start, end)]
+            start, end = min(self._num_computed[row.request_id], row.start_pos), _end(row)
+            self._num_computed[row.request_id] = end
+            if end - start <= MAX_SPLIT_TOKENS:
+                queries += [(row.request_id, position, position + 1) for position in range(start, end)]
+            else:
+                queries.append((row.request_id, start, end))
+        queries.sort(key=lambda query: query[2] - query[1] > 1)  # stable: a request's pieces stay in order
+        request_ids = [request_id for request_id, _, _ in queries]
+        starts = np.array([start for _, start, _ in queries], dtype=np.int64)
+        ends = np.array([end for _, _, end in queries], dtype=np.int64)
+        tokens = [t for request_id, start, end in queries for t in batch.token_ids(request_id, start, end)]
         layout = batch.layout(batch.rows_of(request_ids), starts, ends - starts, tokens)
         hidden = self._forward(layout)
-        speculating = {row.request_id for row in rows if row.draft_token_ids}
-        last = [i for i, request_id in enumerate(request_ids) if request_id in speculating]
-        if not last:
+        last_query = {request_id: i for i, request_id in enumerate(request_ids)}  # each request's last piece
+        speculating = [row.request_id for row in rows if row.draft_token_ids]
+        if not speculating:
             return {}
-        token_ids = self._argmax(hidden, layout.query_start[1:][last] - 1)
-        return {request_ids[i]: [token] for i, token in zip(last, token_ids)}
+        token_ids = self._argmax(hidden, layout.query_start[1:][[last_query[r] for r in speculating]] - 1)
+        return {request_id: [token] for request_id, token in zip(speculating, token_ids)}
 
     def _decode(self, rows: list[ScheduledRequest], drafts: dict[str, list[int]], batch: PersistentBatch) -> None:
         """Extend each speculating row's draft to its k tokens, one batched decode step per position."""
