@@ -75,6 +75,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
+        """Bytes of the paged KV tensors allocated: the target's and the draft model's."""
         kv = [self.kv, self.draft.kv if self.draft is not None else None]
         return sum(storage.nbytes for storage in kv if storage is not None)
 
