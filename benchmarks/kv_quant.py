@@ -34,7 +34,7 @@ def spec_for(name: str, num_layers: int = NUM_LAYERS) -> KVCacheSpec:
 
 def tokens_held(budget_gib: float) -> dict[str, int]:
     cache = CacheConfig(kv_cache_memory=budget_gib)
-    return {name: num_kv_blocks_for(cache, spec_for(name), torch.device("cpu"), 2**40) * BLOCK_SIZE
+    return {name: num_kv_blocks_for(cache, spec_for(name).bytes_per_block, torch.device("cpu"), 2**40) * BLOCK_SIZE
             for name in NAMES}
 
 

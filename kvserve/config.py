@@ -16,7 +16,7 @@ from kvserve.kv.quant import ENCODINGS
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEVICES = ("auto", "cpu", "cuda")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -160,16 +160,23 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding, off while ``method`` is None. ``ngram`` (prompt lookup) proposes up to
     ``num_speculative_tokens`` tokens that followed the latest earlier occurrence of the request's last n
-    tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+    tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``. ``draft`` proposes the greedy
+    continuation of a small model, ``model`` (resolved like the target's), that shares the target's vocabulary."""
 
     method: str | None = None
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None  # the draft model of method "draft"
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative_method='draft' needs a draft model: give --draft-model PATH (or "
+                             "speculative_config={'method': 'draft', 'model': PATH})")
+        if self.model is not None and self.method != "draft":
+            raise ValueError(f"draft_model is used by speculative_method='draft' only, got method={self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.prompt_lookup_min < 1:
@@ -207,6 +214,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_device_name(self.device)
         self._check_tensor_parallel()
+        if self.speculative.method == "draft" and self.cache.offloads_kv:
+            raise ValueError("speculative_method='draft' does not combine with kv_offload_memory / kv_offload_dir: "
+                             "the KV tiers move the target's blocks only, not the draft model's")
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not combine with yet: weights kept in blocks (GGUF's, int8 / int4) and
@@ -221,3 +231,6 @@ class EngineConfig:
         if self.cache.offloads_kv:
             raise ValueError(f"tensor_parallel_size={size} with kv_offload_memory / kv_offload_dir is not "
                              "supported yet: the KV tiers hold whole blocks of one process")
+        if self.speculative.method == "draft":
+            raise ValueError(f"tensor_parallel_size={size} with speculative_method='draft' is not supported yet: "
+                             "the draft model runs in rank 0 alone (speculative_method='ngram' works)")

@@ -35,6 +35,7 @@ _SPECULATIVE_CONFIG_KEYS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "prompt_lookup_min": "ngram_min",
     "prompt_lookup_max": "ngram_max",
+    "model": "draft_model",
 }
 
 
@@ -103,8 +104,12 @@ class EngineArgs:
                                    int)
     speculative_method: str | None = _option(None, "speculative decoding: 'ngram' proposes the tokens that "
                                              "followed the latest earlier occurrence of the last n tokens "
-                                             "(prompt lookup), verified exactly by the model; off by default",
+                                             "(prompt lookup), 'draft' the greedy tokens of --draft-model; "
+                                             "verified exactly by the model; off by default",
                                              str, SPECULATIVE_METHODS)
+    draft_model: str | None = _option(None, "draft speculation: a small model with the target's vocabulary (a "
+                                      "packaged name, a Hugging Face directory or a GGUF file); its KV takes "
+                                      "blocks of the same pool", str)
     num_speculative_tokens: int = _option(SpeculativeConfig.num_speculative_tokens,
                                           "speculation: most tokens proposed per request per step", int)
     ngram_min: int = _option(SpeculativeConfig.prompt_lookup_min, "ngram speculation: shortest n-gram matched",
@@ -149,6 +154,7 @@ class EngineArgs:
                 num_speculative_tokens=self.num_speculative_tokens,
                 prompt_lookup_min=self.ngram_min,
                 prompt_lookup_max=self.ngram_max,
+                model=self.draft_model,
             ),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             device=self.device,

@@ -48,6 +48,7 @@ CHANGED = {
     "ngram_min": 2,
     "ngram_max": 6,
     "tensor_parallel_size": 2,
+    "draft_model": "some-draft-model",
 }
 
 
@@ -90,8 +91,10 @@ def test_defaults_are_the_configs_defaults() -> None:
 
 def test_flat_options_land_in_the_narrow_configs() -> None:
     # KV offload keeps prefix-cache blocks: the changed values it cannot go with are caching off and (not yet)
-    # tensor parallelism, whose option lands in the test below
-    config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1}).create_engine_config()
+    # tensor parallelism, whose option lands in the test below; a draft model goes with the draft method only
+    # (test_draft_options_land_in_the_speculative_config)
+    config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1,
+                           "draft_model": None}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True)
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
@@ -111,6 +114,11 @@ def test_tensor_parallel_size_lands_in_the_parallel_config() -> None:
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"ngram_min": 0}, "ngram_min"),
         ({"ngram_min": 3, "ngram_max": 2}, "ngram_max"),
+        ({"speculative_method": "draft"}, "--draft-model"),
+        ({"speculative_method": "ngram", "draft_model": "x"}, "draft_model"),
+        ({"draft_model": "x"}, "draft_model"),
+        ({"speculative_method": "draft", "draft_model": "x", "kv_offload_memory": 1.0}, "kv_offload_memory"),
+        ({"speculative_method": "draft", "draft_model": "x", "kv_offload_dir": "/tmp/x"}, "kv_offload_dir"),
     ],
 )
 def test_bad_speculative_options_name_the_option(options, named) -> None:
@@ -139,6 +147,12 @@ def test_vllm_speculative_config_maps_to_the_flat_options() -> None:
     assert EngineArgs(**options).create_engine_config().speculative == SpeculativeConfig("ngram", 4, 1, 3)
     with pytest.raises(ValueError, match="draft_model"):
         EngineArgs.speculative_options({"method": "ngram", "draft_model": "x"})
+
+
+def test_draft_options_land_in_the_speculative_config() -> None:
+    options = EngineArgs.speculative_options({"method": "draft", "model": "small", "num_speculative_tokens": 5})
+    assert options == {"speculative_method": "draft", "draft_model": "small", "num_speculative_tokens": 5}
+    assert EngineArgs(**options).create_engine_config().speculative == SpeculativeConfig("draft", 5, model="small")
 
 
 @pytest.mark.parametrize("config", [ModelConfig(), CacheConfig(), SchedulerConfig(), EngineConfig()])

@@ -9,7 +9,6 @@ import torch
 
 from kvserve.config import CacheConfig
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.storage import KVCacheSpec
 from kvserve.outputs import FinishReason
 from kvserve.request import Request
 from kvserve.sched.output import EngineOutput, KVTransferPlan, SchedulerOutput
@@ -20,9 +19,10 @@ DEFAULT_CPU_KV_CACHE_GIB = 2.0
 DISK_READ_WAIT_SECONDS = 0.05
 
 
-def num_kv_blocks_for(cache: CacheConfig, spec: KVCacheSpec, device: torch.device, max_blocks_needed: int) -> int:
-    """How many blocks the pool gets: ``num_kv_blocks`` if set, else a memory budget (``kv_cache_memory`` GiB,
-    default 2 GiB on CPU; a fraction of free memory on CUDA), never more than the engine could ever fill."""
+def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.device, max_blocks_needed: int) -> int:
+    """How many blocks of ``bytes_per_block`` (every model's KV a block id holds) the pool gets: ``num_kv_blocks``
+    if set, else a memory budget (``kv_cache_memory`` GiB, default 2 GiB on CPU; a fraction of free memory on
+    CUDA), never more than the engine could ever fill."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     if device.type == "cuda" and cache.kv_cache_memory is None:
@@ -30,11 +30,11 @@ def num_kv_blocks_for(cache: CacheConfig, spec: KVCacheSpec, device: torch.devic
         budget = free_bytes * cache.gpu_memory_utilization
     else:
         budget = (cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB) * 2**30
-    num_blocks = min(int(budget // spec.bytes_per_block), max_blocks_needed)
+    num_blocks = min(int(budget // bytes_per_block), max_blocks_needed)
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget ({budget / 2**30:.3f} GiB) is smaller than one block "
-            f"({spec.bytes_per_block} bytes); raise kv_cache_memory"
+            f"({bytes_per_block} bytes); raise kv_cache_memory"
         )
     return num_blocks
 

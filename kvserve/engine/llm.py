@@ -23,7 +23,8 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
         """``engine_options`` are ``EngineArgs``'s fields (``dtype``, ``max_num_seqs``, ``num_kv_blocks``, ...);
         an unknown one is a TypeError that names it, a bad value a ValueError that names it. vLLM's
-        ``speculative_config={"method": "ngram", "num_speculative_tokens": K, ...}`` is accepted too."""
+        ``speculative_config={"method": "ngram", "num_speculative_tokens": K, ...}`` (or ``{"method": "draft",
+        "model": PATH, ...}``) is accepted too."""
         speculative_config = engine_options.pop("speculative_config", None)
         if speculative_config is not None:
             engine_options.update(EngineArgs.speculative_options(speculative_config))

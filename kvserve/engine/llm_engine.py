@@ -16,6 +16,7 @@ from kvserve.engine.core import EngineCore, num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.manager import KVCacheManager
+from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.tiers import DEFAULT_STAGING_GIB, BlockFormat, TieredStore
 from kvserve.model.loader import Checkpoint, load_checkpoint
 from kvserve.model.registry import check_shardable, weight_format
@@ -25,6 +26,7 @@ from kvserve.outputs import FinishReason, RequestOutput
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.scheduler import Scheduler
+from kvserve.spec.draft import DraftModel
 from kvserve.spec.policy import SpeculationPolicy
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.parallel import WorkerGroup, WorkerSpec, start_workers
@@ -53,7 +55,8 @@ class LLMEngine:
         try:
             runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
                                  self.weight_format, structured, config.cache.kv_cache_dtype,
-                                 config.model.quantize_activations, config.model.enforce_eager, workers)
+                                 config.model.quantize_activations, config.model.enforce_eager,
+                                 self._draft_model(vocab_size), workers)
             self.core = self._build_core(runner)
         except BaseException:
             if workers is not None:
@@ -87,12 +90,34 @@ class LLMEngine:
             raise ValueError(f"max_model_len={asked} is over the model's context length ({model_limit})")
         return asked or model_limit
 
+    def _draft_model(self, vocab_size: int) -> DraftModel | None:
+        """The draft model of ``--speculative-method draft``: refused (ValueError) unless it shares the target's
+        vocabulary and covers its context length."""
+        config = self.config
+        if config.speculative.method != "draft":
+            return None
+        assert config.speculative.model is not None
+        location = resolve_model(config.speculative.model)
+        checkpoint = load_checkpoint(location, self.dtype)
+        draft_vocab_size = checkpoint.hf_config.vocab_size
+        if draft_vocab_size != vocab_size:
+            raise ValueError(f"draft model {location.name!r} has a vocabulary of {draft_vocab_size} tokens, the "
+                             f"target {vocab_size}: a draft must share the target's tokenizer")
+        if checkpoint.max_model_len < self.max_model_len:
+            raise ValueError(f"draft model {location.name!r} covers {checkpoint.max_model_len} positions, under "
+                             f"max_model_len={self.max_model_len}: lower --max-model-len")
+        weights = weight_format(config.model.quantization, checkpoint, self.device, self.dtype,
+                                dtype_forced=config.model.dtype != "auto")
+        kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        return DraftModel(checkpoint, self.dtype, self.device, config.cache.block_size, kv_dtype, weights,
+                          config.model.quantize_activations, config.model.enforce_eager)
+
     def _build_core(self, runner: ModelRunner) -> EngineCore:
         sched_config = dataclasses.replace(self.config.scheduler, max_model_len=self.max_model_len)
         block_size = self.config.cache.block_size
         max_blocks_needed = sched_config.max_num_seqs * -(-self.max_model_len // block_size)
         self.num_kv_blocks = num_kv_blocks_for(
-            self.config.cache, runner.kv_cache_spec(), self.device, max_blocks_needed
+            self.config.cache, runner.kv_bytes_per_block(), self.device, max_blocks_needed
         )
         tiers = self._build_kv_tiers(runner)
         runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, tiers)
@@ -160,7 +185,7 @@ class LLMEngine:
             "num_blocks_free": num_free,
             "weights_format": self.core.runner.weights_format(),
             "kv_cache_dtype": self.core.runner.kv_cache_spec().kv_dtype.name,
-            "kv_cache_bytes": self.core.runner.kv.nbytes if self.core.runner.kv else 0,
+            "kv_cache_bytes": self.core.runner.kv_cache_bytes,
             "peak_num_blocks_used": self.core.peak.num_blocks_used,
             "kv_waste_at_peak": self.core.peak.waste,
             "num_running": self.core.scheduler.num_running,

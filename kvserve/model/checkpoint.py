@@ -10,7 +10,7 @@ between implementations, so greedy-equality tests do not hinge on rounding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -71,18 +71,24 @@ _SIZES = {
 SIZES = tuple(_SIZES)
 
 
-def make_checkpoint(out_dir: str | Path, arch: str, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a seeded random ``arch`` checkpoint of ``size`` to ``out_dir`` and return its path.
+def make_checkpoint(
+    out_dir: str | Path, arch: str, size: str = "tiny", seed: int = 0, num_layers: int | None = None
+) -> Path:
+    """Write a seeded random ``arch`` checkpoint of ``size`` to ``out_dir`` and return its path; ``num_layers``
+    overrides the size's (a draft model for speculation: same tokenizer, fewer layers).
 
-    The same (arch, size, seed) always gives the same tensors and tokenizer.
+    The same (arch, size, seed, num_layers) always gives the same tensors and tokenizer.
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
     if size not in SIZES:
         raise ValueError(f"unknown checkpoint size {size!r}; expected one of {', '.join(SIZES)}")
     out_dir = Path(out_dir)
-    tokenizer = _train_tokenizer(_SIZES[size].vocab_size)
-    model = _random_model(arch, _SIZES[size], tokenizer, seed)
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    shape = _SIZES[size] if num_layers is None else replace(_SIZES[size], num_layers=num_layers)
+    tokenizer = _train_tokenizer(shape.vocab_size)
+    model = _random_model(arch, shape, tokenizer, seed)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -15,6 +15,29 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvserve.request import Request
+from kvserve.spec.proposer import Proposer
+
+
+class NgramProposer(Proposer):
+    """``ngram``: drafts from the request's own history (``propose_ngram``)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._prompts: dict[str, np.ndarray] = {}  # request id -> its prompt as an array, made once
+
+    def propose(self, request: Request, k: int) -> tuple[int, ...]:
+        return tuple(propose_ngram(self._history(request), self.min_n, self.max_n, k).tolist())
+
+    def drop(self, request_id: str) -> None:
+        self._prompts.pop(request_id, None)
+
+    def _history(self, request: Request) -> np.ndarray:
+        prompt = self._prompts.get(request.request_id)
+        if prompt is None:
+            prompt = self._prompts[request.request_id] = np.array(request.prompt_token_ids, dtype=np.int64)
+        return np.concatenate((prompt, np.array(request.output_token_ids, dtype=np.int64)))
+
 
 def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """``k`` tokens following the most recent earlier occurrence of the history's last n tokens, for the

@@ -1,20 +1,20 @@
 """SpeculationPolicy: which running requests speculate, how many tokens each proposes, and the counters.
 
 The scheduler asks it for a request's draft each step and reports back how many draft tokens the runner
-accepted. It runs no model: ``ngram`` drafts come from the request's own history (``spec/ngram.py``). Any
-request may speculate, whatever its sampling: the sampler verifies each draft position as plain decoding
-would have sampled it there (``sample/rejection.py``).
+accepted. It runs no model: ``ngram`` drafts come from the request's own history (``spec/ngram.py``), and
+``draft`` drafts are slots that the runner's draft model fills (``spec/proposer.py``). Any request may
+speculate, whatever its sampling: the sampler verifies each draft position as plain decoding would have
+sampled it there (``sample/rejection.py``).
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from kvserve.config import SpeculativeConfig
 from kvserve.request import Request
-from kvserve.spec.ngram import propose_ngram
+from kvserve.spec.ngram import NgramProposer
+from kvserve.spec.proposer import DraftModelSlots, Proposer
 
 # Verification turns each speculating decode into a (1 + k)-token chunk. With many decodes in a step the
 # forward pass is already busy (compute-bound on CPU, and the batch fills the GPU), so extra positions cost
@@ -32,8 +32,8 @@ RATE_RECOVERY = 0.02
 class SpeculationPolicy:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.proposer = _proposer(config)
         self._acceptance: dict[str, float] = {}  # request id -> smoothed acceptance rate
-        self._prompts: dict[str, np.ndarray] = {}  # request id -> its prompt as an array, made once
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_emitted_tokens = 0
@@ -46,9 +46,7 @@ class SpeculationPolicy:
         k = min(self._num_to_propose(request.request_id), max_draft)
         if k < 1:
             return ()
-        config = self.config
-        draft = propose_ngram(self._history(request), config.prompt_lookup_min, config.prompt_lookup_max, k)
-        return tuple(draft.tolist())
+        return self.proposer.propose(request, k)
 
     def record(self, request_id: str, num_draft: int, num_emitted: int) -> None:
         """A verified row: ``num_draft`` proposed, ``num_emitted`` tokens came back (accepted drafts + 1)."""
@@ -61,7 +59,7 @@ class SpeculationPolicy:
 
     def drop(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
-        self._prompts.pop(request_id, None)
+        self.proposer.drop(request_id)
 
     def stats(self) -> dict[str, int | float]:
         drafted = self.num_draft_tokens
@@ -79,8 +77,8 @@ class SpeculationPolicy:
             return 0
         return math.ceil(self.config.num_speculative_tokens * rate)
 
-    def _history(self, request: Request) -> np.ndarray:
-        prompt = self._prompts.get(request.request_id)
-        if prompt is None:
-            prompt = self._prompts[request.request_id] = np.array(request.prompt_token_ids, dtype=np.int64)
-        return np.concatenate((prompt, np.array(request.output_token_ids, dtype=np.int64)))
+
+def _proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "draft":
+        return DraftModelSlots()
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)

@@ -37,7 +37,6 @@ from torch.utils._pytree import tree_flatten
 from kvserve.attention.backend import AttentionBackend, AttentionInputs
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.native import KernelFunction, recording
-from kvserve.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +127,9 @@ class _StaticInputs:
         self.query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
         self.block_size = block_size
 
-    def load(self, batch: InputBatch) -> None:
-        attn = batch.attn
-        self.input_ids.copy_(batch.input_ids)
-        self.positions.copy_(batch.positions)
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> None:
+        self.input_ids.copy_(input_ids)
+        self.positions.copy_(positions)
         self.slot_mapping.copy_(attn.slot_mapping)
         self.seq_lens.copy_(attn.seq_lens)
         self.block_tables[:, : attn.block_tables.shape[1]].copy_(attn.block_tables)
@@ -153,8 +151,8 @@ class _StepGraph:
         self.inputs, self.calls, self.output = inputs, calls, output
         self._alive = (tensors, keep)  # every tensor a recorded pointer may point into
 
-    def replay(self, batch: InputBatch) -> torch.Tensor:
-        self.inputs.load(batch)
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+        self.inputs.load(input_ids, positions, attn)
         for call in self.calls:
             call()
         return self.output
@@ -175,23 +173,23 @@ class CpuStepGraphs:
         self.num_bytes = 0
         self.num_replays = 0
 
-    def forward(self, batch: InputBatch) -> torch.Tensor | None:
-        attn = batch.attn
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
+        """The hidden states of a forward pass over these inputs, or None where the step must run eagerly."""
         num_tokens = attn.num_tokens
         if (num_tokens > MAX_GRAPH_TOKENS or attn.num_decodes != num_tokens or attn.num_seqs != num_tokens
                 or num_tokens in self.eager_sizes or max(attn.seq_lens_list) > self.max_positions):
             return None
         graph = self.graphs.get(num_tokens)
         if graph is None:
-            return self._record(batch)
+            return self._record(input_ids, positions, attn)
         self.num_replays += 1
-        return graph.replay(batch)
+        return graph.replay(input_ids, positions, attn)
 
-    def _record(self, batch: InputBatch) -> torch.Tensor:
-        num_tokens = batch.attn.num_tokens
-        inputs = _StaticInputs(num_tokens, self.max_blocks, batch.attn.block_size, batch.input_ids.device)
-        inputs.load(batch)
-        meta = self.backend.build_metadata(inputs.attention_inputs(batch.attn.seq_lens_list), self.sliding_windows)
+    def _record(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
+        num_tokens = attn.num_tokens
+        inputs = _StaticInputs(num_tokens, self.max_blocks, attn.block_size, input_ids.device)
+        inputs.load(input_ids, positions, attn)
+        meta = self.backend.build_metadata(inputs.attention_inputs(attn.seq_lens_list), self.sliding_windows)
         recorder = _StepRecorder()
         try:
             with recorder, recording(recorder.record_kernel):

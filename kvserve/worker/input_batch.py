@@ -16,6 +16,7 @@ input is one non-blocking copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,6 +39,15 @@ class InputBatch:
     # [S]: a speculating request's drafts (it reads 1 + len(drafts) consecutive sample rows), else ()
     draft_token_ids: list[tuple[int, ...]]
     prompt_logprobs: list[PromptLogprobRows]
+
+
+class StepLayout(NamedTuple):
+    """A forward pass's token inputs and attention layout; ``query_start`` (host) has each query's first row."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    attn: AttentionInputs
+    query_start: np.ndarray  # int64 [B + 1]
 
 
 @dataclass(frozen=True)
@@ -175,34 +185,14 @@ class PersistentBatch:
         """The step's flat inputs; one Python pass over the step's requests, everything per token in numpy."""
         scheduled = sched_out.requests
         rows, start_pos, query_lens, tokens = self._gather(scheduled)
-        query_start = np.zeros(len(scheduled) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start[1:])
-        seq_lens = start_pos + query_lens
-        num_tokens = int(query_start[-1])
-
-        seq_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
-        positions = np.arange(num_tokens) - query_start[seq_of_token] + start_pos[seq_of_token]
-        width = max(1, int(self.num_blocks[rows].max(initial=0)))
-        block_tables = self.block_table[rows, :width]
-        slot_mapping = block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-        slot_mapping += positions % self.block_size
-        input_ids = np.array(tokens, dtype=np.int64)
-        attn = AttentionInputs(
-            num_decodes=int(np.count_nonzero(query_lens == 1)),
-            query_start_loc=self._to_device("query_start_loc", query_start, torch.int32),
-            seq_lens=self._to_device("seq_lens", seq_lens, torch.int32),
-            block_tables=self._to_device("block_tables", block_tables, torch.int32),
-            slot_mapping=self._to_device("slot_mapping", slot_mapping, torch.int64),
-            query_lens_list=query_lens.tolist(),
-            seq_lens_list=seq_lens.tolist(),
-            block_size=self.block_size,
-        )
+        layout = self.layout(rows, start_pos, query_lens, tokens)
+        query_start = layout.query_start
         sampling = [i for i, r in enumerate(scheduled) if r.sample]
         draft_token_ids = [scheduled[i].draft_token_ids for i in sampling]
         return InputBatch(
-            input_ids=self._to_device("input_ids", input_ids, torch.int64),
-            positions=self._to_device("positions", positions, torch.int64),
-            attn=attn,
+            input_ids=layout.input_ids,
+            positions=layout.positions,
+            attn=layout.attn,
             sample_rows=self._to_device("sample_rows", _sample_rows(query_start, sampling, draft_token_ids),
                                         torch.int64),
             sample_request_ids=[scheduled[i].request_id for i in sampling],
@@ -213,6 +203,42 @@ class PersistentBatch:
                 if (rows := self._prompt_logprob_rows(r, int(query_start[i]))) is not None
             ],
         )
+
+    def layout(self, rows: np.ndarray, start_pos: np.ndarray, query_lens: np.ndarray, tokens: list[int]) -> StepLayout:
+        """The flat inputs of a forward pass that runs ``query_lens[i]`` tokens of the request in batch row
+        ``rows[i]`` from position ``start_pos[i]`` on (one-token queries first, as the backends expect),
+        ``tokens`` all of them in order; the KV slots come from the rows' block tables."""
+        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        seq_lens = start_pos + query_lens
+        num_tokens = int(query_start[-1])
+        seq_of_token = np.repeat(np.arange(len(rows)), query_lens)
+        positions = np.arange(num_tokens) - query_start[seq_of_token] + start_pos[seq_of_token]
+        width = max(1, int(self.num_blocks[rows].max(initial=0)))
+        block_tables = self.block_table[rows, :width]
+        slot_mapping = block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+        slot_mapping += positions % self.block_size
+        attn = AttentionInputs(
+            num_decodes=int(np.count_nonzero(query_lens == 1)),
+            query_start_loc=self._to_device("query_start_loc", query_start, torch.int32),
+            seq_lens=self._to_device("seq_lens", seq_lens, torch.int32),
+            block_tables=self._to_device("block_tables", block_tables, torch.int32),
+            slot_mapping=self._to_device("slot_mapping", slot_mapping, torch.int64),
+            query_lens_list=query_lens.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            block_size=self.block_size,
+        )
+        input_ids = self._to_device("input_ids", np.array(tokens, dtype=np.int64), torch.int64)
+        return StepLayout(input_ids, self._to_device("positions", positions, torch.int64), attn, query_start)
+
+    def rows_of(self, request_ids: list[str]) -> np.ndarray:
+        """The batch rows of the given requests (for ``layout``)."""
+        return np.array([self._index_of(request_id) for request_id in request_ids], dtype=np.int64)
+
+    def token_ids(self, request_id: str, start: int, end: int) -> list[int]:
+        """The request's known tokens at positions ``start .. end - 1`` (prompt, then outputs)."""
+        row = self._row(request_id)
+        return _slice(row.prompt_token_ids, row.output_token_ids, start, end)
 
     def _gather(self, scheduled: tuple[ScheduledRequest, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
         """Each scheduled request's row, start position and token count, and the token ids the step runs, in
@@ -229,11 +255,7 @@ class PersistentBatch:
                     f"request {r.request_id!r} is scheduled up to position {end - 1}, but the runner knows "
                     f"only {num_prompt + len(outputs)} of its tokens"
                 )
-            if start >= num_prompt:
-                tokens += outputs[start - num_prompt : end - num_prompt]
-            else:
-                tokens += prompt[start:end]
-                tokens += outputs[: max(0, end - num_prompt)]
+            tokens += _slice(prompt, outputs, start, end)
             tokens += r.draft_token_ids
         starts = np.fromiter((r.start_pos for r in scheduled), np.int64, len(scheduled))
         lengths = np.fromiter((r.num_tokens for r in scheduled), np.int64, len(scheduled))
@@ -269,6 +291,14 @@ class PersistentBatch:
         staged = buffer[: host.numel()].view(host.shape)
         staged.copy_(host)
         return staged.to(self.device, non_blocking=True)
+
+
+def _slice(prompt: list[int], outputs: list[int], start: int, end: int) -> list[int]:
+    """Positions ``start .. end - 1`` of prompt + outputs, without concatenating them."""
+    num_prompt = len(prompt)
+    if start >= num_prompt:
+        return outputs[start - num_prompt : end - num_prompt]
+    return prompt[start:end] + outputs[: max(0, end - num_prompt)]
 
 
 def _sample_rows(query_start: np.ndarray, sampling: list[int], drafts: list[tuple[int, ...]]) -> np.ndarray:

@@ -19,6 +19,7 @@ from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
+from kvserve.spec.draft import DraftModel
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
 from kvserve.worker.parallel import StepPeers
@@ -27,19 +28,21 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the model weights, the paged KV tensors, the persistent batch, the attention backend and the
-    sampler state.
+    """Owns the model weights, the paged KV tensors, the persistent batch, the attention backend, the sampler
+    state and, with draft speculation, the draft model (which fills the step's draft slots before the forward).
 
     Under tensor parallelism (``peers.tp.size`` > 1) every rank runs one, over its part of the weights and of the
     KV heads, and ``peers`` links them (``worker/parallel.py``): rank 0's sends each step to the workers before
     running it, samples, and sends the tokens; a worker's runs the same steps, joins the model's collectives,
-    and appends the tokens it receives. CPU step graphs are off (they do not record collectives)."""
+    and appends the tokens it receives. CPU step graphs are off (they do not record collectives). Draft
+    speculation is refused under tensor parallelism (``EngineConfig``): its drafts are filled after the step is
+    sent."""
 
     def __init__(
         self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
         weights: str = "dense", structured: StructuredOutputCompiler | None = None,
         kv_cache_dtype_name: str = "auto", quantize_activations: bool = True, enforce_eager: bool = False,
-        peers: StepPeers | None = None,
+        draft: DraftModel | None = None, peers: StepPeers | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -59,6 +62,7 @@ class ModelRunner:
         self._sliding_windows = self.model.sliding_windows()
         self.enforce_eager = enforce_eager
         self.graphs: CpuStepGraphs | None = None
+        self.draft = draft
 
     def weights_format(self) -> str:
         """How the linear layers hold their weights: the dtype, the GGUF block types kept (e.g. "gguf Q4_1,
@@ -77,6 +81,17 @@ class ModelRunner:
         m = self.model
         return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype, self.kv_cache_dtype)
 
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block id holds: the target's KV, and the draft model's (the same block ids index both)."""
+        draft = self.draft.kv_cache_spec().bytes_per_block if self.draft is not None else 0
+        return self.kv_cache_spec().bytes_per_block + draft
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the paged KV tensors allocated: the target's and the draft model's."""
+        kv = [self.kv, self.draft.kv if self.draft is not None else None]
+        return sum(storage.nbytes for storage in kv if storage is not None)
+
     def model_identity(self) -> str:
         """A fingerprint of the loaded weights and of what shapes their KV (device, dtypes, weight format,
         attention backend): KV tiers on disk use blocks written under the same fingerprint only."""
@@ -92,6 +107,8 @@ class ModelRunner:
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = PersistentBatch(max_blocks, self.block_size, self.device)
         self.kv_tiers = tiers
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks, max_blocks)
         self.graphs = None
         if self.tp.size > 1:
             if self.tp.rank == 0 and not self.enforce_eager:
@@ -113,15 +130,21 @@ class ModelRunner:
         samples = self.peers.is_driver
         if samples:
             self._update_sampler(sched_out)
+        if self.draft is not None:
+            self.draft.drop(sched_out.finished_request_ids | sched_out.preempted_request_ids)
         self.apply_kv_transfers(sched_out.kv_transfers)
         if sched_out.is_empty:
             return ModelOutput(sampled_token_ids={})
+        if self.draft is not None:  # before the sampler's prepare: the grammar masks walk the drafts
+            sched_out = self.draft.fill(sched_out, self.batch)
         batch = self.batch.prepare(sched_out)
         if samples:
             self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
         hidden = self._forward(batch)
         output = self._sample(batch, hidden)
         self.batch.append_sampled(output.sampled_token_ids)
+        if self.draft is not None:
+            self.draft.record(sched_out, output.sampled_token_ids)
         for request_id, draft in zip(batch.sample_request_ids, batch.draft_token_ids):
             if draft:
                 self.batch.drop_rejected_blocks(request_id)
@@ -140,7 +163,8 @@ class ModelRunner:
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         """The model's hidden states for the step: replayed from a CPU step graph where one serves it."""
-        if self.graphs is not None and (hidden := self.graphs.forward(batch)) is not None:
+        graphs = self.graphs
+        if graphs is not None and (hidden := graphs.forward(batch.input_ids, batch.positions, batch.attn)) is not None:
             return hidden
         meta = self.backend.build_metadata(batch.attn, self._sliding_windows)
         return self.model(batch.input_ids, batch.positions, meta, self.kv)
@@ -153,6 +177,8 @@ class ModelRunner:
         if plan.offloads:
             tiers.offload(self.kv, plan.offloads)
         self.kv.copy_blocks(plan.copies)
+        if self.draft is not None:
+            self.draft.copy_blocks(plan.copies)
         if plan.loads:
             tiers.load(self.kv, plan.loads)
 

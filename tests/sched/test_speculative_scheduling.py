@@ -13,6 +13,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import ModelOutput
 from kvserve.sched.scheduler import Scheduler
 from kvserve.spec.policy import SpeculationPolicy
+from kvserve.spec.proposer import DRAFT_SLOT
 
 BLOCK_SIZE = 4
 PROMPT = [5, 6, 7, 8, 5, 6, 7]  # "5 6 7" repeats: the proposer drafts "8 5 6 7 ..."
@@ -98,3 +99,18 @@ def test_a_draft_that_does_not_fit_in_memory_is_dropped_rather_than_preempting()
     out = scheduler.schedule()
     assert out.requests[0].draft_token_ids == () and out.requests[0].num_tokens == 1
     assert scheduler.num_preemptions == 0
+
+
+def test_draft_slots_are_scheduled_as_query_tokens_and_rolled_back_like_drafts() -> None:
+    kv = KVCacheManager(16, BLOCK_SIZE, enable_prefix_caching=True)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=64)
+    scheduler = Scheduler(config, kv, SpeculationPolicy(SpeculativeConfig("draft", 4, model="draft-model")))
+    request = _prefilled(scheduler)
+    out = scheduler.schedule()
+    (row,) = out.requests
+    assert row.draft_token_ids == (DRAFT_SLOT,) * 4 and (row.start_pos, row.num_tokens) == (7, 5)
+    assert len(request.block_ids) == 3  # positions 0..11: the slots hold the draft model's KV and tokens
+    scheduler.update_from_output(out, ModelOutput({"r": [3, 9]}))  # the runner's draft: one accepted, then 9
+    assert request.output_token_ids == [8, 3, 9] and request.num_computed_tokens == 9
+    assert scheduler.speculation.stats()["spec_decode_num_accepted_tokens"] == 1
+    scheduler.kv.check_integrity([request])

@@ -9,6 +9,7 @@ from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.spec.policy import MAX_RUNNING_TO_SPECULATE, SpeculationPolicy
+from kvserve.spec.proposer import DRAFT_SLOT
 
 REPEATING = [1, 2, 3, 4, 5, 6] * 3
 
@@ -65,3 +66,12 @@ def test_stats_count_drafted_accepted_and_emitted_tokens() -> None:
         "spec_decode_num_emitted_tokens": 6,
         "spec_decode_acceptance_rate": 4 / 6,
     }
+
+
+def test_the_draft_method_reserves_slots_for_the_runner() -> None:
+    spec = SpeculationPolicy(SpeculativeConfig("draft", 3, model="draft-model"))
+    assert spec.draft(request(), num_running=1, max_draft=10) == (DRAFT_SLOT,) * 3
+    assert spec.draft(request(), num_running=1, max_draft=2) == (DRAFT_SLOT,) * 2
+    assert spec.draft(request(), num_running=MAX_RUNNING_TO_SPECULATE + 1, max_draft=10) == ()
+    spec.record("r", num_draft=3, num_emitted=1)  # nothing accepted: k follows the acceptance rate down
+    assert len(spec.draft(request(), num_running=1, max_draft=10)) == 2
