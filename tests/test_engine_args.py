@@ -119,6 +119,7 @@ def test_tensor_parallel_size_lands_in_the_parallel_config() -> None:
         ({"draft_model": "x"}, "draft_model"),
         ({"speculative_method": "draft", "draft_model": "x", "kv_offload_memory": 1.0}, "kv_offload_memory"),
         ({"speculative_method": "draft", "draft_model": "x", "kv_offload_dir": "/tmp/x"}, "kv_offload_dir"),
+        ({"speculative_method": "draft", "draft_model": "x", "tensor_parallel_size": 2}, "speculative_method='draft'"),
     ],
 )
 def test_bad_speculative_options_name_the_option(options, named) -> None:
