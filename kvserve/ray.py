@@ -1,7 +1,8 @@
 """kvserve as a Ray Serve application, for users who run Ray clusters:
 
     serve run kvserve.ray:app model=smollm2-135m-instruct data_parallel_size=2 [routing_policy=cache_aware]
-        [replica_cpus=1] [any `kvserve serve` option as name=value, e.g. max_num_seqs=16 enable_prefix_caching=false]
+        [replica_cpus=1] [replica_gpus=0] [any `kvserve serve` option as name=value, e.g. max_num_seqs=16
+        enable_prefix_caching=false tensor_parallel_size=2]
 
 Two deployments::
 
@@ -15,7 +16,8 @@ kvserve's routing policy (``kvserve.router.policy``: ``cache_aware`` by default)
 request-router interface, so a request goes to the replica that was sent the longest prefix of it unless the
 load is out of balance. Responses stream through as the replica writes them; a client that disconnects cancels
 the replica's generator, which the kvserve app sees as a disconnect and aborts. Ray places and restarts
-replicas; ``replica_cpus`` is each one's CPU reservation.
+replicas; ``replica_cpus`` / ``replica_gpus`` are what each tensor-parallel rank of a replica reserves, and a
+replica's ranks are placed on one node.
 
 Ray is an optional dependency (``pip install 'kvserve[ray]'``): this module imports it at the top, and nothing
 else in kvserve imports this module.
@@ -270,7 +272,15 @@ async def _body(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
 
 # ---- the application ---------------------------------------------------------------------------------------------
 
-RAY_OPTIONS = ("data_parallel_size", "routing_policy", "replica_cpus")
+def replica_resources(options: dict[str, str], cpus_per_rank: float, gpus_per_rank: float) -> dict[str, float]:
+    """What one engine replica reserves: its tensor-parallel group's share per rank, times the ranks. One actor
+    asks for the whole group, so Ray places every rank on one node; the ranks after the first are the replica's
+    own worker processes (``worker/parallel.py``), running inside that reservation."""
+    ranks = serve_arguments(options).tensor_parallel_size
+    resources = {"num_cpus": cpus_per_rank * ranks}
+    if gpus_per_rank:
+        resources["num_gpus"] = gpus_per_rank * ranks
+    return resources
 
 
 def app(args: dict[str, str]) -> serve.Application:
@@ -278,12 +288,13 @@ def app(args: dict[str, str]) -> serve.Application:
     options = {name: str(value) for name, value in args.items()}
     num_replicas = int(options.pop("data_parallel_size", "1"))
     routing_policy = options.pop("routing_policy", "cache_aware")
-    replica_cpus = float(options.pop("replica_cpus", "1"))
+    cpus_per_rank = float(options.pop("replica_cpus", "1"))
+    gpus_per_rank = float(options.pop("replica_gpus", "0"))
     make_policy(routing_policy)  # a bad name fails here, before any replica starts
-    serve_arguments(options)  # likewise a bad serve option
+    resources = replica_resources(options, cpus_per_rank, gpus_per_rank)  # likewise a bad serve option
     engines = serve.deployment(EngineReplica, name="kvserve-engine").options(
         num_replicas=num_replicas,
-        ray_actor_options={"num_cpus": replica_cpus},
+        ray_actor_options=resources,
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,
             request_router_kwargs={"routing_policy": routing_policy},

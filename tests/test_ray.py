@@ -17,7 +17,7 @@ from openai import OpenAI  # noqa: E402
 from ray import serve  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.ray import app, serve_arguments  # noqa: E402
+from kvserve.ray import app, replica_resources, serve_arguments  # noqa: E402
 from tests.router.test_router_e2e import MAX_MODEL_LEN, MODEL_NAME, checkpoint  # noqa: E402,F401 (a fixture)
 from tests.server.conftest import free_port  # noqa: E402
 
@@ -84,3 +84,9 @@ def test_bad_options_are_named_before_anything_starts() -> None:
         serve_arguments({"enable_prefix_caching": "maybe"})
     with pytest.raises(ValueError, match="routing policy"):
         app({"routing_policy": "random"})
+
+
+def test_a_replica_reserves_its_tensor_parallel_group_on_one_node() -> None:
+    assert replica_resources({"model": "m"}, 1.0, 0.0) == {"num_cpus": 1.0}
+    assert replica_resources({"model": "m", "tensor_parallel_size": "4"}, 0.5, 1.0) == {"num_cpus": 2.0,
+                                                                                       "num_gpus": 4.0}
