@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -44,12 +43,11 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message
 
 from kvserve.config import DEFAULT_MODEL
-from kvserve.router.app import prompt_text
+from kvserve.router.app import FORWARDED_HEADERS, prompt_text, request_payload
 from kvserve.router.policy import Replica, RoutingPolicy, make_policy
 from kvserve.router.prefix_index import prefix_keys
 from kvserve.server.errors import error_response
 
-PROXIED_HEADERS = ("authorization", "content-type", "accept")
 STOP_GRACE_SECONDS = 5.0  # a cancelled stream's app task gets this long to see the disconnect and abort
 
 
@@ -243,16 +241,13 @@ class Ingress:
 
     async def _generate(self, request: Request) -> Response:
         body = await request.body()
-        try:
-            payload = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return error_response(400, f"the request body is not valid JSON: {error}")
-        if not isinstance(payload, dict):
-            return error_response(400, "the request body must be a JSON object")
+        payload = request_payload(body)
+        if isinstance(payload, Response):
+            return payload
         return await self._relay(request, body, prompt_text(payload))
 
     async def _relay(self, request: Request, body: bytes, prompt: str) -> Response:
-        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() in PROXIED_HEADERS)
+        headers = tuple((k, v) for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS)
         proxied = ProxiedRequest(request.method, request.url.path, body, headers, prompt)
         stream: DeploymentResponseGenerator = self.engines.handle.remote(proxied)
         start = await stream.__anext__()

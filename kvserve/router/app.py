@@ -57,6 +57,17 @@ def prompt_text(payload: dict[str, Any]) -> str:
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
+def request_payload(body: bytes) -> dict[str, Any] | Response:
+    """The JSON object a generation request carries, or the 400 that says why the body is none."""
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return error_response(400, f"the request body is not valid JSON: {error}")
+    if not isinstance(payload, dict):
+        return error_response(400, "the request body must be a JSON object")
+    return payload
+
+
 def _content_text(content: Any) -> str:
     if isinstance(content, list):  # content parts
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
@@ -205,12 +216,9 @@ def build_router_app(router: Router) -> FastAPI:
 
     async def proxy(request: Request, path: str) -> Response:
         body = await request.body()
-        try:
-            payload = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return error_response(400, f"the request body is not valid JSON: {error}")
-        if not isinstance(payload, dict):
-            return error_response(400, "the request body must be a JSON object")
+        payload = request_payload(body)
+        if isinstance(payload, Response):
+            return payload
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         return await router.forward(path, body, payload, headers)
 
