@@ -92,9 +92,11 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits_0(start_server) -> Non
 
 
 def test_sigterm_aborts_what_outlasts_the_grace_period(start_server) -> None:
-    server = start_server("--shutdown-timeout", "0.2")
+    # the streams must outlast the 0.2 s grace: replayed step graphs decode 250 tiny-model tokens in about that
+    # long, so these run 500 tokens (the checkpoint's context) step by step
+    server = start_server("--shutdown-timeout", "0.2", "--max-model-len", "512", "--enforce-eager")
     results: list = []
-    threads = [stream_in_background(server.openai(), 250, results) for _ in range(3)]
+    threads = [stream_in_background(server.openai(), 500, results) for _ in range(3)]
     wait_for(lambda: server.metric("kvserve:num_requests_running") == 3)
     started = time.monotonic()
     server.terminate()
