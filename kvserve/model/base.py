@@ -10,7 +10,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
-from kvserve.kv.storage import KVCacheStorage
+from kvserve.kv.quant import KVCacheDtype
+from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 
 
 class CausalLM(nn.Module):
@@ -54,6 +55,10 @@ class CausalLM(nn.Module):
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype, kv_dtype: KVCacheDtype) -> KVCacheSpec:
+        """The shape of this model's paged KV (its layers, KV heads and head size) in blocks of ``block_size``."""
+        return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype, kv_dtype)
 
     @abstractmethod
     def sliding_windows(self) -> set[int | None]:

@@ -45,7 +45,7 @@ from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.sample.sampler import first_max
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
-from kvserve.worker.cpu_graph import CpuStepGraphs
+from kvserve.worker.cpu_graph import CpuStepGraphs, step_graphs_for
 from kvserve.worker.input_batch import PersistentBatch, StepLayout
 
 
@@ -80,17 +80,14 @@ class DraftModel:
         return len(self._num_computed)
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        m = self.model
-        return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype, self.kv_dtype)
+        return self.model.kv_cache_spec(self.block_size, self.dtype, self.kv_dtype)
 
     def init_kv_cache(self, num_blocks: int, max_blocks_per_request: int) -> None:
         """The draft's KV, ``num_blocks`` blocks like the target's (block ids are shared); step graphs for its
         decode steps on CPU, as the target has."""
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device)
-        self.graphs = None
-        if self.device.type == "cpu" and self.backend.static_metadata and not self.enforce_eager:
-            self.graphs = CpuStepGraphs(self.model, self.backend, self.kv, self._sliding_windows,
-                                        max_blocks_per_request, self.model.config.max_position_embeddings)
+        self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, max_blocks_per_request,
+                                      self.enforce_eager)
 
     def drop(self, request_ids: frozenset[str]) -> None:
         """Forget requests that left the runner's batch (finished, or preempted: their blocks were freed)."""

@@ -158,6 +158,15 @@ class _StepGraph:
         return self.output
 
 
+def step_graphs_for(model: torch.nn.Module, backend: AttentionBackend, kv: KVCacheStorage, device: torch.device,
+                    max_blocks: int, enforce_eager: bool) -> CpuStepGraphs | None:
+    """Step graphs for ``model``'s decode steps where they can serve: on CPU, over a backend whose metadata is
+    static, unless ``--enforce-eager``."""
+    if device.type != "cpu" or not backend.static_metadata or enforce_eager:
+        return None
+    return CpuStepGraphs(model, backend, kv, model.sliding_windows(), max_blocks, model.config.max_position_embeddings)
+
+
 class CpuStepGraphs:
     """Runs decode steps of up to ``MAX_GRAPH_TOKENS`` tokens through step graphs, recording each batch size at
     its first step; ``forward`` returns None for a step that must run eagerly."""

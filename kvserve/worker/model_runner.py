@@ -20,7 +20,7 @@ from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.spec.draft import DraftModel
-from kvserve.worker.cpu_graph import CpuStepGraphs
+from kvserve.worker.cpu_graph import CpuStepGraphs, step_graphs_for
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
 from kvserve.worker.parallel import StepPeers
 
@@ -78,8 +78,7 @@ class ModelRunner:
         return f"gguf {', '.join(kept)}" if kept else str(self.dtype).removeprefix("torch.")
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        m = self.model
-        return KVCacheSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.block_size, self.dtype, self.kv_cache_dtype)
+        return self.model.kv_cache_spec(self.block_size, self.dtype, self.kv_cache_dtype)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block id holds: the target's KV, and the draft model's (the same block ids index both)."""
@@ -113,9 +112,8 @@ class ModelRunner:
         if self.tp.size > 1:
             if self.tp.rank == 0 and not self.enforce_eager:
                 logger.info("tensor parallel: every step runs eagerly (CPU step graphs do not record collectives)")
-        elif self.device.type == "cpu" and self.backend.static_metadata and not self.enforce_eager:
-            self.graphs = CpuStepGraphs(self.model, self.backend, self.kv, self._sliding_windows, max_blocks,
-                                        self.model.config.max_position_embeddings)
+        else:
+            self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, max_blocks, self.enforce_eager)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
