@@ -33,10 +33,10 @@
  * tokens, one layer, median of 5): fp32 5.1 ms, int8 7.0, fp8 9.9, int4 6.1 (before the AVX2 changes below:
  * 9.8, 14.4, 33.7, 15.5). Most of that cost turned out to be GCC 12 scalarising the byte-to-int32 widening
  * of every code (kv_vectors.h now widens with one vpmovsxbd / vpmovzxbd) and, in the write, torch's round
- * opening a parallel region (kv/quant.py). After both, on Zen 4 with AVX-512 (2 cores shared with other work,
- * same benchmark, median of 9, interleaved): fp32 20.8 ms, int8 16.0, fp8 17.4, int4 10.6, where before they
- * were 16.0, 32.0, 16.0, 24.0: the quantized caches are now read faster than fp32's, as their 3.8x / 7.1x
- * fewer bytes should make them.
+ * opening a parallel region (kv/quant.py). After both, on a quiet Zen 4 (same benchmark, median of 9,
+ * interleaved, time against fp32's in the same run, before -> after): AVX-512 int8 1.05x -> 0.62x, fp8 1.22x ->
+ * 0.76x, int4 0.47x -> 0.52x (noise); forced AVX2 int8 1.11x -> 0.55x, fp8 1.34x -> 0.75x, int4 0.85x -> 0.76x.
+ * The quantized caches are now read faster than fp32's, as their 3.8x / 7.1x fewer bytes should make them.
  *
  * No torch headers: the module is called through ctypes with raw pointers, so it builds in seconds.
  */
