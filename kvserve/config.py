@@ -30,6 +30,7 @@ _DTYPES = {
 DTYPE_CHOICES = ("auto", *_DTYPES)
 # how a quantized checkpoint's weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32
 # activations, dtype not forced); none dequantizes at load; gguf insists on the blocks
+LOAD_FORMAT_CHOICES = ("auto", "mmap")
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", *ENCODINGS)  # "auto": the model's dtype, unquantized
 
@@ -74,10 +75,15 @@ class ModelConfig:
     quantize_activations: bool = False
     # every step op by op from Python: no CPU step graphs (kvserve/worker/cpu_graph.py)
     enforce_eager: bool = False
+    # "mmap": a GGUF's blocks are used where the file is mapped, the only copy of the weights (no dense layout)
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             parse_dtype(self.dtype, "cpu")
+        if self.load_format not in LOAD_FORMAT_CHOICES:
+            raise ValueError(f"unknown load_format {self.load_format!r}; expected one of "
+                             f"{', '.join(LOAD_FORMAT_CHOICES)}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"unknown quantization {self.quantization!r}; expected one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}")

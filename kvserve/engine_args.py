@@ -17,6 +17,7 @@ from kvserve.config import (
     DEFAULT_MODEL,
     DEVICES,
     DTYPE_CHOICES,
+    LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
     KV_CACHE_DTYPES,
     SCHEDULING_POLICIES,
@@ -66,6 +67,12 @@ class EngineArgs:
     enforce_eager: bool = _option(ModelConfig.enforce_eager,
                                   "run every step op by op; by default a CPU decode step of up to 16 tokens is "
                                   "recorded once per size and replayed without its Python (a step graph)")
+    load_format: str = _option(ModelConfig.load_format, "'mmap': a GGUF's quantized blocks are used where the "
+                               "file is mapped (start-up reads nothing ahead; the pages are shared with other "
+                               "processes serving the file; memory about the file's size), and steps of many "
+                               "tokens multiply the blocks too instead of a dense copy kept beside them (slower "
+                               "from 4 tokens a step up); 'auto' reads the blocks into memory and keeps that copy",
+                               str, LOAD_FORMAT_CHOICES)
     max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)
@@ -131,7 +138,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
                               quantization=self.quantization, quantize_activations=self.quantize_activations,
-                              enforce_eager=self.enforce_eager),
+                              enforce_eager=self.enforce_eager, load_format=self.load_format),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,

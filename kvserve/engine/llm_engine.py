@@ -47,7 +47,7 @@ class LLMEngine:
         tp_size = config.parallel.tensor_parallel_size
         self.weight_format = weight_format(
             config.model.quantization, checkpoint, self.device, self.dtype, dtype_forced=config.model.dtype != "auto",
-            tensor_parallel_size=tp_size,
+            tensor_parallel_size=tp_size, load_format=config.model.load_format,
         )
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
@@ -65,8 +65,9 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
-            "kvserve: %s on %s (%s weights, %s activations), %d KV blocks of %d tokens (%s)%s",
-            self.location.name, self.device, runner.weights_format(), self.dtype, self.num_kv_blocks,
+            "kvserve: %s on %s (%s weights, %.1f MB, %s activations), %d KV blocks of %d tokens (%s)%s",
+            self.location.name, self.device, runner.weights_format(), runner.weight_bytes / 1e6, self.dtype,
+            self.num_kv_blocks,
             config.cache.block_size, runner.kv_cache_dtype.name,
             f", tensor parallel over {tp_size} ranks (KV blocks per rank)" if tp_size > 1 else "",
         )
@@ -107,7 +108,7 @@ class LLMEngine:
             raise ValueError(f"draft model {location.name!r} covers {checkpoint.max_model_len} positions, under "
                              f"max_model_len={self.max_model_len}: lower --max-model-len")
         weights = weight_format(config.model.quantization, checkpoint, self.device, self.dtype,
-                                dtype_forced=config.model.dtype != "auto")
+                                dtype_forced=config.model.dtype != "auto", load_format=config.model.load_format)
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         return DraftModel(checkpoint, self.dtype, self.device, config.cache.block_size, kv_dtype, weights,
                           config.model.quantize_activations, config.model.enforce_eager)
@@ -184,6 +185,7 @@ class LLMEngine:
             "num_blocks_used": kv.num_blocks_total - num_free,
             "num_blocks_free": num_free,
             "weights_format": self.core.runner.weights_format(),
+            "weights_bytes": self.core.runner.weight_bytes,
             "kv_cache_dtype": self.core.runner.kv_cache_spec().kv_dtype.name,
             "kv_cache_bytes": self.core.runner.kv_cache_bytes,
             "peak_num_blocks_used": self.core.peak.num_blocks_used,
