@@ -29,9 +29,9 @@ SQUEEZED = dict(dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched
 
 
 def _close(llm: LLM) -> None:
-    processes = llm.engine.core.runner.peers.processes
+    workers = llm.engine.core.runner.peers.workers
     llm.engine.close()
-    assert not any(p.is_alive() for p in processes)
+    assert not any(w.is_alive() for w in workers)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_tp2_rank_zero_features_equal_tp1(tiny_checkpoints) -> None:
 
 def test_a_killed_worker_ends_the_run_with_an_error_naming_it(tiny_checkpoints) -> None:
     llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
-    worker = llm.engine.core.runner.peers.processes[0]
+    worker = llm.engine.core.runner.peers.workers[0].process
     assert greedy_token_ids(llm, [[5, 6, 7]], 4)  # runs
     killer = threading.Timer(0.2, os.kill, (worker.pid, signal.SIGKILL))
     killer.start()
@@ -132,16 +132,22 @@ def test_combinations_not_supported_yet_are_refused_by_name(options: dict, named
 
 
 class _FakeWorker:
-    """A worker process alive until joined: the pipes are what the test drives."""
+    """A worker alive until joined: the pipes are what the test drives."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.exitcode = pid, None
+        self.name, self.exitcode = f"pid {pid}", None
 
     def is_alive(self) -> bool:
         return self.exitcode is None
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, timeout: float) -> None:
         self.exitcode = 0
+
+    def kill(self) -> None:
+        self.exitcode = -9
+
+    def end_reason(self) -> str:
+        return f"exit code {self.exitcode}"
 
 
 def _group_of_fakes(num_workers: int) -> tuple[WorkerGroup, list]:
