@@ -1,7 +1,9 @@
 """Tensor parallelism across processes: the process group, the worker processes and what rank 0 tells them.
 
 The scheduler, the KV manager and the sampler stay in rank 0, the engine's process; ranks 1 .. N-1 are worker
-processes (spawned) that each hold a ``ModelRunner`` over their part of the weights and of the KV pool::
+processes that each hold a ``ModelRunner`` over their part of the weights and of the KV pool: spawned on this
+machine (``start_workers``, ``--distributed-executor-backend mp``) or Ray actors (``ray_workers.py``, ``ray``),
+driven alike once started (``form_group``; ``WorkerHandle`` is what differs)::
 
     rank 0: ModelRunner.execute(sched_out)           rank r: worker_main's loop
       WorkerGroup.broadcast_step  ---- pipe ---->     SchedulerOutput -> ModelRunner.execute(sched_out)
@@ -11,14 +13,16 @@ processes (spawned) that each hold a ``ModelRunner`` over their part of the weig
 
 Only rank 0 samples (grammar, penalties, seeds and logprobs live there); each worker appends the token ids rank 0
 sends it right after sampling, so its persistent batch stays in step. Steps and tokens travel over one pipe per
-worker, not a collective: a worker waits for the next step as long as the server idles (a collective would time
-out) and sees rank 0's exit as the pipe's end. The model's collectives run on a process group of their own
+worker (an authenticated TCP connection to a Ray actor: the same ``Connection``), not a collective: a worker waits
+for the next step as long as the server idles (a collective would time out) and sees rank 0's exit as the pipe's
+end. The model's collectives run on a process group of their own
 (``TensorParallel``; no global default group), with ``COLLECTIVE_TIMEOUT`` on each, start-up included.
 
 Failures end in a ``TensorParallelError`` naming the worker, never a hang: rank 0 checks that every worker is
 alive before each step, turns a failed collective (a dead peer closes its connection) into that error, shuts the
 others down, and refuses further steps. A worker whose start-up fails sends its error before it exits; one that
-loses rank 0 exits. Workers are daemon processes: they also end with rank 0's interpreter.
+loses rank 0 exits. Workers are daemon processes (Ray actors are owned by rank 0's process): they also end with
+rank 0's interpreter.
 
 Not combined with tensor parallelism yet: weights kept in blocks (``EngineConfig`` refuses ``quantization`` gguf /
 int8 / int4 by name; ``auto`` dequantizes a GGUF, and says so in the log), the KV tiers (refused by name) and
@@ -55,10 +59,6 @@ SHUTDOWN_SECONDS = 5.0  # a worker's time to exit on Shutdown before it is kille
 FAILURE_GRACE_SECONDS = 1.0  # after a failed step, how long to look for the worker that caused it
 _POLL_SECONDS = 0.05
 LOOPBACK = "127.0.0.1"  # where local workers meet rank 0 (Ray's meet at the driver's node address)
-
-
-def _nothing() -> None:
-    pass
 
 
 class TensorParallelError(RuntimeError):
@@ -197,6 +197,10 @@ class DriverLink(StepPeers):
             raise EOFError("rank 0 shut the workers down in the middle of a step")
         assert isinstance(message, Sampled), f"expected the step's sampled tokens, got {type(message).__name__}"
         return message.token_ids
+
+
+def _nothing() -> None:
+    pass
 
 
 class WorkerGroup(StepPeers):
