@@ -18,8 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any
-
 from kvserve.router.app import Router
 
 logger = logging.getLogger(__name__)
@@ -115,11 +113,3 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
-
-def ray_available() -> Any:
-    """Ray, or ImportError saying how to get it."""
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("--data-parallel-backend ray needs Ray: pip install 'kvserve[ray]'") from None
-    return ray

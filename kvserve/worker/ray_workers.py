@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kvserve.extras import require_ray
 from kvserve.worker.parallel import (
     SHUTDOWN_SECONDS,
     Place,
@@ -53,15 +54,6 @@ logger = logging.getLogger(__name__)
 PLACEMENT_STRATEGY = "STRICT_PACK"  # a tensor-parallel group's collectives run every layer: keep it on one node
 PLACEMENT_TIMEOUT_SECONDS = 60.0  # Ray placing the group's bundles (a cluster too small never does)
 START_TIMEOUT_SECONDS = 120.0  # an actor's process up and listening (its model loads later, under LOAD_TIMEOUT)
-
-
-def require_ray() -> ModuleType:
-    """Ray, or ImportError saying how to get it."""
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("--distributed-executor-backend ray needs Ray: pip install 'kvserve[ray]'") from None
-    return ray
 
 
 class TensorParallelActor:
@@ -118,7 +110,7 @@ def start_ray_workers(spec: WorkerSpec, size: int, device: torch.device) -> Work
     process, which runs on ``device``), start ranks 1 .. ``size`` - 1 as actors and join them in a process group
     formed at this node's address (``form_group``). Raises ImportError without Ray, ``TensorParallelError``
     naming the rank (everything stopped and released) on failure."""
-    ray = require_ray()
+    ray = require_ray("--distributed-executor-backend ray")
     if not ray.is_initialized():
         ray.init()
     from ray.util.placement_group import remove_placement_group
@@ -143,7 +135,7 @@ def start_ray_workers(spec: WorkerSpec, size: int, device: torch.device) -> Work
                                               scheduling_strategy=_in_bundle(placement, rank)).remote(authkey))
         addresses = _wait_started(ray, actors)
         workers: list[WorkerHandle] = []
-        for rank, (actor, ((address, pid))) in enumerate(zip(actors, addresses), start=1):
+        for rank, (actor, (address, pid)) in enumerate(zip(actors, addresses), start=1):
             run = actor.run.remote(rank, size, store_address, spec)
             workers.append(RayWorker(ray, actor, run, f"Ray actor on {address[0]}, pid {pid}"))
         return workers, [_connect(rank, worker, address, authkey)
