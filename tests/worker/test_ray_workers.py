@@ -16,8 +16,9 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.sources import ModelLocation  # noqa: E402
 from kvserve.worker import ray_workers  # noqa: E402
-from kvserve.worker.parallel import TensorParallelError  # noqa: E402
+from kvserve.worker.parallel import TensorParallelError, WorkerSpec  # noqa: E402
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy  # noqa: E402
 from tests.engine.test_llm_equality import MAX_NEW, _prompts  # noqa: E402
 from tests.worker.test_parallel import SQUEEZED  # noqa: E402
@@ -81,6 +82,17 @@ def test_a_killed_actor_ends_the_run_with_an_error_naming_it(tiny_checkpoints, c
     killer.join()
     with pytest.raises(TensorParallelError, match="stopped after an earlier failure"):
         greedy_token_ids(llm, [[5, 6, 7]], 4)
+    _assert_nothing_placed()
+
+
+def test_an_actor_that_fails_to_start_is_named(tmp_path, cluster) -> None:
+    missing = ModelLocation("hf_dir", tmp_path / "missing", "missing")
+    spec = WorkerSpec(missing, torch.float32, "cpu", block_size=4, kv_cache_dtype="auto", num_threads=1)
+    group = ray_workers.start_ray_workers(spec, 2, torch.device("cpu"))
+    with pytest.raises(TensorParallelError, match=rf"worker rank 1 \({group.workers[0].name}\) failed to load the "
+                                                  "model: .*missing"):
+        group.init_kv_cache(num_blocks=8, max_model_len=64)
+    assert not group.workers[0].is_alive()
     _assert_nothing_placed()
 
 
