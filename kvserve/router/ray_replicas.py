@@ -7,7 +7,8 @@ with local replicas. Ray does the placement (``--replica-cpus`` CPUs each) and t
 each replica every few seconds, and a replica whose server process has died is killed so that Ray restarts its
 actor, which starts a fresh server (on the same port; a replica that Ray moves to another node is re-pointed in
 the router). While a replica is down the router sends its requests to the others, as it does for any replica
-that stops answering. Ray is an optional dependency (``pip install 'kvserve[ray]'``), imported only here.
+that stops answering. Ray is an optional dependency (``pip install 'kvserve[ray]'``), imported only here (its
+absence is named by ``extras.require_ray``).
 """
 
 from __future__ import annotations
