@@ -16,6 +16,7 @@ from kvserve.kv.quant import ENCODINGS
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEVICES = ("auto", "cpu", "cuda")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 _DTYPES = {
@@ -199,13 +200,19 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: the model's layers and KV heads split over ``tensor_parallel_size`` processes
-    (``kvserve/worker/parallel.py``)."""
+    (``kvserve/worker/parallel.py``), ranks 1 .. N-1 spawned on this machine (``mp``) or placed as Ray actors
+    (``ray``, ``kvserve/worker/ray_workers.py``). With one rank there is nothing to place: ``ray`` is accepted,
+    as vLLM accepts it, and the rank runs in the engine's process."""
 
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import Any, Collection
 from kvserve.config import (
     DEFAULT_MODEL,
     DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPE_CHOICES,
     LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
@@ -100,6 +101,12 @@ class EngineArgs:
                                         "CPU, each rank taking its share of the threads; NCCL on CUDA, one GPU "
                                         "each); rank 0 schedules and samples; dense weights and eager steps only",
                                         int)
+    distributed_executor_backend: str = _option(ParallelConfig.distributed_executor_backend,
+                                                "where tensor-parallel ranks 1 .. N-1 run: 'mp' spawns them on "
+                                                "this machine, 'ray' places them as Ray actors (one bundle per "
+                                                "rank, all on this node; needs pip install 'kvserve[ray]'; "
+                                                "joins RAY_ADDRESS's cluster or starts a local one)", str,
+                                                DISTRIBUTED_EXECUTOR_BACKENDS)
     max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "requests running at once", int)
     max_num_batched_tokens: int = _option(SchedulerConfig.max_num_batched_tokens,
                                           "tokens per step; longer prompts are prefilled in chunks", int)
@@ -163,7 +170,8 @@ class EngineArgs:
                 prompt_lookup_max=self.ngram_max,
                 model=self.draft_model,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend),
             device=self.device,
         )
 

@@ -48,6 +48,7 @@ CHANGED = {
     "ngram_min": 2,
     "ngram_max": 6,
     "tensor_parallel_size": 2,
+    "distributed_executor_backend": "ray",
     "draft_model": "some-draft-model",
 }
 
@@ -102,9 +103,10 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     assert config.device == "cpu"
 
 
-def test_tensor_parallel_size_lands_in_the_parallel_config() -> None:
-    config = EngineArgs(tensor_parallel_size=CHANGED["tensor_parallel_size"]).create_engine_config()
-    assert config.parallel == ParallelConfig(2)
+def test_tensor_parallel_options_land_in_the_parallel_config() -> None:
+    config = EngineArgs(tensor_parallel_size=CHANGED["tensor_parallel_size"],
+                        distributed_executor_backend=CHANGED["distributed_executor_backend"]).create_engine_config()
+    assert config.parallel == ParallelConfig(2, "ray")
 
 
 @pytest.mark.parametrize(

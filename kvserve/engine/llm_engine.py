@@ -30,6 +30,7 @@ from kvserve.spec.draft import DraftModel
 from kvserve.spec.policy import SpeculationPolicy
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.parallel import WorkerGroup, WorkerSpec, start_workers
+from kvserve.worker.ray_workers import start_ray_workers
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class LLMEngine:
         )
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
-        workers = self._start_workers(checkpoint, tp_size) if tp_size > 1 else None
+        workers = self._start_workers(checkpoint, tp_size)
         try:
             runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
                                  self.weight_format, structured, config.cache.kv_cache_dtype,
@@ -72,13 +73,21 @@ class LLMEngine:
             f", tensor parallel over {tp_size} ranks (KV blocks per rank)" if tp_size > 1 else "",
         )
 
-    def _start_workers(self, checkpoint: Checkpoint, size: int) -> WorkerGroup:
-        """Ranks 1 .. size - 1 of tensor parallelism, each loading its part of the model meanwhile (once the
-        model's shapes are known to split)."""
+    def _start_workers(self, checkpoint: Checkpoint, size: int) -> WorkerGroup | None:
+        """Ranks 1 .. size - 1 of tensor parallelism (none for one rank), local processes or Ray actors, each
+        loading its part of the model meanwhile (once the model's shapes are known to split)."""
+        backend = self.config.parallel.distributed_executor_backend
+        if size == 1:
+            if backend == "ray":
+                logger.info("distributed_executor_backend='ray' with tensor_parallel_size=1: nothing to place, "
+                            "the one rank runs in this process")
+            return None
         check_shardable(checkpoint.hf_config, size)
         cpu_threads = max(1, torch.get_num_threads() // size)
         spec = WorkerSpec(self.location, self.dtype, self.device.type, self.config.cache.block_size,
                           self.config.cache.kv_cache_dtype, cpu_threads)
+        if backend == "ray":
+            return start_ray_workers(spec, size, self.device)
         return start_workers(spec, size)
 
     def close(self) -> None:
