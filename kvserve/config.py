@@ -32,7 +32,7 @@ DTYPE_CHOICES = ("auto", *_DTYPES)
 # how a quantized checkpoint's weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32
 # activations, dtype not forced); none dequantizes at load; gguf insists on the blocks
 LOAD_FORMAT_CHOICES = ("auto", "mmap")
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "fp8")
 KV_CACHE_DTYPES = ("auto", *ENCODINGS)  # "auto": the model's dtype, unquantized
 
 
@@ -232,12 +232,12 @@ class EngineConfig:
                              "the KV tiers move the target's blocks only, not the draft model's")
 
     def _check_tensor_parallel(self) -> None:
-        """What tensor parallelism does not combine with yet: weights kept in blocks (GGUF's, int8 / int4) and
+        """What tensor parallelism does not combine with yet: quantized weights (GGUF's blocks, int8 / int4, fp8) and
         the KV tiers. (``quantization="auto"`` dequantizes a GGUF instead; CPU step graphs are left off.)"""
         size = self.parallel.tensor_parallel_size
         if size == 1:
             return
-        if self.model.quantization in ("gguf", "int8", "int4"):
+        if self.model.quantization in ("gguf", "int8", "int4", "fp8"):
             raise ValueError(f"tensor_parallel_size={size} with quantization={self.model.quantization!r} is not "
                              "supported: tensor-parallel layers hold dense weights (use quantization='none' or "
                              "'auto', which dequantizes a GGUF)")

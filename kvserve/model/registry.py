@@ -13,6 +13,7 @@ from kvserve.model.base import CausalLM
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.layers.cpu_fused_ops import can_fuse, cpu_fused_ops
 from kvserve.model.layers.embedding import VocabEmbedding
+from kvserve.model.layers.fp8 import Fp8LinearMethod, fp8_unsupported
 from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
 from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLLinearMethod, ggml_gemm
 from kvserve.model.layers.ggml_qdot import qdot_gemm
@@ -70,6 +71,8 @@ def select_linear_method(
     weights elsewhere; in front of those, a GGUF's blocks kept (``weights="gguf"``, or "gguf-mmap") or every weight quantized at
     load (``"int8"``, ``"int4"``), as ``weight_format`` decided, multiplied by the block kernel's int8-activation
     path (``quantize_activations``, where it builds) or its exact fp32 one."""
+    if weights == "fp8":
+        return Fp8LinearMethod()
     dense = CpuPrepackedLinearMethod(small_gemm()) if can_prepack(device, dtype) else UnquantizedLinearMethod()
     if weights == "dense":
         return dense
@@ -87,15 +90,20 @@ def weight_format(
 ) -> str:
     """How the linear layers hold their weights: "dense" (as loaded, in ``dtype``), "gguf" (a GGUF's blocks kept,
     see ``keeps_gguf_blocks``, with a dense copy for steps of many tokens), "gguf-mmap" (``load_format="mmap"``:
-    the blocks where the file is mapped, the only copy), or "int8" / "int4" (quantized at load; ValueError where
-    they cannot run). Tensor-parallel layers are dense (``EngineConfig`` refuses the other formats by name;
-    ``auto`` dequantizes)."""
+    the blocks where the file is mapped, the only copy), "int8" / "int4" (quantized at load), or "fp8" (e4m3
+    weights and activations); ValueError where they cannot run. Tensor-parallel layers are dense
+    (``EngineConfig`` refuses the other formats by name; ``auto`` dequantizes)."""
     if load_format == "mmap":
         return _mapped_format(quantization, checkpoint, device, dtype, dtype_forced, tensor_parallel_size)
     if tensor_parallel_size > 1:
         if checkpoint.is_gguf:
             logger.info("tensor parallel: the GGUF's weights are dequantized to %s (blocks are not sharded)", dtype)
         return "dense"
+    if quantization == "fp8":
+        why = fp8_unsupported(device)
+        if why:
+            raise ValueError(f"quantization='fp8': {why}")
+        return "fp8"
     if quantization in WEIGHT_ONLY_SCHEMES:
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"quantization={quantization!r} runs on CPU with fp32 activations for now, not "
@@ -213,8 +221,10 @@ def load_model(
     method = select_linear_method(device, dtype, weights, quantize_activations)
     # the LM head multiplies fp32 activations whatever ``quantize_activations`` says: the logits are what sampling
     # reads, and on the default model int8 activations in the head alone turn its answer to "What is the capital
-    # of France?" away from Paris (in the layers they do not); the head is about a third of a step's weight bytes
-    head_method = select_linear_method(device, dtype, weights, quantize_activations=False)
+    # of France?" away from Paris (in the layers they do not); the head is about a third of a step's weight bytes.
+    # For the same reason fp8 (which quantizes activations) leaves the head as loaded, as vLLM does
+    head_method = select_linear_method(device, dtype, "dense" if weights == "fp8" else weights,
+                                       quantize_activations=False)
     model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype),
                         head_method, tp)
     mapped = weights == "gguf-mmap"

@@ -76,6 +76,8 @@ class ModelRunner:
                        for part in getattr(layer, "ggml_parts", None) or ()})
         if self.weights in ("int8", "int4"):
             return f"{self.weights} weight-only"
+        if self.weights == "fp8":
+            return "fp8 e4m3 (weights per channel, activations per token)"
         if not kept:
             return str(self.dtype).removeprefix("torch.")
         return f"gguf {', '.join(kept)}" + (" (mapped)" if self.weights == "gguf-mmap" else "")

@@ -174,3 +174,23 @@ def test_smollm2_weight_only_int8_and_int4_stay_within_their_stated_bounds() -> 
                  for a, b in zip(reference, quantized.generate(forced, scored))
                  for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
         assert max(diffs) < max_bound and sum(diffs) / len(diffs) < mean_bound, scheme
+
+
+def test_smollm2_fp8_stays_within_its_stated_bound() -> None:
+    """``--quantization fp8`` (e4m3 weights per channel and activations per token; the tied head as loaded)
+    against fp32, teacher-forced on fp32's 32 greedy tokens per prompt: the chosen tokens' logprobs differ by
+    (measured, Zen 4) at most 1.06 and on average 0.12 (int8 weight-only: 0.31 and 0.045), asserted with margin:
+    e4m3 keeps 3 mantissa bits of every weight and activation, coarser than per-channel int8 weights alone."""
+    name = "smollm2-135m-instruct"
+    dense = LLM(name, quantization="none", max_model_len=1024, num_kv_blocks=256)
+    tokenizer = dense.get_tokenizer()
+    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
+    greedy = dense.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
+    forced = [{"prompt_token_ids": p["prompt_token_ids"] + list(o.outputs[0].token_ids)}
+              for p, o in zip(prompts, greedy)]
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    quantized = LLM(name, quantization="fp8", max_model_len=1024, num_kv_blocks=256)
+    diffs = [abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
+             for a, b in zip(dense.generate(forced, scored), quantized.generate(forced, scored))
+             for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+    assert max(diffs) < 2.0 and sum(diffs) / len(diffs) < 0.2
