@@ -78,8 +78,11 @@ class ModelConfig:
     enforce_eager: bool = False
     # "mmap": a GGUF's blocks are used where the file is mapped, the only copy of the weights (no dense layout)
     load_format: str = "auto"
+    cpu_offload_gb: float = 0.0  # GiB of decoder-layer weights kept in host memory and streamed in (CUDA)
 
     def __post_init__(self) -> None:
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
         if self.dtype != "auto":
             parse_dtype(self.dtype, "cpu")
         if self.load_format not in LOAD_FORMAT_CHOICES:
@@ -241,6 +244,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={size} with quantization={self.model.quantization!r} is not "
                              "supported: tensor-parallel layers hold dense weights (use quantization='none' or "
                              "'auto', which dequantizes a GGUF)")
+        if self.model.cpu_offload_gb:
+            raise ValueError(f"tensor_parallel_size={size} with cpu_offload_gb is not supported: the ranks would "
+                             "each stream their own shards (not built)")
         if self.cache.offloads_kv:
             raise ValueError(f"tensor_parallel_size={size} with kv_offload_memory / kv_offload_dir is not "
                              "supported yet: the KV tiers hold whole blocks of one process")

@@ -76,6 +76,10 @@ class EngineArgs:
                                "tokens multiply the blocks too instead of a dense copy kept beside them (slower "
                                "from 4 tokens a step up); 'auto' reads the blocks into memory and keeps that copy",
                                str, LOAD_FORMAT_CHOICES)
+    cpu_offload_gb: float = _option(ModelConfig.cpu_offload_gb, "GiB of the decoder layers' weights to keep in "
+                                    "pinned host memory and stream to the GPU as each layer runs, the next "
+                                    "layer's copy overlapping this one's compute (CUDA; for models larger than "
+                                    "the GPU; ignored, with a note, where the weights fit)", float)
     max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)
@@ -147,7 +151,8 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
                               quantization=self.quantization, quantize_activations=self.quantize_activations,
-                              enforce_eager=self.enforce_eager, load_format=self.load_format),
+                              enforce_eager=self.enforce_eager, load_format=self.load_format,
+                              cpu_offload_gb=self.cpu_offload_gb),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,

@@ -57,7 +57,7 @@ class LLMEngine:
             runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
                                  self.weight_format, structured, config.cache.kv_cache_dtype,
                                  config.model.quantize_activations, config.model.enforce_eager,
-                                 self._draft_model(vocab_size), workers)
+                                 self._draft_model(vocab_size), workers, int(config.model.cpu_offload_gb * 2**30))
             self.core = self._build_core(runner)
         except BaseException:
             if workers is not None:

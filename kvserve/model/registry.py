@@ -23,6 +23,7 @@ from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, can_prepack
 from kvserve.model.layers.weight_quant import WEIGHT_ONLY_SCHEMES, WeightOnlyLinearMethod
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import Checkpoint
+from kvserve.model.offload import offload_weights
 from kvserve.model.mistral import MistralForCausalLM
 from kvserve.model.qwen2 import Qwen2ForCausalLM
 from kvserve.model.qwen3 import Qwen3ForCausalLM
@@ -215,9 +216,17 @@ def process_weights_after_loading(model: CausalLM) -> None:
 def load_model(
     checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
     weights: str = "dense", quantize_activations: bool = True, tp: TensorParallel = TensorParallel(),
+    cpu_offload_bytes: int = 0,
 ) -> CausalLM:
     """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method and fused ops
-    chosen for them, its weights loaded and laid out for that method, in eval mode; ``tp``'s rank's part of it."""
+    chosen for them, its weights loaded and laid out for that method, in eval mode; ``tp``'s rank's part of it.
+    On CUDA, up to ``cpu_offload_bytes`` of its decoder layers' weights stay in host memory and are streamed in
+    as they run (``offload.WeightStreamer``), unless every weight fits the device as it is (then it says so)."""
+    if device.type == "cuda" and cpu_offload_bytes > 0:
+        return _load_offloaded(checkpoint, backend, dtype, device, weights, quantize_activations, tp,
+                               cpu_offload_bytes)
+    if cpu_offload_bytes > 0:
+        logger.info("--cpu-offload-gb: the weights are in host memory already on %s; nothing to offload", device)
     method = select_linear_method(device, dtype, weights, quantize_activations)
     # the LM head multiplies fp32 activations whatever ``quantize_activations`` says: the logits are what sampling
     # reads, and on the default model int8 activations in the head alone turn its answer to "What is the capital
@@ -236,3 +245,19 @@ def load_model(
     model.load_weights(checkpoint.weights(kept, mapped))
     process_weights_after_loading(model)
     return model.eval()
+
+
+def _load_offloaded(
+    checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device, weights: str,
+    quantize_activations: bool, tp: TensorParallel, cpu_offload_bytes: int,
+) -> CausalLM:
+    """``load_model`` with weight offload: loaded on the CPU first (the whole model need not fit the device),
+    then the offloaded layers' weights pinned there and the rest moved to ``device``."""
+    model = load_model(checkpoint, backend, dtype, torch.device("cpu"), weights, quantize_activations, tp)
+    free, _ = torch.cuda.mem_get_info(device)
+    if model.weight_bytes() < free // 2:  # at least half the device left for activations and KV: no need
+        logger.info("--cpu-offload-gb: the weights (%.2f GiB) fit in %s's %.1f GiB free; they stay resident",
+                    model.weight_bytes() / 2**30, device, free / 2**30)
+    else:
+        model.weight_streamer = offload_weights(model.layers, device, cpu_offload_bytes)
+    return model.to(device)

@@ -42,7 +42,7 @@ class ModelRunner:
         self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
         weights: str = "dense", structured: StructuredOutputCompiler | None = None,
         kv_cache_dtype_name: str = "auto", quantize_activations: bool = True, enforce_eager: bool = False,
-        draft: DraftModel | None = None, peers: StepPeers | None = None,
+        draft: DraftModel | None = None, peers: StepPeers | None = None, cpu_offload_bytes: int = 0,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -52,7 +52,8 @@ class ModelRunner:
         self.weights = weights
         self.peers = peers or StepPeers()
         self.tp = self.peers.tp
-        self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations, self.tp)
+        self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations, self.tp,
+                                cpu_offload_bytes)
         self._weights_format = self._find_weights_format()
         self.weight_bytes = self.model.weight_bytes()  # this rank's; the draft model's are not counted
         self.grammar = GrammarProcessor(structured) if structured is not None else None
