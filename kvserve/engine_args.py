@@ -55,7 +55,8 @@ class EngineArgs:
                          DTYPE_CHOICES)
     quantization: str = _option(ModelConfig.quantization, "how linear weights are held: 'auto' keeps a GGUF's "
                                 "Q4_0 / Q4_1 / Q8_0 blocks on CPU unless --dtype is given, 'none' dequantizes "
-                                "them at load, 'gguf' requires the blocks; 'int8' (per channel) / 'int4' (groups "
+                                "them at load, 'gguf' requires the blocks (on CUDA too: Triton's kernel, "
+                                "Q4_0 / Q4_1 / Q8_0); 'int8' (per channel) / 'int4' (groups "
                                 "of 128) quantize any checkpoint's weights at load (CPU, fp32); 'fp8' holds them in e4m3 with a scale "
                                 "per channel and multiplies e4m3 activations (torch._scaled_mm: CUDA GPUs of "
                                 "compute capability 8.9+, or CPU)", str,

@@ -28,6 +28,7 @@ CHANGED = {
     "quantize_activations": True,
     "enforce_eager": True,
     "load_format": "mmap",
+    "cpu_offload_gb": 2.5,
     "max_model_len": 512,
     "seed": 7,
     "device": "cpu",
@@ -97,7 +98,7 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     # (test_draft_options_land_in_the_speculative_config)
     config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1,
                            "draft_model": None}).create_engine_config()
-    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap")
+    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5)
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)

@@ -74,6 +74,10 @@ def select_linear_method(
     path (``quantize_activations``, where it builds) or its exact fp32 one."""
     if weights == "fp8":
         return Fp8LinearMethod()
+    if weights == "gguf" and device.type == "cuda":
+        from kvserve.model.layers.triton_ggml import TritonGGMLGemm  # imports triton: CUDA only
+
+        return GGMLLinearMethod(TritonGGMLGemm(), UnquantizedLinearMethod(), keep_dense=False)
     dense = CpuPrepackedLinearMethod(small_gemm()) if can_prepack(device, dtype) else UnquantizedLinearMethod()
     if weights == "dense":
         return dense
@@ -143,13 +147,16 @@ def keeps_gguf_blocks(
     quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool
 ) -> bool:
     """Whether the linear layers keep a GGUF's quantized blocks: ``auto`` does where the kernel runs (CPU, fp32
-    activations) unless a dtype was asked for (which dequantizes, as before); ``gguf`` must or raises
-    ValueError saying why it cannot."""
+    activations) unless a dtype was asked for (which dequantizes, as before); ``gguf`` must (on CUDA too, by
+    Triton's kernel) or raises ValueError saying why it cannot."""
     if quantization == "none" or not checkpoint.is_gguf and quantization == "auto":
         return False
     possible = "" if checkpoint.is_gguf else "the checkpoint is not a GGUF file"
+    if not possible and device.type == "cuda":
+        # Triton's kernel, at the model's dtype: asked for by name until a GPU session has measured it
+        return quantization == "gguf"
     if not possible and (device.type != "cpu" or dtype != torch.float32):
-        possible = f"GGUF blocks run on CPU with fp32 activations only, not {device.type} {dtype}"
+        possible = f"GGUF blocks run on CPU with fp32 activations or on CUDA, not {device.type} {dtype}"
     if not possible and ggml_gemm() is None:
         possible = "the GGUF block kernel could not be built (see the warning above)"
     if quantization == "gguf" and possible:
@@ -241,10 +248,19 @@ def load_model(
         for module in model.modules():
             if isinstance(module, VocabEmbedding):
                 module.keep_blocks(ggml_gemm())
-    kept = KERNEL_TYPES if weights in ("gguf", "gguf-mmap") else frozenset()
+    kept = kept_block_types(device) if weights in ("gguf", "gguf-mmap") else frozenset()
     model.load_weights(checkpoint.weights(kept, mapped))
     process_weights_after_loading(model)
     return model.eval()
+
+
+def kept_block_types(device: torch.device) -> frozenset[int]:
+    """The GGUF block types the linear layers keep on ``device``: those its kernel reads (Triton's on CUDA)."""
+    if device.type == "cuda":
+        from kvserve.model.layers.triton_ggml import TRITON_TYPES
+
+        return TRITON_TYPES
+    return KERNEL_TYPES
 
 
 def _load_offloaded(

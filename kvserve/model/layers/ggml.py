@@ -77,6 +77,7 @@ class BlockGemm(Protocol):
     steps of up to ``max_rows`` rows (from there the dense layout is faster)."""
 
     max_rows: int
+    types: frozenset[GGMLQuantizationType]  # the block types it reads
 
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
                  out: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -87,6 +88,7 @@ class GGMLGemm:
     ``KERNEL_TYPES``, fp32 activations; also dequantizes blocks for the dense layouts."""
 
     max_rows = GGML_MAX_ROWS
+    types = KERNEL_TYPES
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``GGML_GEMM_SOURCE`` (default: this process's, for its CPU)."""
@@ -121,6 +123,10 @@ class GGMLGemm:
             else:
                 torch.addmm(bias[start:stop], x, values, out=y[:, start:stop])
         return y
+
+    def place(self, weight: GGMLTensor, device: torch.device) -> GGMLTensor:
+        """The blocks where the kernel reads them: in host memory, as loaded."""
+        return weight
 
     def _scratch(self, shape: tuple[int, int]) -> torch.Tensor:
         """A reused fp32 buffer of ``shape`` (one per kernel object: steps run one at a time)."""
@@ -187,7 +193,8 @@ class GGMLLinearMethod(LinearMethod):
     ``dense`` lays the weight out, dequantized by ``kernel``, and serves them (fast, at 32 bits a weight held
     beside the blocks); without, ``kernel.batched`` multiplies the blocks themselves, which stay the only copy
     and may be the file's own mapped pages, one tensor per projection (joining them would copy). ``dense``
-    serves every step of a layer not kept in blocks. CPU, fp32."""
+    serves every step of a layer not kept in blocks. CPU in fp32 (``GGMLGemm``), or CUDA (``triton_ggml``'s
+    kernel at any number of rows, no dense copy)."""
 
     def __init__(self, kernel: GGMLGemm, dense: LinearMethod, gemm: BlockGemm | None = None,
                  keep_dense: bool = True) -> None:
@@ -223,12 +230,14 @@ class GGMLLinearMethod(LinearMethod):
         del layer.weight_parts
         qtypes = {part.qtype if isinstance(part, GGMLTensor) else None for part in parts}
         layer.ggml_parts = None
-        if parts and len(qtypes) == 1 and qtypes <= KERNEL_TYPES:
-            layer.ggml_parts = _joined(parts) if self.keep_dense else tuple(parts)
+        device, dtype = layer.weight.device, layer.weight.dtype
+        if parts and len(qtypes) == 1 and qtypes <= self.kernel.types:
+            kept = _joined(parts) if self.keep_dense else parts
+            layer.ggml_parts = tuple(self.kernel.place(part, device) for part in kept)
             if not self.keep_dense:
                 return
-        if parts:  # the dense method gets the fp32 weight, as from any other checkpoint
-            layer.weight = torch.nn.Parameter(self._dense_weight(parts), requires_grad=False)
+        if parts:  # the dense method gets the weight as from any other checkpoint
+            layer.weight = torch.nn.Parameter(self._dense_weight(parts).to(device, dtype), requires_grad=False)
         self.dense.process_weights_after_loading(layer)  # a tied head holds the embeddings' weight already
 
     def _dense_weight(self, parts: list[GGMLTensor | torch.Tensor]) -> torch.Tensor:
@@ -237,7 +246,7 @@ class GGMLLinearMethod(LinearMethod):
         start = 0
         for part in parts:
             rows = dense[start : start + part.shape[0]]
-            if isinstance(part, GGMLTensor) and part.qtype in KERNEL_TYPES:
+            if isinstance(part, GGMLTensor) and part.qtype in self.kernel.types:
                 self.kernel.dequantize(part, rows)
             else:
                 rows.copy_(part.dequantize() if isinstance(part, GGMLTensor) else part)
@@ -250,7 +259,7 @@ class GGMLLinearMethod(LinearMethod):
             return self.dense.apply(layer, x)
         multiply = self.gemm if num_rows <= self.gemm.max_rows else self.kernel.batched
         rows = x.reshape(num_rows, layer.in_features)
-        y = torch.empty(num_rows, layer.out_features, dtype=torch.float32)
+        y = x.new_empty(num_rows, layer.out_features)
         start = 0
         for part in layer.ggml_parts:  # one, unless the projections of a packed layer stay where they were loaded
             stop = start + part.shape[0]

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.layers.ggml import BLOCK_GEMM_ARG_TYPES, GGMLTensor, call_block_kernel
+from kvserve.model.layers.ggml import BLOCK_GEMM_ARG_TYPES, KERNEL_TYPES, GGMLTensor, call_block_kernel
 from kvserve.native import KernelBuildError, KernelFunction, load_library
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class QDotGemm:
     of a type in ``KERNEL_TYPES``; serves steps of up to ``max_rows`` rows for ``GGMLLinearMethod``."""
 
     max_rows = QDOT_MAX_ROWS
+    types = KERNEL_TYPES
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``GGML_QDOT_SOURCE`` (default: this process's, for its CPU)."""
