@@ -14,7 +14,9 @@ memory, as in a real step. For each token count: the best of 3 passes over all o
 (as before the head ran on blocks); ``blocks`` and ``int8``: the layers in Q4_1 and the
 head in Q8_0 blocks (the engine's tied head on the file's embeddings), through the exact kernel and the
 int8-activation kernel alone at every row count (where they cross the dense ``kvserve`` column sets their
-``max_rows``).
+``max_rows``); ``mapped``: the same blocks as ``--load-format mmap`` multiplies them, with no dense copy (the
+exact kernel up to its ``max_rows``, then ``GGMLGemm.batched``: the strips kernel, or from
+``DEQUANTIZED_GEMM_ROWS`` the dequantized slices and torch's GEMM).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def main() -> None:
     exact, int8 = ggml_gemm(), qdot_gemm()
     kinds["blocks"] = [lambda x, b=b: exact(x, b, None) for b in blocks]
     kinds["int8"] = [lambda x, b=b: int8(x, b, None) for b in blocks]
+    kinds["mapped"] = [lambda x, b=b: exact(x, b, None) if x.shape[0] <= exact.max_rows else exact.batched(x, b, None)
+                       for b in blocks]
     print(f"{args.threads} threads; ms for one step's GEMMs (all layers and the LM head)")
     print(f"{'tokens':>6} " + " ".join(f"{kind:>9}" for kind in kinds) + "  kvserve vs F.linear, vs oneDNN")
     with torch.no_grad():

@@ -9,6 +9,7 @@
 #   SYSTEMS="kvserve-nocache" LOADS="c16 prefix" benchmarks/peers_table.sh   # a subset; kvserve-nocache: the
 #                                                                           # prefix cache off (issue 9)
 #   SYSTEMS="kvserve-q8act llamacpp-q4_1" LOADS=c1 ...   # kvserve-q8act: int8 activations (issue 22)
+#   SYSTEMS="kvserve-mmap kvserve-f32" LOADS=c16 ...     # kvserve-mmap: --load-format mmap (issue 22)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=smollm2-135m-instruct
@@ -42,6 +43,7 @@ server_command() {
     kvserve-f32-eager) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantization none --enforce-eager ;;
     # the default form keeps the GGUF's Q4_1 / Q8_0 blocks for single-stream steps; fp32 weights throughout:
     kvserve-f32) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantization none ;;
+    kvserve-mmap) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap ;;
     # its Q4_1 weight repacking segfaults while loading on a Sapphire Rapids Xeon (AMX): repacking off
     llamacpp-q4_1) echo "$LLAMA_SERVER" -m "$Q4_GGUF" "${llama[@]}" --no-repack ;;
     llamacpp-f32) echo "$LLAMA_SERVER" -m "$LLAMA_F32" "${llama[@]}" ;;
