@@ -211,16 +211,30 @@ class KVCacheManager:
         return self.swap is not None and request.request_id in self.swap
 
     def _swap_in(self, request: Request, num_tokens: int) -> bool:
-        """Fresh blocks for a swapped-out request's ``num_tokens``, its swapped KV loaded into the first ones;
-        all or nothing. Blocks of known tokens join the tree pending, so that no offload of this step reads
-        them before the load: the step's end marks the loaded ones computed (``cache_computed``)."""
-        assert self.swap is not None
-        assert not request.block_ids, f"swapped-out request {request.request_id} holds blocks"
-        num_needed = self.num_blocks_for(num_tokens)
-        if num_needed > self.pool.num_free_blocks:
+        """Blocks for a swapped-out request's ``num_tokens``, all or nothing: its leading full blocks that the
+        prefix tree still holds on the device are taken back as they are, and fresh blocks get the rest of its
+        swapped KV loaded::
+
+            swapped KV:  | r7       | r2       | r5       | r4: 3 of 4 slots |
+            block_ids:   | b3 (hit) | b9 (hit) | b1 (load r5) | b6 (load r4) | b8 (new tokens) |
+
+        Fresh blocks of known tokens join the tree pending, so that no offload of this step reads them before
+        their load: the step's end marks the loaded ones computed (``cache_computed``)."""
+        assert self.swap is not None and not request.block_ids, f"{request.request_id} holds blocks"
+        nodes: tuple[PrefixNode, ...] = ()
+        if self.prefix_cache is not None:
+            num_full = self.swap.num_tokens(request.request_id) // self.block_size
+            nodes = self.prefix_cache.match(request.token_ids, num_full).nodes
+        cached = [node.block_id for node in nodes]
+        num_needed = self.num_blocks_for(num_tokens) - len(cached)
+        num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)
+        if num_needed + num_revived > self.pool.num_free_blocks:
             return False
-        request.block_ids = self.pool.allocate(num_needed)
-        self.swap.swap_in(request.request_id, request.block_ids)
+        self.pool.take(cached)  # first, so that the allocation below cannot evict them
+        request.block_ids = cached + self.pool.allocate(num_needed)
+        self.swap.swap_in(request.request_id, request.block_ids, len(cached))
+        if nodes:
+            self._paths[request.request_id] = _CachePath(nodes[-1], len(nodes))
         self._extend_path(request, 0)
         return True
 

@@ -9,6 +9,8 @@ they resume.
 
 Every block holding the request's computed tokens is kept, the partly filled last one included, whether or not
 the prefix tree names it: the request resumes with its ``num_computed_tokens`` and computes nothing again.
+(At the swap-in, leading blocks that the prefix tree still holds on the device are taken back instead of
+loaded.)
 The rows are taken out of the host tier (``TieredStore.hold_rows``), so nothing evicts, indexes or reuses
 them while the request is swapped out; they are free again once the swap-in's copy is done, or once the
 request finished while swapped out.
@@ -41,7 +43,8 @@ class SwapCounters:
     num_swapped_out: int = 0
     num_swapped_in: int = 0
     num_blocks_swapped_out: int = 0
-    num_blocks_swapped_in: int = 0
+    num_blocks_swapped_in: int = 0  # loaded back
+    num_blocks_found_on_device: int = 0  # not loaded back: the prefix tree still held them on the device
     num_fallbacks: int = 0
 
 
@@ -80,12 +83,15 @@ class SwapSpace:
         self.counters.num_blocks_swapped_out += len(rows)
         return True
 
-    def swap_in(self, request_id: str, block_ids: list[int]) -> None:
-        """Plan the copy of the request's rows into its first ``len(rows)`` fresh ``block_ids``."""
+    def swap_in(self, request_id: str, block_ids: list[int], num_on_device: int = 0) -> None:
+        """Plan the copy of the request's rows into its ``block_ids``, but for the first ``num_on_device``
+        blocks, found still on the device (whose rows are only given back)."""
         swapped = self._swapped.pop(request_id)
-        self._ins.extend(zip(swapped.rows, block_ids))
+        self._dropped.extend(swapped.rows[:num_on_device])  # their swap-out's plan is applied already
+        self._ins.extend(zip(swapped.rows[num_on_device:], block_ids[num_on_device:]))
         self.counters.num_swapped_in += 1
-        self.counters.num_blocks_swapped_in += len(swapped.rows)
+        self.counters.num_blocks_swapped_in += len(swapped.rows) - num_on_device
+        self.counters.num_blocks_found_on_device += num_on_device
 
     def drop(self, request_id: str) -> None:
         """The request finished while swapped out (a no-op if it is not): its rows go back to the host tier

@@ -119,6 +119,7 @@ class Scheduler:
             "num_swapped_in": swap.num_swapped_in,
             "num_blocks_swapped_out": swap.num_blocks_swapped_out,
             "num_blocks_swapped_in": swap.num_blocks_swapped_in,
+            "num_blocks_swap_in_found_on_device": swap.num_blocks_found_on_device,
             "num_swap_fallbacks": swap.num_fallbacks,
         }
 

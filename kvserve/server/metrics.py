@@ -81,6 +81,7 @@ _SWAP_COUNTERS = {
     "num_swapped_in": "Swapped-out requests whose KV was loaded back to resume.",
     "num_blocks_swapped_out": "KV blocks copied to the host tier by swap-outs.",
     "num_blocks_swapped_in": "KV blocks loaded back by swap-ins.",
+    "num_blocks_swap_in_found_on_device": "KV blocks of swap-ins that the prefix cache still held on the device.",
     "num_swap_fallbacks": "Swap-outs the host tier had no room for: preempted by recompute instead.",
 }
 
