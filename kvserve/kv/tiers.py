@@ -12,6 +12,8 @@ may sit in the device pool, the host slab and on disk at once.
 
 - **Host tier** (``--kv-offload-memory``): a preallocated slab of block-sized rows (pinned on CUDA), least
   recently used first out. It takes the blocks the device pool evicts, and it stages every disk read and write.
+  Under ``--preemption-mode swap`` it also lends rows, held out of the LRU and the index, to the KV of
+  preempted requests (``hold_rows``, ``kv/swap.py``).
 - **Disk tier** (``--kv-offload-dir``, ``--kv-offload-disk``): one file a block (``block_file``), written
   through as soon as a block is computed, so that a restarted server, or a second one on the same directory,
   finds it; oldest files out past the capacity.
