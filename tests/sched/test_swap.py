@@ -58,10 +58,16 @@ def _tokens_so_far(scheduler: Scheduler, request_id: str) -> list[int]:
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_a_swapped_request_resumes_where_it_stopped_with_its_kv_bit_identical(prefix_caching: bool) -> None:
+    """The block freed by the swap-out goes to the request that preempted it, which writes it in the same step:
+    the plan copies it out first."""
     scheduler, runner, tiers = _swapping(prefix_caching=prefix_caching, max_num_seqs=2)
     scheduler.add_request(make_request("old", 6, max_tokens=12))
     scheduler.add_request(make_request("new", 4, max_tokens=12))  # preempted with 10 tokens computed
-    _preempt_one(scheduler, runner)
+    while scheduler.num_preemptions == 0:
+        new_block_ids = list(scheduler.requests["new"].block_ids)
+        sched_out, _ = step(scheduler, runner)
+    assert set(new_block_ids) & set(scheduler.requests["old"].block_ids), "no freed block reused in the step"
+    assert [block_id for block_id, _ in sched_out.kv_transfers.swap_outs] == new_block_ids[:3]
     new = scheduler.requests["new"]
     assert new.status is RequestStatus.PREEMPTED and new.block_ids == [] and scheduler.kv.is_swapped_out(new)
     num_computed = new.num_computed_tokens
@@ -140,6 +146,30 @@ def test_pinned_host_rows_are_not_taken_by_a_swap_out() -> None:
     _preempt_one(scheduler, runner)  # "new" has 3 blocks to keep
     assert scheduler.preemption_stats()["num_swap_fallbacks"] == 1
     assert all(block.key in tiers.host for block in cached)
+
+
+def test_a_sample_swapped_out_the_step_after_its_fork_keeps_its_copied_block() -> None:
+    """Its partial block's copy-on-write is still in the plan: the copy lands before the swap-out reads it."""
+    scheduler, runner, tiers = _swapping(num_blocks=4, max_num_seqs=3)
+    scheduler.add_request(make_request("a", 4, max_tokens=10))
+    scheduler.add_request(make_request("p", 6, n=2, max_tokens=10))
+    outputs: dict[str, list] = {}
+    seen = False
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        sched_out, step_outputs = step(scheduler, runner)
+        for out in step_outputs:
+            outputs.setdefault(out.request_id, []).append(out)
+        transfers = sched_out.kv_transfers
+        copied_then_swapped = {dst for _, dst in transfers.copies} & {b for b, _ in transfers.swap_outs}
+        if copied_then_swapped:
+            assert "p#1" in scheduler.requests and scheduler.kv.is_swapped_out(scheduler.requests["p#1"])
+            seen = True
+    assert seen and not scheduler.has_unfinished_requests()
+    for rid in ("a", "p", "p#1"):
+        assert tokens_of(outputs[rid]) == [default_token(rid, k) for k in range(10)]
+    assert scheduler.preemption_stats()["num_swap_fallbacks"] == 0 and _host_rows_all_back(scheduler, tiers)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
