@@ -205,22 +205,25 @@ def test_random_workloads_over_kv_tiers_finish_cleanly(
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
     num_speculative_tokens=st.integers(1, 5),
+    swap_host_blocks=st.none() | st.integers(1, 24),
 )
 def test_random_workloads_with_speculation_finish_cleanly(
     workload: list[Spec], block_size: int, num_blocks: int, budget: int, max_num_seqs: int, prefix_caching: bool,
-    num_speculative_tokens: int,
+    num_speculative_tokens: int, swap_host_blocks: int | None,
 ) -> None:
-    """Speculating decodes among prefills, forks, preemptions and aborts: each sample's tokens are exactly
-    its own (drafts kept only while they agree), the KV a row reads always holds the request's history (never
-    a rejected draft token), tables match on both sides after each rollback, and every block is free at the
-    end."""
+    """Speculating decodes among prefills, forks, preemptions (by recompute, or by swap over a host tier of
+    ``swap_host_blocks``) and aborts: each sample's tokens are exactly its own (drafts kept only while they
+    agree), the KV a row reads always holds the request's history (never a rejected draft token), tables
+    match on both sides after each rollback, and every block is free at the end."""
     speculative = SpeculativeConfig("ngram", num_speculative_tokens, 1, 3)
+    tiers = fake_tiers(block_size, swap_host_blocks) if swap_host_blocks is not None else None
     scheduler = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len=64,
-                               prefix_caching=prefix_caching, speculative=speculative)
+                               prefix_caching=prefix_caching, speculative=speculative, tiers=tiers,
+                               preemption_mode="recompute" if tiers is None else "swap")
     accepted = [s for s in workload if s.num_prompt + s.max_tokens <= num_blocks * block_size]
     if not accepted:
         return
-    runner = FakeRunner(num_blocks, block_size, looping_token, ref_count=scheduler.kv.pool.ref_count)
+    runner = FakeRunner(num_blocks, block_size, looping_token, ref_count=scheduler.kv.pool.ref_count, tiers=tiers)
     outputs = run_workload(scheduler, runner, accepted)
     for spec in accepted:
         check_results(spec, outputs, looping_token)
