@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from tests.conftest import assert_all_blocks_free, greedy_token_ids
 
 MAX_NEW = 12
@@ -74,3 +74,18 @@ def test_a_host_tier_too_small_falls_back_to_recompute(tiny_checkpoints) -> None
     assert stats["num_swap_fallbacks"] > 0, stats
     assert stats["num_swap_fallbacks"] + stats["num_swapped_out"] == stats["num_preemptions"], stats
     assert_all_blocks_free(llm)
+
+
+def test_aborting_requests_while_swapped_out_gives_every_host_row_back(tiny_checkpoints) -> None:
+    llm = _llm(tiny_checkpoints["llama"], preemption_mode="swap", kv_offload_memory=0.01, **SMALL_POOL)
+    engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    for index, prompt in enumerate(_prompts()):
+        engine.add_request(f"r{index}", {"prompt_token_ids": prompt}, params)
+    while not any(engine.core.kv_manager.is_swapped_out(r) for r in engine.core.scheduler.requests.values()):
+        engine.step()
+    engine.abort_request([f"r{index}" for index in range(len(_prompts()))])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(llm)
+    host = engine.core.kv_manager.store.host
+    assert len(host._free) + host.num_blocks == host.num_rows, "swapped-out rows outlived their requests"
