@@ -15,7 +15,8 @@ than compute it again. If another block already holds the same tokens, the reque
 ("detached"): its later blocks stay private, so a cached node's ancestors are always cached and held.
 
 A request preempted by swap (``swap_out``) leaves its KV in host rows (``kv/swap.py``) and holds no block;
-its next ``match_prefix`` is that KV, and ``allocate_slots`` with it loads it back into fresh blocks.
+its next ``match_prefix`` is that KV, and ``allocate_slots`` with it takes back the leading blocks the tree
+still holds on the device and loads the rest into fresh blocks.
 """
 
 from __future__ import annotations
