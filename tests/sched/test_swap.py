@@ -98,14 +98,14 @@ def test_aborting_a_swapped_out_request_gives_its_host_rows_back() -> None:
     assert scheduler.kv.is_swapped_out(scheduler.requests["new"])
     scheduler.finish_requests(["new"], FinishReason.ABORT)
     scheduler.kv.check_integrity(scheduler.requests.values())  # the rows wait for the next plan, still counted
+    assert "new" not in scheduler.kv.swap
     run_to_completion(scheduler, runner)
-    assert not scheduler.kv.is_swapped_out(scheduler.requests.get("new") or make_request("new", 1))
     assert scheduler.kv.num_free_blocks() == 6 and _host_rows_all_back(scheduler, tiers)
 
 
-def test_aborting_between_schedule_and_execute_never_lets_a_swap_out_overwrite_a_reused_row() -> None:
-    """The swap-out's copy is in the plan already handed over: the rows must not be given to the same plan's
-    offloads (a cached block evicted this step) before the copy lands in them."""
+def test_a_request_aborted_between_schedule_and_execute_with_its_swap_out_planned_finishes_cleanly() -> None:
+    """The swap-out's copy is in the plan already handed over; its rows go back only at the next plan (that
+    no offload of this plan takes them is tests/kv/test_swap.py's)."""
     scheduler, runner, tiers = _swapping(num_blocks=6, host_blocks=3, prefix_caching=True, max_num_seqs=2)
     scheduler.add_request(make_request("old", 6, max_tokens=12))
     scheduler.add_request(make_request("new", 4, max_tokens=12))
