@@ -85,7 +85,8 @@ def test_a_swapped_request_resumes_where_it_stopped_with_its_kv_bit_identical(pr
     stats = scheduler.preemption_stats()
     assert stats["num_swapped_out"] == stats["num_swapped_in"] == stats["num_preemptions"] > 0
     assert stats["num_blocks_swapped_in"] == runner.num_swapped_in > 0
-    assert stats["num_blocks_swapped_out"] == stats["num_blocks_swapped_in"] + stats["num_blocks_swap_in_found_on_device"]
+    num_restored = stats["num_blocks_swapped_in"] + stats["num_blocks_swap_in_found_on_device"]
+    assert stats["num_blocks_swapped_out"] == num_restored
     assert stats["num_swap_fallbacks"] == 0
     assert scheduler.kv.num_free_blocks() == 6 and _host_rows_all_back(scheduler, tiers)
 
