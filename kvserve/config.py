@@ -16,6 +16,7 @@ from kvserve.kv.quant import ENCODINGS
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEVICES = ("auto", "cpu", "cuda")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("ngram", "draft")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -31,6 +32,7 @@ _DTYPES = {
 DTYPE_CHOICES = ("auto", *_DTYPES)
 # how a quantized checkpoint's weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32
 # activations, dtype not forced); none dequantizes at load; gguf insists on the blocks
+LOAD_FORMAT_CHOICES = ("auto", "mmap")
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 KV_CACHE_DTYPES = ("auto", *ENCODINGS)  # "auto": the model's dtype, unquantized
 
@@ -75,10 +77,15 @@ class ModelConfig:
     quantize_activations: bool = False
     # every step op by op from Python: no CPU step graphs (kvserve/worker/cpu_graph.py)
     enforce_eager: bool = False
+    # "mmap": a GGUF's blocks are used where the file is mapped, the only copy of the weights (no dense layout)
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto":
             parse_dtype(self.dtype, "cpu")
+        if self.load_format not in LOAD_FORMAT_CHOICES:
+            raise ValueError(f"unknown load_format {self.load_format!r}; expected one of "
+                             f"{', '.join(LOAD_FORMAT_CHOICES)}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"unknown quantization {self.quantization!r}; expected one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}")
@@ -202,13 +209,19 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism: the model's layers and KV heads split over ``tensor_parallel_size`` processes
-    (``kvserve/worker/parallel.py``)."""
+    (``kvserve/worker/parallel.py``), ranks 1 .. N-1 spawned on this machine (``mp``) or placed as Ray actors
+    (``ray``, ``kvserve/worker/ray_workers.py``). With one rank there is nothing to place: ``ray`` is accepted,
+    as vLLM accepts it, and the rank runs in the engine's process."""
 
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ from typing import Any, Collection
 from kvserve.config import (
     DEFAULT_MODEL,
     DEVICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPE_CHOICES,
+    LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
@@ -67,6 +69,12 @@ class EngineArgs:
     enforce_eager: bool = _option(ModelConfig.enforce_eager,
                                   "run every step op by op; by default a CPU decode step of up to 16 tokens is "
                                   "recorded once per size and replayed without its Python (a step graph)")
+    load_format: str = _option(ModelConfig.load_format, "'mmap': a GGUF's quantized blocks are used where the "
+                               "file is mapped (start-up reads nothing ahead; the pages are shared with other "
+                               "processes serving the file; memory about the file's size), and steps of many "
+                               "tokens multiply the blocks too instead of a dense copy kept beside them (slower "
+                               "from 4 tokens a step up); 'auto' reads the blocks into memory and keeps that copy",
+                               str, LOAD_FORMAT_CHOICES)
     max_model_len: int | None = _option(None, "context length (default: the model's own)", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)
@@ -95,6 +103,12 @@ class EngineArgs:
                                         "CPU, each rank taking its share of the threads; NCCL on CUDA, one GPU "
                                         "each); rank 0 schedules and samples; dense weights and eager steps only",
                                         int)
+    distributed_executor_backend: str = _option(ParallelConfig.distributed_executor_backend,
+                                                "where tensor-parallel ranks 1 .. N-1 run: 'mp' spawns them on "
+                                                "this machine, 'ray' places them as Ray actors (one bundle per "
+                                                "rank, all on this node; needs pip install 'kvserve[ray]'; "
+                                                "joins RAY_ADDRESS's cluster or starts a local one)", str,
+                                                DISTRIBUTED_EXECUTOR_BACKENDS)
     max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "requests running at once", int)
     max_num_batched_tokens: int = _option(SchedulerConfig.max_num_batched_tokens,
                                           "tokens per step; longer prompts are prefilled in chunks", int)
@@ -138,7 +152,7 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
                               quantization=self.quantization, quantize_activations=self.quantize_activations,
-                              enforce_eager=self.enforce_eager),
+                              enforce_eager=self.enforce_eager, load_format=self.load_format),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
@@ -164,7 +178,8 @@ class EngineArgs:
                 prompt_lookup_max=self.ngram_max,
                 model=self.draft_model,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend),
             device=self.device,
         )
 

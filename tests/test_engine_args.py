@@ -27,6 +27,7 @@ CHANGED = {
     "quantization": "none",
     "quantize_activations": True,
     "enforce_eager": True,
+    "load_format": "mmap",
     "max_model_len": 512,
     "seed": 7,
     "device": "cpu",
@@ -49,6 +50,7 @@ CHANGED = {
     "ngram_min": 2,
     "ngram_max": 6,
     "tensor_parallel_size": 2,
+    "distributed_executor_backend": "ray",
     "draft_model": "some-draft-model",
 }
 
@@ -96,16 +98,17 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     # (test_draft_options_land_in_the_speculative_config)
     config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1,
                            "draft_model": None}).create_engine_config()
-    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True)
+    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap")
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5, "swap")
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
     assert config.device == "cpu"
 
 
-def test_tensor_parallel_size_lands_in_the_parallel_config() -> None:
-    config = EngineArgs(tensor_parallel_size=CHANGED["tensor_parallel_size"]).create_engine_config()
-    assert config.parallel == ParallelConfig(2)
+def test_tensor_parallel_options_land_in_the_parallel_config() -> None:
+    config = EngineArgs(tensor_parallel_size=CHANGED["tensor_parallel_size"],
+                        distributed_executor_backend=CHANGED["distributed_executor_backend"]).create_engine_config()
+    assert config.parallel == ParallelConfig(2, "ray")
 
 
 @pytest.mark.parametrize(

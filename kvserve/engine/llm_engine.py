@@ -30,6 +30,7 @@ from kvserve.spec.draft import DraftModel
 from kvserve.spec.policy import SpeculationPolicy
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.parallel import WorkerGroup, WorkerSpec, start_workers
+from kvserve.worker.ray_workers import start_ray_workers
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,11 @@ class LLMEngine:
         tp_size = config.parallel.tensor_parallel_size
         self.weight_format = weight_format(
             config.model.quantization, checkpoint, self.device, self.dtype, dtype_forced=config.model.dtype != "auto",
-            tensor_parallel_size=tp_size,
+            tensor_parallel_size=tp_size, load_format=config.model.load_format,
         )
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
-        workers = self._start_workers(checkpoint, tp_size) if tp_size > 1 else None
+        workers = self._start_workers(checkpoint, tp_size)
         try:
             runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
                                  self.weight_format, structured, config.cache.kv_cache_dtype,
@@ -65,19 +66,28 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
-            "kvserve: %s on %s (%s weights, %s activations), %d KV blocks of %d tokens (%s)%s",
-            self.location.name, self.device, runner.weights_format(), self.dtype, self.num_kv_blocks,
+            "kvserve: %s on %s (%s weights, %.1f MB, %s activations), %d KV blocks of %d tokens (%s)%s",
+            self.location.name, self.device, runner.weights_format(), runner.weight_bytes / 1e6, self.dtype,
+            self.num_kv_blocks,
             config.cache.block_size, runner.kv_cache_dtype.name,
             f", tensor parallel over {tp_size} ranks (KV blocks per rank)" if tp_size > 1 else "",
         )
 
-    def _start_workers(self, checkpoint: Checkpoint, size: int) -> WorkerGroup:
-        """Ranks 1 .. size - 1 of tensor parallelism, each loading its part of the model meanwhile (once the
-        model's shapes are known to split)."""
+    def _start_workers(self, checkpoint: Checkpoint, size: int) -> WorkerGroup | None:
+        """Ranks 1 .. size - 1 of tensor parallelism (none for one rank), local processes or Ray actors, each
+        loading its part of the model meanwhile (once the model's shapes are known to split)."""
+        backend = self.config.parallel.distributed_executor_backend
+        if size == 1:
+            if backend == "ray":
+                logger.info("distributed_executor_backend='ray' with tensor_parallel_size=1: nothing to place, "
+                            "the one rank runs in this process")
+            return None
         check_shardable(checkpoint.hf_config, size)
         cpu_threads = max(1, torch.get_num_threads() // size)
         spec = WorkerSpec(self.location, self.dtype, self.device.type, self.config.cache.block_size,
                           self.config.cache.kv_cache_dtype, cpu_threads)
+        if backend == "ray":
+            return start_ray_workers(spec, size, self.device)
         return start_workers(spec, size)
 
     def close(self) -> None:
@@ -107,7 +117,7 @@ class LLMEngine:
             raise ValueError(f"draft model {location.name!r} covers {checkpoint.max_model_len} positions, under "
                              f"max_model_len={self.max_model_len}: lower --max-model-len")
         weights = weight_format(config.model.quantization, checkpoint, self.device, self.dtype,
-                                dtype_forced=config.model.dtype != "auto")
+                                dtype_forced=config.model.dtype != "auto", load_format=config.model.load_format)
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         return DraftModel(checkpoint, self.dtype, self.device, config.cache.block_size, kv_dtype, weights,
                           config.model.quantize_activations, config.model.enforce_eager)
@@ -184,6 +194,7 @@ class LLMEngine:
             "num_blocks_used": kv.num_blocks_total - num_free,
             "num_blocks_free": num_free,
             "weights_format": self.core.runner.weights_format(),
+            "weights_bytes": self.core.runner.weight_bytes,
             "kv_cache_dtype": self.core.runner.kv_cache_spec().kv_dtype.name,
             "kv_cache_bytes": self.core.runner.kv_cache_bytes,
             "peak_num_blocks_used": self.core.peak.num_blocks_used,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from abc import abstractmethod
 from typing import Iterable
 
@@ -61,9 +62,34 @@ class CausalLM(nn.Module):
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype, kv_dtype)
 
     @abstractmethod
+    def weight_bytes(self) -> int:
+        """Bytes the loaded weights hold, in every layout a layer keeps (parameters and buffers, a GGUF's blocks,
+        a dense or prepacked copy), each storage counted once (a tied head shares the embeddings')."""
+        sizes: dict[int, int] = {}
+        for module in self.modules():
+            held = itertools.chain(vars(module).values(), module._parameters.values(), module._buffers.values())
+            for tensor in (tensor for value in held for tensor in _tensors_in(value)):
+                if tensor.is_mkldnn:  # oneDNN's opaque layout: its values' bytes
+                    sizes[id(tensor)] = tensor.numel() * tensor.element_size()
+                elif tensor.device.type != "meta":
+                    storage = tensor.untyped_storage()
+                    sizes[storage.data_ptr()] = storage.nbytes()
+        return sum(sizes.values())
+
     def sliding_windows(self) -> set[int | None]:
         """The distinct attention windows of the layers (None = global attention)."""
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: the message names the file or tensor and what is wrong."""
+
+
+def _tensors_in(value: object) -> list[torch.Tensor]:
+    """The tensors a module attribute holds: a tensor, a GGUF tensor's blocks, or those of a tuple of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple) and hasattr(value, "blocks"):  # a GGMLTensor (no import of the layers here)
+        return [value.blocks]
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in _tensors_in(item)]
+    return []

@@ -10,27 +10,26 @@ between implementations, so greedy-equality tests do not hinge on rounding.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
-    Gemma3ForCausalLM,
     Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
-    LlamaForCausalLM,
     MistralConfig,
-    MistralForCausalLM,
     PretrainedConfig,
-    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
-    Qwen2ForCausalLM,
     Qwen3Config,
-    Qwen3ForCausalLM,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
@@ -129,7 +128,8 @@ def _random_model(arch: str, size: _Size, tokenizer: PreTrainedTokenizerFast, se
         "pad_token_id": tokenizer.pad_token_id,
     }
     config = _CONFIG_MAKERS[arch](size, len(tokenizer), special_ids)
-    model = _MODEL_CLASSES[arch](config).to(torch.float32)
+    model_class = getattr(importlib.import_module("transformers"), _MODEL_CLASSES[arch])
+    model = model_class(config).to(torch.float32)
     randomize(model, seed)
     model.generation_config = GenerationConfig(**special_ids)
     return model
@@ -227,12 +227,14 @@ _CONFIG_MAKERS = {
     "mistral": _mistral_config,
     "gemma3": _gemma3_config,
 }
-_MODEL_CLASSES: dict[str, type[PreTrainedModel]] = {
-    "llama": LlamaForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
-    "mistral": MistralForCausalLM,
-    "gemma3": Gemma3ForCausalLM,
+# by name: transformers' modeling modules take seconds to import, and `kvserve serve` imports this module's
+# names for its command line
+_MODEL_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 CORPUS = (

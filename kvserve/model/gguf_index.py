@@ -61,8 +61,10 @@ class GGUFIndex:
     tokenizer: PreTrainedTokenizerBase
     tensors: tuple[TensorEntry, ...]
 
-    def arrays(self, path: Path) -> Iterator[tuple[TensorEntry, np.ndarray]]:
-        data = np.memmap(path, np.uint8, "r")
+    def arrays(self, path: Path, writable: bool = False) -> Iterator[tuple[TensorEntry, np.ndarray]]:
+        """Each tensor's array in ``path`` mapped read-only, or copy-on-write if ``writable`` (numpy's and torch's
+        views of it may then be made without a copy; kvserve never writes to them)."""
+        data = np.memmap(path, np.uint8, "c" if writable else "r")
         for entry in self.tensors:
             yield entry, entry.array(data)
 

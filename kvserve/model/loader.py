@@ -43,16 +43,17 @@ class Checkpoint:
     tokenizer: PreTrainedTokenizerBase  # with the checkpoint's chat template, if it has one
     eos_token_ids: frozenset[int]
     max_model_len: int  # the model's own context length (max_position_embeddings)
-    read_weights: Callable[[frozenset[int]], WeightIterator] = field(repr=False)
+    read_weights: Callable[[frozenset[int], bool], WeightIterator] = field(repr=False)
     is_gguf: bool = False
 
-    def weights(self, keep_quantized: frozenset[int] = frozenset()) -> WeightIterator:
+    def weights(self, keep_quantized: frozenset[int] = frozenset(), mapped: bool = False) -> WeightIterator:
         """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype; a GGUF's
-        2-D tensors of the ggml types in ``keep_quantized`` come as their blocks (``GGMLTensor``) instead.
+        2-D tensors of the ggml types in ``keep_quantized`` come as their blocks (``GGMLTensor``) instead, with
+        ``mapped`` views of the mapped file where their rows are stored in order (copies otherwise).
 
         A tied LM head that the file does not store is not yielded. Each call reads the file again.
         """
-        return self.read_weights(keep_quantized)
+        return self.read_weights(keep_quantized, mapped)
 
 
 def load_checkpoint(location: ModelLocation, dtype: torch.dtype) -> Checkpoint:
@@ -133,8 +134,10 @@ def _check_safetensors(shard: Path) -> None:
         raise CheckpointError(f"{shard} is not a readable safetensors file (truncated or corrupt): {error}") from None
 
 
-def _read_safetensors(shards: list[Path], dtype: torch.dtype, keep_quantized: frozenset[int]) -> WeightIterator:
-    del keep_quantized  # safetensors hold no ggml blocks
+def _read_safetensors(
+    shards: list[Path], dtype: torch.dtype, keep_quantized: frozenset[int], mapped: bool = False
+) -> WeightIterator:
+    del keep_quantized, mapped  # safetensors hold no ggml blocks
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as reader:
@@ -196,17 +199,19 @@ def _unreadable_gguf(path: Path, error: Exception) -> str:
 
 
 def _read_gguf(
-    path: Path, index: GGUFIndex, dtype: torch.dtype, keep_quantized: frozenset[int] = frozenset()
+    path: Path, index: GGUFIndex, dtype: torch.dtype, keep_quantized: frozenset[int] = frozenset(),
+    mapped: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor | GGMLTensor]]:
     """Each tensor under its Hugging Face name: dequantized to ``dtype``, or, for a 2-D tensor whose ggml type
-    is in ``keep_quantized``, as the file's blocks (``GGMLTensor``, rows in Hugging Face order)."""
+    is in ``keep_quantized``, as the file's blocks (``GGMLTensor``, rows in Hugging Face order; ``mapped``: a
+    view of the file's pages, mapped copy-on-write, unless the rows were reordered)."""
     from gguf import GGMLQuantizationType, dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     # transformers' processor undoes llama.cpp's Q/K row permutation (rows are whole block runs, so it applies
     # to blocks as to values) and Gemma's norm offset
     processor = TENSOR_PROCESSORS.get(index.architecture, TensorProcessor)(config=index.config.to_dict())
-    for entry, data in index.arrays(path):
+    for entry, data in index.arrays(path, writable=mapped):
         qtype = GGMLQuantizationType(entry.qtype)
         keep = qtype in keep_quantized and len(entry.dims) == 2
         weights = data if keep else dequantize(data, qtype)
@@ -214,7 +219,7 @@ def _read_gguf(
             weights=weights, name=entry.name, tensor_key_mapping={entry.name: entry.hf_name}, parsed_parameters={}
         )
         if keep:
-            yield entry.hf_name, GGMLTensor.from_numpy(result.weights, qtype)
+            yield entry.hf_name, GGMLTensor.from_numpy(result.weights, qtype, copy=not mapped)
         else:
             yield entry.hf_name, torch.from_numpy(np.array(result.weights)).to(dtype)
 

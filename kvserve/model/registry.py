@@ -12,6 +12,7 @@ from kvserve.attention.backend import AttentionBackend
 from kvserve.model.base import CausalLM
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.layers.cpu_fused_ops import can_fuse, cpu_fused_ops
+from kvserve.model.layers.embedding import VocabEmbedding
 from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
 from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLLinearMethod, ggml_gemm
 from kvserve.model.layers.ggml_qdot import qdot_gemm
@@ -66,7 +67,7 @@ def select_linear_method(
     device: torch.device, dtype: torch.dtype, weights: str = "dense", quantize_activations: bool = True
 ) -> LinearMethod:
     """Prepacked oneDNN weights (and small-GEMM panels where that kernel is tuned) for fp32 on CPU; the plain
-    weights elsewhere; in front of those, a GGUF's blocks kept (``weights="gguf"``) or every weight quantized at
+    weights elsewhere; in front of those, a GGUF's blocks kept (``weights="gguf"``, or "gguf-mmap") or every weight quantized at
     load (``"int8"``, ``"int4"``), as ``weight_format`` decided, multiplied by the block kernel's int8-activation
     path (``quantize_activations``, where it builds) or its exact fp32 one."""
     dense = CpuPrepackedLinearMethod(small_gemm()) if can_prepack(device, dtype) else UnquantizedLinearMethod()
@@ -75,18 +76,22 @@ def select_linear_method(
     kernel = ggml_gemm()
     assert kernel is not None, "weight_format() said no block kernel was needed"
     gemm = (qdot_gemm() if quantize_activations else None) or kernel
-    if weights == "gguf":
-        return GGMLLinearMethod(kernel, dense, gemm)
+    if weights in ("gguf", "gguf-mmap"):
+        return GGMLLinearMethod(kernel, dense, gemm, keep_dense=weights == "gguf")
     return WeightOnlyLinearMethod(kernel, dense, weights, gemm)
 
 
 def weight_format(
     quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool,
-    tensor_parallel_size: int = 1,
+    tensor_parallel_size: int = 1, load_format: str = "auto",
 ) -> str:
     """How the linear layers hold their weights: "dense" (as loaded, in ``dtype``), "gguf" (a GGUF's blocks kept,
-    see ``keeps_gguf_blocks``), or "int8" / "int4" (quantized at load; ValueError where they cannot run).
-    Tensor-parallel layers are dense (``EngineConfig`` refuses the other formats by name; ``auto`` dequantizes)."""
+    see ``keeps_gguf_blocks``, with a dense copy for steps of many tokens), "gguf-mmap" (``load_format="mmap"``:
+    the blocks where the file is mapped, the only copy), or "int8" / "int4" (quantized at load; ValueError where
+    they cannot run). Tensor-parallel layers are dense (``EngineConfig`` refuses the other formats by name;
+    ``auto`` dequantizes)."""
+    if load_format == "mmap":
+        return _mapped_format(quantization, checkpoint, device, dtype, dtype_forced, tensor_parallel_size)
     if tensor_parallel_size > 1:
         if checkpoint.is_gguf:
             logger.info("tensor parallel: the GGUF's weights are dequantized to %s (blocks are not sharded)", dtype)
@@ -99,6 +104,30 @@ def weight_format(
             raise ValueError(f"quantization={quantization!r}: the block kernel could not be built (see the warning)")
         return quantization
     return "gguf" if keeps_gguf_blocks(quantization, checkpoint, device, dtype, dtype_forced) else "dense"
+
+
+def _mapped_format(
+    quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool,
+    tensor_parallel_size: int,
+) -> str:
+    """ "gguf-mmap", or ValueError saying why ``load_format="mmap"`` cannot map these weights: it maps a GGUF's
+    blocks, the one layout that runs from the file as it is (a dense or re-quantized layout is made at load)."""
+    why = ""
+    if tensor_parallel_size > 1:
+        why = f"tensor_parallel_size={tensor_parallel_size} shards dense weights"
+    elif quantization not in ("auto", "gguf"):
+        why = f"quantization={quantization!r} lays the weights out anew at load"
+    elif dtype_forced:
+        why = f"dtype={str(dtype).removeprefix('torch.')} dequantizes the blocks"
+    else:
+        try:
+            keeps_gguf_blocks("gguf", checkpoint, device, dtype, dtype_forced=False)
+        except ValueError as error:
+            why = str(error).removeprefix("quantization='gguf': ")
+    if why:
+        raise ValueError(f"load_format='mmap' runs a GGUF's quantized blocks from the mapped file; {why} "
+                         "(use load_format='auto')")
+    return "gguf-mmap"
 
 
 def keeps_gguf_blocks(
@@ -188,6 +217,12 @@ def load_model(
     head_method = select_linear_method(device, dtype, weights, quantize_activations=False)
     model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype),
                         head_method, tp)
-    model.load_weights(checkpoint.weights(KERNEL_TYPES if weights == "gguf" else frozenset()))
+    mapped = weights == "gguf-mmap"
+    if mapped:  # the embeddings too stay in the file's blocks; a step dequantizes the rows it looks up
+        for module in model.modules():
+            if isinstance(module, VocabEmbedding):
+                module.keep_blocks(ggml_gemm())
+    kept = KERNEL_TYPES if weights in ("gguf", "gguf-mmap") else frozenset()
+    model.load_weights(checkpoint.weights(kept, mapped))
     process_weights_after_loading(model)
     return model.eval()

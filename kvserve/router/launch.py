@@ -21,7 +21,8 @@ import uvicorn
 
 from kvserve.router.app import Router, build_router_app
 from kvserve.router.policy import POLICIES, make_policy
-from kvserve.router.ray_replicas import RayReplicas, ray_available
+from kvserve.extras import require_ray
+from kvserve.router.ray_replicas import RayReplicas
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
                                          "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host"))
     if args.data_parallel_backend == "ray":
-        ray_available()
+        require_ray("--data-parallel-backend ray")
         replicas: LocalReplicas | RayReplicas = RayReplicas(replica_argv, size, args.port + 1, args.ray_address,
                                                             args.replica_cpus)
     else:

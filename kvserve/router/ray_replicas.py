@@ -7,7 +7,8 @@ with local replicas. Ray does the placement (``--replica-cpus`` CPUs each) and t
 each replica every few seconds, and a replica whose server process has died is killed so that Ray restarts its
 actor, which starts a fresh server (on the same port; a replica that Ray moves to another node is re-pointed in
 the router). While a replica is down the router sends its requests to the others, as it does for any replica
-that stops answering. Ray is an optional dependency (``pip install 'kvserve[ray]'``), imported only here.
+that stops answering. Ray is an optional dependency (``pip install 'kvserve[ray]'``), imported only here (its
+absence is named by ``extras.require_ray``).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any
-
 from kvserve.router.app import Router
 
 logger = logging.getLogger(__name__)
@@ -115,11 +114,3 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
-
-def ray_available() -> Any:
-    """Ray, or ImportError saying how to get it."""
-    try:
-        import ray
-    except ImportError:
-        raise ImportError("--data-parallel-backend ray needs Ray: pip install 'kvserve[ray]'") from None
-    return ray

@@ -54,6 +54,7 @@ class ModelRunner:
         self.tp = self.peers.tp
         self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations, self.tp)
         self._weights_format = self._find_weights_format()
+        self.weight_bytes = self.model.weight_bytes()  # this rank's; the draft model's are not counted
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(seed, default_processors(self.grammar))
         self.kv: KVCacheStorage | None = None
@@ -71,11 +72,13 @@ class ModelRunner:
 
     def _find_weights_format(self) -> str:
         # a walk over every module: done once, as stats() (which reports it) runs at every server step
-        kept = sorted({layer.ggml_weight.qtype.name for layer in self.model.modules()
-                       if getattr(layer, "ggml_weight", None) is not None})
+        kept = sorted({part.qtype.name for layer in self.model.modules()
+                       for part in getattr(layer, "ggml_parts", None) or ()})
         if self.weights in ("int8", "int4"):
             return f"{self.weights} weight-only"
-        return f"gguf {', '.join(kept)}" if kept else str(self.dtype).removeprefix("torch.")
+        if not kept:
+            return str(self.dtype).removeprefix("torch.")
+        return f"gguf {', '.join(kept)}" + (" (mapped)" if self.weights == "gguf-mmap" else "")
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.model.kv_cache_spec(self.block_size, self.dtype, self.kv_cache_dtype)

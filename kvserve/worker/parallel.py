@@ -1,7 +1,9 @@
 """Tensor parallelism across processes: the process group, the worker processes and what rank 0 tells them.
 
 The scheduler, the KV manager and the sampler stay in rank 0, the engine's process; ranks 1 .. N-1 are worker
-processes (spawned) that each hold a ``ModelRunner`` over their part of the weights and of the KV pool::
+processes that each hold a ``ModelRunner`` over their part of the weights and of the KV pool: spawned on this
+machine (``start_workers``, ``--distributed-executor-backend mp``) or Ray actors (``ray_workers.py``, ``ray``),
+driven alike once started (``form_group``; ``WorkerHandle`` is what differs)::
 
     rank 0: ModelRunner.execute(sched_out)           rank r: worker_main's loop
       WorkerGroup.broadcast_step  ---- pipe ---->     SchedulerOutput -> ModelRunner.execute(sched_out)
@@ -11,14 +13,16 @@ processes (spawned) that each hold a ``ModelRunner`` over their part of the weig
 
 Only rank 0 samples (grammar, penalties, seeds and logprobs live there); each worker appends the token ids rank 0
 sends it right after sampling, so its persistent batch stays in step. Steps and tokens travel over one pipe per
-worker, not a collective: a worker waits for the next step as long as the server idles (a collective would time
-out) and sees rank 0's exit as the pipe's end. The model's collectives run on a process group of their own
+worker (an authenticated TCP connection to a Ray actor: the same ``Connection``), not a collective: a worker waits
+for the next step as long as the server idles (a collective would time out) and sees rank 0's exit as the pipe's
+end. The model's collectives run on a process group of their own
 (``TensorParallel``; no global default group), with ``COLLECTIVE_TIMEOUT`` on each, start-up included.
 
 Failures end in a ``TensorParallelError`` naming the worker, never a hang: rank 0 checks that every worker is
 alive before each step, turns a failed collective (a dead peer closes its connection) into that error, shuts the
 others down, and refuses further steps. A worker whose start-up fails sends its error before it exits; one that
-loses rank 0 exits. Workers are daemon processes: they also end with rank 0's interpreter.
+loses rank 0 exits. Workers are daemon processes (Ray actors are owned by rank 0's process): they also end with
+rank 0's interpreter.
 
 Not combined with tensor parallelism yet: weights kept in blocks (``EngineConfig`` refuses ``quantization`` gguf /
 int8 / int4 by name; ``auto`` dequantizes a GGUF, and says so in the log), the KV tiers (refused by name) and
@@ -37,7 +41,7 @@ import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -54,6 +58,7 @@ LOAD_TIMEOUT_SECONDS = 600.0  # a worker's checkpoint load and KV allocation (a 
 SHUTDOWN_SECONDS = 5.0  # a worker's time to exit on Shutdown before it is killed
 FAILURE_GRACE_SECONDS = 1.0  # after a failed step, how long to look for the worker that caused it
 _POLL_SECONDS = 0.05
+LOOPBACK = "127.0.0.1"  # where local workers meet rank 0 (Ray's meet at the driver's node address)
 
 
 class TensorParallelError(RuntimeError):
@@ -107,6 +112,48 @@ class Failed:
     error: str
 
 
+# ---- the workers, as rank 0 watches them ----------------------------------------------------------------
+
+
+class WorkerHandle(Protocol):
+    """A worker rank 0 watches: a local process (``LocalWorker``) or a Ray actor (``ray_workers.RayWorker``).
+    ``name`` is how errors name it (``pid 1234``)."""
+
+    name: str
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for it to end."""
+
+    def kill(self) -> None:
+        """End it now, and wait until it has."""
+
+    def end_reason(self) -> str:
+        """How it ended (``exit code -9``); asked only once it is not alive."""
+
+
+class LocalWorker:
+    """A worker process spawned on this machine."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.name = f"pid {process.pid}"
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+
+    def end_reason(self) -> str:
+        return f"exit code {self.process.exitcode}"
+
+
 # ---- the other ranks, as a runner sees them ------------------------------------------------------------
 
 
@@ -152,12 +199,19 @@ class DriverLink(StepPeers):
         return message.token_ids
 
 
-class WorkerGroup(StepPeers):
-    """Rank 0's view: the worker processes, a pipe to each, and the process group they share."""
+def _nothing() -> None:
+    pass
 
-    def __init__(self, processes: list[Any], conns: list[Connection], num_threads_before: int) -> None:
-        self.processes, self.conns = processes, conns
+
+class WorkerGroup(StepPeers):
+    """Rank 0's view: the workers, a connection to each (a pipe to a local process, authenticated TCP to a Ray
+    actor: the same ``Connection``), and the process group they share."""
+
+    def __init__(self, workers: list[WorkerHandle], conns: list[Connection], num_threads_before: int,
+                 release: Callable[[], None] = _nothing) -> None:
+        self.workers, self.conns = workers, conns
         self.num_threads_before = num_threads_before  # rank 0's torch threads, given back at close
+        self._release = release  # what else the workers held (a Ray placement group), freed at close
         self._error: str | None = None
 
     def broadcast_step(self, sched_out: SchedulerOutput) -> None:
@@ -196,14 +250,15 @@ class WorkerGroup(StepPeers):
             except OSError:
                 pass  # that worker is gone already
         deadline = time.monotonic() + SHUTDOWN_SECONDS
-        for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-                process.join()
+        for worker in self.workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+            if worker.is_alive():
+                worker.kill()
         for conn in self.conns:
             conn.close()
         self.conns = []
+        release, self._release = self._release, _nothing
+        release()
         self._error = self._error or "the workers were shut down"
         torch.set_num_threads(self.num_threads_before)
 
@@ -218,12 +273,12 @@ class WorkerGroup(StepPeers):
 
     def _describe_failure(self) -> str | None:
         """What went wrong with the first worker that died or reported a failure, if any did."""
-        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+        for rank, (worker, conn) in enumerate(zip(self.workers, self.conns), start=1):
             reported = _pending_failure(conn)
             if reported is not None:
-                return f"worker rank {rank} (pid {process.pid}) failed: {reported}"
-            if not process.is_alive():
-                return f"worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
+                return f"worker rank {rank} ({worker.name}) failed: {reported}"
+            if not worker.is_alive():
+                return f"worker rank {rank} ({worker.name}) died ({worker.end_reason()})"
         return None
 
     def _wait_for_failure(self, seconds: float) -> str | None:
@@ -240,18 +295,18 @@ class WorkerGroup(StepPeers):
         while waiting:
             for conn in wait(list(waiting), _POLL_SECONDS):
                 rank = waiting.pop(conn)
-                process = self.processes[rank - 1]
+                worker = self.workers[rank - 1]
                 try:
                     message = conn.recv()
-                except EOFError:  # it exited without a word
-                    process.join(SHUTDOWN_SECONDS)
-                    message = Failed(f"it died (exit code {process.exitcode})")
+                except (EOFError, OSError):  # it exited without a word
+                    worker.join(SHUTDOWN_SECONDS)
+                    message = Failed(f"it died ({worker.end_reason()})")
                 if isinstance(message, Failed):
-                    raise TensorParallelError(f"worker rank {rank} (pid {process.pid}) failed to {what}: "
+                    raise TensorParallelError(f"worker rank {rank} ({worker.name}) failed to {what}: "
                                               f"{message.error}")
             if waiting and time.monotonic() > deadline:
                 rank = min(waiting.values())
-                raise TensorParallelError(f"worker rank {rank} (pid {self.processes[rank - 1].pid}) did not {what} "
+                raise TensorParallelError(f"worker rank {rank} ({self.workers[rank - 1].name}) did not {what} "
                                           f"within {LOAD_TIMEOUT_SECONDS:.0f} s")
 
 
@@ -268,62 +323,99 @@ def _pending_failure(conn: Connection) -> str | None:
 # ---- start-up --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a worker runs on its node: the address its gloo connections use, and its CUDA device's index."""
+
+    host: str
+    cuda_index: int
+
+
+Launch = Callable[[tuple[str, int]], tuple[list[WorkerHandle], list[Connection]]]
+
+
 def start_workers(spec: WorkerSpec, size: int) -> WorkerGroup:
-    """Spawn ranks 1 .. ``size`` - 1, join them in a process group (gloo on CPU, NCCL on CUDA) on a free port,
-    and split the CPU threads (rank 0's own count included). The workers load their models meanwhile; the
-    first ``init_kv_cache`` waits for them. Raises ``TensorParallelError`` (workers stopped) on failure."""
+    """Spawn ranks 1 .. ``size`` - 1 on this machine and join them in a process group (gloo on CPU, NCCL on
+    CUDA): see ``form_group``."""
     if spec.device_type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices, found {torch.cuda.device_count()}")
+
+    def spawn(store_address: tuple[str, int]) -> tuple[list[WorkerHandle], list[Connection]]:
+        context = mp.get_context("spawn")
+        workers: list[WorkerHandle] = []
+        conns = []
+        for rank in range(1, size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(target=worker_main, daemon=True, name=f"kvserve-tp-rank{rank}",
+                                      args=(rank, size, store_address, spec, child_end, Place(LOOPBACK, rank)))
+            process.start()
+            child_end.close()
+            workers.append(LocalWorker(process))
+            conns.append(parent_end)
+        return workers, conns
+
+    return form_group(spec, size, LOOPBACK, spawn)
+
+
+def form_group(spec: WorkerSpec, size: int, host: str, launch: Launch,
+               release: Callable[[], None] = _nothing) -> WorkerGroup:
+    """Split the CPU threads (rank 0's own count included), open rank 0's store at ``host`` on a free port, have
+    ``launch`` start ranks 1 .. ``size`` - 1 (given the store's address) and join rank 0 to their process group;
+    ``release`` runs once the workers are stopped. The workers load their models meanwhile; the first
+    ``init_kv_cache`` waits for them. Raises ``TensorParallelError`` (workers stopped) on failure."""
     num_threads_before = torch.get_num_threads()
     if spec.device_type == "cpu":
         torch.set_num_threads(spec.num_threads)
         logger.info("tensor parallel: %d ranks, %d CPU threads each", size, spec.num_threads)
-    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
-    context = mp.get_context("spawn")
-    processes, conns = [], []
-    for rank in range(1, size):
-        parent_end, child_end = context.Pipe()
-        process = context.Process(target=worker_main, args=(rank, size, store.port, spec, child_end), daemon=True,
-                                  name=f"kvserve-tp-rank{rank}")
-        process.start()
-        child_end.close()
-        processes.append(process)
-        conns.append(parent_end)
-    group = WorkerGroup(processes, conns, num_threads_before)
+    try:
+        store = dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+        workers, conns = launch((host, store.port))
+    except BaseException:
+        torch.set_num_threads(num_threads_before)
+        release()
+        raise
+    group = WorkerGroup(workers, conns, num_threads_before, release)
     with group.stepping():
-        group.tp = join_group(0, size, store, spec.device_type)
+        group.tp = join_group(0, size, store, spec.device_type, host)
     return group
 
 
-def join_group(rank: int, size: int, store: dist.Store, device_type: str) -> TensorParallel:
-    """This rank's ``TensorParallel`` on a process group of its own over ``store`` (blocks until all join)."""
+def join_group(rank: int, size: int, store: dist.Store, device_type: str, host: str) -> TensorParallel:
+    """This rank's ``TensorParallel`` on a process group of its own over ``store`` (blocks until all join);
+    on CPU its gloo connections use ``host``, this rank's own address (not a guess from the host name)."""
     prefixed = dist.PrefixStore("kvserve-tp", store)
     if device_type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = COLLECTIVE_TIMEOUT
         return TensorParallel(rank, size, dist.ProcessGroupNCCL(prefixed, rank, size, options))
-    return TensorParallel(rank, size, dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = COLLECTIVE_TIMEOUT
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return TensorParallel(rank, size, dist.ProcessGroupGloo(prefixed, rank, size, options))
 
 
-def worker_main(rank: int, size: int, port: int, spec: WorkerSpec, conn: Connection) -> None:
-    """A worker process: join the group, build the runner for rank ``rank``, report Ready, then run each step
-    rank 0 sends until Shutdown or until rank 0 is gone. An exception is reported to rank 0, then raised."""
+def worker_main(rank: int, size: int, store_address: tuple[str, int], spec: WorkerSpec, conn: Connection,
+                place: Place) -> None:
+    """A worker (a spawned process, or a Ray actor's task): join the group through rank 0's store at
+    ``store_address``, build the runner for rank ``rank``, report Ready, then run each step rank 0 sends until
+    Shutdown or until rank 0 is gone. An exception is reported to rank 0, then raised."""
     # imported here: the runner imports this module for its peers
     from kvserve.model.loader import load_checkpoint
     from kvserve.worker.model_runner import ModelRunner
 
     try:
         torch.set_num_threads(spec.num_threads)
-        device = torch.device("cuda", rank) if spec.device_type == "cuda" else torch.device("cpu")
+        device = torch.device("cuda", place.cuda_index) if spec.device_type == "cuda" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-        link = DriverLink(conn, join_group(rank, size, store, spec.device_type))
+        host, port = store_address
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        link = DriverLink(conn, join_group(rank, size, store, spec.device_type, place.host))
         runner = ModelRunner(load_checkpoint(spec.location, spec.dtype), spec.dtype, device, spec.block_size,
                              kv_cache_dtype_name=spec.kv_cache_dtype, peers=link)
         conn.send(Ready())
         _serve(runner, conn)
-    except (EOFError, BrokenPipeError):
+    except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # rank 0 is gone: nothing to report to
     except BaseException as error:
         try:

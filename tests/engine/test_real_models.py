@@ -67,6 +67,22 @@ def test_smollm2_on_its_own_q4_1_blocks_matches_transformers() -> None:
         assert max(abs(x - y) for x, y in chosen) < 2e-3
 
 
+def test_smollm2_mapped_from_its_file_holds_about_its_size_and_matches_transformers() -> None:
+    """``load_format="mmap"``: the file's blocks are the only copy of the weights (embeddings included), and
+    batched steps multiply them too (the strips kernel, exact fp32): greedy tokens of the four prompts run
+    together equal transformers' over 32 tokens, and the weights hold at most 1.25x the file's bytes
+    (measured: 0.98x; the default layout holds 13x)."""
+    name, max_new = "smollm2-135m-instruct", 32
+    mapped = LLM(name, max_model_len=1024, num_kv_blocks=256, load_format="mmap")
+    assert mapped.stats()["weights_format"] == "gguf Q4_1, Q8_0 (mapped)"
+    assert mapped.stats()["weights_bytes"] <= 1.25 * resolve_model(name).path.stat().st_size
+    tokenizer = mapped.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    hf = _hf_from_gguf(name)
+    outs = mapped.generate([{"prompt_token_ids": ids} for ids in prompts], SamplingParams(temperature=0, max_tokens=max_new))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, ids, max_new) for ids in prompts]
+
+
 def _int8_activation_drift(name: str, weights_format: str) -> tuple[list[float], list[int]]:
     """The file's blocks times int8 activations against the file dequantized to fp32: teacher-forced on fp32's 32
     greedy tokens per prompt, in chunks of ``QDOT_MAX_ROWS`` tokens so that every step runs the int8 kernel, the

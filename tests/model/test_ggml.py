@@ -16,7 +16,9 @@ from gguf import GGMLQuantizationType as Q
 
 from kvserve import LLM, SamplingParams, native
 from kvserve.model.layers import ggml
-from kvserve.model.layers.ggml import GGML_MAX_ROWS, KERNEL_TYPES, GGMLGemm, GGMLLinearMethod, GGMLTensor
+from kvserve.model.layers.ggml import (
+    DEQUANTIZED_GEMM_ROWS, GGML_MAX_ROWS, KERNEL_TYPES, GGMLGemm, GGMLLinearMethod, GGMLTensor,
+)
 from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
 from kvserve.model.loader import load_checkpoint
 from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf
@@ -79,6 +81,32 @@ def test_kernel_on_k_quants_equals_dequantize_then_matmul(kernel: GGMLGemm, qtyp
     assert_close_to_reference(kernel(x, weight, bias), x, weight, bias)
 
 
+@pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [0, 1, 4, 15, 16, 17, 33, 70, DEQUANTIZED_GEMM_ROWS - 1, DEQUANTIZED_GEMM_ROWS, 131])
+def test_batched_product_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: int) -> None:
+    """Without a dense copy: the strips kernel (13 columns: a last strip of 1 on AVX-512, of 3 on AVX2), then
+    from DEQUANTIZED_GEMM_ROWS the dequantized slices; into a column range of a wider output, as a packed
+    layer's projections are."""
+    gen = torch.Generator().manual_seed(rows)
+    k = 512 if qtype in K_TYPES else 96
+    weight = random_k_blocks(13, k, qtype, gen) if qtype in K_TYPES else blocks_of(torch.randn(13, k, generator=gen), qtype)
+    x = torch.randn(rows, k + 16, generator=gen)[:, 8 : 8 + k]
+    bias = torch.randn(13, generator=gen) if rows % 2 else None
+    wide = torch.full((rows, 20), float("nan"))
+    kernel.batched(x, weight, bias, out=wide[:, 3:16])
+    assert_close_to_reference(wide[:, 3:16], x, weight, bias)
+    assert wide[:, :3].isnan().all() and wide[:, 16:].isnan().all()  # nothing written outside its columns
+
+
+def test_batched_product_slices_a_weight_larger_than_its_buffer(kernel: GGMLGemm, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ggml, "DEQUANTIZE_SLICE_VALUES", 5 * 64)  # slices of 5 rows: 23 = 4 x 5 + 3
+    gen = torch.Generator().manual_seed(4)
+    weight = blocks_of(torch.randn(23, 64, generator=gen), Q.Q8_0)
+    x = torch.randn(DEQUANTIZED_GEMM_ROWS, 64, generator=gen)
+    bias = torch.randn(23, generator=gen)
+    assert_close_to_reference(kernel.batched(x, weight, bias), x, weight, bias)
+
+
 def assert_build_equals_the_reference(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel built for ``isa`` (``$KVSERVE_CPU_ISA``), on every type it reads."""
     monkeypatch.setenv(native.ISA_ENV_VAR, isa)
@@ -89,6 +117,8 @@ def assert_build_equals_the_reference(isa: str, monkeypatch: pytest.MonkeyPatch)
     for weight in weights:
         x = torch.randn(5, 512, generator=gen)
         assert_close_to_reference(build(x, weight, None), x, weight, None)
+        x = torch.randn(37, 512, generator=gen)  # the strips kernel: two vectors of rows and a partial one
+        assert_close_to_reference(build.batched(x, weight, None), x, weight, None)
         torch.testing.assert_close(build.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)
 
 
@@ -128,11 +158,26 @@ def test_a_packed_layer_of_one_block_type_keeps_its_blocks(method: GGMLLinearMet
     gen = torch.Generator().manual_seed(2)
     q, k = blocks_of(torch.randn(32, 64, generator=gen), Q.Q4_1), blocks_of(torch.randn(16, 64, generator=gen), Q.Q4_1)
     layer = packed_layer({"q_proj": q, "k_proj": k}, method)
-    assert layer.ggml_weight is not None and layer.ggml_weight.qtype == Q.Q4_1
+    (joined,) = layer.ggml_parts
+    assert joined.qtype == Q.Q4_1 and layer.weight.shape == (48, 64)  # the dense copy for larger steps
     dense = torch.cat([q.dequantize(), k.dequantize()])
-    assert torch.equal(layer.ggml_weight.dequantize(), dense)
+    assert torch.equal(joined.dequantize(), dense)
     for rows in (1, GGML_MAX_ROWS, GGML_MAX_ROWS + 1, 17):  # the kernel, then the dense layout
         x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_dense_copy_a_packed_layer_multiplies_its_projections_where_they_were_loaded(
+    kernel: GGMLGemm,
+) -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k = blocks_of(torch.randn(32, 64, generator=gen), Q.Q4_1), blocks_of(torch.randn(16, 64, generator=gen), Q.Q4_1)
+    layer = packed_layer({"q_proj": q, "k_proj": k}, GGMLLinearMethod(kernel, UnquantizedLinearMethod(), keep_dense=False))
+    assert [part.blocks.data_ptr() for part in layer.ggml_parts] == [q.blocks.data_ptr(), k.blocks.data_ptr()]
+    assert layer.weight.numel() == 0  # no dense copy
+    dense = torch.cat([q.dequantize(), k.dequantize()])
+    for rows in (1, GGML_MAX_ROWS + 1, 17, DEQUANTIZED_GEMM_ROWS + 3):  # rows kernel, strips, dequantized slices
+        x = torch.randn(2, rows, 64, generator=gen)
         torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
 
 
@@ -142,7 +187,7 @@ def test_a_layer_of_mixed_forms_is_dequantized_for_the_dense_method(method: GGML
     q = blocks_of(torch.randn(32, 64, generator=gen), Q.Q4_0)
     k = torch.randn(16, 64, generator=gen)
     layer = packed_layer({"q_proj": q, "k_proj": k if second == "float" else blocks_of(k, second)}, method)
-    assert layer.ggml_weight is None
+    assert layer.ggml_parts is None
     x = torch.randn(2, 64, generator=gen)
     expected_k = k if second == "float" else blocks_of(k, second).dequantize()
     torch.testing.assert_close(layer(x), x @ torch.cat([q.dequantize(), expected_k]).T)
@@ -220,3 +265,49 @@ def test_the_kernels_dequantization_equals_ggufs(kernel: GGMLGemm, qtype: Q) -> 
 def test_the_kernels_k_quant_dequantization_equals_ggufs(kernel: GGMLGemm, qtype: Q) -> None:
     weight = random_k_blocks(37, 768, qtype, torch.Generator().manual_seed(4))
     torch.testing.assert_close(kernel.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps ``path``."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path.resolve())):
+            start, stop = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(stop, 16)))
+    return ranges
+
+
+def test_load_format_mmap_runs_the_files_own_blocks_and_agrees_with_auto(quantized_gguf: Path) -> None:
+    """No copy of the weights but where the loader had to reorder rows (Llama's q and k): the embeddings and
+    the other layers run on the file's mapped pages; steps of 1 to 35 tokens (the rows kernel, the strips
+    kernel) give auto's tokens, within fp32 rounding of its logprobs."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": [5, 9, 30, 31, 40] * 7}, {"prompt_token_ids": [7] * 3}]
+    auto = LLM(str(quantized_gguf), num_kv_blocks=64)
+    mapped = LLM(str(quantized_gguf), num_kv_blocks=64, load_format="mmap")
+    assert mapped.stats()["weights_format"] == "gguf Q4_1 (mapped)"
+    assert mapped.stats()["weights_bytes"] < auto.stats()["weights_bytes"] / 3
+    model = mapped.engine.core.runner.model
+    ranges = mapped_ranges(quantized_gguf)
+    in_file = lambda tensor: any(start <= tensor.data_ptr() < stop for start, stop in ranges)  # noqa: E731
+    assert in_file(model.embed_tokens.ggml_weight.blocks) and model.embed_tokens.weight.numel() == 0
+    assert all(in_file(part.blocks) for part in model.layers[0].mlp.down_proj.ggml_parts)
+    for a, b in zip(auto.generate(prompts, params), mapped.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        np.testing.assert_allclose([next(iter(s.values())).logprob for s in b.outputs[0].logprobs],
+                                   [next(iter(s.values())).logprob for s in a.outputs[0].logprobs], atol=1e-4)
+
+
+@pytest.mark.parametrize("options, reason", [
+    ({"quantization": "none"}, "quantization='none' lays the weights out anew"),
+    ({"quantization": "int8"}, "quantization='int8' lays the weights out anew"),
+    ({"dtype": "bfloat16"}, "dtype=bfloat16 dequantizes the blocks"),
+])
+def test_load_format_mmap_refuses_what_it_cannot_map(quantized_gguf: Path, options: dict, reason: str) -> None:
+    with pytest.raises(ValueError, match=f"load_format='mmap' .*{reason}"):
+        LLM(str(quantized_gguf), num_kv_blocks=64, load_format="mmap", **options)
+
+
+def test_load_format_mmap_refuses_a_safetensors_checkpoint(tiny_checkpoints: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="load_format='mmap' .*not a GGUF file"):
+        LLM(str(tiny_checkpoints["llama"]), num_kv_blocks=64, load_format="mmap")

@@ -6,9 +6,11 @@ no process behind. Each engine starts worker processes (a few seconds each): the
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -29,9 +31,9 @@ SQUEEZED = dict(dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched
 
 
 def _close(llm: LLM) -> None:
-    processes = llm.engine.core.runner.peers.processes
+    workers = llm.engine.core.runner.peers.workers
     llm.engine.close()
-    assert not any(p.is_alive() for p in processes)
+    assert not any(w.is_alive() for w in workers)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,7 @@ def test_tp2_rank_zero_features_equal_tp1(tiny_checkpoints) -> None:
 
 def test_a_killed_worker_ends_the_run_with_an_error_naming_it(tiny_checkpoints) -> None:
     llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
-    worker = llm.engine.core.runner.peers.processes[0]
+    worker = llm.engine.core.runner.peers.workers[0].process
     assert greedy_token_ids(llm, [[5, 6, 7]], 4)  # runs
     killer = threading.Timer(0.2, os.kill, (worker.pid, signal.SIGKILL))
     killer.start()
@@ -125,23 +127,50 @@ def test_a_shape_that_does_not_split_is_an_error_at_start_up(tiny_checkpoints) -
     (dict(quantization="int8"), "quantization='int8'"),
     (dict(kv_offload_memory=1.0), "kv_offload_memory"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+    (dict(distributed_executor_backend="slurm"), "distributed_executor_backend must be one of mp, ray"),
 ])
 def test_combinations_not_supported_yet_are_refused_by_name(options: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         EngineArgs(**{"tensor_parallel_size": 2, **options}).create_engine_config()
 
 
+def test_the_ray_backend_without_ray_says_how_to_get_it(tiny_checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
+    with pytest.raises(ImportError, match=r"--distributed-executor-backend ray needs Ray: "
+                                          r"pip install 'kvserve\[ray\]'"):
+        LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
+            distributed_executor_backend="ray")
+    assert not multiprocessing.active_children()
+
+
+def test_the_ray_backend_with_one_rank_runs_it_here(tiny_checkpoints, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # not needed: there is nothing to place
+    path = str(tiny_checkpoints["llama"])
+    with caplog.at_level(logging.INFO, logger="kvserve.engine.llm_engine"):
+        llm = LLM(path, dtype="float32", num_kv_blocks=64, distributed_executor_backend="ray")
+    assert "nothing to place, the one rank runs in this process" in caplog.text
+    assert greedy_token_ids(llm, [[5, 6, 7]], 6) == greedy_token_ids(LLM(path, dtype="float32", num_kv_blocks=64),
+                                                                     [[5, 6, 7]], 6)
+
+
 class _FakeWorker:
-    """A worker process alive until joined: the pipes are what the test drives."""
+    """A worker alive until joined: the pipes are what the test drives."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.exitcode = pid, None
+        self.name, self.exitcode = f"pid {pid}", None
 
     def is_alive(self) -> bool:
         return self.exitcode is None
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, timeout: float) -> None:
         self.exitcode = 0
+
+    def kill(self) -> None:
+        self.exitcode = -9
+
+    def end_reason(self) -> str:
+        return f"exit code {self.exitcode}"
 
 
 def _group_of_fakes(num_workers: int) -> tuple[WorkerGroup, list]:

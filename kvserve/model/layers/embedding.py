@@ -1,4 +1,5 @@
-"""Token embeddings whose rows may be split over tensor-parallel ranks (vocab-parallel)."""
+"""Token embeddings whose rows may be split over tensor-parallel ranks (vocab-parallel), or kept in a GGUF's
+blocks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model.layers.linear import copy_weight
+from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLGemm, GGMLTensor
+from kvserve.model.layers.linear import WeightShapeError, copy_weight
 from kvserve.model.layers.tensor_parallel import LinearShard, Shardable, TensorParallel
 
 
@@ -15,6 +17,8 @@ class VocabEmbedding(Shardable, nn.Embedding):
     fall in them (zeros for the others) and all-reduces: one collective per step."""
 
     tp_shard: LinearShard | None = None
+    blocks_kernel: GGMLGemm | None = None  # set by ``keep_blocks``
+    ggml_weight: GGMLTensor | None = None
 
     def shard(self, tp: TensorParallel) -> None:
         first, count = tp.split_vocab(self.num_embeddings)
@@ -22,13 +26,30 @@ class VocabEmbedding(Shardable, nn.Embedding):
         self.weight = nn.Parameter(torch.empty(count, self.embedding_dim, dtype=self.weight.dtype),
                                    requires_grad=False)
 
-    def load_weight(self, tensor: torch.Tensor) -> None:
-        """Copy the checkpoint's [vocab, hidden] embeddings (this rank's rows of them) into ``weight``."""
+    def keep_blocks(self, kernel: GGMLGemm) -> None:
+        """Keep the embeddings in the blocks they arrive in (of a type ``kernel`` reads), which ``forward``
+        dequantizes a looked-up row at a time, instead of their fp32 rows."""
+        self.blocks_kernel = kernel
+
+    def load_weight(self, tensor: torch.Tensor | GGMLTensor) -> None:
+        """Copy the checkpoint's [vocab, hidden] embeddings (this rank's rows of them) into ``weight``, or keep
+        their blocks (``keep_blocks``)."""
+        if self.blocks_kernel is not None and isinstance(tensor, GGMLTensor) and tensor.qtype in KERNEL_TYPES:
+            if tuple(tensor.shape) != tuple(self.weight.shape):
+                raise WeightShapeError(torch.Size(tensor.shape), self.weight.shape)
+            self.ggml_weight = tensor
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # a tied head's too: it shares the parameter
+            return
         if self.tp_shard is not None:
             tensor = self.tp_shard.narrow("weight", tensor, None)
         copy_weight(self.weight, tensor)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ggml_weight is not None:
+            rows = self.ggml_weight.blocks.index_select(0, input_ids.reshape(-1))
+            hidden = self.blocks_kernel.dequantize(GGMLTensor(rows, self.ggml_weight.qtype,
+                                                              (rows.shape[0], self.embedding_dim)))
+            return hidden.view(*input_ids.shape, self.embedding_dim)
         if self.tp_shard is None:
             return F.embedding(input_ids, self.weight)
         local_ids = input_ids - self.tp_shard.ranges[None][0]

@@ -35,6 +35,10 @@ GGML_GEMM_RANGE = "kvserve::ggml_gemm"  # the kernel's name in torch.profiler tr
 # from 4 rows a step up the dense layouts are as fast (a row costs the kernel its unpacking of every block again
 # per 4 rows, the dense GEMMs nothing): see benchmarks/cpu_gemm.py
 GGML_MAX_ROWS = 3
+# without a dense copy (``--load-format mmap``): the strips kernel up to here, the dequantized slices from here
+# (see csrc/ggml_gemm.c's table), slices of at most this many values (4 MiB of fp32, in the cache)
+DEQUANTIZED_GEMM_ROWS = 128
+DEQUANTIZE_SLICE_VALUES = 1 << 20
 KERNEL_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
@@ -54,11 +58,13 @@ class GGMLTensor(NamedTuple):
     shape: tuple[int, int]
 
     @classmethod
-    def from_numpy(cls, blocks: np.ndarray, qtype: GGMLQuantizationType) -> GGMLTensor:
-        """From gguf's reader: its rows of raw blocks (a copy: the reader's arrays map the file)."""
+    def from_numpy(cls, blocks: np.ndarray, qtype: GGMLQuantizationType, copy: bool = True) -> GGMLTensor:
+        """From gguf's reader: its rows of raw blocks (a copy, unless ``copy`` is False: the reader's arrays may
+        map the file)."""
         block_size, block_bytes = GGML_QUANT_SIZES[qtype]
         rows, row_bytes = blocks.shape
-        return cls(torch.from_numpy(np.array(blocks)), qtype, (rows, row_bytes // block_bytes * block_size))
+        data = torch.from_numpy(np.array(blocks) if copy else blocks)
+        return cls(data, qtype, (rows, row_bytes // block_bytes * block_size))
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 values, as gguf's reference computes them."""
@@ -67,12 +73,13 @@ class GGMLTensor(NamedTuple):
 
 
 class BlockGemm(Protocol):
-    """A kernel that multiplies by a ``GGMLTensor``: ``x [M, K] @ W.T (+ bias)``, for steps of up to ``max_rows``
-    rows (from there the dense layout is faster)."""
+    """A kernel that multiplies by a ``GGMLTensor``: ``x [M, K] @ W.T (+ bias)`` (into ``out`` if given), for
+    steps of up to ``max_rows`` rows (from there the dense layout is faster)."""
 
     max_rows: int
 
-    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class GGMLGemm:
@@ -85,12 +92,42 @@ class GGMLGemm:
         """``library``: a build of ``GGML_GEMM_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(GGML_GEMM_SOURCE)
         self._gemm = KernelFunction(library.kvserve_ggml_gemm_f32, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
+        self._strips = KernelFunction(library.kvserve_ggml_gemm_strips_f32, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
+        self._buffer = torch.empty(0, dtype=torch.float32)
         self._dequantize = KernelFunction(library.kvserve_ggml_dequantize,
                                           [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4,
                                           ctypes.c_int)
 
-    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return call_block_kernel(self._gemm, "ggml GEMM", GGML_GEMM_RANGE, x, weight, bias)
+    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        return call_block_kernel(self._gemm, "ggml GEMM", GGML_GEMM_RANGE, x, weight, bias, out)
+
+    def batched(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The product for a step of any number of rows with no dense copy of the weight kept: the strips
+        kernel, or from ``DEQUANTIZED_GEMM_ROWS`` rows up the weight dequantized a slice at a time into a
+        reused buffer and multiplied by torch's GEMM (the decoding then costs little beside the product)."""
+        if x.shape[0] < DEQUANTIZED_GEMM_ROWS:
+            return call_block_kernel(self._strips, "ggml strips GEMM", GGML_GEMM_RANGE, x, weight, bias, out)
+        n, k = weight.shape
+        y = torch.empty(x.shape[0], n, dtype=torch.float32) if out is None else out
+        step = max(1, DEQUANTIZE_SLICE_VALUES // k)
+        for start in range(0, n, step):
+            stop = min(start + step, n)
+            rows = GGMLTensor(weight.blocks[start:stop], weight.qtype, (stop - start, k))
+            values = self.dequantize(rows, self._scratch(rows.shape)).T
+            if bias is None:
+                torch.mm(x, values, out=y[:, start:stop])
+            else:
+                torch.addmm(bias[start:stop], x, values, out=y[:, start:stop])
+        return y
+
+    def _scratch(self, shape: tuple[int, int]) -> torch.Tensor:
+        """A reused fp32 buffer of ``shape`` (one per kernel object: steps run one at a time)."""
+        numel = shape[0] * shape[1]
+        if self._buffer.numel() < numel:
+            self._buffer = torch.empty(numel, dtype=torch.float32)
+        return self._buffer[:numel].view(shape)
 
     def dequantize(self, weight: GGMLTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 values of ``weight`` (into ``out`` [rows, k] if given): ``GGMLTensor.dequantize`` in C,
@@ -108,17 +145,21 @@ class GGMLGemm:
 
 
 def call_block_kernel(
-    gemm: KernelFunction, name: str, range_name: str, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None
+    gemm: KernelFunction, name: str, range_name: str, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` by a block kernel's C function of ``BLOCK_GEMM_ARG_TYPES`` (``name`` in errors,
-    ``range_name`` in profiles)."""
+    ``range_name`` in profiles), into ``out`` [M, N] (its rows may be strided, as a column range of a wider
+    output) if given."""
     n, k = weight.shape
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or weight.qtype not in KERNEL_TYPES:
         raise ValueError(f"{name}: x {tuple(x.shape)} {x.dtype} does not fit a {weight.qtype.name} "
                          f"weight of shape {weight.shape}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32) if out is None else out
+    if y.shape != (x.shape[0], n) or y.dtype != torch.float32 or y.stride(1) != 1:
+        raise ValueError(f"{name}: out {tuple(y.shape)} {y.dtype} is not fp32 rows of [{x.shape[0]}, {n}]")
     if x.shape[0]:
         with kernel_range(range_name):
             status = gemm(y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), weight.blocks.data_ptr(),
@@ -142,13 +183,18 @@ def ggml_gemm() -> GGMLGemm | None:
 class GGMLLinearMethod(LinearMethod):
     """Keeps a layer's weight in ggml blocks when every checkpoint tensor of it arrives as blocks of one type the
     kernel reads, multiplied by ``gemm`` (default: ``kernel``, the exact one; or the int8-activation
-    ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens; ``dense`` lays the weight out,
-    dequantized by ``kernel``, for larger steps, and serves every step of a layer not kept in blocks. CPU, fp32."""
+    ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens. Larger steps: with ``keep_dense``,
+    ``dense`` lays the weight out, dequantized by ``kernel``, and serves them (fast, at 32 bits a weight held
+    beside the blocks); without, ``kernel.batched`` multiplies the blocks themselves, which stay the only copy
+    and may be the file's own mapped pages, one tensor per projection (joining them would copy). ``dense``
+    serves every step of a layer not kept in blocks. CPU, fp32."""
 
-    def __init__(self, kernel: GGMLGemm, dense: LinearMethod, gemm: BlockGemm | None = None) -> None:
+    def __init__(self, kernel: GGMLGemm, dense: LinearMethod, gemm: BlockGemm | None = None,
+                 keep_dense: bool = True) -> None:
         self.kernel = kernel
         self.dense = dense
         self.gemm = gemm or kernel
+        self.keep_dense = keep_dense
 
     def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
         # An empty placeholder names the tensor the checkpoint fills; its rows arrive in ``load_weight``.
@@ -167,7 +213,7 @@ class GGMLLinearMethod(LinearMethod):
         layer.weight_parts[shard] = tensor
 
     def load_tied_weight(self, layer: Linear, tensor: torch.Tensor | GGMLTensor) -> None:
-        # a tied LM head multiplies by the embeddings' own blocks (the embeddings keep their dequantized rows)
+        # a tied LM head multiplies by the embeddings' own blocks
         if isinstance(tensor, GGMLTensor):
             self.load_weight(layer, "weight", tensor, None)
 
@@ -176,10 +222,11 @@ class GGMLLinearMethod(LinearMethod):
             if layer.weight_parts else []
         del layer.weight_parts
         qtypes = {part.qtype if isinstance(part, GGMLTensor) else None for part in parts}
-        layer.ggml_weight = None
+        layer.ggml_parts = None
         if parts and len(qtypes) == 1 and qtypes <= KERNEL_TYPES:
-            blocks = torch.cat([part.blocks for part in parts])
-            layer.ggml_weight = GGMLTensor(blocks, parts[0].qtype, (layer.out_features, layer.in_features))
+            layer.ggml_parts = _joined(parts) if self.keep_dense else tuple(parts)
+            if not self.keep_dense:
+                return
         if parts:  # the dense method gets the fp32 weight, as from any other checkpoint
             layer.weight = torch.nn.Parameter(self._dense_weight(parts), requires_grad=False)
         self.dense.process_weights_after_loading(layer)  # a tied head holds the embeddings' weight already
@@ -198,10 +245,26 @@ class GGMLLinearMethod(LinearMethod):
         return dense
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.ggml_weight is None or x.numel() > self.gemm.max_rows * layer.in_features:
+        num_rows = x.numel() // layer.in_features
+        if layer.ggml_parts is None or self.keep_dense and num_rows > self.gemm.max_rows:
             return self.dense.apply(layer, x)
-        y = self.gemm(x.reshape(-1, layer.in_features), layer.ggml_weight, layer.bias)
+        multiply = self.gemm if num_rows <= self.gemm.max_rows else self.kernel.batched
+        rows = x.reshape(num_rows, layer.in_features)
+        y = torch.empty(num_rows, layer.out_features, dtype=torch.float32)
+        start = 0
+        for part in layer.ggml_parts:  # one, unless the projections of a packed layer stay where they were loaded
+            stop = start + part.shape[0]
+            multiply(rows, part, None if layer.bias is None else layer.bias[start:stop], y[:, start:stop])
+            start = stop
         return y.view(*x.shape[:-1], layer.out_features)
+
+
+def _joined(parts: list[GGMLTensor]) -> tuple[GGMLTensor]:
+    """A packed layer's projections as one tensor of blocks (one kernel call a step)."""
+    if len(parts) == 1:
+        return (parts[0],)
+    shape = (sum(part.shape[0] for part in parts), parts[0].shape[1])
+    return (GGMLTensor(torch.cat([part.blocks for part in parts]), parts[0].qtype, shape),)
 
 
 def reference_linear(x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -83,8 +83,9 @@ class QDotGemm:
         self._quantize = KernelFunction(library.kvserve_ggml_quantize_rows,
                                         [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_int] * 2)
 
-    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return call_block_kernel(self._gemm, "ggml int8 GEMM", GGML_QDOT_RANGE, x, weight, bias)
+    def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        return call_block_kernel(self._gemm, "ggml int8 GEMM", GGML_QDOT_RANGE, x, weight, bias, out)
 
     def quantize_activations(self, x: torch.Tensor) -> QuantizedActivations:
         """The kernel's own quantization of x [m, k] (fp32, k a multiple of 32), for tests against the twin."""

@@ -198,3 +198,100 @@ int kvserve_ggml_dequantize(float *out, const uint8_t *weight, int64_t row_bytes
     }
     return 0;
 }
+
+/* Steps of more rows: the strips kernel. STRIP weight rows at a time are decoded once into fp32 (a strip, in a
+ * thread's buffer), and every row of x takes its dot products with them, the rows of x across the vector lanes
+ * (x transposed once per call, so a k's values of VEC rows are one load) and each weight value broadcast:
+ * ROW_VECS x STRIP sums in registers, nothing unpacked twice. Each output is one chain of FMAs over k in order,
+ * as in row_tile(): a row's result does not depend on the other rows of the step. */
+#if defined(__AVX512F__)
+#define STRIP 12 /* 2 x 12 sums + 2 vectors of x of the 32 registers; each broadcast folds into its FMA */
+#else
+#define STRIP 4 /* 2 x 4 sums + 2 vectors of x + 1 broadcast of the 16 registers */
+#endif
+#define ROW_VECS 2
+
+/* y[rows, cols] for ROW_VECS * VEC rows (of which num_rows are real) of xt [k, m_pad] against a decoded strip
+ * [STRIP, k] (rows past num_cols are zeros). */
+static inline __attribute__((always_inline)) void strip_tile(const int vecs, const float *xt, int m_pad,
+                                                             const float *strip, int k, float *y, int64_t y_stride,
+                                                             int num_rows, int num_cols, const float *bias) {
+    vec sum[ROW_VECS][STRIP];
+#pragma GCC unroll 2
+    for (int i = 0; i < vecs; i++)
+#pragma GCC unroll 12
+        for (int j = 0; j < STRIP; j++) sum[i][j] = (vec){0};
+    for (int kk = 0; kk < k; kk++) {
+        vec xv[ROW_VECS];
+#pragma GCC unroll 2
+        for (int i = 0; i < vecs; i++) xv[i] = load(xt + (int64_t)kk * m_pad + i * VEC);
+#pragma GCC unroll 12
+        for (int j = 0; j < STRIP; j++) {
+            const float w = strip[(int64_t)j * k + kk];
+#pragma GCC unroll 2
+            for (int i = 0; i < vecs; i++) sum[i][j] += xv[i] * w;
+        }
+    }
+    for (int j = 0; j < num_cols; j++)
+        for (int i = 0; i < vecs; i++) {
+            float lanes[VEC];
+            memcpy(lanes, &sum[i][j], sizeof lanes);
+            for (int l = 0; l < VEC && i * VEC + l < num_rows; l++)
+                y[(int64_t)(i * VEC + l) * y_stride + j] = lanes[l] + (bias ? bias[j] : 0.0f);
+        }
+}
+
+static void decode_row(int type, const uint8_t *row, int k, float *out) {
+    const int block_bytes = block_bytes_of(type), block_values = GROUP * block_groups(type);
+    for (int b = 0; b < k / block_values; b++) {
+        const uint8_t *block = row + (int64_t)b * block_bytes;
+        switch (type) {
+        case Q4_0: dequantize_block(Q4_0, block, out + b * block_values); break;
+        case Q4_1: dequantize_block(Q4_1, block, out + b * block_values); break;
+        case Q8_0: dequantize_block(Q8_0, block, out + b * block_values); break;
+        case Q4_K: dequantize_block(Q4_K, block, out + b * block_values); break;
+        case Q5_K: dequantize_block(Q5_K, block, out + b * block_values); break;
+        default: dequantize_block(Q6_K, block, out + b * block_values); break;
+        }
+    }
+}
+
+/* kvserve_ggml_gemm_f32()'s product by the strips kernel, for steps of more rows (the rows of a strip past n,
+ * the last strip's, hold earlier weights: their sums are computed and never stored). */
+int kvserve_ggml_gemm_strips_f32(float *y, int64_t y_stride, const float *x, int64_t x_stride,
+                                 const uint8_t *weight, int64_t row_bytes, int type, const float *bias, int m, int n,
+                                 int k, int num_threads) {
+    if (row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
+    const int m_pad = (m + VEC - 1) / VEC * VEC, tile = ROW_VECS * VEC;
+    float *xt = aligned_alloc(64, ((size_t)k * m_pad * sizeof(float) + 63) / 64 * 64);
+    if (!xt) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int kk = 0; kk < k; kk++)
+            for (int r = 0; r < m_pad; r++) xt[(int64_t)kk * m_pad + r] = r < m ? x[(int64_t)r * x_stride + kk] : 0.0f;
+        float *strip = calloc((size_t)STRIP * k, sizeof(float));
+        if (!strip) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int c = 0; c < n; c += STRIP) {
+            const int num_cols = n - c < STRIP ? n - c : STRIP;
+            if (!strip) continue;
+            for (int j = 0; j < num_cols; j++) decode_row(type, weight + (int64_t)(c + j) * row_bytes, k, strip + (int64_t)j * k);
+            for (int r = 0; r < m; r += tile) {
+                float *out = y + (int64_t)r * y_stride + c;
+                const float *b = bias ? bias + c : NULL;
+                if (m - r > VEC)
+                    strip_tile(2, xt + r, m_pad, strip, k, out, y_stride, m - r, num_cols, b);
+                else
+                    strip_tile(1, xt + r, m_pad, strip, k, out, y_stride, m - r, num_cols, b);
+            }
+        }
+        free(strip);
+    }
+    free(xt);
+    return failed ? -1 : 0;
+}
