@@ -18,6 +18,7 @@ SCHEDULING_POLICIES = ("fcfs", "lpm")
 DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("ngram", "draft")
+PREEMPTION_MODES = ("recompute", "swap")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -106,7 +107,8 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
-    kv_offload_memory: float | None = None  # GiB of host memory for blocks evicted from the device pool
+    # GiB of host memory for blocks evicted from the device pool, and the KV of requests preempted by swap
+    kv_offload_memory: float | None = None
     kv_offload_dir: str | None = None  # a directory for the disk tier (persistent, shareable between servers)
     kv_offload_disk: float = 16.0  # GiB the disk tier may fill; oldest blocks go first
 
@@ -134,9 +136,9 @@ class CacheConfig:
             raise ValueError(f"kv_offload_disk must be > 0 GiB, got {self.kv_offload_disk}")
         if self.kv_offload_dir is not None and not self.kv_offload_dir:
             raise ValueError("kv_offload_dir must name a directory")
-        if self.offloads_kv and not self.enable_prefix_caching:
-            raise ValueError("kv_offload_memory / kv_offload_dir keep prefix-cache blocks: they need prefix caching "
-                             "on (drop --no-enable-prefix-caching)")
+        if self.kv_offload_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir keeps prefix-cache blocks: it needs prefix caching on (drop "
+                             "--no-enable-prefix-caching)")
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,15 @@ class SchedulerConfig:
     # with requests waiting over ``lpm_aging_steps`` steps served first, in arrival order, so none starves.
     scheduling_policy: str = "lpm"
     lpm_aging_steps: int = 64
+    # A running request preempted for lack of KV blocks: "recompute" drops its KV and runs its tokens again;
+    # "swap" copies its KV to the host tier (``CacheConfig.kv_offload_memory``) and loads it back to resume.
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption_mode!r}"
+            )
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}"
@@ -229,10 +238,23 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check_device_name(self.device)
+        self._check_host_tier()
         self._check_tensor_parallel()
         if self.speculative.method == "draft" and self.cache.offloads_kv:
             raise ValueError("speculative_method='draft' does not combine with kv_offload_memory / kv_offload_dir: "
                              "the KV tiers move the target's blocks only, not the draft model's")
+
+    def _check_host_tier(self) -> None:
+        """The host tier keeps prefix-cache blocks, and the KV of requests preempted by swap: one of the two
+        must use it, and swap needs it (no default size is guessed)."""
+        swaps = self.scheduler.preemption_mode == "swap"
+        if swaps and self.cache.kv_offload_memory is None:
+            raise ValueError("preemption_mode='swap' copies preempted requests' KV to the host tier: it needs "
+                             "kv_offload_memory (--preemption-mode swap --kv-offload-memory GiB)")
+        if self.cache.kv_offload_memory is not None and not (swaps or self.cache.enable_prefix_caching):
+            raise ValueError("kv_offload_memory keeps prefix-cache blocks, or with --preemption-mode swap preempted "
+                             "requests' KV: without prefix caching it needs preemption_mode='swap' (or drop "
+                             "--no-enable-prefix-caching)")
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not combine with yet: quantized weights (GGUF's blocks, int8 / int4, fp8) and

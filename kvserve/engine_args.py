@@ -21,6 +21,7 @@ from kvserve.config import (
     LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
     KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     CacheConfig,
@@ -96,8 +97,9 @@ class EngineArgs:
                                   "tokens of fp32 in the same memory)", str)
     enable_prefix_caching: bool = _option(CacheConfig.enable_prefix_caching,
                                           "reuse the KV of shared prompt prefixes (radix tree)")
-    kv_offload_memory: float | None = _option(None, "GiB of host memory for KV blocks the device pool evicts; a "
-                                              "prefix hit on one loads it back instead of recomputing it", float)
+    kv_offload_memory: float | None = _option(None, "GiB of host memory for KV blocks the device pool evicts (a "
+                                              "prefix hit on one loads it back instead of recomputing it) and, "
+                                              "with --preemption-mode swap, preempted requests' KV", float)
     kv_offload_dir: str | None = _option(None, "a directory for a disk tier of KV blocks, written as they are "
                                          "computed: it outlives restarts and can be shared by servers of the same "
                                          "model (a block is used only if verified)", str)
@@ -123,6 +125,11 @@ class EngineArgs:
     lpm_aging_steps: int = _option(SchedulerConfig.lpm_aging_steps,
                                    "lpm: requests waiting longer than this many steps go first, in arrival order",
                                    int)
+    preemption_mode: str = _option(SchedulerConfig.preemption_mode,
+                                   "a running request preempted for lack of KV blocks: 'recompute' drops its KV "
+                                   "and runs its tokens again, 'swap' copies all its KV to the host tier (needs "
+                                   "--kv-offload-memory) and loads it back to resume, recomputing only when the "
+                                   "host tier has no room", str, PREEMPTION_MODES)
     speculative_method: str | None = _option(None, "speculative decoding: 'ngram' proposes the tokens that "
                                              "followed the latest earlier occurrence of the last n tokens "
                                              "(prompt lookup), 'draft' the greedy tokens of --draft-model; "
@@ -170,6 +177,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 scheduling_policy=self.scheduling_policy,
                 lpm_aging_steps=self.lpm_aging_steps,
+                preemption_mode=self.preemption_mode,
             ),
             speculative=SpeculativeConfig(
                 method=self.speculative_method,

@@ -33,7 +33,7 @@ def sample_request_id(request_id: str, index: int) -> str:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"  # blocks freed; waits to recompute its prompt and outputs so far
+    PREEMPTED = "preempted"  # blocks freed; waits to resume: from its KV swapped to the host tier, or recomputing it
     FINISHED = "finished"
 
 

@@ -45,6 +45,7 @@ CHANGED = {
     "max_num_batched_tokens": 64,
     "scheduling_policy": "fcfs",
     "lpm_aging_steps": 5,
+    "preemption_mode": "swap",
     "speculative_method": "ngram",
     "num_speculative_tokens": 5,
     "ngram_min": 2,
@@ -100,7 +101,7 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
                            "draft_model": None}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5)
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
-    assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5)
+    assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5, "swap")
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
     assert config.device == "cpu"
 
@@ -138,11 +139,22 @@ def test_bad_speculative_options_name_the_option(options, named) -> None:
         ({"kv_offload_disk": -1.0}, "kv_offload_disk"),
         ({"kv_offload_dir": ""}, "kv_offload_dir"),
         ({"kv_offload_dir": "/tmp/x", "enable_prefix_caching": False}, "prefix caching"),
+        ({"kv_offload_memory": 1.0, "enable_prefix_caching": False}, "preemption_mode='swap'"),
+        ({"preemption_mode": "swap"}, "--preemption-mode swap --kv-offload-memory"),
+        ({"preemption_mode": "swap", "kv_offload_dir": "/tmp/x"}, "kv_offload_memory"),
+        ({"preemption_mode": "pause"}, "preemption_mode"),
     ],
 )
 def test_bad_kv_offload_options_name_the_option(options, named) -> None:
     with pytest.raises(ValueError, match=named):
         EngineArgs(**options).create_engine_config()
+
+
+def test_swap_takes_a_host_tier_with_or_without_prefix_caching() -> None:
+    for caching in (True, False):
+        config = EngineArgs(preemption_mode="swap", kv_offload_memory=0.5,
+                            enable_prefix_caching=caching).create_engine_config()
+        assert config.scheduler.preemption_mode == "swap" and config.cache.kv_offload_memory == 0.5
 
 
 def test_vllm_speculative_config_maps_to_the_flat_options() -> None:

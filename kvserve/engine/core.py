@@ -82,8 +82,8 @@ class EngineCore:
 
     def offload_pending(self) -> None:
         """Apply the tier offloads planned since the last step (blocks computed in it) at once."""
-        offloads, loads = self.kv_manager.take_tier_transfers()
-        assert not loads, "tier loads are planned only while scheduling, and sent with that step"
+        offloads, *moves_in_a_step = self.kv_manager.take_tier_transfers()
+        assert not any(moves_in_a_step), "loads and swaps are planned only while scheduling, and sent with that step"
         self.runner.apply_kv_transfers(KVTransferPlan(offloads=offloads))
 
     def _track_peak(self, sched_out: SchedulerOutput) -> None:

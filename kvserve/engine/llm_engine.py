@@ -201,7 +201,7 @@ class LLMEngine:
             "kv_waste_at_peak": self.core.peak.waste,
             "num_running": self.core.scheduler.num_running,
             "num_waiting": self.core.scheduler.num_waiting,
-            "num_preemptions": self.core.scheduler.num_preemptions,
+            **self.core.scheduler.preemption_stats(),
             **self.core.scheduler.prefix_cache_stats(),
             **(store.stats() if (store := self.core.kv_manager.store) else {}),
             **self._structured_output_stats(),

@@ -13,6 +13,10 @@ A block joins the tree as soon as all its token ids are known (prompt blocks whe
 when filled), pending until computed, so that requests arriving with the same prefix wait for it rather
 than compute it again. If another block already holds the same tokens, the request leaves the tree there
 ("detached"): its later blocks stay private, so a cached node's ancestors are always cached and held.
+
+A request preempted by swap (``swap_out``) leaves its KV in host rows (``kv/swap.py``) and holds no block;
+its next ``match_prefix`` is that KV, and ``allocate_slots`` with it takes back the leading blocks the tree
+still holds on the device and loads the rest into fresh blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Iterable
 from kvserve.kv.block_keys import KeyedBlock, block_key
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
 from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
+from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers import Tier, TieredStore
 from kvserve.request import Request
 
@@ -47,14 +52,14 @@ class KVCacheManager:
                  store: TieredStore | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if store is not None and not enable_prefix_caching:
-            raise ValueError("KV offload (host or disk tiers) keeps prefix-cache blocks: it needs prefix caching on")
+        if store is not None and store.disk is not None and not enable_prefix_caching:
+            raise ValueError("a disk tier keeps prefix-cache blocks: it needs prefix caching on")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
         self.store = store
-        if store is not None:
-            assert self.prefix_cache is not None
+        self.swap = SwapSpace(store) if store is not None else None
+        if store is not None and self.prefix_cache is not None:
             self.prefix_cache.root.content_key = store.root_key
         self._paths: dict[str, _CachePath] = {}
         self._matches: dict[str, PrefixMatch] = {}  # waiting requests' last prefix match, extended as the tree grows
@@ -91,7 +96,10 @@ class KVCacheManager:
         """The longest computed cached prefix of the request's tokens, of at most ``max_cached_tokens``
         tokens, leaving at least one token to compute (its logits are needed). Empty when caching is off.
         The match is remembered until the request takes blocks or is freed, so that matching a waiting
-        request again costs O(1) while the tree does not change under it."""
+        request again costs O(1) while the tree does not change under it. A swapped-out request's match is its
+        own KV, all its computed tokens, whatever ``max_cached_tokens`` (their prompt logprobs are returned)."""
+        if self.swap is not None and request.request_id in self.swap:
+            return PrefixMatch((), self.block_size, swapped_tokens=self.swap.num_tokens(request.request_id))
         if self.prefix_cache is None:
             return PrefixMatch((), self.block_size)
         max_tokens = request.num_tokens - 1
@@ -144,6 +152,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if prefix is not None and prefix.swapped_tokens is not None:
+            return self._swap_in(request, prefix.swapped_tokens + num_new_tokens)
         num_computed, cached = request.num_computed_tokens, []
         if prefix is None and (num_computed + num_new_tokens + self.block_size - 1) // self.block_size <= len(
             request.block_ids
@@ -175,14 +185,72 @@ class KVCacheManager:
         self._extend_path(request, num_computed)
         return True
 
-    def take_tier_transfers(self) -> tuple[tuple[tuple[int, KeyedBlock], ...], tuple[tuple[bytes, int], ...]]:
-        """The offloads ((block_id, content) copied out) and loads ((content key, block_id) copied in) planned
-        since the last call, for the runner to apply before the next forward pass, offloads first: a block
-        evicted this step may be the target of a load or of new tokens."""
+    def swap_out(self, request: Request) -> bool:
+        """Preempt by swap: plan the copy of the blocks holding the request's computed tokens (the partly
+        filled last one too, cached or not) into host rows, and free its blocks. The caller keeps its
+        ``num_computed_tokens``. False, changing nothing, if there is no host tier with room (every row
+        pinned or held): the caller preempts by recompute. The copy comes before anything this step
+        writes into the freed blocks (``KVTransferPlan``)."""
+        if self.swap is None:
+            return False
+        num_blocks = self.num_blocks_for(request.num_computed_tokens)
+        if not self.swap.swap_out(request.request_id, request.block_ids[:num_blocks], request.num_computed_tokens):
+            return False
+        self._release_blocks(request)
+        return True
+
+    def fork_swapped(self, parent: Request, child: Request) -> bool:
+        """``fork`` through the host tier, for when no block is free for its copy: ``child`` (holding no
+        blocks) becomes swapped out with a copy of the parent's computed KV, loaded when it is admitted.
+        False, changing nothing, if there is no host tier with room."""
+        if self.swap is None:
+            return False
+        num_blocks = self.num_blocks_for(parent.num_computed_tokens)
+        return self.swap.swap_out(child.request_id, parent.block_ids[:num_blocks], parent.num_computed_tokens)
+
+    def is_swapped_out(self, request: Request) -> bool:
+        return self.swap is not None and request.request_id in self.swap
+
+    def _swap_in(self, request: Request, num_tokens: int) -> bool:
+        """Blocks for a swapped-out request's ``num_tokens``, all or nothing: its leading full blocks that the
+        prefix tree still holds on the device are taken back as they are, and fresh blocks get the rest of its
+        swapped KV loaded::
+
+            swapped KV:  | r7       | r2       | r5       | r4: 3 of 4 slots |
+            block_ids:   | b3 (hit) | b9 (hit) | b1 (load r5) | b6 (load r4) | b8 (new tokens) |
+
+        Fresh blocks of known tokens join the tree pending, so that no offload of this step reads them before
+        their load: the step's end marks the loaded ones computed (``cache_computed``)."""
+        assert self.swap is not None and not request.block_ids, f"{request.request_id} holds blocks"
+        nodes: tuple[PrefixNode, ...] = ()
+        if self.prefix_cache is not None:
+            num_full = self.swap.num_tokens(request.request_id) // self.block_size
+            nodes = self.prefix_cache.match(request.token_ids, num_full).nodes
+        cached = [node.block_id for node in nodes]
+        num_needed = self.num_blocks_for(num_tokens) - len(cached)
+        num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)
+        if num_needed + num_revived > self.pool.num_free_blocks:
+            return False
+        self.pool.take(cached)  # first, so that the allocation below cannot evict them
+        request.block_ids = cached + self.pool.allocate(num_needed)
+        self.swap.swap_in(request.request_id, request.block_ids, len(cached))
+        if nodes:
+            self._paths[request.request_id] = _CachePath(nodes[-1], len(nodes))
+        self._extend_path(request, 0)
+        return True
+
+    def take_tier_transfers(self) -> tuple[
+        tuple[tuple[int, KeyedBlock], ...], tuple[tuple[bytes, int], ...],
+        tuple[tuple[int, int], ...], tuple[tuple[int, int], ...],
+    ]:
+        """The offloads ((block_id, content) copied out), loads ((content key, block_id) copied in), swap-outs
+        ((block_id, host row)) and swap-ins ((host row, block_id)) planned since the last call, for the runner
+        to apply before the next forward pass in the order of ``KVTransferPlan``."""
         offloads, loads = tuple(self._offloads.values()), tuple(self._loads)
         self._offloads.clear()
         self._loads.clear()
-        return offloads, loads
+        swap_outs, swap_ins = self.swap.take_transfers() if self.swap is not None else ((), ())
+        return offloads, loads, swap_outs, swap_ins
 
     def cache_computed(self, request: Request) -> None:
         """After a step: the request's blocks now computed stop being pending, and blocks it has just filled
@@ -216,7 +284,13 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's hold on all its blocks (shared ones stay with their other holders); its
-        computed cached blocks stay in the tree, evictable, and its pending ones leave it."""
+        computed cached blocks stay in the tree, evictable, and its pending ones leave it. A request freed
+        while swapped out gives its host rows back."""
+        if self.swap is not None:
+            self.swap.drop(request.request_id)
+        self._release_blocks(request)
+
+    def _release_blocks(self, request: Request) -> None:
         self._matches.pop(request.request_id, None)
         self._load_waits.pop(request.request_id, None)
         path = self._paths.pop(request.request_id, None)
@@ -259,8 +333,9 @@ class KVCacheManager:
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
         """Every block's reference count equals the number of the given live requests holding it, free +
-        held = total, and the prefix tree agrees with the pool and the requests' paths. ``requests`` must be
-        every request that holds blocks. Raises AssertionError."""
+        held = total, the prefix tree agrees with the pool and the requests' paths, and only live requests hold
+        swapped-out KV. ``requests`` must be every live request that holds blocks or is swapped out. Raises
+        AssertionError."""
         requests = list(requests)
         self.pool.check_integrity()
         holders: Counter[int] = Counter()
@@ -280,6 +355,8 @@ class KVCacheManager:
         )
         if self.prefix_cache is not None:
             self._check_tree(requests)
+        if self.swap is not None:
+            self.swap.check_integrity(request.request_id for request in requests)
 
     def _check_tree(self, requests: list[Request]) -> None:
         assert self.prefix_cache is not None

@@ -12,6 +12,8 @@ may sit in the device pool, the host slab and on disk at once.
 
 - **Host tier** (``--kv-offload-memory``): a preallocated slab of block-sized rows (pinned on CUDA), least
   recently used first out. It takes the blocks the device pool evicts, and it stages every disk read and write.
+  Under ``--preemption-mode swap`` it also lends rows, held out of the LRU and the index, to the KV of
+  preempted requests (``hold_rows``, ``kv/swap.py``).
 - **Disk tier** (``--kv-offload-dir``, ``--kv-offload-disk``): one file a block (``block_file``), written
   through as soon as a block is computed, so that a restarted server, or a second one on the same directory,
   finds it; oldest files out past the capacity.
@@ -88,6 +90,7 @@ class TierCounters:
     disk_reads: int = 0
     disk_read_seconds: float = 0.0
     corrupt_blocks: int = 0
+    swap_seconds: float = 0.0  # copying swapped-out requests' KV out and back (``kv/swap.py``)
 
 
 class HostTier:
@@ -127,6 +130,31 @@ class HostTier:
             return None
         self.from_disk.discard(victim)
         return self._rows.pop(victim)
+
+    def hold(self, num_rows: int) -> list[int] | None:
+        """``num_rows`` rows taken out of the tier for a caller to keep until it releases them (a swapped-out
+        request's KV): free rows first, then the least recently used unpinned blocks'. All or nothing: None,
+        taking none, if fewer rows than that are free or unpinned."""
+        if len(self._free) < num_rows:
+            num_unpinned = sum(1 for key in self._rows if not self._pins[key])
+            if len(self._free) + num_unpinned < num_rows:
+                return None
+        rows = [self.reserve() for _ in range(num_rows)]
+        assert None not in rows
+        return rows
+
+    def check_rows(self, held: list[int], num_reading: int) -> None:
+        """Every row is free, indexed, held by a caller (``held``) or being read into; none is two of them."""
+        free, indexed = set(self._free), set(self._rows.values())
+        assert len(free) == len(self._free) and len(indexed) == len(self._rows), "a host row listed twice"
+        assert len(set(held)) == len(held), f"a host row held twice: {sorted(held)}"
+        assert not (free & set(held) or indexed & set(held)), "a held host row is also free or indexed"
+        assert not free & indexed, "a host row is both free and indexed"
+        num_accounted = len(free) + len(indexed) + len(held)
+        assert num_accounted <= self.num_rows <= num_accounted + num_reading, (
+            f"{len(free)} free + {len(indexed)} indexed + {len(held)} held host rows, {num_reading} being read: "
+            f"{self.num_rows} rows in all"
+        )
 
     def publish(self, key: bytes, row: int) -> None:
         """A reserved row now holds ``key``'s block (a copy already held is replaced)."""
@@ -307,6 +335,23 @@ class TieredStore:
                 self.host.pin(key)
             return True
 
+    def hold_rows(self, num_rows: int) -> list[int] | None:
+        """Host rows kept out of the tier for the caller (``HostTier.hold``); None, taking none, if too few
+        rows are free or unpinned. The caller gives them back with ``release_rows``."""
+        with self._lock:
+            return self.host.hold(num_rows)
+
+    def release_rows(self, rows: Iterable[int]) -> None:
+        with self._lock:
+            for row in rows:
+                self.host.release(row)
+
+    def check_integrity(self, held_rows: list[int]) -> None:
+        """Host rows are each free, indexed, held (``held_rows``: every row taken by ``hold_rows`` and not yet
+        released) or being read into. Raises AssertionError."""
+        with self._lock:
+            self.host.check_rows(held_rows, len(self._reading))
+
     def wait_for_reads(self, timeout: float) -> None:
         """Block until no prefetch is under way, or ``timeout`` seconds (an idle engine waiting on the disk)."""
         with self._io_done:
@@ -366,6 +411,18 @@ class TieredStore:
         c.blocks_loaded += len(loads)
         c.bytes_loaded += len(loads) * self.format.bytes_per_block
         c.load_seconds += time.perf_counter() - start
+
+    def swap_out(self, kv: KVCacheStorage, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy device blocks into the held host rows of a swapped-out request ((block_id, row) pairs)."""
+        start = time.perf_counter()
+        kv.read_blocks([block_id for block_id, _ in moves], self.host.slab, [row for _, row in moves])
+        self.counters.swap_seconds += time.perf_counter() - start
+
+    def swap_in(self, kv: KVCacheStorage, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy held host rows back into device blocks ((row, block_id) pairs) of a resumed request."""
+        start = time.perf_counter()
+        kv.write_blocks([block_id for _, block_id in moves], self.host.slab, [row for row, _ in moves])
+        self.counters.swap_seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------------------------------ the I/O threads
 
@@ -470,6 +527,7 @@ class TieredStore:
             "kv_offload_disk_reads": c.disk_reads,
             "kv_offload_disk_read_bandwidth_gbps": _gbps(c.disk_reads * bytes_per_block, c.disk_read_seconds),
             "kv_offload_corrupt_blocks": c.corrupt_blocks,
+            "kv_swap_seconds": c.swap_seconds,
         }
 
 

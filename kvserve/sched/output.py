@@ -66,17 +66,27 @@ class ScheduledRequest(NamedTuple):
 
 @dataclass(frozen=True)
 class KVTransferPlan:
-    """Block moves to apply before the forward pass, in this order: ``offloads`` copy (block_id, its content)
-    from the device pool to the KV tiers; ``copies`` are (src_block, dst_block) pairs, e.g. the copy-on-write
-    of a partly filled block when a request forks into n samples; ``loads`` copy (content key, block_id) from
-    the host tier into fresh blocks (a prefix hit on an offloaded block)."""
+    """Block moves to apply before the forward pass, in this order:
+
+    1. ``offloads`` copy (block_id, its content) from the device pool to the KV tiers: blocks evicted since
+       the last step, which a copy, a load or this step's tokens may overwrite;
+    2. ``copies`` are (src_block, dst_block) pairs, e.g. the copy-on-write of a partly filled block when a
+       request forks into n samples;
+    3. ``swap_outs`` copy (block_id, host row) the KV of requests preempted by swap, after ``copies`` (a sample
+       swapped out the step after its fork reads its copied block) and before anything that writes blocks
+       they freed: loads, swap-ins, this step's tokens. (A copy never targets such a block: copies are
+       planned by forks, which take blocks before this step's preemptions or in steps that preempt none.)
+    4. ``loads`` copy (content key, block_id) from the host tier into fresh blocks (a prefix hit on an
+       offloaded block), and ``swap_ins`` (host row, block_id) a resumed request's swapped-out KV."""
 
     copies: tuple[tuple[int, int], ...] = ()
     offloads: tuple[tuple[int, KeyedBlock], ...] = ()
     loads: tuple[tuple[bytes, int], ...] = ()
+    swap_outs: tuple[tuple[int, int], ...] = ()
+    swap_ins: tuple[tuple[int, int], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.copies or self.offloads or self.loads)
+        return bool(self.copies or self.offloads or self.loads or self.swap_outs or self.swap_ins)
 
 
 @dataclass(frozen=True)

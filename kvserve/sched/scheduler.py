@@ -5,8 +5,11 @@ the next chunk for a prompt (or a recompute after preemption). Running requests 
 order, then waiting requests, in arrival order (``fcfs``) or longest cached prefix first (``lpm``). A waiting
 request starts from its longest cached prefix, and waits while a running request is still computing the
 next blocks of that prefix, so that requests arriving together compute a shared prefix once. When KV runs
-out for a running request, the newest running request is preempted by recompute: its blocks are freed (the
-computed ones stay cached) and it waits, at the front, to run its tokens again.
+out for a running request, the newest running request is preempted and waits, at the front. By recompute
+(``preemption_mode="recompute"``), its blocks are freed (the computed ones stay cached) and it runs its tokens
+again. By swap (``"swap"``), the KV manager copies its KV to the host tier and frees its blocks; it keeps its
+``num_computed_tokens``, and when it is admitted again its prefix match is that KV, which the manager loads
+into fresh blocks, so it computes nothing again. A swap the host tier cannot take falls back to recompute.
 
 A step's ``SchedulerOutput`` is a diff of the runner's batch: a request is named in full once, when it enters
 the batch (``NewRequestData``), and after that only by its chunk and its newly allocated blocks, so a step's
@@ -34,6 +37,7 @@ from typing import Iterable
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager, NoFreeBlocksError
 from kvserve.kv.prefix_cache import PrefixMatch
+from kvserve.kv.swap import SwapCounters
 from kvserve.outputs import FinishReason
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus, sample_request_id
 from kvserve.sched.output import (
@@ -103,6 +107,21 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Requests still running, or finished ones whose runner state the next step's diff must free."""
         return bool(self.requests) or bool(self._finished_ids)
+
+    def preemption_stats(self) -> dict[str, int | str]:
+        """Preemptions since start; with swap, the requests and blocks swapped out and in, and the swap-outs
+        that fell back to recompute (the host tier had no room)."""
+        swap = self.kv.swap.counters if self.kv.swap is not None else SwapCounters()
+        return {
+            "preemption_mode": self.config.preemption_mode,
+            "num_preemptions": self.num_preemptions,
+            "num_swapped_out": swap.num_swapped_out,
+            "num_swapped_in": swap.num_swapped_in,
+            "num_blocks_swapped_out": swap.num_blocks_swapped_out,
+            "num_blocks_swapped_in": swap.num_blocks_swapped_in,
+            "num_blocks_swap_in_found_on_device": swap.num_blocks_found_on_device,
+            "num_swap_fallbacks": swap.num_fallbacks,
+        }
 
     def prefix_cache_stats(self) -> dict[str, int | float | bool]:
         """Prefix-cache figures since start: lookups and hits in tokens, hit rate, cached blocks, evictions."""
@@ -282,13 +301,15 @@ class Scheduler:
         return self.kv.match_prefix(request, request.num_prompt_logprobs_sent if wants_prompt_logprobs else None)
 
     def _preempt_newest(self) -> Request:
-        """Recompute preemption: drop the newest running request's KV and queue it at the front of the
-        waiting queue to run all its tokens again. Returns it."""
+        """Preempt the newest running request and queue it at the front of the waiting queue: by swap, its KV
+        kept in the host tier to resume from; by recompute (or when the host tier cannot take it), its KV
+        dropped, to run all its tokens again. Returns it."""
         request = self.running.pop()
-        self.kv.free(request)
+        if not (self.config.preemption_mode == "swap" and self.kv.swap_out(request)):
+            self.kv.free(request)
+            request.num_computed_tokens = 0
         if self._num_blocks_sent.pop(request.request_id, None) is not None:
             self._preempted_ids.add(request.request_id)
-        request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -326,10 +347,11 @@ class Scheduler:
         return parent.request_id
 
     def _take_kv_transfers(self) -> KVTransferPlan:
-        # A child finished or preempted since its fork no longer owns dst: copying into it could clobber
-        # the block's next owner.
+        # A child finished or preempted by recompute since its fork no longer owns dst: copying into it could
+        # clobber the block's next owner. One swapped out still needs the copy: its swap-out reads dst after it.
         copies = tuple(
-            (c.src, c.dst) for c in self._pending_copies if c.child.status is RequestStatus.RUNNING
+            (c.src, c.dst) for c in self._pending_copies
+            if c.child.status is RequestStatus.RUNNING or self.kv.is_swapped_out(c.child)
         )
         self._pending_copies.clear()
         return KVTransferPlan(copies, *self.kv.take_tier_transfers())
@@ -408,11 +430,14 @@ class Scheduler:
         return child
 
     def _place_child(self, parent: Request, child: Request) -> None:
-        """Run the child on shared KV; with no block free for its partial-block copy it waits to recompute."""
+        """Run the child on shared KV. With no block free for its partial-block copy it waits: with swap, for
+        a copy of the parent's KV in the host tier (as if swapped out); else (or with no room there) to
+        recompute."""
         try:
             copies = self.kv.fork(parent, child)
         except NoFreeBlocksError:
-            child.num_computed_tokens = 0
+            if not (self.config.preemption_mode == "swap" and self.kv.fork_swapped(parent, child)):
+                child.num_computed_tokens = 0
             child.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(child)
             return

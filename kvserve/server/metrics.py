@@ -71,6 +71,18 @@ _TIER_COUNTERS = {
     "kv_reload_seconds": "Seconds spent copying KV blocks from the tiers into the device pool.",
     "kv_offload_corrupt_blocks": "KV block files skipped as corrupt, truncated or written for something else.",
     "kv_offload_disk_write_errors": "KV block files that could not be written.",
+    "kv_swap_seconds": "Seconds spent copying swapped-out requests' KV to the host tier and back.",
+}
+
+
+_SWAP_COUNTERS = {
+    "num_swapped_out": "Requests whose KV was swapped out to the host tier (preempted, or forked with no block "
+                       "free).",
+    "num_swapped_in": "Swapped-out requests whose KV was loaded back to resume.",
+    "num_blocks_swapped_out": "KV blocks copied to the host tier by swap-outs.",
+    "num_blocks_swapped_in": "KV blocks loaded back by swap-ins.",
+    "num_blocks_swap_in_found_on_device": "KV blocks of swap-ins that the prefix cache still held on the device.",
+    "num_swap_fallbacks": "Swap-outs the host tier had no room for: preempted by recompute instead.",
 }
 
 
@@ -87,6 +99,7 @@ class ServerMetrics:
         # Engine counters mirrored as Prometheus counters: stats key -> (counter, value already counted).
         self._engine_counters = {
             "num_preemptions": self.num_preemptions,
+            **{key: self._counter(key, doc) for key, doc in _SWAP_COUNTERS.items()},
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "prefix_cache_evictions": self.prefix_cache_evictions,

@@ -174,17 +174,23 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, meta, self.kv)
 
     def apply_kv_transfers(self, plan: KVTransferPlan) -> None:
-        """Apply a step's block moves. Offloads first (they save blocks this step may overwrite), then fork copies, then tier loads."""
+        """Apply a step's block moves in the plan's order (``KVTransferPlan``): offloads (they save blocks this
+        step may overwrite), fork copies, swap-outs, then tier loads and swap-ins."""
         assert self.kv is not None
         tiers = self.kv_tiers
-        assert tiers is not None or not (plan.offloads or plan.loads), "a tier transfer but no KV tiers"
+        assert tiers is not None or not (plan.offloads or plan.loads or plan.swap_outs or plan.swap_ins), \
+            "a tier transfer but no KV tiers"
         if plan.offloads:
             tiers.offload(self.kv, plan.offloads)
         self.kv.copy_blocks(plan.copies)
         if self.draft is not None:
             self.draft.copy_blocks(plan.copies)
+        if plan.swap_outs:
+            tiers.swap_out(self.kv, plan.swap_outs)
         if plan.loads:
             tiers.load(self.kv, plan.loads)
+        if plan.swap_ins:
+            tiers.swap_in(self.kv, plan.swap_ins)
 
     def _sample(self, batch: InputBatch, hidden: torch.Tensor) -> ModelOutput:
         """The tokens each sampling request appends: one, or a speculating request's accepted drafts + 1."""

@@ -22,7 +22,14 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.tiers import BlockFormat, TieredStore
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.output import EngineOutput, ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from kvserve.sched.output import (
+    EngineOutput,
+    KVTransferPlan,
+    ModelOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from kvserve.sched.scheduler import Scheduler
 from kvserve.spec.policy import SpeculationPolicy
 
@@ -99,6 +106,8 @@ class FakeRunner:
         self.ref_count = ref_count  # given: a block is never written while another request holds it
         self.tiers = tiers
         self.num_loads = 0
+        self.num_swapped_out = 0  # blocks
+        self.num_swapped_in = 0
         self.requests: dict[str, _Mirror] = {}  # the runner's batch, rebuilt from the diffs alone
         self.num_copies = 0
         self.num_tokens_written = 0
@@ -112,17 +121,7 @@ class FakeRunner:
                 list(new.prompt_token_ids), list(new.output_token_ids), list(new.block_ids),
                 new.sampling_params.logprobs is not None,
             )
-        transfers = sched_out.kv_transfers
-        if transfers.offloads or transfers.loads:
-            assert self.tiers is not None, "a tier transfer without tiers"
-        if transfers.offloads:
-            self.tiers.offload(FakeKVBytes(self.kv), transfers.offloads)
-        for src, dst in transfers.copies:
-            self.kv[dst] = list(self.kv[src])
-            self.num_copies += 1
-        if transfers.loads:
-            self.tiers.load(FakeKVBytes(self.kv), transfers.loads)
-            self.num_loads += len(transfers.loads)
+        self._apply(sched_out.kv_transfers)
         out = ModelOutput({}, {}, {})
         for row in sched_out.requests:
             mirror = self.requests[row.request_id]
@@ -133,6 +132,26 @@ class FakeRunner:
             if row.sample:
                 self._sample(row, mirror, out)
         return out
+
+    def _apply(self, transfers: KVTransferPlan) -> None:
+        """The plan's moves in the real runner's order: offloads, copies, swap-outs, loads, swap-ins."""
+        if transfers.offloads or transfers.loads or transfers.swap_outs or transfers.swap_ins:
+            assert self.tiers is not None, "a tier transfer without tiers"
+        kv = FakeKVBytes(self.kv)
+        if transfers.offloads:
+            self.tiers.offload(kv, transfers.offloads)
+        for src, dst in transfers.copies:
+            self.kv[dst] = list(self.kv[src])
+            self.num_copies += 1
+        if transfers.swap_outs:
+            self.tiers.swap_out(kv, transfers.swap_outs)
+            self.num_swapped_out += len(transfers.swap_outs)
+        if transfers.loads:
+            self.tiers.load(kv, transfers.loads)
+            self.num_loads += len(transfers.loads)
+        if transfers.swap_ins:
+            self.tiers.swap_in(kv, transfers.swap_ins)
+            self.num_swapped_in += len(transfers.swap_ins)
 
     def check_mirrors(self, scheduler: Scheduler) -> None:
         """The diffs kept the runner's copy of every request in its batch equal to the scheduler's."""
@@ -192,9 +211,11 @@ def make_scheduler(
     num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32, max_num_seqs: int = 8,
     max_model_len: int = 256, prefix_caching: bool = False, policy: str = "fcfs", lpm_aging_steps: int = 64,
     tiers: TieredStore | None = None, speculative: SpeculativeConfig | None = None,
+    preemption_mode: str = "recompute",
 ) -> Scheduler:
     config = SchedulerConfig(
-        max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy=policy, lpm_aging_steps=lpm_aging_steps
+        max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy=policy, lpm_aging_steps=lpm_aging_steps,
+        preemption_mode=preemption_mode,
     )
     speculation = SpeculationPolicy(speculative) if speculative is not None else None
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching, tiers), speculation)

@@ -160,18 +160,23 @@ def test_random_workloads_finish_cleanly(
     host_blocks=st.integers(1, 24),
     with_disk=st.booleans(),
     policy=st.sampled_from(["fcfs", "lpm"]),
+    preemption_mode=st.sampled_from(["recompute", "swap"]),
+    prefix_caching=st.booleans(),
 )
 def test_random_workloads_over_kv_tiers_finish_cleanly(
     workload: list[Spec], block_size: int, num_blocks: int, budget: int, max_num_seqs: int, host_blocks: int,
-    with_disk: bool, policy: str,
+    with_disk: bool, policy: str, preemption_mode: str, prefix_caching: bool,
 ) -> None:
     """A small device pool over a host tier (and a disk tier): blocks the pool evicts are offloaded and hits on
-    them loaded back, and the fake runner's check that every position read holds the request's own token
-    covers what the tiers bring back. Pool and tree invariants hold after every step; nothing is left held."""
+    them loaded back, preempted requests swapped out and in (with swap; prefix caching on or off), and the
+    fake runner's check that every position read holds the request's own token covers what the tiers bring
+    back. Pool, tree and host-row invariants hold after every step; nothing is left held."""
+    prefix_caching = prefix_caching or with_disk or preemption_mode == "recompute"  # else the tier has no use
     with tempfile.TemporaryDirectory() as disk_dir:
         tiers = fake_tiers(block_size, host_blocks, disk_dir if with_disk else None)
         scheduler = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len=64,
-                                   prefix_caching=True, policy=policy, tiers=tiers)
+                                   prefix_caching=prefix_caching, policy=policy, tiers=tiers,
+                                   preemption_mode=preemption_mode)
         accepted = [s for s in workload if s.num_prompt + s.max_tokens <= num_blocks * block_size]
         if not accepted:
             return
@@ -183,6 +188,12 @@ def test_random_workloads_over_kv_tiers_finish_cleanly(
     assert scheduler.kv.num_free_blocks() == num_blocks
     assert tiers.counters.blocks_loaded == runner.num_loads
     assert not tiers.host._pins, "a pinned host block outlived its load or write"
+    swap = scheduler.kv.swap.counters
+    assert swap.num_blocks_swapped_in == runner.num_swapped_in
+    num_aborted = sum(s.n for s in accepted if s.abort_step is not None)
+    assert swap.num_swapped_in <= swap.num_swapped_out <= swap.num_swapped_in + num_aborted
+    scheduler.kv.take_tier_transfers()  # rows go back at the plan after their last copy
+    assert len(tiers.host._free) + tiers.host.num_blocks == tiers.host.num_rows, "a swapped-out host row leaked"
 
 
 @settings(max_examples=100, deadline=None)
@@ -194,22 +205,25 @@ def test_random_workloads_over_kv_tiers_finish_cleanly(
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
     num_speculative_tokens=st.integers(1, 5),
+    swap_host_blocks=st.none() | st.integers(1, 24),
 )
 def test_random_workloads_with_speculation_finish_cleanly(
     workload: list[Spec], block_size: int, num_blocks: int, budget: int, max_num_seqs: int, prefix_caching: bool,
-    num_speculative_tokens: int,
+    num_speculative_tokens: int, swap_host_blocks: int | None,
 ) -> None:
-    """Speculating decodes among prefills, forks, preemptions and aborts: each sample's tokens are exactly
-    its own (drafts kept only while they agree), the KV a row reads always holds the request's history (never
-    a rejected draft token), tables match on both sides after each rollback, and every block is free at the
-    end."""
+    """Speculating decodes among prefills, forks, preemptions (by recompute, or by swap over a host tier of
+    ``swap_host_blocks``) and aborts: each sample's tokens are exactly its own (drafts kept only while they
+    agree), the KV a row reads always holds the request's history (never a rejected draft token), tables
+    match on both sides after each rollback, and every block is free at the end."""
     speculative = SpeculativeConfig("ngram", num_speculative_tokens, 1, 3)
+    tiers = fake_tiers(block_size, swap_host_blocks) if swap_host_blocks is not None else None
     scheduler = make_scheduler(num_blocks, block_size, budget, max_num_seqs, max_model_len=64,
-                               prefix_caching=prefix_caching, speculative=speculative)
+                               prefix_caching=prefix_caching, speculative=speculative, tiers=tiers,
+                               preemption_mode="recompute" if tiers is None else "swap")
     accepted = [s for s in workload if s.num_prompt + s.max_tokens <= num_blocks * block_size]
     if not accepted:
         return
-    runner = FakeRunner(num_blocks, block_size, looping_token, ref_count=scheduler.kv.pool.ref_count)
+    runner = FakeRunner(num_blocks, block_size, looping_token, ref_count=scheduler.kv.pool.ref_count, tiers=tiers)
     outputs = run_workload(scheduler, runner, accepted)
     for spec in accepted:
         check_results(spec, outputs, looping_token)

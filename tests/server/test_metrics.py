@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 
+from kvserve.server.metrics import ServerMetrics
 from tests.server.conftest import MODEL_NAME, ServerProcess
 
 EXPECTED = [
@@ -21,6 +24,11 @@ EXPECTED = [
     "kvserve:prompt_tokens_total",
     "kvserve:generation_tokens_total",
     "kvserve:num_preemptions_total",
+    "kvserve:num_swapped_out_total",
+    "kvserve:num_swapped_in_total",
+    "kvserve:num_blocks_swapped_out_total",
+    "kvserve:num_blocks_swapped_in_total",
+    "kvserve:num_swap_fallbacks_total",
     "kvserve:request_success_total",
     "kvserve:cache_config_info",
     "kvserve:prefix_cache_blocks",
@@ -70,3 +78,14 @@ def test_a_repeated_prompt_hits_the_prefix_cache(server: ServerProcess, client: 
     queries = server.metric("kvserve:prefix_cache_queries_total") - before["kvserve:prefix_cache_queries_total"]
     assert queries == first.usage.prompt_tokens + second.usage.prompt_tokens
     assert server.metric("kvserve:prefix_cache_blocks") > 0
+
+
+def test_swap_counters_follow_the_engine_stats() -> None:
+    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
+             "num_running": 0, "num_waiting": 0}
+    metrics = ServerMetrics("m", stats, 64)
+    swaps = {"num_preemptions": 4, "num_swapped_out": 3, "num_swapped_in": 2, "num_blocks_swapped_out": 9,
+             "num_blocks_swapped_in": 6, "num_swap_fallbacks": 1}
+    metrics.on_step([], {**stats, **swaps}, time.monotonic())
+    for key, value in swaps.items():
+        assert metrics.registry.get_sample_value(f"kvserve:{key}_total", {"model_name": "m"}) == value, key
