@@ -58,7 +58,7 @@ def run_router(args: argparse.Namespace) -> int:
 def _run(router: Router, host: str, port: int, policy: str) -> int:
     logger.info("kvserve router on http://%s:%d -> %s (%s)", host, port, ", ".join(r.url for r in router.replicas),
                 policy)
-    uvicorn.run(build_router_app(router), host=host, port=port, log_level="warning")
+    uvicorn.run(build_router_app(router), host=host, port=port, log_level="warning", access_log=False)
     return 0
 
 
