@@ -1,8 +1,9 @@
-"""The router's HTTP app: OpenAI-compatible endpoints proxied to kvserve replicas chosen by a routing policy.
+"""The router's ASGI app: OpenAI-compatible endpoints proxied to kvserve replicas chosen by a routing policy.
 
-A request's prompt text is keyed (``prefix_index``), the policy picks a healthy replica, and the request is
-forwarded as it came; the answer streams back through as the replica writes it (no buffering), and a client
-that disconnects closes the upstream stream, which the replica treats as an abort. A replica that refuses the
+A request's body is parsed once for its prompt text, which is keyed (``prefix_index``); the policy picks a
+healthy replica, and the body is forwarded as the bytes it came as (``upstream``, over kept-alive
+connections). The answer streams back through as the replica writes it (no buffering), and a client that
+disconnects closes the upstream connection, which the replica treats as an abort. A replica that refuses the
 connection has not started the request: it is marked down and the request goes to another one. When none is
 up the answer is a 503 with ``Retry-After``. A background task checks each replica's /health and reads its
 queue from /metrics every ``health_interval`` seconds; a replica that comes back is used again.

@@ -20,6 +20,7 @@ replicas run, closes an idle one), so the replica never closes a connection the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import ssl
 import time
 from collections import deque
@@ -53,7 +54,7 @@ class Origin:
             raise ValueError(f"a replica URL must be http://HOST[:PORT] or https://...; got {url!r}")
         return cls(parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
 
-    @property
+    @functools.cached_property
     def host_header(self) -> bytes:
         return f"{self.host}:{self.port}".encode()
 
