@@ -56,7 +56,8 @@ class Origin:
 
     @functools.cached_property
     def host_header(self) -> bytes:
-        return f"{self.host}:{self.port}".encode()
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"{host}:{self.port}".encode()
 
 
 class _Connection:

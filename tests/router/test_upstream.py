@@ -184,6 +184,11 @@ def test_origin_parse(url: str, origin: Origin) -> None:
     assert Origin.parse(url) == origin
 
 
+def test_the_host_header_brackets_an_ipv6_address() -> None:
+    assert Origin.parse("http://[::1]:8001").host_header == b"[::1]:8001"
+    assert Origin.parse("http://127.0.0.1:8001").host_header == b"127.0.0.1:8001"
+
+
 def test_a_url_without_a_scheme_is_refused() -> None:
     with pytest.raises(ValueError, match="http://HOST"):
         Origin.parse("localhost:8001")
