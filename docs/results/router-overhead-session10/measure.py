@@ -1,11 +1,17 @@
+"""uvicorn's loop / HTTP parser under the router, side by side: router CPU ms a request and median TTFT, 3 rounds.
+
+    PYTHONPATH=. python benchmarks/router.py fake-replica --port 18951 &
+    PYTHONPATH=. python docs/results/router-overhead-session10/measure.py 64     (from the repository root)
+"""
 import asyncio, subprocess, sys, time, os, statistics
+from pathlib import Path
 sys.path.insert(0, "benchmarks")
 from router import ttfts, cpu_seconds, wait_healthy
 port = 18960; worker = "http://127.0.0.1:18951"
 variants = [("uvloop", "httptools"), ("asyncio", "h11"), ("asyncio", "httptools"), ("uvloop", "h11")]
 procs = {}
 for i, (loop, http) in enumerate(variants):
-    p = subprocess.Popen([sys.executable, "/tmp/rb/variant.py", loop, http, str(port + i), worker], env={**os.environ, "PYTHONPATH": os.getcwd()})
+    p = subprocess.Popen([sys.executable, str(Path(__file__).with_name("variant.py")), loop, http, str(port + i), worker], env={**os.environ, "PYTHONPATH": os.getcwd()})
     wait_healthy(f"http://127.0.0.1:{port + i}", p, poll=0.05); procs[(loop, http)] = (p, port + i)
 streams = int(sys.argv[1]); each = max(10, 400 // streams)
 res = {v: [] for v in variants}; ttf = {v: [] for v in variants}
