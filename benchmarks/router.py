@@ -14,8 +14,12 @@ output throughput. Each replica gets one thread (``OMP_NUM_THREADS=1``), so N re
 (the router's ``/metrics``), as the most loaded replica's share against the mean.
 
 ``overhead``: the router's own cost, without a model: a fake replica that streams a short answer at once,
-called by ``--streams`` concurrent clients directly and through ``kvserve router``; the difference of the
-median times to the first streamed chunk, and the router process's CPU time per request.
+called by ``--streams`` concurrent clients directly and through ``kvserve router``, in ``--rounds`` rounds
+that alternate the two; the difference of the median times to the first streamed chunk, the router process's
+CPU time per request (steadier than the times on a shared machine), and the router's start-up time (from its
+process start to its /health answering 200). ``--router-cpus 1`` pins the router to CPU 1 and the rest to the
+other CPUs: on a 2-core machine this separates the router's latency from the CPU it takes from the client and
+the replica, which at 64 streams otherwise adds about streams x its CPU a request / cores to every TTFT.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 MODEL = "smollm2-135m-instruct"
 
 
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600, poll: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -48,7 +52,7 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 600) -> N
             pass
         if process.poll() is not None:
             raise RuntimeError(f"{process.args[:4]} exited with {process.returncode}")
-        time.sleep(0.5)
+        time.sleep(poll)
     raise RuntimeError(f"{url} did not come up")
 
 
@@ -188,32 +192,55 @@ def cpu_seconds(pid: int) -> float:
 
 
 def overhead(args: argparse.Namespace, work: Path) -> dict:
+    """Rounds alternating direct and through the router (so drift in the machine's load hits both alike); the
+    medians of all their first-chunk times, and the router process's CPU time over its rounds."""
     replica_port, router_port = args.port + 1, args.port
+    requests_each = args.requests_each or max(10, 400 // args.streams)
+    pin_router = None
+    if args.router_cpus:  # the router on its own cores, as in a deployment; the client and the replica elsewhere
+        router_cpus = {int(cpu) for cpu in args.router_cpus.split(",")}
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - router_cpus)
+        pin_router = lambda: os.sched_setaffinity(0, router_cpus)  # noqa: E731
     replica = subprocess.Popen([sys.executable, __file__, "fake-replica", "--port", str(replica_port)],
                                stdout=(work / "fake.log").open("ab"), stderr=subprocess.STDOUT)
-    router = subprocess.Popen(["kvserve", "router", "--worker", f"http://127.0.0.1:{replica_port}", "--port",
-                               str(router_port)], stdout=(work / "router.log").open("ab"), stderr=subprocess.STDOUT)
+    router = None
     try:
         wait_healthy(f"http://127.0.0.1:{replica_port}", replica)
-        wait_healthy(f"http://127.0.0.1:{router_port}", router)
+        started = time.monotonic()
+        router = subprocess.Popen(["kvserve", "router", "--worker", f"http://127.0.0.1:{replica_port}", "--port",
+                                   str(router_port)], stdout=(work / "router.log").open("ab"), stderr=subprocess.STDOUT,
+                                  preexec_fn=pin_router)
+        wait_healthy(f"http://127.0.0.1:{router_port}", router, poll=0.02)
+        router_start_s = time.monotonic() - started
         asyncio.run(ttfts(f"http://127.0.0.1:{router_port}", args.streams, 2))  # warm-up: connections
-        results = {}
-        for name, port in (("direct", replica_port), ("router", router_port), ("direct_again", replica_port)):
-            cpu_before = cpu_seconds(router.pid)
-            results[name] = statistics.median(asyncio.run(ttfts(f"http://127.0.0.1:{port}", args.streams,
-                                                                args.requests_each)))
-            if name == "router":
-                num_requests = args.streams * args.requests_each
-                results["router_cpu_ms_per_request"] = (cpu_seconds(router.pid) - cpu_before) / num_requests * 1e3
+        samples: dict[str, list[float]] = {"direct": [], "router": []}
+        rounds: list[dict[str, float]] = []
+        cpu_s = 0.0
+        for _ in range(args.rounds):
+            medians = {}
+            for name, port in (("direct", replica_port), ("router", router_port)):
+                cpu_before = cpu_seconds(router.pid)
+                times = asyncio.run(ttfts(f"http://127.0.0.1:{port}", args.streams, requests_each))
+                if name == "router":
+                    cpu_s += cpu_seconds(router.pid) - cpu_before
+                samples[name] += times
+                medians[name] = statistics.median(times) * 1e3
+            rounds.append(medians)
     finally:
         for process in (router, replica):
-            process.terminate()
-            process.wait(30)
-    direct = (results["direct"] + results["direct_again"]) / 2
-    results["overhead_ms"] = (results["router"] - direct) * 1e3
-    print(f"{args.streams} streams: median TTFT direct {direct * 1e3:.2f} ms, through the router "
-          f"{results['router'] * 1e3:.2f} ms: {results['overhead_ms']:.2f} ms a request; the router's CPU time "
-          f"{results['router_cpu_ms_per_request']:.2f} ms a request")
+            if process is not None:
+                process.terminate()
+                process.wait(30)
+    direct, routed = (statistics.median(samples[name]) * 1e3 for name in ("direct", "router"))
+    num_routed = args.rounds * args.streams * requests_each
+    results = {"streams": args.streams, "requests_each": requests_each, "router_cpus": args.router_cpus,
+               "rounds": rounds,
+               "direct_ttft_ms": direct, "router_ttft_ms": routed, "overhead_ms": routed - direct,
+               "router_cpu_ms_per_request": cpu_s / num_routed * 1e3, "router_start_s": router_start_s}
+    print(f"{args.streams} streams, {args.rounds} rounds of {args.streams * requests_each} requests each way: median "
+          f"TTFT direct {direct:.2f} ms, through the router {routed:.2f} ms: {routed - direct:+.2f} ms a request; the "
+          f"router's CPU time {results['router_cpu_ms_per_request']:.3f} ms a request; router healthy "
+          f"{router_start_s:.2f} s after its start")
     return results
 
 
@@ -230,7 +257,13 @@ def main() -> None:
     sub.choices["skew"].add_argument("--replicas", type=int, default=4)
     sub.choices["skew"].add_argument("--concurrency", type=int, default=16)
     sub.choices["overhead"].add_argument("--streams", type=int, default=64)
-    sub.choices["overhead"].add_argument("--requests-each", type=int, default=10)
+    sub.choices["overhead"].add_argument("--requests-each", type=int, default=None,
+                                         help="requests each stream sends in a round (default: 400 / streams, "
+                                              "at least 10)")
+    sub.choices["overhead"].add_argument("--rounds", type=int, default=3)
+    sub.choices["overhead"].add_argument("--router-cpus", default=None,
+                                         help="CPUs to pin the router to (e.g. 1); the client and the fake replica "
+                                              "get the others. Default: all share every CPU")
     sub.choices["fake-replica"].add_argument("--num-chunks", type=int, default=8)
     args = parser.parse_args()
     if args.scenario == "fake-replica":

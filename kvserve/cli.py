@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import sys
-
-from kvserve.config import DEFAULT_MODEL
-from kvserve.engine_args import EngineArgs
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -38,6 +34,7 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvserve import LLM, SamplingParams
+    from kvserve.engine_args import EngineArgs
 
     llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -62,17 +59,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_data_parallel(args, args.argv)
 
 
-def _cmd_router(args: argparse.Namespace) -> int:
-    from kvserve.router.launch import run_router
-
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return run_router(args)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench import cli as bench_cli
+    from kvserve.config import DEFAULT_MODEL
+    from kvserve.engine_args import EngineArgs
     from kvserve.model.checkpoint import ARCHITECTURES, SIZES
-    from kvserve.router.launch import add_router_arguments
+    from kvserve.router.launch import ROUTER_HELP, add_router_arguments, run_router
     from kvserve.server.launch import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
@@ -82,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    router = sub.add_parser("router", help="route OpenAI requests to kvserve replicas, cache-aware")
+    router = sub.add_parser("router", help=ROUTER_HELP)  # parsed by router.launch.main; listed here for --help
     add_router_arguments(router)
-    router.set_defaults(func=_cmd_router)
+    router.set_defaults(func=run_router)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt, offline")
     gen.add_argument("prompt")
@@ -113,9 +105,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what replicas of `serve` are started with
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        # The router imports no engine code, but the other subcommands' flags pull in torch and transformers
+        # (about 7 s): `kvserve router ...` is handed over before that parser is built.
+        if argv[:1] == ["router"]:
+            from kvserve.router.launch import main as router_main
+
+            return router_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        args.argv = argv  # what replicas of `serve` are started with
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"kvserve: error: {e}", file=sys.stderr)

@@ -1,8 +1,9 @@
-"""The router's HTTP app: OpenAI-compatible endpoints proxied to kvserve replicas chosen by a routing policy.
+"""The router's ASGI app: OpenAI-compatible endpoints proxied to kvserve replicas chosen by a routing policy.
 
-A request's prompt text is keyed (``prefix_index``), the policy picks a healthy replica, and the request is
-forwarded as it came; the answer streams back through as the replica writes it (no buffering), and a client
-that disconnects closes the upstream stream, which the replica treats as an abort. A replica that refuses the
+A request's body is parsed once for its prompt text, which is keyed (``prefix_index``); the policy picks a
+healthy replica, and the body is forwarded as the bytes it came as (``upstream``, over kept-alive
+connections). The answer streams back through as the replica writes it (no buffering), and a client that
+disconnects closes the upstream connection, which the replica treats as an abort. A replica that refuses the
 connection has not started the request: it is marked down and the request goes to another one. When none is
 up the answer is a 503 with ``Retry-After``. A background task checks each replica's /health and reads its
 queue from /metrics every ``health_interval`` seconds; a replica that comes back is used again.
@@ -12,24 +13,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from urllib.parse import urlsplit
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.responses import JSONResponse, Response
 
 from kvserve.router.policy import Decision, Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
+from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse
 from kvserve.server.errors import error_response
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
+HEALTH_TIMEOUT_S = 2.0
+GET_TIMEOUT_S = 30.0
+PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+_FORWARDED = frozenset(name.encode() for name in FORWARDED_HEADERS)  # ASGI header names: lower-case bytes
 QUEUE_METRICS = ("kvserve:num_requests_running", "kvserve:num_requests_waiting")
 
 
@@ -75,15 +84,17 @@ def _content_text(content: Any) -> str:
 
 
 class Router:
-    """The replicas, the policy and the upstream client; ``forward`` sends one request through."""
+    """The replicas, the policy and the upstream connections; ``proxy`` sends one request through."""
 
-    def __init__(self, urls: list[str], policy: RoutingPolicy, client: httpx.AsyncClient | None = None,
+    def __init__(self, urls: list[str], policy: RoutingPolicy, upstream: Upstream | None = None,
                  health_interval: float = 1.0) -> None:
         if not urls:
             raise ValueError("the router needs at least one replica URL")
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        for replica in self.replicas:
+            _target(replica.url)  # a malformed URL fails here, not on the first request
         self.policy = policy
-        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
+        self.upstream = upstream or Upstream()
         self.health_interval = health_interval
         self.metrics = RouterMetrics()
 
@@ -96,7 +107,30 @@ class Router:
                 return
         raise ValueError(f"no replica at {old_url}")
 
-    async def forward(self, path: str, body: bytes, payload: dict[str, Any], headers: dict[str, str]) -> Response:
+    async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """One generation request, from ASGI messages to ASGI messages: the body parsed once (for the prompt)
+        and forwarded as it came, the answer relayed as the replica writes it."""
+        body = await _read_body(receive)
+        if body is None:  # the client left before its request was in
+            return
+        payload = request_payload(body)
+        if isinstance(payload, Response):
+            return await payload(scope, receive, send)
+        headers = [(name, value) for name, value in scope["headers"] if name in _FORWARDED]
+        answer = await self.forward(scope["path"], body, payload, headers)
+        if isinstance(answer, Response):
+            return await answer(scope, receive, send)
+        replica, upstream = answer
+        try:
+            await self._relay(scope, receive, send, replica, upstream)
+        finally:
+            replica.in_flight -= 1
+            upstream.close()  # nothing if it was read to its end (the connection is back in the pool)
+
+    async def forward(self, path: str, body: bytes, payload: dict[str, Any],
+                      headers: list[tuple[bytes, bytes]]) -> tuple[Replica, UpstreamResponse] | Response:
+        """Choose a replica and send the request there, retrying another replica while one refuses it; the
+        replica (its ``in_flight`` counted) and the head of its answer, or the error to answer with."""
         keys = prefix_keys(prompt_text(payload))
         tried: set[Replica] = set()
         while True:
@@ -110,22 +144,25 @@ class Router:
             # see this one's load and prefix, or a burst all goes where the first one went.
             replica.index.insert(keys)
             replica.in_flight += 1
-            request = self.client.build_request("POST", replica.url + path, content=body, headers=headers)
+            origin, base_path = _target(replica.url)
             try:
-                upstream = await self.client.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as error:  # not started there: try another one
+                upstream = await self.upstream.request(b"POST", origin, base_path + path.encode(), body, headers)
+            except ConnectFailed as error:  # not started there: try another one
                 replica.in_flight -= 1
                 logger.warning("replica %s refused a request (%s); marking it down", replica.url, error)
                 self._set_health(replica, False)
                 tried.add(replica)
                 self.metrics.retries.inc()
                 continue
-            except httpx.TransportError as error:  # sent, perhaps started, and the replica went away
+            except UpstreamLost as error:  # sent, perhaps started, and the replica went away
                 replica.in_flight -= 1
                 self._set_health(replica, False)
-                return error_response(502, f"the replica serving this request failed: {error!r}")
+                return error_response(502, f"the replica serving this request failed: {error}")
+            except BaseException:  # cancelled
+                replica.in_flight -= 1
+                raise
             self._count(decision)
-            return await self._respond(replica, upstream)
+            return replica, upstream
 
     def _count(self, decision: Decision) -> None:
         replica = decision.replica
@@ -133,53 +170,54 @@ class Router:
         self.metrics.prefix_hits.labels(replica.url).inc(decision.matched_chunks)
         self.metrics.decisions.labels(decision.reason).inc()
 
-    async def _respond(self, replica: Replica, upstream: httpx.Response) -> Response:
+    async def _relay(self, scope: Scope, receive: Receive, send: Send, replica: Replica,
+                     upstream: UpstreamResponse) -> None:
+        """The replica's answer: a stream chunk by chunk as it arrives, anything else whole (so that a replica
+        lost mid-answer is a 502, not a cut 200). A client that leaves closes the upstream connection, which
+        the replica takes as an abort."""
+        left = asyncio.ensure_future(receive())  # http.disconnect: the client left, or the answer is over
+        left.add_done_callback(lambda _: upstream.close())
         content_type = upstream.headers.get("content-type", "application/json")
-        if content_type.startswith("text/event-stream"):
-            return StreamingResponse(self._relay(replica, upstream), status_code=upstream.status_code,
-                                     media_type=content_type)
+        start = {"type": "http.response.start", "status": upstream.status,
+                 "headers": [(b"content-type", content_type.encode("latin-1"))]}
+        if not content_type.startswith("text/event-stream"):
+            try:
+                content = await upstream.read()
+            except UpstreamLost as error:  # the replica died with the request in flight
+                return await error_response(502, f"the replica serving this request failed: {error}")(
+                    scope, receive, send)
+            start["headers"].append((b"content-length", b"%d" % len(content)))
+            await send(start)
+            return await send({"type": "http.response.body", "body": content})
+        await send(start)
         try:
-            content = await upstream.aread()
-        except httpx.TransportError as error:  # the replica died with the request in flight
-            return error_response(502, f"the replica serving this request failed: {error}")
-        finally:
-            await self._release(replica, upstream)
-        return Response(content, status_code=upstream.status_code, media_type=content_type)
-
-    async def _relay(self, replica: Replica, upstream: httpx.Response) -> AsyncIterator[bytes]:
-        """The replica's stream as it comes; leaving early (a client disconnect) closes it, which aborts."""
-        try:
-            async for chunk in upstream.aiter_bytes():
-                yield chunk
-        except httpx.TransportError as error:
+            while chunk := await upstream.receive():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamLost as error:
             logger.warning("replica %s broke off a stream: %s", replica.url, error)
-        finally:
-            await self._release(replica, upstream)
-
-    async def _release(self, replica: Replica, upstream: httpx.Response) -> None:
-        replica.in_flight -= 1
-        await upstream.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def first_healthy_get(self, path: str) -> Response:
         for replica in self.replicas:
             if replica.healthy:
-                with contextlib.suppress(httpx.TransportError):
-                    answer = await self.client.get(replica.url + path)
-                    return Response(answer.content, answer.status_code,
-                                    media_type=answer.headers.get("content-type"))
+                with contextlib.suppress(ConnectFailed, UpstreamLost):
+                    status, content_type, content = await self.upstream.get(replica.url + path, GET_TIMEOUT_S)
+                    return Response(content, status, media_type=content_type or None)
         return error_response(503, "no kvserve replica is available", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
     # ---- health ------------------------------------------------------------------------------------------
 
     async def check_health(self) -> None:
         await asyncio.gather(*(self._check(replica) for replica in self.replicas))
+        self.upstream.prune()
 
     async def _check(self, replica: Replica) -> None:
         try:
-            healthy = (await self.client.get(replica.url + "/health", timeout=2.0)).status_code == 200
+            healthy = (await self.upstream.get(replica.url + "/health", HEALTH_TIMEOUT_S))[0] == 200
             if healthy:
-                replica.reported_load = _queue_length((await self.client.get(replica.url + "/metrics")).text)
-        except httpx.TransportError:
+                metrics = (await self.upstream.get(replica.url + "/metrics", GET_TIMEOUT_S))[2]
+                replica.reported_load = _queue_length(metrics.decode())
+        except (ConnectFailed, UpstreamLost):
             healthy = False
         if healthy != replica.healthy:
             logger.warning("replica %s is %s", replica.url, "back up" if healthy else "down")
@@ -195,6 +233,24 @@ class Router:
             await asyncio.sleep(self.health_interval)
 
 
+@functools.lru_cache(maxsize=1024)
+def _target(url: str) -> tuple[Origin, bytes]:
+    """A replica's origin, and the path its routes sit under (usually none)."""
+    return Origin.parse(url), urlsplit(url).path.rstrip("/").encode()
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request body, or None if the client disconnected before all of it came."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 def _queue_length(metrics_text: str) -> int:
     total = 0.0
     for family in text_string_to_metric_families(metrics_text):
@@ -203,45 +259,57 @@ def _queue_length(metrics_text: str) -> int:
     return int(total)
 
 
-def build_router_app(router: Router) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.check_health()
-        checker = asyncio.create_task(router.health_loop())
-        yield
-        checker.cancel()
-        await router.client.aclose()
+class RouterApp:
+    """The router's ASGI app. The generation routes go to ``Router.proxy`` as plain ASGI messages (no Starlette
+    request, response or task group on the path every token takes); ``/health``, ``/metrics`` and
+    ``/v1/models`` answer from here; the lifespan runs the health checks. No FastAPI: the router starts in
+    well under a second."""
 
-    app = FastAPI(title="kvserve router", lifespan=lifespan)
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.get_routes: dict[str, Callable[[], Awaitable[Response]]] = {
+            "/health": self.health, "/metrics": self.metrics, "/v1/models": self.models}
 
-    async def proxy(request: Request, path: str) -> Response:
-        body = await request.body()
-        payload = request_payload(body)
-        if isinstance(payload, Response):
-            return payload
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        return await router.forward(path, body, payload, headers)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await self.lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path in PROXIED_PATHS and method == "POST":
+            return await self.router.proxy(scope, receive, send)
+        if path in PROXIED_PATHS or (path in self.get_routes and method not in ("GET", "HEAD")):
+            response = error_response(405, f"{method} is not allowed on {path}",
+                                      headers={"Allow": "POST" if path in PROXIED_PATHS else "GET"})
+        elif path in self.get_routes:
+            response = await self.get_routes[path]()
+        else:
+            response = error_response(404, f"no route {path}")
+        await response(scope, receive, send)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await proxy(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.first_healthy_get("/v1/models")
-
-    @app.get("/health")
-    async def health() -> Response:
-        up = [r.url for r in router.replicas if r.healthy]
+    async def health(self) -> Response:
+        up = [r.url for r in self.router.replicas if r.healthy]
         status = 200 if up else 503
         return JSONResponse({"status": "ok" if up else "unavailable", "replicas_up": up}, status_code=status)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(self) -> Response:
+        return Response(generate_latest(self.router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    async def models(self) -> Response:
+        return await self.router.first_healthy_get("/v1/models")
+
+    async def lifespan(self, receive: Receive, send: Send) -> None:
+        """Startup: one round of health checks, then the loop in the background; shutdown: stop it, close the
+        connections."""
+        await receive()  # lifespan.startup
+        await self.router.check_health()
+        checker = asyncio.create_task(self.router.health_loop())
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        checker.cancel()
+        await self.router.upstream.aclose()
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def build_router_app(router: Router) -> RouterApp:
+    return RouterApp(router)

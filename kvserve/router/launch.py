@@ -26,6 +26,16 @@ from kvserve.router.ray_replicas import RayReplicas
 
 logger = logging.getLogger(__name__)
 
+ROUTER_HELP = "route OpenAI requests to kvserve replicas, cache-aware"
+
+
+def main(argv: list[str]) -> int:
+    """``kvserve router ARGS``: its own parser, so that starting it imports no engine code (``kvserve.cli``
+    hands ``router`` here before it builds the parser of the other subcommands)."""
+    parser = argparse.ArgumentParser(prog="kvserve router", description=ROUTER_HELP)
+    add_router_arguments(parser)
+    return run_router(parser.parse_args(argv))
+
 
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", action="append", required=True, metavar="URL",
@@ -42,13 +52,14 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return _run(Router(args.worker, make_policy(args.routing_policy)), args.host, args.port, args.routing_policy)
 
 
 def _run(router: Router, host: str, port: int, policy: str) -> int:
     logger.info("kvserve router on http://%s:%d -> %s (%s)", host, port, ", ".join(r.url for r in router.replicas),
                 policy)
-    uvicorn.run(build_router_app(router), host=host, port=port, log_level="warning")
+    uvicorn.run(build_router_app(router), host=host, port=port, log_level="warning", access_log=False)
     return 0
 
 

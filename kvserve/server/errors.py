@@ -1,19 +1,22 @@
 """Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
 
 Every invalid request is a 400 (FastAPI's 422 validation errors included); nothing about bad input is a 500.
+The router imports this module for the shape alone, so FastAPI is imported only where the handlers are
+installed (the router starts without FastAPI and the request models).
 """
 
 from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
 
-from kvserve.server.protocol import ErrorInfo, ErrorResponse
+if TYPE_CHECKING:
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +45,9 @@ class APIError(Exception):
 
 def error_response(status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = ErrorResponse(
-        error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "server_error"), param=param, code=status)
-    )
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def bad_request(error: ValueError, param: str | None = None) -> APIError:
@@ -70,6 +72,7 @@ def _is_type_tag(part: str) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Answer APIError, validation errors, HTTP errors (404 route, 405 method) and crashes in OpenAI's shape."""
+    from fastapi.exceptions import RequestValidationError
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:

@@ -578,12 +578,3 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

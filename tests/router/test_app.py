@@ -1,48 +1,111 @@
-"""The router's app against fake replicas (an httpx mock transport): forwarding as sent, streams relayed,
-retries where a replica refused, 503 when none is up, health and metrics."""
+"""The router's app against fake replicas (small HTTP servers on loopback): forwarding as sent, streams relayed
+unbuffered, a client's disconnect closing the replica's stream, retries where a replica refused, 502 for a
+replica lost mid-answer, 503 when none is up, connections reused, health and metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
+from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvserve.router.app import Router, build_router_app, prompt_text
 from kvserve.router.policy import make_policy
 from kvserve.router.prefix_index import CHUNK_CHARS
+from tests.server.conftest import free_port
 
 LONG = "x" * CHUNK_CHARS * 3
 
 
+class QuietServer(uvicorn.Server):
+    def capture_signals(self):  # several in one test process: leave pytest's signal handlers alone
+        return contextlib.nullcontext()
+
+
 class FakeReplicas:
-    """Replica r0, r1...: /health 200 unless down, /metrics with a queue, completions echo who answered."""
+    """Replicas r0, r1...: HTTP servers on loopback ports (uvicorn, as real replicas run), up or down (down:
+    nothing listens, so a connection is refused). /health 200, /metrics with a queue; completions echo who
+    answered, after ``hold`` (if set) returns, and stream 3 events and [DONE], or ``stream_forever`` events
+    (one every 10 ms) while ``streaming`` records the streams that are open."""
 
     def __init__(self, count: int) -> None:
-        self.down: set[str] = set()
+        self.ports = [free_port() for _ in range(count)]
+        self.urls = [f"http://127.0.0.1:{port}" for port in self.ports]
         self.seen: list[tuple[str, dict]] = []
-        self.urls = [f"http://r{i}" for i in range(count)]
+        self.hold: Callable[[str], Awaitable[None]] | None = None
+        self.stream_forever = False
+        self.streaming: set[int] = set()
+        self.servers: dict[int, tuple[uvicorn.Server, asyncio.Task]] = {}
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        host = f"http://{request.url.host}"
-        if host in self.down:
-            raise httpx.ConnectError("connection refused", request=request)
-        if request.url.path == "/health":
-            return httpx.Response(200, json={"status": "ok"})
-        if request.url.path == "/metrics":
-            return httpx.Response(200, text='kvserve:num_requests_waiting{model_name="m"} 0.0\n')
-        payload = json.loads(request.content)
-        self.seen.append((host, payload))
-        if payload.get("stream"):
-            body = b"".join(f"data: {json.dumps({'replica': host, 'i': i})}\n\n".encode() for i in range(3))
-            return httpx.Response(200, content=body + b"data: [DONE]\n\n", headers={"content-type": "text/event-stream"})
-        return httpx.Response(200, json={"replica": host, "auth": request.headers.get("authorization")})
+    async def __aenter__(self) -> FakeReplicas:
+        await self.start(*range(len(self.urls)))
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop(*self.servers)
+
+    async def start(self, *indices: int) -> None:
+        for i in indices:
+            config = uvicorn.Config(self.app(self.urls[i]), host="127.0.0.1", port=self.ports[i],
+                                    log_level="warning", lifespan="off")
+            server = QuietServer(config)
+            self.servers[i] = (server, asyncio.create_task(server.serve()))
+            while not server.started:
+                await asyncio.sleep(0.01)
+
+    async def stop(self, *indices: int) -> None:
+        for i in list(indices):
+            server, task = self.servers.pop(i)
+            server.should_exit = True
+            await task
+
+    def app(self, url: str) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/metrics")
+        async def metrics() -> PlainTextResponse:
+            return PlainTextResponse('kvserve:num_requests_waiting{model_name="m"} 0.0\n')
+
+        @app.post("/v1/completions")
+        @app.post("/v1/chat/completions")
+        async def completions(request: Request) -> Response:
+            payload = json.loads(await request.body())
+            self.seen.append((url, payload))
+            if self.hold is not None:
+                await self.hold(url)
+            if self.stream_forever:
+                return StreamingResponse(self._forever(), media_type="text/event-stream")
+            if payload.get("stream"):
+                body = "".join(f"data: {json.dumps({'replica': url, 'i': i})}\n\n" for i in range(3))
+                return StreamingResponse(iter([body, "data: [DONE]\n\n"]), media_type="text/event-stream")
+            return JSONResponse({"replica": url, "auth": request.headers.get("authorization")})
+
+        return app
+
+    async def _forever(self) -> AsyncIterator[str]:
+        stream = len(self.seen)
+        self.streaming.add(stream)
+        try:
+            for i in itertools.count():
+                yield f"data: {i}\n\n"
+                await asyncio.sleep(0.01)
+        finally:  # the router closed the connection: the replica's disconnect, its abort
+            self.streaming.discard(stream)
 
 
 def router_client(fakes: FakeReplicas, policy: str = "cache_aware") -> tuple[Router, httpx.AsyncClient]:
-    upstream = httpx.AsyncClient(transport=httpx.MockTransport(fakes))
-    router = Router(fakes.urls, make_policy(policy), client=upstream)
+    router = Router(fakes.urls, make_policy(policy))
     app = build_router_app(router)
     return router, httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router")
 
@@ -54,15 +117,16 @@ def run(coroutine):
 def test_requests_with_one_prefix_land_on_one_replica() -> None:
     fakes = FakeReplicas(2)
 
-    async def scenario() -> list[str]:
-        router, client = router_client(fakes)
-        await router.check_health()
-        answers = []
-        for suffix in "abcd":
-            reply = await client.post("/v1/completions", json={"prompt": LONG + suffix, "max_tokens": 1},
-                                      headers={"Authorization": "Bearer k"})
-            answers.append(reply.json())
-        return answers
+    async def scenario() -> list[dict]:
+        async with fakes:
+            router, client = router_client(fakes)
+            await router.check_health()
+            answers = []
+            for suffix in "abcd":
+                reply = await client.post("/v1/completions", json={"prompt": LONG + suffix, "max_tokens": 1},
+                                          headers={"Authorization": "Bearer k"})
+                answers.append(reply.json())
+            return answers
 
     answers = run(scenario())
     assert len({a["replica"] for a in answers}) == 1 and all(a["auth"] == "Bearer k" for a in answers)
@@ -73,59 +137,164 @@ def test_round_robin_spreads_them() -> None:
     fakes = FakeReplicas(2)
 
     async def scenario() -> None:
-        router, client = router_client(fakes, "round_robin")
-        for suffix in "abcd":
-            await client.post("/v1/completions", json={"prompt": LONG + suffix})
+        async with fakes:
+            router, client = router_client(fakes, "round_robin")
+            for suffix in "abcd":
+                await client.post("/v1/completions", json={"prompt": LONG + suffix})
 
     run(scenario())
-    assert [host for host, _ in fakes.seen] == ["http://r0", "http://r1"] * 2
+    assert [host for host, _ in fakes.seen] == fakes.urls * 2
 
 
 def test_a_stream_is_relayed_as_the_replica_wrote_it() -> None:
     fakes = FakeReplicas(1)
 
     async def scenario() -> tuple[str, str]:
-        router, client = router_client(fakes)
-        reply = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                               "stream": True})
-        return reply.headers["content-type"], reply.text
+        async with fakes:
+            router, client = router_client(fakes)
+            reply = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                   "stream": True})
+            return reply.headers["content-type"], reply.text
 
     content_type, text = run(scenario())
     assert content_type.startswith("text/event-stream")
     assert text.count("data: ") == 4 and text.endswith("data: [DONE]\n\n")
 
 
+def test_a_stream_reaches_the_client_before_the_replica_has_finished_it() -> None:
+    """Unbuffered: the first event is through while the replica is still writing (it never finishes)."""
+    fakes = FakeReplicas(1)
+    fakes.stream_forever = True
+
+    async def scenario() -> tuple[bytes, int]:
+        async with fakes:
+            router = Router(fakes.urls, make_policy("cache_aware"))
+            sent: list[dict] = []
+            first_event = asyncio.Event()
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+                if message.get("body"):
+                    first_event.set()
+
+            relay = asyncio.create_task(router.proxy(*asgi_request({"prompt": "p", "stream": True}), send))
+            await asyncio.wait_for(first_event.wait(), 10)
+            relay.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay
+            return sent[1]["body"], sent[0]["status"]
+
+    first, status = run(scenario())
+    assert status == 200 and first.startswith(b"data: 0\n\n")
+
+
+def test_a_client_that_leaves_mid_stream_closes_the_replica_stream() -> None:
+    """The client's http.disconnect closes the upstream connection, which a replica takes as an abort; the
+    router's count of the replica's requests in flight goes back to 0."""
+    fakes = FakeReplicas(1)
+    fakes.stream_forever = True
+
+    async def scenario() -> tuple[set[int], set[int], int, list[dict]]:
+        async with fakes:
+            router = Router(fakes.urls, make_policy("cache_aware"))
+            left = asyncio.Event()
+            sent: list[dict] = []
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+                if len(sent) == 3:  # the head and two chunks: then the client goes
+                    left.set()
+
+            scope, receive = asgi_request({"prompt": "p", "stream": True}, left)
+            relay = asyncio.create_task(router.proxy(scope, receive, send))
+            await asyncio.wait_for(left.wait(), 10)
+            while_open = set(fakes.streaming)
+            await asyncio.wait_for(relay, 10)  # the relay ends once the client has left
+            for _ in range(100):
+                if not fakes.streaming:
+                    break
+                await asyncio.sleep(0.01)
+            return while_open, set(fakes.streaming), router.replicas[0].in_flight, sent
+
+    while_open, after, in_flight, sent = run(scenario())
+    assert while_open and not after, (while_open, after)
+    assert in_flight == 0 and sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+def asgi_request(payload: dict, left: asyncio.Event | None = None) -> tuple[dict, Callable]:
+    """An ASGI scope and receive for a POST /v1/completions with ``payload``; receive then waits for
+    ``left`` (forever if None) and says http.disconnect."""
+    body = json.dumps(payload).encode()
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"content-type", b"application/json")]}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await (left or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    return scope, receive
+
+
 def test_a_refusing_replica_is_marked_down_and_the_request_served_elsewhere() -> None:
     fakes = FakeReplicas(2)
 
     async def scenario() -> tuple[dict, Router]:
-        router, client = router_client(fakes)
-        router.replicas[1].in_flight = 5  # r0 is the least loaded: the first choice
-        fakes.down.add("http://r0")
-        reply = await client.post("/v1/completions", json={"prompt": "p"})
-        return reply.json(), router
+        await fakes.start(1)  # r0 down: nothing listens on its port
+        try:
+            router, client = router_client(fakes)
+            router.replicas[1].in_flight = 5  # r0 is the least loaded: the first choice
+            reply = await client.post("/v1/completions", json={"prompt": "p"})
+            return reply.json(), router
+        finally:
+            await fakes.stop(1)
 
     answer, router = run(scenario())
-    assert answer["replica"] == "http://r1" and not router.replicas[0].healthy
+    assert answer["replica"] == fakes.urls[1] and not router.replicas[0].healthy
     assert router.metrics.retries._value.get() == 1
 
 
 def test_no_replica_up_is_a_503_with_retry_after_and_the_router_stays_up() -> None:
     fakes = FakeReplicas(2)
-    fakes.down.update(fakes.urls)
 
     async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         router, client = router_client(fakes)
         await router.check_health()
         refused = await client.post("/v1/completions", json={"prompt": "p"})
         health = await client.get("/health")
-        fakes.down.clear()
-        await router.check_health()  # the replicas are back: used again
-        return refused, health, await client.post("/v1/completions", json={"prompt": "p"})
+        async with fakes:
+            await router.check_health()  # the replicas are back: used again
+            return refused, health, await client.post("/v1/completions", json={"prompt": "p"})
 
     refused, health, again = run(scenario())
     assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["code"] == 503 and health.status_code == 503
+    assert again.status_code == 200
+
+
+def test_a_replica_lost_with_the_request_in_flight_is_a_502_and_marked_down() -> None:
+    fakes = FakeReplicas(1)
+
+    async def scenario() -> tuple[httpx.Response, bool, httpx.Response]:
+        async with fakes:
+            router, client = router_client(fakes)
+
+            async def die(url: str) -> None:  # the replica's process goes: its connections reset
+                server, _ = fakes.servers[0]
+                for connection in list(server.server_state.connections):
+                    connection.transport.abort()
+
+            fakes.hold = die
+            lost = await client.post("/v1/completions", json={"prompt": "p"})
+            fakes.hold = None
+            healthy_after = router.replicas[0].healthy
+            await router.check_health()
+            return lost, healthy_after, await client.post("/v1/completions", json={"prompt": "p"})
+
+    lost, healthy_after, again = run(scenario())
+    assert lost.status_code == 502 and "failed" in lost.json()["error"]["message"] and not healthy_after
     assert again.status_code == 200
 
 
@@ -142,15 +311,32 @@ def test_metrics_count_requests_and_prefix_hits_per_replica() -> None:
     fakes = FakeReplicas(2)
 
     async def scenario() -> str:
-        router, client = router_client(fakes)
-        for _ in range(3):
-            await client.post("/v1/completions", json={"prompt": LONG})
-        return (await client.get("/metrics")).text
+        async with fakes:
+            router, client = router_client(fakes)
+            for _ in range(3):
+                await client.post("/v1/completions", json={"prompt": LONG})
+            return (await client.get("/metrics")).text
 
     text = run(scenario())
-    assert 'kvserve_router:requests_total{replica="http://r0"} 3.0' in text
-    assert 'kvserve_router:prefix_hit_chunks_total{replica="http://r0"} 6.0' in text  # 3 chunks, twice
+    assert f'kvserve_router:requests_total{{replica="{fakes.urls[0]}"}} 3.0' in text
+    assert f'kvserve_router:prefix_hit_chunks_total{{replica="{fakes.urls[0]}"}} 6.0' in text  # 3 chunks, twice
     assert 'kvserve_router:decisions_total{reason="prefix"} 2.0' in text
+
+
+def test_connections_to_a_replica_are_reused() -> None:
+    fakes = FakeReplicas(1)
+
+    async def scenario() -> tuple[int, list[int]]:
+        async with fakes:
+            router, client = router_client(fakes)
+            for stream in (False, True, False, True):
+                reply = await client.post("/v1/completions", json={"prompt": "p", "stream": stream})
+                assert reply.status_code == 200
+            server, _ = fakes.servers[0]
+            return server.server_state.total_requests, [len(s) for s in router.upstream._idle.values()]
+
+    total_requests, idle = run(scenario())
+    assert total_requests == 4 and idle == [1]  # four requests, one connection
 
 
 @pytest.mark.parametrize("payload, text", [
@@ -179,22 +365,22 @@ def test_a_burst_sees_the_load_and_prefix_of_requests_still_waiting_for_headers(
     arrived: list[str] = []
     all_arrived = asyncio.Event()
 
-    async def slow_replicas(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/completions":
-            arrived.append(f"http://{request.url.host}")
-            if len(arrived) == num_requests:
-                all_arrived.set()
-            await all_arrived.wait()
-        return fakes(request)
+    async def hold(url: str) -> None:
+        arrived.append(url)
+        if len(arrived) == num_requests:
+            all_arrived.set()
+        await all_arrived.wait()
+
+    fakes.hold = hold
 
     async def scenario() -> None:
-        router = Router(fakes.urls, make_policy("cache_aware"),
-                        client=httpx.AsyncClient(transport=httpx.MockTransport(slow_replicas)))
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://router")
-        body = {"model": "m", "prompt": LONG}
-        answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(num_requests)))
-        assert all(answer.status_code == 200 for answer in answers)
+        async with fakes:
+            router, client = router_client(fakes)
+            body = {"model": "m", "prompt": LONG}
+            answers = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(num_requests)))
+            assert all(answer.status_code == 200 for answer in answers)
 
     run(scenario())
     counts = {url: arrived.count(url) for url in fakes.urls}
-    assert counts["http://r0"] == 9 + 1 and counts["http://r1"] == 10, counts  # r0 by prefix until 9 ahead, then the two alternate
+    r0, r1 = fakes.urls
+    assert counts[r0] == 9 + 1 and counts[r1] == 10, counts  # r0 by prefix until 9 ahead, then the two alternate
