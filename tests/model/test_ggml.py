@@ -82,11 +82,11 @@ def test_kernel_on_k_quants_equals_dequantize_then_matmul(kernel: GGMLGemm, qtyp
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [0, 1, 4, 15, 16, 17, 33, 70, DEQUANTIZED_GEMM_ROWS - 1, DEQUANTIZED_GEMM_ROWS, 131])
+@pytest.mark.parametrize("rows", [0, 1, 8, 9, 15, 16, 17, 33, 70, DEQUANTIZED_GEMM_ROWS - 1, DEQUANTIZED_GEMM_ROWS])
 def test_batched_product_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: int) -> None:
-    """Without a dense copy: the strips kernel (13 columns: a last strip of 1 on AVX-512, of 3 on AVX2), then
-    from DEQUANTIZED_GEMM_ROWS the dequantized slices; into a column range of a wider output, as a packed
-    layer's projections are."""
+    """Without a dense copy: the rows kernel up to 8 rows, the strips kernel (13 columns: a last strip of 1 on
+    AVX-512, of 3 on AVX2), then from DEQUANTIZED_GEMM_ROWS the dequantized slices; into a column range of a
+    wider output, as a packed layer's projections are."""
     gen = torch.Generator().manual_seed(rows)
     k = 512 if qtype in K_TYPES else 96
     weight = random_k_blocks(13, k, qtype, gen) if qtype in K_TYPES else blocks_of(torch.randn(13, k, generator=gen), qtype)
@@ -119,6 +119,7 @@ def assert_build_equals_the_reference(isa: str, monkeypatch: pytest.MonkeyPatch)
         assert_close_to_reference(build(x, weight, None), x, weight, None)
         x = torch.randn(37, 512, generator=gen)  # the strips kernel: two vectors of rows and a partial one
         assert_close_to_reference(build.batched(x, weight, None), x, weight, None)
+        assert_close_to_reference(build(x, weight, None), x, weight, None)  # the rows kernel at as many rows
         torch.testing.assert_close(build.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)
 
 

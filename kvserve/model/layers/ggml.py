@@ -35,9 +35,20 @@ GGML_GEMM_RANGE = "kvserve::ggml_gemm"  # the kernel's name in torch.profiler tr
 # from 4 rows a step up the dense layouts are as fast (a row costs the kernel its unpacking of every block again
 # per 4 rows, the dense GEMMs nothing): see benchmarks/cpu_gemm.py
 GGML_MAX_ROWS = 3
-# without a dense copy (``--load-format mmap``): the strips kernel up to here, the dequantized slices from here
-# (see csrc/ggml_gemm.c's table), slices of at most this many values (4 MiB of fp32, in the cache)
-DEQUANTIZED_GEMM_ROWS = 128
+# Without a dense copy (``--load-format mmap``), one step's GEMMs on the default model's blocks (ms, 2 threads,
+# Zen 4 / the same forced to AVX2; benchmarks/cpu_gemm.py's ``blocks`` and ``mapped`` columns, the layers alone
+# from 256 tokens):
+#
+#     tokens                         8        12        16        64       256 (layers)
+#     rows kernel (ggml_gemm)      25 / 25   40 / 36   54 / 53  217 / 209
+#     strips kernel                31 / 30   33 / 34   33 / 37  115 / 112  331 / 424
+#     dequantized slices + GEMM                                            352 / 348
+#     dense panels (a copy kept)   20 / 22   22 / 23   26 / 29   87 / 93   272 / 286
+#
+# so the rows kernel serves up to BATCHED_ROWS_KERNEL_ROWS tokens, the strips kernel up to DEQUANTIZED_GEMM_ROWS,
+# the dequantized slices (of at most DEQUANTIZE_SLICE_VALUES values, 4 MiB of fp32) from there
+BATCHED_ROWS_KERNEL_ROWS = 8
+DEQUANTIZED_GEMM_ROWS = 256
 DEQUANTIZE_SLICE_VALUES = 1 << 20
 KERNEL_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
@@ -106,9 +117,12 @@ class GGMLGemm:
 
     def batched(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-        """The product for a step of any number of rows with no dense copy of the weight kept: the strips
-        kernel, or from ``DEQUANTIZED_GEMM_ROWS`` rows up the weight dequantized a slice at a time into a
-        reused buffer and multiplied by torch's GEMM (the decoding then costs little beside the product)."""
+        """The product for a step of any number of rows with no dense copy of the weight kept: this kernel up
+        to ``BATCHED_ROWS_KERNEL_ROWS`` rows, then the strips kernel, or from ``DEQUANTIZED_GEMM_ROWS`` rows up
+        the weight dequantized a slice at a time into a reused buffer and multiplied by torch's GEMM (the
+        decoding then costs little beside the product)."""
+        if x.shape[0] <= BATCHED_ROWS_KERNEL_ROWS:
+            return self(x, weight, bias, out)
         if x.shape[0] < DEQUANTIZED_GEMM_ROWS:
             return call_block_kernel(self._strips, "ggml strips GEMM", GGML_GEMM_RANGE, x, weight, bias, out)
         n, k = weight.shape

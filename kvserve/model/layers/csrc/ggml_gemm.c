@@ -203,7 +203,10 @@ int kvserve_ggml_dequantize(float *out, const uint8_t *weight, int64_t row_bytes
  * thread's buffer), and every row of x takes its dot products with them, the rows of x across the vector lanes
  * (x transposed once per call, so a k's values of VEC rows are one load) and each weight value broadcast:
  * ROW_VECS x STRIP sums in registers, nothing unpacked twice. Each output is one chain of FMAs over k in order,
- * as in row_tile(): a row's result does not depend on the other rows of the step. */
+ * as in row_tile(): a row's result does not depend on the other rows of the step. The kernel decodes every
+ * weight once per call, which the dense panels (small_gemm.c) never do: it serves steps where no dense copy is
+ * kept (--load-format mmap), from 9 rows up (the rows kernel's cost grows with the rows; this one's is flat up
+ * to a vector of rows); ggml.py states the measured crossovers. */
 #if defined(__AVX512F__)
 #define STRIP 12 /* 2 x 12 sums + 2 vectors of x of the 32 registers; each broadcast folds into its FMA */
 #else
