@@ -273,9 +273,11 @@ class GGMLLinearMethod(LinearMethod):
             return self.dense.apply(layer, x)
         multiply = self.gemm if num_rows <= self.gemm.max_rows else self.kernel.batched
         rows = x.reshape(num_rows, layer.in_features)
+        if len(layer.ggml_parts) == 1:  # no slicing: every op here is replayed by a CPU step graph, each costs
+            return multiply(rows, layer.ggml_parts[0], layer.bias).view(*x.shape[:-1], layer.out_features)
         y = x.new_empty(num_rows, layer.out_features)
         start = 0
-        for part in layer.ggml_parts:  # one, unless the projections of a packed layer stay where they were loaded
+        for part in layer.ggml_parts:  # a packed layer's projections, where they were loaded (mapped)
             stop = start + part.shape[0]
             multiply(rows, part, None if layer.bias is None else layer.bias[start:stop], y[:, start:stop])
             start = stop
