@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -153,26 +155,38 @@ def test_gemma3_on_its_own_k_quant_blocks_equals_the_dequantized_file() -> None:
         assert max(abs(x - y) for x, y in chosen) < 1e-3
 
 
-def test_smollm2_weight_only_int8_and_int4_stay_within_their_stated_bounds() -> None:
-    """``--quantization int8|int4`` against the same weights in fp32, teacher-forced on the fp32 model's 32
-    greedy tokens per prompt: the chosen tokens' logprobs differ by (measured) at most 0.31 / 4.7 and on average
-    0.045 / 0.72; asserted with margin. Per-channel INT8 and group-128 INT4 are coarser than the GGUF's own
-    groups of 32, and this 135M model is sensitive to it: greedy outputs part from fp32's after a few tokens on
-    some prompts (docs/benchmarks.md)."""
-    name = "smollm2-135m-instruct"
+@functools.cache
+def _fp32_teacher(name: str) -> tuple[list[dict], list]:
+    """The file dequantized to fp32: its 32 greedy tokens per prompt appended to the prompts, and its logprobs of
+    those tokens (prompt logprobs)."""
     dense = LLM(name, quantization="none", max_model_len=1024, num_kv_blocks=256)
     tokenizer = dense.get_tokenizer()
     prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
     greedy = dense.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     forced = [{"prompt_token_ids": p["prompt_token_ids"] + list(o.outputs[0].token_ids)}
               for p, o in zip(prompts, greedy)]
+    return forced, dense.generate(forced, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+
+
+def _drift_from_fp32(name: str, quantization: str) -> list[float]:
+    """``quantization`` against fp32, teacher-forced on fp32's greedy tokens: |difference| of each chosen token's
+    logprob."""
+    forced, reference = _fp32_teacher(name)
+    quantized = LLM(name, quantization=quantization, max_model_len=1024, num_kv_blocks=256)
     scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    reference = dense.generate(forced, scored)
+    return [abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
+            for a, b in zip(reference, quantized.generate(forced, scored))
+            for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+
+
+def test_smollm2_weight_only_int8_and_int4_stay_within_their_stated_bounds() -> None:
+    """``--quantization int8|int4`` against the same weights in fp32, teacher-forced on the fp32 model's 32
+    greedy tokens per prompt: the chosen tokens' logprobs differ by (measured) at most 0.31 / 4.7 and on average
+    0.045 / 0.72; asserted with margin. Per-channel INT8 and group-128 INT4 are coarser than the GGUF's own
+    groups of 32, and this 135M model is sensitive to it: greedy outputs part from fp32's after a few tokens on
+    some prompts (docs/benchmarks.md)."""
     for scheme, (max_bound, mean_bound) in {"int8": (0.6, 0.08), "int4": (8.0, 1.2)}.items():
-        quantized = LLM(name, quantization=scheme, max_model_len=1024, num_kv_blocks=256)
-        diffs = [abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
-                 for a, b in zip(reference, quantized.generate(forced, scored))
-                 for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+        diffs = _drift_from_fp32("smollm2-135m-instruct", scheme)
         assert max(diffs) < max_bound and sum(diffs) / len(diffs) < mean_bound, scheme
 
 
@@ -181,16 +195,5 @@ def test_smollm2_fp8_stays_within_its_stated_bound() -> None:
     against fp32, teacher-forced on fp32's 32 greedy tokens per prompt: the chosen tokens' logprobs differ by
     (measured, Zen 4) at most 1.06 and on average 0.12 (int8 weight-only: 0.31 and 0.045), asserted with margin:
     e4m3 keeps 3 mantissa bits of every weight and activation, coarser than per-channel int8 weights alone."""
-    name = "smollm2-135m-instruct"
-    dense = LLM(name, quantization="none", max_model_len=1024, num_kv_blocks=256)
-    tokenizer = dense.get_tokenizer()
-    prompts = [{"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS]
-    greedy = dense.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
-    forced = [{"prompt_token_ids": p["prompt_token_ids"] + list(o.outputs[0].token_ids)}
-              for p, o in zip(prompts, greedy)]
-    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    quantized = LLM(name, quantization="fp8", max_model_len=1024, num_kv_blocks=256)
-    diffs = [abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
-             for a, b in zip(dense.generate(forced, scored), quantized.generate(forced, scored))
-             for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])]
+    diffs = _drift_from_fp32("smollm2-135m-instruct", "fp8")
     assert max(diffs) < 2.0 and sum(diffs) / len(diffs) < 0.2

@@ -39,6 +39,7 @@ def test_kernel_equals_dequantize_then_matmul(qtype: Q, rows: int) -> None:
     torch.testing.assert_close(y.cpu(), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(DEVICE == "cpu", reason="bf16 dots need a GPU (the interpreter multiplies in fp32)")
 def test_kernel_in_bf16_stays_within_bf16s_rounding() -> None:
     gen = torch.Generator().manual_seed(3)

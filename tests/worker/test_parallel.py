@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Callable
 
 import pytest
 import torch
@@ -60,15 +61,22 @@ def test_tp_greedy_equals_transformers(family: str, size: int, tiny_checkpoints,
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     num_threads = torch.get_num_threads()
     llm = LLM(str(path), tensor_parallel_size=size, **SQUEEZED)
+    assert torch.get_num_threads() == max(1, num_threads // size)  # rank 0's share of the cores
+    assert_squeezed_run(llm, prompts, expected, _close)
+    assert torch.get_num_threads() == num_threads  # given back
+
+
+def assert_squeezed_run(llm: LLM, prompts: list[list[int]], expected: list[list[int]],
+                        close: Callable[[LLM], None]) -> None:
+    """On the ``SQUEEZED`` pool: greedy tokens equal ``expected``, with preemptions and prefix hits on the way,
+    and every block free at the end; ``close`` runs whatever fails."""
     try:
-        assert torch.get_num_threads() == max(1, num_threads // size)  # rank 0's share of the cores
         assert [o[0] for o in greedy_token_ids(llm, prompts, MAX_NEW)] == expected
         stats = llm.stats()
         assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
         assert_all_blocks_free(llm)
     finally:
-        _close(llm)
-    assert torch.get_num_threads() == num_threads  # given back
+        close(llm)
 
 
 def _rank_zero_features(llm: LLM, prompt: list[int]) -> tuple[list[list[int]], list[float]]:

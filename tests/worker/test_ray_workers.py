@@ -19,9 +19,9 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.sources import ModelLocation  # noqa: E402
 from kvserve.worker import ray_workers  # noqa: E402
 from kvserve.worker.parallel import TensorParallelError, WorkerSpec  # noqa: E402
-from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy  # noqa: E402
+from tests.conftest import greedy_token_ids, hf_greedy  # noqa: E402
 from tests.engine.test_llm_equality import MAX_NEW, _prompts  # noqa: E402
-from tests.worker.test_parallel import SQUEEZED  # noqa: E402
+from tests.worker.test_parallel import SQUEEZED, assert_squeezed_run  # noqa: E402
 
 RAY = dict(tensor_parallel_size=2, distributed_executor_backend="ray")
 # a rank reserves its share of the torch threads in its bundle: the cluster holds both ranks' shares
@@ -60,14 +60,7 @@ def test_ray_tp2_greedy_equals_transformers_and_tp1(family: str, tiny_checkpoint
     prompts.append(prompts[1][:24] + prompts[4][:5])  # shares whole blocks with the second prompt: a prefix hit
     expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     assert [o[0] for o in greedy_token_ids(LLM(str(path), **SQUEEZED), prompts, MAX_NEW)] == expected
-    llm = LLM(str(path), **SQUEEZED, **RAY)
-    try:
-        assert [o[0] for o in greedy_token_ids(llm, prompts, MAX_NEW)] == expected
-        stats = llm.stats()
-        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-        assert_all_blocks_free(llm)
-    finally:
-        _close(llm)
+    assert_squeezed_run(LLM(str(path), **SQUEEZED, **RAY), prompts, expected, _close)
 
 
 def test_a_killed_actor_ends_the_run_with_an_error_naming_it(tiny_checkpoints, cluster) -> None:
