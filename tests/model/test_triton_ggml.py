@@ -11,12 +11,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from kvserve import LLM, SamplingParams
-from kvserve.model.layers import ggml
-from kvserve.model.layers.ggml import GGMLLinearMethod, GGMLTensor
-from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
-from kvserve.model.layers.triton_ggml import TRITON_TYPES, TritonGGMLGemm
-from tests.model.test_ggml import quantized_gguf  # noqa: F401 (a fixture)
+pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
+
+from kvserve import LLM, SamplingParams  # noqa: E402
+from kvserve.model.layers import ggml  # noqa: E402
+from kvserve.model.layers.ggml import GGMLLinearMethod, GGMLTensor  # noqa: E402
+from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod  # noqa: E402
+from kvserve.model.layers.triton_ggml import TRITON_TYPES, TritonGGMLGemm  # noqa: E402
+from tests.model.test_ggml import quantized_gguf  # noqa: F401, E402 (a fixture)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
