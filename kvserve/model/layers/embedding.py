@@ -20,6 +20,11 @@ class VocabEmbedding(Shardable, nn.Embedding):
     blocks_kernel: GGMLGemm | None = None  # set by ``keep_blocks``
     ggml_weight: GGMLTensor | None = None
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        # rows left uninitialised, as the checkpoint fills them: nn.Embedding's random init, even on the meta
+        # device, imports torch._dynamo (0.6 s of a server's start)
+        super().__init__(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+
     def shard(self, tp: TensorParallel) -> None:
         first, count = tp.split_vocab(self.num_embeddings)
         self.tp_shard = LinearShard(tp, 0, {None: (first, count)})
