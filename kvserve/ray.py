@@ -17,7 +17,8 @@ request-router interface, so a request goes to the replica that was sent the lon
 load is out of balance. Responses stream through as the replica writes them; a client that disconnects cancels
 the replica's generator, which the kvserve app sees as a disconnect and aborts. Ray places and restarts
 replicas; ``replica_cpus`` / ``replica_gpus`` are what each tensor-parallel rank of a replica reserves, and a
-replica's ranks are placed on one node.
+replica's ranks are placed on one node (with ``distributed_executor_backend=ray``, in the replica's own
+placement group: ``replica_options``).
 
 Ray is an optional dependency (``pip install 'kvserve[ray]'``): this module imports it at the top, and nothing
 else in kvserve imports this module.
@@ -267,15 +268,20 @@ async def _body(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
 
 # ---- the application ---------------------------------------------------------------------------------------------
 
-def replica_resources(options: dict[str, str], cpus_per_rank: float, gpus_per_rank: float) -> dict[str, float]:
-    """What one engine replica reserves: its tensor-parallel group's share per rank, times the ranks. One actor
-    asks for the whole group, so Ray places every rank on one node; the ranks after the first are the replica's
-    own worker processes (``worker/parallel.py``), running inside that reservation."""
-    ranks = serve_arguments(options).tensor_parallel_size
-    resources = {"num_cpus": cpus_per_rank * ranks}
-    if gpus_per_rank:
-        resources["num_gpus"] = gpus_per_rank * ranks
-    return resources
+def replica_options(options: dict[str, str], cpus_per_rank: float, gpus_per_rank: float) -> dict[str, Any]:
+    """The deployment options reserving one engine replica: its tensor-parallel group's share per rank, every rank
+    on one node. With local worker processes (``worker/parallel.py``) the replica's actor asks for the whole group,
+    the workers running inside that reservation; with ``distributed_executor_backend=ray`` it reserves a bundle per
+    rank (STRICT_PACK) and runs in bundle 0, and the engine places its rank actors in the other bundles
+    (``worker/ray_workers.py``), so nothing is reserved twice."""
+    args = serve_arguments(options)
+    ranks = args.tensor_parallel_size
+    rank = {"num_cpus": cpus_per_rank, **({"num_gpus": gpus_per_rank} if gpus_per_rank else {})}
+    if ranks > 1 and args.distributed_executor_backend == "ray":
+        bundle = {"CPU": cpus_per_rank, **({"GPU": gpus_per_rank} if gpus_per_rank else {})}
+        return {"ray_actor_options": rank, "placement_group_bundles": [bundle] * ranks,
+                "placement_group_strategy": "STRICT_PACK"}
+    return {"ray_actor_options": {name: amount * ranks for name, amount in rank.items()}}
 
 
 def app(args: dict[str, str]) -> serve.Application:
@@ -286,10 +292,10 @@ def app(args: dict[str, str]) -> serve.Application:
     cpus_per_rank = float(options.pop("replica_cpus", "1"))
     gpus_per_rank = float(options.pop("replica_gpus", "0"))
     make_policy(routing_policy)  # a bad name fails here, before any replica starts
-    resources = replica_resources(options, cpus_per_rank, gpus_per_rank)  # likewise a bad serve option
+    reservation = replica_options(options, cpus_per_rank, gpus_per_rank)  # likewise a bad serve option
     engines = serve.deployment(EngineReplica, name="kvserve-engine").options(
         num_replicas=num_replicas,
-        ray_actor_options=resources,
+        **reservation,
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAffinityRouter,
             request_router_kwargs={"routing_policy": routing_policy},

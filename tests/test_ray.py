@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import httpx
 import pytest
 
@@ -17,7 +19,7 @@ from openai import OpenAI  # noqa: E402
 from ray import serve  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.ray import app, replica_resources, serve_arguments  # noqa: E402
+from kvserve.ray import ProxiedRequest, app, replica_options, serve_arguments  # noqa: E402
 from tests.router.test_router_e2e import MAX_MODEL_LEN, MODEL_NAME, checkpoint  # noqa: E402,F401 (a fixture)
 from tests.server.conftest import free_port  # noqa: E402
 
@@ -87,6 +89,33 @@ def test_bad_options_are_named_before_anything_starts() -> None:
 
 
 def test_a_replica_reserves_its_tensor_parallel_group_on_one_node() -> None:
-    assert replica_resources({"model": "m"}, 1.0, 0.0) == {"num_cpus": 1.0}
-    assert replica_resources({"model": "m", "tensor_parallel_size": "4"}, 0.5, 1.0) == {"num_cpus": 2.0,
-                                                                                       "num_gpus": 4.0}
+    assert replica_options({"model": "m"}, 1.0, 0.0) == {"ray_actor_options": {"num_cpus": 1.0}}
+    assert replica_options({"model": "m", "tensor_parallel_size": "4"}, 0.5, 1.0) == {
+        "ray_actor_options": {"num_cpus": 2.0, "num_gpus": 4.0}}
+    assert replica_options({"model": "m", "tensor_parallel_size": "2", "distributed_executor_backend": "ray"},
+                           0.5, 1.0) == {
+        "ray_actor_options": {"num_cpus": 0.5, "num_gpus": 1.0},
+        "placement_group_bundles": [{"CPU": 0.5, "GPU": 1.0}] * 2, "placement_group_strategy": "STRICT_PACK"}
+
+
+def test_ray_tensor_parallel_ranks_run_in_the_replicas_own_placement_group(deployment: str,  # noqa: F811
+                                                                           checkpoint: Path) -> None:
+    """The cluster's 2 CPUs hold the two replicas of ``deployment`` (0.5 each) and this one's two bundles of
+    0.5: a replica that reserved a second group for its Ray ranks would never be placed."""
+    options = {"model": str(checkpoint), "served_model_name": MODEL_NAME, "num_kv_blocks": "64",
+               "max_model_len": str(MAX_MODEL_LEN), "device": "cpu", "replica_cpus": "0.5",
+               "tensor_parallel_size": "2", "distributed_executor_backend": "ray"}
+    serve.run(app(options), name="kvserve-tp", route_prefix="/tp")
+    try:
+        engine = serve.get_deployment_handle("kvserve-engine", app_name="kvserve-tp").options(stream=True)
+        body = json.dumps({"model": MODEL_NAME, "prompt": "the weather is", "max_tokens": 8, "temperature": 0})
+        request = ProxiedRequest("POST", "/v1/completions", body.encode(), (("content-type", "application/json"),))
+        start, *chunks = list(engine.handle.remote(request))
+        assert start.status == 200, b"".join(chunks)
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert [len(g["bundles"]) for g in groups] == [2], groups  # the TP replica's group, and no other
+    finally:
+        serve.delete("kvserve-tp")
+    offline = LLM(str(checkpoint), device="cpu", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)
+    expected = offline.generate(["the weather is"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    assert json.loads(b"".join(chunks))["choices"][0]["text"] == expected

@@ -18,8 +18,9 @@ on the GPU Ray reserved in its bundle, so no actor is given it too), starts the 
 (an actor's ``run`` ends with its loop: an error, or a kill). Failures are ``TensorParallelError``s naming the
 rank: a group Ray cannot place within ``PLACEMENT_TIMEOUT_SECONDS``, an actor that does not start within
 ``START_TIMEOUT_SECONDS`` or cannot be reached, and, through ``WorkerGroup``, one that fails or dies later. Closing
-the group stops the actors' loops, kills the actors and removes the placement group. Actors are owned by this
-process: Ray ends them with it.
+the group stops the actors' loops, kills the actors and removes the placement group. A process that already runs
+in a placement group (a Ray Serve replica, whose bundles ``kvserve.ray`` reserves per rank) places its ranks in
+that group's bundles instead of reserving a second one. Actors are owned by this process: Ray ends them with it.
 
 Ray is an optional dependency (``pip install 'kvserve[ray]'``), imported only when this backend starts. A Ray
 already initialised by the caller (``ray.init(address=...)``) is used as it is; otherwise ``ray.init()`` joins
@@ -116,23 +117,25 @@ def start_ray_workers(spec: WorkerSpec, size: int, device: torch.device) -> Work
     from ray.util.placement_group import remove_placement_group
 
     host = ray.util.get_node_ip_address()
-    placement = _place(ray, spec, size, host)
+    inherited = ray.util.get_current_placement_group()
+    placement = _check_inherited(inherited, spec, size) if inherited is not None else _place(ray, spec, size, host)
     actors: list[Any] = []
 
     def release() -> None:
         for actor in actors:
             ray.kill(actor)
-        remove_placement_group(placement)
+        if inherited is None:  # an inherited group is its owner's (Ray Serve's) to remove
+            remove_placement_group(placement)
 
     def launch(store_address: tuple[str, int]) -> tuple[list[WorkerHandle], list[Connection]]:
-        if spec.device_type == "cuda":
+        if spec.device_type == "cuda" and inherited is None:  # in an inherited group Ray gave this actor its GPU
             _use_rank_zero_gpu(ray, placement, device)
         authkey = secrets.token_bytes(32)
         actor_class = ray.remote(TensorParallelActor)
-        gpus = 1 if spec.device_type == "cuda" else 0
         for rank in range(1, size):
-            actors.append(actor_class.options(num_cpus=_cpus(spec), num_gpus=gpus,
-                                              scheduling_strategy=_in_bundle(placement, rank)).remote(authkey))
+            resources = _rank_resources(placement, inherited is not None, spec, rank)
+            actors.append(actor_class.options(**resources, scheduling_strategy=_in_bundle(placement, rank))
+                          .remote(authkey))
         addresses = _wait_started(ray, actors)
         workers: list[WorkerHandle] = []
         for rank, (actor, (address, pid)) in enumerate(zip(actors, addresses), start=1):
@@ -168,6 +171,30 @@ def _place(ray: ModuleType, spec: WorkerSpec, size: int, host: str) -> Any:
             f"bundles of {bundle}, {PLACEMENT_STRATEGY}, rank 0's on this node ({host}); the cluster has "
             f"{ray.available_resources()} available")
     return placement
+
+
+def _check_inherited(placement: Any, spec: WorkerSpec, size: int) -> Any:
+    """The placement group this process runs in (a Ray Serve replica's, reserved by ``kvserve.ray``), if it has a
+    bundle for each rank: rank 0 is this process, in bundle 0, and rank r's actor takes bundle r whole. Reserving
+    a second group for the ranks would hold the replica's resources twice (a cluster sized for the replicas then
+    never places it). A ``TensorParallelError`` names a group that does not fit."""
+    bundles = placement.bundle_specs
+    gpuless = [index for index, bundle in enumerate(bundles[:size]) if bundle.get("GPU", 0) < 1]
+    if len(bundles) < size or (spec.device_type == "cuda" and gpuless):
+        raise TensorParallelError(
+            f"this process runs in a Ray placement group of {len(bundles)} bundles ({bundles}); tensor parallelism "
+            f"of {size} needs a bundle per rank{', each with a GPU' if spec.device_type == 'cuda' else ''}: "
+            "reserve one bundle per rank, as kvserve.ray does")
+    return placement
+
+
+def _rank_resources(placement: Any, inherited: bool, spec: WorkerSpec, rank: int) -> dict[str, float]:
+    """What rank ``rank``'s actor asks for: its bundle whole in an inherited group, else the bundle ``_place``
+    reserved for it."""
+    if inherited:
+        bundle = placement.bundle_specs[rank]
+        return {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0)}
+    return {"num_cpus": _cpus(spec), "num_gpus": 1 if spec.device_type == "cuda" else 0}
 
 
 def _in_bundle(placement: Any, index: int) -> Any:

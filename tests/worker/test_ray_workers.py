@@ -5,8 +5,10 @@ which CI does not install; the error without Ray is tested in test_parallel.py, 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +100,22 @@ def test_a_group_ray_cannot_place_is_an_error(tiny_checkpoints, cluster, monkeyp
         LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, **RAY)
     assert torch.get_num_threads() == num_threads
     _assert_nothing_placed()
+
+
+class _Group:
+    """What ``_check_inherited`` reads of a placement group: its bundles."""
+
+    def __init__(self, *bundles: dict[str, float]) -> None:
+        self.bundle_specs = list(bundles)
+
+
+def test_an_inherited_placement_group_needs_a_bundle_per_rank() -> None:
+    cpu = WorkerSpec(ModelLocation("hf_dir", Path("m"), "m"), torch.float32, "cpu", 16, "auto", 1)
+    cuda = dataclasses.replace(cpu, device_type="cuda")
+    group = _Group({"CPU": 0.5}, {"CPU": 0.5})
+    assert ray_workers._check_inherited(group, cpu, 2) is group
+    with pytest.raises(TensorParallelError, match="3 needs a bundle per rank"):
+        ray_workers._check_inherited(group, cpu, 3)
+    with pytest.raises(TensorParallelError, match="each with a GPU"):
+        ray_workers._check_inherited(group, cuda, 2)
+    assert ray_workers._rank_resources(group, True, cpu, 1) == {"num_cpus": 0.5, "num_gpus": 0}
