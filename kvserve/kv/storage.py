@@ -16,6 +16,8 @@ budget holds more blocks; the scheduler never sees these tensors, only block ids
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -96,6 +98,16 @@ class KVLayerView(NamedTuple):
         return tuple(t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None)
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of zeros; on CPU in anonymous mapped memory, whose pages the OS hands out zeroed when first
+    touched: a pool of gigabytes then costs nothing at start-up (``torch.zeros`` writes every byte, 0.5 s for the
+    default 2 GB), and blocks never used take no memory."""
+    if torch.device(device).type != "cpu" or not math.prod(shape):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    mapped = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps the mapping alive
+    return torch.frombuffer(mapped, dtype=torch.uint8).view(dtype).view(shape)
+
+
 def _as_copyable(t: torch.Tensor) -> torch.Tensor:
     """``t`` as bytes where torch's CPU copy ops do not take its dtype (float8), else ``t`` itself."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
@@ -115,11 +127,11 @@ class KVCacheStorage:
         spec, encoding = self.spec, self.spec.kv_dtype
         shape = (self.num_blocks, spec.block_size, spec.num_kv_heads)
         data_shape = (*shape, spec.head_dim // encoding.values_per_element)
-        k, v = (torch.zeros(data_shape, dtype=encoding.data_dtype, device=device) for _ in "kv")
+        k, v = (zeros(data_shape, encoding.data_dtype, device) for _ in "kv")
         k_scale = v_scale = None
         if encoding.scale_dtype is not None:
             params_shape = (*shape, encoding.params_per_group)
-            k_scale, v_scale = (torch.zeros(params_shape, dtype=encoding.scale_dtype, device=device) for _ in "kv")
+            k_scale, v_scale = (zeros(params_shape, encoding.scale_dtype, device) for _ in "kv")
         return KVLayerView(k, v, k_scale, v_scale, encoding, spec.dtype)
 
     @property

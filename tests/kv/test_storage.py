@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.kv.quant import ENCODINGS
-from kvserve.kv.storage import KVCacheDtype, KVCacheSpec, KVCacheStorage
+from kvserve.kv.storage import KVCacheDtype, KVCacheSpec, KVCacheStorage, zeros
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 3, 2, 8, 4, 6
 
@@ -157,3 +157,32 @@ def test_block_rows_of_the_wrong_shape_are_refused() -> None:
         kv.read_blocks([0], torch.zeros(1, kv.spec.bytes_per_block - 1, dtype=torch.uint8), [0])
     with pytest.raises(ValueError, match="2 blocks but 1 rows"):
         kv.write_blocks([0, 1], torch.zeros(1, kv.spec.bytes_per_block, dtype=torch.uint8), [0])
+
+
+@pytest.mark.parametrize("encoding", [None, *ENCODINGS])
+def test_a_new_cpu_pool_is_zeros_in_memory_the_os_maps_on_first_touch(encoding: str | None) -> None:
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32,
+                       cache_dtype=ENCODINGS[encoding] if encoding else None)
+    storage = KVCacheStorage(spec, num_blocks=512, device="cpu")
+    for view in (storage.layer(0), storage.layer(1)):
+        for tensor in view.tensors():
+            assert not tensor.view(torch.uint8).any()
+            assert tensor.untyped_storage().nbytes() == tensor.nbytes  # a mapping of its own, not a shared slab
+    mapped = zeros((1 << 20,), torch.float32, "cpu")  # 4 MiB: resident only as it is touched
+    before = _resident_kib(mapped)
+    mapped[:1024] = 1.0
+    assert before == 0 and 0 < _resident_kib(mapped) < 1024 and mapped.sum().item() == 1024
+
+
+def _resident_kib(tensor: torch.Tensor) -> int:
+    """The resident size of the mapping holding ``tensor`` (its /proc/self/smaps entry)."""
+    start = tensor.data_ptr()
+    with open("/proc/self/smaps") as smaps:
+        lines = smaps.read().splitlines()
+    for index, line in enumerate(lines):
+        low = line.split(" ", 1)[0].split("-")
+        if len(low) == 2 and all(c in "0123456789abcdef" for c in low[0] + low[1]) and \
+                int(low[0], 16) <= start < int(low[1], 16):
+            rss = next(entry for entry in lines[index + 1:] if entry.startswith("Rss:"))
+            return int(rss.split()[1])
+    raise AssertionError(f"no mapping holds address {start:#x}")
