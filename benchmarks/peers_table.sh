@@ -10,9 +10,11 @@
 #                                                                           # prefix cache off (issue 9)
 #   SYSTEMS="kvserve-q8act llamacpp-q4_1" LOADS=c1 ...   # kvserve-q8act: int8 activations (issue 22)
 #   SYSTEMS="kvserve-mmap kvserve-f32" LOADS=c16 ...     # kvserve-mmap: --load-format mmap (issue 22)
+#   MODEL=gemma-3-270m SYSTEMS="kvserve kvserve-mmap llamacpp-q4_1" ...  # llamacpp-q4_1 serves the model's shipped
+#                                                                       # file: Gemma 3's is Q4_K_M
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODEL=smollm2-135m-instruct
+MODEL=${MODEL:-smollm2-135m-instruct}  # gemma-3-270m: its Q4_K_M file, as `kvserve pull` fetches it
 Q4_GGUF=${Q4_GGUF:-$(kvserve pull "$MODEL" | tail -1)}
 OUT=${OUT:-docs/results/peers-$(date +%Y%m%d-%H%M)}
 SYSTEMS=${SYSTEMS:-"kvserve kvserve-f32 llamacpp-q4_1 llamacpp-f32"}
