@@ -28,9 +28,14 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    from kvserve.model.checkpoint import make_checkpoint
+    from kvserve.model.checkpoint import make_checkpoint, make_config_only
 
-    print(make_checkpoint(args.out_dir, args.arch, args.size, args.seed))
+    if args.config_only != (args.shape is not None) or args.config_only == (args.arch is not None):
+        raise ValueError("make-checkpoint takes --arch (a random checkpoint), or --config-only with --shape")
+    if args.config_only:
+        print(make_config_only(args.out_dir, args.shape))
+    else:
+        print(make_checkpoint(args.out_dir, args.arch, args.size, args.seed))
     return 0
 
 
@@ -98,12 +103,15 @@ def _models_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvserve.model.checkpoint import ARCHITECTURES, SIZES
+    from kvserve.model.checkpoint import ARCHITECTURES, SHAPES, SIZES
 
     parser.add_argument("out_dir")
-    parser.add_argument("--arch", choices=ARCHITECTURES, required=True)
+    parser.add_argument("--arch", choices=ARCHITECTURES, help="a seeded random checkpoint of this family")
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config-only", action="store_true",
+                        help="write a published model's config and no weights (run it with --load-format dummy)")
+    parser.add_argument("--shape", choices=tuple(SHAPES), help="the published model, with --config-only")
     parser.set_defaults(func=_cmd_make_checkpoint)
 
 

@@ -32,7 +32,7 @@ _DTYPES = {
 DTYPE_CHOICES = ("auto", *_DTYPES)
 # how a quantized checkpoint's weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32
 # activations, dtype not forced); none dequantizes at load; gguf insists on the blocks
-LOAD_FORMAT_CHOICES = ("auto", "mmap")
+LOAD_FORMAT_CHOICES = ("auto", "mmap", "dummy")
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "fp8")
 KV_CACHE_DTYPES = ("auto", *ENCODINGS)  # "auto": the model's dtype, unquantized
 
@@ -77,7 +77,8 @@ class ModelConfig:
     quantize_activations: bool = False
     # every step op by op from Python: no CPU step graphs (kvserve/worker/cpu_graph.py)
     enforce_eager: bool = False
-    # "mmap": a GGUF's blocks are used where the file is mapped, the only copy of the weights (no dense layout)
+    # "mmap": a GGUF's blocks are used where the file is mapped, the only copy of the weights (no dense layout);
+    # "dummy": random weights of the config's shapes, nothing read (speed at real sizes without the weights)
     load_format: str = "auto"
     cpu_offload_gb: float = 0.0  # GiB of decoder-layer weights kept in host memory and streamed in (CUDA)
 

@@ -76,7 +76,9 @@ class EngineArgs:
                                "file is mapped (start-up reads nothing ahead; the pages are shared with other "
                                "processes serving the file; memory about the file's size), and steps of many "
                                "tokens multiply the blocks too instead of a dense copy kept beside them (slower "
-                               "from 4 tokens a step up); 'auto' reads the blocks into memory and keeps that copy",
+                               "from 4 tokens a step up); 'dummy': random weights of the config's shapes, none read (a directory "
+                               "of `kvserve make-checkpoint --config-only` needs it); 'auto' reads the weights "
+                               "(a GGUF's blocks kept in memory, with the dense copy)",
                                str, LOAD_FORMAT_CHOICES)
     cpu_offload_gb: float = _option(ModelConfig.cpu_offload_gb, "GiB of the decoder layers' weights to keep in "
                                     "pinned host memory and stream to the GPU as each layer runs, the next "

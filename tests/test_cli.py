@@ -40,6 +40,9 @@ def test_models_lists_the_packaged_models(tmp_path: Path, monkeypatch, capsys) -
     [
         (["pull", "no-such-model"], "no-such-model"),
         (["generate", "hi", "--model", "/nonexistent/dir/model.gguf"], "nonexistent"),
+        (["make-checkpoint", "out", "--shape", "llama3-8b"], "--config-only with --shape"),
+        (["make-checkpoint", "out", "--config-only", "--arch", "llama", "--shape", "llama3-8b"], "takes --arch"),
+        (["make-checkpoint", "out", "--config-only"], "--config-only with --shape"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(argv: list[str], message: str, capsys) -> None:
@@ -76,3 +79,9 @@ def test_other_subcommands_still_define_their_flags() -> None:
     assert args.num_prompts == 4 and args.func is not None
     assert build_parser("make-checkpoint").parse_args(["make-checkpoint", "out", "--arch", "llama"]).arch == "llama"
     assert build_parser().parse_args(["serve", "--load-format", "mmap"]).load_format == "mmap"  # every one's
+
+
+def test_make_checkpoint_config_only_writes_a_shape_without_weights(tmp_path: Path, capsys) -> None:
+    assert main(["make-checkpoint", str(tmp_path / "c"), "--config-only", "--shape", "qwen2.5-7b"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "c")
+    assert (tmp_path / "c" / "config.json").is_file() and not list((tmp_path / "c").glob("*.safetensors"))

@@ -40,8 +40,14 @@ def hf_pretrained_args(model: str) -> tuple[str, dict[str, Any]]:
     return str(location.path), {}
 
 
-def load_hf_model(model: str, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+def load_hf_model(model: str, dtype: torch.dtype, device: torch.device, dummy: bool = False) -> PreTrainedModel:
+    """transformers' model of ``model``; ``dummy``: built from its config with transformers' random init (kvserve's
+    ``--load-format dummy``, for speed at real shapes without the weights)."""
     path, kwargs = hf_pretrained_args(model)
+    if dummy:
+        config = transformers.AutoConfig.from_pretrained(path, **kwargs)
+        with torch.device(device):
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
 
 

@@ -183,7 +183,7 @@ def measure_gemm_peak(size: ModelSize, dtype: torch.dtype, device: torch.device,
 
 def model_size(model: str) -> ModelSize:
     """The size of ``model`` (resolved as kvserve resolves it) from its config; no weights are read."""
-    return ModelSize.from_hf_config(load_checkpoint(resolve_model(model), torch.float32).hf_config)
+    return ModelSize.from_hf_config(load_checkpoint(resolve_model(model), torch.float32, "dummy").hf_config)
 
 
 # ------------------------------------------------------------------------------------------------------- CLI

@@ -314,7 +314,8 @@ def main(args: argparse.Namespace) -> int:
     failures are in the report), 1 otherwise."""
     slos = parse_goodput(args.goodput)
     rates = parse_request_rates(args.request_rate)
-    checkpoint = load_checkpoint(resolve_model(args.tokenizer or args.model), torch.float32)
+    # the tokenizer and config only: no weight is read
+    checkpoint = load_checkpoint(resolve_model(args.tokenizer or args.model), torch.float32, "dummy")
     target = Target(args.base_url, args.model, args.endpoint, args.backend, args.api_key, args.timeout)
     runs = asyncio.run(_measure(target, args, checkpoint, rates, slos))
     label = args.label or f"{args.backend} {args.dataset_name}"

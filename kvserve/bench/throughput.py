@@ -124,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(resolve_device(args.device))
     dtype = parse_dtype(args.dtype, device.type)
-    checkpoint = load_checkpoint(resolve_model(args.model), dtype)
+    checkpoint = load_checkpoint(resolve_model(args.model), dtype, "dummy")  # its tokenizer and shapes only
     chat = InputProcessor(checkpoint.tokenizer, checkpoint.hf_config.vocab_size, checkpoint.max_model_len)
     requests = tokenized(build_dataset(args, checkpoint.tokenizer, checkpoint.max_model_len), chat)
     size = roofline.ModelSize.from_hf_config(checkpoint.hf_config)
@@ -245,7 +245,7 @@ def run_systems(bench: Bench, systems: list[tuple[str, str | None]], args: argpa
         gc.collect()
     modes = [mode for backend, mode in systems if backend == "hf"]
     if modes:
-        model = hf_backend.load_hf_model(args.model, dtype, bench.device)
+        model = hf_backend.load_hf_model(args.model, dtype, bench.device, dummy=args.load_format == "dummy")
         tokenizer = bench.chat.tokenizer
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         for mode in modes:

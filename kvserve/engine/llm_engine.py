@@ -41,7 +41,7 @@ class LLMEngine:
         self.device = torch.device(resolve_device(config.device))
         self.dtype = parse_dtype(config.model.dtype, self.device.type)
         self.location = resolve_model(config.model.model)
-        checkpoint = load_checkpoint(self.location, self.dtype)
+        checkpoint = load_checkpoint(self.location, self.dtype, config.model.load_format)
         self.max_model_len = self._max_model_len(checkpoint.max_model_len)
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids
@@ -85,7 +85,7 @@ class LLMEngine:
         check_shardable(checkpoint.hf_config, size)
         cpu_threads = max(1, torch.get_num_threads() // size)
         spec = WorkerSpec(self.location, self.dtype, self.device.type, self.config.cache.block_size,
-                          self.config.cache.kv_cache_dtype, cpu_threads)
+                          self.config.cache.kv_cache_dtype, cpu_threads, self.config.model.load_format)
         if backend == "ray":
             return start_ray_workers(spec, size, self.device)
         return start_workers(spec, size)
@@ -108,7 +108,7 @@ class LLMEngine:
             return None
         assert config.speculative.model is not None
         location = resolve_model(config.speculative.model)
-        checkpoint = load_checkpoint(location, self.dtype)
+        checkpoint = load_checkpoint(location, self.dtype, config.model.load_format)
         draft_vocab_size = checkpoint.hf_config.vocab_size
         if draft_vocab_size != vocab_size:
             raise ValueError(f"draft model {location.name!r} has a vocabulary of {draft_vocab_size} tokens, the "

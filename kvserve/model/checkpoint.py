@@ -70,6 +70,44 @@ _SIZES = {
 SIZES = tuple(_SIZES)
 
 
+# Published models' configurations (their Hugging Face config.json, the fields kvserve reads), for measuring speed
+# at real sizes with ``--load-format dummy`` on a machine that cannot download the weights
+SHAPES: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    "llama3-8b": (LlamaConfig, dict(  # meta-llama/Meta-Llama-3-8B
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    "llama3.2-1b": (LlamaConfig, dict(  # meta-llama/Llama-3.2-1B
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})),
+    "qwen2.5-7b": (Qwen2Config, dict(  # Qwen/Qwen2.5-7B-Instruct
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
+
+
+def make_config_only(out_dir: str | Path, shape: str) -> Path:
+    """Write ``shape``'s published config with no weights, and the tiny checkpoints' tokenizer (its ids are tokens
+    of every one of these vocabularies): a directory ``--load-format dummy`` runs at that model's real size."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {', '.join(SHAPES)}")
+    out_dir = Path(out_dir)
+    tokenizer = _train_tokenizer(_SIZES["tiny"].vocab_size)
+    special_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                   "pad_token_id": tokenizer.pad_token_id}
+    config_class, fields = SHAPES[shape]
+    config = config_class(**fields, **special_ids)
+    config.architectures = [_MODEL_CLASSES["qwen2" if config_class is Qwen2Config else "llama"]]
+    config.save_pretrained(out_dir)
+    GenerationConfig(**special_ids).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
 def make_checkpoint(
     out_dir: str | Path, arch: str, size: str = "tiny", seed: int = 0, num_layers: int | None = None
 ) -> Path:

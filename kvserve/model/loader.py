@@ -11,6 +11,7 @@ fails there, as a ``CheckpointError`` naming the file, before any memory is spen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import partial
@@ -45,6 +46,7 @@ class Checkpoint:
     max_model_len: int  # the model's own context length (max_position_embeddings)
     read_weights: Callable[[frozenset[int], bool], WeightIterator] = field(repr=False)
     is_gguf: bool = False
+    dummy: bool = False  # ``load_format="dummy"``: no weight is read; the model draws random ones of its shapes
 
     def weights(self, keep_quantized: frozenset[int] = frozenset(), mapped: bool = False) -> WeightIterator:
         """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype; a GGUF's
@@ -56,19 +58,22 @@ class Checkpoint:
         return self.read_weights(keep_quantized, mapped)
 
 
-def load_checkpoint(location: ModelLocation, dtype: torch.dtype) -> Checkpoint:
-    """Load the config and tokenizer of ``location`` and check its weight files; raises ``CheckpointError``."""
+def load_checkpoint(location: ModelLocation, dtype: torch.dtype, load_format: str = "auto") -> Checkpoint:
+    """Load the config and tokenizer of ``location`` and check its weight files; raises ``CheckpointError``. With
+    ``load_format="dummy"`` the weight files are neither needed nor read (a config-only directory loads)."""
+    dummy = load_format == "dummy"
     if location.kind == "hf_dir":
-        return _load_hf_dir(location.path, dtype)
-    return _load_gguf(location.path, dtype)
+        return _load_hf_dir(location.path, dtype, dummy)
+    checkpoint = _load_gguf(location.path, dtype)
+    return dataclasses.replace(checkpoint, dummy=True) if dummy else checkpoint
 
 
 # ---- Hugging Face directory ------------------------------------------------------------------------------
 
 
-def _load_hf_dir(directory: Path, dtype: torch.dtype) -> Checkpoint:
+def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Checkpoint:
     config = _read_hf_config(directory)
-    shards = _safetensors_shards(directory)
+    shards = [] if dummy else _safetensors_shards(directory)
     for shard in shards:
         _check_safetensors(shard)
     tokenizer = _read_hf_tokenizer(directory)
@@ -79,6 +84,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype) -> Checkpoint:
         eos_token_ids=_eos_token_ids(generation_eos, config, tokenizer),
         max_model_len=_max_model_len(config, directory / "config.json"),
         read_weights=partial(_read_safetensors, shards, dtype),
+        dummy=dummy,
     )
 
 
@@ -113,7 +119,8 @@ def _safetensors_shards(directory: Path) -> list[Path]:
     if not index.is_file():
         shards = sorted(directory.glob("*.safetensors"))
         if not shards:
-            raise CheckpointError(f"{directory} has no .safetensors weight files")
+            raise CheckpointError(f"{directory} has no .safetensors weight files (a config-only directory runs "
+                                  "with load_format='dummy': random weights)")
         return shards
     weight_map = _read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:

@@ -30,6 +30,9 @@ from kvserve.model.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
 
+# dummy weights' range: small enough that activations neither overflow bf16 nor vanish through the norms
+DUMMY_WEIGHT_BOUND = 1e-3
+
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -100,6 +103,11 @@ def weight_format(
     (``EngineConfig`` refuses the other formats by name; ``auto`` dequantizes)."""
     if load_format == "mmap":
         return _mapped_format(quantization, checkpoint, device, dtype, dtype_forced, tensor_parallel_size)
+    if load_format == "dummy" and quantization in ("auto", "none", "gguf"):
+        if quantization == "gguf":
+            raise ValueError("load_format='dummy' draws dense random weights; quantization='gguf' keeps a GGUF's "
+                             "blocks, which it does not read (use quantization='auto', 'int8', 'int4' or 'fp8')")
+        return "dense"  # a GGUF's shapes, without its blocks
     if tensor_parallel_size > 1:
         if checkpoint.is_gguf:
             logger.info("tensor parallel: the GGUF's weights are dequantized to %s (blocks are not sharded)", dtype)
@@ -249,9 +257,34 @@ def load_model(
             if isinstance(module, VocabEmbedding):
                 module.keep_blocks(ggml_gemm())
     kept = kept_block_types(device) if weights in ("gguf", "gguf-mmap") else frozenset()
-    model.load_weights(checkpoint.weights(kept, mapped))
+    if checkpoint.dummy:
+        draw_dummy_weights(model)
+    else:
+        model.load_weights(checkpoint.weights(kept, mapped))
     process_weights_after_loading(model)
     return model.eval()
+
+
+def draw_dummy_weights(model: CausalLM, bound: float = DUMMY_WEIGHT_BOUND, seed: int = 0) -> None:
+    """Draw every weight uniformly from [-bound, bound], seeded, on its own device (vLLM's dummy format): the
+    model then runs at its real shapes and speed, with meaningless but finite outputs. A linear layer whose
+    method takes the checkpoint's tensors in a format of its own (quantized at load) is handed them as loaded."""
+    generators: dict[torch.device, torch.Generator] = {}
+
+    def fill(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device not in generators:
+            generators[tensor.device] = torch.Generator(tensor.device).manual_seed(seed)
+        return tensor.uniform_(-bound, bound, generator=generators[tensor.device])
+
+    for layer in model.modules():
+        if isinstance(layer, Linear) and layer.weight.numel() == 0:  # a placeholder the method fills at load
+            weight = layer.weight
+            for shard, rows in (layer.shard_rows() or {None: slice(0, layer.out_features)}).items():
+                drawn = fill(torch.empty(rows.stop - rows.start, layer.in_features, dtype=weight.dtype,
+                                         device=weight.device))
+                layer.method.load_weight(layer, "weight", drawn, shard)
+    for parameter in model.parameters():
+        fill(parameter.data)
 
 
 def kept_block_types(device: torch.device) -> frozenset[int]:

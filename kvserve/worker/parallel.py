@@ -78,6 +78,7 @@ class WorkerSpec:
     block_size: int
     kv_cache_dtype: str
     num_threads: int
+    load_format: str = "auto"  # "dummy": each rank draws random weights for its part
 
 
 @dataclass(frozen=True)
@@ -411,7 +412,7 @@ def worker_main(rank: int, size: int, store_address: tuple[str, int], spec: Work
         host, port = store_address
         store = dist.TCPStore(host, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         link = DriverLink(conn, join_group(rank, size, store, spec.device_type, place.host))
-        runner = ModelRunner(load_checkpoint(spec.location, spec.dtype), spec.dtype, device, spec.block_size,
+        runner = ModelRunner(load_checkpoint(spec.location, spec.dtype, spec.load_format), spec.dtype, device, spec.block_size,
                              kv_cache_dtype_name=spec.kv_cache_dtype, peers=link)
         conn.send(Ready())
         _serve(runner, conn)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer
 
-from kvserve.model.checkpoint import ARCHITECTURES, make_checkpoint
+from kvserve.model.checkpoint import ARCHITECTURES, SHAPES, make_checkpoint, make_config_only
 from tests.model.conftest import Family, random_prompt
 
 
@@ -80,3 +80,21 @@ def test_greedy_decoding_is_decisive(families: dict[str, Family]) -> None:
                 )
             top2 = torch.stack(out.scores)[:, 0].topk(2).values
             assert (top2[:, 0] - top2[:, 1]).min() > 1e-4, (family.arch, seed)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_config_only_writes_the_published_shape_and_no_weights(shape: str, tmp_path: Path) -> None:
+    out = make_config_only(tmp_path / shape, shape)
+    config = AutoConfig.from_pretrained(out)
+    published = SHAPES[shape][1]
+    assert {name: getattr(config, name) for name in published if name != "rope_parameters"} == {
+        name: value for name, value in published.items() if name != "rope_parameters"}
+    assert config.rope_parameters["rope_theta"] == published["rope_parameters"]["rope_theta"]
+    assert not list(out.glob("*.safetensors"))
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert len(tokenizer) <= config.vocab_size and config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_an_unknown_shape_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown shape 'gpt-5'"):
+        make_config_only(tmp_path, "gpt-5")

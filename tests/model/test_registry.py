@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import Gemma3TextConfig, LlamaConfig, PretrainedConfig, Qwen3Config
@@ -10,7 +13,15 @@ from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.qwen3 import Qwen3ForCausalLM
-from kvserve.model.registry import MODEL_CLASSES, UnsupportedModelError, build_model, get_model_class
+from kvserve import LLM, SamplingParams
+from kvserve.model.base import CheckpointError
+from kvserve.model.registry import (
+    DUMMY_WEIGHT_BOUND,
+    MODEL_CLASSES,
+    UnsupportedModelError,
+    build_model,
+    get_model_class,
+)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -48,3 +59,33 @@ def test_unsupported_rope_and_gemma_options_are_rejected() -> None:
     softcapped = Gemma3TextConfig(**TINY, attn_logit_softcapping=50.0)
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         build_model(softcapped, TorchRefBackend(), torch.float32, "cpu")
+
+
+@pytest.fixture
+def config_only_llama(tiny_checkpoints: dict[str, Path], tmp_path: Path) -> Path:
+    """The tiny llama checkpoint's directory without its weights."""
+    out = tmp_path / "config-only"
+    shutil.copytree(tiny_checkpoints["llama"], out, ignore=shutil.ignore_patterns("*.safetensors"))
+    return out
+
+
+def test_dummy_weights_run_a_config_only_directory_at_its_shapes(config_only_llama: Path) -> None:
+    with pytest.raises(CheckpointError, match="load_format='dummy'"):
+        LLM(str(config_only_llama), num_kv_blocks=64)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 9, 30, 31] * 5}
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(config_only_llama), num_kv_blocks=64, load_format="dummy")
+        runs.append(llm.generate([prompt], params)[0].outputs[0].token_ids)
+        model = llm.engine.core.runner.model
+        embeddings = model.embed_tokens.weight
+        assert embeddings.abs().max() <= DUMMY_WEIGHT_BOUND and embeddings.std() > DUMMY_WEIGHT_BOUND / 4
+    assert len(runs[0]) == 6 and runs[0] == runs[1]  # seeded: the same weights each time
+
+
+def test_dummy_weights_keep_no_gguf_blocks(config_only_llama: Path) -> None:
+    with pytest.raises(ValueError, match="load_format='dummy' draws dense random weights; quantization='gguf'"):
+        LLM(str(config_only_llama), num_kv_blocks=64, load_format="dummy", quantization="gguf")
+    int8 = LLM(str(config_only_llama), num_kv_blocks=64, load_format="dummy", quantization="int8")
+    assert int8.stats()["weights_format"].startswith("int8")
