@@ -6,11 +6,12 @@ Q5_K, Q6_K): what a Q4_K_M file such as Gemma 3's holds (Q4_K and Q6_K where a r
 and Q8_0 where it is not). One program computes a [BLOCK_M, BLOCK_N] tile of ``y = x @ W.T``. Its k loop walks
 the blocks of its BLOCK_N weight rows and, inside a super-block, its groups of 32 values (a K-quant's sub-block
 of 32; Q6_K's pair of sub-blocks of 16): each group's scale and offset are decoded from the block's bytes, its
-32 quants unpacked, and the values built in registers in the activations' dtype, then dotted with x's
+32 quants unpacked, and the values built in fp32 registers and cast to the activations' dtype, then dotted with x's
 [BLOCK_M, 32] tile into an fp32 accumulator (tensor cores for bf16 / fp16; IEEE fp32 otherwise). A weight is
 read once per BLOCK_M rows at 4.5 to 8.5 bits a value, where bf16 reads 16: a decode step is bound by those
 bytes. Each layout's decoding is one small helper below, its docstring the byte map (derived from
-``gguf.quants``' dequantization, and built from the same fp32 operations, so the values are gguf's bit for bit).
+``gguf.quants``' dequantization and built from the same fp32 operations: gguf's values bit for bit, but where
+the compiler fuses a multiply and an add, one rounding apart).
 
 The twin is ``ggml.reference_linear`` (gguf's dequantization, then ``F.linear``). Without CUDA the kernel runs
 through Triton's interpreter (tests). Importing this module imports triton; only the model registry does, for
