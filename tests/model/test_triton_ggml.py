@@ -17,9 +17,9 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.model.layers.ggml import GGMLLinearMethod, GGMLTensor  # noqa: E402
 from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod  # noqa: E402
+from kvserve.model.layers.triton_ggml import BLOCK_VALUES, TRITON_TYPES, TritonGGMLGemm  # noqa: E402
 from kvserve.model.loader import load_checkpoint  # noqa: E402
 from kvserve.model.registry import build_model, process_weights_after_loading  # noqa: E402
-from kvserve.model.layers.triton_ggml import BLOCK_VALUES, TRITON_TYPES, TritonGGMLGemm  # noqa: E402
 from tests.model.conftest import PagedRunner  # noqa: E402
 from tests.model.test_ggml import (  # noqa: E402
     K_TYPES, assert_close_to_reference, blocks_of, quantized_gguf, random_k_blocks,  # noqa: F401 (a fixture)
@@ -175,11 +175,15 @@ def test_a_k_quant_model_keeps_its_blocks_and_gives_the_dequantized_files_logits
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE == "cpu", reason="needs CUDA")
-def test_an_engine_on_cuda_keeps_the_blocks_and_agrees_with_the_dequantized_file(quantized_gguf: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("file, kept_types", [("quantized_gguf", "Q4_1"), ("k_quant_gguf", "Q4_K, Q5_K, Q6_K")])
+def test_an_engine_on_cuda_keeps_the_blocks_and_agrees_with_the_dequantized_file(
+    file: str, kept_types: str, request: pytest.FixtureRequest
+) -> None:
+    path = request.getfixturevalue(file)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 9, 30, 31, 40]}, {"prompt_token_ids": [7] * 3}]
-    kept = LLM(str(quantized_gguf), num_kv_blocks=64, device="cuda", dtype="float32", quantization="gguf")
-    dense = LLM(str(quantized_gguf), num_kv_blocks=64, device="cuda", dtype="float32")
-    assert kept.stats()["weights_format"] == "gguf Q4_1" and dense.stats()["weights_format"] == "float32"
+    kept = LLM(str(path), num_kv_blocks=64, device="cuda", dtype="float32", quantization="gguf")
+    dense = LLM(str(path), num_kv_blocks=64, device="cuda", dtype="float32")
+    assert kept.stats()["weights_format"] == f"gguf {kept_types}" and dense.stats()["weights_format"] == "float32"
     assert ([o.outputs[0].token_ids for o in kept.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in dense.generate(prompts, params)])
