@@ -90,26 +90,24 @@ def _block32_values(block, offs_j, mask, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _k_scale_min(block, g: tl.constexpr, mask):
+def _k_scale_min(block, g, mask):
     """Sub-block g's 6-bit scale and minimum (int32 per row) of Q4_K / Q5_K: 12 bytes from byte 4, sc0-3 and
     m0-3 in the low 6 bits of bytes 0-3 and 4-7, sc4-7 and m4-7 as a low nibble (of bytes 8-11: sc low, m
     high) and two high bits (the top bits of bytes 0-3 for sc, 4-7 for m)::
 
         byte   0-3: EEAAAAAA   4-7: eeaaaaaa   8-11: eeeeEEEE      (A: sc g, a: m g; E: sc g+4, e: m g+4)
+
+    so sub-blocks g and g + 4 (g < 4) both read bytes g, g + 4 and g + 8.
     """
-    scales = block + 4
-    if g < 4:
-        sc = _byte(scales + g, mask) & 63
-        m = _byte(scales + g + 4, mask) & 63
-    else:
-        low = _byte(scales + g + 4, mask)
-        sc = (low & 15) | (_byte(scales + g - 4, mask) >> 6) << 4
-        m = (low >> 4) | (_byte(scales + g, mask) >> 6) << 4
+    scales = block + 4 + g % 4
+    low, high, packed = _byte(scales, mask), _byte(scales + 4, mask), _byte(scales + 8, mask)
+    sc = tl.where(g < 4, low & 63, (packed & 15) | (low >> 6) << 4)
+    m = tl.where(g < 4, high & 63, (packed >> 4) | (high >> 6) << 4)
     return sc, m
 
 
 @triton.jit
-def _q45_k_values(block, g: tl.constexpr, offs_j, mask, QTYPE: tl.constexpr):
+def _q45_k_values(block, g, offs_j, mask, QTYPE: tl.constexpr):
     """Sub-block g (0-7) of 32 values of each row's Q4_K / Q5_K super-block, fp32 [rows, 32]::
 
         Q4_K  | d | dmin | scales (12) | nibbles (128) |                    w = d sc q - dmin m   144 bytes
@@ -129,7 +127,7 @@ def _q45_k_values(block, g: tl.constexpr, offs_j, mask, QTYPE: tl.constexpr):
 
 
 @triton.jit
-def _q6_k_values(block, g: tl.constexpr, offs_j, mask):
+def _q6_k_values(block, g, offs_j, mask):
     """Values 32g to 32g + 31 (g 0-7: two sub-blocks of 16) of each row's Q6_K super-block, fp32 [rows, 32]::
 
         Q6_K  | low nibbles (128) | high 2 bits (64) | 16 int8 sc | d |    w = d sc (q - 32)   210 bytes
@@ -141,13 +139,12 @@ def _q6_k_values(block, g: tl.constexpr, offs_j, mask):
     low = (_bytes(block + 64 * (g // 4) + 32 * (g % 2), offs_j, mask) >> 4 * ((g % 4) // 2)) & 15
     high = (_bytes(block + 128 + 32 * (g // 4), offs_j, mask) >> 2 * (g % 4)) & 3
     q = (low | high << 4) - 32
-    sc = tl.where(offs_j[None, :] < 16, _byte(block + 192 + 2 * g, mask)[:, None].to(tl.int8),
-                  _byte(block + 193 + 2 * g, mask)[:, None].to(tl.int8))
+    sc = _bytes(block + 192 + 2 * g, offs_j // 16, mask).to(tl.int8)
     return (_half(block + 208, mask)[:, None] * sc.to(tl.float32)) * q.to(tl.float32)
 
 
 @triton.jit
-def _group_values(block, g: tl.constexpr, offs_j, mask, QTYPE: tl.constexpr):
+def _group_values(block, g, offs_j, mask, QTYPE: tl.constexpr):
     """Group g (32 values) of each row's block at byte pointers ``block``, fp32 [rows, 32]."""
     if QTYPE == _Q6_K:
         values = _q6_k_values(block, g, offs_j, mask)
@@ -171,15 +168,15 @@ def ggml_gemm_kernel(x, w, bias, y, M, N, K, stride_xm, stride_ym, row_bytes,
     rows = w + offs_n.to(tl.int64) * row_bytes  # each weight row's first byte
     x_rows = x + offs_m[:, None].to(tl.int64) * stride_xm + offs_j[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for b in range(0, K // (32 * GROUPS)):
-        block = rows + b * BLOCK_BYTES
-        for g in tl.static_range(GROUPS):
-            xs = tl.load(x_rows + (b * GROUPS + g) * 32, mask=mask_m[:, None], other=0.0)
-            values = _group_values(block, g, offs_j, mask_n, QTYPE)
-            if xs.dtype == tl.float32:
-                acc += tl.dot(xs, tl.trans(values), input_precision="ieee")
-            else:
-                acc += tl.dot(xs, tl.trans(values.to(xs.dtype)))
+    # one loop over the groups of 32 along k, group i % GROUPS of block i // GROUPS: a loop over the blocks
+    # with the groups unrolled inside would hold a dot's buffers per group (8x the shared memory in fp32)
+    for i in range(0, K // 32):
+        xs = tl.load(x_rows + i * 32, mask=mask_m[:, None], other=0.0)
+        values = _group_values(rows + (i // GROUPS) * BLOCK_BYTES, i % GROUPS, offs_j, mask_n, QTYPE)
+        if xs.dtype == tl.float32:
+            acc += tl.dot(xs, tl.trans(values), input_precision="ieee")
+        else:
+            acc += tl.dot(xs, tl.trans(values.to(xs.dtype)))
     if HAS_BIAS:
         acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
