@@ -76,7 +76,7 @@ def _block32_values(block, offs_j, mask, QTYPE: tl.constexpr):
     else:
         has_m: tl.constexpr = QTYPE == _Q4_1 or QTYPE == _Q5_1
         is_q5: tl.constexpr = QTYPE == _Q5_0 or QTYPE == _Q5_1
-        nibbles = (2 if has_m else 0) + (6 if is_q5 else 2)
+        nibbles: tl.constexpr = 2 + (2 if has_m else 0) + (4 if is_q5 else 0)  # after d, m, the fifth bits
         byte = _bytes(block + nibbles, offs_j % 16, mask)
         q = tl.where(offs_j[None, :] < 16, byte & 15, byte >> 4)
         if is_q5:
