@@ -46,10 +46,11 @@ def run_kernel(x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -
 
 @pytest.mark.parametrize("qtype", sorted(TRITON_TYPES), ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [256, 512])
-@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("rows", [1, 3, 17, 70])
 def test_kernel_in_fp32_equals_dequantize_then_matmul(qtype: Q, k: int, rows: int) -> None:
-    """70 output columns: a partial tile of 64; 17 rows: a partial tile of 64 rows (1 and 3: of 16). Within
-    fp32 rounding of the twin: the two differ only in the order of the sums."""
+    """70 output columns: a partial tile of 64; 1 and 3 rows: a partial tile of 16, 17: of 64, 70: two tiles of
+    64, the second partial; x's rows strided. Within fp32 rounding of the twin: the two differ only in the order
+    of the sums."""
     gen = torch.Generator().manual_seed(rows * k)
     weight = weight_of(qtype, 70, k, gen)
     x, bias = torch.randn(rows, k + 8, generator=gen)[:, 4 : 4 + k], torch.randn(70, generator=gen)
