@@ -19,7 +19,7 @@ from kvserve.model.layers.ggml import GGMLLinearMethod, GGMLTensor  # noqa: E402
 from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod  # noqa: E402
 from kvserve.model.layers.triton_ggml import BLOCK_VALUES, TRITON_TYPES, TritonGGMLGemm  # noqa: E402
 from kvserve.model.loader import load_checkpoint  # noqa: E402
-from kvserve.model.registry import build_model, process_weights_after_loading  # noqa: E402
+from kvserve.model.registry import build_model, kept_block_types, process_weights_after_loading  # noqa: E402
 from tests.model.conftest import PagedRunner  # noqa: E402
 from tests.model.test_ggml import (  # noqa: E402
     K_TYPES, assert_close_to_reference, blocks_of, quantized_gguf, random_k_blocks,  # noqa: F401 (a fixture)
@@ -128,6 +128,11 @@ def test_the_kernel_refuses_a_k_quant_row_of_part_of_a_super_block(qtype: Q) -> 
     weight = random_k_blocks(8, 512, qtype, torch.Generator().manual_seed(7))
     with pytest.raises(ValueError, match=f"a {qtype.name} row is whole blocks of 256 values; k = 288 is not a"):
         TritonGGMLGemm()(torch.randn(2, 288), GGMLTensor(weight.blocks, qtype, (8, 288)), None)
+
+
+def test_cuda_keeps_every_type_of_a_q4_k_m_file() -> None:
+    """What the loader hands out as blocks on CUDA: Gemma 3's Q4_K_M file holds Q4_K, Q6_K, Q5_0 and Q8_0."""
+    assert kept_block_types(torch.device("cuda")) == TRITON_TYPES >= {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q8_0}
 
 
 @pytest.fixture(scope="module")
