@@ -34,12 +34,12 @@ def blocks_of(weight: torch.Tensor, qtype: Q) -> GGMLTensor:
     return GGMLTensor.from_numpy(gguf.quants.quantize(weight.numpy(), qtype), qtype)
 
 
-def random_k_blocks(n: int, k: int, qtype: Q, gen: torch.Generator) -> GGMLTensor:
-    """A valid [n, k] weight of random K-quant blocks: random bytes, with finite fp16 scales of about 0.01."""
+def random_k_blocks(n: int, k: int, qtype: Q, gen: torch.Generator, scale: float = 0.01) -> GGMLTensor:
+    """A valid [n, k] weight of random K-quant blocks: random bytes, with finite fp16 scales of about ``scale``."""
     block_size, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = torch.randint(0, 256, (n, k // block_size, block_bytes), dtype=torch.uint8, generator=gen)
     for offset in K_HALF_OFFSETS[qtype]:
-        scales = (torch.rand(n, k // block_size, 1, generator=gen) * 0.02).to(torch.float16)
+        scales = (torch.rand(n, k // block_size, 1, generator=gen) * 2 * scale).to(torch.float16)
         blocks[..., offset : offset + 2] = scales.view(torch.uint8)
     return GGMLTensor(blocks.reshape(n, -1), qtype, (n, k))
 

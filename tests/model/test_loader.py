@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import gguf
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from kvserve.model.base import CheckpointError
+from kvserve.model.layers.ggml import GGMLTensor
 from kvserve.model.loader import Checkpoint, load_checkpoint
 from kvserve.model.sources import ModelLocation, resolve_model
 
@@ -23,10 +25,11 @@ CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{
 
 
 def tiny_llama(vocab_size: int = 64, dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, **overrides,
-    )
+    config = LlamaConfig(**{
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": 1,
+        "eos_token_id": 2, **overrides,
+    })
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(dtype)
 
@@ -216,10 +219,12 @@ def byte_level_tokens() -> tuple[list[str], list[str]]:
 
 
 def write_gguf(
-    path: Path, model: LlamaForCausalLM, arch: str = "llama", qtype: gguf.GGMLQuantizationType | None = None
+    path: Path, model: LlamaForCausalLM, arch: str = "llama", qtype: gguf.GGMLQuantizationType | None = None,
+    blocks: Mapping[str, GGMLTensor] | None = None,
 ) -> Path:
     """Write ``model`` as llama.cpp's converter would (GGUF names, permuted Q/K): F32 tensors, or its 2-D ones
-    quantized to ``qtype`` by gguf's reference quantizer."""
+    quantized to ``qtype`` by gguf's reference quantizer; the tensors ``blocks`` names (by their Hugging Face
+    names) as those blocks instead, written as they are (rows in the file's order)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -245,7 +250,9 @@ def write_gguf(
         elif "k_proj" in hf_name:
             tensor = llama_cpp_permute(tensor, config.num_key_value_heads)
         name = names.get_name(hf_name, try_suffixes=(".weight",))
-        if qtype is not None and tensor.dim() == 2:
+        if blocks and hf_name in blocks:
+            writer.add_tensor(name, blocks[hf_name].blocks.numpy(), raw_dtype=blocks[hf_name].qtype)
+        elif qtype is not None and tensor.dim() == 2:
             writer.add_tensor(name, gguf.quants.quantize(tensor.numpy(), qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, tensor.numpy())
