@@ -9,7 +9,7 @@ SmolLM2-135M's projections (qkv 576->960, o 576->576, gate_up 576->3072, down 15
 the 576->49152 LM head once), with 30 distinct weight copies per layer projection so that each comes from
 memory, as in a real step. For each token count: the best of 3 passes over all of them, the kinds alternated.
 ``oneDNN``: ``CpuPrepackedLinearMethod`` without panels; ``panels``: the small-GEMM kernel alone (any row count);
-``kvserve``: the linear method the engine selects for fp32 on CPU (panels up to SMALL_GEMM_MAX_ROWS where tuned);
+``kvserve``: the linear method the engine selects for fp32 on CPU (panels up to the kernel's ``max_rows`` where tuned: every step on AVX2);
 ``Q4_1``: the layers in Q4_1 blocks through the exact block kernel, the LM head through the engine's fp32 method
 (as before the head ran on blocks); ``blocks`` and ``int8``: the layers in Q4_1 and the
 head in Q8_0 blocks (the engine's tied head on the file's embeddings), through the exact kernel and the

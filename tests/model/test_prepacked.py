@@ -15,7 +15,7 @@ from torch import nn
 from kvserve import native
 from kvserve.model.layers import prepacked
 from kvserve.model.layers.linear import Linear, linear_from_tensors
-from kvserve.model.layers.prepacked import SMALL_GEMM_MAX_ROWS, CpuPrepackedLinearMethod, SmallGemm, can_prepack
+from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, SmallGemm, can_prepack
 from kvserve.model.registry import build_model, process_weights_after_loading
 from tests.model.conftest import Family, load_ours
 
@@ -30,7 +30,7 @@ def small() -> SmallGemm:
 
 @pytest.mark.parametrize("with_small_gemm", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [0, 1, 7, SMALL_GEMM_MAX_ROWS, SMALL_GEMM_MAX_ROWS + 1, 64])
+@pytest.mark.parametrize("rows", [0, 1, 7, 64, 96, 97, 300])
 def test_prepacked_linear_equals_linear(rows: int, bias: bool, with_small_gemm: bool, small: SmallGemm) -> None:
     gen = torch.Generator().manual_seed(rows)
     linear = nn.Linear(96, 40, bias=bias)  # 40 columns: a full panel and a padded one
@@ -70,7 +70,7 @@ def _check_small_gemm(small: SmallGemm, n: int, k: int, rows: int) -> None:
 def test_small_gemm_rows_do_not_depend_on_the_rest_of_the_step(small: SmallGemm) -> None:
     """A request's logits must not change with what it is batched with (seeded sampling relies on it)."""
     gen = torch.Generator().manual_seed(0)
-    weight, x = torch.randn(100, 64, generator=gen), torch.randn(SMALL_GEMM_MAX_ROWS, 64, generator=gen)
+    weight, x = torch.randn(100, 64, generator=gen), torch.randn(300, 64, generator=gen)
     panels = small.pack(weight)
     alone = torch.cat([small(x[i:i + 1], panels, None, 100) for i in range(len(x))])
     assert torch.equal(small(x, panels, None, 100), alone)
@@ -88,9 +88,17 @@ def _cpu_flags() -> set[str]:
 def test_the_avx2_build_asked_for_on_any_cpu_equals_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.ISA_ENV_VAR, "avx2")
     avx2 = SmallGemm(ctypes.CDLL(str(native.library_path(prepacked.SMALL_GEMM_SOURCE))))
-    assert avx2.panel_width == 16 and avx2.tuned
-    for n, k, rows in [(33, 64, 1), (200, 17, 6), (17, 5, 13), (100, 64, 97)]:
+    assert avx2.panel_width == 16 and avx2.tuned and avx2.isa == "avx2"
+    for n, k, rows in [(33, 64, 1), (200, 17, 6), (17, 5, 13), (100, 64, 97), (40, 24, 600)]:
         _check_small_gemm(avx2, n, k, rows)
+    # oneDNN's AVX2 kernels are slower at every step size: the panels serve them all and no oneDNN copy is made
+    assert avx2.max_rows is None
+    linear = nn.Linear(96, 40)
+    packed = linear_from_tensors(linear.weight, linear.bias, CpuPrepackedLinearMethod(avx2))
+    assert packed.packed_weight is None
+    x = torch.randn(700, 96, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
 def test_an_unknown_kernel_isa_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

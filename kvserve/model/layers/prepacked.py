@@ -24,6 +24,17 @@ the kernel built for AVX2 (8-wide vectors, panels of 16 columns, tiles of 6 rows
 Keeping both layouts doubles the memory of the linear weights; the panels are kept only where the kernel was
 built for a vector ISA it was measured on (AVX-512, or AVX2 with FMA). ``KVSERVE_CPU_ISA=avx2`` builds the AVX2
 kernel on an AVX-512 machine (``kvserve.native``).
+
+Where the panels stop (``MAX_ROWS_BY_ISA``) depends on the ISA. On AVX-512 oneDNN takes steps of more than 96
+tokens (the table above; on a Zen 4 the two are level from 256 tokens up). With AVX2 kernels oneDNN falls behind
+at every step size: the same weights on 2 threads of a Zen 4 held to AVX2 (``KVSERVE_CPU_ISA=avx2
+ONEDNN_MAX_CPU_ISA=AVX2``), 24 layers of SmolLM2's projections, ms:
+
+    tokens in the step    96    128    256    512
+    oneDNN blocked      24.2   29.2   54.1  107.1
+    small-GEMM panels   20.0   26.4   50.8  101.8
+
+so there the panels take every step and no oneDNN copy is made (half the linear weights' memory).
 """
 
 from __future__ import annotations
@@ -41,7 +52,11 @@ from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_
 logger = logging.getLogger(__name__)
 
 SMALL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
-SMALL_GEMM_MAX_ROWS = 96  # from about 112 rows up oneDNN's blocked kernels are as fast (see the table above)
+# the most tokens a step multiplies by the panels, by the ISA the kernel was built for (None: every step)
+# (AVX-512: from about 112 rows up oneDNN is as fast, see the tables above; a generic build is correct but not
+# used by the engine, ``small_gemm``)
+MAX_ROWS_BY_ISA = {"avx512": 96, "avx2": None, "generic": 96}
+ISA_NAMES = {2: "avx512", 1: "avx2", 0: "generic"}  # kvserve_small_gemm_isa()'s codes
 SMALL_GEMM_RANGE = "kvserve::small_gemm"  # the kernel's name in torch.profiler traces (a ctypes call is no op)
 _C_ARG_TYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its
                 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4)  # panels, bias, m, n, k, threads
@@ -54,7 +69,9 @@ class SmallGemm:
         """``library``: a build of ``SMALL_GEMM_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(SMALL_GEMM_SOURCE)
         self.panel_width: int = library.kvserve_small_gemm_panel()
-        self.tuned = bool(library.kvserve_small_gemm_tuned())  # built for AVX-512 or AVX2 + FMA, measured to win
+        self.isa = ISA_NAMES[library.kvserve_small_gemm_isa()]
+        self.tuned = self.isa != "generic"  # built for a vector ISA where it was measured to win
+        self.max_rows: int | None = MAX_ROWS_BY_ISA[self.isa]  # the most rows a step gives it; None: any
         self._gemm = KernelFunction(library.kvserve_small_gemm_f32, _C_ARG_TYPES)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -98,20 +115,23 @@ def small_gemm() -> SmallGemm | None:
 
 class CpuPrepackedLinearMethod(UnquantizedLinearMethod):
     """Loads the weight as ``UnquantizedLinearMethod`` does, then reorders it for oneDNN, and also lays it out in
-    panels for ``small`` when given; the plain weight is not kept (a tied head's weight, the embeddings', is
-    reordered into a copy of its own). fp32 only: see ``can_prepack``."""
+    panels for ``small`` when given (panels alone where ``small`` serves every step); the plain weight is not kept
+    (a tied head's weight, the embeddings', is laid out into copies of its own). fp32 only: see ``can_prepack``."""
 
     def __init__(self, small: SmallGemm | None) -> None:
         self.small = small
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         weight = layer.weight.detach()
-        layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        layer.panels = self.small.pack(weight) if self.small is not None else None
+        small = self.small
+        every_step = small is not None and small.max_rows is None
+        layer.packed_weight = None if every_step else torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        layer.panels = small.pack(weight) if small is not None else None
+        layer.max_panel_elements = None if every_step else (small.max_rows * layer.in_features if small else -1)
         del layer.weight
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if layer.panels is None or x.numel() > SMALL_GEMM_MAX_ROWS * layer.in_features:
+        if layer.max_panel_elements is not None and x.numel() > layer.max_panel_elements:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, layer.bias, "none", [], "")
         y = self.small(x.reshape(-1, layer.in_features), layer.panels, layer.bias, layer.out_features)
         return y.view(*x.shape[:-1], layer.out_features)

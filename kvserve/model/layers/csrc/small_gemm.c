@@ -84,11 +84,13 @@ static void tile_of(int rows, const float *x, int64_t x_stride, const float *pan
 #undef ROWS
 }
 
-/* Floats per panel column group (32 on AVX-512, 16 on AVX2), and whether the build has a vector ISA where the
- * kernel was measured to win (AVX-512, or AVX2 with FMA). */
+/* Floats per panel column group (32 on AVX-512, 16 on AVX2), and the vector ISA of the build where the kernel
+ * was measured (2: AVX-512, 1: AVX2 with FMA, 0: neither: not tuned). */
 int kvserve_small_gemm_panel(void) { return PANEL; }
-int kvserve_small_gemm_tuned(void) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+int kvserve_small_gemm_isa(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
     return 0;
