@@ -13,14 +13,12 @@ say nothing).
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import sys
 from typing import NamedTuple
 
 import torch
 
 from attention_torch_ref import BLOCK_SIZE, make_inputs
+from triton_ggml import cuda_arguments, time_ms as cuda_median_ms
 from kvserve.attention.backend import AttentionBackend, AttentionInputs
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
@@ -55,18 +53,7 @@ def time_ms(backend: AttentionBackend, shape: Shape, inputs: AttentionInputs, dt
     k, v = (torch.randn(inputs.num_tokens, shape.num_kv_heads, shape.head_dim, dtype=dtype, device="cuda")
             for _ in "kv")
     meta = backend.build_metadata(inputs, {None})
-    run = lambda: backend.forward(q, k, v, 0, kv, meta, scale=shape.head_dim**-0.5)  # noqa: E731
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return cuda_median_ms(lambda: backend.forward(q, k, v, 0, kv, meta, scale=shape.head_dim**-0.5), iters)
 
 
 def kv_bytes(shape: Shape, inputs: AttentionInputs, dtype: torch.dtype) -> int:
@@ -74,13 +61,7 @@ def kv_bytes(shape: Shape, inputs: AttentionInputs, dtype: torch.dtype) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--iters", type=int, default=50)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("triton_attention.py times CUDA kernels: run it on a machine with a GPU (on CPU the kernels "
-                 "run only through Triton's interpreter, whose times mean nothing)")
+    args = cuda_arguments(__doc__.split("\n\n")[0], "triton_attention.py")
     from kvserve.attention.triton_paged import TritonPagedBackend  # imports triton
 
     dtype = getattr(torch, args.dtype)

@@ -56,14 +56,20 @@ def time_ms(run: Callable[[], torch.Tensor], iters: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cuda_arguments(description: str, script: str) -> argparse.Namespace:
+    """The --dtype and --iters of a benchmark of Triton kernels; without a GPU, exit naming ``script``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("triton_ggml.py times a CUDA kernel: run it on a machine with a GPU (on CPU the kernel runs only "
-                 "through Triton's interpreter, whose times mean nothing)")
+        sys.exit(f"{script} times CUDA kernels: run it on a machine with a GPU (on CPU they run only through "
+                 "Triton's interpreter, whose times mean nothing)")
+    return args
+
+
+def main() -> None:
+    args = cuda_arguments(__doc__.split("\n\n")[0], "triton_ggml.py")
     from kvserve.model.layers.triton_ggml import TRITON_TYPES, TritonGGMLGemm  # imports triton
 
     dtype, kernel = getattr(torch, args.dtype), TritonGGMLGemm()
