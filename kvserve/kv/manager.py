@@ -17,6 +17,18 @@ than compute it again. If another block already holds the same tokens, the reque
 A request preempted by swap (``swap_out``) leaves its KV in host rows (``kv/swap.py``) and holds no block;
 its next ``match_prefix`` is that KV, and ``allocate_slots`` with it takes back the leading blocks the tree
 still holds on the device and loads the rest into fresh blocks.
+
+With KV cache groups that free blocks (``kv/groups.py``: sliding-window layers), a request has one table per
+group (``request.block_ids`` for group 0, ``request.group_block_ids`` for the others), all as long. Before a
+step, a window group's blocks wholly before the window of the step's first query are freed and their entries
+become ``NULL_BLOCK``; the step writes and reads nothing there, and no later query sees them::
+
+    window w = 6, block_size 4, the step's first query at position 13 sees keys 8 .. 13:
+    full group:    | b0 | b1 | b2 | b3 |
+    window group:  | -1 | -1 | b6 | b7 |      blocks (13 - 6 + 1) // 4 = 2 of them dead, freed
+
+The prefix cache and the KV tiers keep one table per request: a model whose groups free blocks is refused with
+them, and the engine gives it the plain one-group layout instead (``LLMEngine``).
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from typing import Iterable
 
 from kvserve.kv.block_keys import KeyedBlock, block_key
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
+from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
 from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
 from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers import Tier, TieredStore
@@ -49,11 +62,18 @@ class _CachePath:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 store: TieredStore | None = None) -> None:
+                 store: TieredStore | None = None, groups: KVCacheGroups | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if store is not None and store.disk is not None and not enable_prefix_caching:
             raise ValueError("a disk tier keeps prefix-cache blocks: it needs prefix caching on")
+        self.groups = groups or KVCacheGroups.single(1)
+        self._grouped = self.groups.frees_blocks  # per-group tables, windows' dead blocks freed
+        if self._grouped and (enable_prefix_caching or store is not None):
+            raise ValueError("KV cache groups that free sliding-window blocks do not work with the prefix cache or "
+                             "the KV tiers yet: use KVCacheGroups.single")
+        self.num_windowed_blocks = 0  # distinct blocks held in window groups' tables
+        self._null_counts: dict[str, tuple[int, ...]] = {}  # per request: leading null entries per group, if new
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
@@ -152,6 +172,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if self._grouped:
+            return self._allocate_grouped(request, num_new_tokens)
         if prefix is not None and prefix.swapped_tokens is not None:
             return self._swap_in(request, prefix.swapped_tokens + num_new_tokens)
         num_computed, cached = request.num_computed_tokens, []
@@ -184,6 +206,71 @@ class KVCacheManager:
         self._loads.extend(zip(tiered, request.block_ids[num_cached : num_cached + len(tiered)]))
         self._extend_path(request, num_computed)
         return True
+
+    def tables(self, request: Request) -> list[list[int]]:
+        """The request's block table of every group, group 0 first."""
+        return [request.block_ids, *request.group_block_ids]
+
+    def take_null_counts(self, request: Request) -> tuple[int, ...]:
+        """Per group, how many leading entries of the request's table are ``NULL_BLOCK`` now, if that grew since
+        the last call (else ()): the runner nulls them in its copy."""
+        return self._null_counts.pop(request.request_id, ())
+
+    def max_blocks_for(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens ever holds at once, run in chunks of at most
+        ``max_chunk`` tokens: a full group every block, a window group those of its window plus a chunk."""
+        num_blocks = self.num_blocks_for(num_tokens)
+        if not self._grouped:
+            return num_blocks
+        return sum(num_blocks if w is None else min(num_blocks, (w - 1 + max_chunk) // self.block_size + 2)
+                   for w in self.groups.windows)
+
+    def _allocate_grouped(self, request: Request, num_new_tokens: int) -> bool:
+        """``allocate_slots`` with groups: every group's table grows by the same number of blocks, after the
+        window groups dropped the blocks no query from the request's next token on can see."""
+        num_computed = request.num_computed_tokens
+        if not request.block_ids:
+            request.group_block_ids = [[] for _ in range(self.groups.num_groups - 1)]
+        tables = self.tables(request)
+        self._drop_dead_blocks(request, tables, num_computed)
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(request.block_ids)
+        if num_needed <= 0:
+            return True
+        if num_needed * len(tables) > self.pool.num_free_blocks:
+            return False
+        for window, table in zip(self.groups.windows, tables):
+            table.extend(self.pool.allocate(num_needed))
+            if window is not None:
+                self.num_windowed_blocks += num_needed
+        return True
+
+    def _drop_dead_blocks(self, request: Request, tables: list[list[int]], num_computed: int) -> None:
+        """Free the window groups' blocks wholly before position ``num_computed - w + 1``, the first key the
+        query at ``num_computed`` sees (later queries see less). Null entries are always a leading run, so the
+        walk back from the last dead block stops at the first null: its cost is the blocks it frees."""
+        counts, dropped = [], False
+        for window, table in zip(self.groups.windows, tables):
+            if window is None:
+                counts.append(0)
+                continue
+            num_dead = min(max(0, (num_computed - window + 1) // self.block_size), len(table))
+            index, dead = num_dead - 1, []
+            while index >= 0 and table[index] != NULL_BLOCK:
+                dead.append(table[index])
+                table[index] = NULL_BLOCK
+                index -= 1
+            self._free_blocks(dead, window)
+            counts.append(num_dead)
+            dropped = dropped or bool(dead)
+        if dropped:
+            self._null_counts[request.request_id] = tuple(counts)
+
+    def _free_blocks(self, block_ids: Iterable[int], window: int | None) -> None:
+        """Drop the holds of a group's table entries (nulls skipped), counting window blocks that went free."""
+        live = [b for b in block_ids if b != NULL_BLOCK]
+        self.pool.free(live)
+        if window is not None:
+            self.num_windowed_blocks -= sum(1 for b in live if self.pool.ref_count(b) == 0)
 
     def swap_out(self, request: Request) -> bool:
         """Preempt by swap: plan the copy of the blocks holding the request's computed tokens (the partly
@@ -274,13 +361,13 @@ class KVCacheManager:
             block_ids:  | b0 full | b1: last tokens | b5: rejected drafts only |   -> b5 freed
         """
         num_kept = self.num_blocks_for(num_tokens)
-        tail = request.block_ids[num_kept:]
-        if not tail:
+        if len(request.block_ids) <= num_kept:
             return
         path = self._paths.get(request.request_id)
         assert path is None or path.num_blocks <= num_kept, "a block past the request's known tokens is cached"
-        self.pool.free(reversed(tail))
-        del request.block_ids[num_kept:]
+        for window, table in zip(self.groups.windows, self.tables(request)):
+            self._free_blocks(reversed(table[num_kept:]), window)
+            del table[num_kept:]
 
     def free(self, request: Request) -> None:
         """Release the request's hold on all its blocks (shared ones stay with their other holders); its
@@ -298,7 +385,13 @@ class KVCacheManager:
             for node in reversed(path.pending):
                 self._uncache(node.block_id)
         # Tail blocks first: the evictable queue must see descendants before their ancestors.
-        self.pool.free(reversed(request.block_ids))
+        if self._grouped:
+            self._null_counts.pop(request.request_id, None)
+            for window, table in zip(self.groups.windows, self.tables(request)):
+                self._free_blocks(reversed(table), window)
+            request.group_block_ids = []
+        else:
+            self.pool.free(reversed(request.block_ids))
         request.block_ids = []
 
     def fork(self, parent: Request, child: Request) -> list[tuple[int, int]]:
@@ -313,6 +406,8 @@ class KVCacheManager:
         """
         if child.block_ids:
             raise ValueError(f"request {child.request_id} already holds blocks; only a fresh request can fork")
+        if self._grouped:
+            return self._fork_grouped(parent, child)
         num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
         shared = parent.block_ids[:num_full]
         copies = []
@@ -331,6 +426,26 @@ class KVCacheManager:
             )
         return copies
 
+    def _fork_grouped(self, parent: Request, child: Request) -> list[tuple[int, int]]:
+        """``fork`` with groups: each group's table shared (its nulls stay null) but for the partial block,
+        copied; all or nothing. The partial block is never null: it holds the parent's next query position."""
+        num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
+        tables = self.tables(parent)
+        if num_partial and len(tables) > self.pool.num_free_blocks:
+            raise NoFreeBlocksError(f"forking needs {len(tables)} blocks, {self.pool.num_free_blocks} are free")
+        copies, child_tables = [], []
+        for window, table in zip(self.groups.windows, tables):
+            shared = table[:num_full]
+            self.pool.incref(b for b in shared if b != NULL_BLOCK)
+            if num_partial:
+                (dst,) = self.pool.allocate(1)
+                copies.append((table[num_full], dst))
+                shared.append(dst)
+                self.num_windowed_blocks += window is not None
+            child_tables.append(shared)
+        child.block_ids, child.group_block_ids = child_tables[0], child_tables[1:]
+        return copies
+
     def check_integrity(self, requests: Iterable[Request]) -> None:
         """Every block's reference count equals the number of the given live requests holding it, free +
         held = total, the prefix tree agrees with the pool and the requests' paths, and only live requests hold
@@ -339,10 +454,26 @@ class KVCacheManager:
         requests = list(requests)
         self.pool.check_integrity()
         holders: Counter[int] = Counter()
+        windowed: set[int] = set()
         for request in requests:
-            duplicates = [b for b, count in Counter(request.block_ids).items() if count > 1]
+            tables = self.tables(request)
+            assert len({len(t) for t in tables}) == 1 and len(tables) == self.groups.num_groups or not any(tables), (
+                f"request {request.request_id}'s tables do not match the groups: {tables}"
+            )
+            held = [b for table in tables for b in table if b != NULL_BLOCK]
+            duplicates = [b for b, count in Counter(held).items() if count > 1]
             assert not duplicates, f"request {request.request_id} holds blocks {duplicates} more than once"
-            holders.update(request.block_ids)
+            holders.update(held)
+            for window, table in zip(self.groups.windows, tables):
+                nulls = [i for i, b in enumerate(table) if b == NULL_BLOCK]
+                assert nulls == list(range(len(nulls))) and (window is not None or not nulls), (
+                    f"request {request.request_id}'s null entries are not a leading run of a window group: {table}"
+                )
+                if window is not None:
+                    windowed.update(b for b in table if b != NULL_BLOCK)
+        assert len(windowed) == self.num_windowed_blocks, (
+            f"{len(windowed)} blocks held in window groups, counted {self.num_windowed_blocks}"
+        )
         wrong = {
             b: (self.pool.ref_count(b), holders[b])
             for b in range(self.pool.num_blocks)
