@@ -169,8 +169,8 @@ class Scheduler:
         if max_blocks > self.kv.num_blocks_total:
             raise ValueError(
                 f"request {request.request_id!r} may grow to {max_len} tokens, over the whole KV cache "
-                f"({self.kv.num_blocks_total} blocks x {self.kv.block_size} = {self.kv.num_slots_total} token slots; "
-                f"it may hold {max_blocks} blocks at once)"
+                f"({self.kv.num_blocks_total} blocks x {self.kv.block_size} = {self.kv.num_slots_total} tokens"
+                + (f"; its KV cache groups may hold {max_blocks} blocks at once)" if self._grouped else ")")
             )
 
     def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> None:

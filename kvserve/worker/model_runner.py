@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, build_step_metadata
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, build_step_metadata
 from kvserve.attention.selector import select_backend
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.quant import kv_cache_dtype
@@ -189,8 +189,11 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and (hidden := graphs.forward(batch.input_ids, batch.positions, batch.attn)) is not None:
             return hidden
-        meta = build_step_metadata(self.backend, batch.attn, self._group_windows, self.kv_groups.layer_groups)
-        return self.model(batch.input_ids, batch.positions, meta, self.kv)
+        return self.model(batch.input_ids, batch.positions, self.step_metadata(batch.attn), self.kv)
+
+    def step_metadata(self, attn: AttentionInputs) -> AttentionMetadata:
+        """The backend's metadata of a step, one per KV cache group where there are several."""
+        return build_step_metadata(self.backend, attn, self._group_windows, self.kv_groups.layer_groups)
 
     def apply_kv_transfers(self, plan: KVTransferPlan) -> None:
         """Apply a step's block moves in the plan's order (``KVTransferPlan``): offloads (they save blocks this
