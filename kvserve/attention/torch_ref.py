@@ -30,7 +30,7 @@ MAX_DECODE_GROUPS_CPU = 4
 class DecodeBatch:
     """A group of decodes of similar length, as one SDPA call over keys padded to ``num_keys`` per sequence::
 
-        decode i:  | start_i ............ seq_len_i - 1 | padding (masked, reads position start_i) |
+        decode i:  | start_i ............ seq_len_i - 1 | padding (masked, reads position 0) |
                    |<------------------------------ num_keys ------------------------------->|
 
     ``start_i`` is 0, or ``seq_len_i - window`` under a sliding window. ``rows`` are the group's query rows.
@@ -240,8 +240,7 @@ def _decode_batch(inputs: AttentionInputs, rows: list[int], window: int | None) 
     positions = start.unsqueeze(1) + torch.arange(num_keys, device=device)
     valid = positions < seq_lens.unsqueeze(1)
     block_tables = inputs.block_tables.index_select(0, row_ids)
-    # padding reads the first visible key again: a block before the window may be freed (a null entry)
-    slots = _slots(block_tables, torch.where(valid, positions, start.unsqueeze(1)), inputs.block_size)
+    slots = _slots(block_tables, torch.where(valid, positions, 0), inputs.block_size)
     return DecodeBatch(rows=row_ids, slots=slots, mask=valid[:, None, None, :])
 
 
