@@ -147,18 +147,20 @@ class LLMEngine:
         said once in the log."""
         windows = runner.layer_windows()
         groups = KVCacheGroups.of_layers(windows)
-        reason = self._why_one_block_table()
+        reason = self._why_one_block_table(groups)
         if not groups.frees_blocks or reason is None:
             return groups
         logger.info("kvserve: sliding-window layers keep all their KV blocks (one block table for every layer): %s",
                     reason)
         return KVCacheGroups.single(len(windows))
 
-    def _why_one_block_table(self) -> str | None:
-        """The feature on that does not yet know KV cache groups, if any."""
+    def _why_one_block_table(self, groups: KVCacheGroups) -> str | None:
+        """The feature on that does not yet know these KV cache groups, if any."""
         config = self.config
         reasons = (
-            (config.cache.enable_prefix_caching, "the prefix cache is on (--no-enable-prefix-caching frees them)"),
+            (config.cache.enable_prefix_caching and not groups.keys_prefix_tree,
+             "the prefix cache is on, and it needs the model's full-attention layers in one group to key its tree "
+             "(--no-enable-prefix-caching frees them)"),
             (config.cache.offloads_kv, "the KV tiers (--kv-offload-*) are on"),
             (config.scheduler.preemption_mode == "swap", "--preemption-mode swap is on"),
             (config.speculative.method == "draft", "a draft model shares the block tables"),

@@ -69,6 +69,12 @@ class KVCacheGroups:
         return max(self.layer_tensors) + 1
 
     @property
+    def keys_prefix_tree(self) -> bool:
+        """Whether the prefix tree can be keyed by group 0's blocks: it is the only full-attention group, so no
+        request ever frees a block of it before finishing (the tree's nodes stay held while a descendant is)."""
+        return self.windows[0] is None and self.windows.count(None) == 1
+
+    @property
     def frees_blocks(self) -> bool:
         """Whether some group drops the blocks its window has passed."""
         return any(w is not None for w in self.windows)

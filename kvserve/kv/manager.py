@@ -27,8 +27,21 @@ become ``NULL_BLOCK``; the step writes and reads nothing there, and no later que
     full group:    | b0 | b1 | b2 | b3 |
     window group:  | -1 | -1 | b6 | b7 |      blocks (13 - 6 + 1) // 4 = 2 of them dead, freed
 
-The prefix cache and the KV tiers keep one table per request: a model whose groups free blocks is refused with
-them, and the engine gives it the plain one-group layout instead (``LLMEngine``).
+The prefix tree stays keyed by group 0, the model's one full-attention group (``KVCacheGroups.keys_prefix_tree``;
+a model with no full group, or several, gets the plain layout from the engine when the prefix cache is on): its
+nodes are held and evicted as with one group. A node also records the other groups' blocks of its tokens
+(``PrefixNode.group_block_ids``), cached beside it: a request that frees one (dead to it, or at its end) leaves it
+evictable, and it may be evicted alone (``_on_evict`` detaches it from its node). A match of k blocks lets a
+request compute from position k * block_size, whose query sees the keys from k * block_size - w + 1 on, so it is
+valid only if every window group still has the blocks of those positions::
+
+    match of k = 4 blocks (block_size 4, w = 6): the query at 16 sees 11 .. 16, blocks 2 and 3
+    full group:    | b0 | b1 | b2 | b3 |
+    window group:  |  . |  . | b6 | b7 |     '.': evicted or never needed; b6 or b7 evicted: shorten the match
+
+and is shortened to the longest k that is (``_visible_match``). The request's window tables then start with
+nulls up to the first needed block. The KV tiers keep one table per request: a model whose groups free blocks
+is refused with them, and the engine gives it the plain layout instead (``LLMEngine``).
 """
 
 from __future__ import annotations
@@ -69,11 +82,15 @@ class KVCacheManager:
             raise ValueError("a disk tier keeps prefix-cache blocks: it needs prefix caching on")
         self.groups = groups or KVCacheGroups.single(1)
         self._grouped = self.groups.frees_blocks  # per-group tables, windows' dead blocks freed
-        if self._grouped and (enable_prefix_caching or store is not None):
-            raise ValueError("KV cache groups that free sliding-window blocks do not work with the prefix cache or "
-                             "the KV tiers yet: use KVCacheGroups.single")
+        if self._grouped and store is not None:
+            raise ValueError("KV cache groups that free sliding-window blocks do not work with the KV tiers yet: "
+                             "use KVCacheGroups.single")
+        if self._grouped and enable_prefix_caching and not self.groups.keys_prefix_tree:
+            raise ValueError("the prefix cache with KV cache groups needs one full-attention group to key its tree: "
+                             "use KVCacheGroups.single")
         self.num_windowed_blocks = 0  # distinct blocks held in window groups' tables
         self._null_counts: dict[str, tuple[int, ...]] = {}  # per request: leading null entries per group, if new
+        self._group_owner: dict[int, tuple[PrefixNode, int]] = {}  # a cached block of groups 1.. -> node, index
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
@@ -90,8 +107,8 @@ class KVCacheManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks the prefix cache names (held or evictable)."""
-        return self.prefix_cache.num_nodes if self.prefix_cache else 0
+        """Blocks the prefix cache names (held or evictable), every group's."""
+        return self.prefix_cache.num_nodes + len(self._group_owner) if self.prefix_cache else 0
 
     @property
     def num_blocks_total(self) -> int:
@@ -129,6 +146,8 @@ class KVCacheManager:
         max_blocks = max_tokens // self.block_size
         match = self.prefix_cache.match(request.token_ids, max_blocks, earlier)
         self._matches[request.request_id] = match
+        if self._grouped:
+            return self._visible_match(match)
         if self.store is not None and not match.sibling_computing and len(match.nodes) < max_blocks:
             return self._match_tiers(request, match, max_blocks)
         return match
@@ -173,7 +192,7 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if self._grouped:
-            return self._allocate_grouped(request, num_new_tokens)
+            return self._allocate_grouped(request, num_new_tokens, prefix)
         if prefix is not None and prefix.swapped_tokens is not None:
             return self._swap_in(request, prefix.swapped_tokens + num_new_tokens)
         num_computed, cached = request.num_computed_tokens, []
@@ -225,24 +244,82 @@ class KVCacheManager:
         return sum(num_blocks if w is None else min(num_blocks, (w - 1 + max_chunk) // self.block_size + 2)
                    for w in self.groups.windows)
 
-    def _allocate_grouped(self, request: Request, num_new_tokens: int) -> bool:
+    def _allocate_grouped(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None) -> bool:
         """``allocate_slots`` with groups: every group's table grows by the same number of blocks, after the
-        window groups dropped the blocks no query from the request's next token on can see."""
-        num_computed = request.num_computed_tokens
-        if not request.block_ids:
-            request.group_block_ids = [[] for _ in range(self.groups.num_groups - 1)]
-        tables = self.tables(request)
-        self._drop_dead_blocks(request, tables, num_computed)
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(request.block_ids)
-        if num_needed <= 0:
-            return True
-        if num_needed * len(tables) > self.pool.num_free_blocks:
+        window groups dropped the blocks no query from the request's next token on can see; a fresh request may
+        start from a (visible) prefix match, taking each group's blocks of it."""
+        nodes = prefix.nodes if prefix is not None else ()
+        if nodes:
+            if request.block_ids:
+                raise ValueError(f"request {request.request_id} holds blocks; only a fresh one takes a prefix")
+            num_computed, tables = len(nodes) * self.block_size, self._tables_of(nodes)
+        else:
+            if not request.block_ids:
+                request.group_block_ids = [[] for _ in range(self.groups.num_groups - 1)]
+            num_computed, tables = request.num_computed_tokens, self.tables(request)
+            self._drop_dead_blocks(request, tables, num_computed)
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(tables[0])
+        cached = [b for table in tables for b in table if b != NULL_BLOCK] if nodes else []
+        num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)  # hits on evictable blocks
+        if max(num_needed, 0) * len(tables) + num_revived > self.pool.num_free_blocks:
             return False
-        for window, table in zip(self.groups.windows, tables):
-            table.extend(self.pool.allocate(num_needed))
-            if window is not None:
-                self.num_windowed_blocks += num_needed
+        if nodes:  # taken first, so that the allocation below cannot evict them
+            self._take_prefix(request, nodes, tables)
+        elif not request.block_ids:
+            self._matches.pop(request.request_id, None)
+        if num_needed > 0:
+            for window, table in zip(self.groups.windows, tables):
+                table.extend(self.pool.allocate(num_needed))
+                if window is not None:
+                    self.num_windowed_blocks += num_needed
+        self._extend_path(request, num_computed)
         return True
+
+    def _visible_match(self, match: PrefixMatch) -> PrefixMatch:
+        """The longest prefix of a tree match after which every window group still has the blocks its first
+        query sees (module docstring). A lost block j cuts the match to at most j blocks, as every longer one
+        whose window reaches back to j needs it: one walk back per cut."""
+        nodes, k = match.nodes, len(match.nodes)
+        while k > 0:
+            lost = self._last_lost_block(nodes, k)
+            if lost is None:
+                break
+            k = lost
+        return match if k == len(nodes) else PrefixMatch(nodes[:k], self.block_size)
+
+    def _last_lost_block(self, nodes: tuple[PrefixNode, ...], k: int) -> int | None:
+        """The last of blocks 0 .. k - 1 that a window group needs after a match of k blocks but lost, or None."""
+        firsts = [(g, self._first_visible_block(w, k)) for g, w in enumerate(self.groups.windows[1:])]
+        for index in reversed(range(k)):
+            needing = [g for g, first in firsts if first <= index]
+            if not needing:
+                return None
+            if any(nodes[index].group_block_ids[g] == NULL_BLOCK for g in needing):
+                return index
+        return None
+
+    def _first_visible_block(self, window: int | None, num_blocks: int) -> int:
+        """The first block a query at position ``num_blocks * block_size`` sees through ``window``."""
+        return 0 if window is None else max(0, (num_blocks * self.block_size - window + 1) // self.block_size)
+
+    def _tables_of(self, nodes: tuple[PrefixNode, ...]) -> list[list[int]]:
+        """Every group's table of a visible match: group 0's blocks, the others' from their first needed one."""
+        tables = [[node.block_id for node in nodes]]
+        for g, window in enumerate(self.groups.windows[1:]):
+            first = self._first_visible_block(window, len(nodes))
+            tables.append([NULL_BLOCK] * first + [node.group_block_ids[g] for node in nodes[first:]])
+            assert NULL_BLOCK not in tables[-1][first:], "a match lost a block its query would see"
+        return tables
+
+    def _take_prefix(self, request: Request, nodes: tuple[PrefixNode, ...], tables: list[list[int]]) -> None:
+        self._matches.pop(request.request_id, None)
+        for window, table in zip(self.groups.windows, tables):
+            live = [b for b in table if b != NULL_BLOCK]
+            if window is not None:
+                self.num_windowed_blocks += sum(1 for b in live if self.pool.ref_count(b) == 0)
+            self.pool.take(live)
+        request.block_ids, request.group_block_ids = tables[0], tables[1:]
+        self._paths[request.request_id] = _CachePath(nodes[-1], len(nodes))
 
     def _drop_dead_blocks(self, request: Request, tables: list[list[int]], num_computed: int) -> None:
         """Free the window groups' blocks wholly before position ``num_computed - w + 1``, the first key the
@@ -407,15 +484,16 @@ class KVCacheManager:
         if child.block_ids:
             raise ValueError(f"request {child.request_id} already holds blocks; only a fresh request can fork")
         if self._grouped:
-            return self._fork_grouped(parent, child)
-        num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
-        shared = parent.block_ids[:num_full]
-        copies = []
-        if num_partial:
-            (dst,) = self.pool.allocate(1)
-            copies.append((parent.block_ids[num_full], dst))
-        self.pool.incref(shared)
-        child.block_ids = shared + [dst for _, dst in copies]
+            copies = self._fork_grouped(parent, child)
+        else:
+            num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
+            shared = parent.block_ids[:num_full]
+            copies = []
+            if num_partial:
+                (dst,) = self.pool.allocate(1)
+                copies.append((parent.block_ids[num_full], dst))
+            self.pool.incref(shared)
+            child.block_ids = shared + [dst for _, dst in copies]
         parent_path = self._paths.get(parent.request_id)
         if parent_path is not None:  # the child walks the parent's computed path
             num_pending = len(parent_path.pending)
@@ -494,6 +572,12 @@ class KVCacheManager:
         nodes = list(self.prefix_cache.nodes())
         tree_blocks = {node.block_id for node in nodes}
         assert len(tree_blocks) == len(nodes) == self.prefix_cache.num_nodes, "a block is in the tree twice"
+        owners = {b: (node, g) for node in nodes for g, b in enumerate(node.group_block_ids) if b != NULL_BLOCK}
+        assert owners.keys() == self._group_owner.keys() and all(
+            self._group_owner[b][0] is node and self._group_owner[b][1] == g for b, (node, g) in owners.items()
+        ), "the nodes' group blocks and their owners disagree"
+        assert not owners.keys() & tree_blocks, "a block is in the tree and beside a node"
+        tree_blocks |= owners.keys()
         cached = {b for b in range(self.pool.num_blocks) if self.pool.is_cached(b)}
         assert cached == tree_blocks, f"cached in the pool but not in the tree, or back: {cached ^ tree_blocks}"
         evict_rank = {b: rank for rank, b in enumerate(self.pool.evictable_order())}
@@ -543,6 +627,8 @@ class KVCacheManager:
                 path.detached = True
                 return
             self.pool.mark_cached(block_id)
+            if request.group_block_ids:
+                self._cache_group_blocks(node, request, index)
             if self.store is not None:
                 assert path.node.content_key is not None
                 node.content_key = block_key(path.node.content_key, key)
@@ -562,17 +648,47 @@ class KVCacheManager:
         if self.store.wants_offload(key, evicted):
             self._offloads[key] = (node.block_id, KeyedBlock(key, parent.content_key, node.key))
 
+    def _cache_group_blocks(self, node: PrefixNode, request: Request, index: int) -> None:
+        """Record the other groups' blocks of a new node (a request's own blocks: never another node's)."""
+        node.group_block_ids = [table[index] for table in request.group_block_ids]
+        for g, block_id in enumerate(node.group_block_ids):
+            if block_id != NULL_BLOCK:
+                assert block_id not in self._group_owner, f"block {block_id} is already beside a node"
+                self.pool.mark_cached(block_id)
+                self._group_owner[block_id] = (node, g)
+
+    def _drop_group_blocks(self, node: PrefixNode) -> None:
+        """A node left the tree: the group blocks beside it are worthless once unheld."""
+        for block_id in node.group_block_ids:
+            if block_id == NULL_BLOCK:
+                continue
+            del self._group_owner[block_id]
+            if self.pool.ref_count(block_id):
+                self.pool.unmark_cached(block_id)
+            else:
+                self.pool.drop_cached(block_id)
+
     def _uncache(self, block_id: int) -> None:
         assert self.prefix_cache is not None
+        node = self.prefix_cache.node_of(block_id)
+        assert node is not None
         self.prefix_cache.remove(block_id)
         self.pool.unmark_cached(block_id)
+        self._drop_group_blocks(node)
 
     def _on_evict(self, block_id: int) -> None:
         assert self.prefix_cache is not None
+        owner = self._group_owner.pop(block_id, None)
+        if owner is not None:  # a group block beside a node: the node stays, without it
+            node, group = owner
+            node.group_block_ids[group] = NULL_BLOCK
+            self.num_evictions += 1
+            return
         node = self.prefix_cache.node_of(block_id)
         assert node is not None
         self._offer(node, evicted=True)  # its content stays valid until the runner applies this step
         self.prefix_cache.remove(block_id)
+        self._drop_group_blocks(node)
         self.num_evictions += 1
 
 

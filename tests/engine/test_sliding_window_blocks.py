@@ -18,9 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM
-from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_args import EngineArgs
+from kvserve.kv.groups import KVCacheGroups
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
 
 WINDOW = 12  # the tiny checkpoints'
@@ -124,7 +124,8 @@ def test_preemption_under_a_small_pool(family) -> None:
 
 def test_int8_kv_gives_the_one_table_layouts_tokens(family) -> None:
     _, path, prompts, _ = family
-    one_table = LLM(str(path), **{**OPTIONS, "enable_prefix_caching": True}, kv_cache_dtype="int8")
+    one_table = LLM(str(path), **{**OPTIONS, "preemption_mode": "swap", "kv_offload_memory": 0.01},
+                    kv_cache_dtype="int8")
     assert one_table.stats()["kv_cache_groups"] == 1
     grouped = LLM(str(path), **OPTIONS, kv_cache_dtype="int8", max_num_batched_tokens=16)
     assert greedy_token_ids(grouped, prompts, MAX_NEW) == greedy_token_ids(one_table, prompts, MAX_NEW)
@@ -149,26 +150,27 @@ def test_a_step_graph_replay_equals_the_eager_forward_with_groups(tiny_checkpoin
     assert all(torch.equal(replayed, eager) for replayed, eager in hidden)
 
 
-def test_the_prefix_cache_keeps_one_table_and_says_so(tiny_checkpoints, caplog) -> None:
+def test_the_prefix_cache_without_a_full_layer_keeps_one_table_and_says_so(tiny_checkpoints, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="kvserve.engine.llm_engine"):
-        llm = LLM(str(tiny_checkpoints["gemma3"]), dtype="float32", num_kv_blocks=64)
-    assert llm.stats()["kv_cache_groups"] == 1
+        llm = LLM(str(tiny_checkpoints["mistral"]), dtype="float32", num_kv_blocks=64)
+    assert llm.stats()["kv_cache_groups"] == 1 and llm.engine.core.kv_manager.groups.windows == (None,)
     assert "sliding-window layers keep all their KV blocks" in caplog.text and "prefix cache" in caplog.text
 
 
-@pytest.mark.parametrize(("options", "reason"), [
-    ({}, None),
-    ({"enable_prefix_caching": True}, "prefix cache"),
-    ({"preemption_mode": "swap", "kv_offload_memory": 0.01}, "KV tiers"),
-    ({"speculative_method": "draft", "draft_model": "any"}, "draft model"),
+@pytest.mark.parametrize(("options", "windows", "reason"), [
+    ({}, [12, None], None),
+    ({"enable_prefix_caching": True}, [12, None], None),
+    ({"enable_prefix_caching": True}, [12, 12], "prefix cache"),
+    ({"enable_prefix_caching": True}, [12, None, None], "prefix cache"),  # two full groups of one layer
+    ({"preemption_mode": "swap", "kv_offload_memory": 0.01}, [12, None], "KV tiers"),
+    ({"speculative_method": "draft", "draft_model": "any"}, [12, None], "draft model"),
 ])
-def test_features_that_keep_one_table_are_named(options: dict, reason: str | None) -> None:
+def test_features_that_keep_one_table_are_named(options: dict, windows: list, reason: str | None) -> None:
     args = EngineArgs(model="any", **{"enable_prefix_caching": False, **options})
     engine = LLMEngine.__new__(LLMEngine)  # the reason reads the configuration only
     engine.config = args.create_engine_config()
-    found = engine._why_one_block_table()
+    found = engine._why_one_block_table(KVCacheGroups.of_layers(windows))
     assert found is None if reason is None else reason in found
-    assert isinstance(engine.config, EngineConfig)
 
 
 def test_a_model_without_windows_keeps_the_plain_layout(tiny_checkpoints) -> None:

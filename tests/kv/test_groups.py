@@ -188,9 +188,11 @@ def test_free_tail_drops_every_groups_tail() -> None:
     kv.check_integrity([r])
 
 
-def test_groups_that_free_blocks_refuse_the_prefix_cache() -> None:
-    with pytest.raises(ValueError, match="prefix cache"):
-        KVCacheManager(8, 4, enable_prefix_caching=True, groups=KVCacheGroups.of_layers([6, None]))
+def test_the_prefix_cache_needs_one_full_group_to_key_its_tree() -> None:
+    for windows in ([6, 6], [6, None, None]):  # no full group; two (group_size 1)
+        with pytest.raises(ValueError, match="prefix cache"):
+            KVCacheManager(8, 4, enable_prefix_caching=True, groups=KVCacheGroups.of_layers(windows))
+    KVCacheManager(8, 4, enable_prefix_caching=True, groups=KVCacheGroups.of_layers([6, None]))
     KVCacheManager(8, 4, enable_prefix_caching=True, groups=KVCacheGroups.single(2))  # the fallback layout
 
 
@@ -199,3 +201,79 @@ def test_a_request_that_could_hold_more_blocks_than_the_pool_is_counted_over_its
     # 100 tokens: the full group 25 blocks, the window group at most (6 - 1 + 8) // 4 + 2 = 5 in chunks of 8
     assert kv.max_blocks_for(100, max_chunk=8) == 25 + 5
     assert KVCacheManager(8, 4).max_blocks_for(100, max_chunk=8) == 25
+
+
+# ------------------------------------------------------------------------------------------- the prefix cache
+
+
+def cached_hybrid(num_blocks: int = 40, window: int = 6) -> KVCacheManager:
+    return KVCacheManager(num_blocks, 4, enable_prefix_caching=True, groups=KVCacheGroups.of_layers([window, None]))
+
+
+def run_to(kv: KVCacheManager, r: Request, num_tokens: int) -> None:
+    """Compute the request's tokens one step at a time (a prompt chunk, then decodes), as the scheduler does."""
+    while r.num_computed_tokens < num_tokens:
+        num_new = r.num_prompt_tokens - r.num_computed_tokens if r.num_computed_tokens == 0 else 1
+        assert kv.allocate_slots(r, num_new)
+        r.num_computed_tokens += num_new
+        if r.num_computed_tokens > r.num_prompt_tokens:
+            r.output_token_ids.append(99)
+        kv.cache_computed(r)
+
+
+def visible_length(kv: KVCacheManager, nodes) -> int:
+    """The oracle: the longest k such that the window group kept the blocks holding the keys the query at
+    k * block_size sees (positions k * block_size - w + 1 .. k * block_size - 1)."""
+    window = kv.groups.windows[1]
+    for k in reversed(range(len(nodes) + 1)):
+        positions = range(max(0, k * kv.block_size - window + 1), k * kv.block_size)
+        if all(nodes[p // kv.block_size].group_block_ids[0] != NULL_BLOCK for p in positions):
+            return k
+    return 0
+
+
+def test_a_hit_takes_every_groups_blocks_its_next_query_sees() -> None:
+    kv = cached_hybrid()
+    a = request("a", num_prompt=24)
+    run_to(kv, a, 24)
+    a_full, a_window = (list(t) for t in kv.tables(a))
+    run_to(kv, a, 30)  # its window group drops blocks 0 .. 5: cached, so evictable
+    assert kv.tables(a)[1][:6] == [NULL_BLOCK] * 6
+    kv.free(a)
+    kv.check_integrity([])
+    b = request("b", num_prompt=26)
+    b.prompt_token_ids[:24] = a.prompt_token_ids
+    match = kv.match_prefix(b)
+    assert len(match.nodes) == 6  # the query at 24 sees 19 .. 24: blocks 4 and 5 of the window group
+    assert kv.allocate_slots(b, 2, match)
+    full, window = kv.tables(b)
+    assert full[:6] == a_full[:6] and window[:6] == [NULL_BLOCK] * 4 + a_window[4:6]
+    assert kv.num_windowed_blocks == 3
+    kv.check_integrity([b])
+
+
+def test_a_match_stops_where_a_window_block_it_needs_was_evicted() -> None:
+    kv = cached_hybrid(num_blocks=40)
+    a = request("a", num_prompt=24)
+    run_to(kv, a, 30)
+    nodes = kv.match_prefix(a).nodes
+    kv.free(a)
+    lost = nodes[5].group_block_ids[0]
+    order = kv.pool.evictable_order()
+    kv.pool.allocate(kv.pool.num_free_blocks - kv.pool.num_evictable_blocks + order.index(lost) + 1)  # evicts up to it
+    assert nodes[5].group_block_ids[0] == NULL_BLOCK and kv.prefix_cache.node_of(nodes[5].block_id) is nodes[5]
+    b = request("b", num_prompt=26)
+    b.prompt_token_ids[:24] = a.prompt_token_ids
+    match = kv.match_prefix(b)
+    assert len(match.nodes) == visible_length(kv, nodes[:6]) < 6
+
+
+def test_an_evicted_node_lets_go_of_its_group_blocks() -> None:
+    kv = cached_hybrid(num_blocks=12)
+    a = request("a", num_prompt=8)
+    run_to(kv, a, 8)
+    kv.free(a)
+    assert kv.num_cached_blocks == 4 and kv.pool.num_evictable_blocks == 4  # two nodes, each with a window block
+    kv.pool.allocate(kv.pool.num_free_blocks)  # evicts every cached block
+    assert kv.prefix_cache.num_nodes == 0 and kv.num_cached_blocks == 0
+    kv.pool.check_integrity()

@@ -15,7 +15,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import FinishReason
 from kvserve.sched.output import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvserve.sched.scheduler import Scheduler
-from tests.sched.sched_fakes import default_token, make_request
+from tests.sched.sched_fakes import default_token, make_request, shared_prefix
 
 
 class GroupedFakeRunner:
@@ -91,25 +91,31 @@ LAYOUTS = {
 }
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
-    st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24), st.sampled_from([1, 1, 2, 3])), min_size=1,
-             max_size=8),
+    st.lists(st.tuples(st.integers(1, 40), st.integers(1, 24), st.sampled_from([1, 1, 2, 3]), st.booleans()),
+             min_size=1, max_size=10),
     st.sampled_from(sorted(LAYOUTS)),
     st.integers(2, 9),
     st.integers(10, 60),
     st.sampled_from([4, 8, 32]),
+    st.booleans(),
     st.randoms(use_true_random=False),
 )
 def test_window_groups_keep_what_queries_see_and_leak_nothing(
-    specs: list[tuple[int, int, int]], layout: str, window: int, num_blocks: int, chunk: int, rng
+    specs: list[tuple[int, int, int, bool]], layout: str, window: int, num_blocks: int, chunk: int,
+    prefix_caching: bool, rng
 ) -> None:
+    """With the prefix cache (where a full group keys it), prompts share prefixes: hits take every group's
+    cached blocks, evictions of window blocks cut matches, and the runner still finds every visible key."""
     block_size = 4
     groups = LAYOUTS[layout](window)
-    kv = KVCacheManager(num_blocks, block_size, groups=groups)
+    prefix_caching = prefix_caching and groups.keys_prefix_tree
+    kv = KVCacheManager(num_blocks, block_size, prefix_caching, groups=groups)
     scheduler = Scheduler(SchedulerConfig(4, chunk, 80), kv)
     runner = GroupedFakeRunner(kv)
-    pending = [make_request(f"r{i}", p, max_tokens=m, n=n) for i, (p, m, n) in enumerate(specs)]
+    pending = [make_request(f"r{i}", p, max_tokens=m, n=n, prefix=shared_prefix(i % 2, min(p, 24)) if shared else [])
+               for i, (p, m, n, shared) in enumerate(specs)]
     for _ in range(2000):
         if pending and rng.random() < 0.4:
             try:
@@ -127,6 +133,7 @@ def test_window_groups_keep_what_queries_see_and_leak_nothing(
     else:
         raise AssertionError("the workload did not finish")
     assert kv.num_free_blocks() == num_blocks and kv.num_windowed_blocks == 0
+    assert kv.pool.num_evictable_blocks == kv.num_cached_blocks  # what the tree keeps, none held
     kv.check_integrity([])
     widest = max(w for w in groups.windows if w is not None)
     assert runner.max_window_blocks <= (widest - 1 + chunk) // block_size + 2
