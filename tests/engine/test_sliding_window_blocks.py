@@ -178,3 +178,40 @@ def test_a_model_without_windows_keeps_the_plain_layout(tiny_checkpoints) -> Non
     stats = llm.stats()
     assert stats["kv_cache_groups"] == 1 and stats["num_blocks_total"] == OPTIONS["num_kv_blocks"]
     assert llm.engine.core.runner.kv_cache_spec().layer_tensors == ()
+
+
+HYBRID = [f for f, num_groups in FAMILIES.items() if num_groups > 1]
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [8, 256])
+def test_prefix_hits_take_every_groups_blocks_and_keep_the_tokens(family, max_num_batched_tokens: int) -> None:
+    """Hybrid families with the prefix cache: a second pass over the prompts, and prompts extending the first
+    ones' outputs (a conversation's next turn), hit the cache and give transformers' tokens; the window groups
+    stay bounded."""
+    name, path, prompts, expected = family
+    if name not in HYBRID:
+        pytest.skip("an all-window model keeps one table with the prefix cache")
+    llm = LLM(str(path), **{**OPTIONS, "enable_prefix_caching": True}, max_num_batched_tokens=max_num_batched_tokens)
+    assert llm.stats()["kv_cache_groups"] == 2
+    assert [s[0] for s in greedy_token_ids(llm, prompts, MAX_NEW)] == expected
+    hits = llm.stats()["prefix_cache_hits"]
+    samples, held = generate_tracking_blocks(llm, prompts)
+    assert [s[0] for s in samples] == expected
+    assert llm.stats()["prefix_cache_hits"] - hits >= sum(len(p) - WINDOW for p in prompts if len(p) > 2 * WINDOW)
+    assert max(w for w, _ in held) <= len(prompts) * window_bound(llm, max_num_batched_tokens)
+    assert_all_blocks_free(llm)
+
+
+def test_a_conversations_next_turn_hits_past_the_window(family) -> None:
+    name, path, prompts, expected = family
+    if name not in HYBRID:
+        pytest.skip("an all-window model keeps one table with the prefix cache")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), **{**OPTIONS, "enable_prefix_caching": True})
+    turn = prompts[2]
+    for _ in range(3):
+        out = greedy_token_ids(llm, [turn], MAX_NEW)[0][0]
+        assert out == hf_greedy(hf, turn, MAX_NEW)
+        turn = turn + out + [7, 8, 9]
+    assert llm.stats()["prefix_cache_hits"] >= 2 * len(prompts[2])
+    assert_all_blocks_free(llm)
