@@ -146,7 +146,8 @@ class LLMEngine:
         window has passed, unless a feature that keeps one block table per request is on; then the plain layout,
         said once in the log."""
         windows = runner.layer_windows()
-        groups = KVCacheGroups.of_layers(windows)
+        # a window as long as the context never frees a block: such a layer is laid out as a full one
+        groups = KVCacheGroups.of_layers([None if w is not None and w >= self.max_model_len else w for w in windows])
         reason = self._why_one_block_table(groups)
         if not groups.frees_blocks or reason is None:
             return groups

@@ -215,3 +215,10 @@ def test_a_conversations_next_turn_hits_past_the_window(family) -> None:
         turn = turn + out + [7, 8, 9]
     assert llm.stats()["prefix_cache_hits"] >= 2 * len(prompts[2])
     assert_all_blocks_free(llm)
+
+
+def test_a_window_as_long_as_the_context_keeps_the_plain_layout(tiny_checkpoints) -> None:
+    llm = LLM(str(tiny_checkpoints["gemma3"]), **OPTIONS, max_model_len=WINDOW)
+    assert llm.stats()["kv_cache_groups"] == 1
+    rng = random.Random(2)
+    assert len(greedy_token_ids(llm, [[rng.randrange(3, 500) for _ in range(8)]], 4)[0][0]) == 4
