@@ -7,10 +7,10 @@ allocator). All groups draw block ids from one pool, and a block id is ``group_s
 the storage keeps ``group_size`` paged tensors and layer L reads and writes tensor ``layer_tensors[L]`` at the
 rows its group's table names. Memory a window group frees is then reusable by any group::
 
-    layers (Gemma 3: 5 sliding, 1 full, x3)   groups (group_size 3)        a request's tables
-    S S S S S F S S S S S F S S S S S F       g0 full:   F  F  F  (tensors 0, 1, 2)   | b3 | b9 | b4 | b6 |
-                                              g1 window: S  S  S                    | -1 | -1 | b2 | b8 |
-                                              ...                                    (dead blocks freed: NULL_BLOCK)
+    layers (Gemma 3 270M: 5 sliding, 1 full, x3)   groups (group_size 3)             a request's tables
+    S S S S S F S S S S S F S S S S S F            g0 full:   F F F (tensors 0, 1, 2)  | b3 | b9 | b4 | b6 |
+                                                   g1 window: S S S (layers 0, 1, 2)   | -1 | -1 | b2 | b8 |
+                                                   ... g5 window: layers 14, 15, 16    (dead blocks: NULL_BLOCK)
 
 Each window (None = full) is a kind; each kind's layers are cut into groups of ``group_size`` layers, the
 smallest kind's layer count (the last group of a kind may have fewer layers: its other tensors go unused). A

@@ -191,13 +191,17 @@ def grouped_reference(scheduler: Scheduler, sched_out: SchedulerOutput) -> list[
 @given(
     st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from([1, 1, 2])), min_size=1, max_size=8),
     st.integers(12, 40),
+    st.booleans(),
     st.randoms(use_true_random=False),
 )
-def test_every_kv_cache_groups_tables_and_slots_follow_the_diffs(specs, num_blocks: int, rng) -> None:
+def test_every_kv_cache_groups_tables_and_slots_follow_the_diffs(specs, num_blocks: int, prefix_caching: bool,
+                                                                  rng) -> None:
+    """Window groups' tables with null entries (and, from prefix hits, requests entering with them)."""
     groups = KVCacheGroups.of_layers([5, None, 5])  # three groups of one layer
-    scheduler = Scheduler(SchedulerConfig(4, 16, 48), KVCacheManager(num_blocks, 4, groups=groups))
+    scheduler = Scheduler(SchedulerConfig(4, 16, 48), KVCacheManager(num_blocks, 4, prefix_caching, groups=groups))
     batch = PersistentBatch(max_blocks_per_request=12, block_size=4, device=CPU, capacity=2, num_groups=3)
-    pending = [make_request(f"r{i}", p, max_tokens=m, n=n) for i, (p, m, n) in enumerate(specs)]
+    pending = [make_request(f"r{i}", p, max_tokens=m, n=n, prefix=[7] * min(p, 12))
+               for i, (p, m, n) in enumerate(specs)]
     while pending or scheduler.has_unfinished_requests():
         if pending and rng.random() < 0.5:
             try:
