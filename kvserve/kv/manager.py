@@ -289,7 +289,7 @@ class KVCacheManager:
 
     def _last_lost_block(self, nodes: tuple[PrefixNode, ...], k: int) -> int | None:
         """The last of blocks 0 .. k - 1 that a window group needs after a match of k blocks but lost, or None."""
-        firsts = [(g, self._first_visible_block(w, k)) for g, w in enumerate(self.groups.windows[1:])]
+        firsts = [(g, self._first_visible_block(w, k * self.block_size)) for g, w in enumerate(self.groups.windows[1:])]
         for index in reversed(range(k)):
             needing = [g for g, first in firsts if first <= index]
             if not needing:
@@ -298,15 +298,15 @@ class KVCacheManager:
                 return index
         return None
 
-    def _first_visible_block(self, window: int | None, num_blocks: int) -> int:
-        """The first block a query at position ``num_blocks * block_size`` sees through ``window``."""
-        return 0 if window is None else max(0, (num_blocks * self.block_size - window + 1) // self.block_size)
+    def _first_visible_block(self, window: int | None, position: int) -> int:
+        """The first block a query at ``position`` sees through ``window`` (key ``position - window + 1``)."""
+        return 0 if window is None else max(0, (position - window + 1) // self.block_size)
 
     def _tables_of(self, nodes: tuple[PrefixNode, ...]) -> list[list[int]]:
         """Every group's table of a visible match: group 0's blocks, the others' from their first needed one."""
         tables = [[node.block_id for node in nodes]]
         for g, window in enumerate(self.groups.windows[1:]):
-            first = self._first_visible_block(window, len(nodes))
+            first = self._first_visible_block(window, len(nodes) * self.block_size)
             tables.append([NULL_BLOCK] * first + [node.group_block_ids[g] for node in nodes[first:]])
             assert NULL_BLOCK not in tables[-1][first:], "a match lost a block its query would see"
         return tables
@@ -330,15 +330,16 @@ class KVCacheManager:
             if window is None:
                 counts.append(0)
                 continue
-            num_dead = min(max(0, (num_computed - window + 1) // self.block_size), len(table))
+            num_dead = min(self._first_visible_block(window, num_computed), len(table))
             index, dead = num_dead - 1, []
             while index >= 0 and table[index] != NULL_BLOCK:
                 dead.append(table[index])
                 table[index] = NULL_BLOCK
                 index -= 1
-            self._free_blocks(dead, window)
+            if dead:
+                self._free_blocks(dead, window)
+                dropped = True
             counts.append(num_dead)
-            dropped = dropped or bool(dead)
         if dropped:
             self._null_counts[request.request_id] = tuple(counts)
 
