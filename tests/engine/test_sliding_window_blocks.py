@@ -222,3 +222,32 @@ def test_a_window_as_long_as_the_context_keeps_the_plain_layout(tiny_checkpoints
     assert llm.stats()["kv_cache_groups"] == 1
     rng = random.Random(2)
     assert len(greedy_token_ids(llm, [[rng.randrange(3, 500) for _ in range(8)]], 4)[0][0]) == 4
+
+
+def test_logprobs_and_prompt_logprobs_equal_the_one_table_layouts(tiny_checkpoints) -> None:
+    """Sampled logprobs, the second time from prefix hits, and prompt logprobs (which take no hit on a prompt
+    whose logprobs were never returned) equal those of the plain layout."""
+    from kvserve import SamplingParams
+
+    path = str(tiny_checkpoints["gemma3"])
+    rng = random.Random(3)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(n)]} for n in (45, 30)]
+    sampled = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
+    prompt = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+
+    def scored(llm: LLM) -> list:
+        outs = [o for params in (sampled, sampled, prompt) for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [(o.outputs[0].token_ids, [sorted(p.items()) for p in o.outputs[0].logprobs or []],
+                 [sorted(p.items()) for p in o.prompt_logprobs or [] if p]) for o in outs]
+
+    grouped = LLM(path, **{**OPTIONS, "enable_prefix_caching": True}, max_num_batched_tokens=16)
+    one_table = LLM(path, **OPTIONS, preemption_mode="swap", kv_offload_memory=0.01)
+    assert grouped.stats()["kv_cache_groups"] == 2 and one_table.stats()["kv_cache_groups"] == 1
+    got, want = scored(grouped), scored(one_table)
+    assert grouped.stats()["prefix_cache_hits"] > 0
+    for (tokens, logprobs, prompt_logprobs), (w_tokens, w_logprobs, w_prompt_logprobs) in zip(got, want):
+        assert tokens == w_tokens and len(logprobs + prompt_logprobs) == len(w_logprobs + w_prompt_logprobs)
+        for mine, theirs in zip(logprobs + prompt_logprobs, w_logprobs + w_prompt_logprobs):
+            assert [t for t, _ in mine] == [t for t, _ in theirs]
+            assert [lp.logprob for _, lp in mine] == pytest.approx([lp.logprob for _, lp in theirs], abs=1e-5)
+    assert_all_blocks_free(grouped)
