@@ -251,3 +251,18 @@ def test_logprobs_and_prompt_logprobs_equal_the_one_table_layouts(tiny_checkpoin
             assert [t for t, _ in mine] == [t for t, _ in theirs]
             assert [lp.logprob for _, lp in mine] == pytest.approx([lp.logprob for _, lp in theirs], abs=1e-5)
     assert_all_blocks_free(grouped)
+
+
+def test_the_reference_backend_with_groups_and_prefix_hits_gives_the_one_table_layouts_tokens(tiny_checkpoints) -> None:
+    """bf16 runs the plain-PyTorch backend (``TorchRefBackend``) on CPU: per-group metadata, a second pass from
+    prefix hits, the same tokens as the plain layout."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 70, 17)]
+    options = {**OPTIONS, "dtype": "bfloat16", "max_num_batched_tokens": 16}
+    grouped = LLM(str(tiny_checkpoints["gemma3"]), **{**options, "enable_prefix_caching": True})
+    one_table = LLM(str(tiny_checkpoints["gemma3"]), **options, preemption_mode="swap", kv_offload_memory=0.01)
+    assert type(grouped.engine.core.runner.backend).__name__ == "TorchRefBackend"
+    want = greedy_token_ids(one_table, prompts, MAX_NEW)
+    assert greedy_token_ids(grouped, prompts, MAX_NEW) == want == greedy_token_ids(grouped, prompts, MAX_NEW)
+    assert grouped.stats()["prefix_cache_hits"] > 0 and grouped.stats()["kv_cache_groups"] == 2
+    assert_all_blocks_free(grouped)
