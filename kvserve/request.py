@@ -7,7 +7,7 @@ Token counters, as everywhere in kvserve::
     |<--- num_computed_tokens --->|                   (KV written for these)
     |<- num_cached ->|                                 (of those, found in the prefix cache)
 
-The scheduler owns ``status``, ``num_computed_tokens`` and ``block_ids`` (through the KV manager); the
+The scheduler owns ``status``, ``num_computed_tokens`` and the block tables (through the KV manager); the
 scheduler's ``update_from_output`` is the only writer of ``output_token_ids``.
 """
 
@@ -50,7 +50,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # KV cache group 0's block table (``kv/groups.py``)
+    group_block_ids: list[list[int]] = field(default_factory=list)  # groups 1.., as long; [] with one group
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None

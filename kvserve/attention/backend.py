@@ -6,13 +6,16 @@ Token layout of a step (decodes first, then prefill chunks; the runner guarantee
     seq i:    query_start_loc[i] .. query_start_loc[i+1]   (query_lens[i] tokens)
     kv of i:  positions 0 .. seq_lens[i]-1, stored in blocks block_tables[i, :], slot_mapping gives the
               flat slot (block_id * block_size + offset) of every new token of the step
+
+With KV cache groups (``kv/groups.py``) each group has its own block tables and slot mapping (``AttentionInputs
+.groups``), metadata is built per group, and each layer attends through its group's (``GroupedMetadata``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Sequence
 
 import torch
 
@@ -34,6 +37,9 @@ class AttentionInputs:
     query_lens_list: list[int]
     seq_lens_list: list[int]
     block_size: int
+    # KV cache groups 1..G-1: the same step, through their own block_tables and slot_mapping (their tables'
+    # leading entries may be NULL_BLOCK: blocks before every query's window); () with one group
+    groups: tuple[AttentionInputs, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -48,6 +54,34 @@ class AttentionMetadata:
     """Whatever a backend precomputes once per step from ``AttentionInputs`` (masks, gather indices)."""
 
     inputs: AttentionInputs
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer ``layer`` attends with: this one, unless the step has KV cache groups."""
+        return self
+
+
+@dataclass(frozen=True)
+class GroupedMetadata(AttentionMetadata):
+    """A step's metadata with KV cache groups: one per group, each layer's picked by its group (a Python lookup
+    per layer, nothing a CPU step graph replays)."""
+
+    inputs: AttentionInputs  # group 0's
+    groups: tuple[AttentionMetadata, ...]
+    layer_groups: tuple[int, ...]
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self.groups[self.layer_groups[layer]]
+
+
+def build_step_metadata(backend: AttentionBackend, inputs: AttentionInputs, group_windows: Sequence[set[int | None]],
+                        layer_groups: tuple[int, ...]) -> AttentionMetadata:
+    """The step's metadata: the backend's own with one group; else one per group (``group_windows[g]``, the
+    windows of group g's layers), as ``GroupedMetadata``."""
+    if not inputs.groups:
+        return backend.build_metadata(inputs, group_windows[0])
+    metas = tuple(backend.build_metadata(group_inputs, windows)
+                  for group_inputs, windows in zip((inputs, *inputs.groups), group_windows, strict=True))
+    return GroupedMetadata(inputs, metas, layer_groups)
 
 
 class AttentionBackend(ABC):

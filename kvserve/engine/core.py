@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 
 from kvserve.config import CacheConfig
+from kvserve.kv.groups import NULL_BLOCK
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import FinishReason
 from kvserve.request import Request
@@ -19,12 +20,14 @@ DEFAULT_CPU_KV_CACHE_GIB = 2.0
 DISK_READ_WAIT_SECONDS = 0.05
 
 
-def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.device, max_blocks_needed: int) -> int:
+def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.device, max_blocks_needed: int,
+                      block_scale: int = 1) -> int:
     """How many blocks of ``bytes_per_block`` (every model's KV a block id holds) the pool gets: ``num_kv_blocks``
     if set, else a memory budget (``kv_cache_memory`` GiB, default 2 GiB on CPU; a fraction of free memory on
-    CUDA), never more than the engine could ever fill."""
+    CUDA), never more than the engine could ever fill. ``num_kv_blocks`` counts blocks of every layer: with KV
+    cache groups (``kv/groups.py``) a block holds 1 / ``block_scale`` of that, and the pool gets as many more."""
     if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
+        return cache.num_kv_blocks * block_scale
     if device.type == "cuda" and cache.kv_cache_memory is None:
         free_bytes, _ = torch.cuda.mem_get_info(device)
         budget = free_bytes * cache.gpu_memory_utilization
@@ -95,7 +98,9 @@ class EngineCore:
         requests = self.scheduler.requests
         for r in sched_out.requests:
             num_tokens = r.start_pos + r.num_tokens
-            for index, block_id in enumerate(requests[r.request_id].block_ids):
-                num_in_block = min(block_size, max(0, num_tokens - index * block_size))
-                filled[block_id] = max(filled.get(block_id, 0), num_in_block)
+            for table in self.kv_manager.tables(requests[r.request_id]):
+                for index, block_id in enumerate(table):
+                    if block_id != NULL_BLOCK:
+                        num_in_block = min(block_size, max(0, num_tokens - index * block_size))
+                        filled[block_id] = max(filled.get(block_id, 0), num_in_block)
         self.peak = KVUsagePeak(num_used, len(filled) * block_size, sum(filled.values()))

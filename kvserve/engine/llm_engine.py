@@ -15,6 +15,7 @@ from kvserve.config import EngineConfig, parse_dtype, resolve_device
 from kvserve.engine.core import EngineCore, num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.tiers import DEFAULT_STAGING_GIB, BlockFormat, TieredStore
@@ -125,16 +126,48 @@ class LLMEngine:
     def _build_core(self, runner: ModelRunner) -> EngineCore:
         sched_config = dataclasses.replace(self.config.scheduler, max_model_len=self.max_model_len)
         block_size = self.config.cache.block_size
-        max_blocks_needed = sched_config.max_num_seqs * -(-self.max_model_len // block_size)
+        groups = self._kv_groups(runner)
+        runner.use_kv_groups(groups)
+        max_blocks_needed = sched_config.max_num_seqs * -(-self.max_model_len // block_size) * groups.num_groups
         self.num_kv_blocks = num_kv_blocks_for(
-            self.config.cache, runner.kv_bytes_per_block(), self.device, max_blocks_needed
+            self.config.cache, runner.kv_bytes_per_block(), self.device, max_blocks_needed,
+            block_scale=len(groups.layer_groups) // groups.group_size,
         )
         tiers = self._build_kv_tiers(runner)
         runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, tiers)
-        kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching, tiers)
+        kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching, tiers,
+                                    groups)
         speculative = self.config.speculative
         speculation = SpeculationPolicy(speculative) if speculative.enabled else None
         return EngineCore(runner, Scheduler(sched_config, kv_manager, speculation), kv_manager)
+
+    def _kv_groups(self, runner: ModelRunner) -> KVCacheGroups:
+        """The model's KV cache groups (``kv/groups.py``): sliding-window layers apart, freeing the blocks their
+        window has passed, unless a feature that keeps one block table per request is on; then the plain layout,
+        said once in the log."""
+        windows = runner.layer_windows()
+        # a window as long as the context never frees a block: such a layer is laid out as a full one
+        groups = KVCacheGroups.of_layers([None if w is not None and w >= self.max_model_len else w for w in windows])
+        reason = self._why_one_block_table(groups)
+        if not groups.frees_blocks or reason is None:
+            return groups
+        logger.info("kvserve: sliding-window layers keep all their KV blocks (one block table for every layer): %s",
+                    reason)
+        return KVCacheGroups.single(len(windows))
+
+    def _why_one_block_table(self, groups: KVCacheGroups) -> str | None:
+        """The feature on that does not yet know these KV cache groups, if any."""
+        config = self.config
+        reasons = (
+            (config.cache.enable_prefix_caching and not groups.keys_prefix_tree,
+             "the prefix cache is on, and it needs the model's full-attention layers in one group to key its tree "
+             "(--no-enable-prefix-caching frees them)"),
+            (config.cache.offloads_kv, "the KV tiers (--kv-offload-*) are on"),
+            (config.scheduler.preemption_mode == "swap", "--preemption-mode swap is on"),
+            (config.speculative.method == "draft", "a draft model shares the block tables"),
+            (config.parallel.tensor_parallel_size > 1, "tensor parallelism is on"),
+        )
+        return next((reason for on, reason in reasons if on), None)
 
     def _build_kv_tiers(self, runner: ModelRunner) -> TieredStore | None:
         """The host and disk tiers under the device pool, if asked for. With a disk tier alone, a host slab of
@@ -193,6 +226,9 @@ class LLMEngine:
             "num_blocks_total": kv.num_blocks_total,
             "num_blocks_used": kv.num_blocks_total - num_free,
             "num_blocks_free": num_free,
+            "kv_cache_groups": kv.groups.num_groups,
+            "kv_blocks_windowed": kv.num_windowed_blocks,  # held by sliding-window groups, bounded by their windows
+            "kv_blocks_full": kv.num_blocks_total - num_free - kv.num_windowed_blocks,
             "weights_format": self.core.runner.weights_format(),
             "weights_bytes": self.core.runner.weight_bytes,
             "kv_cache_dtype": self.core.runner.kv_cache_spec().kv_dtype.name,

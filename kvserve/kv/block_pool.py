@@ -108,6 +108,15 @@ class BlockPool:
             raise ValueError(f"block {block_id} is unheld; uncache it by eviction only")
         self._cached[block_id] = False
 
+    def drop_cached(self, block_id: int) -> None:
+        """The prefix cache let go of this unheld cached block without evicting it (its node left the tree): its
+        content is worthless, and it moves from the evictable queue to the tail of the free one."""
+        if self.ref_count(block_id) != 0 or not self._cached[block_id]:
+            raise ValueError(f"block {block_id} is not an unheld cached block")
+        del self._evictable[block_id]
+        self._cached[block_id] = False
+        self._free[block_id] = None
+
     def evictable_order(self) -> list[int]:
         """The evictable blocks, next to be evicted first."""
         return list(self._evictable)

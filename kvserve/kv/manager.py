@@ -17,6 +17,31 @@ than compute it again. If another block already holds the same tokens, the reque
 A request preempted by swap (``swap_out``) leaves its KV in host rows (``kv/swap.py``) and holds no block;
 its next ``match_prefix`` is that KV, and ``allocate_slots`` with it takes back the leading blocks the tree
 still holds on the device and loads the rest into fresh blocks.
+
+With KV cache groups that free blocks (``kv/groups.py``: sliding-window layers), a request has one table per
+group (``request.block_ids`` for group 0, ``request.group_block_ids`` for the others), all as long. Before a
+step, a window group's blocks wholly before the window of the step's first query are freed and their entries
+become ``NULL_BLOCK``; the step writes and reads nothing there, and no later query sees them::
+
+    window w = 6, block_size 4, the step's first query at position 13 sees keys 8 .. 13:
+    full group:    | b0 | b1 | b2 | b3 |
+    window group:  | -1 | -1 | b6 | b7 |      blocks (13 - 6 + 1) // 4 = 2 of them dead, freed
+
+The prefix tree stays keyed by group 0, the model's one full-attention group (``KVCacheGroups.keys_prefix_tree``;
+a model with no full group, or several, gets the plain layout from the engine when the prefix cache is on): its
+nodes are held and evicted as with one group. A node also records the other groups' blocks of its tokens
+(``PrefixNode.group_block_ids``), cached beside it: a request that frees one (dead to it, or at its end) leaves it
+evictable, and it may be evicted alone (``_on_evict`` detaches it from its node). A match of k blocks lets a
+request compute from position k * block_size, whose query sees the keys from k * block_size - w + 1 on, so it is
+valid only if every window group still has the blocks of those positions::
+
+    match of k = 4 blocks (block_size 4, w = 6): the query at 16 sees 11 .. 16, blocks 2 and 3
+    full group:    | b0 | b1 | b2 | b3 |
+    window group:  |  . |  . | b6 | b7 |     '.': evicted or never needed; b6 or b7 evicted: shorten the match
+
+and is shortened to the longest k that is (``_visible_match``). The request's window tables then start with
+nulls up to the first needed block. The KV tiers keep one table per request: a model whose groups free blocks
+is refused with them, and the engine gives it the plain layout instead (``LLMEngine``).
 """
 
 from __future__ import annotations
@@ -27,6 +52,7 @@ from typing import Iterable
 
 from kvserve.kv.block_keys import KeyedBlock, block_key
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
+from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
 from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
 from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers import Tier, TieredStore
@@ -49,11 +75,22 @@ class _CachePath:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 store: TieredStore | None = None) -> None:
+                 store: TieredStore | None = None, groups: KVCacheGroups | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if store is not None and store.disk is not None and not enable_prefix_caching:
             raise ValueError("a disk tier keeps prefix-cache blocks: it needs prefix caching on")
+        self.groups = groups or KVCacheGroups.single(1)
+        self._grouped = self.groups.frees_blocks  # per-group tables, windows' dead blocks freed
+        if self._grouped and store is not None:
+            raise ValueError("KV cache groups that free sliding-window blocks do not work with the KV tiers yet: "
+                             "use KVCacheGroups.single")
+        if self._grouped and enable_prefix_caching and not self.groups.keys_prefix_tree:
+            raise ValueError("the prefix cache with KV cache groups needs one full-attention group to key its tree: "
+                             "use KVCacheGroups.single")
+        self.num_windowed_blocks = 0  # distinct blocks held in window groups' tables
+        self._null_counts: dict[str, tuple[int, ...]] = {}  # per request: leading null entries per group, if new
+        self._group_owner: dict[int, tuple[PrefixNode, int]] = {}  # a cached block of groups 1.. -> node, index
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
@@ -70,8 +107,8 @@ class KVCacheManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Blocks the prefix cache names (held or evictable)."""
-        return self.prefix_cache.num_nodes if self.prefix_cache else 0
+        """Blocks the prefix cache names (held or evictable), every group's."""
+        return self.prefix_cache.num_nodes + len(self._group_owner) if self.prefix_cache else 0
 
     @property
     def num_blocks_total(self) -> int:
@@ -109,6 +146,8 @@ class KVCacheManager:
         max_blocks = max_tokens // self.block_size
         match = self.prefix_cache.match(request.token_ids, max_blocks, earlier)
         self._matches[request.request_id] = match
+        if self._grouped:
+            return self._visible_match(match)
         if self.store is not None and not match.sibling_computing and len(match.nodes) < max_blocks:
             return self._match_tiers(request, match, max_blocks)
         return match
@@ -152,6 +191,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if self._grouped:
+            return self._allocate_grouped(request, num_new_tokens, prefix)
         if prefix is not None and prefix.swapped_tokens is not None:
             return self._swap_in(request, prefix.swapped_tokens + num_new_tokens)
         num_computed, cached = request.num_computed_tokens, []
@@ -184,6 +225,130 @@ class KVCacheManager:
         self._loads.extend(zip(tiered, request.block_ids[num_cached : num_cached + len(tiered)]))
         self._extend_path(request, num_computed)
         return True
+
+    def tables(self, request: Request) -> list[list[int]]:
+        """The request's block table of every group, group 0 first."""
+        return [request.block_ids, *request.group_block_ids]
+
+    def take_null_counts(self, request: Request) -> tuple[int, ...]:
+        """Per group, how many leading entries of the request's table are ``NULL_BLOCK`` now, if that grew since
+        the last call (else ()): the runner nulls them in its copy."""
+        return self._null_counts.pop(request.request_id, ())
+
+    def max_blocks_for(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens ever holds at once, run in chunks of at most
+        ``max_chunk`` tokens: a full group every block, a window group those of its window plus a chunk."""
+        num_blocks = self.num_blocks_for(num_tokens)
+        if not self._grouped:
+            return num_blocks
+        return sum(num_blocks if w is None else min(num_blocks, (w - 1 + max_chunk) // self.block_size + 2)
+                   for w in self.groups.windows)
+
+    def _allocate_grouped(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None) -> bool:
+        """``allocate_slots`` with groups: every group's table grows by the same number of blocks, after the
+        window groups dropped the blocks no query from the request's next token on can see; a fresh request may
+        start from a (visible) prefix match, taking each group's blocks of it."""
+        nodes = prefix.nodes if prefix is not None else ()
+        if nodes:
+            if request.block_ids:
+                raise ValueError(f"request {request.request_id} holds blocks; only a fresh one takes a prefix")
+            num_computed, tables = len(nodes) * self.block_size, self._tables_of(nodes)
+        else:
+            if not request.block_ids:
+                request.group_block_ids = [[] for _ in range(self.groups.num_groups - 1)]
+            num_computed, tables = request.num_computed_tokens, self.tables(request)
+            self._drop_dead_blocks(request, tables, num_computed)
+        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(tables[0])
+        cached = [b for table in tables for b in table if b != NULL_BLOCK] if nodes else []
+        num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)  # hits on evictable blocks
+        if max(num_needed, 0) * len(tables) + num_revived > self.pool.num_free_blocks:
+            return False
+        if nodes:  # taken first, so that the allocation below cannot evict them
+            self._take_prefix(request, nodes, tables)
+        elif not request.block_ids:
+            self._matches.pop(request.request_id, None)
+        if num_needed > 0:
+            for window, table in zip(self.groups.windows, tables):
+                table.extend(self.pool.allocate(num_needed))
+                if window is not None:
+                    self.num_windowed_blocks += num_needed
+        self._extend_path(request, num_computed)
+        return True
+
+    def _visible_match(self, match: PrefixMatch) -> PrefixMatch:
+        """The longest prefix of a tree match after which every window group still has the blocks its first
+        query sees (module docstring). A lost block j cuts the match to at most j blocks, as every longer one
+        whose window reaches back to j needs it: one walk back per cut."""
+        nodes, k = match.nodes, len(match.nodes)
+        while k > 0:
+            lost = self._last_lost_block(nodes, k)
+            if lost is None:
+                break
+            k = lost
+        return match if k == len(nodes) else PrefixMatch(nodes[:k], self.block_size)
+
+    def _last_lost_block(self, nodes: tuple[PrefixNode, ...], k: int) -> int | None:
+        """The last of blocks 0 .. k - 1 that a window group needs after a match of k blocks but lost, or None."""
+        firsts = [(g, self._first_visible_block(w, k * self.block_size)) for g, w in enumerate(self.groups.windows[1:])]
+        for index in reversed(range(k)):
+            needing = [g for g, first in firsts if first <= index]
+            if not needing:
+                return None
+            if any(nodes[index].group_block_ids[g] == NULL_BLOCK for g in needing):
+                return index
+        return None
+
+    def _first_visible_block(self, window: int | None, position: int) -> int:
+        """The first block a query at ``position`` sees through ``window`` (key ``position - window + 1``)."""
+        return 0 if window is None else max(0, (position - window + 1) // self.block_size)
+
+    def _tables_of(self, nodes: tuple[PrefixNode, ...]) -> list[list[int]]:
+        """Every group's table of a visible match: group 0's blocks, the others' from their first needed one."""
+        tables = [[node.block_id for node in nodes]]
+        for g, window in enumerate(self.groups.windows[1:]):
+            first = self._first_visible_block(window, len(nodes) * self.block_size)
+            tables.append([NULL_BLOCK] * first + [node.group_block_ids[g] for node in nodes[first:]])
+            assert NULL_BLOCK not in tables[-1][first:], "a match lost a block its query would see"
+        return tables
+
+    def _take_prefix(self, request: Request, nodes: tuple[PrefixNode, ...], tables: list[list[int]]) -> None:
+        self._matches.pop(request.request_id, None)
+        for window, table in zip(self.groups.windows, tables):
+            live = [b for b in table if b != NULL_BLOCK]
+            if window is not None:
+                self.num_windowed_blocks += sum(1 for b in live if self.pool.ref_count(b) == 0)
+            self.pool.take(live)
+        request.block_ids, request.group_block_ids = tables[0], tables[1:]
+        self._paths[request.request_id] = _CachePath(nodes[-1], len(nodes))
+
+    def _drop_dead_blocks(self, request: Request, tables: list[list[int]], num_computed: int) -> None:
+        """Free the window groups' blocks wholly before position ``num_computed - w + 1``, the first key the
+        query at ``num_computed`` sees (later queries see less). Null entries are always a leading run, so the
+        walk back from the last dead block stops at the first null: its cost is the blocks it frees."""
+        counts, dropped = [], False
+        for window, table in zip(self.groups.windows, tables):
+            if window is None:
+                counts.append(0)
+                continue
+            num_dead = min(self._first_visible_block(window, num_computed), len(table))
+            index, dead = num_dead - 1, []
+            while index >= 0 and table[index] != NULL_BLOCK:
+                dead.append(table[index])
+                table[index] = NULL_BLOCK
+                index -= 1
+            if dead:
+                self._free_blocks(dead, window)
+                dropped = True
+            counts.append(num_dead)
+        if dropped:
+            self._null_counts[request.request_id] = tuple(counts)
+
+    def _free_blocks(self, block_ids: Iterable[int], window: int | None) -> None:
+        """Drop the holds of a group's table entries (nulls skipped), counting window blocks that went free."""
+        live = [b for b in block_ids if b != NULL_BLOCK]
+        self.pool.free(live)
+        if window is not None:
+            self.num_windowed_blocks -= sum(1 for b in live if self.pool.ref_count(b) == 0)
 
     def swap_out(self, request: Request) -> bool:
         """Preempt by swap: plan the copy of the blocks holding the request's computed tokens (the partly
@@ -274,13 +439,13 @@ class KVCacheManager:
             block_ids:  | b0 full | b1: last tokens | b5: rejected drafts only |   -> b5 freed
         """
         num_kept = self.num_blocks_for(num_tokens)
-        tail = request.block_ids[num_kept:]
-        if not tail:
+        if len(request.block_ids) <= num_kept:
             return
         path = self._paths.get(request.request_id)
         assert path is None or path.num_blocks <= num_kept, "a block past the request's known tokens is cached"
-        self.pool.free(reversed(tail))
-        del request.block_ids[num_kept:]
+        for window, table in zip(self.groups.windows, self.tables(request)):
+            self._free_blocks(reversed(table[num_kept:]), window)
+            del table[num_kept:]
 
     def free(self, request: Request) -> None:
         """Release the request's hold on all its blocks (shared ones stay with their other holders); its
@@ -298,7 +463,13 @@ class KVCacheManager:
             for node in reversed(path.pending):
                 self._uncache(node.block_id)
         # Tail blocks first: the evictable queue must see descendants before their ancestors.
-        self.pool.free(reversed(request.block_ids))
+        if self._grouped:
+            self._null_counts.pop(request.request_id, None)
+            for window, table in zip(self.groups.windows, self.tables(request)):
+                self._free_blocks(reversed(table), window)
+            request.group_block_ids = []
+        else:
+            self.pool.free(reversed(request.block_ids))
         request.block_ids = []
 
     def fork(self, parent: Request, child: Request) -> list[tuple[int, int]]:
@@ -313,14 +484,17 @@ class KVCacheManager:
         """
         if child.block_ids:
             raise ValueError(f"request {child.request_id} already holds blocks; only a fresh request can fork")
-        num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
-        shared = parent.block_ids[:num_full]
-        copies = []
-        if num_partial:
-            (dst,) = self.pool.allocate(1)
-            copies.append((parent.block_ids[num_full], dst))
-        self.pool.incref(shared)
-        child.block_ids = shared + [dst for _, dst in copies]
+        if self._grouped:
+            copies = self._fork_grouped(parent, child)
+        else:
+            num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
+            shared = parent.block_ids[:num_full]
+            copies = []
+            if num_partial:
+                (dst,) = self.pool.allocate(1)
+                copies.append((parent.block_ids[num_full], dst))
+            self.pool.incref(shared)
+            child.block_ids = shared + [dst for _, dst in copies]
         parent_path = self._paths.get(parent.request_id)
         if parent_path is not None:  # the child walks the parent's computed path
             num_pending = len(parent_path.pending)
@@ -331,6 +505,26 @@ class KVCacheManager:
             )
         return copies
 
+    def _fork_grouped(self, parent: Request, child: Request) -> list[tuple[int, int]]:
+        """``fork`` with groups: each group's table shared (its nulls stay null) but for the partial block,
+        copied; all or nothing. The partial block is never null: it holds the parent's next query position."""
+        num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
+        tables = self.tables(parent)
+        if num_partial and len(tables) > self.pool.num_free_blocks:
+            raise NoFreeBlocksError(f"forking needs {len(tables)} blocks, {self.pool.num_free_blocks} are free")
+        copies, child_tables = [], []
+        for window, table in zip(self.groups.windows, tables):
+            shared = table[:num_full]
+            self.pool.incref(b for b in shared if b != NULL_BLOCK)
+            if num_partial:
+                (dst,) = self.pool.allocate(1)
+                copies.append((table[num_full], dst))
+                shared.append(dst)
+                self.num_windowed_blocks += window is not None
+            child_tables.append(shared)
+        child.block_ids, child.group_block_ids = child_tables[0], child_tables[1:]
+        return copies
+
     def check_integrity(self, requests: Iterable[Request]) -> None:
         """Every block's reference count equals the number of the given live requests holding it, free +
         held = total, the prefix tree agrees with the pool and the requests' paths, and only live requests hold
@@ -339,10 +533,26 @@ class KVCacheManager:
         requests = list(requests)
         self.pool.check_integrity()
         holders: Counter[int] = Counter()
+        windowed: set[int] = set()
         for request in requests:
-            duplicates = [b for b, count in Counter(request.block_ids).items() if count > 1]
+            tables = self.tables(request)
+            assert len({len(t) for t in tables}) == 1 and len(tables) == self.groups.num_groups or not any(tables), (
+                f"request {request.request_id}'s tables do not match the groups: {tables}"
+            )
+            held = [b for table in tables for b in table if b != NULL_BLOCK]
+            duplicates = [b for b, count in Counter(held).items() if count > 1]
             assert not duplicates, f"request {request.request_id} holds blocks {duplicates} more than once"
-            holders.update(request.block_ids)
+            holders.update(held)
+            for window, table in zip(self.groups.windows, tables):
+                nulls = [i for i, b in enumerate(table) if b == NULL_BLOCK]
+                assert nulls == list(range(len(nulls))) and (window is not None or not nulls), (
+                    f"request {request.request_id}'s null entries are not a leading run of a window group: {table}"
+                )
+                if window is not None:
+                    windowed.update(b for b in table if b != NULL_BLOCK)
+        assert len(windowed) == self.num_windowed_blocks, (
+            f"{len(windowed)} blocks held in window groups, counted {self.num_windowed_blocks}"
+        )
         wrong = {
             b: (self.pool.ref_count(b), holders[b])
             for b in range(self.pool.num_blocks)
@@ -363,6 +573,12 @@ class KVCacheManager:
         nodes = list(self.prefix_cache.nodes())
         tree_blocks = {node.block_id for node in nodes}
         assert len(tree_blocks) == len(nodes) == self.prefix_cache.num_nodes, "a block is in the tree twice"
+        owners = {b: (node, g) for node in nodes for g, b in enumerate(node.group_block_ids) if b != NULL_BLOCK}
+        assert owners.keys() == self._group_owner.keys() and all(
+            self._group_owner[b][0] is node and self._group_owner[b][1] == g for b, (node, g) in owners.items()
+        ), "the nodes' group blocks and their owners disagree"
+        assert not owners.keys() & tree_blocks, "a block is in the tree and beside a node"
+        tree_blocks |= owners.keys()
         cached = {b for b in range(self.pool.num_blocks) if self.pool.is_cached(b)}
         assert cached == tree_blocks, f"cached in the pool but not in the tree, or back: {cached ^ tree_blocks}"
         evict_rank = {b: rank for rank, b in enumerate(self.pool.evictable_order())}
@@ -412,6 +628,8 @@ class KVCacheManager:
                 path.detached = True
                 return
             self.pool.mark_cached(block_id)
+            if request.group_block_ids:
+                self._cache_group_blocks(node, request, index)
             if self.store is not None:
                 assert path.node.content_key is not None
                 node.content_key = block_key(path.node.content_key, key)
@@ -431,17 +649,47 @@ class KVCacheManager:
         if self.store.wants_offload(key, evicted):
             self._offloads[key] = (node.block_id, KeyedBlock(key, parent.content_key, node.key))
 
+    def _cache_group_blocks(self, node: PrefixNode, request: Request, index: int) -> None:
+        """Record the other groups' blocks of a new node (a request's own blocks: never another node's)."""
+        node.group_block_ids = [table[index] for table in request.group_block_ids]
+        for g, block_id in enumerate(node.group_block_ids):
+            if block_id != NULL_BLOCK:
+                assert block_id not in self._group_owner, f"block {block_id} is already beside a node"
+                self.pool.mark_cached(block_id)
+                self._group_owner[block_id] = (node, g)
+
+    def _drop_group_blocks(self, node: PrefixNode) -> None:
+        """A node left the tree: the group blocks beside it are worthless once unheld."""
+        for block_id in node.group_block_ids:
+            if block_id == NULL_BLOCK:
+                continue
+            del self._group_owner[block_id]
+            if self.pool.ref_count(block_id):
+                self.pool.unmark_cached(block_id)
+            else:
+                self.pool.drop_cached(block_id)
+
     def _uncache(self, block_id: int) -> None:
         assert self.prefix_cache is not None
+        node = self.prefix_cache.node_of(block_id)
+        assert node is not None
         self.prefix_cache.remove(block_id)
         self.pool.unmark_cached(block_id)
+        self._drop_group_blocks(node)
 
     def _on_evict(self, block_id: int) -> None:
         assert self.prefix_cache is not None
+        owner = self._group_owner.pop(block_id, None)
+        if owner is not None:  # a group block beside a node: the node stays, without it
+            node, group = owner
+            node.group_block_ids[group] = NULL_BLOCK
+            self.num_evictions += 1
+            return
         node = self.prefix_cache.node_of(block_id)
         assert node is not None
         self._offer(node, evicted=True)  # its content stays valid until the runner applies this step
         self.prefix_cache.remove(block_id)
+        self._drop_group_blocks(node)
         self.num_evictions += 1
 
 

@@ -30,6 +30,10 @@ class PrefixNode:
     computed: bool = True  # False while the owning request has not yet written the block
     children: dict[tuple[int, ...], PrefixNode] = field(default_factory=dict)
     content_key: bytes | None = None  # the block's key in the KV tiers (``block_keys``); None without tiers
+    # KV cache groups 1..G-1's blocks of these tokens (``kv/groups.py``), NULL_BLOCK once evicted; [] with one
+    # group. They are cached beside the node, not part of the tree's structure: one may be evicted while the
+    # node stays, and a match then stops where a group lacks a block its next query would see.
+    group_block_ids: list[int] = field(default_factory=list)
 
     @property
     def is_root(self) -> bool:

@@ -4,8 +4,9 @@ The backends write a step's new keys and values through ``write`` and read a lay
 ``KVLayerView``; how elements are encoded (``KVCacheDtype``: the model's own dtype, or int8 / fp8 / int4 with
 parameters per token per KV head, ``kv/quant.py``) is known here and in the kernels that read a view, never in
 the scheduler or the model. ``write`` quantizes; ``KVLayerView.gather_rows`` dequantizes for the reference
-backend, and the C kernels dequantize as they read. Layout per layer, where a token's flat slot is
-``block_id * block_size + offset``::
+backend, and the C kernels dequantize as they read. Layout per paged tensor (one per layer, or per
+``group_size`` layers of KV cache groups, ``kv/groups.py``, whose layers share them through their own blocks),
+where a token's flat slot is ``block_id * block_size + offset``::
 
     k, v:              [num_blocks, block_size, num_kv_heads, head_dim // values_per_element]  (data dtype)
     k_scale, v_scale:  [num_blocks, block_size, num_kv_heads, params_per_group]  (scale dtype; quantized only)
@@ -36,12 +37,17 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype  # the model's: what ``write`` takes and what reads give back
     cache_dtype: KVCacheDtype | None = None  # None: ``dtype`` itself, unquantized
+    # per layer: the paged tensor it reads and writes (``kv/groups.py``: layers of different KV cache groups
+    # share tensors, each through its own group's blocks); () gives every layer a tensor of its own
+    layer_tensors: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                  "block_size": self.block_size}
         if any(n < 1 for n in sizes.values()):
             raise ValueError(f"every KV cache size must be >= 1, got {sizes}")
+        if self.layer_tensors and len(self.layer_tensors) != self.num_layers:
+            raise ValueError(f"layer_tensors names {len(self.layer_tensors)} layers, the cache has {self.num_layers}")
         if self.head_dim % self.kv_dtype.values_per_element:
             raise ValueError(f"head_dim={self.head_dim} does not pack into {self.kv_dtype.name!r} elements "
                              f"of {self.kv_dtype.values_per_element} values")
@@ -52,10 +58,15 @@ class KVCacheSpec:
         return self.cache_dtype or KVCacheDtype.unquantized(self.dtype)
 
     @property
+    def num_tensors(self) -> int:
+        """The paged K/V tensor pairs: one per layer, or fewer where groups share them."""
+        return max(self.layer_tensors) + 1 if self.layer_tensors else self.num_layers
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes of one block across every layer: K and V data plus their scales."""
+        """Bytes of one block across every paged tensor: K and V data plus their scales."""
         token_head_bytes = self.kv_dtype.bytes_per_token_head(self.head_dim)
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * token_head_bytes
+        return 2 * self.num_tensors * self.block_size * self.num_kv_heads * token_head_bytes
 
 
 class KVLayerView(NamedTuple):
@@ -121,7 +132,9 @@ class KVCacheStorage:
             raise ValueError(f"a KV cache needs at least one block, got num_blocks={num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
-        self._layers = [self._new_layer(device) for _ in range(spec.num_layers)]
+        self._tensors = [self._new_layer(device) for _ in range(spec.num_tensors)]
+        # layer -> its paged tensors: a list lookup, so that sharing tensors costs a layer's read nothing
+        self._layers = [self._tensors[t] for t in spec.layer_tensors or range(spec.num_layers)]
 
     def _new_layer(self, device: torch.device | str) -> KVLayerView:
         spec, encoding = self.spec, self.spec.kv_dtype
@@ -176,13 +189,13 @@ class KVCacheStorage:
                             f"v {v.dtype}, slot_mapping {slot_mapping.dtype}")
 
     def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
-        """Apply (src, dst) block copies in every layer (copy-on-write of a shared partial block)."""
+        """Apply (src, dst) block copies in every paged tensor (copy-on-write of a shared partial block)."""
         if not copies:
             return
-        device = self._layers[0].k.device
+        device = self._tensors[0].k.device
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=device)
-        for view in self._layers:
+        for view in self._tensors:
             for paged in map(_as_copyable, view.tensors()):
                 paged.index_copy_(0, dst, paged.index_select(0, src))
 
@@ -191,9 +204,9 @@ class KVCacheStorage:
         return self.spec.bytes_per_block * self.num_blocks
 
     def read_blocks(self, block_ids: list[int], out: torch.Tensor, rows: list[int]) -> None:
-        """Copy whole blocks, every layer's data and parameters as stored, into rows of ``out`` (uint8
+        """Copy whole blocks, every paged tensor's data and parameters as stored, into rows of ``out`` (uint8
         ``[*, bytes_per_block]``, e.g. a host tier's slab): the bytes a tier keeps and ``write_blocks`` puts
-        back bit for bit. Row layout: each layer's K, V (then K, V parameters) of the block, in layer order."""
+        back bit for bit. Row layout: each tensor's K, V (then K, V parameters) of the block, in order."""
         self._move_blocks(block_ids, out, rows, into_cache=False)
 
     def write_blocks(self, block_ids: list[int], src: torch.Tensor, rows: list[int]) -> None:
@@ -208,7 +221,7 @@ class KVCacheStorage:
                              f"{host.dtype} {tuple(host.shape)}")
         if not block_ids:
             return
-        device = self._layers[0].k.device
+        device = self._tensors[0].k.device
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
         host_rows = torch.tensor(rows, dtype=torch.long)
         parts, word = self._block_words()
@@ -225,7 +238,7 @@ class KVCacheStorage:
     def _block_words(self) -> tuple[list[torch.Tensor], torch.dtype]:
         """Every stored tensor as ``[num_blocks, words of one block]``, in the order of a block's row, in the
         widest integer word that divides every part: the index copies then move words, not bytes (8x faster)."""
-        parts = [t.view(torch.uint8).view(self.num_blocks, -1) for view in self._layers for t in view.tensors()]
+        parts = [t.view(torch.uint8).view(self.num_blocks, -1) for view in self._tensors for t in view.tensors()]
         word = next(dtype for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8)
                     if all(part.shape[1] % dtype.itemsize == 0 for part in parts))
         return [part.view(word) for part in parts], word

@@ -78,6 +78,10 @@ class CausalLM(nn.Module):
 
     def sliding_windows(self) -> set[int | None]:
         """The distinct attention windows of the layers (None = global attention)."""
+        return set(self.layer_windows())
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window (None = global attention), in layer order."""
 
 
 class CheckpointError(ValueError):

@@ -174,8 +174,8 @@ class DecoderLM(CausalLM):
         if self.tied:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def sliding_windows(self) -> set[int | None]:
-        return {layer.self_attn.sliding_window for layer in self.layers}
+    def layer_windows(self) -> list[int | None]:
+        return [layer.self_attn.sliding_window for layer in self.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         loaders = self._weight_loaders()

@@ -33,7 +33,9 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]  # the block table as it stands when the request enters the batch
+    # the block table as it stands when the request enters the batch; with KV cache groups (``kv/groups.py``)
+    # every group's, group after group, each as long (a window group's freed entries ``NULL_BLOCK``)
+    block_ids: list[int]
     sample_index: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # masked by the sampler while min_tokens is not reached
     forked_from: str | None = None
@@ -49,6 +51,10 @@ class ScheduledRequest(NamedTuple):
     the batch: its ``NewRequestData`` has the whole table). ``sample`` is False for a non-final prefill
     chunk; ``prompt_logprobs`` asks for the logprobs of the prompt tokens this chunk predicts.
 
+    With KV cache groups (``kv/groups.py``), ``new_block_ids`` holds every group's new blocks, group after group,
+    the same number each, and ``num_null_blocks``, when not empty, how many leading entries of each group's
+    table are now ``NULL_BLOCK`` (blocks a window group freed: no query of the step or after reads them).
+
     A speculating decode runs its last sampled token then ``draft_token_ids`` (``num_tokens`` = 1 + drafts),
     and the runner returns the accepted drafts plus one token of its own. Afterwards both sides keep only
     the blocks that the request's known tokens need (``ceil(num_tokens / block_size)``): blocks taken only
@@ -62,6 +68,7 @@ class ScheduledRequest(NamedTuple):
     sample: bool = True
     prompt_logprobs: bool = False
     draft_token_ids: tuple[int, ...] = ()
+    num_null_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv = kv
+        self._grouped = kv.groups.frees_blocks  # tables per KV cache group: steps carry every group's blocks
         self.speculation = speculation
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
@@ -164,10 +165,12 @@ class Scheduler:
                 f"= {num_needed} is over max_model_len={max_model_len}"
             )
         max_len = max_model_len if max_tokens is None else num_needed
-        if max_len > self.kv.num_slots_total:
+        max_blocks = self.kv.max_blocks_for(max_len, self.config.max_num_batched_tokens)
+        if max_blocks > self.kv.num_blocks_total:
             raise ValueError(
                 f"request {request.request_id!r} may grow to {max_len} tokens, over the whole KV cache "
-                f"({self.kv.num_blocks_total} blocks x {self.kv.block_size} = {self.kv.num_slots_total} tokens)"
+                f"({self.kv.num_blocks_total} blocks x {self.kv.block_size} = {self.kv.num_slots_total} tokens"
+                + (f"; its KV cache groups may hold {max_blocks} blocks at once)" if self._grouped else ")")
             )
 
     def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> None:
@@ -322,19 +325,26 @@ class Scheduler:
         """The request's row of this step; a request not in the runner's batch yet is named in full."""
         num_sent = self._num_blocks_sent.get(request.request_id)
         if num_sent is None:
-            new_requests.append(_new_request_data(request, self._fork_source(request)))
+            new_requests.append(_new_request_data(request, self._fork_source(request), self.kv.tables(request)))
             num_sent = len(request.block_ids)
         num_blocks = len(request.block_ids)
         self._num_blocks_sent[request.request_id] = num_blocks
         end = request.num_computed_tokens + num_new - len(draft)  # drafts are not the request's tokens yet
+        if num_sent >= num_blocks:
+            new_block_ids: tuple[int, ...] = ()
+        elif self._grouped:  # group after group, the same number each
+            new_block_ids = tuple(b for table in self.kv.tables(request) for b in table[num_sent:])
+        else:
+            new_block_ids = tuple(request.block_ids[num_sent:])
         return ScheduledRequest(
             request.request_id,
             request.num_computed_tokens,
             num_new,
-            tuple(request.block_ids[num_sent:]) if num_sent < num_blocks else (),
+            new_block_ids,
             end == request.num_tokens,
             request.sampling_params.prompt_logprobs is not None and _wants_prompt_logprobs(request, end),
             draft,
+            self.kv.take_null_counts(request) if self._grouped else (),
         )
 
     def _fork_source(self, request: Request) -> str | None:
@@ -508,13 +518,13 @@ def _engine_output(
     )
 
 
-def _new_request_data(request: Request, forked_from: str | None) -> NewRequestData:
+def _new_request_data(request: Request, forked_from: str | None, tables: list[list[int]]) -> NewRequestData:
     return NewRequestData(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
         output_token_ids=list(request.output_token_ids),
         sampling_params=request.sampling_params,
-        block_ids=list(request.block_ids),
+        block_ids=[b for table in tables for b in table],
         sample_index=request.sample_index,
         eos_token_ids=request.eos_token_ids,
         forked_from=forked_from,

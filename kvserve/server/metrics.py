@@ -62,6 +62,11 @@ _TIER_GAUGES = {
     "kv_offload_disk_blocks": "KV block files in the disk tier.",
     "kv_offload_disk_bytes": "Bytes of KV block files in the disk tier.",
 }
+# KV blocks held by kind of KV cache group (``kv/groups.py``): stats key -> help
+_KV_GROUP_GAUGES = {
+    "kv_blocks_windowed": "KV blocks held by sliding-window layers' groups (bounded by their windows).",
+    "kv_blocks_full": "KV blocks held by full-attention layers' groups (or by every layer with one group).",
+}
 _TIER_COUNTERS = {
     "kv_offload_host_hit_tokens": "Prefix tokens loaded back from the host-memory tier.",
     "kv_offload_disk_hit_tokens": "Prefix tokens loaded back from the disk tier.",
@@ -130,7 +135,8 @@ class ServerMetrics:
         self.num_requests_waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).")
         self.prefix_cache_blocks = self._gauge("prefix_cache_blocks", "KV blocks the prefix cache names.")
-        self.tier_gauges = {key: self._gauge(key, doc) for key, doc in _TIER_GAUGES.items()}
+        # gauges set straight from a stats key of the same name
+        self.stat_gauges = {key: self._gauge(key, doc) for key, doc in {**_TIER_GAUGES, **_KV_GROUP_GAUGES}.items()}
         info = Gauge("kvserve:cache_config_info", "The KV cache configuration.",
                      ["model_name", "block_size", "num_gpu_blocks", "cache_dtype"], registry=self.registry)
         info.labels(
@@ -195,7 +201,7 @@ class ServerMetrics:
         total = stats["num_blocks_total"]
         self.kv_cache_usage.set(stats["num_blocks_used"] / total if total else 0.0)
         self.prefix_cache_blocks.set(stats.get("prefix_cache_blocks", 0))
-        for key, gauge in self.tier_gauges.items():
+        for key, gauge in self.stat_gauges.items():
             gauge.set(stats.get(key, 0))
         for key, counter in self._engine_counters.items():
             num_new = stats.get(key, 0) - self._engine_counts_seen[key]

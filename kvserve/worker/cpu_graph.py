@@ -26,6 +26,7 @@ of a step, none reused: ~1 MB a token for SmolLM2) stay within ``MAX_GRAPH_BYTES
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -34,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kvserve.attention.backend import AttentionBackend, AttentionInputs
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, build_step_metadata
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.native import KernelFunction, recording
 
@@ -113,34 +114,41 @@ def _storage(t: torch.Tensor) -> int | None:
 
 
 class _StaticInputs:
-    """A decode step's inputs for ``num_tokens`` sequences, in tensors whose memory never moves."""
+    """A decode step's inputs for ``num_tokens`` sequences, in tensors whose memory never moves (block tables and
+    slot mappings one per KV cache group)."""
 
-    def __init__(self, num_tokens: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, num_tokens: int, max_blocks: int, block_size: int, device: torch.device,
+                 num_groups: int) -> None:
         def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.input_ids = zeros(num_tokens, dtype=torch.int64)
         self.positions = zeros(num_tokens, dtype=torch.int64)
-        self.slot_mapping = zeros(num_tokens, dtype=torch.int64)
+        self.slot_mapping = [zeros(num_tokens, dtype=torch.int64) for _ in range(num_groups)]
         self.seq_lens = zeros(num_tokens, dtype=torch.int32)
-        self.block_tables = zeros(num_tokens, max_blocks, dtype=torch.int32)
+        self.block_tables = [zeros(num_tokens, max_blocks, dtype=torch.int32) for _ in range(num_groups)]
         self.query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
         self.block_size = block_size
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> None:
         self.input_ids.copy_(input_ids)
         self.positions.copy_(positions)
-        self.slot_mapping.copy_(attn.slot_mapping)
         self.seq_lens.copy_(attn.seq_lens)
-        self.block_tables[:, : attn.block_tables.shape[1]].copy_(attn.block_tables)
+        for group, inputs in enumerate((attn, *attn.groups)):
+            self.slot_mapping[group].copy_(inputs.slot_mapping)
+            self.block_tables[group][:, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
 
     def attention_inputs(self, seq_lens_list: list[int]) -> AttentionInputs:
         num_tokens = len(self.input_ids)
-        return AttentionInputs(
-            num_decodes=num_tokens, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-            block_tables=self.block_tables, slot_mapping=self.slot_mapping, query_lens_list=[1] * num_tokens,
-            seq_lens_list=seq_lens_list, block_size=self.block_size,
-        )
+        group_inputs = [
+            AttentionInputs(
+                num_decodes=num_tokens, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                block_tables=block_tables, slot_mapping=slot_mapping, query_lens_list=[1] * num_tokens,
+                seq_lens_list=seq_lens_list, block_size=self.block_size,
+            )
+            for block_tables, slot_mapping in zip(self.block_tables, self.slot_mapping)
+        ]
+        return dataclasses.replace(group_inputs[0], groups=tuple(group_inputs[1:]))
 
 
 class _StepGraph:
@@ -159,12 +167,15 @@ class _StepGraph:
 
 
 def step_graphs_for(model: torch.nn.Module, backend: AttentionBackend, kv: KVCacheStorage, device: torch.device,
-                    max_blocks: int, enforce_eager: bool) -> CpuStepGraphs | None:
+                    max_blocks: int, enforce_eager: bool, group_windows: list[set[int | None]] | None = None,
+                    layer_groups: tuple[int, ...] = ()) -> CpuStepGraphs | None:
     """Step graphs for ``model``'s decode steps where they can serve: on CPU, over a backend whose metadata is
-    static, unless ``--enforce-eager``."""
+    static, unless ``--enforce-eager``. ``group_windows`` and ``layer_groups`` describe KV cache groups
+    (``build_step_metadata``); None: one group."""
     if device.type != "cpu" or not backend.static_metadata or enforce_eager:
         return None
-    return CpuStepGraphs(model, backend, kv, model.sliding_windows(), max_blocks, model.config.max_position_embeddings)
+    return CpuStepGraphs(model, backend, kv, group_windows or [model.sliding_windows()], max_blocks,
+                         model.config.max_position_embeddings, layer_groups)
 
 
 class CpuStepGraphs:
@@ -172,9 +183,10 @@ class CpuStepGraphs:
     its first step; ``forward`` returns None for a step that must run eagerly."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv: KVCacheStorage,
-                 sliding_windows: set[int | None], max_blocks: int, max_positions: int) -> None:
+                 group_windows: list[set[int | None]], max_blocks: int, max_positions: int,
+                 layer_groups: tuple[int, ...] = ()) -> None:
         self.model, self.backend, self.kv = model, backend, kv
-        self.sliding_windows = sliding_windows
+        self.group_windows, self.layer_groups = group_windows, layer_groups
         self.max_blocks = max_blocks
         self.max_positions = max_positions  # rope tables cover these positions; a step past them runs eagerly
         self.graphs: dict[int, _StepGraph] = {}
@@ -196,9 +208,10 @@ class CpuStepGraphs:
 
     def _record(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
         num_tokens = attn.num_tokens
-        inputs = _StaticInputs(num_tokens, self.max_blocks, attn.block_size, input_ids.device)
+        inputs = _StaticInputs(num_tokens, self.max_blocks, attn.block_size, input_ids.device, 1 + len(attn.groups))
         inputs.load(input_ids, positions, attn)
-        meta = self.backend.build_metadata(inputs.attention_inputs(attn.seq_lens_list), self.sliding_windows)
+        meta = build_step_metadata(self.backend, inputs.attention_inputs(attn.seq_lens_list), self.group_windows,
+                                   self.layer_groups)
         recorder = _StepRecorder()
         try:
             with recorder, recording(recorder.record_kernel):

@@ -6,7 +6,10 @@ persistent batch). So a step's host work is proportional to the tokens it runs, 
 length::
 
     rows (one per request in the batch, reused):   row r: token ids (prompt + outputs), sampling row
-    block_table [capacity, max_blocks_per_request]:  row r: | b3 | b9 | b4 | 0 ... |   num_blocks[r] = 3
+    block_table [groups, capacity, max_blocks_per_request]:
+        group 0, row r: | b3 | b9 | b4 | 0 ... |   num_blocks[r] = 3
+        group 1, row r: | -1 | b7 | b2 | 0 ... |   (KV cache groups, ``kv/groups.py``: a window group's freed
+                                                    leading blocks are NULL_BLOCK)
 
 ``prepare`` gathers a step's rows of the persistent block table and its tokens into flat arrays (numpy,
 vectorised per token), then copies them to the device: through persistent pinned buffers on CUDA, so each
@@ -15,6 +18,7 @@ input is one non-blocking copy.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionInputs
+from kvserve.kv.groups import NULL_BLOCK
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -74,10 +79,11 @@ class PersistentBatch:
     """Owns the runner's rows and block tables; ``update`` applies a step's diff, ``prepare`` builds its
     inputs, ``append_sampled`` records the sampled tokens."""
 
-    def __init__(self, max_blocks_per_request: int, block_size: int, device: torch.device, capacity: int = 64):
+    def __init__(self, max_blocks_per_request: int, block_size: int, device: torch.device, capacity: int = 64,
+                 num_groups: int = 1):
         self.block_size = block_size
         self.device = device
-        self.block_table = np.zeros((capacity, max_blocks_per_request), dtype=np.int32)
+        self.block_table = np.zeros((num_groups, capacity, max_blocks_per_request), dtype=np.int32)
         self.num_blocks = np.zeros(capacity, dtype=np.int64)
         self._rows: list[_Row | None] = [None] * capacity
         self._index: dict[str, int] = {}  # request id -> row
@@ -94,9 +100,9 @@ class PersistentBatch:
     def output_token_ids(self, request_id: str) -> list[int]:
         return self._row(request_id).output_token_ids
 
-    def block_ids(self, request_id: str) -> list[int]:
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
         row = self._index[request_id]
-        return self.block_table[row, : self.num_blocks[row]].tolist()
+        return self.block_table[group, row, : self.num_blocks[row]].tolist()
 
     # ------------------------------------------------------------------------------------------ the diff
 
@@ -124,7 +130,7 @@ class PersistentBatch:
         num_tokens = len(row.prompt_token_ids) + len(row.output_token_ids)
         num_held, num_kept = int(self.num_blocks[index]), -(-num_tokens // self.block_size)
         if num_kept < num_held:
-            self.block_table[index, num_kept:num_held] = 0  # a table stays padded with 0
+            self.block_table[:, index, num_kept:num_held] = 0  # a table stays padded with 0
             self.num_blocks[index] = num_kept
 
     def _add(self, new: NewRequestData) -> None:
@@ -138,7 +144,7 @@ class PersistentBatch:
                                output_token_ids, new.eos_token_ids)
         self._rows[row] = _Row(new.request_id, new.prompt_token_ids, output_token_ids, sampling)
         self._index[new.request_id] = row
-        self.block_table[row] = 0  # a row's table is padded with 0, whatever its last holder left there
+        self.block_table[:, row] = 0  # a row's table is padded with 0, whatever its last holder left there
         self.num_blocks[row] = 0
         self._set_blocks(row, new.block_ids)
 
@@ -151,19 +157,29 @@ class PersistentBatch:
     def _append_blocks(self, scheduled: ScheduledRequest) -> None:
         if scheduled.new_block_ids:
             self._set_blocks(self._index_of(scheduled.request_id), scheduled.new_block_ids)
+        if scheduled.num_null_blocks:
+            row = self._index_of(scheduled.request_id)
+            for group, num_null in enumerate(scheduled.num_null_blocks):
+                self.block_table[group, row, :num_null] = NULL_BLOCK
 
     def _set_blocks(self, row: int, block_ids: list[int] | tuple[int, ...]) -> None:
+        """Append blocks to the row's tables: every group's, group after group, the same number each."""
+        num_groups, max_blocks = self.block_table.shape[0], self.block_table.shape[2]
         start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        if end > self.block_table.shape[1]:
-            raise ValueError(f"a block table of {end} blocks is over the {self.block_table.shape[1]} a request may hold")
-        self.block_table[row, start:end] = block_ids
+        num_new = len(block_ids) // num_groups
+        end = start + num_new
+        if end > max_blocks:
+            raise ValueError(f"a block table of {end} blocks is over the {max_blocks} a request may hold")
+        if num_groups == 1:
+            self.block_table[0, row, start:end] = block_ids
+        else:
+            self.block_table[:, row, start:end] = np.reshape(block_ids, (num_groups, num_new))
         self.num_blocks[row] = end
 
     def _grow(self) -> None:
         """Double the rows (the batch may briefly hold more requests than max_num_seqs: n > 1 forks)."""
         capacity = len(self._rows)
-        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+        self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)], axis=1)
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
         self._rows.extend([None] * capacity)
         self._free_rows.extend(reversed(range(capacity, 2 * capacity)))
@@ -215,9 +231,8 @@ class PersistentBatch:
         seq_of_token = np.repeat(np.arange(len(rows)), query_lens)
         positions = np.arange(num_tokens) - query_start[seq_of_token] + start_pos[seq_of_token]
         width = max(1, int(self.num_blocks[rows].max(initial=0)))
-        block_tables = self.block_table[rows, :width]
-        slot_mapping = block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
-        slot_mapping += positions % self.block_size
+        block_tables = self.block_table[0, rows, :width]
+        slot_mapping = self._slot_mapping(block_tables, seq_of_token, positions)
         attn = AttentionInputs(
             num_decodes=int(np.count_nonzero(query_lens == 1)),
             query_start_loc=self._to_device("query_start_loc", query_start, torch.int32),
@@ -228,8 +243,29 @@ class PersistentBatch:
             seq_lens_list=seq_lens.tolist(),
             block_size=self.block_size,
         )
+        if self.block_table.shape[0] > 1:
+            attn = dataclasses.replace(attn, groups=self._group_inputs(attn, rows, width, seq_of_token, positions))
         input_ids = self._to_device("input_ids", np.array(tokens, dtype=np.int64), torch.int64)
         return StepLayout(input_ids, self._to_device("positions", positions, torch.int64), attn, query_start)
+
+    def _slot_mapping(self, block_tables: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        slot_mapping = block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+        slot_mapping += positions % self.block_size
+        return slot_mapping
+
+    def _group_inputs(self, attn: AttentionInputs, rows: np.ndarray, width: int, seq_of_token: np.ndarray,
+                      positions: np.ndarray) -> tuple[AttentionInputs, ...]:
+        """Groups 1..G-1's inputs: group 0's layout through their own tables (a new token never lies in a
+        null block: those end before the step's first query's window)."""
+        inputs = []
+        for group in range(1, self.block_table.shape[0]):
+            block_tables = self.block_table[group, rows, :width]
+            slot_mapping = self._slot_mapping(block_tables, seq_of_token, positions)
+            inputs.append(dataclasses.replace(
+                attn, block_tables=self._to_device(f"block_tables{group}", block_tables, torch.int32),
+                slot_mapping=self._to_device(f"slot_mapping{group}", slot_mapping, torch.int64),
+            ))
+        return tuple(inputs)
 
     def rows_of(self, request_ids: list[str]) -> np.ndarray:
         """The batch rows of the given requests (for ``layout``)."""

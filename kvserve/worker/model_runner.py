@@ -3,13 +3,15 @@ token ids (and logprobs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, build_step_metadata
 from kvserve.attention.selector import select_backend
+from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.kv.tiers import TieredStore, model_identity
@@ -61,7 +63,8 @@ class ModelRunner:
         self.kv: KVCacheStorage | None = None
         self.kv_tiers: TieredStore | None = None
         self.batch: PersistentBatch | None = None
-        self._sliding_windows = self.model.sliding_windows()
+        self.kv_groups = KVCacheGroups.single(self.model.num_layers)
+        self._group_windows = [self.model.sliding_windows()]
         self.enforce_eager = enforce_eager
         self.graphs: CpuStepGraphs | None = None
         self.draft = draft
@@ -83,8 +86,23 @@ class ModelRunner:
             return str(self.dtype).removeprefix("torch.")
         return f"gguf {', '.join(kept)}" + (" (mapped)" if self.weights == "gguf-mmap" else "")
 
+    def layer_windows(self) -> list[int | None]:
+        return self.model.layer_windows()
+
+    def use_kv_groups(self, groups: KVCacheGroups) -> None:
+        """Lay the KV cache out in these groups (``kv/groups.py``; one group, the plain layout, until called):
+        before ``kv_bytes_per_block`` sizes the pool and ``init_kv_cache`` allocates it."""
+        if len(groups.layer_groups) != self.model.num_layers:
+            raise ValueError(f"KV cache groups for {len(groups.layer_groups)} layers, the model has {self.model.num_layers}")
+        windows = self.layer_windows()
+        self.kv_groups = groups
+        self._group_windows = [{windows[layer] for layer in groups.layers_of(g)} for g in range(groups.num_groups)]
+
     def kv_cache_spec(self) -> KVCacheSpec:
-        return self.model.kv_cache_spec(self.block_size, self.dtype, self.kv_cache_dtype)
+        spec = self.model.kv_cache_spec(self.block_size, self.dtype, self.kv_cache_dtype)
+        if self.kv_groups.num_groups == 1:
+            return spec
+        return dataclasses.replace(spec, layer_tensors=self.kv_groups.layer_tensors)
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block id holds: the target's KV, and the draft model's (the same block ids index both)."""
@@ -110,7 +128,7 @@ class ModelRunner:
         self.peers.init_kv_cache(num_blocks, max_model_len)
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device)
         max_blocks = -(-max_model_len // self.block_size)
-        self.batch = PersistentBatch(max_blocks, self.block_size, self.device)
+        self.batch = PersistentBatch(max_blocks, self.block_size, self.device, num_groups=self.kv_groups.num_groups)
         self.kv_tiers = tiers
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks, max_blocks)
@@ -119,7 +137,8 @@ class ModelRunner:
             if self.tp.rank == 0 and not self.enforce_eager:
                 logger.info("tensor parallel: every step runs eagerly (CPU step graphs do not record collectives)")
         else:
-            self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, max_blocks, self.enforce_eager)
+            self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, max_blocks, self.enforce_eager,
+                                          self._group_windows, self.kv_groups.layer_groups)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
@@ -170,8 +189,11 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and (hidden := graphs.forward(batch.input_ids, batch.positions, batch.attn)) is not None:
             return hidden
-        meta = self.backend.build_metadata(batch.attn, self._sliding_windows)
-        return self.model(batch.input_ids, batch.positions, meta, self.kv)
+        return self.model(batch.input_ids, batch.positions, self.step_metadata(batch.attn), self.kv)
+
+    def step_metadata(self, attn: AttentionInputs) -> AttentionMetadata:
+        """The backend's metadata of a step, one per KV cache group where there are several."""
+        return build_step_metadata(self.backend, attn, self._group_windows, self.kv_groups.layer_groups)
 
     def apply_kv_transfers(self, plan: KVTransferPlan) -> None:
         """Apply a step's block moves in the plan's order (``KVTransferPlan``): offloads (they save blocks this

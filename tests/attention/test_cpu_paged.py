@@ -295,3 +295,15 @@ def test_selector_falls_back_with_one_warning_when_the_kernel_cannot_be_built(
     ]
     with pytest.raises(KernelBuildError):  # forcing the kernel does not fall back
         select_backend(CPU, torch.float32, name="cpu_paged")
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_blocks_before_every_window_may_be_null_and_a_run_of_nulls_is_no_shared_prefix(block_size: int,
+                                                                                       num_threads: int) -> None:
+    """Decodes past their window, whose tables all start with nulls, share no keys; two decodes within it that
+    share real blocks still read them once; chunks start at their first query's window."""
+    window = 6
+    step = make_step([(50, 1), (70, 1), (4, 1), (4, 1), (40, 9), (33, 20)], 4, head_dim=64, block_size=block_size,
+                     num_kv_heads=2, group=2)
+    step = share_leading_blocks(step, [([2, 3], 4 // block_size)]) if block_size < 4 else step
+    check(ref_tests.null_dead_blocks(step, window), window)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvserve.attention.backend import AttentionInputs
 from kvserve.attention.torch_ref import MAX_DECODE_GROUPS_CPU, MIN_DECODE_GROUP, TorchRefBackend, _decode_groups
+from kvserve.kv.groups import NULL_BLOCK
 from kvserve.kv.quant import KVCacheDtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 
@@ -245,3 +246,23 @@ def test_decodes_are_grouped_by_length_with_bounded_padding() -> None:
             assert max(lens) * len(lens) <= 1.25 * sum(lens)
     many = [1 + (i * 37) % 500 for i in range(256)]
     assert len(_decode_groups(many, 4)) <= 4 and _decode_groups(many, 1) == [sorted(range(256), key=many.__getitem__)]
+
+
+def null_dead_blocks(step: Step, window: int) -> Step:
+    """The step with every block wholly before its sequence's first visible key (its first query's window)
+    named ``NULL_BLOCK``, as a sliding-window KV cache group frees them."""
+    tables = step.inputs.block_tables.clone()
+    block_size = step.inputs.block_size
+    for seq, (seq_len, query_len) in enumerate(zip(step.inputs.seq_lens_list, step.query_lens)):
+        num_dead = max(0, seq_len - query_len - window + 1) // block_size
+        tables[seq, :num_dead] = NULL_BLOCK
+    return replace(step, inputs=replace(step.inputs, block_tables=tables))
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_blocks_before_every_window_may_be_null(block_size: int) -> None:
+    """Decodes of different lengths padded to one another (padding reads position 0 only of a sequence shorter
+    than its window, which has no null entry) and chunks."""
+    step = make_step([(3, 1), (50, 1), (29, 1), (70, 1), (40, 9), (0, 12), (33, 20)], 4, block_size=block_size,
+                     num_kv_heads=2, group=2)
+    check(null_dead_blocks(step, 6), 6)

@@ -16,7 +16,7 @@ from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  # noqa: E402
 from kvserve.kv.quant import ENCODINGS  # noqa: E402
 from tests.attention.test_cpu_paged import make_step  # noqa: E402
-from tests.attention.test_torch_ref import LAYER, Step  # noqa: E402
+from tests.attention.test_torch_ref import LAYER, Step, null_dead_blocks  # noqa: E402
 
 DEVICE = "cpu" if is_interpreted() else "cuda"
 # fp32 runs ieee dots, so it lands on the reference up to summation order; bf16 rounds the probabilities to bf16
@@ -149,3 +149,10 @@ def test_real_shapes_on_cuda(dtype: torch.dtype, num_kv_heads: int, group: int, 
     step = triton_step(seqs, len(contexts), head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
                        dtype=dtype, seed=head_dim)
     check(step, window, TritonPagedBackend())
+
+
+@pytest.mark.parametrize("window", [6, 40])
+def test_blocks_before_every_window_may_be_null(window: int) -> None:
+    step = triton_step([(50, 1), (130, 1), (3, 1), (40, 9), (100, 20)], 3, group=2)
+    check(null_dead_blocks(step, window), window, NO_SPLIT)
+    check(null_dead_blocks(step, window), window, SPLIT)

@@ -197,3 +197,29 @@ def test_smollm2_fp8_stays_within_its_stated_bound() -> None:
     e4m3 keeps 3 mantissa bits of every weight and activation, coarser than per-channel int8 weights alone."""
     diffs = _drift_from_fp32("smollm2-135m-instruct", "fp8")
     assert max(diffs) < 2.0 and sum(diffs) / len(diffs) < 0.2
+
+
+@pytest.mark.slow
+def test_gemma3_past_its_512_token_window_matches_transformers_with_bounded_window_blocks() -> None:
+    """A prompt and generation well past Gemma 3's sliding window: greedy tokens equal transformers', while its
+    five window groups (15 sliding layers) hold at most their window plus a chunk of blocks each, under what one
+    table per layer would hold."""
+    chunk, max_new = 128, 64
+    llm = LLM("gemma-3-270m", dtype="float32", max_model_len=1024, max_num_batched_tokens=chunk)
+    prompt_ids = llm.get_tokenizer().encode(" ".join(PROMPTS) * 80)[:900]
+    expected = hf_greedy(_hf_from_gguf("gemma-3-270m"), prompt_ids, max_new)
+    core, held = llm.engine.core, []
+    step = core.step
+
+    def tracked():
+        outputs = step()
+        stats = llm.stats()
+        held.append((stats["kv_blocks_windowed"], stats["kv_blocks_full"]))
+        return outputs
+
+    core.step = tracked
+    out = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=max_new))
+    assert out[0].outputs[0].token_ids == expected
+    assert core.kv_manager.groups.windows.count(512) == 5 and llm.stats()["kv_cache_groups"] == 6
+    bound = 5 * ((512 - 1 + chunk) // core.kv_manager.block_size + 2)
+    assert max(w for w, _ in held) <= bound < 5 * max(f for _, f in held)

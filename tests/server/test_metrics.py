@@ -89,3 +89,12 @@ def test_swap_counters_follow_the_engine_stats() -> None:
     metrics.on_step([], {**stats, **swaps}, time.monotonic())
     for key, value in swaps.items():
         assert metrics.registry.get_sample_value(f"kvserve:{key}_total", {"model_name": "m"}) == value, key
+
+
+def test_kv_block_gauges_follow_the_engine_stats() -> None:
+    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 5, "kv_cache_dtype": "float32",
+             "num_running": 1, "num_waiting": 0, "kv_blocks_windowed": 2, "kv_blocks_full": 3}
+    metrics = ServerMetrics("m", stats, 64)
+    metrics.on_step([], stats, time.monotonic())
+    for key in ("kv_blocks_windowed", "kv_blocks_full"):
+        assert metrics.registry.get_sample_value(f"kvserve:{key}", {"model_name": "m"}) == stats[key], key

@@ -76,7 +76,7 @@ def test_a_replay_equals_the_eager_forward_bit_for_bit(tiny_checkpoints, arch: s
 
     def both(batch):
         replayed = forward(batch).clone()
-        meta = runner.backend.build_metadata(batch.attn, runner._sliding_windows)
+        meta = runner.step_metadata(batch.attn)
         eager = runner.model(batch.input_ids, batch.positions, meta, runner.kv)  # rewrites the same K/V
         hidden.append((replayed, eager))
         return replayed

@@ -11,6 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvserve.config import SchedulerConfig
+from kvserve.kv.groups import KVCacheGroups
+from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import FinishReason
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
@@ -167,3 +170,59 @@ def test_a_request_scheduled_before_it_was_added_is_a_clear_error() -> None:
         assert "never added" in str(error)
     else:
         raise AssertionError("prepare ran a request the batch does not hold")
+
+
+def grouped_reference(scheduler: Scheduler, sched_out: SchedulerOutput) -> list[dict[str, list]]:
+    """Per KV cache group, the step's block tables (nulls kept, padded with 0) and slots, from the scheduler."""
+    block_size = scheduler.kv.block_size
+    requests = [scheduler.requests[r.request_id] for r in sched_out.requests]
+    width = max(len(request.block_ids) for request in requests)
+    reference = []
+    for group in range(scheduler.kv.groups.num_groups):
+        tables = [scheduler.kv.tables(request)[group] for request in requests]
+        slots = [table[p // block_size] * block_size + p % block_size
+                 for row, table in zip(sched_out.requests, tables)
+                 for p in range(row.start_pos, row.start_pos + row.num_tokens)]
+        reference.append({"block_tables": [t + [0] * (width - len(t)) for t in tables], "slot_mapping": slots})
+    return reference
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from([1, 1, 2])), min_size=1, max_size=8),
+    st.integers(12, 40),
+    st.booleans(),
+    st.randoms(use_true_random=False),
+)
+def test_every_kv_cache_groups_tables_and_slots_follow_the_diffs(specs, num_blocks: int, prefix_caching: bool,
+                                                                  rng) -> None:
+    """Window groups' tables with null entries (and, from prefix hits, requests entering with them)."""
+    groups = KVCacheGroups.of_layers([5, None, 5])  # three groups of one layer
+    scheduler = Scheduler(SchedulerConfig(4, 16, 48), KVCacheManager(num_blocks, 4, prefix_caching, groups=groups))
+    batch = PersistentBatch(max_blocks_per_request=12, block_size=4, device=CPU, capacity=2, num_groups=3)
+    pending = [make_request(f"r{i}", p, max_tokens=m, n=n, prefix=[7] * min(p, 12))
+               for i, (p, m, n) in enumerate(specs)]
+    while pending or scheduler.has_unfinished_requests():
+        if pending and rng.random() < 0.5:
+            try:
+                scheduler.add_request(pending.pop())
+            except ValueError:
+                pass
+        if scheduler.requests and rng.random() < 0.05:
+            scheduler.finish_requests([rng.choice(sorted(scheduler.requests))], FinishReason.ABORT)
+        sched_out = scheduler.schedule()
+        batch.update(sched_out)
+        sampled = {}
+        if not sched_out.is_empty:
+            attn = batch.prepare(sched_out).attn
+            actual = [{"block_tables": a.block_tables.tolist(), "slot_mapping": a.slot_mapping.tolist()}
+                      for a in (attn, *attn.groups)]
+            assert actual == grouped_reference(scheduler, sched_out)
+            sampled = {r.request_id: [sampled_token(r.request_id, r.start_pos)] for r in sched_out.requests if r.sample}
+        batch.append_sampled(sampled)
+        scheduler.update_from_output(sched_out, ModelOutput(sampled))
+        for request_id, request in scheduler.requests.items():
+            if request_id in batch:
+                assert [batch.block_ids(request_id, g) for g in range(3)] == scheduler.kv.tables(request)
+    batch.update(scheduler.schedule())
+    assert batch.num_requests == 0

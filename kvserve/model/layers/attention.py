@@ -75,6 +75,7 @@ class Attention(UsesFusedOps, Shardable, nn.Module):
             q, k = qk.split((num_heads, num_kv_heads), dim=1)
         self.ops.rotary_(qk, *rope)
         out = self.backend.forward(
-            q, k, v, self.layer_idx, kv, attn, scale=self.scale, sliding_window=self.sliding_window
+            q, k, v, self.layer_idx, kv, attn.for_layer(self.layer_idx), scale=self.scale,
+            sliding_window=self.sliding_window,
         )
         return self.o_proj(out.reshape(num_tokens, -1))
