@@ -28,6 +28,7 @@ BLOCK_SIZE = 4
 MAX_NEW = 40
 LENGTHS = [40, 5, 70, 17]
 FAMILIES = {"gemma3": 2, "mistral": 1, "qwen2-layer-types": 2}  # family -> KV cache groups
+HYBRID = sorted(f for f, num_groups in FAMILIES.items() if num_groups > 1)
 OPTIONS = {"dtype": "float32", "enable_prefix_caching": False, "block_size": BLOCK_SIZE, "num_kv_blocks": 96}
 
 
@@ -45,7 +46,17 @@ def qwen2_with_layer_types(tiny_qwen2: Path, out_dir: Path) -> Path:
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest, tiny_checkpoints, tmp_path_factory):
-    name = request.param
+    return _family(request.param, tiny_checkpoints, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=HYBRID)
+def hybrid_family(request: pytest.FixtureRequest, tiny_checkpoints, tmp_path_factory):
+    """A family with full and sliding layers: the prefix cache keeps its groups (an all-window model keeps one
+    table with the prefix cache, tested in the fallbacks)."""
+    return _family(request.param, tiny_checkpoints, tmp_path_factory)
+
+
+def _family(name: str, tiny_checkpoints, tmp_path_factory):
     if name == "qwen2-layer-types":
         path = qwen2_with_layer_types(tiny_checkpoints["qwen2"], tmp_path_factory.mktemp("qwen2"))
     else:
@@ -180,17 +191,13 @@ def test_a_model_without_windows_keeps_the_plain_layout(tiny_checkpoints) -> Non
     assert llm.engine.core.runner.kv_cache_spec().layer_tensors == ()
 
 
-HYBRID = [f for f, num_groups in FAMILIES.items() if num_groups > 1]
-
 
 @pytest.mark.parametrize("max_num_batched_tokens", [8, 256])
-def test_prefix_hits_take_every_groups_blocks_and_keep_the_tokens(family, max_num_batched_tokens: int) -> None:
+def test_prefix_hits_take_every_groups_blocks_and_keep_the_tokens(hybrid_family, max_num_batched_tokens: int) -> None:
     """Hybrid families with the prefix cache: a second pass over the prompts, and prompts extending the first
     ones' outputs (a conversation's next turn), hit the cache and give transformers' tokens; the window groups
     stay bounded."""
-    name, path, prompts, expected = family
-    if name not in HYBRID:
-        pytest.skip("an all-window model keeps one table with the prefix cache")
+    _, path, prompts, expected = hybrid_family
     llm = LLM(str(path), **{**OPTIONS, "enable_prefix_caching": True}, max_num_batched_tokens=max_num_batched_tokens)
     assert llm.stats()["kv_cache_groups"] == 2
     assert [s[0] for s in greedy_token_ids(llm, prompts, MAX_NEW)] == expected
@@ -202,10 +209,8 @@ def test_prefix_hits_take_every_groups_blocks_and_keep_the_tokens(family, max_nu
     assert_all_blocks_free(llm)
 
 
-def test_a_conversations_next_turn_hits_past_the_window(family) -> None:
-    name, path, prompts, expected = family
-    if name not in HYBRID:
-        pytest.skip("an all-window model keeps one table with the prefix cache")
+def test_a_conversations_next_turn_hits_past_the_window(hybrid_family) -> None:
+    _, path, prompts, expected = hybrid_family
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(str(path), **{**OPTIONS, "enable_prefix_caching": True})
     turn = prompts[2]
