@@ -51,8 +51,8 @@ BATCHED_ROWS_KERNEL_ROWS = 8
 DEQUANTIZED_GEMM_ROWS = 256
 DEQUANTIZE_SLICE_VALUES = 1 << 20
 KERNEL_TYPES = frozenset({
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
 BLOCK_GEMM_ARG_TYPES = (  # every block kernel's GEMM
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its row stride
