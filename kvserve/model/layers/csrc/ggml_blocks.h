@@ -98,8 +98,9 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 
 /* The scale d and the offset every weight carries, of each group of a block: Q4_0 -8 d and Q5_0 -16 d (their
- * quants stored + 8 and + 16), Q4_1 and Q5_1 m, Q8_0 none; Q4_K and Q5_K d * sc and -dmin * m of 6-bit sc and m packed into 12 bytes; Q6_K the
- * block's d and no offset (its int8 scales of 16 values are the includer's: see group_scales16). */
+ * quants stored + 8 and + 16), Q4_1 and Q5_1 m, Q8_0 none; Q4_K and Q5_K d * sc and -dmin * m of 6-bit sc and m
+ * packed into 12 bytes; Q6_K the block's d and no offset (its int8 scales of 16 values are the includer's: see
+ * group_scales16). */
 static inline __attribute__((always_inline)) void block_scales(const int type, const uint8_t *block,
                                                                float d[SUPER_GROUPS], float offset[SUPER_GROUPS]) {
     if (type == Q4_K || type == Q5_K) {
