@@ -130,12 +130,14 @@ static inline __attribute__((always_inline)) void block_scales(const int type, c
 }
 
 /* Q5_0 / Q5_1: the fifth bits of k 16h .. 16h + 15 as 0 or 16 a byte, from qh's bytes 2h and 2h + 1: each
- * byte copied into 8 lanes, and each lane keeps its own bit (x86 has no per-byte variable shift). */
-static inline bytes16 fifth_bits(const uint8_t *qh, int h) {
+ * byte copied into 8 lanes (one byte shuffle), and each lane keeps its own bit (x86 has no per-byte variable
+ * shift). */
+static inline __attribute__((always_inline)) bytes16 fifth_bits(const uint8_t *qh, int h) {
     const bytes16 lane_bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-    const uint64_t copies[2] = {qh[2 * h] * 0x0101010101010101ull, qh[2 * h + 1] * 0x0101010101010101ull};
-    bytes16 spread;
-    memcpy(&spread, copies, 16);
+    const bytes16 byte_of_lane = (bytes16){0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1} + (uint8_t)(2 * h);
+    bytes16 bytes = {0};
+    memcpy(&bytes, qh, 4);
+    const bytes16 spread = __builtin_shuffle(bytes, byte_of_lane);
     return (bytes16)((spread & lane_bit) == lane_bit) & 16;
 }
 
