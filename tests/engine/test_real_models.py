@@ -136,11 +136,13 @@ def test_gemma3_keeps_its_q5_0_layers_in_blocks() -> None:
 
 @pytest.mark.slow
 def test_gemma3_on_its_own_k_quant_blocks_with_int8_activations_stays_within_its_bound() -> None:
-    """Gemma 3's Q4_K / Q5_0 / Q6_K / Q8_0 blocks times int8 activations: logprobs within (measured, AVX2) 0.16
-    of fp32's at most and 0.017 on average, asserted with margin; greedy tokens equal fp32's over all 32 of every
-    prompt (measured), asserted over the first 16."""
+    """Gemma 3's Q4_K / Q5_0 / Q6_K / Q8_0 blocks times int8 activations: logprobs within (measured, AVX-512
+    VNNI) 0.17 of fp32's at most and 0.020 on average, asserted with margin (with its Q5_0 layers dequantized and
+    their activations fp32: 0.16 and 0.017, AVX2). Greedy tokens equal fp32's over the first 11, 32, 10 and 32
+    of the four prompts (measured): the first and third part where fp32's two likeliest tokens are 0.014 and
+    0.029 apart in logprob, within the drift; asserted over the first 8 (before Q5_0 was kept: all 32)."""
     diffs, agreed = _int8_activation_drift("gemma-3-270m", "gguf Q4_K, Q5_0, Q6_K, Q8_0")
-    assert max(diffs) < 0.4 and sum(diffs) / len(diffs) < 0.04 and min(agreed) >= 16
+    assert max(diffs) < 0.4 and sum(diffs) / len(diffs) < 0.04 and min(agreed) >= 8
 
 
 @pytest.mark.slow
