@@ -131,7 +131,9 @@ static inline __attribute__((always_inline)) void block_scales(const int type, c
 
 /* Q5_0 / Q5_1: the fifth bits of k 16h .. 16h + 15 as 0 or 16 a byte, from qh's bytes 2h and 2h + 1: each
  * byte copied into 8 lanes (one byte shuffle), and each lane keeps its own bit (x86 has no per-byte variable
- * shift). */
+ * shift). Its cost, measured (Zen 4, one thread, one row of x, a 4096 x 640 weight in cache): Q5_0 0.31 ms
+ * against Q4_0's 0.24 in ggml_gemm.c, 0.19 against 0.12 in ggml_qdot.c (AVX2 builds: 0.33 / 0.24, 0.21 / 0.13);
+ * from memory a Q5 weight also reads 5.5 bits against 4.5. */
 static inline __attribute__((always_inline)) bytes16 fifth_bits(const uint8_t *qh, int h) {
     const bytes16 lane_bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
     const bytes16 byte_of_lane = (bytes16){0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1} + (uint8_t)(2 * h);
