@@ -55,9 +55,9 @@ class EngineArgs:
     dtype: str = _option(ModelConfig.dtype, "weights and activations ('auto': fp32 on CPU, bf16 on CUDA)", str,
                          DTYPE_CHOICES)
     quantization: str = _option(ModelConfig.quantization, "how linear weights are held: 'auto' keeps a GGUF's "
-                                "Q4_0 / Q4_1 / Q8_0 blocks on CPU unless --dtype is given, 'none' dequantizes "
-                                "them at load, 'gguf' requires the blocks (on CUDA too: Triton's kernel, "
-                                "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K); 'int8' (per channel) / 'int4' (groups "
+                                "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on CPU unless --dtype is given, 'none' dequantizes "
+                                "them at load, 'gguf' requires the blocks (on CUDA too: Triton's kernel, the same "
+                                "types); 'int8' (per channel) / 'int4' (groups "
                                 "of 128) quantize any checkpoint's weights at load (CPU, fp32); 'fp8' holds them in e4m3 with a scale "
                                 "per channel and multiplies e4m3 activations (torch._scaled_mm: CUDA GPUs of "
                                 "compute capability 8.9+, or CPU)", str,

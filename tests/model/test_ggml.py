@@ -26,19 +26,21 @@ from tests.model.test_prepacked import _cpu_flags
 
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # blocks of 256 values that gguf-py does not quantize
 TYPES = sorted(KERNEL_TYPES - set(K_TYPES))  # blocks of 32 that it does
-# where a K-quant block's fp16 scales sit (d and dmin; Q6_K: d): random bytes there could be inf or NaN
-K_HALF_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+# where a block's fp16 scales sit (d, and m or dmin; Q6_K: d): random bytes there could be inf or NaN
+HALF_OFFSETS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+                Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def blocks_of(weight: torch.Tensor, qtype: Q) -> GGMLTensor:
     return GGMLTensor.from_numpy(gguf.quants.quantize(weight.numpy(), qtype), qtype)
 
 
-def random_k_blocks(n: int, k: int, qtype: Q, gen: torch.Generator, scale: float = 0.01) -> GGMLTensor:
-    """A valid [n, k] weight of random K-quant blocks: random bytes, with finite fp16 scales of about ``scale``."""
+def random_blocks(n: int, k: int, qtype: Q, gen: torch.Generator, scale: float = 0.01) -> GGMLTensor:
+    """A valid [n, k] weight of random blocks: random bytes (every bit pattern of the quants), with finite fp16
+    scales of about ``scale``."""
     block_size, block_bytes = GGML_QUANT_SIZES[qtype]
     blocks = torch.randint(0, 256, (n, k // block_size, block_bytes), dtype=torch.uint8, generator=gen)
-    for offset in K_HALF_OFFSETS[qtype]:
+    for offset in HALF_OFFSETS[qtype]:
         scales = (torch.rand(n, k // block_size, 1, generator=gen) * 2 * scale).to(torch.float16)
         blocks[..., offset : offset + 2] = scales.view(torch.uint8)
     return GGMLTensor(blocks.reshape(n, -1), qtype, (n, k))
@@ -75,21 +77,22 @@ def test_kernel_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: 
 @pytest.mark.parametrize("n, k", [(7, 256), (33, 512), (130, 1280)])
 def test_kernel_on_k_quants_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(rows * 1000 + n)
-    weight = random_k_blocks(n, k, qtype, gen)
+    weight = random_blocks(n, k, qtype, gen)
     x = torch.randn(rows, k + 16, generator=gen)[:, 8 : 8 + k]
     bias = torch.randn(n, generator=gen) if rows % 2 else None
     assert_close_to_reference(kernel(x, weight, bias), x, weight, bias)
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [0, 1, 8, 9, 15, 16, 17, 33, 70, DEQUANTIZED_GEMM_ROWS - 1, DEQUANTIZED_GEMM_ROWS])
+@pytest.mark.parametrize("rows", [0, 1, 8, 9, 15, 16, 17, 33, 70, DEQUANTIZED_GEMM_ROWS - 1, DEQUANTIZED_GEMM_ROWS,
+                                  DEQUANTIZED_GEMM_ROWS + 1])
 def test_batched_product_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: int) -> None:
     """Without a dense copy: the rows kernel up to 8 rows, the strips kernel (13 columns: a last strip of 1 on
     AVX-512, of 3 on AVX2), then from DEQUANTIZED_GEMM_ROWS the dequantized slices; into a column range of a
     wider output, as a packed layer's projections are."""
     gen = torch.Generator().manual_seed(rows)
     k = 512 if qtype in K_TYPES else 96
-    weight = random_k_blocks(13, k, qtype, gen) if qtype in K_TYPES else blocks_of(torch.randn(13, k, generator=gen), qtype)
+    weight = random_blocks(13, k, qtype, gen) if qtype in K_TYPES else blocks_of(torch.randn(13, k, generator=gen), qtype)
     x = torch.randn(rows, k + 16, generator=gen)[:, 8 : 8 + k]
     bias = torch.randn(13, generator=gen) if rows % 2 else None
     wide = torch.full((rows, 20), float("nan"))
@@ -113,7 +116,7 @@ def assert_build_equals_the_reference(isa: str, monkeypatch: pytest.MonkeyPatch)
     build = GGMLGemm(ctypes.CDLL(str(native.library_path(ggml.GGML_GEMM_SOURCE))))
     gen = torch.Generator().manual_seed(1)
     weights = [blocks_of(torch.randn(19, 512, generator=gen), qtype) for qtype in TYPES]
-    weights += [random_k_blocks(19, 512, qtype, gen) for qtype in K_TYPES]
+    weights += [random_blocks(19, 512, qtype, gen) for qtype in K_TYPES]
     for weight in weights:
         x = torch.randn(5, 512, generator=gen)
         assert_close_to_reference(build(x, weight, None), x, weight, None)
@@ -202,11 +205,19 @@ def test_a_part_of_the_wrong_shape_names_both_shapes(method: GGMLLinearMethod) -
 
 
 @pytest.fixture(scope="module")
-def quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def quantized_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama's 2-D tensors in blocks of one type: Q4_1, or the type a test parametrizes it with."""
+    qtype = getattr(request, "param", Q.Q4_1)
     model = tiny_llama(vocab_size=len(byte_level_tokens()[0]))
-    return write_gguf(tmp_path_factory.mktemp("q") / "tiny-q4_1.gguf", model, qtype=Q.Q4_1)
+    return write_gguf(tmp_path_factory.mktemp("q") / f"tiny-{qtype.name.lower()}.gguf", model, qtype=qtype)
 
 
+# Gemma 3's Q4_K_M file keeps Q5_0 where its width (640) is no whole number of K-quant blocks
+FILE_TYPES = pytest.mark.parametrize("quantized_gguf", [Q.Q4_1, Q.Q5_0, Q.Q5_1], indirect=True,
+                                     ids=lambda t: t.name)
+
+
+@FILE_TYPES
 def test_the_loader_hands_out_blocks_in_hugging_face_row_order(quantized_gguf: Path) -> None:
     checkpoint = load_checkpoint(gguf_location(quantized_gguf), torch.float32)
     dequantized = dict(checkpoint.weights())
@@ -219,6 +230,7 @@ def test_the_loader_hands_out_blocks_in_hugging_face_row_order(quantized_gguf: P
         assert torch.equal(tensor.dequantize() if name in blocks else tensor, expected), name
 
 
+@FILE_TYPES
 def test_an_engine_keeps_the_blocks_and_agrees_with_the_dequantized_file(quantized_gguf: Path) -> None:
     """The exact path (fp32 activations) within fp32 rounding of the dequantized file; the default int8
     activations within 0.02 of its logprobs (measured 0.003) on this tiny random model."""
@@ -228,7 +240,8 @@ def test_an_engine_keeps_the_blocks_and_agrees_with_the_dequantized_file(quantiz
     for name, options in {"exact": {}, "int8": {"quantize_activations": True}, "none": {"quantization": "none"}}.items():
         llm = LLM(str(quantized_gguf), num_kv_blocks=64, **options)
         runs[name] = (llm.stats()["weights_format"], llm.generate(prompts, params))
-    assert runs["exact"][0] == runs["int8"][0] == "gguf Q4_1" and runs["none"][0] == "float32"
+    qtype = quantized_gguf.stem.removeprefix("tiny-").upper()
+    assert runs["exact"][0] == runs["int8"][0] == f"gguf {qtype}" and runs["none"][0] == "float32"
     for exact, int8, dense in zip(runs["exact"][1], runs["int8"][1], runs["none"][1]):
         assert exact.outputs[0].token_ids == dense.outputs[0].token_ids
         dense_lp = [next(iter(step.values())).logprob for step in dense.outputs[0].logprobs]
@@ -264,8 +277,19 @@ def test_the_kernels_dequantization_equals_ggufs(kernel: GGMLGemm, qtype: Q) -> 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
 def test_the_kernels_k_quant_dequantization_equals_ggufs(kernel: GGMLGemm, qtype: Q) -> None:
-    weight = random_k_blocks(37, 768, qtype, torch.Generator().manual_seed(4))
+    weight = random_blocks(37, 768, qtype, torch.Generator().manual_seed(4))
     torch.testing.assert_close(kernel.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_kernels_dequantization_of_random_blocks_of_32_is_ggufs_bit_for_bit(kernel: GGMLGemm, qtype: Q) -> None:
+    """Every bit pattern of the quants (Q5_0 / Q5_1: of qh's fifth bits too), scales from 1e-6 to 1e3. Bit for
+    bit: d * q is exact in fp32 (an 11-bit fp16 mantissa times at most 8 bits), so d * q + offset rounds once
+    whether fused or not, as gguf's d * q + m does (and d * (q - 8), d * (q - 16) are exact)."""
+    gen = torch.Generator().manual_seed(6)
+    for scale in (1e-6, 0.01, 1e3):
+        weight = random_blocks(41, 320, qtype, gen, scale)
+        assert torch.equal(kernel.dequantize(weight), weight.dequantize())
 
 
 def mapped_ranges(path: Path) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ from kvserve.model.layers.ggml_qdot import (
     QDotGemm, activation_error_bound, quantize_activations, reference_qdot_linear,
 )
 from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
-from tests.model.test_ggml import K_TYPES, TYPES, blocks_of, random_k_blocks
+from tests.model.test_ggml import K_TYPES, TYPES, blocks_of, random_blocks
 from tests.model.test_prepacked import _cpu_flags
 
 
@@ -29,7 +29,7 @@ def kernel() -> QDotGemm:
 
 def random_weight(n: int, k: int, qtype: Q, gen: torch.Generator) -> GGMLTensor:
     if qtype in K_TYPES:
-        return random_k_blocks(n, k, qtype, gen)
+        return random_blocks(n, k, qtype, gen)
     return blocks_of(torch.randn(n, k, generator=gen), qtype)
 
 

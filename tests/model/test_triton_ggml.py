@@ -22,7 +22,7 @@ from kvserve.model.loader import load_checkpoint  # noqa: E402
 from kvserve.model.registry import build_model, kept_block_types, process_weights_after_loading  # noqa: E402
 from tests.model.conftest import PagedRunner  # noqa: E402
 from tests.model.test_ggml import (  # noqa: E402
-    K_TYPES, assert_close_to_reference, blocks_of, quantized_gguf, random_k_blocks,  # noqa: F401 (a fixture)
+    K_TYPES, assert_close_to_reference, blocks_of, quantized_gguf, random_blocks,  # noqa: F401 (a fixture)
 )
 from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf  # noqa: E402
 
@@ -35,7 +35,7 @@ UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 def weight_of(qtype: Q, n: int, k: int, gen: torch.Generator) -> GGMLTensor:
     """Valid blocks of ``qtype``: gguf's quantization of random weights, or random K-quant blocks (which gguf
     does not quantize)."""
-    return random_k_blocks(n, k, qtype, gen) if qtype in K_TYPES else blocks_of(torch.randn(n, k, generator=gen), qtype)
+    return random_blocks(n, k, qtype, gen) if qtype in K_TYPES else blocks_of(torch.randn(n, k, generator=gen), qtype)
 
 
 def run_kernel(x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -103,7 +103,7 @@ def test_dequantize_gives_ggufs_values(qtype: Q) -> None:
 
 def test_a_packed_layer_multiplies_each_projection_into_its_columns() -> None:
     gen = torch.Generator().manual_seed(4)
-    q, k = random_k_blocks(32, 256, Q.Q4_K, gen), random_k_blocks(16, 256, Q.Q4_K, gen)
+    q, k = random_blocks(32, 256, Q.Q4_K, gen), random_blocks(16, 256, Q.Q4_K, gen)
     layer = PackedLinear(256, {"q_proj": 32, "k_proj": 16}, bias=False)
     layer.bind(GGMLLinearMethod(TritonGGMLGemm(), UnquantizedLinearMethod(), keep_dense=False), torch.float32)
     layer.to_empty(device=DEVICE)
@@ -125,7 +125,7 @@ def test_the_kernel_refuses_a_type_it_does_not_read() -> None:
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
 def test_the_kernel_refuses_a_k_quant_row_of_part_of_a_super_block(qtype: Q) -> None:
     assert BLOCK_VALUES[qtype] == 256
-    weight = random_k_blocks(8, 512, qtype, torch.Generator().manual_seed(7))
+    weight = random_blocks(8, 512, qtype, torch.Generator().manual_seed(7))
     with pytest.raises(ValueError, match=f"a {qtype.name} row is whole blocks of 256 values; k = 288 is not a"):
         TritonGGMLGemm()(torch.randn(2, 288), GGMLTensor(weight.blocks, qtype, (8, 288)), None)
 
@@ -149,7 +149,7 @@ def k_quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, tensor in model.state_dict().items():
         qtype = next((qtype for part, qtype in qtypes.items() if part in name), None)
         if qtype in K_TYPES:
-            blocks[name] = random_k_blocks(*tensor.shape, qtype, gen, scale=1e-3)
+            blocks[name] = random_blocks(*tensor.shape, qtype, gen, scale=1e-3)
         elif qtype is not None:
             blocks[name] = blocks_of(tensor, qtype)
     return write_gguf(tmp_path_factory.mktemp("k") / "tiny-q4_k_m.gguf", model, blocks=blocks)

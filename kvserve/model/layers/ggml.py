@@ -3,12 +3,15 @@ multiplies by it without dequantizing it first (``csrc/ggml_gemm.c``).
 
 A decode step on CPU is bound by reading the weights: the default model's Q4_1 blocks are 5 bits a weight, its
 fp32 dequantization 32. ``GGMLLinearMethod`` keeps every linear layer whose checkpoint tensors arrive as
-blocks of one type the kernel reads (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) in those blocks; any other layer (a tied LM head, a
-float tensor, a packed layer whose projections differ in type) is dequantized at load and handed to the dense
-method it wraps. ``dequantize`` (gguf's own numpy reference) then ``F.linear`` is the twin the kernel is tested
-against: the kernel dequantizes to the same fp32 values, so the two differ only in the order of the sums. The
-engine's default multiplies the blocks through ``ggml_qdot``'s int8-activation kernel instead (llama.cpp's
-numerics, about twice as fast at one row); this exact kernel also dequantizes the blocks for the dense layouts.
+blocks of one type the kernel reads (``KERNEL_TYPES``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, every
+type of a Q4_K_M file; Gemma 3's, whose width of 640 is no whole number of K-quant blocks, holds Q5_0 in q, k,
+gate and up) in those blocks; any other layer (a float tensor, a packed layer whose projections differ in type,
+a tied LM head over embeddings of another type) is dequantized at load and handed to the dense method it wraps.
+``dequantize`` (gguf's own numpy reference) then ``F.linear`` is the twin the kernel is tested against: the
+kernel dequantizes to the same fp32 values, so the two differ only in the order of the sums.
+``--quantize-activations`` multiplies the blocks through ``ggml_qdot``'s int8-activation kernel instead
+(llama.cpp's numerics, about twice as fast at one row); this exact kernel also dequantizes the blocks for the
+dense layouts.
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ BATCHED_ROWS_KERNEL_ROWS = 8
 DEQUANTIZED_GEMM_ROWS = 256
 DEQUANTIZE_SLICE_VALUES = 1 << 20
 KERNEL_TYPES = frozenset({
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
 BLOCK_GEMM_ARG_TYPES = (  # every block kernel's GEMM
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its row stride

@@ -1,5 +1,5 @@
-/* y = x W^T (+ bias) in fp32 over a weight kept in llama.cpp's (ggml's) quantized blocks: Q4_0, Q4_1, Q8_0 and
- * the K-quants Q4_K, Q5_K, Q6_K.
+/* y = x W^T (+ bias) in fp32 over a weight kept in llama.cpp's (ggml's) quantized blocks: Q4_0, Q4_1, Q5_0,
+ * Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K.
  *
  * The block layouts, and their decoding into groups of GROUP = 32 quants with a scale d and an offset, are in
  * ggml_blocks.h; ggml_qdot.c is the faster path that quantizes x to int8 first (llama.cpp's numerics), this one
@@ -125,7 +125,7 @@ static void row_tile_of(int type, int rows, const float *x, int64_t x_stride, co
         return;                                                                                                   \
     }
 #define TYPE(t) CASE(t, 1) CASE(t, 2) CASE(t, 3) CASE(t, 4)
-    TYPE(Q4_0) TYPE(Q4_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
+    TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
 #undef TYPE
 #undef CASE
 }
@@ -174,28 +174,32 @@ static inline __attribute__((always_inline)) void dequantize_block(const int typ
     }
 }
 
+/* The k values of one weight row, block by block (the type a constant in each call). */
+static void decode_row(int type, const uint8_t *row, int k, float *out) {
+    const int block_bytes = block_bytes_of(type), block_values = GROUP * block_groups(type);
+    for (int b = 0; b < k / block_values; b++) {
+        const uint8_t *block = row + (int64_t)b * block_bytes;
+        switch (type) {
+        case Q4_0: dequantize_block(Q4_0, block, out + b * block_values); break;
+        case Q4_1: dequantize_block(Q4_1, block, out + b * block_values); break;
+        case Q5_0: dequantize_block(Q5_0, block, out + b * block_values); break;
+        case Q5_1: dequantize_block(Q5_1, block, out + b * block_values); break;
+        case Q8_0: dequantize_block(Q8_0, block, out + b * block_values); break;
+        case Q4_K: dequantize_block(Q4_K, block, out + b * block_values); break;
+        case Q5_K: dequantize_block(Q5_K, block, out + b * block_values); break;
+        default: dequantize_block(Q6_K, block, out + b * block_values); break;
+        }
+    }
+}
+
 /* out [n, k] = the fp32 values of W [n, k] in blocks of `type` (rows row_bytes apart): d * q + offset, in
  * fp32 as gguf's reference computes them (up to the rounding of a fused multiply-add). For the dense layouts
  * of larger steps, at load. Returns 0, or -1 for a type it does not read. */
 int kvserve_ggml_dequantize(float *out, const uint8_t *weight, int64_t row_bytes, int type, int n, int k,
                             int num_threads) {
     if (row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
-    const int block_bytes = block_bytes_of(type), block_values = GROUP * block_groups(type);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int c = 0; c < n; c++) {
-        for (int b = 0; b < k / block_values; b++) {
-            float *values = out + (int64_t)c * k + b * block_values;
-            const uint8_t *block = weight + (int64_t)c * row_bytes + (int64_t)b * block_bytes;
-            switch (type) {
-            case Q4_0: dequantize_block(Q4_0, block, values); break;
-            case Q4_1: dequantize_block(Q4_1, block, values); break;
-            case Q8_0: dequantize_block(Q8_0, block, values); break;
-            case Q4_K: dequantize_block(Q4_K, block, values); break;
-            case Q5_K: dequantize_block(Q5_K, block, values); break;
-            default: dequantize_block(Q6_K, block, values); break;
-            }
-        }
-    }
+    for (int c = 0; c < n; c++) decode_row(type, weight + (int64_t)c * row_bytes, k, out + (int64_t)c * k);
     return 0;
 }
 
@@ -242,21 +246,6 @@ static inline __attribute__((always_inline)) void strip_tile(const int vecs, con
             for (int l = 0; l < VEC && i * VEC + l < num_rows; l++)
                 y[(int64_t)(i * VEC + l) * y_stride + j] = lanes[l] + (bias ? bias[j] : 0.0f);
         }
-}
-
-static void decode_row(int type, const uint8_t *row, int k, float *out) {
-    const int block_bytes = block_bytes_of(type), block_values = GROUP * block_groups(type);
-    for (int b = 0; b < k / block_values; b++) {
-        const uint8_t *block = row + (int64_t)b * block_bytes;
-        switch (type) {
-        case Q4_0: dequantize_block(Q4_0, block, out + b * block_values); break;
-        case Q4_1: dequantize_block(Q4_1, block, out + b * block_values); break;
-        case Q8_0: dequantize_block(Q8_0, block, out + b * block_values); break;
-        case Q4_K: dequantize_block(Q4_K, block, out + b * block_values); break;
-        case Q5_K: dequantize_block(Q5_K, block, out + b * block_values); break;
-        default: dequantize_block(Q6_K, block, out + b * block_values); break;
-        }
-    }
 }
 
 /* kvserve_ggml_gemm_f32()'s product by the strips kernel, for steps of more rows (the rows of a strip past n,

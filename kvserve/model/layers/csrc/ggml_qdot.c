@@ -185,7 +185,7 @@ static void tile_of(int type, int rows, int cols, const struct codes *x, int r0,
     }
 #define ROWS(t, c) CASE(t, 1, c) CASE(t, 2, c) CASE(t, 3, c) CASE(t, 4, c)
 #define TYPE(t) ROWS(t, 1) ROWS(t, TILE_COLS)
-    TYPE(Q4_0) TYPE(Q4_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
+    TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
 #undef TYPE
 #undef ROWS
 #undef CASE
