@@ -115,6 +115,24 @@ def test_rotary_in_place_equals_twin_and_float64(rows: int, num_heads: int, head
     assert torch.equal(fused_qkv[:, num_heads * head_dim :], qkv[:, num_heads * head_dim :])
 
 
+@pytest.mark.parametrize("kind", [RMSNorm, GemmaRMSNorm])
+@pytest.mark.parametrize(("rows", "num_heads", "head_dim"), ROTARY_SHAPES)
+def test_head_norm_in_place_equals_twin_and_float64(rows: int, num_heads: int, head_dim: int, kind: type[RMSNorm],
+                                                    fused: CpuFusedOps) -> None:
+    """The q heads of packed qkv rows normalized in place, each head on its own; the k and v after them
+    untouched."""
+    norm = _norm(kind, head_dim, seed=head_dim)
+    qkv = _randn(rows, (num_heads + 2) * head_dim, seed=rows, scale=3.0)
+    expected = _norm64(norm, qkv[:, : num_heads * head_dim].view(rows, num_heads, head_dim))
+    twin_qkv, fused_qkv = qkv.clone(), qkv.clone()
+    for ops, packed in ((TWIN, twin_qkv), (fused, fused_qkv)):
+        ops.head_rms_norm_(norm, packed.view(rows, num_heads + 2, head_dim)[:, :num_heads])
+    fused_q = fused_qkv[:, : num_heads * head_dim].view(rows, num_heads, head_dim)
+    torch.testing.assert_close(fused_q.double(), expected, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(fused_qkv, twin_qkv, atol=ATOL, rtol=RTOL)
+    assert torch.equal(fused_qkv[:, num_heads * head_dim :], qkv[:, num_heads * head_dim :])
+
+
 def _gelu_tanh64(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
@@ -153,9 +171,14 @@ def test_rows_do_not_depend_on_the_rest_of_the_step(num_threads: int, fused: Cpu
 
 def test_what_the_kernels_do_not_take_goes_to_the_twin(fused: CpuFusedOps) -> None:
     norm, mlp = _norm(RMSNorm, 16, seed=0), GatedMLP(8, 5, "gelu", bias=False)  # gelu: erf, not in the kernel
-    heads = _randn(3, 4, 16, seed=1)[:, 1:3]  # a per-head q/k norm's strided view
+    heads = _randn(3, 4, 16, seed=1)[:, 1:3]  # a 3-D view: not rows
     gate_up = _randn(3, 10, seed=2)
     torch.testing.assert_close(fused.rms_norm(norm, heads), TWIN.rms_norm(norm, heads))
+    scattered = _randn(3, 4, 32, seed=3)[:, :, :16]  # heads not one after another
+    twin_scattered = scattered.clone()
+    fused.head_rms_norm_(norm, scattered)
+    TWIN.head_rms_norm_(norm, twin_scattered)
+    torch.testing.assert_close(scattered, twin_scattered)
     torch.testing.assert_close(fused.act_and_mul(mlp, gate_up), TWIN.act_and_mul(mlp, gate_up))
     empty = torch.empty(0, 16)
     assert fused.rms_norm(norm, empty, empty.clone()).shape == (0, 16)

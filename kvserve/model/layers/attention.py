@@ -70,9 +70,9 @@ class Attention(UsesFusedOps, Shardable, nn.Module):
         heads = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
         qk = heads[:, : num_heads + num_kv_heads]  # q and k together, so RoPE runs once for both, in place
         q, k, v = heads.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-            q, k = qk.split((num_heads, num_kv_heads), dim=1)
+        if self.q_norm is not None:  # in place, as RoPE after it
+            self.ops.head_rms_norm_(self.q_norm, q)
+            self.ops.head_rms_norm_(self.k_norm, k)
         self.ops.rotary_(qk, *rope)
         out = self.backend.forward(
             q, k, v, self.layer_idx, kv, attn.for_layer(self.layer_idx), scale=self.scale,

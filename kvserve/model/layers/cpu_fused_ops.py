@@ -48,19 +48,22 @@ _NORM_ARG_TYPES = [_PTR, _STRIDE, _PTR, _STRIDE, _PTR, _STRIDE, _PTR, _PTR, ctyp
 # rows, n, threads
 _ROTARY_ARG_TYPES = [_PTR, _STRIDE, _PTR, _PTR, _INT, _INT, _INT, _INT]  # x + row stride, cos, sin, rows, heads,
 # head_dim, threads
+_HEAD_NORM_ARG_TYPES = [_PTR, _STRIDE, _PTR, ctypes.c_float, ctypes.c_float, _INT, _INT, _INT, _INT]  # x + row
+# stride, weight, offset, eps, rows, heads, head_dim, threads
 _ACT_ARG_TYPES = [_PTR, _STRIDE, _PTR, _STRIDE, _INT, _INT, _INT, _INT]  # out, gate_up (+ row strides), rows, n,
 # activation, threads
 
 
 class CpuFusedOps(TorchFusedOps):
     """The ops by ``csrc/fused_ops.c``, fp32 on CPU only (``select_fused_ops`` binds it to such models alone);
-    what the kernels do not take (the per-head q/k norms' strided views, an erf GELU, a partial rotary) goes to
+    what the kernels do not take (an erf GELU, a partial rotary, heads not laid out one after another) goes to
     the twin."""
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``FUSED_OPS_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(FUSED_OPS_SOURCE)
         self._norm = KernelFunction(library.kvserve_add_rms_norm_f32, _NORM_ARG_TYPES)
+        self._head_norm = KernelFunction(library.kvserve_head_rms_norm_f32, _HEAD_NORM_ARG_TYPES)
         self._rotary = KernelFunction(library.kvserve_rotary_f32, _ROTARY_ARG_TYPES)
         self._act_and_mul = KernelFunction(library.kvserve_act_and_mul_f32, _ACT_ARG_TYPES)
 
@@ -81,6 +84,16 @@ class CpuFusedOps(TorchFusedOps):
                            None if x_norm is None else x_norm.weight.data_ptr(), norm.weight.data_ptr(),
                            norm.weight_offset, norm.eps, rows, n, torch.get_num_threads())
         return out
+
+    def head_rms_norm_(self, norm: RMSNorm, heads: torch.Tensor) -> None:
+        rows, num_heads, head_dim = heads.shape
+        strides = heads.stride()
+        if strides[1:] != (head_dim, 1) or norm.weight.shape != (head_dim,):
+            return super().head_rms_norm_(norm, heads)
+        if rows:
+            with kernel_range(FUSED_OPS_RANGE):
+                self._head_norm(heads.data_ptr(), strides[0], norm.weight.data_ptr(), norm.weight_offset, norm.eps,
+                                rows, num_heads, head_dim, torch.get_num_threads())
 
     def rotary_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         rows, num_heads, head_dim = qk.shape

@@ -1,5 +1,5 @@
 """The elementwise ops between a decoder layer's GEMMs, behind one seam: RMSNorm (with the residual add folded in),
-rotary embedding of q and k in place, and the gated MLP's activation times up.
+the per-head q / k norms and the rotary embedding of q and k, in place, and the gated MLP's activation times up.
 
 ``TorchFusedOps`` computes them with the modules' own plain-PyTorch formulas, op by op: the twin every faster
 implementation is tested against, and what CUDA and non-fp32 dtypes run. ``model/registry.py`` chooses the
@@ -36,6 +36,11 @@ class TorchFusedOps:
             return norm.plain(x)
         residual.add_(x if x_norm is None else x_norm.plain(x))
         return norm.plain(residual)
+
+    def head_rms_norm_(self, norm: RMSNorm, heads: torch.Tensor) -> None:
+        """Normalize each head of ``heads`` [T, num_heads, head_dim] in place by ``norm`` (the per-head q / k norms
+        before RoPE)."""
+        heads.copy_(norm.plain(heads))
 
     def rotary_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate ``qk`` [T, heads, head_dim] in place by the angles of ``cos`` / ``sin`` [T, 1, head_dim / 2]."""

@@ -138,6 +138,19 @@ void kvserve_add_rms_norm_f32(float *out, int64_t out_stride, float *residual, i
                          x_weight, weight, offset, eps, n);
 }
 
+/* In place, each of num_heads heads of head_dim floats at the start of each of `rows` rows (row_stride apart):
+ * head = norm(head), weight [head_dim] (+ offset): the per-head q / k norms of Qwen3 and Gemma 3. */
+void kvserve_head_rms_norm_f32(float *x, int64_t row_stride, const float *weight, float offset, float eps, int rows,
+                               int num_heads, int head_dim, int num_threads) {
+    const int threads = num_threads_for((int64_t)rows * num_heads * head_dim, num_threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < num_heads; h++) {
+            float *head = x + r * row_stride + (int64_t)h * head_dim;
+            add_rms_norm_row(head, NULL, head, NULL, weight, offset, eps, head_dim);  /* reads it all, then writes */
+        }
+}
+
 /* Rotates, in place, num_heads heads of head_dim floats at the start of each of `rows` rows (row_stride apart):
  * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) over the two halves, cos and sin [rows, head_dim / 2]. */
 void kvserve_rotary_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int rows, int num_heads,
