@@ -12,6 +12,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.model.layers.ggml_qdot import QDOT_MAX_ROWS
 from kvserve.model.sources import resolve_model
 from tests.conftest import hf_greedy
+from tests.engine.test_sliding_window_blocks import tracking_blocks
 
 PROMPTS = [
     "The capital of France is",
@@ -232,18 +233,10 @@ def test_gemma3_past_its_512_token_window_matches_transformers_with_bounded_wind
     llm = LLM("gemma-3-270m", dtype="float32", max_model_len=1024, max_num_batched_tokens=chunk)
     prompt_ids = llm.get_tokenizer().encode(" ".join(PROMPTS) * 80)[:900]
     expected = hf_greedy(_hf_from_gguf("gemma-3-270m"), prompt_ids, max_new)
-    core, held = llm.engine.core, []
-    step = core.step
-
-    def tracked():
-        outputs = step()
-        stats = llm.stats()
-        held.append((stats["kv_blocks_windowed"], stats["kv_blocks_full"]))
-        return outputs
-
-    core.step = tracked
-    out = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=max_new))
+    with tracking_blocks(llm) as held:
+        out = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=max_new))
     assert out[0].outputs[0].token_ids == expected
-    assert core.kv_manager.groups.windows.count(512) == 5 and llm.stats()["kv_cache_groups"] == 6
-    bound = 5 * ((512 - 1 + chunk) // core.kv_manager.block_size + 2)
+    manager = llm.engine.core.kv_manager
+    assert manager.groups.windows.count(512) == 5 and llm.stats()["kv_cache_groups"] == 6
+    bound = 5 * ((512 - 1 + chunk) // manager.block_size + 2)
     assert max(w for w, _ in held) <= bound < 5 * max(f for _, f in held)

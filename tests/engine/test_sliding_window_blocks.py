@@ -7,11 +7,13 @@ request fall back to it, saying why."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
 import shutil
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -74,8 +76,10 @@ def window_bound(llm: LLM, max_chunk: int) -> int:
     return num_window_groups * ((WINDOW - 1 + max_chunk) // BLOCK_SIZE + 2)
 
 
-def generate_tracking_blocks(llm: LLM, prompts: list[list[int]], n: int = 1) -> tuple[list, list[tuple[int, int]]]:
-    """Greedy samples, and after every engine step the blocks held in window groups and in full groups."""
+@contextlib.contextmanager
+def tracking_blocks(llm: LLM) -> Iterator[list[tuple[int, int]]]:
+    """A list that gets, after every engine step run inside the block, the blocks held in window groups and in
+    full groups."""
     core, held = llm.engine.core, []
     step = core.step
 
@@ -87,9 +91,15 @@ def generate_tracking_blocks(llm: LLM, prompts: list[list[int]], n: int = 1) -> 
 
     core.step = tracked
     try:
-        return greedy_token_ids(llm, prompts, MAX_NEW, n), held
+        yield held
     finally:
         core.step = step
+
+
+def generate_tracking_blocks(llm: LLM, prompts: list[list[int]], n: int = 1) -> tuple[list, list[tuple[int, int]]]:
+    """Greedy samples, and after every engine step the blocks held in window groups and in full groups."""
+    with tracking_blocks(llm) as held:
+        return greedy_token_ids(llm, prompts, MAX_NEW, n), held
 
 
 def test_alone_far_past_the_window_with_bounded_window_blocks(family) -> None:
