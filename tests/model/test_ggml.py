@@ -185,16 +185,29 @@ def test_without_a_dense_copy_a_packed_layer_multiplies_its_projections_where_th
         torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("second", [Q.Q8_0, "float"])
-def test_a_layer_of_mixed_forms_is_dequantized_for_the_dense_method(method: GGMLLinearMethod, second) -> None:
+def test_a_packed_layer_of_mixed_block_types_keeps_one_tensor_per_run_of_a_type(method: GGMLLinearMethod) -> None:
+    """Gemma 3's qkv: q and k Q5_0, v Q8_0. Kept as two tensors of blocks (q and k joined), not dequantized."""
+    gen = torch.Generator().manual_seed(4)
+    parts = {"q_proj": blocks_of(torch.randn(32, 64, generator=gen), Q.Q5_0),
+             "k_proj": blocks_of(torch.randn(16, 64, generator=gen), Q.Q5_0),
+             "v_proj": blocks_of(torch.randn(16, 64, generator=gen), Q.Q8_0)}
+    layer = packed_layer(parts, method)
+    assert [(part.qtype, part.shape) for part in layer.ggml_parts] == [(Q.Q5_0, (48, 64)), (Q.Q8_0, (16, 64))]
+    dense = torch.cat([part.dequantize() for part in parts.values()])
+    assert torch.equal(layer.weight, dense)  # the dense copy for larger steps
+    for rows in (1, GGML_MAX_ROWS, GGML_MAX_ROWS + 1, 17):  # the kernel into column ranges, then the dense layout
+        x = torch.randn(rows, 64, generator=gen)
+        torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_of_blocks_and_floats_is_dequantized_for_the_dense_method(method: GGMLLinearMethod) -> None:
     gen = torch.Generator().manual_seed(3)
     q = blocks_of(torch.randn(32, 64, generator=gen), Q.Q4_0)
     k = torch.randn(16, 64, generator=gen)
-    layer = packed_layer({"q_proj": q, "k_proj": k if second == "float" else blocks_of(k, second)}, method)
+    layer = packed_layer({"q_proj": q, "k_proj": k}, method)
     assert layer.ggml_parts is None
     x = torch.randn(2, 64, generator=gen)
-    expected_k = k if second == "float" else blocks_of(k, second).dequantize()
-    torch.testing.assert_close(layer(x), x @ torch.cat([q.dequantize(), expected_k]).T)
+    torch.testing.assert_close(layer(x), x @ torch.cat([q.dequantize(), k]).T)
 
 
 def test_a_part_of_the_wrong_shape_names_both_shapes(method: GGMLLinearMethod) -> None:

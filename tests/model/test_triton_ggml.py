@@ -139,7 +139,7 @@ def test_cuda_keeps_every_type_of_a_q4_k_m_file() -> None:
 def k_quant_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama laid out as a Q4_K_M file is (Gemma 3's mixes these types): Q4_K, Q5_K and Q6_K where a row
     is whole super-blocks (random blocks, scales of about 0.001), Q5_0 and Q8_0 blocks of gguf's quantization;
-    q and k Q5_0 with v Q8_0, so the packed qkv layer is dequantized, as in Gemma 3's layers whose v is Q8_0."""
+    q and k Q5_0 with v Q8_0, as in Gemma 3's layers whose v is Q8_0: the packed qkv layer keeps both types."""
     model = tiny_llama(vocab_size=len(byte_level_tokens()[0]), hidden_size=256, intermediate_size=512,
                        num_hidden_layers=1)
     gen = torch.Generator().manual_seed(8)
@@ -171,7 +171,7 @@ def test_a_k_quant_model_keeps_its_blocks_and_gives_the_dequantized_files_logits
     held = {name: [part.qtype for part in linear.ggml_parts] if linear.ggml_parts else None for name, linear in
             (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
              ("down", layer.mlp.down_proj), ("head", kept.lm_head))}
-    assert held == {"qkv": None, "o": [Q.Q4_K], "gate_up": [Q.Q5_K, Q.Q5_K], "down": [Q.Q6_K], "head": [Q.Q6_K]}
+    assert held == {"qkv": [Q.Q5_0, Q.Q5_0, Q.Q8_0], "o": [Q.Q4_K], "gate_up": [Q.Q5_K, Q.Q5_K], "down": [Q.Q6_K], "head": [Q.Q6_K]}
     runners = [PagedRunner(model.eval(), backend, 1, 16) for model in (kept, dense)]
     prompt = [5, 9, 30, 31, 40, 77]
     for chunk in (prompt[:-1], prompt[-1:]):

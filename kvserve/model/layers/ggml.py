@@ -2,11 +2,12 @@
 multiplies by it without dequantizing it first (``csrc/ggml_gemm.c``).
 
 A decode step on CPU is bound by reading the weights: the default model's Q4_1 blocks are 5 bits a weight, its
-fp32 dequantization 32. ``GGMLLinearMethod`` keeps every linear layer whose checkpoint tensors arrive as
-blocks of one type the kernel reads (``KERNEL_TYPES``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, every
+fp32 dequantization 32. ``GGMLLinearMethod`` keeps every linear layer whose checkpoint tensors all arrive as
+blocks of types the kernel reads (``KERNEL_TYPES``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, every
 type of a Q4_K_M file; Gemma 3's, whose width of 640 is no whole number of K-quant blocks, holds Q5_0 in q, k,
-gate and up) in those blocks; any other layer (a float tensor, a packed layer whose projections differ in type,
-a tied LM head over embeddings of another type) is dequantized at load and handed to the dense method it wraps.
+gate and up, and Q8_0 or Q5_0 in v) in those blocks, a packed layer whose projections differ in type as one
+tensor per run of a type; any other layer (a float tensor, a tied LM head over embeddings of another type) is
+dequantized at load and handed to the dense method it wraps.
 ``dequantize`` (gguf's own numpy reference) then ``F.linear`` is the twin the kernel is tested against: the
 kernel dequantizes to the same fp32 values, so the two differ only in the order of the sums.
 ``--quantize-activations`` multiplies the blocks through ``ggml_qdot``'s int8-activation kernel instead
@@ -204,9 +205,9 @@ def ggml_gemm() -> GGMLGemm | None:
 
 
 class GGMLLinearMethod(LinearMethod):
-    """Keeps a layer's weight in ggml blocks when every checkpoint tensor of it arrives as blocks of one type the
-    kernel reads, multiplied by ``gemm`` (default: ``kernel``, the exact one; or the int8-activation
-    ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens. Larger steps: with ``keep_dense``,
+    """Keeps a layer's weight in ggml blocks when every checkpoint tensor of it arrives as blocks of a type the
+    kernel reads (one tensor per run of a type in a packed layer), multiplied by ``gemm`` (default: ``kernel``,
+    the exact one; or the int8-activation ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens. Larger steps: with ``keep_dense``,
     ``dense`` lays the weight out, dequantized by ``kernel``, and serves them (fast, at 32 bits a weight held
     beside the blocks); without, ``kernel.batched`` multiplies the blocks themselves, which stay the only copy
     and may be the file's own mapped pages, one tensor per projection (joining them would copy). ``dense``
@@ -248,7 +249,7 @@ class GGMLLinearMethod(LinearMethod):
         qtypes = {part.qtype if isinstance(part, GGMLTensor) else None for part in parts}
         layer.ggml_parts = None
         device, dtype = layer.weight.device, layer.weight.dtype
-        if parts and len(qtypes) == 1 and qtypes <= self.kernel.types:
+        if parts and qtypes <= self.kernel.types:
             kept = _joined(parts) if self.keep_dense else parts
             layer.ggml_parts = tuple(self.kernel.place(part, device) for part in kept)
             if not self.keep_dense:
@@ -287,12 +288,18 @@ class GGMLLinearMethod(LinearMethod):
         return y.view(*x.shape[:-1], layer.out_features)
 
 
-def _joined(parts: list[GGMLTensor]) -> tuple[GGMLTensor]:
-    """A packed layer's projections as one tensor of blocks (one kernel call a step)."""
-    if len(parts) == 1:
-        return (parts[0],)
-    shape = (sum(part.shape[0] for part in parts), parts[0].shape[1])
-    return (GGMLTensor(torch.cat([part.blocks for part in parts]), parts[0].qtype, shape),)
+def _joined(parts: list[GGMLTensor]) -> list[GGMLTensor]:
+    """A packed layer's projections with each run of one block type joined into one tensor of blocks (one kernel
+    call a step for a layer of one type; Gemma 3's q and k are Q5_0 where its v is Q8_0: two calls)."""
+    runs: list[list[GGMLTensor]] = []
+    for part in parts:
+        if runs and runs[-1][0].qtype == part.qtype:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return [run[0] if len(run) == 1 else GGMLTensor(torch.cat([part.blocks for part in run]), run[0].qtype,
+                                                     (sum(part.shape[0] for part in run), run[0].shape[1]))
+            for run in runs]
 
 
 def reference_linear(x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None) -> torch.Tensor:
