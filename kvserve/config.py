@@ -77,7 +77,8 @@ class ModelConfig:
     quantize_activations: bool = False
     # every step op by op from Python: no CPU step graphs (kvserve/worker/cpu_graph.py)
     enforce_eager: bool = False
-    # "mmap": a GGUF's blocks are used where the file is mapped, the only copy of the weights (no dense layout);
+    # "mmap" (CPU): the weights are used where the file is mapped, the only copy of them: a GGUF's blocks (no dense
+    # layout), a safetensors checkpoint's tensors (stored in the model's dtype);
     # "dummy": random weights of the config's shapes, nothing read (speed at real sizes without the weights)
     load_format: str = "auto"
     cpu_offload_gb: float = 0.0  # GiB of decoder-layer weights kept in host memory and streamed in (CUDA)

@@ -72,11 +72,15 @@ class EngineArgs:
     enforce_eager: bool = _option(ModelConfig.enforce_eager,
                                   "run every step op by op; by default a CPU decode step of up to 16 tokens is "
                                   "recorded once per size and replayed without its Python (a step graph)")
-    load_format: str = _option(ModelConfig.load_format, "'mmap': a GGUF's quantized blocks are used where the "
-                               "file is mapped (start-up reads nothing ahead; the pages are shared with other "
-                               "processes serving the file; memory about the file's size), and steps of many "
-                               "tokens multiply the blocks too instead of a dense copy kept beside them (slower "
-                               "from 4 tokens a step up); 'dummy': random weights of the config's shapes, none read (a directory "
+    load_format: str = _option(ModelConfig.load_format, "'mmap' (CPU): the weights are used where the file is "
+                               "mapped (start-up reads nothing ahead; the pages are shared with other processes "
+                               "serving the file; memory about the file's size): a safetensors checkpoint's "
+                               "tensors where it stores them in the run's --dtype (a bf16 checkpoint with --dtype "
+                               "bfloat16; GEMMs read them as stored, no prepacked copy), or a "
+                               "GGUF's quantized blocks, which steps of many tokens multiply too instead of a "
+                               "dense copy kept beside them (slower from 4 tokens a step up); refused, naming why, "
+                               "where a weight would be copied (a cast, --quantization, tensor parallelism); "
+                               "'dummy': random weights of the config's shapes, none read (a directory "
                                "of `kvserve make-checkpoint --config-only` needs it); 'auto' reads the weights "
                                "(a GGUF's blocks kept in memory, with the dense copy)",
                                str, LOAD_FORMAT_CHOICES)

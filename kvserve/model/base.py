@@ -64,7 +64,8 @@ class CausalLM(nn.Module):
     @abstractmethod
     def weight_bytes(self) -> int:
         """Bytes the loaded weights hold, in every layout a layer keeps (parameters and buffers, a GGUF's blocks,
-        a dense or prepacked copy), each storage counted once (a tied head shares the embeddings')."""
+        a mapped file's tensors, a dense or prepacked copy), each storage counted once (a tied head shares the
+        embeddings')."""
         sizes: dict[int, int] = {}
         for module in self.modules():
             held = itertools.chain(vars(module).values(), module._parameters.values(), module._buffers.values())

@@ -34,6 +34,11 @@ WeightIterator = Iterator[tuple[str, torch.Tensor]]
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # any one of these lets AutoTokenizer build a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+# safetensors' names of the floating dtypes torch reads, which the loader casts to the model's dtype
+SAFETENSORS_FLOAT_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
 
 
 @dataclass(frozen=True)
@@ -47,11 +52,15 @@ class Checkpoint:
     read_weights: Callable[[frozenset[int], bool], WeightIterator] = field(repr=False)
     is_gguf: bool = False
     dummy: bool = False  # ``load_format="dummy"``: no weight is read; the model draws random ones of its shapes
+    # the floating dtypes a safetensors checkpoint's headers name (empty for a GGUF or a dummy): where they are the
+    # model's, the tensors come out as views of the mapped file, uncast
+    stored_dtypes: frozenset[torch.dtype] = frozenset()
 
     def weights(self, keep_quantized: frozenset[int] = frozenset(), mapped: bool = False) -> WeightIterator:
-        """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype; a GGUF's
-        2-D tensors of the ggml types in ``keep_quantized`` come as their blocks (``GGMLTensor``) instead, with
-        ``mapped`` views of the mapped file where their rows are stored in order (copies otherwise).
+        """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype (a
+        safetensors file's: views of the mapped file where they are stored in it); a GGUF's 2-D tensors of the
+        ggml types in ``keep_quantized`` come as their blocks (``GGMLTensor``) instead, with ``mapped`` views of
+        the mapped file where their rows are stored in order (copies otherwise).
 
         A tied LM head that the file does not store is not yielded. Each call reads the file again.
         """
@@ -74,8 +83,7 @@ def load_checkpoint(location: ModelLocation, dtype: torch.dtype, load_format: st
 def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Checkpoint:
     config = _read_hf_config(directory)
     shards = [] if dummy else _safetensors_shards(directory)
-    for shard in shards:
-        _check_safetensors(shard)
+    stored_dtypes = frozenset().union(*(_check_safetensors(shard) for shard in shards))
     tokenizer = _read_hf_tokenizer(directory)
     generation_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
     return Checkpoint(
@@ -85,6 +93,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Ch
         max_model_len=_max_model_len(config, directory / "config.json"),
         read_weights=partial(_read_safetensors, shards, dtype),
         dummy=dummy,
+        stored_dtypes=stored_dtypes,
     )
 
 
@@ -132,11 +141,13 @@ def _safetensors_shards(directory: Path) -> list[Path]:
     return shards
 
 
-def _check_safetensors(shard: Path) -> None:
-    # safetensors checks the header and that the data section covers every tensor: truncation shows up here
+def _check_safetensors(shard: Path) -> set[torch.dtype]:
+    """The floating dtypes ``shard`` stores, from its header. safetensors checks the header and that the data
+    section covers every tensor: truncation shows up here."""
     try:
         with safe_open(shard, framework="pt") as reader:
-            reader.keys()
+            names = {reader.get_slice(name).get_dtype() for name in reader.keys()}
+        return {SAFETENSORS_FLOAT_DTYPES[name] for name in names if name in SAFETENSORS_FLOAT_DTYPES}
     except SafetensorError as error:
         raise CheckpointError(f"{shard} is not a readable safetensors file (truncated or corrupt): {error}") from None
 
@@ -144,7 +155,9 @@ def _check_safetensors(shard: Path) -> None:
 def _read_safetensors(
     shards: list[Path], dtype: torch.dtype, keep_quantized: frozenset[int], mapped: bool = False
 ) -> WeightIterator:
-    del keep_quantized, mapped  # safetensors hold no ggml blocks
+    # no ggml blocks; and mapped or not, safetensors' reader maps the file and hands out views of its pages, which
+    # the model keeps (load_format="mmap") or copies into its own parameters
+    del keep_quantized, mapped
     for shard in shards:
         try:
             with safe_open(shard, framework="pt") as reader:
@@ -262,4 +275,5 @@ def _max_model_len(config: PretrainedConfig, source: Path) -> int:
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # ``to`` returns the tensor itself (a view of the mapped file) when it is in ``dtype`` already: no copy
     return tensor.to(dtype) if tensor.is_floating_point() else tensor

@@ -18,6 +18,7 @@ from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
 from kvserve.model.layers.ggml import KERNEL_TYPES, GGMLLinearMethod, ggml_gemm
 from kvserve.model.layers.ggml_qdot import qdot_gemm
 from kvserve.model.layers.linear import Linear, LinearMethod, UnquantizedLinearMethod
+from kvserve.model.layers.mapped import MappedLinearMethod
 from kvserve.model.layers.tensor_parallel import TensorParallel, shard_model
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, can_prepack, small_gemm
 from kvserve.model.layers.weight_quant import WEIGHT_ONLY_SCHEMES, WeightOnlyLinearMethod
@@ -72,11 +73,14 @@ def select_linear_method(
     device: torch.device, dtype: torch.dtype, weights: str = "dense", quantize_activations: bool = True
 ) -> LinearMethod:
     """Prepacked oneDNN weights (and small-GEMM panels where that kernel is tuned) for fp32 on CPU; the plain
-    weights elsewhere; in front of those, a GGUF's blocks kept (``weights="gguf"``, or "gguf-mmap") or every weight quantized at
-    load (``"int8"``, ``"int4"``), as ``weight_format`` decided, multiplied by the block kernel's int8-activation
-    path (``quantize_activations``, where it builds) or its exact fp32 one."""
+    weights elsewhere, or where the file is mapped (``weights="dense-mmap"``); in front of those, a GGUF's blocks
+    kept (``"gguf"``, or "gguf-mmap") or every weight quantized at load (``"int8"``, ``"int4"``), as
+    ``weight_format`` decided, multiplied by the block kernel's int8-activation path (``quantize_activations``,
+    where it builds) or its exact fp32 one."""
     if weights == "fp8":
         return Fp8LinearMethod()
+    if weights == "dense-mmap":
+        return MappedLinearMethod()
     if weights == "gguf" and device.type == "cuda":
         from kvserve.model.layers.triton_ggml import TritonGGMLGemm  # imports triton: CUDA only
 
@@ -97,9 +101,10 @@ def weight_format(
     tensor_parallel_size: int = 1, load_format: str = "auto",
 ) -> str:
     """How the linear layers hold their weights: "dense" (as loaded, in ``dtype``), "gguf" (a GGUF's blocks kept,
-    see ``keeps_gguf_blocks``, with a dense copy for steps of many tokens), "gguf-mmap" (``load_format="mmap"``:
-    the blocks where the file is mapped, the only copy), "int8" / "int4" (quantized at load), or "fp8" (e4m3
-    weights and activations); ValueError where they cannot run. Tensor-parallel layers are dense
+    see ``keeps_gguf_blocks``, with a dense copy for steps of many tokens), "gguf-mmap" / "dense-mmap"
+    (``load_format="mmap"``: a GGUF's blocks or a safetensors checkpoint's tensors where the file is mapped, the
+    only copy), "int8" / "int4" (quantized at load), or "fp8" (e4m3 weights and activations); ValueError where
+    they cannot run. Tensor-parallel layers are dense
     (``EngineConfig`` refuses the other formats by name; ``auto`` dequantizes)."""
     if load_format == "mmap":
         return _mapped_format(quantization, checkpoint, device, dtype, dtype_forced, tensor_parallel_size)
@@ -131,24 +136,50 @@ def _mapped_format(
     quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool,
     tensor_parallel_size: int,
 ) -> str:
-    """ "gguf-mmap", or ValueError saying why ``load_format="mmap"`` cannot map these weights: it maps a GGUF's
-    blocks, the one layout that runs from the file as it is (a dense or re-quantized layout is made at load)."""
-    why = ""
-    if tensor_parallel_size > 1:
+    """ "gguf-mmap" or "dense-mmap", or ValueError saying why ``load_format="mmap"`` cannot run these weights
+    where the file is mapped: only a layout the file holds as it is runs from it (a cast, sharded, dequantized or
+    re-quantized layout is made at load, a device's copy on the device)."""
+    stored = "a GGUF's quantized blocks" if checkpoint.is_gguf else "a safetensors checkpoint's tensors"
+    if device.type != "cpu":
+        why = f"device {device.type} holds its own copy (files are mapped on CPU)"
+    elif tensor_parallel_size > 1:
         why = f"tensor_parallel_size={tensor_parallel_size} shards dense weights"
-    elif quantization not in ("auto", "gguf"):
-        why = f"quantization={quantization!r} lays the weights out anew at load"
-    elif dtype_forced:
-        why = f"dtype={str(dtype).removeprefix('torch.')} dequantizes the blocks"
+    elif checkpoint.is_gguf:
+        why = _why_blocks_unmapped(quantization, checkpoint, device, dtype, dtype_forced)
     else:
-        try:
-            keeps_gguf_blocks("gguf", checkpoint, device, dtype, dtype_forced=False)
-        except ValueError as error:
-            why = str(error).removeprefix("quantization='gguf': ")
+        why = _why_tensors_unmapped(quantization, checkpoint.stored_dtypes, dtype)
     if why:
-        raise ValueError(f"load_format='mmap' runs a GGUF's quantized blocks from the mapped file; {why} "
-                         "(use load_format='auto')")
-    return "gguf-mmap"
+        raise ValueError(f"load_format='mmap' runs {stored} from the mapped file; {why} (use load_format='auto')")
+    return "gguf-mmap" if checkpoint.is_gguf else "dense-mmap"
+
+
+def _why_blocks_unmapped(
+    quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool
+) -> str:
+    """Why a GGUF's blocks cannot run from its mapped file ("" where they can)."""
+    if quantization not in ("auto", "gguf"):
+        return f"quantization={quantization!r} lays the weights out anew at load"
+    if dtype_forced:
+        return f"dtype={str(dtype).removeprefix('torch.')} dequantizes the blocks"
+    try:
+        keeps_gguf_blocks("gguf", checkpoint, device, dtype, dtype_forced=False)
+    except ValueError as error:
+        return str(error).removeprefix("quantization='gguf': ")
+    return ""
+
+
+def _why_tensors_unmapped(quantization: str, stored_dtypes: frozenset[torch.dtype], dtype: torch.dtype) -> str:
+    """Why a safetensors checkpoint's tensors cannot be the weights as mapped ("" where they can)."""
+    if quantization == "gguf":
+        return "quantization='gguf' keeps a GGUF's blocks, and this checkpoint is not a GGUF file"
+    if quantization not in ("auto", "none"):
+        return f"quantization={quantization!r} lays the weights out anew at load"
+    cast = sorted(str(stored).removeprefix("torch.") for stored in stored_dtypes - {dtype})
+    if not cast:
+        return ""
+    run = str(dtype).removeprefix("torch.")
+    hint = f" (dtype={cast[0]!r} maps them)" if len(stored_dtypes) == 1 else ""
+    return f"the checkpoint stores {', '.join(cast)} tensors and the model runs in {run}: a cast copies them{hint}"
 
 
 def keeps_gguf_blocks(
@@ -251,11 +282,9 @@ def load_model(
                                        quantize_activations=False)
     model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype),
                         head_method, tp)
-    mapped = weights == "gguf-mmap"
-    if mapped:  # the embeddings too stay in the file's blocks; a step dequantizes the rows it looks up
-        for module in model.modules():
-            if isinstance(module, VocabEmbedding):
-                module.keep_blocks(ggml_gemm())
+    mapped = weights in ("gguf-mmap", "dense-mmap")
+    if mapped:
+        _keep_embeddings_mapped(model, weights)
     kept = kept_block_types(device) if weights in ("gguf", "gguf-mmap") else frozenset()
     if checkpoint.dummy:
         draw_dummy_weights(model)
@@ -263,6 +292,17 @@ def load_model(
         model.load_weights(checkpoint.weights(kept, mapped))
     process_weights_after_loading(model)
     return model.eval()
+
+
+def _keep_embeddings_mapped(model: CausalLM, weights: str) -> None:
+    """Under ``load_format="mmap"`` the embeddings too stay where the file is mapped: a GGUF's in their blocks (a
+    step dequantizes the rows it looks up), a safetensors checkpoint's as its tensor."""
+    for module in model.modules():
+        if isinstance(module, VocabEmbedding):
+            if weights == "gguf-mmap":
+                module.keep_blocks(ggml_gemm())
+            else:
+                module.keep_loaded()
 
 
 def draw_dummy_weights(model: CausalLM, bound: float = DUMMY_WEIGHT_BOUND, seed: int = 0) -> None:

@@ -71,7 +71,8 @@ class ModelRunner:
 
     def weights_format(self) -> str:
         """How the linear layers hold their weights: the dtype, the GGUF block types kept (e.g. "gguf Q4_1,
-        Q8_0", from the layers themselves), or the weight-only scheme they were quantized to at load."""
+        Q8_0", from the layers themselves), or the weight-only scheme they were quantized to at load; " (mapped)"
+        where they are the checkpoint file's mapped pages (``load_format="mmap"``)."""
         return self._weights_format
 
     def _find_weights_format(self) -> str:
@@ -83,7 +84,8 @@ class ModelRunner:
         if self.weights == "fp8":
             return "fp8 e4m3 (weights per channel, activations per token)"
         if not kept:
-            return str(self.dtype).removeprefix("torch.")
+            dense = str(self.dtype).removeprefix("torch.")
+            return f"{dense} (mapped)" if self.weights == "dense-mmap" else dense
         return f"gguf {', '.join(kept)}" + (" (mapped)" if self.weights == "gguf-mmap" else "")
 
     def layer_windows(self) -> list[int | None]:

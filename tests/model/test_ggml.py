@@ -344,8 +344,3 @@ def test_load_format_mmap_runs_the_files_own_blocks_and_agrees_with_auto(quantiz
 def test_load_format_mmap_refuses_what_it_cannot_map(quantized_gguf: Path, options: dict, reason: str) -> None:
     with pytest.raises(ValueError, match=f"load_format='mmap' .*{reason}"):
         LLM(str(quantized_gguf), num_kv_blocks=64, load_format="mmap", **options)
-
-
-def test_load_format_mmap_refuses_a_safetensors_checkpoint(tiny_checkpoints: dict[str, Path]) -> None:
-    with pytest.raises(ValueError, match="load_format='mmap' .*not a GGUF file"):
-        LLM(str(tiny_checkpoints["llama"]), num_kv_blocks=64, load_format="mmap")

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.model.layers.linear import (Linear, LinearMethod, PackedLinear, UnquantizedLinearMethod, WeightShapeError,
                                          linear_from_tensors)
+from kvserve.model.layers.mapped import MappedLinearMethod
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, SmallGemm, can_prepack
 from kvserve.model.layers.prepacked import small_gemm as tuned_small_gemm
 from kvserve.model.loader import load_checkpoint
@@ -24,7 +25,7 @@ needs_prepack = pytest.mark.skipif(not can_prepack(CPU, torch.float32), reason="
 
 
 def methods() -> dict[str, LinearMethod]:
-    found = {"unquantized": UnquantizedLinearMethod()}
+    found = {"unquantized": UnquantizedLinearMethod(), "mapped": MappedLinearMethod()}
     if can_prepack(CPU, torch.float32):
         found["onednn"] = CpuPrepackedLinearMethod(None)
         found["onednn+panels"] = CpuPrepackedLinearMethod(SmallGemm())  # built on any CPU, tuned or not

@@ -1,5 +1,5 @@
-"""Token embeddings whose rows may be split over tensor-parallel ranks (vocab-parallel), or kept in a GGUF's
-blocks."""
+"""Token embeddings whose rows may be split over tensor-parallel ranks (vocab-parallel), or kept as the checkpoint
+holds them: in a GGUF's blocks, or as the view of a mapped safetensors file."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ class VocabEmbedding(Shardable, nn.Embedding):
     tp_shard: LinearShard | None = None
     blocks_kernel: GGMLGemm | None = None  # set by ``keep_blocks``
     ggml_weight: GGMLTensor | None = None
+    keeps_loaded: bool = False  # set by ``keep_loaded``
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         # rows left uninitialised, as the checkpoint fills them: nn.Embedding's random init, even on the meta
@@ -36,9 +37,19 @@ class VocabEmbedding(Shardable, nn.Embedding):
         dequantizes a looked-up row at a time, instead of their fp32 rows."""
         self.blocks_kernel = kernel
 
+    def keep_loaded(self) -> None:
+        """Make the checkpoint's tensor itself the weight (under ``--load-format mmap``, a view of the mapped file,
+        in the model's dtype; one rank), instead of a copy of it."""
+        self.keeps_loaded = True
+
     def load_weight(self, tensor: torch.Tensor | GGMLTensor) -> None:
         """Copy the checkpoint's [vocab, hidden] embeddings (this rank's rows of them) into ``weight``, or keep
-        their blocks (``keep_blocks``)."""
+        their blocks (``keep_blocks``) or the tensor itself (``keep_loaded``)."""
+        if self.keeps_loaded:
+            if tensor.shape != self.weight.shape:
+                raise WeightShapeError(tensor.shape, self.weight.shape)
+            self.weight.data = tensor  # a tied head's too: it shares the parameter
+            return
         if self.blocks_kernel is not None and isinstance(tensor, GGMLTensor) and tensor.qtype in KERNEL_TYPES:
             if tuple(tensor.shape) != tuple(self.weight.shape):
                 raise WeightShapeError(torch.Size(tensor.shape), self.weight.shape)

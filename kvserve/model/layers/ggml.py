@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvserve.model.layers.linear import Linear, LinearMethod, WeightShapeError
+from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, LinearMethod, apply_by_parts, linear_into
 from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
@@ -135,11 +135,8 @@ class GGMLGemm:
         for start in range(0, n, step):
             stop = min(start + step, n)
             rows = GGMLTensor(weight.blocks[start:stop], weight.qtype, (stop - start, k))
-            values = self.dequantize(rows, self._scratch(rows.shape)).T
-            if bias is None:
-                torch.mm(x, values, out=y[:, start:stop])
-            else:
-                torch.addmm(bias[start:stop], x, values, out=y[:, start:stop])
+            values = self.dequantize(rows, self._scratch(rows.shape))
+            linear_into(x, values, None if bias is None else bias[start:stop], y[:, start:stop])
         return y
 
     def place(self, weight: GGMLTensor, device: torch.device) -> GGMLTensor:
@@ -204,12 +201,12 @@ def ggml_gemm() -> GGMLGemm | None:
         return None
 
 
-class GGMLLinearMethod(LinearMethod):
+class GGMLLinearMethod(AsLoadedLinearMethod):
     """Keeps a layer's weight in ggml blocks when every checkpoint tensor of it arrives as blocks of a type the
     kernel reads (one tensor per run of a type in a packed layer), multiplied by ``gemm`` (default: ``kernel``,
-    the exact one; or the int8-activation ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens. Larger steps: with ``keep_dense``,
-    ``dense`` lays the weight out, dequantized by ``kernel``, and serves them (fast, at 32 bits a weight held
-    beside the blocks); without, ``kernel.batched`` multiplies the blocks themselves, which stay the only copy
+    the exact one; or the int8-activation ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens.
+    Larger steps: with ``keep_dense``, ``dense`` lays the weight out, dequantized by ``kernel``, and serves them
+    (fast, at 32 bits a weight held beside the blocks); without, ``kernel.batched`` multiplies the blocks themselves, which stay the only copy
     and may be the file's own mapped pages, one tensor per projection (joining them would copy). ``dense``
     serves every step of a layer not kept in blocks. CPU in fp32 (``GGMLGemm``), or CUDA (``triton_ggml``'s
     kernel at any number of rows, no dense copy)."""
@@ -221,31 +218,13 @@ class GGMLLinearMethod(LinearMethod):
         self.gemm = gemm or kernel
         self.keep_dense = keep_dense
 
-    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
-        # An empty placeholder names the tensor the checkpoint fills; its rows arrive in ``load_weight``.
-        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
-        layer.bias = torch.nn.Parameter(torch.empty(layer.out_features, dtype=dtype), requires_grad=False) \
-            if layer.has_bias else None
-        layer.weight_parts = {}
-
-    def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor | GGMLTensor, shard: str | None) -> None:
-        if name != "weight":
-            return super().load_weight(layer, name, tensor, shard)
-        rows = layer.shard_rows()
-        expected = (rows[shard].stop - rows[shard].start if shard else layer.out_features, layer.in_features)
-        if tuple(tensor.shape) != expected:
-            raise WeightShapeError(torch.Size(tensor.shape), torch.Size(expected))
-        layer.weight_parts[shard] = tensor
-
     def load_tied_weight(self, layer: Linear, tensor: torch.Tensor | GGMLTensor) -> None:
         # a tied LM head multiplies by the embeddings' own blocks
         if isinstance(tensor, GGMLTensor):
             self.load_weight(layer, "weight", tensor, None)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        parts = [layer.weight_parts[shard] for shard in (layer.shard_rows() or {None: None})] \
-            if layer.weight_parts else []
-        del layer.weight_parts
+        parts = self.loaded_parts(layer)
         qtypes = {part.qtype if isinstance(part, GGMLTensor) else None for part in parts}
         layer.ggml_parts = None
         device, dtype = layer.weight.device, layer.weight.dtype
@@ -276,16 +255,8 @@ class GGMLLinearMethod(LinearMethod):
         if layer.ggml_parts is None or self.keep_dense and num_rows > self.gemm.max_rows:
             return self.dense.apply(layer, x)
         multiply = self.gemm if num_rows <= self.gemm.max_rows else self.kernel.batched
-        rows = x.reshape(num_rows, layer.in_features)
-        if len(layer.ggml_parts) == 1:  # no slicing: every op here is replayed by a CPU step graph, each costs
-            return multiply(rows, layer.ggml_parts[0], layer.bias).view(*x.shape[:-1], layer.out_features)
-        y = x.new_empty(num_rows, layer.out_features)
-        start = 0
-        for part in layer.ggml_parts:  # a packed layer's projections, where they were loaded (mapped)
-            stop = start + part.shape[0]
-            multiply(rows, part, None if layer.bias is None else layer.bias[start:stop], y[:, start:stop])
-            start = stop
-        return y.view(*x.shape[:-1], layer.out_features)
+        # mapped: a packed layer's projections where they were loaded
+        return apply_by_parts(layer, layer.ggml_parts, x, multiply)
 
 
 def _joined(parts: list[GGMLTensor]) -> list[GGMLTensor]:

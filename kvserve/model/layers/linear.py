@@ -16,14 +16,18 @@ A layer's life, driven by ``model/registry.py``; the model files only construct 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from kvserve.model.layers.ggml import GGMLTensor
     from kvserve.model.layers.tensor_parallel import LinearShard
+
+# ``multiply(x [M, K], part, bias, out)``: one kept part's product, into ``out`` (a column range) when given
+PartProduct = Callable[[torch.Tensor, Any, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 
 
 class WeightShapeError(ValueError):
@@ -84,6 +88,65 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+
+class AsLoadedLinearMethod(LinearMethod):
+    """Base of the methods that keep a layer's checkpoint tensors themselves, one per packed projection, instead
+    of copying them into a parameter of their own (a GGUF's blocks; views of a mapped file): ``load_weight``
+    collects them, ``loaded_parts`` hands them to ``process_weights_after_loading`` in packing order, and
+    ``apply_by_parts`` multiplies them where they lie."""
+
+    def create_weights(self, layer: Linear, dtype: torch.dtype) -> None:
+        # An empty placeholder names the tensor the checkpoint fills; its rows arrive in ``load_weight``.
+        layer.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        layer.bias = _parameter(layer.out_features, dtype=dtype) if layer.has_bias else None
+        layer.weight_parts = {}
+
+    def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor | GGMLTensor, shard: str | None) -> None:
+        if name != "weight":
+            return super().load_weight(layer, name, tensor, shard)
+        rows = layer.shard_rows()
+        expected = (rows[shard].stop - rows[shard].start if shard else layer.out_features, layer.in_features)
+        if tuple(tensor.shape) != expected:
+            raise WeightShapeError(torch.Size(tensor.shape), torch.Size(expected))
+        layer.weight_parts[shard] = tensor
+
+    @staticmethod
+    def loaded_parts(layer: Linear) -> list[torch.Tensor | GGMLTensor]:
+        """The tensors ``load_weight`` kept, in packing order (none for a tied head, whose weight is the
+        embeddings' parameter); once, as ``process_weights_after_loading`` starts."""
+        parts = [layer.weight_parts[shard] for shard in (layer.shard_rows() or {None: None})] \
+            if layer.weight_parts else []
+        del layer.weight_parts
+        return parts
+
+
+def apply_by_parts(layer: Linear, parts: tuple[Any, ...], x: torch.Tensor, multiply: PartProduct) -> torch.Tensor:
+    """``x [..., in] @ W.T + b`` for W the ``parts`` (a packed layer's projections) one under the other, never
+    joined (joining would copy them): ``multiply`` writes each part's product into its column range of the
+    output."""
+    num_rows = x.numel() // layer.in_features
+    rows = x.reshape(num_rows, layer.in_features)
+    if len(parts) == 1:  # no slicing: every op here is replayed by a CPU step graph, each costs
+        return multiply(rows, parts[0], layer.bias, None).view(*x.shape[:-1], layer.out_features)
+    y = x.new_empty(num_rows, layer.out_features)
+    start = 0
+    for part in parts:
+        stop = start + part.shape[0]
+        multiply(rows, part, None if layer.bias is None else layer.bias[start:stop], y[:, start:stop])
+        start = stop
+    return y.view(*x.shape[:-1], layer.out_features)
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight.T (+ bias)`` by torch's GEMM, into ``out`` [M, N] if given (its rows may be strided:
+    a column range of a wider output, written in place)."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.T, out=out)
+    return torch.addmm(bias, x, weight.T, out=out)
 
 
 def _parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
