@@ -162,10 +162,10 @@ class LLMEngine:
             (config.cache.enable_prefix_caching and not groups.keys_prefix_tree,
              "the prefix cache is on, and it needs the model's full-attention layers in one group to key its tree "
              "(--no-enable-prefix-caching frees them)"),
-            (config.cache.offloads_kv, "the KV tiers (--kv-offload-*) are on"),
-            (config.scheduler.preemption_mode == "swap", "--preemption-mode swap is on"),
+            # the draft's KV is indexed by the target's block ids: with groups it would follow group 0's table in a
+            # store as many blocks long as the (layers / group_size times larger) pool, most of it never used, and
+            # its own sliding layers would free nothing; a layout of its own is not built
             (config.speculative.method == "draft", "a draft model shares the block tables"),
-            (config.parallel.tensor_parallel_size > 1, "tensor parallelism is on"),
         )
         return next((reason for on, reason in reasons if on), None)
 
@@ -176,7 +176,8 @@ class LLMEngine:
         if not cache.offloads_kv:
             return None
         spec = runner.kv_cache_spec()
-        block_format = BlockFormat(runner.model_identity(), spec.kv_dtype.name, spec.block_size, spec.bytes_per_block)
+        block_format = BlockFormat(runner.model_identity(), spec.kv_dtype.name, spec.block_size, spec.bytes_per_block,
+                                   runner.kv_groups.layout)
         host_gib = cache.kv_offload_memory if cache.kv_offload_memory is not None else DEFAULT_STAGING_GIB
         return TieredStore(block_format, host_gib * 2**30, host_is_tier=cache.kv_offload_memory is not None,
                            disk_dir=cache.kv_offload_dir, disk_bytes=cache.kv_offload_disk * 2**30,

@@ -4,11 +4,13 @@
 
     | magic "KVSBLK" | version u16 | header length u32 | header: JSON | payload: the block's bytes |
 
-The header names what the payload is for (model identity, KV dtype, block size), the block's own key, its
-parent's key and token ids, and the payload's length and CRC-32. A reader accepts a file only if every one of
-these matches what it expects, the key recomputes from the parent key and the tokens, and the payload is
-whole with its checksum right; anything else raises ``CorruptBlockError`` naming what was wrong, so a block
-written for another model or dtype, a truncated file or flipped bits are never used.
+The header names what the payload is for (model identity, KV dtype, block size, and the KV cache groups' layout
+with the block's group), the block's own key, its parent's key and token ids, and the payload's length and CRC-32.
+A reader accepts a file only if every one of these matches what it expects, the key recomputes from the parent
+key, the tokens and the group, and the payload is whole with its checksum right; anything else raises
+``CorruptBlockError`` naming what was wrong, so a block written for another model, dtype or layout, a truncated
+file or flipped bits are never used. A file written before KV cache groups existed has neither the layout nor the
+group: it reads as a block of the plain layout (every layer in a block).
 
 A writer writes a temporary file beside the target and renames it into place (atomic on POSIX), so a reader
 sees either no file or a whole one, never a torn block, even with two servers writing the same key.
@@ -23,12 +25,13 @@ import uuid
 import zlib
 from dataclasses import dataclass
 
-from kvserve.kv.block_keys import block_key
+from kvserve.kv.block_keys import block_key, group_key
 
 MAGIC = b"KVSBLK"
 VERSION = 1
 _PREAMBLE = struct.Struct("<6sHI")  # magic, version, header length
 _MAX_HEADER_BYTES = 1 << 20
+_BEFORE_GROUPS = {"kv_layout": "", "group": 0}  # what a file written before KV cache groups holds
 
 
 class CorruptBlockError(ValueError):
@@ -46,9 +49,12 @@ class BlockRecord:
     kv_dtype: str
     block_size: int
     payload_bytes: int
+    kv_layout: str = ""  # ``KVCacheGroups.layout``: '' for the plain layout
+    group: int = 0  # the KV cache group whose block this is
 
     def header(self, payload_crc: int) -> dict:
         return {"model_identity": self.model_identity, "kv_dtype": self.kv_dtype, "block_size": self.block_size,
+                "kv_layout": self.kv_layout, "group": self.group,
                 "key": self.key.hex(), "parent_key": self.parent_key.hex(), "token_ids": list(self.token_ids),
                 "payload_bytes": self.payload_bytes, "payload_crc32": payload_crc}
 
@@ -109,10 +115,12 @@ def _parse_header(raw: bytes, header_len: int) -> dict:
 
 def _check_header(header: dict, expected: BlockRecord) -> None:
     want = expected.header(payload_crc=0)
-    for name in ("model_identity", "kv_dtype", "block_size", "key", "parent_key", "token_ids", "payload_bytes"):
+    header = {**_BEFORE_GROUPS, **header}
+    for name in ("model_identity", "kv_dtype", "block_size", "kv_layout", "group", "key", "parent_key", "token_ids",
+                 "payload_bytes"):
         if header.get(name) != want[name]:
             raise CorruptBlockError(f"{name} is {str(header.get(name))[:80]!r}, expected {str(want[name])[:80]!r}")
-    if block_key(expected.parent_key, expected.token_ids) != expected.key:
+    if group_key(block_key(expected.parent_key, expected.token_ids), expected.group) != expected.key:
         raise CorruptBlockError("key does not match its parent key and tokens")
     if not isinstance(header.get("payload_crc32"), int):
         raise CorruptBlockError("header has no payload checksum")

@@ -3,8 +3,13 @@
 A block's key names everything its KV depends on: the model and how its KV is stored (the root), and every
 token of the prefix up to the block's end, chained through its parent's key::
 
-    root   = H("kvserve-kv-block/1" | model identity | KV dtype | block size)
+    root   = H("kvserve-kv-block/1" | model identity | KV dtype | block size [| KV layout])
     key(b) = H(key(parent of b) | b's token ids as little-endian int32)
+    key of KV cache group g's block of b's tokens (g >= 1) = H(key(b) | "group" | g)
+
+With KV cache groups (``kv/groups.py``) a block id holds one group's layers, not every layer: the layout (which
+layers each group's blocks hold) joins the root, so a block of one layout is never found under another's keys,
+and each group's block of the same tokens has a key of its own, chained from group 0's (the prefix tree's).
 
 H is BLAKE2b with a 16-byte digest, never Python's ``hash`` (salted per process), so a block written by one
 server is found under the same key by a restarted one or by a second server on the same directory, and
@@ -25,9 +30,11 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=KEY_BYTES).digest()
 
 
-def root_key(model_identity: str, kv_dtype: str, block_size: int) -> bytes:
-    """The key a model's first block chains from."""
-    return _digest(b"|".join((_NAMESPACE, model_identity.encode(), kv_dtype.encode(), str(block_size).encode())))
+def root_key(model_identity: str, kv_dtype: str, block_size: int, kv_layout: str = "") -> bytes:
+    """The key a model's first block chains from. ``kv_layout`` (``KVCacheGroups.layout``) is '' for the plain
+    layout, every layer in each block, whose keys stay what they were before groups existed."""
+    parts = [_NAMESPACE, model_identity.encode(), kv_dtype.encode(), str(block_size).encode()]
+    return _digest(b"|".join(parts + [kv_layout.encode()] * bool(kv_layout)))
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
@@ -35,9 +42,16 @@ def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
     return _digest(parent_key + struct.pack(f"<{len(token_ids)}i", *token_ids))
 
 
+def group_key(key: bytes, group: int) -> bytes:
+    """The key of KV cache group ``group``'s block of the tokens whose group-0 block has ``key``."""
+    return key if group == 0 else _digest(key + b"|group|" + str(group).encode())
+
+
 class KeyedBlock(NamedTuple):
-    """A full block named by its content: its key, its parent's key and its token ids."""
+    """A full block named by its content: its key, its parent's key (group 0's), its token ids and its KV cache
+    group (``key == group_key(block_key(parent_key, token_ids), group)``)."""
 
     key: bytes
     parent_key: bytes
     token_ids: tuple[int, ...]
+    group: int = 0

@@ -21,7 +21,7 @@ is a full group when the model has one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 # A block-table entry whose block was freed because no future query of the request can see it. No reader
 # dereferences it: attention starts at the first key a query's window shows, which lies past every null entry.
@@ -79,5 +79,47 @@ class KVCacheGroups:
         """Whether some group drops the blocks its window has passed."""
         return any(w is not None for w in self.windows)
 
+    @property
+    def layout(self) -> str:
+        """What a block of each group holds, for blocks kept beyond this process (the KV tiers' keys and files):
+        '' for one group, every layer in each block (the plain layout, whatever its window); else each group's
+        window and layers in tensor order, e.g. ``full:5,11,17;512:0,1,2;...``."""
+        if self.num_groups == 1:
+            return ""
+        return ";".join(f"{'full' if w is None else w}:{','.join(map(str, self.layers_of(g)))}"
+                        for g, w in enumerate(self.windows))
+
+    def first_visible_block(self, group: int, position: int, block_size: int) -> int:
+        """The first block of the group's table that a query at ``position`` sees (key ``position - w + 1``);
+        the blocks before it are dead to the request from that query on."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, (position - window + 1) // block_size)
+
+    def visible_length(self, num_blocks: int, block_size: int, has: Callable[[int, int], bool]) -> int:
+        """The longest k <= ``num_blocks`` such that the query at k * block_size finds every block it sees in
+        every window group (``has(group, index)``): how much of a cached prefix a request can start from. A
+        missing block j cuts k to at most j, as every longer prefix whose window reaches back to j needs it: one
+        walk back per cut, each over a window's blocks."""
+        k = num_blocks
+        while k > 0:
+            lost = self._last_lost_block(k, block_size, has)
+            if lost is None:
+                break
+            k = lost
+        return k
+
+    def _last_lost_block(self, k: int, block_size: int, has: Callable[[int, int], bool]) -> int | None:
+        """The last of blocks 0 .. k - 1 that a window group needs after a prefix of k blocks but lacks, or None."""
+        firsts = [(g, self.first_visible_block(g, k * block_size, block_size))
+                  for g, w in enumerate(self.windows) if w is not None]
+        for index in reversed(range(k)):
+            needing = [g for g, first in firsts if first <= index]
+            if not needing:
+                return None
+            if not all(has(g, index) for g in needing):
+                return index
+        return None
+
     def layers_of(self, group: int) -> list[int]:
+        """The group's layers, in the order of the tensors they use."""
         return [layer for layer, g in enumerate(self.layer_groups) if g == group]

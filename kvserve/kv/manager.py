@@ -39,18 +39,26 @@ valid only if every window group still has the blocks of those positions::
     full group:    | b0 | b1 | b2 | b3 |
     window group:  |  . |  . | b6 | b7 |     '.': evicted or never needed; b6 or b7 evicted: shorten the match
 
-and is shortened to the longest k that is (``_visible_match``). The request's window tables then start with
-nulls up to the first needed block. The KV tiers keep one table per request: a model whose groups free blocks
-is refused with them, and the engine gives it the plain layout instead (``LLMEngine``).
+and is shortened to the longest k that is (``KVCacheGroups.visible_length``). The request's window tables then
+start with nulls up to the first needed block.
+
+With the KV tiers, every group's block of a node is a tier block of its own, under its group's key
+(``block_keys.group_key``, chained from group 0's): offered when computed (written through to the disk) and when
+evicted, a node's group blocks with it and a window block evicted alone by itself. A match through the tiers
+walks group 0's keys past the device tree, then is shortened as above, a window block counting as there if it is
+beside its node or in the host tier (loaded into a fresh block); blocks on the disk that a longer match would
+need are read while the request waits. A swap keeps every group's blocks that the request's next query sees,
+none of a window group's dead ones, and brings them back with nulls before them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
-from kvserve.kv.block_keys import KeyedBlock, block_key
+from kvserve.kv.block_keys import KeyedBlock, block_key, group_key
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
 from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
 from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
@@ -82,9 +90,9 @@ class KVCacheManager:
             raise ValueError("a disk tier keeps prefix-cache blocks: it needs prefix caching on")
         self.groups = groups or KVCacheGroups.single(1)
         self._grouped = self.groups.frees_blocks  # per-group tables, windows' dead blocks freed
-        if self._grouped and store is not None:
-            raise ValueError("KV cache groups that free sliding-window blocks do not work with the KV tiers yet: "
-                             "use KVCacheGroups.single")
+        if store is not None and store.format.kv_layout != self.groups.layout:
+            raise ValueError(f"the KV tiers keep blocks of layout {store.format.kv_layout!r}, the cache's groups are "
+                             f"{self.groups.layout!r}")
         if self._grouped and enable_prefix_caching and not self.groups.keys_prefix_tree:
             raise ValueError("the prefix cache with KV cache groups needs one full-attention group to key its tree: "
                              "use KVCacheGroups.single")
@@ -146,41 +154,102 @@ class KVCacheManager:
         max_blocks = max_tokens // self.block_size
         match = self.prefix_cache.match(request.token_ids, max_blocks, earlier)
         self._matches[request.request_id] = match
-        if self._grouped:
-            return self._visible_match(match)
-        if self.store is not None and not match.sibling_computing and len(match.nodes) < max_blocks:
+        if self.store is not None and not match.sibling_computing and (self._grouped or len(match.nodes) < max_blocks):
             return self._match_tiers(request, match, max_blocks)
-        return match
+        return self._visible_match(match) if self._grouped else match
 
     def _match_tiers(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
-        """Extend a device match with the blocks the host tier holds next; if the disk holds the next ones,
-        start reading them into the host tier and say the request should wait for them (for at most
-        ``MAX_LOAD_WAITS`` lookups, then it computes them)."""
+        """Extend a device match with the blocks the host tier holds next; if the disk holds more, start reading
+        them into the host tier and say the request should wait for them (for at most ``MAX_LOAD_WAITS``
+        lookups, then it computes them). With window groups, a match is as long as its next query finds the
+        window groups' blocks it sees on the device or in the host tier, and the disk is read for those that a
+        longer match would need::
+
+            w = 6, block_size 4      n: device nodes, h: host tier, d: disk, '.': dead to the query at 20
+            group 0:       | n0 | n1 | n2 | h3 | h4 | d5 |
+            window group:  |  . |  . |  . | h3 | h4 | d5 |   a match of 5 blocks (h3s, h4s loaded); d5s read, wait
+        """
         store = self.store
-        assert store is not None and self.prefix_cache is not None
+        assert store is not None
+        nodes = match.nodes
+        beyond, num_host = self._blocks_beyond(request, match, max_blocks)
+        where = functools.cache(functools.partial(self._window_tier, nodes, beyond))
+        num_ready = self.groups.visible_length(len(nodes) + num_host, self.block_size,
+                                               lambda g, index: where(g, index) is Tier.HOST)
+        num_found = self.groups.visible_length(len(nodes) + len(beyond), self.block_size,
+                                               lambda g, index: where(g, index) is not None)
+        waits = self._load_waits[request.request_id]
+        loading = False
+        if num_found > num_ready and waits < MAX_LOAD_WAITS:  # group 0's blocks on disk that it needs, then windows'
+            to_read = beyond[num_host : max(num_host, num_found - len(nodes))]
+            loading = store.prefetch(to_read + self._window_blocks_on_disk(nodes, beyond, num_found, where)) > 0
+        self._load_waits[request.request_id] = waits + loading
+        tiered = tuple(block.key for block in beyond[: max(0, num_ready - len(nodes))])
+        return PrefixMatch(nodes[:num_ready], self.block_size, tiered=tiered, loading=loading)
+
+    def _blocks_beyond(self, request: Request, match: PrefixMatch, max_blocks: int) -> tuple[list[KeyedBlock], int]:
+        """Group 0's blocks after a device match that the tiers hold, in order, and how many lead in the host
+        tier (the rest are on the disk or being read from it, or follow one that is)."""
+        assert self.prefix_cache is not None
         parent = match.nodes[-1].content_key if match.nodes else self.prefix_cache.root.content_key
         assert parent is not None
-        tiered: list[bytes] = []
-        from_disk: list[KeyedBlock] = []
+        beyond: list[KeyedBlock] = []
+        num_host = 0
         for tokens in self.prefix_cache.keys(request.token_ids, len(match.nodes), max_blocks - len(match.nodes)):
             key = block_key(parent, tokens)
-            where = store.locate(key)
-            if where is Tier.HOST and not from_disk:
-                tiered.append(key)
-            elif where is not None or store.is_reading(key):
-                from_disk.append(KeyedBlock(key, parent, tokens))
-            else:
+            tier = self._tier_of(key)
+            if tier is None:
                 break
+            num_host += tier is Tier.HOST and num_host == len(beyond)
+            beyond.append(KeyedBlock(key, parent, tokens))
             parent = key
-        waits = self._load_waits[request.request_id]
-        loading = bool(from_disk) and waits < MAX_LOAD_WAITS and store.prefetch(from_disk) > 0
-        self._load_waits[request.request_id] = waits + loading
-        return PrefixMatch(match.nodes, self.block_size, tiered=tuple(tiered), loading=loading)
+        return beyond, num_host
+
+    def _tier_of(self, key: bytes) -> Tier | None:
+        """Where a block is below the device: HOST (ready to load), DISK (on the disk, or being read), or None."""
+        assert self.store is not None
+        return self.store.locate(key) or (Tier.DISK if self.store.is_reading(key) else None)
+
+    def _window_tier(self, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], group: int,
+                     index: int) -> Tier | None:
+        """Where window group ``group``'s block of the match's block ``index`` is: HOST if on the device (beside
+        its node) or in the host tier, DISK if on the disk or being read, else None."""
+        if index < len(nodes) and nodes[index].group_block_ids[group - 1] != NULL_BLOCK:
+            return Tier.HOST
+        return self._tier_of(group_key(self._keyed(nodes, beyond, index).key, group))
+
+    def _keyed(self, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], index: int) -> KeyedBlock:
+        """Group 0's block ``index`` of a device match followed by ``beyond``, named by its content."""
+        if index >= len(nodes):
+            return beyond[index - len(nodes)]
+        node = nodes[index]
+        assert node.content_key is not None and node.parent is not None and node.parent.content_key is not None
+        return KeyedBlock(node.content_key, node.parent.content_key, node.key)
+
+    def _window_blocks_on_disk(self, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], num_blocks: int,
+                               where: Callable[[int, int], Tier | None]) -> list[KeyedBlock]:
+        """The window groups' blocks that a match of ``num_blocks`` blocks needs and only the disk has."""
+        blocks = []
+        for group in range(1, self.groups.num_groups):
+            for index in range(self.groups.first_visible_block(group, num_blocks * self.block_size, self.block_size),
+                               num_blocks):
+                if where(group, index) is Tier.DISK:
+                    key, parent_key, tokens, _ = self._keyed(nodes, beyond, index)
+                    blocks.append(KeyedBlock(group_key(key, group), parent_key, tokens, group))
+        return blocks
+
+    def _visible_match(self, match: PrefixMatch) -> PrefixMatch:
+        """The longest prefix of a device match after which every window group still has, beside its nodes, the
+        blocks the next query sees (module docstring)."""
+        nodes = match.nodes
+        k = self.groups.visible_length(len(nodes), self.block_size,
+                                       lambda g, index: nodes[index].group_block_ids[g - 1] != NULL_BLOCK)
+        return match if k == len(nodes) else PrefixMatch(nodes[:k], self.block_size)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
-        """Grow ``request.block_ids`` so that its computed tokens plus ``num_new_tokens`` fit; ``prefix``, for a
-        request holding no blocks, is a cached prefix it starts from (the caller then counts those tokens
-        as computed).
+        """Grow the request's block tables so that its computed tokens plus ``num_new_tokens`` fit; ``prefix``,
+        for a request holding no blocks, is a cached prefix it starts from (the caller then counts those tokens
+        as computed), or its swapped-out KV.
 
         All or nothing: returns False and changes nothing when the pool cannot supply the blocks::
 
@@ -188,41 +257,31 @@ class KVCacheManager:
             tokens:     |<--- num_computed_tokens --->|<-- num_new_tokens -->|
                                                       ^ start of this step's chunk
             blocks needed = ceil((num_computed_tokens + num_new_tokens) / block_size) - len(block_ids)
+
+        (every group's table, the same number each; window groups first drop the blocks no query from the
+        step's first on sees, which is no change worth undoing if it then returns False).
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if self._grouped:
-            return self._allocate_grouped(request, num_new_tokens, prefix)
         if prefix is not None and prefix.swapped_tokens is not None:
             return self._swap_in(request, prefix.swapped_tokens + num_new_tokens)
-        num_computed, cached = request.num_computed_tokens, []
-        if prefix is None and (num_computed + num_new_tokens + self.block_size - 1) // self.block_size <= len(
-            request.block_ids
-        ):  # the common decode step: its blocks already hold the new tokens
-            self._extend_path(request, num_computed)
-            return True
-        tiered = prefix.tiered if prefix is not None else ()
-        if prefix is not None and (prefix.nodes or tiered):
+        if prefix is not None and (prefix.nodes or prefix.tiered):
             if request.block_ids:
                 raise ValueError(f"request {request.request_id} holds blocks; only a fresh one takes a prefix")
-            num_computed, cached = prefix.num_tokens, prefix.block_ids
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(request.block_ids) - len(cached)
-        num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)  # hits on evictable blocks
-        if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
+            return self._take_match(request, num_new_tokens, prefix)
+        num_computed = request.num_computed_tokens
+        if not self._grouped and self.num_blocks_for(num_computed + num_new_tokens) <= len(request.block_ids):
+            self._extend_path(request, num_computed)  # the common decode step: its blocks hold the new tokens
+            return True
+        if not request.block_ids:
+            request.group_block_ids = [[] for _ in range(self.groups.num_groups - 1)]
+        tables = self.tables(request)
+        self._drop_dead_blocks(request, tables, num_computed)
+        num_needed = max(0, self.num_blocks_for(num_computed + num_new_tokens) - len(tables[0]))
+        if num_needed * len(tables) > self.pool.num_free_blocks:
             return False
-        if tiered and not self.store.pin(tiered):  # a tiered block left the host since the match: match again
-            return False
-        self._matches.pop(request.request_id, None)
-        self._load_waits.pop(request.request_id, None)
-        if cached:  # taken first, so that the allocation below cannot evict them
-            assert prefix is not None
-            self.pool.take(cached)
-            request.block_ids = cached
-            self._paths[request.request_id] = _CachePath(prefix.nodes[-1], len(cached))
-        num_cached = len(cached)  # request.block_ids is now ``cached`` itself: count before it grows
-        if num_needed > 0:
-            request.block_ids.extend(self.pool.allocate(num_needed))
-        self._loads.extend(zip(tiered, request.block_ids[num_cached : num_cached + len(tiered)]))
+        self._forget_match(request)
+        self._fill(tables, [], num_needed)
         self._extend_path(request, num_computed)
         return True
 
@@ -244,93 +303,89 @@ class KVCacheManager:
         return sum(num_blocks if w is None else min(num_blocks, (w - 1 + max_chunk) // self.block_size + 2)
                    for w in self.groups.windows)
 
-    def _allocate_grouped(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None) -> bool:
-        """``allocate_slots`` with groups: every group's table grows by the same number of blocks, after the
-        window groups dropped the blocks no query from the request's next token on can see; a fresh request may
-        start from a (visible) prefix match, taking each group's blocks of it."""
-        nodes = prefix.nodes if prefix is not None else ()
-        if nodes:
-            if request.block_ids:
-                raise ValueError(f"request {request.request_id} holds blocks; only a fresh one takes a prefix")
-            num_computed, tables = len(nodes) * self.block_size, self._tables_of(nodes)
-        else:
-            if not request.block_ids:
-                request.group_block_ids = [[] for _ in range(self.groups.num_groups - 1)]
-            num_computed, tables = request.num_computed_tokens, self.tables(request)
-            self._drop_dead_blocks(request, tables, num_computed)
-        num_needed = self.num_blocks_for(num_computed + num_new_tokens) - len(tables[0])
-        cached = [b for table in tables for b in table if b != NULL_BLOCK] if nodes else []
+    def _take_match(self, request: Request, num_new_tokens: int, prefix: PrefixMatch) -> bool:
+        """``allocate_slots`` for a fresh request starting from a prefix match: the device blocks of every group
+        taken, fresh blocks loaded from the host tier for the rest of the match (pinned there until the load),
+        then blocks for the new tokens; False, changing nothing, if the pool lacks blocks or a block to load
+        left the host tier since the match."""
+        num_computed = prefix.num_tokens
+        tables, loads = self._match_tables(prefix)
+        num_needed = max(0, self.num_blocks_for(num_computed + num_new_tokens) - len(tables[0]))
+        cached = [b for table in tables for b in table if b != NULL_BLOCK]
         num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)  # hits on evictable blocks
-        if max(num_needed, 0) * len(tables) + num_revived > self.pool.num_free_blocks:
+        if num_needed * len(tables) + len(loads) + num_revived > self.pool.num_free_blocks:
             return False
-        if nodes:  # taken first, so that the allocation below cannot evict them
-            self._take_prefix(request, nodes, tables)
-        elif not request.block_ids:
-            self._matches.pop(request.request_id, None)
-        if num_needed > 0:
-            for window, table in zip(self.groups.windows, tables):
-                table.extend(self.pool.allocate(num_needed))
-                if window is not None:
-                    self.num_windowed_blocks += num_needed
+        keys = [key for _, _, key in loads]
+        if keys:
+            assert self.store is not None
+            if not self.store.pin(keys):  # one left the host tier since the match: match again
+                return False
+        self._forget_match(request)
+        self._hold(tables)  # first, so that the allocation below cannot evict them
+        fresh = self._fill(tables, [(group, index) for group, index, _ in loads], num_needed)
+        self._loads.extend(zip(keys, fresh))
+        request.block_ids, request.group_block_ids = tables[0], tables[1:]
+        if prefix.nodes:
+            self._paths[request.request_id] = _CachePath(prefix.nodes[-1], len(prefix.nodes))
         self._extend_path(request, num_computed)
         return True
 
-    def _visible_match(self, match: PrefixMatch) -> PrefixMatch:
-        """The longest prefix of a tree match after which every window group still has the blocks its first
-        query sees (module docstring). A lost block j cuts the match to at most j blocks, as every longer one
-        whose window reaches back to j needs it: one walk back per cut."""
-        nodes, k = match.nodes, len(match.nodes)
-        while k > 0:
-            lost = self._last_lost_block(nodes, k)
-            if lost is None:
-                break
-            k = lost
-        return match if k == len(nodes) else PrefixMatch(nodes[:k], self.block_size)
+    def _match_tables(self, match: PrefixMatch) -> tuple[list[list[int]], list[tuple[int, int, bytes]]]:
+        """Every group's table of a match, and the (group, index, content key) of its entries to load from the
+        host tier (``NULL_BLOCK`` until filled): group 0's nodes, then its tiered blocks; a window group's from
+        the first block its next query sees, the blocks beside the nodes where still there, else loads."""
+        nodes = match.nodes
+        tables = [[node.block_id for node in nodes] + [NULL_BLOCK] * len(match.tiered)]
+        loads = [(0, len(nodes) + i, key) for i, key in enumerate(match.tiered)]
+        num_blocks = len(tables[0])
+        keys = [node.content_key for node in nodes] + list(match.tiered)
+        for group in range(1, self.groups.num_groups):
+            first = self.groups.first_visible_block(group, num_blocks * self.block_size, self.block_size)
+            table = [nodes[i].group_block_ids[group - 1] if i < len(nodes) else NULL_BLOCK for i in range(num_blocks)]
+            table[:first] = [NULL_BLOCK] * first
+            for index in range(first, num_blocks):
+                if table[index] == NULL_BLOCK:
+                    key = keys[index]
+                    assert key is not None, "a match lost a block its query would see"
+                    loads.append((group, index, group_key(key, group)))
+            tables.append(table)
+        return tables, loads
 
-    def _last_lost_block(self, nodes: tuple[PrefixNode, ...], k: int) -> int | None:
-        """The last of blocks 0 .. k - 1 that a window group needs after a match of k blocks but lost, or None."""
-        firsts = [(g, self._first_visible_block(w, k * self.block_size)) for g, w in enumerate(self.groups.windows[1:])]
-        for index in reversed(range(k)):
-            needing = [g for g, first in firsts if first <= index]
-            if not needing:
-                return None
-            if any(nodes[index].group_block_ids[g] == NULL_BLOCK for g in needing):
-                return index
-        return None
-
-    def _first_visible_block(self, window: int | None, position: int) -> int:
-        """The first block a query at ``position`` sees through ``window`` (key ``position - window + 1``)."""
-        return 0 if window is None else max(0, (position - window + 1) // self.block_size)
-
-    def _tables_of(self, nodes: tuple[PrefixNode, ...]) -> list[list[int]]:
-        """Every group's table of a visible match: group 0's blocks, the others' from their first needed one."""
-        tables = [[node.block_id for node in nodes]]
-        for g, window in enumerate(self.groups.windows[1:]):
-            first = self._first_visible_block(window, len(nodes) * self.block_size)
-            tables.append([NULL_BLOCK] * first + [node.group_block_ids[g] for node in nodes[first:]])
-            assert NULL_BLOCK not in tables[-1][first:], "a match lost a block its query would see"
-        return tables
-
-    def _take_prefix(self, request: Request, nodes: tuple[PrefixNode, ...], tables: list[list[int]]) -> None:
-        self._matches.pop(request.request_id, None)
+    def _hold(self, tables: list[list[int]]) -> None:
+        """Add the request as a holder of every cached block its new tables name, counting the window groups'
+        blocks that were unheld."""
         for window, table in zip(self.groups.windows, tables):
             live = [b for b in table if b != NULL_BLOCK]
             if window is not None:
                 self.num_windowed_blocks += sum(1 for b in live if self.pool.ref_count(b) == 0)
             self.pool.take(live)
-        request.block_ids, request.group_block_ids = tables[0], tables[1:]
-        self._paths[request.request_id] = _CachePath(nodes[-1], len(nodes))
+
+    def _fill(self, tables: list[list[int]], slots: list[tuple[int, int]], num_new_blocks: int) -> list[int]:
+        """Fresh blocks into the entries ``slots`` ((group, index)) of the tables, then ``num_new_blocks`` more at
+        the end of each; returns those put into ``slots``, in order. The caller checked that the pool has them."""
+        fresh = self.pool.allocate(len(slots))
+        for (group, index), block_id in zip(slots, fresh):
+            tables[group][index] = block_id
+        for table in tables:
+            table.extend(self.pool.allocate(num_new_blocks))
+        windowed = [w is not None for w in self.groups.windows]
+        self.num_windowed_blocks += sum(windowed[group] for group, _ in slots) + num_new_blocks * sum(windowed)
+        return fresh
+
+    def _forget_match(self, request: Request) -> None:
+        self._matches.pop(request.request_id, None)
+        self._load_waits.pop(request.request_id, None)
 
     def _drop_dead_blocks(self, request: Request, tables: list[list[int]], num_computed: int) -> None:
         """Free the window groups' blocks wholly before position ``num_computed - w + 1``, the first key the
         query at ``num_computed`` sees (later queries see less). Null entries are always a leading run, so the
         walk back from the last dead block stops at the first null: its cost is the blocks it frees."""
         counts, dropped = [], False
-        for window, table in zip(self.groups.windows, tables):
+        for group, (window, table) in enumerate(zip(self.groups.windows, tables)):
             if window is None:
                 counts.append(0)
                 continue
-            num_dead = min(self._first_visible_block(window, num_computed), len(table))
+            num_dead = min(self.groups.first_visible_block(group, num_computed, self.block_size), len(table))
             index, dead = num_dead - 1, []
             while index >= 0 and table[index] != NULL_BLOCK:
                 dead.append(table[index])
@@ -352,14 +407,14 @@ class KVCacheManager:
 
     def swap_out(self, request: Request) -> bool:
         """Preempt by swap: plan the copy of the blocks holding the request's computed tokens (the partly
-        filled last one too, cached or not) into host rows, and free its blocks. The caller keeps its
-        ``num_computed_tokens``. False, changing nothing, if there is no host tier with room (every row
-        pinned or held): the caller preempts by recompute. The copy comes before anything this step
-        writes into the freed blocks (``KVTransferPlan``)."""
+        filled last one too, cached or not; of a window group only those its next query sees) into host rows,
+        and free its blocks. The caller keeps its ``num_computed_tokens``. False, changing nothing, if there is
+        no host tier with room (every row pinned or held): the caller preempts by recompute. The copy comes
+        before anything this step writes into the freed blocks (``KVTransferPlan``)."""
         if self.swap is None:
             return False
-        num_blocks = self.num_blocks_for(request.num_computed_tokens)
-        if not self.swap.swap_out(request.request_id, request.block_ids[:num_blocks], request.num_computed_tokens):
+        num_computed = request.num_computed_tokens
+        if not self.swap.swap_out(request.request_id, self._live_blocks(request, num_computed), num_computed):
             return False
         self._release_blocks(request)
         return True
@@ -370,16 +425,37 @@ class KVCacheManager:
         False, changing nothing, if there is no host tier with room."""
         if self.swap is None:
             return False
-        num_blocks = self.num_blocks_for(parent.num_computed_tokens)
-        return self.swap.swap_out(child.request_id, parent.block_ids[:num_blocks], parent.num_computed_tokens)
+        num_computed = parent.num_computed_tokens
+        return self.swap.swap_out(child.request_id, self._live_blocks(parent, num_computed), num_computed)
 
     def is_swapped_out(self, request: Request) -> bool:
         return self.swap is not None and request.request_id in self.swap
 
+    def _live_blocks(self, request: Request, num_tokens: int) -> list[int]:
+        """The blocks holding KV of the request's first ``num_tokens`` tokens that its query at ``num_tokens``
+        sees, group after group (``_swap_rows``): what a swap keeps. A window group's earlier entries may still
+        name blocks (dropped only at the next allocation), never null later ones."""
+        blocks = [b for group, index, b in self._swap_rows(self.tables(request), num_tokens)]
+        assert NULL_BLOCK not in blocks, f"request {request.request_id} lost a block its next query sees"
+        return blocks
+
+    def _swap_rows(self, tables: list[list[int]], num_tokens: int) -> list[tuple[int, int, int]]:
+        """(group, index, table entry) of every block a swap of ``num_tokens`` computed tokens keeps, in the
+        order of its rows: group after group, each from the first block the query at ``num_tokens`` sees::
+
+            num_tokens 14, block_size 4, w = 6 (the query at 14 sees 9 .. 14):
+            group 0:       | b0 | b1 | b2 | b3 |   -> rows 0 .. 3
+            window group:  | -1 | b5 | b6 | b7 |   -> rows 4 .. 5 (b6, b7); b5 is dead to the query
+        """
+        num_blocks = self.num_blocks_for(num_tokens)
+        return [(group, index, table[index]) for group, table in enumerate(tables)
+                for index in range(self.groups.first_visible_block(group, num_tokens, self.block_size), num_blocks)]
+
     def _swap_in(self, request: Request, num_tokens: int) -> bool:
-        """Blocks for a swapped-out request's ``num_tokens``, all or nothing: its leading full blocks that the
-        prefix tree still holds on the device are taken back as they are, and fresh blocks get the rest of its
-        swapped KV loaded::
+        """Blocks for a swapped-out request's ``num_tokens``, all or nothing: of its swapped KV, the blocks that
+        the prefix tree still holds on the device (group 0's leading full blocks, and the window groups' blocks
+        beside those nodes) are taken back as they are, and fresh blocks get the rest loaded; a window group's
+        table starts with nulls up to the first block the request's next query sees::
 
             swapped KV:  | r7       | r2       | r5       | r4: 3 of 4 slots |
             block_ids:   | b3 (hit) | b9 (hit) | b1 (load r5) | b6 (load r4) | b8 (new tokens) |
@@ -387,18 +463,28 @@ class KVCacheManager:
         Fresh blocks of known tokens join the tree pending, so that no offload of this step reads them before
         their load: the step's end marks the loaded ones computed (``cache_computed``)."""
         assert self.swap is not None and not request.block_ids, f"{request.request_id} holds blocks"
+        num_swapped = self.swap.num_tokens(request.request_id)
         nodes: tuple[PrefixNode, ...] = ()
         if self.prefix_cache is not None:
-            num_full = self.swap.num_tokens(request.request_id) // self.block_size
-            nodes = self.prefix_cache.match(request.token_ids, num_full).nodes
-        cached = [node.block_id for node in nodes]
-        num_needed = self.num_blocks_for(num_tokens) - len(cached)
-        num_revived = sum(1 for b in cached if self.pool.ref_count(b) == 0)
-        if num_needed + num_revived > self.pool.num_free_blocks:
+            nodes = self.prefix_cache.match(request.token_ids, num_swapped // self.block_size).nodes
+        num_blocks = self.num_blocks_for(num_swapped)
+        unmatched = [NULL_BLOCK] * (num_blocks - len(nodes))
+        tables = [[node.block_id for node in nodes] + unmatched]
+        for group in range(1, self.groups.num_groups):
+            tables.append([node.group_block_ids[group - 1] for node in nodes] + unmatched)
+        rows = self._swap_rows(tables, num_swapped)
+        for group, table in enumerate(tables):  # entries before the rows' are dead: not taken back
+            first = self.groups.first_visible_block(group, num_swapped, self.block_size)
+            table[:first] = [NULL_BLOCK] * first
+        to_load = [(group, index) for group, index, block_id in rows if block_id == NULL_BLOCK]
+        num_needed = self.num_blocks_for(num_tokens) - num_blocks
+        num_revived = sum(1 for table in tables for b in table if b != NULL_BLOCK and self.pool.ref_count(b) == 0)
+        if num_needed * len(tables) + len(to_load) + num_revived > self.pool.num_free_blocks:
             return False
-        self.pool.take(cached)  # first, so that the allocation below cannot evict them
-        request.block_ids = cached + self.pool.allocate(num_needed)
-        self.swap.swap_in(request.request_id, request.block_ids, len(cached))
+        self._hold(tables)  # first, so that the allocation below cannot evict them
+        fresh = dict(zip(to_load, self._fill(tables, to_load, num_needed)))
+        self.swap.swap_in(request.request_id, [fresh.get((group, index)) for group, index, _ in rows])
+        request.block_ids, request.group_block_ids = tables[0], tables[1:]
         if nodes:
             self._paths[request.request_id] = _CachePath(nodes[-1], len(nodes))
         self._extend_path(request, 0)
@@ -640,14 +726,23 @@ class KVCacheManager:
             path.node, path.num_blocks = node, index + 1
 
     def _offer(self, node: PrefixNode, evicted: bool) -> None:
-        """A computed block's content is final: offload it if the tiers want it (evicted from the pool, or
-        newly computed and not yet on the disk)."""
+        """A computed block's content is final: offload it, and the other groups' blocks beside it, if the tiers
+        want them (evicted from the pool, or newly computed and not yet on the disk)."""
         if self.store is None:
             return
+        self._offer_block(node, 0, node.block_id, evicted)
+        for group, block_id in enumerate(node.group_block_ids, start=1):
+            if block_id != NULL_BLOCK:
+                self._offer_block(node, group, block_id, evicted)
+
+    def _offer_block(self, node: PrefixNode, group: int, block_id: int, evicted: bool) -> None:
+        """Offer group ``group``'s block of a node's tokens, under that group's key (``block_keys.group_key``)."""
+        assert self.store is not None
         key, parent = node.content_key, node.parent
         assert key is not None and parent is not None and parent.content_key is not None
-        if self.store.wants_offload(key, evicted):
-            self._offloads[key] = (node.block_id, KeyedBlock(key, parent.content_key, node.key))
+        block = KeyedBlock(group_key(key, group), parent.content_key, node.key, group)
+        if self.store.wants_offload(block.key, evicted):
+            self._offloads[block.key] = (block_id, block)
 
     def _cache_group_blocks(self, node: PrefixNode, request: Request, index: int) -> None:
         """Record the other groups' blocks of a new node (a request's own blocks: never another node's)."""
@@ -680,9 +775,11 @@ class KVCacheManager:
     def _on_evict(self, block_id: int) -> None:
         assert self.prefix_cache is not None
         owner = self._group_owner.pop(block_id, None)
-        if owner is not None:  # a group block beside a node: the node stays, without it
-            node, group = owner
-            node.group_block_ids[group] = NULL_BLOCK
+        if owner is not None:  # a group block beside a node: the node stays, without it (the tiers may keep it)
+            node, index = owner
+            if self.store is not None:
+                self._offer_block(node, index + 1, block_id, evicted=True)
+            node.group_block_ids[index] = NULL_BLOCK
             self.num_evictions += 1
             return
         node = self.prefix_cache.node_of(block_id)

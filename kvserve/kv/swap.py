@@ -9,8 +9,10 @@ they resume.
 
 Every block holding the request's computed tokens is kept, the partly filled last one included, whether or not
 the prefix tree names it: the request resumes with its ``num_computed_tokens`` and computes nothing again.
-(At the swap-in, leading blocks that the prefix tree still holds on the device are taken back instead of
-loaded.)
+(At the swap-in, blocks that the prefix tree still holds on the device are taken back instead of loaded.) With
+KV cache groups (``kv/groups.py``) that is every group's blocks, group after group, but a window group's only
+from the first its next query sees: the blocks before (null entries, or dead ones not yet freed) get no row,
+and the request's tables come back with nulls there.
 The rows are taken out of the host tier (``TieredStore.hold_rows``), so nothing evicts, indexes or reuses
 them while the request is swapped out; they are free again once the swap-in's copy is done, or once the
 request finished while swapped out.
@@ -22,7 +24,7 @@ Only this module and the tiers know rows: the KV manager hands it block ids, and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from kvserve.kv.tiers import TieredStore
 
@@ -83,15 +85,19 @@ class SwapSpace:
         self.counters.num_blocks_swapped_out += len(rows)
         return True
 
-    def swap_in(self, request_id: str, block_ids: list[int], num_on_device: int = 0) -> None:
-        """Plan the copy of the request's rows into its ``block_ids``, but for the first ``num_on_device``
-        blocks, found still on the device (whose rows are only given back)."""
+    def swap_in(self, request_id: str, block_ids: Sequence[int | None]) -> None:
+        """Plan the copy of the request's rows, in order, into ``block_ids``; a row whose entry is None, its block
+        found still on the device, is only given back."""
         swapped = self._swapped.pop(request_id)
-        self._dropped.extend(swapped.rows[:num_on_device])  # their swap-out's plan is applied already
-        self._ins.extend(zip(swapped.rows[num_on_device:], block_ids[num_on_device:]))
+        if len(block_ids) != len(swapped.rows):
+            raise ValueError(f"{len(block_ids)} blocks for the {len(swapped.rows)} rows of request {request_id}")
+        ins = [(row, block_id) for row, block_id in zip(swapped.rows, block_ids) if block_id is not None]
+        # rows found on the device: their swap-out's plan is applied already
+        self._dropped.extend(row for row, block_id in zip(swapped.rows, block_ids) if block_id is None)
+        self._ins.extend(ins)
         self.counters.num_swapped_in += 1
-        self.counters.num_blocks_swapped_in += len(swapped.rows) - num_on_device
-        self.counters.num_blocks_found_on_device += num_on_device
+        self.counters.num_blocks_swapped_in += len(ins)
+        self.counters.num_blocks_found_on_device += len(swapped.rows) - len(ins)
 
     def drop(self, request_id: str) -> None:
         """The request finished while swapped out (a no-op if it is not): its rows go back to the host tier

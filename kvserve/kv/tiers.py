@@ -8,7 +8,9 @@
 
 Blocks are named by their content key (``block_keys``), so the tiers need no tree of their own: a request
 whose prefix runs past the device tree looks its next blocks' keys up here. The tiers are inclusive: a block
-may sit in the device pool, the host slab and on disk at once.
+may sit in the device pool, the host slab and on disk at once. With KV cache groups (``kv/groups.py``) a block id
+holds one group's layers, so every group's block of the same tokens is a block of its own here, under its group's
+key; the KV manager decides which of them a prefix needs.
 
 - **Host tier** (``--kv-offload-memory``): a preallocated slab of block-sized rows (pinned on CUDA), least
   recently used first out. It takes the blocks the device pool evicts, and it stages every disk read and write.
@@ -66,15 +68,17 @@ class BlockFormat:
     kv_dtype: str
     block_size: int
     bytes_per_block: int
+    kv_layout: str = ""  # which layers a block of each KV cache group holds (``KVCacheGroups.layout``)
 
     def record(self, block: KeyedBlock) -> BlockRecord:
         return BlockRecord(block.key, block.parent_key, block.token_ids, self.model_identity, self.kv_dtype,
-                           self.block_size, self.bytes_per_block)
+                           self.block_size, self.bytes_per_block, self.kv_layout, block.group)
 
 
 @dataclass
 class TierCounters:
-    """Since start: tokens hit per tier, bytes and seconds moved each way, disk events."""
+    """Since start: tokens hit per tier (with KV cache groups, those of group 0's blocks), blocks, bytes and
+    seconds moved each way, disk events."""
 
     host_hit_tokens: int = 0
     disk_hit_tokens: int = 0
@@ -104,6 +108,9 @@ class HostTier:
         self._free = list(range(num_rows - 1, -1, -1))
         self._pins: Counter[bytes] = Counter()
         self.from_disk: set[bytes] = set()  # prefetched, not yet loaded: a hit on them is a disk hit
+        # blocks of KV cache groups 1.. (``kv/groups.py``): a hit on one adds no hit tokens, as the group-0 block of
+        # the same tokens counts them (or they were a hit on the device)
+        self.other_groups: set[bytes] = set()
 
     @property
     def num_rows(self) -> int:
@@ -129,6 +136,7 @@ class HostTier:
         if victim is None:
             return None
         self.from_disk.discard(victim)
+        self.other_groups.discard(victim)
         return self._rows.pop(victim)
 
     def hold(self, num_rows: int) -> list[int] | None:
@@ -150,17 +158,21 @@ class HostTier:
         assert len(set(held)) == len(held), f"a host row held twice: {sorted(held)}"
         assert not (free & set(held) or indexed & set(held)), "a held host row is also free or indexed"
         assert not free & indexed, "a host row is both free and indexed"
+        assert self.other_groups <= self._rows.keys(), "a block of KV cache groups 1.. is marked but not held"
         num_accounted = len(free) + len(indexed) + len(held)
         assert num_accounted <= self.num_rows <= num_accounted + num_reading, (
             f"{len(free)} free + {len(indexed)} indexed + {len(held)} held host rows, {num_reading} being read: "
             f"{self.num_rows} rows in all"
         )
 
-    def publish(self, key: bytes, row: int) -> None:
-        """A reserved row now holds ``key``'s block (a copy already held is replaced)."""
+    def publish(self, key: bytes, row: int, group: int = 0) -> None:
+        """A reserved row now holds ``key``'s block, of KV cache group ``group`` (a copy already held is
+        replaced)."""
         if key in self._rows:
             self._free.append(self._rows.pop(key))
         self._rows[key] = row
+        if group:
+            self.other_groups.add(key)
 
     def release(self, row: int) -> None:
         self._free.append(row)
@@ -273,7 +285,8 @@ class TieredStore:
             raise ValueError(f"the host KV tier ({host_bytes / 2**30:.3f} GiB) is smaller than one block "
                              f"({block_format.bytes_per_block} bytes); raise kv_offload_memory")
         self.format = block_format
-        self.root_key = root_key(block_format.model_identity, block_format.kv_dtype, block_format.block_size)
+        self.root_key = root_key(block_format.model_identity, block_format.kv_dtype, block_format.block_size,
+                                 block_format.kv_layout)
         self.host_is_tier = host_is_tier  # False: the slab only stages disk I/O, evicted blocks skip it
         self.host = HostTier(num_rows, block_format.bytes_per_block, pin_memory)
         self.disk = DiskTier(disk_dir, int(disk_bytes or 2**62), block_format) if disk_dir else None
@@ -375,7 +388,7 @@ class TieredStore:
         writes = []
         with self._lock:
             for _, block, row in kept:
-                self.host.publish(block.key, row)
+                self.host.publish(block.key, row, block.group)
                 if self._should_write(block.key):
                     self._writing.add(block.key)
                     self.host.pin(block.key)
@@ -397,10 +410,11 @@ class TieredStore:
             for key, _ in loads:
                 from_disk = key in self.host.from_disk
                 self.host.from_disk.discard(key)
+                num_tokens = 0 if key in self.host.other_groups else self.format.block_size
                 if from_disk:
-                    self.counters.disk_hit_tokens += self.format.block_size
+                    self.counters.disk_hit_tokens += num_tokens
                 else:
-                    self.counters.host_hit_tokens += self.format.block_size
+                    self.counters.host_hit_tokens += num_tokens
                 if self.disk is not None:
                     self.disk.touch(key)
         kv.write_blocks([block_id for _, block_id in loads], self.host.slab, rows)
@@ -462,7 +476,7 @@ class TieredStore:
             self._reject(block.key, row, error)
         else:
             with self._lock:
-                self.host.publish(block.key, row)
+                self.host.publish(block.key, row, block.group)
                 self.host.from_disk.add(block.key)
                 self.counters.disk_reads += 1
                 self.counters.disk_read_seconds += time.perf_counter() - start

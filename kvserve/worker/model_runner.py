@@ -127,7 +127,7 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int, max_model_len: int, tiers: TieredStore | None = None) -> None:
         """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``);
         ``tiers`` holds blocks offloaded from them. Rank 0's has the workers allocate theirs."""
-        self.peers.init_kv_cache(num_blocks, max_model_len)
+        self.peers.init_kv_cache(num_blocks, max_model_len, self.kv_groups)
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device)
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = PersistentBatch(max_blocks, self.block_size, self.device, num_groups=self.kv_groups.num_groups)

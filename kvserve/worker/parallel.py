@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvserve.kv.groups import KVCacheGroups
 from kvserve.model.layers.tensor_parallel import TensorParallel
 from kvserve.model.sources import ModelLocation
 from kvserve.sched.output import SchedulerOutput
@@ -83,10 +84,12 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class InitKV:
-    """Rank 0 -> worker: allocate the KV pool (as many blocks as rank 0's) and the persistent batch."""
+    """Rank 0 -> worker: allocate the KV pool (as many blocks as rank 0's) and the persistent batch, laid out in
+    rank 0's KV cache groups (``kv/groups.py``; None: the plain layout, which a runner starts with)."""
 
     num_blocks: int
     max_model_len: int
+    groups: KVCacheGroups | None = None
 
 
 @dataclass(frozen=True)
@@ -173,8 +176,8 @@ class StepPeers:
         assert token_ids is not None
         return token_ids
 
-    def init_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
-        """Rank 0: have the workers allocate their KV pools (after their models loaded)."""
+    def init_kv_cache(self, num_blocks: int, max_model_len: int, groups: KVCacheGroups | None = None) -> None:
+        """Rank 0: have the workers allocate their KV pools, laid out in ``groups`` (after their models loaded)."""
 
     def stepping(self) -> AbstractContextManager[None]:
         """Around each step on rank 0: a failure becomes a ``TensorParallelError`` naming the worker."""
@@ -224,10 +227,10 @@ class WorkerGroup(StepPeers):
         self._send_all(pickle.dumps(Sampled(token_ids), protocol=pickle.HIGHEST_PROTOCOL))
         return token_ids
 
-    def init_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
+    def init_kv_cache(self, num_blocks: int, max_model_len: int, groups: KVCacheGroups | None = None) -> None:
         with self.stepping():
             self._expect_ready("load the model")
-            self._send_all(pickle.dumps(InitKV(num_blocks, max_model_len)))
+            self._send_all(pickle.dumps(InitKV(num_blocks, max_model_len, groups)))
             self._expect_ready("allocate its KV cache")
 
     @contextmanager
@@ -432,6 +435,8 @@ def _serve(runner: Any, conn: Connection) -> None:
         if isinstance(message, Shutdown):
             return
         if isinstance(message, InitKV):
+            if message.groups is not None:
+                runner.use_kv_groups(message.groups)
             runner.init_kv_cache(message.num_blocks, message.max_model_len)
             conn.send(Ready())
         else:

@@ -1,6 +1,7 @@
 """KV tiers through the whole engine: with a device pool too small for the workload, the host and disk tiers
 give the same tokens as a large pool (and transformers), a restarted or second engine on the same directory
-reuses the blocks on disk, and bad files or a full disk never change an output."""
+reuses the blocks on disk, and bad files or a full disk never change an output. Gemma 3 runs in KV cache groups
+(its sliding layers' blocks apart, ``kv/groups.py``), each group's blocks going through the tiers."""
 
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def test_a_small_pool_over_host_and_disk_tiers_matches_a_large_pool_and_transfor
     assert expected == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
     stats = llm.stats()
     assert stats["prefix_cache_evictions"] > 0 and stats["kv_offload_host_hit_tokens"] > 0, stats
-    assert stats["kv_offload_blocks_loaded"] * 4 == stats["kv_offload_host_hit_tokens"]
+    # a hit of 4 tokens per block loaded; Gemma 3's KV cache groups load each group's blocks, group 0's count the tokens
+    loaded_tokens, hit_tokens = stats["kv_offload_blocks_loaded"] * 4, stats["kv_offload_host_hit_tokens"]
+    assert loaded_tokens == hit_tokens if stats["kv_cache_groups"] == 1 else loaded_tokens > hit_tokens
     assert_all_blocks_free(llm)
 
 

@@ -1,9 +1,10 @@
 """Sliding-window layers free the KV blocks their window has passed (``kv/groups.py``), through the whole engine:
 greedy output far past the window equals transformers' (fp32) for Gemma 3 (sliding and full layers), Mistral
 (every layer windowed) and Qwen2 with ``layer_types``, alone, batched, in small chunks, with n = 2, under
-preemption and through CPU step graphs, while the window groups hold a bounded number of blocks and the full
-group grows with the context; int8 KV gives the one-table layout's tokens; features that keep one table per
-request fall back to it, saying why."""
+preemption (by recompute, and by swap through the host tier), over the host and disk KV tiers (a prefix evicted,
+offloaded and restored, and found on disk by a restarted engine) and through CPU step graphs, while the window
+groups hold a bounded number of blocks and the full group grows with the context; int8 KV gives the one-table
+layout's tokens; features that keep one table per request fall back to it, saying why."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import random
 import shutil
 from pathlib import Path
 from typing import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -96,6 +98,13 @@ def tracking_blocks(llm: LLM) -> Iterator[list[tuple[int, int]]]:
         core.step = step
 
 
+def one_table_llm(path: str, **options) -> LLM:
+    """The model in the plain layout, one block table for every layer (as a feature that keeps one gets it): the
+    reference the grouped layout's tokens are held to where transformers' are not the measure."""
+    with mock.patch.object(LLMEngine, "_why_one_block_table", lambda engine, groups: "the test's reference"):
+        return LLM(path, **options)
+
+
 def generate_tracking_blocks(llm: LLM, prompts: list[list[int]], n: int = 1) -> tuple[list, list[tuple[int, int]]]:
     """Greedy samples, and after every engine step the blocks held in window groups and in full groups."""
     with tracking_blocks(llm) as held:
@@ -143,10 +152,69 @@ def test_preemption_under_a_small_pool(family) -> None:
     assert_all_blocks_free(llm)
 
 
+def test_swap_preemption_under_a_small_pool(family) -> None:
+    name, path, prompts, expected = family
+    assert_swaps_every_group(path, prompts, expected, 10 if name == "mistral" else 20, prefix_caching=False)
+
+
+def test_swap_preemption_with_the_prefix_cache(hybrid_family) -> None:
+    _, path, prompts, expected = hybrid_family
+    assert_swaps_every_group(path, prompts, expected, 20, prefix_caching=True)
+
+
+def assert_swaps_every_group(path: Path, prompts: list[list[int]], expected: list[list[int]], num_kv_blocks: int,
+                             prefix_caching: bool) -> None:
+    """Preempted requests' KV of every group goes to host rows (of a window group, only the blocks its next query
+    sees) and comes back into fresh blocks or, with the prefix cache, the blocks the tree still holds: tokens are
+    transformers', the window groups stay bounded, and every block and host row is given back."""
+    llm = LLM(str(path), **{**OPTIONS, "num_kv_blocks": num_kv_blocks, "enable_prefix_caching": prefix_caching},
+              max_num_batched_tokens=16, preemption_mode="swap", kv_offload_memory=0.01)
+    assert llm.stats()["kv_cache_groups"] > 1 or llm.engine.core.kv_manager.groups.windows == (WINDOW,)
+    samples, held = generate_tracking_blocks(llm, prompts)
+    assert [s[0] for s in samples] == expected
+    stats = llm.stats()
+    assert stats["num_swapped_out"] == stats["num_swapped_in"] >= stats["num_preemptions"] > 0, stats
+    assert stats["num_blocks_swapped_in"] + stats["num_blocks_swap_in_found_on_device"] == \
+        stats["num_blocks_swapped_out"] > 0 and stats["num_swap_fallbacks"] == 0, stats
+    assert max(w for w, _ in held) <= len(prompts) * window_bound(llm, 16)
+    assert_all_blocks_free(llm)
+    host = llm.engine.core.kv_manager.store.host
+    assert len(host._free) + host.num_blocks == host.num_rows, "swapped-out rows outlived their requests"
+
+
+def test_host_and_disk_tiers_restore_an_evicted_prefix(hybrid_family, tmp_path) -> None:
+    """A pool too small for the prompts' prefixes together: every group's blocks evicted go to the host tier and
+    come back on the next pass; a restarted engine finds them on the disk; tokens are transformers' and the window
+    groups stay bounded."""
+    _, path, prompts, expected = hybrid_family
+    options = {**OPTIONS, "enable_prefix_caching": True, "num_kv_blocks": 20, "max_num_batched_tokens": 16,
+               "kv_offload_dir": str(tmp_path)}
+    llm = LLM(str(path), **options, kv_offload_memory=0.01)
+    assert llm.stats()["kv_cache_groups"] == 2
+    held = []
+    for _ in range(2):  # one prompt at a time: each finds what the others evicted in the host tier
+        for prompt, want in zip(prompts, expected):
+            samples, held_now = generate_tracking_blocks(llm, [prompt])
+            assert samples[0][0] == want
+            held += held_now
+    stats = llm.stats()
+    assert stats["prefix_cache_evictions"] > 0 and stats["kv_offload_host_hit_tokens"] > 0, stats
+    assert max(w for w, _ in held) <= window_bound(llm, 16)
+    assert_all_blocks_free(llm)
+    llm.engine.flush_kv_offload()
+    restarted = LLM(str(path), **options)
+    samples, held = generate_tracking_blocks(restarted, prompts)
+    assert [s[0] for s in samples] == expected
+    stats = restarted.stats()
+    assert stats["kv_offload_disk_hit_tokens"] >= sum(len(p) - BLOCK_SIZE for p in prompts if len(p) > WINDOW), stats
+    assert stats["kv_offload_corrupt_blocks"] == 0
+    assert max(w for w, _ in held) <= len(prompts) * window_bound(restarted, 16)
+    assert_all_blocks_free(restarted)
+
+
 def test_int8_kv_gives_the_one_table_layouts_tokens(family) -> None:
     _, path, prompts, _ = family
-    one_table = LLM(str(path), **{**OPTIONS, "preemption_mode": "swap", "kv_offload_memory": 0.01},
-                    kv_cache_dtype="int8")
+    one_table = one_table_llm(str(path), **OPTIONS, kv_cache_dtype="int8")
     assert one_table.stats()["kv_cache_groups"] == 1
     grouped = LLM(str(path), **OPTIONS, kv_cache_dtype="int8", max_num_batched_tokens=16)
     assert greedy_token_ids(grouped, prompts, MAX_NEW) == greedy_token_ids(one_table, prompts, MAX_NEW)
@@ -183,7 +251,9 @@ def test_the_prefix_cache_without_a_full_layer_keeps_one_table_and_says_so(tiny_
     ({"enable_prefix_caching": True}, [12, None], None),
     ({"enable_prefix_caching": True}, [12, 12], "prefix cache"),
     ({"enable_prefix_caching": True}, [12, None, None], "prefix cache"),  # two full groups of one layer
-    ({"preemption_mode": "swap", "kv_offload_memory": 0.01}, [12, None], "KV tiers"),
+    ({"preemption_mode": "swap", "kv_offload_memory": 0.01}, [12, None], None),
+    ({"enable_prefix_caching": True, "kv_offload_memory": 0.01, "kv_offload_dir": "kv"}, [12, None], None),
+    ({"tensor_parallel_size": 2}, [12, None], None),
     ({"speculative_method": "draft", "draft_model": "any"}, [12, None], "draft model"),
 ])
 def test_features_that_keep_one_table_are_named(options: dict, windows: list, reason: str | None) -> None:
@@ -256,7 +326,7 @@ def test_logprobs_and_prompt_logprobs_equal_the_one_table_layouts(tiny_checkpoin
                  [sorted(p.items()) for p in o.prompt_logprobs or [] if p]) for o in outs]
 
     grouped = LLM(path, **{**OPTIONS, "enable_prefix_caching": True}, max_num_batched_tokens=16)
-    one_table = LLM(path, **OPTIONS, preemption_mode="swap", kv_offload_memory=0.01)
+    one_table = one_table_llm(path, **OPTIONS)
     assert grouped.stats()["kv_cache_groups"] == 2 and one_table.stats()["kv_cache_groups"] == 1
     got, want = scored(grouped), scored(one_table)
     assert grouped.stats()["prefix_cache_hits"] > 0
@@ -275,7 +345,7 @@ def test_the_reference_backend_with_groups_and_prefix_hits_gives_the_one_table_l
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 70, 17)]
     options = {**OPTIONS, "dtype": "bfloat16", "max_num_batched_tokens": 16}
     grouped = LLM(str(tiny_checkpoints["gemma3"]), **{**options, "enable_prefix_caching": True})
-    one_table = LLM(str(tiny_checkpoints["gemma3"]), **options, preemption_mode="swap", kv_offload_memory=0.01)
+    one_table = one_table_llm(str(tiny_checkpoints["gemma3"]), **options)
     assert type(grouped.engine.core.runner.backend).__name__ == "TorchRefBackend"
     want = greedy_token_ids(one_table, prompts, MAX_NEW)
     assert greedy_token_ids(grouped, prompts, MAX_NEW) == want == greedy_token_ids(grouped, prompts, MAX_NEW)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
 
 from kvserve.kv import block_file
 from kvserve.kv.block_file import BlockRecord, CorruptBlockError, read_block_file, write_block_file
-from kvserve.kv.block_keys import block_key, root_key
+from kvserve.kv.block_keys import block_key, group_key, root_key
 
 PAYLOAD = bytes(range(256)) * 4
 
@@ -49,12 +51,37 @@ def test_round_trip_is_bit_exact_and_leaves_no_temporary_file(tmp_path: Path) ->
         (_record(block_size=8), "block_size"),
         (_record(token_ids=(5, 6, 7, 9)), "token_ids"),
         (_record(parent_key=bytes(16)), "parent_key"),
+        (_record(kv_layout="full:1;6:0"), "kv_layout"),  # a block of one KV cache group, not of every layer
     ],
 )
 def test_a_block_written_for_something_else_is_refused(tmp_path: Path, expected, reason) -> None:
     path = _write(tmp_path)
     with pytest.raises(CorruptBlockError, match=reason):
         _read(path, expected)
+
+
+def test_a_kv_cache_groups_block_is_used_only_as_that_groups(tmp_path: Path) -> None:
+    layout = "full:1;6:0"
+    parent = root_key("model-a", "int8", 4, layout)
+    window_block = _record(key=group_key(block_key(parent, (5, 6, 7, 8)), 1), parent_key=parent, kv_layout=layout,
+                           group=1)
+    path = _write(tmp_path, window_block)
+    assert _read(path, window_block) == PAYLOAD
+    with pytest.raises(CorruptBlockError, match="group is '1', expected '0'"):  # as the full group's block
+        _read(path, dataclasses.replace(window_block, group=0))
+    with pytest.raises(CorruptBlockError, match="key does not match"):  # a group's key forged for another
+        _read(_write(tmp_path, dataclasses.replace(window_block, group=2)), dataclasses.replace(window_block, group=2))
+
+
+def test_a_file_written_before_kv_cache_groups_is_a_plain_layout_block(tmp_path: Path) -> None:
+    """Its header has neither ``kv_layout`` nor ``group``: it reads as a plain-layout block."""
+    header = {k: v for k, v in _record().header(zlib.crc32(PAYLOAD)).items() if k not in ("kv_layout", "group")}
+    raw = json.dumps(header).encode()
+    path = tmp_path / "block.kvb"
+    path.write_bytes(struct.pack("<6sHI", b"KVSBLK", 1, len(raw)) + raw + PAYLOAD)
+    assert _read(str(path)) == PAYLOAD
+    with pytest.raises(CorruptBlockError, match="kv_layout"):
+        _read(str(path), _record(kv_layout="full:1;6:0"))
 
 
 def test_a_key_that_does_not_hash_from_its_tokens_is_refused(tmp_path: Path) -> None:

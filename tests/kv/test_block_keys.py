@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from kvserve.kv.block_keys import KEY_BYTES, block_key, root_key
+from kvserve.kv.block_keys import KEY_BYTES, block_key, group_key, root_key
 
 _PRINT_KEY = (
     "from kvserve.kv.block_keys import block_key, root_key; "
@@ -34,6 +34,16 @@ def test_everything_a_block_depends_on_changes_its_key() -> None:
         block_key(root_key("m", "int8", 32), tokens),
         block_key(root, tokens[:-1] + [99]),
         block_key(block_key(root, tokens), tokens),  # the same tokens after a prefix
+        block_key(root_key("m", "int8", 16, "full:1;8:0"), tokens),  # a block of one KV cache group's layers
+        group_key(block_key(root, tokens), 1),  # KV cache group 1's block of the same tokens
+        group_key(block_key(root, tokens), 2),
     }
-    assert len(keys) == 6
+    assert len(keys) == 9
     assert all(len(key) == KEY_BYTES for key in keys)
+
+
+def test_the_plain_layout_and_group_0_keep_the_keys_of_blocks_written_before_kv_cache_groups() -> None:
+    assert root_key("m", "int8", 16, "") == root_key("m", "int8", 16)
+    assert root_key("m", "int8", 16).hex() == "1c791f102696551d9303290e6d2ff315"  # as before groups
+    key = block_key(root_key("m", "int8", 16), list(range(16)))
+    assert group_key(key, 0) == key

@@ -6,12 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvserve.kv.block_keys import group_key
 from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
 from kvserve.kv.manager import KVCacheManager, NoFreeBlocksError
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import KVTransferPlan
+from tests.sched.sched_fakes import TransferCounts, apply_kv_transfers, fake_tiers, group_kv
 
 GEMMA3_270M = (["w"] * 5 + [None]) * 3  # 18 layers, five sliding to one full
 
@@ -48,6 +51,13 @@ def test_a_kind_that_does_not_divide_pads_its_last_group() -> None:
 def test_two_windows_make_two_kinds() -> None:
     groups = KVCacheGroups.of_layers([4, 8, None, 4, 8, None])
     assert groups.windows == (None, 4, 8) and groups.group_size == 2
+
+
+def test_the_layout_names_the_layers_a_block_of_each_group_holds() -> None:
+    """Blocks kept beyond the process (the KV tiers) are keyed by it: blocks of another layout are never used."""
+    assert KVCacheGroups.of_layers([8, 8, None, 8, 8, None]).layout == "full:2,5;8:0,1;8:3,4"
+    assert KVCacheGroups.of_layers([4, 8, None, 4, 8, None]).layout == "full:2,5;4:0,3;8:1,4"
+    assert KVCacheGroups.single(4).layout == KVCacheGroups.of_layers([8] * 4).layout == ""  # every layer a block
 
 
 # ---------------------------------------------------------------------------------------------------- storage
@@ -277,3 +287,185 @@ def test_an_evicted_node_lets_go_of_its_group_blocks() -> None:
     kv.pool.allocate(kv.pool.num_free_blocks)  # evicts every cached block
     assert kv.prefix_cache.num_nodes == 0 and kv.num_cached_blocks == 0
     kv.pool.check_integrity()
+
+
+def test_visible_length_cuts_a_prefix_back_to_where_its_query_sees_only_blocks_still_there() -> None:
+    groups = KVCacheGroups.of_layers([6, None])  # block_size 4: the query at 4k sees keys 4k - 5 .. 4k
+
+    def length(missing: set[int]) -> int:
+        return groups.visible_length(8, 4, lambda g, index: index not in missing)
+
+    assert length(set()) == length({0, 1, 2, 3, 4, 5}) == 8  # the query at 32 sees blocks 6 and 7 only
+    assert length({6}) == 6  # then the query at 24 sees blocks 4 and 5
+    assert length({6, 5}) == 5 and length({6, 5, 3}) == 3 and length({0}) == 8
+
+
+# ----------------------------------------------------------------------------------- swap and the KV tiers
+
+
+def tiered_hybrid(num_blocks: int = 40, prefix_caching: bool = True, disk_dir: str | None = None) -> KVCacheManager:
+    """The hybrid layout over a host tier (and a disk tier) of fake blocks of token ids."""
+    groups = KVCacheGroups.of_layers([6, None])
+    return KVCacheManager(num_blocks, 4, prefix_caching, fake_tiers(4, 64, disk_dir, groups.layout), groups)
+
+
+def fake_cache(kv: KVCacheManager) -> list[list[int | None]]:
+    return [[None] * kv.block_size for _ in range(kv.num_blocks_total)]
+
+
+def apply_plan(kv: KVCacheManager, cache: list[list[int | None]]) -> KVTransferPlan:
+    """The tier transfers planned since the last step, applied to the fake cache as the runner applies them."""
+    plan = KVTransferPlan((), *kv.take_tier_transfers())
+    apply_kv_transfers(cache, kv.store, plan, TransferCounts())
+    return plan
+
+
+def compute_to(kv: KVCacheManager, cache: list[list[int | None]], r: Request, num_tokens: int) -> None:
+    """Step the request to ``num_tokens`` computed tokens (its prompt in one chunk, then decodes), as the scheduler
+    and the runner do: blocks allocated, the plan applied, each group's fake KV written, a token sampled."""
+    while r.num_computed_tokens < num_tokens:
+        start = r.num_computed_tokens
+        assert kv.allocate_slots(r, r.num_tokens - start)
+        apply_plan(kv, cache)
+        for group, table in enumerate(kv.tables(r)):
+            for pos in range(start, r.num_tokens):
+                cache[table[pos // kv.block_size]][pos % kv.block_size] = group_kv(group, r.token_ids[pos])
+        r.num_computed_tokens = r.num_tokens
+        r.output_token_ids.append(99)
+        kv.cache_computed(r)
+
+
+def assert_sees_its_kv(kv: KVCacheManager, cache: list[list[int | None]], r: Request) -> None:
+    """Every key the request's next query sees holds its token's KV, in every group's table."""
+    for group, table in enumerate(kv.tables(r)):
+        first = kv.groups.first_visible_block(group, r.num_computed_tokens, kv.block_size) * kv.block_size
+        for pos in range(first, r.num_computed_tokens):
+            slot = cache[table[pos // kv.block_size]][pos % kv.block_size]
+            assert slot == group_kv(group, r.token_ids[pos]), f"group {group}: stale KV at {pos}"
+
+
+@pytest.mark.parametrize(("num_tokens", "first", "num_rows"), [
+    (14, 2, 4 + 2),  # the query at 14 sees 9 .. 14: window blocks 2 and 3, none freed yet
+    (17, 3, 5 + 2),  # at 17 it sees 12 .. 17: blocks 3 and 4 (0 and 1 freed, block 2 dead but still held)
+])
+def test_swap_keeps_every_groups_blocks_that_the_next_query_sees_and_brings_them_back(
+    num_tokens: int, first: int, num_rows: int
+) -> None:
+    kv = tiered_hybrid(prefix_caching=False)
+    cache, r = fake_cache(kv), request(num_prompt=14)
+    compute_to(kv, cache, r, num_tokens)
+    assert kv.swap_out(r)
+    assert kv.swap.counters.num_blocks_swapped_out == num_rows == 64 - len(kv.store.host._free)  # rows held
+    assert kv.tables(r) == [[]] and kv.num_free_blocks() == 40 and kv.num_windowed_blocks == 0
+    kv.check_integrity([r])
+    apply_plan(kv, cache)
+    cache[:] = fake_cache(kv)  # every freed block reused and overwritten
+    match = kv.match_prefix(r)
+    assert match.swapped_tokens == num_tokens and kv.allocate_slots(r, 1, match)
+    assert len(apply_plan(kv, cache).swap_ins) == num_rows
+    full, window = kv.tables(r)
+    assert len(full) == len(window) == -(-(num_tokens + 1) // 4) and window[:first] == [NULL_BLOCK] * first
+    assert NULL_BLOCK not in window[first:] and kv.num_windowed_blocks == len(window) - first
+    assert_sees_its_kv(kv, cache, r)
+    kv.check_integrity([r])
+
+
+def test_a_swap_in_takes_back_every_groups_blocks_the_prefix_tree_still_holds() -> None:
+    kv = tiered_hybrid()
+    cache, r = fake_cache(kv), request(num_prompt=16)
+    compute_to(kv, cache, r, 18)  # blocks 0 .. 3 on the tree; the query at 18 sees 13 .. 18: window blocks 3, 4
+    assert kv.swap_out(r)
+    apply_plan(kv, cache)
+    assert kv.allocate_slots(r, 1, kv.match_prefix(r))
+    swap = kv.swap.counters
+    assert (swap.num_blocks_found_on_device, swap.num_blocks_swapped_in) == (4 + 1, 1 + 1)  # the partial block 4
+    apply_plan(kv, cache)
+    assert_sees_its_kv(kv, cache, r)
+    kv.check_integrity([r])
+
+
+def test_every_groups_block_of_an_evicted_node_goes_to_the_host_tier_under_its_own_key() -> None:
+    kv = tiered_hybrid()
+    cache, r = fake_cache(kv), request(num_prompt=8)
+    compute_to(kv, cache, r, 8)
+    nodes = kv.match_prefix(request("again", num_prompt=9)).nodes
+    kv.free(r)
+    kv.pool.allocate(kv.pool.num_free_blocks)  # evicts every cached block
+    offloads = apply_plan(kv, cache).offloads
+    assert {(block.key, block.group) for _, block in offloads} == {
+        (group_key(node.content_key, group), group) for node in nodes for group in (0, 1)
+    }
+
+
+def test_a_prefix_evicted_from_the_device_comes_back_with_the_window_blocks_its_query_sees() -> None:
+    kv = tiered_hybrid()
+    cache, a = fake_cache(kv), request("a", num_prompt=24)
+    compute_to(kv, cache, a, 30)  # the window group freed blocks 0 .. 5 while decoding: cached, evictable
+    kv.free(a)
+    kv.pool.free(kv.pool.allocate(kv.pool.num_free_blocks))  # every cached block evicted to the host tier
+    apply_plan(kv, cache)
+    cache[:] = fake_cache(kv)
+    b = request("b", num_prompt=26)
+    b.prompt_token_ids[:24] = a.prompt_token_ids
+    match = kv.match_prefix(b)
+    assert not match.nodes and len(match.tiered) == 6
+    assert kv.allocate_slots(b, 2, match)
+    b.num_computed_tokens = 24
+    # group 0's six blocks and the window group's blocks 4 and 5 (the query at 24 sees 19 .. 24)
+    assert len(apply_plan(kv, cache).loads) == 6 + 2 and kv.tables(b)[1][:4] == [NULL_BLOCK] * 4
+    assert kv.store.counters.host_hit_tokens == 24  # group 0's blocks count the tokens
+    assert_sees_its_kv(kv, cache, b)
+    kv.check_integrity([b])
+
+
+def test_a_window_block_evicted_alone_is_loaded_from_the_host_tier_instead_of_cutting_the_match() -> None:
+    kv = tiered_hybrid()
+    cache, a = fake_cache(kv), request("a", num_prompt=24)
+    compute_to(kv, cache, a, 30)
+    nodes = kv.match_prefix(a).nodes
+    kv.free(a)
+    lost = nodes[5].group_block_ids[0]
+    order = kv.pool.evictable_order()
+    kv.pool.free(kv.pool.allocate(kv.pool.num_free_blocks - kv.pool.num_evictable_blocks + order.index(lost) + 1))
+    apply_plan(kv, cache)
+    assert nodes[5].group_block_ids[0] == NULL_BLOCK and kv.prefix_cache.node_of(nodes[5].block_id) is nodes[5]
+    b = request("b", num_prompt=26)
+    b.prompt_token_ids[:24] = a.prompt_token_ids
+    match = kv.match_prefix(b)
+    assert len(match.nodes) == 6 and not match.tiered
+    lost = [index for index in (4, 5) if nodes[index].group_block_ids[0] == NULL_BLOCK]  # seen by the query at 24
+    assert kv.allocate_slots(b, 2, match)
+    b.num_computed_tokens = 24
+    assert apply_plan(kv, cache).loads == tuple((group_key(nodes[i].content_key, 1), kv.tables(b)[1][i]) for i in lost)
+    assert kv.store.counters.host_hit_tokens == 0  # the tokens were a hit on the device
+    assert_sees_its_kv(kv, cache, b)
+    kv.check_integrity([b])
+
+
+def test_a_restarted_manager_restores_a_prefix_with_its_window_blocks_from_disk(tmp_path) -> None:
+    first = tiered_hybrid(disk_dir=str(tmp_path))
+    cache, a = fake_cache(first), request("a", num_prompt=24)
+    compute_to(first, cache, a, 26)  # every group's blocks written through as they are computed
+    first.free(a)
+    apply_plan(first, cache)
+    first.store.flush()
+    b = request("b", num_prompt=26)
+    b.prompt_token_ids[:24] = a.prompt_token_ids
+    plain = KVCacheManager(40, 4, True, fake_tiers(4, 64, str(tmp_path)))  # another layout: none of its files
+    assert plain.match_prefix(b).num_tokens == 0 and not plain.match_prefix(b).loading
+    restarted = tiered_hybrid(disk_dir=str(tmp_path))
+    cache = fake_cache(restarted)
+    assert restarted.match_prefix(b).loading  # read into the host tier meanwhile
+    restarted.store.flush()
+    match = restarted.match_prefix(b)
+    assert len(match.tiered) == 6 and not match.loading and restarted.allocate_slots(b, 2, match)
+    b.num_computed_tokens = 24
+    assert len(apply_plan(restarted, cache).loads) == 6 + 2
+    assert restarted.store.counters.disk_hit_tokens == 24
+    assert_sees_its_kv(restarted, cache, b)
+    assert restarted.store.counters.corrupt_blocks == 0
+
+
+def test_the_tiers_must_keep_blocks_of_the_caches_layout() -> None:
+    with pytest.raises(ValueError, match="layout"):
+        KVCacheManager(8, 4, True, fake_tiers(4, 8), KVCacheGroups.of_layers([6, None]))

@@ -71,6 +71,12 @@ class _Mirror:
 EMPTY_SLOT = -1  # a fake KV slot never written, as a tier stores it
 
 
+def group_kv(group: int, token_id: int) -> int:
+    """KV cache group ``group``'s fake KV of a token: each group's its own, so that a block loaded back into the
+    wrong group's table is caught."""
+    return group * 10**6 + token_id
+
+
 class FakeKVBytes:
     """The fake cache's blocks as the KV tiers move them (``KVCacheStorage.read_blocks`` / ``write_blocks``):
     each block one row of int32 token ids, so that what a tier brings back is checked like any other KV."""
@@ -88,11 +94,43 @@ class FakeKVBytes:
             self.kv[block_id] = [None if t == EMPTY_SLOT else t for t in src[row].view(torch.int32).tolist()]
 
 
-def fake_tiers(block_size: int, host_blocks: int, disk_dir: str | None = None) -> TieredStore:
-    """Real KV tiers over fake blocks of int32 token ids."""
-    block_format = BlockFormat("fake-model", "int32", block_size, 4 * block_size)
+def fake_tiers(block_size: int, host_blocks: int, disk_dir: str | None = None, kv_layout: str = "") -> TieredStore:
+    """Real KV tiers over fake blocks of int32 token ids (of KV cache groups laid out as ``kv_layout`` says)."""
+    block_format = BlockFormat("fake-model", "int32", block_size, 4 * block_size, kv_layout)
     return TieredStore(block_format, host_blocks * block_format.bytes_per_block, host_is_tier=True,
                        disk_dir=disk_dir)
+
+
+@dataclass
+class TransferCounts:
+    """Blocks a fake runner moved through the KV tiers, and fork copies it applied, since start."""
+
+    num_loads: int = 0
+    num_swapped_out: int = 0
+    num_swapped_in: int = 0
+    num_copies: int = 0
+
+
+def apply_kv_transfers(kv: list[list[int | None]], tiers: TieredStore | None, transfers: KVTransferPlan,
+                       counts: TransferCounts) -> None:
+    """A plan's moves over a fake cache, in the real runner's order: offloads, copies, swap-outs, loads, swap-ins."""
+    if transfers.offloads or transfers.loads or transfers.swap_outs or transfers.swap_ins:
+        assert tiers is not None, "a tier transfer without tiers"
+    blocks = FakeKVBytes(kv)
+    if transfers.offloads:
+        tiers.offload(blocks, transfers.offloads)
+    for src, dst in transfers.copies:
+        kv[dst] = list(kv[src])
+    counts.num_copies += len(transfers.copies)
+    if transfers.swap_outs:
+        tiers.swap_out(blocks, transfers.swap_outs)
+    counts.num_swapped_out += len(transfers.swap_outs)
+    if transfers.loads:
+        tiers.load(blocks, transfers.loads)
+    counts.num_loads += len(transfers.loads)
+    if transfers.swap_ins:
+        tiers.swap_in(blocks, transfers.swap_ins)
+    counts.num_swapped_in += len(transfers.swap_ins)
 
 
 class FakeRunner:
@@ -105,11 +143,8 @@ class FakeRunner:
         self.token_fn = token_fn
         self.ref_count = ref_count  # given: a block is never written while another request holds it
         self.tiers = tiers
-        self.num_loads = 0
-        self.num_swapped_out = 0  # blocks
-        self.num_swapped_in = 0
+        self.moved = TransferCounts()
         self.requests: dict[str, _Mirror] = {}  # the runner's batch, rebuilt from the diffs alone
-        self.num_copies = 0
         self.num_tokens_written = 0
 
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
@@ -121,7 +156,7 @@ class FakeRunner:
                 list(new.prompt_token_ids), list(new.output_token_ids), list(new.block_ids),
                 new.sampling_params.logprobs is not None,
             )
-        self._apply(sched_out.kv_transfers)
+        apply_kv_transfers(self.kv, self.tiers, sched_out.kv_transfers, self.moved)
         out = ModelOutput({}, {}, {})
         for row in sched_out.requests:
             mirror = self.requests[row.request_id]
@@ -132,26 +167,6 @@ class FakeRunner:
             if row.sample:
                 self._sample(row, mirror, out)
         return out
-
-    def _apply(self, transfers: KVTransferPlan) -> None:
-        """The plan's moves in the real runner's order: offloads, copies, swap-outs, loads, swap-ins."""
-        if transfers.offloads or transfers.loads or transfers.swap_outs or transfers.swap_ins:
-            assert self.tiers is not None, "a tier transfer without tiers"
-        kv = FakeKVBytes(self.kv)
-        if transfers.offloads:
-            self.tiers.offload(kv, transfers.offloads)
-        for src, dst in transfers.copies:
-            self.kv[dst] = list(self.kv[src])
-            self.num_copies += 1
-        if transfers.swap_outs:
-            self.tiers.swap_out(kv, transfers.swap_outs)
-            self.num_swapped_out += len(transfers.swap_outs)
-        if transfers.loads:
-            self.tiers.load(kv, transfers.loads)
-            self.num_loads += len(transfers.loads)
-        if transfers.swap_ins:
-            self.tiers.swap_in(kv, transfers.swap_ins)
-            self.num_swapped_in += len(transfers.swap_ins)
 
     def check_mirrors(self, scheduler: Scheduler) -> None:
         """The diffs kept the runner's copy of every request in its batch equal to the scheduler's."""

@@ -267,7 +267,7 @@ def test_n_samples_fork_sharing_full_blocks_and_copying_the_partial_one() -> Non
     outputs = run_to_completion(scheduler, runner)
     for rid in ("p#1", "p#2"):  # the fake KV check proved each sample read its own, correctly copied history
         assert tokens_of(outputs[rid]) == expected_tokens(rid, 5)[1:]
-    assert runner.num_copies == 2
+    assert runner.moved.num_copies == 2
     assert_all_blocks_free(scheduler)
 
 

@@ -186,10 +186,10 @@ def test_random_workloads_over_kv_tiers_finish_cleanly(
     for spec in accepted:
         check_results(spec, outputs)
     assert scheduler.kv.num_free_blocks() == num_blocks
-    assert tiers.counters.blocks_loaded == runner.num_loads
+    assert tiers.counters.blocks_loaded == runner.moved.num_loads
     assert not tiers.host._pins, "a pinned host block outlived its load or write"
     swap = scheduler.kv.swap.counters
-    assert swap.num_blocks_swapped_in == runner.num_swapped_in
+    assert swap.num_blocks_swapped_in == runner.moved.num_swapped_in
     num_aborted = sum(s.n for s in accepted if s.abort_step is not None)
     assert swap.num_swapped_in <= swap.num_swapped_out <= swap.num_swapped_in + num_aborted
     scheduler.kv.take_tier_transfers()  # rows go back at the plan after their last copy

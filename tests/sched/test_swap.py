@@ -84,7 +84,7 @@ def test_a_swapped_request_resumes_where_it_stopped_with_its_kv_bit_identical(pr
     assert scheduler.num_scheduled_tokens == (6 + 12 - 1) + (4 + 12 - 1), "a token computed twice"
     stats = scheduler.preemption_stats()
     assert stats["num_swapped_out"] == stats["num_swapped_in"] == stats["num_preemptions"] > 0
-    assert stats["num_blocks_swapped_in"] == runner.num_swapped_in > 0
+    assert stats["num_blocks_swapped_in"] == runner.moved.num_swapped_in > 0
     num_restored = stats["num_blocks_swapped_in"] + stats["num_blocks_swap_in_found_on_device"]
     assert stats["num_blocks_swapped_out"] == num_restored
     assert stats["num_swap_fallbacks"] == 0

@@ -1,7 +1,8 @@
 """Tensor parallelism through the whole engine, over gloo on CPU: TP=2 (and 4) gives transformers' greedy tokens for
-every family (and with KV heads replicated), under chunked prefill, prefix hits and preemption; the features that
-live on rank 0 give what TP=1 gives; a dead worker and a shape that does not split are clear errors that leave
-no process behind. Each engine starts worker processes (a few seconds each): the tests share them where they can.
+every family (and with KV heads replicated, and Gemma 3's sliding layers in KV cache groups that free their blocks),
+under chunked prefill, prefix hits and preemption; the features that live on rank 0 give what TP=1 gives; a dead
+worker and a shape that does not split are clear errors that leave no process behind. Each engine starts worker
+processes (a few seconds each): the tests share them where they can.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def test_tp_greedy_equals_transformers(family: str, size: int, tiny_checkpoints,
     num_threads = torch.get_num_threads()
     llm = LLM(str(path), tensor_parallel_size=size, **SQUEEZED)
     assert torch.get_num_threads() == max(1, num_threads // size)  # rank 0's share of the cores
+    # Gemma 3's sliding layers free their blocks in KV cache groups of their own, laid out alike on every rank
+    assert llm.stats()["kv_cache_groups"] == (2 if family.startswith("gemma3") else 1)
     assert_squeezed_run(llm, prompts, expected, _close)
     assert torch.get_num_threads() == num_threads  # given back
 
