@@ -47,8 +47,9 @@ for step in $steps; do
     shipped)  # issue 22: SmolLM2 as shipped (Q4_1) at 1 stream against llama.cpp on the file, at 16 against fp32
       OUT=$OUT/shipped SYSTEMS="kvserve llamacpp-q4_1" LOADS=c1 C1_PROMPTS=8 benchmarks/peers_table.sh
       OUT=$OUT/shipped SYSTEMS="kvserve kvserve-f32" LOADS=c16 benchmarks/peers_table.sh ;;
-    gemma3)  # issue 22: Gemma 3 270M as shipped (Q4_K_M), one stream, against llama.cpp on the same file
-      OUT=$OUT/gemma3 MODEL=gemma-3-270m SYSTEMS="kvserve llamacpp-q4_1 kvserve-mmap" LOADS=c1 C1_PROMPTS=8 \
+    gemma3)  # issue 22: Gemma 3 270M as shipped (Q4_K_M), one stream, against llama.cpp on the same file (and
+             # kvserve with int8 activations, llama.cpp's numerics)
+      OUT=$OUT/gemma3 MODEL=gemma-3-270m SYSTEMS="kvserve llamacpp-q4_1 kvserve-mmap kvserve-q8act" LOADS=c1 C1_PROMPTS=8 \
         benchmarks/peers_table.sh ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
