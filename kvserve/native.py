@@ -133,6 +133,16 @@ def compile_flags() -> tuple[str, ...]:
     return (*COMPILE_FLAGS, ISA_MARCH[isa])
 
 
+def cpu_vendor() -> str:
+    """The CPU's maker as /proc/cpuinfo names it (``GenuineIntel``, ``AuthenticAMD``), or "" where it does not."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    line = next((line for line in lines if line.startswith("vendor_id")), "")
+    return line.partition(":")[2].strip()
+
+
 def _cpu_id() -> str:
     """What ``-march=native`` depends on."""
     try:

@@ -85,20 +85,30 @@ def _cpu_flags() -> set[str]:
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="this CPU has no AVX2 + FMA to run the AVX2 build")
-def test_the_avx2_build_asked_for_on_any_cpu_equals_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("vendor, max_rows", [("AuthenticAMD", None), ("GenuineIntel", 192), ("", 192)])
+def test_the_avx2_build_asked_for_on_any_cpu_equals_matmul(monkeypatch: pytest.MonkeyPatch, vendor: str,
+                                                           max_rows: int | None) -> None:
     monkeypatch.setenv(native.ISA_ENV_VAR, "avx2")
-    avx2 = SmallGemm(ctypes.CDLL(str(native.library_path(prepacked.SMALL_GEMM_SOURCE))))
+    avx2 = SmallGemm(ctypes.CDLL(str(native.library_path(prepacked.SMALL_GEMM_SOURCE))), vendor)
     assert avx2.panel_width == 16 and avx2.tuned and avx2.isa == "avx2"
     for n, k, rows in [(33, 64, 1), (200, 17, 6), (17, 5, 13), (100, 64, 97), (40, 24, 600)]:
         _check_small_gemm(avx2, n, k, rows)
-    # oneDNN's AVX2 kernels are slower at every step size: the panels serve them all and no oneDNN copy is made
-    assert avx2.max_rows is None
+    # on AMD's cores oneDNN's AVX2 kernels are slower at every step size: the panels serve them all and no oneDNN
+    # copy is made; on Intel's oneDNN takes steps of more than 192 tokens
+    assert avx2.max_rows == max_rows
     linear = nn.Linear(96, 40)
     packed = linear_from_tensors(linear.weight, linear.bias, CpuPrepackedLinearMethod(avx2))
-    assert packed.packed_weight is None
-    x = torch.randn(700, 96, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+    assert (packed.packed_weight is None) == (max_rows is None)
+    for rows in (150, 700):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not _cpu_flags(), reason="no x86 /proc/cpuinfo")
+def test_the_cpu_vendor_is_cpuinfo_s() -> None:
+    vendor = native.cpu_vendor()
+    assert vendor and f"vendor_id\t: {vendor}\n" in Path("/proc/cpuinfo").read_text()
 
 
 def test_an_unknown_kernel_isa_is_named(monkeypatch: pytest.MonkeyPatch) -> None:

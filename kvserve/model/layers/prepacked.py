@@ -25,16 +25,20 @@ Keeping both layouts doubles the memory of the linear weights; the panels are ke
 built for a vector ISA it was measured on (AVX-512, or AVX2 with FMA). ``KVSERVE_CPU_ISA=avx2`` builds the AVX2
 kernel on an AVX-512 machine (``kvserve.native``).
 
-Where the panels stop (``MAX_ROWS_BY_ISA``) depends on the ISA. On AVX-512 oneDNN takes steps of more than 96
-tokens (the table above; on a Zen 4 the two are level from 256 tokens up). With AVX2 kernels oneDNN falls behind
-at every step size: the same weights on 2 threads of a Zen 4 held to AVX2 (``KVSERVE_CPU_ISA=avx2
-ONEDNN_MAX_CPU_ISA=AVX2``), 24 layers of SmolLM2's projections, ms:
+Where the panels stop (``MAX_PANEL_ROWS``) depends on the ISA, and with AVX2 on the CPU's maker. On AVX-512
+oneDNN takes steps of more than 96 tokens (the table above; on a Zen 4 the two are level from 256 tokens up).
+With AVX2 kernels, one step's GEMMs of SmolLM2 on 2 threads held to AVX2 (``KVSERVE_CPU_ISA=avx2
+ONEDNN_MAX_CPU_ISA=AVX2``), ms (Zen 4: 24 layers' projections; Intel Emerald Rapids: ``benchmarks/cpu_gemm.py``,
+every layer and the head):
 
-    tokens in the step    96    128    256    512
-    oneDNN blocked      24.2   29.2   54.1  107.1
-    small-GEMM panels   20.0   26.4   50.8  101.8
+    tokens in the step                96    128    192    256    512
+    Zen 4      oneDNN blocked       24.2   29.2          54.1  107.1
+               small-GEMM panels    20.0   26.4          50.8  101.8
+    Intel EMR  oneDNN blocked      199.0  253.5  366.4  464.9  913.6
+               small-GEMM panels   178.9  234.0  377.5  501.6 1136.0
 
-so there the panels take every step and no oneDNN copy is made (half the linear weights' memory).
+so on AMD's cores the panels take every step and no oneDNN copy is made (half the linear weights' memory); on
+Intel's, whose AVX2 FMAs are half their AVX-512 ones, oneDNN's blocking wins from about 192 tokens up.
 """
 
 from __future__ import annotations
@@ -47,15 +51,15 @@ from pathlib import Path
 import torch
 
 from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
-from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_library
+from kvserve.native import KernelBuildError, KernelFunction, cpu_vendor, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
 
 SMALL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
-# the most tokens a step multiplies by the panels, by the ISA the kernel was built for (None: every step)
-# (AVX-512: from about 112 rows up oneDNN is as fast, see the tables above; a generic build is correct but not
-# used by the engine, ``small_gemm``)
-MAX_ROWS_BY_ISA = {"avx512": 96, "avx2": None, "generic": 96}
+# the most tokens a step multiplies by the panels, by the ISA the kernel was built for and the CPU's maker ("":
+# any other), None: every step (AVX-512: from about 112 rows up oneDNN is as fast, see the tables above; a
+# generic build is correct but not used by the engine, ``small_gemm``)
+MAX_PANEL_ROWS = {("avx512", ""): 96, ("avx2", "AuthenticAMD"): None, ("avx2", ""): 192, ("generic", ""): 96}
 ISA_NAMES = {2: "avx512", 1: "avx2", 0: "generic"}  # kvserve_small_gemm_isa()'s codes
 SMALL_GEMM_RANGE = "kvserve::small_gemm"  # the kernel's name in torch.profiler traces (a ctypes call is no op)
 _C_ARG_TYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its
@@ -65,13 +69,16 @@ _C_ARG_TYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int6
 class SmallGemm:
     """The compiled small-GEMM kernel: ``pack`` lays a weight out in panels once, a call multiplies by it."""
 
-    def __init__(self, library: ctypes.CDLL | None = None) -> None:
-        """``library``: a build of ``SMALL_GEMM_SOURCE`` (default: this process's, for its CPU)."""
+    def __init__(self, library: ctypes.CDLL | None = None, vendor: str | None = None) -> None:
+        """``library``: a build of ``SMALL_GEMM_SOURCE`` (default: this process's, for its CPU); ``vendor``: the
+        CPU's maker (default: this machine's, ``native.cpu_vendor``)."""
         library = library or load_library(SMALL_GEMM_SOURCE)
         self.panel_width: int = library.kvserve_small_gemm_panel()
         self.isa = ISA_NAMES[library.kvserve_small_gemm_isa()]
         self.tuned = self.isa != "generic"  # built for a vector ISA where it was measured to win
-        self.max_rows: int | None = MAX_ROWS_BY_ISA[self.isa]  # the most rows a step gives it; None: any
+        vendor = cpu_vendor() if vendor is None else vendor
+        # the most rows a step gives it; None: any
+        self.max_rows: int | None = MAX_PANEL_ROWS.get((self.isa, vendor), MAX_PANEL_ROWS[(self.isa, "")])
         self._gemm = KernelFunction(library.kvserve_small_gemm_f32, _C_ARG_TYPES)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
