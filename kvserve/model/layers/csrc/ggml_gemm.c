@@ -29,6 +29,7 @@
 #define VEC 8 /* one AVX2 register: a wider GNU vector is split and spilled */
 #endif
 #define TILE_ROWS 4 /* rows of x per pass over a weight row: 4 sums + 4 weight vectors + x in 16 registers */
+#define PREFETCH_ROWS 4 /* how far ahead (weight rows) row_tile() asks for the blocks it will read */
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 
@@ -90,13 +91,21 @@ static inline __attribute__((always_inline)) void group_quants(const int type, c
  * come from x_sums. */
 static inline __attribute__((always_inline)) void row_tile(const int type, const int rows, const float *x,
                                                            int64_t x_stride, const float *x_sums, int num_groups,
-                                                           const uint8_t *weight_row, float out[TILE_ROWS]) {
+                                                           const uint8_t *weight_row, const uint8_t *ahead,
+                                                           float out[TILE_ROWS]) {
     const int block_bytes = block_bytes_of(type), groups = block_groups(type);
     vec sum[TILE_ROWS];
     float offsets[TILE_ROWS];
     for (int r = 0; r < rows; r++) sum[r] = (vec){0}, offsets[r] = 0.0f;
     for (int b = 0; b < num_groups / groups; b++) {
         const uint8_t *block = weight_row + (int64_t)b * block_bytes;
+        /* the unpacking is compute-bound: unasked, the memory reads wait for it instead of overlapping it; a
+         * block at a time, as a burst of prefetches is dropped. Measured on Gemma 3's and SmolLM2's own weights
+         * (one row, 2 threads, Emerald Rapids): Q8_0 1.24-1.34x, Q4_1 1.10x, Q5_0 1.05-1.11x, Q4_K 1.08-1.11x,
+         * and Q6_K 0.69-0.75x, which is therefore not asked for */
+        if (type != Q6_K)
+            for (int line = 0; line < block_bytes; line += 64)
+                __builtin_prefetch(ahead + (int64_t)b * block_bytes + line, 0, 0);
         float d[SUPER_GROUPS], offset[SUPER_GROUPS];
         block_scales(type, block, d, offset);
 #pragma GCC unroll 8 /* constant group numbers: the quants' bit positions become immediate shifts */
@@ -118,10 +127,10 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
 
 /* row_tile() with the type and the row count compile-time constants. */
 static void row_tile_of(int type, int rows, const float *x, int64_t x_stride, const float *x_sums, int num_groups,
-                        const uint8_t *weight_row, float out[TILE_ROWS]) {
+                        const uint8_t *weight_row, const uint8_t *ahead, float out[TILE_ROWS]) {
 #define CASE(t, n)                                                                                                \
     if (type == t && rows == n) {                                                                                 \
-        row_tile(t, n, x, x_stride, x_sums, num_groups, weight_row, out);                                         \
+        row_tile(t, n, x, x_stride, x_sums, num_groups, weight_row, ahead, out);                                  \
         return;                                                                                                   \
     }
 #define TYPE(t) CASE(t, 1) CASE(t, 2) CASE(t, 3) CASE(t, 4)
@@ -148,10 +157,13 @@ int kvserve_ggml_gemm_f32(float *y, int64_t y_stride, const float *x, int64_t x_
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int c = 0; c < n; c++) {
         const uint8_t *weight_row = weight + (int64_t)c * row_bytes;
+        /* the last rows ask for their own blocks again: never past the weight */
+        const uint8_t *ahead = weight + (int64_t)(c + PREFETCH_ROWS < n ? c + PREFETCH_ROWS : c) * row_bytes;
         for (int i = 0; i < m; i += TILE_ROWS) {
             const int rows = m - i < TILE_ROWS ? m - i : TILE_ROWS;
             float out[TILE_ROWS];
-            row_tile_of(type, rows, x + i * x_stride, x_stride, x_sums + i * num_groups, num_groups, weight_row, out);
+            row_tile_of(type, rows, x + i * x_stride, x_stride, x_sums + i * num_groups, num_groups, weight_row,
+                        ahead, out);
             for (int r = 0; r < rows; r++) y[(i + r) * y_stride + c] = out[r] + (bias ? bias[c] : 0.0f);
         }
     }
