@@ -133,23 +133,24 @@ def compile_flags() -> tuple[str, ...]:
     return (*COMPILE_FLAGS, ISA_MARCH[isa])
 
 
-def cpu_vendor() -> str:
-    """The CPU's maker as /proc/cpuinfo names it (``GenuineIntel``, ``AuthenticAMD``), or "" where it does not."""
+def _cpuinfo_line(prefixes: tuple[str, ...]) -> str | None:
+    """/proc/cpuinfo's first line starting with one of ``prefixes`` ("" if none), or None where it cannot be read."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return ""
-    line = next((line for line in lines if line.startswith("vendor_id")), "")
-    return line.partition(":")[2].strip()
+        return None
+    return next((line for line in lines if line.startswith(prefixes)), "")
+
+
+def cpu_vendor() -> str:
+    """The CPU's maker as /proc/cpuinfo names it (``GenuineIntel``, ``AuthenticAMD``), or "" where it does not."""
+    return (_cpuinfo_line(("vendor_id",)) or "").partition(":")[2].strip()
 
 
 def _cpu_id() -> str:
     """What ``-march=native`` depends on."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
-    return platform.machine() + next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    flags = _cpuinfo_line(("flags", "Features"))
+    return platform.machine() + (platform.processor() if flags is None else flags)
 
 
 def _compile(source: Path, path: Path, flags: tuple[str, ...]) -> None:
