@@ -18,7 +18,7 @@ import triton.language as tl
 
 # A running max that starts finite: a row that sees no key in a tile then gets exp2(-inf - NEG_INIT) = 0 rather
 # than exp2(-inf + inf) = nan (padding rows, and rows whose window starts after the tile).
-NEG_INIT = -1.0e30
+NEG_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit

@@ -60,6 +60,8 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
                        help="output tokens of every request of random, prefix, multiturn and long")
     group.add_argument("--random-range-ratio", type=float, default=0.0,
                        help="random: lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1 (vLLM's meaning)")
+    group.add_argument("--random-output-range-ratio", type=float, default=None,
+                       help="random: the output lengths' r, where it differs from the prompts' (0: exact lengths)")
     group.add_argument("--sharegpt-output-len", type=int, default=None,
                        help="sharegpt: this output length for every request instead of the reply's")
     group.add_argument("--prefix-num-groups", type=int, default=8)
@@ -116,6 +118,8 @@ def _check_lengths(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 <= args.random_range_ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    if args.random_output_range_ratio is not None and not 0 <= args.random_output_range_ratio < 1:
+        raise ValueError(f"--random-output-range-ratio must be in [0, 1), got {args.random_output_range_ratio}")
 
 
 class _RandomText:
@@ -139,9 +143,14 @@ def _length(rng: random.Random, mean: int, ratio: float) -> int:
     return rng.randint(max(1, math.floor(mean * (1 - ratio))), math.ceil(mean * (1 + ratio)))
 
 
+def _output_length(rng: random.Random, args: argparse.Namespace) -> int:
+    ratio = args.random_range_ratio if args.random_output_range_ratio is None else args.random_output_range_ratio
+    return _length(rng, args.random_output_len, ratio)
+
+
 def _random_request(rng: random.Random, words: _RandomText, args: argparse.Namespace) -> SampleRequest:
     prompt_len = _length(rng, args.random_input_len, args.random_range_ratio)
-    output_len = _length(rng, args.random_output_len, args.random_range_ratio)
+    output_len = _output_length(rng, args)
     return SampleRequest(words.ids_of_len(rng, prompt_len), prompt_len, output_len)
 
 
@@ -196,7 +205,7 @@ def _grounded_requests(rng: random.Random, tokenizer: PreTrainedTokenizerBase, a
     for i in range(args.num_prompts):
         prompt = _chat_prompt(tokenizer, grounded_messages(rng, i, tokenizer, args.random_input_len))
         prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
-        output_len = _length(rng, args.random_output_len, args.random_range_ratio)
+        output_len = _output_length(rng, args)
         requests.append(SampleRequest(prompt, prompt_len, output_len))
     return requests
 

@@ -73,6 +73,10 @@ SIZES = tuple(_SIZES)
 # Published models' configurations (their Hugging Face config.json, the fields kvserve reads), for measuring speed
 # at real sizes with ``--load-format dummy`` on a machine that cannot download the weights
 SHAPES: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    "smollm2-135m": (LlamaConfig, dict(  # HuggingFaceTB/SmolLM2-135M-Instruct
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})),
     "llama3-8b": (LlamaConfig, dict(  # meta-llama/Meta-Llama-3-8B
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,

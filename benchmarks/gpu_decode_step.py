@@ -1,0 +1,92 @@
+"""Decode step time on a CUDA GPU at a published model's shape, with dummy weights, beside the HBM roofline
+measured in the same run.
+
+    python benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 [--enforce-eager] [--json FILE]
+
+For each batch size B: B requests of ``--prompt-len`` random tokens are prefilled, then every engine step
+decodes all B (EOS ignored). The figure is the median wall time of ``--steps`` such steps (``LLMEngine.step``,
+scheduling, the forward, sampling and the token ids' read back), the first few after the prefill left out as
+warm-up. The roofline of a step is its weight bytes over the copy bandwidth measured here (a decode step reads
+every weight once; K/V reads are counted apart, as they grow with the context).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.bench.roofline import measure_copy_bandwidth
+from kvserve.model.checkpoint import SHAPES, make_config_only
+
+NUM_WARMUP_STEPS = 4
+
+
+def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -> list[float]:
+    """The wall time of each all-decode step of ``batch`` requests, after the prefill and a warm-up."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=num_steps + NUM_WARMUP_STEPS + 2, ignore_eos=True)
+    generator = torch.Generator().manual_seed(batch)
+    for i in range(batch):
+        prompt = torch.randint(3, 500, (prompt_len,), generator=generator).tolist()
+        engine.add_request(f"decode-{batch}-{i}", {"prompt_token_ids": prompt}, params)
+    times: list[float] = []
+    while engine.has_unfinished_requests():
+        decoding = engine.core.scheduler.num_running == batch and not engine.core.scheduler.num_waiting
+        start = time.perf_counter()
+        engine.step()
+        if decoding:
+            times.append(time.perf_counter() - start)
+    return times[NUM_WARMUP_STEPS + 1: NUM_WARMUP_STEPS + 1 + num_steps]
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="smollm2-135m", choices=tuple(SHAPES))
+    parser.add_argument("--batch", default="1,64", help="comma-separated batch sizes")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
+    batches = [int(b) for b in args.batch.split(",")]
+    model = make_config_only(Path(tempfile.mkdtemp()) / args.shape, args.shape)
+    device = torch.device("cuda")
+    bandwidth = measure_copy_bandwidth(device, 1 << 30)
+    llm = LLM(str(model), load_format="dummy", device="cuda", dtype=args.dtype, max_num_seqs=max(batches),
+              max_model_len=args.prompt_len + args.steps + 64, enforce_eager=args.enforce_eager)
+    weight_bytes = llm.stats()["weights_bytes"]
+    rows = []
+    for batch in batches:
+        times = decode_step_seconds(llm, batch, args.prompt_len, args.steps)
+        median = statistics.median(times)
+        roofline = weight_bytes / bandwidth
+        rows.append(dict(batch=batch, median_ms=median * 1e3, min_ms=min(times) * 1e3, steps=len(times),
+                         tokens_per_s=batch / median, roofline_ms=roofline * 1e3,
+                         fraction_of_roofline=roofline / median))
+    report = dict(shape=args.shape, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                  device=torch.cuda.get_device_name(device), copy_gb_per_s=bandwidth / 1e9,
+                  weight_bytes=weight_bytes, prompt_len=args.prompt_len, rows=rows)
+    print(f"{args.shape} {args.dtype} {'eager' if args.enforce_eager else 'graphs'} on {report['device']}: "
+          f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
+    for row in rows:
+        print(f"  batch {row['batch']:4d}: step {row['median_ms']:8.3f} ms (min {row['min_ms']:.3f}), "
+              f"{row['tokens_per_s']:9.1f} tok/s, roofline {row['roofline_ms']:.3f} ms = "
+              f"{100 * row['fraction_of_roofline']:.0f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

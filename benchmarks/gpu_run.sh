@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Issue 16's GPU checks and figures, run on the lent GPU machine from the repository root:
+#
+#     OUT=dir benchmarks/gpu_run.sh STEP...
+#
+# Steps: info, tests (the -m gpu tests), kernels (attention and GGUF kernel micro-benchmarks), decode
+# (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes, graphs and eager), roofline, throughput (issue 16's (b):
+# the random workload beside transformers), fixed (issue 16's (c): 1,000 in / 1,000 out). The machine has
+# torch, triton and transformers but not every kvserve dependency: wheels of the others are installed from
+# .whl/ when it exists (see benchmarks/README.md). Each step's output goes to $OUT/STEP.log (and JSON).
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+kv() { python3 -m kvserve.cli "$@"; }
+shapes=$(mktemp -d)
+
+step_info() {
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+}
+
+step_tests() {
+    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/attention tests/engine/test_cuda.py \
+        tests/model/test_triton_ggml.py tests/model/test_offload.py tests/worker
+}
+
+step_kernels() {
+    (cd benchmarks && python3 triton_attention.py --dtype bfloat16 && python3 triton_ggml.py --dtype bfloat16)
+}
+
+step_decode() {
+    python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64,256 --json "$OUT/decode-smollm2.json"
+    python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64 --enforce-eager \
+        --json "$OUT/decode-smollm2-eager.json"
+    python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 --json "$OUT/decode-llama3-8b.json"
+    python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --enforce-eager \
+        --json "$OUT/decode-llama3-8b-eager.json"
+}
+
+step_roofline() {
+    kv make-checkpoint "$shapes/llama3-8b" --config-only --shape llama3-8b >/dev/null
+    kv bench roofline "$shapes/llama3-8b" --device cuda --dtypes bfloat16 --copy-mib 2048 \
+        --result-json "$OUT/roofline-llama3-8b.json"
+}
+
+llama8b_throughput() {  # label, then kvserve bench throughput's flags
+    local label=$1; shift
+    [ -d "$shapes/llama3-8b" ] || kv make-checkpoint "$shapes/llama3-8b" --config-only --shape llama3-8b >/dev/null
+    kv bench throughput "$shapes/llama3-8b" --device cuda --dtype bfloat16 --load-format dummy \
+        --label "$label" --result-json "$OUT/$label.json" "$@"
+}
+
+step_batch1() {  # issue 16's (a): one stream, 128-token prompt, 512 new tokens
+    llama8b_throughput batch1 --dataset-name random --num-prompts 1 --random-input-len 128 \
+        --random-output-len 512 --random-range-ratio 0
+}
+
+step_throughput() {  # (b): 512 requests, prompts 128-1,024, 256 out, beside transformers' generate_batch
+    llama8b_throughput random --backend kvserve,hf --hf-mode generate_batch --dataset-name random \
+        --num-prompts 512 --random-input-len 576 --random-output-len 256 --random-range-ratio 0.778 --random-output-range-ratio 0 \
+        --max-num-seqs 256 --max-num-batched-tokens 8192
+}
+
+step_fixed() {  # (c): 1,000 requests of 1,000 in / 1,000 out
+    llama8b_throughput fixed --dataset-name random --num-prompts 1000 --random-input-len 1000 \
+        --random-output-len 1000 --random-range-ratio 0 --max-num-seqs 512 --max-num-batched-tokens 8192
+}
+
+for step in "$@"; do
+    echo "=== $step $(date +%T)"
+    "step_$step" 2>&1 | tee "$OUT/$step.log"
+done
+echo "=== done $(date +%T)"

@@ -1,0 +1,112 @@
+"""Compile kvserve's Triton kernels for a Hopper GPU (sm_90) on a machine without one.
+
+Triton's interpreter, which runs the kernels in CI, accepts code its compiler refuses (a module global that is
+not a ``tl.constexpr``, say), so the kernels' tests could pass while no GPU could run them. Compiling needs no
+GPU: Triton's front end, LLVM and the ptxas its wheel carries run on the CPU. Run as a script, in a process
+where TRITON_INTERPRET is unset (the kernels must be real ``JITFunction``s)::
+
+    python -m tests.hopper_compile attention|ggml
+
+prints one line per case that fails and exits 1 if any did. ``tests/test_hopper_compile.py`` runs it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+HOPPER = GPUTarget("cuda", 90, 32)
+_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+                  torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
+
+
+def compile_for_hopper(kernel: triton.JITFunction, **args: Any) -> None:
+    """Compile ``kernel`` to a cubin for sm_90: a torch dtype stands for a pointer to it, an int for an int32
+    argument, a float for an fp32 one; constexpr parameters take their values."""
+    signature, constexprs = {}, {}
+    for index, param in enumerate(kernel.params):
+        value = args[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[(index,)] = value
+        elif isinstance(value, torch.dtype):
+            signature[param.name] = _POINTER_TYPES[value]
+        else:
+            signature[param.name] = "fp32" if isinstance(value, float) else "i32"
+    triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=HOPPER)
+
+
+def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
+    """Decode, merge and prefill kernels, as ``TritonPagedBackend`` launches them: every model dtype at SmolLM2's
+    and Llama-3's head shapes, and bf16 over each quantized cache encoding the kernels read."""
+    from kvserve.attention import triton_kernels as kernels
+
+    combos = [(dtype, dtype, *shape) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+              for shape in ((3, 64), (4, 128))]
+    combos += [(torch.bfloat16, cache, 4, 128) for cache in (torch.int8, torch.float8_e4m3fn)]
+    cases = []
+    for dtype, cache, group, head_dim in combos:
+        quant = cache != dtype
+        common = dict(q=dtype, k_cache=cache, v_cache=cache, k_scales=torch.float32 if quant else cache,
+                      v_scales=torch.float32 if quant else cache, stride_qt=1, stride_qh=1, stride_slot=1,
+                      stride_head=1, scale_stride_slot=1, block_tables=torch.int32, stride_table=1,
+                      seq_lens=torch.int32, scale_log2=1.0, window=1, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=16,
+                      BLOCK_N=64, BLOCK_D=head_dim, QUANT=quant,
+                      PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST_DOTS=False)
+        name = f"{str(dtype)[6:]} q, {str(cache)[6:]} cache, group {group}, head_dim {head_dim}"
+        for split in (False, True):
+            cases.append((f"decode ({name}, split {split})", kernels.paged_decode_kernel, dict(
+                common, out=torch.float32 if split else dtype, stride_ot=1, stride_oh=1, stride_os=1,
+                lse=torch.float32, BLOCK_G=16, STORE_LSE=split)))
+        cases.append((f"prefill ({name})", kernels.paged_prefill_kernel, dict(
+            common, out=dtype, stride_ot=1, stride_oh=1, query_starts=torch.int32, query_lens=torch.int32,
+            QUERIES_PER_TILE=64 // group, BLOCK_M=64)))
+    for dtype in (torch.bfloat16, torch.float32):
+        cases.append((f"merge ({dtype})", kernels.merge_splits_kernel, dict(
+            out=dtype, stride_ot=1, stride_oh=1, partial=torch.float32, lse=torch.float32, num_splits=1,
+            HEAD_DIM=128, BLOCK_S=32, BLOCK_D=128)))
+    return cases
+
+
+def ggml_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
+    """The GGUF block GEMM for every type it reads in bf16 at both row tiles it launches, and one type of each
+    block family (32 values, K-quant super-blocks) in fp16 and fp32."""
+    from gguf import GGMLQuantizationType as Q
+
+    from kvserve.model.layers import triton_ggml
+
+    types = sorted(triton_ggml.TRITON_TYPES)
+    combos = [(qtype, torch.bfloat16, block_m) for qtype in types for block_m in (16, 64)]
+    combos += [(qtype, dtype, 16) for qtype in (Q.Q4_1, Q.Q4_K) for dtype in (torch.float16, torch.float32)]
+    cases = []
+    for qtype, dtype, block_m in combos:
+        groups = triton_ggml.BLOCK_VALUES[qtype] // triton_ggml.GROUP_VALUES
+        cases.append((f"{qtype.name} ({str(dtype)[6:]}, BLOCK_M {block_m})", triton_ggml.ggml_gemm_kernel, dict(
+            x=dtype, w=torch.uint8, bias=dtype, y=dtype, M=1, N=1, K=1, stride_xm=1, stride_ym=1, row_bytes=1,
+            QTYPE=int(qtype), BLOCK_BYTES=triton_ggml.BLOCK_BYTES[qtype], GROUPS=groups, HAS_BIAS=True,
+            BLOCK_M=block_m, BLOCK_N=64)))
+    return cases
+
+
+CASES = {"attention": attention_cases, "ggml": ggml_cases}
+
+
+def main(family: str) -> int:
+    failed, cases = 0, CASES[family]()
+    for name, kernel, args in cases:
+        try:
+            compile_for_hopper(kernel, **args)
+        except Exception as error:  # report every case, not only the first
+            failed += 1
+            print(f"FAILED {name}: {type(error).__name__}: {str(error)[-2000:]}")
+    print(f"{len(cases) - failed} of {len(cases)} {family} cases compiled for sm_90 with triton {triton.__version__}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
