@@ -87,10 +87,11 @@ def build_step_metadata(backend: AttentionBackend, inputs: AttentionInputs, grou
 class AttentionBackend(ABC):
     """Paged attention over a step's mixed batch of decodes and prefill chunks."""
 
-    # True where the metadata of a decode-only step reads nothing but the input tensors (no host lists), so
-    # that metadata built once over static tensors serves every later step of that size once they are refilled
-    # (kvserve/worker/cpu_graph.py); the kernels must then read every per-step value from those tensors.
-    static_metadata: bool = False
+    # The device types whose step graphs (kvserve/worker/step_graphs.py) can replay this backend's decode steps:
+    # its metadata of a decode-only step reads nothing but the input tensors (no host lists), so that metadata
+    # built once over static tensors serves every later step of that size once they are refilled, and its
+    # kernels are what that device's graphs record (C kernels on CPU, CUDA kernels on a GPU).
+    graph_devices: frozenset[str] = frozenset()
 
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> AttentionMetadata:

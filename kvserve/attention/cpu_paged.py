@@ -81,7 +81,7 @@ class CpuPagedBackend(AttentionBackend):
     Construction builds (or loads the cached) kernels and raises ``KernelBuildError`` when it cannot.
     """
 
-    static_metadata = True  # decodes' tables and lengths are read from the input tensors by the kernel
+    graph_devices = frozenset({"cpu"})  # decodes' tables and lengths are read from the input tensors by the kernel
 
     def __init__(self) -> None:
         self._decode = decode_kernel()

@@ -71,6 +71,11 @@ class TritonPagedBackend(AttentionBackend):
     """Decodes and prefill chunks through Triton kernels; fp16 / bf16 / fp32 models, caches unquantized or
     int8 / fp8. ``max_kv_splits`` caps the flash-decoding split (1 turns it off)."""
 
+    # the kernels read every decode's length and table from the tensors; the host lengths only pick the split
+    # count, which metadata built for a CUDA graph fixes for the longest sequence the graph serves (under the
+    # interpreter the kernels run in numpy, which no CPU step graph records)
+    graph_devices = frozenset({"cuda"})
+
     def __init__(self, max_kv_splits: int = 32) -> None:
         if max_kv_splits < 1:
             raise ValueError(f"max_kv_splits must be >= 1, got {max_kv_splits}")

@@ -134,7 +134,7 @@ class LLMEngine:
             block_scale=len(groups.layer_groups) // groups.group_size,
         )
         tiers = self._build_kv_tiers(runner)
-        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, tiers)
+        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, tiers, sched_config.max_num_seqs)
         kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching, tiers,
                                     groups)
         speculative = self.config.speculative

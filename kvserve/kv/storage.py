@@ -127,18 +127,22 @@ def _as_copyable(t: torch.Tensor) -> torch.Tensor:
 class KVCacheStorage:
     """Owns the paged K/V tensors of every layer, stored in the spec's encoding (quantized in ``write``)."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str,
+                 scratch_block: bool = False) -> None:
+        """``num_blocks`` blocks for block tables to name; with ``scratch_block`` one more that none names, whose
+        slots (from ``scratch_slot``) take the K/V of a captured step's padding rows (``worker/cuda_graph.py``)."""
         if num_blocks < 1:
             raise ValueError(f"a KV cache needs at least one block, got num_blocks={num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
+        self._num_allocated = num_blocks + scratch_block
         self._tensors = [self._new_layer(device) for _ in range(spec.num_tensors)]
         # layer -> its paged tensors: a list lookup, so that sharing tensors costs a layer's read nothing
         self._layers = [self._tensors[t] for t in spec.layer_tensors or range(spec.num_layers)]
 
     def _new_layer(self, device: torch.device | str) -> KVLayerView:
         spec, encoding = self.spec, self.spec.kv_dtype
-        shape = (self.num_blocks, spec.block_size, spec.num_kv_heads)
+        shape = (self._num_allocated, spec.block_size, spec.num_kv_heads)
         data_shape = (*shape, spec.head_dim // encoding.values_per_element)
         k, v = (zeros(data_shape, encoding.data_dtype, device) for _ in "kv")
         k_scale = v_scale = None
@@ -150,6 +154,13 @@ class KVCacheStorage:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.spec.block_size
+
+    @property
+    def scratch_slot(self) -> int:
+        """The first slot of the scratch block (ValueError without one)."""
+        if self._num_allocated == self.num_blocks:
+            raise ValueError("this KV cache has no scratch block")
+        return self.num_slots
 
     def layer(self, layer: int) -> KVLayerView:
         """Layer ``layer``'s paged K and V, for a backend to read."""
@@ -238,7 +249,7 @@ class KVCacheStorage:
     def _block_words(self) -> tuple[list[torch.Tensor], torch.dtype]:
         """Every stored tensor as ``[num_blocks, words of one block]``, in the order of a block's row, in the
         widest integer word that divides every part: the index copies then move words, not bytes (8x faster)."""
-        parts = [t.view(torch.uint8).view(self.num_blocks, -1) for view in self._tensors for t in view.tensors()]
+        parts = [t.view(torch.uint8).view(self._num_allocated, -1) for view in self._tensors for t in view.tensors()]
         word = next(dtype for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8)
                     if all(part.shape[1] % dtype.itemsize == 0 for part in parts))
         return [part.view(word) for part in parts], word

@@ -45,7 +45,7 @@ from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.sample.sampler import first_max
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
-from kvserve.worker.cpu_graph import CpuStepGraphs, step_graphs_for
+from kvserve.worker.step_graphs import StepGraphs, step_graphs_for
 from kvserve.worker.input_batch import PersistentBatch, StepLayout
 
 
@@ -70,7 +70,7 @@ class DraftModel:
         self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations)
         self.enforce_eager = enforce_eager
         self.kv: KVCacheStorage | None = None
-        self.graphs: CpuStepGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self._sliding_windows = self.model.sliding_windows()
         self._num_computed: dict[str, int] = {}  # request id -> positions whose draft KV is valid
 
@@ -84,7 +84,7 @@ class DraftModel:
 
     def init_kv_cache(self, num_blocks: int, max_blocks_per_request: int) -> None:
         """The draft's KV, ``num_blocks`` blocks like the target's (block ids are shared); step graphs for its
-        decode steps on CPU, as the target has."""
+        decode steps on CPU, as the target has (on CUDA the draft runs eagerly)."""
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device)
         self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, max_blocks_per_request,
                                       self.enforce_eager)

@@ -17,7 +17,7 @@ Recording runs the step eagerly (its output is that step's output) with two obse
 
 The step's inputs live in static tensors (token ids, positions, slots, sequence lengths, block tables as wide as
 the longest context), filled from each step's batch before a replay; the attention metadata is built once from
-them, so only a backend whose metadata reads nothing but those tensors (``AttentionBackend.static_metadata``)
+them, so only a backend whose metadata reads nothing but those tensors (``AttentionBackend.graph_devices``)
 can be replayed. Steps of up to ``MAX_GRAPH_TOKENS`` decodes are recorded, each size at its first occurrence
 (at more tokens the kernels' time dwarfs the Python's), while the graphs' own tensors (every intermediate result
 of a step, none reused: ~1 MB a token for SmolLM2) stay within ``MAX_GRAPH_BYTES``; a size past it stays eager.
@@ -26,7 +26,6 @@ of a step, none reused: ~1 MB a token for SmolLM2) stay within ``MAX_GRAPH_BYTES
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, build_step_metadata
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.native import KernelFunction, recording
+from kvserve.worker.static_inputs import StaticStepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -113,48 +113,10 @@ def _storage(t: torch.Tensor) -> int | None:
     return t.untyped_storage().data_ptr() if t.layout == torch.strided else None
 
 
-class _StaticInputs:
-    """A decode step's inputs for ``num_tokens`` sequences, in tensors whose memory never moves (block tables and
-    slot mappings one per KV cache group)."""
-
-    def __init__(self, num_tokens: int, max_blocks: int, block_size: int, device: torch.device,
-                 num_groups: int) -> None:
-        def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.input_ids = zeros(num_tokens, dtype=torch.int64)
-        self.positions = zeros(num_tokens, dtype=torch.int64)
-        self.slot_mapping = [zeros(num_tokens, dtype=torch.int64) for _ in range(num_groups)]
-        self.seq_lens = zeros(num_tokens, dtype=torch.int32)
-        self.block_tables = [zeros(num_tokens, max_blocks, dtype=torch.int32) for _ in range(num_groups)]
-        self.query_start_loc = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
-        self.block_size = block_size
-
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> None:
-        self.input_ids.copy_(input_ids)
-        self.positions.copy_(positions)
-        self.seq_lens.copy_(attn.seq_lens)
-        for group, inputs in enumerate((attn, *attn.groups)):
-            self.slot_mapping[group].copy_(inputs.slot_mapping)
-            self.block_tables[group][:, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
-
-    def attention_inputs(self, seq_lens_list: list[int]) -> AttentionInputs:
-        num_tokens = len(self.input_ids)
-        group_inputs = [
-            AttentionInputs(
-                num_decodes=num_tokens, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-                block_tables=block_tables, slot_mapping=slot_mapping, query_lens_list=[1] * num_tokens,
-                seq_lens_list=seq_lens_list, block_size=self.block_size,
-            )
-            for block_tables, slot_mapping in zip(self.block_tables, self.slot_mapping)
-        ]
-        return dataclasses.replace(group_inputs[0], groups=tuple(group_inputs[1:]))
-
-
 class _StepGraph:
     """One batch size's recorded forward: its static inputs, its calls and its output tensor."""
 
-    def __init__(self, inputs: _StaticInputs, calls: list[Callable[[], None]], tensors: list[Any],
+    def __init__(self, inputs: StaticStepInputs, calls: list[Callable[[], None]], tensors: list[Any],
                  keep: tuple, output: torch.Tensor) -> None:
         self.inputs, self.calls, self.output = inputs, calls, output
         self._alive = (tensors, keep)  # every tensor a recorded pointer may point into
@@ -164,18 +126,6 @@ class _StepGraph:
         for call in self.calls:
             call()
         return self.output
-
-
-def step_graphs_for(model: torch.nn.Module, backend: AttentionBackend, kv: KVCacheStorage, device: torch.device,
-                    max_blocks: int, enforce_eager: bool, group_windows: list[set[int | None]] | None = None,
-                    layer_groups: tuple[int, ...] = ()) -> CpuStepGraphs | None:
-    """Step graphs for ``model``'s decode steps where they can serve: on CPU, over a backend whose metadata is
-    static, unless ``--enforce-eager``. ``group_windows`` and ``layer_groups`` describe KV cache groups
-    (``build_step_metadata``); None: one group."""
-    if device.type != "cpu" or not backend.static_metadata or enforce_eager:
-        return None
-    return CpuStepGraphs(model, backend, kv, group_windows or [model.sliding_windows()], max_blocks,
-                         model.config.max_position_embeddings, layer_groups)
 
 
 class CpuStepGraphs:
@@ -208,7 +158,8 @@ class CpuStepGraphs:
 
     def _record(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
         num_tokens = attn.num_tokens
-        inputs = _StaticInputs(num_tokens, self.max_blocks, attn.block_size, input_ids.device, 1 + len(attn.groups))
+        inputs = StaticStepInputs.allocate(num_tokens, self.max_blocks, attn.block_size, input_ids.device,
+                                           1 + len(attn.groups))
         inputs.load(input_ids, positions, attn)
         meta = build_step_metadata(self.backend, inputs.attention_inputs(attn.seq_lens_list), self.group_windows,
                                    self.layer_groups)

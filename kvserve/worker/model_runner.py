@@ -22,7 +22,7 @@ from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.spec.draft import DraftModel
-from kvserve.worker.cpu_graph import CpuStepGraphs, step_graphs_for
+from kvserve.worker.step_graphs import StepGraphs, step_graphs_for
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
 from kvserve.worker.parallel import StepPeers
 
@@ -66,7 +66,7 @@ class ModelRunner:
         self.kv_groups = KVCacheGroups.single(self.model.num_layers)
         self._group_windows = [self.model.sliding_windows()]
         self.enforce_eager = enforce_eager
-        self.graphs: CpuStepGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.draft = draft
 
     def weights_format(self) -> str:
@@ -124,11 +124,15 @@ class ModelRunner:
                           type(self.backend).__name__))
         return model_identity(itertools.chain(self.model.named_parameters(), self.model.named_buffers()), extra)
 
-    def init_kv_cache(self, num_blocks: int, max_model_len: int, tiers: TieredStore | None = None) -> None:
+    def init_kv_cache(self, num_blocks: int, max_model_len: int, tiers: TieredStore | None = None,
+                      max_num_seqs: int = 0) -> None:
         """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``);
-        ``tiers`` holds blocks offloaded from them. Rank 0's has the workers allocate theirs."""
+        ``tiers`` holds blocks offloaded from them. Rank 0's has the workers allocate theirs. On CUDA, decode
+        steps of up to ``max_num_seqs`` sequences are captured as CUDA graphs (0: none)."""
         self.peers.init_kv_cache(num_blocks, max_model_len, self.kv_groups)
-        self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device)
+        cuda_graphs = (self.device.type == "cuda" and "cuda" in self.backend.graph_devices and max_num_seqs > 0
+                       and self.tp.size == 1 and not self.enforce_eager)
+        self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device, scratch_block=cuda_graphs)
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = PersistentBatch(max_blocks, self.block_size, self.device, num_groups=self.kv_groups.num_groups)
         self.kv_tiers = tiers
@@ -140,7 +144,8 @@ class ModelRunner:
                 logger.info("tensor parallel: every step runs eagerly (CPU step graphs do not record collectives)")
         else:
             self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, max_blocks, self.enforce_eager,
-                                          self._group_windows, self.kv_groups.layer_groups)
+                                          self._group_windows, self.kv_groups.layer_groups,
+                                          max_num_seqs if cuda_graphs else 0)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:

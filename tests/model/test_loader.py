@@ -214,8 +214,9 @@ def llama_cpp_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def byte_level_tokens() -> tuple[list[str], list[str]]:
-    tokens = list(bytes_to_unicode().values()) + ["ĠĠ", "<|endoftext|>"]
-    return tokens, ["Ġ Ġ"]
+    # two merges: transformers 5.17 reads a GGUF string array of one entry as that string
+    tokens = list(bytes_to_unicode().values()) + ["ĠĠ", "ĠĠĠ", "<|endoftext|>"]
+    return tokens, ["Ġ Ġ", "ĠĠ Ġ"]
 
 
 def write_gguf(

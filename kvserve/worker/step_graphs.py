@@ -1,0 +1,36 @@
+"""Which step graphs serve a model's decode steps: CPU step graphs (``worker/cpu_graph.py``), recorded at each
+batch size's first step, or CUDA graphs (``worker/cuda_graph.py``), captured at start-up for a ladder of sizes."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvserve.attention.backend import AttentionBackend, AttentionInputs
+from kvserve.kv.storage import KVCacheStorage
+from kvserve.worker.cpu_graph import CpuStepGraphs
+from kvserve.worker.cuda_graph import CudaStepGraphs
+
+
+class StepGraphs(Protocol):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
+        """The hidden states of a forward pass over these inputs, or None where the step must run eagerly."""
+
+
+def step_graphs_for(model: torch.nn.Module, backend: AttentionBackend, kv: KVCacheStorage, device: torch.device,
+                    max_blocks: int, enforce_eager: bool, group_windows: list[set[int | None]] | None = None,
+                    layer_groups: tuple[int, ...] = (), max_num_seqs: int = 0) -> StepGraphs | None:
+    """Step graphs for ``model``'s decode steps where they can serve, unless ``--enforce-eager``: over a backend
+    whose steps that device's graphs replay (``AttentionBackend.graph_devices``), on CPU, or on CUDA where ``max_num_seqs`` > 0 and ``kv`` has a scratch block for
+    padding rows (``KVCacheStorage(scratch_block=True)``). ``group_windows`` and ``layer_groups`` describe KV
+    cache groups (``build_step_metadata``); None: one group."""
+    if enforce_eager or device.type not in backend.graph_devices:
+        return None
+    windows = group_windows or [model.sliding_windows()]
+    if device.type == "cpu":
+        return CpuStepGraphs(model, backend, kv, windows, max_blocks, model.config.max_position_embeddings,
+                             layer_groups)
+    if device.type == "cuda" and max_num_seqs > 0:
+        return CudaStepGraphs(model, backend, kv, windows, layer_groups, max_blocks, max_num_seqs)
+    return None
