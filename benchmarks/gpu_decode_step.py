@@ -4,9 +4,9 @@ measured in the same run.
     python benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 [--enforce-eager] [--json FILE]
 
 For each batch size B: B requests of ``--prompt-len`` random tokens are prefilled, then every engine step
-decodes all B (EOS ignored). The figure is the median wall time of ``--steps`` such steps (``LLMEngine.step``,
-scheduling, the forward, sampling and the token ids' read back), the first few after the prefill left out as
-warm-up. The roofline of a step is its weight bytes over the copy bandwidth measured here (a decode step reads
+decodes all B (EOS ignored). The figure is the median wall time of ``--steps`` such steps (``LLMEngine.step``:
+scheduling, the forward, sampling, the token ids' read back, detokenizing), the first few after the prefill
+left out as warm-up, with the model runner's share of it (``ModelRunner.execute``). The roofline of a step is its weight bytes over the copy bandwidth measured here (a decode step reads
 every weight once; K/V reads are counted apart, as they grow with the context).
 """
 
@@ -29,22 +29,36 @@ from kvserve.model.checkpoint import SHAPES, make_config_only
 NUM_WARMUP_STEPS = 4
 
 
-def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -> list[float]:
-    """The wall time of each all-decode step of ``batch`` requests, after the prefill and a warm-up."""
+def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -> tuple[list[float], list[float]]:
+    """The wall time of each all-decode step of ``batch`` requests, after the prefill and a warm-up, and of the
+    model runner's part of each (inputs, forward, sampling, the token ids' read back)."""
     engine = llm.engine
+    runner = engine.core.runner
+    execute, runner_times = runner.execute, []
+
+    def timed_execute(sched_out):
+        start = time.perf_counter()
+        output = execute(sched_out)
+        runner_times.append(time.perf_counter() - start)
+        return output
+
+    runner.execute = timed_execute
     params = SamplingParams(temperature=0, max_tokens=num_steps + NUM_WARMUP_STEPS + 2, ignore_eos=True)
     generator = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(3, 500, (prompt_len,), generator=generator).tolist()
         engine.add_request(f"decode-{batch}-{i}", {"prompt_token_ids": prompt}, params)
-    times: list[float] = []
+    times, runner_part = [], []
     while engine.has_unfinished_requests():
         decoding = engine.core.scheduler.num_running == batch and not engine.core.scheduler.num_waiting
         start = time.perf_counter()
         engine.step()
         if decoding:
             times.append(time.perf_counter() - start)
-    return times[NUM_WARMUP_STEPS + 1: NUM_WARMUP_STEPS + 1 + num_steps]
+            runner_part.append(runner_times[-1])
+    runner.execute = execute
+    kept = slice(NUM_WARMUP_STEPS + 1, NUM_WARMUP_STEPS + 1 + num_steps)
+    return times[kept], runner_part[kept]
 
 
 def main(argv: list[str]) -> int:
@@ -68,10 +82,11 @@ def main(argv: list[str]) -> int:
     weight_bytes = llm.stats()["weights_bytes"]
     rows = []
     for batch in batches:
-        times = decode_step_seconds(llm, batch, args.prompt_len, args.steps)
+        times, runner_times = decode_step_seconds(llm, batch, args.prompt_len, args.steps)
         median = statistics.median(times)
         roofline = weight_bytes / bandwidth
         rows.append(dict(batch=batch, median_ms=median * 1e3, min_ms=min(times) * 1e3, steps=len(times),
+                         runner_median_ms=statistics.median(runner_times) * 1e3,
                          tokens_per_s=batch / median, roofline_ms=roofline * 1e3,
                          fraction_of_roofline=roofline / median))
     report = dict(shape=args.shape, dtype=args.dtype, enforce_eager=args.enforce_eager,
@@ -80,7 +95,8 @@ def main(argv: list[str]) -> int:
     print(f"{args.shape} {args.dtype} {'eager' if args.enforce_eager else 'graphs'} on {report['device']}: "
           f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     for row in rows:
-        print(f"  batch {row['batch']:4d}: step {row['median_ms']:8.3f} ms (min {row['min_ms']:.3f}), "
+        print(f"  batch {row['batch']:4d}: step {row['median_ms']:8.3f} ms (min {row['min_ms']:.3f}; runner "
+              f"{row['runner_median_ms']:.3f}), "
               f"{row['tokens_per_s']:9.1f} tok/s, roofline {row['roofline_ms']:.3f} ms = "
               f"{100 * row['fraction_of_roofline']:.0f}%")
     if args.json:

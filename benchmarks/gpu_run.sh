@@ -3,8 +3,9 @@
 #
 #     OUT=dir benchmarks/gpu_run.sh STEP...
 #
-# Steps: info, tests (the -m gpu tests), kernels (attention and GGUF kernel micro-benchmarks), decode
-# (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes, graphs and eager), roofline, throughput (issue 16's (b):
+# Steps: info, tests (the -m gpu tests), kernels (attention and GGUF kernel micro-benchmarks), decode and
+# decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes, with CUDA graphs or without), roofline,
+# batch1 (issue 16's (a): one stream of Llama-3-8B), throughput (issue 16's (b):
 # the random workload beside transformers), fixed (issue 16's (c): 1,000 in / 1,000 out). The machine has
 # torch, triton and transformers but not every kvserve dependency: wheels of the others are installed from
 # .whl/ when it exists (see benchmarks/README.md). Each step's output goes to $OUT/STEP.log (and JSON).
@@ -38,9 +39,12 @@ step_kernels() {
 
 step_decode() {
     python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64,256 --json "$OUT/decode-smollm2.json"
+    python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 --json "$OUT/decode-llama3-8b.json"
+}
+
+step_decode_eager() {
     python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64 --enforce-eager \
         --json "$OUT/decode-smollm2-eager.json"
-    python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 --json "$OUT/decode-llama3-8b.json"
     python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --enforce-eager \
         --json "$OUT/decode-llama3-8b-eager.json"
 }

@@ -71,6 +71,7 @@ class CudaStepGraphs:
         logger.info("captured CUDA graphs of decode steps for %d batch sizes (1 .. %d) in %.1f s",
                     len(self.sizes), self.sizes[-1], time.perf_counter() - start)
 
+    @torch.inference_mode()  # as the steps run: no autograd state in the graphs
     def _capture_all(self, group_windows: list[set[int | None]], layer_groups: tuple[int, ...]) -> None:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller graphs fit in the pool it leaves

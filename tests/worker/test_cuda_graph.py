@@ -74,7 +74,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 def test_replayed_decode_steps_give_transformers_tokens(tiny_checkpoints, arch: str, enforce_eager: bool) -> None:
     path = tiny_checkpoints[arch]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    expected = [hf_greedy(hf, p, MAX_NEW) for p in prompts()]
+    expected = [[hf_greedy(hf, p, MAX_NEW)] for p in prompts()]  # one sample per prompt
     llm = LLM(str(path), dtype="float32", device="cuda", num_kv_blocks=64, max_num_seqs=8,
               enforce_eager=enforce_eager)
     assert greedy_token_ids(llm, prompts(), MAX_NEW) == expected
