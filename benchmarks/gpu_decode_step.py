@@ -43,14 +43,20 @@ def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -
         return output
 
     runner.execute = timed_execute
-    params = SamplingParams(temperature=0, max_tokens=num_steps + NUM_WARMUP_STEPS + 2, ignore_eos=True)
+    # the first requests decode while the last prefill: room for the prefill's steps too
+    prefill_steps = -(-batch * prompt_len // engine.config.scheduler.max_num_batched_tokens)
+    params = SamplingParams(temperature=0, max_tokens=num_steps + NUM_WARMUP_STEPS + prefill_steps + 4,
+                            ignore_eos=True)
     generator = torch.Generator().manual_seed(batch)
     for i in range(batch):
-        prompt = torch.randint(3, 500, (prompt_len,), generator=generator).tolist()
+        prompt = torch.randint(3, 500, (prompt_len,), generator=generator).tolist()  # no two share a prefix
         engine.add_request(f"decode-{batch}-{i}", {"prompt_token_ids": prompt}, params)
     times, runner_part = [], []
+    scheduler = engine.core.scheduler
     while engine.has_unfinished_requests():
-        decoding = engine.core.scheduler.num_running == batch and not engine.core.scheduler.num_waiting
+        # every request past its prompt and none about to finish: the step decodes all of them
+        decoding = (scheduler.num_running == batch and not scheduler.num_waiting
+                    and all(0 < r.num_output_tokens < r.max_tokens - 1 for r in scheduler.running))
         start = time.perf_counter()
         engine.step()
         if decoding:
@@ -78,27 +84,24 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda")
     bandwidth = measure_copy_bandwidth(device, 1 << 30)
     llm = LLM(str(model), load_format="dummy", device="cuda", dtype=args.dtype, max_num_seqs=max(batches),
-              max_model_len=args.prompt_len + args.steps + 64, enforce_eager=args.enforce_eager)
+              max_model_len=args.prompt_len + args.steps + 256, enforce_eager=args.enforce_eager)
     weight_bytes = llm.stats()["weights_bytes"]
+    device_name = torch.cuda.get_device_name(device)
+    print(f"{args.shape} {args.dtype} {'eager' if args.enforce_eager else 'graphs'} on {device_name}: "
+          f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     rows = []
     for batch in batches:
         times, runner_times = decode_step_seconds(llm, batch, args.prompt_len, args.steps)
-        median = statistics.median(times)
-        roofline = weight_bytes / bandwidth
-        rows.append(dict(batch=batch, median_ms=median * 1e3, min_ms=min(times) * 1e3, steps=len(times),
-                         runner_median_ms=statistics.median(runner_times) * 1e3,
-                         tokens_per_s=batch / median, roofline_ms=roofline * 1e3,
-                         fraction_of_roofline=roofline / median))
-    report = dict(shape=args.shape, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                  device=torch.cuda.get_device_name(device), copy_gb_per_s=bandwidth / 1e9,
-                  weight_bytes=weight_bytes, prompt_len=args.prompt_len, rows=rows)
-    print(f"{args.shape} {args.dtype} {'eager' if args.enforce_eager else 'graphs'} on {report['device']}: "
-          f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
-    for row in rows:
-        print(f"  batch {row['batch']:4d}: step {row['median_ms']:8.3f} ms (min {row['min_ms']:.3f}; runner "
-              f"{row['runner_median_ms']:.3f}), "
-              f"{row['tokens_per_s']:9.1f} tok/s, roofline {row['roofline_ms']:.3f} ms = "
-              f"{100 * row['fraction_of_roofline']:.0f}%")
+        median, roofline = statistics.median(times), weight_bytes / bandwidth
+        row = dict(batch=batch, median_ms=median * 1e3, min_ms=min(times) * 1e3, steps=len(times),
+                   runner_median_ms=statistics.median(runner_times) * 1e3, tokens_per_s=batch / median,
+                   roofline_ms=roofline * 1e3, fraction_of_roofline=roofline / median)
+        rows.append(row)
+        print(f"  batch {batch:4d}: step {row['median_ms']:8.3f} ms (min {row['min_ms']:.3f}; runner "
+              f"{row['runner_median_ms']:.3f}), {row['tokens_per_s']:9.1f} tok/s, roofline "
+              f"{row['roofline_ms']:.3f} ms = {100 * row['fraction_of_roofline']:.0f}%", flush=True)
+    report = dict(shape=args.shape, dtype=args.dtype, enforce_eager=args.enforce_eager, device=device_name,
+                  copy_gb_per_s=bandwidth / 1e9, weight_bytes=weight_bytes, prompt_len=args.prompt_len, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

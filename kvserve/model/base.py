@@ -26,6 +26,9 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.backend = backend
+        # set where decoder layers' weights stream in from host memory as they run (``model/offload.py``): its
+        # copies wait on events across streams, which no CUDA graph captures
+        self.weight_streamer: object | None = None
 
     @abstractmethod
     def forward(

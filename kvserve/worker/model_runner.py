@@ -131,7 +131,9 @@ class ModelRunner:
         steps of up to ``max_num_seqs`` sequences are captured as CUDA graphs (0: none)."""
         self.peers.init_kv_cache(num_blocks, max_model_len, self.kv_groups)
         cuda_graphs = (self.device.type == "cuda" and "cuda" in self.backend.graph_devices and max_num_seqs > 0
-                       and self.tp.size == 1 and not self.enforce_eager)
+                       and self.tp.size == 1 and not self.enforce_eager and self.model.weight_streamer is None)
+        if self.device.type == "cuda" and self.model.weight_streamer is not None and not self.enforce_eager:
+            logger.info("--cpu-offload-gb: decode steps run eagerly (streamed weights are not captured in CUDA graphs)")
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device, scratch_block=cuda_graphs)
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = PersistentBatch(max_blocks, self.block_size, self.device, num_groups=self.kv_groups.num_groups)
