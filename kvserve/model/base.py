@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.quant import KVCacheDtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from kvserve.model.offload import WeightStreamer
 
 
 class CausalLM(nn.Module):
@@ -28,7 +29,7 @@ class CausalLM(nn.Module):
         self.backend = backend
         # set where decoder layers' weights stream in from host memory as they run (``model/offload.py``): its
         # copies wait on events across streams, which no CUDA graph captures
-        self.weight_streamer: object | None = None
+        self.weight_streamer: WeightStreamer | None = None
 
     @abstractmethod
     def forward(

@@ -56,7 +56,7 @@ def test_cpu_offload_on_cpu_leaves_the_weights_where_they_are(tiny_checkpoints, 
     with caplog.at_level("INFO"):
         llm = LLM(str(tiny_checkpoints["llama"]), num_kv_blocks=16, cpu_offload_gb=1.0)
     assert "nothing to offload" in caplog.text
-    assert not hasattr(llm.engine.core.runner.model, "weight_streamer")
+    assert llm.engine.core.runner.model.weight_streamer is None
 
 
 def test_cpu_offload_is_refused_with_tensor_parallelism() -> None:
