@@ -69,7 +69,7 @@ step_batch1() {  # issue 16's (a): one stream, 128-token prompt, 512 new tokens
 
 step_throughput() {  # (b): prompts 128-1,024, 256 out, beside transformers' generate_batch (NUM_PROMPTS: the
     # issue's 512 takes transformers about 5 minutes at 8B, more than a lease spares; 128 by default)
-    llama8b_throughput random --backend kvserve,hf --hf-mode generate_batch --dataset-name random \
+    llama8b_throughput random --backend kvserve,hf --hf-mode "${HF_MODE:-generate_batch}" --hf-batch-size 32 --dataset-name random \
         --num-prompts "${NUM_PROMPTS:-128}" --random-input-len 576 --random-output-len 256 --random-range-ratio 0.778 --random-output-range-ratio 0 \
         --max-num-seqs 256 --max-num-batched-tokens 8192
 }
