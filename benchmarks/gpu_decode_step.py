@@ -24,7 +24,9 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.roofline import measure_copy_bandwidth
+from kvserve.model import registry
 from kvserve.model.checkpoint import SHAPES, make_config_only
+from kvserve.model.layers.fused_ops import TorchFusedOps
 
 NUM_WARMUP_STEPS = 4
 
@@ -75,11 +77,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--twin-ops", action="store_true",
+                        help="the plain-PyTorch elementwise ops instead of the Triton ones (an A/B of the fusion)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     batches = [int(b) for b in args.batch.split(",")]
+    if args.twin_ops:
+        registry.select_fused_ops = lambda device, dtype: TorchFusedOps()
     model = make_config_only(Path(tempfile.mkdtemp()) / args.shape, args.shape)
     device = torch.device("cuda")
     bandwidth = measure_copy_bandwidth(device, 1 << 30)
@@ -87,7 +93,8 @@ def main(argv: list[str]) -> int:
               max_model_len=args.prompt_len + args.steps + 256, enforce_eager=args.enforce_eager)
     weight_bytes = llm.stats()["weights_bytes"]
     device_name = torch.cuda.get_device_name(device)
-    print(f"{args.shape} {args.dtype} {'eager' if args.enforce_eager else 'graphs'} on {device_name}: "
+    print(f"{args.shape} {args.dtype} {'eager' if args.enforce_eager else 'graphs'}"
+          f"{', twin ops' if args.twin_ops else ''} on {device_name}: "
           f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     rows = []
     for batch in batches:
@@ -100,7 +107,8 @@ def main(argv: list[str]) -> int:
         print(f"  batch {batch:4d}: step {row['median_ms']:8.3f} ms (min {row['min_ms']:.3f}; runner "
               f"{row['runner_median_ms']:.3f}), {row['tokens_per_s']:9.1f} tok/s, roofline "
               f"{row['roofline_ms']:.3f} ms = {100 * row['fraction_of_roofline']:.0f}%", flush=True)
-    report = dict(shape=args.shape, dtype=args.dtype, enforce_eager=args.enforce_eager, device=device_name,
+    report = dict(shape=args.shape, dtype=args.dtype, enforce_eager=args.enforce_eager, twin_ops=args.twin_ops,
+                  device=device_name,
                   copy_gb_per_s=bandwidth / 1e9, weight_bytes=weight_bytes, prompt_len=args.prompt_len, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -93,7 +93,30 @@ def ggml_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
     return cases
 
 
-CASES = {"attention": attention_cases, "ggml": ggml_cases}
+def fused_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
+    """The elementwise kernels of ``triton_fused_ops`` in each model dtype, every variant of the norm."""
+    from kvserve.model.layers import triton_fused_ops as fused
+
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        name = str(dtype)[6:]
+        for residual, x_norm in ((False, False), (True, False), (True, True)):
+            cases.append((f"add_rms_norm ({name}, residual {residual}, x_norm {x_norm})", fused.add_rms_norm_kernel,
+                          dict(out=dtype, residual=dtype, x=dtype, x_norm_weight=dtype, weight=dtype, stride_out=1,
+                               stride_res=1, stride_x=1, n=1, offset=1.0, eps=1.0, HAS_RESIDUAL=residual,
+                               HAS_X_NORM=x_norm, BLOCK_N=4096)))
+        cases.append((f"head_rms_norm ({name})", fused.head_rms_norm_kernel, dict(
+            heads=dtype, stride_t=1, weight=dtype, num_heads=1, head_dim=1, offset=1.0, eps=1.0, BLOCK_H=32,
+            BLOCK_D=128)))
+        cases.append((f"rotary ({name})", fused.rotary_kernel, dict(
+            qk=dtype, stride_t=1, cos=dtype, sin=dtype, stride_cos=1, num_heads=1, HALF=64, BLOCK_H=64, BLOCK_HALF=64)))
+        for act in (0, 1):
+            cases.append((f"act_and_mul ({name}, act {act})", fused.act_and_mul_kernel, dict(
+                out=dtype, gate_up=dtype, stride_out=1, stride_in=1, n=1, ACT=act, BLOCK=fused.ACT_BLOCK)))
+    return cases
+
+
+CASES = {"attention": attention_cases, "ggml": ggml_cases, "fused": fused_cases}
 
 
 def main(family: str) -> int:

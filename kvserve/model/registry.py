@@ -204,7 +204,15 @@ def keeps_gguf_blocks(
 
 
 def select_fused_ops(device: torch.device, dtype: torch.dtype) -> TorchFusedOps:
-    """The C kernels of ``cpu_fused_ops`` for fp32 on CPU where they build; the plain-PyTorch twin elsewhere."""
+    """The C kernels of ``cpu_fused_ops`` for fp32 on CPU where they build; the Triton kernels of
+    ``triton_fused_ops`` on CUDA where triton imports; the plain-PyTorch twin elsewhere."""
+    if device.type == "cuda":
+        try:
+            from kvserve.model.layers.triton_fused_ops import TritonFusedOps  # imports triton
+        except ImportError as error:
+            logger.warning("CUDA elementwise ops run op by op in PyTorch: %s", error)
+            return TorchFusedOps()
+        return TritonFusedOps()
     fused = cpu_fused_ops() if can_fuse(device, dtype) else None
     return fused or TorchFusedOps()
 
