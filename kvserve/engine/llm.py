@@ -96,7 +96,7 @@ class LLM:
         with tqdm(total=len(request_ids), desc="generate", disable=not show_progress) as bar:
             try:
                 while self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
+                    for out in self.engine.step(final_only=True):
                         if out.finished:
                             finished[out.request_id] = out
                             bar.update(1)

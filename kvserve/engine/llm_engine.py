@@ -206,9 +206,10 @@ class LLMEngine:
         self.core.finish_requests(self._all_sample_ids(request_ids), FinishReason.ABORT)
         return [out for rid in request_ids if (out := self.output_processor.abort(rid)) is not None]
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step and return the outputs of the requests that moved."""
-        processed = self.output_processor.process(self.core.step())
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one engine step and return the outputs of the requests that moved (``final_only``: of those that
+        finished)."""
+        processed = self.output_processor.process(self.core.step(), final_only)
         if processed.stopped_request_ids:
             self.core.finish_requests(processed.stopped_request_ids, FinishReason.STOP)
         return processed.request_outputs

@@ -60,10 +60,14 @@ class OutputProcessor:
         for index in range(params.n):
             self._samples[sample_request_id(request_id, index)] = (state, index)
 
-    def process(self, engine_outputs: list[EngineOutput]) -> ProcessedOutputs:
+    def process(self, engine_outputs: list[EngineOutput], final_only: bool = False) -> ProcessedOutputs:
         """Apply one step's EngineOutputs; return a snapshot of each request that moved (in order of first
-        appearance) and the sample ids stopped by a stop string. Finished requests are forgotten; outputs
-        for unknown (e.g. aborted) ids are ignored."""
+        appearance), or with ``final_only`` of each that finished, and the sample ids stopped by a stop
+        string. Finished requests are forgotten; outputs for unknown (e.g. aborted) ids are ignored.
+
+        A snapshot copies everything a request has produced, so a consumer that reads only final outputs
+        (offline generation) asks for those alone: snapshotting every request at every step is quadratic in
+        the output length."""
         moved: dict[str, _RequestState] = {}
         stopped: list[str] = []
         for engine_output in engine_outputs:
@@ -74,7 +78,7 @@ class OutputProcessor:
             if state.update(index, engine_output, self.token_texts):
                 stopped.append(engine_output.request_id)
             moved[state.request_id] = state
-        outputs = [state.snapshot() for state in moved.values()]
+        outputs = [state.snapshot() for state in moved.values() if state.is_finished or not final_only]
         for state in moved.values():
             if state.is_finished:
                 self._forget(state)

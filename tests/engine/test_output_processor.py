@@ -238,3 +238,20 @@ def test_a_multi_token_step_stops_where_one_token_steps_would(stop):
     got = out.request_outputs[0].outputs[0]
     assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
         want.text, want.token_ids, want.finish_reason, want.stop_reason)
+
+
+def test_final_only_returns_finished_requests_alone_and_their_whole_output():
+    ids = tok().encode("hello world, stop here")
+    cumulative, final_only = processor(stop=["stop"]), processor(stop=["stop"])
+    expected = feed(cumulative, ids, last=FinishReason.LENGTH)
+    results = []
+    for token_id in ids:
+        out = final_only.process([EngineOutput("r", [token_id], None, None)], final_only=True)
+        results.append(out)
+    finished = [out for out in results if out.request_outputs]
+    assert len(finished) == 1 and finished[0].stopped_request_ids == ["r"]  # stopped by "stop", mid-stream
+    final = finished[0].request_outputs[0]
+    reference = next(out for out, _ in expected if out.finished)
+    assert final.finished and final.outputs[0].text == reference.outputs[0].text == "hello world, "
+    assert final.outputs[0].token_ids == reference.outputs[0].token_ids
+    assert final_only.num_unfinished_requests == 0
