@@ -52,8 +52,8 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
     cases = []
     for dtype, cache, group, head_dim in combos:
         quant = cache != dtype
-        common = dict(q=dtype, k_cache=cache, v_cache=cache, k_scales=torch.float32 if quant else cache,
-                      v_scales=torch.float32 if quant else cache, stride_qt=1, stride_qh=1, stride_slot=1,
+        common = dict(q=dtype, k_cache=cache, v_cache=cache, k_scales=torch.float16 if quant else cache,
+                      v_scales=torch.float16 if quant else cache, stride_qt=1, stride_qh=1, stride_slot=1,
                       stride_head=1, scale_stride_slot=1, block_tables=torch.int32, stride_table=1,
                       seq_lens=torch.int32, scale_log2=1.0, window=1, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=16,
                       BLOCK_N=64, BLOCK_D=head_dim, QUANT=quant,

@@ -5,7 +5,7 @@ key at position p of a sequence lying at slot ``table[p // PAGE_SIZE] * PAGE_SIZ
 are kept in the log2 domain (the softmax scale is pre-multiplied by log2 e, so ``exp2`` is one instruction),
 and every softmax state (running max, sum, accumulator) is fp32 whatever the inputs.
 
-A quantized cache (``QUANT``: int8 or fp8 codes with one fp32 scale per token per KV head, ``kv/quant.py``)
+A quantized cache (``QUANT``: int8 or fp8 codes with one fp16 scale per token per KV head, ``kv/quant.py``)
 is dequantized tile by tile as it is loaded, to the queries' dtype, as the reference's gather does.
 
 Importing this module imports triton; only the backend (and the tests) do, never the CPU engine.
@@ -35,7 +35,7 @@ def _load_rows(cache, scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slo
     ptrs = cache + slots[:, None] * stride_slot + kv_head * stride_head + offs_d[None, :]
     mask = mask_n[:, None] & mask_d[None, :]
     if QUANT:  # scales are [num_slots, num_kv_heads, 1]: one per token per KV head
-        s = tl.load(scales + slots * scale_stride_slot + kv_head, mask=mask_n, other=0.0)
+        s = tl.load(scales + slots * scale_stride_slot + kv_head, mask=mask_n, other=0.0).to(tl.float32)
         # no ``other`` for the codes: the interpreter cannot make an fp8 zero; masked lanes are zeroed after
         return tl.where(mask, tl.load(ptrs, mask=mask).to(tl.float32) * s[:, None], 0.0).to(OUT_DTYPE)
     return tl.load(ptrs, mask=mask, other=0.0).to(OUT_DTYPE)

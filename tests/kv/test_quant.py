@@ -98,4 +98,7 @@ def test_a_quantized_budget_holds_proportionally_more_blocks() -> None:
     spec = KVCacheSpec(30, 3, 64, 16, torch.float32)
     ratios = {name: spec.bytes_per_block / KVCacheSpec(30, 3, 64, 16, torch.float32, e).bytes_per_block
               for name, e in ENCODINGS.items()}
-    assert ratios == {"int8": 256 / 68, "fp8": 256 / 68, "int4": 256 / 36}  # 3.76x, 3.76x, 7.1x
+    assert ratios == {"int8": 256 / 66, "fp8": 256 / 66, "int4": 256 / 36}  # 3.88x, 3.88x, 7.1x
+    bf16 = KVCacheSpec(30, 3, 64, 16, torch.bfloat16)
+    assert {name: bf16.bytes_per_block / KVCacheSpec(30, 3, 64, 16, torch.bfloat16, e).bytes_per_block
+            for name, e in ENCODINGS.items()} == {"int8": 128 / 66, "fp8": 128 / 66, "int4": 128 / 36}  # 1.94x, 3.6x

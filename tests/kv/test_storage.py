@@ -84,7 +84,7 @@ def test_bytes_per_block_of_a_quantized_encoding_counts_its_scales() -> None:
     assert spec.kv_dtype.name == "int8" and spec.bytes_per_block == per_block * (HEAD_DIM * 1 + 4)
     spec = KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, cache_dtype=int4)
     assert spec.bytes_per_block == per_block * (HEAD_DIM // 2 + 2)
-    for name, row_bytes in (("int8", HEAD_DIM + 4), ("fp8", HEAD_DIM + 4), ("int4", HEAD_DIM // 2 + 2 * 2)):
+    for name, row_bytes in (("int8", HEAD_DIM + 2), ("fp8", HEAD_DIM + 2), ("int4", HEAD_DIM // 2 + 2 * 2)):
         spec = KVCacheSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.float32, ENCODINGS[name])
         kv = KVCacheStorage(spec, NUM_BLOCKS, "cpu")
         assert spec.bytes_per_block == per_block * row_bytes

@@ -5,9 +5,9 @@
 #ifndef KVSERVE_KV_VECTORS_H
 #define KVSERVE_KV_VECTORS_H
 
-/* How the cache stores values (kvserve/kv/quant.py, the reference): fp32 itself, or codes with 4 bytes of
- * parameters per group (a token's row of one KV head): int8 and fp8 (e4m3) codes times an fp32 scale; int4
- * codes times an fp16 scale plus an fp16 zero point, two a byte (byte i of a row: value i in the low nibble,
+/* How the cache stores values (kvserve/kv/quant.py, the reference): fp32 itself, or codes with fp16
+ * parameters per group (a token's row of one KV head): int8 and fp8 (e4m3) codes times a scale; int4
+ * codes times a scale plus a zero point, two a byte (byte i of a row: value i in the low nibble,
  * value i + head_dim / 2 in the high one). */
 enum { F32 = 0, INT8 = 1, FP8 = 2, INT4 = 3 };
 

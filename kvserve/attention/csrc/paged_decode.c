@@ -23,7 +23,7 @@
  *     rows are read as one contiguous run: 1.1x on one thread, 1.3x on two.
  *
  * A quantized cache (kvserve/kv/quant.py) is read as its codes, a quarter (int8, fp8) or an eighth (int4) of
- * fp32's bytes plus 4 bytes a row, and each tile's rows of the item's KV heads are dequantized once into an fp32
+ * fp32's bytes plus 2 (int4: 4) bytes a row, and each tile's rows of the item's KV heads are dequantized once into an fp32
  * tile on the stack (24 KB at SmolLM2's shapes, L1 / L2) that the fp32 inner products then read: every row
  * serves its KV head's group of query heads. Converting the codes in registers inside each dot product and
  * weighted sum instead (the scale folded into the score or the weight, int4's zero point into a sum) converted
@@ -77,7 +77,7 @@ typedef struct {
     const float *q;              /* same shape, rows q_row_stride apart; heads head_dim apart */
     const void *k_cache;         /* [num_blocks, block_size, num_kv_heads, head_dim] values in the encoding */
     const void *v_cache;
-    const void *k_params;        /* [num_blocks, block_size, num_kv_heads]: 4 bytes a group; NULL for F32 */
+    const void *k_params;        /* [num_blocks, block_size, num_kv_heads]: fp16 scale (+ int4's zero); NULL for F32 */
     const void *v_params;
     const int32_t *block_tables; /* [num_seqs, block_table_stride] */
     const int32_t *seq_lens;     /* [num_seqs]: keys per sequence, the new token included */
@@ -163,7 +163,7 @@ static inline byte_vec load_bytes(const uint8_t *p) {
 
 /* Parameter k (0: scale, 1: int4's zero point) of group g (value index / head_dim). */
 static inline float param(const void *params, int64_t g, int k, const int enc) {
-    return enc == INT4 ? (float)((const _Float16 *)params)[2 * g + k] : ((const float *)params)[g];
+    return (float)((const _Float16 *)params)[(enc == INT4 ? 2 * g : g) + k];
 }
 
 /* The stored bytes of the value at index row (a multiple of head_dim: a row's first). */
@@ -176,7 +176,7 @@ static inline void prefetch_row(const void *cache, const void *params, int64_t r
     const uint8_t *p = row_bytes(cache, row, enc);
     const int num_bytes = enc == F32 ? num_values * 4 : enc == INT4 ? num_values / 2 : num_values;
     for (int i = 0; i < num_bytes; i += 4 * FLOATS_PER_LINE) __builtin_prefetch(p + i);
-    if (enc != F32) __builtin_prefetch((const uint8_t *)params + row / d * 4);
+    if (enc != F32) __builtin_prefetch((const uint8_t *)params + row / d * (enc == INT4 ? 4 : 2));
 }
 
 /* A row of d values at value index row (a multiple of d), dequantized into out. */

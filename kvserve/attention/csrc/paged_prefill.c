@@ -80,7 +80,7 @@ typedef struct {
     const float *q;               /* same shape, rows q_row_stride apart; heads head_dim apart */
     const void *k_cache;          /* [num_blocks, block_size, num_kv_heads, head_dim] values in the encoding */
     const void *v_cache;
-    const void *k_params;         /* [num_blocks, block_size, num_kv_heads]: 4 bytes a group; NULL for F32 */
+    const void *k_params;         /* [num_blocks, block_size, num_kv_heads]: fp16 scale (+ int4's zero); NULL for F32 */
     const void *v_params;
     const int32_t *block_tables;  /* [num_chunks, block_table_stride] */
     const int32_t *seq_lens;      /* [num_chunks]: keys after the chunk (cached context + the chunk) */
@@ -121,7 +121,7 @@ static inline __attribute__((always_inline)) void dequantize_row(const void *cac
         }
         return;
     }
-    const float scale = ((const float *)params)[g];
+    const float scale = (float)((const _Float16 *)params)[g];
     int i = 0;
     for (; i + VEC <= d; i += VEC) store(out + i, codes_to_vec(p + i, enc) * scale);
     for (; i < d; i++) out[i] = code_value(p, i, enc) * scale;
