@@ -14,7 +14,7 @@ of how many ways to split the keys (flash-decoding) is fixed at capture (``Atten
 
 The graphs share one memory pool, captured largest first, so they take about the largest one's memory.
 ``--enforce-eager`` turns graphs off; steps with prefill chunks, with more tokens than the largest size or with
-longer sequences than the graphs serve run eagerly.
+longer sequences than the graphs serve run eagerly, and so does every step if capturing fails (with a warning).
 """
 
 from __future__ import annotations
@@ -67,7 +67,13 @@ class CudaStepGraphs:
         self.graphs: dict[int, _CapturedStep] = {}
         self.num_replays = 0
         start = time.perf_counter()
-        self._capture_all(group_windows, layer_groups)
+        try:
+            self._capture_all(group_windows, layer_groups)
+        except RuntimeError as error:  # a model whose forward cannot be captured still serves, eagerly
+            logger.warning("decode steps run eagerly: capturing them as CUDA graphs failed: %s", error)
+            self.graphs.clear()
+            torch.cuda.synchronize()
+            return
         logger.info("captured CUDA graphs of decode steps for %d batch sizes (1 .. %d) in %.1f s",
                     len(self.sizes), self.sizes[-1], time.perf_counter() - start)
 
@@ -92,8 +98,10 @@ class CudaStepGraphs:
                 or max(attn.seq_lens_list) > self.max_seq_len):
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+        captured = self.graphs.get(size)
+        if captured is None:  # capture failed at start-up
+            return None
         self.inputs.prefix(size).load(input_ids, positions, attn)
-        captured = self.graphs[size]
         captured.graph.replay()
         self.num_replays += 1
         return captured.output[:num_tokens]

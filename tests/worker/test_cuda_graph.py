@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from kvserve import LLM
 from kvserve.attention.backend import AttentionInputs
 from kvserve.model.checkpoint import ARCHITECTURES
-from kvserve.worker.cuda_graph import MAX_CAPTURE_SIZE, capture_sizes
+from kvserve.worker.cuda_graph import MAX_CAPTURE_SIZE, CudaStepGraphs, capture_sizes
 from kvserve.worker.static_inputs import StaticStepInputs
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
 
@@ -104,3 +104,20 @@ def test_chunks_prefix_hits_preemption_and_quantized_kv_through_graphs(tiny_chec
         assert small.stats()["num_preemptions"] > 0 and small.engine.core.runner.graphs.num_replays > 0
         assert_all_blocks_free(small)
 
+
+
+@on_gpu
+def test_a_forward_that_cannot_be_captured_leaves_every_step_eager(tiny_checkpoints, monkeypatch) -> None:
+    path = str(tiny_checkpoints["llama"])
+    expected = greedy_token_ids(LLM(path, dtype="float32", device="cuda", num_kv_blocks=64, enforce_eager=True),
+                                prompts(), MAX_NEW)
+
+    def uncapturable(self, *args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(CudaStepGraphs, "_capture_all", uncapturable)
+    llm = LLM(path, dtype="float32", device="cuda", num_kv_blocks=64, max_num_seqs=8)
+    assert greedy_token_ids(llm, prompts(), MAX_NEW) == expected
+    graphs = llm.engine.core.runner.graphs
+    assert not graphs.graphs and graphs.num_replays == 0
+    assert_all_blocks_free(llm)
