@@ -104,7 +104,7 @@ def generate_continuous(model: PreTrainedModel, requests: Sequence[SampleRequest
                         max_num_seqs: int, desc: str) -> list[list[int]]:
     """All requests through one continuous-batching session. Without an explicit config, transformers sizes
     its cache and attention mask for the whole memory (tens of seconds of set-up for a tiny model on CPU)."""
-    config = ContinuousBatchingConfig(num_blocks=_num_pages(requests, ContinuousBatchingConfig.page_size),
+    config = ContinuousBatchingConfig(num_blocks=_num_pages(requests, _tokens_per_page()),
                                       max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_num_seqs)
     greedy = GenerationConfig(do_sample=False, eos_token_id=-1)  # -1: no EOS, as generate_batch's docs say
     # warmup captures CUDA graphs; there are none to capture on CPU, and on CUDA they are captured on first use
@@ -131,6 +131,13 @@ def _collect(manager: Any, num_requests: int, desc: str) -> dict[str, list[int]]
                 finished[result.request_id] = list(result.generated_tokens)
                 bar.update(1)
     return finished
+
+
+def _tokens_per_page() -> int:
+    """Tokens per cache page of transformers' continuous batching: ``page_size`` since 5.18, ``block_size`` in
+    5.17 (transformers' floor here, the version a lent GPU machine's image has)."""
+    page_size = getattr(ContinuousBatchingConfig, "page_size", None)
+    return page_size if page_size is not None else ContinuousBatchingConfig.block_size
 
 
 def _num_pages(requests: Sequence[SampleRequest], page_size: int) -> int:
