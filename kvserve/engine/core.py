@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 
@@ -12,7 +12,7 @@ from kvserve.kv.groups import NULL_BLOCK
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import FinishReason
 from kvserve.request import Request
-from kvserve.sched.output import EngineOutput, KVTransferPlan, SchedulerOutput
+from kvserve.sched.output import EngineOutput, KVTransferPlan, ModelOutput, SchedulerOutput
 from kvserve.sched.scheduler import Scheduler
 from kvserve.worker.model_runner import ModelRunner
 
@@ -40,6 +40,13 @@ def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.de
             f"({bytes_per_block} bytes); raise kv_cache_memory"
         )
     return num_blocks
+
+
+class PendingStep(NamedTuple):
+    """A launched step: what was scheduled, and the call that waits for its model output."""
+
+    sched_out: SchedulerOutput
+    model_output: Callable[[], ModelOutput]
 
 
 @dataclass
@@ -74,7 +81,19 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         sched_out = self.scheduler.schedule()
         self._track_peak(sched_out)
-        model_out = self.runner.execute(sched_out)
+        return self._update(sched_out, self.runner.execute(sched_out))
+
+    def launch_step(self) -> PendingStep:
+        """``step`` in two halves: schedule and queue the step on the device (``ModelRunner.launch``); then
+        ``finish_step`` waits for its tokens and updates the scheduler. The host is free in between (on CUDA)."""
+        sched_out = self.scheduler.schedule()
+        self._track_peak(sched_out)
+        return PendingStep(sched_out, self.runner.launch(sched_out))
+
+    def finish_step(self, pending: PendingStep) -> list[EngineOutput]:
+        return self._update(pending.sched_out, pending.model_output())
+
+    def _update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[EngineOutput]:
         store = self.kv_manager.store
         if sched_out.is_empty and store is not None and store.num_reading:
             store.wait_for_reads(DISK_READ_WAIT_SECONDS)  # only requests waiting on the disk: don't spin

@@ -26,6 +26,7 @@ from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
+from kvserve.sched.output import EngineOutput
 from kvserve.sched.scheduler import Scheduler
 from kvserve.spec.draft import DraftModel
 from kvserve.spec.policy import SpeculationPolicy
@@ -66,6 +67,9 @@ class LLMEngine:
             raise
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # On CUDA a step's outputs are processed while the device runs the next step (see ``step``)
+        self.overlap_outputs = self.device.type == "cuda" and tp_size == 1
+        self._held: list[EngineOutput] = []  # the last step's outputs, not yet processed (overlap_outputs)
         logger.info(
             "kvserve: %s on %s (%s weights, %.1f MB, %s activations), %d KV blocks of %d tokens (%s)%s",
             self.location.name, self.device, runner.weights_format(), runner.weight_bytes / 1e6, self.dtype,
@@ -208,14 +212,28 @@ class LLMEngine:
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one engine step and return the outputs of the requests that moved (``final_only``: of those that
-        finished)."""
-        processed = self.output_processor.process(self.core.step(), final_only)
+        finished).
+
+        With ``overlap_outputs`` (CUDA) the outputs returned are the previous step's: they are detokenized
+        and checked for stop strings while the device runs this step, whose outputs wait for the next call::
+
+            host:    | schedule N, launch N | process N-1's outputs | wait for N, update |
+            device:                         |<------------- step N -------------->|
+
+        A request a stop string ends then runs one step more, whose token is dropped."""
+        if not self.overlap_outputs:
+            processed = self.output_processor.process(self.core.step(), final_only)
+        else:
+            pending = self.core.launch_step()
+            held, self._held = self._held, []
+            processed = self.output_processor.process(held, final_only)
+            self._held = self.core.finish_step(pending)  # stopped requests finish after the step they ran in
         if processed.stopped_request_ids:
             self.core.finish_requests(processed.stopped_request_ids, FinishReason.STOP)
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.core.has_unfinished_requests() or bool(self._held)
 
     def _all_sample_ids(self, request_ids: list[str]) -> list[str]:
         return [sid for rid in request_ids for sid in self.output_processor.sample_request_ids(rid)]

@@ -17,7 +17,7 @@ on a preemption, or on how many tokens it speculated.
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -63,15 +63,27 @@ class Sampler:
         speculating request's draft tokens up to the first the target disagrees with. Greedy (temperature 0)
         is the exact argmax of the processed logits. Logprobs are those of the raw logits. The token ids' host
         copy is the call's only sync when no row wants logprobs."""
+        return self.launch(logits, batch)()
+
+    def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> Callable[[], SamplerOutput]:
+        """Queue the sampling of ``logits`` (as ``__call__`` samples them) on their device; the call returned
+        reads the token ids back (the sync) and advances the processors' state past them. Between the two the
+        host is free while the device works (an overlapped engine step processes the last step's outputs
+        then). Call it before the next ``launch``."""
         if logits.shape[0] != len(batch):
             raise ValueError(f"logits have {logits.shape[0]} rows but the sampling batch has {len(batch)}")
         if self._stateful:
             self._add_new_keys(batch.rows)
-        token_ids, logprobs = self._sample(logits, batch)
-        output = _per_request(token_ids, logprobs, batch)
-        if self._stateful:
-            self._accept([batch.rows[i] for i in batch.first_rows], output.token_ids)
-        return output
+        token_ids, raw_logprobs = self._sample(logits, batch)
+
+        def finish() -> SamplerOutput:
+            logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
+            output = _per_request(token_ids.tolist(), logprobs, batch)
+            if self._stateful:
+                self._accept([batch.rows[i] for i in batch.first_rows], output.token_ids)
+            return output
+
+        return finish
 
     def prepare(self, batch: SamplingBatch) -> None:
         """Called before the forward pass whose logits ``batch`` will sample: new samples' state is created and
@@ -119,20 +131,17 @@ class Sampler:
             for processor in self._stateful:
                 processor.accept(row.generator_key, appended)
 
-    def _sample(
-        self, logits: torch.Tensor, batch: SamplingBatch
-    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
-        """The target's token at each row, and the logprobs of the rows that ask (None if none does)."""
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target's token at each row, and the raw logprobs where a row asks for them (None if none does),
+        on the logits' device."""
         needs_processing = self._needs_processing(batch.rows)
         if batch.is_all_greedy and not needs_processing and not batch.needs_logprobs:
-            return first_max(logits).tolist(), None
+            return first_max(logits), None
         raw_logprobs = self._raw_logprobs(logits, batch)
         if needs_processing:
             for processor in self._processors:
                 processor.apply(logits, batch.rows)
-        token_ids = self._choose(logits, batch)
-        logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
-        return token_ids.tolist(), logprobs
+        return self._choose(logits, batch), raw_logprobs
 
     def _needs_processing(self, rows: Sequence[SamplingRow]) -> bool:
         return any(any(map(p.is_needed, rows)) for p in self._processors)

@@ -4,8 +4,10 @@ token ids (and logprobs)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
+from typing import Callable
 
 import torch
 
@@ -154,9 +156,20 @@ class ModelRunner:
         """Apply the step's diff to the persistent batch, run the model, sample. Returns token ids only."""
         assert self.kv is not None and self.batch is not None, "init_kv_cache() must run before execute()"
         with self.peers.stepping():
-            return self._execute(sched_out)
+            return self._launch(sched_out)()
 
-    def _execute(self, sched_out: SchedulerOutput) -> ModelOutput:
+    @torch.inference_mode()
+    def launch(self, sched_out: SchedulerOutput) -> Callable[[], ModelOutput]:
+        """``execute`` in two halves: this one queues the step's work on the device; the call it returns waits
+        for the sampled tokens (the step's one sync) and records them. Call that before the next launch. On
+        CUDA the host is free between the two; on CPU the work is done by the time this returns. Without
+        tensor parallelism only (its ranks step together inside one ``stepping``)."""
+        assert self.kv is not None and self.batch is not None, "init_kv_cache() must run before launch()"
+        if self.tp.size > 1:
+            raise RuntimeError("launch() runs without tensor parallelism; use execute()")
+        return torch.inference_mode()(self._launch(sched_out))
+
+    def _launch(self, sched_out: SchedulerOutput) -> Callable[[], ModelOutput]:
         self.peers.broadcast_step(sched_out)
         self.batch.update(sched_out)
         samples = self.peers.is_driver
@@ -166,14 +179,18 @@ class ModelRunner:
             self.draft.drop(sched_out.finished_request_ids | sched_out.preempted_request_ids)
         self.apply_kv_transfers(sched_out.kv_transfers)
         if sched_out.is_empty:
-            return ModelOutput(sampled_token_ids={})
+            return lambda: ModelOutput(sampled_token_ids={})
         if self.draft is not None:  # before the sampler's prepare: the grammar masks walk the drafts
             sched_out = self.draft.fill(sched_out, self.batch)
         batch = self.batch.prepare(sched_out)
         if samples:
             self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
         hidden = self._forward(batch)
-        output = self._sample(batch, hidden)
+        return functools.partial(self._finish, sched_out, batch, hidden, self._sample(batch, hidden))
+
+    def _finish(self, sched_out: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
+                sampled: Callable[[], ModelOutput]) -> ModelOutput:
+        output = sampled()
         self.batch.append_sampled(output.sampled_token_ids)
         if self.draft is not None:
             self.draft.record(sched_out, output.sampled_token_ids)
@@ -223,19 +240,25 @@ class ModelRunner:
         if plan.swap_ins:
             tiers.swap_in(self.kv, plan.swap_ins)
 
-    def _sample(self, batch: InputBatch, hidden: torch.Tensor) -> ModelOutput:
-        """The tokens each sampling request appends: one, or a speculating request's accepted drafts + 1."""
+    def _sample(self, batch: InputBatch, hidden: torch.Tensor) -> Callable[[], ModelOutput]:
+        """Queue the sampling; the call returned gives the tokens each sampling request appends: one, or a
+        speculating request's accepted drafts + 1."""
         if not batch.sample_request_ids:
-            return ModelOutput(sampled_token_ids={})
+            return lambda: ModelOutput(sampled_token_ids={})
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # under TP every rank joins the head
         if not self.peers.is_driver:
-            return ModelOutput(self.peers.share_sampled(None))
-        result = self.sampler(logits, batch.sampling)  # the token ids' host copy is the step's one sync
-        request_ids = batch.sample_request_ids
-        logprobs = {} if result.logprobs is None else {
-            rid: entries for rid, entries in zip(request_ids, result.logprobs) if entries is not None
-        }
-        return ModelOutput(self.peers.share_sampled(dict(zip(request_ids, result.token_ids))), logprobs)
+            return lambda: ModelOutput(self.peers.share_sampled(None))
+        sampled = self.sampler.launch(logits, batch.sampling)
+
+        def tokens() -> ModelOutput:
+            result = sampled()  # the token ids' host copy is the step's one sync
+            request_ids = batch.sample_request_ids
+            logprobs = {} if result.logprobs is None else {
+                rid: entries for rid, entries in zip(request_ids, result.logprobs) if entries is not None
+            }
+            return ModelOutput(self.peers.share_sampled(dict(zip(request_ids, result.token_ids))), logprobs)
+
+        return tokens
 
     def _prompt_logprobs(self, batch: InputBatch, hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
         logprobs = {}
