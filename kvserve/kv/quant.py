@@ -10,8 +10,9 @@ Each encoding quantizes one group, a token's row of one KV head (``head_dim`` va
 
 Parameters are fp16: int8 and fp8 keep s (head_dim 64: 66 bytes a row against fp32's 256, 3.9x, and bf16's
 128, 1.94x; an fp32 s made that 68 bytes, short of 3.8x and 1.9x), int4 s and z (36 bytes, 7.1x). Each
-encoding quantizes with the fp16 parameters it stores, so rounding them adds no error beyond their own
-range: a group whose s would underflow fp16 (max |x| under about 1e-5) stores zeros and packs two values a byte, byte i of a row holding value i in its low nibble and value
+encoding quantizes with the fp16 parameters it stores (int8 and fp8 round s up, so that no value is clamped),
+so a value moves by at most half a step of the grid it is stored on; a group whose s underflows fp16 (max |x|
+under about 1e-5) is stored as zeros and packs two values a byte, byte i of a row holding value i in its low nibble and value
 i + head_dim / 2 in its high one, so that a vector of bytes unpacks into two runs of consecutive values.
 A group is the whole head row: sub-groups of 32 would cost int4 4 more bytes a row (6.4x) and were not measured.
 """
@@ -97,7 +98,7 @@ def quantize(x: torch.Tensor, encoding: KVCacheDtype) -> tuple[torch.Tensor, tor
     if encoding.name == "int4":
         return _quantize_int4(x)
     limit = INT8_MAX if encoding.name == "int8" else FP8_MAX
-    scale = (x.abs().amax(-1, keepdim=True) / limit).clamp_(max=FP16_MAX).half()
+    scale = _half_at_least(x.abs().amax(-1, keepdim=True) / limit)
     scaled = x * _reciprocal(scale.float())
     if encoding.name == "int8":
         return _round_(scaled).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
@@ -113,6 +114,13 @@ def dequantize(data: torch.Tensor, params: torch.Tensor, encoding: KVCacheDtype,
         scale, zero = params.float().unbind(-1)
         return (codes * scale.unsqueeze(-1) + zero.unsqueeze(-1)).to(dtype)
     return (data.float() * params.float()).to(dtype)
+
+
+def _half_at_least(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as the nearest fp16 not below it (up to fp16's largest): the row's largest value then maps
+    inside the code range, never clamped, also where fp16's grid is coarse (subnormal scales, under 6e-5)."""
+    half = scale.clamp(max=FP16_MAX).half()
+    return torch.where(half.float() < scale, torch.nextafter(half, torch.full_like(half, FP16_MAX)), half)
 
 
 def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
