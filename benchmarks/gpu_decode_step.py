@@ -33,10 +33,11 @@ NUM_WARMUP_STEPS = 4
 
 def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -> tuple[list[float], list[float]]:
     """The wall time of each all-decode step of ``batch`` requests, after the prefill and a warm-up, and of the
-    model runner's part of each (inputs, forward, sampling, the token ids' read back)."""
+    model runner's part of each (inputs, forward, sampling, the token ids' read back: ``execute``, or with the
+    engine's overlapped outputs ``launch`` and the call it returns)."""
     engine = llm.engine
     runner = engine.core.runner
-    execute, runner_times = runner.execute, []
+    execute, launch, runner_times = runner.execute, runner.launch, []
 
     def timed_execute(sched_out):
         start = time.perf_counter()
@@ -44,7 +45,20 @@ def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -
         runner_times.append(time.perf_counter() - start)
         return output
 
-    runner.execute = timed_execute
+    def timed_launch(sched_out):
+        start = time.perf_counter()
+        finish = launch(sched_out)
+        launched = time.perf_counter() - start
+
+        def timed_finish():
+            start = time.perf_counter()
+            output = finish()
+            runner_times.append(launched + time.perf_counter() - start)
+            return output
+
+        return timed_finish
+
+    runner.execute, runner.launch = timed_execute, timed_launch
     # the first requests decode while the last prefill: room for the prefill's steps too
     prefill_steps = -(-batch * prompt_len // engine.config.scheduler.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=num_steps + NUM_WARMUP_STEPS + prefill_steps + 4,
@@ -64,7 +78,7 @@ def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -
         if decoding:
             times.append(time.perf_counter() - start)
             runner_part.append(runner_times[-1])
-    runner.execute = execute
+    runner.execute, runner.launch = execute, launch
     kept = slice(NUM_WARMUP_STEPS + 1, NUM_WARMUP_STEPS + 1 + num_steps)
     return times[kept], runner_part[kept]
 
