@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -184,9 +185,11 @@ def test_what_the_kernels_do_not_take_goes_to_the_twin(fused: CpuFusedOps) -> No
     assert fused.rms_norm(norm, empty, empty.clone()).shape == (0, 16)
 
 
-def test_fp32_on_cpu_selects_the_kernels() -> None:
+def test_fp32_on_cpu_selects_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(select_fused_ops(torch.device("cpu"), torch.float32), CpuFusedOps)
     assert type(select_fused_ops(torch.device("cpu"), torch.bfloat16)) is TorchFusedOps
+    # CUDA takes the Triton kernels (tests/model/test_triton_fused_ops.py), the twin where triton is missing
+    monkeypatch.setitem(sys.modules, "kvserve.model.layers.triton_fused_ops", None)  # its import then fails
     assert type(select_fused_ops(torch.device("cuda"), torch.float32)) is TorchFusedOps
 
 

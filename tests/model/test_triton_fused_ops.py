@@ -103,8 +103,6 @@ def test_what_the_kernels_do_not_take_goes_to_the_twin() -> None:
     assert torch.equal(FUSED.rms_norm(norm, strided), TWIN.rms_norm(norm, strided))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE == "cpu", reason="needs CUDA")
 def test_cuda_models_get_the_triton_ops() -> None:
     from kvserve.model.registry import select_fused_ops
 
