@@ -47,6 +47,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 @dataclass(frozen=True)
 class _CapturedStep:
     graph: torch.cuda.CUDAGraph
+    inputs: StaticStepInputs  # the first rows of the shared set, which this graph reads
     output: torch.Tensor  # the hidden states the replay writes
     meta: AttentionMetadata  # kept alive: the graph reads its tensors
 
@@ -88,7 +89,7 @@ class CudaStepGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 output = self.model(inputs.input_ids, inputs.positions, meta, self.kv)
-            self.graphs[size] = _CapturedStep(graph, output, meta)
+            self.graphs[size] = _CapturedStep(graph, inputs, output, meta)
         torch.cuda.synchronize()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
@@ -101,7 +102,7 @@ class CudaStepGraphs:
         captured = self.graphs.get(size)
         if captured is None:  # capture failed at start-up
             return None
-        self.inputs.prefix(size).load(input_ids, positions, attn)
+        captured.inputs.load(input_ids, positions, attn)
         captured.graph.replay()
         self.num_replays += 1
         return captured.output[:num_tokens]

@@ -24,7 +24,7 @@ from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.spec.draft import DraftModel
-from kvserve.worker.step_graphs import StepGraphs, step_graphs_for
+from kvserve.worker.step_graphs import StepGraphs, captures_cuda_graphs, step_graphs_for
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
 from kvserve.worker.parallel import StepPeers
 
@@ -132,8 +132,9 @@ class ModelRunner:
         ``tiers`` holds blocks offloaded from them. Rank 0's has the workers allocate theirs. On CUDA, decode
         steps of up to ``max_num_seqs`` sequences are captured as CUDA graphs (0: none)."""
         self.peers.init_kv_cache(num_blocks, max_model_len, self.kv_groups)
-        cuda_graphs = (self.device.type == "cuda" and "cuda" in self.backend.graph_devices and max_num_seqs > 0
-                       and self.tp.size == 1 and not self.enforce_eager and self.model.weight_streamer is None)
+        if self.tp.size > 1:
+            max_num_seqs = 0  # no graphs under tensor parallelism (below)
+        cuda_graphs = captures_cuda_graphs(self.model, self.backend, self.device, self.enforce_eager, max_num_seqs)
         if self.device.type == "cuda" and self.model.weight_streamer is not None and not self.enforce_eager:
             logger.info("--cpu-offload-gb: decode steps run eagerly (streamed weights are not captured in CUDA graphs)")
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device, scratch_block=cuda_graphs)
@@ -148,8 +149,7 @@ class ModelRunner:
                 logger.info("tensor parallel: every step runs eagerly (CPU step graphs do not record collectives)")
         else:
             self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, max_blocks, self.enforce_eager,
-                                          self._group_windows, self.kv_groups.layer_groups,
-                                          max_num_seqs if cuda_graphs else 0)
+                                          self._group_windows, self.kv_groups.layer_groups, max_num_seqs)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
