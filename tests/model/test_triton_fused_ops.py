@@ -1,6 +1,5 @@
-"""The Triton fused ops against their plain-PyTorch twin: through Triton's interpreter on CPU (fp32 and fp16),
-natively on CUDA where there is one (bf16 too, with ``-m gpu``); the fallbacks to the twin; their selection on
-CUDA."""
+"""The Triton fused ops against their plain-PyTorch twin in fp32, fp16 and bf16: through Triton's interpreter on
+CPU, natively on CUDA where there is one; the fallbacks to the twin; their selection on CUDA."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TWIN, FUSED = TorchFusedOps(), TritonFusedOps()
 # fp32: summation order only; fp16 / bf16: the kernels round once where the twin rounds after each op
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-DTYPES = [torch.float32, torch.float16,
-          pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(DEVICE == "cpu", reason="needs CUDA")])]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
