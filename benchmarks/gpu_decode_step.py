@@ -31,10 +31,12 @@ from kvserve.model.layers.fused_ops import TorchFusedOps
 NUM_WARMUP_STEPS = 4
 
 
-def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -> tuple[list[float], list[float]]:
+def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int,
+                        profile_steps: int = 0) -> tuple[list[float], list[float]]:
     """The wall time of each all-decode step of ``batch`` requests, after the prefill and a warm-up, and of the
     model runner's part of each (inputs, forward, sampling, the token ids' read back: ``execute``, or with the
-    engine's overlapped outputs ``launch`` and the call it returns)."""
+    engine's overlapped outputs ``launch`` and the call it returns). ``profile_steps`` more decode steps after
+    those run under torch's profiler, whose device-kernel table is printed."""
     engine = llm.engine
     runner = engine.core.runner
     execute, launch, runner_times = runner.execute, runner.launch, []
@@ -61,13 +63,14 @@ def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -
     runner.execute, runner.launch = timed_execute, timed_launch
     # the first requests decode while the last prefill: room for the prefill's steps too
     prefill_steps = -(-batch * prompt_len // engine.config.scheduler.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=num_steps + NUM_WARMUP_STEPS + prefill_steps + 4,
+    params = SamplingParams(temperature=0, max_tokens=num_steps + profile_steps + NUM_WARMUP_STEPS + prefill_steps + 4,
                             ignore_eos=True)
     generator = torch.Generator().manual_seed(batch)
     for i in range(batch):
         prompt = torch.randint(3, 500, (prompt_len,), generator=generator).tolist()  # no two share a prefix
         engine.add_request(f"decode-{batch}-{i}", {"prompt_token_ids": prompt}, params)
     times, runner_part = [], []
+    profiler, first_profiled = None, NUM_WARMUP_STEPS + 1 + num_steps
     scheduler = engine.core.scheduler
     while engine.has_unfinished_requests():
         # every request past its prompt and none about to finish: the step decodes all of them
@@ -78,9 +81,28 @@ def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int) -
         if decoding:
             times.append(time.perf_counter() - start)
             runner_part.append(runner_times[-1])
+            if profile_steps and len(times) == first_profiled:
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                              torch.profiler.ProfilerActivity.CUDA])
+                profiler.__enter__()
+            elif profiler is not None and len(times) == first_profiled + profile_steps:
+                profiler.__exit__(None, None, None)
+                print_kernel_table(profiler, profile_steps, statistics.median(times[first_profiled:]))
+                profiler = None
     runner.execute, runner.launch = execute, launch
     kept = slice(NUM_WARMUP_STEPS + 1, NUM_WARMUP_STEPS + 1 + num_steps)
     return times[kept], runner_part[kept]
+
+
+def print_kernel_table(profiler: torch.profiler.profile, num_steps: int, step_seconds: float) -> None:
+    """The device kernels of the profiled steps by total time, per step, and their sum against the step."""
+    kernels = [event for event in profiler.key_averages() if event.device_time_total > 0
+               and event.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda event: -event.device_time_total)
+    total_us = sum(event.device_time_total for event in kernels) / num_steps
+    print(f"    device kernels per step: {total_us:.0f} us of a {step_seconds * 1e6:.0f} us step (profiled)")
+    for event in kernels[:24]:
+        print(f"    {event.device_time_total / num_steps:9.1f} us {event.count / num_steps:6.1f}x  {event.key[:110]}")
 
 
 def main(argv: list[str]) -> int:
@@ -93,6 +115,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--twin-ops", action="store_true",
                         help="the plain-PyTorch elementwise ops instead of the Triton ones (an A/B of the fusion)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="decode steps after the timed ones to run under torch's profiler (a kernel table)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -104,7 +128,7 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda")
     bandwidth = measure_copy_bandwidth(device, 1 << 30)
     llm = LLM(str(model), load_format="dummy", device="cuda", dtype=args.dtype, max_num_seqs=max(batches),
-              max_model_len=args.prompt_len + args.steps + 256, enforce_eager=args.enforce_eager)
+              max_model_len=args.prompt_len + args.steps + args.profile_steps + 256, enforce_eager=args.enforce_eager)
     weight_bytes = llm.stats()["weights_bytes"]
     device_name = torch.cuda.get_device_name(device)
     print(f"{args.shape} {args.dtype} {'eager' if args.enforce_eager else 'graphs'}"
@@ -112,7 +136,7 @@ def main(argv: list[str]) -> int:
           f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     rows = []
     for batch in batches:
-        times, runner_times = decode_step_seconds(llm, batch, args.prompt_len, args.steps)
+        times, runner_times = decode_step_seconds(llm, batch, args.prompt_len, args.steps, args.profile_steps)
         median, roofline = statistics.median(times), weight_bytes / bandwidth
         row = dict(batch=batch, median_ms=median * 1e3, min_ms=min(times) * 1e3, steps=len(times),
                    runner_median_ms=statistics.median(runner_times) * 1e3, tokens_per_s=batch / median,

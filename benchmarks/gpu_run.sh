@@ -3,7 +3,8 @@
 #
 #     OUT=dir benchmarks/gpu_run.sh STEP...
 #
-# Steps: info, tests (the -m gpu tests), kernels (attention and GGUF kernel micro-benchmarks), decode and
+# Steps: info, tests (the -m gpu tests), kernels (attention and GGUF kernel micro-benchmarks), skinny (the
+# decode step's GEMMs: cuBLAS against the Triton skinny kernels), profile (decode steps with their kernel tables), decode and
 # decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes, with CUDA graphs or without), roofline,
 # batch1 (issue 16's (a): one stream of Llama-3-8B), throughput (issue 16's (b):
 # the random workload beside transformers), fixed (issue 16's (c): 1,000 in / 1,000 out). The machine has
@@ -29,12 +30,22 @@ step_info() {
 }
 
 step_tests() {
-    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -p no:cacheprovider tests/attention tests/engine/test_cuda.py \
-        tests/model/test_triton_ggml.py tests/model/test_offload.py tests/worker
+    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests}
 }
 
 step_kernels() {
     (cd benchmarks && python3 triton_attention.py --dtype bfloat16 && python3 triton_ggml.py --dtype bfloat16)
+}
+
+step_skinny() {
+    python3 benchmarks/gpu_skinny_gemm.py --shape llama3-8b --rows "${SKINNY_ROWS:-1,4,16}" --json "$OUT/skinny-llama3-8b.json"
+}
+
+step_profile() {
+    python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --steps 32 --profile-steps 8 \
+        --json "$OUT/profile-llama3-8b.json"
+    python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64 --steps 32 --profile-steps 8 \
+        --json "$OUT/profile-smollm2.json"
 }
 
 step_decode() {
