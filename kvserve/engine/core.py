@@ -49,11 +49,17 @@ class PendingStep(NamedTuple):
     model_output: Callable[[], ModelOutput]
 
 
+PEAK_REMEASURE_SHARE = 0.01  # the waste at peak is measured again once the peak grows by this share of the pool
+
+
 @dataclass
 class KVUsagePeak:
-    """KV memory at the step of peak block use: waste = allocated token slots not holding a token."""
+    """Peak KV block use, and the waste (allocated token slots not holding a token) measured at a step within
+    ``PEAK_REMEASURE_SHARE`` of the pool below that peak: measuring walks every running request's blocks, which
+    at every new peak (every few steps while a large batch decodes) cost as much host time as the step."""
 
     num_blocks_used: int = 0
+    num_blocks_measured: int = 0  # the block use at the step the slots below were counted
     num_slots_allocated: int = 0
     num_slots_used: int = 0
 
@@ -112,6 +118,10 @@ class EngineCore:
         num_used = self.kv_manager.num_blocks_total - self.kv_manager.num_free_blocks()
         if num_used <= self.peak.num_blocks_used:
             return
+        self.peak.num_blocks_used = num_used
+        remeasure_at = self.peak.num_blocks_measured + PEAK_REMEASURE_SHARE * self.kv_manager.num_blocks_total
+        if self.peak.num_blocks_measured and num_used < remeasure_at:
+            return
         block_size = self.kv_manager.block_size
         filled: dict[int, int] = {}  # block -> token slots in use; a block shared by prefix or fork counts once
         requests = self.scheduler.requests
@@ -122,4 +132,4 @@ class EngineCore:
                     if block_id != NULL_BLOCK:
                         num_in_block = min(block_size, max(0, num_tokens - index * block_size))
                         filled[block_id] = max(filled.get(block_id, 0), num_in_block)
-        self.peak = KVUsagePeak(num_used, len(filled) * block_size, sum(filled.values()))
+        self.peak = KVUsagePeak(num_used, num_used, len(filled) * block_size, sum(filled.values()))
