@@ -42,7 +42,7 @@ def compile_for_hopper(kernel: triton.JITFunction, **args: Any) -> None:
 
 
 def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
-    """Decode, merge and prefill kernels, as ``TritonPagedBackend`` launches them: every model dtype at SmolLM2's
+    """Store, decode, merge and prefill kernels, as ``TritonPagedBackend`` launches them: every model dtype at SmolLM2's
     and Llama-3's head shapes, and bf16 over each quantized cache encoding the kernels read."""
     from kvserve.attention import triton_kernels as kernels
 
@@ -66,6 +66,11 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
         cases.append((f"prefill ({name})", kernels.paged_prefill_kernel, dict(
             common, out=dtype, stride_ot=1, stride_oh=1, query_starts=torch.int32, query_lens=torch.int32,
             QUERIES_PER_TILE=64 // group, BLOCK_M=64)))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        cases.append((f"store ({dtype})", kernels.store_kv_kernel, dict(
+            k_cache=dtype, v_cache=dtype, k=dtype, v=dtype, slots=torch.int64, stride_kt=1, stride_kh=1, stride_vt=1,
+            stride_vh=1, stride_block=1, stride_slot=1, stride_head=1, num_kv_heads=1, HEAD_DIM=128, PAGE_SIZE=16,
+            BLOCK_H=8, BLOCK_D=128)))
     for dtype in (torch.bfloat16, torch.float32):
         cases.append((f"merge ({dtype})", kernels.merge_splits_kernel, dict(
             out=dtype, stride_ot=1, stride_oh=1, partial=torch.float32, lse=torch.float32, num_splits=1,

@@ -1,6 +1,8 @@
-"""The Triton kernels of ``TritonPagedBackend``: paged decode (flash-decoding), its split merge, and paged prefill.
+"""The Triton kernels of ``TritonPagedBackend``: the K/V store, paged decode (flash-decoding), its split merge,
+and paged prefill.
 
-All three read K/V in place from the paged cache (``[num_blocks, block_size, num_kv_heads, head_dim]``), a
+The store writes a step's new keys and values of an unquantized cache into their slots, both in one launch
+(``KVCacheStorage.write``, which also quantizes, takes two copies). The other three read K/V in place from the paged cache (``[num_blocks, block_size, num_kv_heads, head_dim]``), a
 key at position p of a sequence lying at slot ``table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``. Scores
 are kept in the log2 domain (the softmax scale is pre-multiplied by log2 e, so ``exp2`` is one instruction),
 and every softmax state (running max, sum, accumulator) is fp32 whatever the inputs.
@@ -19,6 +21,23 @@ import triton.language as tl
 # A running max that starts finite: a row that sees no key in a tile then gets exp2(-inf - NEG_INIT) = 0 rather
 # than exp2(-inf + inf) = nan (padding rows, and rows whose window starts after the tile).
 NEG_INIT = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def store_kv_kernel(k_cache, v_cache, k, v, slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_block,
+                    stride_slot, stride_head, num_kv_heads, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One program per new token: its [num_kv_heads, HEAD_DIM] key and value rows into slot ``slots[t]``."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + t).to(tl.int64)
+    offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
+    dst = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot \
+        + offs_h[:, None] * stride_head + offs_d[None, :]
+    key = tl.load(k + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    value = tl.load(v + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(k_cache + dst, key, mask=mask)
+    tl.store(v_cache + dst, value, mask=mask)
 
 
 @triton.jit

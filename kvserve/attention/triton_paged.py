@@ -4,8 +4,10 @@ through one varlen prefill launch, both reading K/V in place from the blocks (``
     q rows:  | d0 | d1 | ... | d{D-1} |  chunk 0  |  chunk 1  | ...
              |<-- decode (+ merge) -->|<-- prefill: one launch ->|
 
-The step's new K/V go into their slots first through ``KVCacheStorage.write`` (one ``index_copy_`` per
-tensor, which also quantizes), so a chunk's own keys are read back from the cache like its context.
+The step's new K/V go into their slots first, so a chunk's own keys are read back from the cache like its
+context: an unquantized cache's through ``store_kv_kernel`` (keys and values in one launch: at one stream a
+step is a chain of short kernels, each costing its launch), a quantized one's through ``KVCacheStorage.write``
+(which quantizes).
 
 Decodes are bound by the bytes of K/V they read. A program takes one decode and one KV head (its query heads
 ride together, so each key row is loaded once for the group); when decodes x KV heads are too few to fill the
@@ -119,8 +121,11 @@ class TritonPagedBackend(AttentionBackend):
         _check_inputs(q, k, kv, layer, meta.inputs)
         if q.stride(-1) != 1:  # the kernels take row and head strides, so column slices of a packed qkv pass as is
             q = q.contiguous()
-        kv.write(layer, meta.inputs.slot_mapping, k, v)
         layer_kv, window = kv.layer(layer), sliding_window or NO_WINDOW
+        if layer_kv.k_scale is None:
+            store_kv(layer_kv, meta.inputs.slot_mapping, k, v)
+        else:
+            kv.write(layer, meta.inputs.slot_mapping, k, v)
         out = torch.empty_like(q)
         if meta.inputs.num_decodes:
             self._attend_decodes(q, out, layer_kv, meta, scale, window)
@@ -161,6 +166,23 @@ class TritonPagedBackend(AttentionBackend):
             return max(1, min(self.max_kv_splits, by_length))
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         return max(1, min(self.max_kv_splits, by_length, math.ceil(2 * num_sms / num_programs)))
+
+
+def store_kv(layer_kv: KVLayerView, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The step's new keys and values ([T, num_kv_heads, head_dim], rows strided as the packed qkv leaves
+    them) into their slots of an unquantized cache, one launch for both."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if not num_tokens:
+        return
+    cache_k, cache_v = layer_kv.k, layer_kv.v
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    kernels.store_kv_kernel[(num_tokens,)](
+        cache_k, cache_v, k, v, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), num_kv_heads, HEAD_DIM=head_dim,
+        PAGE_SIZE=cache_k.shape[1], BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
 
 
 def _attend_chunks(q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, meta: TritonPagedMetadata,

@@ -13,7 +13,7 @@ pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where
 
 from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
-from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  # noqa: E402
+from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted, store_kv  # noqa: E402
 from kvserve.kv.quant import ENCODINGS  # noqa: E402
 from tests.attention.test_cpu_paged import make_step  # noqa: E402
 from tests.attention.test_torch_ref import LAYER, Step, null_dead_blocks  # noqa: E402
@@ -67,6 +67,25 @@ def test_prefill_chunks_with_and_without_context(group: int, window: int | None)
 @pytest.mark.parametrize("window", [None, 33])
 def test_mixed_decodes_and_chunks(dtype: torch.dtype, window: int | None) -> None:
     check(triton_step(MIXED, 4, group=3, dtype=dtype, seed=3), window, SPLIT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_writes_what_the_storage_writes(dtype: torch.dtype) -> None:
+    """The one-launch store of an unquantized cache leaves it bit for bit as ``KVCacheStorage.write`` does, from
+    k / v as the model passes them (column slices of the packed qkv rows)."""
+    step = triton_step(MIXED, 4, group=3, dtype=dtype, seed=7)
+    view, slots = step.kv.layer(LAYER), step.inputs.slot_mapping
+    num_heads, num_kv_heads = step.q.shape[1], step.k.shape[1]
+    qkv = torch.cat([step.q, step.k, step.v], dim=1)
+    k, v = qkv[:, num_heads:num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads:]
+    before = view.k.clone(), view.v.clone()
+    store_kv(view, slots, k, v)
+    stored = view.k.clone(), view.v.clone()
+    view.k.copy_(before[0])
+    view.v.copy_(before[1])
+    step.kv.write(LAYER, slots, step.k, step.v)
+    assert torch.equal(stored[0], view.k) and torch.equal(stored[1], view.v)
+    assert not torch.equal(stored[0], before[0]) and not torch.equal(stored[1], before[1])
 
 
 def test_head_dim_not_a_power_of_two() -> None:
