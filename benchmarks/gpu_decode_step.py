@@ -115,6 +115,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--twin-ops", action="store_true",
                         help="the plain-PyTorch elementwise ops instead of the Triton ones (an A/B of the fusion)")
+    parser.add_argument("--min-split-keys", type=int, default=None,
+                        help="the Triton decode kernel's fewest keys a split reads (an A/B of flash-decoding's split)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="decode steps after the timed ones to run under torch's profiler (a kernel table)")
     parser.add_argument("--json", default=None)
@@ -124,6 +126,10 @@ def main(argv: list[str]) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     if args.twin_ops:
         registry.select_fused_ops = lambda device, dtype: TorchFusedOps()
+    if args.min_split_keys is not None:
+        from kvserve.attention import triton_paged  # imports triton: CUDA only
+
+        triton_paged.MIN_SPLIT_KEYS = args.min_split_keys
     model = make_config_only(Path(tempfile.mkdtemp()) / args.shape, args.shape)
     device = torch.device("cuda")
     bandwidth = measure_copy_bandwidth(device, 1 << 30)
@@ -132,7 +138,8 @@ def main(argv: list[str]) -> int:
     weight_bytes = llm.stats()["weights_bytes"]
     device_name = torch.cuda.get_device_name(device)
     print(f"{args.shape} {args.dtype} {'eager' if args.enforce_eager else 'graphs'}"
-          f"{', twin ops' if args.twin_ops else ''} on {device_name}: "
+          f"{', twin ops' if args.twin_ops else ''}"
+          f"{f', splits of >= {args.min_split_keys} keys' if args.min_split_keys else ''} on {device_name}: "
           f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     rows = []
     for batch in batches:
@@ -146,6 +153,7 @@ def main(argv: list[str]) -> int:
               f"{row['runner_median_ms']:.3f}), {row['tokens_per_s']:9.1f} tok/s, roofline "
               f"{row['roofline_ms']:.3f} ms = {100 * row['fraction_of_roofline']:.0f}%", flush=True)
     report = dict(shape=args.shape, dtype=args.dtype, enforce_eager=args.enforce_eager, twin_ops=args.twin_ops,
+                  min_split_keys=args.min_split_keys,
                   device=device_name,
                   copy_gb_per_s=bandwidth / 1e9, weight_bytes=weight_bytes, prompt_len=args.prompt_len, rows=rows)
     if args.json:

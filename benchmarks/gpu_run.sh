@@ -3,10 +3,11 @@
 #
 #     OUT=dir benchmarks/gpu_run.sh STEP...
 #
-# Steps: info, tests (the -m gpu tests), kernels (attention and GGUF kernel micro-benchmarks), skinny (the
-# decode step's GEMMs: cuBLAS against the Triton skinny kernels), profile (decode steps with their kernel tables), decode and
+# Steps: info, tests (the -m gpu tests), kernels (attention and GGUF kernel micro-benchmarks), profile (decode
+# steps with their kernel tables), splits (one stream with and without flash-decoding's split), decode and
 # decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes, with CUDA graphs or without), roofline,
-# batch1 (issue 16's (a): one stream of Llama-3-8B), throughput (issue 16's (b):
+# batch1 (issue 16's (a): one stream of Llama-3-8B), sweep (issue 16's (e): a served sweep of Poisson rates),
+# throughput (issue 16's (b):
 # the random workload beside transformers), fixed (issue 16's (c): 1,000 in / 1,000 out). The machine has
 # torch, triton and transformers but not every kvserve dependency: wheels of the others are installed from
 # .whl/ when it exists (see benchmarks/README.md). Each step's output goes to $OUT/STEP.log (and JSON).
@@ -29,16 +30,15 @@ step_info() {
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 }
 
-step_tests() {
-    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -p no:cacheprovider ${TESTS:-tests}
+step_tests() {  # every -m gpu test, then the Triton tests CI runs through the interpreter, natively
+    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/attention tests/engine/test_cuda.py \
+        tests/model tests/worker
+    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_paged.py \
+        tests/model/test_triton_fused_ops.py
 }
 
 step_kernels() {
     (cd benchmarks && python3 triton_attention.py --dtype bfloat16 && python3 triton_ggml.py --dtype bfloat16)
-}
-
-step_skinny() {
-    python3 benchmarks/gpu_skinny_gemm.py --shape llama3-8b --rows "${SKINNY_ROWS:-1,4,16}" --json "$OUT/skinny-llama3-8b.json"
 }
 
 step_profile() {
@@ -46,6 +46,15 @@ step_profile() {
         --json "$OUT/profile-llama3-8b.json"
     python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64 --steps 32 --profile-steps 8 \
         --json "$OUT/profile-smollm2.json"
+}
+
+step_splits() {  # flash-decoding's split at one stream: the default against no split, at two context lengths
+    for prompt in 128 512; do
+        for keys in 64 4096; do
+            python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --steps 32 --prompt-len $prompt \
+                --min-split-keys $keys --json "$OUT/splits-$prompt-$keys.json"
+        done
+    done
 }
 
 step_decode() {
@@ -88,6 +97,29 @@ step_throughput() {  # (b): prompts 128-1,024, 256 out, beside transformers' gen
 step_fixed() {  # (c): 1,000 requests of 1,000 in / 1,000 out
     llama8b_throughput fixed --dataset-name random --num-prompts 1000 --random-input-len 1000 \
         --random-output-len 1000 --random-range-ratio 0 --max-num-seqs 512 --max-num-batched-tokens 8192
+}
+
+step_sweep() {  # (e): kvserve serve, then kvserve bench serve over Poisson rates, ShareGPT-like lengths
+    local shape=${SWEEP_SHAPE:-llama3-8b} port=${SWEEP_PORT:-8321} device=${SWEEP_DEVICE:-cuda}
+    [ -d "$shapes/$shape" ] || kv make-checkpoint "$shapes/$shape" --config-only --shape "$shape" >/dev/null
+    kv serve "$shapes/$shape" --device "$device" --dtype "${SWEEP_DTYPE:-bfloat16}" --load-format dummy --port "$port" \
+        --served-model-name "$shape" --max-num-seqs 256 --max-model-len 2048 >"$OUT/sweep-server.log" 2>&1 &
+    local server=$!
+    python3 - "$port" <<'PY' || { kill "$server"; tail -20 "$OUT/sweep-server.log"; return 1; }
+import sys, time, urllib.request
+for _ in range(1200):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1)
+        sys.exit(0)
+    except OSError:
+        time.sleep(0.5)
+sys.exit("the server did not answer /health in 10 minutes")
+PY
+    kv bench serve --base-url "http://127.0.0.1:$port" --model "$shape" --tokenizer "$shapes/$shape" --label "$shape" \
+        --dataset-name random --random-input-len 256 --random-output-len 224 --random-range-ratio 0.9 \
+        --num-prompts "${SWEEP_PROMPTS:-128}" --request-rate "${RATES:-4,16,32,inf}" --warmup 4 \
+        --plot "$OUT/sweep" --result-json "$OUT/sweep.json"
+    kill -TERM "$server"; wait "$server"
 }
 
 for step in "$@"; do
