@@ -11,6 +11,7 @@ between implementations, so greedy-equality tests do not hinge on rounding.
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -95,15 +96,17 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], dict]] = {
 
 
 def make_config_only(out_dir: str | Path, shape: str) -> Path:
-    """Write ``shape``'s published config with no weights, and the tiny checkpoints' tokenizer (its ids are tokens
-    of every one of these vocabularies): a directory ``--load-format dummy`` runs at that model's real size."""
+    """Write ``shape``'s published config with no weights, and the tiny checkpoints' tokenizer with its vocabulary
+    padded to the model's (``_pad_vocabulary``): a directory ``--load-format dummy`` runs at that model's real
+    size, and every token its random weights sample is text, as a real model's would be (a served benchmark
+    times the chunks of text that stream back)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {', '.join(SHAPES)}")
     out_dir = Path(out_dir)
-    tokenizer = _train_tokenizer(_SIZES["tiny"].vocab_size)
+    config_class, fields = SHAPES[shape]
+    tokenizer = _train_tokenizer(_SIZES["tiny"].vocab_size, pad_to=fields["vocab_size"])
     special_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                    "pad_token_id": tokenizer.pad_token_id}
-    config_class, fields = SHAPES[shape]
     config = config_class(**fields, **special_ids)
     config.architectures = [_MODEL_CLASSES["qwen2" if config_class is Qwen2Config else "llama"]]
     config.save_pretrained(out_dir)
@@ -138,7 +141,9 @@ def make_checkpoint(
 # ---- tokenizer -------------------------------------------------------------------------------------------
 
 
-def _train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+def _train_tokenizer(vocab_size: int, pad_to: int | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of ``vocab_size`` tokens trained on the corpus; ``pad_to``: its vocabulary then padded to
+    that many ids (``_pad_vocabulary``)."""
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -149,9 +154,21 @@ def _train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     bpe.train_from_iterator(_training_text(), trainer)
+    if pad_to is not None:
+        bpe = _pad_vocabulary(bpe, pad_to)
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe, bos_token=BOS, eos_token=EOS, pad_token=PAD, chat_template=CHAT_TEMPLATE
     )
+
+
+def _pad_vocabulary(bpe: Tokenizer, vocab_size: int) -> Tokenizer:
+    """``bpe`` with ids from its vocabulary's end up to ``vocab_size`` made tokens of their own (" w<id>"): no merge
+    produces them, so encoding is unchanged, and each decodes to text."""
+    spec = json.loads(bpe.to_str())
+    vocab = spec["model"]["vocab"]
+    for token_id in range(len(vocab), vocab_size):
+        vocab[f"\u0120w{token_id}"] = token_id  # U+0120: byte-level BPE's character for a space
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def _training_text() -> list[str]:

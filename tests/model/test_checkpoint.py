@@ -92,7 +92,18 @@ def test_config_only_writes_the_published_shape_and_no_weights(shape: str, tmp_p
     assert config.rope_parameters["rope_theta"] == published["rope_parameters"]["rope_theta"]
     assert not list(out.glob("*.safetensors"))
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert len(tokenizer) <= config.vocab_size and config.eos_token_id == tokenizer.eos_token_id
+    assert len(tokenizer) == config.vocab_size and config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_config_only_tokenizer_encodes_as_the_tiny_one_and_decodes_every_id(tiny_checkpoints: dict[str, Path],
+                                                                            tmp_path: Path) -> None:
+    """Its vocabulary is padded to the model's: random weights sample text from any id, as a real model does."""
+    padded = AutoTokenizer.from_pretrained(make_config_only(tmp_path / "s", "smollm2-135m"))
+    tiny = AutoTokenizer.from_pretrained(tiny_checkpoints["llama"])
+    text = "The quick brown fox, 1234 jumps! Ünïcode"
+    assert padded.encode(text) == tiny.encode(text)
+    assert padded.decode([len(tiny), 49151]) == f" w{len(tiny)} w49151"
+    assert padded.decode(tiny.encode(text)) == text
 
 
 def test_an_unknown_shape_is_rejected(tmp_path: Path) -> None:
