@@ -102,7 +102,7 @@ step_fixed() {  # (c): 1,000 requests of 1,000 in / 1,000 out
 step_sweep() {  # (e): kvserve serve, then kvserve bench serve over Poisson rates, ShareGPT-like lengths
     local shape=${SWEEP_SHAPE:-llama3-8b} port=${SWEEP_PORT:-8321} device=${SWEEP_DEVICE:-cuda}
     [ -d "$shapes/$shape" ] || kv make-checkpoint "$shapes/$shape" --config-only --shape "$shape" >/dev/null
-    kv serve "$shapes/$shape" --device "$device" --dtype "${SWEEP_DTYPE:-bfloat16}" --load-format dummy --port "$port" \
+    python3 -m kvserve.cli serve "$shapes/$shape" --device "$device" --dtype "${SWEEP_DTYPE:-bfloat16}" --load-format dummy --port "$port" \
         --served-model-name "$shape" --max-num-seqs 256 --max-model-len 2048 >"$OUT/sweep-server.log" 2>&1 &
     local server=$!
     python3 - "$port" <<'PY' || { kill "$server"; tail -20 "$OUT/sweep-server.log"; return 1; }
