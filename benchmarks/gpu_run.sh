@@ -3,14 +3,22 @@
 #
 #     OUT=dir benchmarks/gpu_run.sh STEP...
 #
-# Steps: info, tests (the -m gpu tests), kernels (attention and GGUF kernel micro-benchmarks), profile (decode
-# steps with their kernel tables), splits (one stream with and without flash-decoding's split), decode and
-# decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes, with CUDA graphs or without), roofline,
-# batch1 (issue 16's (a): one stream of Llama-3-8B), sweep (issue 16's (e): a served sweep of Poisson rates),
-# throughput (issue 16's (b):
-# the random workload beside transformers), fixed (issue 16's (c): 1,000 in / 1,000 out). The machine has
-# torch, triton and transformers but not every kvserve dependency: wheels of the others are installed from
-# .whl/ when it exists (see benchmarks/README.md). Each step's output goes to $OUT/STEP.log (and JSON).
+# Steps: info, tests (the -m gpu tests, and the interpreter's Triton tests natively), kernels (attention and
+# GGUF kernel micro-benchmarks), profile (decode steps with their kernel tables), splits (one stream with and
+# without flash-decoding's split), decode and decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes,
+# with CUDA graphs or without), roofline, batch1 (issue 16's (a): one stream of Llama-3-8B), sweep (issue 16's
+# (e): a served sweep of Poisson rates), throughput (issue 16's (b): the random workload beside transformers),
+# fixed (issue 16's (c): 1,000 in / 1,000 out). Each step's output goes to $OUT/STEP.log (and JSON).
+#
+# The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
+# installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the
+# platform flags, and .git/info/exclude should name /.whl/):
+#
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp <platform flags> \
+#         -d .whl gguf platformdirs xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types \
+#         typing-inspection typing-extensions "fastapi<0.125" "starlette<0.51" uvicorn
+#
+# (pydantic and pydantic-core must be a matching pair; tests that need openai or jsonschema are not collected.)
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
