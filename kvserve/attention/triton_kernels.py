@@ -2,8 +2,9 @@
 and paged prefill.
 
 The store writes a step's new keys and values of an unquantized cache into their slots, both in one launch
-(``KVCacheStorage.write``, which also quantizes, takes two copies). The other three read K/V in place from the paged cache (``[num_blocks, block_size, num_kv_heads, head_dim]``), a
-key at position p of a sequence lying at slot ``table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``. Scores
+(``KVCacheStorage.write``, which also quantizes, takes two copies). The other three read K/V in place from the
+paged cache (``[num_blocks, block_size, num_kv_heads, head_dim]``), a key at position p of a sequence lying at
+slot ``table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``. Scores
 are kept in the log2 domain (the softmax scale is pre-multiplied by log2 e, so ``exp2`` is one instruction),
 and every softmax state (running max, sum, accumulator) is fp32 whatever the inputs.
 

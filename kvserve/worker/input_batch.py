@@ -12,8 +12,8 @@ length::
                                                     leading blocks are NULL_BLOCK)
 
 ``prepare`` gathers a step's rows of the persistent block table and its tokens into flat arrays (numpy,
-vectorised per token), then copies them to the device: through persistent pinned buffers on CUDA, so each
-input is one non-blocking copy.
+vectorised per token), then hands them to the device: on CUDA all of them in one non-blocking copy from a
+persistent pinned buffer (``worker/staging.py``); on CPU as they are.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from kvserve.attention.backend import AttentionInputs
 from kvserve.kv.groups import NULL_BLOCK
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from kvserve.worker.staging import PinnedStaging
+
+HostArrays = dict[str, tuple[np.ndarray, torch.dtype]]  # name -> (host array, the dtype it has on the device)
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,14 @@ class InputBatch:
 
 
 class StepLayout(NamedTuple):
-    """A forward pass's token inputs and attention layout; ``query_start`` (host) has each query's first row."""
+    """A forward pass's token inputs and attention layout; ``query_start`` (host) has each query's first row;
+    ``extra``, the arrays the caller sent with them."""
 
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     attn: AttentionInputs
     query_start: np.ndarray  # int64 [B + 1]
+    extra: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -77,10 +82,11 @@ class _Row:
 
 class PersistentBatch:
     """Owns the runner's rows and block tables; ``update`` applies a step's diff, ``prepare`` builds its
-    inputs, ``append_sampled`` records the sampled tokens."""
+    inputs, ``append_sampled`` records the sampled tokens. ``staging`` sends a step's inputs to the device in
+    one copy (default: on CUDA; on CPU they are used where numpy built them)."""
 
     def __init__(self, max_blocks_per_request: int, block_size: int, device: torch.device, capacity: int = 64,
-                 num_groups: int = 1):
+                 num_groups: int = 1, staging: PinnedStaging | None = None):
         self.block_size = block_size
         self.device = device
         self.block_table = np.zeros((num_groups, capacity, max_blocks_per_request), dtype=np.int32)
@@ -88,7 +94,7 @@ class PersistentBatch:
         self._rows: list[_Row | None] = [None] * capacity
         self._index: dict[str, int] = {}  # request id -> row
         self._free_rows = list(reversed(range(capacity)))
-        self._staging: dict[str, torch.Tensor] = {}  # pinned host buffers, CUDA only
+        self._staging = staging or (PinnedStaging(device) if device.type == "cuda" else None)
 
     @property
     def num_requests(self) -> int:
@@ -201,16 +207,16 @@ class PersistentBatch:
         """The step's flat inputs; one Python pass over the step's requests, everything per token in numpy."""
         scheduled = sched_out.requests
         rows, start_pos, query_lens, tokens = self._gather(scheduled)
-        layout = self.layout(rows, start_pos, query_lens, tokens)
-        query_start = layout.query_start
         sampling = [i for i, r in enumerate(scheduled) if r.sample]
         draft_token_ids = [scheduled[i].draft_token_ids for i in sampling]
+        sample_rows = _sample_rows(_query_start(query_lens), sampling, draft_token_ids)
+        layout = self.layout(rows, start_pos, query_lens, tokens, {"sample_rows": (sample_rows, torch.int64)})
+        query_start = layout.query_start
         return InputBatch(
             input_ids=layout.input_ids,
             positions=layout.positions,
             attn=layout.attn,
-            sample_rows=self._to_device("sample_rows", _sample_rows(query_start, sampling, draft_token_ids),
-                                        torch.int64),
+            sample_rows=layout.extra["sample_rows"],
             sample_request_ids=[scheduled[i].request_id for i in sampling],
             draft_token_ids=draft_token_ids,
             sampling=SamplingBatch.of_requests([self._rows[rows[i]].sampling for i in sampling], draft_token_ids),
@@ -220,52 +226,51 @@ class PersistentBatch:
             ],
         )
 
-    def layout(self, rows: np.ndarray, start_pos: np.ndarray, query_lens: np.ndarray, tokens: list[int]) -> StepLayout:
+    def layout(self, rows: np.ndarray, start_pos: np.ndarray, query_lens: np.ndarray, tokens: list[int],
+               extra: HostArrays | None = None) -> StepLayout:
         """The flat inputs of a forward pass that runs ``query_lens[i]`` tokens of the request in batch row
         ``rows[i]`` from position ``start_pos[i]`` on (one-token queries first, as the backends expect),
-        ``tokens`` all of them in order; the KV slots come from the rows' block tables."""
-        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start[1:])
+        ``tokens`` all of them in order; the KV slots come from the rows' block tables. ``extra`` arrays go
+        to the device with them (``StepLayout.extra``)."""
+        query_start = _query_start(query_lens)
         seq_lens = start_pos + query_lens
         num_tokens = int(query_start[-1])
         seq_of_token = np.repeat(np.arange(len(rows)), query_lens)
         positions = np.arange(num_tokens) - query_start[seq_of_token] + start_pos[seq_of_token]
         width = max(1, int(self.num_blocks[rows].max(initial=0)))
-        block_tables = self.block_table[0, rows, :width]
-        slot_mapping = self._slot_mapping(block_tables, seq_of_token, positions)
+        arrays: HostArrays = {
+            "input_ids": (np.array(tokens, dtype=np.int64), torch.int64),
+            "positions": (positions, torch.int64),
+            "query_start_loc": (query_start, torch.int32),
+            "seq_lens": (seq_lens, torch.int32),
+        }
+        for group in range(self.block_table.shape[0]):  # KV cache groups (``kv/groups.py``): a table each
+            block_tables = self.block_table[group, rows, :width]
+            arrays[f"block_tables{group}"] = (block_tables, torch.int32)
+            arrays[f"slot_mapping{group}"] = (self._slot_mapping(block_tables, seq_of_token, positions), torch.int64)
+        sent = self._send({**arrays, **(extra or {})})
         attn = AttentionInputs(
             num_decodes=int(np.count_nonzero(query_lens == 1)),
-            query_start_loc=self._to_device("query_start_loc", query_start, torch.int32),
-            seq_lens=self._to_device("seq_lens", seq_lens, torch.int32),
-            block_tables=self._to_device("block_tables", block_tables, torch.int32),
-            slot_mapping=self._to_device("slot_mapping", slot_mapping, torch.int64),
+            query_start_loc=sent["query_start_loc"],
+            seq_lens=sent["seq_lens"],
+            block_tables=sent["block_tables0"],
+            slot_mapping=sent["slot_mapping0"],
             query_lens_list=query_lens.tolist(),
             seq_lens_list=seq_lens.tolist(),
             block_size=self.block_size,
         )
-        if self.block_table.shape[0] > 1:
-            attn = dataclasses.replace(attn, groups=self._group_inputs(attn, rows, width, seq_of_token, positions))
-        input_ids = self._to_device("input_ids", np.array(tokens, dtype=np.int64), torch.int64)
-        return StepLayout(input_ids, self._to_device("positions", positions, torch.int64), attn, query_start)
+        if self.block_table.shape[0] > 1:  # group 0's layout through the other groups' own tables
+            attn = dataclasses.replace(attn, groups=tuple(
+                dataclasses.replace(attn, block_tables=sent[f"block_tables{group}"],
+                                    slot_mapping=sent[f"slot_mapping{group}"])
+                for group in range(1, self.block_table.shape[0])))
+        return StepLayout(sent["input_ids"], sent["positions"], attn, query_start,
+                          {name: sent[name] for name in extra or {}})
 
     def _slot_mapping(self, block_tables: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray) -> np.ndarray:
         slot_mapping = block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
         slot_mapping += positions % self.block_size
         return slot_mapping
-
-    def _group_inputs(self, attn: AttentionInputs, rows: np.ndarray, width: int, seq_of_token: np.ndarray,
-                      positions: np.ndarray) -> tuple[AttentionInputs, ...]:
-        """Groups 1..G-1's inputs: group 0's layout through their own tables (a new token never lies in a
-        null block: those end before the step's first query's window)."""
-        inputs = []
-        for group in range(1, self.block_table.shape[0]):
-            block_tables = self.block_table[group, rows, :width]
-            slot_mapping = self._slot_mapping(block_tables, seq_of_token, positions)
-            inputs.append(dataclasses.replace(
-                attn, block_tables=self._to_device(f"block_tables{group}", block_tables, torch.int32),
-                slot_mapping=self._to_device(f"slot_mapping{group}", slot_mapping, torch.int64),
-            ))
-        return tuple(inputs)
 
     def rows_of(self, request_ids: list[str]) -> np.ndarray:
         """The batch rows of the given requests (for ``layout``)."""
@@ -315,18 +320,19 @@ class PersistentBatch:
             num_top=row.sampling.params.prompt_logprobs or 0,
         )
 
-    def _to_device(self, name: str, array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """The array on the device: as it is on CPU; on CUDA through a persistent pinned buffer (the step's
-        sampled-token read syncs before the next step writes the buffer again)."""
-        host = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-        if self.device.type != "cuda":
-            return host
-        buffer = self._staging.get(name)
-        if buffer is None or buffer.dtype != dtype or buffer.numel() < host.numel():
-            buffer = self._staging[name] = torch.empty(max(host.numel(), 1024), dtype=dtype).pin_memory()
-        staged = buffer[: host.numel()].view(host.shape)
-        staged.copy_(host)
-        return staged.to(self.device, non_blocking=True)
+    def _send(self, arrays: HostArrays) -> dict[str, torch.Tensor]:
+        """The arrays on the device: on CUDA in one copy (``PinnedStaging``), on CPU as they are."""
+        if self._staging is not None:
+            return self._staging.send(arrays)
+        return {name: torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+                for name, (array, dtype) in arrays.items()}
+
+
+def _query_start(query_lens: np.ndarray) -> np.ndarray:
+    """Each query's first row in the step's flat token batch, and the total: int64 [B + 1]."""
+    query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start[1:])
+    return query_start
 
 
 def _slice(prompt: list[int], outputs: list[int], start: int, end: int) -> list[int]:

@@ -22,6 +22,7 @@ from kvserve.sched.output import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvserve.sched.scheduler import Scheduler
 from kvserve.spec.policy import SpeculationPolicy
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
+from kvserve.worker.staging import PinnedStaging
 from tests.sched.sched_fakes import make_request, make_scheduler
 
 CPU = torch.device("cpu")
@@ -113,16 +114,20 @@ def run_step(scheduler: Scheduler, batch: PersistentBatch) -> SchedulerOutput:
     st.integers(8, 40),
     st.booleans(),
     st.booleans(),
+    st.booleans(),
     st.randoms(use_true_random=False),
 )
 def test_the_persistent_batch_fed_by_diffs_equals_a_batch_built_from_scratch(
-    specs: list[tuple[int, int, int, bool]], num_blocks: int, prefix_caching: bool, speculate: bool, rng
+    specs: list[tuple[int, int, int, bool]], num_blocks: int, prefix_caching: bool, speculate: bool,
+    one_copy: bool, rng
 ) -> None:
+    """``one_copy``: the inputs through the staging buffer CUDA uses (every step reusing it)."""
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
                                max_model_len=48, prefix_caching=prefix_caching)
     if speculate:  # drafts from repeated prompt tokens (the shared prefix) and repeated sampled tokens
         scheduler.speculation = SpeculationPolicy(SpeculativeConfig("ngram", 3, 1, 2))
-    batch = PersistentBatch(max_blocks_per_request=12, block_size=4, device=CPU, capacity=2)
+    batch = PersistentBatch(max_blocks_per_request=12, block_size=4, device=CPU, capacity=2,
+                            staging=PinnedStaging(CPU) if one_copy else None)
     pending = [make_request(f"r{i}", p, max_tokens=m, n=n, prefix=[7] * min(p, 8) if shared else [])
                for i, (p, m, n, shared) in enumerate(specs)]
     for _ in range(500):
@@ -192,14 +197,17 @@ def grouped_reference(scheduler: Scheduler, sched_out: SchedulerOutput) -> list[
     st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from([1, 1, 2])), min_size=1, max_size=8),
     st.integers(12, 40),
     st.booleans(),
+    st.booleans(),
     st.randoms(use_true_random=False),
 )
 def test_every_kv_cache_groups_tables_and_slots_follow_the_diffs(specs, num_blocks: int, prefix_caching: bool,
-                                                                  rng) -> None:
-    """Window groups' tables with null entries (and, from prefix hits, requests entering with them)."""
+                                                                  one_copy: bool, rng) -> None:
+    """Window groups' tables with null entries (and, from prefix hits, requests entering with them);
+    ``one_copy``: through the staging buffer CUDA uses."""
     groups = KVCacheGroups.of_layers([5, None, 5])  # three groups of one layer
     scheduler = Scheduler(SchedulerConfig(4, 16, 48), KVCacheManager(num_blocks, 4, prefix_caching, groups=groups))
-    batch = PersistentBatch(max_blocks_per_request=12, block_size=4, device=CPU, capacity=2, num_groups=3)
+    batch = PersistentBatch(max_blocks_per_request=12, block_size=4, device=CPU, capacity=2, num_groups=3,
+                            staging=PinnedStaging(CPU) if one_copy else None)
     pending = [make_request(f"r{i}", p, max_tokens=m, n=n, prefix=[7] * min(p, 12))
                for i, (p, m, n) in enumerate(specs)]
     while pending or scheduler.has_unfinished_requests():
