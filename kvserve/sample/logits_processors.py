@@ -15,6 +15,7 @@ from typing import ClassVar, Sequence
 import numpy as np
 import torch
 
+from kvserve.device_copy import to_device
 from kvserve.sample.metadata import SamplingRow
 
 
@@ -94,7 +95,7 @@ class LogitBias(LogitsProcessor):
         row_ids, token_ids, biases = zip(*entries)
         _check_token_ids(token_ids, logits.shape[1], "logit_bias")
         index = (_long(row_ids, logits.device), _long(token_ids, logits.device))
-        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True)
+        logits.index_put_(index, to_device(biases, logits.dtype, logits.device), accumulate=True)
 
 
 class MinTokensBan(LogitsProcessor):
@@ -161,7 +162,7 @@ def token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: to
     if sum(lengths):
         token_ids = np.concatenate(flat)
         _check_token_ids(token_ids, vocab_size, "history")
-        index = (torch.from_numpy(row_ids).to(device), torch.from_numpy(token_ids).to(device))
+        index = (to_device(row_ids, torch.long, device), to_device(token_ids, torch.long, device))
         counts.index_put_(index, torch.ones(len(token_ids), device=device), accumulate=True)
     return counts
 
@@ -192,8 +193,8 @@ def _check_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int, wha
 
 
 def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return to_device(values, torch.long, device)
 
 
 def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+    return to_device(values, like.dtype, like.device)[:, None]

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
+from kvserve.device_copy import to_device
 from kvserve.sample.logits_processors import LogitsProcessor, default_processors
 from kvserve.sample.logprobs import gather_logprobs
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
@@ -153,7 +154,7 @@ class Sampler:
         if len(random_rows) == len(batch):
             return self._draw(logits, batch.rows)
         token_ids = first_max(logits)
-        index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        index = to_device(random_rows, torch.long, logits.device)
         token_ids[index] = self._draw(logits[index], [batch.rows[i] for i in random_rows])
         return token_ids
 
@@ -213,7 +214,7 @@ class Sampler:
         raw_logprobs: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
     ) -> list[TokenLogprobs | None]:
         wanted = [i for i, r in enumerate(batch.rows) if r.params.logprobs is not None]
-        index = torch.tensor(wanted, dtype=torch.long, device=token_ids.device)
+        index = to_device(wanted, torch.long, token_ids.device)
         num_top = [batch.rows[i].params.logprobs or 0 for i in wanted]
         entries = gather_logprobs(raw_logprobs[index], token_ids[index], num_top)
         out: list[TokenLogprobs | None] = [None] * len(batch)
@@ -263,7 +264,7 @@ def _per_request(
 
 
 def _per_row(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype or like.dtype, device=like.device)
+    return to_device(values, dtype or like.dtype, like.device)
 
 
 def first_max(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from kvserve.device_copy import to_device
 from kvserve.native import KernelBuildError, load_library
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence
         else:
             import xgrammar
 
-            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=vocab_size,
+            xgrammar.apply_token_bitmask_inplace(logits, to_device(bitmask, bitmask.dtype, logits.device),
+                                                 vocab_size=vocab_size,
                                                  indices=list(rows))
         return
     index = torch.tensor(rows, dtype=torch.int64)

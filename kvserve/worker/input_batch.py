@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kvserve.attention.backend import AttentionInputs
+from kvserve.device_copy import to_device
 from kvserve.kv.groups import NULL_BLOCK
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -316,7 +317,7 @@ class PersistentBatch:
         return PromptLogprobRows(
             request_id=scheduled.request_id,
             rows=torch.arange(first_row, first_row + last - start, device=self.device),
-            target_ids=torch.tensor(prompt[start + 1 : last + 1], dtype=torch.int64, device=self.device),
+            target_ids=to_device(prompt[start + 1 : last + 1], torch.int64, self.device),
             num_top=row.sampling.params.prompt_logprobs or 0,
         )
 
