@@ -260,7 +260,8 @@ class PersistentBatch:
             seq_lens_list=seq_lens.tolist(),
             block_size=self.block_size,
         )
-        if self.block_table.shape[0] > 1:  # group 0's layout through the other groups' own tables
+        if self.block_table.shape[0] > 1:  # group 0's layout through the other groups' own tables (a new token
+            # never lies in a null block: those end before the window of the step's first query)
             attn = dataclasses.replace(attn, groups=tuple(
                 dataclasses.replace(attn, block_tables=sent[f"block_tables{group}"],
                                     slot_mapping=sent[f"slot_mapping{group}"])
