@@ -1,0 +1,41 @@
+"""The CUDA path's Triton pieces inside the whole engine, on CPU through Triton's interpreter: the attention
+kernels (the K/V store, decodes, varlen prefill chunks) and the fused elementwise ops give transformers' greedy
+tokens under chunked prefill and a prefix hit, and free every block. ``-m gpu`` runs the same path compiled."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
+
+from kvserve import LLM  # noqa: E402
+from kvserve.attention.selector import BACKEND_ENV_VAR  # noqa: E402
+from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  # noqa: E402
+from kvserve.model import registry  # noqa: E402
+from kvserve.model.layers.triton_fused_ops import TritonFusedOps  # noqa: E402
+from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not is_interpreted(), reason="the interpreter on CPU; -m gpu runs it compiled")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding windows, q/k norms, sandwich norms
+def test_triton_attention_and_fused_ops_in_the_engine_give_transformers_tokens(
+    tiny_checkpoints, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    monkeypatch.setattr(registry, "select_fused_ops", lambda device, dtype: TritonFusedOps())
+    path = tiny_checkpoints[arch]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(1)
+    shared = [rng.randrange(3, hf.config.vocab_size) for _ in range(20)]
+    prompts = [shared + [rng.randrange(3, hf.config.vocab_size) for _ in range(n)] for n in (3, 11)]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    assert isinstance(llm.engine.core.runner.backend, TritonPagedBackend)
+    got = [greedy_token_ids(llm, [prompt], 6)[0][0] for prompt in prompts]  # the second hits the first's prefix
+    assert got == [hf_greedy(hf, prompt, 6) for prompt in prompts]
+    assert llm.stats()["prefix_cache_hits"] > 0
+    assert_all_blocks_free(llm)
