@@ -4,6 +4,7 @@ filled by one copy (on CPU here; on CUDA the host side is pinned and the copy no
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from kvserve.worker.staging import ALIGN_BYTES, MIN_BUFFER_BYTES, PinnedStaging
@@ -43,3 +44,24 @@ def test_the_buffers_are_reused_until_a_step_outgrows_them() -> None:
     grown = staging.send({"big": (np.arange(MIN_BUFFER_BYTES), torch.int64)})["big"]
     assert grown.untyped_storage().nbytes() >= MIN_BUFFER_BYTES * 8
     assert np.array_equal(grown.numpy(), np.arange(MIN_BUFFER_BYTES))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_step_is_one_pinned_copy_whose_buffer_waits_for_it() -> None:
+    cuda, rng = torch.device("cuda"), np.random.default_rng(2)
+    staging = PinnedStaging(cuda)
+    arrays = step_arrays(rng, 300)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        sent = staging.send(arrays)
+        torch.cuda.synchronize()
+    copies = [e for e in profiler.events() if "Memcpy HtoD" in e.name]
+    assert len(copies) == 1 and "Pinned" in copies[0].name
+    for name, (array, dtype) in arrays.items():
+        assert sent[name].device.type == "cuda" and sent[name].dtype == dtype
+        assert np.array_equal(sent[name].cpu().numpy(), array.astype(sent[name].cpu().numpy().dtype))
+    torch.cuda._sleep(1_000_000_000)  # the device busy: the next send's copy queues behind it
+    queued = step_arrays(rng, 300)
+    seen = staging.send(queued)["slot_mapping0"].clone()  # what that copy delivers, read in stream order
+    staging.send(step_arrays(rng, 300))  # must not repack the host buffer before the queued copy has read it
+    assert np.array_equal(seen.cpu().numpy(), queued["slot_mapping0"][0])
