@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +40,7 @@ CHAT = "/v1/chat/completions"
 BACKENDS = ("kvserve", "vllm", "llamacpp", "openai")
 NUM_WARMUP_TOKENS = 4
 ERROR_TEXT_LIMIT = 300  # characters of a server's error body kept in the report
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass(frozen=True)
@@ -163,9 +165,16 @@ def _take_data(record: RequestRecord, data: str, now: float) -> None:
 
 
 async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
-    async for line in response.aiter_lines():
-        if line.startswith("data:"):
-            yield line[len("data:"):].strip()
+    """The data fields of an event stream, whose lines end at CR, LF or CRLF alone: not httpx's aiter_lines,
+    which also ends them at U+0085, U+2028 and U+2029, characters a server's JSON may leave in a chunk's text."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = _SSE_LINE_END.split(pending + text)
+        for line in lines:
+            if line.startswith("data:"):
+                yield line[len("data:"):].strip()
+    if pending.startswith("data:"):
+        yield pending[len("data:"):].strip()
 
 
 # ---- the load ------------------------------------------------------------------------------------------

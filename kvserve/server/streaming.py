@@ -23,10 +23,14 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
+# Characters JSON leaves as they are but Python's str.splitlines ends a line at, and with it httpx's
+# iter_lines, which many clients read an event stream through: escaped, a chunk whose text holds one stays one
+# line (the event-stream format ends lines at CR and LF alone)
+_SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 def sse(body: BaseModel, exclude: set[str] | None = None) -> str:
-    return f"data: {body.model_dump_json(exclude=exclude)}\n\n"
+    return f"data: {body.model_dump_json(exclude=exclude).translate(_SPLITLINES_BREAKS)}\n\n"
 
 
 @dataclass

@@ -89,6 +89,11 @@ BEHAVIOURS: dict[str, bytes | None] = {
     "no-usage": STREAM_HEAD + sse(text("a"), text("b"), "[DONE]"),
     "hang": STREAM_HEAD,  # then nothing until the client gives up
     "good": STREAM_HEAD + sse(text("a"), text("b"), usage(2), "[DONE]"),
+    # JSON may leave U+0085 / U+2028 / U+2029 in text, where str.splitlines (and httpx's aiter_lines) would end a
+    # line; the event-stream format ends lines at CR and LF alone (here CRLF)
+    "raw-separators": STREAM_HEAD + "".join(
+        f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in (text("a\u2028\x85"), text("b\u2029"), usage(2))
+    ).encode() + b"data: [DONE]\r\n\r\n",
 }
 
 
@@ -129,7 +134,7 @@ def test_errors_and_dropped_connections_are_counted_not_crashed_on() -> None:
 
     records, _ = asyncio.run(_against_misbehaving_server(run))
     by_kind = dict(zip(kinds, records))
-    assert {kind for kind, r in by_kind.items() if r.ok} == {"no-usage", "good"}
+    assert {kind for kind, r in by_kind.items() if r.ok} == {"no-usage", "good", "raw-separators"}
     assert by_kind["http-500"].error.startswith("HTTP 500") and "boom" in by_kind["http-500"].error
     assert by_kind["drop-mid-stream"].error.split(":")[0] in {"RemoteProtocolError", "ReadError"} \
         or "before [DONE]" in by_kind["drop-mid-stream"].error
@@ -141,6 +146,7 @@ def test_errors_and_dropped_connections_are_counted_not_crashed_on() -> None:
     assert by_kind["not-json"].error.startswith("a malformed chunk (JSONDecodeError")
     assert not by_kind["no-usage"].counted_from_usage and by_kind["no-usage"].completion_tokens == 2
     assert by_kind["good"].completion_tokens == 2 and len(by_kind["good"].itl) == 1
+    assert by_kind["raw-separators"].completion_tokens == 2 and len(by_kind["raw-separators"].itl) == 1
 
 
 def test_a_failing_server_is_reported_by_the_command(tiny_checkpoint: Path, capsys: pytest.CaptureFixture) -> None:
