@@ -6,7 +6,7 @@
     --------------                         -------------
     generate() --call(add)--> commands --> drain commands (add / abort / tokenize ...)
                                            step()  -> outputs
-    await queue.get() <--call_soon_threadsafe-- per-request asyncio.Queue
+    await queue.get() <--call_soon_threadsafe-- per-request asyncio.Queue (one call a step for all of them)
 
 Everything that touches the engine or its tokenizer runs on the engine thread, between two steps, so the engine
 needs no locks and HTTP handling never stalls a step. When no request is unfinished and no command is queued the
@@ -273,13 +273,17 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput], step_start: float) -> None:
         # Stats and the observer first: a client that got its answer then reads metrics that include it.
         self._refresh_stats(outputs, step_start)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        # one wake-up of each loop for the whole step (each call_soon_threadsafe writes to the loop's self-pipe)
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _refresh_stats(self, outputs: list[RequestOutput], step_start: float) -> None:
         stats = self.engine.stats()
@@ -299,6 +303,11 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(error)))
         self._streams.clear()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
 
 
 def _placeholder(request_id: str) -> RequestOutput:
