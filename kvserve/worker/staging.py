@@ -37,29 +37,27 @@ class PinnedStaging:
     def send(self, arrays: dict[str, tuple[np.ndarray, torch.dtype]]) -> dict[str, torch.Tensor]:
         """Each ``name: (array, dtype)`` as a tensor of that dtype and the array's shape on the device, all
         through one host-to-device copy."""
-        offsets, num_bytes = {}, 0
+        spans, num_bytes = {}, 0  # name -> (first byte, bytes)
         for name, (array, dtype) in arrays.items():
-            offsets[name] = num_bytes
-            num_bytes += -(-array.size * dtype.itemsize // ALIGN_BYTES) * ALIGN_BYTES
+            spans[name] = (num_bytes, array.size * dtype.itemsize)
+            num_bytes += -(-spans[name][1] // ALIGN_BYTES) * ALIGN_BYTES
         if self._copied is not None:
-            self._copied.synchronize()  # recorded after the last copy: already done, save after a draft pass
+            self._copied.synchronize()  # a no-op unless a copy is still queued (after a draft pass)
         host, device = self._buffers(num_bytes)
         packed = host.numpy()
         for name, (array, dtype) in arrays.items():
-            start = offsets[name]
-            view = packed[start:start + array.size * dtype.itemsize].view(_NUMPY_DTYPES[dtype])
-            view[:] = array.reshape(-1)  # numpy casts as it copies
+            start, size = spans[name]
+            packed[start:start + size].view(_NUMPY_DTYPES[dtype])[:] = array.reshape(-1)  # numpy casts as it copies
         device[:num_bytes].copy_(host[:num_bytes], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        return {name: device[offsets[name]:offsets[name] + array.size * dtype.itemsize].view(dtype).view(array.shape)
-                for name, (array, dtype) in arrays.items()}
+        return {name: device[start:start + size].view(dtype).view(array.shape)
+                for (name, (array, dtype)), (start, size) in zip(arrays.items(), spans.values())}
 
     def _buffers(self, num_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._host.numel() < num_bytes:
             size = max(MIN_BUFFER_BYTES, 2 * num_bytes)
-            host = torch.empty(size, dtype=torch.uint8)
-            self._host = host.pin_memory() if self.device.type == "cuda" else host
+            self._host = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
             self._device = torch.empty(size, dtype=torch.uint8, device=self.device)
         return self._host, self._device
 
