@@ -105,14 +105,29 @@ static inline __attribute__((always_inline)) void block_scales(const int type, c
                                                                float d[SUPER_GROUPS], float offset[SUPER_GROUPS]) {
     if (type == Q4_K || type == Q5_K) {
         const float super_d = half_to_float(block), super_min = half_to_float(block + 2);
-        const uint8_t *s = block + 4; /* bytes 0-3: sc 0-3, 4-7: m 0-3, 8-11: sc and m 4-7's low 4 bits; the
-                                       * top 2 bits of bytes 0-7 are those of sc and m 4-7 */
+        /* bytes 0-3: sc 0-3, 4-7: m 0-3, 8-11: sc and m 4-7's low 4 bits; the top 2 bits of bytes 0-7 are
+         * those of sc and m 4-7. Unpacked four bytes at a time in 32-bit words (a byte at a time, it was a
+         * tenth of a Q4_K group's time in the rows kernel), then widened together, which gcc vectorises. */
+        uint32_t s[3], sc[2], m[2];
+        memcpy(s, block + 4, sizeof s);
+        sc[0] = s[0] & 0x3f3f3f3f, m[0] = s[1] & 0x3f3f3f3f;
+        sc[1] = (s[2] & 0x0f0f0f0f) | (s[0] >> 2 & 0x30303030);
+        m[1] = (s[2] >> 4 & 0x0f0f0f0f) | (s[1] >> 2 & 0x30303030);
+#if defined(__AVX2__)
+        int64_t sc_bytes, m_bytes;
+        memcpy(&sc_bytes, sc, 8), memcpy(&m_bytes, m, 8);
+        const __m256 sc_f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc_bytes)));
+        const __m256 m_f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(m_bytes)));
+        _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_set1_ps(super_d), sc_f));
+        _mm256_storeu_ps(offset, _mm256_mul_ps(_mm256_set1_ps(-super_min), m_f)); /* = -(min * m), exactly */
+#else
+        uint8_t sc_bytes[SUPER_GROUPS], m_bytes[SUPER_GROUPS];
+        memcpy(sc_bytes, sc, sizeof sc_bytes), memcpy(m_bytes, m, sizeof m_bytes);
         for (int g = 0; g < SUPER_GROUPS; g++) {
-            const int sc = g < 4 ? s[g] & 63 : (s[g + 4] & 15) | (s[g - 4] >> 6) << 4;
-            const int m = g < 4 ? s[g + 4] & 63 : (s[g + 4] >> 4) | (s[g] >> 6) << 4;
-            d[g] = super_d * (float)sc;
-            offset[g] = -(super_min * (float)m);
+            d[g] = super_d * (float)sc_bytes[g];
+            offset[g] = -(super_min * (float)m_bytes[g]);
         }
+#endif
         return;
     }
     if (type == Q6_K) {
