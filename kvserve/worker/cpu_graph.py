@@ -43,7 +43,11 @@ logger = logging.getLogger(__name__)
 
 MAX_GRAPH_TOKENS = 16
 MAX_GRAPH_BYTES = 256 << 20
-_NOT_REPLAYED = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default}
+# ops that only allocate: the recorded tensor is the replay's (Gemma 3's step made 9 ``new_empty`` a step, each
+# replayed and its uninitialised memory copied)
+_NOT_REPLAYED = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                 torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
+                 torch.ops.aten.empty_like.default}
 
 
 class UnreplayableStep(RuntimeError):
@@ -69,7 +73,10 @@ class _TorchOp:
     copy_into: tuple[tuple[int, torch.Tensor], ...]  # (index among the flat outputs, the recorded output)
 
     def __call__(self) -> None:
-        outputs, _ = tree_flatten(self.op(*self.args, **self.kwargs))
+        result = self.op(*self.args, **self.kwargs)
+        if not self.copy_into:  # in place (the KV write): nothing to move, no outputs to flatten
+            return
+        outputs = (result,) if isinstance(result, torch.Tensor) else tree_flatten(result)[0]
         for index, recorded in self.copy_into:
             recorded.copy_(outputs[index])
 

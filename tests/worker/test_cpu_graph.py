@@ -113,6 +113,21 @@ def test_reading_a_value_into_python_makes_a_step_unreplayable() -> None:
             (x * 2).sum().item()
 
 
+def test_allocations_are_not_replayed_and_an_in_place_op_replays_into_its_input() -> None:
+    x, index = torch.zeros(4, 3), torch.tensor([2])
+    with _StepRecorder() as recorder:
+        made = x.new_empty(1, 3)
+        made.fill_(1.0)
+        x.index_copy_(0, index, made)
+    replayed = [call.op for call in recorder.calls]
+    assert torch.ops.aten.new_empty.default not in replayed
+    assert replayed == [torch.ops.aten.fill_.Scalar, torch.ops.aten.index_copy_.default]
+    x.zero_()
+    for call in recorder.calls:
+        call()
+    assert x[2].tolist() == [1.0, 1.0, 1.0] and x[[0, 1, 3]].abs().sum() == 0
+
+
 def test_a_step_that_reads_a_value_runs_eagerly_with_the_same_tokens(tiny_checkpoints, monkeypatch) -> None:
     path = str(tiny_checkpoints["llama"])
     expected = greedy_token_ids(LLM(path, dtype="float32", num_kv_blocks=64, enforce_eager=True), prompts(), MAX_NEW)
