@@ -10,8 +10,11 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from transformers import AutoConfig
+from transformers.utils import CONFIG_NAME
 
 from kvserve.model import gguf_index
+from kvserve.model.checkpoint import ARCHITECTURES
 from kvserve.model.loader import load_checkpoint
 from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf
 
@@ -78,3 +81,14 @@ def test_an_unwritable_index_folder_only_costs_a_warning(gguf_file: Path, monkey
     with caplog.at_level(logging.WARNING):
         _, weights = load(gguf_file)
     assert "could not keep the GGUF index" in caplog.text and weights
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_an_indexed_config_reads_back_as_its_class_made_it(tiny_checkpoints, tmp_path: Path, arch: str) -> None:
+    config = AutoConfig.from_pretrained(tiny_checkpoints[arch])
+    config.to_json_file(tmp_path / CONFIG_NAME, use_diff=False)  # as _write_index saves it
+    indexed = gguf_index.IndexedConfig.read(tmp_path / CONFIG_NAME)
+    made, read = config.to_dict(), indexed.to_dict()
+    del made["_name_or_path"], read["_name_or_path"]
+    assert read == made
+    assert indexed.model_type == config.model_type and indexed.architectures == config.architectures
