@@ -175,7 +175,23 @@ static inline __attribute__((always_inline)) int group_bytes(const int type, con
     case Q5_1: { /* Q4_0's nibbles, each with its fifth bit from qh */
         const uint8_t *qh = block + (type == Q5_1 ? 4 : 2);
         const bytes16 raw = load16(qh + 4);
+#if defined(__AVX2__)
+        /* both runs' fifth bits in one 256-bit pass (each byte of qh copied into 8 lanes, each lane keeping its
+         * own bit), then split */
+        uint32_t bits;
+        memcpy(&bits, qh, 4);
+        const __m256i byte_of_lane = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+        const __m256i lane_bit = _mm256_set1_epi64x((long long)0x8040201008040201);
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), byte_of_lane);
+        const __m256i fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, lane_bit), lane_bit),
+                                               _mm256_set1_epi8(16));
+        bytes16 low_run, high_run;
+        const __m128i low_bits = _mm256_castsi256_si128(fifth), high_bits = _mm256_extracti128_si256(fifth, 1);
+        memcpy(&low_run, &low_bits, 16), memcpy(&high_run, &high_bits, 16);
+        half[0] = (raw & 15) | low_run, half[1] = (raw >> 4) | high_run;
+#else
         half[0] = (raw & 15) | fifth_bits(qh, 0), half[1] = (raw >> 4) | fifth_bits(qh, 1);
+#endif
         return 0;
     }
     case Q4_K:
