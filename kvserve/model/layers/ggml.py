@@ -36,9 +36,10 @@ logger = logging.getLogger(__name__)
 
 GGML_GEMM_SOURCE = Path(__file__).parent / "csrc" / "ggml_gemm.c"
 GGML_GEMM_RANGE = "kvserve::ggml_gemm"  # the kernel's name in torch.profiler traces
-# from 4 rows a step up the dense layouts are as fast (a row costs the kernel its unpacking of every block again
-# per 4 rows, the dense GEMMs nothing): see benchmarks/cpu_gemm.py
-GGML_MAX_ROWS = 3
+# up to 4 rows (one tile) the weights are read once; a fifth row costs the kernel every block's unpacking again,
+# the dense GEMMs nothing. One step's GEMMs of SmolLM2 (benchmarks/cpu_gemm.py, 2 threads, Emerald Rapids): 4 rows
+# 13.2 ms against the dense panels' 21.9 (forced AVX2 14.5 against 22.4), 5 rows 25.2 against 23.7 (AVX2)
+GGML_MAX_ROWS = 4
 # Without a dense copy (``--load-format mmap``), one step's GEMMs on the default model's blocks (ms, 2 threads,
 # Zen 4 / the same forced to AVX2; benchmarks/cpu_gemm.py's ``blocks`` and ``mapped`` columns, the layers alone
 # from 256 tokens):

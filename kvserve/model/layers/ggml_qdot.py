@@ -27,9 +27,10 @@ logger = logging.getLogger(__name__)
 GGML_QDOT_SOURCE = Path(__file__).parent / "csrc" / "ggml_qdot.c"
 GGML_QDOT_RANGE = "kvserve::ggml_qdot"  # the kernel's name in torch.profiler traces
 ACTIVATION_BLOCK = 32  # values of x per int8 block (one scale)
-# one step's GEMMs of SmolLM2 (1 thread, Zen 2): 1 row 32.7 ms, 3 rows 61.6, 4 rows 91.3, where the dense panels
-# take 62-65 ms from 1 to 4 rows: from 4 rows up the dense layout serves (csrc/ggml_qdot.c's header)
-QDOT_MAX_ROWS = 3
+# as the exact kernel's GGML_MAX_ROWS: one step's GEMMs of SmolLM2 (2 threads, Emerald Rapids) at 4 rows 14.7 ms
+# against the dense panels' 21.9 (forced AVX2 16.1 against 22.4), 5 rows 25.6 against 23.7 (AVX2). Session 8 on
+# Zen 2 (1 thread, before this kernel's rewrite) had the crossover at 4 rows (91.3 ms against 62-65)
+QDOT_MAX_ROWS = 4
 
 
 class QuantizedActivations(NamedTuple):

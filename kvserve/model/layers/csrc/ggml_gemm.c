@@ -25,7 +25,8 @@
  *
  * Measured (2-core AMD EPYC Zen 2, AVX2), a 49152 x 576 weight: one row Q4_1 3.9 ms, Q8_0 3.4 ms, fp32 through
  * the small-GEMM panels 5.9 ms; 4 rows 6.9 / 6.5 / 6.4; 16 rows 28.5 / 27.0 / 12.8. Each row costs the kernel
- * the unpacking again per tile, the dense GEMMs nothing: from 4 rows up the caller uses the dense layout.
+ * the unpacking again per tile, the dense GEMMs nothing: from 5 rows (a second tile) the caller uses the dense layout
+ * (GGML_MAX_ROWS in ggml.py; from 4 rows before the rewrite described above).
  *
  * No torch headers: called through ctypes with raw pointers.
  */

@@ -29,7 +29,7 @@
  * --threads 1): 1 token 32.7 ms against 61.4 ms for the exact kernel and 62.6 ms for the dense fp32 panels; 2
  * tokens 54.5 / 55.1 / 64.7; 3 tokens 61.6 / 76.9 / 64.1; 4 tokens 91.3 / 93.1 / 61.8; 16 tokens 219.5 / 240.2 /
  * 153.6. A row costs about as much as the first (the integer dot, its conversion and FMA per group and row
- * dominate once the unpacking is shared): from 4 rows up the caller uses the dense layout (QDOT_MAX_ROWS in
+ * dominate once the unpacking is shared): then from 4 rows up the caller used the dense layout (now 5: QDOT_MAX_ROWS in
  * ggml_qdot.py), which is why the dense copies stay (16 streams would take 1.4x to 1.8x longer on blocks alone).
  *
  * With AVX-512 BW and VL, a group of every type but Q8_0 is built in one register (nibble_group: the nibbles
