@@ -153,7 +153,8 @@ class IndexedConfig(PretrainedConfig):
     """An index's config read back as it was saved: every attribute the architecture's own config class gave it
     when the index was built (defaults filled in, values validated), without importing that class. In transformers 5
     a model's configuration module imports its type validators, which import the activations, the hub kernels and
-    accelerate (and boto3): 1.6 s of the default model's 6-7 s start to healthy on 2 cores."""
+    accelerate (and boto3): reading the default model's index took 1.2 s with that import, 0.37 s without (2 cores,
+    Emerald Rapids)."""
 
     @classmethod
     def read(cls, path: Path) -> IndexedConfig:
