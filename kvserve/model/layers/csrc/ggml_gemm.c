@@ -203,6 +203,13 @@ static inline vec8 load8(const float *p) {
     return v;
 }
 
+/* x's GROUP values at xg times a group's quants, in lanes (the caller scales and sums them). */
+static inline __attribute__((always_inline)) vec group_dot(const float *xg, const vec q[GROUP / VEC]) {
+    vec dot = load(xg) * q[0];
+    for (int j = 1; j < GROUP / VEC; j++) dot += load(xg + j * VEC) * q[j];
+    return dot;
+}
+
 /* The scales and offsets of 8 consecutive blocks of a one-group type, as group_scales() gives each: their fp16
  * fields gathered, then converted together (one at a time, a conversion and a broadcast per group were a sixth
  * of a Q5_0 group's work). */
@@ -275,12 +282,7 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
                 group_quants(type, unit + g * block_bytes, 0, q);
             else
                 group_quants(type, unit, g, q);
-            for (int r = 0; r < rows; r++) {
-                const float *xg = x + r * x_stride + (group + g) * GROUP;
-                vec dot = load(xg) * q[0];
-                for (int j = 1; j < GROUP / VEC; j++) dot += load(xg + j * VEC) * q[j];
-                sum[r] += scale[g] * dot;
-            }
+            for (int r = 0; r < rows; r++) sum[r] += scale[g] * group_dot(x + r * x_stride + (group + g) * GROUP, q);
         }
         if (has_offset)
             for (int r = 0; r < rows; r++)
@@ -293,10 +295,7 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
         vec q[GROUP / VEC];
         group_quants(type, block, 0, q);
         for (int r = 0; r < rows; r++) {
-            const float *xg = x + r * x_stride + group * GROUP;
-            vec dot = load(xg) * q[0];
-            for (int j = 1; j < GROUP / VEC; j++) dot += load(xg + j * VEC) * q[j];
-            sum[r] += d[0] * dot;
+            sum[r] += d[0] * group_dot(x + r * x_stride + group * GROUP, q);
             if (has_offset) offsets[r] += offset[0] * x_sums[r * num_groups + group];
         }
     }
