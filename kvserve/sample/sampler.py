@@ -22,6 +22,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import torch
 
 from kvserve.device_copy import to_device
+from kvserve.sample.argmax import first_max
 from kvserve.sample.logits_processors import LogitsProcessor, default_processors
 from kvserve.sample.logprobs import gather_logprobs
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
@@ -265,10 +266,3 @@ def _per_request(
 
 def _per_row(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return to_device(values, dtype or like.dtype, like.device)
-
-
-def first_max(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, the first of equal maxima (NaN counting as the largest), as ``argmax`` gives it:
-    ``max``'s indices, which torch computes in a third of argmax's time on CPU (measured at 16-64 rows of a
-    49,152-token vocabulary)."""
-    return x.max(dim=-1).indices

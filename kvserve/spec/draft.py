@@ -43,7 +43,7 @@ from kvserve.kv.quant import KVCacheDtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
-from kvserve.sample.sampler import first_max
+from kvserve.sample.argmax import first_max
 from kvserve.sched.output import ScheduledRequest, SchedulerOutput
 from kvserve.worker.step_graphs import StepGraphs, step_graphs_for
 from kvserve.worker.input_batch import PersistentBatch, StepLayout

@@ -8,12 +8,10 @@ from typing import Sequence
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvserve.sample.logits_processors import LogitsProcessor
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
-from kvserve.sample.sampler import Sampler, SamplerOutput, draw_seed, first_max, prompt_logprobs
+from kvserve.sample.sampler import Sampler, SamplerOutput, draw_seed, prompt_logprobs
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -311,11 +309,3 @@ def test_prompt_logprobs():
 def test_row_count_mismatch_is_rejected():
     with pytest.raises(ValueError, match="rows"):
         Sampler()(torch.zeros(2, VOCAB), batch(row()))
-
-
-@settings(max_examples=200, deadline=None)
-@given(rows=st.lists(st.lists(st.sampled_from([-math.inf, -1.0, 0.0, 2.0, 2.0, math.inf, math.nan]), min_size=1,
-                              max_size=12), min_size=1, max_size=6).filter(lambda r: len({len(x) for x in r}) == 1))
-def test_first_max_is_argmax_ties_and_nans_included(rows: list[list[float]]) -> None:
-    x = torch.tensor(rows)
-    assert torch.equal(first_max(x), x.argmax(dim=-1))

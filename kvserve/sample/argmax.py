@@ -1,0 +1,66 @@
+"""Each row's argmax, the first of equal maxima (a NaN counting as the largest), as ``torch.argmax`` gives it:
+the last op of greedy decoding and of the exponential race that draws random samples.
+
+On CPU, fp32 rows go to ``csrc/first_max.c`` (two vector passes over a row, a long row split among the threads):
+torch's index-returning reductions walk a row one value at a time, 0.3 ms for one 262,144-token row of Gemma 3's
+logits. ``reference_first_max`` is the plain-PyTorch twin, and serves every other device and dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from kvserve.native import KernelBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+FIRST_MAX_SOURCE = Path(__file__).parent / "csrc" / "first_max.c"
+
+
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """The int64 index of each row's first maximum of ``x`` [..., V] (V >= 1), on ``x``'s device."""
+    library = _library() if _kernel_takes(x) else None
+    return reference_first_max(x) if library is None else kernel_first_max(x, library)
+
+
+def kernel_first_max(x: torch.Tensor, library: ctypes.CDLL) -> torch.Tensor:
+    """``first_max`` by the kernel of ``library`` (``bind``-ed) on fp32 CPU rows whose values are contiguous."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    if rows.shape[0]:
+        library.kvserve_first_max(out.data_ptr(), rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1],
+                                  torch.get_num_threads())
+    return out.view(x.shape[:-1])
+
+
+def reference_first_max(x: torch.Tensor) -> torch.Tensor:
+    """The twin: ``max``'s indices, which torch computes in a third of argmax's time on CPU (measured at 16-64
+    rows of a 49,152-token vocabulary) and which are argmax's."""
+    return x.max(dim=-1).indices
+
+
+def _kernel_takes(x: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0
+            and x.stride(-1) == 1)
+
+
+def bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """``library`` (built from ``FIRST_MAX_SOURCE``) with its function's C signature set."""
+    library.kvserve_first_max.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                                          ctypes.c_int64, ctypes.c_int]
+    library.kvserve_first_max.restype = None
+    return library
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        return bind(load_library(FIRST_MAX_SOURCE))
+    except KernelBuildError as error:
+        logger.warning("argmax falls back to torch's slower reduction: %s", error)
+        return None
