@@ -48,10 +48,11 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
 
     combos = [(dtype, dtype, *shape) for dtype in (torch.bfloat16, torch.float16, torch.float32)
               for shape in ((3, 64), (4, 128))]
-    combos += [(torch.bfloat16, cache, 4, 128) for cache in (torch.int8, torch.float8_e4m3fn)]
+    combos += [(torch.bfloat16, cache, 4, 128) for cache in (torch.int8, torch.float8_e4m3fn, torch.uint8)]
     cases = []
-    for dtype, cache, group, head_dim in combos:
-        quant = cache != dtype
+    for dtype, cache, group, head_dim in combos:  # a uint8 cache: int4 codes packed two a byte
+        quant = (kernels.UNQUANTIZED if cache == dtype else kernels.INT4 if cache == torch.uint8
+                 else kernels.SCALED).value
         common = dict(q=dtype, k_cache=cache, v_cache=cache, k_scales=torch.float16 if quant else cache,
                       v_scales=torch.float16 if quant else cache, stride_qt=1, stride_qh=1, stride_slot=1,
                       stride_head=1, scale_stride_slot=1, block_tables=torch.int32, stride_table=1,

@@ -8,8 +8,9 @@ slot ``table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``. Scores
 are kept in the log2 domain (the softmax scale is pre-multiplied by log2 e, so ``exp2`` is one instruction),
 and every softmax state (running max, sum, accumulator) is fp32 whatever the inputs.
 
-A quantized cache (``QUANT``: int8 or fp8 codes with one fp16 scale per token per KV head, ``kv/quant.py``)
-is dequantized tile by tile as it is loaded, to the queries' dtype, as the reference's gather does.
+A quantized cache (``QUANT``: int8 or fp8 codes with one fp16 scale per token per KV head, or int4 codes two a
+byte with an fp16 scale and zero point; ``kv/quant.py``) is dequantized tile by tile as it is loaded, to the
+queries' dtype, as the reference's gather does.
 
 Importing this module imports triton; only the backend (and the tests) do, never the CPU engine.
 """
@@ -22,6 +23,9 @@ import triton.language as tl
 # A running max that starts finite: a row that sees no key in a tile then gets exp2(-inf - NEG_INIT) = 0 rather
 # than exp2(-inf + inf) = nan (padding rows, and rows whose window starts after the tile).
 NEG_INIT = tl.constexpr(-1.0e30)
+# ``QUANT``: how the cache stores K/V (kv/quant.py): the values themselves, codes times one scale per token per
+# KV head (int8, fp8), or int4 codes packed two a byte with a scale and a zero point per token per KV head
+UNQUANTIZED, SCALED, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -50,11 +54,20 @@ def _slots(table_row, pos, mask, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def _load_rows(cache, scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-               scale_stride_slot, OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr):
+               scale_stride_slot, OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr, HEAD_DIM: tl.constexpr):
     """A [BLOCK_N, BLOCK_D] tile of one KV head's keys (or values), dequantized to ``OUT_DTYPE``."""
-    ptrs = cache + slots[:, None] * stride_slot + kv_head * stride_head + offs_d[None, :]
     mask = mask_n[:, None] & mask_d[None, :]
-    if QUANT:  # scales are [num_slots, num_kv_heads, 1]: one per token per KV head
+    if QUANT == INT4:  # value d in byte d % (HEAD_DIM / 2), low nibble for the first half; params (s, z)
+        half = HEAD_DIM // 2
+        ptrs = cache + slots[:, None] * stride_slot + kv_head * stride_head + (offs_d % half)[None, :]
+        packed = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        codes = (packed >> (4 * (offs_d >= half).to(tl.int32))[None, :]) & 15
+        params = scales + slots * scale_stride_slot + kv_head * 2
+        s = tl.load(params, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(params + 1, mask=mask_n, other=0.0).to(tl.float32)
+        return tl.where(mask, codes.to(tl.float32) * s[:, None] + z[:, None], 0.0).to(OUT_DTYPE)
+    ptrs = cache + slots[:, None] * stride_slot + kv_head * stride_head + offs_d[None, :]
+    if QUANT == SCALED:  # scales are [num_slots, num_kv_heads, 1]: one per token per KV head
         s = tl.load(scales + slots * scale_stride_slot + kv_head, mask=mask_n, other=0.0).to(tl.float32)
         # no ``other`` for the codes: the interpreter cannot make an fp8 zero; masked lanes are zeroed after
         return tl.where(mask, tl.load(ptrs, mask=mask).to(tl.float32) * s[:, None], 0.0).to(OUT_DTYPE)
@@ -122,11 +135,11 @@ def paged_decode_kernel(
         mask_n = pos < end
         slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
         keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                          scale_stride_slot, q.dtype.element_ty, QUANT)
+                          scale_stride_slot, q.dtype.element_ty, QUANT, HEAD_DIM)
         scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
         values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                            scale_stride_slot, q.dtype.element_ty, QUANT)
+                            scale_stride_slot, q.dtype.element_ty, QUANT, HEAD_DIM)
         acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
 
     l = tl.where(l > 0, l, 1.0)  # an empty split: acc is 0, and lse ~ NEG_INIT weighs it 0 in the merge
@@ -203,13 +216,13 @@ def paged_prefill_kernel(
             mask_n = pos < hi
             slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
             keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                              scale_stride_slot, q.dtype.element_ty, QUANT)
+                              scale_stride_slot, q.dtype.element_ty, QUANT, HEAD_DIM)
             scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
             visible = ((pos[None, :] <= query_pos[:, None]) & (pos[None, :] > query_pos[:, None] - window)
                        & mask_n[None, :])
             scores = tl.where(visible, scores, float("-inf"))
             values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot,
-                                stride_head, scale_stride_slot, q.dtype.element_ty, QUANT)
+                                stride_head, scale_stride_slot, q.dtype.element_ty, QUANT, HEAD_DIM)
             acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
 
         o = acc / tl.where(l > 0, l, 1.0)[:, None]  # 0 only on padding rows: a real row sees its own key

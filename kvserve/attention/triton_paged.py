@@ -33,7 +33,7 @@ from kvserve.kv.quant import KVCacheDtype
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-QUANTIZED_ENCODINGS = ("int8", "fp8")  # codes x one scale per token per KV head; int4 (packed, zero point) is not
+QUANTIZED_ENCODINGS = ("int8", "fp8", "int4")  # each read as triton_kernels' QUANT says
 NO_WINDOW = 1 << 30  # a window longer than any sequence: the kernels mask by position with no branch
 MIN_SPLIT_KEYS = 64  # a split reads at least this many keys, or its merge costs more than it saves
 BLOCK_N = 64  # keys per tile
@@ -71,7 +71,7 @@ class TritonPagedMetadata(AttentionMetadata):
 
 class TritonPagedBackend(AttentionBackend):
     """Decodes and prefill chunks through Triton kernels; fp16 / bf16 / fp32 models, caches unquantized or
-    int8 / fp8. ``max_kv_splits`` caps the flash-decoding split (1 turns it off)."""
+    int8 / fp8 / int4. ``max_kv_splits`` caps the flash-decoding split (1 turns it off)."""
 
     # the kernels read every decode's length and table from the tensors; the host lengths only pick the split
     # count, which metadata built for a CUDA graph fixes for the longest sequence the graph serves (under the
@@ -150,7 +150,7 @@ class TritonPagedBackend(AttentionBackend):
             meta.block_tables, meta.block_tables.stride(0), meta.seq_lens, scale * math.log2(math.e), window,
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
             BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-            QUANT=layer_kv.k_scale is not None, **_dot_args(q), STORE_LSE=num_splits > 1,
+            QUANT=_quant(layer_kv.encoding), **_dot_args(q), STORE_LSE=num_splits > 1,
         )
         if num_splits > 1:
             kernels.merge_splits_kernel[(num_decodes, num_heads)](
@@ -200,8 +200,15 @@ def _attend_chunks(q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, me
         meta.chunk_query_starts, meta.chunk_query_lens, scale * math.log2(math.e), window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size, QUERIES_PER_TILE=queries_per_tile,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
-        QUANT=layer_kv.k_scale is not None, **_dot_args(q),
+        QUANT=_quant(layer_kv.encoding), **_dot_args(q),
     )
+
+
+def _quant(encoding: KVCacheDtype) -> int:
+    """The kernels' ``QUANT`` for a cache stored in ``encoding``."""
+    if not encoding.has_scales:
+        return kernels.UNQUANTIZED.value
+    return kernels.INT4.value if encoding.has_zero_point else kernels.SCALED.value
 
 
 def _cache_args(layer_kv: KVLayerView) -> tuple[torch.Tensor | int, ...]:

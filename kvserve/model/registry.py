@@ -249,7 +249,9 @@ def build_model(
                 layer.bind(head_method if layer is head else linear_method, dtype)
             if isinstance(layer, UsesFusedOps):
                 layer.ops = fused_ops
-    model = model.to_empty(device=device)
+    # ``to_empty``'s empty_like of a meta tensor runs torch's Python reference, whose first use imports sympy
+    # (0.4 s of a 5 s start-up); an empty of the same shape does not
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()
     return model
 

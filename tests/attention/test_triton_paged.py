@@ -100,16 +100,23 @@ def test_strided_qkv_views_as_the_model_passes_them() -> None:
     check(Step(step.inputs, step.kv, q, k, v, step.histories, step.query_lens), None, SPLIT)
 
 
-@pytest.mark.parametrize("encoding", ["int8", "fp8"])
+@pytest.mark.parametrize("encoding", ["int8", "fp8", "int4"])
 def test_quantized_cache_is_dequantized_in_the_kernels(encoding: str) -> None:
     check(triton_step(MIXED, 4, group=3, encoding=ENCODINGS[encoding], seed=5), 33, SPLIT)
 
 
+@pytest.mark.parametrize("head_dim", [48, 64])
+def test_int4_unpacks_both_halves_of_a_row(head_dim: int) -> None:
+    """int4 packs value d and value d + head_dim / 2 in one byte: a head_dim that is no power of two pads the
+    tile past the packed row, which must read as zeros."""
+    step = triton_step(MIXED, 4, group=2, head_dim=head_dim, encoding=ENCODINGS["int4"], seed=7)
+    check(step, None, NO_SPLIT)
+    check(step, None, SPLIT)
+
+
 def test_unsupported_inputs_are_rejected_with_what_is_wrong() -> None:
-    step = triton_step([(3, 1), (0, 4)], 1, group=1, encoding=ENCODINGS["int4"])
+    step = triton_step([(3, 1), (0, 4)], 1, group=1)
     meta = SPLIT.build_metadata(step.inputs, {None})
-    with pytest.raises(NotImplementedError, match="not int4"):
-        SPLIT.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0)
     with pytest.raises(ValueError, match="sliding_window=8"):
         SPLIT.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=1.0, sliding_window=8)
     with pytest.raises(TypeError, match="fp16 / bf16 / fp32"):
@@ -123,11 +130,11 @@ def test_selector_picks_triton_on_cuda_where_its_kernels_read_the_cache(monkeypa
     monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         assert isinstance(select_backend(CUDA, dtype), TritonPagedBackend)
-    assert isinstance(select_backend(CUDA, torch.bfloat16, kv_dtype=ENCODINGS["int8"]), TritonPagedBackend)
-    assert type(select_backend(CUDA, torch.bfloat16, kv_dtype=ENCODINGS["int4"])) is TorchRefBackend
+    for encoding in ("int8", "fp8", "int4"):
+        assert isinstance(select_backend(CUDA, torch.bfloat16, kv_dtype=ENCODINGS[encoding]), TritonPagedBackend)
     assert type(select_backend(CUDA, torch.float64)) is TorchRefBackend
-    with pytest.raises(ValueError, match="not torch.bfloat16 on a int4 cache"):
-        select_backend(CUDA, torch.bfloat16, name="triton", kv_dtype=ENCODINGS["int4"])
+    with pytest.raises(ValueError, match="not torch.float64"):
+        select_backend(CUDA, torch.float64, name="triton")
 
 
 def test_selector_forces_triton_on_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
