@@ -155,14 +155,15 @@ def compare_table(paths: list[str | Path]) -> str:
     first."""
     columns = [column for path in paths for column in _columns(Path(path))]
     names = [name for name, _ in columns]
-    width = max(16, *(len(name) + 2 for name in names))
-    lines = [f"{'':<24}" + "".join(f"{name:>{width}}" for name in names)]
+    rows = []
     for keys, row_name in COMPARED:
         values = [_get(figures, keys) for _, figures in columns]
-        if all(value is None for value in values):
-            continue
-        cells = [_cell(value, values[0] if i else None) for i, value in enumerate(values)]
-        lines.append(f"{row_name:<24}" + "".join(f"{cell:>{width}}" for cell in cells))
+        if any(value is not None for value in values):
+            rows.append((row_name, [_cell(value, values[0] if i else None) for i, value in enumerate(values)]))
+    # every column two spaces wider than its widest entry, so that no two cells run together
+    width = max(16, *(len(text) + 2 for text in names + [cell for _, cells in rows for cell in cells]))
+    lines = [f"{'':<24}" + "".join(f"{name:>{width}}" for name in names)]
+    lines += [f"{row_name:<24}" + "".join(f"{cell:>{width}}" for cell in cells) for row_name, cells in rows]
     return "\n".join(lines)
 
 
@@ -190,7 +191,7 @@ def _get(figures: dict[str, Any], keys: tuple[str, ...]) -> float | None:
 def _cell(value: float | None, base: float | None) -> str:
     if value is None:
         return "-"
-    cell = f"{value:.4g}"
+    cell = f"{value:.4g}" if abs(value) < 10_000 else f"{value:.0f}"  # no exponent: 59060, not 5.906e+04
     return f"{cell} ({value / base:.2f}x)" if base else cell
 
 

@@ -57,3 +57,10 @@ def test_sweep_table_has_a_row_per_rate() -> None:
     lines = format_sweep([{**run, "request_rate": 2.0}, {**run, "request_rate": "inf"}]).splitlines()
     assert len(lines) == 3 and lines[1].split() == ["2.0", "1.500", "96.0", "12.0", "-", "80.0", "0"]
     assert lines[2].split()[0] == "inf"
+
+
+def test_compare_keeps_large_figures_apart(tmp_path: Path) -> None:
+    runs = [write(tmp_path / f"{label}.json", {"kind": "serve", "label": label, "ttft_ms": {"p99": value}})
+            for label, value in (("a", 59064.2), ("b", 64540.0))]
+    by_name = {row[:24].strip(): row[24:].split() for row in compare_table(runs).splitlines()[1:]}
+    assert by_name["TTFT P99 ms"] == ["59064", "64540", "(1.09x)"]
