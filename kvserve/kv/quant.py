@@ -125,6 +125,7 @@ def _half_at_least(scale: torch.Tensor) -> torch.Tensor:
 
 def _quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rounds with the fp16 scale and zero point it stores, so that every value stays within half a step."""
+    x = x + 0.0  # -0 as 0: the minimum and maximum of a row of zeros then have one sign whatever the order
     low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     zero = low.clamp(-FP16_MAX, FP16_MAX).half().float()
     scale = ((high - zero) / INT4_MAX).clamp(max=FP16_MAX).half().float()

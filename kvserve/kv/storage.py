@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.kv.cpu_store import cpu_kv_store
 from kvserve.kv.quant import KVCacheDtype, dequantize, quantize
 
 
@@ -172,12 +173,22 @@ class KVCacheStorage:
         """Store the step's new keys and values ([T, num_kv_heads, head_dim], the model's dtype) of layer
         ``layer`` at their flat slots (int64 [T]), as vLLM's ``reshape_and_cache``.
 
-        A slot outside the cache raises ``ValueError`` on CPU, from the copy's own bounds check (checking
-        first would cost a host sync per layer on CUDA, whose copy kernel asserts instead), so the keys of
-        the slots before the bad one may already be stored.
+        A slot outside the cache raises ``ValueError`` on CPU (the C store checks every slot first and stores
+        nothing; the torch path's copy checks its own bounds, so the keys of the slots before the bad one may
+        already be stored there); on CUDA the copy kernel asserts (checking first would cost a host sync per
+        layer).
         """
         self._check_write(slot_mapping, k, v)
         view = self.layer(layer)
+        store = cpu_kv_store() if view.k.device.type == "cpu" else None
+        if store is not None and store.takes(view.k, view.k_scale, k, v, view.encoding.name):
+            store(view.k, view.v, view.k_scale, view.v_scale, slot_mapping, k, v, view.encoding.name)
+        else:
+            self.write_by_torch(view, slot_mapping, k, v)
+
+    def write_by_torch(self, view: KVLayerView, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write`` in torch ops (``quantize``, then ``index_copy_``): every device, and the twin of the CPU store
+        (``kv/cpu_store.py``), which gives the same bytes."""
         try:
             for new, data, params in ((k, view.k, view.k_scale), (v, view.v, view.v_scale)):
                 if params is None:

@@ -1,0 +1,107 @@
+"""The CPU store (kv/csrc/kv_store.c) writes the same bytes as KVCacheStorage's torch path, its twin: raw copies
+of every model dtype, int8 / fp8 / int4 quantized bit for bit (rows of every magnitude, all-zero rows, strided
+inputs), the machine's build and the AVX2 one; a slot outside the cache stores nothing and names the problem."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import native
+from kvserve.kv.cpu_store import KV_STORE_SOURCE, CpuKVStore
+from kvserve.kv.quant import ENCODINGS
+from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+
+NUM_KV_HEADS, BLOCK_SIZE, NUM_BLOCKS = 3, 4, 5
+CACHES = ["float32", "bfloat16", "float16", "int8", "fp8", "int4"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((line for line in lines if line.startswith("flags")), "").split())
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def store(request: pytest.FixtureRequest) -> CpuKVStore:
+    if request.param == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA + F16C to run the AVX2 build")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(native.ISA_ENV_VAR, request.param)
+        return CpuKVStore(ctypes.CDLL(str(native.library_path(KV_STORE_SOURCE))))
+
+
+def _storage(cache: str, head_dim: int) -> KVCacheStorage:
+    dtype = getattr(torch, cache) if cache in ("float32", "bfloat16", "float16") else torch.float32
+    spec = KVCacheSpec(1, NUM_KV_HEADS, head_dim, BLOCK_SIZE, dtype, ENCODINGS.get(cache))
+    return KVCacheStorage(spec, NUM_BLOCKS, "cpu")
+
+
+def _rows(num_tokens: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[T, heads, head_dim] of every magnitude, from a wider row (as k and v are views of the qkv output)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(num_tokens, 2 * NUM_KV_HEADS * head_dim + 5, generator=gen)
+    rows = wide[:, 5 : 5 + NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    magnitudes = torch.tensor([1.0, 1e-6, 3e4, 1e5, 0.0, 1e-3, 7.0])  # tiny scales, fp16-clamped ones, zeros
+    rows.mul_(magnitudes[torch.arange(num_tokens) % len(magnitudes)].view(-1, 1, 1))
+    rows[0, 1, : head_dim // 2] = 0.0  # a row half zeros, and row 0's last head all equal
+    rows[0, 2] = 0.25
+    return rows.to(dtype)
+
+
+def _stored(kv: KVCacheStorage) -> list[torch.Tensor]:
+    return [t.view(torch.uint8).clone() for t in kv.layer(0).tensors()]
+
+
+@pytest.mark.parametrize("head_dim", [64, 10, 2])
+@pytest.mark.parametrize("cache", CACHES)
+def test_the_store_writes_the_bytes_of_the_torch_path(store: CpuKVStore, cache: str, head_dim: int) -> None:
+    by_store, by_torch = _storage(cache, head_dim), _storage(cache, head_dim)
+    view = by_store.layer(0)
+    slots = torch.randperm(by_store.num_slots, generator=torch.Generator().manual_seed(head_dim))[:14]
+    k, v = (_rows(14, head_dim, by_store.spec.dtype, seed) for seed in (1, 2))
+    assert store.takes(view.k, view.k_scale, k, v, view.encoding.name)
+    store(view.k, view.v, view.k_scale, view.v_scale, slots, k, v, view.encoding.name)
+    by_torch.write_by_torch(by_torch.layer(0), slots, k, v)
+    for ours, twin in zip(_stored(by_store), _stored(by_torch)):
+        assert torch.equal(ours, twin)
+
+
+def test_write_takes_the_store_on_cpu_and_reads_back(store: CpuKVStore) -> None:
+    kv = _storage("int8", 64)
+    slots = torch.tensor([3, 17, 0])
+    k, v = (_rows(3, 64, torch.float32, seed) for seed in (3, 4))
+    kv.write(0, slots, k, v)
+    keys, values = kv.layer(0).gather(slots)
+    step = k.abs().amax(-1, keepdim=True) / 127  # int8 moves a value by at most half a step
+    assert ((keys - k).abs() <= step / 2 + 1e-6).all() and ((values - v).abs() <= step / 2 + 1e-3).any()
+
+
+@pytest.mark.parametrize("cache", ["float32", "int4"])
+def test_a_slot_outside_the_cache_stores_nothing(store: CpuKVStore, cache: str) -> None:
+    kv = _storage(cache, 8)
+    view = kv.layer(0)
+    k, v = (_rows(2, 8, torch.float32, seed) for seed in (5, 6))
+    before = _stored(kv)
+    for bad in (kv.num_slots, -1):
+        with pytest.raises(ValueError, match=f"outside the cache's {kv.num_slots} slots"):
+            store(view.k, view.v, view.k_scale, view.v_scale, torch.tensor([1, bad]), k, v, view.encoding.name)
+        with pytest.raises(ValueError, match="outside the cache"):
+            kv.write(0, torch.tensor([1, bad]), k, v)
+    assert all(torch.equal(a, b) for a, b in zip(before, _stored(kv)))
+
+
+def test_what_the_store_does_not_take_goes_to_torch() -> None:
+    kv = _storage("int8", 8)
+    view = kv.layer(0)
+    k = _rows(2, 8, torch.float32, 7)
+    assert not CpuKVStore.takes(view.k, view.k_scale, k.bfloat16(), k.bfloat16(), "int8")  # quantizes fp32 only
+    transposed = k.transpose(1, 2).contiguous().transpose(1, 2)  # heads not contiguous in a token's row
+    assert not CpuKVStore.takes(view.k, view.k_scale, transposed, transposed, "int8")
+    kv.write(0, torch.tensor([0, 1]), transposed, transposed)  # the torch path stores it
+    assert torch.allclose(kv.layer(0).gather(torch.tensor([0, 1]))[0], k, atol=0.05)
