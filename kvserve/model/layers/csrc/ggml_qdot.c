@@ -54,7 +54,7 @@
 
 #define TILE_ROWS 4 /* rows of x per pass over a weight row */
 #define TILE_COLS 2 /* weight rows per pass: TILE_COLS * TILE_ROWS sums + the group vectors in 16 registers */
-#define PREFETCH_ROWS 4 /* how far ahead (weight rows) tile() asks for the blocks it will read */
+#define PREFETCH_ROWS 8 /* how far ahead (weight rows) tile() asks for the blocks it will read */
 
 /* x quantized: codes [m, k] int8, and per row and group its scale dx and dx * sum(codes). */
 struct codes {
@@ -218,8 +218,9 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
         for (int c = 0; c < cols; c++) {
             const uint8_t *block = weight + c * row_bytes + (int64_t)b * block_bytes;
             /* as in ggml_gemm.c's rows kernel: the same block PREFETCH_ROWS weight rows on, asked for a block at
-             * a time (none without: 0.8x on Gemma 3's Q8_0 head, one row, 2 threads) */
-            for (int line = 0; line < block_bytes; line += 64) __builtin_prefetch(block + ahead + line, 0, 0);
+             * a time into every cache level (none: 0.8x on Gemma 3's Q8_0 head, one row, 2 threads; 4 rows ahead
+             * and past the caches (NTA): Gemma 3's layers 0.91x, its head 0.89x, SmolLM2's head 0.85x) */
+            for (int line = 0; line < block_bytes; line += 64) __builtin_prefetch(block + ahead + line, 0, 3);
             float d[SUPER_GROUPS], offset[SUPER_GROUPS];
             block_scales(type, block, d, offset);
 #pragma GCC unroll 8 /* constant group numbers: the quants' bit positions become immediate shifts */
