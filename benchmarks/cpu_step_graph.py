@@ -2,7 +2,7 @@
 so that load from other processes hits both alike.
 
     PYTHONPATH=. python benchmarks/cpu_step_graph.py [--model smollm2-135m-instruct] [--streams 1,4,16]
-        [--rounds 3] [--quantization auto|none] [--quantize-activations]
+        [--rounds 3] [--quantization auto|none] [--quantize-activations] [--kv-cache-dtype auto|int8|fp8|int4]
 
 Each round runs ``streams`` requests at once (256-token random prompts, 128 greedy tokens each, ``ignore_eos``) on
 each engine in turn, step by step; every step after the prompts' prefill is a decode step of every request.
@@ -44,13 +44,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--quantize-activations", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {platform.processor() or platform.machine()}, {args.threads} threads, {args.model}, quantization "
-          f"{args.quantization}, int8 activations {args.quantize_activations}")
+          f"{args.quantization}, int8 activations {args.quantize_activations}, KV {args.kv_cache_dtype}")
     engines = {mode: LLM(args.model, quantization=args.quantization, quantize_activations=args.quantize_activations,
-                         enforce_eager=mode == "eager", max_num_seqs=32)
+                         kv_cache_dtype=args.kv_cache_dtype, enforce_eager=mode == "eager", max_num_seqs=32)
                for mode in ("eager", "graphs")}
     rng = random.Random(0)
     print("streams   eager ms/step  graphs ms/step  eager / graphs")

@@ -4,36 +4,21 @@ inputs), the machine's build and the AVX2 one; a slot outside the cache stores n
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import pytest
 import torch
 
-from kvserve import native
 from kvserve.kv.cpu_store import KV_STORE_SOURCE, CpuKVStore
 from kvserve.kv.quant import ENCODINGS
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from tests.isa_builds import isa_build
 
 NUM_KV_HEADS, BLOCK_SIZE, NUM_BLOCKS = 3, 4, 5
 CACHES = ["float32", "bfloat16", "float16", "int8", "fp8", "int4"]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((line for line in lines if line.startswith("flags")), "").split())
-
-
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def store(request: pytest.FixtureRequest) -> CpuKVStore:
-    if request.param == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
-        pytest.skip("this CPU has no AVX2 + FMA + F16C to run the AVX2 build")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(native.ISA_ENV_VAR, request.param)
-        return CpuKVStore(ctypes.CDLL(str(native.library_path(KV_STORE_SOURCE))))
+    return CpuKVStore(isa_build(KV_STORE_SOURCE, request.param, frozenset({"avx2", "fma", "f16c"})))
 
 
 def _storage(cache: str, head_dim: int) -> KVCacheStorage:

@@ -3,7 +3,6 @@ AVX2; and their selection for fp32 on CPU."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 import sys
 from pathlib import Path
@@ -13,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kvserve import native
 from kvserve.model.layers.activation import GatedMLP
 from kvserve.model.layers.cpu_fused_ops import FUSED_OPS_SOURCE, CpuFusedOps
 from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
 from kvserve.model.layers.norm import GemmaRMSNorm, RMSNorm
 from kvserve.model.registry import build_model, select_fused_ops
+from tests.isa_builds import isa_build
 from tests.model.conftest import Family, PagedRunner, random_prompt
 
 TWIN = TorchFusedOps()
@@ -28,21 +27,9 @@ ROTARY_SHAPES = [(1, 12, 64), (5, 3, 24), (33, 4, 16), (3, 2, 10), (2, 1, 2)]  #
 ACT_SHAPES = [(1, 1536), (7, 13), (19, 100), (2, 3)]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((line for line in lines if line.startswith("flags")), "").split())
-
-
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def fused(request: pytest.FixtureRequest) -> CpuFusedOps:
-    if request.param == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip("this CPU has no AVX2 + FMA to run the AVX2 build")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(native.ISA_ENV_VAR, request.param)
-        return CpuFusedOps(ctypes.CDLL(str(native.library_path(FUSED_OPS_SOURCE))))
+    return CpuFusedOps(isa_build(FUSED_OPS_SOURCE, request.param))
 
 
 def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:

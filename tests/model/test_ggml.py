@@ -22,7 +22,7 @@ from kvserve.model.layers.ggml import (
 from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
 from kvserve.model.loader import load_checkpoint
 from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf
-from tests.model.test_prepacked import _cpu_flags
+from tests.isa_builds import cpu_flags
 
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # blocks of 256 values that gguf-py does not quantize
 TYPES = sorted(KERNEL_TYPES - set(K_TYPES))  # blocks of 32 that it does
@@ -126,12 +126,12 @@ def assert_build_equals_the_reference(isa: str, monkeypatch: pytest.MonkeyPatch)
         torch.testing.assert_close(build.dequantize(weight), weight.dequantize(), rtol=2.4e-7, atol=1e-30)
 
 
-@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= _cpu_flags(), reason="this CPU cannot run the AVX2 build")
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="this CPU cannot run the AVX2 build")
 def test_the_avx2_build_asked_for_on_any_cpu_equals_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_build_equals_the_reference("avx2", monkeypatch)
 
 
-@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="this CPU cannot run the AVX-512 build")
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="this CPU cannot run the AVX-512 build")
 def test_the_avx512_build_equals_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     assert_build_equals_the_reference("avx512", monkeypatch)
 

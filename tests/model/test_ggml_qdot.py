@@ -19,7 +19,7 @@ from kvserve.model.layers.ggml_qdot import (
 )
 from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
 from tests.model.test_ggml import K_TYPES, TYPES, blocks_of, random_blocks
-from tests.model.test_prepacked import _cpu_flags
+from tests.isa_builds import cpu_flags
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def assert_build_equals_the_twin(isa: str, monkeypatch: pytest.MonkeyPatch) -> N
 ])
 def test_each_isa_build_equals_the_twin(isa: str, flags: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """Every build this CPU can run; the others are at least compiled (a VNNI path that does not build fails)."""
-    if flags <= _cpu_flags():
+    if flags <= cpu_flags():
         assert_build_equals_the_twin(isa, monkeypatch)
         return
     monkeypatch.setenv(native.ISA_ENV_VAR, isa)

@@ -17,6 +17,7 @@ from kvserve.model.layers import prepacked
 from kvserve.model.layers.linear import Linear, linear_from_tensors
 from kvserve.model.layers.prepacked import CpuPrepackedLinearMethod, SmallGemm, can_prepack
 from kvserve.model.registry import build_model, process_weights_after_loading
+from tests.isa_builds import cpu_flags
 from tests.model.conftest import Family, load_ours
 
 pytestmark = pytest.mark.skipif(not can_prepack(torch.device("cpu"), torch.float32),
@@ -76,15 +77,7 @@ def test_small_gemm_rows_do_not_depend_on_the_rest_of_the_step(small: SmallGemm)
     assert torch.equal(small(x, panels, None, 100), alone)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((line for line in lines if line.startswith("flags")), "").split())
-
-
-@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags(), reason="this CPU has no AVX2 + FMA to run the AVX2 build")
+@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="this CPU has no AVX2 + FMA to run the AVX2 build")
 @pytest.mark.parametrize("vendor, max_rows", [("AuthenticAMD", None), ("GenuineIntel", 192), ("", 192)])
 def test_the_avx2_build_asked_for_on_any_cpu_equals_matmul(monkeypatch: pytest.MonkeyPatch, vendor: str,
                                                            max_rows: int | None) -> None:
@@ -105,7 +98,7 @@ def test_the_avx2_build_asked_for_on_any_cpu_equals_matmul(monkeypatch: pytest.M
             torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not _cpu_flags(), reason="no x86 /proc/cpuinfo")
+@pytest.mark.skipif(not cpu_flags(), reason="no x86 /proc/cpuinfo")
 def test_the_cpu_vendor_is_cpuinfo_s() -> None:
     vendor = native.cpu_vendor()
     assert vendor and f"vendor_id\t: {vendor}\n" in Path("/proc/cpuinfo").read_text()

@@ -6,35 +6,22 @@ from __future__ import annotations
 
 import ctypes
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve import native
 from kvserve.sample.argmax import FIRST_MAX_SOURCE, bind, first_max, kernel_first_max, reference_first_max
+from tests.isa_builds import isa_build
 
 LONG = 100_003  # past two of the kernel's smallest parts (32,768 values): split among 2 or more threads
 VALUES = [-math.inf, -1.0, 0.0, 2.0, 2.0, math.inf, math.nan]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return set(next((line for line in lines if line.startswith("flags")), "").split())
-
-
 @pytest.fixture(scope="module", params=["native", "avx2"])
 def library(request: pytest.FixtureRequest) -> ctypes.CDLL:
-    if request.param == "avx2" and not {"avx2", "fma"} <= _cpu_flags():
-        pytest.skip("this CPU has no AVX2 + FMA to run the AVX2 build")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(native.ISA_ENV_VAR, request.param)
-        return bind(ctypes.CDLL(str(native.library_path(FIRST_MAX_SOURCE))))
+    return bind(isa_build(FIRST_MAX_SOURCE, request.param))
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,0 +1,30 @@
+"""The CPU's instruction-set flags, and a C kernel built for a chosen ISA (``KVSERVE_CPU_ISA``), for tests that
+check the AVX2 build of a kernel on an AVX-512 machine as well as the machine's own."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import pytest
+
+from kvserve import native
+
+
+def cpu_flags() -> set[str]:
+    """The flags of /proc/cpuinfo (empty where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return set(next((line for line in lines if line.startswith("flags")), "").split())
+
+
+def isa_build(source: Path, isa: str, needs: frozenset[str] = frozenset({"avx2", "fma"})) -> ctypes.CDLL:
+    """``source`` built for ``isa`` ("native": this machine's own); skips the test where ``isa`` is not native
+    and this CPU lacks a flag in ``needs`` to run that build."""
+    if isa != "native" and not needs <= cpu_flags():
+        pytest.skip(f"this CPU has no {' + '.join(sorted(needs))} to run the {isa} build")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(native.ISA_ENV_VAR, isa)
+        return ctypes.CDLL(str(native.library_path(source)))
