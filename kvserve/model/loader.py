@@ -21,11 +21,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from kvserve.model.base import CheckpointError
-from kvserve.model.gguf_index import GGUFIndex, load_gguf_index
+from kvserve.model.gguf_index import GGUFIndex, TensorEntry, load_gguf_index
 from kvserve.model.layers.ggml import GGMLTensor
 from kvserve.model.sources import ModelLocation
 
@@ -102,6 +101,8 @@ def _read_hf_config(directory: Path) -> PretrainedConfig:
     if not config_file.is_file():
         raise CheckpointError(f"{directory} has no config.json: it is not a Hugging Face model directory")
     _read_json(config_file)  # a clear error for bad JSON, before transformers wraps it in a vaguer one
+    from transformers import AutoConfig  # see _with_architectures
+
     try:
         config = AutoConfig.from_pretrained(directory)
     except (ValueError, OSError, KeyError) as error:
@@ -170,6 +171,8 @@ def _read_safetensors(
 def _read_hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
     if not any((directory / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"{directory} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer  # see _with_architectures
+
     try:
         return AutoTokenizer.from_pretrained(directory)
     except (ValueError, OSError, KeyError) as error:
@@ -226,22 +229,29 @@ def _read_gguf(
     is in ``keep_quantized``, as the file's blocks (``GGMLTensor``, rows in Hugging Face order; ``mapped``: a
     view of the file's pages, mapped copy-on-write, unless the rows were reordered)."""
     from gguf import GGMLQuantizationType, dequantize
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     # transformers' processor undoes llama.cpp's Q/K row permutation (rows are whole block runs, so it applies
-    # to blocks as to values) and Gemma's norm offset
-    processor = TENSOR_PROCESSORS.get(index.architecture, TensorProcessor)(config=index.config.to_dict())
+    # to blocks as to values) and Gemma's norm offset: as the index learned it (``TensorProcessing``), or run here
+    # for a tensor whose processing is something else
+    process = partial(_process_gguf_tensor, index)
     for entry, data in index.arrays(path, writable=mapped):
         qtype = GGMLQuantizationType(entry.qtype)
         keep = qtype in keep_quantized and len(entry.dims) == 2
-        weights = data if keep else dequantize(data, qtype)
-        result = processor.process(
-            weights=weights, name=entry.name, tensor_key_mapping={entry.name: entry.hf_name}, parsed_parameters={}
-        )
+        weights = process(entry, data if keep else dequantize(data, qtype))
         if keep:
-            yield entry.hf_name, GGMLTensor.from_numpy(result.weights, qtype, copy=not mapped)
+            yield entry.hf_name, GGMLTensor.from_numpy(weights, qtype, copy=not mapped)
         else:
-            yield entry.hf_name, torch.from_numpy(np.array(result.weights)).to(dtype)
+            yield entry.hf_name, torch.from_numpy(np.array(weights)).to(dtype)
+
+
+def _process_gguf_tensor(index: GGUFIndex, entry: TensorEntry, weights: np.ndarray) -> np.ndarray:
+    if entry.processing is not None and not (entry.processing.shift and weights.dtype == np.uint8):
+        return entry.processing.apply(weights)
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(index.architecture, TensorProcessor)(config=index.config.to_dict())
+    return processor.process(weights=weights, name=entry.name, tensor_key_mapping={entry.name: entry.hf_name},
+                             parsed_parameters={}).weights
 
 
 # ---- shared ----------------------------------------------------------------------------------------------
@@ -249,7 +259,12 @@ def _read_gguf(
 
 def _with_architectures(config: PretrainedConfig, source: Path) -> PretrainedConfig:
     """Set ``architectures`` (absent from GGUF metadata and some configs) from the model type."""
+    # transformers.models and its Auto classes are imported where they are used, never at import: the package's
+    # first import reads every model's source files for their ``__all__`` (0.4-0.6 s on 2 cores), and serving a
+    # GGUF whose index is cached (the default model) needs none of them
     if not config.architectures:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
         architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         if architecture is None:
             raise CheckpointError(f"{source}: model type {config.model_type!r} is not a causal LM transformers knows")

@@ -3,11 +3,16 @@ and never a reason for a load to fail."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from transformers import AutoConfig
@@ -39,7 +44,7 @@ def test_a_second_load_reads_the_index_without_parsing_the_file(gguf_file: Path,
         raise AssertionError("the GGUF file was parsed again")
 
     monkeypatch.setattr(gguf, "GGUFReader", no_parse)
-    monkeypatch.setattr(gguf_index.AutoConfig, "from_pretrained", _refuse_gguf(gguf_index.AutoConfig.from_pretrained))
+    monkeypatch.setattr(AutoConfig, "from_pretrained", _refuse_gguf(AutoConfig.from_pretrained))
     again_config, again = load(gguf_file)
     assert again_config == config
     assert again.keys() == weights.keys() and all(torch.equal(again[n], weights[n]) for n in weights)
@@ -92,3 +97,70 @@ def test_an_indexed_config_reads_back_as_its_class_made_it(tiny_checkpoints, tmp
     del made["_name_or_path"], read["_name_or_path"]
     assert read == made
     assert indexed.model_type == config.model_type and indexed.architectures == config.architectures
+
+
+# transformers' processor per GGUF architecture of a family kvserve runs, and names it treats apart
+PROCESSED_NAMES = ["blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight", "blk.0.attn_norm.weight",
+                   "blk.0.post_attention_norm.weight", "output_norm.weight", "token_embd.weight"]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", PROCESSED_NAMES)
+def test_the_learned_processing_equals_transformers_processor(architecture: str, name: str) -> None:
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(
+        config={"num_attention_heads": 4, "num_key_value_heads": 2})
+    processing = gguf_index.learn_processing(processor, name, "hf." + name, 32)
+    assert processing is not None
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((32, 24)).astype(np.float32), rng.standard_normal(32).astype(np.float32),
+              rng.integers(0, 256, (32, 18), dtype=np.uint8)]  # values, a norm, a tensor's blocks
+    for weights in arrays[:2] + (arrays[2:] if not processing.shift else []):
+        expected = processor.process(weights=weights, name=name, tensor_key_mapping={}, parsed_parameters={}).weights
+        got = processing.apply(weights)
+        assert got.dtype == expected.dtype and np.array_equal(got, expected)
+
+
+class Scaling:
+    """A processor that is no row order plus a shift."""
+
+    def process(self, weights, name, **kwargs):
+        return SimpleNamespace(weights=weights * 2)
+
+
+def test_processing_that_is_no_row_order_and_shift_is_not_learned() -> None:
+    assert gguf_index.learn_processing(Scaling(), "blk.0.attn_q.weight", "q", 8) is None
+
+
+def test_a_tensor_without_learned_processing_goes_through_the_processor(gguf_file: Path) -> None:
+    _, weights = load(gguf_file)
+    directory = gguf_index._index_dir(gguf_file)
+    listing = json.loads((directory / gguf_index.TENSORS_FILE).read_text())
+    for entry in listing["tensors"]:
+        entry["processing"] = None
+    (directory / gguf_index.TENSORS_FILE).write_text(json.dumps(listing))
+    _, again = load(gguf_file)
+    assert again.keys() == weights.keys() and all(torch.equal(again[n], weights[n]) for n in weights)
+
+
+def test_serving_an_indexed_gguf_imports_no_transformers_model_package(gguf_file: Path) -> None:
+    """transformers.models' first import reads every model's sources (0.4-0.6 s of a start)."""
+    load(gguf_file)  # the index, built
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from kvserve.model import gguf_index\n"
+        f"gguf_index.index_root = lambda: Path({str(gguf_index.index_root())!r})\n"
+        "from kvserve.model.loader import load_checkpoint\n"
+        "from kvserve.model.sources import ModelLocation\n"
+        f"path = Path({str(gguf_file)!r})\n"
+        "checkpoint = load_checkpoint(ModelLocation('gguf', path, path.name), torch.float32)\n"
+        "assert len(dict(checkpoint.weights())) > 0\n"
+        "checkpoint.tokenizer.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False)\n"
+        "print(sorted(name for name in sys.modules if name.startswith('transformers.models')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
