@@ -82,6 +82,9 @@ class ModelConfig:
     # "dummy": random weights of the config's shapes, nothing read (speed at real sizes without the weights)
     load_format: str = "auto"
     cpu_offload_gb: float = 0.0  # GiB of decoder-layer weights kept in host memory and streamed in (CUDA)
+    # a GGUF's dense copies for steps of many tokens are laid out on a thread after start-up, those steps
+    # multiplying the blocks meanwhile (kvserve/model/deferred_layout.py); ``kvserve serve`` sets it
+    dense_layouts_in_background: bool = False
 
     def __post_init__(self) -> None:
         if self.cpu_offload_gb < 0:

@@ -59,7 +59,8 @@ class LLMEngine:
             runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
                                  self.weight_format, structured, config.cache.kv_cache_dtype,
                                  config.model.quantize_activations, config.model.enforce_eager,
-                                 self._draft_model(vocab_size), workers, int(config.model.cpu_offload_gb * 2**30))
+                                 self._draft_model(vocab_size), workers, int(config.model.cpu_offload_gb * 2**30),
+                                 config.model.dense_layouts_in_background)
             self.core = self._build_core(runner)
         except BaseException:
             if workers is not None:
@@ -71,8 +72,9 @@ class LLMEngine:
         self.overlap_outputs = self.device.type == "cuda" and tp_size == 1
         self._held: list[EngineOutput] = []  # the last step's outputs, not yet processed (overlap_outputs)
         logger.info(
-            "kvserve: %s on %s (%s weights, %.1f MB, %s activations), %d KV blocks of %d tokens (%s)%s",
-            self.location.name, self.device, runner.weights_format(), runner.weight_bytes / 1e6, self.dtype,
+            "kvserve: %s on %s (%s weights, %.1f MB%s, %s activations), %d KV blocks of %d tokens (%s)%s",
+            self.location.name, self.device, runner.weights_format(), runner.weight_bytes / 1e6,
+            " before the dense layouts under way" if runner.layouts is not None else "", self.dtype,
             self.num_kv_blocks,
             config.cache.block_size, runner.kv_cache_dtype.name,
             f", tensor parallel over {tp_size} ranks (KV blocks per rank)" if tp_size > 1 else "",

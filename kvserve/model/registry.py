@@ -70,13 +70,15 @@ def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
 
 
 def select_linear_method(
-    device: torch.device, dtype: torch.dtype, weights: str = "dense", quantize_activations: bool = True
+    device: torch.device, dtype: torch.dtype, weights: str = "dense", quantize_activations: bool = True,
+    defer_dense: bool = False,
 ) -> LinearMethod:
     """Prepacked oneDNN weights (and small-GEMM panels where that kernel is tuned) for fp32 on CPU; the plain
     weights elsewhere, or where the file is mapped (``weights="dense-mmap"``); in front of those, a GGUF's blocks
     kept (``"gguf"``, or "gguf-mmap") or every weight quantized at load (``"int8"``, ``"int4"``), as
     ``weight_format`` decided, multiplied by the block kernel's int8-activation path (``quantize_activations``,
-    where it builds) or its exact fp32 one."""
+    where it builds) or its exact fp32 one. ``defer_dense``: kept blocks' prepacked dense copies are left for
+    ``deferred_layout.DeferredLayouts`` to lay out after start-up."""
     if weights == "fp8":
         return Fp8LinearMethod()
     if weights == "dense-mmap":
@@ -92,7 +94,8 @@ def select_linear_method(
     assert kernel is not None, "weight_format() said no block kernel was needed"
     gemm = (qdot_gemm() if quantize_activations else None) or kernel
     if weights in ("gguf", "gguf-mmap"):
-        return GGMLLinearMethod(kernel, dense, gemm, keep_dense=weights == "gguf")
+        return GGMLLinearMethod(kernel, dense, gemm, keep_dense=weights == "gguf",
+                                defer_dense=defer_dense and isinstance(dense, CpuPrepackedLinearMethod))
     return WeightOnlyLinearMethod(kernel, dense, weights, gemm)
 
 
@@ -272,24 +275,25 @@ def process_weights_after_loading(model: CausalLM) -> None:
 def load_model(
     checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
     weights: str = "dense", quantize_activations: bool = True, tp: TensorParallel = TensorParallel(),
-    cpu_offload_bytes: int = 0,
+    cpu_offload_bytes: int = 0, defer_dense: bool = False,
 ) -> CausalLM:
     """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method and fused ops
     chosen for them, its weights loaded and laid out for that method, in eval mode; ``tp``'s rank's part of it.
     On CUDA, up to ``cpu_offload_bytes`` of its decoder layers' weights stay in host memory and are streamed in
-    as they run (``offload.WeightStreamer``), unless every weight fits the device as it is (then it says so)."""
+    as they run (``offload.WeightStreamer``), unless every weight fits the device as it is (then it says so).
+    ``defer_dense``: see ``select_linear_method`` (the caller starts ``DeferredLayouts``)."""
     if device.type == "cuda" and cpu_offload_bytes > 0:
         return _load_offloaded(checkpoint, backend, dtype, device, weights, quantize_activations, tp,
                                cpu_offload_bytes)
     if cpu_offload_bytes > 0:
         logger.info("--cpu-offload-gb: the weights are in host memory already on %s; nothing to offload", device)
-    method = select_linear_method(device, dtype, weights, quantize_activations)
+    method = select_linear_method(device, dtype, weights, quantize_activations, defer_dense)
     # the LM head multiplies fp32 activations whatever ``quantize_activations`` says: the logits are what sampling
     # reads, and on the default model int8 activations in the head alone turn its answer to "What is the capital
     # of France?" away from Paris (in the layers they do not); the head is about a third of a step's weight bytes.
     # For the same reason fp8 (which quantizes activations) leaves the head as loaded, as vLLM does
     head_method = select_linear_method(device, dtype, "dense" if weights == "fp8" else weights,
-                                       quantize_activations=False)
+                                       quantize_activations=False, defer_dense=defer_dense)
     model = build_model(checkpoint.hf_config, backend, dtype, device, method, select_fused_ops(device, dtype),
                         head_method, tp)
     mapped = weights in ("gguf-mmap", "dense-mmap")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import socket
@@ -62,8 +63,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's configuration from the flags; raises ValueError for a bad value before anything loads."""
-    return EngineArgs.from_cli_args(args).create_engine_config()
+    """The engine's configuration from the flags; raises ValueError for a bad value before anything loads. A
+    server lays out a GGUF's dense copies after /health answers (``ModelConfig.dense_layouts_in_background``)."""
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dense_layouts_in_background=True))
 
 
 def server_settings(args: argparse.Namespace) -> ServerSettings:

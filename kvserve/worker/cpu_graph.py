@@ -151,6 +151,13 @@ class CpuStepGraphs:
         self.num_bytes = 0
         self.num_replays = 0
 
+    def clear(self) -> None:
+        """Drop every recorded step (the model's layers changed what they run): each size is recorded again at
+        its next step."""
+        self.graphs.clear()
+        self.eager_sizes.clear()
+        self.num_bytes = 0
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
         """The hidden states of a forward pass over these inputs, or None where the step must run eagerly."""
         num_tokens = attn.num_tokens

@@ -17,6 +17,7 @@ from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.kv.tiers import TieredStore, model_identity
+from kvserve.model.deferred_layout import DeferredLayouts
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
@@ -24,6 +25,7 @@ from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.spec.draft import DraftModel
+from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.step_graphs import StepGraphs, captures_cuda_graphs, step_graphs_for
 from kvserve.worker.input_batch import InputBatch, PersistentBatch
 from kvserve.worker.parallel import StepPeers
@@ -47,6 +49,7 @@ class ModelRunner:
         weights: str = "dense", structured: StructuredOutputCompiler | None = None,
         kv_cache_dtype_name: str = "auto", quantize_activations: bool = True, enforce_eager: bool = False,
         draft: DraftModel | None = None, peers: StepPeers | None = None, cpu_offload_bytes: int = 0,
+        dense_layouts_in_background: bool = False,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -57,9 +60,10 @@ class ModelRunner:
         self.peers = peers or StepPeers()
         self.tp = self.peers.tp
         self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations, self.tp,
-                                cpu_offload_bytes)
+                                cpu_offload_bytes, defer_dense=dense_layouts_in_background)
         self._weights_format = self._find_weights_format()
         self.weight_bytes = self.model.weight_bytes()  # this rank's; the draft model's are not counted
+        self.layouts = DeferredLayouts.start(self.model)  # None unless some are left for after start-up
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(seed, default_processors(self.grammar))
         self.kv: KVCacheStorage | None = None
@@ -207,15 +211,27 @@ class ModelRunner:
                 self.sampler.fork(new.forked_from, new.request_id)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any."""
+        """Stop the tensor-parallel workers, if any, and the dense layouts still under way."""
+        if self.layouts is not None:
+            self.layouts.stop()
         self.peers.close()
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
         """The model's hidden states for the step: replayed from a CPU step graph where one serves it."""
+        if self.layouts is not None and self.layouts.done:
+            self._layouts_landed()
         graphs = self.graphs
         if graphs is not None and (hidden := graphs.forward(batch.input_ids, batch.positions, batch.attn)) is not None:
             return hidden
         return self.model(batch.input_ids, batch.positions, self.step_metadata(batch.attn), self.kv)
+
+    def _layouts_landed(self) -> None:
+        """The deferred dense layouts are done: graphs recorded before them replay the blocks' kernels, so
+        they are recorded again; the weights' bytes now count the copies."""
+        self.layouts = None
+        if isinstance(self.graphs, CpuStepGraphs):  # the layouts are a CPU layout's
+            self.graphs.clear()
+        self.weight_bytes = self.model.weight_bytes()
 
     def step_metadata(self, attn: AttentionInputs) -> AttentionMetadata:
         """The backend's metadata of a step, one per KV cache group where there are several."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
 from kvserve.config import DEFAULT_MODEL
@@ -28,3 +31,17 @@ def test_the_default_model_answers_a_chat_over_http(default_server: ServerProces
     assert "Paris" in reply.choices[0].message.content
     assert 0 < reply.usage.completion_tokens <= 32 and reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens > 0
+
+
+def test_the_server_lays_out_the_dense_copies_after_health_answers(default_server: ServerProcess) -> None:
+    """The GGUF's dense copies (for steps of many tokens) come after start-up, on a thread of their own."""
+    deadline = time.monotonic() + 60
+    while "dense layouts of" not in default_server.log():
+        assert time.monotonic() < deadline, default_server.log()
+        time.sleep(0.1)
+    assert "before the dense layouts under way" in default_server.log()
+    assert re.search(r"dense layouts of \d+ layers ready for batched steps", default_server.log())
+    client = default_server.openai()
+    reply = client.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is", temperature=0,
+                                      max_tokens=4)
+    assert reply.usage.completion_tokens == 4

@@ -213,11 +213,15 @@ class GGMLLinearMethod(AsLoadedLinearMethod):
     kernel at any number of rows, no dense copy)."""
 
     def __init__(self, kernel: GGMLGemm, dense: LinearMethod, gemm: BlockGemm | None = None,
-                 keep_dense: bool = True) -> None:
+                 keep_dense: bool = True, defer_dense: bool = False) -> None:
+        """``defer_dense`` (with ``keep_dense``): loading leaves a layer kept in blocks ``pending_dense``, and
+        ``lay_out_dense`` (``deferred_layout.DeferredLayouts``, on a thread of its own after start-up) builds its
+        dense layout; until then its larger steps multiply the blocks as without ``keep_dense``."""
         self.kernel = kernel
         self.dense = dense
         self.gemm = gemm or kernel
         self.keep_dense = keep_dense
+        self.defer_dense = defer_dense and keep_dense
 
     def load_tied_weight(self, layer: Linear, tensor: torch.Tensor | GGMLTensor) -> None:
         # a tied LM head multiplies by the embeddings' own blocks
@@ -228,15 +232,30 @@ class GGMLLinearMethod(AsLoadedLinearMethod):
         parts = self.loaded_parts(layer)
         qtypes = {part.qtype if isinstance(part, GGMLTensor) else None for part in parts}
         layer.ggml_parts = None
+        layer.pending_dense = None
         device, dtype = layer.weight.device, layer.weight.dtype
         if parts and qtypes <= self.kernel.types:
             kept = _joined(parts) if self.keep_dense else parts
             layer.ggml_parts = tuple(self.kernel.place(part, device) for part in kept)
             if not self.keep_dense:
                 return
+            if self.defer_dense:
+                layer.pending_dense = layer.ggml_parts
+                del layer.weight  # the placeholder: the model's parameters are the same before and after
+                return
         if parts:  # the dense method gets the weight as from any other checkpoint
             layer.weight = torch.nn.Parameter(self._dense_weight(parts).to(device, dtype), requires_grad=False)
         self.dense.process_weights_after_loading(layer)  # a tied head holds the embeddings' weight already
+
+    def lay_out_dense(self, layer: Linear) -> None:
+        """Build the dense layout of a layer left ``pending_dense`` (``defer_dense``), which its larger steps
+        use from then on: safe while steps run on another thread (they read ``pending_dense``, cleared last)."""
+        parts = layer.pending_dense
+        if parts is None:
+            return
+        layer.weight = torch.nn.Parameter(self._dense_weight(list(parts)), requires_grad=False)
+        self.dense.process_weights_after_loading(layer)
+        layer.pending_dense = None
 
     def _dense_weight(self, parts: list[GGMLTensor | torch.Tensor]) -> torch.Tensor:
         """The parts' fp32 rows, one under the other (blocks the kernel reads are dequantized by it)."""
@@ -253,7 +272,8 @@ class GGMLLinearMethod(AsLoadedLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         num_rows = x.numel() // layer.in_features
-        if layer.ggml_parts is None or self.keep_dense and num_rows > self.gemm.max_rows:
+        if layer.ggml_parts is None or (self.keep_dense and num_rows > self.gemm.max_rows
+                                        and layer.pending_dense is None):
             return self.dense.apply(layer, x)
         multiply = self.gemm if num_rows <= self.gemm.max_rows else self.kernel.batched
         # mapped: a packed layer's projections where they were loaded
