@@ -155,6 +155,39 @@ static inline __attribute__((always_inline)) void dot8(const float *q, const flo
 }
 #endif
 
+#if VEC == 16 && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DOT16
+/* out[t] = q . k[rows[t]] for 16 keys, dot8's AVX-512 form: sixteen independent sums, folded into one vector of
+ * the 16 dots by four levels of 128-bit and in-lane shuffles (three ops a dot where a horizontal sum per key took
+ * about twelve: on 16 decodes over 2,000 tokens, per layer, the int8 cache's kernel was bound by those sums).
+ * The folds leave the dot of sum a in lane 4 * (a % 4) + a / 4, so sum a takes key 4 * (a % 4) + a / 4 and
+ * every key lands in its own lane. d a multiple of 16. */
+static inline __attribute__((always_inline)) void dot16(const float *q, const float *k, const int64_t *rows,
+                                                        float *out, const int d) {
+    __m512 sum[16];
+    for (int a = 0; a < 16; a++) sum[a] = _mm512_setzero_ps();
+    for (int j = 0; j < d; j += 16) {
+        const __m512 q_j = _mm512_loadu_ps(q + j);
+        for (int a = 0; a < 16; a++)
+            sum[a] = _mm512_fmadd_ps(q_j, _mm512_loadu_ps(k + rows[4 * (a % 4) + a / 4] + j), sum[a]);
+    }
+    __m512 halves[8], quarters[4], eighths[2];
+    for (int i = 0; i < 8; i++) /* sums 2i, 2i + 1: eight partials each, in the low and the high 256 bits */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(sum[2 * i], sum[2 * i + 1], 0x44),
+                                  _mm512_shuffle_f32x4(sum[2 * i], sum[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* sums 4i .. 4i + 3: four partials each, one 128-bit chunk a sum */
+        quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                    _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* chunk c: two partials of sum 8i + c, then two of sum 8i + 4 + c */
+        eighths[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x88),
+                                   _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xDD));
+    /* chunk c: sums c, 4 + c, 8 + c, 12 + c, whole */
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88),
+                                        _mm512_shuffle_ps(eighths[0], eighths[1], 0xDD)));
+}
+#endif
+
 static inline byte_vec load_bytes(const uint8_t *p) {
     byte_vec b;
     memcpy(&b, p, sizeof b);
@@ -229,29 +262,69 @@ static inline __attribute__((always_inline)) void softmax_tile(float *scores, in
     }
 }
 
-/* acc += sum over the tile's keys of weight * value row, the head_dim / VEC vectors held in registers. */
+/* acc += sum over the tile's keys of weight * value row for num_queries query heads of one KV head (query p's
+ * accumulator at acc + p * d, its weights at weights + p * TILE), the num_queries x head_dim / VEC sums held in
+ * registers: each value row is loaded once for all of them, and there are enough independent sums to keep both
+ * FMA units busy (one query's four on AVX-512 at head_dim 64 left half the FMAs waiting on the one before). */
 static inline __attribute__((always_inline)) void weighted_values(float *acc, const float *weights,
-                                                                  const float *v_cache, const int64_t *rows,
-                                                                  int num_keys, const int d) {
+                                                                  const int num_queries, const float *v_cache,
+                                                                  const int64_t *rows, int num_keys, const int d) {
     const int num_vecs = d / VEC;
-    vec sum[num_vecs > 0 ? num_vecs : 1];
-    for (int j = 0; j < num_vecs; j++) sum[j] = load(acc + j * VEC);
+    vec sum[num_queries][num_vecs > 0 ? num_vecs : 1];
+    for (int p = 0; p < num_queries; p++)
+        for (int j = 0; j < num_vecs; j++) sum[p][j] = load(acc + p * d + j * VEC);
     for (int t = 0; t < num_keys; t++) {
         const float *v = v_cache + rows[t];
-        for (int j = 0; j < num_vecs; j++) sum[j] += weights[t] * load(v + j * VEC);
-        for (int i = num_vecs * VEC; i < d; i++) acc[i] += weights[t] * v[i];
+        for (int j = 0; j < num_vecs; j++) {
+            const vec v_j = load(v + j * VEC);
+            for (int p = 0; p < num_queries; p++) sum[p][j] += weights[p * TILE + t] * v_j;
+        }
+        for (int i = num_vecs * VEC; i < d; i++)
+            for (int p = 0; p < num_queries; p++) acc[p * d + i] += weights[p * TILE + t] * v[i];
     }
-    for (int j = 0; j < num_vecs; j++) store(acc + j * VEC, sum[j]);
+    for (int p = 0; p < num_queries; p++)
+        for (int j = 0; j < num_vecs; j++) store(acc + p * d + j * VEC, sum[p][j]);
+}
+
+/* weighted_values for every query head, as many of one KV head at a time as keep their sums within half the
+ * registers (the queries of a KV head are consecutive, kv_offset equal). */
+static inline __attribute__((always_inline)) void weighted_values_by_kv_head(float *acc, const float *scores,
+                                                                             int num_queries,
+                                                                             const int64_t *kv_offset,
+                                                                             const float *values,
+                                                                             const int64_t *rows, int num_keys,
+                                                                             const int d) {
+    const int num_vecs = d / VEC;
+    const int most = num_vecs <= NUM_REGISTERS / 8 ? 4 : num_vecs <= NUM_REGISTERS / 4 ? 2 : 1;
+    for (int h = 0; h < num_queries;) {
+        int n = 1;
+        while (n < most && h + n < num_queries && kv_offset[h + n] == kv_offset[h]) n++;
+        float *out = acc + h * d;
+        const float *weights = scores + h * TILE, *v = values + kv_offset[h];
+        switch (n) { /* a constant count each: the sums stay in registers */
+        case 4: weighted_values(out, weights, 4, v, rows, num_keys, d); break;
+        case 3: weighted_values(out, weights, 3, v, rows, num_keys, d); break;
+        case 2: weighted_values(out, weights, 2, v, rows, num_keys, d); break;
+        default: weighted_values(out, weights, 1, v, rows, num_keys, d);
+        }
+        h += n;
+    }
 }
 
 /* The tile's num_keys rows (num_kv KV heads of d values from value index rows[t]) dequantized into
- * tile[t][num_kv * d]. */
+ * tile[t][num_kv * d]; row t of the next tile (num_next rows at next_rows) prefetched beside row t. Prefetching a
+ * whole tile at once stalled on the CPU's line fill buffers (a fifth of the int8 kernel's time, 16 decodes over
+ * 2,000 tokens); spread over the dequantization, the waits overlap its work. */
 static inline __attribute__((always_inline)) void dequantize_tile(const void *cache, const void *params,
                                                                   const int64_t *rows, int num_keys, int num_kv,
-                                                                  float *tile, const int d, const int enc) {
-    for (int t = 0; t < num_keys; t++)
+                                                                  float *tile, const int64_t *next_rows,
+                                                                  int num_next, const int d, const int enc) {
+    for (int t = 0; t < num_keys; t++) {
+        if (t < num_next) prefetch_row(cache, params, next_rows[t], num_kv * d, d, enc);
         for (int h = 0; h < num_kv; h++)
             dequantize_row(cache, params, rows[t] + h * d, tile + ((int64_t)t * num_kv + h) * d, d, enc);
+    }
+    for (int t = num_keys; t < num_next; t++) prefetch_row(cache, params, next_rows[t], num_kv * d, d, enc);
 }
 
 
@@ -275,11 +348,13 @@ static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *
         const int num_keys = num_next;
         memcpy(rows, next_rows, sizeof rows);
         num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
-        if (enc != F32) dequantize_tile(a->k_cache, a->k_params, rows, num_keys, num_kv, tile, d, enc);
-        for (int t = 0; t < num_next; t++) {
-            prefetch_row(a->k_cache, a->k_params, next_rows[t], num_kv * d, d, enc);
-            prefetch_row(a->v_cache, a->v_params, next_rows[t], num_kv * d, d, enc);
-        }
+        if (enc != F32)
+            dequantize_tile(a->k_cache, a->k_params, rows, num_keys, num_kv, tile, next_rows, num_next, d, enc);
+        else
+            for (int t = 0; t < num_next; t++) {
+                prefetch_row(a->k_cache, a->k_params, next_rows[t], num_kv * d, d, enc);
+                prefetch_row(a->v_cache, a->v_params, next_rows[t], num_kv * d, d, enc);
+            }
         for (int h = 0; h < num_queries; h++) {
             float *s = scores + h * TILE;
             int t = 0;
@@ -287,13 +362,17 @@ static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *
             if (d % VEC == 0)
                 for (; t + 8 <= num_keys; t += 8) dot8(q + h * d, keys + kv_offset[h], read_rows + t, s + t, d);
 #endif
+#ifdef HAVE_DOT16
+            if (d % VEC == 0)
+                for (; t + 16 <= num_keys; t += 16) dot16(q + h * d, keys + kv_offset[h], read_rows + t, s + t, d);
+#endif
             for (; t < num_keys; t++) s[t] = dot(q + h * d, keys + read_rows[t] + kv_offset[h], d);
             for (; t < TILE; t++) s[t] = -INFINITY;
         }
         softmax_tile(scores, num_queries, d, acc, row_max, row_sum);
-        if (enc != F32) dequantize_tile(a->v_cache, a->v_params, rows, num_keys, num_kv, tile, d, enc);
-        for (int h = 0; h < num_queries; h++)
-            weighted_values(acc + h * d, scores + h * TILE, values + kv_offset[h], read_rows, num_keys, d);
+        if (enc != F32)
+            dequantize_tile(a->v_cache, a->v_params, rows, num_keys, num_kv, tile, next_rows, num_next, d, enc);
+        weighted_values_by_kv_head(acc, scores, num_queries, kv_offset, values, read_rows, num_keys, d);
     }
 }
 
@@ -396,13 +475,14 @@ static inline __attribute__((always_inline)) void attend_keys_across_lanes(const
         const int num_keys = num_next;
         memcpy(rows, next_rows, sizeof rows);
         num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
-        for (int t = 0; t < num_next; t++) {
-            prefetch_row(a->k_cache, a->k_params, next_rows[t], d, d, enc);
-            prefetch_row(a->v_cache, a->v_params, next_rows[t], d, d, enc);
-        }
         if (enc != F32) {
-            dequantize_tile(a->k_cache, a->k_params, rows, num_keys, 1, k_tile, d, enc);
-            dequantize_tile(a->v_cache, a->v_params, rows, num_keys, 1, v_tile, d, enc);
+            dequantize_tile(a->k_cache, a->k_params, rows, num_keys, 1, k_tile, next_rows, num_next, d, enc);
+            dequantize_tile(a->v_cache, a->v_params, rows, num_keys, 1, v_tile, next_rows, num_next, d, enc);
+        } else {
+            for (int t = 0; t < num_next; t++) {
+                prefetch_row(a->k_cache, a->k_params, next_rows[t], d, d, enc);
+                prefetch_row(a->v_cache, a->v_params, next_rows[t], d, d, enc);
+            }
         }
         scores_down_lanes(q_t, width, keys, key_rows, num_keys, scores, d);
         softmax_down_lanes(scores, num_keys, width, max_w, sum_w, correction);
