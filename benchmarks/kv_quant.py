@@ -1,7 +1,7 @@
 """Quantized KV on CPU: the tokens a KV budget holds per encoding, and the decode attention time per layer.
 
     PYTHONPATH=. python benchmarks/kv_quant.py [--kv-cache-memory 2] [--seqs 32] [--context 1000] [--rounds 7]
-        [--layers 1]
+        [--layers 1] [--shuffle-blocks]
 
 Shapes are SmolLM2-135M's (30 layers, 9 query heads on 3 KV heads, head_dim 64, blocks of 16). The budget is
 sized by the engine's own ``num_kv_blocks_for``; the decode time is ``CpuPagedBackend.forward`` for one layer of
@@ -42,12 +42,16 @@ def tokens_held(budget_gib: float) -> dict[str, int]:
             for name in NAMES}
 
 
-def decode_step(name: str, num_seqs: int, context: int) -> tuple[KVCacheStorage, AttentionInputs, torch.Tensor]:
-    """A cache of one layer holding num_seqs random contexts in shuffled blocks, and the step's decode inputs."""
+def decode_step(name: str, num_seqs: int, context: int,
+                shuffled: bool = False) -> tuple[KVCacheStorage, AttentionInputs, torch.Tensor]:
+    """A cache of one layer holding num_seqs random contexts, each in consecutive blocks as a fresh pool hands
+    them out (``shuffled``: blocks in random order, as a long-running pool's free list may), and the step's
+    decode inputs."""
     gen = torch.Generator().manual_seed(0)
     blocks_per_seq = -(-(context + 1) // BLOCK_SIZE)
     kv = KVCacheStorage(spec_for(name, 1), num_seqs * blocks_per_seq, "cpu")
-    tables = torch.randperm(kv.num_blocks, generator=gen).view(num_seqs, blocks_per_seq)
+    order = torch.randperm(kv.num_blocks, generator=gen) if shuffled else torch.arange(kv.num_blocks)
+    tables = order.view(num_seqs, blocks_per_seq)
     positions = torch.arange(context + 1)
     slots = tables[:, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE  # [num_seqs, context + 1]
     history = slots[:, :context].flatten()
@@ -62,10 +66,11 @@ def decode_step(name: str, num_seqs: int, context: int) -> tuple[KVCacheStorage,
     return kv, inputs, q
 
 
-def decode_ms(num_seqs: int, context: int, rounds: int, num_layers: int = 1) -> dict[str, float]:
+def decode_ms(num_seqs: int, context: int, rounds: int, num_layers: int = 1,
+              shuffled: bool = False) -> dict[str, float]:
     """Per encoding, the median ms a layer of a decode step over ``num_layers`` layers' caches."""
     backend = CpuPagedBackend()
-    steps = {name: [decode_step(name, num_seqs, context) for _ in range(num_layers)] for name in NAMES}
+    steps = {name: [decode_step(name, num_seqs, context, shuffled) for _ in range(num_layers)] for name in NAMES}
     new_kv = torch.randn(2, num_seqs, NUM_KV_HEADS, HEAD_DIM)
     times: dict[str, list[float]] = {name: [] for name in NAMES}
     for _ in range(rounds):
@@ -87,6 +92,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=1, help="layers of a step, each its own cache")
+    parser.add_argument("--shuffle-blocks", action="store_true", help="each sequence's blocks in random order")
     args = parser.parse_args()
     held = tokens_held(args.kv_cache_memory)
     print(f"tokens held by {args.kv_cache_memory} GiB (SmolLM2 shapes, {torch.get_num_threads()} threads):")
@@ -96,7 +102,7 @@ def main() -> None:
                 for name in NAMES}
     print(f"decode attention, a layer of {args.layers}, {args.seqs} sequences x {args.context} tokens "
           f"(median of {args.rounds}):")
-    for name, ms in decode_ms(args.seqs, args.context, args.rounds, args.layers).items():
+    for name, ms in decode_ms(args.seqs, args.context, args.rounds, args.layers, args.shuffle_blocks).items():
         print(f"  {name:5s} {ms:7.3f} ms  {kv_bytes[name] / 2**20:6.1f} MiB of K/V  "
               f"{kv_bytes[name] / ms / 1e6:5.1f} GB/s")
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# issue 17: served at 16 streams, int8 KV against fp32 KV (auto), on random and long (1,900-token prompts, 100 out),
+# the two caches taking turns on each workload (ORDER="int8 auto" reverses them). Writes into $OUT.
+# LOADS="long" runs one workload; LONG_PROMPT=1000 LONG_OUT=1000 NUM_PROMPTS=16 makes its 2,000-token contexts
+# decode-heavy (one wave of 16 requests).
+set -uo pipefail
+cd "$(git rev-parse --show-toplevel)"
+PORT=18820
+source benchmarks/wait_healthy.sh
+OUT=${OUT:-kv-int8-served}; mkdir -p $OUT
+for load in ${LOADS:-random long}; do
+  if [ $load = random ]; then FLAGS="--dataset-name random --random-input-len 256 --random-output-len 128 --random-range-ratio 0.5 --num-prompts 64 --max-concurrency 16"
+  else FLAGS="--dataset-name long --long-prompt-len ${LONG_PROMPT:-1900} --random-output-len ${LONG_OUT:-100} --num-prompts ${NUM_PROMPTS:-32} --max-concurrency 16"; fi
+  for dtype in ${ORDER:-auto int8}; do
+    kvserve serve smollm2-135m-instruct --port $PORT --max-num-seqs 16 --kv-cache-dtype $dtype > $OUT/$dtype-$load.server.log 2>&1 &
+    pid=$!
+    wait_healthy
+    kvserve bench serve --base-url http://127.0.0.1:$PORT --model smollm2-135m-instruct --label kv-$dtype --backend kvserve \
+      --warmup 2 --result-json $OUT/$dtype-$load.json $FLAGS 2>/dev/null > $OUT/$dtype-$load.txt
+    kill $pid; wait $pid 2>/dev/null
+  done
+  kvserve bench compare $OUT/auto-$load.json $OUT/int8-$load.json > $OUT/compare-$load.txt
+done
+echo DONE
