@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +46,15 @@ def test_the_server_lays_out_the_dense_copies_after_health_answers(default_serve
     reply = client.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is", temperature=0,
                                       max_tokens=4)
     assert reply.usage.completion_tokens == 4
+
+
+def test_sigterm_while_the_dense_layouts_are_under_way_exits_0(tmp_path: Path) -> None:
+    """The layouts' thread stops at its next layer: no torch op is cut off by the interpreter's exit."""
+    server = ServerProcess(["--max-model-len", "1024", "--kv-cache-memory", "0.25"], tmp_path)
+    try:
+        server.wait_ready()
+        server.terminate()
+        assert server.process.wait(30) == 0
+    finally:
+        server.kill()
+    assert "terminate called" not in server.log() and "Traceback" not in server.log()
