@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# issue 17: served at 16 streams, int8 KV against fp32 KV (auto), on random and long (1,900-token prompts, 100 out),
-# the two caches taking turns on each workload (ORDER="int8 auto" reverses them). Writes into $OUT.
+# Issue 17: SmolLM2 served at 16 streams, int8 KV against fp32 KV (auto), on random and long (1,900-token prompts,
+# 100 out), the two caches taking turns on each workload (ORDER="int8 auto" reverses them). Writes into $OUT.
 # LOADS="long" runs one workload; LONG_PROMPT=1000 LONG_OUT=1000 NUM_PROMPTS=16 makes its 2,000-token contexts
 # decode-heavy (one wave of 16 requests).
 set -uo pipefail
