@@ -5,8 +5,9 @@
 #   LLAMA_SERVER=<llama-server> LLAMA_SERVER_AVX2=<its AVX2 build> LLAMA_F32=<F32 GGUF> OV_PYTHON=<OpenVINO venv
 #   python> OV_MODEL=<OpenVINO IR> OUT=docs/results/<run> benchmarks/cpu_targets.sh [steps...]
 # steps: native-c1 native-c16 avx2-c1 avx2-c16 openvino openvino-avx2 startup shipped gemma3 (default: all).
-# Forced AVX2 holds kvserve's kernels, torch, MKL and oneDNN to AVX2 (OpenVINO's plugin is built on oneDNN and
-# takes its ONEDNN_MAX_CPU_ISA), and serves llama.cpp's AVX2 build.
+# Forced AVX2 holds kvserve's kernels, torch, MKL and oneDNN to AVX2, and serves llama.cpp's AVX2 build. OpenVINO runs
+# under ONEDNN_MAX_CPU_ISA too, but its CPU plugin's own kernels ignore it (perf on an AVX-512 Xeon, session 18: zmm
+# FMAs in its hot loops), so openvino-avx2 compares AVX2 only on a CPU without AVX-512.
 set -euo pipefail
 OUT=${OUT:-docs/results/cpu-targets-$(date +%Y%m%d-%H%M)}
 AVX2_ENV="KVSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2"
