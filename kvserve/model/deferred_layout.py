@@ -74,7 +74,7 @@ class DeferredLayouts:
             logger.warning("dense layouts for batched steps stopped (%s); the layers without one keep "
                            "multiplying their GGUF blocks", error)
         else:
-            logger.info("dense layouts of %d layers ready for batched steps (%.1f s after start-up)",
+            logger.info("dense layouts of %d layers ready for batched steps, laid out in %.1f s",
                         len(self._layers), time.monotonic() - started)
         finally:
             self._done.set()
