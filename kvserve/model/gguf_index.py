@@ -34,9 +34,10 @@ from kvserve.model.packaged import cache_dir
 logger = logging.getLogger(__name__)
 
 # bump when the layout below changes (2: the config saved whole, read without its class; 3: with its architectures
-# and each tensor's processing)
-INDEX_VERSION = 3
+# and each tensor's processing; 4: the added tokens in the tokenizer's config)
+INDEX_VERSION = 4
 TENSORS_FILE = "tensors.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,7 @@ def _write_index(index: GGUFIndex, directory: Path) -> None:
         # every attribute, not save_pretrained's difference from the defaults: IndexedConfig has no defaults of its own
         index.config.to_json_file(staging / CONFIG_NAME, use_diff=False)
         index.tokenizer.save_pretrained(staging)
+        _keep_added_tokens(staging / TOKENIZER_CONFIG, index.tokenizer)
         entries = [dataclasses.asdict(entry) for entry in index.tensors]
         (staging / TENSORS_FILE).write_text(json.dumps({"architecture": index.architecture, "tensors": entries}))
         os.replace(staging, directory)
@@ -185,6 +187,16 @@ def _write_index(index: GGUFIndex, directory: Path) -> None:
         if not directory.is_dir():  # else another process has just written the same index
             logger.warning("could not keep the GGUF index in %s (%s); the next start parses the file again",
                            directory, error)
+
+
+def _keep_added_tokens(config_file: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Write the added tokens into the tokenizer's config as transformers reads them back there: without them,
+    loading the tokenizer parses the whole tokenizer.json in Python only to take its added tokens (0.2 s of a
+    start for the default model's 3.5 MB, 0.9 s for Gemma 3's 33 MB)."""
+    config = json.loads(config_file.read_text())
+    added = tokenizer.added_tokens_decoder
+    config["added_tokens_decoder"] = {str(i): token.__getstate__() for i, token in added.items()}
+    config_file.write_text(json.dumps(config, indent=2))
 
 
 def _read_index(directory: Path) -> GGUFIndex:

@@ -164,3 +164,16 @@ def test_serving_an_indexed_gguf_imports_no_transformers_model_package(gguf_file
                             cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_the_index_keeps_the_added_tokens_where_the_tokenizer_reads_them(gguf_file: Path) -> None:
+    """In the tokenizer's config, so that loading it does not parse tokenizer.json in Python for them; the
+    tokenizer read back equals the one the GGUF's metadata gave."""
+    built = load_checkpoint(gguf_location(gguf_file), torch.float32).tokenizer
+    saved = json.loads((gguf_index._index_dir(gguf_file) / gguf_index.TOKENIZER_CONFIG).read_text())
+    assert {int(i) for i in saved["added_tokens_decoder"]} == set(built.added_tokens_decoder)
+    read = load_checkpoint(gguf_location(gguf_file), torch.float32).tokenizer
+    assert read.added_tokens_decoder == built.added_tokens_decoder and read.all_special_ids == built.all_special_ids
+    text = "hi  there <|endoftext|>"
+    assert read(text)["input_ids"] == built(text)["input_ids"]
+    assert read.decode(read(text)["input_ids"]) == built.decode(built(text)["input_ids"])
