@@ -78,14 +78,17 @@ class CpuPagedMetadata(AttentionMetadata):
 class CpuPagedBackend(AttentionBackend):
     """Decodes and prefill chunks through the in-place C kernels; fp32 models on CPU, any KV encoding.
 
-    Construction builds (or loads the cached) kernels and raises ``KernelBuildError`` when it cannot.
+    Construction builds (or loads the cached) kernels and raises ``KernelBuildError`` when it cannot;
+    ``libraries`` (decode, prefill) are builds of the two sources to use instead of this process's (tests pass
+    the AVX2 builds on an AVX-512 CPU).
     """
 
     graph_devices = frozenset({"cpu"})  # decodes' tables and lengths are read from the input tensors by the kernel
 
-    def __init__(self) -> None:
-        self._decode = decode_kernel()
-        self._prefill, self._queries_per_tile = prefill_kernel()
+    def __init__(self, libraries: tuple[ctypes.CDLL, ctypes.CDLL] | None = None) -> None:
+        decode_library, prefill_library = libraries or (None, None)
+        self._decode = decode_kernel(decode_library)
+        self._prefill, self._queries_per_tile = prefill_kernel(prefill_library)
 
     def build_metadata(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> CpuPagedMetadata:
         _validate(inputs)
@@ -219,15 +222,17 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: i
 # --- the kernel ---------------------------------------------------------------------------------------------------
 
 
-def decode_kernel() -> KernelFunction:
-    """The compiled ``kvserve_paged_decode_f32``; raises ``KernelBuildError`` (every time) if it cannot be had."""
-    return KernelFunction(load_library(DECODE_SOURCE).kvserve_paged_decode_f32, _DECODE_ARG_TYPES, ctypes.c_int)
+def decode_kernel(library: ctypes.CDLL | None = None) -> KernelFunction:
+    """The compiled ``kvserve_paged_decode_f32`` (of ``library``, default this process's build); raises
+    ``KernelBuildError`` (every time) if it cannot be had."""
+    library = library or load_library(DECODE_SOURCE)
+    return KernelFunction(library.kvserve_paged_decode_f32, _DECODE_ARG_TYPES, ctypes.c_int)
 
 
-def prefill_kernel() -> tuple[KernelFunction, Callable[[int, int], int]]:
-    """The compiled ``kvserve_paged_prefill_f32`` and its ``queries_per_tile(group, target_lanes)``; raises
-    ``KernelBuildError`` (every time) if they cannot be had."""
-    library = load_library(PREFILL_SOURCE)
+def prefill_kernel(library: ctypes.CDLL | None = None) -> tuple[KernelFunction, Callable[[int, int], int]]:
+    """The compiled ``kvserve_paged_prefill_f32`` and its ``queries_per_tile(group, target_lanes)`` (of
+    ``library``, default this process's build); raises ``KernelBuildError`` (every time) if they cannot be had."""
+    library = library or load_library(PREFILL_SOURCE)
     function = KernelFunction(library.kvserve_paged_prefill_f32, _PREFILL_ARG_TYPES, ctypes.c_int)
     queries_per_tile = library.kvserve_paged_prefill_queries_per_tile
     queries_per_tile.argtypes = [ctypes.c_int, ctypes.c_int]

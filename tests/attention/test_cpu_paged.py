@@ -67,12 +67,13 @@ def num_threads(request: pytest.FixtureRequest):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 48])
 @pytest.mark.parametrize("window", [None, 100])
-def test_compiled_head_dims_on_long_contexts(head_dim: int, window: int | None, num_threads: int) -> None:
+def test_compiled_head_dims_on_long_contexts(head_dim: int, window: int | None, num_threads: int,
+                                             isa_backend: CpuPagedBackend) -> None:
     """SmolLM2's shape (3 KV heads, 3 query heads each) at contexts of several tiles."""
     contexts = [0, 1, 31, 32, 33, 95, 300, 447, 64, 200, 15, 129]
     step = make_step([(c, 1) for c in contexts] + [(40, 24)], len(contexts), head_dim=head_dim, block_size=16,
                      num_kv_heads=3, group=3, seed=head_dim)
-    check(step, window)
+    check(step, window, isa_backend)
 
 
 SHARED_BACKEND = CpuPagedBackend()  # reused across examples, as the runner reuses it across steps
@@ -114,8 +115,8 @@ def share_leading_blocks(step: Step, groups: list[tuple[list[int], int]]) -> Ste
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 48, 8])  # 48: whole vectors, not a power of 2; 8: not whole
 @pytest.mark.parametrize("window", [None, 40])
-def test_decodes_sharing_a_prefix_read_it_once_and_agree(head_dim: int, window: int | None,
-                                                         num_threads: int) -> None:
+def test_decodes_sharing_a_prefix_read_it_once_and_agree(head_dim: int, window: int | None, num_threads: int,
+                                                         isa_backend: CpuPagedBackend) -> None:
     """Two groups on shared prompts (one with more members than one work item takes), members of different
     lengths, one member sharing less than the rest, and decodes that share nothing, mixed with a chunk."""
     contexts = [70, 100, 65, 300, 90, 200, 33, 64, 47] + [80 + 7 * i for i in range(24)]
@@ -124,7 +125,7 @@ def test_decodes_sharing_a_prefix_read_it_once_and_agree(head_dim: int, window: 
     big_group = list(range(9, 33))
     step = share_leading_blocks(step, [([0, 1, 3, 5], 4), ([2, 4], 4), ([3, 5], 12), (big_group, 5),
                                        ([7, 8], 2)])
-    check(step, window)
+    check(step, window, isa_backend)
 
 
 @pytest.mark.parametrize(("num_decodes", "group"), [(512, 3), (3, 80)])

@@ -60,24 +60,26 @@ def test_matches_reference(scenario: str, block_size: int, group: int, window: i
 @pytest.mark.parametrize("encoding", ENCODING_NAMES)
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 48, 20])  # 48: int4's halves are not whole 16-float vectors
 @pytest.mark.parametrize("window", [None, 100])
-def test_compiled_head_dims_on_long_contexts(encoding: str, head_dim: int, window: int | None) -> None:
+def test_compiled_head_dims_on_long_contexts(encoding: str, head_dim: int, window: int | None,
+                                             isa_backend: CpuPagedBackend) -> None:
     contexts = [0, 1, 31, 32, 33, 95, 300, 447, 64, 200, 15, 129]
     step = make_step([(c, 1) for c in contexts] + [(40, 24)], len(contexts), encoding, head_dim=head_dim,
                      block_size=16, num_kv_heads=3, group=3, seed=head_dim)
-    check(step, window)
+    check(step, window, isa_backend)
 
 
 @pytest.mark.parametrize("encoding", ENCODING_NAMES)
 @pytest.mark.parametrize("head_dim", [64, 48, 8])  # the group pass across lanes (64, 48) and alone (8)
 @pytest.mark.parametrize("window", [None, 40])
-def test_decodes_sharing_a_prefix(encoding: str, head_dim: int, window: int | None) -> None:
+def test_decodes_sharing_a_prefix(encoding: str, head_dim: int, window: int | None,
+                                  isa_backend: CpuPagedBackend) -> None:
     """The cascade: shared blocks read once for a group, dequantized a tile at a time."""
     contexts = [70, 100, 65, 300, 90, 200, 33, 64, 47] + [80 + 7 * i for i in range(24)]
     step = make_step([(c, 1) for c in contexts] + [(40, 9)], len(contexts), encoding, head_dim=head_dim,
                      block_size=16, num_kv_heads=3, group=3, seed=7)
     big_group = list(range(9, 33))
     step = paged_tests.share_leading_blocks(step, [([0, 1, 3, 5], 4), ([2, 4], 4), ([3, 5], 12), (big_group, 5)])
-    check(step, window)
+    check(step, window, isa_backend)
 
 
 @pytest.mark.parametrize("encoding", ENCODING_NAMES)
