@@ -420,8 +420,9 @@ static inline __attribute__((always_inline)) void weighted_values(float *acc, co
             const vec v_j = values_at(cache, row + j * VEC, enc);
             for (int p = 0; p < num_queries; p++) sum[p][j] += weights[p * TILE + t] * v_j;
         }
-        for (int i = num_vecs * VEC; i < d; i++) /* fp32 only: codes are read in registers when d % VEC == 0 */
-            for (int p = 0; p < num_queries; p++) acc[p * d + i] += weights[p * TILE + t] * ((const float *)cache)[row + i];
+        for (int i = num_vecs * VEC; i < d; i++) /* fp32 only: codes are read in place only in whole vectors */
+            for (int p = 0; p < num_queries; p++)
+                acc[p * d + i] += weights[p * TILE + t] * ((const float *)cache)[row + i];
     }
     for (int p = 0; p < num_queries; p++)
         for (int j = 0; j < num_vecs; j++) store(acc + p * d + j * VEC, sum[p][j]);
