@@ -1,7 +1,11 @@
 """Quantized KV on CPU: the tokens a KV budget holds per encoding, and the decode attention time per layer.
 
     PYTHONPATH=. python benchmarks/kv_quant.py [--kv-cache-memory 2] [--seqs 32] [--context 1000] [--rounds 7]
-        [--layers 1] [--shuffle-blocks]
+        [--layers 1] [--shuffle-blocks] [--baseline DIR]
+
+``--baseline DIR`` also times the decode kernel built from DIR (paged_decode.c and kv_vectors.h of another
+revision, e.g. from ``git show REV:kvserve/attention/csrc/paged_decode.c``), the two builds taking turns in each
+round of one process, so that both see the same machine load.
 
 Shapes are SmolLM2-135M's (30 layers, 9 query heads on 3 KV heads, head_dim 64, blocks of 16). The budget is
 sized by the engine's own ``num_kv_blocks_for``; the decode time is ``CpuPagedBackend.forward`` for one layer of
@@ -17,15 +21,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from kvserve.attention.backend import AttentionInputs
-from kvserve.attention.cpu_paged import CpuPagedBackend
+from kvserve.attention.cpu_paged import DECODE_SOURCE, PREFILL_SOURCE, CpuPagedBackend
 from kvserve.config import CacheConfig
 from kvserve.engine.core import num_kv_blocks_for
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from kvserve.native import load_library
 
 NUM_LAYERS, NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE = 30, 3, 3, 64, 16
 NAMES = ("auto", "int8", "fp8", "int4")
@@ -66,22 +72,33 @@ def decode_step(name: str, num_seqs: int, context: int,
     return kv, inputs, q
 
 
-def decode_ms(num_seqs: int, context: int, rounds: int, num_layers: int = 1,
-              shuffled: bool = False) -> dict[str, float]:
-    """Per encoding, the median ms a layer of a decode step over ``num_layers`` layers' caches."""
-    backend = CpuPagedBackend()
+def backends(baseline: Path | None) -> dict[str, CpuPagedBackend]:
+    """This revision's kernels, and where a baseline folder is given, its decode kernel beside them."""
+    kinds = {"": CpuPagedBackend()}
+    if baseline is not None:
+        libraries = (load_library(baseline / DECODE_SOURCE.name), load_library(PREFILL_SOURCE))
+        kinds[" (baseline)"] = CpuPagedBackend(libraries)
+    return kinds
+
+
+def decode_ms(num_seqs: int, context: int, rounds: int, num_layers: int = 1, shuffled: bool = False,
+              baseline: Path | None = None) -> dict[str, float]:
+    """Per encoding (and kernel build), the median ms a layer of a decode step over ``num_layers`` layers'
+    caches."""
+    kinds = backends(baseline)
     steps = {name: [decode_step(name, num_seqs, context, shuffled) for _ in range(num_layers)] for name in NAMES}
     new_kv = torch.randn(2, num_seqs, NUM_KV_HEADS, HEAD_DIM)
-    times: dict[str, list[float]] = {name: [] for name in NAMES}
-    for _ in range(rounds):
+    times: dict[str, list[float]] = {name + kind: [] for name in NAMES for kind in kinds}
+    for round_ in range(rounds):
         for name, layers in steps.items():
-            metas = [backend.build_metadata(inputs, {None}) for _, inputs, _ in layers]
-            for _ in range(2):  # warm: the first call of a round pulls the cache in as the last encoding evicted it
-                start = time.perf_counter()
-                for (kv, _, q), meta in zip(layers, metas):
-                    backend.forward(q, new_kv[0], new_kv[1], 0, kv, meta, scale=HEAD_DIM**-0.5)
-                elapsed = time.perf_counter() - start
-            times[name].append(elapsed * 1e3 / num_layers)
+            for kind, backend in sorted(kinds.items(), reverse=round_ % 2 == 1):  # the builds take turns first
+                metas = [backend.build_metadata(inputs, {None}) for _, inputs, _ in layers]
+                for _ in range(2):  # warm: the first call pulls the cache in as the last encoding evicted it
+                    start = time.perf_counter()
+                    for (kv, _, q), meta in zip(layers, metas):
+                        backend.forward(q, new_kv[0], new_kv[1], 0, kv, meta, scale=HEAD_DIM**-0.5)
+                    elapsed = time.perf_counter() - start
+                times[name + kind].append(elapsed * 1e3 / num_layers)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -93,6 +110,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=1, help="layers of a step, each its own cache")
     parser.add_argument("--shuffle-blocks", action="store_true", help="each sequence's blocks in random order")
+    parser.add_argument("--baseline", type=Path, help="a folder with another revision's decode kernel source")
     args = parser.parse_args()
     held = tokens_held(args.kv_cache_memory)
     print(f"tokens held by {args.kv_cache_memory} GiB (SmolLM2 shapes, {torch.get_num_threads()} threads):")
@@ -102,9 +120,13 @@ def main() -> None:
                 for name in NAMES}
     print(f"decode attention, a layer of {args.layers}, {args.seqs} sequences x {args.context} tokens "
           f"(median of {args.rounds}):")
-    for name, ms in decode_ms(args.seqs, args.context, args.rounds, args.layers, args.shuffle_blocks).items():
-        print(f"  {name:5s} {ms:7.3f} ms  {kv_bytes[name] / 2**20:6.1f} MiB of K/V  "
-              f"{kv_bytes[name] / ms / 1e6:5.1f} GB/s")
+    times = decode_ms(args.seqs, args.context, args.rounds, args.layers, args.shuffle_blocks, args.baseline)
+    for label, ms in times.items():
+        name = label.split()[0]
+        baseline_ms = times.get(name + " (baseline)") if label == name else None
+        against = f"  baseline / this {baseline_ms / ms:.2f}x" if baseline_ms else ""
+        print(f"  {label:16s} {ms:7.3f} ms  {kv_bytes[name] / 2**20:6.1f} MiB of K/V  "
+              f"{kv_bytes[name] / ms / 1e6:5.1f} GB/s{against}")
 
 
 if __name__ == "__main__":
