@@ -36,9 +36,13 @@ every layer and the head):
                small-GEMM panels    20.0   26.4          50.8  101.8
     Intel EMR  oneDNN blocked      199.0  253.5  366.4  464.9  913.6
                small-GEMM panels   178.9  234.0  377.5  501.6 1136.0
+    (later)    oneDNN blocked      220.1  274.4  460.4
+               small-GEMM panels   206.5  276.3  531.9
 
 so on AMD's cores the panels take every step and no oneDNN copy is made (half the linear weights' memory); on
-Intel's, whose AVX2 FMAs are half their AVX-512 ones, oneDNN's blocking wins from about 192 tokens up.
+Intel's, whose AVX2 FMAs are half their AVX-512 ones, oneDNN's blocking wins from about 128 tokens up (the first
+Intel rows, session 13, put the two level at 192; three later passes, session 19, had the panels 13-17% behind
+there and level at 96 and 128).
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ SMALL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
 # the most tokens a step multiplies by the panels, by the ISA the kernel was built for and the CPU's maker ("":
 # any other), None: every step (AVX-512: from about 112 rows up oneDNN is as fast, see the tables above; a
 # generic build is correct but not used by the engine, ``small_gemm``)
-MAX_PANEL_ROWS = {("avx512", ""): 96, ("avx2", "AuthenticAMD"): None, ("avx2", ""): 192, ("generic", ""): 96}
+MAX_PANEL_ROWS = {("avx512", ""): 96, ("avx2", "AuthenticAMD"): None, ("avx2", ""): 128, ("generic", ""): 96}
 ISA_NAMES = {2: "avx512", 1: "avx2", 0: "generic"}  # kvserve_small_gemm_isa()'s codes
 SMALL_GEMM_RANGE = "kvserve::small_gemm"  # the kernel's name in torch.profiler traces (a ctypes call is no op)
 _C_ARG_TYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its
