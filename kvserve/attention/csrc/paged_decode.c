@@ -292,8 +292,8 @@ static inline __attribute__((always_inline)) void fold_keys(const vec *sums, flo
 }
 
 /* scores[p * TILE + k] = q_p . key k for num_queries (<= BLOCK_QUERIES) query heads of one KV head (q_p at
- * q + p * d) and the BLOCK_KEYS keys at value indices rows[k] (fp32, or codes: unscaled dots). Each key vector
- * is loaded, and converted, once for all the query heads. d a multiple of VEC. */
+ * q + p * d) and the BLOCK_KEYS keys at value indices rows[k] (int8 codes: unscaled dots). Each key vector is
+ * loaded and converted once for all the query heads. d a multiple of VEC. */
 static inline __attribute__((always_inline)) void block_scores(const int num_queries, const float *q,
                                                                const void *cache, const int64_t *rows,
                                                                float *scores, const int d, const int enc) {
@@ -312,7 +312,7 @@ static inline __attribute__((always_inline)) void block_scores(const int num_que
 }
 
 /* A tile's scores (query h's at scores + h * TILE) for num_queries query heads, those of one KV head (equal
- * kv_offset) BLOCK_QUERIES at a time, read from the keys in place; codes' dots are multiplied by their rows'
+ * kv_offset) BLOCK_QUERIES at a time, read from the int8 keys in place; the dots are multiplied by their rows'
  * scales. rows is padded to a whole number of score blocks (the padding's scores are overwritten by the
  * caller). The next tile's lines are asked for a few at a time between the score blocks. */
 static inline __attribute__((always_inline)) void tile_scores(const float *q, int num_queries,
@@ -341,11 +341,10 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, in
             case 2: block_scores(2, q_h, keys, block_rows, out, d, enc); break;
             default: block_scores(1, q_h, keys, block_rows, out, d, enc);
             }
-            if (enc != F32)
-                for (int k = 0; k < BLOCK_KEYS && t + k < num_keys; k++) {
-                    const float key_scale = param(params, block_rows[k] / d, 0, enc);
-                    for (int p = 0; p < n; p++) out[p * TILE + k] *= key_scale;
-                }
+            for (int k = 0; k < BLOCK_KEYS && t + k < num_keys; k++) {
+                const float key_scale = param(params, block_rows[k] / d, 0, enc);
+                for (int p = 0; p < n; p++) out[p * TILE + k] *= key_scale;
+            }
             h += n;
         }
     }
