@@ -206,12 +206,28 @@ static inline const uint8_t *row_bytes(const void *cache, int64_t row, const int
     return (const uint8_t *)cache + (enc == F32 ? row * 4 : enc == INT4 ? row / 2 : row);
 }
 
+/* Bytes that num_values stored values take in the encoding. */
+static inline int encoded_bytes(int num_values, const int enc) {
+    return enc == F32 ? num_values * 4 : enc == INT4 ? num_values / 2 : num_values;
+}
+
+/* The parameters of the row at value index row (a multiple of d). */
+static inline const uint8_t *row_params(const void *params, int64_t row, const int d, const int enc) {
+    return (const uint8_t *)params + row / d * (enc == INT4 ? 4 : 2);
+}
+
 static inline void prefetch_row(const void *cache, const void *params, int64_t row, int num_values, const int d,
                                 const int enc) {
     const uint8_t *p = row_bytes(cache, row, enc);
-    const int num_bytes = enc == F32 ? num_values * 4 : enc == INT4 ? num_values / 2 : num_values;
-    for (int i = 0; i < num_bytes; i += 4 * FLOATS_PER_LINE) __builtin_prefetch(p + i);
-    if (enc != F32) __builtin_prefetch((const uint8_t *)params + row / d * (enc == INT4 ? 4 : 2));
+    for (int i = 0; i < encoded_bytes(num_values, enc); i += 4 * FLOATS_PER_LINE) __builtin_prefetch(p + i);
+    if (enc != F32) __builtin_prefetch(row_params(params, row, d, enc));
+}
+
+/* How many query heads from h on (at most most) read the same KV head: a run that one register block serves. */
+static inline int kv_head_run(const int64_t *kv_offset, int h, int num_queries, int most) {
+    int n = 1;
+    while (n < most && h + n < num_queries && kv_offset[h + n] == kv_offset[h]) n++;
+    return n;
 }
 
 /* The next tile's K and V rows (and their parameters), prefetched a few cache lines at a time while this tile
@@ -221,19 +237,19 @@ typedef struct {
     const uint8_t *k_cache, *v_cache;
     const void *k_params, *v_params;
     const int64_t *rows; /* value index of each row's first value */
-    int num_rows, row_bytes, d, enc;
+    int num_rows, bytes_per_row, d, enc;
     int row, offset;     /* the next line to ask for */
 } Prefetcher;
 
 static inline Prefetcher prefetcher(const DecodeArgs *a, const int64_t *rows, int num_rows, int num_values,
                                     const int d, const int enc) {
-    const int row_bytes = enc == F32 ? num_values * 4 : enc == INT4 ? num_values / 2 : num_values;
-    return (Prefetcher){a->k_cache, a->v_cache, a->k_params, a->v_params, rows, num_rows, row_bytes, d, enc, 0, 0};
+    return (Prefetcher){a->k_cache, a->v_cache, a->k_params, a->v_params, rows, num_rows,
+                        encoded_bytes(num_values, enc), d, enc, 0, 0};
 }
 
 /* How many lines prefetch_lines must ask for in each of num_calls calls to cover all the rows. */
 static inline int lines_per_call(const Prefetcher *p, int num_calls) {
-    const int lines_per_row = (p->row_bytes + 4 * FLOATS_PER_LINE - 1) / (4 * FLOATS_PER_LINE);
+    const int lines_per_row = (p->bytes_per_row + 4 * FLOATS_PER_LINE - 1) / (4 * FLOATS_PER_LINE);
     return (p->num_rows * lines_per_row + num_calls - 1) / num_calls;
 }
 
@@ -244,11 +260,11 @@ static inline void prefetch_lines(Prefetcher *p, int num_lines) {
         __builtin_prefetch(row_bytes(p->k_cache, row, p->enc) + p->offset);
         __builtin_prefetch(row_bytes(p->v_cache, row, p->enc) + p->offset);
         if (p->offset == 0 && p->enc != F32) {
-            __builtin_prefetch((const uint8_t *)p->k_params + row / p->d * (p->enc == INT4 ? 4 : 2));
-            __builtin_prefetch((const uint8_t *)p->v_params + row / p->d * (p->enc == INT4 ? 4 : 2));
+            __builtin_prefetch(row_params(p->k_params, row, p->d, p->enc));
+            __builtin_prefetch(row_params(p->v_params, row, p->d, p->enc));
         }
         p->offset += 4 * FLOATS_PER_LINE;
-        if (p->offset >= p->row_bytes) p->offset = 0, p->row++;
+        if (p->offset >= p->bytes_per_row) p->offset = 0, p->row++;
     }
 }
 
@@ -321,17 +337,12 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, in
                                                               int num_keys, Prefetcher *next, float *scores,
                                                               const int d, const int enc) {
     int num_runs = 0; /* score blocks per key block */
-    for (int h = 0; h < num_queries; num_runs++) {
-        int n = 1;
-        while (n < BLOCK_QUERIES && h + n < num_queries && kv_offset[h + n] == kv_offset[h]) n++;
-        h += n;
-    }
+    for (int h = 0; h < num_queries; num_runs++) h += kv_head_run(kv_offset, h, num_queries, BLOCK_QUERIES);
     const int num_lines = lines_per_call(next, (num_keys + BLOCK_KEYS - 1) / BLOCK_KEYS * num_runs);
     for (int t = 0; t < num_keys; t += BLOCK_KEYS) {
         int64_t block_rows[BLOCK_KEYS];
         for (int h = 0; h < num_queries;) {
-            int n = 1;
-            while (n < BLOCK_QUERIES && h + n < num_queries && kv_offset[h + n] == kv_offset[h]) n++;
+            const int n = kv_head_run(kv_offset, h, num_queries, BLOCK_QUERIES);
             prefetch_lines(next, num_lines);
             for (int k = 0; k < BLOCK_KEYS; k++) block_rows[k] = rows[t + k] + kv_offset[h];
             const float *q_h = q + h * d;
@@ -441,8 +452,7 @@ static inline __attribute__((always_inline)) void weighted_values_by_kv_head(flo
     const int most = num_vecs <= NUM_REGISTERS / 8 ? 4 : num_vecs <= NUM_REGISTERS / 4 ? 2 : 1;
     float scaled[enc == F32 ? 1 : 4 * TILE], row_scale[enc == F32 ? 1 : TILE];
     for (int h = 0; h < num_queries;) {
-        int n = 1;
-        while (n < most && h + n < num_queries && kv_offset[h + n] == kv_offset[h]) n++;
+        const int n = kv_head_run(kv_offset, h, num_queries, most);
         float *out = acc + h * d;
         const float *weights = scores + h * TILE;
         if (enc != F32) {
