@@ -9,8 +9,9 @@ are kept in the log2 domain (the softmax scale is pre-multiplied by log2 e, so `
 and every softmax state (running max, sum, accumulator) is fp32 whatever the inputs.
 
 A quantized cache (``QUANT``: int8 or fp8 codes with one fp16 scale per token per KV head, or int4 codes two a
-byte with an fp16 scale and zero point; ``kv/quant.py``) is dequantized tile by tile as it is loaded, to the
-queries' dtype, as the reference's gather does.
+byte with an fp16 scale and zero point per group of ``QUANT_GROUP`` values; ``kv/quant.py``) is dequantized tile
+by tile as it is loaded, to the queries' dtype, as the reference's gather does; int4 keys stay rotated as stored,
+and the backend hands these kernels queries rotated alike.
 
 Importing this module imports triton; only the backend (and the tests) do, never the CPU engine.
 """
@@ -24,7 +25,7 @@ import triton.language as tl
 # than exp2(-inf + inf) = nan (padding rows, and rows whose window starts after the tile).
 NEG_INIT = tl.constexpr(-1.0e30)
 # ``QUANT``: how the cache stores K/V (kv/quant.py): the values themselves, codes times one scale per token per
-# KV head (int8, fp8), or int4 codes packed two a byte with a scale and a zero point per token per KV head
+# KV head (int8, fp8), or int4 codes packed two a byte with a scale and a zero point per group of a row
 UNQUANTIZED, SCALED, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
@@ -54,18 +55,22 @@ def _slots(table_row, pos, mask, PAGE_SIZE: tl.constexpr):
 
 @triton.jit
 def _load_rows(cache, scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-               scale_stride_slot, OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A [BLOCK_N, BLOCK_D] tile of one KV head's keys (or values), dequantized to ``OUT_DTYPE``."""
+               scale_stride_slot, OUT_DTYPE: tl.constexpr, QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """A [BLOCK_N, BLOCK_D] tile of one KV head's keys (or values), dequantized to ``OUT_DTYPE`` (int4 keys as
+    stored, rotated: the backend rotates the queries alike)."""
     mask = mask_n[:, None] & mask_d[None, :]
-    if QUANT == INT4:  # value d in byte d % (HEAD_DIM / 2), low nibble for the first half; params (s, z)
-        half = HEAD_DIM // 2
-        ptrs = cache + slots[:, None] * stride_slot + kv_head * stride_head + (offs_d % half)[None, :]
+    if QUANT == INT4:  # value d: byte d % (QUANT_GROUP / 2) of its group, the high nibble in the group's second
+        half = QUANT_GROUP // 2  # half; each group's params (s, z) in order, 2 * HEAD_DIM / QUANT_GROUP a row
+        group, in_group = offs_d // QUANT_GROUP, offs_d % QUANT_GROUP
+        ptrs = cache + slots[:, None] * stride_slot + kv_head * stride_head + (group * half + in_group % half)[None, :]
         packed = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-        codes = (packed >> (4 * (offs_d >= half).to(tl.int32))[None, :]) & 15
-        params = scales + slots * scale_stride_slot + kv_head * 2
-        s = tl.load(params, mask=mask_n, other=0.0).to(tl.float32)
-        z = tl.load(params + 1, mask=mask_n, other=0.0).to(tl.float32)
-        return tl.where(mask, codes.to(tl.float32) * s[:, None] + z[:, None], 0.0).to(OUT_DTYPE)
+        codes = (packed >> (4 * (in_group >= half).to(tl.int32))[None, :]) & 15
+        params = (scales + slots[:, None] * scale_stride_slot + kv_head * (2 * HEAD_DIM // QUANT_GROUP)
+                  + (2 * group)[None, :])
+        s = tl.load(params, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(params + 1, mask=mask, other=0.0).to(tl.float32)
+        return tl.where(mask, codes.to(tl.float32) * s + z, 0.0).to(OUT_DTYPE)
     ptrs = cache + slots[:, None] * stride_slot + kv_head * stride_head + offs_d[None, :]
     if QUANT == SCALED:  # scales are [num_slots, num_kv_heads, 1]: one per token per KV head
         s = tl.load(scales + slots * scale_stride_slot + kv_head, mask=mask_n, other=0.0).to(tl.float32)
@@ -100,8 +105,8 @@ def paged_decode_kernel(
     k_cache, v_cache, k_scales, v_scales, stride_slot, stride_head, scale_stride_slot,
     block_tables, stride_table, seq_lens, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, STORE_LSE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """One program per (decode, KV head, split): the GROUP query heads of the KV head (rows of a BLOCK_G tile,
     padded to the 16 rows a dot needs) over the split's share of the visible keys::
@@ -135,11 +140,11 @@ def paged_decode_kernel(
         mask_n = pos < end
         slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
         keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                          scale_stride_slot, q.dtype.element_ty, QUANT, HEAD_DIM)
+                          scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
         scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
         scores = tl.where(mask_n[None, :], scores, float("-inf"))
         values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                            scale_stride_slot, q.dtype.element_ty, QUANT, HEAD_DIM)
+                            scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
         acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
 
     l = tl.where(l > 0, l, 1.0)  # an empty split: acc is 0, and lse ~ NEG_INIT weighs it 0 in the merge
@@ -177,7 +182,7 @@ def paged_prefill_kernel(
     block_tables, stride_table, seq_lens, query_starts, query_lens, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, QUERIES_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    QUANT_GROUP: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
     """One program per (chunk, KV head, tile of QUERIES_PER_TILE query positions). A tile's rows are its
     positions x the KV head's GROUP query heads (row r: position r // GROUP, head r % GROUP), so each key and
@@ -216,13 +221,13 @@ def paged_prefill_kernel(
             mask_n = pos < hi
             slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
             keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                              scale_stride_slot, q.dtype.element_ty, QUANT, HEAD_DIM)
+                              scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
             scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
             visible = ((pos[None, :] <= query_pos[:, None]) & (pos[None, :] > query_pos[:, None] - window)
                        & mask_n[None, :])
             scores = tl.where(visible, scores, float("-inf"))
             values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot,
-                                stride_head, scale_stride_slot, q.dtype.element_ty, QUANT, HEAD_DIM)
+                                stride_head, scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
             acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
 
         o = acc / tl.where(l > 0, l, 1.0)[:, None]  # 0 only on padding rows: a real row sees its own key

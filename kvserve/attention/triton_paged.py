@@ -29,7 +29,7 @@ import triton
 from kvserve.attention import triton_kernels as kernels
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, check_sliding_window
 from kvserve.attention.torch_ref import _validate
-from kvserve.kv.quant import KVCacheDtype
+from kvserve.kv.quant import KVCacheDtype, rotate_queries
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -126,6 +126,7 @@ class TritonPagedBackend(AttentionBackend):
             store_kv(layer_kv, meta.inputs.slot_mapping, k, v)
         else:
             kv.write(layer, meta.inputs.slot_mapping, k, v)
+            q = rotate_queries(q, layer_kv.encoding)  # int4's keys are stored rotated
         out = torch.empty_like(q)
         if meta.inputs.num_decodes:
             self._attend_decodes(q, out, layer_kv, meta, scale, window)
@@ -150,7 +151,7 @@ class TritonPagedBackend(AttentionBackend):
             meta.block_tables, meta.block_tables.stride(0), meta.seq_lens, scale * math.log2(math.e), window,
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
             BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-            QUANT=_quant(layer_kv.encoding), **_dot_args(q), STORE_LSE=num_splits > 1,
+            **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q), STORE_LSE=num_splits > 1,
         )
         if num_splits > 1:
             kernels.merge_splits_kernel[(num_decodes, num_heads)](
@@ -200,15 +201,17 @@ def _attend_chunks(q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, me
         meta.chunk_query_starts, meta.chunk_query_lens, scale * math.log2(math.e), window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size, QUERIES_PER_TILE=queries_per_tile,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
-        QUANT=_quant(layer_kv.encoding), **_dot_args(q),
+        **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q),
     )
 
 
-def _quant(encoding: KVCacheDtype) -> int:
-    """The kernels' ``QUANT`` for a cache stored in ``encoding``."""
+def _quant_args(encoding: KVCacheDtype, head_dim: int) -> dict[str, int]:
+    """The kernels' ``QUANT`` and ``QUANT_GROUP`` (values per group) for a cache stored in ``encoding``."""
     if not encoding.has_scales:
-        return kernels.UNQUANTIZED.value
-    return kernels.INT4.value if encoding.has_zero_point else kernels.SCALED.value
+        quant = kernels.UNQUANTIZED.value
+    else:
+        quant = kernels.INT4.value if encoding.has_zero_point else kernels.SCALED.value
+    return {"QUANT": quant, "QUANT_GROUP": encoding.group_size(head_dim)}
 
 
 def _cache_args(layer_kv: KVLayerView) -> tuple[torch.Tensor | int, ...]:

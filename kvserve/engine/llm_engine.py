@@ -182,7 +182,7 @@ class LLMEngine:
         if not cache.offloads_kv:
             return None
         spec = runner.kv_cache_spec()
-        block_format = BlockFormat(runner.model_identity(), spec.kv_dtype.name, spec.block_size, spec.bytes_per_block,
+        block_format = BlockFormat(runner.model_identity(), spec.kv_dtype.layout, spec.block_size, spec.bytes_per_block,
                                    runner.kv_groups.layout)
         host_gib = cache.kv_offload_memory if cache.kv_offload_memory is not None else DEFAULT_STAGING_GIB
         return TieredStore(block_format, host_gib * 2**30, host_is_tier=cache.kv_offload_memory is not None,

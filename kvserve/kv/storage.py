@@ -2,14 +2,14 @@
 
 The backends write a step's new keys and values through ``write`` and read a layer through ``layer(i)``, a
 ``KVLayerView``; how elements are encoded (``KVCacheDtype``: the model's own dtype, or int8 / fp8 / int4 with
-parameters per token per KV head, ``kv/quant.py``) is known here and in the kernels that read a view, never in
+parameters per group of a token's row of one KV head, and int4's keys rotated, ``kv/quant.py``) is known here and in the kernels that read a view, never in
 the scheduler or the model. ``write`` quantizes; ``KVLayerView.gather_rows`` dequantizes for the reference
 backend, and the C kernels dequantize as they read. Layout per paged tensor (one per layer, or per
 ``group_size`` layers of KV cache groups, ``kv/groups.py``, whose layers share them through their own blocks),
 where a token's flat slot is ``block_id * block_size + offset``::
 
     k, v:              [num_blocks, block_size, num_kv_heads, head_dim // values_per_element]  (data dtype)
-    k_scale, v_scale:  [num_blocks, block_size, num_kv_heads, params_per_group]  (scale dtype; quantized only)
+    k_scale, v_scale:  [num_blocks, block_size, num_kv_heads, params_per_row]  (scale dtype; quantized only)
 
 A quantized block is smaller (``KVCacheSpec.bytes_per_block`` counts data and parameters), so the same memory
 budget holds more blocks; the scheduler never sees these tensors, only block ids.
@@ -85,14 +85,14 @@ class KVLayerView(NamedTuple):
         """Copy K and V rows, dequantized, into ``out`` ([2, len(rows), head_dim]: K, then V) and return it. Row
         r is (slot r // num_kv_heads, KV head r % num_kv_heads), so a backend picks its own order of heads and
         keys."""
-        for i, (data, params) in enumerate(((self.k, self.k_scale), (self.v, self.v_scale))):
+        for i, (data, params) in enumerate(((self.k, self.k_scale), (self.v, self.v_scale))):  # K, then V
             stored = _as_copyable(data).view(-1, data.shape[-1])
             if params is None:
                 torch.index_select(stored, 0, rows, out=out[i])
             else:
                 codes = stored.index_select(0, rows).view(data.dtype)
                 row_params = params.view(-1, params.shape[-1]).index_select(0, rows)
-                out[i].copy_(dequantize(codes, row_params, self.encoding, out.dtype))
+                out[i].copy_(dequantize(codes, row_params, self.encoding, out.dtype, keys=i == 0))
         return out
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +148,7 @@ class KVCacheStorage:
         k, v = (zeros(data_shape, encoding.data_dtype, device) for _ in "kv")
         k_scale = v_scale = None
         if encoding.scale_dtype is not None:
-            params_shape = (*shape, encoding.params_per_group)
+            params_shape = (*shape, encoding.params_per_row(spec.head_dim))
             k_scale, v_scale = (zeros(params_shape, encoding.scale_dtype, device) for _ in "kv")
         return KVLayerView(k, v, k_scale, v_scale, encoding, spec.dtype)
 
@@ -190,11 +190,11 @@ class KVCacheStorage:
         """``write`` in torch ops (``quantize``, then ``index_copy_``): every device, and the twin of the CPU store
         (``kv/cpu_store.py``), which gives the same bytes."""
         try:
-            for new, data, params in ((k, view.k, view.k_scale), (v, view.v, view.v_scale)):
+            for keys, new, data, params in ((True, k, view.k, view.k_scale), (False, v, view.v, view.v_scale)):
                 if params is None:
                     data.view(-1, *data.shape[2:]).index_copy_(0, slot_mapping, new)
                     continue
-                codes, new_params = quantize(new, view.encoding)
+                codes, new_params = quantize(new, view.encoding, keys)
                 _as_copyable(data).view(-1, *data.shape[2:]).index_copy_(0, slot_mapping, _as_copyable(codes))
                 params.view(-1, *params.shape[2:]).index_copy_(0, slot_mapping, new_params)
         except IndexError as error:

@@ -65,7 +65,7 @@ class BlockFormat:
     """What every block of this engine's tiers is: a file is used only if it matches all of it."""
 
     model_identity: str
-    kv_dtype: str
+    kv_dtype: str  # the layout the KV is stored in (``KVCacheDtype.layout``)
     block_size: int
     bytes_per_block: int
     kv_layout: str = ""  # which layers a block of each KV cache group holds (``KVCacheGroups.layout``)

@@ -105,9 +105,10 @@ def test_quantized_cache_is_dequantized_in_the_kernels(encoding: str) -> None:
     check(triton_step(MIXED, 4, group=3, encoding=ENCODINGS[encoding], seed=5), 33, SPLIT)
 
 
-@pytest.mark.parametrize("head_dim", [48, 64])
-def test_int4_unpacks_both_halves_of_a_row(head_dim: int) -> None:
-    """int4 packs value d and value d + head_dim / 2 in one byte: a head_dim that is no power of two pads the
+@pytest.mark.parametrize("head_dim", [48, 64, 256])
+def test_int4_unpacks_both_halves_of_each_group(head_dim: int) -> None:
+    """int4 packs value i and value i + group / 2 of a group in one byte, each group with its own parameters
+    (48: 3 groups of 16, 64: one, 256: 4 of 64), and keys rotated: a head_dim that is no power of two pads the
     tile past the packed row, which must read as zeros."""
     step = triton_step(MIXED, 4, group=2, head_dim=head_dim, encoding=ENCODINGS["int4"], seed=7)
     check(step, None, NO_SPLIT)

@@ -152,6 +152,10 @@ def test_quantized_kv_blocks_go_through_the_tiers_unchanged(tiny_checkpoints, tm
                **SMALL_POOL)
     assert _run(llm, prompts) == expected
     assert llm.stats()["kv_offload_host_hit_tokens"] > 0
+    # int4's first layout (whole-row groups, keys as they are) filed its blocks as "int4": a server of today's
+    # layout keys and files its own under another name, so it never reads one of those as its own
+    layout = {"int8": "int8", "int4": "int4-g64-hadamard-keys"}[kv_cache_dtype]
+    assert llm.engine.core.kv_manager.store.format.kv_dtype == layout
 
 
 def test_n_samples_and_preemption_over_the_tiers(tiny_checkpoints) -> None:

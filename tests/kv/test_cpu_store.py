@@ -43,7 +43,7 @@ def _stored(kv: KVCacheStorage) -> list[torch.Tensor]:
     return [t.view(torch.uint8).clone() for t in kv.layer(0).tensors()]
 
 
-@pytest.mark.parametrize("head_dim", [64, 10, 2])
+@pytest.mark.parametrize("head_dim", [256, 96, 64, 10, 2])  # int4: 4 groups of 64, 3 of 32, 1, 5 of 2
 @pytest.mark.parametrize("cache", CACHES)
 def test_the_store_writes_the_bytes_of_the_torch_path(store: CpuKVStore, cache: str, head_dim: int) -> None:
     by_store, by_torch = _storage(cache, head_dim), _storage(cache, head_dim)

@@ -6,10 +6,19 @@
 #define KVSERVE_KV_VECTORS_H
 
 /* How the cache stores values (kvserve/kv/quant.py, the reference): fp32 itself, or codes with fp16
- * parameters per group (a token's row of one KV head): int8 and fp8 (e4m3) codes times a scale; int4
- * codes times a scale plus a zero point, two a byte (byte i of a row: value i in the low nibble,
- * value i + head_dim / 2 in the high one). */
+ * parameters per group: int8 and fp8 (e4m3) codes times a scale, a token's row of one KV head a group; int4
+ * codes times a scale plus a zero point, in groups of int4_group(head_dim) values, two a byte (byte i of a
+ * group: value i in the low nibble, value i + group / 2 in the high one), and keys stored rotated group by
+ * group (the caller hands the kernels queries rotated alike, so scores need nothing more here). */
 enum { F32 = 0, INT8 = 1, FP8 = 2, INT4 = 3 };
+#define INT4_MAX_GROUP 64
+
+/* Values per int4 group (quant.py's KVCacheDtype.group_size): the largest power of two dividing d, at most
+ * INT4_MAX_GROUP; a constant in each head_dim's compiled copy. */
+static inline int int4_group(const int d) {
+    const int lowest_bit = d & -d;
+    return lowest_bit < INT4_MAX_GROUP ? lowest_bit : INT4_MAX_GROUP;
+}
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -102,6 +111,43 @@ static inline float code_value(const uint8_t *p, int i, const int enc) {
     const int x = p[i], e = (x >> 3) & 15;
     const float magnitude = e ? ldexpf((float)(8 + (x & 7)), e - 10) : ldexpf((float)(x & 7), -9);
     return x & 0x80 ? -magnitude : magnitude;
+}
+
+/* A group of int4 codes (n / 2 bytes at p) times scale plus zero, into out (n values). */
+static inline __attribute__((always_inline)) void dequantize_int4_group(const uint8_t *p, const _Float16 *scale_zero,
+                                                                        float *out, const int n) {
+    const float scale = (float)scale_zero[0], zero = (float)scale_zero[1];
+    const int half = n / 2;
+    int j = 0;
+    for (; j + VEC <= half; j += VEC) {
+        byte_vec b;
+        memcpy(&b, p + j, sizeof b);
+        store(out + j, nibbles_to_vec(b & 15) * scale + zero);
+        store(out + half + j, nibbles_to_vec(b >> 4) * scale + zero);
+    }
+    for (; j < half; j++) {
+        out[j] = (float)(p[j] & 15) * scale + zero;
+        out[half + j] = (float)(p[j] >> 4) * scale + zero;
+    }
+}
+
+/* The row of d values at value index row (a multiple of d), dequantized into out (int4 keys: as stored,
+ * rotated). */
+static inline __attribute__((always_inline)) void dequantize_row(const void *cache, const void *params,
+                                                                 int64_t row, float *out, const int d,
+                                                                 const int enc) {
+    if (enc == INT4) {
+        const int group = int4_group(d);
+        const uint8_t *p = (const uint8_t *)cache + row / 2;
+        const _Float16 *scale_zero = (const _Float16 *)params + row / group * 2;
+        for (int g = 0; g < d; g += group) dequantize_int4_group(p + g / 2, scale_zero + g / group * 2, out + g, group);
+        return;
+    }
+    const uint8_t *p = (const uint8_t *)cache + row;
+    const float scale = (float)((const _Float16 *)params)[row / d];
+    int i = 0;
+    for (; i + VEC <= d; i += VEC) store(out + i, codes_to_vec(p + i, enc) * scale);
+    for (; i < d; i++) out[i] = code_value(p, i, enc) * scale;
 }
 
 #endif

@@ -196,10 +196,8 @@ static inline byte_vec load_bytes(const uint8_t *p) {
     return b;
 }
 
-/* Parameter k (0: scale, 1: int4's zero point) of group g (value index / head_dim). */
-static inline float param(const void *params, int64_t g, int k, const int enc) {
-    return (float)((const _Float16 *)params)[(enc == INT4 ? 2 * g : g) + k];
-}
+/* The scale of int8 / fp8 row g (value index / head_dim). */
+static inline float row_scale_of(const void *params, int64_t g) { return (float)((const _Float16 *)params)[g]; }
 
 /* The stored bytes of the value at index row (a multiple of head_dim: a row's first). */
 static inline const uint8_t *row_bytes(const void *cache, int64_t row, const int enc) {
@@ -211,9 +209,9 @@ static inline int encoded_bytes(int num_values, const int enc) {
     return enc == F32 ? num_values * 4 : enc == INT4 ? num_values / 2 : num_values;
 }
 
-/* The parameters of the row at value index row (a multiple of d). */
+/* The parameters of the row at value index row (a multiple of d): int4's of its first group. */
 static inline const uint8_t *row_params(const void *params, int64_t row, const int d, const int enc) {
-    return (const uint8_t *)params + row / d * (enc == INT4 ? 4 : 2);
+    return (const uint8_t *)params + (enc == INT4 ? row / int4_group(d) * 4 : row / d * 2);
 }
 
 static inline void prefetch_row(const void *cache, const void *params, int64_t row, int num_values, const int d,
@@ -353,38 +351,12 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, in
             default: block_scores(1, q_h, keys, block_rows, out, d, enc);
             }
             for (int k = 0; k < BLOCK_KEYS && t + k < num_keys; k++) {
-                const float key_scale = param(params, block_rows[k] / d, 0, enc);
+                const float key_scale = row_scale_of(params, block_rows[k] / d);
                 for (int p = 0; p < n; p++) out[p * TILE + k] *= key_scale;
             }
             h += n;
         }
     }
-}
-
-/* A row of d values at value index row (a multiple of d), dequantized into out. */
-static inline __attribute__((always_inline)) void dequantize_row(const void *cache, const void *params,
-                                                                 int64_t row, float *out, const int d,
-                                                                 const int enc) {
-    const uint8_t *p = row_bytes(cache, row, enc);
-    const float scale = param(params, row / d, 0, enc);
-    if (enc == INT4) {
-        const float zero = param(params, row / d, 1, enc);
-        const int half = d / 2;
-        int j = 0;
-        for (; j + VEC <= half; j += VEC) {
-            const byte_vec b = load_bytes(p + j);
-            store(out + j, nibbles_to_vec(b & 15) * scale + zero);
-            store(out + half + j, nibbles_to_vec(b >> 4) * scale + zero);
-        }
-        for (; j < half; j++) {
-            out[j] = (float)(p[j] & 15) * scale + zero;
-            out[half + j] = (float)(p[j] >> 4) * scale + zero;
-        }
-        return;
-    }
-    int i = 0;
-    for (; i + VEC <= d; i += VEC) store(out + i, codes_to_vec(p + i, enc) * scale);
-    for (; i < d; i++) out[i] = code_value(p, i, enc) * scale;
 }
 
 /* Turn one tile's scores (padded to TILE with -inf) into softmax weights against each query head's running
@@ -456,7 +428,7 @@ static inline __attribute__((always_inline)) void weighted_values_by_kv_head(flo
         float *out = acc + h * d;
         const float *weights = scores + h * TILE;
         if (enc != F32) {
-            for (int t = 0; t < num_keys; t++) row_scale[t] = param(params, (rows[t] + kv_offset[h]) / d, 0, enc);
+            for (int t = 0; t < num_keys; t++) row_scale[t] = row_scale_of(params, (rows[t] + kv_offset[h]) / d);
             for (int p = 0; p < n; p++)
                 for (int t = 0; t < num_keys; t++) scaled[p * TILE + t] = weights[p * TILE + t] * row_scale[t];
             weights = scaled;

@@ -98,35 +98,6 @@ typedef struct {
     int chunk, kv_head, first_query, num_queries;
 } Item;
 
-/* The row of d values at value index row (a multiple of d), dequantized into out. */
-static inline __attribute__((always_inline)) void dequantize_row(const void *cache, const void *params,
-                                                                 int64_t row, float *out, const int d,
-                                                                 const int enc) {
-    const uint8_t *p = (const uint8_t *)cache + (enc == INT4 ? row / 2 : row);
-    const int64_t g = row / d;
-    if (enc == INT4) {
-        const _Float16 *scale_zero = (const _Float16 *)params + 2 * g;
-        const float scale = (float)scale_zero[0], zero = (float)scale_zero[1];
-        const int half = d / 2;
-        int j = 0;
-        for (; j + VEC <= half; j += VEC) {
-            byte_vec b;
-            memcpy(&b, p + j, sizeof b);
-            store(out + j, nibbles_to_vec(b & 15) * scale + zero);
-            store(out + half + j, nibbles_to_vec(b >> 4) * scale + zero);
-        }
-        for (; j < half; j++) {
-            out[j] = (float)(p[j] & 15) * scale + zero;
-            out[half + j] = (float)(p[j] >> 4) * scale + zero;
-        }
-        return;
-    }
-    const float scale = (float)((const _Float16 *)params)[g];
-    int i = 0;
-    for (; i + VEC <= d; i += VEC) store(out + i, codes_to_vec(p + i, enc) * scale);
-    for (; i < d; i++) out[i] = code_value(p, i, enc) * scale;
-}
-
 /* A tile's key and value rows dequantized into k_tile and v_tile ([num_keys, d]), by the encoding's copy. */
 static inline __attribute__((always_inline)) void dequantize_tile(const PrefillArgs *a, const int64_t *rows,
                                                                   int num_keys, float *k_tile, float *v_tile,

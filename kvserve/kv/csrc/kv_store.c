@@ -7,12 +7,14 @@
  * unquantized cache's two index_copy_ calls a layer were 0.9 ms of a 12.6 ms step. Here one call stores a layer.
  *
  * Cache layout (kv/storage.py): data [slots, num_kv_heads, head_dim / values per element], parameters [slots,
- * num_kv_heads, params per group] in fp16. A group is one token's row of one KV head:
+ * num_kv_heads, params per row] in fp16, each group's in order. int8 and fp8 take one token's row of one KV head
+ * as their group; int4 takes groups of the largest power of two dividing head_dim, at most 64, and rotates
+ * each group of a key by the normalized Walsh-Hadamard transform first (quant.py says why):
  *
  *     int8  s = fp16 not below max|x| / 127,  q = round_half_even(x * (1 / s)) clamped to [-127, 127]
  *     fp8   s = fp16 not below max|x| / 448,  f = e4m3(x * (1 / s) clamped to [-448, 448]), rounded to nearest even
  *     int4  z = fp16(min x), s = fp16((max x - z) / 15),  q = round_half_even((x - z) * (1 / s)) in [0, 15],
- *           value i in the low nibble of byte i, value i + head_dim / 2 in its high nibble
+ *           value i of a group in the low nibble of its byte i, value i + group / 2 in that byte's high nibble
  *
  * (1 / s is 0 where s is 0: an all-zero row.) Every step is the reference's own fp32 operation in its order, so
  * finite inputs give the same bits (a NaN gives a NaN scale, its codes unspecified); this file is built without
@@ -28,6 +30,7 @@
 enum { RAW = 0, INT8 = 1, FP8 = 2, INT4 = 3 }; /* cpu_paged.py's ENCODING_CODES */
 
 #define FP16_MAX 65504.0f
+#define INT4_MAX_GROUP 64 /* quant.py's INT4_MAX_GROUP */
 #define ROUNDING 12582912.0f /* 1.5 * 2^23: x + C - C rounds x to an integer, half to even, for |x| < 2^22 */
 
 static inline uint16_t half_bits(float x) { /* round to nearest even */
@@ -100,7 +103,7 @@ static void quantize_fp8(const float *x, int n, uint8_t *codes, uint16_t *params
     for (int i = 0; i < n; i++) codes[i] = e4m3_bits(clamp(x[i] * inverse, -448.0f, 448.0f));
 }
 
-/* n values (even) into n / 2 bytes and (scale, zero point). */
+/* A group of n values (even) into n / 2 bytes and (scale, zero point). */
 static void quantize_int4(const float *x, int n, uint8_t *packed, uint16_t *params) {
     float low = x[0] + 0.0f, high = low; /* -0 as 0, as the reference */
     for (int i = 1; i < n; i++) low = x[i] < low ? x[i] + 0.0f : low, high = x[i] > high ? x[i] + 0.0f : high;
@@ -117,12 +120,45 @@ static void quantize_int4(const float *x, int n, uint8_t *packed, uint16_t *para
     params[0] = scale, params[1] = half_bits(zero);
 }
 
-/* One tensor (K or V) of num_tokens tokens, rows `stride` elements apart in src, into slots of data and params.
- * RAW copies elem_size-byte values as they are. */
+/* Values per int4 group in a row of head_dim (quant.py's KVCacheDtype.group_size): the largest power of two
+ * dividing head_dim, at most INT4_MAX_GROUP. */
+static inline int int4_group(int head_dim) {
+    const int lowest_bit = head_dim & -head_dim;
+    return lowest_bit < INT4_MAX_GROUP ? lowest_bit : INT4_MAX_GROUP;
+}
+
+/* x (n values, a power of two) times the normalized Walsh-Hadamard matrix, in place: quant.py's hadamard, the
+ * same fp32 butterflies in the same order, then the same multiply. */
+static void hadamard(float *x, int n) {
+    for (int span = 1; span < n; span *= 2)
+        for (int i = 0; i < n; i += 2 * span)
+            for (int j = i; j < i + span; j++) {
+                const float a = x[j], b = x[j + span];
+                x[j] = a + b, x[j + span] = a - b;
+            }
+    const float scale = (float)(1.0 / sqrt((double)n));
+    for (int i = 0; i < n; i++) x[i] *= scale;
+}
+
+/* One row of head_dim values into int4 groups of `group` values, each group rotated first where `rotate`. */
+static void quantize_int4_row(const float *x, int head_dim, int group, int rotate, uint8_t *packed,
+                              uint16_t *params) {
+    float rotated[head_dim];
+    if (rotate) {
+        memcpy(rotated, x, sizeof rotated);
+        for (int g = 0; g < head_dim; g += group) hadamard(rotated + g, group);
+        x = rotated;
+    }
+    for (int g = 0; g < head_dim; g += group) quantize_int4(x + g, group, packed + g / 2, params + g / group * 2);
+}
+
+/* One tensor (K or V: `keys`) of num_tokens tokens, rows `stride` elements apart in src, into slots of data and
+ * params. RAW copies elem_size-byte values as they are. */
 static void store(void *data, uint16_t *params, const void *src, int64_t stride, const int64_t *slots,
-                  int num_tokens, int num_heads, int head_dim, int elem_size, int encoding) {
+                  int num_tokens, int num_heads, int head_dim, int elem_size, int encoding, int keys) {
     const int64_t row = (int64_t)num_heads * head_dim; /* values of one token */
-    const int param_count = encoding == INT4 ? 2 : 1;
+    const int group = encoding == INT4 ? int4_group(head_dim) : head_dim;
+    const int param_count = encoding == INT4 ? 2 * (head_dim / group) : 1; /* per row */
     for (int t = 0; t < num_tokens; t++) {
         const int64_t slot = slots[t];
         if (encoding == RAW) {
@@ -138,7 +174,8 @@ static void store(void *data, uint16_t *params, const void *src, int64_t stride,
             else if (encoding == FP8)
                 quantize_fp8(x, head_dim, (uint8_t *)data + slot * row + (int64_t)h * head_dim, group_params);
             else
-                quantize_int4(x, head_dim, (uint8_t *)data + (slot * row + (int64_t)h * head_dim) / 2, group_params);
+                quantize_int4_row(x, head_dim, group, keys, (uint8_t *)data + (slot * row + (int64_t)h * head_dim) / 2,
+                                  group_params);
         }
     }
 }
@@ -151,7 +188,7 @@ int kvserve_store_kv(void *k_data, void *v_data, uint16_t *k_params, uint16_t *v
                      int num_heads, int head_dim, int elem_size, int encoding, int64_t num_slots) {
     for (int t = 0; t < num_tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    store(k_data, k_params, k, k_stride, slots, num_tokens, num_heads, head_dim, elem_size, encoding);
-    store(v_data, v_params, v, v_stride, slots, num_tokens, num_heads, head_dim, elem_size, encoding);
+    store(k_data, k_params, k, k_stride, slots, num_tokens, num_heads, head_dim, elem_size, encoding, 1);
+    store(v_data, v_params, v, v_stride, slots, num_tokens, num_heads, head_dim, elem_size, encoding, 0);
     return 0;
 }
