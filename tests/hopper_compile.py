@@ -57,7 +57,7 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
                       v_scales=torch.float16 if quant else cache, stride_qt=1, stride_qh=1, stride_slot=1,
                       stride_head=1, scale_stride_slot=1, block_tables=torch.int32, stride_table=1,
                       seq_lens=torch.int32, scale_log2=1.0, window=1, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=16,
-                      BLOCK_N=64, BLOCK_D=head_dim, QUANT=quant,
+                      BLOCK_N=64, BLOCK_D=head_dim, QUANT=quant, QUANT_GROUP=64 if cache == torch.uint8 else head_dim,
                       PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST_DOTS=False)
         name = f"{str(dtype)[6:]} q, {str(cache)[6:]} cache, group {group}, head_dim {head_dim}"
         for split in (False, True):
