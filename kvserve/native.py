@@ -15,6 +15,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -25,6 +26,7 @@ from typing import Any, Callable
 import platformdirs
 import torch
 
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 # The one environment variable kvserve's kernels read: KVSERVE_CPU_ISA=avx2 builds them for AVX2 + FMA
 # (Haswell) on any x86-64 CPU, so that a developer on an AVX-512 machine can measure the AVX2 code paths too
@@ -117,12 +119,31 @@ def library_path(source: Path) -> Path:
     except OSError as error:
         raise KernelBuildError(f"the kernel source {source} is missing: {error}") from error
     flags = compile_flags()
-    headers = [header.read_bytes() for header in sorted(source.parent.glob("*.h"))]  # what it may include
+    headers = [header.read_bytes() for header in included_headers(source)]
     key = hashlib.sha256(b"\0".join([text, *headers, " ".join(flags).encode(), _cpu_id().encode()])).hexdigest()
     path = Path(platformdirs.user_cache_dir("kvserve")) / "kernels" / f"{source.stem}-{key[:16]}.so"
     if not path.exists():
         _compile(source, path, flags)
     return path
+
+
+def included_headers(source: Path) -> list[Path]:
+    """Every file that ``source`` includes in quotes (``#include "x.h"``, relative to the including file), and
+    those files' own, in the order first met: what a change of must rebuild the library."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        including = pending.pop(0)
+        try:
+            text = including.read_text()
+        except OSError as error:
+            raise KernelBuildError(f"the kernel header {including} is missing: {error}") from error
+        for name in _QUOTED_INCLUDE.findall(text):
+            header = (including.parent / name).resolve()
+            if header not in found:
+                found.append(header)
+                pending.append(header)
+    return found
 
 
 def compile_flags() -> tuple[str, ...]:

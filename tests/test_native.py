@@ -38,6 +38,27 @@ def test_kernel_shares_torchs_openmp_runtime() -> None:
     assert address(kernel) == address(ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libgomp.so.1")))
 
 
+def test_a_change_to_any_included_header_rebuilds(cache_dir: Path, tmp_path: Path) -> None:
+    """The build key covers what a source includes in quotes, also from another folder and through another
+    header (the attention kernels include kv/csrc/hadamard.h through kv_vectors.h)."""
+    assert native.included_headers(KERNEL_SOURCE) == [KERNEL_SOURCE.parent / "kv_vectors.h",
+                                                      KERNEL_SOURCE.parents[2] / "kv" / "csrc" / "hadamard.h"]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "lib").mkdir()
+    source = tmp_path / "src" / "kernel.c"
+    source.write_text('#include "../lib/outer.h"\nint f(void) { return VALUE; }\n')
+    (tmp_path / "lib" / "outer.h").write_text('#include "inner.h"\n')
+    inner = tmp_path / "lib" / "inner.h"
+    inner.write_text("#define VALUE 1\n")
+    first = native.library_path(source)
+    inner.write_text("#define VALUE 2\n")
+    second = native.library_path(source)
+    assert first != second and ctypes.CDLL(str(second)).f() == 2
+    inner.unlink()
+    with pytest.raises(KernelBuildError, match="inner.h is missing"):
+        native.library_path(source)
+
+
 def test_missing_compiler_is_a_build_error(cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(KernelBuildError, match="no C compiler"):

@@ -19,8 +19,9 @@ kernels because they are bound by different things:
 
 Both kernels read a quantized cache (int8, fp8, int4: ``kvserve/kv/quant.py``) as it is stored, codes and
 per-group parameters (int8 in registers, the others a tile of rows at a time into fp32 on the stack); queries
-and outputs stay fp32. int4 keys are stored rotated, so the queries are rotated alike before the kernels see
-them (``rotate_queries``, one matrix multiply a layer).
+and outputs stay fp32. int4 keys are stored rotated, so the kernels rotate the queries alike as they start
+(``kv/csrc/hadamard.h``'s butterflies: at a one-stream decode step, torch's matrix multiply took 10-17 us a
+layer for what the butterflies do in well under one).
 
 ``TorchRefBackend`` is the twin the tests compare both against (it dequantizes what it gathers). The kernels are
 built at first use (``kvserve.native``) and called through ctypes with raw pointers.
@@ -37,7 +38,6 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, check_sliding_window
 from kvserve.attention.torch_ref import _validate
-from kvserve.kv.quant import rotate_queries
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 from kvserve.native import KernelFunction, kernel_range, load_library
 
@@ -133,7 +133,6 @@ class CpuPagedBackend(AttentionBackend):
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernels walk heads head_dim apart within a row
             q = q.contiguous()
         kv.write(layer, meta.inputs.slot_mapping, k, v)  # the chunks' keys are read back in place
-        q = rotate_queries(q, kv.spec.kv_dtype)  # int4's keys are stored rotated
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.inputs.num_decodes:
             self._attend_decodes(q, out, kv.layer(layer), kv, meta, scale, sliding_window)

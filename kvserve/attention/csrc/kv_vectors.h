@@ -1,7 +1,7 @@
 /* What both attention kernels (paged_decode.c, paged_prefill.c) share: the cache's encodings and whole-vector
  * helpers. The includer defines VEC and the vector types first: vec (VEC floats), ivec (VEC int32),
- * byte_vec / signed_byte_vec (VEC bytes). Part of each kernel's build key (kvserve.native hashes the headers
- * beside a source). */
+ * byte_vec / signed_byte_vec (VEC bytes). Part of each kernel's build key (kvserve.native hashes what a
+ * source includes). */
 #ifndef KVSERVE_KV_VECTORS_H
 #define KVSERVE_KV_VECTORS_H
 
@@ -19,6 +19,8 @@ static inline int int4_group(const int d) {
     const int lowest_bit = d & -d;
     return lowest_bit < INT4_MAX_GROUP ? lowest_bit : INT4_MAX_GROUP;
 }
+
+#include "../../kv/csrc/hadamard.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -129,6 +131,21 @@ static inline __attribute__((always_inline)) void dequantize_int4_group(const ui
         out[j] = (float)(p[j] & 15) * scale + zero;
         out[half + j] = (float)(p[j] >> 4) * scale + zero;
     }
+}
+
+/* Query rows [0, num_rows) of q (num_heads * d values each, rows q_row_stride apart) rotated as int4 keys are
+ * stored, group by group, into a new array of rows num_heads * d apart (the caller frees it): scores against
+ * the stored keys are then those against the keys themselves. NULL if it cannot be allocated. */
+static float *rotated_queries(const float *q, int64_t q_row_stride, int64_t num_rows, int num_heads, int d) {
+    const int64_t row = (int64_t)num_heads * d;
+    float *rotated = malloc(sizeof(float) * (size_t)(num_rows > 0 ? num_rows * row : 1));
+    if (!rotated) return NULL;
+    const int group = int4_group(d);
+    for (int64_t r = 0; r < num_rows; r++) {
+        memcpy(rotated + r * row, q + r * q_row_stride, sizeof(float) * (size_t)row);
+        for (int64_t i = 0; i < row; i += group) hadamard(rotated + r * row + i, group);
+    }
+    return rotated;
 }
 
 /* The row of d values at value index row (a multiple of d), dequantized into out (int4 keys: as stored,

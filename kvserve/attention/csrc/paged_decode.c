@@ -868,6 +868,12 @@ int kvserve_paged_decode_f32(float *out, int64_t out_row_stride, const float *q,
                              const int32_t *block_tables, int64_t block_table_stride, const int32_t *seq_lens,
                              int num_seqs, int num_kv_heads, int group, int head_dim, int block_size, int window,
                              float scale, int num_threads) {
+    float *rotated = NULL; /* int4 keys are stored rotated: the queries are rotated alike */
+    if (encoding == INT4) {
+        rotated = rotated_queries(q, q_row_stride, num_seqs, num_kv_heads * group, head_dim);
+        if (!rotated) return -1;
+        q = rotated, q_row_stride = (int64_t)num_kv_heads * group * head_dim;
+    }
     const DecodeArgs a = {out, q, k_cache, v_cache, k_params, v_params, block_tables, seq_lens, out_row_stride,
                           q_row_stride, block_table_stride, num_blocks, num_kv_heads, group, head_dim, block_size,
                           window, scale, encoding};
@@ -875,7 +881,10 @@ int kvserve_paged_decode_f32(float *out, int64_t out_row_stride, const float *q,
     const AttendFn attend_fn = ATTEND[copy][encoding];
     const SharedFn shared_fn = SHARED[copy];
     Cascade cascade;
-    if (plan_cascade(&a, num_seqs, num_threads, &cascade)) return -1;
+    if (plan_cascade(&a, num_seqs, num_threads, &cascade)) {
+        free(rotated);
+        return -1;
+    }
     int num_bad = 0;
     /* the groups' shared keys first: every (chunk, split, KV head) item writes its members' states */
     const int items_per_chunk = cascade.num_splits * num_kv_heads;
@@ -892,5 +901,6 @@ int kvserve_paged_decode_f32(float *out, int64_t out_row_stride, const float *q,
     for (int item = 0; item < num_seqs * items_per_seq; item++)
         num_bad += attend_fn(&a, &cascade, item / items_per_seq, item % items_per_seq * kv_per_item, kv_per_item);
     free_cascade(&cascade);
+    free(rotated);
     return num_bad;
 }

@@ -377,6 +377,15 @@ int kvserve_paged_prefill_f32(float *out, int64_t out_row_stride, const float *q
                               const int32_t *query_starts, const int32_t *query_lens, int num_chunks,
                               int num_kv_heads, int group, int head_dim, int block_size, int window,
                               int queries_per_tile, float scale, int num_threads) {
+    float *rotated = NULL; /* int4 keys are stored rotated: the queries are rotated alike */
+    if (encoding == INT4) {
+        int64_t num_rows = 0; /* through the last chunk's last query */
+        for (int c = 0; c < num_chunks; c++)
+            num_rows = query_starts[c] + query_lens[c] > num_rows ? query_starts[c] + query_lens[c] : num_rows;
+        rotated = rotated_queries(q, q_row_stride, num_rows, num_kv_heads * group, head_dim);
+        if (!rotated) return -1;
+        q = rotated, q_row_stride = (int64_t)num_kv_heads * group * head_dim;
+    }
     const PrefillArgs a = {out, q, k_cache, v_cache, k_params, v_params, block_tables, seq_lens, query_starts,
                            query_lens, out_row_stride, q_row_stride, block_table_stride, num_blocks, num_kv_heads,
                            group, head_dim, block_size, window, queries_per_tile, scale, encoding};
@@ -384,9 +393,11 @@ int kvserve_paged_prefill_f32(float *out, int64_t out_row_stride, const float *q
                              : head_dim == 256 ? attend_256 : attend_any;
     int num_items = 0, num_bad = 0;
     Item *items = plan_items(&a, num_chunks, &num_items);
-    if (!items) return -1;
+    if (items) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : num_bad)
-    for (int i = 0; i < num_items; i++) num_bad += attend_fn(&a, items[i]);
+        for (int i = 0; i < num_items; i++) num_bad += attend_fn(&a, items[i]);
+    }
     free(items);
-    return num_bad;
+    free(rotated);
+    return items ? num_bad : -1;
 }

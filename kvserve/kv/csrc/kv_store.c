@@ -27,6 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "hadamard.h"
+
 enum { RAW = 0, INT8 = 1, FP8 = 2, INT4 = 3 }; /* cpu_paged.py's ENCODING_CODES */
 
 #define FP16_MAX 65504.0f
@@ -125,19 +127,6 @@ static void quantize_int4(const float *x, int n, uint8_t *packed, uint16_t *para
 static inline int int4_group(int head_dim) {
     const int lowest_bit = head_dim & -head_dim;
     return lowest_bit < INT4_MAX_GROUP ? lowest_bit : INT4_MAX_GROUP;
-}
-
-/* x (n values, a power of two) times the normalized Walsh-Hadamard matrix, in place: quant.py's hadamard, the
- * same fp32 butterflies in the same order, then the same multiply. */
-static void hadamard(float *x, int n) {
-    for (int span = 1; span < n; span *= 2)
-        for (int i = 0; i < n; i += 2 * span)
-            for (int j = i; j < i + span; j++) {
-                const float a = x[j], b = x[j + span];
-                x[j] = a + b, x[j + span] = a - b;
-            }
-    const float scale = (float)(1.0 / sqrt((double)n));
-    for (int i = 0; i < n; i++) x[i] *= scale;
 }
 
 /* One row of head_dim values into int4 groups of `group` values, each group rotated first where `rotate`. */
