@@ -73,6 +73,8 @@ class KVCacheDtype:
         if self.scale_dtype is None and (self.values_per_element != 1 or not self.data_dtype.is_floating_point
                                          or self.has_zero_point or self.max_group or self.rotates_keys):
             raise ValueError(f"KV dtype {self.name!r}: only float data may be stored without scales, one value each")
+        if self.max_group < 0 or self.max_group & (self.max_group - 1):
+            raise ValueError(f"KV dtype {self.name!r}: max_group must be 0 or a power of two, got {self.max_group}")
 
     @classmethod
     def unquantized(cls, dtype: torch.dtype) -> KVCacheDtype:

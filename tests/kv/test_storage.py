@@ -98,6 +98,8 @@ def test_specs_that_cannot_be_stored_are_refused() -> None:
         KVCacheSpec(1, 1, 7, 1, torch.float32, KVCacheDtype("int4", torch.uint8, torch.float16, 2))
     with pytest.raises(ValueError, match="only float data may be stored without scales"):
         KVCacheDtype("int8", torch.int8)
+    with pytest.raises(ValueError, match="max_group must be 0 or a power of two, got 48"):
+        KVCacheDtype("int4", torch.uint8, torch.float16, 2, True, max_group=48)
     with pytest.raises(ValueError, match="num_blocks=0"):
         KVCacheStorage(KVCacheSpec(1, 1, 1, 1, torch.float32), 0, "cpu")
 
