@@ -3,9 +3,11 @@
     PYTHONPATH=. python benchmarks/kv_quant.py [--kv-cache-memory 2] [--seqs 32] [--context 1000] [--rounds 7]
         [--layers 1] [--shuffle-blocks] [--baseline DIR]
 
-``--baseline DIR`` also times the decode kernel built from DIR (paged_decode.c and kv_vectors.h of another
-revision, e.g. from ``git show REV:kvserve/attention/csrc/paged_decode.c``), the two builds taking turns in each
-round of one process, so that both see the same machine load.
+``--baseline DIR`` also times the decode kernel built from DIR (another revision's ``kvserve/attention/csrc``,
+e.g. in a ``git worktree add`` of it, so that the headers it includes from ``kvserve/kv/csrc`` resolve there;
+revisions before 2026-11-28 include only ``kv_vectors.h``, so ``git show REV:<path>`` of it and of
+``paged_decode.c`` into one folder also does), the two builds taking turns in each round of one process, so that
+both see the same machine load.
 
 Shapes are SmolLM2-135M's (30 layers, 9 query heads on 3 KV heads, head_dim 64, blocks of 16). The budget is
 sized by the engine's own ``num_kv_blocks_for``; the decode time is ``CpuPagedBackend.forward`` for one layer of
@@ -110,7 +112,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=1, help="layers of a step, each its own cache")
     parser.add_argument("--shuffle-blocks", action="store_true", help="each sequence's blocks in random order")
-    parser.add_argument("--baseline", type=Path, help="a folder with another revision's decode kernel source")
+    parser.add_argument("--baseline", type=Path, help="another revision's kvserve/attention/csrc folder")
     args = parser.parse_args()
     held = tokens_held(args.kv_cache_memory)
     print(f"tokens held by {args.kv_cache_memory} GiB (SmolLM2 shapes, {torch.get_num_threads()} threads):")
