@@ -21,11 +21,13 @@ int4 stores keys rotated: each group of a key row goes through the normalized Wa
 (``hadamard``, orthogonal and its own inverse) before it is quantized. Keys have outlier channels, a few
 values many times the rest, and one outlier stretches its group's grid over all the others; H spreads it
 across the group. Scores need no unrotation, since q . k = Hq . Hk: the kernels rotate the queries instead
-(``rotate_queries``), and ``dequantize(..., keys=True)`` gives back the keys themselves. Perplexity of 2,048
-tokens of a fixed text (``benchmarks/kv_quality.py``) against the fp32 cache: Gemma 3 270M (head_dim 256)
-+599% with whole-row groups, +25% with groups of 64, +4.3% with groups of 64 and rotated keys; SmolLM2
-(head_dim 64, one group a row) +8.3% before rotating keys, +5.1% after. Values quantize well as they are
-(int4 values alone: +0.5% on either model), so they are not rotated, and outputs need no unrotation either.
+(the C kernels with ``kv/csrc/hadamard.h``, the Triton ones through ``rotate_queries``), and
+``dequantize(..., keys=True)`` gives back the keys themselves. Perplexity of 2,048 tokens of a fixed text
+against the fp32 cache, layouts tried by quantizing K and V as they were written (docs/results/session20-emr/
+int4-groups-experiment.txt): Gemma 3 270M (head_dim 256) +599% with whole-row groups, +25% with groups of 64,
++4.3% with groups of 64 and rotated keys; SmolLM2 (head_dim 64, one group a row) +8.3% before rotating keys,
++5.1% after. As built (``benchmarks/kv_quality.py``): Gemma 3 +5.4%, SmolLM2 +4.6%. Values quantize well as
+they are (int4 values alone: +0.2-0.5%), so they are not rotated, and outputs need no unrotation either.
 """
 
 from __future__ import annotations

@@ -23,10 +23,11 @@
  *     rows are read as one contiguous run: 1.1x on one thread, 1.3x on two.
  *
  * A quantized cache (kvserve/kv/quant.py) is read as its codes, a quarter (int8, fp8) or an eighth (int4) of
- * fp32's bytes plus 2 (int4: 4) bytes a row. int8 codes are converted in registers where they lie: a score
+ * fp32's bytes plus 2 bytes a row (int4: 4 a group of up to 64 values). int8 codes are converted in registers where they lie: a score
  * block takes 8 keys (AVX2: 4) for all the query heads of their KV head, so each key vector is converted once
  * for the group, and the scales are folded into the scores and the weights (attend_keys). fp8 and int4 rows
- * are dequantized a tile at a time into an fp32 tile on the stack (24 KB at SmolLM2's shapes, L1 / L2) that
+ * are dequantized a tile at a time (kv_vectors.h's dequantize_row; int4 keys left rotated, the queries rotated
+ * alike at the start) into an fp32 tile on the stack (24 KB at SmolLM2's shapes, L1 / L2) that
  * the fp32 inner products then read. History: converting codes inside each dot product one query head at a
  * time converted each row once per query head, which lost to the tile (Zen 2: 1.9x fp32's time for int8
  * against the tile's 1.6x); the group-wide score blocks won once the tile's store, reload and scaling were the
@@ -189,12 +190,6 @@ static inline __attribute__((always_inline)) void dot16(const float *q, const fl
                                         _mm512_shuffle_ps(eighths[0], eighths[1], 0xDD)));
 }
 #endif
-
-static inline byte_vec load_bytes(const uint8_t *p) {
-    byte_vec b;
-    memcpy(&b, p, sizeof b);
-    return b;
-}
 
 /* The scale of int8 / fp8 row g (value index / head_dim). */
 static inline float row_scale_of(const void *params, int64_t g) { return (float)((const _Float16 *)params)[g]; }
