@@ -20,7 +20,7 @@ kernels because they are bound by different things:
 Both kernels read a quantized cache (int8, fp8, int4: ``kvserve/kv/quant.py``) as it is stored, codes and
 per-group parameters (int8 in registers, the others a tile of rows at a time into fp32 on the stack); queries
 and outputs stay fp32. int4 keys are stored rotated, so the kernels rotate the queries alike as they start
-(``kv/csrc/hadamard.h``'s butterflies: at a one-stream decode step, torch's matrix multiply took 10-17 us a
+(``kv/csrc/int4_groups.h``'s butterflies: at a one-stream decode step, torch's matrix multiply took 10-17 us a
 layer for what the butterflies do in well under one).
 
 ``TorchRefBackend`` is the twin the tests compare both against (it dequantizes what it gathers). The kernels are

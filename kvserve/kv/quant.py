@@ -21,7 +21,7 @@ int4 stores keys rotated: each group of a key row goes through the normalized Wa
 (``hadamard``, orthogonal and its own inverse) before it is quantized. Keys have outlier channels, a few
 values many times the rest, and one outlier stretches its group's grid over all the others; H spreads it
 across the group. Scores need no unrotation, since q . k = Hq . Hk: the kernels rotate the queries instead
-(the C kernels with ``kv/csrc/hadamard.h``, the Triton ones through ``rotate_queries``), and
+(the C kernels with ``kv/csrc/int4_groups.h``, the Triton ones through ``rotate_queries``), and
 ``dequantize(..., keys=True)`` gives back the keys themselves. Perplexity of 2,048 tokens of a fixed text
 against the fp32 cache, layouts tried by quantizing K and V as they were written (docs/results/session20-emr/
 int4-groups-experiment.txt): Gemma 3 270M (head_dim 256) +599% with whole-row groups, +25% with groups of 64,

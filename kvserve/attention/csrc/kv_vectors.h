@@ -9,18 +9,10 @@
  * parameters per group: int8 and fp8 (e4m3) codes times a scale, a token's row of one KV head a group; int4
  * codes times a scale plus a zero point, in groups of int4_group(head_dim) values, two a byte (byte i of a
  * group: value i in the low nibble, value i + group / 2 in the high one), and keys stored rotated group by
- * group (the caller hands the kernels queries rotated alike, so scores need nothing more here). */
+ * group (each kernel rotates its queries alike as it starts, rotated_queries, so scores need nothing more). */
 enum { F32 = 0, INT8 = 1, FP8 = 2, INT4 = 3 };
-#define INT4_MAX_GROUP 64
 
-/* Values per int4 group (quant.py's KVCacheDtype.group_size): the largest power of two dividing d, at most
- * INT4_MAX_GROUP; a constant in each head_dim's compiled copy. */
-static inline int int4_group(const int d) {
-    const int lowest_bit = d & -d;
-    return lowest_bit < INT4_MAX_GROUP ? lowest_bit : INT4_MAX_GROUP;
-}
-
-#include "../../kv/csrc/hadamard.h"
+#include "../../kv/csrc/int4_groups.h" /* int4_group, hadamard */
 
 #if defined(__AVX2__)
 #include <immintrin.h>

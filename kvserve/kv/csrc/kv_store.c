@@ -27,12 +27,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "hadamard.h"
+#include "int4_groups.h"
 
 enum { RAW = 0, INT8 = 1, FP8 = 2, INT4 = 3 }; /* cpu_paged.py's ENCODING_CODES */
 
 #define FP16_MAX 65504.0f
-#define INT4_MAX_GROUP 64 /* quant.py's INT4_MAX_GROUP */
 #define ROUNDING 12582912.0f /* 1.5 * 2^23: x + C - C rounds x to an integer, half to even, for |x| < 2^22 */
 
 static inline uint16_t half_bits(float x) { /* round to nearest even */
@@ -120,13 +119,6 @@ static void quantize_int4(const float *x, int n, uint8_t *packed, uint16_t *para
         packed[i] = (uint8_t)(first | second << 4);
     }
     params[0] = scale, params[1] = half_bits(zero);
-}
-
-/* Values per int4 group in a row of head_dim (quant.py's KVCacheDtype.group_size): the largest power of two
- * dividing head_dim, at most INT4_MAX_GROUP. */
-static inline int int4_group(int head_dim) {
-    const int lowest_bit = head_dim & -head_dim;
-    return lowest_bit < INT4_MAX_GROUP ? lowest_bit : INT4_MAX_GROUP;
 }
 
 /* One row of head_dim values into int4 groups of `group` values, each group rotated first where `rotate`. */
