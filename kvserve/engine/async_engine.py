@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, Sequence, TypeVar
 
+from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -222,6 +223,10 @@ class AsyncEngine:
             self._wakeup.notify()
 
     def _run(self) -> None:
+        with heap_frozen(collect_first=True):  # a server's heap is mostly the model's: no full walk of it
+            self._loop()
+
+    def _loop(self) -> None:
         try:
             while self._wait_for_work():
                 self._run_commands()

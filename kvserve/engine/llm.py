@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from kvserve.config import DEFAULT_MODEL
+from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.input_processor import ChatMessages, PromptInput
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_args import EngineArgs
@@ -93,7 +94,7 @@ class LLM:
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generate", disable=not show_progress) as bar:
+        with tqdm(total=len(request_ids), desc="generate", disable=not show_progress) as bar, heap_frozen():
             try:
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step(final_only=True):
