@@ -24,6 +24,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.bench.roofline import measure_copy_bandwidth
+from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.model import registry
 from kvserve.model.checkpoint import SHAPES, make_config_only
 from kvserve.model.layers.fused_ops import TorchFusedOps
@@ -72,23 +73,24 @@ def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int,
     times, runner_part = [], []
     profiler, first_profiled = None, NUM_WARMUP_STEPS + 1 + num_steps
     scheduler = engine.core.scheduler
-    while engine.has_unfinished_requests():
-        # every request past its prompt and none about to finish: the step decodes all of them
-        decoding = (scheduler.num_running == batch and not scheduler.num_waiting
-                    and all(0 < r.num_output_tokens < r.max_tokens - 1 for r in scheduler.running))
-        start = time.perf_counter()
-        engine.step()
-        if decoding:
-            times.append(time.perf_counter() - start)
-            runner_part.append(runner_times[-1])
-            if profile_steps and len(times) == first_profiled:
-                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                              torch.profiler.ProfilerActivity.CUDA])
-                profiler.__enter__()
-            elif profiler is not None and len(times) == first_profiled + profile_steps:
-                profiler.__exit__(None, None, None)
-                print_kernel_table(profiler, profile_steps, statistics.median(times[first_profiled:]))
-                profiler = None
+    with heap_frozen():  # as the engine's own loops run (``LLM.generate``, the server's engine thread)
+        while engine.has_unfinished_requests():
+            # every request past its prompt and none about to finish: the step decodes all of them
+            decoding = (scheduler.num_running == batch and not scheduler.num_waiting
+                        and all(0 < r.num_output_tokens < r.max_tokens - 1 for r in scheduler.running))
+            start = time.perf_counter()
+            engine.step()
+            if decoding:
+                times.append(time.perf_counter() - start)
+                runner_part.append(runner_times[-1])
+                if profile_steps and len(times) == first_profiled:
+                    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                                  torch.profiler.ProfilerActivity.CUDA])
+                    profiler.__enter__()
+                elif profiler is not None and len(times) == first_profiled + profile_steps:
+                    profiler.__exit__(None, None, None)
+                    print_kernel_table(profiler, profile_steps, statistics.median(times[first_profiled:]))
+                    profiler = None
     runner.execute, runner.launch = execute, launch
     kept = slice(NUM_WARMUP_STEPS + 1, NUM_WARMUP_STEPS + 1 + num_steps)
     return times[kept], runner_part[kept]
