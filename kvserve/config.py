@@ -160,6 +160,9 @@ class SchedulerConfig:
     # A running request preempted for lack of KV blocks: "recompute" drops its KV and runs its tokens again;
     # "swap" copies its KV to the host tier (``CacheConfig.kv_offload_memory``) and loads it back to resume.
     preemption_mode: str = "recompute"
+    # On CUDA (one rank), a decode step scheduled and queued while the one before it runs, its input ids taken
+    # from that step's sampled tokens on the device (``Scheduler.schedule_continuation``); off: after it.
+    overlap_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

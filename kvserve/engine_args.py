@@ -101,6 +101,11 @@ class EngineArgs:
                                   f"how KV blocks are stored: {' | '.join(KV_CACHE_DTYPES)} ('auto': the model's "
                                   "dtype; the others quantize per token and KV head, holding ~4x / ~4x / ~7x the "
                                   "tokens of fp32 in the same memory)", str)
+    overlap_scheduling: bool = _option(SchedulerConfig.overlap_scheduling,
+                                       "CUDA: schedule and queue the next decode step while one runs, its input "
+                                       "ids taken from the sampled tokens on the GPU (SGLang's overlap schedule; "
+                                       "not for rows with logprobs, penalties, seeds or a grammar, nor with "
+                                       "speculation or KV tiers); --no-overlap-scheduling: schedule after it")
     enable_prefix_caching: bool = _option(CacheConfig.enable_prefix_caching,
                                           "reuse the KV of shared prompt prefixes (radix tree)")
     kv_offload_memory: float | None = _option(None, "GiB of host memory for KV blocks the device pool evicts (a "
@@ -184,6 +189,7 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 lpm_aging_steps=self.lpm_aging_steps,
                 preemption_mode=self.preemption_mode,
+                overlap_scheduling=self.overlap_scheduling,
             ),
             speculative=SpeculativeConfig(
                 method=self.speculative_method,

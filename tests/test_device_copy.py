@@ -1,4 +1,5 @@
-"""to_device: host data on a device in the dtype asked for, and on CUDA without waiting for queued work."""
+"""to_device: host data on a device in the dtype asked for, and on CUDA without waiting for queued work;
+HostCopy: a device result read back without waiting for work queued after it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.device_copy import to_device
+from kvserve.device_copy import HostCopy, to_device
 
 
 def test_lists_arrays_and_tensors_arrive_in_the_dtype_asked_for() -> None:
@@ -29,3 +30,21 @@ def test_a_copy_onto_cuda_does_not_wait_for_queued_work() -> None:
     copied = to_device([7, 8, 9], torch.long, cuda)
     assert not slept.query()  # the host is here while the device still sleeps
     assert copied.tolist() == [7, 8, 9]
+
+
+def test_a_host_copy_on_cpu_is_the_tensor_itself() -> None:
+    tensor = torch.arange(5)
+    assert HostCopy(tensor).result() is tensor
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_host_copy_does_not_wait_for_work_queued_after_it() -> None:
+    torch.cuda.synchronize()
+    sampled = torch.tensor([4, 5, 6], device="cuda")
+    copy = HostCopy(sampled)
+    torch.cuda._sleep(2_000_000_000)  # the next step, queued behind the copy
+    slept = torch.cuda.Event()
+    slept.record()
+    assert copy.result().tolist() == [4, 5, 6]
+    assert not slept.query()  # read back while the device still runs what came after

@@ -46,6 +46,7 @@ CHANGED = {
     "scheduling_policy": "fcfs",
     "lpm_aging_steps": 5,
     "preemption_mode": "swap",
+    "overlap_scheduling": False,
     "speculative_method": "ngram",
     "num_speculative_tokens": 5,
     "ngram_min": 2,
@@ -101,7 +102,7 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
                            "draft_model": None}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5)
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
-    assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5, "swap")
+    assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5, "swap", False)
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
     assert config.device == "cpu"
 

@@ -96,6 +96,19 @@ class EngineCore:
         self._track_peak(sched_out)
         return PendingStep(sched_out, self.runner.launch(sched_out))
 
+    def launch_continuation(self, pending: PendingStep) -> PendingStep | None:
+        """The step after ``pending``, scheduled and queued before ``pending``'s tokens are read back, so that the
+        device never waits for the host between the two (``Scheduler.schedule_continuation``; the runner takes
+        its input ids from ``pending``'s sampled tokens on the device). None where it cannot be: then the
+        next step is scheduled after ``finish_step(pending)``, as usual."""
+        if not self.runner.can_continue(pending.sched_out):
+            return None
+        sched_out = self.scheduler.schedule_continuation(pending.sched_out)
+        if sched_out is None:
+            return None
+        self._track_peak(sched_out)
+        return PendingStep(sched_out, self.runner.launch(sched_out))
+
     def finish_step(self, pending: PendingStep) -> list[EngineOutput]:
         return self._update(pending.sched_out, pending.model_output())
 

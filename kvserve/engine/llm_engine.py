@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 
 from kvserve.config import EngineConfig, parse_dtype, resolve_device
-from kvserve.engine.core import EngineCore, num_kv_blocks_for
+from kvserve.engine.core import EngineCore, PendingStep, num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.groups import KVCacheGroups
@@ -70,7 +70,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         # On CUDA a step's outputs are processed while the device runs the next step (see ``step``)
         self.overlap_outputs = self.device.type == "cuda" and tp_size == 1
+        # and, within that loop, the next step scheduled and queued before this one's tokens are read back
+        self.overlap_scheduling = self.overlap_outputs and config.scheduler.overlap_scheduling
         self._held: list[EngineOutput] = []  # the last step's outputs, not yet processed (overlap_outputs)
+        self._next: PendingStep | None = None  # a step launched ahead of its turn (overlap_scheduling)
         logger.info(
             "kvserve: %s on %s (%s weights, %.1f MB%s, %s activations), %d KV blocks of %d tokens (%s)%s",
             self.location.name, self.device, runner.weights_format(), runner.weight_bytes / 1e6,
@@ -222,11 +225,20 @@ class LLMEngine:
             host:    | schedule N, launch N | process N-1's outputs | wait for N, update |
             device:                         |<------------- step N -------------->|
 
-        A request a stop string ends then runs one step more, whose token is dropped."""
+        A request a stop string ends then runs one step more, whose token is dropped. With
+        ``overlap_scheduling`` too, while step N runs the next one is scheduled and queued behind it
+        (``EngineCore.launch_continuation``; where it can be, else it is scheduled after N's update, as
+        above), so the device goes from step to step without waiting for the host::
+
+            host:    | schedule N+1, launch N+1 | process N-1's outputs | wait for N, update | (next call)
+            device:  |<------------ step N ------------>|<------------ step N+1 ------------>|
+
+        A request then runs up to two steps past a stop string or EOS, and their tokens are dropped."""
         if not self.overlap_outputs:
             processed = self.output_processor.process(self.core.step(), final_only)
         else:
-            pending = self.core.launch_step()
+            pending = self._next or self.core.launch_step()
+            self._next = self.core.launch_continuation(pending) if self.overlap_scheduling else None
             held, self._held = self._held, []
             processed = self.output_processor.process(held, final_only)
             self._held = self.core.finish_step(pending)  # stopped requests finish after the step they ran in
@@ -235,7 +247,7 @@ class LLMEngine:
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests() or bool(self._held)
+        return self.core.has_unfinished_requests() or bool(self._held) or self._next is not None
 
     def _all_sample_ids(self, request_ids: list[str]) -> list[str]:
         return [sid for rid in request_ids for sid in self.output_processor.sample_request_ids(rid)]
@@ -259,6 +271,7 @@ class LLMEngine:
             "kv_waste_at_peak": self.core.peak.waste,
             "num_running": self.core.scheduler.num_running,
             "num_waiting": self.core.scheduler.num_waiting,
+            "num_steps_scheduled_ahead": self.core.scheduler.num_continued_steps,
             **self.core.scheduler.preemption_stats(),
             **self.core.scheduler.prefix_cache_stats(),
             **(store.stats() if (store := self.core.kv_manager.store) else {}),

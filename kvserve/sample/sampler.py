@@ -21,7 +21,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
-from kvserve.device_copy import to_device
+from kvserve.device_copy import HostCopy, to_device
 from kvserve.sample.argmax import first_max
 from kvserve.sample.logits_processors import LogitsProcessor, default_processors
 from kvserve.sample.logprobs import gather_logprobs
@@ -40,6 +40,18 @@ class SamplerOutput(NamedTuple):
 
     token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None
+
+
+class PendingSamples:
+    """A launched sampling: ``token_ids``, one per row on the logits' device (not read back yet, so a next step
+    can take its input ids from them there), and the call that reads them back (``Sampler.launch``)."""
+
+    def __init__(self, token_ids: torch.Tensor, finish: Callable[[], SamplerOutput]) -> None:
+        self.token_ids = token_ids
+        self._finish = finish
+
+    def __call__(self) -> SamplerOutput:
+        return self._finish()
 
 
 class Sampler:
@@ -67,7 +79,7 @@ class Sampler:
         copy is the call's only sync when no row wants logprobs."""
         return self.launch(logits, batch)()
 
-    def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> Callable[[], SamplerOutput]:
+    def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> PendingSamples:
         """Queue the sampling of ``logits`` (as ``__call__`` samples them) on their device; the call returned
         reads the token ids back (the sync) and advances the processors' state past them. Between the two the
         host is free while the device works (an overlapped engine step processes the last step's outputs
@@ -77,15 +89,25 @@ class Sampler:
         if self._stateful:
             self._add_new_keys(batch.rows)
         token_ids, raw_logprobs = self._sample(logits, batch)
+        host_token_ids = HostCopy(token_ids)  # read back without waiting for a step queued after this one
 
         def finish() -> SamplerOutput:
             logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
-            output = _per_request(token_ids.tolist(), logprobs, batch)
+            output = _per_request(host_token_ids.result().tolist(), logprobs, batch)
             if self._stateful:
                 self._accept([batch.rows[i] for i in batch.first_rows], output.token_ids)
             return output
 
-        return finish
+        return PendingSamples(token_ids, finish)
+
+    def is_history_free(self, row: SamplingRow) -> bool:
+        """Whether the row's next draw depends on nothing but its logits, and its result is the token alone: no
+        seed (a seeded draw is keyed by the output position), no logits processor (the penalties, the
+        min_tokens ban and a grammar read the outputs so far; the bias does not, but is counted too) and no
+        logprobs (read back through the device's whole queue). Only such rows may be sampled again before
+        their last token is read back (the overlapped scheduler)."""
+        return (row.params.seed is None and row.params.logprobs is None
+                and not any(p.is_needed(row) for p in self._processors))
 
     def prepare(self, batch: SamplingBatch) -> None:
         """Called before the forward pass whose logits ``batch`` will sample: new samples' state is created and

@@ -94,6 +94,7 @@ class Scheduler:
         self.num_generated_tokens = 0  # tokens appended to outputs, forks' first tokens included
         self.num_prefix_query_tokens = 0  # tokens of newly admitted requests looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of those, found cached
+        self.num_continued_steps = 0  # steps scheduled before the tokens of the step before were back
         self._num_steps = 0
         self._arrival_step: dict[str, int] = {}
 
@@ -209,6 +210,44 @@ class Scheduler:
         self._finished_ids.clear()
         self._preempted_ids.clear()
         return out
+
+    def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
+        """The step after ``previous``, scheduled before ``previous``'s tokens are back (the engine's overlapped
+        loop; ``update_from_output(previous)`` comes later, then this step's): each request ``previous``
+        decoded and still running decodes the token ``previous`` samples for it, which the runner takes
+        from the device. A request sure to stop at that token (its max_tokens or max_model_len) is left out;
+        one that stops at it otherwise (EOS, a stop token) runs this step for nothing and its token is dropped.
+
+        None where this step could differ from what ``schedule`` would give after the update: a waiting request
+        could be admitted, a row of ``previous`` is not a one-token decode, KV tiers, fork copies or
+        speculation (whose drafts are chosen from the tokens read back) are in play, or a request's next
+        token needs a block the pool cannot give (which ``schedule`` would preempt for; blocks taken by then
+        for the others stay theirs, as their next step needs them anyway). The diff leaves finished and
+        preempted requests to the next ``schedule``: the runner still has ``previous``'s tokens to record for
+        them."""
+        if (self.waiting and len(self.running) < self.config.max_num_seqs) or self._pending_copies \
+                or self.kv.store is not None or self.speculation is not None:
+            return None
+        if any(r.num_tokens != 1 or not r.sample or r.draft_token_ids for r in previous.requests):
+            return None
+        continuing = [request for r in previous.requests
+                      if (request := self.requests.get(r.request_id)) is not None
+                      and request.status is RequestStatus.RUNNING
+                      and not _stops_after_next_token(request, self.config)]
+        if not continuing or len(continuing) > self.config.max_num_batched_tokens:
+            return None
+        # the token ``previous`` samples sits one past the known ones: its slot for every request, or no step
+        if not all(self.kv.allocate_slots(request, 2) for request in continuing):
+            return None
+        self._num_steps += 1
+        self.num_continued_steps += 1
+        self.num_scheduled_tokens += len(continuing)
+        requests = [
+            ScheduledRequest(request.request_id, request.num_computed_tokens + 1, 1, self._new_block_ids(request),
+                             True, False, (), self.kv.take_null_counts(request) if self._grouped else ())
+            for request in continuing
+        ]
+        return SchedulerOutput(requests, len(requests))
 
     def _schedule_running(
         self, budget: _Budget, scheduled: list[tuple[Request, int]], drafts: dict[str, tuple[int, ...]]
@@ -326,26 +365,29 @@ class Scheduler:
         num_sent = self._num_blocks_sent.get(request.request_id)
         if num_sent is None:
             new_requests.append(_new_request_data(request, self._fork_source(request), self.kv.tables(request)))
-            num_sent = len(request.block_ids)
-        num_blocks = len(request.block_ids)
-        self._num_blocks_sent[request.request_id] = num_blocks
+            self._num_blocks_sent[request.request_id] = len(request.block_ids)
         end = request.num_computed_tokens + num_new - len(draft)  # drafts are not the request's tokens yet
-        if num_sent >= num_blocks:
-            new_block_ids: tuple[int, ...] = ()
-        elif self._grouped:  # group after group, the same number each
-            new_block_ids = tuple(b for table in self.kv.tables(request) for b in table[num_sent:])
-        else:
-            new_block_ids = tuple(request.block_ids[num_sent:])
         return ScheduledRequest(
             request.request_id,
             request.num_computed_tokens,
             num_new,
-            new_block_ids,
+            self._new_block_ids(request),
             end == request.num_tokens,
             request.sampling_params.prompt_logprobs is not None and _wants_prompt_logprobs(request, end),
             draft,
             self.kv.take_null_counts(request) if self._grouped else (),
         )
+
+    def _new_block_ids(self, request: Request) -> tuple[int, ...]:
+        """The request's blocks the runner has not been sent yet (every group's, group after group, the same
+        number each); from now on it is counted as having them."""
+        num_sent, num_blocks = self._num_blocks_sent[request.request_id], len(request.block_ids)
+        self._num_blocks_sent[request.request_id] = num_blocks
+        if num_sent >= num_blocks:
+            return ()
+        if self._grouped:
+            return tuple(b for table in self.kv.tables(request) for b in table[num_sent:])
+        return tuple(request.block_ids[num_sent:])
 
     def _fork_source(self, request: Request) -> str | None:
         """The parent whose per-request sampling state a sample entering the batch copies: only while the
@@ -499,6 +541,14 @@ class Scheduler:
         self._finished_ids.add(request.request_id)
         if self.speculation is not None:
             self.speculation.drop(request.request_id)
+
+
+def _stops_after_next_token(request: Request, config: SchedulerConfig) -> bool:
+    """Whether the token the request samples next is sure to end it: its max_tokens, or max_model_len."""
+    max_tokens = request.sampling_params.max_tokens
+    num_outputs = request.num_output_tokens + 1
+    return (max_tokens is not None and num_outputs >= max_tokens) \
+        or request.num_prompt_tokens + num_outputs >= config.max_model_len
 
 
 def _engine_output(

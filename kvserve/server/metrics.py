@@ -104,6 +104,9 @@ class ServerMetrics:
         # Engine counters mirrored as Prometheus counters: stats key -> (counter, value already counted).
         self._engine_counters = {
             "num_preemptions": self.num_preemptions,
+            "num_steps_scheduled_ahead": self._counter(
+                "num_steps_scheduled_ahead", "Decode steps scheduled and queued while the step before them ran "
+                "(the overlapped scheduler, CUDA)."),
             **{key: self._counter(key, doc) for key, doc in _SWAP_COUNTERS.items()},
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,

@@ -71,6 +71,15 @@ class PromptLogprobRows:
     num_top: int
 
 
+@dataclass(frozen=True)
+class InFlightTokens:
+    """The tokens a launched step samples, on the device and not read back yet: a step launched before they
+    are (the overlapped scheduler) takes the input id of each request's newest position from them."""
+
+    rows: dict[str, int]  # request id -> its row of token_ids
+    token_ids: torch.Tensor  # int64 [S], on the device
+
+
 @dataclass
 class _Row:
     """One request as the runner knows it; ``output_token_ids`` is appended to by the runner."""
@@ -124,9 +133,15 @@ class PersistentBatch:
             self._append_blocks(scheduled)
 
     def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
-        """Record the tokens the runner sampled, as the scheduler will append them to its requests."""
+        """Record the tokens the runner sampled, as the scheduler will append them to its requests. A request
+        already dropped from the batch is skipped: with the overlapped scheduler a step's diff can drop a
+        request (finished, aborted) before the step before it is read back."""
         for request_id, token_ids in sampled_token_ids.items():
-            self._row(request_id).output_token_ids.extend(token_ids)
+            if request_id in self._index:
+                self._row(request_id).output_token_ids.extend(token_ids)
+
+    def sampling_row(self, request_id: str) -> SamplingRow:
+        return self._row(request_id).sampling
 
     def drop_rejected_blocks(self, request_id: str) -> None:
         """After a speculating row: keep only the blocks the request's known tokens need, as the scheduler
@@ -204,14 +219,20 @@ class PersistentBatch:
 
     # ------------------------------------------------------------------------------------ step inputs
 
-    def prepare(self, sched_out: SchedulerOutput) -> InputBatch:
-        """The step's flat inputs; one Python pass over the step's requests, everything per token in numpy."""
+    def prepare(self, sched_out: SchedulerOutput, in_flight: InFlightTokens | None = None) -> InputBatch:
+        """The step's flat inputs; one Python pass over the step's requests, everything per token in numpy.
+        A request's token one past those known is taken from ``in_flight`` on the device."""
         scheduled = sched_out.requests
-        rows, start_pos, query_lens, tokens = self._gather(scheduled)
+        rows, start_pos, query_lens, tokens, unknown = self._gather(scheduled, in_flight)
         sampling = [i for i, r in enumerate(scheduled) if r.sample]
         draft_token_ids = [scheduled[i].draft_token_ids for i in sampling]
         sample_rows = _sample_rows(_query_start(query_lens), sampling, draft_token_ids)
         layout = self.layout(rows, start_pos, query_lens, tokens, {"sample_rows": (sample_rows, torch.int64)})
+        if unknown:
+            assert in_flight is not None
+            flat, sampled = zip(*unknown)
+            layout.input_ids[to_device(list(flat), torch.int64, self.device)] = \
+                in_flight.token_ids[to_device(list(sampled), torch.int64, self.device)]
         query_start = layout.query_start
         return InputBatch(
             input_ids=layout.input_ids,
@@ -283,26 +304,34 @@ class PersistentBatch:
         row = self._row(request_id)
         return _slice(row.prompt_token_ids, row.output_token_ids, start, end)
 
-    def _gather(self, scheduled: tuple[ScheduledRequest, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
-        """Each scheduled request's row, start position and token count, and the token ids the step runs, in
-        order: one pass, as a decode step's host time is this loop's per-request cost times the batch size."""
+    def _gather(self, scheduled: tuple[ScheduledRequest, ...], in_flight: InFlightTokens | None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[tuple[int, int]]]:
+        """Each scheduled request's row, start position and token count, the token ids the step runs, in
+        order, and for each token still in flight its index among them and its row of ``in_flight`` (its id
+        is 0 here): one pass, as a decode step's host time is this loop's per-request cost times the batch."""
         rows = [self._index_of(r.request_id) for r in scheduled]
         tokens: list[int] = []
+        unknown: list[tuple[int, int]] = []
         for r, index in zip(scheduled, rows):
             row = self._rows[index]
             prompt, outputs = row.prompt_token_ids, row.output_token_ids
             start, end = r.start_pos, r.start_pos + r.num_tokens - len(r.draft_token_ids)
-            num_prompt = len(prompt)
-            if end > num_prompt + len(outputs):
+            num_known = len(prompt) + len(outputs)
+            if end == num_known + 1 and in_flight is not None and r.request_id in in_flight.rows:
+                tokens += _slice(prompt, outputs, start, num_known)
+                unknown.append((len(tokens), in_flight.rows[r.request_id]))
+                tokens.append(0)
+            elif end > num_known:
                 raise ValueError(
                     f"request {r.request_id!r} is scheduled up to position {end - 1}, but the runner knows "
-                    f"only {num_prompt + len(outputs)} of its tokens"
+                    f"only {num_known} of its tokens"
                 )
-            tokens += _slice(prompt, outputs, start, end)
+            else:
+                tokens += _slice(prompt, outputs, start, end)
             tokens += r.draft_token_ids
         starts = np.fromiter((r.start_pos for r in scheduled), np.int64, len(scheduled))
         lengths = np.fromiter((r.num_tokens for r in scheduled), np.int64, len(scheduled))
-        return np.array(rows, dtype=np.int64), starts, lengths, tokens
+        return np.array(rows, dtype=np.int64), starts, lengths, tokens, unknown
 
     def _prompt_logprob_rows(self, scheduled: ScheduledRequest, first_row: int) -> PromptLogprobRows | None:
         """Rows of a chunk whose next token is still a prompt token: position p predicts prompt[p + 1].

@@ -27,7 +27,7 @@ from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, T
 from kvserve.spec.draft import DraftModel
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.step_graphs import StepGraphs, captures_cuda_graphs, step_graphs_for
-from kvserve.worker.input_batch import InputBatch, PersistentBatch
+from kvserve.worker.input_batch import InFlightTokens, InputBatch, PersistentBatch
 from kvserve.worker.parallel import StepPeers
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ class ModelRunner:
         self._group_windows = [self.model.sliding_windows()]
         self.enforce_eager = enforce_eager
         self.graphs: StepGraphs | None = None
+        self._in_flight: InFlightTokens | None = None  # the last launched step's tokens until it is finished
         self.draft = draft
 
     def weights_format(self) -> str:
@@ -186,11 +187,22 @@ class ModelRunner:
             return lambda: ModelOutput(sampled_token_ids={})
         if self.draft is not None:  # before the sampler's prepare: the grammar masks walk the drafts
             sched_out = self.draft.fill(sched_out, self.batch)
-        batch = self.batch.prepare(sched_out)
+        batch = self.batch.prepare(sched_out, self._in_flight)
         if samples:
             self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
         hidden = self._forward(batch)
         return functools.partial(self._finish, sched_out, batch, hidden, self._sample(batch, hidden))
+
+    def can_continue(self, sched_out: SchedulerOutput) -> bool:
+        """Whether the step after ``sched_out`` (the last one launched) may be launched before its tokens are
+        read back (``EngineCore.launch_continuation``): one rank, no draft model, its tokens still on the device,
+        and every row a one-token decode whose draw reads nothing but its logits (``Sampler.is_history_free``:
+        a penalty, a grammar or a seeded draw needs the token not read back yet)."""
+        if self.tp.size > 1 or self.draft is not None or self._in_flight is None or self.batch is None:
+            return False
+        return all(r.sample and r.num_tokens == 1 and not r.draft_token_ids and not r.prompt_logprobs
+                   and self.sampler.is_history_free(self.batch.sampling_row(r.request_id))
+                   for r in sched_out.requests)
 
     def _finish(self, sched_out: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
                 sampled: Callable[[], ModelOutput]) -> ModelOutput:
@@ -265,9 +277,15 @@ class ModelRunner:
         if not self.peers.is_driver:
             return lambda: ModelOutput(self.peers.share_sampled(None))
         sampled = self.sampler.launch(logits, batch.sampling)
+        in_flight = None
+        if not any(batch.draft_token_ids):  # a row per request: a next step may read its token on the device
+            in_flight = InFlightTokens({rid: i for i, rid in enumerate(batch.sample_request_ids)}, sampled.token_ids)
+        self._in_flight = in_flight
 
         def tokens() -> ModelOutput:
             result = sampled()  # the token ids' host copy is the step's one sync
+            if self._in_flight is in_flight:  # no later step launched: nothing is in flight any more
+                self._in_flight = None
             request_ids = batch.sample_request_ids
             logprobs = {} if result.logprobs is None else {
                 rid: entries for rid, entries in zip(request_ids, result.logprobs) if entries is not None

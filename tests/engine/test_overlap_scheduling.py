@@ -1,0 +1,165 @@
+"""The overlapped scheduler (``LLMEngine.overlap_scheduling``, on by default on CUDA): the next decode step scheduled
+and launched before the last one's tokens are read back, its input ids taken from them on the device, gives
+exactly the outputs of the plain loop, through EOS, stop strings, max_tokens, n > 1, preemption, prefix hits,
+aborts, and rows it must not continue (penalties, seeds, logprobs, grammars, speculation), and leaves no block
+behind. On CPU a launch finishes the step's work before it returns, so these tests check the ordering
+and bookkeeping; its speed is measured on a GPU (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
+from kvserve.outputs import FinishReason
+from kvserve.sched.output import SchedulerOutput
+from tests.conftest import assert_all_blocks_free
+from tests.engine.test_overlap_outputs import NGRAM, OPTIONS, prompts, summary
+
+
+def overlapped_llm(path: str, **options) -> LLM:
+    llm = LLM(path, **{**OPTIONS, **options})
+    assert not llm.engine.overlap_scheduling  # the default on CPU
+    llm.engine.overlap_outputs = llm.engine.overlap_scheduling = True
+    return llm
+
+
+def num_continued(llm: LLM) -> int:
+    return llm.stats()["num_steps_scheduled_ahead"]
+
+
+def both(path: str, params, prompt_list: list[dict] | None = None, **options) -> tuple[list, list, LLM, int]:
+    """The plain loop's outputs, the overlapped scheduler's, its engine and how many steps it continued."""
+    prompt_list = prompt_list or prompts()
+    expected = summary(LLM(path, **{**OPTIONS, **options}).generate(prompt_list, params, use_tqdm=False))
+    llm = overlapped_llm(path, **options)
+    return expected, summary(llm.generate(prompt_list, params, use_tqdm=False)), llm, num_continued(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: window layers in a KV cache group of their own
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=12, n=2),
+    SamplingParams(temperature=0, max_tokens=12, top_k=5),
+    SamplingParams(temperature=0, max_tokens=40),  # some stop at EOS with steps of theirs in flight
+], ids=["greedy-n2", "top-k", "eos"])
+def test_continued_steps_give_the_plain_loops_outputs(tiny_checkpoints, arch: str, params: SamplingParams) -> None:
+    expected, overlapped, llm, num_continued = both(str(tiny_checkpoints[arch]), params)
+    assert overlapped == expected
+    assert num_continued > 0
+    assert_all_blocks_free(llm)
+
+
+def test_requests_of_every_length_and_a_stop_string(tiny_checkpoints) -> None:
+    path = str(tiny_checkpoints["llama"])
+    free = LLM(path, **OPTIONS).generate(prompts(), SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    stops = [o.outputs[0].text[3:6] for o in free if len(o.outputs[0].text) > 8]
+    rng = random.Random(3)
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20), stop=stops if i % 2 else None)
+              for i in range(len(prompts()))]
+    expected, overlapped, llm, num_continued = both(path, params)
+    assert overlapped == expected and num_continued > 0
+    assert any(c[2] is FinishReason.STOP and isinstance(c[3], str) for _, cs in overlapped for c in cs)
+    assert any(c[2] is FinishReason.LENGTH for _, cs in overlapped for c in cs)
+    assert_all_blocks_free(llm)
+
+
+def test_preemption_prefix_hits_and_admission_under_a_full_batch(tiny_checkpoints) -> None:
+    path = str(tiny_checkpoints["qwen3"])
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected, overlapped, llm, _ = both(path, params, num_kv_blocks=20, block_size=4, max_num_batched_tokens=16)
+    assert overlapped == expected and llm.stats()["num_preemptions"] > 0
+    assert_all_blocks_free(llm)
+    # more requests than max_num_seqs: continued while the batch is full, a normal step when one finishes
+    many = prompts() + prompts(1)
+    expected, overlapped, llm, num_continued = both(path, params, many, max_num_seqs=4)
+    assert overlapped == expected and num_continued > 0
+    assert_all_blocks_free(llm)
+    again = summary(llm.generate(many, params, use_tqdm=False))  # prefix hits now
+    assert again == expected and llm.stats()["prefix_cache_hits"] > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+    SamplingParams(temperature=0.8, max_tokens=12, seed=7),
+    SamplingParams(temperature=0, max_tokens=12, min_tokens=6),
+    SamplingParams(temperature=0, max_tokens=12, logprobs=3),
+], ids=["penalty", "seeded", "min-tokens", "logprobs"])
+def test_rows_whose_draw_reads_their_history_are_not_continued(tiny_checkpoints, params: SamplingParams) -> None:
+    expected, overlapped, llm, num_continued = both(str(tiny_checkpoints["llama"]), params)
+    assert overlapped == expected
+    if params.min_tokens:  # past min_tokens a row's draw reads only its logits again
+        assert num_continued > 0
+    else:
+        assert num_continued == 0
+    assert_all_blocks_free(llm)
+
+
+def test_speculation_and_structured_output_run_without_continuation(tiny_checkpoints) -> None:
+    path = str(tiny_checkpoints["llama"])
+    expected, overlapped, llm, num_continued = both(path, SamplingParams(temperature=0, max_tokens=16),
+                                                    speculative_config=NGRAM)
+    assert overlapped == expected and num_continued == 0
+    assert_all_blocks_free(llm)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constrained = SamplingParams(temperature=0, max_tokens=24,
+                                 structured_outputs=StructuredOutputsParams(json=schema))
+    expected, overlapped, llm, num_continued = both(path, constrained)
+    assert overlapped == expected and num_continued == 0
+    assert_all_blocks_free(llm)
+
+
+def test_an_abort_with_a_step_in_flight_frees_everything(tiny_checkpoints) -> None:
+    llm = overlapped_llm(str(tiny_checkpoints["llama"]))
+    engine = llm.engine
+    for i, prompt in enumerate(prompts()):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while num_continued(llm) < 3:
+        engine.step()
+    assert engine._next is not None  # a step is in flight for every request
+    engine.abort_request([f"r{i}" for i in range(0, len(prompts()), 2)])
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert sorted(finished) == [f"r{i}" for i in range(1, len(prompts()), 2)]
+    assert all(len(o.outputs[0].token_ids) == 30 for o in finished.values())
+    assert_all_blocks_free(llm)
+
+
+def test_a_step_that_cannot_be_continued_is_scheduled_after_the_update(tiny_checkpoints) -> None:
+    """A prefill chunk in the last step, or a request waiting with room in the batch: no continuation."""
+    llm = overlapped_llm(str(tiny_checkpoints["llama"]), max_num_batched_tokens=8)
+    scheduler = llm.engine.core.scheduler
+    chunk = SchedulerOutput([], 0)
+    assert scheduler.schedule_continuation(chunk) is None  # nothing to continue
+    llm.engine.add_request("long", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(max_tokens=4))
+    first = scheduler.schedule()  # the first chunk of 8 tokens, no sampling
+    assert not first.requests[0].sample
+    assert scheduler.schedule_continuation(first) is None
+
+
+def test_no_overlap_scheduling_turns_it_off(tiny_checkpoints) -> None:
+    llm = LLM(str(tiny_checkpoints["llama"]), overlap_scheduling=False, **OPTIONS)
+    llm.engine.overlap_outputs = True  # as on CUDA, where the option matters
+    assert not llm.engine.overlap_scheduling
+    llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert num_continued(llm) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_random_mix_of_requests_gives_the_plain_loops_outputs(tiny_checkpoints, seed: int) -> None:
+    """Requests that may be continued and requests that may not (a penalty, logprobs), of random lengths, more
+    of them than the batch holds: steps switch between continued and scheduled after the update."""
+    rng = random.Random(seed)
+    choices = [*[dict()] * 8, *[dict(ignore_eos=True)] * 4, dict(repetition_penalty=1.2), dict(logprobs=2)]
+    prompt_list = [{"prompt_token_ids": [rng.randrange(3, 200) for _ in range(rng.randrange(1, 30))]}
+                   for _ in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 24), **rng.choice(choices))
+              for _ in prompt_list]
+    expected, overlapped, llm, continued = both(str(tiny_checkpoints["qwen2"]), params, prompt_list,
+                                                max_num_seqs=5, num_kv_blocks=96, block_size=4)
+    assert overlapped == expected and continued > 0
+    assert_all_blocks_free(llm)
