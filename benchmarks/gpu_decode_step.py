@@ -1,7 +1,8 @@
 """Decode step time on a CUDA GPU at a published model's shape, with dummy weights, beside the HBM roofline
 measured in the same run.
 
-    python benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 [--enforce-eager] [--json FILE]
+    python benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 [--enforce-eager] [--no-overlap-scheduling]
+        [--json FILE]
 
 For each batch size B: B requests of ``--prompt-len`` random tokens are prefilled, then every engine step
 decodes all B (EOS ignored). The figure is the median wall time of ``--steps`` such steps (``LLMEngine.step``:
@@ -115,6 +116,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-overlap-scheduling", action="store_true",
+                        help="schedule each step after the one before is read back (an A/B of the overlap)")
     parser.add_argument("--twin-ops", action="store_true",
                         help="the plain-PyTorch elementwise ops instead of the Triton ones (an A/B of the fusion)")
     parser.add_argument("--min-split-keys", type=int, default=None,
@@ -136,10 +139,12 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda")
     bandwidth = measure_copy_bandwidth(device, 1 << 30)
     llm = LLM(str(model), load_format="dummy", device="cuda", dtype=args.dtype, max_num_seqs=max(batches),
-              max_model_len=args.prompt_len + args.steps + args.profile_steps + 256, enforce_eager=args.enforce_eager)
+              max_model_len=args.prompt_len + args.steps + args.profile_steps + 256, enforce_eager=args.enforce_eager,
+              overlap_scheduling=not args.no_overlap_scheduling)
     weight_bytes = llm.stats()["weights_bytes"]
     device_name = torch.cuda.get_device_name(device)
     print(f"{args.shape} {args.dtype} {'eager' if args.enforce_eager else 'graphs'}"
+          f"{', scheduled after each step' if args.no_overlap_scheduling else ''}"
           f"{', twin ops' if args.twin_ops else ''}"
           f"{f', splits of >= {args.min_split_keys} keys' if args.min_split_keys else ''} on {device_name}: "
           f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
@@ -155,6 +160,7 @@ def main(argv: list[str]) -> int:
               f"{row['runner_median_ms']:.3f}), {row['tokens_per_s']:9.1f} tok/s, roofline "
               f"{row['roofline_ms']:.3f} ms = {100 * row['fraction_of_roofline']:.0f}%", flush=True)
     report = dict(shape=args.shape, dtype=args.dtype, enforce_eager=args.enforce_eager, twin_ops=args.twin_ops,
+                  overlap_scheduling=not args.no_overlap_scheduling,
                   min_split_keys=args.min_split_keys,
                   device=device_name,
                   copy_gb_per_s=bandwidth / 1e9, weight_bytes=weight_bytes, prompt_len=args.prompt_len, rows=rows)

@@ -6,7 +6,7 @@
 # Steps: info, tests (the -m gpu tests, and the interpreter's Triton tests natively), kernels (attention and
 # GGUF kernel micro-benchmarks), profile (decode steps with their kernel tables), splits (one stream with and
 # without flash-decoding's split), decode and decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes,
-# with CUDA graphs or without), roofline, batch1 (issue 16's (a): one stream of Llama-3-8B), sweep (issue 16's
+# with CUDA graphs or without), overlap (decode steps with the overlapped scheduler and without), roofline, batch1 (issue 16's (a): one stream of Llama-3-8B), sweep (issue 16's
 # (e): a served sweep of Poisson rates), throughput (issue 16's (b): the random workload beside transformers),
 # fixed (issue 16's (c): 1,000 in / 1,000 out). Each step's output goes to $OUT/STEP.log (and JSON).
 #
@@ -68,6 +68,13 @@ step_splits() {  # flash-decoding's split at one stream: the default against no 
 step_decode() {
     python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64,256 --json "$OUT/decode-smollm2.json"
     python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 --json "$OUT/decode-llama3-8b.json"
+}
+
+step_overlap() {  # the overlapped scheduler against scheduling each step after the one before, same call
+    for flag in "" --no-overlap-scheduling; do
+        python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64,256 $flag \
+            --json "$OUT/overlap-smollm2${flag:+-off}.json"
+    done
 }
 
 step_decode_eager() {
