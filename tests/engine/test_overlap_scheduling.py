@@ -163,3 +163,21 @@ def test_a_random_mix_of_requests_gives_the_plain_loops_outputs(tiny_checkpoints
                                                 max_num_seqs=5, num_kv_blocks=96, block_size=4)
     assert overlapped == expected and continued > 0
     assert_all_blocks_free(llm)
+
+
+def test_the_kv_books_balance_after_every_overlapped_step(tiny_checkpoints) -> None:
+    """``check_integrity`` after every step: blocks taken ahead for a continued step, freed with a request that
+    stopped while its next step was in flight, and shared through the prefix tree all stay accounted for."""
+    llm = overlapped_llm(str(tiny_checkpoints["gemma3"]), num_kv_blocks=96, block_size=4, max_num_seqs=4)
+    engine, rng = llm.engine, random.Random(5)
+    shared = [rng.randrange(3, 200) for _ in range(9)]  # a prefix some prompts share: hits on the tree
+    for i in range(10):
+        prompt = (shared if i % 2 else []) + [rng.randrange(3, 200) for _ in range(rng.randrange(1, 12))]
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=rng.randrange(1, 20)))
+    scheduler = engine.core.scheduler
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.core.kv_manager.check_integrity(scheduler.requests.values())
+    assert num_continued(llm) > 0 and llm.stats()["prefix_cache_hits"] > 0
+    assert_all_blocks_free(llm)
