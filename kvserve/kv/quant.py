@@ -47,10 +47,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass(frozen=True)
 class KVCacheDtype:
     """How stored K and V elements are encoded: a data dtype holding ``values_per_element`` values each
@@ -108,8 +104,9 @@ class KVCacheDtype:
 
     def bytes_per_token_head(self, head_dim: int) -> int:
         """Bytes that one token's K (or V) of one KV head takes: its data plus its parameters."""
-        param_bytes = _element_size(self.scale_dtype) * self.params_per_row(head_dim) if self.has_scales else 0
-        return head_dim // self.values_per_element * _element_size(self.data_dtype) + param_bytes
+        scale_dtype = self.scale_dtype
+        param_bytes = scale_dtype.itemsize * self.params_per_row(head_dim) if scale_dtype is not None else 0
+        return head_dim // self.values_per_element * self.data_dtype.itemsize + param_bytes
 
 
 ENCODINGS = {
