@@ -7,11 +7,13 @@ and bookkeeping; its speed is measured on a GPU (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
+from kvserve.engine.async_engine import AsyncEngine
 from kvserve.outputs import FinishReason
 from kvserve.sched.output import SchedulerOutput
 from tests.conftest import assert_all_blocks_free
@@ -181,3 +183,37 @@ def test_the_kv_books_balance_after_every_overlapped_step(tiny_checkpoints) -> N
         engine.core.kv_manager.check_integrity(scheduler.requests.values())
     assert num_continued(llm) > 0 and llm.stats()["prefix_cache_hits"] > 0
     assert_all_blocks_free(llm)
+
+
+def test_the_servers_engine_thread_streams_the_plain_loops_text_and_aborts_mid_stream(tiny_checkpoints) -> None:
+    """The server's ``AsyncEngine`` over an overlapped engine: concurrent streams end with the plain loop's text,
+    and a stream its client leaves is aborted with its next step already in flight, freeing its blocks."""
+    path = str(tiny_checkpoints["llama"])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].text for o in LLM(path, **OPTIONS).generate(prompts(), params, use_tqdm=False)]
+    llm = overlapped_llm(path)
+    engine = AsyncEngine(llm.engine)
+
+    async def final_text(prompt: dict) -> str:
+        outputs = [out async for out in engine.generate(prompt, params)]
+        return outputs[-1].outputs[0].text
+
+    async def leave_after(prompt: dict, num_outputs: int) -> None:
+        seen = 0
+        async for _ in engine.generate(prompt, params):
+            seen += 1
+            if seen == num_outputs:
+                break  # the client leaves: the request is aborted
+
+    async def run() -> list[str]:
+        texts = asyncio.gather(*(final_text(p) for p in prompts()))
+        await asyncio.gather(*(leave_after(p, 3) for p in prompts(1)))
+        return await texts
+
+    engine.start()
+    try:
+        assert asyncio.run(asyncio.wait_for(run(), timeout=60)) == expected
+        stats = asyncio.run(asyncio.wait_for(engine.call(lambda e: e.stats()), timeout=10))
+    finally:
+        engine.shutdown()
+    assert stats["num_steps_scheduled_ahead"] > 0 and stats["num_blocks_used"] == 0
