@@ -218,15 +218,15 @@ class Scheduler:
         from the device. A request sure to stop at that token (its max_tokens or max_model_len) is left out;
         one that stops at it otherwise (EOS, a stop token) runs this step for nothing and its token is dropped.
 
-        None where this step could differ from what ``schedule`` would give after the update: a waiting request
-        could be admitted, a row of ``previous`` is not a one-token decode, KV tiers, fork copies or
-        speculation (whose drafts are chosen from the tokens read back) are in play, or a request's next
-        token needs a block the pool cannot give (which ``schedule`` would preempt for; blocks taken by then
-        for the others stay theirs, as their next step needs them anyway). The diff leaves finished and
-        preempted requests to the next ``schedule``: the runner still has ``previous``'s tokens to record for
-        them."""
-        if (self.waiting and len(self.running) < self.config.max_num_seqs) or self._pending_copies \
-                or self.kv.store is not None or self.speculation is not None:
+        None where ``schedule`` should decide after the update: a waiting request could be admitted now
+        (``_could_admit``; one that could not waits for a step in which requests stop and free their blocks,
+        which a plain step would see one step sooner), a row of ``previous`` is not a one-token decode, KV
+        tiers, fork copies or speculation (whose drafts are chosen from the tokens read back) are in play, or
+        a request's next token needs a block the pool cannot give (which ``schedule`` would preempt for;
+        blocks taken by then for the others stay theirs, as their next step needs them anyway). The diff
+        leaves finished and preempted requests to the next ``schedule``: the runner still has ``previous``'s
+        tokens to record for them."""
+        if self._could_admit() or self._pending_copies or self.kv.store is not None or self.speculation is not None:
             return None
         if any(r.num_tokens != 1 or not r.sample or r.draft_token_ids for r in previous.requests):
             return None
@@ -248,6 +248,15 @@ class Scheduler:
             for request in continuing
         ]
         return SchedulerOutput(requests, len(requests))
+
+    def _could_admit(self) -> bool:
+        """Whether ``schedule`` could admit a waiting request now: room in the batch, and free blocks for the
+        first chunk of the request first in the queue beyond its cached prefix."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        first = self.waiting[0]
+        num_new = min(first.num_tokens - self._match_prefix(first).num_tokens, self.config.max_num_batched_tokens)
+        return self.kv.max_blocks_for(num_new, num_new) <= self.kv.num_free_blocks()
 
     def _schedule_running(
         self, budget: _Budget, scheduled: list[tuple[Request, int]], drafts: dict[str, tuple[int, ...]]

@@ -217,3 +217,16 @@ def test_the_servers_engine_thread_streams_the_plain_loops_text_and_aborts_mid_s
     finally:
         engine.shutdown()
     assert stats["num_steps_scheduled_ahead"] > 0 and stats["num_blocks_used"] == 0
+
+
+def test_continued_while_waiting_requests_do_not_fit_the_pool(tiny_checkpoints) -> None:
+    """A pool too small for every request at once (room in the batch, not in the KV): decodes go on ahead while
+    the waiting ones cannot be admitted, and each is admitted once blocks come free."""
+    path = str(tiny_checkpoints["qwen3"])
+    many = prompts() + prompts(1) + prompts(2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected, overlapped, llm, num_continued = both(path, params, many, num_kv_blocks=24, block_size=4,
+                                                    max_num_seqs=16)
+    assert overlapped == expected and num_continued > 0
+    assert all(len(c[0]) == 12 for _, cs in overlapped for c in cs)
+    assert_all_blocks_free(llm)
