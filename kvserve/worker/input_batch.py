@@ -133,12 +133,9 @@ class PersistentBatch:
             self._append_blocks(scheduled)
 
     def append_sampled(self, sampled_token_ids: dict[str, list[int]]) -> None:
-        """Record the tokens the runner sampled, as the scheduler will append them to its requests. A request
-        already dropped from the batch is skipped: with the overlapped scheduler a step's diff can drop a
-        request (finished, aborted) before the step before it is read back."""
+        """Record the tokens the runner sampled, as the scheduler will append them to its requests."""
         for request_id, token_ids in sampled_token_ids.items():
-            if request_id in self._index:
-                self._row(request_id).output_token_ids.extend(token_ids)
+            self._row(request_id).output_token_ids.extend(token_ids)
 
     def sampling_row(self, request_id: str) -> SamplingRow:
         return self._row(request_id).sampling
