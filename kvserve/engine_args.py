@@ -104,7 +104,7 @@ class EngineArgs:
     overlap_scheduling: bool = _option(SchedulerConfig.overlap_scheduling,
                                        "CUDA: schedule and queue the next decode step while one runs, its input "
                                        "ids taken from the sampled tokens on the GPU (SGLang's overlap schedule; "
-                                       "not for rows with logprobs, penalties, seeds or a grammar, nor with "
+                                       "not for rows with penalties, seeds or a grammar, nor with "
                                        "speculation or KV tiers); --no-overlap-scheduling: schedule after it")
     enable_prefix_caching: bool = _option(CacheConfig.enable_prefix_caching,
                                           "reuse the KV of shared prompt prefixes (radix tree)")

@@ -24,7 +24,7 @@ import torch
 from kvserve.device_copy import HostCopy, to_device
 from kvserve.sample.argmax import first_max
 from kvserve.sample.logits_processors import LogitsProcessor, default_processors
-from kvserve.sample.logprobs import gather_logprobs
+from kvserve.sample.logprobs import gather_logprobs, launch_gather_logprobs
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sample.rejection import accept_draft
 from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
@@ -90,9 +90,10 @@ class Sampler:
             self._add_new_keys(batch.rows)
         token_ids, raw_logprobs = self._sample(logits, batch)
         host_token_ids = HostCopy(token_ids)  # read back without waiting for a step queued after this one
+        token_logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
 
         def finish() -> SamplerOutput:
-            logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
+            logprobs = None if token_logprobs is None else token_logprobs()
             output = _per_request(host_token_ids.result().tolist(), logprobs, batch)
             if self._stateful:
                 self._accept([batch.rows[i] for i in batch.first_rows], output.token_ids)
@@ -101,13 +102,11 @@ class Sampler:
         return PendingSamples(token_ids, finish)
 
     def is_history_free(self, row: SamplingRow) -> bool:
-        """Whether the row's next draw depends on nothing but its logits, and its result is the token alone: no
-        seed (a seeded draw is keyed by the output position), no logits processor (the penalties, the
-        min_tokens ban and a grammar read the outputs so far; the bias does not, but is counted too) and no
-        logprobs (read back through the device's whole queue). Only such rows may be sampled again before
+        """Whether the row's next draw depends on nothing but its logits: no seed (a seeded draw is keyed by the
+        output position) and no logits processor (the penalties, the min_tokens ban and a grammar read the
+        outputs so far; the bias does not, but is counted too). Only such rows may be sampled again before
         their last token is read back (the overlapped scheduler)."""
-        return (row.params.seed is None and row.params.logprobs is None
-                and not any(p.is_needed(row) for p in self._processors))
+        return row.params.seed is None and not any(p.is_needed(row) for p in self._processors)
 
     def prepare(self, batch: SamplingBatch) -> None:
         """Called before the forward pass whose logits ``batch`` will sample: new samples' state is created and
@@ -235,15 +234,20 @@ class Sampler:
     @staticmethod
     def _token_logprobs(
         raw_logprobs: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
-    ) -> list[TokenLogprobs | None]:
+    ) -> Callable[[], list[TokenLogprobs | None]]:
+        """The logprob entries of the rows that want them, queued now; the call returned reads them back."""
         wanted = [i for i, r in enumerate(batch.rows) if r.params.logprobs is not None]
         index = to_device(wanted, torch.long, token_ids.device)
         num_top = [batch.rows[i].params.logprobs or 0 for i in wanted]
-        entries = gather_logprobs(raw_logprobs[index], token_ids[index], num_top)
-        out: list[TokenLogprobs | None] = [None] * len(batch)
-        for i, entry in zip(wanted, entries):
-            out[i] = entry
-        return out
+        entries = launch_gather_logprobs(raw_logprobs[index], token_ids[index], num_top)
+
+        def by_row() -> list[TokenLogprobs | None]:
+            out: list[TokenLogprobs | None] = [None] * len(batch)
+            for i, entry in zip(wanted, entries()):
+                out[i] = entry
+            return out
+
+        return by_row
 
 
 def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:

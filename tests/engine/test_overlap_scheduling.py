@@ -1,8 +1,8 @@
 """The overlapped scheduler (``LLMEngine.overlap_scheduling``, on by default on CUDA): the next decode step scheduled
 and launched before the last one's tokens are read back, its input ids taken from them on the device, gives
-exactly the outputs of the plain loop, through EOS, stop strings, max_tokens, n > 1, preemption, prefix hits,
-aborts, and rows it must not continue (penalties, seeds, logprobs, grammars, speculation), and leaves no block
-behind. On CPU a launch finishes the step's work before it returns, so these tests check the ordering
+exactly the outputs of the plain loop, through EOS, stop strings, max_tokens, logprobs, n > 1, preemption,
+prefix hits, aborts, and rows it must not continue (penalties, seeds, grammars, speculation), and leaves no
+block behind. On CPU a launch finishes the step's work before it returns, so these tests check the ordering
 and bookkeeping; its speed is measured on a GPU (docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def both(path: str, params, prompt_list: list[dict] | None = None, **options) ->
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: window layers in a KV cache group of their own
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=12, n=2),
-    SamplingParams(temperature=0, max_tokens=12, top_k=5),
+    SamplingParams(temperature=0, max_tokens=12, top_k=5, logprobs=3),
     SamplingParams(temperature=0, max_tokens=40),  # some stop at EOS with steps of theirs in flight
-], ids=["greedy-n2", "top-k", "eos"])
+], ids=["greedy-n2", "top-k-logprobs", "eos"])
 def test_continued_steps_give_the_plain_loops_outputs(tiny_checkpoints, arch: str, params: SamplingParams) -> None:
     expected, overlapped, llm, num_continued = both(str(tiny_checkpoints[arch]), params)
     assert overlapped == expected
@@ -86,8 +86,7 @@ def test_preemption_prefix_hits_and_admission_under_a_full_batch(tiny_checkpoint
     SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
     SamplingParams(temperature=0.8, max_tokens=12, seed=7),
     SamplingParams(temperature=0, max_tokens=12, min_tokens=6),
-    SamplingParams(temperature=0, max_tokens=12, logprobs=3),
-], ids=["penalty", "seeded", "min-tokens", "logprobs"])
+], ids=["penalty", "seeded", "min-tokens"])
 def test_rows_whose_draw_reads_their_history_are_not_continued(tiny_checkpoints, params: SamplingParams) -> None:
     expected, overlapped, llm, num_continued = both(str(tiny_checkpoints["llama"]), params)
     assert overlapped == expected
@@ -153,10 +152,11 @@ def test_no_overlap_scheduling_turns_it_off(tiny_checkpoints) -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_random_mix_of_requests_gives_the_plain_loops_outputs(tiny_checkpoints, seed: int) -> None:
-    """Requests that may be continued and requests that may not (a penalty, logprobs), of random lengths, more
+    """Requests that may be continued and requests that may not (a penalty, a seed), of random lengths, more
     of them than the batch holds: steps switch between continued and scheduled after the update."""
     rng = random.Random(seed)
-    choices = [*[dict()] * 8, *[dict(ignore_eos=True)] * 4, dict(repetition_penalty=1.2), dict(logprobs=2)]
+    choices = [*[dict()] * 8, *[dict(ignore_eos=True)] * 4, dict(repetition_penalty=1.2), dict(logprobs=2),
+               dict(seed=3)]
     prompt_list = [{"prompt_token_ids": [rng.randrange(3, 200) for _ in range(rng.randrange(1, 30))]}
                    for _ in range(12)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randrange(1, 24), **rng.choice(choices))
