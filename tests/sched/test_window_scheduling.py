@@ -8,6 +8,7 @@ every group go there and come back on hits, and preemption may swap."""
 
 from __future__ import annotations
 
+import random
 import tempfile
 
 from hypothesis import given, settings
@@ -118,11 +119,11 @@ LAYOUTS = {
     st.sampled_from(["recompute", "swap"]),
     st.none() | st.integers(1, 40),
     st.booleans(),
-    st.randoms(use_true_random=False),
+    st.integers(0, 2**32 - 1),
 )
 def test_window_groups_keep_what_queries_see_and_leak_nothing(
     specs: list[tuple[int, int, int, bool]], layout: str, window: int, num_blocks: int, chunk: int,
-    prefix_caching: bool, preemption_mode: str, host_blocks: int | None, with_disk: bool, rng
+    prefix_caching: bool, preemption_mode: str, host_blocks: int | None, with_disk: bool, seed: int
 ) -> None:
     """With the prefix cache (where a full group keys it), prompts share prefixes: hits take every group's
     cached blocks, evictions of window blocks cut matches, and the runner still finds every visible key. With
@@ -141,7 +142,10 @@ def test_window_groups_keep_what_queries_see_and_leak_nothing(
         scheduler = Scheduler(config, kv)
         runner = GroupedFakeRunner(kv, tiers)
         try:
-            _run_random_workload(scheduler, runner, specs, rng)
+            # the workload's draws come from a seed, not from hypothesis's own random: with a disk tier, when a
+            # block's read lands (a reader thread) moves the steps, so how many draws an example makes varies
+            # from run to run, which hypothesis reports as a flaky strategy
+            _run_random_workload(scheduler, runner, specs, random.Random(seed))
         finally:  # hypothesis may stop an example that draws too much: its I/O threads end before the directory
             if tiers is not None:
                 tiers.close()
