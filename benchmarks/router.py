@@ -13,13 +13,16 @@ output throughput. Each replica gets one thread (``OMP_NUM_THREADS=1``), so N re
 ``skew``: one hot prefix (one group of 64 requests) through ``cache_aware``: the requests each replica took
 (the router's ``/metrics``), as the most loaded replica's share against the mean.
 
-``overhead``: the router's own cost, without a model: a fake replica that streams a short answer at once,
-called by ``--streams`` concurrent clients directly and through ``kvserve router``, in ``--rounds`` rounds
-that alternate the two; the difference of the median times to the first streamed chunk, the router process's
-CPU time per request (steadier than the times on a shared machine), and the router's start-up time (from its
-process start to its /health answering 200). ``--router-cpus 1`` pins the router to CPU 1 and the rest to the
-other CPUs: on a 2-core machine this separates the router's latency from the CPU it takes from the client and
-the replica, which at 64 streams otherwise adds about streams x its CPU a request / cores to every TTFT.
+``overhead``: the router's own cost, without a model: a fake replica that answers like an engine (its first
+chunk after ``--first-chunk-ms``, then a chunk every ``--chunk-ms``), called by ``--streams`` concurrent clients
+directly and through ``kvserve router``, in ``--rounds`` rounds that alternate the two; the difference of the
+median (and P90) times to the first streamed chunk, the router process's CPU time per request, and the router's
+start-up time (from its process start to its /health answering 200). The fake replica and the client are bare
+asyncio HTTP/1.1 (tens of µs a request), so that the router is what the two arms differ by and nothing in the
+instrument saturates: a closed loop of 64 streams answered at once (``--first-chunk-ms 0 --chunk-ms 0``) runs
+the client, router and replica flat out on the machine's cores, and its TTFT then measures their queues (±20 ms
+from round to round on 2 cores), not the router's latency. ``--router-cpus 1`` pins the router to CPU 1 and the
+rest to the other CPUs, as a deployment gives the router a core of its own.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.router.upstream import Origin, Upstream
 
 MODEL = "smollm2-135m-instruct"
 
@@ -139,50 +144,72 @@ def skew(args: argparse.Namespace, work: Path) -> dict:
     return result
 
 
-def fake_replica(port: int, num_chunks: int) -> None:
-    """A replica without a model: streams ``num_chunks`` one-token chunks at once."""
-    import uvicorn
-    from fastapi import FastAPI
-    from fastapi.responses import PlainTextResponse, StreamingResponse
+def fake_replica(port: int, num_chunks: int, first_chunk_ms: float, chunk_ms: float) -> None:
+    """A replica without a model, on bare asyncio streams (a few tens of µs a request, so that at 64 streams the
+    instrument is not what saturates): /health, /metrics, and completions streamed as ``num_chunks`` one-token
+    chunks, the first after ``first_chunk_ms`` and the rest every ``chunk_ms`` (an engine's TTFT and ITL;
+    0 and 0 stream them at once)."""
+    chunk = b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
+    framed = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+    done = b"data: [DONE]\n\n"
+    stream_head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    metrics = b"kvserve:num_requests_running 0\nkvserve:num_requests_waiting 0\n"
 
-    app = FastAPI()
+    def whole(content: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (len(content), content)
 
-    @app.get("/health")
-    async def health() -> PlainTextResponse:
-        return PlainTextResponse("ok")
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if not head.startswith(b"POST"):
+                    writer.write(whole(metrics if b" /metrics " in head else b"ok"))
+                    continue
+                writer.write(stream_head)
+                for index in range(num_chunks):
+                    delay = first_chunk_ms if index == 0 else chunk_ms
+                    if delay:
+                        await asyncio.sleep(delay / 1e3)
+                    writer.write(framed)
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse("kvserve:num_requests_running 0\nkvserve:num_requests_waiting 0\n")
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", port, backlog=1024)
+        await server.serve_forever()
 
-    @app.post("/v1/completions")
-    async def completions() -> StreamingResponse:
-        async def chunks():
-            for _ in range(num_chunks):
-                yield 'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(chunks(), media_type="text/event-stream")
-
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    asyncio.run(main())
 
 
 async def ttfts(url: str, streams: int, requests_each: int) -> list[float]:
-    body = {"model": MODEL, "prompt": "a shared prefix " * 20, "max_tokens": 8, "stream": True}
-    limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        async def one_stream() -> list[float]:
-            times = []
-            for _ in range(requests_each):
-                start = time.perf_counter()
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                    first = None
-                    async for line in response.aiter_lines():
-                        if first is None and line.startswith("data: "):
-                            first = time.perf_counter() - start
-                times.append(first)
-            return times
+    """Each of ``streams`` clients sends ``requests_each`` streamed completions in turn; the time from each
+    request to its first streamed chunk. The client is the router's own lean HTTP/1.1 client (kept-alive
+    connections, no per-line parsing), so it costs both arms little and the same."""
+    origin = Origin.parse(url)
+    body = json.dumps({"model": MODEL, "prompt": "a shared prefix " * 20, "max_tokens": 8, "stream": True}).encode()
+    headers = [(b"content-type", b"application/json")]
+    upstream = Upstream(max_idle_per_origin=streams)
+
+    async def one_stream() -> list[float]:
+        times = []
+        for _ in range(requests_each):
+            start = time.perf_counter()
+            response = await upstream.request(b"POST", origin, b"/v1/completions", body, headers)
+            first = None
+            while chunk := await response.receive():
+                if first is None and b"data: " in chunk:
+                    first = time.perf_counter() - start
+            times.append(first)
+        return times
+
+    try:
         return [t for times in await asyncio.gather(*(one_stream() for _ in range(streams))) for t in times]
+    finally:
+        await upstream.aclose()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -201,7 +228,8 @@ def overhead(args: argparse.Namespace, work: Path) -> dict:
         router_cpus = {int(cpu) for cpu in args.router_cpus.split(",")}
         os.sched_setaffinity(0, os.sched_getaffinity(0) - router_cpus)
         pin_router = lambda: os.sched_setaffinity(0, router_cpus)  # noqa: E731
-    replica = subprocess.Popen([sys.executable, __file__, "fake-replica", "--port", str(replica_port)],
+    replica = subprocess.Popen([sys.executable, __file__, "fake-replica", "--port", str(replica_port),
+                                "--first-chunk-ms", str(args.first_chunk_ms), "--chunk-ms", str(args.chunk_ms)],
                                stdout=(work / "fake.log").open("ab"), stderr=subprocess.STDOUT)
     router = None
     try:
@@ -232,13 +260,17 @@ def overhead(args: argparse.Namespace, work: Path) -> dict:
                 process.terminate()
                 process.wait(30)
     direct, routed = (statistics.median(samples[name]) * 1e3 for name in ("direct", "router"))
+    p90 = {name: statistics.quantiles(samples[name], n=10)[-1] * 1e3 for name in samples}
     num_routed = args.rounds * args.streams * requests_each
     results = {"streams": args.streams, "requests_each": requests_each, "router_cpus": args.router_cpus,
-               "rounds": rounds,
+               "first_chunk_ms": args.first_chunk_ms, "chunk_ms": args.chunk_ms, "rounds": rounds,
                "direct_ttft_ms": direct, "router_ttft_ms": routed, "overhead_ms": routed - direct,
+               "direct_ttft_p90_ms": p90["direct"], "router_ttft_p90_ms": p90["router"],
+               "overhead_p90_ms": p90["router"] - p90["direct"],
                "router_cpu_ms_per_request": cpu_s / num_routed * 1e3, "router_start_s": router_start_s}
     print(f"{args.streams} streams, {args.rounds} rounds of {args.streams * requests_each} requests each way: median "
-          f"TTFT direct {direct:.2f} ms, through the router {routed:.2f} ms: {routed - direct:+.2f} ms a request; the "
+          f"TTFT direct {direct:.2f} ms, through the router {routed:.2f} ms: {routed - direct:+.2f} ms a request "
+          f"(P90 {p90['direct']:.2f} and {p90['router']:.2f}: {p90['router'] - p90['direct']:+.2f}); the "
           f"router's CPU time {results['router_cpu_ms_per_request']:.3f} ms a request; router healthy "
           f"{router_start_s:.2f} s after its start")
     return results
@@ -264,10 +296,18 @@ def main() -> None:
     sub.choices["overhead"].add_argument("--router-cpus", default=None,
                                          help="CPUs to pin the router to (e.g. 1); the client and the fake replica "
                                               "get the others. Default: all share every CPU")
+    for name in ("overhead", "fake-replica"):
+        sub.choices[name].add_argument("--first-chunk-ms", type=float, default=50.0,
+                                       help="the fake replica's time to its first chunk (an engine's TTFT)")
+        sub.choices[name].add_argument("--chunk-ms", type=float, default=10.0,
+                                       help="the fake replica's time between chunks (an engine's ITL); with "
+                                            "--first-chunk-ms 0 too, the answer streams at once and the closed "
+                                            "loop saturates the client, router and replica instead of "
+                                            "measuring the router's latency")
     sub.choices["fake-replica"].add_argument("--num-chunks", type=int, default=8)
     args = parser.parse_args()
     if args.scenario == "fake-replica":
-        fake_replica(args.port, args.num_chunks)
+        fake_replica(args.port, args.num_chunks, args.first_chunk_ms, args.chunk_ms)
         return
     work = Path(tempfile.mkdtemp(prefix=f"router-{args.scenario}-"))
     result = {"cache": cache, "skew": skew, "overhead": overhead}[args.scenario](args, work)
