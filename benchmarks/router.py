@@ -7,8 +7,8 @@
 ``cache``: ``kvserve serve --data-parallel-size N`` with small KV pools, once with ``--routing-policy round_robin``
 and once with ``cache_aware``, each serving the same ``prefix`` workload in ``shuffled`` order (8 groups of
 8 requests sharing a 512-token system prompt, in a seeded random order): a pool of 80 blocks keeps about two
-groups' prompts, a quarter of them. Reports the replicas' prefix-cache hit rate (their ``/metrics``, summed) and ``kvserve bench serve``'s
-output throughput. Each replica gets one thread (``OMP_NUM_THREADS=1``), so N replicas share N cores.
+groups' prompts, a quarter of them. Reports the replicas' prefix-cache hit rate (their ``/metrics``, summed)
+and ``kvserve bench serve``'s output throughput. Each replica gets one thread (``OMP_NUM_THREADS=1``), so N replicas share N cores.
 
 ``skew``: one hot prefix (one group of 64 requests) through ``cache_aware``: the requests each replica took
 (the router's ``/metrics``), as the most loaded replica's share against the mean.
