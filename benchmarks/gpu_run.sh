@@ -40,7 +40,7 @@ step_info() {
 
 step_tests() {  # every -m gpu test, then the Triton tests CI runs through the interpreter, natively
     timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/attention tests/engine/test_cuda.py \
-        tests/model tests/worker
+        tests/model tests/worker tests/sample/test_counter_noise.py
     timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_paged.py \
         tests/model/test_triton_fused_ops.py
 }

@@ -22,7 +22,9 @@ from kvserve.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class SamplingRow:
     """One row: its params, its history (for penalties and min_tokens; lists or integer arrays) and its key.
-    The number of outputs is the output position the row draws (a seeded row's noise depends on it)."""
+    ``position`` is the output position the row draws (a seeded row's noise depends on it): its number of
+    outputs, and the ``num_in_flight`` sampled by a step still running when this one was launched (the
+    overlapped scheduler), which its history does not hold yet."""
 
     params: SamplingParams
     sample_index: int
@@ -30,6 +32,11 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int] = frozenset()
+    num_in_flight: int = 0
+
+    @property
+    def position(self) -> int:
+        return len(self.output_token_ids) + self.num_in_flight
 
     def after(self, token_ids: Sequence[int]) -> SamplingRow:
         """This row ``len(token_ids)`` positions later, ``token_ids`` taken as its next outputs. Copies the

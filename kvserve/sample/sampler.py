@@ -10,9 +10,10 @@ target's next token (``sample/rejection.py``).
 An all-greedy batch that no processor touches and that wants no logprobs is one max (the hot path). The draw
 is an exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to sampling from p): unseeded rows
 share one batched draw from the sampler's own generator (seeded from the engine seed, never torch's global
-one); a seeded row draws its ``q`` from a generator seeded by its seed, its sample index and the output
-position it draws, so its tokens depend only on those and its logits: never on the other rows of the batch,
-on a preemption, or on how many tokens it speculated.
+one); seeded rows take counter-based noise keyed by their seed, sample index and the output position they draw
+(``sample/counter_noise.py``, one batched computation for all of them), so their tokens depend only on those
+and their logits: never on the other rows of the batch, on a preemption, on how many tokens they speculated,
+or on whether their last token was still in flight when they were launched.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import torch
 
 from kvserve.device_copy import HostCopy, to_device
 from kvserve.sample.argmax import first_max
+from kvserve.sample.counter_noise import draw_seed, seeded_exponentials
 from kvserve.sample.logits_processors import LogitsProcessor, default_processors
 from kvserve.sample.logprobs import gather_logprobs, launch_gather_logprobs
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sample.rejection import accept_draft
 from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
-from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import TokenLogprobs
 
 _SEED_MASK = 2**64 - 1
@@ -70,7 +71,6 @@ class Sampler:
         self._stateful = [p for p in self._processors if p.is_stateful]
         self._keys: set[str] = set()  # keys whose processor state exists (tracked only with stateful processors)
         self._unseeded: torch.Generator | None = None
-        self._seeded: torch.Generator | None = None  # reseeded for each seeded row's draw
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample row i of ``logits`` (fp32 [N, V], modified in place) with ``batch.rows[i]``, then keep each
@@ -102,11 +102,11 @@ class Sampler:
         return PendingSamples(token_ids, finish)
 
     def is_history_free(self, row: SamplingRow) -> bool:
-        """Whether the row's next draw depends on nothing but its logits: no seed (a seeded draw is keyed by the
-        output position) and no logits processor (the penalties, the min_tokens ban and a grammar read the
-        outputs so far; the bias does not, but is counted too). Only such rows may be sampled again before
-        their last token is read back (the overlapped scheduler)."""
-        return row.params.seed is None and not any(p.is_needed(row) for p in self._processors)
+        """Whether the row's next draw depends on nothing but its logits and its position: no logits processor
+        (the penalties, the min_tokens ban and a grammar read the outputs so far; the bias does not, but is
+        counted too). Only such rows may be sampled again before their last token is read back (the overlapped
+        scheduler); a seeded one may, its position counting the token in flight (``SamplingRow.position``)."""
+        return not any(p.is_needed(row) for p in self._processors)
 
     def prepare(self, batch: SamplingBatch) -> None:
         """Called before the forward pass whose logits ``batch`` will sample: new samples' state is created and
@@ -199,31 +199,27 @@ class Sampler:
         return logits.softmax(dim=-1)
 
     def _exponentials(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Exp(1) noise per row: one batched draw for unseeded rows from the sampler's generator, each seeded
-        row from a generator seeded for its seed, sample index and output position."""
-        noise = torch.empty_like(probs)
+        """Exp(1) noise per row: one batched draw for unseeded rows from the sampler's generator, and one
+        batched computation of counter-based noise for the seeded rows, keyed by seed, sample index and
+        output position."""
         seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
-        if len(seeded) < len(rows):
-            noise.exponential_(generator=self._unseeded_generator(probs.device))
-        for i in seeded:
-            row = rows[i]
-            assert row.params.seed is not None
-            generator = self._seeded_generator(probs.device)
-            generator.manual_seed(draw_seed(row.params.seed, row.sample_index, len(row.output_token_ids)))
-            noise[i].exponential_(generator=generator)
-        # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks
-        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        keys = [draw_seed(rows[i].params.seed, rows[i].sample_index, rows[i].position)  # type: ignore[arg-type]
+                for i in seeded]
+        if len(seeded) == len(rows):
+            return seeded_exponentials(keys, probs.shape[1], probs.device)
+        noise = torch.empty_like(probs).exponential_(generator=self._unseeded_generator(probs.device))
+        # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks (counter noise is never 0)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        if seeded:
+            noise[to_device(seeded, torch.long, probs.device)] = seeded_exponentials(keys, probs.shape[1],
+                                                                                     probs.device)
+        return noise
 
     def _unseeded_generator(self, device: torch.device) -> torch.Generator:
         if self._unseeded is None:
             self._unseeded = torch.Generator(device=device)
             self._unseeded.manual_seed(self.seed & _SEED_MASK)
         return self._unseeded
-
-    def _seeded_generator(self, device: torch.device) -> torch.Generator:
-        if self._seeded is None:
-            self._seeded = torch.Generator(device=device)
-        return self._seeded
 
     @staticmethod
     def _raw_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
@@ -256,20 +252,6 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
     if logits.shape[0] != target_ids.shape[0]:
         raise ValueError(f"{logits.shape[0]} logit rows for {target_ids.shape[0]} prompt tokens")
     return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, [num_top] * logits.shape[0])
-
-
-def draw_seed(seed: int, sample_index: int, position: int) -> int:
-    """The seed of a seeded sample's draw at output ``position``: distinct for the samples of one request
-    (sample_index < MAX_N) and for each position, reproducible across runs (splitmix64's mixing, so that
-    nearby seeds and positions give unrelated streams)."""
-    return _mix64(_mix64(seed * SamplingParams.MAX_N + sample_index) ^ position)
-
-
-def _mix64(x: int) -> int:
-    x &= _SEED_MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _SEED_MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _SEED_MASK
-    return x ^ (x >> 31)
 
 
 def _per_request(

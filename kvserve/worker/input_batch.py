@@ -238,12 +238,20 @@ class PersistentBatch:
             sample_rows=layout.extra["sample_rows"],
             sample_request_ids=[scheduled[i].request_id for i in sampling],
             draft_token_ids=draft_token_ids,
-            sampling=SamplingBatch.of_requests([self._rows[rows[i]].sampling for i in sampling], draft_token_ids),
+            sampling=SamplingBatch.of_requests([self._sampling_row(scheduled[i].request_id, rows[i], in_flight)
+                                                for i in sampling], draft_token_ids),
             prompt_logprobs=[
                 rows for i, r in enumerate(scheduled) if r.prompt_logprobs
                 if (rows := self._prompt_logprob_rows(r, int(query_start[i]))) is not None
             ],
         )
+
+    def _sampling_row(self, request_id: str, row: int, in_flight: InFlightTokens | None) -> SamplingRow:
+        """The row's sampling state; a request whose last token is still in flight draws one position on."""
+        sampling = self._rows[row].sampling
+        if in_flight is not None and request_id in in_flight.rows:
+            return dataclasses.replace(sampling, num_in_flight=1)
+        return sampling
 
     def layout(self, rows: np.ndarray, start_pos: np.ndarray, query_lens: np.ndarray, tokens: list[int],
                extra: HostArrays | None = None) -> StepLayout:

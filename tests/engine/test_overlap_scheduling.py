@@ -1,7 +1,7 @@
 """The overlapped scheduler (``LLMEngine.overlap_scheduling``, on by default on CUDA): the next decode step scheduled
 and launched before the last one's tokens are read back, its input ids taken from them on the device, gives
 exactly the outputs of the plain loop, through EOS, stop strings, max_tokens, logprobs, n > 1, preemption,
-prefix hits, aborts, and rows it must not continue (penalties, seeds, grammars, speculation), and leaves no
+prefix hits, aborts, seeded draws, and rows it must not continue (penalties, grammars, speculation), and leaves no
 block behind. On CPU a launch finishes the step's work before it returns, so these tests check the ordering
 and bookkeeping; its speed is measured on a GPU (docs/benchmarks.md)."""
 
@@ -44,7 +44,9 @@ def both(path: str, params, prompt_list: list[dict] | None = None, **options) ->
     SamplingParams(temperature=0, max_tokens=12, n=2),
     SamplingParams(temperature=0, max_tokens=12, top_k=5, logprobs=3),
     SamplingParams(temperature=0, max_tokens=40),  # some stop at EOS with steps of theirs in flight
-], ids=["greedy-n2", "top-k-logprobs", "eos"])
+    # a seeded draw is keyed by its output position, which counts the token still in flight
+    SamplingParams(temperature=1.0, max_tokens=24, seed=7, n=2),
+], ids=["greedy-n2", "top-k-logprobs", "eos", "seeded-n2"])
 def test_continued_steps_give_the_plain_loops_outputs(tiny_checkpoints, arch: str, params: SamplingParams) -> None:
     expected, overlapped, llm, num_continued = both(str(tiny_checkpoints[arch]), params)
     assert overlapped == expected
@@ -84,9 +86,9 @@ def test_preemption_prefix_hits_and_admission_under_a_full_batch(tiny_checkpoint
 
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
-    SamplingParams(temperature=0.8, max_tokens=12, seed=7),
+    SamplingParams(temperature=0.8, max_tokens=12, seed=7, presence_penalty=0.5),
     SamplingParams(temperature=0, max_tokens=12, min_tokens=6),
-], ids=["penalty", "seeded", "min-tokens"])
+], ids=["penalty", "seeded-penalty", "min-tokens"])
 def test_rows_whose_draw_reads_their_history_are_not_continued(tiny_checkpoints, params: SamplingParams) -> None:
     expected, overlapped, llm, num_continued = both(str(tiny_checkpoints["llama"]), params)
     assert overlapped == expected

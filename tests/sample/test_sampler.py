@@ -11,7 +11,8 @@ import torch
 
 from kvserve.sample.logits_processors import LogitsProcessor
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
-from kvserve.sample.sampler import Sampler, SamplerOutput, draw_seed, prompt_logprobs
+from kvserve.sample.counter_noise import draw_seed
+from kvserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 32
