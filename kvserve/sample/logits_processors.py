@@ -41,6 +41,12 @@ class LogitsProcessor(ABC):
         """Whether ``apply`` changes this row this step. It must hold for every row whose key has state here:
         the sampler skips all processing when no processor needs any row."""
 
+    def reads_history(self, row: SamplingRow) -> bool:
+        """Whether ``apply`` reads the row's tokens (not just its params and ``position``): such a row cannot be
+        sampled again before its last token is read back (the overlapped scheduler). By default, whenever the
+        processor is needed."""
+        return self.is_needed(row)
+
     @abstractmethod
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """Transform, in place, the rows ``i`` of ``logits`` for which ``is_needed(rows[i])``; leave the
@@ -88,6 +94,9 @@ class LogitBias(LogitsProcessor):
     def is_needed(self, row: SamplingRow) -> bool:
         return bool(row.params.logit_bias)
 
+    def reads_history(self, row: SamplingRow) -> bool:
+        return False
+
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         entries = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
         if not entries:
@@ -99,13 +108,17 @@ class LogitBias(LogitsProcessor):
 
 
 class MinTokensBan(LogitsProcessor):
-    """Masks EOS (unless ignored) and stop tokens to -inf in rows that have fewer than ``min_tokens`` outputs."""
+    """Masks EOS (unless ignored) and stop tokens to -inf in rows that draw an output before ``min_tokens``
+    (their ``position``: what they ban depends on how many tokens they have, not on which)."""
 
     def is_needed(self, row: SamplingRow) -> bool:
         p = row.params
-        if len(row.output_token_ids) >= p.min_tokens:
+        if row.position >= p.min_tokens:
             return False
         return bool(p.stop_token_ids) or (not p.ignore_eos and bool(row.eos_token_ids))
+
+    def reads_history(self, row: SamplingRow) -> bool:
+        return False
 
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         entries = [(i, t) for i, r in enumerate(rows) for t in _banned_token_ids(r)]
@@ -168,7 +181,7 @@ def token_counts(histories: Sequence[Sequence[int]], vocab_size: int, device: to
 
 
 def _banned_token_ids(row: SamplingRow) -> list[int]:
-    if len(row.output_token_ids) >= row.params.min_tokens:
+    if row.position >= row.params.min_tokens:
         return []
     eos = () if row.params.ignore_eos else row.eos_token_ids
     return sorted(set(eos).union(row.params.stop_token_ids))

@@ -102,11 +102,11 @@ class Sampler:
         return PendingSamples(token_ids, finish)
 
     def is_history_free(self, row: SamplingRow) -> bool:
-        """Whether the row's next draw depends on nothing but its logits and its position: no logits processor
-        (the penalties, the min_tokens ban and a grammar read the outputs so far; the bias does not, but is
-        counted too). Only such rows may be sampled again before their last token is read back (the overlapped
-        scheduler); a seeded one may, its position counting the token in flight (``SamplingRow.position``)."""
-        return not any(p.is_needed(row) for p in self._processors)
+        """Whether the row's next draw depends on nothing but its logits, params and position: no processor
+        that reads its tokens (the penalties and a grammar do; the bias and the min_tokens ban do not). Only
+        such rows may be sampled again before their last token is read back (the overlapped scheduler), their
+        position counting the token in flight (``SamplingRow.position``: a seeded draw and the ban read it)."""
+        return not any(p.reads_history(row) for p in self._processors)
 
     def prepare(self, batch: SamplingBatch) -> None:
         """Called before the forward pass whose logits ``batch`` will sample: new samples' state is created and

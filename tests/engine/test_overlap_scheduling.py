@@ -8,6 +8,7 @@ and bookkeeping; its speed is measured on a GPU (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -46,7 +47,9 @@ def both(path: str, params, prompt_list: list[dict] | None = None, **options) ->
     SamplingParams(temperature=0, max_tokens=40),  # some stop at EOS with steps of theirs in flight
     # a seeded draw is keyed by its output position, which counts the token still in flight
     SamplingParams(temperature=1.0, max_tokens=24, seed=7, n=2),
-], ids=["greedy-n2", "top-k-logprobs", "eos", "seeded-n2"])
+    # the ban and the bias read a row's position and params, not its tokens
+    SamplingParams(temperature=0, max_tokens=12, min_tokens=6, logit_bias={5: 3.0}),
+], ids=["greedy-n2", "top-k-logprobs", "eos", "seeded-n2", "min-tokens-bias"])
 def test_continued_steps_give_the_plain_loops_outputs(tiny_checkpoints, arch: str, params: SamplingParams) -> None:
     expected, overlapped, llm, num_continued = both(str(tiny_checkpoints[arch]), params)
     assert overlapped == expected
@@ -87,15 +90,25 @@ def test_preemption_prefix_hits_and_admission_under_a_full_batch(tiny_checkpoint
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
     SamplingParams(temperature=0.8, max_tokens=12, seed=7, presence_penalty=0.5),
-    SamplingParams(temperature=0, max_tokens=12, min_tokens=6),
-], ids=["penalty", "seeded-penalty", "min-tokens"])
+    SamplingParams(temperature=0, max_tokens=12, frequency_penalty=0.5, min_tokens=6),
+], ids=["penalty", "seeded-penalty", "frequency-min-tokens"])
 def test_rows_whose_draw_reads_their_history_are_not_continued(tiny_checkpoints, params: SamplingParams) -> None:
     expected, overlapped, llm, num_continued = both(str(tiny_checkpoints["llama"]), params)
     assert overlapped == expected
-    if params.min_tokens:  # past min_tokens a row's draw reads only its logits again
-        assert num_continued > 0
-    else:
-        assert num_continued == 0
+    assert num_continued == 0
+    assert_all_blocks_free(llm)
+
+
+def test_a_continued_min_tokens_ban_counts_the_token_in_flight(tiny_checkpoints) -> None:
+    """EOS pushed far ahead by a bias: each output ends right at min_tokens, in continued steps; a ban that
+    did not count the token in flight would hold EOS back one token too long."""
+    path = tiny_checkpoints["llama"]
+    eos = json.loads((path / "config.json").read_text())["eos_token_id"]
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=6, logit_bias={eos: 100.0})
+    expected, overlapped, llm, num_continued = both(str(path), params)
+    assert overlapped == expected and num_continued > 0
+    lengths = {len(choice[0]) for _, choices in overlapped for choice in choices}
+    assert lengths == {6} or lengths == {7}  # EOS drawn as the 7th output, whether it is kept or not
     assert_all_blocks_free(llm)
 
 
