@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Sequence
 
 import torch
 
-from kvserve.sample.logits_processors import LogitsProcessor
 from kvserve.sample.metadata import SamplingRow
+from kvserve.sample.processor import LogitsProcessor
 from kvserve.sample.token_mask import apply_token_mask
 from kvserve.sampling_params import StructuredOutputsParams
 

@@ -25,9 +25,10 @@ import torch
 from kvserve.device_copy import HostCopy, to_device
 from kvserve.sample.argmax import first_max
 from kvserve.sample.counter_noise import draw_seed, seeded_exponentials
-from kvserve.sample.logits_processors import LogitsProcessor, default_processors
+from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.logprobs import gather_logprobs, launch_gather_logprobs
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
+from kvserve.sample.processor import LogitsProcessor
 from kvserve.sample.rejection import accept_draft
 from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
 from kvserve.sched.output import TokenLogprobs
@@ -89,6 +90,9 @@ class Sampler:
         if self._stateful:
             self._add_new_keys(batch.rows)
         token_ids, raw_logprobs = self._sample(logits, batch)
+        if self._stateful and batch.draft_token_ids is None:  # a token per row: state on the device takes it now
+            for processor in self._stateful:
+                processor.accept_launched(batch.rows, token_ids)
         host_token_ids = HostCopy(token_ids)  # read back without waiting for a step queued after this one
         token_logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
 

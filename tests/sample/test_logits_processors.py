@@ -1,5 +1,5 @@
 """Each logits processor against a hand computation on small logits and a plain per-row reference on random
-ones; truncation against hand computations."""
+ones; the penalties' counts on the device through their lifecycle; truncation against hand computations."""
 
 from __future__ import annotations
 
@@ -11,15 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.sample.logits_processors import (
-    LogitBias,
-    MinTokensBan,
-    PresenceFrequencyPenalties,
-    RepetitionPenalty,
-    default_processors,
-    token_counts,
-)
+from kvserve.sample.logits_processors import LogitBias, MinTokensBan, default_processors
 from kvserve.sample.metadata import SamplingRow
+from kvserve.sample.penalties import Penalties
+from kvserve.sample.processor import LogitsProcessor, token_counts
 from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
 from kvserve.sampling_params import SamplingParams
 
@@ -27,8 +22,16 @@ INF = float("inf")
 VOCAB = 8
 
 
-def row(prompt=(), outputs=(), eos=frozenset(), **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), 0, "r", list(prompt), list(outputs), frozenset(eos))
+def row(prompt=(), outputs=(), eos=frozenset(), key="r", **params) -> SamplingRow:
+    return SamplingRow(SamplingParams(**params), 0, key, list(prompt), list(outputs), frozenset(eos))
+
+
+def run(processor: LogitsProcessor, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """``apply`` as the sampler calls it: a stateful processor first meets each new sample's first row."""
+    if processor.is_stateful:
+        for r in rows:
+            processor.add(r.generator_key, r)
+    processor.apply(logits, rows)
 
 
 def test_logit_bias_adds_per_row():
@@ -57,16 +60,14 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
     logits = torch.tensor([[2.0, -2.0, 3.0, -1.0], [2.0, -2.0, 3.0, -1.0]])
-    RepetitionPenalty().apply(logits, [row(prompt=[0], outputs=[1, 1], repetition_penalty=2.0), row()])
+    run(Penalties(), logits, [row(prompt=[0], outputs=[1, 1], repetition_penalty=2.0), row(key="s")])
     assert logits[0].tolist() == [1.0, -4.0, 3.0, -1.0]
     assert logits[1].tolist() == [2.0, -2.0, 3.0, -1.0]
 
 
 def test_presence_and_frequency_penalties_count_outputs_only():
     logits = torch.zeros(1, 4)
-    PresenceFrequencyPenalties().apply(
-        logits, [row(prompt=[3, 3], outputs=[1, 1, 1, 2], presence_penalty=0.5, frequency_penalty=0.25)]
-    )
+    run(Penalties(), logits, [row(prompt=[3, 3], outputs=[1, 1, 1, 2], presence_penalty=0.5, frequency_penalty=0.25)])
     assert logits[0].tolist() == pytest.approx([0.0, -(0.5 + 3 * 0.25), -(0.5 + 0.25), 0.0])
 
 
@@ -75,9 +76,9 @@ def test_history_processors_run_in_vllm_order():
     r = row(prompt=[0], outputs=[2], eos={3}, min_tokens=5, logit_bias={0: -3.0, 2: 1.0},
             repetition_penalty=2.0, presence_penalty=0.5)
     processors = default_processors()
-    assert [type(p) for p in processors] == [LogitBias, MinTokensBan, RepetitionPenalty, PresenceFrequencyPenalties]
+    assert [type(p) for p in processors] == [LogitBias, MinTokensBan, Penalties]
     for processor in processors:
-        processor.apply(logits, [r])
+        run(processor, logits, [r])
     # bias: [-2, 1, 2, 1]; min_tokens bans 3; repetition over {0, 2}: [-4, 1, 1, -inf]; presence on 2: 0.5
     assert logits[0].tolist() == [-4.0, 1.0, 0.5, -INF]
 
@@ -102,7 +103,8 @@ def random_rows(draw) -> list[SamplingRow]:
         prompt, outputs = draw(st.lists(tokens, max_size=6)), draw(st.lists(tokens, max_size=5))
         if draw(st.booleans()):
             prompt, outputs = np.array(prompt, dtype=np.int64), np.array(outputs, dtype=np.int32)
-        rows.append(SamplingRow(params, 0, "r", prompt, outputs, frozenset(draw(st.sets(tokens, max_size=2)))))
+        rows.append(SamplingRow(params, 0, f"r{len(rows)}", prompt, outputs,
+                                frozenset(draw(st.sets(tokens, max_size=2)))))
     return rows
 
 
@@ -114,14 +116,13 @@ def reference_row(processor: type, logits: list[float], r: SamplingRow) -> list[
     if processor is MinTokensBan:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
         return [-INF if len(out) < p.min_tokens and t in banned else x for t, x in enumerate(logits)]
-    if processor is RepetitionPenalty:
-        seen = set(list(r.prompt_token_ids) + out)
-        pen = p.repetition_penalty
-        return [(x / pen if x > 0 else x * pen) if t in seen else x for t, x in enumerate(logits)]
+    seen = set(list(r.prompt_token_ids) + out)
+    pen = p.repetition_penalty
+    logits = [(x / pen if x > 0 else x * pen) if t in seen else x for t, x in enumerate(logits)]
     return [x - p.frequency_penalty * out.count(t) - p.presence_penalty * (t in out) for t, x in enumerate(logits)]
 
 
-@pytest.mark.parametrize("processor", [LogitBias, MinTokensBan, RepetitionPenalty, PresenceFrequencyPenalties])
+@pytest.mark.parametrize("processor", [LogitBias, MinTokensBan, Penalties])
 @settings(max_examples=50, deadline=None)
 @given(rows=random_rows(), seed=st.integers(0, 2**16))
 def test_processor_matches_a_per_row_reference(processor: type, rows: list[SamplingRow], seed: int) -> None:
@@ -129,7 +130,7 @@ def test_processor_matches_a_per_row_reference(processor: type, rows: list[Sampl
     expected = [reference_row(processor, logits[i].tolist(), r) for i, r in enumerate(rows)]
     untouched = [i for i, r in enumerate(rows) if not processor().is_needed(r)]
     before = logits.clone()
-    processor().apply(logits, rows)
+    run(processor(), logits, rows)
     torch.testing.assert_close(logits, torch.tensor(expected), rtol=1e-6, atol=1e-6)
     assert torch.equal(logits[untouched], before[untouched])  # rows that need nothing stay bit for bit
 

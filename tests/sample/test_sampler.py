@@ -9,9 +9,9 @@ from typing import Sequence
 import pytest
 import torch
 
-from kvserve.sample.logits_processors import LogitsProcessor
-from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sample.counter_noise import draw_seed
+from kvserve.sample.metadata import SamplingBatch, SamplingRow
+from kvserve.sample.processor import LogitsProcessor
 from kvserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
 from kvserve.sampling_params import SamplingParams
 
