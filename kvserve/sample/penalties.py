@@ -103,6 +103,8 @@ class Penalties(LogitsProcessor):
         del self._counted[key], self._known[key]
         self._unfilled.pop(key, None)
         self._late = [(s, tokens) for s, tokens in self._late if s != slot]
+        if not self._slot:  # the storage is held only while some sample has a penalty
+            self._release()
 
     @property
     def num_states(self) -> int:
@@ -143,6 +145,11 @@ class Penalties(LogitsProcessor):
             self._capacity = grown
             self._grow()
         return self._free.pop()
+
+    def _release(self) -> None:
+        """Give the storage back ([slots, V]: 335 MB for 256 samples of a 262,144-token vocabulary)."""
+        self._free, self._capacity, self._late = [], 0, []
+        self.counts = self.in_prompt = None
 
     def _grow(self) -> None:
         """Storage for every slot, once its vocabulary and device are known (the first ``apply``)."""

@@ -47,9 +47,10 @@ def params(rng: random.Random) -> SamplingParams:
 @pytest.mark.parametrize("seed", range(6))
 def test_counts_follow_every_step_of_a_random_workload(seed: int) -> None:
     rng = random.Random(seed)
-    penalties, samples, added = Penalties(), {}, set()
+    penalties, samples, added, grew = Penalties(), {}, set(), False
     for step in range(120):
-        if len(samples) < 14 and rng.random() < 0.3:  # a new sample, perhaps one resumed with outputs
+        grew = grew or (penalties.counts is not None and penalties.counts.shape[0] > 8)
+        if len(samples) < 14 and rng.random() < 0.3:  # a new sample (up to 14: the storage grows past 8)
             key = f"s{step}"
             samples[key] = Sample(params(rng), [rng.randrange(VOCAB) for _ in range(rng.randrange(6))],
                                   [rng.randrange(VOCAB) for _ in range(rng.randrange(3))])
@@ -91,8 +92,10 @@ def test_counts_follow_every_step_of_a_random_workload(seed: int) -> None:
                 token = samples[key].in_flight.pop(0)
                 samples[key].outputs.append(token)
                 penalties.accept(key, [token])
-    assert penalties.num_states == len([k for k in samples if k in added])
-    assert penalties.counts is not None and penalties.counts.shape[0] >= 8
+    assert penalties.num_states == len([k for k in samples if k in added]) and grew
+    for key in list(samples):
+        penalties.drop(key)
+    assert penalties.num_states == 0 and penalties.counts is None  # no storage held without a penalized sample
 
 
 def test_a_dropped_samples_slot_is_reused_from_zero() -> None:
