@@ -197,9 +197,8 @@ class ModelRunner:
         """Whether the step after ``sched_out`` (the last one launched) may be launched before its tokens are
         read back (``EngineCore.launch_continuation``), as far as the runner goes: one rank, no draft model, its
         tokens still on the device, no prompt logprobs to read back (that read would wait for the next step
-        too), and every row's draw reading nothing but its logits (``Sampler.is_history_free``: a penalty, a
-        grammar or a seeded draw needs the token not read back yet). Which rows continue is the scheduler's
-        (``Scheduler.schedule_continuation``)."""
+        too), and no row's draw reading its tokens (``Sampler.is_history_free``: a grammar needs the token not
+        read back yet). Which rows continue is the scheduler's (``Scheduler.schedule_continuation``)."""
         if self.tp.size > 1 or self.draft is not None or self._in_flight is None or self.batch is None:
             return False
         return all(not r.prompt_logprobs and self.sampler.is_history_free(self.batch.sampling_row(r.request_id))
