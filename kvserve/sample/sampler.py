@@ -211,9 +211,11 @@ class Sampler:
                 for i in seeded]
         if len(seeded) == len(rows):
             return seeded_exponentials(keys, probs.shape[1], probs.device)
-        noise = torch.empty_like(probs).exponential_(generator=self._unseeded_generator(probs.device))
-        # a zero draw would turn a masked token's 0 / 0 into NaN, which argmax picks (counter noise is never 0)
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        # -log(U), U ~ uniform [0, 1): Exp(1), and 4-6x faster than torch's ``exponential_`` on CPU (25 ns a value
+        # there, 19 ms a step for 16 rows of 49,152 tokens). Never 0 (U < 1), so a masked token's 0 / q is never
+        # 0 / 0 (NaN, which argmax would pick); U = 0 gives q = inf, which that token loses.
+        generator = self._unseeded_generator(probs.device)
+        noise = torch.rand(probs.shape, generator=generator, device=probs.device).log_().neg_()
         if seeded:
             noise[to_device(seeded, torch.long, probs.device)] = seeded_exponentials(keys, probs.shape[1],
                                                                                      probs.device)

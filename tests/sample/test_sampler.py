@@ -111,6 +111,18 @@ def test_temperature_scales_the_distribution(temperature):
     assert torch.allclose(freq, expected, atol=0.015)
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["generator", "counter-noise"])
+def test_draws_follow_the_distribution(seeded: bool) -> None:
+    """The exponential race with either noise: -log(U) from the sampler's generator, or a seed's counter-based
+    noise (a seed a row here, so the rows' draws are independent)."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    num_draws = 20000
+    rows = [row(key=f"r{i}", seed=i if seeded else None) for i in range(num_draws)]
+    out = Sampler()(probs.log().repeat(num_draws, 1), batch(*rows))
+    freq = torch.bincount(torch.tensor(tokens(out)), minlength=4) / num_draws
+    assert torch.allclose(freq, probs, atol=0.015)  # 4 standard errors at p = 0.5
+
+
 def test_seeded_row_is_independent_of_its_batch():
     target = random_logits(1, seed=3)
 
