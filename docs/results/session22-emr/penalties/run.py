@@ -7,6 +7,7 @@ each tree a checkout of kvserve; the two take turns in one process per round, 5 
 rows with repetition, presence and frequency penalties, 1,000-token prompts, 64 steps of greedy decoding:
 the median ms of a step after the first. Optional further arguments: ROWSxVOCAB cases."""
 
+import os
 import statistics
 import subprocess
 import sys
@@ -41,7 +42,7 @@ for rows, vocab in [tuple(map(int, c.split("x"))) for c in (sys.argv[3:] or ["16
     for _ in range(ROUNDS):
         for name, tree in trees.items():
             out = subprocess.run([sys.executable, "-c", CODE, str(rows), str(vocab)], cwd=tree, check=True,
-                                 capture_output=True, text=True, env={"PYTHONPATH": tree, "PATH": "/usr/bin:/bin"})
+                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
             results[name].append(float(out.stdout))
     b, a = (statistics.median(results[n]) for n in ("before", "after"))
     print(f"{rows:3d} penalized rows x {vocab:6d}: before {b:7.2f} ms {[round(x, 2) for x in results['before']]}, "

@@ -5,11 +5,10 @@
 each tree a checkout of kvserve (the commit before and the one that changed it); the two take turns in one
 process per round, 2 threads, median ms of 20 calls a round."""
 
-import importlib
+import os
 import statistics
 import subprocess
 import sys
-import time
 
 CODE = '''
 import statistics, sys, time, torch
@@ -35,7 +34,7 @@ for rows, vocab in ((1, 49152), (16, 49152), (64, 49152), (1, 262144), (16, 2621
     for _ in range(3):
         for name, tree in trees.items():
             out = subprocess.run([sys.executable, "-c", CODE, str(rows), str(vocab)], cwd=tree, check=True,
-                                 capture_output=True, text=True, env={"PYTHONPATH": tree, "PATH": "/usr/bin:/bin"})
+                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tree})
             results[name].append(float(out.stdout))
     b, a = (statistics.median(results[n]) for n in ("before", "after"))
     print(f"{rows:3d} seeded rows x {vocab:6d}: before {b:7.2f} ms {results['before']}, after {a:7.2f} ms "
