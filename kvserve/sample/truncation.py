@@ -5,23 +5,80 @@ from __future__ import annotations
 
 import torch
 
+CPU_CANDIDATES = 1024
+
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
     """Keep each row's ``top_k`` largest logits (0: all), then the smallest set of those whose probability
-    reaches ``top_p`` (1: all); the rest become -inf. One sort serves both."""
+    reaches ``top_p`` (1: all); the rest become -inf. One sort serves both; on CPU, where a sort of the
+    vocabulary costs 45 ms a step for 16 rows of 49,152 tokens, the kept set is first looked for among each
+    row's largest ``CPU_CANDIDATES`` logits (``_truncate_among_candidates``), and only rows it is not found
+    among are sorted whole."""
+    rows = _truncate_among_candidates(logits, top_k, top_p) if logits.device.type == "cpu" else None
+    if rows is None:
+        _truncate_by_sort(logits, top_k, top_p)
+    elif len(rows):
+        sub = logits[rows]
+        _truncate_by_sort(sub, None if top_k is None else top_k[rows], None if top_p is None else top_p[rows])
+        logits[rows] = sub
+
+
+def _truncate_by_sort(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
     vocab_size = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
-        beyond_k = torch.arange(vocab_size, device=logits.device)[None, :] >= k[:, None]
-        sorted_logits.masked_fill_(beyond_k, -float("inf"))
+        sorted_logits.masked_fill_(_beyond(_kept_counts(top_k, vocab_size), vocab_size), -float("inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        # the most likely token always stays: its mass_before is 0 < top_p
-        beyond_p = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-        sorted_logits.masked_fill_(beyond_p, -float("inf"))
+        sorted_logits.masked_fill_(_beyond_p(probs, top_p), -float("inf"))
     logits.scatter_(1, order, sorted_logits)
+
+
+def _truncate_among_candidates(logits: torch.Tensor, top_k: torch.Tensor | None,
+                               top_p: torch.Tensor | None) -> torch.Tensor | None:
+    """``apply_top_k_top_p`` over each row's largest n logits (n: ``CPU_CANDIDATES``, or the largest top-k), a
+    partial sort 7-20x cheaper than the whole one; the rows it leaves unchanged for the whole sort, or None
+    when n would be the whole vocabulary. Exact on a row whose kept set lies among its candidates: a row with
+    a top-k keeps at most n; a row with only a top-p needs its candidates to hold ``top_p`` of its probability
+    (then every token past them has at least that much mass before it), which a very flat row may not."""
+    vocab_size = logits.shape[1]
+    k = _kept_counts(top_k, vocab_size) if top_k is not None else None
+    limited = k < vocab_size if k is not None else torch.zeros(len(logits), dtype=torch.bool)
+    n = max(CPU_CANDIDATES, int(k[limited].max()) if bool(limited.any()) else 0)  # type: ignore[index]
+    if n >= vocab_size:
+        return None
+    values, order = logits.topk(n, dim=-1)
+    if k is not None:
+        values.masked_fill_(_beyond(k, n), -float("inf"))
+    truncating, unresolved = limited.clone(), torch.zeros_like(limited)
+    if top_p is not None:
+        # the probabilities of the top-k-kept set (as the whole sort's softmax gives them), or of the whole row
+        normalizer = torch.where(limited, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+        probs = (values - normalizer[:, None]).exp()
+        needs_p = top_p < 1.0
+        unresolved = needs_p & ~limited & (probs.sum(dim=-1) < top_p)
+        values.masked_fill_(_beyond_p(probs, top_p), -float("inf"))
+        truncating |= needs_p
+    truncating &= ~unresolved
+    kept = torch.full_like(logits, -float("inf")).scatter_(1, order, values)
+    logits[truncating] = kept[truncating]
+    return unresolved.nonzero().flatten()
+
+
+def _kept_counts(top_k: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
+
+
+def _beyond(k: torch.Tensor, width: int) -> torch.Tensor:
+    """[R, width]: True at sorted positions past each row's ``k``."""
+    return torch.arange(width, device=k.device)[None, :] >= k[:, None]
+
+
+def _beyond_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, n]: True at sorted positions whose mass before them reaches ``top_p`` (the most likely token always
+    stays: its mass before is 0 < top_p)."""
+    mass_before = probs.cumsum(dim=-1) - probs
+    return (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from kvserve.sample.logits_processors import LogitBias, MinTokensBan, default_pr
 from kvserve.sample.metadata import SamplingRow
 from kvserve.sample.penalties import Penalties
 from kvserve.sample.processor import LogitsProcessor, token_counts
+from kvserve.sample import truncation
 from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
 from kvserve.sampling_params import SamplingParams
 
@@ -162,6 +163,27 @@ def test_top_p_applies_to_the_top_k_renormalised_distribution():
     # top-2 renormalised: 0.5/0.8 = 0.625, 0.3/0.8 = 0.375; top_p 0.6 keeps only the first
     apply_top_k_top_p(logits, torch.tensor([2]), torch.tensor([0.6]))
     assert torch.isfinite(logits).tolist() == [[False, True, False, False]]
+
+
+@pytest.mark.parametrize("candidates", [1, 4, 16])
+def test_truncation_among_cpu_candidates_equals_the_whole_sort(monkeypatch: pytest.MonkeyPatch, candidates: int):
+    """Rows with a top-k, a top-p, both or neither, peaked and flat (whose top-p set is not among the candidates:
+    the whole sort then serves those rows), against the whole sort (more candidates than tokens)."""
+    rng = torch.Generator().manual_seed(candidates)
+    for case in range(40):
+        num_rows, vocab_size = 6, 64
+        logits = torch.randn(num_rows, vocab_size, generator=rng) * (8.0 if case % 2 else 0.3)
+        top_k = torch.tensor([0, 3, 0, 20, 1, 0])[torch.randperm(num_rows, generator=rng)]
+        top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.3, 0.95])[torch.randperm(num_rows, generator=rng)]
+        for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
+            monkeypatch.setattr(truncation, "CPU_CANDIDATES", vocab_size)
+            expected = logits.clone()
+            apply_top_k_top_p(expected, k, p)
+            monkeypatch.setattr(truncation, "CPU_CANDIDATES", candidates)
+            actual = logits.clone()
+            apply_top_k_top_p(actual, k, p)
+            assert torch.equal(torch.isfinite(actual), torch.isfinite(expected))
+            assert torch.equal(actual[torch.isfinite(actual)], logits[torch.isfinite(actual)])
 
 
 def test_min_p_masks_below_a_fraction_of_the_top_probability():
