@@ -82,12 +82,15 @@ class InFlightTokens:
 
 @dataclass
 class _Row:
-    """One request as the runner knows it; ``output_token_ids`` is appended to by the runner."""
+    """One request as the runner knows it; ``output_token_ids`` is appended to by the runner, and both sampling
+    rows share that list: ``sampling_ahead`` is the one a step launched with the request's last token still in
+    flight samples with (its position one on)."""
 
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling: SamplingRow
+    sampling_ahead: SamplingRow
 
 
 class PersistentBatch:
@@ -161,7 +164,8 @@ class PersistentBatch:
         output_token_ids = list(new.output_token_ids)
         sampling = SamplingRow(new.sampling_params, new.sample_index, new.request_id, new.prompt_token_ids,
                                output_token_ids, new.eos_token_ids)
-        self._rows[row] = _Row(new.request_id, new.prompt_token_ids, output_token_ids, sampling)
+        self._rows[row] = _Row(new.request_id, new.prompt_token_ids, output_token_ids, sampling,
+                               dataclasses.replace(sampling, num_in_flight=1))
         self._index[new.request_id] = row
         self.block_table[:, row] = 0  # a row's table is padded with 0, whatever its last holder left there
         self.num_blocks[row] = 0
@@ -248,10 +252,9 @@ class PersistentBatch:
 
     def _sampling_row(self, request_id: str, row: int, in_flight: InFlightTokens | None) -> SamplingRow:
         """The row's sampling state; a request whose last token is still in flight draws one position on."""
-        sampling = self._rows[row].sampling
-        if in_flight is not None and request_id in in_flight.rows:
-            return dataclasses.replace(sampling, num_in_flight=1)
-        return sampling
+        state = self._rows[row]
+        assert state is not None
+        return state.sampling_ahead if in_flight is not None and request_id in in_flight.rows else state.sampling
 
     def layout(self, rows: np.ndarray, start_pos: np.ndarray, query_lens: np.ndarray, tokens: list[int],
                extra: HostArrays | None = None) -> StepLayout:
