@@ -9,16 +9,16 @@ repo=$(pwd); here=$repo/docs/results/session23-emr/openvino
 scratch=$(mktemp -d)
 plugin=$(find "$(dirname "$(dirname "$OV_PYTHON")")" -name libopenvino_intel_cpu_plugin.so | head -1)
 python benchmarks/peers/dump_workload.py --dataset-name random --num-prompts 16 --random-input-len 272 \
-  --random-output-len 64 --random-range-ratio 0.88 --seed 0 --out "$scratch/workload.json" > /dev/null
+  --random-output-len 64 --random-range-ratio 0.88 --seed 0 --out "$scratch/requests.json" > /dev/null
 for mode in masked unmasked; do
   runner="$repo/benchmarks/avx2_only.sh"; [[ $mode == unmasked ]] && runner="env ONEDNN_MAX_CPU_ISA=AVX2"
   mkdir -p "$scratch/$mode" && cd "$scratch/$mode"
   ONEDNN_JIT_DUMP=1 $runner "$OV_PYTHON" "$repo/benchmarks/peers/openvino_genai_offline.py" --model "$OV_MODEL" \
-    --workload "$scratch/workload.json" --result-json r.json --kv-cache-precision f32 > /dev/null 2>&1
+    --workload "$scratch/requests.json" --result-json r.json --kv-cache-precision f32 > /dev/null 2>&1
   for f in *.bin; do objdump -D -b binary -mi386:x86-64 "$f"; done > jit.s
   echo "$mode: $(ls ./*.bin | wc -l) JIT kernels, lines naming zmm $(grep -c zmm jit.s), ymm $(grep -c ymm jit.s)"
   perf record -q -e cpu-clock -F 999 -o perf.data -- $runner "$OV_PYTHON" \
-    "$repo/benchmarks/peers/openvino_genai_offline.py" --model "$OV_MODEL" --workload "$scratch/workload.json" \
+    "$repo/benchmarks/peers/openvino_genai_offline.py" --model "$OV_MODEL" --workload "$scratch/requests.json" \
     --result-json r.json --kv-cache-precision f32 > /dev/null 2>&1
   perf report -i perf.data --no-children --sort dso,sym --stdio -g none 2>/dev/null \
     | awk '/libopenvino_intel_cpu_plugin/ {print $1, $NF}' > hot.txt
