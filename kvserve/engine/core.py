@@ -110,7 +110,11 @@ class EngineCore:
         return PendingStep(sched_out, self.runner.launch(sched_out))
 
     def finish_step(self, pending: PendingStep) -> list[EngineOutput]:
-        return self._update(pending.sched_out, pending.model_output())
+        """Read back ``pending``'s tokens and update; then a continued step launched after it whose draw waited
+        for those tokens (a grammar's row) is drawn, so that its tokens are on the device for the next launch."""
+        outputs = self._update(pending.sched_out, pending.model_output())
+        self.runner.draw_deferred()
+        return outputs
 
     def _update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[EngineOutput]:
         store = self.kv_manager.store

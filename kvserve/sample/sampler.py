@@ -107,9 +107,11 @@ class Sampler:
 
     def is_history_free(self, row: SamplingRow) -> bool:
         """Whether the row's next draw depends on nothing but its logits, params and position: no processor
-        that reads its tokens (the penalties and a grammar do; the bias and the min_tokens ban do not). Only
-        such rows may be sampled again before their last token is read back (the overlapped scheduler), their
-        position counting the token in flight (``SamplingRow.position``: a seeded draw and the ban read it)."""
+        that reads its tokens (a grammar does; the bias, the min_tokens ban and the penalties, whose counts on
+        the device take each token at launch, do not). Only such rows may be drawn before their last token is
+        read back (the overlapped scheduler), their position counting the token in flight
+        (``SamplingRow.position``: a seeded draw and the ban read it); a continued step with any other row
+        draws after that token's update (``ModelRunner.draw_deferred``)."""
         return not any(p.reads_history(row) for p in self._processors)
 
     def prepare(self, batch: SamplingBatch) -> None:

@@ -22,6 +22,7 @@ from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
+from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
 from kvserve.spec.draft import DraftModel
@@ -31,6 +32,16 @@ from kvserve.worker.input_batch import InFlightTokens, InputBatch, PersistentBat
 from kvserve.worker.parallel import StepPeers
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class DeferredDraw:
+    """A continued step's hidden states, whose draw waits for the tokens of the step before it; ``tokens``
+    reads the draw back once it is launched (``ModelRunner.draw_deferred``)."""
+
+    batch: InputBatch
+    hidden: torch.Tensor
+    tokens: Callable[[], ModelOutput] | None = None
 
 
 class ModelRunner:
@@ -74,6 +85,7 @@ class ModelRunner:
         self.enforce_eager = enforce_eager
         self.graphs: StepGraphs | None = None
         self._in_flight: InFlightTokens | None = None  # the last launched step's tokens until it is finished
+        self._deferred: DeferredDraw | None = None  # a continued step's draw, until the step before is read back
         self.draft = draft
 
     def weights_format(self) -> str:
@@ -188,6 +200,12 @@ class ModelRunner:
         if self.draft is not None:  # before the sampler's prepare: the grammar masks walk the drafts
             sched_out = self.draft.fill(sched_out, self.batch)
         batch = self.batch.prepare(sched_out, self._in_flight)
+        if samples and self._in_flight is not None and not all(map(self.sampler.is_history_free, batch.sampling.rows)):
+            # a continued step with a row whose draw reads the token still in flight (a grammar's matcher): the
+            # model runs now, the draw once that token is read back (``draw_deferred``)
+            deferred = self._deferred = DeferredDraw(batch, self._forward(batch))
+            return functools.partial(self._finish, sched_out, batch, deferred.hidden,
+                                     functools.partial(self._deferred_tokens, deferred))
         if samples:
             self.sampler.prepare(batch.sampling)  # grammar masks start now, on a worker thread
         hidden = self._forward(batch)
@@ -196,13 +214,37 @@ class ModelRunner:
     def can_continue(self, sched_out: SchedulerOutput) -> bool:
         """Whether the step after ``sched_out`` (the last one launched) may be launched before its tokens are
         read back (``EngineCore.launch_continuation``), as far as the runner goes: one rank, no draft model, its
-        tokens still on the device, no prompt logprobs to read back (that read would wait for the next step
-        too), and no row's draw reading its tokens (``Sampler.is_history_free``: a grammar needs the token not
-        read back yet). Which rows continue is the scheduler's (``Scheduler.schedule_continuation``)."""
+        tokens still on the device, and no prompt logprobs to read back (that read would wait for the next step
+        too). A row whose draw reads its tokens (``Sampler.is_history_free``: a grammar) has its draw deferred.
+        Which rows continue is the scheduler's (``Scheduler.schedule_continuation``)."""
         if self.tp.size > 1 or self.draft is not None or self._in_flight is None or self.batch is None:
             return False
-        return all(not r.prompt_logprobs and self.sampler.is_history_free(self.batch.sampling_row(r.request_id))
-                   for r in sched_out.requests)
+        return not any(r.prompt_logprobs for r in sched_out.requests)
+
+    def draw_deferred(self) -> None:
+        """Launch the draw of a continued step whose rows read their history (``_launch``), once the step before
+        it is finished: its tokens are then in every row's outputs and in the grammars' matchers, so each row
+        draws as it would have after a plain update (the grammar's mask filled now, its position counting no
+        token in flight). On a GPU the model's forward for the step ran meanwhile. No-op if none waits."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._draw(deferred)
+
+    def _deferred_tokens(self, deferred: DeferredDraw) -> ModelOutput:
+        if self._deferred is deferred:  # not drawn after the step before finished: now, before reading back
+            self._deferred = None
+            self._draw(deferred)
+        assert deferred.tokens is not None
+        return deferred.tokens()
+
+    @torch.inference_mode()
+    def _draw(self, deferred: DeferredDraw) -> None:
+        assert self.batch is not None
+        batch = deferred.batch
+        rows = [self.batch.sampling_row(request_id) for request_id in batch.sample_request_ids]
+        batch = dataclasses.replace(batch, sampling=SamplingBatch.of_requests(rows, batch.draft_token_ids))
+        self.sampler.prepare(batch.sampling)
+        deferred.tokens = self._sample(batch, deferred.hidden)
 
     def _finish(self, sched_out: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor,
                 sampled: Callable[[], ModelOutput]) -> ModelOutput:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.model.checkpoint import ARCHITECTURES
 from tests.conftest import hf_greedy
 
@@ -41,14 +41,20 @@ def test_bf16_on_cuda_runs_and_frees_every_block(tiny_checkpoints) -> None:
     assert llm.stats()["num_blocks_used"] == 0 and llm.stats()["kv_cache_dtype"] == "bfloat16"
 
 
-def test_penalized_greedy_requests_on_cuda_match_the_cpu_engine(tiny_checkpoints) -> None:
-    """The penalties' counts on the device, with the overlapped scheduler continuing penalized rows (on by
-    default on CUDA): the tokens of the same engine on the CPU, where no step runs ahead."""
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3,
+                   n=2),
+    # continued steps draw after the step before is read back (ModelRunner.draw_deferred)
+    SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(
+        json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})),
+], ids=["penalties", "grammar"])
+def test_continued_requests_on_cuda_match_the_cpu_engine(tiny_checkpoints, params: SamplingParams) -> None:
+    """The penalties' counts on the device and a grammar's deferred draws, with the overlapped scheduler
+    continuing their rows (on by default on CUDA): the tokens of the same engine on the CPU, where no step runs
+    ahead."""
     path = str(tiny_checkpoints["llama"])
     rng = random.Random(1)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 200) for _ in range(n)]} for n in (5, 40, 17, 1, 33)]
-    params = SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.4,
-                            frequency_penalty=0.3, n=2)
     options = dict(dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16)
     on_cpu = LLM(path, device="cpu", **options).generate(prompts, params, use_tqdm=False)
     llm = LLM(path, device="cuda", **options)

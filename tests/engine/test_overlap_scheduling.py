@@ -1,9 +1,9 @@
 """The overlapped scheduler (``LLMEngine.overlap_scheduling``, on by default on CUDA): the next decode step scheduled
 and launched before the last one's tokens are read back, its input ids taken from them on the device, gives
 exactly the outputs of the plain loop, through EOS, stop strings, max_tokens, logprobs, n > 1, preemption,
-prefix hits, aborts, seeded draws, penalties, and rows it must not continue (grammars, speculation), and leaves no
-block behind. On CPU a launch finishes the step's work before it returns, so these tests check the ordering
-and bookkeeping; its speed is measured on a GPU (docs/benchmarks.md)."""
+prefix hits, aborts, seeded draws, penalties, grammars (their draws deferred), and speculation, which it does not
+continue, and leaves no block behind. On CPU a launch finishes the step's work before it returns, so these tests
+check the ordering and bookkeeping; its speed is measured on a GPU (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -103,17 +103,50 @@ def test_a_continued_min_tokens_ban_counts_the_token_in_flight(tiny_checkpoints)
     assert_all_blocks_free(llm)
 
 
-def test_speculation_and_structured_output_run_without_continuation(tiny_checkpoints) -> None:
+def test_speculation_runs_without_continuation(tiny_checkpoints) -> None:
     path = str(tiny_checkpoints["llama"])
     expected, overlapped, llm, num_continued = both(path, SamplingParams(temperature=0, max_tokens=16),
                                                     speculative_config=NGRAM)
     assert overlapped == expected and num_continued == 0
     assert_all_blocks_free(llm)
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    constrained = SamplingParams(temperature=0, max_tokens=24,
-                                 structured_outputs=StructuredOutputsParams(json=schema))
-    expected, overlapped, llm, num_continued = both(path, constrained)
-    assert overlapped == expected and num_continued == 0
+
+
+SCHEMA = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+
+
+@pytest.mark.parametrize("params_of", [
+    lambda i: SamplingParams(temperature=0, max_tokens=24, structured_outputs=SCHEMA),
+    # a seeded draw under a grammar: keyed by a position that no longer counts a token in flight when it is drawn
+    lambda i: SamplingParams(temperature=1.0, max_tokens=24, seed=3, n=2, structured_outputs=SCHEMA),
+    # documents that end long before max_tokens: drawn on past the end (the stop tokens' mask), then dropped
+    lambda i: SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, structured_outputs=SCHEMA),
+    # constrained and free rows in one step: the whole step's draw waits
+    lambda i: SamplingParams(temperature=0, max_tokens=20, structured_outputs=SCHEMA if i % 2 else None,
+                             repetition_penalty=1.2 if i % 3 else 1.0),
+], ids=["greedy", "seeded-n2", "past-the-document", "mixed"])
+def test_grammar_rows_continue_with_their_draw_deferred(tiny_checkpoints, params_of) -> None:
+    """A continued step with a grammar's rows runs its model at once and draws after the step before is read
+    back and its tokens accepted by the matchers (``ModelRunner.draw_deferred``): the plain loop's outputs."""
+    params = [params_of(i) for i in range(len(prompts()))]
+    expected, overlapped, llm, num_continued = both(str(tiny_checkpoints["llama"]), params)
+    assert overlapped == expected and num_continued > 0
+    assert llm.engine.core.runner._deferred is None
+    assert_all_blocks_free(llm)
+
+
+def test_a_deferred_draw_is_made_before_its_step_is_read_back(tiny_checkpoints) -> None:
+    """Where nothing draws a deferred step after the step before it finished, reading the step back draws it
+    first; the step launched after it waits for its own turn."""
+    path = str(tiny_checkpoints["llama"])
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=SCHEMA)
+    expected = summary(LLM(path, **OPTIONS).generate(prompts(), params, use_tqdm=False))
+    llm = overlapped_llm(path)
+    runner = llm.engine.core.runner
+    draw = runner.draw_deferred
+    runner.draw_deferred = lambda: None  # EngineCore.finish_step's call does nothing
+    assert summary(llm.generate(prompts(), params, use_tqdm=False)) == expected
+    assert num_continued(llm) > 0 and runner._deferred is None
+    runner.draw_deferred = draw
     assert_all_blocks_free(llm)
 
 
