@@ -6,8 +6,10 @@
 # Steps: info, tests (the -m gpu tests, and the interpreter's Triton tests natively), kernels (attention and
 # GGUF kernel micro-benchmarks), profile (decode steps with their kernel tables), splits (one stream with and
 # without flash-decoding's split), decode and decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes,
-# with CUDA graphs or without), overlap (decode steps with the overlapped scheduler and without), roofline, batch1 (issue 16's (a): one stream of Llama-3-8B), sweep (issue 16's
-# (e): a served sweep of Poisson rates), throughput (issue 16's (b): the random workload beside transformers),
+# with CUDA graphs or without), overlap (decode steps with the overlapped scheduler and without), structured
+# (JSON-schema rows through structured_output.py, the overlap on and off), roofline, batch1 (issue 16's (a): one
+# stream of Llama-3-8B), sweep (issue 16's (e): a served sweep of Poisson rates), throughput (issue 16's (b): the
+# random workload beside transformers),
 # fixed (issue 16's (c): 1,000 in / 1,000 out). Each step's output goes to $OUT/STEP.log (and JSON).
 #
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
@@ -74,6 +76,14 @@ step_overlap() {  # the overlapped scheduler against scheduling each step after 
     for flag in "" --no-overlap-scheduling; do
         python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64,256 $flag \
             --json "$OUT/overlap-smollm2${flag:+-off}.json"
+    done
+}
+
+step_structured() {  # JSON-schema rows (their continued steps' draws deferred) with the overlap and without
+    kv make-checkpoint "$shapes/smollm2-135m" --config-only --shape smollm2-135m >/dev/null
+    for flag in "" --no-overlap-scheduling; do
+        python3 benchmarks/structured_output.py --model "$shapes/smollm2-135m" --load-format dummy --device cuda \
+            --loads 64:8,256:8 --max-tokens 128 $flag > "$OUT/structured${flag:+-off}.json"
     done
 }
 

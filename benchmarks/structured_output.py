@@ -3,6 +3,9 @@ free, at 16 streams (one schema) and at 64 streams (8 distinct schemas), with th
 time to compile a typical schema, cold and cached.
 
     PYTHONPATH=. python benchmarks/structured_output.py [--model smollm2-135m-instruct] [--rounds 2]
+    # on a GPU, the overlapped scheduler (whose continued steps draw a grammar's rows after the step before is
+    # read back) against scheduling each step after the last, at SmolLM2's shape with dummy weights:
+    python benchmarks/structured_output.py --model SHAPE_DIR --load-format dummy --device cuda [--no-overlap-scheduling]
 
 Offline through ``LLM`` with ``--max-num-seqs`` streams and as many requests; every request generates exactly
 ``--max-tokens`` tokens (``ignore_eos``: a finished constraint then allows only EOS, so constrained rows keep
@@ -60,7 +63,8 @@ def measure(llm: LLM, streams: int, num_schemas: int, max_tokens: int, rounds: i
         wait_ms = (grammar.stats.wait_seconds - stats_before[2]) / steps * 1e3
     return {"streams": streams, "schemas": num_schemas, "free_tok_s": round(best["free"], 1),
             "json_tok_s": round(best["json"], 1), "ratio": round(best["json"] / best["free"], 3),
-            "mask_fill_ms_per_step": round(fill_ms, 3), "mask_wait_ms_per_step": round(wait_ms, 3)}
+            "mask_fill_ms_per_step": round(fill_ms, 3), "mask_wait_ms_per_step": round(wait_ms, 3),
+            "steps_scheduled_ahead": llm.stats()["num_steps_scheduled_ahead"]}
 
 
 def compile_times(llm: LLM) -> dict:
@@ -80,10 +84,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--loads", default="16:1,64:8", help="streams:distinct schemas, comma-separated")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights (a --config-only shape)")
+    parser.add_argument("--no-overlap-scheduling", action="store_true",
+                        help="schedule each step after the one before is read back (the overlap is on on CUDA)")
     args = parser.parse_args()
+    options = {"device": args.device, "load_format": args.load_format}
+    if args.no_overlap_scheduling:
+        options["overlap_scheduling"] = False
     for load in args.loads.split(","):
         streams, num_schemas = map(int, load.split(":"))
-        llm = LLM(args.model, max_num_seqs=streams)
+        llm = LLM(args.model, max_num_seqs=streams, **options)
         llm.generate(["warm up"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(
             json=schema(999))))
         print(json.dumps(measure(llm, streams, num_schemas, args.max_tokens, args.rounds)), flush=True)
