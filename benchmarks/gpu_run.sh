@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16's GPU checks and figures, run on the lent GPU machine from the repository root:
 #
-#     OUT=dir benchmarks/gpu_run.sh STEP...
+#     OUT=dir [DEADLINE=seconds] benchmarks/gpu_run.sh STEP...
 #
 # Steps: info, tests (the -m gpu tests, and the interpreter's Triton tests natively), kernels (attention and
 # GGUF kernel micro-benchmarks), profile (decode steps with their kernel tables), splits (one stream with and
@@ -10,7 +10,18 @@
 # (JSON-schema rows through structured_output.py, the overlap on and off), roofline, batch1 (issue 16's (a): one
 # stream of Llama-3-8B), sweep (issue 16's (e): a served sweep of Poisson rates), throughput (issue 16's (b): the
 # random workload beside transformers),
-# fixed (issue 16's (c): 1,000 in / 1,000 out). Each step's output goes to $OUT/STEP.log (and JSON).
+# fixed (issue 16's (c): 1,000 in / 1,000 out).
+#
+# The device tool brings back at most 8 files from $OUT, so the steps write into a folder of their own, packed
+# after each step into $OUT/results.tar.gz, with the headline figures (benchmarks/gpu_summary.py) in
+# $OUT/summary.txt, printed again last. No step starts after DEADLINE seconds (default 540), and a running one is
+# stopped there, so that a call ends, packed, inside the tool's limit.
+#
+# A lease is 15 minutes of device time, the machine's start (a minute or two) included, and one call runs at
+# most 10: two calls, the second at once while the machine is warm (about 8 and 4 minutes):
+#
+#     run(timeout_s=590): OUT=$OUT DEADLINE=550 benchmarks/gpu_run.sh info tests profile fixed
+#     run(timeout_s=300): OUT=$OUT DEADLINE=270 benchmarks/gpu_run.sh throughput sweep
 #
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
 # installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the
@@ -22,8 +33,9 @@
 #
 # (pydantic and pydantic-core must be a matching pair; tests that need openai or jsonschema are not collected.)
 set -u
-OUT=${OUT:-gpu-out}
-mkdir -p "$OUT"
+DEST=${OUT:-gpu-out}
+mkdir -p "$DEST"
+OUT=$(mktemp -d)  # what the steps write; packed into $DEST after each step
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || exit 1
@@ -40,10 +52,14 @@ step_info() {
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 }
 
-step_tests() {  # every -m gpu test, then the Triton tests CI runs through the interpreter, natively
-    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/attention tests/engine/test_cuda.py \
-        tests/model tests/worker tests/sample/test_counter_noise.py
-    timeout "${TEST_TIMEOUT:-900}" python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_paged.py \
+step_tests() {  # every -m gpu test, then the Triton tests CI runs through the interpreter, natively; in
+    # TEST_WORKERS processes where pytest-xdist is there (the tests take their KV pools by block count, not by
+    # the share of free memory, so they can share the GPU; most of their time is Triton compiling on the CPU)
+    local workers=()
+    python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-8}")
+    python3 -m pytest "${workers[@]}" -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/attention \
+        tests/engine/test_cuda.py tests/model tests/worker tests/sample/test_counter_noise.py
+    python3 -m pytest "${workers[@]}" -q -p no:cacheprovider tests/attention/test_triton_paged.py \
         tests/model/test_triton_fused_ops.py
 }
 
@@ -147,8 +163,22 @@ PY
     kill -TERM "$server"; wait "$server"
 }
 
+pack() {
+    tar -czf "$DEST/results.tar.gz" -C "$OUT" .
+    python3 benchmarks/gpu_summary.py "$OUT" >"$DEST/summary.txt" 2>&1
+}
+
+export -f $(compgen -A function)  # so that `timeout` can run a step in a shell of its own
+export OUT shapes
 for step in "$@"; do
-    echo "=== $step $(date +%T)"
-    "step_$step" 2>&1 | tee "$OUT/$step.log"
+    left=$(( ${DEADLINE:-540} - SECONDS ))
+    if [ "$left" -lt 20 ]; then
+        echo "=== $step not started: ${DEADLINE:-540} s deadline"
+        continue
+    fi
+    echo "=== $step $(date +%T), $left s left"
+    timeout -k 10 "$left" bash -c "step_$step" 2>&1 | tee "$OUT/$step.log"
+    pack
 done
 echo "=== done $(date +%T)"
+cat "$DEST/summary.txt"

@@ -1,0 +1,109 @@
+"""The headline figures of a `gpu_run.sh` results folder, one line each, for the end of a device call's output
+(the tool returns only the output's tail, and a lease has no time to unpack and read every file).
+
+    python benchmarks/gpu_summary.py RESULTS_DIR
+
+Reads what the steps write: pytest's closing lines in `*.log`, `gpu_decode_step.py`'s step tables, `kvserve bench
+throughput`, `serve` and `roofline` result files, and `structured_output.py`'s JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+PYTEST_TOTALS = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)* in [\d.]+s.*?)\s*=*$")  # "2 failed, 258 passed in 154.44s"
+
+
+def pytest_lines(log: Path) -> Iterator[str]:
+    for line in log.read_text(errors="replace").splitlines():
+        match = PYTEST_TOTALS.match(line.strip())
+        if match:
+            yield f"pytest: {match.group(1)}"
+        elif line.startswith(("FAILED ", "ERROR ")):
+            yield line[:200]
+
+
+def decode_lines(result: dict[str, Any]) -> Iterator[str]:
+    mode = "eager" if result.get("enforce_eager") else "graphs"
+    for row in result["rows"]:
+        runner = f" (runner {row['runner_median_ms']:.2f})" if "runner_median_ms" in row else ""
+        yield (f"{result['shape']} {result['dtype']} {mode}, batch {row['batch']}: step {row['median_ms']:.2f} ms"
+               f"{runner}, {row['tokens_per_s']:,.0f} tok/s, "
+               f"{row['fraction_of_roofline']:.0%} of the {row['roofline_ms']:.2f} ms weight-read roofline")
+
+
+def throughput_lines(result: dict[str, Any]) -> Iterator[str]:
+    for name, system in result["systems"].items():
+        stats = system.get("details", {}).get("stats", {})
+        preempted = f", {stats['num_preemptions']} preemptions" if "num_preemptions" in stats else ""
+        yield (f"{result['label']} {name}: {system['output_throughput']:,.0f} output tok/s, {system['completed']} "
+               f"requests in {system['duration_s']:.0f} s{preempted}")
+    for name, ratios in result["ratios"].items():
+        others = ", ".join(f"{ratio:.2f}x {other}" for other, ratio in ratios.items() if other != name)
+        if others and name == "kvserve":
+            yield f"{result['label']} kvserve: {others}"
+
+
+def serve_lines(result: dict[str, Any]) -> Iterator[str]:
+    for run in result["runs"]:
+        yield (f"{result['label']} rate {run['request_rate']}: {run['output_throughput']:,.0f} output tok/s, "
+               f"{run['completed']} done / {run['failed']} failed, TTFT P99 {run['ttft_ms']['p99']:,.0f} ms, "
+               f"TPOT P99 {run['tpot_ms']['p99']:.1f} ms, ITL P99 {run['itl_ms']['p99']:.1f} ms")
+
+
+def roofline_lines(result: dict[str, Any]) -> Iterator[str]:
+    yield f"roofline on {result['device']}: copy {result['copy_bytes_per_s'] / 1e12:.2f} TB/s"
+    for dtype, bounds in result["bounds"].items():
+        yield f"roofline {dtype}: batch-1 decode bound {bounds['decode_batch1_tokens_per_s']:,.0f} tok/s"
+
+
+def json_lines(result: dict[str, Any]) -> Iterator[str]:
+    if "rows" in result:
+        yield from decode_lines(result)
+    elif result.get("kind") == "throughput":
+        yield from throughput_lines(result)
+    elif result.get("kind") == "serve":
+        yield from serve_lines(result)
+    elif result.get("kind") == "roofline":
+        yield from roofline_lines(result)
+    elif "json_tok_s" in result:
+        yield (f"structured {result['streams']} streams / {result['schemas']} schemas: {result['ratio']:.2f}x free "
+               f"({result['json_tok_s']:,.0f} against {result['free_tok_s']:,.0f} tok/s), "
+               f"{result['steps_scheduled_ahead']} steps scheduled ahead")
+
+
+def file_lines(path: Path) -> Iterator[str]:
+    if path.suffix == ".log":
+        yield from pytest_lines(path)
+        return
+    text = path.read_text(errors="replace")
+    try:
+        results = [json.loads(text)]
+    except json.JSONDecodeError:  # JSON lines (structured_output.py), or a file cut short by a timeout
+        try:
+            results = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            yield f"unreadable: {exc}"
+            return
+    for result in results:
+        try:
+            yield from json_lines(result)
+        except (KeyError, TypeError, ValueError) as exc:
+            yield f"unexpected layout: {exc!r}"
+
+
+def summarize(results: Path) -> list[str]:
+    lines = []
+    for path in sorted(p for p in results.rglob("*") if p.suffix in (".json", ".log")):
+        lines.extend(f"{path.relative_to(results)}: {line}" for line in file_lines(path))
+    return lines
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
+        sys.exit(__doc__)
+    print("\n".join(summarize(Path(sys.argv[1]))))
