@@ -87,6 +87,10 @@ def select_linear_method(
         from kvserve.model.layers.triton_ggml import TritonGGMLGemm  # imports triton: CUDA only
 
         return GGMLLinearMethod(TritonGGMLGemm(), UnquantizedLinearMethod(), keep_dense=False)
+    if weights in WEIGHT_ONLY_SCHEMES and device.type == "cuda":
+        from kvserve.model.layers.triton_weight_only import TritonWeightOnlyLinearMethod  # imports triton
+
+        return TritonWeightOnlyLinearMethod(weights)
     dense = CpuPrepackedLinearMethod(small_gemm()) if can_prepack(device, dtype) else UnquantizedLinearMethod()
     if weights == "dense":
         return dense
@@ -126,8 +130,10 @@ def weight_format(
             raise ValueError(f"quantization='fp8': {why}")
         return "fp8"
     if quantization in WEIGHT_ONLY_SCHEMES:
+        if device.type == "cuda":
+            return quantization  # triton_weight_only's kernel, in any of the model dtypes
         if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError(f"quantization={quantization!r} runs on CPU with fp32 activations for now, not "
+            raise ValueError(f"quantization={quantization!r} runs on CUDA, or on CPU with fp32 activations, not "
                              f"{device.type} {dtype}")
         if ggml_gemm() is None:
             raise ValueError(f"quantization={quantization!r}: the block kernel could not be built (see the warning)")
@@ -356,6 +362,9 @@ def _load_offloaded(
 ) -> CausalLM:
     """``load_model`` with weight offload: loaded on the CPU first (the whole model need not fit the device),
     then the offloaded layers' weights pinned there and the rest moved to ``device``."""
+    if weights != "dense":
+        raise ValueError(f"cpu_offload_gb streams dense weights; the {weights!r} layout is not streamed (use "
+                         "quantization='none', or keep the quantized weights resident without cpu_offload_gb)")
     model = load_model(checkpoint, backend, dtype, torch.device("cpu"), weights, quantize_activations, tp)
     free, _ = torch.cuda.mem_get_info(device)
     if model.weight_bytes() < free // 2:  # at least half the device left for activations and KV: no need

@@ -78,5 +78,5 @@ def test_every_family_stays_within_the_stated_bound(tiny_checkpoints, scheme: st
 
 
 def test_weight_only_quantization_refuses_what_it_cannot_run(tiny_checkpoints) -> None:
-    with pytest.raises(ValueError, match="quantization='int4' runs on CPU with fp32"):
+    with pytest.raises(ValueError, match="quantization=.int4. runs on CUDA, or on CPU with fp32"):
         LLM(str(tiny_checkpoints["llama"]), quantization="int4", dtype="bfloat16")

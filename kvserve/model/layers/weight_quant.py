@@ -13,6 +13,8 @@ model. The accuracy these give on the default model is stated in docs/benchmarks
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from gguf import GGMLQuantizationType
 
@@ -24,47 +26,80 @@ INT4_GROUP_SIZE = 128
 _BLOCK = 32  # values per ggml block
 
 
-def quantize_weight(weight: torch.Tensor, scheme: str) -> GGMLTensor:
-    """``weight`` [rows, k] (k a multiple of 32) in the blocks of ``scheme``."""
+class QuantizedRows(NamedTuple):
+    """A weight [rows, k] as codes and, per group of ``group_size`` inputs (the last group may be shorter), an fp16
+    scale and offset [rows, groups]: value = code * scale + offset (offset None: 0). The parameters of a scheme,
+    which each device lays out for its kernels (ggml blocks on CPU, ``triton_weight_only`` on CUDA)."""
+
+    codes: torch.Tensor  # int8 (INT8, -127..127) or uint8 (INT4, 0..15) [rows, k]
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 values [rows, k]; each a product exact in fp32 (8-bit code, 11-bit scale), then one rounding
+        when an offset is added: the values every kernel builds."""
+        def per_value(params: torch.Tensor) -> torch.Tensor:
+            return params.float().repeat_interleave(self.group_size, dim=1)[:, : self.codes.shape[1]]
+        values = self.codes.float() * per_value(self.scale)
+        return values if self.offset is None else values + per_value(self.offset)
+
+
+def quantize_rows(weight: torch.Tensor, scheme: str) -> QuantizedRows:
+    """``weight`` [rows, k] (k a multiple of 32) quantized by ``scheme``, on its own device (the same codes on
+    any: every step is exact or correctly rounded)."""
     rows, k = weight.shape
     if k % _BLOCK:
         raise ValueError(f"weight-only {scheme} needs rows of a multiple of {_BLOCK} values, not {k}")
-    w = weight.detach().to(torch.float32).cpu()
+    w = weight.detach().to(torch.float32)
     if scheme == "int8":
-        return _q8_0_per_channel(w)
+        return _int8_per_channel(w)
     if scheme == "int4":
-        return _q4_1_groups(w, INT4_GROUP_SIZE)
+        return _int4_groups(w, INT4_GROUP_SIZE)
     raise ValueError(f"unknown weight-only scheme {scheme!r}; expected one of {', '.join(WEIGHT_ONLY_SCHEMES)}")
 
 
-def _q8_0_per_channel(w: torch.Tensor) -> GGMLTensor:
-    rows, k = w.shape
+def _int8_per_channel(w: torch.Tensor) -> QuantizedRows:
     scale = (w.abs().amax(dim=1, keepdim=True) / 127).to(torch.float16)
     codes = torch.where(scale > 0, w / scale.float(), 0.0).round().clamp(-127, 127).to(torch.int8)
-    blocks = torch.cat([
-        scale.view(torch.uint8).view(rows, 1, 2).expand(rows, k // _BLOCK, 2),
-        codes.view(torch.uint8).view(rows, k // _BLOCK, _BLOCK),
-    ], dim=2)  # per block: fp16 scale, 32 int8 codes
-    return GGMLTensor(blocks.reshape(rows, -1).contiguous(), GGMLQuantizationType.Q8_0, (rows, k))
+    return QuantizedRows(codes, scale, None, w.shape[1])
 
 
-def _q4_1_groups(w: torch.Tensor, group_size: int) -> GGMLTensor:
+def _int4_groups(w: torch.Tensor, group_size: int) -> QuantizedRows:
     rows, k = w.shape
-    blocks_per_group = torch.tensor([min(group_size, k - start) // _BLOCK for start in range(0, k, group_size)])
-    groups = torch.split(w, [int(n) * _BLOCK for n in blocks_per_group], dim=1)
+    groups = torch.split(w, group_size, dim=1)  # k is a multiple of 32: so is a shorter last group
     low = torch.stack([g.amin(dim=1) for g in groups], dim=1).to(torch.float16)  # [rows, groups]
     high = torch.stack([g.amax(dim=1) for g in groups], dim=1)
     scale = ((high - low.float()) / 15).to(torch.float16)
-    # each block of 32 takes its group's scale and minimum
-    block_scale = scale.repeat_interleave(blocks_per_group, dim=1).float().unsqueeze(-1)
-    block_low = low.repeat_interleave(blocks_per_group, dim=1).float().unsqueeze(-1)
-    values = w.view(rows, k // _BLOCK, _BLOCK)
-    codes = torch.where(block_scale > 0, (values - block_low) / block_scale, 0.0).round().clamp(0, 15)
-    codes = codes.to(torch.uint8)
-    packed = codes[..., :16] | (codes[..., 16:] << 4)  # ggml's order: value j and j + 16 share byte j
-    params = torch.stack([block_scale.squeeze(-1).half(), block_low.squeeze(-1).half()], dim=-1)
-    blocks = torch.cat([params.view(torch.uint8).view(rows, k // _BLOCK, 4), packed], dim=2)
-    return GGMLTensor(blocks.reshape(rows, -1).contiguous(), GGMLQuantizationType.Q4_1, (rows, k))
+    value_scale = scale.float().repeat_interleave(group_size, dim=1)[:, :k]
+    value_low = low.float().repeat_interleave(group_size, dim=1)[:, :k]
+    codes = torch.where(value_scale > 0, (w - value_low) / value_scale, 0.0).round().clamp(0, 15)
+    return QuantizedRows(codes.to(torch.uint8), scale, low, group_size)
+
+
+def quantize_weight(weight: torch.Tensor, scheme: str) -> GGMLTensor:
+    """``weight`` [rows, k] (k a multiple of 32) in the ggml blocks of ``scheme``: Q8_0 blocks of 32 codes that
+    all carry their row's scale, or Q4_1 blocks of 32 that share their group's scale and minimum."""
+    quantized = quantize_rows(weight.cpu(), scheme)
+    rows, k = quantized.codes.shape
+    blocks_per_group = quantized.group_size // _BLOCK
+    block_scale = quantized.scale.repeat_interleave(blocks_per_group, dim=1)[:, : k // _BLOCK]
+    codes = quantized.codes.view(rows, k // _BLOCK, _BLOCK)
+    if scheme == "int8":  # per block: fp16 scale, 32 int8 codes
+        params = block_scale.unsqueeze(-1)
+        packed = codes.view(torch.uint8)
+        qtype = GGMLQuantizationType.Q8_0
+    else:  # per block: fp16 scale and minimum, then byte j holding values j and j + 16 (ggml's order)
+        block_low = quantized.offset.repeat_interleave(blocks_per_group, dim=1)[:, : k // _BLOCK]
+        params = torch.stack([block_scale, block_low], dim=-1)
+        packed = codes[..., :16] | (codes[..., 16:] << 4)
+        qtype = GGMLQuantizationType.Q4_1
+    blocks = torch.cat([params.contiguous().view(torch.uint8).view(rows, k // _BLOCK, -1), packed], dim=2)
+    return GGMLTensor(blocks.reshape(rows, -1).contiguous(), qtype, (rows, k))
 
 
 class WeightOnlyLinearMethod(GGMLLinearMethod):

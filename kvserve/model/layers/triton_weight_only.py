@@ -1,0 +1,184 @@
+"""Weight-only INT8 / INT4 on CUDA (``--quantization int8|int4``): ``weight_quant``'s codes laid out for a GPU, and
+a Triton kernel that multiplies fp16 / bf16 (or fp32) activations by them.
+
+The quantization is the CPU's (``weight_quant.quantize_rows``: INT8 symmetric per output channel; INT4 in groups
+of 128 inputs, each with an fp16 scale and minimum), so a model's dequantized weights are the same values on
+both devices. Only the layout differs. ggml's blocks put each block's scale beside its 32 codes, and the CPU
+kernel reads a block at a time; here the codes are one [N, K] int8 matrix, or [N, K / 2] bytes for INT4 (value
+2j in the low nibble of byte j, 2j + 1 in the high one), and the scales and minimums are [N, groups] fp16
+matrices of their own, so that a program's loads of a tile of rows are wide and contiguous.
+
+A program computes a [BLOCK_M, BLOCK_N] tile of ``y = x @ W.T``. Its k loop loads x's [BLOCK_M, BLOCK_K] tile
+and the codes of its BLOCK_N weight rows, builds their values in fp32 (``code * scale + minimum``: the product
+is exact, so one rounding, as in the twin), casts them to x's dtype and accumulates the tile's product in fp32
+(tensor cores for fp16 / bf16; IEEE fp32 otherwise). BLOCK_K divides the group size, so a tile needs one scale
+per row. A step reads 4.25 bits a weight (INT4 with its parameters) or 8 (INT8) where bf16 reads 16: what
+bounds a decode step at small batch.
+
+On CUDA the tile shapes are tuned per layer shape and batch size class at a layer's first call (the engine's
+eager warm-up, before any graph is captured); under Triton's interpreter (``TRITON_INTERPRET=1``, how CI runs
+it) one fixed shape runs. The twin is ``reference_linear``: the dequantized weight, then ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, apply_by_parts, linear_into
+from kvserve.model.layers.weight_quant import QuantizedRows, quantize_rows
+
+# tile shapes tried per (N, K, batch class) on CUDA: decode-sized batches want many narrow programs along N (the
+# weight's bytes spread over every multiprocessor, several loads in flight each); larger ones wider tiles
+DECODE_CONFIGS = [
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s)
+    for n in (16, 32) for k in (64, 128) for s in (4, 6)
+]
+BATCH_CONFIGS = [
+    triton.Config({"BLOCK_M": m, "BLOCK_N": 64, "BLOCK_K": 64}, num_warps=w, num_stages=3)
+    for m in (64, 128) for w in (4, 8)
+]
+INTERPRETED_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+
+
+class PackedWeight(NamedTuple):
+    """A weight [N, K] in the layout the kernel reads: ``codes`` int8 [N, K] (INT8) or uint8 [N, K / 2] (INT4,
+    two per byte), ``scale`` and ``offset`` (or None) fp16 [N, groups]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group_size: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.in_features
+
+    @property
+    def int4(self) -> bool:
+        return self.codes.dtype == torch.uint8
+
+    @staticmethod
+    def of(quantized: QuantizedRows) -> PackedWeight:
+        codes = quantized.codes
+        if codes.dtype == torch.uint8:  # INT4: value 2j in the low nibble of byte j, 2j + 1 in the high
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        return PackedWeight(codes.contiguous(), quantized.scale.contiguous(),
+                            None if quantized.offset is None else quantized.offset.contiguous(),
+                            quantized.group_size, quantized.codes.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 values [N, K] the kernel builds."""
+        codes = self.codes
+        if self.int4:
+            codes = torch.stack([codes & 15, codes >> 4], dim=-1).view(codes.shape[0], -1)
+        return QuantizedRows(codes, self.scale, self.offset, self.group_size).dequantize()
+
+
+@triton.jit
+def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_xm, stride_codes, stride_scales,
+                            stride_ym, group_size, INT4: tl.constexpr, HAS_OFFSET: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """y [M, N] = x [M, K] @ W.T (+ bias), W = codes * scales (+ offsets) per group of ``group_size`` inputs
+    (a multiple of BLOCK_K). Program (n tile, m tile)."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    x_rows = x + offs_m.to(tl.int64)[:, None] * stride_xm
+    code_rows = codes + offs_n.to(tl.int64)[:, None] * stride_codes
+    param_rows = offs_n.to(tl.int64) * stride_scales
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xs = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
+        if INT4:
+            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            packed = tl.load(code_rows + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K // 2)[None, :],
+                             other=0).to(tl.int32)
+            q = tl.interleave(packed & 15, packed >> 4)
+        else:
+            q = tl.load(code_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)
+        group = k0 // group_size
+        values = q.to(tl.float32) * tl.load(scales + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if HAS_OFFSET:
+            values += tl.load(offsets + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        if xs.dtype == tl.float32:
+            acc += tl.dot(xs, tl.trans(values), input_precision="ieee")
+        else:
+            acc += tl.dot(xs, tl.trans(values.to(xs.dtype)))
+    if HAS_BIAS:
+        acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(out, acc.to(y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@functools.cache
+def _tuned(batch: bool) -> triton.runtime.autotuner.Autotuner:
+    """The kernel tuned over ``BATCH_CONFIGS`` or ``DECODE_CONFIGS`` per layer shape (CUDA only: tuning times
+    launches). Configs whose BLOCK_K does not divide a layer's group size are pruned."""
+    def fitting(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+        group = named_args["group_size"]
+        return [c for c in configs if group % c.kwargs["BLOCK_K"] == 0] or [configs[0]]
+
+    return triton.autotune(BATCH_CONFIGS if batch else DECODE_CONFIGS, key=["N", "K", "INT4"],
+                           prune_configs_by={"early_config_prune": fitting})(weight_only_gemm_kernel)
+
+
+def weight_only_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` in x's dtype, into ``out`` [M, N] (its rows may be strided) if given."""
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or weight.group_size % 16:
+        raise ValueError(f"weight-only GEMM: x {tuple(x.shape)} does not fit a weight of shape {weight.shape} "
+                         f"in groups of {weight.group_size}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device) if out is None else out
+    if not x.shape[0]:
+        return y
+    args = (x, weight.codes, weight.scale, weight.scale if weight.offset is None else weight.offset,
+            x if bias is None else bias, y, x.shape[0], n, k, x.stride(0), weight.codes.stride(0),
+            weight.scale.stride(0), y.stride(0), weight.group_size)
+    flags = {"INT4": weight.int4, "HAS_OFFSET": weight.offset is not None, "HAS_BIAS": bias is not None}
+    if x.device.type == "cuda":
+        kernel = _tuned(batch=x.shape[0] > 16)
+        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(x.shape[0], meta["BLOCK_M"]))](
+            *args, **flags)
+    else:  # the interpreter
+        config = INTERPRETED_CONFIG
+        grid = (triton.cdiv(n, config["BLOCK_N"]), triton.cdiv(x.shape[0], config["BLOCK_M"]))
+        weight_only_gemm_kernel[grid](*args, **flags, **config)
+    return y
+
+
+def reference_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The twin of ``weight_only_gemm``: the dequantized weight in x's dtype, then ``F.linear``."""
+    return F.linear(x, weight.dequantize().to(x.dtype), bias)
+
+
+class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
+    """Quantizes each linear layer's weight as it loads (``scheme`` "int8" or "int4"), on the layer's device, into
+    ``PackedWeight``s (one per packed projection: joining them would copy) multiplied by ``weight_only_gemm`` at
+    every step size. A tied LM head keeps the embeddings' weight as loaded (``F.linear``)."""
+
+    def __init__(self, scheme: str) -> None:
+        self.scheme = scheme
+
+    def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor, shard: str | None) -> None:
+        if name == "weight":
+            tensor = quantize_rows(tensor.dequantize().to(layer.weight.device), self.scheme)
+        super().load_weight(layer, name, tensor, shard)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        layer.packed_parts = tuple(PackedWeight.of(part) for part in self.loaded_parts(layer)) or None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed_parts is None:  # a tied head: the embeddings' weight
+            return linear_into(x, layer.weight, layer.bias)
+        return apply_by_parts(layer, layer.packed_parts, x, weight_only_gemm)
