@@ -9,8 +9,8 @@
 # with CUDA graphs or without), overlap (decode steps with the overlapped scheduler and without), structured
 # (JSON-schema rows through structured_output.py, the overlap on and off), roofline, batch1 (issue 16's (a): one
 # stream of Llama-3-8B), sweep (issue 16's (e): a served sweep of Poisson rates), throughput (issue 16's (b): the
-# random workload beside transformers),
-# fixed (issue 16's (c): 1,000 in / 1,000 out).
+# random workload beside transformers), fixed (issue 16's (c): 1,000 in / 1,000 out), weight_only (issue 22:
+# Llama-3-8B decode steps with INT4 weights against bf16, and the weight-only GEMM against cuBLAS per layer).
 #
 # The device tool brings back at most 8 files from $OUT, so the steps write into a folder of their own, packed
 # after each step into $OUT/results.tar.gz, with the headline figures (benchmarks/gpu_summary.py) in
@@ -18,10 +18,14 @@
 # stopped there, so that a call ends, packed, inside the tool's limit.
 #
 # A lease is 15 minutes of device time, the machine's start (a minute or two) included, and one call runs at
-# most 10: two calls, the second at once while the machine is warm (about 8 and 4 minutes):
+# most 10: two calls, the second at once while the machine is warm. At sessions 14 and 15's speeds (tests 230 s
+# in one process, profile 45 s, throughput about 120 s, fixed 320 s, sweep 120 s; weight_only about 150 s,
+# estimated) a lease holds:
 #
-#     run(timeout_s=590): OUT=$OUT DEADLINE=550 benchmarks/gpu_run.sh info tests profile fixed
-#     run(timeout_s=300): OUT=$OUT DEADLINE=270 benchmarks/gpu_run.sh throughput sweep
+#     run(timeout_s=560): OUT=$OUT DEADLINE=530 benchmarks/gpu_run.sh info tests weight_only profile throughput
+#     run(timeout_s=340): OUT=$OUT DEADLINE=320 benchmarks/gpu_run.sh fixed
+#
+# and the next lease the sweep (its latency half has never been measured) and what these calls showed.
 #
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
 # installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the
@@ -86,6 +90,14 @@ step_splits() {  # flash-decoding's split at one stream: the default against no 
 step_decode() {
     python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64,256 --json "$OUT/decode-smollm2.json"
     python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 --json "$OUT/decode-llama3-8b.json"
+}
+
+step_weight_only() {  # issue 22: Llama-3-8B with INT4 (and INT8) weights against bf16's decode steps, one call
+    for quantization in ${QUANTS:-auto int4}; do
+        python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,16 --steps 32 --quantization "$quantization" \
+            --json "$OUT/weight-only-$quantization.json"
+    done
+    (cd benchmarks && python3 triton_weight_only.py)
 }
 
 step_overlap() {  # the overlapped scheduler against scheduling each step after the one before, same call

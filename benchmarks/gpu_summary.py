@@ -29,6 +29,8 @@ def pytest_lines(log: Path) -> Iterator[str]:
 
 def decode_lines(result: dict[str, Any]) -> Iterator[str]:
     mode = "eager" if result.get("enforce_eager") else "graphs"
+    if result.get("weights_format", result["dtype"]) != result["dtype"]:
+        mode = f"{result['weights_format']}, {mode}"
     for row in result["rows"]:
         runner = f" (runner {row['runner_median_ms']:.2f})" if "runner_median_ms" in row else ""
         yield (f"{result['shape']} {result['dtype']} {mode}, batch {row['batch']}: step {row['median_ms']:.2f} ms"

@@ -5,14 +5,19 @@ not a ``tl.constexpr``, say), so the kernels' tests could pass while no GPU coul
 GPU: Triton's front end, LLVM and the ptxas its wheel carries run on the CPU. Run as a script, in a process
 where TRITON_INTERPRET is unset (the kernels must be real ``JITFunction``s)::
 
-    python -m tests.hopper_compile attention|ggml
+    python -m tests.hopper_compile attention|ggml|fused|weight_only [-v]
 
-prints one line per case that fails and exits 1 if any did. ``tests/test_hopper_compile.py`` runs it.
+prints one line per case that fails (with ``-v``, each case's registers, spills and shared memory) and exits 1
+if any did. ``tests/test_hopper_compile.py`` runs it.
 """
 
 from __future__ import annotations
 
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,10 +30,12 @@ _POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32
                   torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
 
 
-def compile_for_hopper(kernel: triton.JITFunction, **args: Any) -> None:
-    """Compile ``kernel`` to a cubin for sm_90: a torch dtype stands for a pointer to it, an int for an int32
-    argument, a float for an fp32 one; constexpr parameters take their values."""
-    signature, constexprs = {}, {}
+def compile_for_hopper(kernel: triton.JITFunction, options: dict[str, int] | None = None, **args: Any) -> Any:
+    """Compile ``kernel`` to a cubin for sm_90 (``options``: num_warps, num_stages): a torch dtype stands for a
+    pointer to it, an int for an int32 argument, a float for an fp32 one; constexpr parameters take their
+    values. Pointers, and ints that are multiples of 16, are marked 16-divisible, as Triton's launcher marks
+    aligned tensors and such ints at run time (what lets loads be wide). Returns the compiled kernel."""
+    signature, constexprs, attrs = {}, {}, {}
     for index, param in enumerate(kernel.params):
         value = args[param.name]
         if param.is_constexpr:
@@ -36,9 +43,13 @@ def compile_for_hopper(kernel: triton.JITFunction, **args: Any) -> None:
             constexprs[(index,)] = value
         elif isinstance(value, torch.dtype):
             signature[param.name] = _POINTER_TYPES[value]
+            attrs[(index,)] = [["tt.divisibility", 16]]
         else:
             signature[param.name] = "fp32" if isinstance(value, float) else "i32"
-    triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=HOPPER)
+            if isinstance(value, int) and value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=HOPPER,
+                          options=options)
 
 
 def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
@@ -122,14 +133,51 @@ def fused_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
     return cases
 
 
-CASES = {"attention": attention_cases, "ggml": ggml_cases, "fused": fused_cases}
+def weight_only_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
+    """The weight-only GEMM at every tile shape its autotuning tries, INT4 and INT8 in bf16, and one shape of each
+    in fp16 and fp32."""
+    from kvserve.model.layers import triton_weight_only as weight_only
+
+    # Llama-3-8B's o projection in groups of 128: every stride and size 16-divisible, as at run time
+    configs = weight_only.DECODE_CONFIGS + weight_only.BATCH_CONFIGS
+    combos = [(config, int4, torch.bfloat16) for config in configs for int4 in (True, False)]
+    combos += [(configs[0], int4, dtype) for int4 in (True, False) for dtype in (torch.float16, torch.float32)]
+    cases = []
+    for config, int4, dtype in combos:
+        tiles = ", ".join(f"{name} {value}" for name, value in config.kwargs.items())
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        cases.append((f"{'INT4' if int4 else 'INT8'} ({str(dtype)[6:]}, {tiles}, {options})",
+                      weight_only.weight_only_gemm_kernel, dict(
+            x=dtype, codes=torch.uint8 if int4 else torch.int8, scales=torch.float16, offsets=torch.float16,
+            bias=dtype, y=dtype, M=3, N=4096, K=4096, stride_xm=4096, stride_codes=2048 if int4 else 4096,
+            stride_scales=32 if int4 else 1, stride_ym=4096, group_size=128 if int4 else 4096, INT4=int4, HAS_OFFSET=int4, HAS_BIAS=False, **config.kwargs, options=options)))
+    return cases
 
 
-def main(family: str) -> int:
+CASES = {"attention": attention_cases, "ggml": ggml_cases, "fused": fused_cases, "weight_only": weight_only_cases}
+
+
+def resource_usage(compiled: Any) -> str:
+    """The cubin's registers, local (spilled) memory and shared memory (cuobjdump, as Triton's wheel carries it):
+    what the driver would report once a GPU loads it."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as scratch:
+        cubin = Path(scratch) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        report = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)], capture_output=True,
+                                text=True).stdout
+    usage = dict(re.findall(r"(REG|LOCAL):(\d+)", report))
+    return (f"{usage.get('REG', '?')} registers, {usage.get('LOCAL', '?')} bytes of local memory, "
+            f"{compiled.metadata.shared} bytes of shared memory")
+
+
+def main(family: str, verbose: bool = False) -> int:
     failed, cases = 0, CASES[family]()
     for name, kernel, args in cases:
         try:
-            compile_for_hopper(kernel, **args)
+            compiled = compile_for_hopper(kernel, **args)
+            if verbose:
+                print(f"{name}: {resource_usage(compiled)}")
         except Exception as error:  # report every case, not only the first
             failed += 1
             print(f"FAILED {name}: {type(error).__name__}: {str(error)[-2000:]}")
@@ -138,4 +186,4 @@ def main(family: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], verbose="-v" in sys.argv[2:]))
