@@ -104,7 +104,7 @@ def test_the_kernel_writes_into_a_column_range_and_refuses_a_misfit() -> None:
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_a_packed_layer_quantizes_each_projection_on_its_device(scheme: str) -> None:
+def test_a_packed_layer_quantizes_each_projection_on_its_device_and_joins_them(scheme: str) -> None:
     gen = torch.Generator().manual_seed(4)
     q, k = torch.randn(32, 256, generator=gen), torch.randn(16, 256, generator=gen)
     layer = PackedLinear(256, {"q_proj": 32, "k_proj": 16}, bias=True)
@@ -115,7 +115,8 @@ def test_a_packed_layer_quantizes_each_projection_on_its_device(scheme: str) -> 
     bias = torch.randn(48, generator=gen)
     layer.load_weight("bias", bias)
     layer.process_weights_after_loading()
-    assert [part.codes.device.type for part in layer.packed_parts] == [DEVICE, DEVICE]
+    assert [part.shape for part in layer.packed_parts] == [(48, 256)]
+    assert layer.packed_parts[0].codes.device.type == DEVICE
     x = torch.randn(5, 256, generator=gen)
     dense = torch.cat([quantize_rows(q, scheme).dequantize(), quantize_rows(k, scheme).dequantize()])
     torch.testing.assert_close(layer(x.to(DEVICE)).cpu(), x @ dense.T + bias, rtol=1e-5, atol=1e-4)

@@ -166,8 +166,9 @@ def reference_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
 
 class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
     """Quantizes each linear layer's weight as it loads (``scheme`` "int8" or "int4"), on the layer's device, into
-    ``PackedWeight``s (one per packed projection: joining them would copy) multiplied by ``weight_only_gemm`` at
-    every step size. A tied LM head keeps the embeddings' weight as loaded (``F.linear``)."""
+    one ``PackedWeight`` (a packed layer's projections joined: one launch a step, where a launch costs as much as
+    reading a small projection) multiplied by ``weight_only_gemm`` at every step size. A tied LM head keeps the
+    embeddings' weight as loaded (``F.linear``)."""
 
     def __init__(self, scheme: str) -> None:
         self.scheme = scheme
@@ -178,7 +179,13 @@ class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
         super().load_weight(layer, name, tensor, shard)
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        layer.packed_parts = tuple(PackedWeight.of(part) for part in self.loaded_parts(layer)) or None
+        parts = self.loaded_parts(layer)
+        if not parts:
+            layer.packed_parts = None
+            return
+        joined = QuantizedRows(*(None if parts[0][i] is None else torch.cat([part[i] for part in parts])
+                                 for i in range(3)), parts[0].group_size)
+        layer.packed_parts = (PackedWeight.of(joined),)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_parts is None:  # a tied head: the embeddings' weight
