@@ -2,7 +2,7 @@
 measured in the same run.
 
     python benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1,64 [--enforce-eager] [--no-overlap-scheduling]
-        [--quantization int4|int8] [--json FILE]
+        [--quantization int4|int8] [--kv-cache-dtype int8|fp8|int4] [--json FILE]
 
 For each batch size B: B requests of ``--prompt-len`` random tokens are prefilled, then every engine step
 decodes all B (EOS ignored). The figure is the median wall time of ``--steps`` such steps (``LLMEngine.step``:
@@ -116,6 +116,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=64, help="timed decode steps per batch size")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default="auto", help="int4 / int8: weight-only, quantized at load")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="int8 / fp8 / int4: KV quantized as written")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-overlap-scheduling", action="store_true",
                         help="schedule each step after the one before is read back (an A/B of the overlap)")
@@ -140,12 +141,13 @@ def main(argv: list[str]) -> int:
     device = torch.device("cuda")
     bandwidth = measure_copy_bandwidth(device, 1 << 30)
     llm = LLM(str(model), load_format="dummy", device="cuda", dtype=args.dtype, quantization=args.quantization,
-              max_num_seqs=max(batches),
+              kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(batches),
               max_model_len=args.prompt_len + args.steps + args.profile_steps + 256, enforce_eager=args.enforce_eager,
               overlap_scheduling=not args.no_overlap_scheduling)
     weight_bytes = llm.stats()["weights_bytes"]
     device_name = torch.cuda.get_device_name(device)
-    print(f"{args.shape} {args.dtype} {llm.stats()['weights_format']} {'eager' if args.enforce_eager else 'graphs'}"
+    print(f"{args.shape} {args.dtype} {llm.stats()['weights_format']}, KV {llm.stats()['kv_cache_dtype']} "
+          f"{'eager' if args.enforce_eager else 'graphs'}"
           f"{', scheduled after each step' if args.no_overlap_scheduling else ''}"
           f"{', twin ops' if args.twin_ops else ''}"
           f"{f', splits of >= {args.min_split_keys} keys' if args.min_split_keys else ''} on {device_name}: "
@@ -162,6 +164,7 @@ def main(argv: list[str]) -> int:
               f"{row['runner_median_ms']:.3f}), {row['tokens_per_s']:9.1f} tok/s, roofline "
               f"{row['roofline_ms']:.3f} ms = {100 * row['fraction_of_roofline']:.0f}%", flush=True)
     report = dict(shape=args.shape, dtype=args.dtype, weights_format=llm.stats()["weights_format"],
+                  kv_cache_dtype=llm.stats()["kv_cache_dtype"],
                   enforce_eager=args.enforce_eager, twin_ops=args.twin_ops,
                   overlap_scheduling=not args.no_overlap_scheduling,
                   min_split_keys=args.min_split_keys,

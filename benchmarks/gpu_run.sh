@@ -10,7 +10,9 @@
 # (JSON-schema rows through structured_output.py, the overlap on and off), roofline, batch1 (issue 16's (a): one
 # stream of Llama-3-8B), sweep (issue 16's (e): a served sweep of Poisson rates), throughput (issue 16's (b): the
 # random workload beside transformers), fixed (issue 16's (c): 1,000 in / 1,000 out), weight_only (issue 22:
-# Llama-3-8B decode steps with INT4 weights against bf16, and the weight-only GEMM against cuBLAS per layer).
+# Llama-3-8B decode steps with INT4 weights against bf16, and the weight-only GEMM against cuBLAS per layer), kv
+# (issue 17: decode steps over 2,000-token contexts in each KV dtype; the host and disk tiers' later-turn TTFT
+# against recomputing; a restarted server's prefix from the disk tier).
 #
 # The device tool brings back at most 8 files from $OUT, so the steps write into a folder of their own, packed
 # after each step into $OUT/results.tar.gz, with the headline figures (benchmarks/gpu_summary.py) in
@@ -25,7 +27,8 @@
 #     run(timeout_s=560): OUT=$OUT DEADLINE=530 benchmarks/gpu_run.sh info tests weight_only profile throughput
 #     run(timeout_s=340): OUT=$OUT DEADLINE=320 benchmarks/gpu_run.sh fixed
 #
-# and the next lease the sweep (its latency half has never been measured) and what these calls showed.
+# and the next lease `kv` and `sweep` (the sweep's latency half has never been measured), and what these calls
+# showed.
 #
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
 # installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the
@@ -98,6 +101,19 @@ step_weight_only() {  # issue 22: Llama-3-8B with INT4 (and INT8) weights agains
             --json "$OUT/weight-only-$quantization.json"
     done
     (cd benchmarks && python3 triton_weight_only.py)
+}
+
+step_kv() {  # issue 17 on the GPU, Llama-3-8B shape: decode steps over long contexts in each KV dtype, then the
+    # tiers: later turns of conversations whose histories outgrow a small device pool, and a restarted server
+    kv make-checkpoint "$shapes/llama3-8b" --config-only --shape llama3-8b >/dev/null
+    for kv_dtype in ${KV_DTYPES:-auto int8 fp8}; do
+        python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 64 --steps 32 --prompt-len 2000 \
+            --kv-cache-dtype "$kv_dtype" --json "$OUT/kv-decode-$kv_dtype.json"
+    done
+    local model=(--model "$shapes/llama3-8b" --load-format dummy --device cuda --dtype bfloat16)
+    python3 benchmarks/kv_offload.py multiturn "${model[@]}" --num-kv-blocks 128 --large-pool-blocks 1024 \
+        --json "$OUT/kv-multiturn.json"
+    python3 benchmarks/kv_offload.py restart "${model[@]}" --json "$OUT/kv-restart.json"
 }
 
 step_overlap() {  # the overlapped scheduler against scheduling each step after the one before, same call

@@ -31,6 +31,8 @@ def decode_lines(result: dict[str, Any]) -> Iterator[str]:
     mode = "eager" if result.get("enforce_eager") else "graphs"
     if result.get("weights_format", result["dtype"]) != result["dtype"]:
         mode = f"{result['weights_format']}, {mode}"
+    if result.get("kv_cache_dtype", result["dtype"]) != result["dtype"]:
+        mode = f"KV {result['kv_cache_dtype']}, {mode}"
     for row in result["rows"]:
         runner = f" (runner {row['runner_median_ms']:.2f})" if "runner_median_ms" in row else ""
         yield (f"{result['shape']} {result['dtype']} {mode}, batch {row['batch']}: step {row['median_ms']:.2f} ms"
@@ -72,6 +74,15 @@ def json_lines(result: dict[str, Any]) -> Iterator[str]:
         yield from serve_lines(result)
     elif result.get("kind") == "roofline":
         yield from roofline_lines(result)
+    elif "later_turn_ttft_median_s" in result.get("recompute", {}):
+        for name in ("host", "disk", "device"):
+            yield (f"multiturn {name}: later turns' TTFT {result[name]['later_turn_ttft_median_s'] * 1e3:.1f} ms, "
+                   f"{result[name]['speedup_vs_recompute']:.2f}x lower than recomputing "
+                   f"({result['recompute']['later_turn_ttft_median_s'] * 1e3:.1f} ms)")
+    elif "ttft_from_disk_s" in result:
+        yield (f"restart: a {result['prefix_len']}-token prefix from the disk tier {result['ttft_from_disk_s'] * 1e3:.1f}"
+               f" ms, {result['speedup']:.1f}x sooner than a cold prefill ({result['ttft_cold_s'] * 1e3:.1f} ms), "
+               f"{result['cached_tokens']} tokens cached, text identical: {result['identical_text']}")
     elif "json_tok_s" in result:
         yield (f"structured {result['streams']} streams / {result['schemas']} schemas: {result['ratio']:.2f}x free "
                f"({result['json_tok_s']:,.0f} against {result['free_tok_s']:,.0f} tok/s), "

@@ -1,7 +1,9 @@
-"""KV tiers on CPU, SmolLM2-135M (issue 17), each scenario against its baseline in the same run.
+"""KV tiers (issue 17), SmolLM2-135M on CPU by default, each scenario against its baseline in the same run.
 
     PYTHONPATH=. python benchmarks/kv_offload.py multiturn [--conversations 8] [--turns 4] [--num-kv-blocks 128]
     PYTHONPATH=. python benchmarks/kv_offload.py restart [--prefix-len 1500]
+    # on a GPU, at a published shape with dummy weights (``kvserve make-checkpoint DIR --config-only --shape ...``)
+    PYTHONPATH=. python benchmarks/kv_offload.py multiturn --model DIR --load-format dummy --device cuda ...
 
 ``multiturn``: conversations take turns one request at a time (conversation 0 turn 0, conversation 1 turn 0, ...,
 conversation 0 turn 1, ...), each turn resending its history as token ids (the previous turn's prompt, a
@@ -78,7 +80,7 @@ def multiturn(args: argparse.Namespace) -> dict:
     results, tokens = {}, {}
     prompts = None
     for name, options in variants.items():
-        llm = LLM(MODEL, max_num_seqs=1, **options)
+        llm = LLM(args.model, max_num_seqs=1, **engine_options(args), **options)
         prompts = prompts or conversations(llm.get_tokenizer(), args.conversations, args.turns, args.first_turn_len,
                                            args.turn_len, args.answer_len, args.seed)
         seconds, tokens[name] = run_turns(llm, prompts)
@@ -103,14 +105,20 @@ def multiturn(args: argparse.Namespace) -> dict:
     return results
 
 
-def serve(port: int, blocks_dir: str, log_path: str) -> subprocess.Popen:
+def engine_options(args: argparse.Namespace) -> dict[str, str]:
+    return {"device": args.device, "load_format": args.load_format, "dtype": args.dtype}
+
+
+def serve(args: argparse.Namespace, blocks_dir: str, log_path: str) -> subprocess.Popen:
     log = open(log_path, "ab")
-    server = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", MODEL, "--port", str(port),
-                               "--kv-offload-dir", blocks_dir], stdout=log, stderr=subprocess.STDOUT)
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in engine_options(args).items()]
+    server = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", args.model, "--port", str(args.port),
+                               "--served-model-name", MODEL, "--kv-offload-dir", blocks_dir, *flags],
+                              stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=1).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
@@ -140,19 +148,19 @@ def stream_ttft(port: int, prompt: list[int], max_tokens: int) -> tuple[float, s
 
 
 def restart(args: argparse.Namespace) -> dict:
-    tokenizer = load_checkpoint(resolve_model(MODEL), torch.float32).tokenizer
+    tokenizer = load_checkpoint(resolve_model(args.model), torch.float32, args.load_format).tokenizer
     rng = random.Random(args.seed)
     ids = ordinary_token_ids(tokenizer)
     prompt, fresh = rng.choices(ids, k=args.prefix_len), rng.choices(ids, k=args.prefix_len)
     blocks_dir = tempfile.mkdtemp(prefix="kv-blocks-")
     log_path = blocks_dir + ".log"
-    first_server = serve(args.port, blocks_dir, log_path)
+    first_server = serve(args, blocks_dir, log_path)
     try:
         cold_first, text_first, _ = stream_ttft(args.port, prompt, args.max_tokens)
     finally:
         first_server.send_signal(signal.SIGTERM)
         first_server.wait(120)
-    second_server = serve(args.port, blocks_dir, log_path)
+    second_server = serve(args, blocks_dir, log_path)
     try:
         stream_ttft(args.port, rng.choices(ids, k=16), 2)  # warm-up: the first request's one-off costs
         disk, text_second, cached = stream_ttft(args.port, prompt, args.max_tokens)
@@ -185,6 +193,10 @@ def main() -> None:
     again.add_argument("--max-tokens", type=int, default=32)
     again.add_argument("--port", type=int, default=18711)
     for p in (turns, again):
+        p.add_argument("--model", default=MODEL)
+        p.add_argument("--device", default="auto")
+        p.add_argument("--load-format", default="auto", help="dummy: random weights (a --config-only shape)")
+        p.add_argument("--dtype", default="auto")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", help="write the results here")
     args = parser.parse_args()

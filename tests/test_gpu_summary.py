@@ -38,8 +38,24 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
     (tmp_path / "structured.json").write_text(json.dumps(
         {"streams": 64, "schemas": 8, "free_tok_s": 9000.0, "json_tok_s": 8100.0, "ratio": 0.9,
          "steps_scheduled_ahead": 310}) + "\n" + json.dumps({"compile_cold_ms": 12.0}) + "\n")
+    (tmp_path / "kv-decode-int4.json").write_text(json.dumps({
+        "shape": "llama3-8b", "dtype": "bfloat16", "weights_format": "int4 weight-only", "kv_cache_dtype": "int8",
+        "rows": [{"batch": 64, "median_ms": 20.0, "tokens_per_s": 3200.0, "roofline_ms": 1.0,
+                  "fraction_of_roofline": 0.05}]}))
+    tier = {"later_turn_ttft_median_s": 0.01, "speedup_vs_recompute": 5.0}
+    (tmp_path / "kv-multiturn.json").write_text(json.dumps({
+        "recompute": {"later_turn_ttft_median_s": 0.05}, "host": tier, "disk": tier, "device": tier}))
+    (tmp_path / "kv-restart.json").write_text(json.dumps({
+        "prefix_len": 1500, "ttft_from_disk_s": 0.02, "ttft_cold_s": 0.2, "speedup": 10.0, "cached_tokens": 1488,
+        "identical_text": True}))
     lines = summarize(tmp_path)
     assert lines == [
+        "kv-decode-int4.json: llama3-8b bfloat16 KV int8, int4 weight-only, graphs, batch 64: step 20.00 ms, 3,200 "
+        "tok/s, 5% of the 1.00 ms weight-read roofline",
+        *[f"kv-multiturn.json: multiturn {name}: later turns' TTFT 10.0 ms, 5.00x lower than recomputing (50.0 ms)"
+          for name in ("host", "disk", "device")],
+        "kv-restart.json: restart: a 1500-token prefix from the disk tier 20.0 ms, 10.0x sooner than a cold prefill "
+        "(200.0 ms), 1488 tokens cached, text identical: True",
         "profile-llama3-8b.json: llama3-8b bfloat16 graphs, batch 1: step 5.01 ms (runner 4.91), 200 tok/s, 77% of "
         "the 3.84 ms weight-read roofline",
         "random.json: random kvserve: 3,990 output tok/s, 128 requests in 8 s, 0 preemptions",
