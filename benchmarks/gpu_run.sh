@@ -12,7 +12,8 @@
 # random workload beside transformers), fixed (issue 16's (c): 1,000 in / 1,000 out), weight_only (issue 22:
 # Llama-3-8B decode steps with INT4 weights against bf16, and the weight-only GEMM against cuBLAS per layer), kv
 # (issue 17: decode steps over 2,000-token contexts in each KV dtype; the host and disk tiers' later-turn TTFT
-# against recomputing; a restarted server's prefix from the disk tier).
+# against recomputing; a restarted server's prefix from the disk tier), offload (issue 22: half of Llama-3-8B's
+# weights streamed from host memory against the PCIe bound, and resident).
 #
 # The device tool brings back at most 8 files from $OUT, so the steps write into a folder of their own, packed
 # after each step into $OUT/results.tar.gz, with the headline figures (benchmarks/gpu_summary.py) in
@@ -27,8 +28,8 @@
 #     run(timeout_s=560): OUT=$OUT DEADLINE=530 benchmarks/gpu_run.sh info tests weight_only profile throughput
 #     run(timeout_s=340): OUT=$OUT DEADLINE=320 benchmarks/gpu_run.sh fixed
 #
-# and the next lease `kv` and `sweep` (the sweep's latency half has never been measured), and what these calls
-# showed.
+# and the next lease `kv`, `offload` and `sweep` (the sweep's latency half has never been measured), and what
+# these calls showed.
 #
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
 # installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the
@@ -114,6 +115,13 @@ step_kv() {  # issue 17 on the GPU, Llama-3-8B shape: decode steps over long con
     python3 benchmarks/kv_offload.py multiturn "${model[@]}" --num-kv-blocks 128 --large-pool-blocks 1024 \
         --json "$OUT/kv-multiturn.json"
     python3 benchmarks/kv_offload.py restart "${model[@]}" --json "$OUT/kv-restart.json"
+}
+
+step_offload() {  # issue 22: Llama-3-8B with 8 GiB of its weights streamed from pinned host memory, against the
+    # PCIe bound, then resident, on a GPU held to 24 GiB free (weights that fit in half the free memory stay)
+    for gib in 8 0; do
+        python3 benchmarks/gpu_offload.py --offload-gib "$gib" --json "$OUT/offload-$gib.json"
+    done
 }
 
 step_overlap() {  # the overlapped scheduler against scheduling each step after the one before, same call

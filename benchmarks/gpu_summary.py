@@ -83,6 +83,12 @@ def json_lines(result: dict[str, Any]) -> Iterator[str]:
         yield (f"restart: a {result['prefix_len']}-token prefix from the disk tier {result['ttft_from_disk_s'] * 1e3:.1f}"
                f" ms, {result['speedup']:.1f}x sooner than a cold prefill ({result['ttft_cold_s'] * 1e3:.1f} ms), "
                f"{result['cached_tokens']} tokens cached, text identical: {result['identical_text']}")
+    elif "h2d_bytes_per_s" in result:
+        bound = (f", {result['share_of_pcie_bound']:.0%} of the PCIe bound {result['pcie_bound_tokens_per_s']:,.0f}"
+                 if result["offloaded_bytes"] else "")
+        yield (f"offload {result['shape']}: {result['offloaded_bytes'] / 2**30:.2f} GiB streamed, "
+               f"{result['output_tokens_per_s']:,.0f} output tok/s at batch {result['batch']}{bound} "
+               f"(host-to-device {result['h2d_bytes_per_s'] / 1e9:.1f} GB/s)")
     elif "json_tok_s" in result:
         yield (f"structured {result['streams']} streams / {result['schemas']} schemas: {result['ratio']:.2f}x free "
                f"({result['json_tok_s']:,.0f} against {result['free_tok_s']:,.0f} tok/s), "

@@ -48,6 +48,9 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
     (tmp_path / "kv-restart.json").write_text(json.dumps({
         "prefix_len": 1500, "ttft_from_disk_s": 0.02, "ttft_cold_s": 0.2, "speedup": 10.0, "cached_tokens": 1488,
         "identical_text": True}))
+    (tmp_path / "offload-8.json").write_text(json.dumps({
+        "shape": "llama3-8b", "h2d_bytes_per_s": 50e9, "batch": 64, "offloaded_bytes": 8 * 2**30,
+        "output_tokens_per_s": 300.0, "pcie_bound_tokens_per_s": 372.5, "share_of_pcie_bound": 0.805}))
     lines = summarize(tmp_path)
     assert lines == [
         "kv-decode-int4.json: llama3-8b bfloat16 KV int8, int4 weight-only, graphs, batch 64: step 20.00 ms, 3,200 "
@@ -56,6 +59,8 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
           for name in ("host", "disk", "device")],
         "kv-restart.json: restart: a 1500-token prefix from the disk tier 20.0 ms, 10.0x sooner than a cold prefill "
         "(200.0 ms), 1488 tokens cached, text identical: True",
+        "offload-8.json: offload llama3-8b: 8.00 GiB streamed, 300 output tok/s at batch 64, 80% of the PCIe bound "
+        "372 (host-to-device 50.0 GB/s)",
         "profile-llama3-8b.json: llama3-8b bfloat16 graphs, batch 1: step 5.01 ms (runner 4.91), 200 tok/s, 77% of "
         "the 3.84 ms weight-read roofline",
         "random.json: random kvserve: 3,990 output tok/s, 128 requests in 8 s, 0 preemptions",
