@@ -80,8 +80,9 @@ def json_lines(result: dict[str, Any]) -> Iterator[str]:
                    f"{result[name]['speedup_vs_recompute']:.2f}x lower than recomputing "
                    f"({result['recompute']['later_turn_ttft_median_s'] * 1e3:.1f} ms)")
     elif "ttft_from_disk_s" in result:
-        yield (f"restart: a {result['prefix_len']}-token prefix from the disk tier {result['ttft_from_disk_s'] * 1e3:.1f}"
-               f" ms, {result['speedup']:.1f}x sooner than a cold prefill ({result['ttft_cold_s'] * 1e3:.1f} ms), "
+        disk_ms = result["ttft_from_disk_s"] * 1e3
+        yield (f"restart: a {result['prefix_len']}-token prefix from the disk tier {disk_ms:.1f} ms, "
+               f"{result['speedup']:.1f}x sooner than a cold prefill ({result['ttft_cold_s'] * 1e3:.1f} ms), "
                f"{result['cached_tokens']} tokens cached, text identical: {result['identical_text']}")
     elif "h2d_bytes_per_s" in result:
         bound = (f", {result['share_of_pcie_bound']:.0%} of the PCIe bound {result['pcie_bound_tokens_per_s']:,.0f}"

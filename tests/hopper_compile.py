@@ -150,7 +150,8 @@ def weight_only_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
                       weight_only.weight_only_gemm_kernel, dict(
             x=dtype, codes=torch.uint8 if int4 else torch.int8, scales=torch.float16, offsets=torch.float16,
             bias=dtype, y=dtype, M=3, N=4096, K=4096, stride_xm=4096, stride_codes=2048 if int4 else 4096,
-            stride_scales=32 if int4 else 1, stride_ym=4096, group_size=128 if int4 else 4096, INT4=int4, HAS_OFFSET=int4, HAS_BIAS=False, **config.kwargs, options=options)))
+            stride_scales=32 if int4 else 1, stride_ym=4096, group_size=128 if int4 else 4096, INT4=int4,
+            HAS_OFFSET=int4, HAS_BIAS=False, **config.kwargs, options=options)))
     return cases
 
 

@@ -120,3 +120,22 @@ def families(tiny_checkpoints: dict[str, Path]) -> dict[str, Family]:
         arch: Family(arch, directory, load_hf(directory), load_ours(directory, backend), backend)
         for arch, directory in tiny_checkpoints.items()
     }
+
+
+# Triton's kernels run compiled on a GPU, through the interpreter elsewhere (tests/conftest.py sets it)
+TRITON_INTERPRETED = not torch.cuda.is_available()
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+# the activation dtypes of the tensor-core paths: bf16 on a GPU alone
+HALF_DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    TRITON_INTERPRETED, reason="Triton's interpreter gets bf16 dots wrong (and truncates to bf16)")])]
+
+
+def assert_within_half_precision_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                          bias: torch.Tensor) -> None:
+    """A tensor-core GEMM's result ``y`` in x's dtype (fp16 / bf16) for fp32 ``weight`` values: each weight
+    rounded to the dtype (at most u of it, u the unit roundoff), the products summed in fp32, the output rounded
+    (u of it), so |y - exact| <= 2u (|x| . |w| + |bias|), exact on x as rounded."""
+    assert y.dtype == x.dtype
+    expected = x.float() @ weight.T + bias.float()
+    bound = 2 * UNIT_ROUNDOFF[x.dtype] * (x.float().abs() @ weight.abs().T + bias.float().abs()) + 1e-6
+    assert ((y.float() - expected).abs() <= bound).all(), float(((y.float() - expected).abs() / bound).max())

@@ -20,16 +20,15 @@ from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod  #
 from kvserve.model.layers.triton_ggml import BLOCK_VALUES, TRITON_TYPES, TritonGGMLGemm  # noqa: E402
 from kvserve.model.loader import load_checkpoint  # noqa: E402
 from kvserve.model.registry import build_model, kept_block_types, process_weights_after_loading  # noqa: E402
-from tests.model.conftest import PagedRunner  # noqa: E402
+from tests.model.conftest import (  # noqa: E402
+    HALF_DTYPES, TRITON_INTERPRETED, PagedRunner, assert_within_half_precision_rounding,
+)
 from tests.model.test_ggml import (  # noqa: E402
     K_TYPES, assert_close_to_reference, blocks_of, quantized_gguf, random_blocks,  # noqa: F401 (a fixture)
 )
 from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = DEVICE == "cpu"
-# unit roundoff of the activations' dtype: the kernel rounds each weight to it, and the output
-UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
 def weight_of(qtype: Q, n: int, k: int, gen: torch.Generator) -> GGMLTensor:
@@ -60,24 +59,13 @@ def test_kernel_in_fp32_equals_dequantize_then_matmul(qtype: Q, k: int, rows: in
 @pytest.mark.parametrize("qtype", sorted(TRITON_TYPES), ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [256, 512])
 @pytest.mark.parametrize("rows", [1, 3, 17])
-@pytest.mark.parametrize("dtype", [
-    torch.float16,
-    pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(
-        INTERPRETED, reason="Triton's interpreter gets bf16 dots wrong (and truncates to bf16)")]),
-], ids=str)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_kernel_in_half_precision_stays_within_its_rounding(qtype: Q, k: int, rows: int, dtype: torch.dtype) -> None:
-    """The tensor-core path: each weight rounded to ``dtype`` (at most u of it, u the unit roundoff), the
-    products summed in fp32, the output rounded to ``dtype`` (u of it): |y - twin| <= 2u (|x| . |w| + |bias|),
-    the twin on x as rounded to ``dtype``."""
+    """The tensor-core path, within its rounding of gguf's values (``assert_within_half_precision_rounding``)."""
     gen = torch.Generator().manual_seed(rows * k + 1)
     weight = weight_of(qtype, 70, k, gen)
     x, bias = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(70, generator=gen).to(dtype)
-    y = run_kernel(x, weight, bias)
-    assert y.dtype == dtype
-    dense = weight.dequantize()
-    expected = x.float() @ dense.T + bias.float()
-    bound = 2 * UNIT_ROUNDOFF[dtype] * (x.float().abs() @ dense.abs().T + bias.float().abs()) + 1e-6
-    assert ((y.float() - expected).abs() <= bound).all(), float(((y.float() - expected).abs() / bound).max())
+    assert_within_half_precision_rounding(run_kernel(x, weight, bias), x, weight.dequantize(), bias)
 
 
 @pytest.mark.parametrize("qtype", sorted(TRITON_TYPES), ids=lambda t: t.name)
@@ -86,7 +74,7 @@ def test_the_kernel_decodes_gguf_values(qtype: Q) -> None:
     Triton may fuse a decode's multiply and add (Q4_1, Q5_1, Q4_K, Q5_K), one rounding fewer."""
     weight = weight_of(qtype, 40, 512, torch.Generator().manual_seed(5))
     y, dense = run_kernel(torch.eye(512), weight, None), weight.dequantize()
-    if INTERPRETED:
+    if TRITON_INTERPRETED:
         assert torch.equal(y, dense.T)
     else:
         torch.testing.assert_close(y, dense.T, rtol=1e-6, atol=1e-6 * float(dense.abs().max()))

@@ -22,12 +22,12 @@ from kvserve.model.registry import (  # noqa: E402
     _load_offloaded, build_model, process_weights_after_loading, select_linear_method, weight_format,
 )
 from kvserve.model.sources import resolve_model  # noqa: E402
-from tests.model.conftest import PagedRunner  # noqa: E402
+from tests.model.conftest import (  # noqa: E402
+    HALF_DTYPES, TRITON_INTERPRETED, PagedRunner, assert_within_half_precision_rounding,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-INTERPRETED = DEVICE == "cpu"
 SCHEMES = ["int8", "int4"]
-UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
 def packed(n: int, k: int, scheme: str, seed: int) -> tuple[PackedWeight, torch.Tensor]:
@@ -74,22 +74,14 @@ def test_kernel_in_fp32_equals_dequantize_then_matmul(scheme: str, k: int, rows:
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("rows", [1, 5, 33])
-@pytest.mark.parametrize("dtype", [
-    torch.float16,
-    pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(
-        INTERPRETED, reason="Triton's interpreter gets bf16 dots wrong (and truncates to bf16)")]),
-], ids=str)
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 def test_kernel_in_half_precision_stays_within_its_rounding(scheme: str, rows: int, dtype: torch.dtype) -> None:
-    """The tensor-core path: each weight rounded to ``dtype`` (u of it), fp32 sums, the output rounded (u):
-    |y - exact| <= 2u (|x| . |w| + |bias|), exact on x as rounded to ``dtype``."""
+    """The tensor-core path, within its rounding of the dequantized values
+    (``assert_within_half_precision_rounding``)."""
     gen = torch.Generator().manual_seed(rows)
     weight, values = packed(70, 576, scheme, seed=rows)
     x, bias = torch.randn(rows, 576, generator=gen).to(dtype), torch.randn(70, generator=gen).to(dtype)
-    y = run(x, weight, bias)
-    assert y.dtype == dtype
-    expected = x.float() @ values.T + bias.float()
-    bound = 2 * UNIT_ROUNDOFF[dtype] * (x.float().abs() @ values.abs().T + bias.float().abs()) + 1e-6
-    assert ((y.float() - expected).abs() <= bound).all(), float(((y.float() - expected).abs() / bound).max())
+    assert_within_half_precision_rounding(run(x, weight, bias), x, values, bias)
 
 
 def test_the_kernel_writes_into_a_column_range_and_refuses_a_misfit() -> None:
@@ -157,7 +149,7 @@ def test_cuda_takes_weight_only_schemes_in_every_dtype(tiny_checkpoints) -> None
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(INTERPRETED, reason="needs CUDA")
+@pytest.mark.skipif(TRITON_INTERPRETED, reason="needs CUDA")
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_engines_on_cuda_give_the_cpu_engines_tokens(tiny_checkpoints, scheme: str) -> None:
     """fp32 activations on both devices over the same quantized values: the same greedy tokens, for every family;

@@ -26,6 +26,7 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve.model.layers.ggml import GGMLTensor
+from kvserve.model.layers.triton_tiles import accumulate_dot, store_tile
 
 Q = GGMLQuantizationType
 TRITON_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
@@ -173,14 +174,8 @@ def ggml_gemm_kernel(x, w, bias, y, M, N, K, stride_xm, stride_ym, row_bytes,
     for i in range(0, K // 32):
         xs = tl.load(x_rows + i * 32, mask=mask_m[:, None], other=0.0)
         values = _group_values(rows + (i // GROUPS) * BLOCK_BYTES, i % GROUPS, offs_j, mask_n, QTYPE)
-        if xs.dtype == tl.float32:
-            acc += tl.dot(xs, tl.trans(values), input_precision="ieee")
-        else:
-            acc += tl.dot(xs, tl.trans(values.to(xs.dtype)))
-    if HAS_BIAS:
-        acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(out, acc.to(y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc = accumulate_dot(acc, xs, values)
+    store_tile(y, acc, bias, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
 
 
 class TritonGGMLGemm:

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, apply_by_parts, linear_into
+from kvserve.model.layers.triton_tiles import accumulate_dot, store_tile
 from kvserve.model.layers.weight_quant import QuantizedRows, quantize_rows
 
 # tile shapes tried per (N, K, batch class) on CUDA. A decode-sized batch is bound by reading the codes: narrow
@@ -111,14 +112,8 @@ def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_
         values = q.to(tl.float32) * tl.load(scales + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         if HAS_OFFSET:
             values += tl.load(offsets + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        if xs.dtype == tl.float32:
-            acc += tl.dot(xs, tl.trans(values), input_precision="ieee")
-        else:
-            acc += tl.dot(xs, tl.trans(values.to(xs.dtype)))
-    if HAS_BIAS:
-        acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(out, acc.to(y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc = accumulate_dot(acc, xs, values)
+    store_tile(y, acc, bias, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
 
 
 @functools.cache
