@@ -121,7 +121,7 @@ def fused_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
             cases.append((f"add_rms_norm ({name}, residual {residual}, x_norm {x_norm})", fused.add_rms_norm_kernel,
                           dict(out=dtype, residual=dtype, x=dtype, x_norm_weight=dtype, weight=dtype, stride_out=1,
                                stride_res=1, stride_x=1, n=1, offset=1.0, eps=1.0, HAS_RESIDUAL=residual,
-                               HAS_X_NORM=x_norm, BLOCK_N=4096)))
+                               HAS_X_NORM=x_norm, BLOCK_N=4096, options={"num_warps": fused.norm_warps(4096)})))
         cases.append((f"head_rms_norm ({name})", fused.head_rms_norm_kernel, dict(
             heads=dtype, stride_t=1, weight=dtype, num_heads=1, head_dim=1, offset=1.0, eps=1.0, BLOCK_H=32,
             BLOCK_D=128)))

@@ -110,6 +110,12 @@ def act_and_mul_kernel(out, gate_up, stride_out, stride_in, n, ACT: tl.constexpr
     tl.store(out + row * stride_out + offs, (act * up).to(out.dtype.element_ty), mask=mask)
 
 
+def norm_warps(block: int) -> int:
+    """Warps for one row's norm: 4 up to 2,048 values, 8 to 8,192, then 16 (16 bytes a load and a few loads in
+    flight per thread; a decode step's norms are a few microseconds each, bound by their loads' latency)."""
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
 class TritonFusedOps(TorchFusedOps):
     """The ops as single Triton kernels on the model's device (CUDA, or CPU tensors under the interpreter), in
     the model's dtype; the twin for what they do not take."""
@@ -124,11 +130,12 @@ class TritonFusedOps(TorchFusedOps):
         rows, n = x.shape
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         if rows:
+            block = triton.next_power_of_2(n)
             add_rms_norm_kernel[(rows,)](
                 out, x if residual is None else residual, x, norm.weight if x_norm is None else x_norm.weight,
                 norm.weight, out.stride(0), 0 if residual is None else residual.stride(0), x.stride(0), n,
                 norm.weight_offset, norm.eps, HAS_RESIDUAL=residual is not None, HAS_X_NORM=x_norm is not None,
-                BLOCK_N=triton.next_power_of_2(n),
+                BLOCK_N=block, num_warps=norm_warps(block),
             )
         return out
 

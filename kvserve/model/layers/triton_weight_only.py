@@ -23,12 +23,13 @@ it) one fixed shape runs. The twin is ``reference_linear``: the dequantized weig
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+import triton.testing
 
 from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, apply_by_parts, linear_into
 from kvserve.model.layers.triton_tiles import accumulate_dot, store_tile
@@ -124,8 +125,13 @@ def _tuned(batch: bool) -> triton.runtime.autotuner.Autotuner:
         group = named_args["group_size"]
         return [c for c in configs if group % c.kwargs["BLOCK_K"] == 0] or [configs[0]]
 
+    def short_bench(kernel_call: Callable[[], object], quantiles: tuple[float, ...]) -> list[float]:
+        # a few ms a config (Triton's default spends 125): a model's layer shapes are tuned at start-up
+        return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
     return triton.autotune(BATCH_CONFIGS if batch else DECODE_CONFIGS, key=["N", "K", "INT4"],
-                           prune_configs_by={"early_config_prune": fitting})(weight_only_gemm_kernel)
+                           prune_configs_by={"early_config_prune": fitting}, do_bench=short_bench)(
+        weight_only_gemm_kernel)
 
 
 def weight_only_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None,
