@@ -155,7 +155,7 @@ step_roofline() {
 llama8b_throughput() {  # label, then kvserve bench throughput's flags
     local label=$1; shift
     [ -d "$shapes/llama3-8b" ] || kv make-checkpoint "$shapes/llama3-8b" --config-only --shape llama3-8b >/dev/null
-    kv bench throughput "$shapes/llama3-8b" --device cuda --dtype bfloat16 --load-format dummy \
+    kv bench throughput "$shapes/llama3-8b" --device cuda --dtype bfloat16 --load-format dummy --step-trace \
         --label "$label" --result-json "$OUT/$label.json" "$@"
 }
 

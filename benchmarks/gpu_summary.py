@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvserve.bench.step_trace import format_step_trace
+
 PYTEST_TOTALS = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)* in [\d.]+s.*?)\s*=*$")  # "2 failed, 258 passed in 154.44s"
 
 
@@ -46,6 +48,8 @@ def throughput_lines(result: dict[str, Any]) -> Iterator[str]:
         preempted = f", {stats['num_preemptions']} preemptions" if "num_preemptions" in stats else ""
         yield (f"{result['label']} {name}: {system['output_throughput']:,.0f} output tok/s, {system['completed']} "
                f"requests in {system['duration_s']:.0f} s{preempted}")
+        if "step_trace" in system.get("details", {}):
+            yield f"{result['label']} {name} {format_step_trace(system['details']['step_trace'])}"
     for name, ratios in result["ratios"].items():
         others = ", ".join(f"{ratio:.2f}x {other}" for other, ratio in ratios.items() if other != name)
         if others and name == "kvserve":

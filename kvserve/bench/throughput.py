@@ -13,6 +13,8 @@ system's own previous answers in place of the scripted ones, so a turn starts wh
 conversation is done.
 ``--profile`` reruns kvserve (a fresh engine, so the first run's prefix cache does not help it) with one
 engine step in ``--profile-every`` under ``torch.profiler``, and splits those steps' time by kind of op.
+``--step-trace`` times kvserve's measured run step by step as each step's tokens come back, and splits the time
+by the steps' shapes (``step_trace``): on a GPU, where the profiler's CPU ops say little.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvserve.bench.datasets import SampleRequest, add_dataset_arguments, build_d
 from kvserve.bench.report import write_result_json
 from kvserve.bench.serve import with_answers
 from kvserve.bench.step_profile import StepProfile, format_profile
+from kvserve.bench.step_trace import StepTrace, format_step_trace
 from kvserve.config import parse_dtype, resolve_device
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine_args import EngineArgs
@@ -91,6 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--profile", action="store_true", help="also profile kvserve's engine steps")
     parser.add_argument("--profile-every", type=int, default=10, help="profile one engine step in this many (>= 2)")
+    parser.add_argument("--step-trace", action="store_true",
+                        help="time each kvserve step as its tokens come back and fit the times to the steps' shapes")
     parser.add_argument("--label", default=None, help="a name for this run in tables and compare")
     parser.add_argument("--result-json", default=None)
     roofline.add_probe_arguments(parser)
@@ -239,8 +244,14 @@ def run_systems(bench: Bench, systems: list[tuple[str, str | None]], args: argpa
     if ("kvserve", None) in systems:
         llm = load_kvserve(args)
         before = llm.stats()
-        result = bench.measure("kvserve", kvserve_generator(llm))
-        results.append(dataclasses.replace(result, details={"stats": run_stats(before, llm.stats())}))
+        trace = StepTrace() if args.step_trace else None
+        llm.engine.core.step_observer = trace
+        result = bench.measure("kvserve", kvserve_generator(llm, trace))
+        details = {"stats": run_stats(before, llm.stats())}
+        if trace is not None:
+            details["step_trace"] = trace.summary()
+            print(format_step_trace(details["step_trace"]), flush=True)
+        results.append(dataclasses.replace(result, details=details))
         del llm
         gc.collect()
     modes = [mode for backend, mode in systems if backend == "hf"]
@@ -264,8 +275,10 @@ def greedy_exact(request: SampleRequest) -> SamplingParams:
     return SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0)
 
 
-def kvserve_generator(llm: LLM) -> Generate:
+def kvserve_generator(llm: LLM, trace: StepTrace | None = None) -> Generate:
     def generate(requests: Sequence[SampleRequest]) -> list[list[int]]:
+        if trace is not None:
+            trace.new_segment()
         outputs = llm.generate([{"prompt_token_ids": r.prompt} for r in requests], [greedy_exact(r) for r in requests])
         return [list(o.outputs[0].token_ids) for o in outputs]
 

@@ -74,6 +74,8 @@ class EngineCore:
         self.scheduler = scheduler
         self.kv_manager = kv_manager
         self.peak = KVUsagePeak()
+        # called with each step as its tokens come back, before the update (``bench.step_trace``)
+        self.step_observer: Callable[[SchedulerOutput], None] | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -117,6 +119,8 @@ class EngineCore:
         return outputs
 
     def _update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[EngineOutput]:
+        if self.step_observer is not None:
+            self.step_observer(sched_out)
         store = self.kv_manager.store
         if sched_out.is_empty and store is not None and store.num_reading:
             store.wait_for_reads(DISK_READ_WAIT_SECONDS)  # only requests waiting on the disk: don't spin

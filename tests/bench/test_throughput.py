@@ -54,14 +54,15 @@ def test_every_system_counts_exactly_the_workloads_tokens_and_compare_reads_the_
     assert "total tok/s" in compare_table([result_json, result_json])
 
 
-def test_engine_options_pass_through_and_the_profile_splits_step_time(
+def test_engine_options_pass_through_and_the_profile_and_the_trace_split_step_time(
     tiny_checkpoint: Path, tmp_path: Path
 ) -> None:
     result_json = tmp_path / "kvserve.json"
     assert main(["bench", "throughput", str(tiny_checkpoint), "--dataset-name", "prefix", "--prefix-num-groups", "2",
                  "--prefix-group-size", "3", "--prefix-len", "40", "--suffix-len", "4", "--random-output-len", "3",
                  *PROBE, "--num-kv-blocks", "40", "--max-num-seqs", "2", "--no-enable-prefix-caching",
-                 "--profile", "--profile-every", "2", "--device", "cpu", "--result-json", str(result_json)]) == 0
+                 "--profile", "--profile-every", "2", "--step-trace", "--device", "cpu", "--result-json",
+                 str(result_json)]) == 0
     result = json.loads(result_json.read_text())
     stats = result["systems"]["kvserve"]["details"]["stats"]
     assert stats["num_blocks_total"] == 40 and not stats["prefix_caching"] and stats["prefix_cache_hits"] == 0
@@ -70,6 +71,8 @@ def test_engine_options_pass_through_and_the_profile_splits_step_time(
     assert profile["num_profiled_steps"] == profile["num_steps"] // 2 > 0
     assert sum(profile["groups_s"].values()) == pytest.approx(profile["wall_s"])
     assert profile["groups_s"]["GEMMs"] > 0
+    trace = result["systems"]["kvserve"]["details"]["step_trace"]
+    assert trace["num_steps"] >= 6 * 3 // 2 and sum(trace["share"].values()) == pytest.approx(1.0)
 
 
 def test_transformers_gets_the_same_ids_and_agrees_with_kvserve_through_eos(tiny_checkpoint: Path) -> None:
