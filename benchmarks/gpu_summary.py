@@ -46,6 +46,8 @@ def throughput_lines(result: dict[str, Any]) -> Iterator[str]:
     for name, system in result["systems"].items():
         stats = system.get("details", {}).get("stats", {})
         preempted = f", {stats['num_preemptions']} preemptions" if "num_preemptions" in stats else ""
+        if "num_graph_replays" in stats:
+            preempted += f", {stats['num_graph_replays']} steps through CUDA graphs"
         yield (f"{result['label']} {name}: {system['output_throughput']:,.0f} output tok/s, {system['completed']} "
                f"requests in {system['duration_s']:.0f} s{preempted}")
         if "step_trace" in system.get("details", {}):

@@ -47,7 +47,7 @@ from kvserve.model.sources import resolve_model
 BACKENDS = ("kvserve", "hf")
 WARMUP_OUTPUT_LEN = 4
 # Counters of llm.stats() that count since the engine started: the run's own figure is after minus before.
-RUN_COUNTERS = ("num_preemptions", "num_steps_scheduled_ahead", "num_swapped_out", "num_swapped_in",
+RUN_COUNTERS = ("num_preemptions", "num_steps_scheduled_ahead", "num_graph_replays", "num_swapped_out", "num_swapped_in",
                 "num_blocks_swapped_out", "num_blocks_swapped_in", "num_swap_fallbacks", "prefix_cache_queries",
                 "prefix_cache_hits", "prefix_cache_evictions", "spec_decode_num_draft_tokens",
                 "spec_decode_num_accepted_tokens", "spec_decode_num_emitted_tokens")

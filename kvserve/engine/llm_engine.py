@@ -272,6 +272,7 @@ class LLMEngine:
             "num_running": self.core.scheduler.num_running,
             "num_waiting": self.core.scheduler.num_waiting,
             "num_steps_scheduled_ahead": self.core.scheduler.num_continued_steps,
+            "num_graph_replays": self.core.runner.num_graph_replays,  # steps run through a CUDA or CPU step graph
             **self.core.scheduler.preemption_stats(),
             **self.core.scheduler.prefix_cache_stats(),
             **(store.stats() if (store := self.core.kv_manager.store) else {}),

@@ -88,6 +88,11 @@ class ModelRunner:
         self._deferred: DeferredDraw | None = None  # a continued step's draw, until the step before is read back
         self.draft = draft
 
+    @property
+    def num_graph_replays(self) -> int:
+        """Steps that ran through a step graph (the rest ran eagerly)."""
+        return self.graphs.num_replays if self.graphs is not None else 0
+
     def weights_format(self) -> str:
         """How the linear layers hold their weights: the dtype, the GGUF block types kept (e.g. "gguf Q4_1,
         Q8_0", from the layers themselves), or the weight-only scheme they were quantized to at load; " (mapped)"

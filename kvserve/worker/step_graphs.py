@@ -14,6 +14,8 @@ from kvserve.worker.cuda_graph import CudaStepGraphs
 
 
 class StepGraphs(Protocol):
+    num_replays: int  # steps served by a graph
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
         """The hidden states of a forward pass over these inputs, or None where the step must run eagerly."""
 

@@ -38,11 +38,13 @@ def test_replayed_steps_give_the_eager_tokens_for_every_family(tiny_checkpoints,
     eager = LLM(path, dtype="float32", num_kv_blocks=64, enforce_eager=True)
     assert graphs_of(eager) is None
     expected = greedy_token_ids(eager, prompts(), MAX_NEW)
+    assert eager.stats()["num_graph_replays"] == 0
 
     llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
     assert greedy_token_ids(llm, prompts(), MAX_NEW) == expected
     graphs = graphs_of(llm)
     assert graphs.num_replays > 0 and set(graphs.graphs) <= set(range(1, MAX_GRAPH_TOKENS + 1))
+    assert llm.stats()["num_graph_replays"] == graphs.num_replays
     assert_all_blocks_free(llm)
 
 
