@@ -107,6 +107,9 @@ class ServerMetrics:
             "num_steps_scheduled_ahead": self._counter(
                 "num_steps_scheduled_ahead", "Decode steps scheduled and queued while the step before them ran "
                 "(the overlapped scheduler, CUDA)."),
+            "num_graph_replays": self._counter(
+                "num_graph_replays", "Engine steps run through a captured step graph (CUDA or CPU); the rest ran "
+                "eagerly."),
             **{key: self._counter(key, doc) for key, doc in _SWAP_COUNTERS.items()},
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,

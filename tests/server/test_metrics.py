@@ -29,6 +29,7 @@ EXPECTED = [
     "kvserve:num_blocks_swapped_out_total",
     "kvserve:num_blocks_swapped_in_total",
     "kvserve:num_swap_fallbacks_total",
+    "kvserve:num_graph_replays_total",
     "kvserve:request_success_total",
     "kvserve:cache_config_info",
     "kvserve:prefix_cache_blocks",
@@ -80,12 +81,12 @@ def test_a_repeated_prompt_hits_the_prefix_cache(server: ServerProcess, client: 
     assert server.metric("kvserve:prefix_cache_blocks") > 0
 
 
-def test_swap_counters_follow_the_engine_stats() -> None:
+def test_swap_and_graph_counters_follow_the_engine_stats() -> None:
     stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
              "num_running": 0, "num_waiting": 0}
     metrics = ServerMetrics("m", stats, 64)
     swaps = {"num_preemptions": 4, "num_swapped_out": 3, "num_swapped_in": 2, "num_blocks_swapped_out": 9,
-             "num_blocks_swapped_in": 6, "num_swap_fallbacks": 1}
+             "num_blocks_swapped_in": 6, "num_swap_fallbacks": 1, "num_graph_replays": 11}
     metrics.on_step([], {**stats, **swaps}, time.monotonic())
     for key, value in swaps.items():
         assert metrics.registry.get_sample_value(f"kvserve:{key}_total", {"model_name": "m"}) == value, key
