@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's GPU checks and figures, run on the lent GPU machine from the repository root:
+# Issues 16, 17 and 22's GPU checks and figures, run on the lent GPU machine from the repository root:
 #
 #     OUT=dir [DEADLINE=seconds] benchmarks/gpu_run.sh STEP...
 #
