@@ -1,6 +1,7 @@
 """The CUDA path's Triton pieces inside the whole engine, on CPU through Triton's interpreter: the attention
 kernels (the K/V store, decodes, varlen prefill chunks) and the fused elementwise ops give transformers' greedy
-tokens under chunked prefill and a prefix hit, and free every block. ``-m gpu`` runs the same path compiled."""
+tokens under chunked prefill and a prefix hit, and free every block; the weight-only linears give the CPU block
+kernel's. ``-m gpu`` runs the same path compiled."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvserve.attention.selector import BACKEND_ENV_VAR  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  # noqa: E402
 from kvserve.model import registry  # noqa: E402
 from kvserve.model.layers.triton_fused_ops import TritonFusedOps  # noqa: E402
+from kvserve.model.layers.triton_weight_only import TritonWeightOnlyLinearMethod  # noqa: E402
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not is_interpreted(), reason="the interpreter on CPU; -m gpu runs it compiled")
@@ -38,4 +40,30 @@ def test_triton_attention_and_fused_ops_in_the_engine_give_transformers_tokens(
     got = [greedy_token_ids(llm, [prompt], 6)[0][0] for prompt in prompts]  # the second hits the first's prefix
     assert got == [hf_greedy(hf, prompt, 6) for prompt in prompts]
     assert llm.stats()["prefix_cache_hits"] > 0
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_weight_only_linears_of_the_cuda_path_give_the_cpu_block_kernels_tokens(
+    tiny_checkpoints, scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--quantization int8|int4`` as on CUDA (``TritonWeightOnlyLinearMethod``, with the Triton attention and
+    fused ops) against the CPU's exact block kernel on the same codes: the same greedy tokens, through chunked
+    prefill and a prefix hit."""
+    path = str(tiny_checkpoints["llama"])
+    options = dict(dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, quantization=scheme,
+                   quantize_activations=False)
+    rng = random.Random(2)
+    shared = [rng.randrange(3, 200) for _ in range(20)]
+    prompts = [shared + [rng.randrange(3, 200) for _ in range(n)] for n in (3, 11)]
+    expected = [greedy_token_ids(LLM(path, **options), [prompt], 6)[0][0] for prompt in prompts]
+    select = registry.select_linear_method
+    monkeypatch.setattr(registry, "select_linear_method", lambda device, dtype, weights, *args, **kwargs: (
+        TritonWeightOnlyLinearMethod(weights) if weights == scheme else select(device, dtype, weights, *args, **kwargs)))
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    monkeypatch.setattr(registry, "select_fused_ops", lambda device, dtype: TritonFusedOps())
+    llm = LLM(path, **options)
+    assert llm.engine.core.runner.model.lm_head.packed_parts is not None  # the untied head is quantized too
+    assert [greedy_token_ids(llm, [prompt], 6)[0][0] for prompt in prompts] == expected
+    assert llm.stats()["prefix_cache_hits"] > 0 and llm.stats()["weights_format"] == f"{scheme} weight-only"
     assert_all_blocks_free(llm)
