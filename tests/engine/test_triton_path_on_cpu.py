@@ -58,8 +58,12 @@ def test_weight_only_linears_of_the_cuda_path_give_the_cpu_block_kernels_tokens(
     prompts = [shared + [rng.randrange(3, 200) for _ in range(n)] for n in (3, 11)]
     expected = [greedy_token_ids(LLM(path, **options), [prompt], 6)[0][0] for prompt in prompts]
     select = registry.select_linear_method
-    monkeypatch.setattr(registry, "select_linear_method", lambda device, dtype, weights, *args, **kwargs: (
-        TritonWeightOnlyLinearMethod(weights) if weights == scheme else select(device, dtype, weights, *args, **kwargs)))
+
+    def select_as_on_cuda(device: torch.device, dtype: torch.dtype, weights: str, *args, **kwargs):
+        return TritonWeightOnlyLinearMethod(weights) if weights == scheme else select(device, dtype, weights, *args,
+                                                                                      **kwargs)
+
+    monkeypatch.setattr(registry, "select_linear_method", select_as_on_cuda)
     monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
     monkeypatch.setattr(registry, "select_fused_ops", lambda device, dtype: TritonFusedOps())
     llm = LLM(path, **options)
