@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
@@ -76,6 +77,8 @@ class EngineCore:
         self.peak = KVUsagePeak()
         # called with each step as its tokens come back, before the update (``bench.step_trace``)
         self.step_observer: Callable[[SchedulerOutput], None] | None = None
+        # when the last step's tokens came back, or the first step after an idle engine was launched
+        self._last_step_back: float | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -89,6 +92,7 @@ class EngineCore:
     def step(self) -> list[EngineOutput]:
         sched_out = self.scheduler.schedule()
         self._track_peak(sched_out)
+        self._start_period()
         return self._update(sched_out, self.runner.execute(sched_out))
 
     def launch_step(self) -> PendingStep:
@@ -96,6 +100,7 @@ class EngineCore:
         ``finish_step`` waits for its tokens and updates the scheduler. The host is free in between (on CUDA)."""
         sched_out = self.scheduler.schedule()
         self._track_peak(sched_out)
+        self._start_period()
         return PendingStep(sched_out, self.runner.launch(sched_out))
 
     def launch_continuation(self, pending: PendingStep) -> PendingStep | None:
@@ -122,12 +127,28 @@ class EngineCore:
         if self.step_observer is not None:
             self.step_observer(sched_out)
         store = self.kv_manager.store
+        step_back = time.perf_counter()
+        if store is not None and store.disk is not None:
+            self._observe_step_cost(sched_out, step_back)
         if sched_out.is_empty and store is not None and store.num_reading:
             store.wait_for_reads(DISK_READ_WAIT_SECONDS)  # only requests waiting on the disk: don't spin
         outputs = self.scheduler.update_from_output(sched_out, model_out)
+        self._last_step_back = step_back if self.scheduler.has_unfinished_requests() else None  # idle: no period
         if store is not None and not self.scheduler.has_unfinished_requests():
             self.offload_pending()  # idle now: the last step's blocks go to the tiers without waiting for a step
         return outputs
+
+    def _start_period(self) -> None:
+        """A step's period runs from the last step's tokens coming back; after an idle engine, from its launch."""
+        if self._last_step_back is None:
+            self._last_step_back = time.perf_counter()
+
+    def _observe_step_cost(self, sched_out: SchedulerOutput, step_back: float) -> None:
+        """Feed the KV manager's reload costs with this step's period (to ``step_back``, its tokens coming back)
+        and how much of it was prefill: what recomputing a prefix costs."""
+        if self._last_step_back is not None and not sched_out.is_empty:
+            prefill = sum(r.num_tokens for r in sched_out.requests if r.num_tokens > 1 + len(r.draft_token_ids))
+            self.kv_manager.reload_costs.observe_step(prefill, sched_out.num_tokens, step_back - self._last_step_back)
 
     def offload_pending(self) -> None:
         """Apply the tier offloads planned since the last step (blocks computed in it) at once."""

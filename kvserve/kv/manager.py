@@ -62,6 +62,7 @@ from kvserve.kv.block_keys import KeyedBlock, block_key, group_key
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
 from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
 from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
+from kvserve.kv.reload_costs import ReloadCosts
 from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers import Tier, TieredStore
 from kvserve.request import Request
@@ -109,6 +110,7 @@ class KVCacheManager:
         self._paths: dict[str, _CachePath] = {}
         self._matches: dict[str, PrefixMatch] = {}  # waiting requests' last prefix match, extended as the tree grows
         self._load_waits: Counter[str] = Counter()  # lookups in which each waiting request waited on disk reads
+        self.reload_costs = ReloadCosts()  # disk reads against recomputing, as measured (the engine feeds it)
         self._offloads: dict[bytes, tuple[int, KeyedBlock]] = {}  # planned since the last step, by key
         self._loads: list[tuple[bytes, int]] = []
         self.num_evictions = 0  # cached blocks evicted to make room, since start
@@ -161,7 +163,8 @@ class KVCacheManager:
     def _match_tiers(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
         """Extend a device match with the blocks the host tier holds next; if the disk holds more, start reading
         them into the host tier and say the request should wait for them (for at most ``MAX_LOAD_WAITS``
-        lookups, then it computes them). With window groups, a match is as long as its next query finds the
+        lookups, then it computes them), unless reading has measured slower than computing them
+        (``reload_costs``). With window groups, a match is as long as its next query finds the
         window groups' blocks it sees on the device or in the host tier, and the disk is read for those that a
         longer match would need::
 
@@ -181,8 +184,12 @@ class KVCacheManager:
         waits = self._load_waits[request.request_id]
         loading = False
         if num_found > num_ready and waits < MAX_LOAD_WAITS:  # group 0's blocks on disk that it needs, then windows'
-            to_read = beyond[num_host : max(num_host, num_found - len(nodes))]
-            loading = store.prefetch(to_read + self._window_blocks_on_disk(nodes, beyond, num_found, where)) > 0
+            if self.reload_costs.disk_read_pays(*store.disk_read_cost(), self.block_size):
+                to_read = beyond[num_host : max(num_host, num_found - len(nodes))]
+                loading = store.prefetch(to_read + self._window_blocks_on_disk(nodes, beyond, num_found, where)) > 0
+            else:  # reading measured slower than computing: the request computes them, and asks no more
+                store.skip_reads(num_found - num_ready)
+                waits = MAX_LOAD_WAITS
         self._load_waits[request.request_id] = waits + loading
         tiered = tuple(block.key for block in beyond[: max(0, num_ready - len(nodes))])
         return PrefixMatch(nodes[:num_ready], self.block_size, tiered=tiered, loading=loading)

@@ -93,6 +93,7 @@ class TierCounters:
     disk_write_errors: int = 0
     disk_reads: int = 0
     disk_read_seconds: float = 0.0
+    disk_reads_skipped: int = 0  # blocks on the disk that were recomputed: reading measured slower
     corrupt_blocks: int = 0
     swap_seconds: float = 0.0  # copying swapped-out requests' KV out and back (``kv/swap.py``)
 
@@ -329,6 +330,18 @@ class TieredStore:
             num_started += 1
         return num_started
 
+    def disk_read_cost(self) -> tuple[float | None, int]:
+        """The measured seconds a block takes to come off the disk (one reader thread: a block's wall time;
+        None before the first read), and how many reads measured it."""
+        with self._lock:
+            reads = self.counters.disk_reads
+            return (self.counters.disk_read_seconds / reads if reads else None), reads
+
+    def skip_reads(self, num_blocks: int) -> None:
+        """Count disk blocks left to be recomputed because reading them measured slower."""
+        with self._lock:
+            self.counters.disk_reads_skipped += num_blocks
+
     def wants_offload(self, key: bytes, evicted: bool) -> bool:
         """Whether the device's copy of a computed block should be offloaded now: an evicted block to the host
         tier (and disk if it is not there yet); a newly computed one to the disk (written through)."""
@@ -540,6 +553,7 @@ class TieredStore:
             "kv_offload_disk_write_errors": c.disk_write_errors,
             "kv_offload_disk_reads": c.disk_reads,
             "kv_offload_disk_read_bandwidth_gbps": _gbps(c.disk_reads * bytes_per_block, c.disk_read_seconds),
+            "kv_offload_disk_reads_skipped": c.disk_reads_skipped,
             "kv_offload_corrupt_blocks": c.corrupt_blocks,
             "kv_swap_seconds": c.swap_seconds,
         }

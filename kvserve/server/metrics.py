@@ -76,6 +76,7 @@ _TIER_COUNTERS = {
     "kv_reload_seconds": "Seconds spent copying KV blocks from the tiers into the device pool.",
     "kv_offload_corrupt_blocks": "KV block files skipped as corrupt, truncated or written for something else.",
     "kv_offload_disk_write_errors": "KV block files that could not be written.",
+    "kv_offload_disk_reads_skipped": "KV blocks on the disk tier recomputed instead: reading measured slower.",
     "kv_swap_seconds": "Seconds spent copying swapped-out requests' KV to the host tier and back.",
 }
 

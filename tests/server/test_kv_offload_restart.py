@@ -31,4 +31,5 @@ def test_a_restarted_server_serves_the_prefix_from_disk(start_server, tmp_path: 
     assert again == text and cached >= 64
     assert second.metric("kvserve:kv_offload_disk_hit_tokens_total") == cached
     assert second.metric("kvserve:kv_offload_corrupt_blocks_total") == 0
+    assert second.metric("kvserve:kv_offload_disk_reads_skipped_total") == 0  # no prefill measured yet: read
     assert second.metric("kvserve:cache_config_info", cache_dtype="float32") == 1
