@@ -120,10 +120,11 @@ def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_
 @functools.cache
 def _tuned(batch: bool) -> triton.runtime.autotuner.Autotuner:
     """The kernel tuned over ``BATCH_CONFIGS`` or ``DECODE_CONFIGS`` per layer shape (CUDA only: tuning times
-    launches). Configs whose BLOCK_K does not divide a layer's group size are pruned."""
+    launches). A tile must lie in one group: configs whose BLOCK_K does not divide the group size are pruned
+    (a row of one group, INT8's, takes any)."""
     def fitting(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-        group = named_args["group_size"]
-        return [c for c in configs if group % c.kwargs["BLOCK_K"] == 0] or [configs[0]]
+        group, k = named_args["group_size"], named_args["K"]
+        return [c for c in configs if group % c.kwargs["BLOCK_K"] == 0 or group >= k]
 
     def short_bench(kernel_call: Callable[[], object], quantiles: tuple[float, ...]) -> list[float]:
         # a few ms a config (Triton's default spends 125): a model's layer shapes are tuned at start-up
@@ -138,7 +139,7 @@ def weight_only_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` in x's dtype, into ``out`` [M, N] (its rows may be strided) if given."""
     n, k = weight.shape
-    if x.dim() != 2 or x.shape[1] != k or weight.group_size % 16:
+    if x.dim() != 2 or x.shape[1] != k or (weight.group_size % 64 and weight.group_size < k):
         raise ValueError(f"weight-only GEMM: x {tuple(x.shape)} does not fit a weight of shape {weight.shape} "
                          f"in groups of {weight.group_size}")
     x = x if x.stride(1) == 1 else x.contiguous()
