@@ -26,7 +26,7 @@ import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kvserve.model.layers.ggml import GGMLTensor
-from kvserve.model.layers.triton_tiles import accumulate_dot, store_tile
+from kvserve.model.layers.triton_tiles import accumulate_dot, exact_float, store_tile
 
 Q = GGMLQuantizationType
 TRITON_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
@@ -73,7 +73,7 @@ def _block32_values(block, offs_j, mask, QTYPE: tl.constexpr):
     """
     d = _half(block, mask)[:, None]
     if QTYPE == _Q8_0:
-        values = d * _bytes(block + 2, offs_j, mask).to(tl.int8).to(tl.float32)
+        values = d * exact_float(_bytes(block + 2, offs_j, mask).to(tl.int8))
     else:
         has_m: tl.constexpr = QTYPE == _Q4_1 or QTYPE == _Q5_1
         is_q5: tl.constexpr = QTYPE == _Q5_0 or QTYPE == _Q5_1
@@ -84,9 +84,9 @@ def _block32_values(block, offs_j, mask, QTYPE: tl.constexpr):
             fifth = _bytes(block + nibbles - 4, offs_j // 8, mask) >> (offs_j % 8)[None, :]
             q |= (fifth & 1) << 4
         if has_m:
-            values = d * q.to(tl.float32) + _half(block + 2, mask)[:, None]
+            values = d * exact_float(q) + _half(block + 2, mask)[:, None]
         else:
-            values = d * (q - (16 if is_q5 else 8)).to(tl.float32)
+            values = d * exact_float(q - (16 if is_q5 else 8))
     return values
 
 
@@ -118,13 +118,13 @@ def _q45_k_values(block, g, offs_j, mask, QTYPE: tl.constexpr):
     Q5_K's fifth bit of value j of sub-block g is bit g of fifth-bit byte j.
     """
     sc, m = _k_scale_min(block, g, mask)
-    scale = _half(block, mask) * sc.to(tl.float32)
-    offset = _half(block + 2, mask) * m.to(tl.float32)
+    scale = _half(block, mask) * exact_float(sc)
+    offset = _half(block + 2, mask) * exact_float(m)
     nibbles = 48 if QTYPE == _Q5_K else 16
     q = (_bytes(block + nibbles + 32 * (g // 2), offs_j, mask) >> 4 * (g % 2)) & 15
     if QTYPE == _Q5_K:
         q |= ((_bytes(block + 16, offs_j, mask) >> g) & 1) << 4
-    return scale[:, None] * q.to(tl.float32) - offset[:, None]
+    return scale[:, None] * exact_float(q) - offset[:, None]
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def _q6_k_values(block, g, offs_j, mask):
     high = (_bytes(block + 128 + 32 * (g // 4), offs_j, mask) >> 2 * (g % 4)) & 3
     q = (low | high << 4) - 32
     sc = _bytes(block + 192 + 2 * g, offs_j // 16, mask).to(tl.int8)
-    return (_half(block + 208, mask)[:, None] * sc.to(tl.float32)) * q.to(tl.float32)
+    return (_half(block + 208, mask)[:, None] * exact_float(sc)) * exact_float(q)
 
 
 @triton.jit

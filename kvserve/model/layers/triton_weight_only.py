@@ -32,7 +32,7 @@ import triton.language as tl
 import triton.testing
 
 from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, apply_by_parts, linear_into
-from kvserve.model.layers.triton_tiles import accumulate_dot, store_tile
+from kvserve.model.layers.triton_tiles import accumulate_dot, exact_float, store_tile
 from kvserve.model.layers.weight_quant import QuantizedRows, quantize_rows
 
 # tile shapes tried per (N, K, batch class) on CUDA. A decode-sized batch is bound by reading the codes: narrow
@@ -86,15 +86,6 @@ class PackedWeight(NamedTuple):
 
 
 @triton.jit
-def _exact_float(q):
-    """Integer codes -128..255 as fp32, by their bits: 2^23 + 128 + q is an fp32 whose low mantissa bits are
-    q + 128, and subtracting 2^23 + 128 is exact. The programming guide's throughput table lists 16 type
-    conversions a clock per multiprocessor on compute capability 9.0, against 64 integer and 128 fp32 operations,
-    and a decode step converts every code it reads (``benchmarks/triton_weight_only.py`` measures the kernel)."""
-    return ((q.to(tl.int32) + 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-
-
-@triton.jit
 def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_xm, stride_codes, stride_scales,
                             stride_ym, group_size, INT4: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -119,7 +110,7 @@ def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_
         else:
             q = tl.load(code_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)
         group = k0 // group_size
-        values = _exact_float(q) * tl.load(scales + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        values = exact_float(q) * tl.load(scales + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         if HAS_OFFSET:
             values += tl.load(offsets + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         acc = accumulate_dot(acc, xs, values)
