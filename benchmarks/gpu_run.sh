@@ -22,15 +22,16 @@
 #
 # A lease is 15 minutes of device time, the machine's start (a minute or two) included, and one call runs at
 # most 10: two calls, the second at once while the machine is warm. At sessions 14 and 15's speeds (tests 230 s
-# in one process, profile 45 s, throughput about 120 s, fixed 320 s, sweep 120 s; weight_only about 150 s,
+# in one process, profile 45 s, throughput about 150 s, fixed 320 s, sweep 120 s; weight_only about 180 s,
 # estimated) a lease holds:
 #
-#     run(timeout_s=560): OUT=$OUT DEADLINE=530 benchmarks/gpu_run.sh info tests weight_only profile throughput
-#     run(timeout_s=340): OUT=$OUT DEADLINE=320 benchmarks/gpu_run.sh fixed
+#     run(timeout_s=570): OUT=$OUT DEADLINE=540 benchmarks/gpu_run.sh info tests weight_only profile
+#     run(timeout_s=280): OUT=$OUT DEADLINE=250 benchmarks/gpu_run.sh fixed
 #
-# and the next lease `kv`, `offload` and `sweep` (the sweep's latency half has never been measured), and what
-# these calls showed.
-#
+# (`fixed` ends inside 250 s only at the 7,000 tok/s it aims for; stopped there, it says it did not) and the next
+# lease `throughput`, `kv`, `offload` and `sweep` (the sweep's latency half has never been measured), and what
+# these calls showed. benchmarks/GPU_NOTES.md has each figure's floor and what to expect.
+
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
 # installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the
 # platform flags, and .git/info/exclude should name /.whl/):
@@ -65,8 +66,7 @@ step_tests() {  # every -m gpu test, then the Triton tests CI runs through the i
     # the share of free memory, so they can share the GPU; most of their time is Triton compiling on the CPU)
     local workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-8}")
-    python3 -m pytest "${workers[@]}" -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests/attention \
-        tests/engine/test_cuda.py tests/model tests/worker tests/sample/test_counter_noise.py
+    python3 -m pytest "${workers[@]}" -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests
     python3 -m pytest "${workers[@]}" -q -p no:cacheprovider tests/attention/test_triton_paged.py \
         tests/model/test_triton_fused_ops.py
 }
