@@ -77,7 +77,10 @@ class EngineCore:
         self.peak = KVUsagePeak()
         # called with each step as its tokens come back, before the update (``bench.step_trace``)
         self.step_observer: Callable[[SchedulerOutput], None] | None = None
-        # when the last step's tokens came back, or the first step after an idle engine was launched
+        # with a disk tier, what recomputing a prefix costs is measured (``reload_costs``) from each step's period:
+        # from the last step's tokens coming back, or from the launch of the first step after an idle engine
+        store = kv_manager.store
+        self._times_steps = store is not None and store.disk is not None
         self._last_step_back: float | None = None
 
     def add_request(self, request: Request) -> None:
@@ -127,20 +130,21 @@ class EngineCore:
         if self.step_observer is not None:
             self.step_observer(sched_out)
         store = self.kv_manager.store
-        step_back = time.perf_counter()
-        if store is not None and store.disk is not None:
+        step_back = time.perf_counter() if self._times_steps else 0.0
+        if self._times_steps:
             self._observe_step_cost(sched_out, step_back)
         if sched_out.is_empty and store is not None and store.num_reading:
             store.wait_for_reads(DISK_READ_WAIT_SECONDS)  # only requests waiting on the disk: don't spin
         outputs = self.scheduler.update_from_output(sched_out, model_out)
-        self._last_step_back = step_back if self.scheduler.has_unfinished_requests() else None  # idle: no period
+        if self._times_steps:  # idle after this step: the next period starts at its launch
+            self._last_step_back = step_back if self.scheduler.has_unfinished_requests() else None
         if store is not None and not self.scheduler.has_unfinished_requests():
             self.offload_pending()  # idle now: the last step's blocks go to the tiers without waiting for a step
         return outputs
 
     def _start_period(self) -> None:
         """A step's period runs from the last step's tokens coming back; after an idle engine, from its launch."""
-        if self._last_step_back is None:
+        if self._times_steps and self._last_step_back is None:
             self._last_step_back = time.perf_counter()
 
     def _observe_step_cost(self, sched_out: SchedulerOutput, step_back: float) -> None:
