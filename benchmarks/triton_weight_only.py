@@ -71,7 +71,8 @@ def main(argv: list[str]) -> int:
         weights = [torch.empty(n, k, device=device, dtype=torch.bfloat16).uniform_(-0.05, 0.05)
                    for _ in range(copies)]
         packed = {scheme: [PackedWeight.of(quantize_rows(w, scheme)) for w in weights] for scheme in ("int8", "int4")}
-        tiny = [tinygemm(w) for w in weights] if tinygemm(weights[0]) else None
+        first = tinygemm(weights[0])
+        tiny = [first, *(tinygemm(w) for w in weights[1:])] if first else None
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             dense_ms = median_ms([lambda w=w: F.linear(x, w) for w in weights])
