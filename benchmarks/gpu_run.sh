@@ -171,9 +171,11 @@ step_throughput() {  # (b): prompts 128-1,024, 256 out, beside transformers' gen
         --max-num-seqs 256 --max-num-batched-tokens 8192
 }
 
-step_fixed() {  # (c): 1,000 requests of 1,000 in / 1,000 out
+step_fixed() {  # (c): 1,000 requests of 1,000 in / 1,000 out. At 512 sequences the H200's pool (864k tokens)
+    # fills before a wave ends (128 preemptions in session 14, 22% more prefill), and steps near a full pool are
+    # not scheduled ahead; at MAX_SEQS=384 the waves fit (a scheduler simulation: none; GPU_NOTES.md)
     llama8b_throughput fixed --dataset-name random --num-prompts 1000 --random-input-len 1000 \
-        --random-output-len 1000 --random-range-ratio 0 --max-num-seqs 512 --max-num-batched-tokens 8192
+        --random-output-len 1000 --random-range-ratio 0 --max-num-seqs "${MAX_SEQS:-384}" --max-num-batched-tokens 8192
 }
 
 step_sweep() {  # (e): kvserve serve, then kvserve bench serve over Poisson rates, ShareGPT-like lengths
