@@ -216,6 +216,10 @@ for step in "$@"; do
     fi
     echo "=== $step $(date +%T), $left s left"
     timeout -k 10 "$left" bash -c "step_$step" 2>&1 | tee "$OUT/$step.log"
+    status=${PIPESTATUS[0]}
+    if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
+        echo "STOPPED: $step at the ${DEADLINE:-540} s deadline" | tee -a "$OUT/$step.log"
+    fi
     pack
 done
 echo "=== done $(date +%T)"

@@ -3,7 +3,7 @@
 
     python benchmarks/gpu_summary.py RESULTS_DIR
 
-Reads what the steps write: pytest's closing lines in `*.log`, `gpu_decode_step.py`'s step tables, `kvserve bench
+Reads what the steps write: pytest's closing lines and uncaught exceptions in `*.log`, `gpu_decode_step.py`'s step tables, `kvserve bench
 throughput`, `serve` and `roofline` result files, and `structured_output.py`'s JSON lines.
 """
 
@@ -17,15 +17,17 @@ from typing import Any, Iterator
 
 from kvserve.bench.step_trace import format_step_trace
 
+UNCAUGHT = re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt|Exit): ")  # a traceback's last line
 PYTEST_TOTALS = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)* in [\d.]+s.*?)\s*=*$")  # "2 failed, 258 passed in 154.44s"
 
 
-def pytest_lines(log: Path) -> Iterator[str]:
+def log_lines(log: Path) -> Iterator[str]:
+    """pytest's totals and failures, an uncaught exception's last line, a step stopped at the deadline."""
     for line in log.read_text(errors="replace").splitlines():
         match = PYTEST_TOTALS.match(line.strip())
         if match:
             yield f"pytest: {match.group(1)}"
-        elif line.startswith(("FAILED ", "ERROR ")):
+        elif line.startswith(("FAILED ", "ERROR ", "STOPPED: ")) or UNCAUGHT.match(line):
             yield line[:200]
 
 
@@ -104,7 +106,7 @@ def json_lines(result: dict[str, Any]) -> Iterator[str]:
 
 def file_lines(path: Path) -> Iterator[str]:
     if path.suffix == ".log":
-        yield from pytest_lines(path)
+        yield from log_lines(path)
         return
     text = path.read_text(errors="replace")
     try:

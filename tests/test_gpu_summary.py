@@ -18,6 +18,9 @@ def summarize(folder: Path) -> list[str]:
 
 
 def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
+    (tmp_path / "weight_only.log").write_text("Traceback (most recent call last):\n  File x\n"
+                                              "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate\n"
+                                              "STOPPED: weight_only at the 540 s deadline\n")
     (tmp_path / "tests.log").write_text(
         "....F\nFAILED tests/engine/test_cuda.py::test_x - AssertionError: boom\n"
         "========= 1 failed, 258 passed, 1 skipped in 154.44s (0:02:34) =========\n")
@@ -72,6 +75,8 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
         "ms, ITL P99 30.1 ms",
         "tests.log: FAILED tests/engine/test_cuda.py::test_x - AssertionError: boom",
         "tests.log: pytest: 1 failed, 258 passed, 1 skipped in 154.44s (0:02:34)",
+        "weight_only.log: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate",
+        "weight_only.log: STOPPED: weight_only at the 540 s deadline",
     ]
 
 
