@@ -135,7 +135,7 @@ def fused_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
 
 def weight_only_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
     """The weight-only GEMM at every tile shape its autotuning tries, INT4 and INT8 in bf16, and one shape of each
-    in fp16 and fp32."""
+    in fp16 and fp32; the dequantize kernel."""
     from kvserve.model.layers import triton_weight_only as weight_only
 
     # Llama-3-8B's o projection in groups of 128: every stride and size 16-divisible, as at run time
@@ -152,6 +152,11 @@ def weight_only_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
             bias=dtype, y=dtype, M=3, N=4096, K=4096, stride_xm=4096, stride_codes=2048 if int4 else 4096,
             stride_scales=32 if int4 else 1, stride_ym=4096, group_size=128 if int4 else 4096, INT4=int4,
             HAS_OFFSET=int4, HAS_BIAS=False, **config.kwargs, options=options)))
+    for int4 in (True, False):  # the dequantized GEMM's weight, in bf16
+        cases.append((f"dequantize {'INT4' if int4 else 'INT8'}", weight_only.dequantize_kernel, dict(
+            codes=torch.uint8 if int4 else torch.int8, scales=torch.float16, offsets=torch.float16,
+            out=torch.bfloat16, N=4096, K=4096, stride_codes=2048 if int4 else 4096, stride_scales=32 if int4 else 1,
+            stride_out=4096, group_size=128 if int4 else 4096, INT4=int4, HAS_OFFSET=int4, BLOCK_N=32, BLOCK_K=64)))
     return cases
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
+triton = pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
 
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.model.layers.linear import PackedLinear  # noqa: E402
 from kvserve.model.layers.triton_weight_only import (  # noqa: E402
-    PackedWeight, TritonWeightOnlyLinearMethod, reference_linear, weight_only_gemm,
+    PackedWeight, TritonWeightOnlyLinearMethod, dequantize, reference_linear, weight_only_gemm,
 )
 from kvserve.model.layers.weight_quant import quantize_rows, quantize_weight  # noqa: E402
 from kvserve.model.loader import load_checkpoint  # noqa: E402
@@ -167,3 +167,46 @@ def test_engines_on_cuda_give_the_cpu_engines_tokens(tiny_checkpoints, scheme: s
     outs = half.generate(prompts, params)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs) and half.stats()["num_blocks_used"] == 0
     assert half.stats()["weights_bytes"] < dense.stats()["weights_bytes"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_dequantize_writes_the_values_the_kernel_builds(scheme: str, dtype: torch.dtype) -> None:
+    weight, values = packed(40, 576, scheme, seed=9)
+    out = torch.full((40, 576), float("nan"), dtype=dtype, device=DEVICE)
+    assert dequantize(weight, out) is out
+    assert torch.equal(out.cpu(), values.to(dtype))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_batched_step_takes_the_gemm_that_timed_faster_for_its_class(scheme: str) -> None:
+    """A fake timer says the dequantized GEMM is faster for up to 64 rows and slower for 128: each class is
+    timed once, both ways; decode-sized steps are never timed; every path gives the same product; one scratch
+    matrix, of the largest layer's size, serves every layer."""
+    timed: list[str] = []
+
+    def timer(call) -> float:
+        timed.append(call.__code__.co_names[0])  # F (the dequantized GEMM) or weight_only_gemm
+        return {"F": 1.0, "weight_only_gemm": 2.0}[timed[-1]] * (3.0 if rows > 64 and timed[-1] == "F" else 1.0)
+
+    method = TritonWeightOnlyLinearMethod(scheme, timer=timer)
+    gen = torch.Generator().manual_seed(10)
+    layers = []
+    for n, k in ((48, 256), (96, 128)):
+        layer = PackedLinear(k, {"gate_proj": n // 2, "up_proj": n // 2}, bias=False)
+        layer.bind(method, torch.float32)
+        layer.to_empty(device=DEVICE)
+        for shard in ("gate_proj", "up_proj"):
+            layer.load_weight("weight", torch.randn(n // 2, k, generator=gen), shard=shard)
+        layer.process_weights_after_loading()
+        layers.append(layer)
+    assert method.largest == 96 * 128
+    for rows, dequantized in ((1, False), (16, False), (17, True), (32, True), (128, False)):
+        for layer in layers:
+            x = torch.randn(rows, layer.in_features, generator=gen)
+            expected = x @ layer.packed_parts[0].dequantize().cpu().T
+            torch.testing.assert_close(layer(x.to(DEVICE)).cpu(), expected, rtol=1e-5, atol=1e-4)
+            key = (*layer.packed_parts[0].shape, scheme == "int4", torch.float32, triton.next_power_of_2(rows))
+            assert method.choices.get(key, False) == dequantized, (rows, key)
+    assert len(timed) == 2 * 2 * 2  # two layers, two classes (17 and 32 share 32; then 128), both ways
+    assert method._scratch is not None and method._scratch.numel() == 96 * 128

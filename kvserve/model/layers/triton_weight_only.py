@@ -48,6 +48,7 @@ BATCH_CONFIGS = [
     for m in (64, 128) for w in (4, 8)
 ]
 INTERPRETED_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
+DECODE_ROWS = 16  # steps of up to this many rows always take the packed kernel: reading the codes bounds them
 
 
 class PackedWeight(NamedTuple):
@@ -86,6 +87,25 @@ class PackedWeight(NamedTuple):
 
 
 @triton.jit
+def _tile_values(code_rows, param_rows, scales, offsets, k0, mask_n, K, group_size, INT4: tl.constexpr,
+                 HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 values [BLOCK_N, BLOCK_K] of inputs k0 .. k0 + BLOCK_K of the rows at ``code_rows`` (one group)."""
+    if INT4:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(code_rows + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K // 2)[None, :],
+                         other=0).to(tl.int32)
+        q = tl.interleave(packed & 15, packed >> 4)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(code_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)
+    group = k0 // group_size
+    values = exact_float(q) * tl.load(scales + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    if HAS_OFFSET:
+        values += tl.load(offsets + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    return values
+
+
+@triton.jit
 def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_xm, stride_codes, stride_scales,
                             stride_ym, group_size, INT4: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -102,19 +122,24 @@ def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xs = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-        if INT4:
-            offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(code_rows + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K // 2)[None, :],
-                             other=0).to(tl.int32)
-            q = tl.interleave(packed & 15, packed >> 4)
-        else:
-            q = tl.load(code_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)
-        group = k0 // group_size
-        values = exact_float(q) * tl.load(scales + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        if HAS_OFFSET:
-            values += tl.load(offsets + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        values = _tile_values(code_rows, param_rows, scales, offsets, k0, mask_n, K, group_size, INT4, HAS_OFFSET,
+                              BLOCK_K)
         acc = accumulate_dot(acc, xs, values)
     store_tile(y, acc, bias, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def dequantize_kernel(codes, scales, offsets, out, N, K, stride_codes, stride_scales, stride_out, group_size,
+                      INT4: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [N, K] = W in out's dtype (each value rounded once from its exact fp32). Program (n tile, k tile)."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    values = _tile_values(codes + offs_n.to(tl.int64)[:, None] * stride_codes, offs_n.to(tl.int64) * stride_scales,
+                          scales, offsets, k0, mask_n, K, group_size, INT4, HAS_OFFSET, BLOCK_K)
+    out_ptrs = out + offs_n.to(tl.int64)[:, None] * stride_out + offs_k[None, :]
+    tl.store(out_ptrs, values.to(out.dtype.element_ty), mask=mask_n[:, None] & (offs_k < K)[None, :])
 
 
 @functools.cache
@@ -161,6 +186,20 @@ def weight_only_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
     return y
 
 
+def dequantize(weight: PackedWeight, out: torch.Tensor) -> torch.Tensor:
+    """The weight's values in ``out``'s dtype, into ``out`` [N, K] (rows contiguous): for a batch large enough that
+    torch's GEMM on them beats the packed kernel (``TritonWeightOnlyLinearMethod``)."""
+    n, k = weight.shape
+    if out.shape != (n, k) or out.stride(1) != 1:
+        raise ValueError(f"dequantize: out {tuple(out.shape)} is not rows of [{n}, {k}]")
+    block_k = 64 if weight.group_size % 64 == 0 or weight.group_size >= k else 32  # a tile lies in one group
+    dequantize_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_k))](
+        weight.codes, weight.scale, weight.scale if weight.offset is None else weight.offset, out, n, k,
+        weight.codes.stride(0), weight.scale.stride(0), out.stride(0), weight.group_size, INT4=weight.int4,
+        HAS_OFFSET=weight.offset is not None, BLOCK_N=32, BLOCK_K=block_k)
+    return out
+
+
 def reference_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The twin of ``weight_only_gemm``: the dequantized weight in x's dtype, then ``F.linear``."""
     return F.linear(x, weight.dequantize().to(x.dtype), bias)
@@ -169,11 +208,21 @@ def reference_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
 class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
     """Quantizes each linear layer's weight as it loads (``scheme`` "int8" or "int4"), on the layer's device, into
     one ``PackedWeight`` (a packed layer's projections joined: one launch a step, where a launch costs as much as
-    reading a small projection) multiplied by ``weight_only_gemm`` at every step size. A tied LM head keeps the
-    embeddings' weight as loaded (``F.linear``)."""
+    reading a small projection). Steps of up to ``DECODE_ROWS`` rows multiply the codes with
+    ``weight_only_gemm``; a larger one takes whichever measured faster the first time a step of its layer shape
+    and batch size class (a power of two) came: the packed kernel, or the weight dequantized into a scratch
+    matrix and torch's GEMM (a prefill's many rows make the GEMM compute-bound, where the packed kernel's
+    decoding of every tile costs more than writing the weight out once). A tied LM head keeps the embeddings'
+    weight as loaded (``F.linear``)."""
 
-    def __init__(self, scheme: str) -> None:
+    def __init__(self, scheme: str, timer: Callable[[Callable[[], object]], float] | None = None) -> None:
+        """``timer``: a call's time, for the choice of a batched step's GEMM (default: CUDA events on CUDA;
+        elsewhere, with none, the packed kernel)."""
         self.scheme = scheme
+        self.timer = timer
+        self.choices: dict[tuple, bool] = {}  # (n, k, int4, dtype, rows class) -> dequantize?
+        self.largest = 0  # values of the largest packed weight: the scratch's size, fixed once loading is done
+        self._scratch: torch.Tensor | None = None  # one for every layer; CUDA graphs hold its address
 
     def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor, shard: str | None) -> None:
         if name == "weight":
@@ -188,8 +237,34 @@ class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
         joined = QuantizedRows(*(None if parts[0][i] is None else torch.cat([part[i] for part in parts])
                                  for i in range(3)), parts[0].group_size)
         layer.packed_parts = (PackedWeight.of(joined),)
+        self.largest = max(self.largest, joined.codes.numel())
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_parts is None:  # a tied head: the embeddings' weight
             return linear_into(x, layer.weight, layer.bias)
+        rows = x.reshape(-1, layer.in_features)
+        if rows.shape[0] > DECODE_ROWS and self._dequantizes(layer.packed_parts[0], rows, layer.bias):
+            y = F.linear(rows, self._dequantized(layer.packed_parts[0], rows), layer.bias)
+            return y.view(*x.shape[:-1], layer.out_features)
         return apply_by_parts(layer, layer.packed_parts, x, weight_only_gemm)
+
+    def _dequantized(self, weight: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+        n, k = weight.shape
+        if self._scratch is None or self._scratch.dtype != x.dtype or self._scratch.device != x.device:
+            self._scratch = torch.empty(self.largest, dtype=x.dtype, device=x.device)
+        return dequantize(weight, self._scratch[: n * k].view(n, k))
+
+    def _dequantizes(self, weight: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether a step of ``x``'s rows takes the dequantized GEMM: measured at the first step of its class
+        (both ways, a few ms each on CUDA), the packed kernel where nothing times them."""
+        key = (*weight.shape, weight.int4, x.dtype, triton.next_power_of_2(x.shape[0]))
+        if key not in self.choices:
+            timer = self.timer or (_median_ms if x.device.type == "cuda" else None)
+            self.choices[key] = timer is not None and (
+                timer(lambda: F.linear(x, self._dequantized(weight, x), bias))
+                < timer(lambda: weight_only_gemm(x, weight, bias)))
+        return self.choices[key]
+
+
+def _median_ms(call: Callable[[], object]) -> float:
+    return triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median")
