@@ -17,7 +17,9 @@ bounds a decode step at small batch.
 
 On CUDA the tile shapes are tuned per layer shape and batch size class at a layer's first call (the engine's
 eager warm-up, before any graph is captured); under Triton's interpreter (``TRITON_INTERPRET=1``, how CI runs
-it) one fixed shape runs. The twin is ``reference_linear``: the dequantized weight, then ``F.linear``.
+it) one fixed shape runs. A step of many rows may instead write the weight out once (``dequantize_kernel``) for
+torch's GEMM, where that measured faster (``TritonWeightOnlyLinearMethod``). The twin is ``reference_linear``:
+the dequantized weight, then ``F.linear``.
 """
 
 from __future__ import annotations
