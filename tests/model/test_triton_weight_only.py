@@ -176,6 +176,8 @@ def test_dequantize_writes_the_values_the_kernel_builds(scheme: str, dtype: torc
     out = torch.full((40, 576), float("nan"), dtype=dtype, device=DEVICE)
     assert dequantize(weight, out) is out
     assert torch.equal(out.cpu(), values.to(dtype))
+    with pytest.raises(ValueError, match=r"dequantize: out \(576, 40\) is not rows of \[40, 576\]"):
+        dequantize(weight, out.T)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
