@@ -37,7 +37,7 @@ def simulate(args: argparse.Namespace, max_num_seqs: int) -> dict[str, float]:
     while scheduler.has_unfinished_requests():
         requests = step().requests
         tokens = sum(r.num_tokens for r in requests)
-        decodes = [r for r in requests if r.num_tokens == 1]
+        decodes = [r for r in requests if r.is_decode]
         context = sum(r.start_pos + 1 for r in decodes)
         totals["steps"] += 1
         totals["steps_with_prefill"] += tokens > len(decodes)

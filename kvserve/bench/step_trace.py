@@ -38,7 +38,7 @@ class StepTrace:
     def __call__(self, sched_out: SchedulerOutput) -> None:
         decodes = context = prefill = 0
         for request in sched_out.requests:
-            if request.start_pos and request.num_tokens == 1 + len(request.draft_token_ids):
+            if request.is_decode:
                 decodes += 1
                 context += request.start_pos + request.num_tokens
             else:

@@ -151,7 +151,7 @@ class EngineCore:
         """Feed the KV manager's reload costs with this step's period (to ``step_back``, its tokens coming back)
         and how much of it was prefill: what recomputing a prefix costs."""
         if self._last_step_back is not None and not sched_out.is_empty:
-            prefill = sum(r.num_tokens for r in sched_out.requests if r.num_tokens > 1 + len(r.draft_token_ids))
+            prefill = sum(r.num_tokens for r in sched_out.requests if not r.is_decode)
             self.kv_manager.reload_costs.observe_step(prefill, sched_out.num_tokens, step_back - self._last_step_back)
 
     def offload_pending(self) -> None:

@@ -70,6 +70,11 @@ class ScheduledRequest(NamedTuple):
     draft_token_ids: tuple[int, ...] = ()
     num_null_blocks: tuple[int, ...] = ()
 
+    @property
+    def is_decode(self) -> bool:
+        """A decode row: the token sampled last step (and drafts after it), not a chunk of the prompt."""
+        return self.start_pos > 0 and self.num_tokens == 1 + len(self.draft_token_ids)
+
 
 @dataclass(frozen=True)
 class KVTransferPlan:
