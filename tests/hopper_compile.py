@@ -79,10 +79,12 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
             common, out=dtype, stride_ot=1, stride_oh=1, query_starts=torch.int32, query_lens=torch.int32,
             QUERIES_PER_TILE=64 // group, BLOCK_M=64)))
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        cases.append((f"store ({dtype})", kernels.store_kv_kernel, dict(
-            k_cache=dtype, v_cache=dtype, k=dtype, v=dtype, slots=torch.int64, stride_kt=1, stride_kh=1, stride_vt=1,
-            stride_vh=1, stride_block=1, stride_slot=1, stride_head=1, num_kv_heads=1, HEAD_DIM=128, PAGE_SIZE=16,
-            BLOCK_H=8, BLOCK_D=128)))
+        for rope in (False, True):
+            cases.append((f"store ({dtype}, rope {rope})", kernels.store_kv_kernel, dict(
+                k_cache=dtype, v_cache=dtype, k=dtype, v=dtype, slots=torch.int64, stride_kt=1, stride_kh=1,
+                stride_vt=1, stride_vh=1, stride_block=1, stride_slot=1, stride_head=1, num_kv_heads=1, q=dtype,
+                stride_qt=1, stride_qh=1, num_heads=1, cos=dtype, sin=dtype, stride_cos=1, HEAD_DIM=128,
+                PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, ROPE=rope, BLOCK_QH=32 if rope else 1)))
     for dtype in (torch.bfloat16, torch.float32):
         cases.append((f"merge ({dtype})", kernels.merge_splits_kernel, dict(
             out=dtype, stride_ot=1, stride_oh=1, partial=torch.float32, lse=torch.float32, num_splits=1,

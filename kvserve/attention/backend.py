@@ -21,6 +21,10 @@ import torch
 
 from kvserve.kv.storage import KVCacheStorage
 
+# a layer's rotary embedding at the step's positions: cos and sin [T, 1, head_dim / 2] (HF's half-split
+# convention, ``model/layers/rotary.py``)
+Rope = tuple[torch.Tensor, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class AttentionInputs:
@@ -110,10 +114,24 @@ class AttentionBackend(ABC):
         *,
         scale: float,
         sliding_window: int | None = None,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         """Write k and v of the step's tokens into layer ``layer``'s cache, then return causal attention of
         each query over its sequence's cached keys: [T, num_heads, head_dim]. With ``sliding_window`` w, a
-        query at position p sees keys at positions p - w + 1 .. p (HF's convention)."""
+        query at position p sees keys at positions p - w + 1 .. p (HF's convention). ``rope``: where
+        ``takes_rope`` says so, the layer's cos and sin, q and k arriving unrotated; None: already rotated."""
+
+    def takes_rope(self, kv: KVCacheStorage, layer: int) -> bool:
+        """Whether ``forward`` rotates q and k itself for layer ``layer`` (``rope``), in the launch that stores
+        the new keys, where the layer would otherwise launch a rotary kernel of its own. Default: no."""
+        return False
+
+
+def refuse_rope(backend: AttentionBackend, rope: Rope | None) -> None:
+    """ValueError where ``rope`` is handed to a backend whose ``takes_rope`` said no."""
+    if rope is not None:
+        raise ValueError(f"{type(backend).__name__} does not rotate q and k for this layer (its takes_rope is "
+                         "False): the layer applies the rotary embedding before forward")
 
 
 def check_sliding_window(sliding_window: int | None, windows: Collection[int | None]) -> None:

@@ -36,7 +36,9 @@ from typing import Callable
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, check_sliding_window
+from kvserve.attention.backend import (
+    AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_sliding_window, refuse_rope,
+)
 from kvserve.attention.torch_ref import _validate
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 from kvserve.native import KernelFunction, kernel_range, load_library
@@ -125,7 +127,9 @@ class CpuPagedBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
+        refuse_rope(self, rope)
         if not isinstance(meta, CpuPagedMetadata):
             raise TypeError(f"CpuPagedBackend needs CpuPagedMetadata, got {type(meta).__name__}")
         _check_shapes(q, k, kv, layer, meta.inputs)

@@ -19,7 +19,9 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, check_sliding_window
+from kvserve.attention.backend import (
+    AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_sliding_window, refuse_rope,
+)
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 
 MIN_DECODE_GROUP = 8
@@ -142,7 +144,9 @@ class TorchRefBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
+        refuse_rope(self, rope)
         if not isinstance(meta, TorchRefMetadata):
             raise TypeError(f"TorchRefBackend needs TorchRefMetadata, got {type(meta).__name__}")
         plan = _plan_for(meta, sliding_window)

@@ -2,7 +2,8 @@
 and paged prefill.
 
 The store writes a step's new keys and values of an unquantized cache into their slots, both in one launch
-(``KVCacheStorage.write``, which also quantizes, takes two copies). The other three read K/V in place from the
+(``KVCacheStorage.write``, which also quantizes, takes two copies), and may rotate the keys and the queries on
+the way (the rotary embedding, one launch fewer a layer). The other three read K/V in place from the
 paged cache (``[num_blocks, block_size, num_kv_heads, head_dim]``), a key at position p of a sequence lying at
 slot ``table[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE``. Scores
 are kept in the log2 domain (the softmax scale is pre-multiplied by log2 e, so ``exp2`` is one instruction),
@@ -31,19 +32,47 @@ UNQUANTIZED, SCALED, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 @triton.jit
 def store_kv_kernel(k_cache, v_cache, k, v, slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_block,
-                    stride_slot, stride_head, num_kv_heads, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per new token: its [num_kv_heads, HEAD_DIM] key and value rows into slot ``slots[t]``."""
+                    stride_slot, stride_head, num_kv_heads, q, stride_qt, stride_qh, num_heads, cos, sin, stride_cos,
+                    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                    ROPE: tl.constexpr, BLOCK_QH: tl.constexpr):
+    """One program per new token: its [num_kv_heads, HEAD_DIM] key and value rows into slot ``slots[t]``. With
+    ``ROPE`` the key is stored rotated by the token's cos / sin [HEAD_DIM / 2], and its [num_heads, HEAD_DIM]
+    query rotated in place, each as the fused ops' rotary kernel rotates them (the same fp32 arithmetic, one
+    rounding): the layer's rotary launch folded into this one."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_DIM)
     dst = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot \
         + offs_h[:, None] * stride_head + offs_d[None, :]
-    key = tl.load(k + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     value = tl.load(v + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(k_cache + dst, key, mask=mask)
     tl.store(v_cache + dst, value, mask=mask)
+    if ROPE:
+        half = HEAD_DIM // 2
+        offs_half = tl.arange(0, BLOCK_D // 2)
+        mask_half = offs_half < half
+        c = tl.load(cos + t * stride_cos + offs_half, mask=mask_half, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(sin + t * stride_cos + offs_half, mask=mask_half, other=0.0).to(tl.float32)[None, :]
+        offs_qh = tl.arange(0, BLOCK_QH)
+        query = q + t * stride_qt + offs_qh[:, None] * stride_qh + offs_half[None, :]
+        _rotate_halves(query, query, (offs_qh[:, None] < num_heads) & mask_half[None, :], c, s, half)
+        key = k + t * stride_kt + offs_h[:, None] * stride_kh + offs_half[None, :]
+        key_dst = k_cache + (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot \
+            + offs_h[:, None] * stride_head + offs_half[None, :]
+        _rotate_halves(key, key_dst, (offs_h[:, None] < num_kv_heads) & mask_half[None, :], c, s, half)
+    else:
+        key = tl.load(k + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+        tl.store(k_cache + dst, key, mask=mask)
+
+
+@triton.jit
+def _rotate_halves(src, dst, mask, c, s, half):
+    """Rows of ``2 * half`` values at ``src`` (pointers to their first halves) rotated into ``dst``, HF's
+    half-split convention: ``(x1 * c - x2 * s, x2 * c + x1 * s)`` in fp32, rounded to ``dst``'s dtype."""
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, (x1 * c - x2 * s).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + half, (x2 * c + x1 * s).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -5,9 +5,9 @@ through one varlen prefill launch, both reading K/V in place from the blocks (``
              |<-- decode (+ merge) -->|<-- prefill: one launch ->|
 
 The step's new K/V go into their slots first, so a chunk's own keys are read back from the cache like its
-context: an unquantized cache's through ``store_kv_kernel`` (keys and values in one launch: at one stream a
-step is a chain of short kernels, each costing its launch), a quantized one's through ``KVCacheStorage.write``
-(which quantizes).
+context: an unquantized cache's through ``store_kv_kernel`` (keys and values in one launch, the rotary embedding
+of keys and queries in it too: at one stream a step is a chain of short kernels, each costing its launch and a
+gap), a quantized one's through ``KVCacheStorage.write`` (which quantizes), the layer rotating first.
 
 Decodes are bound by the bytes of K/V they read. A program takes one decode and one KV head (its query heads
 ride together, so each key row is loaded once for the group); when decodes x KV heads are too few to fill the
@@ -27,7 +27,9 @@ import torch
 import triton
 
 from kvserve.attention import triton_kernels as kernels
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, check_sliding_window
+from kvserve.attention.backend import (
+    AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_sliding_window, refuse_rope,
+)
 from kvserve.attention.torch_ref import _validate
 from kvserve.kv.quant import KVCacheDtype, rotate_queries
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
@@ -114,6 +116,7 @@ class TritonPagedBackend(AttentionBackend):
         *,
         scale: float,
         sliding_window: int | None = None,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         if not isinstance(meta, TritonPagedMetadata):
             raise TypeError(f"TritonPagedBackend needs TritonPagedMetadata, got {type(meta).__name__}")
@@ -123,8 +126,9 @@ class TritonPagedBackend(AttentionBackend):
             q = q.contiguous()
         layer_kv, window = kv.layer(layer), sliding_window or NO_WINDOW
         if layer_kv.k_scale is None:
-            store_kv(layer_kv, meta.inputs.slot_mapping, k, v)
+            store_kv(layer_kv, meta.inputs.slot_mapping, k, v, rope, q)
         else:
+            refuse_rope(self, rope)
             kv.write(layer, meta.inputs.slot_mapping, k, v)
             q = rotate_queries(q, layer_kv.encoding)  # int4's keys are stored rotated
         out = torch.empty_like(q)
@@ -133,6 +137,10 @@ class TritonPagedBackend(AttentionBackend):
         if meta.num_chunks:
             _attend_chunks(q, out, layer_kv, meta, scale, window)
         return out
+
+    def takes_rope(self, kv: KVCacheStorage, layer: int) -> bool:
+        """An unquantized cache's keys are stored by ``store_kv_kernel``, which rotates them and the queries."""
+        return kv.layer(layer).k_scale is None
 
     def _attend_decodes(self, q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, meta: TritonPagedMetadata,
                         scale: float, window: int) -> None:
@@ -169,21 +177,38 @@ class TritonPagedBackend(AttentionBackend):
         return max(1, min(self.max_kv_splits, by_length, math.ceil(2 * num_sms / num_programs)))
 
 
-def store_kv(layer_kv: KVLayerView, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def store_kv(layer_kv: KVLayerView, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             rope: Rope | None = None, q: torch.Tensor | None = None) -> None:
     """The step's new keys and values ([T, num_kv_heads, head_dim], rows strided as the packed qkv leaves
-    them) into their slots of an unquantized cache, one launch for both."""
+    them) into their slots of an unquantized cache, one launch for both. With ``rope`` the keys are stored
+    rotated and ``q`` [T, num_heads, head_dim] (elements contiguous) is rotated in place, in that launch; k
+    itself is left as it came (the kernels read the step's keys back from the cache)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if not num_tokens:
         return
     cache_k, cache_v = layer_kv.k, layer_kv.v
     if k.stride(2) != 1 or v.stride(2) != 1:
         k, v = k.contiguous(), v.contiguous()
+    cos, sin = rope if rope is not None else (k, k)  # without rope: never read
+    if rope is not None:
+        _check_rope(q, cos, sin, head_dim)
     kernels.store_kv_kernel[(num_tokens,)](
         cache_k, cache_v, k, v, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), num_kv_heads, HEAD_DIM=head_dim,
-        PAGE_SIZE=cache_k.shape[1], BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), num_kv_heads,
+        k if q is None else q, 0 if q is None else q.stride(0), 0 if q is None else q.stride(1),
+        0 if q is None else q.shape[1], cos, sin, cos.stride(0), HEAD_DIM=head_dim, PAGE_SIZE=cache_k.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        ROPE=rope is not None, BLOCK_QH=triton.next_power_of_2(q.shape[1]) if rope is not None else 1,
     )
+
+
+def _check_rope(q: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    """ValueError unless q and the rope tables are what ``store_kv_kernel`` rotates."""
+    if (q is None or q.stride(2) != 1 or q.shape[0] != cos.shape[0] or cos.shape != sin.shape
+            or cos.stride() != sin.stride() or cos.shape[-1] * 2 != head_dim or cos.stride(-1) != 1):
+        raise ValueError(f"store_kv rotates q [T, heads, {head_dim}] (elements contiguous) by cos / sin "
+                         f"[T, 1, {head_dim // 2}] alike; got q {None if q is None else tuple(q.shape)}, cos "
+                         f"{tuple(cos.shape)}, sin {tuple(sin.shape)}")
 
 
 def _attend_chunks(q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, meta: TritonPagedMetadata,

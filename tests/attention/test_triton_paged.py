@@ -15,6 +15,7 @@ from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend  # noqa: 
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted, store_kv  # noqa: E402
 from kvserve.kv.quant import ENCODINGS  # noqa: E402
+from kvserve.model.layers.triton_fused_ops import TritonFusedOps  # noqa: E402
 from tests.attention.test_cpu_paged import make_step  # noqa: E402
 from tests.attention.test_torch_ref import LAYER, Step, null_dead_blocks  # noqa: E402
 
@@ -86,6 +87,52 @@ def test_store_writes_what_the_storage_writes(dtype: torch.dtype) -> None:
     step.kv.write(LAYER, slots, step.k, step.v)
     assert torch.equal(stored[0], view.k) and torch.equal(stored[1], view.v)
     assert not torch.equal(stored[0], before[0]) and not torch.equal(stored[1], before[1])
+
+
+def rope_tables(num_tokens: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, head_dim / 2] at random positions, in the model's dtype, as ``RotaryEmbedding`` gives."""
+    angles = torch.rand(num_tokens, 1, head_dim // 2, generator=torch.Generator().manual_seed(0)) * 100
+    return angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_store_rotates_as_the_fused_ops_rotary_kernel(dtype: torch.dtype, head_dim: int) -> None:
+    """With the rope tables the store leaves the cache and q bit for bit as the fused ops' rotary kernel followed
+    by the plain store do (80: half of 40 in a 64-wide tile); k itself is left unrotated."""
+    step = triton_step(MIXED, 4, group=3, dtype=dtype, head_dim=head_dim, seed=8)
+    view, slots = step.kv.layer(LAYER), step.inputs.slot_mapping
+    num_heads, num_kv_heads = step.q.shape[1], step.k.shape[1]
+    qkv = torch.cat([step.q, step.k, step.v], dim=1)
+    rope = rope_tables(qkv.shape[0], head_dim, dtype)
+    fused_qkv = qkv.clone()
+    q, k, v = fused_qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    store_kv(view, slots, k, v, rope, q)
+    stored = view.k.clone(), view.v.clone()
+    separate_qkv = qkv.clone()
+    TritonFusedOps().rotary_(separate_qkv[:, : num_heads + num_kv_heads], *rope)
+    q2, k2, v2 = separate_qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    store_kv(view, slots, k2, v2)
+    assert torch.equal(stored[0], view.k) and torch.equal(stored[1], view.v)
+    assert torch.equal(q, q2) and not torch.equal(q, step.q)
+    assert torch.equal(k, step.k)
+
+
+def test_backends_that_do_not_rotate_refuse_the_rope() -> None:
+    step = triton_step([(3, 1), (0, 4)], 1, group=1)
+    rope = rope_tables(step.q.shape[0], step.q.shape[2], step.q.dtype)
+    reference = TorchRefBackend()
+    assert not reference.takes_rope(step.kv, LAYER) and SPLIT.takes_rope(step.kv, LAYER)
+    with pytest.raises(ValueError, match="TorchRefBackend does not rotate"):
+        reference.forward(step.q, step.k, step.v, LAYER, step.kv, reference.build_metadata(step.inputs, {None}),
+                          scale=1.0, rope=rope)
+    quantized = triton_step([(3, 1), (0, 4)], 1, group=1, encoding=ENCODINGS["int8"])
+    assert not SPLIT.takes_rope(quantized.kv, LAYER)  # KVCacheStorage.write quantizes: the layer rotates
+    with pytest.raises(ValueError, match="TritonPagedBackend does not rotate"):
+        SPLIT.forward(quantized.q, quantized.k, quantized.v, LAYER, quantized.kv,
+                      SPLIT.build_metadata(quantized.inputs, {None}), scale=1.0, rope=rope)
+    with pytest.raises(ValueError, match="store_kv rotates q"):
+        store_kv(step.kv.layer(LAYER), step.inputs.slot_mapping, step.k, step.v, rope, None)
 
 
 def test_head_dim_not_a_power_of_two() -> None:

@@ -1,5 +1,5 @@
-"""The attention layer of a decoder: packed q/k/v projection, optional per-head q/k norm, RoPE, paged
-attention through the backend, output projection."""
+"""The attention layer of a decoder: packed q/k/v projection, optional per-head q/k norm, RoPE (by the fused ops,
+or by the backend as it stores the keys where it can), paged attention through the backend, output projection."""
 
 from __future__ import annotations
 
@@ -73,9 +73,11 @@ class Attention(UsesFusedOps, Shardable, nn.Module):
         if self.q_norm is not None:  # in place, as RoPE after it
             self.ops.head_rms_norm_(self.q_norm, q)
             self.ops.head_rms_norm_(self.k_norm, k)
-        self.ops.rotary_(qk, *rope)
+        backend_rotates = self.backend.takes_rope(kv, self.layer_idx)  # as it stores k: one launch fewer
+        if not backend_rotates:
+            self.ops.rotary_(qk, *rope)
         out = self.backend.forward(
             q, k, v, self.layer_idx, kv, attn.for_layer(self.layer_idx), scale=self.scale,
-            sliding_window=self.sliding_window,
+            sliding_window=self.sliding_window, rope=rope if backend_rotates else None,
         )
         return self.o_proj(out.reshape(num_tokens, -1))
