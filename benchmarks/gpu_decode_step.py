@@ -124,6 +124,9 @@ def main(argv: list[str]) -> int:
                         help="the plain-PyTorch elementwise ops instead of the Triton ones (an A/B of the fusion)")
     parser.add_argument("--min-split-keys", type=int, default=None,
                         help="the Triton decode kernel's fewest keys a split reads (an A/B of flash-decoding's split)")
+    parser.add_argument("--separate-merge", action="store_true",
+                        help="flash-decoding's splits merged by a kernel of their own, not by the decode launch's "
+                             "last program (an A/B of the fold)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="decode steps after the timed ones to run under torch's profiler (a kernel table)")
     parser.add_argument("--json", default=None)
@@ -133,10 +136,11 @@ def main(argv: list[str]) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     if args.twin_ops:
         registry.select_fused_ops = lambda device, dtype: TorchFusedOps()
-    if args.min_split_keys is not None:
+    if args.min_split_keys is not None or args.separate_merge:
         from kvserve.attention import triton_paged  # imports triton: CUDA only
 
-        triton_paged.MIN_SPLIT_KEYS = args.min_split_keys
+        triton_paged.MIN_SPLIT_KEYS = args.min_split_keys or triton_paged.MIN_SPLIT_KEYS
+        triton_paged.MERGE_IN_DECODE = not args.separate_merge
     model = make_config_only(Path(tempfile.mkdtemp()) / args.shape, args.shape)
     device = torch.device("cuda")
     bandwidth = measure_copy_bandwidth(device, 1 << 30)
@@ -150,7 +154,8 @@ def main(argv: list[str]) -> int:
           f"{'eager' if args.enforce_eager else 'graphs'}"
           f"{', scheduled after each step' if args.no_overlap_scheduling else ''}"
           f"{', twin ops' if args.twin_ops else ''}"
-          f"{f', splits of >= {args.min_split_keys} keys' if args.min_split_keys else ''} on {device_name}: "
+          f"{f', splits of >= {args.min_split_keys} keys' if args.min_split_keys else ''}"
+          f"{', separate merge' if args.separate_merge else ''} on {device_name}: "
           f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     rows = []
     for batch in batches:
@@ -167,7 +172,7 @@ def main(argv: list[str]) -> int:
                   kv_cache_dtype=llm.stats()["kv_cache_dtype"],
                   enforce_eager=args.enforce_eager, twin_ops=args.twin_ops,
                   overlap_scheduling=not args.no_overlap_scheduling,
-                  min_split_keys=args.min_split_keys,
+                  min_split_keys=args.min_split_keys, separate_merge=args.separate_merge,
                   device=device_name,
                   copy_gb_per_s=bandwidth / 1e9, weight_bytes=weight_bytes, prompt_len=args.prompt_len, rows=rows)
     if args.json:

@@ -5,7 +5,7 @@
 #
 # Steps: info, tests (the -m gpu tests, and the interpreter's Triton tests natively), kernels (attention and
 # GGUF kernel micro-benchmarks), profile (decode steps with their kernel tables), splits (one stream with and
-# without flash-decoding's split), decode and decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes,
+# without flash-decoding's split, and its splits merged in the decode launch or apart), decode and decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes,
 # with CUDA graphs or without), overlap (decode steps with the overlapped scheduler and without), structured
 # (JSON-schema rows through structured_output.py, the overlap on and off), roofline, batch1 (issue 16's (a): one
 # stream of Llama-3-8B), sweep (issue 16's (e): a served sweep of Poisson rates), throughput (issue 16's (b): the
@@ -82,12 +82,14 @@ step_profile() {
         --json "$OUT/profile-smollm2.json"
 }
 
-step_splits() {  # flash-decoding's split at one stream: the default against no split, at two context lengths
-    for prompt in 128 512; do
+step_splits() {  # flash-decoding's split at one stream: the default against no split and against the splits
+    for prompt in 128 512; do  # merged by a kernel of their own, at two context lengths
         for keys in 64 4096; do
             python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --steps 32 --prompt-len $prompt \
                 --min-split-keys $keys --json "$OUT/splits-$prompt-$keys.json"
         done
+        python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --steps 32 --prompt-len $prompt \
+            --separate-merge --json "$OUT/splits-$prompt-separate-merge.json"
     done
 }
 

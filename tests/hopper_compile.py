@@ -71,10 +71,11 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
                       BLOCK_N=64, BLOCK_D=head_dim, QUANT=quant, QUANT_GROUP=64 if cache == torch.uint8 else head_dim,
                       PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST_DOTS=False)
         name = f"{str(dtype)[6:]} q, {str(cache)[6:]} cache, group {group}, head_dim {head_dim}"
-        for split in (False, True):
-            cases.append((f"decode ({name}, split {split})", kernels.paged_decode_kernel, dict(
+        for split, merge in ((False, False), (True, False), (True, True)):
+            cases.append((f"decode ({name}, split {split}, merge {merge})", kernels.paged_decode_kernel, dict(
                 common, out=torch.float32 if split else dtype, stride_ot=1, stride_oh=1, stride_os=1,
-                lse=torch.float32, BLOCK_G=16, STORE_LSE=split)))
+                lse=torch.float32, merged=dtype, stride_mt=1, stride_mh=1, counters=torch.int32, BLOCK_G=16,
+                STORE_LSE=split, MERGE=merge)))
         cases.append((f"prefill ({name})", kernels.paged_prefill_kernel, dict(
             common, out=dtype, stride_ot=1, stride_oh=1, query_starts=torch.int32, query_lens=torch.int32,
             QUERIES_PER_TILE=64 // group, BLOCK_M=64)))

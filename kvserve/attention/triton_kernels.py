@@ -132,10 +132,10 @@ def _online_softmax_step(acc, m, l, scores, v, PRECISION: tl.constexpr, UPCAST_D
 def paged_decode_kernel(
     out, stride_ot, stride_oh, stride_os, lse, q, stride_qt, stride_qh,
     k_cache, v_cache, k_scales, v_scales, stride_slot, stride_head, scale_stride_slot,
-    block_tables, stride_table, seq_lens, scale_log2, window,
+    block_tables, stride_table, seq_lens, scale_log2, window, merged, stride_mt, stride_mh, counters,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, STORE_LSE: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, STORE_LSE: tl.constexpr, MERGE: tl.constexpr,
 ):
     """One program per (decode, KV head, split): the GROUP query heads of the KV head (rows of a BLOCK_G tile,
     padded to the 16 rows a dot needs) over the split's share of the visible keys::
@@ -144,8 +144,11 @@ def paged_decode_kernel(
                0                      lo                                  seq_len
 
     With one split (``STORE_LSE`` off) ``out`` is the step's output; else it is the fp32 partial output
-    [D, num_heads, S, head_dim], normalised per split, and ``lse`` gets each split's log2-sum-exp2 for
-    ``merge_splits_kernel``; an empty split stores zeros and lse ~ NEG_INIT.
+    [D, num_heads, S, head_dim], normalised per split, and ``lse`` gets each split's log2-sum-exp2; an empty
+    split stores zeros and lse ~ NEG_INIT. Those are merged into ``merged`` (the step's output) by
+    ``merge_splits_kernel``, or with ``MERGE`` here: each split counts itself off on the (decode, KV head)'s
+    int32 counter, and the last to finish merges the group's splits (``_merge_group``) and zeroes the counter
+    for the next launch: the merge's own launch and its gap saved, at one stream one of a layer's ~12.
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
@@ -183,6 +186,39 @@ def paged_decode_kernel(
         num_heads = tl.num_programs(1) * GROUP
         lse_ptrs = lse + (seq * num_heads + heads) * tl.num_programs(2) + split
         tl.store(lse_ptrs, m + tl.log2(l), mask=mask_g)
+        if MERGE:
+            # every thread's stores done before the count says so; the count's release / acquire at GPU scope
+            # then orders them before the last program's loads (the pattern of a cooperative grid sync)
+            tl.debug_barrier()
+            counter = counters + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                _merge_group(merged + seq * stride_mt, stride_mh, out + seq * stride_ot, stride_oh, stride_os,
+                             lse + seq * num_heads * num_splits, heads, mask_g, offs_d, mask_d, num_splits, BLOCK_G)
+                tl.store(counter, 0)
+
+
+@triton.jit
+def _merge_group(merged, stride_mh, partial, stride_ph, stride_ps, lse, heads, mask_g, offs_d, mask_d, num_splits,
+                 BLOCK_G: tl.constexpr):
+    """One decode's ``heads`` merged from their splits' outputs, each weighted by its share of the softmax sum,
+    exp2(lse_s - max) / sum over splits. The other programs' partials are read past the L1 cache (``.cg``),
+    which may hold lines of these addresses from an earlier launch."""
+    mask = mask_g[:, None] & mask_d[None, :]
+    lse_max = tl.full([BLOCK_G], NEG_INIT, tl.float32)
+    for s in range(num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(lse + heads * num_splits + s, mask=mask_g, other=NEG_INIT,
+                                              cache_modifier=".cg"))
+    acc = tl.zeros([BLOCK_G, offs_d.shape[0]], tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    for s in range(num_splits):
+        weight = tl.exp2(tl.load(lse + heads * num_splits + s, mask=mask_g, other=NEG_INIT, cache_modifier=".cg")
+                         - lse_max)
+        split_out = tl.load(partial + heads[:, None] * stride_ph + s * stride_ps + offs_d[None, :], mask=mask,
+                            other=0.0, cache_modifier=".cg")
+        acc += weight[:, None] * split_out
+        total += weight
+    merged_rows = (acc / total[:, None]).to(merged.dtype.element_ty)
+    tl.store(merged + heads[:, None] * stride_mh + offs_d[None, :], merged_rows, mask=mask)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 through one varlen prefill launch, both reading K/V in place from the blocks (``triton_kernels.py``)::
 
     q rows:  | d0 | d1 | ... | d{D-1} |  chunk 0  |  chunk 1  | ...
-             |<-- decode (+ merge) -->|<-- prefill: one launch ->|
+             |<- decode: one launch ->|<-- prefill: one launch ->|
 
 The step's new K/V go into their slots first, so a chunk's own keys are read back from the cache like its
 context: an unquantized cache's through ``store_kv_kernel`` (keys and values in one launch, the rotary embedding
@@ -12,7 +12,7 @@ gap), a quantized one's through ``KVCacheStorage.write`` (which quantizes), the 
 Decodes are bound by the bytes of K/V they read. A program takes one decode and one KV head (its query heads
 ride together, so each key row is loaded once for the group); when decodes x KV heads are too few to fill the
 GPU, the visible keys of each decode are split across ``num_splits`` programs whose normalised partial outputs
-and log-sum-exps a second, small kernel merges (flash-decoding).
+and log-sum-exps the last of them to finish merges (flash-decoding, its merge in the same launch).
 
 Runs on CUDA; on CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported),
 which is how CI tests it. ``TorchRefBackend`` is the twin the tests compare it with.
@@ -38,6 +38,10 @@ MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 QUANTIZED_ENCODINGS = ("int8", "fp8", "int4")  # each read as triton_kernels' QUANT says
 NO_WINDOW = 1 << 30  # a window longer than any sequence: the kernels mask by position with no branch
 MIN_SPLIT_KEYS = 64  # a split reads at least this many keys, or its merge costs more than it saves
+# the last split of each (decode, KV head) merges the splits in the decode launch; False: merge_splits_kernel
+# merges them in a launch of its own (benchmarks/gpu_decode_step.py --separate-merge measures the two)
+MERGE_IN_DECODE = True
+MIN_SPLIT_COUNTERS = 4096  # (decode, KV head) counters allocated at least: 512 decodes of 8 KV heads
 BLOCK_N = 64  # keys per tile
 PREFILL_ROWS = 64  # query rows (positions x query heads of a KV head) per prefill tile
 MIN_DOT_ROWS = 16  # tl.dot's smallest M: decode groups are padded up to it
@@ -84,6 +88,8 @@ class TritonPagedBackend(AttentionBackend):
         if max_kv_splits < 1:
             raise ValueError(f"max_kv_splits must be >= 1, got {max_kv_splits}")
         self.max_kv_splits = max_kv_splits
+        self._counters: dict[torch.device, torch.Tensor] = {}
+        self._outgrown: list[torch.Tensor] = []  # every counter buffer made, kept alive
 
     def build_metadata(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> TritonPagedMetadata:
         _validate(inputs)
@@ -149,23 +155,37 @@ class TritonPagedBackend(AttentionBackend):
         num_splits = self._num_splits(num_decodes * num_kv_heads, min(meta.max_decode_len, window), q.device)
         group = num_heads // num_kv_heads
         block_d = triton.next_power_of_2(head_dim)
-        target, lse = out, out  # one split: straight into the step's output (lse is then never touched)
+        target, lse, counters = out, out, out  # one split: straight into the step's output (lse is never touched)
+        merge_here = num_splits > 1 and MERGE_IN_DECODE
         if num_splits > 1:
             target = torch.empty(num_decodes, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
             lse = torch.empty(num_decodes, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        if merge_here:
+            counters = self._split_counters(num_decodes * num_kv_heads, q.device)
         kernels.paged_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
             target, target.stride(0), target.stride(1), target.stride(2) if num_splits > 1 else 0, lse,
             q, q.stride(0), q.stride(1), *_cache_args(layer_kv),
             meta.block_tables, meta.block_tables.stride(0), meta.seq_lens, scale * math.log2(math.e), window,
+            out, out.stride(0), out.stride(1), counters,
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
             BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-            **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q), STORE_LSE=num_splits > 1,
+            **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q), STORE_LSE=num_splits > 1, MERGE=merge_here,
         )
-        if num_splits > 1:
+        if num_splits > 1 and not merge_here:
             kernels.merge_splits_kernel[(num_decodes, num_heads)](
                 out, out.stride(0), out.stride(1), target, lse, num_splits,
                 HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
             )
+
+    def _split_counters(self, size: int, device: torch.device) -> torch.Tensor:
+        """At least ``size`` int32 counters on ``device``, zero between launches (the decode kernel's last split
+        zeroes its own). Allocated once and grown, and never freed: a captured CUDA graph holds their address."""
+        counters = self._counters.get(device)
+        if counters is None or counters.numel() < size:
+            counters = torch.zeros(max(size, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device)
+            self._counters[device] = counters
+            self._outgrown.append(counters)
+        return counters
 
     def _num_splits(self, num_programs: int, max_visible_keys: int, device: torch.device) -> int:
         """Splits per decode: enough programs to fill the GPU's multiprocessors twice over, each split reading

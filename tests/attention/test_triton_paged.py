@@ -13,6 +13,7 @@ pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where
 
 from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
+from kvserve.attention import triton_paged  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted, store_kv  # noqa: E402
 from kvserve.kv.quant import ENCODINGS  # noqa: E402
 from kvserve.model.layers.triton_fused_ops import TritonFusedOps  # noqa: E402
@@ -46,14 +47,29 @@ def triton_step(seqs: list[tuple[int, int]], num_decodes: int, **kwargs) -> Step
     return make_step(seqs, num_decodes, **kwargs)
 
 
+@pytest.mark.parametrize("merge_in_decode", [True, False], ids=["merged_in_decode", "merge_kernel"])
 @pytest.mark.parametrize("backend", [NO_SPLIT, SPLIT], ids=["one_split", "split_kv"])
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("group", [1, 3])
-def test_decodes(group: int, window: int | None, backend: TritonPagedBackend) -> None:
+def test_decodes(group: int, window: int | None, backend: TritonPagedBackend, merge_in_decode: bool,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Decodes of 1 to 300 keys: splits longer and shorter than a tile, empty splits of short decodes, windows
-    that cut inside a block."""
+    that cut inside a block; the splits merged by the decode launch's last program, or by a kernel of their own."""
+    monkeypatch.setattr(triton_paged, "MERGE_IN_DECODE", merge_in_decode)
     contexts = [0, 1, 63, 64, 150, 299]
     check(triton_step([(c, 1) for c in contexts], len(contexts), group=group, seed=group), window, backend)
+
+
+def test_split_counters_are_zero_again_after_each_launch() -> None:
+    """The last split of each (decode, KV head) zeroes its counter, so that the next layer's and the next step's
+    launches (a CUDA graph replays the same buffer) merge again: the same step twice gives the same output."""
+    backend = TritonPagedBackend(max_kv_splits=4)
+    step = triton_step([(c, 1) for c in (150, 299, 64)], 3, group=2, seed=11)
+    meta = backend.build_metadata(step.inputs, {None})
+    first, second = (backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=0.125) for _ in range(2))
+    counters = backend._counters[step.q.device]
+    assert counters.numel() >= 3 * step.k.shape[1] and not counters.any()
+    assert torch.equal(first, second)
 
 
 @pytest.mark.parametrize("window", [None, 20])
