@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
+import numpy as np
 import torch
 
 from kvserve.kv.storage import KVCacheStorage
@@ -44,6 +45,11 @@ class AttentionInputs:
     # KV cache groups 1..G-1: the same step, through their own block_tables and slot_mapping (their tables'
     # leading entries may be NULL_BLOCK: blocks before every query's window); () with one group
     groups: tuple[AttentionInputs, ...] = ()
+    # the keys every decode of the step shares (``shared_prefix_len``), int32 [1] on the device, which a backend
+    # may attend once for all the decodes (cascade attention); None: not computed. ``max_shared_prefix_len``
+    # bounds it on the host: the value itself, or for metadata built once for many steps, what they may hold
+    shared_prefix_len: torch.Tensor | None = None
+    max_shared_prefix_len: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -52,6 +58,19 @@ class AttentionInputs:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+
+def shared_prefix_len(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
+    """The keys that every decode of ``block_tables`` [D, width] (one row per decode) reads from the same
+    blocks: their tables' longest common run of leading blocks, counting only blocks complete before each
+    decode's own key (a system prompt, a prompt's samples; 0 for fewer than two decodes)."""
+    if len(block_tables) < 2:
+        return 0
+    complete = int(((seq_lens - 1) // block_size).min())
+    if complete <= 0 or not (block_tables[:, 0] == block_tables[0, 0]).all():  # most steps: done here
+        return 0
+    same = (block_tables[1:, :complete] == block_tables[0, :complete]).all(axis=0)
+    return block_size * (complete if same.all() else int(same.argmin()))
 
 
 class AttentionMetadata:

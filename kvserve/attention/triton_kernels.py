@@ -1,5 +1,5 @@
-"""The Triton kernels of ``TritonPagedBackend``: the K/V store, paged decode (flash-decoding), its split merge,
-and paged prefill.
+"""The Triton kernels of ``TritonPagedBackend``: the K/V store, paged decode (flash-decoding, and cascade
+attention's shared prefix), its split merge, and paged prefill.
 
 The store writes a step's new keys and values of an unquantized cache into their slots, both in one launch
 (``KVCacheStorage.write``, which also quantizes, takes two copies), and may rotate the keys and the queries on
@@ -129,13 +129,65 @@ def _online_softmax_step(acc, m, l, scores, v, PRECISION: tl.constexpr, UPCAST_D
 
 
 @triton.jit
+def cascade_prefix_kernel(
+    out, stride_ot, stride_oh, stride_os, lse, q, stride_qt, stride_qh,
+    k_cache, v_cache, k_scales, v_scales, stride_slot, stride_head, scale_stride_slot,
+    block_tables, shared_len, scale_log2, num_decodes, num_slots,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DECODES_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
+    QUANT_GROUP: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+):
+    """Cascade attention's first level. One program per (KV head, split of the shared keys, tile of
+    DECODES_PER_TILE decodes): the keys 0 .. ``shared_len`` that every decode reads from the same blocks (the
+    first decode's table names them), attended by all the tile's query heads of the KV head at once (row r:
+    decode r // GROUP, head r % GROUP), so that each shared key is read once a tile rather than once a decode.
+    Each row's normalised output and log2-sum-exp2 go to the decode's partial slot ``split`` (``out`` [D,
+    num_heads, slots, head_dim], ``lse`` [D, num_heads, slots]); ``paged_decode_kernel`` then attends the rest
+    of each decode's keys into the slots after these, and the merge folds them all. No shared key (a step
+    whose decodes share nothing): every slot is stored empty (zeros, lse ~ NEG_INIT), which the merge weighs 0.
+    """
+    kv_head, split, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_splits = tl.num_programs(1)
+    shared = tl.load(shared_len)
+    split_len = (shared + num_splits - 1) // num_splits
+    start = split * split_len
+    end = tl.minimum(start + split_len, shared)
+    offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    decode = tile * DECODES_PER_TILE + offs_m // GROUP
+    mask_m = (offs_m < DECODES_PER_TILE * GROUP) & (decode < num_decodes)
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_m % GROUP
+    queries = tl.load(q + decode[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                      mask=mask_m[:, None] & mask_d[None, :], other=0)
+    m = tl.full([BLOCK_M], NEG_INIT, tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        pos = n + offs_n
+        mask_n = pos < end
+        slots = _slots(block_tables, pos, mask_n, PAGE_SIZE)
+        keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
+                          scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
+        scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
+                            scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
+        acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
+    l = tl.where(l > 0, l, 1.0)
+    rows = decode[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    tl.store(out + rows, acc / l[:, None], mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(lse + (decode * tl.num_programs(0) * GROUP + heads) * num_slots + split, m + tl.log2(l), mask=mask_m)
+
+
+@triton.jit
 def paged_decode_kernel(
     out, stride_ot, stride_oh, stride_os, lse, q, stride_qt, stride_qh,
     k_cache, v_cache, k_scales, v_scales, stride_slot, stride_head, scale_stride_slot,
-    block_tables, stride_table, seq_lens, scale_log2, window, merged, stride_mt, stride_mh, counters,
+    block_tables, stride_table, seq_lens, scale_log2, window, merged, stride_mt, stride_mh, counters, shared_len,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, STORE_LSE: tl.constexpr, MERGE: tl.constexpr,
+    PREFIX_SLOTS: tl.constexpr,
 ):
     """One program per (decode, KV head, split): the GROUP query heads of the KV head (rows of a BLOCK_G tile,
     padded to the 16 rows a dot needs) over the split's share of the visible keys::
@@ -144,15 +196,20 @@ def paged_decode_kernel(
                0                      lo                                  seq_len
 
     With one split (``STORE_LSE`` off) ``out`` is the step's output; else it is the fp32 partial output
-    [D, num_heads, S, head_dim], normalised per split, and ``lse`` gets each split's log2-sum-exp2; an empty
+    [D, num_heads, slots, head_dim], normalised per split, and ``lse`` gets each split's log2-sum-exp2; an empty
     split stores zeros and lse ~ NEG_INIT. Those are merged into ``merged`` (the step's output) by
     ``merge_splits_kernel``, or with ``MERGE`` here: each split counts itself off on the (decode, KV head)'s
     int32 counter, and the last to finish merges the group's splits (``_merge_group``) and zeroes the counter
-    for the next launch: the merge's own launch and its gap saved, at one stream one of a layer's ~12.
+    for the next launch: the merge's own launch and its gap saved, at one stream one of a layer's ~12. With
+    ``PREFIX_SLOTS`` (cascade attention) the first ``shared_len`` keys are ``cascade_prefix_kernel``'s, already
+    in the first PREFIX_SLOTS slots: here lo is ``shared_len``, the splits fill the slots after, and the merge
+    takes them all.
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
     lo = tl.maximum(seq_len - window, 0)
+    if PREFIX_SLOTS > 0:
+        lo = tl.maximum(lo, tl.load(shared_len))
     num_splits = tl.num_programs(2)
     split_len = (seq_len - lo + num_splits - 1) // num_splits
     start = lo + split * split_len
@@ -180,12 +237,12 @@ def paged_decode_kernel(
         acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
 
     l = tl.where(l > 0, l, 1.0)  # an empty split: acc is 0, and lse ~ NEG_INIT weighs it 0 in the merge
-    out_ptrs = out + seq * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+    slot = PREFIX_SLOTS + split
+    out_ptrs = out + seq * stride_ot + heads[:, None] * stride_oh + slot * stride_os + offs_d[None, :]
     tl.store(out_ptrs, (acc / l[:, None]).to(out.dtype.element_ty), mask=mask_g[:, None] & mask_d[None, :])
     if STORE_LSE:
-        num_heads = tl.num_programs(1) * GROUP
-        lse_ptrs = lse + (seq * num_heads + heads) * tl.num_programs(2) + split
-        tl.store(lse_ptrs, m + tl.log2(l), mask=mask_g)
+        num_heads, num_slots = tl.num_programs(1) * GROUP, PREFIX_SLOTS + num_splits
+        tl.store(lse + (seq * num_heads + heads) * num_slots + slot, m + tl.log2(l), mask=mask_g)
         if MERGE:
             # every thread's stores done before the count says so; the count's release / acquire at GPU scope
             # then orders them before the last program's loads (the pattern of a cooperative grid sync)
@@ -193,7 +250,7 @@ def paged_decode_kernel(
             counter = counters + seq * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 _merge_group(merged + seq * stride_mt, stride_mh, out + seq * stride_ot, stride_oh, stride_os,
-                             lse + seq * num_heads * num_splits, heads, mask_g, offs_d, mask_d, num_splits, BLOCK_G)
+                             lse + seq * num_heads * num_slots, heads, mask_g, offs_d, mask_d, num_slots, BLOCK_G)
                 tl.store(counter, 0)
 
 

@@ -42,6 +42,12 @@ MIN_SPLIT_KEYS = 64  # a split reads at least this many keys, or its merge costs
 # merges them in a launch of its own (benchmarks/gpu_decode_step.py --separate-merge measures the two)
 MERGE_IN_DECODE = True
 MIN_SPLIT_COUNTERS = 4096  # (decode, KV head) counters allocated at least: 512 decodes of 8 KV heads
+# cascade attention from this many decodes up (below, the prefix launch costs more than the reads it saves: a
+# step whose decodes share nothing still makes it, its programs leaving at once), in tiles of this many query
+# rows (decodes x the query heads of a KV head)
+CASCADE_MIN_DECODES = 16
+CASCADE_ROWS = 64
+CASCADE_DECODES_PER_TILE = 16  # a typical tile (4 query heads a KV head), for sizing the splits
 BLOCK_N = 64  # keys per tile
 PREFILL_ROWS = 64  # query rows (positions x query heads of a KV head) per prefill tile
 MIN_DOT_ROWS = 16  # tl.dot's smallest M: decode groups are padded up to it
@@ -69,6 +75,9 @@ class TritonPagedMetadata(AttentionMetadata):
     chunk_query_lens: torch.Tensor  # int32 [num_chunks]
     max_chunk_len: int
     max_decode_len: int
+    # cascade attention: the keys all decodes share (inputs.shared_prefix_len), attended in this many splits
+    # by ``cascade_prefix_kernel`` before the decodes go on alone; 0: off
+    cascade_splits: int
 
     @property
     def num_chunks(self) -> int:
@@ -109,7 +118,24 @@ class TritonPagedBackend(AttentionBackend):
             chunk_query_lens=inputs.query_start_loc.diff()[num_decodes:].to(torch.int32),
             max_chunk_len=max(inputs.query_lens_list[num_decodes:], default=0),
             max_decode_len=max(inputs.seq_lens_list[:num_decodes], default=0),
+            cascade_splits=self._cascade_splits(inputs, sliding_windows),
         )
+
+    def _cascade_splits(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> int:
+        """Splits of the shared keys for ``cascade_prefix_kernel``, enough to fill the GPU twice over with
+        tiles of decodes x KV heads, each split at least ``MIN_SPLIT_KEYS`` keys; 0 where the step has fewer
+        than ``CASCADE_MIN_DECODES`` decodes, shares fewer than ``MIN_SPLIT_KEYS`` keys, or has no global
+        layer (a windowed layer's decodes attend alone)."""
+        shared = inputs.max_shared_prefix_len
+        if (inputs.shared_prefix_len is None or inputs.num_decodes < CASCADE_MIN_DECODES or shared < MIN_SPLIT_KEYS
+                or None not in sliding_windows):
+            return 0
+        by_length = shared // MIN_SPLIT_KEYS
+        if inputs.seq_lens.device.type != "cuda":
+            return max(1, min(self.max_kv_splits, by_length))
+        num_sms = torch.cuda.get_device_properties(inputs.seq_lens.device).multi_processor_count
+        tiles = math.ceil(inputs.num_decodes / CASCADE_DECODES_PER_TILE)  # x KV heads, unknown here: a lower bound
+        return max(1, min(self.max_kv_splits, by_length, math.ceil(2 * num_sms / tiles)))
 
     def forward(
         self,
@@ -153,28 +179,34 @@ class TritonPagedBackend(AttentionBackend):
         num_decodes, (num_heads, head_dim) = meta.inputs.num_decodes, q.shape[1:]
         num_kv_heads = layer_kv.k.shape[2]
         num_splits = self._num_splits(num_decodes * num_kv_heads, min(meta.max_decode_len, window), q.device)
+        prefix_slots = meta.cascade_splits if window == NO_WINDOW else 0
+        num_slots = prefix_slots + num_splits
         group = num_heads // num_kv_heads
         block_d = triton.next_power_of_2(head_dim)
         target, lse, counters = out, out, out  # one split: straight into the step's output (lse is never touched)
-        merge_here = num_splits > 1 and MERGE_IN_DECODE
-        if num_splits > 1:
-            target = torch.empty(num_decodes, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-            lse = torch.empty(num_decodes, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        merge_here = num_slots > 1 and MERGE_IN_DECODE
+        if num_slots > 1:
+            target = torch.empty(num_decodes, num_heads, num_slots, head_dim, dtype=torch.float32, device=q.device)
+            lse = torch.empty(num_decodes, num_heads, num_slots, dtype=torch.float32, device=q.device)
         if merge_here:
             counters = self._split_counters(num_decodes * num_kv_heads, q.device)
+        shared_len = meta.inputs.shared_prefix_len if prefix_slots else meta.seq_lens  # without: never read
+        if prefix_slots:
+            _attend_shared_prefix(q, target, lse, layer_kv, meta, scale, prefix_slots)
         kernels.paged_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
-            target, target.stride(0), target.stride(1), target.stride(2) if num_splits > 1 else 0, lse,
+            target, target.stride(0), target.stride(1), target.stride(2) if num_slots > 1 else 0, lse,
             q, q.stride(0), q.stride(1), *_cache_args(layer_kv),
             meta.block_tables, meta.block_tables.stride(0), meta.seq_lens, scale * math.log2(math.e), window,
-            out, out.stride(0), out.stride(1), counters,
+            out, out.stride(0), out.stride(1), counters, shared_len,
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
             BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-            **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q), STORE_LSE=num_splits > 1, MERGE=merge_here,
+            **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q), STORE_LSE=num_slots > 1, MERGE=merge_here,
+            PREFIX_SLOTS=prefix_slots,
         )
-        if num_splits > 1 and not merge_here:
+        if num_slots > 1 and not merge_here:
             kernels.merge_splits_kernel[(num_decodes, num_heads)](
-                out, out.stride(0), out.stride(1), target, lse, num_splits,
-                HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+                out, out.stride(0), out.stride(1), target, lse, num_slots,
+                HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_slots), BLOCK_D=block_d,
             )
 
     def _split_counters(self, size: int, device: torch.device) -> torch.Tensor:
@@ -229,6 +261,25 @@ def _check_rope(q: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, he
         raise ValueError(f"store_kv rotates q [T, heads, {head_dim}] (elements contiguous) by cos / sin "
                          f"[T, 1, {head_dim // 2}] alike; got q {None if q is None else tuple(q.shape)}, cos "
                          f"{tuple(cos.shape)}, sin {tuple(sin.shape)}")
+
+
+def _attend_shared_prefix(q: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, layer_kv: KVLayerView,
+                          meta: TritonPagedMetadata, scale: float, num_splits: int) -> None:
+    """Cascade attention's first level: the keys all decodes share, attended by tiles of decodes, into the first
+    ``num_splits`` partial slots of each decode (``cascade_prefix_kernel``)."""
+    num_decodes, (num_heads, head_dim) = meta.inputs.num_decodes, q.shape[1:]
+    num_kv_heads = layer_kv.k.shape[2]
+    group = num_heads // num_kv_heads
+    decodes_per_tile = max(1, CASCADE_ROWS // group)
+    grid = (num_kv_heads, num_splits, math.ceil(num_decodes / decodes_per_tile))
+    kernels.cascade_prefix_kernel[grid](
+        target, target.stride(0), target.stride(1), target.stride(2), lse, q, q.stride(0), q.stride(1),
+        *_cache_args(layer_kv), meta.block_tables, meta.inputs.shared_prefix_len, scale * math.log2(math.e),
+        num_decodes, target.shape[2], GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
+        DECODES_PER_TILE=decodes_per_tile, BLOCK_M=max(CASCADE_ROWS, triton.next_power_of_2(group)),
+        BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim), **_quant_args(layer_kv.encoding, head_dim),
+        **_dot_args(q),
+    )
 
 
 def _attend_chunks(q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, meta: TritonPagedMetadata,

@@ -23,8 +23,8 @@ from kvserve.attention.backend import AttentionInputs
 
 @dataclass(frozen=True)
 class StaticStepInputs:
-    """Token ids, positions, sequence lengths and, per KV cache group, slots and block tables (as wide as the
-    longest context) of up to ``len(input_ids)`` one-token sequences."""
+    """Token ids, positions, sequence lengths and, per KV cache group, slots, block tables (as wide as the
+    longest context) and the keys they all share of up to ``len(input_ids)`` one-token sequences."""
 
     input_ids: torch.Tensor  # int64 [N]
     positions: torch.Tensor  # int64 [N]
@@ -32,6 +32,7 @@ class StaticStepInputs:
     slot_mapping: tuple[torch.Tensor, ...]  # per group, int64 [N]
     block_tables: tuple[torch.Tensor, ...]  # per group, int32 [N, max_blocks]
     query_start_loc: torch.Tensor  # int32 [N + 1]: 0, 1, ..., N
+    shared_prefix_len: tuple[torch.Tensor, ...]  # per group, int32 [1]: the keys the step's decodes all share
     block_size: int
     padding_slot: int
 
@@ -48,6 +49,7 @@ class StaticStepInputs:
             slot_mapping=tuple(full(capacity, dtype=torch.int64, value=padding_slot) for _ in range(num_groups)),
             block_tables=tuple(full(capacity, max_blocks, dtype=torch.int32) for _ in range(num_groups)),
             query_start_loc=torch.arange(capacity + 1, dtype=torch.int32, device=device),
+            shared_prefix_len=tuple(full(1, dtype=torch.int32) for _ in range(num_groups)),
             block_size=block_size, padding_slot=padding_slot,
         )
 
@@ -72,6 +74,10 @@ class StaticStepInputs:
         for group, inputs in enumerate((attn, *attn.groups)):
             self.slot_mapping[group][:n].copy_(inputs.slot_mapping)
             self.block_tables[group][:n, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
+            if inputs.shared_prefix_len is None:
+                self.shared_prefix_len[group].zero_()
+            else:
+                self.shared_prefix_len[group].copy_(inputs.shared_prefix_len)
         if n < self.capacity:
             for padded in (self.input_ids[n:], self.positions[n:], self.seq_lens[n:]):
                 padded.zero_()
@@ -86,8 +92,10 @@ class StaticStepInputs:
             AttentionInputs(
                 num_decodes=num_tokens, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
                 block_tables=block_tables, slot_mapping=slot_mapping, query_lens_list=[1] * num_tokens,
-                seq_lens_list=seq_lens_list, block_size=self.block_size,
+                seq_lens_list=seq_lens_list, block_size=self.block_size, shared_prefix_len=shared,
+                max_shared_prefix_len=max(seq_lens_list, default=0),
             )
-            for block_tables, slot_mapping in zip(self.block_tables, self.slot_mapping)
+            for block_tables, slot_mapping, shared in zip(self.block_tables, self.slot_mapping,
+                                                          self.shared_prefix_len)
         ]
         return dataclasses.replace(group_inputs[0], groups=tuple(group_inputs[1:]))

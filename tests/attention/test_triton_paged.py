@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
 
+from kvserve.attention.backend import shared_prefix_len  # noqa: E402
 from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.attention import triton_paged  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted, store_kv  # noqa: E402
 from kvserve.kv.quant import ENCODINGS  # noqa: E402
 from kvserve.model.layers.triton_fused_ops import TritonFusedOps  # noqa: E402
-from tests.attention.test_cpu_paged import make_step  # noqa: E402
+from tests.attention.test_cpu_paged import make_step, share_leading_blocks  # noqa: E402
 from tests.attention.test_torch_ref import LAYER, Step, null_dead_blocks  # noqa: E402
 
 DEVICE = "cpu" if is_interpreted() else "cuda"
@@ -58,6 +60,45 @@ def test_decodes(group: int, window: int | None, backend: TritonPagedBackend, me
     monkeypatch.setattr(triton_paged, "MERGE_IN_DECODE", merge_in_decode)
     contexts = [0, 1, 63, 64, 150, 299]
     check(triton_step([(c, 1) for c in contexts], len(contexts), group=group, seed=group), window, backend)
+
+
+def with_shared_prefix(step: Step, max_shared: int | None = None) -> Step:
+    """The step's inputs carrying the keys its decodes share, as the runner computes them; ``max_shared``: the
+    bound metadata assumes (a graph's: any), default the value itself."""
+    num_decodes, inputs = step.inputs.num_decodes, step.inputs
+    shared = shared_prefix_len(inputs.block_tables[:num_decodes].cpu().numpy(),
+                               inputs.seq_lens[:num_decodes].cpu().numpy(), inputs.block_size)
+    return replace(step, inputs=replace(inputs, shared_prefix_len=torch.tensor([shared], dtype=torch.int32,
+                                                                                 device=DEVICE),
+                                        max_shared_prefix_len=shared if max_shared is None else max_shared))
+
+
+CASCADE_CONTEXTS = [150 + 7 * i for i in range(17)] + [129]  # 18 decodes: more than a tile of 64 query rows
+
+
+@pytest.mark.parametrize("merge_in_decode", [True, False], ids=["merged_in_decode", "merge_kernel"])
+@pytest.mark.parametrize("window", [None, 60])
+def test_decodes_sharing_a_prefix_attend_it_once_for_all(window: int | None, merge_in_decode: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """18 decodes whose first 8 blocks (128 keys) are one prompt's, mixed with a chunk: the shared keys go
+    through cascade_prefix_kernel in tiles of decodes and splits, the rest through the decode kernel after
+    them (a windowed layer's decodes attend alone, as the reference does either way)."""
+    monkeypatch.setattr(triton_paged, "MERGE_IN_DECODE", merge_in_decode)
+    step = triton_step([(c, 1) for c in CASCADE_CONTEXTS] + [(40, 9)], len(CASCADE_CONTEXTS), group=4, seed=12)
+    step = with_shared_prefix(share_leading_blocks(step, [(list(range(len(CASCADE_CONTEXTS))), 8)]))
+    assert step.inputs.max_shared_prefix_len == 128
+    meta = SPLIT.build_metadata(step.inputs, {None, window})
+    assert meta.cascade_splits == 2
+    check(step, window, SPLIT)
+
+
+def test_cascade_metadata_for_any_step_serves_one_that_shares_nothing() -> None:
+    """A graph's metadata is built for whatever its later steps share: in a step whose decodes share nothing
+    the prefix kernel's programs store empty states, which the merge weighs 0."""
+    step = triton_step([(c, 1) for c in CASCADE_CONTEXTS], len(CASCADE_CONTEXTS), group=2, seed=13)
+    step = with_shared_prefix(step, max_shared=512)
+    assert int(step.inputs.shared_prefix_len) == 0 and SPLIT.build_metadata(step.inputs, {None}).cascade_splits
+    check(step, None, SPLIT)
 
 
 def test_split_counters_are_zero_again_after_each_launch() -> None:
@@ -239,6 +280,23 @@ def test_real_shapes_on_cuda(dtype: torch.dtype, num_kv_heads: int, group: int, 
     step = triton_step(seqs, len(contexts), head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
                        dtype=dtype, seed=head_dim)
     check(step, window, TritonPagedBackend())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(is_interpreted(), reason="needs CUDA (natively compiled kernels)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_kv_heads", "group", "head_dim"), [(3, 3, 64), (8, 4, 128)])
+def test_cascade_at_real_shapes_on_cuda(dtype: torch.dtype, num_kv_heads: int, group: int, head_dim: int) -> None:
+    """64 decodes on one 1,024-token prompt (a system prompt's hits), each with 1 to 300 keys of its own,
+    launched three times on one backend (the splits' counters zeroed between launches)."""
+    contexts = [1024 + (37 * i) % 300 for i in range(64)]
+    step = triton_step([(c, 1) for c in contexts], len(contexts), head_dim=head_dim, num_kv_heads=num_kv_heads,
+                       group=group, dtype=dtype, seed=head_dim)
+    step = with_shared_prefix(share_leading_blocks(step, [(list(range(len(contexts))), 64)]))
+    backend = TritonPagedBackend()
+    assert backend.build_metadata(step.inputs, {None}).cascade_splits > 0
+    for _ in range(3):
+        check(step, None, backend)
 
 
 @pytest.mark.parametrize("window", [6, 40])

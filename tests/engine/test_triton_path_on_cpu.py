@@ -15,6 +15,7 @@ pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where
 
 from kvserve import LLM  # noqa: E402
 from kvserve.attention.selector import BACKEND_ENV_VAR  # noqa: E402
+from kvserve.attention import triton_paged  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  # noqa: E402
 from kvserve.model import registry  # noqa: E402
 from kvserve.model.layers.triton_fused_ops import TritonFusedOps  # noqa: E402
@@ -40,6 +41,28 @@ def test_triton_attention_and_fused_ops_in_the_engine_give_transformers_tokens(
     got = [greedy_token_ids(llm, [prompt], 6)[0][0] for prompt in prompts]  # the second hits the first's prefix
     assert got == [hf_greedy(hf, prompt, 6) for prompt in prompts]
     assert llm.stats()["prefix_cache_hits"] > 0
+    assert_all_blocks_free(llm)
+
+
+def test_the_samples_of_one_prompt_attend_its_keys_once_and_give_transformers_tokens(
+    tiny_checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 greedy samples of a 70-token prompt share its blocks: their decodes go through cascade attention (the
+    shared keys once per tile of decodes) and each gives transformers' tokens."""
+    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    monkeypatch.setattr(registry, "select_fused_ops", lambda device, dtype: TritonFusedOps())
+    cascades = []
+    attend_shared_prefix = triton_paged._attend_shared_prefix
+    monkeypatch.setattr(triton_paged, "_attend_shared_prefix",
+                        lambda *args: cascades.append(args[-1]) or attend_shared_prefix(*args))
+    path = tiny_checkpoints["llama"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(3)
+    prompt = [rng.randrange(3, hf.config.vocab_size) for _ in range(70)]
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=32)
+    samples = greedy_token_ids(llm, [prompt], 4, n=16)[0]
+    assert samples == [hf_greedy(hf, prompt, 4)] * 16
+    assert cascades  # some decode steps shared the prompt's keys
     assert_all_blocks_free(llm)
 
 

@@ -54,7 +54,21 @@ def reference_inputs(scheduler: Scheduler, sched_out: SchedulerOutput) -> dict[s
         "block_tables": [request.block_ids + [0] * (width - len(request.block_ids)) for request in requests],
         "sample_rows": sample_rows,
         "sample_request_ids": [r.request_id for r in sched_out.requests if r.sample],
+        "shared_prefix_len": [shared_keys([(request.block_ids, row.start_pos + 1) for row, request
+                                           in zip(sched_out.requests, requests) if row.num_tokens == 1], block_size)],
     }
+
+
+def shared_keys(decodes: list[tuple[list[int], int]], block_size: int) -> int:
+    """The leading keys that all decodes (block ids, sequence length) read from the same blocks, among the
+    blocks complete before each one's own key."""
+    if len(decodes) < 2:
+        return 0
+    complete = min((seq_len - 1) // block_size for _, seq_len in decodes)
+    common = 0
+    while common < complete and len({tuple(ids[: common + 1]) for ids, _ in decodes}) == 1:
+        common += 1
+    return common * block_size
 
 
 def actual_inputs(batch: InputBatch) -> dict[str, list]:
@@ -66,6 +80,7 @@ def actual_inputs(batch: InputBatch) -> dict[str, list]:
         "block_tables": batch.attn.block_tables.tolist(),
         "sample_rows": batch.sample_rows.tolist(),
         "sample_request_ids": batch.sample_request_ids,
+        "shared_prefix_len": batch.attn.shared_prefix_len.tolist(),
     }
 
 
