@@ -22,7 +22,7 @@ import torch
 
 from attention_torch_ref import BLOCK_SIZE, make_inputs
 from triton_ggml import cuda_arguments, time_ms as cuda_median_ms
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, shared_prefix_len
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, shared_prefixes
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 
@@ -67,15 +67,16 @@ def kv_bytes(shape: Shape, inputs: AttentionInputs, dtype: torch.dtype) -> int:
 
 def sharing(inputs: AttentionInputs, num_blocks: int) -> AttentionInputs:
     """The decodes' first ``num_blocks`` blocks made the first decode's, with the keys they share as the runner
-    gives them (``shared_prefix_len``)."""
+    gives them (``shared_prefixes``)."""
     if not num_blocks:
         return inputs
     tables = inputs.block_tables.clone()
     tables[: inputs.num_decodes, :num_blocks] = tables[0, :num_blocks]
-    shared = shared_prefix_len(tables[: inputs.num_decodes].cpu().numpy(),
-                               inputs.seq_lens[: inputs.num_decodes].cpu().numpy(), BLOCK_SIZE)
-    return replace(inputs, block_tables=tables, max_shared_prefix_len=shared,
-                   shared_prefix_len=torch.tensor([shared], dtype=torch.int32, device=tables.device))
+    lens, order = shared_prefixes(tables[: inputs.num_decodes].cpu().numpy(),
+                                  inputs.seq_lens[: inputs.num_decodes].cpu().numpy(), BLOCK_SIZE)
+    return replace(inputs, block_tables=tables, max_shared_prefix_len=int(lens.max()),
+                   shared_prefix_lens=torch.from_numpy(lens).to(tables.device),
+                   sharing_order=torch.from_numpy(order).to(tables.device))
 
 
 def main() -> None:

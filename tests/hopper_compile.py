@@ -75,10 +75,11 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
             cases.append((f"decode ({name}, split {split}, merge {merge})", kernels.paged_decode_kernel, dict(
                 common, out=torch.float32 if split else dtype, stride_ot=1, stride_oh=1, stride_os=1,
                 lse=torch.float32, merged=dtype, stride_mt=1, stride_mh=1, counters=torch.int32, BLOCK_G=16,
-                STORE_LSE=split, MERGE=merge, shared_len=torch.int32, PREFIX_SLOTS=2 if merge else 0)))
+                STORE_LSE=split, MERGE=merge, shared_lens=torch.int32, PREFIX_SLOTS=2 if merge else 0)))
         cases.append((f"cascade prefix ({name})", kernels.cascade_prefix_kernel, dict(
             common, out=torch.float32, stride_ot=1, stride_oh=1, stride_os=1, lse=torch.float32,
-            shared_len=torch.int32, num_decodes=1, num_slots=1, DECODES_PER_TILE=64 // group, BLOCK_M=64)))
+            shared_lens=torch.int32, order=torch.int32, num_decodes=1, num_slots=1, DECODES_PER_TILE=64 // group,
+            BLOCK_M=64)))
         cases.append((f"prefill ({name})", kernels.paged_prefill_kernel, dict(
             common, out=dtype, stride_ot=1, stride_oh=1, query_starts=torch.int32, query_lens=torch.int32,
             QUERIES_PER_TILE=64 // group, BLOCK_M=64)))

@@ -45,10 +45,13 @@ class AttentionInputs:
     # KV cache groups 1..G-1: the same step, through their own block_tables and slot_mapping (their tables'
     # leading entries may be NULL_BLOCK: blocks before every query's window); () with one group
     groups: tuple[AttentionInputs, ...] = ()
-    # the keys every decode of the step shares (``shared_prefix_len``), int32 [1] on the device, which a backend
-    # may attend once for all the decodes (cascade attention); None: not computed. ``max_shared_prefix_len``
-    # bounds it on the host: the value itself, or for metadata built once for many steps, what they may hold
-    shared_prefix_len: torch.Tensor | None = None
+    # decodes whose block tables start with the same block share their leading keys (a prompt's prefix-cache
+    # hits, its samples), which a backend may attend once for the group (cascade attention): each decode's
+    # shared keys (``shared_prefixes``: int32 [num_decodes] on the device, 0 alone) and the decodes in an order
+    # that puts each group's together (int32 [num_decodes]); None: not computed. ``max_shared_prefix_len``
+    # bounds the lengths on the host: the largest, or for metadata built once for many steps, what they may hold
+    shared_prefix_lens: torch.Tensor | None = None
+    sharing_order: torch.Tensor | None = None
     max_shared_prefix_len: int = 0
 
     @property
@@ -60,17 +63,27 @@ class AttentionInputs:
         return int(self.slot_mapping.shape[0])
 
 
-def shared_prefix_len(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> int:
-    """The keys that every decode of ``block_tables`` [D, width] (one row per decode) reads from the same
-    blocks: their tables' longest common run of leading blocks, counting only blocks complete before each
-    decode's own key (a system prompt, a prompt's samples; 0 for fewer than two decodes)."""
-    if len(block_tables) < 2:
-        return 0
-    complete = int(((seq_lens - 1) // block_size).min())
-    if complete <= 0 or not (block_tables[:, 0] == block_tables[0, 0]).all():  # most steps: done here
-        return 0
-    same = (block_tables[1:, :complete] == block_tables[0, :complete]).all(axis=0)
-    return block_size * (complete if same.all() else int(same.argmin()))
+def shared_prefixes(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """For decodes with block tables ``block_tables`` [D, width] and lengths ``seq_lens`` [D]: the keys each
+    shares with the other decodes whose tables start with the same block (their longest common run of leading
+    blocks, counting only blocks complete before every member's own key; 0 for a decode alone), and the decodes
+    ordered by their first block, so that each group's members are consecutive (int32 arrays [D])."""
+    num_decodes = len(block_tables)
+    shared = np.zeros(num_decodes, dtype=np.int32)
+    order = np.argsort(block_tables[:, 0], kind="stable").astype(np.int32) if num_decodes else shared
+    if num_decodes < 2:
+        return shared, order
+    first = block_tables[order, 0]
+    starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
+    ends = np.r_[starts[1:], num_decodes]
+    complete = (seq_lens - 1) // block_size
+    for start, end in zip(starts[ends - starts > 1], ends[ends - starts > 1]):  # most steps: no group at all
+        members = order[start:end]
+        limit = int(complete[members].min())
+        if limit > 0:
+            same = (block_tables[members[1:], :limit] == block_tables[members[0], :limit]).all(axis=0)
+            shared[members] = block_size * (limit if same.all() else int(same.argmin()))
+    return shared, order
 
 
 class AttentionMetadata:

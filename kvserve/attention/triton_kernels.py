@@ -132,58 +132,76 @@ def _online_softmax_step(acc, m, l, scores, v, PRECISION: tl.constexpr, UPCAST_D
 def cascade_prefix_kernel(
     out, stride_ot, stride_oh, stride_os, lse, q, stride_qt, stride_qh,
     k_cache, v_cache, k_scales, v_scales, stride_slot, stride_head, scale_stride_slot,
-    block_tables, shared_len, scale_log2, num_decodes, num_slots,
+    block_tables, stride_table, shared_lens, order, scale_log2, num_decodes, num_slots,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DECODES_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
     QUANT_GROUP: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
 ):
-    """Cascade attention's first level. One program per (KV head, split of the shared keys, tile of
-    DECODES_PER_TILE decodes): the keys 0 .. ``shared_len`` that every decode reads from the same blocks (the
-    first decode's table names them), attended by all the tile's query heads of the KV head at once (row r:
-    decode r // GROUP, head r % GROUP), so that each shared key is read once a tile rather than once a decode.
-    Each row's normalised output and log2-sum-exp2 go to the decode's partial slot ``split`` (``out`` [D,
-    num_heads, slots, head_dim], ``lse`` [D, num_heads, slots]); ``paged_decode_kernel`` then attends the rest
-    of each decode's keys into the slots after these, and the merge folds them all. No shared key (a step
-    whose decodes share nothing): every slot is stored empty (zeros, lse ~ NEG_INIT), which the merge weighs 0.
+    """Cascade attention's first level. One program per (KV head, split, tile of DECODES_PER_TILE decodes
+    taken in ``order``, which puts the decodes whose tables start with the same block together). Each run of a
+    group's decodes in the tile attends the keys its members share (``shared_lens``, from any member's table)
+    at once, all their query heads of the KV head as the rows of one dot (row r: decode r // GROUP, head r %
+    GROUP), so that a shared key is read once a tile rather than once a decode::
+
+        tile rows (decodes in order):  | a a a a | b b | c | d d d ... |     run by run; c shares nothing
+        keys of a run, split S ways:   | split 0 | split 1 | ... |          (0 .. its shared length)
+
+    Each row's normalised output and log2-sum-exp2 go to its decode's partial slot ``split`` (``out`` [D,
+    num_heads, num_slots, head_dim], ``lse`` [D, num_heads, num_slots]); ``paged_decode_kernel`` attends the
+    rest of each decode's keys into the slots after these, and the merge folds them all. A decode that shares
+    nothing, or whose share this split does not reach, gets an empty state (zeros, lse ~ NEG_INIT): weight 0.
     """
     kv_head, split, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(1)
-    shared = tl.load(shared_len)
-    split_len = (shared + num_splits - 1) // num_splits
-    start = split * split_len
-    end = tl.minimum(start + split_len, shared)
     offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
-    decode = tile * DECODES_PER_TILE + offs_m // GROUP
-    mask_m = (offs_m < DECODES_PER_TILE * GROUP) & (decode < num_decodes)
+    position = tile * DECODES_PER_TILE + offs_m // GROUP
+    mask_m = (offs_m < DECODES_PER_TILE * GROUP) & (position < num_decodes)
+    decode = tl.load(order + position, mask=mask_m, other=0)
+    shared = tl.load(shared_lens + decode, mask=mask_m, other=0)
+    first_block = tl.load(block_tables + decode * stride_table, mask=mask_m, other=-1)
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_m % GROUP
     queries = tl.load(q + decode[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                       mask=mask_m[:, None] & mask_d[None, :], other=0)
-    m = tl.full([BLOCK_M], NEG_INIT, tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n in range(start, end, BLOCK_N):
-        pos = n + offs_n
-        mask_n = pos < end
-        slots = _slots(block_tables, pos, mask_n, PAGE_SIZE)
-        keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                          scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
-        scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                            scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
-        acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
-    l = tl.where(l > 0, l, 1.0)
     rows = decode[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-    tl.store(out + rows, acc / l[:, None], mask=mask_m[:, None] & mask_d[None, :])
-    tl.store(lse + (decode * tl.num_programs(0) * GROUP + heads) * num_slots + split, m + tl.log2(l), mask=mask_m)
+    row_lse = lse + (decode * tl.num_programs(0) * GROUP + heads) * num_slots + split
+    alone = mask_m & (shared == 0)  # their slot: empty
+    tl.store(out + rows, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=alone[:, None] & mask_d[None, :])
+    tl.store(row_lse, tl.full([BLOCK_M], NEG_INIT, tl.float32), mask=alone)
+    todo = mask_m & (shared > 0)
+    while tl.max(todo.to(tl.int32), 0) > 0:
+        lead = tl.min(tl.where(todo, offs_m, BLOCK_M), 0)  # the first row left: its group is the next run
+        run = todo & (first_block == tl.max(tl.where(offs_m == lead, first_block, -1), 0))
+        run_len = tl.max(tl.where(run, shared, 0), 0)  # every member's
+        table_row = block_tables + tl.max(tl.where(offs_m == lead, decode, 0), 0).to(tl.int64) * stride_table
+        split_len = (run_len + num_splits - 1) // num_splits
+        start = split * split_len
+        end = tl.minimum(start + split_len, run_len)
+        m = tl.full([BLOCK_M], NEG_INIT, tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n in range(start, end, BLOCK_N):
+            pos = n + offs_n
+            mask_n = pos < end
+            slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
+            keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
+                              scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
+            scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
+            scores = tl.where(mask_n[None, :], scores, float("-inf"))
+            values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot,
+                                stride_head, scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
+            acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
+        l = tl.where(l > 0, l, 1.0)
+        tl.store(out + rows, acc / l[:, None], mask=run[:, None] & mask_d[None, :])
+        tl.store(row_lse, m + tl.log2(l), mask=run)
+        todo = todo & ~run
 
 
 @triton.jit
 def paged_decode_kernel(
     out, stride_ot, stride_oh, stride_os, lse, q, stride_qt, stride_qh,
     k_cache, v_cache, k_scales, v_scales, stride_slot, stride_head, scale_stride_slot,
-    block_tables, stride_table, seq_lens, scale_log2, window, merged, stride_mt, stride_mh, counters, shared_len,
+    block_tables, stride_table, seq_lens, scale_log2, window, merged, stride_mt, stride_mh, counters, shared_lens,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, STORE_LSE: tl.constexpr, MERGE: tl.constexpr,
@@ -201,15 +219,15 @@ def paged_decode_kernel(
     ``merge_splits_kernel``, or with ``MERGE`` here: each split counts itself off on the (decode, KV head)'s
     int32 counter, and the last to finish merges the group's splits (``_merge_group``) and zeroes the counter
     for the next launch: the merge's own launch and its gap saved, at one stream one of a layer's ~12. With
-    ``PREFIX_SLOTS`` (cascade attention) the first ``shared_len`` keys are ``cascade_prefix_kernel``'s, already
-    in the first PREFIX_SLOTS slots: here lo is ``shared_len``, the splits fill the slots after, and the merge
-    takes them all.
+    ``PREFIX_SLOTS`` (cascade attention) the decode's first ``shared_lens[seq]`` keys are
+    ``cascade_prefix_kernel``'s, already in the first PREFIX_SLOTS slots: lo starts past them, the splits fill
+    the slots after, and the merge takes them all.
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
     lo = tl.maximum(seq_len - window, 0)
     if PREFIX_SLOTS > 0:
-        lo = tl.maximum(lo, tl.load(shared_len))
+        lo = tl.maximum(lo, tl.load(shared_lens + seq))
     num_splits = tl.num_programs(2)
     split_len = (seq_len - lo + num_splits - 1) // num_splits
     start = lo + split * split_len

@@ -75,8 +75,8 @@ class TritonPagedMetadata(AttentionMetadata):
     chunk_query_lens: torch.Tensor  # int32 [num_chunks]
     max_chunk_len: int
     max_decode_len: int
-    # cascade attention: the keys all decodes share (inputs.shared_prefix_len), attended in this many splits
-    # by ``cascade_prefix_kernel`` before the decodes go on alone; 0: off
+    # cascade attention: the keys each decode shares with its group (inputs.shared_prefix_lens), attended in
+    # this many splits by ``cascade_prefix_kernel`` before the decodes go on alone; 0: off
     cascade_splits: int
 
     @property
@@ -127,8 +127,8 @@ class TritonPagedBackend(AttentionBackend):
         than ``CASCADE_MIN_DECODES`` decodes, shares fewer than ``MIN_SPLIT_KEYS`` keys, or has no global
         layer (a windowed layer's decodes attend alone)."""
         shared = inputs.max_shared_prefix_len
-        if (inputs.shared_prefix_len is None or inputs.num_decodes < CASCADE_MIN_DECODES or shared < MIN_SPLIT_KEYS
-                or None not in sliding_windows):
+        if (inputs.shared_prefix_lens is None or inputs.sharing_order is None or shared < MIN_SPLIT_KEYS
+                or inputs.num_decodes < CASCADE_MIN_DECODES or None not in sliding_windows):
             return 0
         by_length = shared // MIN_SPLIT_KEYS
         if inputs.seq_lens.device.type != "cuda":
@@ -190,14 +190,14 @@ class TritonPagedBackend(AttentionBackend):
             lse = torch.empty(num_decodes, num_heads, num_slots, dtype=torch.float32, device=q.device)
         if merge_here:
             counters = self._split_counters(num_decodes * num_kv_heads, q.device)
-        shared_len = meta.inputs.shared_prefix_len if prefix_slots else meta.seq_lens  # without: never read
+        shared_lens = meta.inputs.shared_prefix_lens if prefix_slots else meta.seq_lens  # without: never read
         if prefix_slots:
             _attend_shared_prefix(q, target, lse, layer_kv, meta, scale, prefix_slots)
         kernels.paged_decode_kernel[(num_decodes, num_kv_heads, num_splits)](
             target, target.stride(0), target.stride(1), target.stride(2) if num_slots > 1 else 0, lse,
             q, q.stride(0), q.stride(1), *_cache_args(layer_kv),
             meta.block_tables, meta.block_tables.stride(0), meta.seq_lens, scale * math.log2(math.e), window,
-            out, out.stride(0), out.stride(1), counters, shared_len,
+            out, out.stride(0), out.stride(1), counters, shared_lens,
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
             BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
             **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q), STORE_LSE=num_slots > 1, MERGE=merge_here,
@@ -265,8 +265,8 @@ def _check_rope(q: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, he
 
 def _attend_shared_prefix(q: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, layer_kv: KVLayerView,
                           meta: TritonPagedMetadata, scale: float, num_splits: int) -> None:
-    """Cascade attention's first level: the keys all decodes share, attended by tiles of decodes, into the first
-    ``num_splits`` partial slots of each decode (``cascade_prefix_kernel``)."""
+    """Cascade attention's first level: the keys each decode shares with its group, attended by tiles of decodes
+    in ``sharing_order``, into the first ``num_splits`` partial slots of each decode (``cascade_prefix_kernel``)."""
     num_decodes, (num_heads, head_dim) = meta.inputs.num_decodes, q.shape[1:]
     num_kv_heads = layer_kv.k.shape[2]
     group = num_heads // num_kv_heads
@@ -274,8 +274,8 @@ def _attend_shared_prefix(q: torch.Tensor, target: torch.Tensor, lse: torch.Tens
     grid = (num_kv_heads, num_splits, math.ceil(num_decodes / decodes_per_tile))
     kernels.cascade_prefix_kernel[grid](
         target, target.stride(0), target.stride(1), target.stride(2), lse, q, q.stride(0), q.stride(1),
-        *_cache_args(layer_kv), meta.block_tables, meta.inputs.shared_prefix_len, scale * math.log2(math.e),
-        num_decodes, target.shape[2], GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
+        *_cache_args(layer_kv), meta.block_tables, meta.block_tables.stride(0), meta.inputs.shared_prefix_lens,
+        meta.inputs.sharing_order, scale * math.log2(math.e), num_decodes, target.shape[2], GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
         DECODES_PER_TILE=decodes_per_tile, BLOCK_M=max(CASCADE_ROWS, triton.next_power_of_2(group)),
         BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim), **_quant_args(layer_kv.encoding, head_dim),
         **_dot_args(q),

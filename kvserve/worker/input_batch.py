@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvserve.attention.backend import AttentionInputs, shared_prefix_len
+from kvserve.attention.backend import AttentionInputs, shared_prefixes
 from kvserve.device_copy import to_device
 from kvserve.kv.groups import NULL_BLOCK
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
@@ -275,13 +275,15 @@ class PersistentBatch:
             "seq_lens": (seq_lens, torch.int32),
         }
         num_decodes = int(np.count_nonzero(query_lens == 1))
-        shared = []  # per group, the keys all the step's decodes share
+        shared = []  # per group, the most keys a decode shares with others
         for group in range(self.block_table.shape[0]):  # KV cache groups (``kv/groups.py``): a table each
             block_tables = self.block_table[group, rows, :width]
             arrays[f"block_tables{group}"] = (block_tables, torch.int32)
             arrays[f"slot_mapping{group}"] = (self._slot_mapping(block_tables, seq_of_token, positions), torch.int64)
-            shared.append(shared_prefix_len(block_tables[:num_decodes], seq_lens[:num_decodes], self.block_size))
-            arrays[f"shared_prefix_len{group}"] = (np.array(shared[-1:], dtype=np.int32), torch.int32)
+            lens, order = shared_prefixes(block_tables[:num_decodes], seq_lens[:num_decodes], self.block_size)
+            shared.append(int(lens.max(initial=0)))
+            arrays[f"shared_prefix_lens{group}"] = (lens, torch.int32)
+            arrays[f"sharing_order{group}"] = (order, torch.int32)
         sent = self._send({**arrays, **(extra or {})})
         attn = AttentionInputs(
             num_decodes=num_decodes,
@@ -292,7 +294,8 @@ class PersistentBatch:
             query_lens_list=query_lens.tolist(),
             seq_lens_list=seq_lens.tolist(),
             block_size=self.block_size,
-            shared_prefix_len=sent["shared_prefix_len0"],
+            shared_prefix_lens=sent["shared_prefix_lens0"],
+            sharing_order=sent["sharing_order0"],
             max_shared_prefix_len=shared[0],
         )
         if self.block_table.shape[0] > 1:  # group 0's layout through the other groups' own tables (a new token
@@ -300,8 +303,8 @@ class PersistentBatch:
             attn = dataclasses.replace(attn, groups=tuple(
                 dataclasses.replace(attn, block_tables=sent[f"block_tables{group}"],
                                     slot_mapping=sent[f"slot_mapping{group}"],
-                                    shared_prefix_len=sent[f"shared_prefix_len{group}"],
-                                    max_shared_prefix_len=shared[group])
+                                    shared_prefix_lens=sent[f"shared_prefix_lens{group}"],
+                                    sharing_order=sent[f"sharing_order{group}"], max_shared_prefix_len=shared[group])
                 for group in range(1, self.block_table.shape[0])))
         return StepLayout(sent["input_ids"], sent["positions"], attn, query_start,
                           {name: sent[name] for name in extra or {}})

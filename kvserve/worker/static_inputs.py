@@ -32,7 +32,8 @@ class StaticStepInputs:
     slot_mapping: tuple[torch.Tensor, ...]  # per group, int64 [N]
     block_tables: tuple[torch.Tensor, ...]  # per group, int32 [N, max_blocks]
     query_start_loc: torch.Tensor  # int32 [N + 1]: 0, 1, ..., N
-    shared_prefix_len: tuple[torch.Tensor, ...]  # per group, int32 [1]: the keys the step's decodes all share
+    shared_prefix_lens: tuple[torch.Tensor, ...]  # per group, int32 [N]: the keys each shares with its group
+    sharing_order: tuple[torch.Tensor, ...]  # per group, int32 [N]: the rows, each sharing group's together
     block_size: int
     padding_slot: int
 
@@ -49,7 +50,8 @@ class StaticStepInputs:
             slot_mapping=tuple(full(capacity, dtype=torch.int64, value=padding_slot) for _ in range(num_groups)),
             block_tables=tuple(full(capacity, max_blocks, dtype=torch.int32) for _ in range(num_groups)),
             query_start_loc=torch.arange(capacity + 1, dtype=torch.int32, device=device),
-            shared_prefix_len=tuple(full(1, dtype=torch.int32) for _ in range(num_groups)),
+            shared_prefix_lens=tuple(full(capacity, dtype=torch.int32) for _ in range(num_groups)),
+            sharing_order=tuple(torch.arange(capacity, dtype=torch.int32, device=device) for _ in range(num_groups)),
             block_size=block_size, padding_slot=padding_slot,
         )
 
@@ -63,6 +65,8 @@ class StaticStepInputs:
             self, input_ids=self.input_ids[:size], positions=self.positions[:size], seq_lens=self.seq_lens[:size],
             slot_mapping=tuple(s[:size] for s in self.slot_mapping),
             block_tables=tuple(t[:size] for t in self.block_tables), query_start_loc=self.query_start_loc[: size + 1],
+            shared_prefix_lens=tuple(s[:size] for s in self.shared_prefix_lens),
+            sharing_order=tuple(o[:size] for o in self.sharing_order),
         )
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> None:
@@ -74,15 +78,20 @@ class StaticStepInputs:
         for group, inputs in enumerate((attn, *attn.groups)):
             self.slot_mapping[group][:n].copy_(inputs.slot_mapping)
             self.block_tables[group][:n, : inputs.block_tables.shape[1]].copy_(inputs.block_tables)
-            if inputs.shared_prefix_len is None:
-                self.shared_prefix_len[group].zero_()
+            if inputs.shared_prefix_lens is None or inputs.sharing_order is None:
+                self.shared_prefix_lens[group][:n].zero_()
+                self.sharing_order[group][:n].copy_(self.query_start_loc[:n])  # a permutation still
             else:
-                self.shared_prefix_len[group].copy_(inputs.shared_prefix_len)
+                self.shared_prefix_lens[group][:n].copy_(inputs.shared_prefix_lens)
+                self.sharing_order[group][:n].copy_(inputs.sharing_order)
         if n < self.capacity:
             for padded in (self.input_ids[n:], self.positions[n:], self.seq_lens[n:]):
                 padded.zero_()
             for slots in self.slot_mapping:
                 slots[n:].fill_(self.padding_slot)
+            for group in range(len(self.sharing_order)):  # padding rows share nothing, each in its own place
+                self.shared_prefix_lens[group][n:].zero_()
+                self.sharing_order[group][n:].copy_(self.query_start_loc[n : self.capacity])
 
     def attention_inputs(self, seq_lens_list: list[int]) -> AttentionInputs:
         """The backends' view of these rows as one decode each; ``seq_lens_list`` is what metadata built once
@@ -92,10 +101,10 @@ class StaticStepInputs:
             AttentionInputs(
                 num_decodes=num_tokens, query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
                 block_tables=block_tables, slot_mapping=slot_mapping, query_lens_list=[1] * num_tokens,
-                seq_lens_list=seq_lens_list, block_size=self.block_size, shared_prefix_len=shared,
-                max_shared_prefix_len=max(seq_lens_list, default=0),
+                seq_lens_list=seq_lens_list, block_size=self.block_size, shared_prefix_lens=shared,
+                sharing_order=order, max_shared_prefix_len=max(seq_lens_list, default=0),
             )
-            for block_tables, slot_mapping, shared in zip(self.block_tables, self.slot_mapping,
-                                                          self.shared_prefix_len)
+            for block_tables, slot_mapping, shared, order in zip(self.block_tables, self.slot_mapping,
+                                                                 self.shared_prefix_lens, self.sharing_order)
         ]
         return dataclasses.replace(group_inputs[0], groups=tuple(group_inputs[1:]))

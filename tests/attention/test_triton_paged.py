@@ -7,12 +7,13 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
 
-from kvserve.attention.backend import shared_prefix_len  # noqa: E402
+from kvserve.attention.backend import shared_prefixes  # noqa: E402
 from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.attention import triton_paged  # noqa: E402
@@ -63,14 +64,14 @@ def test_decodes(group: int, window: int | None, backend: TritonPagedBackend, me
 
 
 def with_shared_prefix(step: Step, max_shared: int | None = None) -> Step:
-    """The step's inputs carrying the keys its decodes share, as the runner computes them; ``max_shared``: the
-    bound metadata assumes (a graph's: any), default the value itself."""
+    """The step's inputs carrying the keys its decodes share with their groups, as the runner computes them;
+    ``max_shared``: the bound metadata assumes (a graph's: any), default the largest."""
     num_decodes, inputs = step.inputs.num_decodes, step.inputs
-    shared = shared_prefix_len(inputs.block_tables[:num_decodes].cpu().numpy(),
-                               inputs.seq_lens[:num_decodes].cpu().numpy(), inputs.block_size)
-    return replace(step, inputs=replace(inputs, shared_prefix_len=torch.tensor([shared], dtype=torch.int32,
-                                                                                 device=DEVICE),
-                                        max_shared_prefix_len=shared if max_shared is None else max_shared))
+    lens, order = shared_prefixes(inputs.block_tables[:num_decodes].cpu().numpy(),
+                                  inputs.seq_lens[:num_decodes].cpu().numpy(), inputs.block_size)
+    return replace(step, inputs=replace(
+        inputs, shared_prefix_lens=torch.from_numpy(lens).to(DEVICE), sharing_order=torch.from_numpy(order).to(DEVICE),
+        max_shared_prefix_len=int(lens.max(initial=0)) if max_shared is None else max_shared))
 
 
 CASCADE_CONTEXTS = [150 + 7 * i for i in range(17)] + [129]  # 18 decodes: more than a tile of 64 query rows
@@ -80,16 +81,32 @@ CASCADE_CONTEXTS = [150 + 7 * i for i in range(17)] + [129]  # 18 decodes: more 
 @pytest.mark.parametrize("window", [None, 60])
 def test_decodes_sharing_a_prefix_attend_it_once_for_all(window: int | None, merge_in_decode: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """18 decodes whose first 8 blocks (128 keys) are one prompt's, mixed with a chunk: the shared keys go
-    through cascade_prefix_kernel in tiles of decodes and splits, the rest through the decode kernel after
-    them (a windowed layer's decodes attend alone, as the reference does either way)."""
+    """18 decodes mixed with a chunk: 10 share their first 8 blocks (128 keys; more members than a tile of 64
+    query rows takes), 5 others share 5 blocks, one of them 12 with another, and 3 share nothing. Each group's
+    keys go through cascade_prefix_kernel a run of its members at a time (one tile holds the end of a group and
+    the start of the next), the rest through the decode kernel after them (a windowed layer's decodes attend
+    alone, as the reference does either way)."""
     monkeypatch.setattr(triton_paged, "MERGE_IN_DECODE", merge_in_decode)
     step = triton_step([(c, 1) for c in CASCADE_CONTEXTS] + [(40, 9)], len(CASCADE_CONTEXTS), group=4, seed=12)
-    step = with_shared_prefix(share_leading_blocks(step, [(list(range(len(CASCADE_CONTEXTS))), 8)]))
-    assert step.inputs.max_shared_prefix_len == 128
+    step = share_leading_blocks(step, [([3, 0, 1, 2, 4, 5, 6, 7, 8, 9], 8), ([17, 10, 11, 12, 13], 5),
+                                       ([10, 11], 12)])
+    step = with_shared_prefix(step)
+    lens = step.inputs.shared_prefix_lens.tolist()
+    assert lens[:10] == [128] * 10 and lens[10:14] == [80] * 4 and lens[17] == 80 and lens[14:17] == [0] * 3
     meta = SPLIT.build_metadata(step.inputs, {None, window})
     assert meta.cascade_splits == 2
     check(step, window, SPLIT)
+
+
+def test_shared_prefixes_group_decodes_by_their_first_block() -> None:
+    """A group's share stops at its first block that differs and at the blocks complete before every member's
+    own key; the order keeps each group together."""
+    tables = np.array([[5, 6, 7, 8], [1, 2, 3, 0], [5, 6, 9, 0], [1, 2, 3, 4], [2, 0, 0, 0], [5, 6, 7, 0]])
+    seq_lens = np.array([60, 41, 40, 64, 3, 49])  # block_size 16: complete blocks 3, 2, 2, 3, 0, 3
+    lens, order = shared_prefixes(tables, seq_lens, 16)
+    assert lens.tolist() == [32, 32, 32, 32, 0, 32]
+    assert [tables[i, 0] for i in order] == [1, 1, 2, 5, 5, 5]
+    assert shared_prefixes(tables[:1], seq_lens[:1], 16)[0].tolist() == [0]
 
 
 def test_cascade_metadata_for_any_step_serves_one_that_shares_nothing() -> None:
@@ -97,7 +114,7 @@ def test_cascade_metadata_for_any_step_serves_one_that_shares_nothing() -> None:
     the prefix kernel's programs store empty states, which the merge weighs 0."""
     step = triton_step([(c, 1) for c in CASCADE_CONTEXTS], len(CASCADE_CONTEXTS), group=2, seed=13)
     step = with_shared_prefix(step, max_shared=512)
-    assert int(step.inputs.shared_prefix_len) == 0 and SPLIT.build_metadata(step.inputs, {None}).cascade_splits
+    assert not step.inputs.shared_prefix_lens.any() and SPLIT.build_metadata(step.inputs, {None}).cascade_splits
     check(step, None, SPLIT)
 
 

@@ -54,21 +54,23 @@ def reference_inputs(scheduler: Scheduler, sched_out: SchedulerOutput) -> dict[s
         "block_tables": [request.block_ids + [0] * (width - len(request.block_ids)) for request in requests],
         "sample_rows": sample_rows,
         "sample_request_ids": [r.request_id for r in sched_out.requests if r.sample],
-        "shared_prefix_len": [shared_keys([(request.block_ids, row.start_pos + 1) for row, request
-                                           in zip(sched_out.requests, requests) if row.num_tokens == 1], block_size)],
+        "shared_prefix_lens": shared_keys([(request.block_ids, row.start_pos + 1) for row, request
+                                           in zip(sched_out.requests, requests) if row.num_tokens == 1], block_size),
     }
 
 
-def shared_keys(decodes: list[tuple[list[int], int]], block_size: int) -> int:
-    """The leading keys that all decodes (block ids, sequence length) read from the same blocks, among the
-    blocks complete before each one's own key."""
-    if len(decodes) < 2:
-        return 0
-    complete = min((seq_len - 1) // block_size for _, seq_len in decodes)
-    common = 0
-    while common < complete and len({tuple(ids[: common + 1]) for ids, _ in decodes}) == 1:
-        common += 1
-    return common * block_size
+def shared_keys(decodes: list[tuple[list[int], int]], block_size: int) -> list[int]:
+    """Each decode's (block ids, sequence length) leading keys read from the same blocks as the other decodes
+    whose first block is its own, among the blocks complete before each member's own key."""
+    lens = []
+    for ids, _ in decodes:
+        group = [(other, seq_len) for other, seq_len in decodes if other[0] == ids[0]]
+        complete = min((seq_len - 1) // block_size for _, seq_len in group)
+        common = 0
+        while len(group) > 1 and common < complete and len({tuple(g[: common + 1]) for g, _ in group}) == 1:
+            common += 1
+        lens.append(common * block_size)
+    return lens
 
 
 def actual_inputs(batch: InputBatch) -> dict[str, list]:
@@ -80,7 +82,7 @@ def actual_inputs(batch: InputBatch) -> dict[str, list]:
         "block_tables": batch.attn.block_tables.tolist(),
         "sample_rows": batch.sample_rows.tolist(),
         "sample_request_ids": batch.sample_request_ids,
-        "shared_prefix_len": batch.attn.shared_prefix_len.tolist(),
+        "shared_prefix_lens": batch.attn.shared_prefix_lens.tolist(),
     }
 
 
@@ -103,6 +105,9 @@ def run_step(scheduler: Scheduler, batch: PersistentBatch) -> SchedulerOutput:
     if not sched_out.is_empty:
         inputs = batch.prepare(sched_out)
         assert actual_inputs(inputs) == reference_inputs(scheduler, sched_out)
+        firsts = [table[0] for table in inputs.attn.block_tables.tolist()[: inputs.attn.num_decodes]]
+        order = inputs.attn.sharing_order.tolist()  # each sharing group's decodes together
+        assert sorted(order) == list(range(len(firsts))) and [firsts[i] for i in order] == sorted(firsts)
         assert [(row.params, list(row.output_token_ids)) for row in inputs.sampling.rows] == [
             sampling_row(scheduler.requests[r.request_id], r.draft_token_ids[:j])
             for r in sched_out.requests if r.sample for j in range(len(r.draft_token_ids) + 1)
