@@ -129,6 +129,31 @@ def _online_softmax_step(acc, m, l, scores, v, PRECISION: tl.constexpr, UPCAST_D
 
 
 @triton.jit
+def _attend_key_range(queries, table_row, start, end, k_cache, v_cache, k_scales, v_scales, kv_head, offs_d, mask_d,
+                      stride_slot, stride_head, scale_stride_slot, scale_log2, PAGE_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
+    """The online-softmax state (acc, running max, sum) of the rows of ``queries`` over one sequence's keys
+    ``start`` .. ``end`` (its row of the block tables at ``table_row``), every key visible to every row."""
+    m = tl.full([queries.shape[0]], NEG_INIT, tl.float32)
+    l = tl.zeros([queries.shape[0]], tl.float32)
+    acc = tl.zeros([queries.shape[0], offs_d.shape[0]], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for n in range(start, end, BLOCK_N):
+        pos = n + offs_n
+        mask_n = pos < end
+        slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
+        keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
+                          scale_stride_slot, queries.dtype, QUANT, QUANT_GROUP, HEAD_DIM)
+        scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))
+        values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
+                            scale_stride_slot, queries.dtype, QUANT, QUANT_GROUP, HEAD_DIM)
+        acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
+    return acc, m, l
+
+
+@triton.jit
 def cascade_prefix_kernel(
     out, stride_ot, stride_oh, stride_os, lse, q, stride_qt, stride_qh,
     k_cache, v_cache, k_scales, v_scales, stride_slot, stride_head, scale_stride_slot,
@@ -153,7 +178,7 @@ def cascade_prefix_kernel(
     """
     kv_head, split, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(1)
-    offs_m, offs_n, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    offs_m, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     position = tile * DECODES_PER_TILE + offs_m // GROUP
     mask_m = (offs_m < DECODES_PER_TILE * GROUP) & (position < num_decodes)
     decode = tl.load(order + position, mask=mask_m, other=0)
@@ -177,20 +202,9 @@ def cascade_prefix_kernel(
         split_len = (run_len + num_splits - 1) // num_splits
         start = split * split_len
         end = tl.minimum(start + split_len, run_len)
-        m = tl.full([BLOCK_M], NEG_INIT, tl.float32)
-        l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n in range(start, end, BLOCK_N):
-            pos = n + offs_n
-            mask_n = pos < end
-            slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
-            keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                              scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
-            scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
-            scores = tl.where(mask_n[None, :], scores, float("-inf"))
-            values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot,
-                                stride_head, scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
-            acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
+        acc, m, l = _attend_key_range(queries, table_row, start, end, k_cache, v_cache, k_scales, v_scales, kv_head,
+                                      offs_d, mask_d, stride_slot, stride_head, scale_stride_slot, scale_log2,
+                                      PAGE_SIZE, BLOCK_N, QUANT, QUANT_GROUP, HEAD_DIM, PRECISION, UPCAST_DOTS)
         l = tl.where(l > 0, l, 1.0)
         tl.store(out + rows, acc / l[:, None], mask=run[:, None] & mask_d[None, :])
         tl.store(row_lse, m + tl.log2(l), mask=run)
@@ -233,26 +247,15 @@ def paged_decode_kernel(
     start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    offs_g, offs_n, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     mask_g, mask_d = offs_g < GROUP, offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     queries = tl.load(q + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                       mask=mask_g[:, None] & mask_d[None, :], other=0)
-    m = tl.full([BLOCK_G], NEG_INIT, tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    table_row = block_tables + seq * stride_table
-    for n in range(start, end, BLOCK_N):
-        pos = n + offs_n
-        mask_n = pos < end
-        slots = _slots(table_row, pos, mask_n, PAGE_SIZE)
-        keys = _load_rows(k_cache, k_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                          scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
-        scores = _dot(queries, tl.trans(keys), PRECISION, UPCAST_DOTS) * scale_log2
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))
-        values = _load_rows(v_cache, v_scales, slots, kv_head, offs_d, mask_n, mask_d, stride_slot, stride_head,
-                            scale_stride_slot, q.dtype.element_ty, QUANT, QUANT_GROUP, HEAD_DIM)
-        acc, m, l = _online_softmax_step(acc, m, l, scores, values, PRECISION, UPCAST_DOTS)
+    acc, m, l = _attend_key_range(queries, block_tables + seq * stride_table, start, end, k_cache, v_cache,
+                                  k_scales, v_scales, kv_head, offs_d, mask_d, stride_slot, stride_head,
+                                  scale_stride_slot, scale_log2, PAGE_SIZE, BLOCK_N, QUANT, QUANT_GROUP, HEAD_DIM,
+                                  PRECISION, UPCAST_DOTS)
 
     l = tl.where(l > 0, l, 1.0)  # an empty split: acc is 0, and lse ~ NEG_INIT weighs it 0 in the merge
     slot = PREFIX_SLOTS + split
