@@ -44,8 +44,9 @@ def test_triton_attention_and_fused_ops_in_the_engine_give_transformers_tokens(
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: its windowed layers' decodes attend alone
 def test_the_samples_of_one_prompt_attend_its_keys_once_and_give_transformers_tokens(
-    tiny_checkpoints, monkeypatch: pytest.MonkeyPatch
+    tiny_checkpoints, arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """16 greedy samples of a 70-token prompt share its blocks: their decodes go through cascade attention (the
     shared keys once per tile of decodes) and each gives transformers' tokens."""
@@ -55,7 +56,7 @@ def test_the_samples_of_one_prompt_attend_its_keys_once_and_give_transformers_to
     attend_shared_prefix = triton_paged._attend_shared_prefix
     monkeypatch.setattr(triton_paged, "_attend_shared_prefix",
                         lambda *args: cascades.append(args[-1]) or attend_shared_prefix(*args))
-    path = tiny_checkpoints["llama"]
+    path = tiny_checkpoints[arch]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = random.Random(3)
     prompt = [rng.randrange(3, hf.config.vocab_size) for _ in range(70)]
