@@ -29,8 +29,8 @@
 #     run(timeout_s=280): OUT=$OUT DEADLINE=250 benchmarks/gpu_run.sh fixed
 #
 # (`fixed` ends inside 250 s only at the 7,000 tok/s it aims for; stopped there, it says it did not) and the next
-# lease `throughput`, `kv`, `offload` and `sweep` (the sweep's latency half has never been measured), and what
-# these calls showed. benchmarks/GPU_NOTES.md has each figure's floor and what to expect.
+# lease `throughput`, `kv`, `offload` and `sweep` (the sweep's latency half has never been measured), `kernels`
+# (session 25's cascade rows) and `splits` (its merge fold against the merge kernel), and what these calls showed. benchmarks/GPU_NOTES.md has each figure's floor and what to expect.
 
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
 # installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the

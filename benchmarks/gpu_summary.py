@@ -22,12 +22,13 @@ PYTEST_TOTALS = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)* in [\d.]+s.*?)\s*=*$")
 
 
 def log_lines(log: Path) -> Iterator[str]:
-    """pytest's totals and failures, an uncaught exception's last line, a step stopped at the deadline."""
+    """pytest's totals and failures, an uncaught exception's last line, a step stopped at the deadline, and
+    ``triton_attention.py``'s cascade lines."""
     for line in log.read_text(errors="replace").splitlines():
         match = PYTEST_TOTALS.match(line.strip())
         if match:
             yield f"pytest: {match.group(1)}"
-        elif line.startswith(("FAILED ", "ERROR ", "STOPPED: ")) or UNCAUGHT.match(line):
+        elif line.startswith(("FAILED ", "ERROR ", "STOPPED: ", "cascade: ")) or UNCAUGHT.match(line):
             yield line[:200]
 
 

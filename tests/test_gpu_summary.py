@@ -21,6 +21,10 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
     (tmp_path / "weight_only.log").write_text("Traceback (most recent call last):\n  File x\n"
                                               "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate\n"
                                               "STOPPED: weight_only at the 540 s deadline\n")
+    (tmp_path / "kernels.log").write_text(
+        "Llama-3-8B    decode x64 @2048           1.584      0.238      6.7x         2252\n"
+        "cascade: Llama-3-8B, 64 decodes at 2,048 keys, 1,984 shared: triton 0.041 ms against 0.238 ms sharing "
+        "nothing (5.8x)\n")
     (tmp_path / "tests.log").write_text(
         "....F\nFAILED tests/engine/test_cuda.py::test_x - AssertionError: boom\n"
         "========= 1 failed, 258 passed, 1 skipped in 154.44s (0:02:34) =========\n")
@@ -56,6 +60,8 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
         "output_tokens_per_s": 300.0, "pcie_bound_tokens_per_s": 372.5, "share_of_pcie_bound": 0.805}))
     lines = summarize(tmp_path)
     assert lines == [
+        "kernels.log: cascade: Llama-3-8B, 64 decodes at 2,048 keys, 1,984 shared: triton 0.041 ms against 0.238 ms "
+        "sharing nothing (5.8x)",
         "kv-decode-int4.json: llama3-8b bfloat16 KV int8, int4 weight-only, graphs, batch 64: step 20.00 ms, 3,200 "
         "tok/s, 5% of the 1.00 ms weight-read roofline",
         *[f"kv-multiturn.json: multiturn {name}: later turns' TTFT 10.0 ms, 5.00x lower than recomputing (50.0 ms)"
