@@ -93,7 +93,7 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
     for dtype in (torch.bfloat16, torch.float32):
         cases.append((f"merge ({dtype})", kernels.merge_splits_kernel, dict(
             out=dtype, stride_ot=1, stride_oh=1, partial=torch.float32, lse=torch.float32, num_splits=1,
-            HEAD_DIM=128, BLOCK_S=32, BLOCK_D=128)))
+            shared_lens=torch.int32, HEAD_DIM=128, BLOCK_S=32, BLOCK_D=128, PREFIX_SLOTS=2)))
     return cases
 
 

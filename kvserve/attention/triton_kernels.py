@@ -173,8 +173,10 @@ def cascade_prefix_kernel(
 
     Each row's normalised output and log2-sum-exp2 go to its decode's partial slot ``split`` (``out`` [D,
     num_heads, num_slots, head_dim], ``lse`` [D, num_heads, num_slots]); ``paged_decode_kernel`` attends the
-    rest of each decode's keys into the slots after these, and the merge folds them all. A decode that shares
-    nothing, or whose share this split does not reach, gets an empty state (zeros, lse ~ NEG_INIT): weight 0.
+    rest of each decode's keys into the slots after these, and the merge folds them all. A sharing decode whose
+    share this split does not reach gets an empty state (zeros, lse ~ NEG_INIT): weight 0; a decode that shares
+    nothing gets nothing, its merge starting after the prefix slots (a graph's step that shares nothing costs
+    these programs a few loads each).
     """
     kv_head, split, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(1)
@@ -186,14 +188,11 @@ def cascade_prefix_kernel(
     first_block = tl.load(block_tables + decode * stride_table, mask=mask_m, other=-1)
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_m % GROUP
-    queries = tl.load(q + decode[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                      mask=mask_m[:, None] & mask_d[None, :], other=0)
     rows = decode[:, None] * stride_ot + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
     row_lse = lse + (decode * tl.num_programs(0) * GROUP + heads) * num_slots + split
-    alone = mask_m & (shared == 0)  # their slot: empty
-    tl.store(out + rows, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=alone[:, None] & mask_d[None, :])
-    tl.store(row_lse, tl.full([BLOCK_M], NEG_INIT, tl.float32), mask=alone)
-    todo = mask_m & (shared > 0)
+    todo = mask_m & (shared > 0)  # a decode alone: its prefix slots are neither written nor merged
+    queries = tl.load(q + decode[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                      mask=todo[:, None] & mask_d[None, :], other=0)  # a step that shares nothing reads none
     while tl.max(todo.to(tl.int32), 0) > 0:
         lead = tl.min(tl.where(todo, offs_m, BLOCK_M), 0)  # the first row left: its group is the next run
         run = todo & (first_block == tl.max(tl.where(offs_m == lead, first_block, -1), 0))
@@ -271,24 +270,34 @@ def paged_decode_kernel(
             counter = counters + seq * tl.num_programs(1) + kv_head
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 _merge_group(merged + seq * stride_mt, stride_mh, out + seq * stride_ot, stride_oh, stride_os,
-                             lse + seq * num_heads * num_slots, heads, mask_g, offs_d, mask_d, num_slots, BLOCK_G)
+                             lse + seq * num_heads * num_slots, heads, mask_g, offs_d, mask_d,
+                             _first_slot(shared_lens, seq, PREFIX_SLOTS), num_slots, BLOCK_G)
                 tl.store(counter, 0)
 
 
 @triton.jit
-def _merge_group(merged, stride_mh, partial, stride_ph, stride_ps, lse, heads, mask_g, offs_d, mask_d, num_splits,
-                 BLOCK_G: tl.constexpr):
-    """One decode's ``heads`` merged from their splits' outputs, each weighted by its share of the softmax sum,
-    exp2(lse_s - max) / sum over splits. The other programs' partials are read past the L1 cache (``.cg``),
-    which may hold lines of these addresses from an earlier launch."""
+def _first_slot(shared_lens, seq, PREFIX_SLOTS: tl.constexpr):
+    """The first partial slot a decode's merge reads: past the prefix slots where it shares nothing (never
+    written then)."""
+    if PREFIX_SLOTS > 0:
+        return tl.where(tl.load(shared_lens + seq) > 0, 0, PREFIX_SLOTS)
+    return 0
+
+
+@triton.jit
+def _merge_group(merged, stride_mh, partial, stride_ph, stride_ps, lse, heads, mask_g, offs_d, mask_d, first_split,
+                 num_splits, BLOCK_G: tl.constexpr):
+    """One decode's ``heads`` merged from their splits' outputs (``first_split`` .. ``num_splits``), each
+    weighted by its share of the softmax sum, exp2(lse_s - max) / sum over splits. The other programs' partials
+    are read past the L1 cache (``.cg``), which may hold lines of these addresses from an earlier launch."""
     mask = mask_g[:, None] & mask_d[None, :]
     lse_max = tl.full([BLOCK_G], NEG_INIT, tl.float32)
-    for s in range(num_splits):
+    for s in range(first_split, num_splits):
         lse_max = tl.maximum(lse_max, tl.load(lse + heads * num_splits + s, mask=mask_g, other=NEG_INIT,
                                               cache_modifier=".cg"))
     acc = tl.zeros([BLOCK_G, offs_d.shape[0]], tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
-    for s in range(num_splits):
+    for s in range(first_split, num_splits):
         weight = tl.exp2(tl.load(lse + heads * num_splits + s, mask=mask_g, other=NEG_INIT, cache_modifier=".cg")
                          - lse_max)
         split_out = tl.load(partial + heads[:, None] * stride_ph + s * stride_ps + offs_d[None, :], mask=mask,
@@ -301,14 +310,16 @@ def _merge_group(merged, stride_mh, partial, stride_ph, stride_ps, lse, heads, m
 
 @triton.jit
 def merge_splits_kernel(
-    out, stride_ot, stride_oh, partial, lse, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    out, stride_ot, stride_oh, partial, lse, num_splits, shared_lens,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PREFIX_SLOTS: tl.constexpr,
 ):
     """One program per (decode, query head): the splits' outputs weighted by their share of the softmax sum,
-    exp2(lse_s - max) / sum over splits."""
+    exp2(lse_s - max) / sum over splits (with ``PREFIX_SLOTS``, from past them for a decode that shares nothing:
+    ``_first_slot``)."""
     seq, head = tl.program_id(0), tl.program_id(1)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    mask_s, mask_d = offs_s < num_splits, offs_d < HEAD_DIM
+    mask_s = (offs_s >= _first_slot(shared_lens, seq, PREFIX_SLOTS)) & (offs_s < num_splits)
+    mask_d = offs_d < HEAD_DIM
     row = seq * tl.num_programs(1) + head
     split_lse = tl.load(lse + row * num_splits + offs_s, mask=mask_s, other=float("-inf"))
     weights = tl.exp2(split_lse - tl.max(split_lse, 0))  # split 0 is never empty: the max is a real lse

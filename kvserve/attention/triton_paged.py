@@ -205,8 +205,9 @@ class TritonPagedBackend(AttentionBackend):
         )
         if num_slots > 1 and not merge_here:
             kernels.merge_splits_kernel[(num_decodes, num_heads)](
-                out, out.stride(0), out.stride(1), target, lse, num_slots,
+                out, out.stride(0), out.stride(1), target, lse, num_slots, shared_lens,
                 HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_slots), BLOCK_D=block_d,
+                PREFIX_SLOTS=prefix_slots,
             )
 
     def _split_counters(self, size: int, device: torch.device) -> torch.Tensor:
