@@ -1,9 +1,10 @@
-"""CUDA step graphs: the capture ladder and the static inputs' padding (on CPU); on a GPU (``-m gpu``), replayed
-decode steps give transformers' greedy tokens for every family, through padding, chunked prefill, prefix hits,
-preemption and quantized KV, and every block is free afterwards."""
+"""CUDA step graphs: the capture ladder and the static inputs' padding and sharing groups (on CPU); on a GPU
+(``-m gpu``), replayed decode steps give transformers' greedy tokens for every family, through padding, chunked
+prefill, prefix hits, preemption, quantized KV and cascade attention, and every block is free afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -61,6 +62,23 @@ def test_a_step_fills_its_rows_and_pads_the_rest_of_its_graph() -> None:
     assert inputs.input_ids.data_ptr() == graph.input_ids.data_ptr()  # a prefix shares the set's memory
     built = graph.attention_inputs([128] * 8)
     assert built.num_tokens == 8 and built.num_decodes == 8 and built.query_start_loc.tolist() == list(range(9))
+    assert built.max_shared_prefix_len == 128  # what any step of the graph may share
+    assert not built.shared_prefix_lens.any() and built.sharing_order.tolist() == list(range(8))
+
+
+def test_a_steps_sharing_groups_are_loaded_and_its_padding_shares_nothing() -> None:
+    rng = random.Random(1)
+    inputs = StaticStepInputs.allocate(8, 8, 16, torch.device("cpu"), 1, padding_slot=1600)
+    input_ids, positions, attn = decode_inputs([70, 40, 70, 66], 5, rng)
+    attn = dataclasses.replace(attn, shared_prefix_lens=torch.tensor([64, 0, 64, 64], dtype=torch.int32),
+                               sharing_order=torch.tensor([1, 0, 2, 3], dtype=torch.int32), max_shared_prefix_len=64)
+    graph = inputs.prefix(8)
+    graph.load(input_ids, positions, attn)
+    built = graph.attention_inputs([128] * 8)
+    assert built.shared_prefix_lens.tolist() == [64, 0, 64, 64, 0, 0, 0, 0]
+    assert built.sharing_order.tolist() == [1, 0, 2, 3, 4, 5, 6, 7]  # a padding row in its own place
+    graph.load(*decode_inputs([70, 40], 5, rng))  # a step with nothing computed: nothing shared, in order
+    assert not built.shared_prefix_lens.any() and built.sharing_order.tolist() == list(range(8))
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
@@ -104,6 +122,20 @@ def test_chunks_prefix_hits_preemption_and_quantized_kv_through_graphs(tiny_chec
         assert small.stats()["num_preemptions"] > 0 and small.engine.core.runner.graphs.num_replays > 0
         assert_all_blocks_free(small)
 
+
+
+@on_gpu
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: windowed layers attend alone
+def test_samples_of_one_prompt_share_its_keys_through_graphs(tiny_checkpoints, arch: str) -> None:
+    """24 greedy samples of a 100-token prompt: replayed in a graph of 24 decodes, which attends the keys they
+    share once per tile of decodes (cascade), each gives transformers' tokens."""
+    path = tiny_checkpoints[arch]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = prompts(seed=5)[1] * 3  # 120 tokens
+    llm = LLM(str(path), dtype="float32", device="cuda", num_kv_blocks=256, block_size=16, max_num_seqs=24)
+    assert greedy_token_ids(llm, [prompt], MAX_NEW, n=24)[0] == [hf_greedy(hf, prompt, MAX_NEW)] * 24
+    assert 24 in llm.engine.core.runner.graphs.sizes and llm.engine.core.runner.graphs.num_replays > 0
+    assert_all_blocks_free(llm)
 
 
 @on_gpu
