@@ -285,20 +285,20 @@ def _first_slot(shared_lens, seq, PREFIX_SLOTS: tl.constexpr):
 
 
 @triton.jit
-def _merge_group(merged, stride_mh, partial, stride_ph, stride_ps, lse, heads, mask_g, offs_d, mask_d, first_split,
-                 num_splits, BLOCK_G: tl.constexpr):
-    """One decode's ``heads`` merged from their splits' outputs (``first_split`` .. ``num_splits``), each
+def _merge_group(merged, stride_mh, partial, stride_ph, stride_ps, lse, heads, mask_g, offs_d, mask_d, first_slot,
+                 num_slots, BLOCK_G: tl.constexpr):
+    """One decode's ``heads`` merged from their partial slots ``first_slot`` .. ``num_slots`` (splits), each
     weighted by its share of the softmax sum, exp2(lse_s - max) / sum over splits. The other programs' partials
     are read past the L1 cache (``.cg``), which may hold lines of these addresses from an earlier launch."""
     mask = mask_g[:, None] & mask_d[None, :]
     lse_max = tl.full([BLOCK_G], NEG_INIT, tl.float32)
-    for s in range(first_split, num_splits):
-        lse_max = tl.maximum(lse_max, tl.load(lse + heads * num_splits + s, mask=mask_g, other=NEG_INIT,
+    for s in range(first_slot, num_slots):
+        lse_max = tl.maximum(lse_max, tl.load(lse + heads * num_slots + s, mask=mask_g, other=NEG_INIT,
                                               cache_modifier=".cg"))
     acc = tl.zeros([BLOCK_G, offs_d.shape[0]], tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
-    for s in range(first_split, num_splits):
-        weight = tl.exp2(tl.load(lse + heads * num_splits + s, mask=mask_g, other=NEG_INIT, cache_modifier=".cg")
+    for s in range(first_slot, num_slots):
+        weight = tl.exp2(tl.load(lse + heads * num_slots + s, mask=mask_g, other=NEG_INIT, cache_modifier=".cg")
                          - lse_max)
         split_out = tl.load(partial + heads[:, None] * stride_ph + s * stride_ps + offs_d[None, :], mask=mask,
                             other=0.0, cache_modifier=".cg")
