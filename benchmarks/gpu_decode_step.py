@@ -29,6 +29,7 @@ from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.model import registry
 from kvserve.model.checkpoint import SHAPES, make_config_only
 from kvserve.model.layers.fused_ops import TorchFusedOps
+from kvserve.model.layers.linear import Linear
 
 NUM_WARMUP_STEPS = 4
 
@@ -108,6 +109,14 @@ def print_kernel_table(profiler: torch.profiler.profile, num_steps: int, step_se
         print(f"    {event.device_time_total / num_steps:9.1f} us {event.count / num_steps:6.1f}x  {event.key[:110]}")
 
 
+def kernel_choices(llm: LLM) -> dict[str, bool]:
+    """Each linear method's measured choices (its key: layer shape, ..., batch size class -> the Triton kernel?
+    for the skinny GEMM; dequantize? for weight-only), as the steps left them."""
+    methods = {id(m.method): m.method for m in llm.engine.core.runner.model.modules() if isinstance(m, Linear)}
+    return {" ".join(map(str, key)): took for method in methods.values()
+            for key, took in getattr(method, "choices", {}).items()}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="smollm2-135m", choices=tuple(SHAPES))
@@ -127,6 +136,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--separate-merge", action="store_true",
                         help="flash-decoding's splits merged by a kernel of their own, not by the decode launch's "
                              "last program (an A/B of the fold)")
+    parser.add_argument("--torch-gemms", action="store_true",
+                        help="every GEMM through torch, none through the skinny Triton kernel (an A/B of it)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="decode steps after the timed ones to run under torch's profiler (a kernel table)")
     parser.add_argument("--json", default=None)
@@ -141,6 +152,10 @@ def main(argv: list[str]) -> int:
 
         triton_paged.MIN_SPLIT_KEYS = args.min_split_keys or triton_paged.MIN_SPLIT_KEYS
         triton_paged.MERGE_IN_DECODE = not args.separate_merge
+    if args.torch_gemms:
+        from kvserve.model.layers import triton_skinny  # imports triton: CUDA only
+
+        triton_skinny.SKINNY_ROWS = 0
     model = make_config_only(Path(tempfile.mkdtemp()) / args.shape, args.shape)
     device = torch.device("cuda")
     bandwidth = measure_copy_bandwidth(device, 1 << 30)
@@ -155,7 +170,8 @@ def main(argv: list[str]) -> int:
           f"{', scheduled after each step' if args.no_overlap_scheduling else ''}"
           f"{', twin ops' if args.twin_ops else ''}"
           f"{f', splits of >= {args.min_split_keys} keys' if args.min_split_keys else ''}"
-          f"{', separate merge' if args.separate_merge else ''} on {device_name}: "
+          f"{', separate merge' if args.separate_merge else ''}"
+          f"{', torch GEMMs' if args.torch_gemms else ''} on {device_name}: "
           f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     rows = []
     for batch in batches:
@@ -173,7 +189,7 @@ def main(argv: list[str]) -> int:
                   enforce_eager=args.enforce_eager, twin_ops=args.twin_ops,
                   overlap_scheduling=not args.no_overlap_scheduling,
                   min_split_keys=args.min_split_keys, separate_merge=args.separate_merge,
-                  device=device_name,
+                  torch_gemms=args.torch_gemms, kernel_choices=kernel_choices(llm), device=device_name,
                   copy_gb_per_s=bandwidth / 1e9, weight_bytes=weight_bytes, prompt_len=args.prompt_len, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -5,8 +5,9 @@
 #
 # Steps: info, tests (the -m gpu tests, and the interpreter's Triton tests natively), kernels (attention and
 # GGUF kernel micro-benchmarks), profile (decode steps with their kernel tables), splits (one stream with and
-# without flash-decoding's split, and its splits merged in the decode launch or apart), decode and decode_eager (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes,
-# with CUDA graphs or without), overlap (decode steps with the overlapped scheduler and without), structured
+# without flash-decoding's split, and its splits merged in the decode launch or apart), gemms (one stream with
+# the skinny Triton GEMM where it measured faster, and with torch's GEMMs alone), decode and decode_eager
+# (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes, with CUDA graphs or without), overlap (decode steps with the overlapped scheduler and without), structured
 # (JSON-schema rows through structured_output.py, the overlap on and off), roofline, batch1 (issue 16's (a): one
 # stream of Llama-3-8B), sweep (issue 16's (e): a served sweep of Poisson rates), throughput (issue 16's (b): the
 # random workload beside transformers), fixed (issue 16's (c): 1,000 in / 1,000 out), weight_only (issue 22:
@@ -22,15 +23,17 @@
 #
 # A lease is 15 minutes of device time, the machine's start (a minute or two) included, and one call runs at
 # most 10: two calls, the second at once while the machine is warm. At sessions 14 and 15's speeds (tests 230 s
-# in one process, profile 45 s, throughput about 150 s, fixed 320 s, sweep 120 s; weight_only about 180 s,
-# estimated) a lease holds:
+# in one process, profile 45 s, gemms and splits ~35 s a run, throughput about 150 s, fixed 320 s, sweep 120 s;
+# weight_only about 180 s, estimated) a lease holds:
 #
-#     run(timeout_s=570): OUT=$OUT DEADLINE=540 benchmarks/gpu_run.sh info tests weight_only profile
-#     run(timeout_s=280): OUT=$OUT DEADLINE=250 benchmarks/gpu_run.sh fixed
+#     run(timeout_s=560): OUT=$OUT DEADLINE=530 benchmarks/gpu_run.sh info tests profile gemms splits
+#     run(timeout_s=240): OUT=$OUT DEADLINE=210 benchmarks/gpu_run.sh weight_only
 #
-# (`fixed` ends inside 250 s only at the 7,000 tok/s it aims for; stopped there, it says it did not) and the next
-# lease `throughput`, `kv`, `offload` and `sweep` (the sweep's latency half has never been measured), `kernels`
-# (session 25's cascade rows) and `splits` (its merge fold against the merge kernel), and what these calls showed. benchmarks/GPU_NOTES.md has each figure's floor and what to expect.
+# (profile, gemms and splits measure issue 16's (a) after sessions 24-26's kernels: the fused norm's warps, the
+# rotary embedding in the K/V store, flash-decoding's merge in the decode launch, the skinny GEMM with the MLP's
+# activation in its loads), and later leases `fixed`, `throughput`, `kv`, `offload`, `sweep` (its latency half
+# has never been measured) and `kernels` (session 25's cascade rows). benchmarks/GPU_NOTES.md has each figure's
+# floor and what to expect.
 
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
 # installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the
@@ -83,13 +86,23 @@ step_profile() {
 }
 
 step_splits() {  # flash-decoding's split at one stream: the default against no split and against the splits
-    for prompt in 128 512; do  # merged by a kernel of their own, at two context lengths
+    for prompt in ${SPLIT_PROMPTS:-128}; do  # merged by a kernel of their own (SPLIT_PROMPTS="128 512": two contexts)
         for keys in 64 4096; do
             python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --steps 32 --prompt-len $prompt \
                 --min-split-keys $keys --json "$OUT/splits-$prompt-$keys.json"
         done
         python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --steps 32 --prompt-len $prompt \
             --separate-merge --json "$OUT/splits-$prompt-separate-merge.json"
+    done
+}
+
+step_gemms() {  # one stream: the skinny Triton GEMM where it measured faster (the default) against torch's
+    # GEMMs alone, Llama-3-8B (cuBLAS splits o and down over K) and SmolLM2 (launch-bound)
+    for flag in "" --torch-gemms; do
+        python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --steps 32 $flag \
+            --json "$OUT/gemms-llama3-8b${flag:+-torch}.json"
+        python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,4 --steps 32 $flag \
+            --json "$OUT/gemms-smollm2${flag:+-torch}.json"
     done
 }
 

@@ -38,6 +38,13 @@ def decode_lines(result: dict[str, Any]) -> Iterator[str]:
         mode = f"{result['weights_format']}, {mode}"
     if result.get("kv_cache_dtype", result["dtype"]) != result["dtype"]:
         mode = f"KV {result['kv_cache_dtype']}, {mode}"
+    if result.get("min_split_keys"):
+        mode += f", splits of >= {result['min_split_keys']} keys"
+    mode += ", separate merge" if result.get("separate_merge") else ""
+    mode += ", torch GEMMs" if result.get("torch_gemms") else ""
+    choices = result.get("kernel_choices") or {}
+    if choices and not result.get("weights_format", "").startswith("int"):
+        mode += f", skinny GEMM in {sum(choices.values())} of {len(choices)} classes"
     for row in result["rows"]:
         runner = f" (runner {row['runner_median_ms']:.2f})" if "runner_median_ms" in row else ""
         yield (f"{result['shape']} {result['dtype']} {mode}, batch {row['batch']}: step {row['median_ms']:.2f} ms"

@@ -28,10 +28,14 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
     (tmp_path / "tests.log").write_text(
         "....F\nFAILED tests/engine/test_cuda.py::test_x - AssertionError: boom\n"
         "========= 1 failed, 258 passed, 1 skipped in 154.44s (0:02:34) =========\n")
+    step = {"batch": 1, "median_ms": 5.01, "runner_median_ms": 4.91, "tokens_per_s": 199.6, "roofline_ms": 3.84,
+            "fraction_of_roofline": 0.766}
     (tmp_path / "profile-llama3-8b.json").write_text(json.dumps({
-        "shape": "llama3-8b", "dtype": "bfloat16", "enforce_eager": False, "rows": [
-            {"batch": 1, "median_ms": 5.01, "runner_median_ms": 4.91, "tokens_per_s": 199.6, "roofline_ms": 3.84,
-             "fraction_of_roofline": 0.766}]}))
+        "shape": "llama3-8b", "dtype": "bfloat16", "enforce_eager": False, "rows": [step],
+        "kernel_choices": {"4096 4096 -1 torch.bfloat16 1": True, "28672 4096 -1 torch.bfloat16 1": False}}))
+    (tmp_path / "gemms-torch.json").write_text(json.dumps({
+        "shape": "llama3-8b", "dtype": "bfloat16", "rows": [step], "torch_gemms": True, "kernel_choices": {},
+        "min_split_keys": 64, "separate_merge": True}))
     system = {"output_throughput": 3990.4, "completed": 128, "duration_s": 8.2,
               "details": {"stats": {"num_preemptions": 0}}}
     (tmp_path / "random.json").write_text(json.dumps({
@@ -60,6 +64,8 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
         "output_tokens_per_s": 300.0, "pcie_bound_tokens_per_s": 372.5, "share_of_pcie_bound": 0.805}))
     lines = summarize(tmp_path)
     assert lines == [
+        "gemms-torch.json: llama3-8b bfloat16 graphs, splits of >= 64 keys, separate merge, torch GEMMs, batch 1: "
+        "step 5.01 ms (runner 4.91), 200 tok/s, 77% of the 3.84 ms weight-read roofline",
         "kernels.log: cascade: Llama-3-8B, 64 decodes at 2,048 keys, 1,984 shared: triton 0.041 ms against 0.238 ms "
         "sharing nothing (5.8x)",
         "kv-decode-int4.json: llama3-8b bfloat16 KV int8, int4 weight-only, graphs, batch 64: step 20.00 ms, 3,200 "
@@ -70,8 +76,8 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
         "(200.0 ms), 1488 tokens cached, text identical: True",
         "offload-8.json: offload llama3-8b: 8.00 GiB streamed, 300 output tok/s at batch 64, 80% of the PCIe bound "
         "372 (host-to-device 50.0 GB/s)",
-        "profile-llama3-8b.json: llama3-8b bfloat16 graphs, batch 1: step 5.01 ms (runner 4.91), 200 tok/s, 77% of "
-        "the 3.84 ms weight-read roofline",
+        "profile-llama3-8b.json: llama3-8b bfloat16 graphs, skinny GEMM in 1 of 2 classes, batch 1: step 5.01 ms "
+        "(runner 4.91), 200 tok/s, 77% of the 3.84 ms weight-read roofline",
         "random.json: random kvserve: 3,990 output tok/s, 128 requests in 8 s, 0 preemptions",
         "random.json: random hf-static32: 502 output tok/s, 128 requests in 65 s",
         "random.json: random kvserve: 7.94x hf-static32",

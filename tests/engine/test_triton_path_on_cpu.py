@@ -1,7 +1,7 @@
 """The CUDA path's Triton pieces inside the whole engine, on CPU through Triton's interpreter: the attention
-kernels (the K/V store, decodes, varlen prefill chunks) and the fused elementwise ops give transformers' greedy
-tokens under chunked prefill and a prefix hit, and free every block; the weight-only linears give the CPU block
-kernel's. ``-m gpu`` runs the same path compiled."""
+kernels (the K/V store, decodes, varlen prefill chunks), the fused elementwise ops and the skinny GEMMs of decode
+steps give transformers' greedy tokens under chunked prefill and a prefix hit, and free every block; the
+weight-only linears give the CPU block kernel's. ``-m gpu`` runs the same path compiled."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from kvserve.attention import triton_paged  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  # noqa: E402
 from kvserve.model import registry  # noqa: E402
 from kvserve.model.layers.triton_fused_ops import TritonFusedOps  # noqa: E402
+from kvserve.model.layers import triton_skinny  # noqa: E402
+from kvserve.model.layers.triton_skinny import TritonSkinnyLinearMethod  # noqa: E402
+from kvserve.model.layers.triton_tiles import NO_ACTIVATION  # noqa: E402
 from kvserve.model.layers.triton_weight_only import TritonWeightOnlyLinearMethod  # noqa: E402
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy  # noqa: E402
 
@@ -26,11 +29,20 @@ pytestmark = pytest.mark.skipif(not is_interpreted(), reason="the interpreter on
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding windows, q/k norms, sandwich norms
-def test_triton_attention_and_fused_ops_in_the_engine_give_transformers_tokens(
+def test_triton_attention_fused_ops_and_skinny_gemms_in_the_engine_give_transformers_tokens(
     tiny_checkpoints, arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The linear layers as on CUDA too: decode steps through the skinny GEMM (the MLP's activation in its
+    loads), prefill chunks through torch's."""
     monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
     monkeypatch.setattr(registry, "select_fused_ops", lambda device, dtype: TritonFusedOps())
+    monkeypatch.setattr(registry, "can_prepack", lambda device, dtype: False)
+    monkeypatch.setattr(registry, "_plain_method", lambda device: TritonSkinnyLinearMethod())
+    activations = []
+    skinny_gemm = triton_skinny.skinny_gemm
+    monkeypatch.setattr(triton_skinny, "skinny_gemm",
+                        lambda x, weight, bias, activation=NO_ACTIVATION: activations.append(activation)
+                        or skinny_gemm(x, weight, bias, activation))
     path = tiny_checkpoints[arch]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rng = random.Random(1)
@@ -41,6 +53,7 @@ def test_triton_attention_and_fused_ops_in_the_engine_give_transformers_tokens(
     got = [greedy_token_ids(llm, [prompt], 6)[0][0] for prompt in prompts]  # the second hits the first's prefix
     assert got == [hf_greedy(hf, prompt, 6) for prompt in prompts]
     assert llm.stats()["prefix_cache_hits"] > 0
+    assert NO_ACTIVATION in activations and set(activations) - {NO_ACTIVATION}  # down projections: gated
     assert_all_blocks_free(llm)
 
 

@@ -61,13 +61,20 @@ def test_each_method_keeps_leading_dimensions(method: str) -> None:
 
 
 def test_fp32_on_cpu_is_prepacked_where_it_can_be_and_the_rest_is_plain() -> None:
+    """On CUDA plain weights take Triton's skinny GEMM for decode steps where triton imports."""
     method = select_linear_method(CPU, torch.float32)
     if can_prepack(CPU, torch.float32):
         assert isinstance(method, CpuPrepackedLinearMethod) and method.small is tuned_small_gemm()
     else:
         assert type(method) is UnquantizedLinearMethod
     assert type(select_linear_method(CPU, torch.bfloat16)) is UnquantizedLinearMethod
-    assert type(select_linear_method(torch.device("cuda"), torch.float32)) is UnquantizedLinearMethod
+    cuda = select_linear_method(torch.device("cuda"), torch.float32)
+    try:
+        from kvserve.model.layers.triton_skinny import TritonSkinnyLinearMethod
+    except ImportError:  # without triton, torch's GEMM alone
+        assert type(cuda) is UnquantizedLinearMethod
+    else:
+        assert type(cuda) is TritonSkinnyLinearMethod
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -19,6 +19,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
 }
+# the activations the C and Triton kernels compute, by config name -> the kernels' enum: SiLU, GELU's tanh form
+KERNEL_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
 
 
 def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -44,4 +46,7 @@ class GatedMLP(UsesFusedOps, Shardable, nn.Module):
         row_parallel(self.down_proj, tp, columns)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.act_and_mul(self, self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.activation, self._act_and_mul)
+
+    def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.act_and_mul(self, gate_up)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.model.layers.activation import GatedMLP
+from kvserve.model.layers.activation import KERNEL_ACTIVATIONS, GatedMLP
 from kvserve.model.layers.fused_ops import TorchFusedOps
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_library
@@ -41,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 FUSED_OPS_SOURCE = Path(__file__).parent / "csrc" / "fused_ops.c"
 FUSED_OPS_RANGE = "kvserve::fused_ops"  # the kernels' name in torch.profiler traces (a ctypes call is no op)
-KERNEL_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}  # config name -> the kernel's enum
 _PTR, _STRIDE, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _NORM_ARG_TYPES = [_PTR, _STRIDE, _PTR, _STRIDE, _PTR, _STRIDE, _PTR, _PTR, ctypes.c_float, ctypes.c_float,
                    _INT, _INT, _INT]  # out, residual, x (each + row stride), x weight, weight, offset, eps,

@@ -77,6 +77,14 @@ class LinearMethod(ABC):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in_features] -> [..., out_features]``, in ``x``'s dtype."""
 
+    def apply_gated(self, layer: Linear, gate_up: torch.Tensor, activation: str,
+                    act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``apply(layer, act(gate) * up)`` for a gated MLP's down projection, ``gate_up`` [T, 2 * in_features]
+        its packed [gate | up] rows and ``act_and_mul`` the fused ops' product of them. A method whose kernel
+        computes the product as it loads its input (named by ``activation``, the config's) overrides this to
+        save the product's launch; this one launches it."""
+        return self.apply(layer, act_and_mul(gate_up))
+
 
 class UnquantizedLinearMethod(LinearMethod):
     """The weight as the checkpoint stores it, multiplied by ``F.linear``: the reference every method is
@@ -180,7 +188,14 @@ class Linear(nn.Module):
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.apply(self, x)
+        return self._joined(self.method.apply(self, x))
+
+    def forward_gated(self, gate_up: torch.Tensor, activation: str,
+                      act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``forward(act_and_mul(gate_up))``, the product left to the method (``LinearMethod.apply_gated``)."""
+        return self._joined(self.method.apply_gated(self, gate_up, activation, act_and_mul))
+
+    def _joined(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.tp_shard is None else self.tp_shard.join(y)
 
     def extra_repr(self) -> str:

@@ -22,13 +22,14 @@ import triton
 import triton.language as tl
 
 from kvserve.model.layers.fused_ops import TorchFusedOps
+from kvserve.model.layers.activation import KERNEL_ACTIVATIONS
+from kvserve.model.layers.triton_tiles import gated_activation
 
 if TYPE_CHECKING:
     from kvserve.model.layers.activation import GatedMLP
     from kvserve.model.layers.norm import RMSNorm
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-KERNEL_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
 ACT_BLOCK = 1024  # columns of act_and_mul per program
 
 
@@ -95,19 +96,13 @@ def rotary_kernel(qk, stride_t, cos, sin, stride_cos, num_heads, HALF: tl.conste
 
 @triton.jit
 def act_and_mul_kernel(out, gate_up, stride_out, stride_in, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, column block): ``act(gate) * up`` of the row's packed [gate | up]; ACT 0 is SiLU, 1 GELU's
-    tanh approximation (tanh(z) written as 2 sigmoid(2z) - 1)."""
+    """Program (row, column block): ``act(gate) * up`` of the row's packed [gate | up] (``gated_activation``)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(gate_up + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up + row * stride_in + n + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        act = gate * tl.sigmoid(gate)
-    else:
-        inner = gate + 0.044715 * gate * gate * gate
-        act = gate * tl.sigmoid(inner * 1.5957691216057308)  # 2 sqrt(2 / pi)
-    tl.store(out + row * stride_out + offs, (act * up).to(out.dtype.element_ty), mask=mask)
+    tl.store(out + row * stride_out + offs, gated_activation(gate, up, ACT).to(out.dtype.element_ty), mask=mask)
 
 
 def norm_warps(block: int) -> int:

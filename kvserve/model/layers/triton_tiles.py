@@ -1,11 +1,42 @@
-"""What the Triton GEMMs over quantized weights (``triton_ggml``, ``triton_weight_only``) share: integer codes to
-fp32 without a conversion instruction, a tile's product with weight values built in fp32 registers, and the
-tile's epilogue."""
+"""What the Triton GEMMs (``triton_ggml``, ``triton_weight_only``, ``triton_skinny``) and elementwise kernels
+share: integer codes to fp32 without a conversion instruction, a tile's product with weight values built in fp32
+registers, the tile's epilogue, and the gated MLP's activation (in ``act_and_mul``'s kernel, and folded into
+the loads of the down projection's input)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import triton
 import triton.language as tl
+import triton.testing
+
+NO_ACTIVATION = -1  # a GEMM's x as loaded, not [gate | up]
+
+
+@triton.jit
+def gated_activation(gate, up, ACT: tl.constexpr):
+    """``act(gate) * up`` in fp32 of fp32 tiles: ACT 0 is SiLU, 1 GELU's tanh approximation (tanh(z) written as
+    2 sigmoid(2z) - 1)."""
+    if ACT == 0:
+        act = gate * tl.sigmoid(gate)
+    else:
+        inner = gate + 0.044715 * gate * gate * gate
+        act = gate * tl.sigmoid(inner * 1.5957691216057308)  # 2 sqrt(2 / pi)
+    return act * up
+
+
+@triton.jit
+def load_input_tile(x_rows, offs_k, mask_m, K, ACT: tl.constexpr):
+    """x's [BLOCK_M, BLOCK_K] tile of inputs ``offs_k`` in x's dtype. With an activation (``ACT`` >= 0) each row
+    of x is a gated MLP's [gate | up] (2K values) and the tile is ``act(gate) * up``, computed in fp32 and rounded
+    to x's dtype as ``act_and_mul`` stores it: the down projection then needs no launch of its own for it."""
+    mask = mask_m[:, None] & (offs_k < K)[None, :]
+    if ACT == NO_ACTIVATION:
+        return tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
+    gate = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
+    up = tl.load(x_rows + K + offs_k[None, :], mask=mask, other=0.0)
+    return gated_activation(gate.to(tl.float32), up.to(tl.float32), ACT).to(gate.dtype)
 
 
 @triton.jit
@@ -37,3 +68,15 @@ def store_tile(y, acc, bias, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.const
         acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(out, acc.to(y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def tuning_bench(kernel_call: Callable[[], object], quantiles: tuple[float, ...]) -> list[float]:
+    """An autotuner's timing of one config: a few ms (Triton's default spends 125), since a model's layer shapes
+    are tuned at start-up."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def median_ms(call: Callable[[], object]) -> float:
+    """A call's median time on CUDA (``do_bench`` empties the L2 before each call, as a step finds it): what a
+    linear method's measured choice between two kernels compares."""
+    return triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median")

@@ -31,10 +31,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-import triton.testing
 
 from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, apply_by_parts, linear_into
-from kvserve.model.layers.triton_tiles import accumulate_dot, exact_float, store_tile
+from kvserve.model.layers.triton_tiles import accumulate_dot, exact_float, median_ms, store_tile, tuning_bench
 from kvserve.model.layers.weight_quant import QuantizedRows, quantize_rows
 
 # tile shapes tried per (N, K, batch class) on CUDA. A decode-sized batch is bound by reading the codes: narrow
@@ -153,12 +152,8 @@ def _tuned(batch: bool) -> triton.runtime.autotuner.Autotuner:
         group, k = named_args["group_size"], named_args["K"]
         return [c for c in configs if group % c.kwargs["BLOCK_K"] == 0 or group >= k]
 
-    def short_bench(kernel_call: Callable[[], object], quantiles: tuple[float, ...]) -> list[float]:
-        # a few ms a config (Triton's default spends 125): a model's layer shapes are tuned at start-up
-        return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
-
     return triton.autotune(BATCH_CONFIGS if batch else DECODE_CONFIGS, key=["N", "K", "INT4"],
-                           prune_configs_by={"early_config_prune": fitting}, do_bench=short_bench)(
+                           prune_configs_by={"early_config_prune": fitting}, do_bench=tuning_bench)(
         weight_only_gemm_kernel)
 
 
@@ -261,7 +256,7 @@ class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
         (both ways, a few ms each on CUDA), the packed kernel where nothing times them."""
         key = (*weight.shape, weight.int4, x.dtype, triton.next_power_of_2(x.shape[0]))
         if key not in self.choices:
-            timer = self.timer or (_median_ms if x.device.type == "cuda" else None)
+            timer = self.timer or (median_ms if x.device.type == "cuda" else None)
             if timer is None:
                 self.choices[key] = False
             else:
@@ -270,7 +265,3 @@ class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
                 dequantized(), packed()  # compiled and tuned before either is timed
                 self.choices[key] = timer(dequantized) < timer(packed)
         return self.choices[key]
-
-
-def _median_ms(call: Callable[[], object]) -> float:
-    return triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median")

@@ -1,0 +1,144 @@
+"""Dense weights on CUDA, and a Triton GEMM for the few rows of a decode step that can take a gated MLP's
+activation into its loads (``TritonSkinnyLinearMethod``).
+
+At one to four rows a step's GEMMs read every weight once: cuBLAS reads Llama-3-8B's projections at 3.1-4.0 TB/s
+on an H200 (session 15's profile), but for the two whose outputs are narrow (o and down, N = 4,096) it splits K
+and runs a second kernel to add the splits (64 launches a step), and the gated MLP's ``act(gate) * up`` is a
+launch of its own between gate_up and down (32 more). Inside a CUDA graph each short launch costs its ~2 us plus
+a ~2 us gap. ``skinny_gemm_kernel`` gives each program ``BLOCK_N`` output columns over the whole of K (no split,
+nothing to add), with the rows of x (one to four) in its registers; for the down projection it loads x as the
+MLP's packed [gate | up] and computes the activation's product as it goes (``triton_tiles.load_input_tile``): a
+row's product costs a few SFU operations per input per program, a fraction of the load of the weights.
+
+Products are fp32 multiplies summed in fp32 (no tensor cores: at these rows they would compute 16 rows to keep
+one). The twin is ``F.linear`` on the same weight (after ``act_and_mul`` for the gated form): they differ in the
+order of the sums, and for fp16 / bf16 in the rounding of the output. Whether a layer's shape, at a batch size
+class, takes this kernel or torch's GEMM (with the activation's own launch) is measured at its first step, in the
+engine's eager warm-up before graphs are captured: cuBLAS keeps whatever it reads faster (session 15 measured
+it level with a Triton kernel of this kind on the wide projections, gate_up and the LM head). Under Triton's
+interpreter (CI) the kernel always runs, at one fixed tile shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kvserve.model.layers.activation import KERNEL_ACTIVATIONS
+from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
+from kvserve.model.layers.triton_tiles import NO_ACTIVATION, load_input_tile, median_ms, store_tile, tuning_bench
+
+SKINNY_ROWS = 4  # steps of up to this many rows may take the kernel: x's rows then fit in registers
+# a program's [rows, BLOCK_N, BLOCK_K] products are held in fp32 registers: at most this many values (64 a thread)
+MAX_TILE_VALUES = 8192
+CONFIGS = [
+    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s)
+    for n, k, s in ((8, 512, 3), (16, 256, 3), (16, 512, 2), (32, 128, 4), (32, 256, 3), (64, 128, 3))
+]
+INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}
+
+
+@triton.jit
+def skinny_gemm_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym, ACT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y [M, N] = x [M, K] @ w.T (+ bias), M <= BLOCK_M; with ``ACT`` >= 0 x's rows are [gate | up] (2K values)
+    and the product is ``(act(gate) * up) @ w.T``. Program: BLOCK_N columns over all of K, the products of each
+    k tile summed at the end."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    x_rows = x + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w + offs_n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xs = load_input_tile(x_rows, offs_k, mask_m, K, ACT).to(tl.float32)
+        ws = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc += xs[:, None, :] * ws.to(tl.float32)[None, :, :]
+    store_tile(y, tl.sum(acc, axis=2), bias, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+
+
+@functools.cache
+def _tuned() -> triton.runtime.autotuner.Autotuner:
+    """The kernel tuned over ``CONFIGS`` per layer shape and rows (CUDA only: tuning times launches), the
+    configs whose products would not fit the registers pruned."""
+    def fitting(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+        rows = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
+        kept = [c for c in configs if rows * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= MAX_TILE_VALUES]
+        return kept or configs[:1]
+
+    return triton.autotune(CONFIGS, key=["N", "K", "BLOCK_M", "ACT"], prune_configs_by={"early_config_prune": fitting},
+                           do_bench=tuning_bench)(skinny_gemm_kernel)
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                activation: int = NO_ACTIVATION) -> torch.Tensor:
+    """``x [M, K] @ weight.T (+ bias)`` in x's dtype for M <= SKINNY_ROWS; with an ``activation`` (the kernels'
+    enum, ``KERNEL_ACTIVATIONS``) x is [M, 2K], a gated MLP's [gate | up], and its product is multiplied."""
+    n, k = weight.shape
+    width = k if activation == NO_ACTIVATION else 2 * k
+    if x.dim() != 2 or x.shape[1] != width or x.shape[0] > SKINNY_ROWS or weight.stride(1) != 1:
+        raise ValueError(f"skinny GEMM: x {tuple(x.shape)} (at most {SKINNY_ROWS} rows of {width}) does not fit a "
+                         f"weight of shape {tuple(weight.shape)} with contiguous rows")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    if not x.shape[0]:
+        return y
+    args = (x, weight, x if bias is None else bias, y, x.shape[0], n, k, x.stride(0), weight.stride(0), y.stride(0))
+    flags = {"ACT": activation, "HAS_BIAS": bias is not None, "BLOCK_M": triton.next_power_of_2(x.shape[0])}
+    if x.device.type == "cuda":
+        _tuned()[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    else:  # the interpreter
+        skinny_gemm_kernel[(triton.cdiv(n, INTERPRETED_CONFIG["BLOCK_N"]),)](*args, **flags, **INTERPRETED_CONFIG)
+    return y
+
+
+class TritonSkinnyLinearMethod(UnquantizedLinearMethod):
+    """The checkpoint's weight, multiplied by ``F.linear``, or for steps of up to ``SKINNY_ROWS`` rows by
+    ``skinny_gemm`` where that measured faster: at the first step of a layer shape, activation and batch size
+    class (a power of two), both are timed (torch's with the activation's own launch, for a gated down
+    projection) and the faster is kept."""
+
+    def __init__(self, timer: Callable[[Callable[[], object]], float] | None = None) -> None:
+        """``timer``: a call's time (default: Triton's ``do_bench`` median on CUDA, which empties the L2 before
+        each call, as a step finds it; elsewhere, with none, the kernel is always taken)."""
+        self.timer = timer
+        self.choices: dict[tuple, bool] = {}  # (n, k, activation, dtype, rows class) -> the skinny kernel?
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, layer.in_features)
+        if self._skinny(layer, rows, NO_ACTIVATION, lambda: F.linear(rows, layer.weight, layer.bias)):
+            return skinny_gemm(rows, layer.weight, layer.bias).view(*x.shape[:-1], layer.out_features)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def apply_gated(self, layer: Linear, gate_up: torch.Tensor, activation: str,
+                    act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        code = KERNEL_ACTIVATIONS.get(activation)
+        rows = gate_up.reshape(-1, 2 * layer.in_features)
+        if code is not None and self._skinny(layer, rows, code, lambda: self.apply(layer, act_and_mul(rows))):
+            y = skinny_gemm(rows, layer.weight, layer.bias, code)
+            return y.view(*gate_up.shape[:-1], layer.out_features)
+        return self.apply(layer, act_and_mul(gate_up))
+
+    def _skinny(self, layer: Linear, rows: torch.Tensor, activation: int, torch_gemm: Callable[[], object]) -> bool:
+        """Whether these rows take ``skinny_gemm``: measured against ``torch_gemm`` at the first step of their
+        class."""
+        if not 0 < rows.shape[0] <= SKINNY_ROWS or layer.weight.stride(1) != 1:
+            return False
+        weight = layer.weight
+        key = (*weight.shape, activation, rows.dtype, triton.next_power_of_2(rows.shape[0]))
+        if key not in self.choices:
+            timer = self.timer or (median_ms if rows.device.type == "cuda" else None)
+            if timer is None:
+                self.choices[key] = True
+            else:
+                def skinny() -> torch.Tensor:
+                    return skinny_gemm(rows, weight, layer.bias, activation)
+                skinny(), torch_gemm()  # compiled and tuned before either is timed
+                self.choices[key] = timer(skinny) < timer(torch_gemm)
+        return self.choices[key]
