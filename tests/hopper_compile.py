@@ -5,7 +5,7 @@ not a ``tl.constexpr``, say), so the kernels' tests could pass while no GPU coul
 GPU: Triton's front end, LLVM and the ptxas its wheel carries run on the CPU. Run as a script, in a process
 where TRITON_INTERPRET is unset (the kernels must be real ``JITFunction``s)::
 
-    python -m tests.hopper_compile attention|ggml|fused|weight_only [-v]
+    python -m tests.hopper_compile attention|ggml|fused|weight_only|skinny [-v]
 
 prints one line per case that fails (with ``-v``, each case's registers, spills and shared memory) and exits 1
 if any did. ``tests/test_hopper_compile.py`` runs it.
@@ -167,7 +167,29 @@ def weight_only_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
     return cases
 
 
-CASES = {"attention": attention_cases, "ggml": ggml_cases, "fused": fused_cases, "weight_only": weight_only_cases}
+def skinny_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
+    """The skinny GEMM at every tile shape its autotuning tries, plain (Llama-3-8B's o projection) and gated (its
+    down projection), in bf16; the first shape of one row in fp16 and fp32 too."""
+    from kvserve.model.layers import triton_skinny as skinny
+
+    cases = []
+    for rows, configs in skinny.CONFIGS.items():
+        for config in configs:
+            first = rows == 1 and config is configs[0]
+            for dtype in (torch.bfloat16, torch.float16, torch.float32) if first else (torch.bfloat16,):
+                for act, k in ((-1, 4096), (0, 14336)):
+                    tiles = ", ".join(f"{name} {value}" for name, value in config.kwargs.items())
+                    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+                    cases.append((f"{rows} rows, ACT {act} ({str(dtype)[6:]}, {tiles}, {options})",
+                                  skinny.skinny_gemm_kernel, dict(
+                        x=dtype, w=dtype, bias=dtype, y=dtype, M=rows, N=4096, K=k,
+                        stride_xm=k if act < 0 else 2 * k, stride_wn=k, stride_ym=4096, ACT=act, HAS_BIAS=False,
+                        BLOCK_M=rows, **config.kwargs, options=options)))
+    return cases
+
+
+CASES = {"attention": attention_cases, "ggml": ggml_cases, "fused": fused_cases, "weight_only": weight_only_cases,
+         "skinny": skinny_cases}
 
 
 def resource_usage(compiled: Any) -> str:

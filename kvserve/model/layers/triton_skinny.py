@@ -34,12 +34,20 @@ from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
 from kvserve.model.layers.triton_tiles import NO_ACTIVATION, load_input_tile, median_ms, store_tile, tuning_bench
 
 SKINNY_ROWS = 4  # steps of up to this many rows may take the kernel: x's rows then fit in registers
-# a program's [rows, BLOCK_N, BLOCK_K] products are held in fp32 registers: at most this many values (64 a thread)
-MAX_TILE_VALUES = 8192
-CONFIGS = [
-    triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s)
-    for n, k, s in ((8, 512, 3), (16, 256, 3), (16, 512, 2), (32, 128, 4), (32, 256, 3), (64, 128, 3))
-]
+
+
+def _configs(*shapes: tuple[int, int, int]) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=4, num_stages=s) for n, k, s in shapes]
+
+
+# tile shapes tried per rows class (1, 2, 4): a program's [rows, BLOCK_N, BLOCK_K] products are fp32 registers,
+# 4,096-8,192 of them (32-64 a thread, compiled for sm_90: 74-150 registers, nothing spilled); narrow tiles give
+# Llama-3-8B's o and down projections (N = 4,096) 64-512 programs for the 132 multiprocessors
+CONFIGS = {
+    1: _configs((8, 512, 3), (16, 256, 3), (32, 128, 4), (32, 256, 3), (64, 128, 3)),
+    2: _configs((8, 256, 3), (16, 256, 3), (32, 128, 3)),
+    4: _configs((8, 256, 3), (16, 128, 4), (8, 128, 4)),
+}
 INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}
 
 
@@ -64,16 +72,9 @@ def skinny_gemm_kernel(x, w, bias, y, M, N, K, stride_xm, stride_wn, stride_ym, 
 
 
 @functools.cache
-def _tuned() -> triton.runtime.autotuner.Autotuner:
-    """The kernel tuned over ``CONFIGS`` per layer shape and rows (CUDA only: tuning times launches), the
-    configs whose products would not fit the registers pruned."""
-    def fitting(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-        rows = kwargs.get("BLOCK_M", named_args.get("BLOCK_M"))
-        kept = [c for c in configs if rows * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= MAX_TILE_VALUES]
-        return kept or configs[:1]
-
-    return triton.autotune(CONFIGS, key=["N", "K", "BLOCK_M", "ACT"], prune_configs_by={"early_config_prune": fitting},
-                           do_bench=tuning_bench)(skinny_gemm_kernel)
+def _tuned(rows_class: int) -> triton.runtime.autotuner.Autotuner:
+    """The kernel tuned over ``CONFIGS[rows_class]`` per layer shape (CUDA only: tuning times launches)."""
+    return triton.autotune(CONFIGS[rows_class], key=["N", "K", "ACT"], do_bench=tuning_bench)(skinny_gemm_kernel)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -90,9 +91,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if not x.shape[0]:
         return y
     args = (x, weight, x if bias is None else bias, y, x.shape[0], n, k, x.stride(0), weight.stride(0), y.stride(0))
-    flags = {"ACT": activation, "HAS_BIAS": bias is not None, "BLOCK_M": triton.next_power_of_2(x.shape[0])}
+    rows_class = triton.next_power_of_2(x.shape[0])
+    flags = {"ACT": activation, "HAS_BIAS": bias is not None, "BLOCK_M": rows_class}
     if x.device.type == "cuda":
-        _tuned()[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+        _tuned(rows_class)[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     else:  # the interpreter
         skinny_gemm_kernel[(triton.cdiv(n, INTERPRETED_CONFIG["BLOCK_N"]),)](*args, **flags, **INTERPRETED_CONFIG)
     return y

@@ -32,7 +32,7 @@ def load_input_tile(x_rows, offs_k, mask_m, K, ACT: tl.constexpr):
     of x is a gated MLP's [gate | up] (2K values) and the tile is ``act(gate) * up``, computed in fp32 and rounded
     to x's dtype as ``act_and_mul`` stores it: the down projection then needs no launch of its own for it."""
     mask = mask_m[:, None] & (offs_k < K)[None, :]
-    if ACT == NO_ACTIVATION:
+    if ACT < 0:  # NO_ACTIVATION (a module global is not a constexpr to the compiler)
         return tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
     gate = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
     up = tl.load(x_rows + K + offs_k[None, :], mask=mask, other=0.0)
