@@ -5,7 +5,7 @@ not a ``tl.constexpr``, say), so the kernels' tests could pass while no GPU coul
 GPU: Triton's front end, LLVM and the ptxas its wheel carries run on the CPU. Run as a script, in a process
 where TRITON_INTERPRET is unset (the kernels must be real ``JITFunction``s)::
 
-    python -m tests.hopper_compile attention|ggml|fused|weight_only|skinny [-v]
+    python -m tests.hopper_compile attention|ggml|fused|weight_only|skinny|sample [-v]
 
 prints one line per case that fails (with ``-v``, each case's registers, spills and shared memory) and exits 1
 if any did. ``tests/test_hopper_compile.py`` runs it.
@@ -188,8 +188,20 @@ def skinny_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
     return cases
 
 
+def sample_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
+    """The first max's two kernels (the parts of each row of logits, then their merge) in every model dtype, at
+    Llama-3's vocabulary."""
+    from kvserve.sample import triton_first_max as first_max
+
+    cases = [(f"first max parts ({str(dtype)[6:]})", first_max.first_max_parts_kernel, dict(
+        x=dtype, part_values=torch.float32, part_index=torch.int32, V=128256, stride_row=128256, part_len=2048,
+        num_parts=63, BLOCK=first_max.BLOCK)) for dtype in (torch.bfloat16, torch.float16, torch.float32)]
+    return cases + [("first max merge", first_max.first_max_merge_kernel, dict(
+        part_values=torch.float32, part_index=torch.int32, out=torch.int64, num_parts=63, V=128256, BLOCK_P=64))]
+
+
 CASES = {"attention": attention_cases, "ggml": ggml_cases, "fused": fused_cases, "weight_only": weight_only_cases,
-         "skinny": skinny_cases}
+         "skinny": skinny_cases, "sample": sample_cases}
 
 
 def resource_usage(compiled: Any) -> str:

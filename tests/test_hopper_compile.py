@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("family", ["attention", "ggml", "fused", "weight_only", "skinny"])
+@pytest.mark.parametrize("family", ["attention", "ggml", "fused", "weight_only", "skinny", "sample"])
 def test_triton_kernels_compile_for_hopper(family: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-m", "tests.hopper_compile", family], cwd=REPO, env=env,
