@@ -71,7 +71,7 @@ step_tests() {  # every -m gpu test, then the Triton tests CI runs through the i
     python3 -c "import xdist" 2>/dev/null && workers=(-n "${TEST_WORKERS:-8}")
     python3 -m pytest "${workers[@]}" -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests
     python3 -m pytest "${workers[@]}" -q -p no:cacheprovider tests/attention/test_triton_paged.py \
-        tests/model/test_triton_fused_ops.py
+        tests/model/test_triton_fused_ops.py tests/model/test_triton_skinny.py tests/sample/test_triton_first_max.py
 }
 
 step_kernels() {
