@@ -110,11 +110,11 @@ def print_kernel_table(profiler: torch.profiler.profile, num_steps: int, step_se
 
 
 def kernel_choices(llm: LLM) -> dict[str, bool]:
-    """Each linear method's measured choices (its key: layer shape, ..., batch size class -> the Triton kernel?
-    for the skinny GEMM; dequantize? for weight-only), as the steps left them."""
+    """Each linear method's measured choices as the steps left them: "<candidate> <key>" (the key: layer shape,
+    ..., batch size class) -> whether the candidate (the skinny kernel, the dequantized GEMM) timed faster."""
     methods = {id(m.method): m.method for m in llm.engine.core.runner.model.modules() if isinstance(m, Linear)}
-    return {" ".join(map(str, key)): took for method in methods.values()
-            for key, took in getattr(method, "choices", {}).items()}
+    return {f"{choices.name} {key}": took for method in methods.values() for choices in vars(method).values()
+            if hasattr(choices, "made") for key, took in choices.made.items()}
 
 
 def main(argv: list[str]) -> int:

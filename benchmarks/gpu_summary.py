@@ -43,8 +43,9 @@ def decode_lines(result: dict[str, Any]) -> Iterator[str]:
     mode += ", separate merge" if result.get("separate_merge") else ""
     mode += ", torch GEMMs" if result.get("torch_gemms") else ""
     choices = result.get("kernel_choices") or {}
-    if choices and not result.get("weights_format", "").startswith("int"):
-        mode += f", skinny GEMM in {sum(choices.values())} of {len(choices)} classes"
+    for name in ("skinny", "dequantized GEMM"):
+        made = [took for key, took in choices.items() if key.startswith(f"{name} (")]
+        mode += f", {name} in {sum(made)} of {len(made)} classes" if made else ""
     for row in result["rows"]:
         runner = f" (runner {row['runner_median_ms']:.2f})" if "runner_median_ms" in row else ""
         yield (f"{result['shape']} {result['dtype']} {mode}, batch {row['batch']}: step {row['median_ms']:.2f} ms"

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 import triton.testing
 
 from kvserve.bench.roofline import measure_copy_bandwidth
-from kvserve.model.layers.triton_weight_only import PackedWeight, weight_only_gemm
-from kvserve.model.layers.weight_quant import quantize_rows
+from kvserve.model.layers.triton_weight_only import weight_only_gemm
+from kvserve.model.layers.weight_quant import PackedWeight, quantize_rows
 
 # Llama-3-8B: the packed q/k/v and gate/up projections, o, down and the LM head, as [N, K]
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),

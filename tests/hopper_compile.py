@@ -168,23 +168,32 @@ def weight_only_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
 
 
 def skinny_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
-    """The skinny GEMM at every tile shape its autotuning tries, plain (Llama-3-8B's o projection) and gated (its
-    down projection), in bf16; the first shape of one row in fp16 and fp32 too."""
+    """The skinny GEMM at every tile shape its autotuning tries, on dense bf16 weights plain (Llama-3-8B's o
+    projection) and gated (its down projection), the first shape of one row in fp16 and fp32 too; and on
+    weight-only INT4 (groups of 128) and INT8 codes, at the shapes the groups allow."""
     from kvserve.model.layers import triton_skinny as skinny
 
     cases = []
     for rows, configs in skinny.CONFIGS.items():
         for config in configs:
             first = rows == 1 and config is configs[0]
-            for dtype in (torch.bfloat16, torch.float16, torch.float32) if first else (torch.bfloat16,):
+            tiles = ", ".join(f"{name} {value}" for name, value in config.kwargs.items())
+            options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+            formats = [("dense", dtype) for dtype in ((torch.bfloat16, torch.float16, torch.float32) if first
+                                                      else (torch.bfloat16,))]
+            formats += [(scheme, torch.bfloat16) for scheme in ("int4", "int8")
+                        if scheme == "int8" or 128 % config.kwargs["BLOCK_K"] == 0]
+            for scheme, dtype in formats:
                 for act, k in ((-1, 4096), (0, 14336)):
-                    tiles = ", ".join(f"{name} {value}" for name, value in config.kwargs.items())
-                    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-                    cases.append((f"{rows} rows, ACT {act} ({str(dtype)[6:]}, {tiles}, {options})",
+                    codes, int4 = scheme != "dense", scheme == "int4"
+                    cases.append((f"{rows} rows, {scheme}, ACT {act} ({str(dtype)[6:]}, {tiles}, {options})",
                                   skinny.skinny_gemm_kernel, dict(
-                        x=dtype, w=dtype, bias=dtype, y=dtype, M=rows, N=4096, K=k,
-                        stride_xm=k if act < 0 else 2 * k, stride_wn=k, stride_ym=4096, ACT=act, HAS_BIAS=False,
-                        BLOCK_M=rows, **config.kwargs, options=options)))
+                        x=dtype, w=torch.uint8 if int4 else torch.int8 if codes else dtype, scales=torch.float16,
+                        offsets=torch.float16, bias=dtype, y=dtype, M=rows, N=4096, K=k,
+                        stride_xm=k if act < 0 else 2 * k, stride_wn=k // 2 if int4 else k,
+                        stride_scales=k // 128 if int4 else 1, stride_ym=4096, group_size=128 if int4 else k,
+                        CODES=codes, INT4=int4, HAS_OFFSET=int4, ACT=act, HAS_BIAS=False, BLOCK_M=rows,
+                        **config.kwargs, options=options)))
     return cases
 
 

@@ -32,7 +32,8 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
             "fraction_of_roofline": 0.766}
     (tmp_path / "profile-llama3-8b.json").write_text(json.dumps({
         "shape": "llama3-8b", "dtype": "bfloat16", "enforce_eager": False, "rows": [step],
-        "kernel_choices": {"4096 4096 -1 torch.bfloat16 1": True, "28672 4096 -1 torch.bfloat16 1": False}}))
+        "kernel_choices": {"skinny (4096, 4096, -1, torch.bfloat16, 1)": True,
+                           "skinny (28672, 4096, -1, torch.bfloat16, 1)": False}}))
     (tmp_path / "gemms-torch.json").write_text(json.dumps({
         "shape": "llama3-8b", "dtype": "bfloat16", "rows": [step], "torch_gemms": True, "kernel_choices": {},
         "min_split_keys": 64, "separate_merge": True}))
@@ -76,7 +77,7 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
         "(200.0 ms), 1488 tokens cached, text identical: True",
         "offload-8.json: offload llama3-8b: 8.00 GiB streamed, 300 output tok/s at batch 64, 80% of the PCIe bound "
         "372 (host-to-device 50.0 GB/s)",
-        "profile-llama3-8b.json: llama3-8b bfloat16 graphs, skinny GEMM in 1 of 2 classes, batch 1: step 5.01 ms "
+        "profile-llama3-8b.json: llama3-8b bfloat16 graphs, skinny in 1 of 2 classes, batch 1: step 5.01 ms "
         "(runner 4.91), 200 tok/s, 77% of the 3.84 ms weight-read roofline",
         "random.json: random kvserve: 3,990 output tok/s, 128 requests in 8 s, 0 preemptions",
         "random.json: random hf-static32: 502 output tok/s, 128 requests in 65 s",

@@ -20,6 +20,7 @@ from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  #
 from kvserve.model import registry  # noqa: E402
 from kvserve.model.layers.triton_fused_ops import TritonFusedOps  # noqa: E402
 from kvserve.model.layers import triton_skinny  # noqa: E402
+from kvserve.model.layers.activation import KERNEL_ACTIVATIONS  # noqa: E402
 from kvserve.model.layers.triton_skinny import TritonSkinnyLinearMethod  # noqa: E402
 from kvserve.model.layers.triton_tiles import NO_ACTIVATION  # noqa: E402
 from kvserve.model.layers.triton_weight_only import TritonWeightOnlyLinearMethod  # noqa: E402
@@ -86,7 +87,7 @@ def test_weight_only_linears_of_the_cuda_path_give_the_cpu_block_kernels_tokens(
 ) -> None:
     """``--quantization int8|int4`` as on CUDA (``TritonWeightOnlyLinearMethod``, with the Triton attention and
     fused ops) against the CPU's exact block kernel on the same codes: the same greedy tokens, through chunked
-    prefill and a prefix hit."""
+    prefill and a prefix hit; decode steps through the skinny kernel on the codes."""
     path = str(tiny_checkpoints["llama"])
     options = dict(dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16, quantization=scheme,
                    quantize_activations=False)
@@ -107,4 +108,7 @@ def test_weight_only_linears_of_the_cuda_path_give_the_cpu_block_kernels_tokens(
     assert llm.engine.core.runner.model.lm_head.packed_parts is not None  # the untied head is quantized too
     assert [greedy_token_ids(llm, [prompt], 6)[0][0] for prompt in prompts] == expected
     assert llm.stats()["prefix_cache_hits"] > 0 and llm.stats()["weights_format"] == f"{scheme} weight-only"
+    # decode steps took the skinny kernel on the codes (always, untimed, under the interpreter), down gated
+    method = llm.engine.core.runner.model.layers[0].mlp.down_proj.method
+    assert {key[2] for key, took in method.skinny.made.items() if took} == {NO_ACTIVATION, KERNEL_ACTIVATIONS["silu"]}
     assert_all_blocks_free(llm)

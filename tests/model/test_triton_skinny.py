@@ -1,7 +1,7 @@
 """Triton's skinny GEMM for decode steps on CUDA: the kernel against ``F.linear`` (through Triton's interpreter
-without a GPU), with the gated MLP's activation folded into its loads against ``act_and_mul`` then ``F.linear``,
-the linear method's measured choice between it and torch's GEMM, and whole tiny models through it against the
-plain method; ``-m gpu`` at Llama-3-8B's projections."""
+without a GPU) on dense weights and on weight-only codes, with the gated MLP's activation folded into its loads
+against ``act_and_mul`` then ``F.linear``, the linear method's measured choice between it and torch's GEMM, and a
+gated MLP through it; ``-m gpu`` at Llama-3-8B's projections."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from kvserve.model.layers.fused_ops import TorchFusedOps  # noqa: E402
 from kvserve.model.layers.linear import linear_from_tensors  # noqa: E402
 from kvserve.model.layers.triton_skinny import SKINNY_ROWS, TritonSkinnyLinearMethod, skinny_gemm  # noqa: E402
 from kvserve.model.layers.triton_tiles import NO_ACTIVATION  # noqa: E402
+from kvserve.model.layers.weight_quant import PackedWeight, quantize_rows  # noqa: E402
 from tests.model.conftest import UNIT_ROUNDOFF, assert_within_half_precision_rounding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,7 +117,7 @@ def test_the_method_keeps_what_measured_faster_per_rows_class(faster: str, count
         y = layer(x).cpu()
         torch.testing.assert_close(y, F.linear(x.cpu(), weight, bias), rtol=1e-5, atol=1e-4)
         assert counted == (["skinny"] if faster == "skinny" and rows <= SKINNY_ROWS else [])
-    assert sorted(key[-1] for key in method.choices) == [1, 4]  # 3 and 4 rows: one class; 5 and 9 rows: never timed
+    assert sorted(key[-1] for key in method.skinny.made) == [1, 4]  # 3 and 4 rows: one class; 5 and 9 rows: never timed
 
 
 def gated_mlp(activation: str, method: TritonSkinnyLinearMethod) -> tuple[GatedMLP, torch.Tensor, torch.Tensor]:
@@ -162,7 +163,7 @@ def test_the_gated_choice_times_the_fold_against_torch_with_the_activations_laun
         y = mlp(x.to(DEVICE)).cpu()
     torch.testing.assert_close(y, F.linear(gated_product(F.linear(x, gate_up), "silu"), down), rtol=1e-5, atol=1e-5)
     assert not counted
-    assert method.choices == {(96, 32, NO_ACTIVATION, torch.float32, 1): False,
+    assert method.skinny.made == {(96, 32, NO_ACTIVATION, torch.float32, 1): False,
                               (32, 48, KERNEL_ACTIVATIONS["silu"], torch.float32, 1): False,
                               (32, 48, NO_ACTIVATION, torch.float32, 1): False}
 
@@ -181,3 +182,30 @@ def test_llama3_8b_projections_on_cuda_stay_within_bf16_rounding(rows: int) -> N
         y = skinny_gemm(x, weight, None, activation)
         inputs = x if activation == NO_ACTIVATION else gated_product(x.float(), "silu").to(torch.bfloat16)
         assert_within_half_precision_rounding(y, inputs, weight.float(), torch.zeros(n, device="cuda"))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("k", [128, 160])  # 160: INT4's last group of 32
+def test_kernel_on_weight_only_codes_equals_the_dequantized_product(scheme: str, rows: int, k: int) -> None:
+    """Each value built in fp32 from its code, scale and offset (one rounding, as ``dequantize``), then the fp32
+    product: within fp32 rounding of x @ the dequantized weight; gated too."""
+    gen = torch.Generator().manual_seed(rows * k)
+    weight = PackedWeight.of(quantize_rows(torch.randn(37, k, generator=gen), scheme))
+    values, bias = weight.dequantize(), torch.randn(37, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    codes = PackedWeight(*(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in weight))
+    y = skinny_gemm(x.to(DEVICE), codes, bias.to(DEVICE)).cpu()
+    expected = F.linear(x, values, bias)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    gate_up = torch.randn(rows, 2 * k, generator=gen)
+    y = skinny_gemm(gate_up.to(DEVICE), codes, None, KERNEL_ACTIVATIONS["silu"]).cpu()
+    expected = F.linear(gated_product(gate_up, "silu"), values)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def test_codes_in_groups_the_tiles_cannot_follow_are_refused() -> None:
+    weight = PackedWeight.of(quantize_rows(torch.randn(8, 256), "int4"))
+    odd = weight._replace(group_size=96)
+    with pytest.raises(ValueError, match="in groups of 96"):
+        skinny_gemm(torch.randn(1, 256), odd, None)

@@ -14,9 +14,9 @@ from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.model.layers.linear import PackedLinear  # noqa: E402
 from kvserve.model.layers.triton_weight_only import (  # noqa: E402
-    PackedWeight, TritonWeightOnlyLinearMethod, dequantize, reference_linear, weight_only_gemm,
+    TritonWeightOnlyLinearMethod, dequantize, reference_linear, weight_only_gemm,
 )
-from kvserve.model.layers.weight_quant import quantize_rows, quantize_weight  # noqa: E402
+from kvserve.model.layers.weight_quant import PackedWeight, quantize_rows, quantize_weight  # noqa: E402
 from kvserve.model.loader import load_checkpoint  # noqa: E402
 from kvserve.model.registry import (  # noqa: E402
     _load_offloaded, build_model, process_weights_after_loading, select_linear_method, weight_format,
@@ -187,9 +187,9 @@ def test_a_batched_step_takes_the_gemm_that_timed_faster_for_its_class(scheme: s
     matrix, of the largest layer's size, serves every layer."""
     timed: list[str] = []
 
-    def timer(call) -> float:
-        timed.append(call.__code__.co_names[0])  # F (the dequantized GEMM) or weight_only_gemm
-        return {"F": 1.0, "weight_only_gemm": 2.0}[timed[-1]] * (3.0 if rows > 64 and timed[-1] == "F" else 1.0)
+    def timer(call) -> float:  # the dequantized GEMM, the skinny kernel or the packed kernel (a lambda)
+        timed.append(call.__name__)
+        return {"dequantized": 3.0 if rows > 64 else 1.0, "skinny": 1.0}.get(call.__name__, 2.0)
 
     method = TritonWeightOnlyLinearMethod(scheme, timer=timer)
     gen = torch.Generator().manual_seed(10)
@@ -209,6 +209,7 @@ def test_a_batched_step_takes_the_gemm_that_timed_faster_for_its_class(scheme: s
             expected = x @ layer.packed_parts[0].dequantize().cpu().T
             torch.testing.assert_close(layer(x.to(DEVICE)).cpu(), expected, rtol=1e-5, atol=1e-4)
             key = (*layer.packed_parts[0].shape, scheme == "int4", torch.float32, triton.next_power_of_2(rows))
-            assert method.choices.get(key, False) == dequantized, (rows, key)
-    assert len(timed) == 2 * 2 * 2  # two layers, two classes (17 and 32 share 32; then 128), both ways
+            assert method.dequantized_gemm.made.get(key, False) == dequantized, (rows, key)
+    # two layers, two classes (17 and 32 share 32; then 128), both ways; one row: the skinny kernel, both ways
+    assert timed.count("dequantized") == 2 * 2 and len(timed) == 2 * 2 * 2 + 2 * 2
     assert method._scratch is not None and method._scratch.numel() == 96 * 128

@@ -1,12 +1,14 @@
 """What the Triton GEMMs (``triton_ggml``, ``triton_weight_only``, ``triton_skinny``) and elementwise kernels
-share: integer codes to fp32 without a conversion instruction, a tile's product with weight values built in fp32
-registers, the tile's epilogue, and the gated MLP's activation (in ``act_and_mul``'s kernel, and folded into
-the loads of the down projection's input)."""
+share: integer codes to fp32 without a conversion instruction, weight-only codes to their values, a tile's
+product with weight values built in fp32 registers, the tile's epilogue, the gated MLP's activation (in
+``act_and_mul``'s kernel, and folded into the loads of the down projection's input), and the timing behind
+autotuning and behind a linear method's measured choice between two kernels."""
 
 from __future__ import annotations
 
 from typing import Callable
 
+import torch
 import triton
 import triton.language as tl
 import triton.testing
@@ -50,6 +52,27 @@ def exact_float(q):
 
 
 @triton.jit
+def code_values(code_rows, param_rows, scales, offsets, k0, mask_n, K, group_size, INT4: tl.constexpr,
+                 HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 values [BLOCK_N, BLOCK_K] of a weight-only weight's inputs k0 .. k0 + BLOCK_K (one group) of the
+    rows at ``code_rows`` (``weight_quant.PackedWeight``'s layout): ``code * scale (+ offset)``, the product exact,
+    one rounding."""
+    if INT4:
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(code_rows + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K // 2)[None, :],
+                         other=0).to(tl.int32)
+        q = tl.interleave(packed & 15, packed >> 4)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(code_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)
+    group = k0 // group_size
+    values = exact_float(q) * tl.load(scales + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    if HAS_OFFSET:
+        values += tl.load(offsets + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    return values
+
+
+@triton.jit
 def accumulate_dot(acc, xs, values):
     """``acc + xs @ values.T`` for x's [BLOCK_M, BLOCK_K] tile and fp32 weight values [BLOCK_N, BLOCK_K]: IEEE fp32
     for fp32 x, else the values cast to x's dtype (tensor cores), fp32 accumulation either way."""
@@ -80,3 +103,28 @@ def median_ms(call: Callable[[], object]) -> float:
     """A call's median time on CUDA (``do_bench`` empties the L2 before each call, as a step finds it): what a
     linear method's measured choice between two kernels compares."""
     return triton.testing.do_bench(call, warmup=5, rep=20, return_mode="median")
+
+
+class MeasuredChoices:
+    """A linear method's choices between two ways of computing a step, each made once per key (a layer shape and
+    batch size class, say) by timing both at the key's first step: ``median_ms`` on CUDA, ``timer`` where one is
+    given; elsewhere, with none, ``default`` (under the interpreter nothing is worth timing). The engine's eager
+    warm-up makes them before any CUDA graph is captured."""
+
+    def __init__(self, name: str, default: bool, timer: Callable[[Callable[[], object]], float] | None = None
+                 ) -> None:
+        """``name``: what the candidate is, in reports of the choices made (``gpu_decode_step.py``)."""
+        self.name, self.default, self.timer = name, default, timer
+        self.made: dict[tuple, bool] = {}
+
+    def __call__(self, key: tuple, candidate: Callable[[], object], baseline: Callable[[], object],
+                 device: torch.device) -> bool:
+        """Whether ``candidate`` timed faster than ``baseline`` the first time ``key`` came."""
+        if key not in self.made:
+            timer = self.timer or (median_ms if device.type == "cuda" else None)
+            if timer is None:
+                self.made[key] = self.default
+            else:
+                candidate(), baseline()  # compiled and tuned before either is timed
+                self.made[key] = timer(candidate) < timer(baseline)
+        return self.made[key]

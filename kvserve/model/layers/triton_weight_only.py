@@ -3,10 +3,9 @@ a Triton kernel that multiplies fp16 / bf16 (or fp32) activations by them.
 
 The quantization is the CPU's (``weight_quant.quantize_rows``: INT8 symmetric per output channel; INT4 in groups
 of 128 inputs, each with an fp16 scale and minimum), so a model's dequantized weights are the same values on
-both devices. Only the layout differs. ggml's blocks put each block's scale beside its 32 codes, and the CPU
-kernel reads a block at a time; here the codes are one [N, K] int8 matrix, or [N, K / 2] bytes for INT4 (value
-2j in the low nibble of byte j, 2j + 1 in the high one), and the scales and minimums are [N, groups] fp16
-matrices of their own, so that a program's loads of a tile of rows are wide and contiguous.
+both devices. Only the layout differs (``weight_quant.PackedWeight``): the codes one [N, K] int8 matrix, or
+[N, K / 2] bytes for INT4 (value 2j in the low nibble of byte j, 2j + 1 in the high one), and the scales and
+minimums [N, groups] fp16 matrices of their own.
 
 A program computes a [BLOCK_M, BLOCK_N] tile of ``y = x @ W.T``. Its k loop loads x's [BLOCK_M, BLOCK_K] tile
 and the codes of its BLOCK_N weight rows, builds their values in fp32 (``code * scale + minimum``: the product
@@ -18,23 +17,27 @@ bounds a decode step at small batch.
 On CUDA the tile shapes are tuned per layer shape and batch size class at a layer's first call (the engine's
 eager warm-up, before any graph is captured); under Triton's interpreter (``TRITON_INTERPRET=1``, how CI runs
 it) one fixed shape runs. A step of many rows may instead write the weight out once (``dequantize_kernel``) for
-torch's GEMM, where that measured faster (``TritonWeightOnlyLinearMethod``). The twin is ``reference_linear``:
-the dequantized weight, then ``F.linear``.
+torch's GEMM, where that measured faster, and a step of up to 4 rows may take ``triton_skinny``'s kernel on
+the same codes (``TritonWeightOnlyLinearMethod``). The twin is ``reference_linear``: the dequantized weight, then
+``F.linear``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, apply_by_parts, linear_into
-from kvserve.model.layers.triton_tiles import accumulate_dot, exact_float, median_ms, store_tile, tuning_bench
-from kvserve.model.layers.weight_quant import QuantizedRows, quantize_rows
+from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, linear_into
+from kvserve.model.layers.triton_skinny import SkinnySteps, skinny_gemm
+from kvserve.model.layers.triton_tiles import (
+    NO_ACTIVATION, MeasuredChoices, accumulate_dot, code_values, store_tile, tuning_bench,
+)
+from kvserve.model.layers.weight_quant import PackedWeight, QuantizedRows, quantize_rows
 
 # tile shapes tried per (N, K, batch class) on CUDA. A decode-sized batch is bound by reading the codes: narrow
 # programs along N spread them over every multiprocessor (Llama-3-8B's o projection, N = 4096, is 256 programs
@@ -50,60 +53,6 @@ BATCH_CONFIGS = [
 ]
 INTERPRETED_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
 DECODE_ROWS = 16  # steps of up to this many rows always take the packed kernel: reading the codes bounds them
-
-
-class PackedWeight(NamedTuple):
-    """A weight [N, K] in the layout the kernel reads: ``codes`` int8 [N, K] (INT8) or uint8 [N, K / 2] (INT4,
-    two per byte), ``scale`` and ``offset`` (or None) fp16 [N, groups]."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    offset: torch.Tensor | None
-    group_size: int
-    in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape[0], self.in_features
-
-    @property
-    def int4(self) -> bool:
-        return self.codes.dtype == torch.uint8
-
-    @staticmethod
-    def of(quantized: QuantizedRows) -> PackedWeight:
-        codes = quantized.codes
-        if codes.dtype == torch.uint8:  # INT4: value 2j in the low nibble of byte j, 2j + 1 in the high
-            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        return PackedWeight(codes.contiguous(), quantized.scale.contiguous(),
-                            None if quantized.offset is None else quantized.offset.contiguous(),
-                            quantized.group_size, quantized.codes.shape[1])
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 values [N, K] the kernel builds."""
-        codes = self.codes
-        if self.int4:
-            codes = torch.stack([codes & 15, codes >> 4], dim=-1).view(codes.shape[0], -1)
-        return QuantizedRows(codes, self.scale, self.offset, self.group_size).dequantize()
-
-
-@triton.jit
-def _tile_values(code_rows, param_rows, scales, offsets, k0, mask_n, K, group_size, INT4: tl.constexpr,
-                 HAS_OFFSET: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 values [BLOCK_N, BLOCK_K] of inputs k0 .. k0 + BLOCK_K of the rows at ``code_rows`` (one group)."""
-    if INT4:
-        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(code_rows + offs_b[None, :], mask=mask_n[:, None] & (offs_b < K // 2)[None, :],
-                         other=0).to(tl.int32)
-        q = tl.interleave(packed & 15, packed >> 4)
-    else:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        q = tl.load(code_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)
-    group = k0 // group_size
-    values = exact_float(q) * tl.load(scales + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    if HAS_OFFSET:
-        values += tl.load(offsets + param_rows + group, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    return values
 
 
 @triton.jit
@@ -123,7 +72,7 @@ def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         xs = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-        values = _tile_values(code_rows, param_rows, scales, offsets, k0, mask_n, K, group_size, INT4, HAS_OFFSET,
+        values = code_values(code_rows, param_rows, scales, offsets, k0, mask_n, K, group_size, INT4, HAS_OFFSET,
                               BLOCK_K)
         acc = accumulate_dot(acc, xs, values)
     store_tile(y, acc, bias, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
@@ -137,7 +86,7 @@ def dequantize_kernel(codes, scales, offsets, out, N, K, stride_codes, stride_sc
     k0 = tl.program_id(1) * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
-    values = _tile_values(codes + offs_n.to(tl.int64)[:, None] * stride_codes, offs_n.to(tl.int64) * stride_scales,
+    values = code_values(codes + offs_n.to(tl.int64)[:, None] * stride_codes, offs_n.to(tl.int64) * stride_scales,
                           scales, offsets, k0, mask_n, K, group_size, INT4, HAS_OFFSET, BLOCK_K)
     out_ptrs = out + offs_n.to(tl.int64)[:, None] * stride_out + offs_k[None, :]
     tl.store(out_ptrs, values.to(out.dtype.element_ty), mask=mask_n[:, None] & (offs_k < K)[None, :])
@@ -202,22 +151,24 @@ def reference_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
     return F.linear(x, weight.dequantize().to(x.dtype), bias)
 
 
-class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
+class TritonWeightOnlyLinearMethod(SkinnySteps, AsLoadedLinearMethod):
     """Quantizes each linear layer's weight as it loads (``scheme`` "int8" or "int4"), on the layer's device, into
     one ``PackedWeight`` (a packed layer's projections joined: one launch a step, where a launch costs as much as
     reading a small projection). Steps of up to ``DECODE_ROWS`` rows multiply the codes with
-    ``weight_only_gemm``; a larger one takes whichever measured faster the first time a step of its layer shape
-    and batch size class (a power of two) came: the packed kernel, or the weight dequantized into a scratch
-    matrix and torch's GEMM (a prefill's many rows make the GEMM compute-bound, where the packed kernel's
-    decoding of every tile costs more than writing the weight out once). A tied LM head keeps the embeddings'
-    weight as loaded (``F.linear``)."""
+    ``weight_only_gemm``, or those of up to 4 with the skinny kernel where it timed faster (``SkinnySteps``: its
+    fp32 products need no conversion of the values to the tensor cores' dtype, and a gated MLP's activation can
+    fold into the down projection's loads); a larger one takes whichever measured faster the first time a step
+    of its layer shape and batch size class (a power of two) came: the packed kernel, or the weight dequantized
+    into a scratch matrix and torch's GEMM (a prefill's many rows make the GEMM compute-bound, where the packed
+    kernel's decoding of every tile costs more than writing the weight out once). A tied LM head keeps the
+    embeddings' weight as loaded (``F.linear``)."""
 
     def __init__(self, scheme: str, timer: Callable[[Callable[[], object]], float] | None = None) -> None:
-        """``timer``: a call's time, for the choice of a batched step's GEMM (default: CUDA events on CUDA;
-        elsewhere, with none, the packed kernel)."""
+        """``timer``: a call's time, for the choices (default: ``median_ms`` on CUDA; elsewhere, with none, the
+        skinny kernel where it can, and the packed kernel over the dequantized GEMM)."""
         self.scheme = scheme
-        self.timer = timer
-        self.choices: dict[tuple, bool] = {}  # (n, k, int4, dtype, rows class) -> dequantize?
+        self.skinny = MeasuredChoices("skinny", default=True, timer=timer)
+        self.dequantized_gemm = MeasuredChoices("dequantized GEMM", default=False, timer=timer)
         self.largest = 0  # values of the largest packed weight: the scratch's size, fixed once loading is done
         self._scratch: torch.Tensor | None = None  # one for every layer; CUDA graphs hold its address
 
@@ -236,14 +187,20 @@ class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
         layer.packed_parts = (PackedWeight.of(joined),)
         self.largest = max(self.largest, joined.codes.numel())
 
+    def skinny_weight(self, layer: Linear) -> PackedWeight | None:
+        return None if layer.packed_parts is None else layer.packed_parts[0]
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         if layer.packed_parts is None:  # a tied head: the embeddings' weight
             return linear_into(x, layer.weight, layer.bias)
-        rows = x.reshape(-1, layer.in_features)
-        if rows.shape[0] > DECODE_ROWS and self._dequantizes(layer.packed_parts[0], rows, layer.bias):
-            y = F.linear(rows, self._dequantized(layer.packed_parts[0], rows), layer.bias)
-            return y.view(*x.shape[:-1], layer.out_features)
-        return apply_by_parts(layer, layer.packed_parts, x, weight_only_gemm)
+        weight, rows = layer.packed_parts[0], x.reshape(-1, layer.in_features)
+        if rows.shape[0] > DECODE_ROWS and self._dequantizes(weight, rows, layer.bias):
+            y = F.linear(rows, self._dequantized(weight, rows), layer.bias)
+        elif self.takes_skinny(layer, rows, NO_ACTIVATION, lambda: weight_only_gemm(rows, weight, layer.bias)):
+            y = skinny_gemm(rows, weight, layer.bias)
+        else:
+            y = weight_only_gemm(rows, weight, layer.bias)
+        return y.view(*x.shape[:-1], layer.out_features)
 
     def _dequantized(self, weight: PackedWeight, x: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape
@@ -254,14 +211,8 @@ class TritonWeightOnlyLinearMethod(AsLoadedLinearMethod):
     def _dequantizes(self, weight: PackedWeight, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether a step of ``x``'s rows takes the dequantized GEMM: measured at the first step of its class
         (both ways, a few ms each on CUDA), the packed kernel where nothing times them."""
+        def dequantized() -> torch.Tensor:  # the name tells a test's timer which call this is
+            return F.linear(x, self._dequantized(weight, x), bias)
+
         key = (*weight.shape, weight.int4, x.dtype, triton.next_power_of_2(x.shape[0]))
-        if key not in self.choices:
-            timer = self.timer or (median_ms if x.device.type == "cuda" else None)
-            if timer is None:
-                self.choices[key] = False
-            else:
-                dequantized, packed = (lambda: F.linear(x, self._dequantized(weight, x), bias),
-                                       lambda: weight_only_gemm(x, weight, bias))
-                dequantized(), packed()  # compiled and tuned before either is timed
-                self.choices[key] = timer(dequantized) < timer(packed)
-        return self.choices[key]
+        return self.dequantized_gemm(key, dequantized, lambda: weight_only_gemm(x, weight, bias), x.device)

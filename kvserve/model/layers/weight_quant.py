@@ -102,6 +102,43 @@ def quantize_weight(weight: torch.Tensor, scheme: str) -> GGMLTensor:
     return GGMLTensor(blocks.reshape(rows, -1).contiguous(), qtype, (rows, k))
 
 
+class PackedWeight(NamedTuple):
+    """A weight [N, K] as the CUDA kernels read it (``triton_weight_only``, ``triton_skinny``): ``codes`` int8
+    [N, K] (INT8) or uint8 [N, K / 2] (INT4, two per byte), ``scale`` and ``offset`` (or None) fp16 [N, groups]:
+    the codes of ``quantize_rows``, each parameter a matrix of its own, so that a program's loads of a tile of
+    rows are wide and contiguous (ggml's blocks put each scale beside its 32 codes)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group_size: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.in_features
+
+    @property
+    def int4(self) -> bool:
+        return self.codes.dtype == torch.uint8
+
+    @staticmethod
+    def of(quantized: QuantizedRows) -> PackedWeight:
+        codes = quantized.codes
+        if codes.dtype == torch.uint8:  # INT4: value 2j in the low nibble of byte j, 2j + 1 in the high
+            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        return PackedWeight(codes.contiguous(), quantized.scale.contiguous(),
+                            None if quantized.offset is None else quantized.offset.contiguous(),
+                            quantized.group_size, quantized.codes.shape[1])
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 values [N, K] the kernel builds."""
+        codes = self.codes
+        if self.int4:
+            codes = torch.stack([codes & 15, codes >> 4], dim=-1).view(codes.shape[0], -1)
+        return QuantizedRows(codes, self.scale, self.offset, self.group_size).dequantize()
+
+
 class WeightOnlyLinearMethod(GGMLLinearMethod):
     """Quantizes each linear layer's weight as it loads, then runs it as the GGUF blocks are run (the block kernel
     for steps of a few tokens, the dequantized weight in the dense layout for larger ones). A tied LM head keeps
