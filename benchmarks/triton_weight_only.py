@@ -1,6 +1,7 @@
 """The weight-only GEMM (``triton_weight_only``) on a CUDA GPU at Llama-3-8B's layer shapes, against cuBLAS on the
 bf16 weight and, for INT4 at one row, torch's own INT4 kernel (``_weight_int4pack_mm``, gpt-fast's tinygemm)
-where this torch has it: median time and the bytes of weight read per second, at 1, 4, 16 and 64 rows.
+where this torch has it: median time and the bytes of weight read per second, at 1, 4, 16 and 64 rows; at up to
+4 rows a second line times the skinny kernel (``triton_skinny``) on the bf16 weight and on the codes.
 
     cd benchmarks && python triton_weight_only.py [--rows 1,4,16,64]
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from kvserve.bench.roofline import measure_copy_bandwidth
+from kvserve.model.layers.triton_skinny import SKINNY_ROWS, skinny_gemm
 from kvserve.model.layers.triton_weight_only import weight_only_gemm
 from kvserve.model.layers.weight_quant import PackedWeight, quantize_rows
 
@@ -55,6 +57,19 @@ def tinygemm(weight: torch.Tensor) -> tuple | None:
         return None
 
 
+def skinny_line(name: str, x: torch.Tensor, weights: list[torch.Tensor], packed: dict[str, list[PackedWeight]],
+                dense_ms: float, packed_ms: dict[str, float]) -> str:
+    """The skinny kernel (``triton_skinny``) on the same weights and rows: bf16 against cuBLAS, the codes against
+    the tensor-core weight-only kernel of the line above."""
+    n, k = weights[0].shape
+    ms = median_ms([lambda w=w: skinny_gemm(x, w, None) for w in weights])
+    line = f"{'skinny':>8} {x.shape[0]:>4} | {ms:8.3f} {n * k * 2 / ms / 1e6:6.0f} {dense_ms / ms:5.2f}x cuBLAS |"
+    for scheme, parts in packed.items():
+        ms = median_ms([lambda p=p: skinny_gemm(x, p, None) for p in parts])
+        line += f" {scheme} {ms:8.3f} {packed_ms[scheme] / ms:5.2f}x the {scheme} kernel |"
+    return f"{line}  ({name})"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,16,64")
@@ -76,17 +91,20 @@ def main(argv: list[str]) -> int:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             dense_ms = median_ms([lambda w=w: F.linear(x, w) for w in weights])
-            line = f"{name:>8} {rows:>4} | {dense_ms:8.3f} {n * k * 2 / dense_ms / 1e6:6.0f} |"
+            line, line_ms = f"{name:>8} {rows:>4} | {dense_ms:8.3f} {n * k * 2 / dense_ms / 1e6:6.0f} |", {}
             for scheme in ("int8", "int4"):
                 parts = packed[scheme]
                 nbytes = sum(t.numel() * t.element_size() for t in (parts[0].codes, parts[0].scale, parts[0].offset)
                              if t is not None)
                 ms = median_ms([lambda p=p: weight_only_gemm(x, p, None) for p in parts])
+                line_ms[scheme] = ms
                 line += f" {ms:8.3f} {nbytes / ms / 1e6:6.0f} {dense_ms / ms:6.2f} |"
             if tiny is not None and rows == 1:
                 ms = median_ms([lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], 128, t[1]) for t in tiny])
                 line += f" {ms:16.3f}"
             print(line, flush=True)
+            if rows <= SKINNY_ROWS:
+                print(skinny_line(name, x, weights, packed, dense_ms, line_ms), flush=True)
     return 0
 
 
