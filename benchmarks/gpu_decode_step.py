@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, triton_launch
 from kvserve.bench.roofline import measure_copy_bandwidth
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.model import registry
@@ -136,6 +136,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--separate-merge", action="store_true",
                         help="flash-decoding's splits merged by a kernel of their own, not by the decode launch's "
                              "last program (an A/B of the fold)")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="Triton kernels launched without programmatic dependent launch (an A/B of it)")
     parser.add_argument("--torch-gemms", action="store_true",
                         help="every GEMM through torch, none through the skinny Triton kernel (an A/B of it)")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -152,6 +154,8 @@ def main(argv: list[str]) -> int:
 
         triton_paged.MIN_SPLIT_KEYS = args.min_split_keys or triton_paged.MIN_SPLIT_KEYS
         triton_paged.MERGE_IN_DECODE = not args.separate_merge
+    if args.no_pdl:
+        triton_launch.ENABLED = False
     if args.torch_gemms:
         from kvserve.model.layers import triton_skinny  # imports triton: CUDA only
 
@@ -171,7 +175,7 @@ def main(argv: list[str]) -> int:
           f"{', twin ops' if args.twin_ops else ''}"
           f"{f', splits of >= {args.min_split_keys} keys' if args.min_split_keys else ''}"
           f"{', separate merge' if args.separate_merge else ''}"
-          f"{', torch GEMMs' if args.torch_gemms else ''} on {device_name}: "
+          f"{', torch GEMMs' if args.torch_gemms else ''}{', no PDL' if args.no_pdl else ''} on {device_name}: "
           f"copy {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
     rows = []
     for batch in batches:
@@ -189,7 +193,8 @@ def main(argv: list[str]) -> int:
                   enforce_eager=args.enforce_eager, twin_ops=args.twin_ops,
                   overlap_scheduling=not args.no_overlap_scheduling,
                   min_split_keys=args.min_split_keys, separate_merge=args.separate_merge,
-                  torch_gemms=args.torch_gemms, kernel_choices=kernel_choices(llm), device=device_name,
+                  torch_gemms=args.torch_gemms, pdl=not args.no_pdl, kernel_choices=kernel_choices(llm),
+                  device=device_name,
                   copy_gb_per_s=bandwidth / 1e9, weight_bytes=weight_bytes, prompt_len=args.prompt_len, rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

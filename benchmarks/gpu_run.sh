@@ -5,8 +5,8 @@
 #
 # Steps: info, tests (the -m gpu tests, and the interpreter's Triton tests natively), kernels (attention and
 # GGUF kernel micro-benchmarks), profile (decode steps with their kernel tables), splits (one stream with and
-# without flash-decoding's split, and its splits merged in the decode launch or apart), gemms (one stream with
-# the skinny Triton GEMM where it measured faster, and with torch's GEMMs alone), decode and decode_eager
+# without flash-decoding's split, and its splits merged in the decode launch or apart), ab (one stream with each
+# of the latest one-stream changes turned off in turn), decode and decode_eager
 # (gpu_decode_step.py: SmolLM2 and Llama-3-8B shapes, with CUDA graphs or without), overlap (decode steps with the overlapped scheduler and without), structured
 # (JSON-schema rows through structured_output.py, the overlap on and off), roofline, batch1 (issue 16's (a): one
 # stream of Llama-3-8B), sweep (issue 16's (e): a served sweep of Poisson rates), throughput (issue 16's (b): the
@@ -23,16 +23,17 @@
 #
 # A lease is 15 minutes of device time, the machine's start (a minute or two) included, and one call runs at
 # most 10: two calls, the second at once while the machine is warm. At sessions 14 and 15's speeds (tests 230 s
-# in one process, profile 45 s, gemms and splits ~35 s a run, throughput about 150 s, fixed 320 s, sweep 120 s;
+# in one process, profile 45 s, ab and splits ~35 s a run, throughput about 150 s, fixed 320 s, sweep 120 s;
 # weight_only about 180 s, estimated) a lease holds:
 #
-#     run(timeout_s=560): OUT=$OUT DEADLINE=530 benchmarks/gpu_run.sh info tests profile gemms splits
+#     run(timeout_s=560): OUT=$OUT DEADLINE=530 benchmarks/gpu_run.sh info tests profile ab
 #     run(timeout_s=240): OUT=$OUT DEADLINE=210 benchmarks/gpu_run.sh weight_only
 #
-# (profile, gemms and splits measure issue 16's (a) after sessions 24-26's kernels: the fused norm's warps, the
-# rotary embedding in the K/V store, flash-decoding's merge in the decode launch, the skinny GEMM with the MLP's
-# activation in its loads), and later leases `fixed`, `throughput`, `kv`, `offload`, `sweep` (its latency half
-# has never been measured) and `kernels` (session 25's cascade rows). benchmarks/GPU_NOTES.md has each figure's
+# (profile and ab measure issue 16's (a) after sessions 24-26's kernels: the fused norm's warps, the rotary
+# embedding in the K/V store, flash-decoding's merge in the decode launch, the skinny GEMM with the MLP's
+# activation in its loads, programmatic dependent launch; if the tests step shows a failure, `tests` alone first,
+# then `ab` with the failing part off), and later leases `fixed`, `throughput`, `kv`, `offload`, `sweep` (its
+# latency half has never been measured), `kernels` (session 25's cascade rows) and `splits`. benchmarks/GPU_NOTES.md has each figure's
 # floor and what to expect.
 
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
@@ -96,13 +97,16 @@ step_splits() {  # flash-decoding's split at one stream: the default against no 
     done
 }
 
-step_gemms() {  # one stream: the skinny Triton GEMM where it measured faster (the default) against torch's
-    # GEMMs alone, Llama-3-8B (cuBLAS splits o and down over K) and SmolLM2 (launch-bound)
-    for flag in "" --torch-gemms; do
+step_ab() {  # issue 16's (a): one stream of Llama-3-8B with each of sessions 25 and 26's changes turned off in
+    # turn (the skinny GEMMs, programmatic dependent launch, the merge in the decode launch), the same call; and
+    # SmolLM2's shape (launch-bound) with PDL and without
+    for flag in "" --torch-gemms --no-pdl --separate-merge; do
         python3 benchmarks/gpu_decode_step.py --shape llama3-8b --batch 1 --steps 32 $flag \
-            --json "$OUT/gemms-llama3-8b${flag:+-torch}.json"
-        python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,4 --steps 32 $flag \
-            --json "$OUT/gemms-smollm2${flag:+-torch}.json"
+            --json "$OUT/ab-llama3-8b${flag:+-${flag#--}}.json"
+    done
+    for flag in "" --no-pdl; do
+        python3 benchmarks/gpu_decode_step.py --shape smollm2-135m --batch 1,64 --steps 32 $flag \
+            --json "$OUT/ab-smollm2${flag:+-${flag#--}}.json"
     done
 }
 

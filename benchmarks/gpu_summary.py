@@ -42,6 +42,7 @@ def decode_lines(result: dict[str, Any]) -> Iterator[str]:
         mode += f", splits of >= {result['min_split_keys']} keys"
     mode += ", separate merge" if result.get("separate_merge") else ""
     mode += ", torch GEMMs" if result.get("torch_gemms") else ""
+    mode += ", no PDL" if result.get("pdl") is False else ""
     choices = result.get("kernel_choices") or {}
     for name in ("skinny", "dequantized GEMM"):
         made = [took for key, took in choices.items() if key.startswith(f"{name} (")]

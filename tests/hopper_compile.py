@@ -33,9 +33,11 @@ _POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32
 def compile_for_hopper(kernel: triton.JITFunction, options: dict[str, int] | None = None, **args: Any) -> Any:
     """Compile ``kernel`` to a cubin for sm_90 (``options``: num_warps, num_stages): a torch dtype stands for a
     pointer to it, an int for an int32 argument, a float for an fp32 one; constexpr parameters take their
-    values. Pointers, and ints that are multiples of 16, are marked 16-divisible, as Triton's launcher marks
-    aligned tensors and such ints at run time (what lets loads be wide). Returns the compiled kernel."""
+    values (``PDL`` True unless given). Pointers, and ints that are multiples of 16, are marked 16-divisible, as
+    Triton's launcher marks aligned tensors and such ints at run time (what lets loads be wide). Returns the
+    compiled kernel."""
     signature, constexprs, attrs = {}, {}, {}
+    args = {"PDL": True, **args}  # as Hopper launches them: under programmatic dependent launch (triton_launch)
     for index, param in enumerate(kernel.params):
         value = args[param.name]
         if param.is_constexpr:

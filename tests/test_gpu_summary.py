@@ -36,7 +36,7 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
                            "skinny (28672, 4096, -1, torch.bfloat16, 1)": False}}))
     (tmp_path / "gemms-torch.json").write_text(json.dumps({
         "shape": "llama3-8b", "dtype": "bfloat16", "rows": [step], "torch_gemms": True, "kernel_choices": {},
-        "min_split_keys": 64, "separate_merge": True}))
+        "min_split_keys": 64, "separate_merge": True, "pdl": False}))
     system = {"output_throughput": 3990.4, "completed": 128, "duration_s": 8.2,
               "details": {"stats": {"num_preemptions": 0}}}
     (tmp_path / "random.json").write_text(json.dumps({
@@ -65,7 +65,8 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
         "output_tokens_per_s": 300.0, "pcie_bound_tokens_per_s": 372.5, "share_of_pcie_bound": 0.805}))
     lines = summarize(tmp_path)
     assert lines == [
-        "gemms-torch.json: llama3-8b bfloat16 graphs, splits of >= 64 keys, separate merge, torch GEMMs, batch 1: "
+        "gemms-torch.json: llama3-8b bfloat16 graphs, splits of >= 64 keys, separate merge, torch GEMMs, no PDL, "
+        "batch 1: "
         "step 5.01 ms (runner 4.91), 200 tok/s, 77% of the 3.84 ms weight-read roofline",
         "kernels.log: cascade: Llama-3-8B, 64 decodes at 2,048 keys, 1,984 shared: triton 0.041 ms against 0.238 ms "
         "sharing nothing (5.8x)",

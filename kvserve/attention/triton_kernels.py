@@ -22,6 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvserve.triton_launch import enter_chain
+
 # A running max that starts finite: a row that sees no key in a tile then gets exp2(-inf - NEG_INIT) = 0 rather
 # than exp2(-inf + inf) = nan (padding rows, and rows whose window starts after the tile).
 NEG_INIT = tl.constexpr(-1.0e30)
@@ -34,11 +36,12 @@ UNQUANTIZED, SCALED, INT4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 def store_kv_kernel(k_cache, v_cache, k, v, slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_block,
                     stride_slot, stride_head, num_kv_heads, q, stride_qt, stride_qh, num_heads, cos, sin, stride_cos,
                     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                    ROPE: tl.constexpr, BLOCK_QH: tl.constexpr):
+                    ROPE: tl.constexpr, BLOCK_QH: tl.constexpr, PDL: tl.constexpr):
     """One program per new token: its [num_kv_heads, HEAD_DIM] key and value rows into slot ``slots[t]``. With
     ``ROPE`` the key is stored rotated by the token's cos / sin [HEAD_DIM / 2], and its [num_heads, HEAD_DIM]
     query rotated in place, each as the fused ops' rotary kernel rotates them (the same fp32 arithmetic, one
     rounding): the layer's rotary launch folded into this one."""
+    enter_chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
@@ -161,6 +164,7 @@ def cascade_prefix_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DECODES_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
     QUANT_GROUP: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Cascade attention's first level. One program per (KV head, split, tile of DECODES_PER_TILE decodes
     taken in ``order``, which puts the decodes whose tables start with the same block together). Each run of a
@@ -178,6 +182,7 @@ def cascade_prefix_kernel(
     nothing gets nothing, its merge starting after the prefix slots (a graph's step that shares nothing costs
     these programs a few loads each).
     """
+    enter_chain(PDL)
     kv_head, split, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(1)
     offs_m, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
@@ -219,6 +224,7 @@ def paged_decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, QUANT_GROUP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr, STORE_LSE: tl.constexpr, MERGE: tl.constexpr,
     PREFIX_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (decode, KV head, split): the GROUP query heads of the KV head (rows of a BLOCK_G tile,
     padded to the 16 rows a dot needs) over the split's share of the visible keys::
@@ -236,6 +242,7 @@ def paged_decode_kernel(
     ``cascade_prefix_kernel``'s, already in the first PREFIX_SLOTS slots: lo starts past them, the splits fill
     the slots after, and the merge takes them all.
     """
+    enter_chain(PDL)
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
     lo = tl.maximum(seq_len - window, 0)
@@ -312,10 +319,12 @@ def _merge_group(merged, stride_mh, partial, stride_ph, stride_ps, lse, heads, m
 def merge_splits_kernel(
     out, stride_ot, stride_oh, partial, lse, num_splits, shared_lens,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PREFIX_SLOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (decode, query head): the splits' outputs weighted by their share of the softmax sum,
     exp2(lse_s - max) / sum over splits (with ``PREFIX_SLOTS``, from past them for a decode that shares nothing:
     ``_first_slot``)."""
+    enter_chain(PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
     mask_s = (offs_s >= _first_slot(shared_lens, seq, PREFIX_SLOTS)) & (offs_s < num_splits)
@@ -337,6 +346,7 @@ def paged_prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, QUERIES_PER_TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr,
     QUANT_GROUP: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per (chunk, KV head, tile of QUERIES_PER_TILE query positions). A tile's rows are its
     positions x the KV head's GROUP query heads (row r: position r // GROUP, head r % GROUP), so each key and
@@ -348,6 +358,7 @@ def paged_prefill_kernel(
 
     Keys are masked per row: causal (key <= query) and windowed (key > query - window).
     """
+    enter_chain(PDL)
     chunk, kv_head, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query_len = tl.load(query_lens + chunk)
     first = tile * QUERIES_PER_TILE

@@ -33,6 +33,7 @@ from kvserve.attention.backend import (
 from kvserve.attention.torch_ref import _validate
 from kvserve.kv.quant import KVCacheDtype, rotate_queries
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
+from kvserve.triton_launch import pdl_options
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 QUANTIZED_ENCODINGS = ("int8", "fp8", "int4")  # each read as triton_kernels' QUANT says
@@ -201,13 +202,13 @@ class TritonPagedBackend(AttentionBackend):
             GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
             BLOCK_G=max(MIN_DOT_ROWS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, BLOCK_D=block_d,
             **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q), STORE_LSE=num_slots > 1, MERGE=merge_here,
-            PREFIX_SLOTS=prefix_slots,
+            PREFIX_SLOTS=prefix_slots, **pdl_options(q.device),
         )
         if num_slots > 1 and not merge_here:
             kernels.merge_splits_kernel[(num_decodes, num_heads)](
                 out, out.stride(0), out.stride(1), target, lse, num_slots, shared_lens,
                 HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_slots), BLOCK_D=block_d,
-                PREFIX_SLOTS=prefix_slots,
+                PREFIX_SLOTS=prefix_slots, **pdl_options(q.device),
             )
 
     def _split_counters(self, size: int, device: torch.device) -> torch.Tensor:
@@ -252,6 +253,7 @@ def store_kv(layer_kv: KVLayerView, slot_mapping: torch.Tensor, k: torch.Tensor,
         0 if q is None else q.shape[1], cos, sin, cos.stride(0), HEAD_DIM=head_dim, PAGE_SIZE=cache_k.shape[1],
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         ROPE=rope is not None, BLOCK_QH=triton.next_power_of_2(q.shape[1]) if rope is not None else 1,
+        **pdl_options(k.device),
     )
 
 
@@ -276,10 +278,11 @@ def _attend_shared_prefix(q: torch.Tensor, target: torch.Tensor, lse: torch.Tens
     kernels.cascade_prefix_kernel[grid](
         target, target.stride(0), target.stride(1), target.stride(2), lse, q, q.stride(0), q.stride(1),
         *_cache_args(layer_kv), meta.block_tables, meta.block_tables.stride(0), meta.inputs.shared_prefix_lens,
-        meta.inputs.sharing_order, scale * math.log2(math.e), num_decodes, target.shape[2], GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size,
-        DECODES_PER_TILE=decodes_per_tile, BLOCK_M=max(CASCADE_ROWS, triton.next_power_of_2(group)),
-        BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim), **_quant_args(layer_kv.encoding, head_dim),
-        **_dot_args(q),
+        meta.inputs.sharing_order, scale * math.log2(math.e), num_decodes, target.shape[2], GROUP=group,
+        HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size, DECODES_PER_TILE=decodes_per_tile,
+        BLOCK_M=max(CASCADE_ROWS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(head_dim), **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q),
+        **pdl_options(q.device),
     )
 
 
@@ -298,7 +301,7 @@ def _attend_chunks(q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, me
         meta.chunk_query_starts, meta.chunk_query_lens, scale * math.log2(math.e), window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size, QUERIES_PER_TILE=queries_per_tile,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
-        **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q),
+        **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q), **pdl_options(q.device),
     )
 
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvserve.triton_launch import enter_chain, pdl_options
+
 BLOCK = 2048  # values a program reads at a time: 16 bytes a thread a load at 4 warps of fp32
 MAX_PARTS = 64  # parts of a row: Llama-3's 128,256 logits are 63 programs of one tile each
 
@@ -32,9 +34,11 @@ def _first_of(best, where, past):
 
 
 @triton.jit
-def first_max_parts_kernel(x, part_values, part_index, V, stride_row, part_len, num_parts, BLOCK: tl.constexpr):
+def first_max_parts_kernel(x, part_values, part_index, V, stride_row, part_len, num_parts, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
     """Program (row, part): the largest of x[row, part * part_len :][: part_len] (a multiple of BLOCK) and the
     index of its first place, into part_values / part_index [rows, num_parts]."""
+    enter_chain(PDL)
     row, part = tl.program_id(0).to(tl.int64), tl.program_id(1)
     start = x + row * stride_row
     offs = tl.arange(0, BLOCK)
@@ -54,9 +58,10 @@ def first_max_parts_kernel(x, part_values, part_index, V, stride_row, part_len, 
 
 
 @triton.jit
-def first_max_merge_kernel(part_values, part_index, out, num_parts, V, BLOCK_P: tl.constexpr):
+def first_max_merge_kernel(part_values, part_index, out, num_parts, V, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     """Program per row: the first maximum over its parts (in order, so the first of equal parts' maxima is the
     first place)."""
+    enter_chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_P)
     mask = offs < num_parts
@@ -81,8 +86,9 @@ def triton_first_max(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
         num_parts = triton.cdiv(vocab, part_len)
         values = torch.empty(num_rows, num_parts, dtype=torch.float32, device=x.device)
         index = torch.empty(num_rows, num_parts, dtype=torch.int32, device=x.device)
+        pdl = pdl_options(x.device)
         first_max_parts_kernel[(num_rows, num_parts)](rows, values, index, vocab, rows.stride(0), part_len, num_parts,
-                                                      BLOCK=block)
+                                                      BLOCK=block, **pdl)
         first_max_merge_kernel[(num_rows,)](values, index, out, num_parts, vocab,
-                                            BLOCK_P=triton.next_power_of_2(num_parts))
+                                            BLOCK_P=triton.next_power_of_2(num_parts), **pdl)
     return out.view(x.shape[:-1])

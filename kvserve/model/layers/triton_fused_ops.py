@@ -24,6 +24,7 @@ import triton.language as tl
 from kvserve.model.layers.fused_ops import TorchFusedOps
 from kvserve.model.layers.activation import KERNEL_ACTIVATIONS
 from kvserve.model.layers.triton_tiles import gated_activation
+from kvserve.triton_launch import enter_chain, pdl_options
 
 if TYPE_CHECKING:
     from kvserve.model.layers.activation import GatedMLP
@@ -43,9 +44,11 @@ def _rms_scaled(x, weight_ptr, offs, mask, n, offset, eps):
 
 @triton.jit
 def add_rms_norm_kernel(out, residual, x, x_norm_weight, weight, stride_out, stride_res, stride_x, n, offset, eps,
-                        HAS_RESIDUAL: tl.constexpr, HAS_X_NORM: tl.constexpr, BLOCK_N: tl.constexpr):
+                        HAS_RESIDUAL: tl.constexpr, HAS_X_NORM: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PDL: tl.constexpr):
     """One program per row: ``out = norm(x)``; with a residual, ``residual += x`` (``x_norm(x)``, rounded to the
     dtype, with ``HAS_X_NORM``: Gemma's sandwich norm) in place, rounded as stored, then ``out = norm(residual)``."""
+    enter_chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_N)
     mask = offs < n
@@ -63,8 +66,9 @@ def add_rms_norm_kernel(out, residual, x, x_norm_weight, weight, stride_out, str
 
 @triton.jit
 def head_rms_norm_kernel(heads, stride_t, weight, num_heads, head_dim, offset, eps,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """One program per token: each of its heads [num_heads, head_dim] normalized in place by one weight."""
+    enter_chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
@@ -78,9 +82,10 @@ def head_rms_norm_kernel(heads, stride_t, weight, num_heads, head_dim, offset, e
 
 @triton.jit
 def rotary_kernel(qk, stride_t, cos, sin, stride_cos, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr):
+                  BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
     """One program per token: its q and k heads [num_heads, 2 * HALF] rotated in place (HF's half-split
     convention): ``(x1 * c - x2 * s, x2 * c + x1 * s)``."""
+    enter_chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_HALF)
     mask_d = offs_d < HALF
@@ -95,8 +100,10 @@ def rotary_kernel(qk, stride_t, cos, sin, stride_cos, num_heads, HALF: tl.conste
 
 
 @triton.jit
-def act_and_mul_kernel(out, gate_up, stride_out, stride_in, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def act_and_mul_kernel(out, gate_up, stride_out, stride_in, n, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
     """Program (row, column block): ``act(gate) * up`` of the row's packed [gate | up] (``gated_activation``)."""
+    enter_chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -130,7 +137,7 @@ class TritonFusedOps(TorchFusedOps):
                 out, x if residual is None else residual, x, norm.weight if x_norm is None else x_norm.weight,
                 norm.weight, out.stride(0), 0 if residual is None else residual.stride(0), x.stride(0), n,
                 norm.weight_offset, norm.eps, HAS_RESIDUAL=residual is not None, HAS_X_NORM=x_norm is not None,
-                BLOCK_N=block, num_warps=norm_warps(block),
+                BLOCK_N=block, num_warps=norm_warps(block), **pdl_options(x.device),
             )
         return out
 
@@ -141,7 +148,7 @@ class TritonFusedOps(TorchFusedOps):
         if rows:
             head_rms_norm_kernel[(rows,)](heads, heads.stride(0), norm.weight, num_heads, head_dim, norm.weight_offset,
                                           norm.eps, BLOCK_H=triton.next_power_of_2(num_heads),
-                                          BLOCK_D=triton.next_power_of_2(head_dim))
+                                          BLOCK_D=triton.next_power_of_2(head_dim), **pdl_options(heads.device))
 
     def rotary_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         rows, num_heads, head_dim = qk.shape
@@ -151,7 +158,8 @@ class TritonFusedOps(TorchFusedOps):
         if rows:
             half = head_dim // 2
             rotary_kernel[(rows,)](qk, qk.stride(0), cos, sin, cos.stride(0), num_heads, HALF=half,
-                                   BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half))
+                                   BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half),
+                                   **pdl_options(qk.device))
 
     def act_and_mul(self, mlp: GatedMLP, gate_up: torch.Tensor) -> torch.Tensor:
         activation = KERNEL_ACTIVATIONS.get(mlp.activation)
@@ -161,5 +169,6 @@ class TritonFusedOps(TorchFusedOps):
         out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
         if rows:
             act_and_mul_kernel[(rows, triton.cdiv(n, ACT_BLOCK))](out, gate_up, out.stride(0), gate_up.stride(0), n,
-                                                                  ACT=activation, BLOCK=ACT_BLOCK)
+                                                                  ACT=activation, BLOCK=ACT_BLOCK,
+                                                                  **pdl_options(gate_up.device))
         return out

@@ -41,6 +41,7 @@ from kvserve.model.layers.triton_tiles import (
     NO_ACTIVATION, MeasuredChoices, code_values, load_input_tile, store_tile, tuning_bench,
 )
 from kvserve.model.layers.weight_quant import PackedWeight
+from kvserve.triton_launch import enter_chain, pdl_options
 
 SKINNY_ROWS = 4  # steps of up to this many rows may take the kernel: x's rows then fit in registers
 
@@ -64,12 +65,13 @@ INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 32}
 def skinny_gemm_kernel(x, w, scales, offsets, bias, y, M, N, K, stride_xm, stride_wn, stride_scales, stride_ym,
                        group_size, CODES: tl.constexpr, INT4: tl.constexpr, HAS_OFFSET: tl.constexpr,
                        ACT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y [M, N] = x [M, K] @ W.T (+ bias), M <= BLOCK_M; W is ``w`` itself, or with ``CODES`` a weight-only
     weight's codes (``PackedWeight``: ``w`` the codes, their ``scales`` and ``offsets`` per group of
     ``group_size`` inputs, a multiple of BLOCK_K), each value built in fp32 (``code_values``). With ``ACT`` >= 0
     x's rows are [gate | up] (2K values) and the product is ``(act(gate) * up) @ W.T``. Program: BLOCK_N columns
     over all of K, the products of each k tile summed at the end."""
+    enter_chain(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
@@ -126,7 +128,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torc
             scales.stride(0) if codes else 0, y.stride(0), group)
     rows_class = triton.next_power_of_2(x.shape[0])
     flags = {"CODES": codes, "INT4": codes and weight.int4, "HAS_OFFSET": codes and weight.offset is not None,
-             "ACT": activation, "HAS_BIAS": bias is not None, "BLOCK_M": rows_class}
+             "ACT": activation, "HAS_BIAS": bias is not None, "BLOCK_M": rows_class, **pdl_options(x.device)}
     if x.device.type == "cuda":
         _tuned(rows_class)[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     else:  # the interpreter

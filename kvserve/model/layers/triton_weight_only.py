@@ -38,6 +38,7 @@ from kvserve.model.layers.triton_tiles import (
     NO_ACTIVATION, MeasuredChoices, accumulate_dot, code_values, store_tile, tuning_bench,
 )
 from kvserve.model.layers.weight_quant import PackedWeight, QuantizedRows, quantize_rows
+from kvserve.triton_launch import enter_chain, pdl_options
 
 # tile shapes tried per (N, K, batch class) on CUDA. A decode-sized batch is bound by reading the codes: narrow
 # programs along N spread them over every multiprocessor (Llama-3-8B's o projection, N = 4096, is 256 programs
@@ -59,9 +60,10 @@ DECODE_ROWS = 16  # steps of up to this many rows always take the packed kernel:
 def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_xm, stride_codes, stride_scales,
                             stride_ym, group_size, INT4: tl.constexpr, HAS_OFFSET: tl.constexpr,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y [M, N] = x [M, K] @ W.T (+ bias), W = codes * scales (+ offsets) per group of ``group_size`` inputs
     (a multiple of BLOCK_K). Program (n tile, m tile)."""
+    enter_chain(PDL)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
@@ -80,8 +82,10 @@ def weight_only_gemm_kernel(x, codes, scales, offsets, bias, y, M, N, K, stride_
 
 @triton.jit
 def dequantize_kernel(codes, scales, offsets, out, N, K, stride_codes, stride_scales, stride_out, group_size,
-                      INT4: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      INT4: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
     """out [N, K] = W in out's dtype (each value rounded once from its exact fp32). Program (n tile, k tile)."""
+    enter_chain(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -120,7 +124,8 @@ def weight_only_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor |
     args = (x, weight.codes, weight.scale, weight.scale if weight.offset is None else weight.offset,
             x if bias is None else bias, y, x.shape[0], n, k, x.stride(0), weight.codes.stride(0),
             weight.scale.stride(0), y.stride(0), weight.group_size)
-    flags = {"INT4": weight.int4, "HAS_OFFSET": weight.offset is not None, "HAS_BIAS": bias is not None}
+    flags = {"INT4": weight.int4, "HAS_OFFSET": weight.offset is not None, "HAS_BIAS": bias is not None,
+             **pdl_options(x.device)}
     if x.device.type == "cuda":
         kernel = _tuned(batch=x.shape[0] > 16)
         kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(x.shape[0], meta["BLOCK_M"]))](
@@ -142,7 +147,7 @@ def dequantize(weight: PackedWeight, out: torch.Tensor) -> torch.Tensor:
     dequantize_kernel[(triton.cdiv(n, 32), triton.cdiv(k, block_k))](
         weight.codes, weight.scale, weight.scale if weight.offset is None else weight.offset, out, n, k,
         weight.codes.stride(0), weight.scale.stride(0), out.stride(0), weight.group_size, INT4=weight.int4,
-        HAS_OFFSET=weight.offset is not None, BLOCK_N=32, BLOCK_K=block_k)
+        HAS_OFFSET=weight.offset is not None, BLOCK_N=32, BLOCK_K=block_k, **pdl_options(out.device))
     return out
 
 

@@ -1,0 +1,55 @@
+"""Programmatic dependent launch (PDL) of kvserve's Triton kernels on Hopper and later GPUs.
+
+A decode step is a chain of short kernels, each waiting for the one before: inside a CUDA graph a kernel starts
+~2 us after the previous one ends (session 15's profile of a Llama-3-8B step: ~0.4 ms of its 5 ms between
+kernels). Launched with PDL (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, which stream capture keeps
+as a programmatic edge of the graph), a kernel may be scheduled while the kernel before it still runs, once every
+program of that one has signalled (``griddepcontrol.launch_dependents``) or it has ended; it then waits
+(``griddepcontrol.wait``) until the one before has ended and its writes are visible, before reading or writing
+anything. Both are a kernel's first step (``enter_chain``). Every kernel launched this way waits before any access to memory, and so ends after the kernel before
+it: ordering stays transitive along the chain, whatever sits between (a kernel launched without PDL, cuBLAS,
+waits for everything before it as a stream always does).
+
+``pdl_options(device)`` gives a launch's keyword arguments: ``PDL`` (the kernels' constexpr: whether to emit
+the two instructions) and, where PDL is on, ``launch_pdl``. PDL is on for CUDA devices of compute capability 9.0
+or more while ``ENABLED`` (``gpu_decode_step.py --no-pdl`` turns it off, an A/B of it); Triton's interpreter,
+which cannot run the instructions, runs the kernels on CPU tensors, so without them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
+ENABLED = True
+
+
+@triton.jit
+def enter_chain(PDL: tl.constexpr):
+    """A kernel's first step under PDL: wait until the kernel launched before it has ended and its writes are
+    visible (before any access to memory), then let the kernel launched after it be scheduled. That one waits in
+    turn, so it may start early without harm; its programs are scheduled only once every program of this kernel
+    has passed here, so they take no multiprocessor a program of this one still needs."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def pdl_options(device: torch.device) -> dict[str, bool]:
+    """A Triton launch's keyword arguments for PDL on ``device``: ``{"PDL": False}`` where it is off."""
+    on = ENABLED and device.type == "cuda" and _supported(device.index)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+@functools.cache
+def _supported(index: int | None) -> bool:
+    index = torch.cuda.current_device() if index is None else index
+    return gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
