@@ -16,7 +16,7 @@ from kvserve.model.layers.activation import ACTIVATIONS, KERNEL_ACTIVATIONS, Gat
 from kvserve.model.layers.fused_ops import TorchFusedOps  # noqa: E402
 from kvserve.model.layers.linear import linear_from_tensors  # noqa: E402
 from kvserve.model.layers.triton_skinny import SKINNY_ROWS, TritonSkinnyLinearMethod, skinny_gemm  # noqa: E402
-from kvserve.model.layers.triton_tiles import NO_ACTIVATION  # noqa: E402
+from kvserve.model.layers.triton_tiles import NO_ACTIVATION, MeasuredChoices  # noqa: E402
 from kvserve.model.layers.weight_quant import PackedWeight, quantize_rows  # noqa: E402
 from tests.model.conftest import UNIT_ROUNDOFF, assert_within_half_precision_rounding  # noqa: E402
 
@@ -209,3 +209,15 @@ def test_codes_in_groups_the_tiles_cannot_follow_are_refused() -> None:
     odd = weight._replace(group_size=96)
     with pytest.raises(ValueError, match="in groups of 96"):
         skinny_gemm(torch.randn(1, 256), odd, None)
+
+
+def test_a_candidate_that_fails_to_run_is_not_chosen_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    """An optional kernel the compiler or device refuses leaves the step to the other way, with a warning."""
+    choices = MeasuredChoices("skinny", default=True, timer=lambda call: 1.0)
+
+    def refused() -> None:
+        raise triton.runtime.errors.OutOfResources(300_000, 232_448, "shared memory")
+
+    with caplog.at_level("WARNING"):
+        assert not choices(("o", 1), refused, lambda: None, torch.device("cpu"))
+    assert choices.made == {("o", 1): False} and "skinny for ('o', 1) failed to run or time" in caplog.text

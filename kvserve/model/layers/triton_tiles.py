@@ -6,12 +6,16 @@ autotuning and behind a linear method's measured choice between two kernels."""
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 import triton.testing
+from triton.errors import TritonError
+
+logger = logging.getLogger(__name__)
 
 NO_ACTIVATION = -1  # a GEMM's x as loaded, not [gate | up]
 
@@ -108,8 +112,9 @@ def median_ms(call: Callable[[], object]) -> float:
 class MeasuredChoices:
     """A linear method's choices between two ways of computing a step, each made once per key (a layer shape and
     batch size class, say) by timing both at the key's first step: ``median_ms`` on CUDA, ``timer`` where one is
-    given; elsewhere, with none, ``default`` (under the interpreter nothing is worth timing). The engine's eager
-    warm-up makes them before any CUDA graph is captured."""
+    given; elsewhere, with none, ``default`` (under the interpreter nothing is worth timing). A candidate that
+    fails to compile or run is not chosen (with a warning): it is an optional faster way. The engine's eager
+    warm-up makes the choices before any CUDA graph is captured."""
 
     def __init__(self, name: str, default: bool, timer: Callable[[Callable[[], object]], float] | None = None
                  ) -> None:
@@ -122,9 +127,15 @@ class MeasuredChoices:
         """Whether ``candidate`` timed faster than ``baseline`` the first time ``key`` came."""
         if key not in self.made:
             timer = self.timer or (median_ms if device.type == "cuda" else None)
-            if timer is None:
-                self.made[key] = self.default
-            else:
-                candidate(), baseline()  # compiled and tuned before either is timed
-                self.made[key] = timer(candidate) < timer(baseline)
+            self.made[key] = self.default if timer is None else self._timed(key, candidate, baseline, timer)
         return self.made[key]
+
+    def _timed(self, key: tuple, candidate: Callable[[], object], baseline: Callable[[], object],
+               timer: Callable[[Callable[[], object]], float]) -> bool:
+        baseline()  # compiled before it is timed; it is what every step runs where the candidate cannot
+        try:
+            candidate()  # compiled and tuned before either is timed
+            return timer(candidate) < timer(baseline)
+        except (TritonError, RuntimeError, ValueError) as error:  # the compiler's or the device's refusal
+            logger.warning("%s for %s failed to run or time, the other way serves it: %s", self.name, key, error)
+            return False
