@@ -12,13 +12,14 @@ waits for everything before it as a stream always does).
 
 ``pdl_options(device)`` gives a launch's keyword arguments: ``PDL`` (the kernels' constexpr: whether to emit
 the two instructions) and, where PDL is on, ``launch_pdl``. PDL is on for CUDA devices of compute capability 9.0
-or more while ``ENABLED`` (``gpu_decode_step.py --no-pdl`` turns it off, an A/B of it); Triton's interpreter,
-which cannot run the instructions, runs the kernels on CPU tensors, so without them.
+or more while ``ENABLED`` (``gpu_decode_step.py --no-pdl`` turns it off, an A/B of it), once a probe kernel has
+run under PDL on the device, eagerly and inside a captured CUDA graph; Triton's interpreter, which cannot run the
+instructions, runs the kernels on CPU tensors, so without them.
 """
 
 from __future__ import annotations
 
-import functools
+import logging
 
 import torch
 import triton
@@ -28,6 +29,8 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # a Triton without grid dependency control: PDL stays off
     gdc_launch_dependents = gdc_wait = None
+
+logger = logging.getLogger(__name__)
 
 ENABLED = True
 
@@ -49,7 +52,43 @@ def pdl_options(device: torch.device) -> dict[str, bool]:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
-@functools.cache
+@triton.jit
+def _probe_kernel(x, PDL: tl.constexpr):
+    enter_chain(PDL)
+    tl.store(x, tl.load(x) + 1)
+
+
 def _supported(index: int | None) -> bool:
     index = torch.cuda.current_device() if index is None else index
-    return gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
+    if gdc_wait is None or torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    if index not in _probed:
+        if torch.cuda.is_current_stream_capturing():  # no probe inside a capture: plain launches until one runs
+            return False
+        _probed[index] = _probe(torch.device("cuda", index))
+    return _probed[index]
+
+
+_probed: dict[int, bool] = {}
+
+
+def _probe(device: torch.device) -> bool:
+    """Whether launches under PDL run on ``device``, eagerly and captured in a CUDA graph (a driver without the
+    launch attribute, or a capture without programmatic edges, would fail every step): PDL stays off, with a
+    warning, where they do not."""
+    try:
+        x = torch.zeros(1, dtype=torch.int32, device=device)
+        for _ in range(2):
+            _probe_kernel[(1,)](x, PDL=True, launch_pdl=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(2):
+                _probe_kernel[(1,)](x, PDL=True, launch_pdl=True)
+        graph.replay()
+        torch.cuda.synchronize(device)
+        if int(x.item()) != 4:  # two launches eagerly, two replayed (capturing runs none)
+            raise RuntimeError(f"the probe counted {int(x.item())}, not 4")
+        return True
+    except Exception as error:  # any refusal of the launch attribute: the kernels launch plainly instead
+        logger.warning("Triton kernels launch without programmatic dependent launch on %s: %s", device, error)
+        return False

@@ -30,6 +30,15 @@ def test_pdl_is_off_off_cuda_and_when_disabled(monkeypatch: pytest.MonkeyPatch) 
     assert triton_launch.pdl_options(torch.device("cuda", 0)) == {"PDL": False}
 
 
+def test_a_device_where_launches_under_pdl_fail_keeps_them_off_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The probe: here the interpreter cannot run the PDL instructions and a CPU has no graphs to capture."""
+    with caplog.at_level("WARNING"):
+        assert triton_launch._probe(torch.device("cpu")) is False
+    assert "launch without programmatic dependent launch on cpu" in caplog.text
+
+
 SCRIPT = """
 import torch
 from tests.hopper_compile import compile_for_hopper
