@@ -63,3 +63,11 @@ def test_a_kernel_compiled_with_pdl_waits_then_releases_the_next_before_its_work
     with_pdl, without = result.stdout.splitlines()[-2:]
     assert with_pdl == "True ['griddepcontrol.wait ;', 'griddepcontrol.launch_dependents ;'] True"
     assert without == "False [] False"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a Hopper-class GPU")
+def test_pdl_is_on_on_a_hopper_gpu() -> None:
+    """The probe ran under PDL, eagerly and from a captured graph, and counted every launch."""
+    assert triton_launch.pdl_options(torch.device("cuda")) == {"PDL": True, "launch_pdl": True}
