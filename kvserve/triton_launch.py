@@ -59,13 +59,15 @@ def _probe_kernel(x, PDL: tl.constexpr):
 
 
 def _supported(index: int | None) -> bool:
+    """Whether PDL runs on CUDA device ``index``: found once (every launch asks)."""
     index = torch.cuda.current_device() if index is None else index
-    if gdc_wait is None or torch.cuda.get_device_capability(index)[0] < 9:
-        return False
     if index not in _probed:
-        if torch.cuda.is_current_stream_capturing():  # no probe inside a capture: plain launches until one runs
+        if gdc_wait is None or torch.cuda.get_device_capability(index)[0] < 9:
+            _probed[index] = False
+        elif torch.cuda.is_current_stream_capturing():  # no probe inside a capture: plain launches until one runs
             return False
-        _probed[index] = _probe(torch.device("cuda", index))
+        else:
+            _probed[index] = _probe(torch.device("cuda", index))
     return _probed[index]
 
 
