@@ -75,14 +75,20 @@ def shared_prefixes(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: 
         return shared, order
     first = block_tables[order, 0]
     starts = np.flatnonzero(np.r_[True, first[1:] != first[:-1]])
-    ends = np.r_[starts[1:], num_decodes]
-    complete = (seq_lens - 1) // block_size
-    for start, end in zip(starts[ends - starts > 1], ends[ends - starts > 1]):  # most steps: no group at all
-        members = order[start:end]
-        limit = int(complete[members].min())
-        if limit > 0:
-            same = (block_tables[members[1:], :limit] == block_tables[members[0], :limit]).all(axis=0)
-            shared[members] = block_size * (limit if same.all() else int(same.argmin()))
+    sizes = np.diff(np.r_[starts, num_decodes])
+    if sizes.max() < 2:  # most steps: no group at all
+        return shared, order
+    # every group at once (a step of many samples of a few prompts has many groups): each member's run of blocks
+    # equal to its group's first member's, the group's shortest, within the blocks complete for every member
+    group_of = np.repeat(np.arange(len(starts)), sizes)
+    limit = np.minimum.reduceat((seq_lens[order] - 1) // block_size, starts)
+    width = min(int(limit.max()), block_tables.shape[1])
+    if not width:  # no member has a complete block yet
+        return shared, order
+    same = block_tables[order, :width] == block_tables[order[starts], :width][group_of]
+    run = np.where(same.all(axis=1), width, same.argmin(axis=1))
+    blocks = np.minimum(np.minimum.reduceat(run, starts), limit) * (sizes > 1)
+    shared[order] = block_size * blocks[group_of]
     return shared, order
 
 
