@@ -19,6 +19,7 @@ from kvserve.model.layers import ggml
 from kvserve.model.layers.ggml import (
     DEQUANTIZED_GEMM_ROWS, GGML_MAX_ROWS, KERNEL_TYPES, GGMLGemm, GGMLLinearMethod, GGMLTensor,
 )
+from kvserve.model.layers.ggml_qdot import QDotGemm
 from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
 from kvserve.model.loader import load_checkpoint
 from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf
@@ -185,19 +186,64 @@ def test_without_a_dense_copy_a_packed_layer_multiplies_its_projections_where_th
         torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
 
 
-def test_a_packed_layer_of_mixed_block_types_keeps_one_tensor_per_run_of_a_type(method: GGMLLinearMethod) -> None:
-    """Gemma 3's qkv: q and k Q5_0, v Q8_0. Kept as two tensors of blocks (q and k joined), not dequantized."""
+def isa_kernel(isa: str, monkeypatch: pytest.MonkeyPatch) -> GGMLGemm:
+    """The exact kernel built for ``isa``; skips where this CPU cannot run that build."""
+    needs = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl"}}[isa]
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    monkeypatch.setenv(native.ISA_ENV_VAR, isa)
+    return GGMLGemm(ctypes.CDLL(str(native.library_path(ggml.GGML_GEMM_SOURCE))))
+
+
+@pytest.mark.parametrize("isa, q_and_k", [("avx2", Q.Q8_0), ("avx512", Q.Q5_0)])
+def test_the_builds_fastest_layout_keeps_the_values(isa: str, q_and_k: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX2 build multiplies Q5_0 faster as Q8_0 blocks, which hold exactly its values; the AVX-512 build
+    and every other type keep the blocks as they are."""
+    build = isa_kernel(isa, monkeypatch)
+    gen = torch.Generator().manual_seed(6)
+    for qtype in TYPES + K_TYPES:
+        weight = random_blocks(9, 256, qtype, gen)
+        laid_out = build.fastest_layout(weight)
+        if qtype != Q.Q5_0 or q_and_k == Q.Q5_0:
+            assert laid_out is weight
+            continue
+        assert laid_out.qtype == Q.Q8_0 and laid_out.shape == weight.shape
+        assert torch.equal(laid_out.dequantize(), weight.dequantize())  # lossless
+        x = torch.randn(3, 256, generator=gen)
+        assert_close_to_reference(build(x, laid_out, None), x, weight, None)
+
+
+@pytest.mark.parametrize("isa, q_and_k", [("avx2", Q.Q8_0), ("avx512", Q.Q5_0)])
+def test_a_packed_layer_of_mixed_block_types_keeps_one_tensor_per_run_of_a_type(
+    isa: str, q_and_k: Q, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Gemma 3's qkv: q and k Q5_0, v Q8_0. Kept as two tensors of blocks (q and k joined), not dequantized; the
+    AVX2 build takes q and k as Q8_0 (its fastest layout), so all three join."""
+    build = isa_kernel(isa, monkeypatch)
     gen = torch.Generator().manual_seed(4)
     parts = {"q_proj": blocks_of(torch.randn(32, 64, generator=gen), Q.Q5_0),
              "k_proj": blocks_of(torch.randn(16, 64, generator=gen), Q.Q5_0),
              "v_proj": blocks_of(torch.randn(16, 64, generator=gen), Q.Q8_0)}
-    layer = packed_layer(parts, method)
-    assert [(part.qtype, part.shape) for part in layer.ggml_parts] == [(Q.Q5_0, (48, 64)), (Q.Q8_0, (16, 64))]
+    layer = packed_layer(parts, GGMLLinearMethod(build, UnquantizedLinearMethod()))
+    kept = [(part.qtype, part.shape) for part in layer.ggml_parts]
+    assert kept == ([(Q.Q5_0, (48, 64)), (Q.Q8_0, (16, 64))] if q_and_k == Q.Q5_0 else [(Q.Q8_0, (64, 64))])
     dense = torch.cat([part.dequantize() for part in parts.values()])
     assert torch.equal(layer.weight, dense)  # the dense copy for larger steps
     for rows in (1, GGML_MAX_ROWS, GGML_MAX_ROWS + 1, 17):  # the kernel into column ranges, then the dense layout
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_the_int8_kernel_and_a_mapped_file_keep_q5_0_as_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q5_0 is converted only for the exact kernel, and only where copies are kept: the int8-activation kernel
+    multiplies Q5_0 as fast as Q8_0, and a mapped file's blocks stay its own pages."""
+    build = isa_kernel("avx2", monkeypatch)
+    gen = torch.Generator().manual_seed(7)
+    q = blocks_of(torch.randn(32, 64, generator=gen), Q.Q5_0)
+    for method in (GGMLLinearMethod(build, UnquantizedLinearMethod(), keep_dense=False),
+                   GGMLLinearMethod(build, UnquantizedLinearMethod(), QDotGemm())):
+        layer = packed_layer({"q_proj": q}, method)
+        assert [part.qtype for part in layer.ggml_parts] == [Q.Q5_0]
 
 
 def test_a_layer_of_blocks_and_floats_is_dequantized_for_the_dense_method(method: GGMLLinearMethod) -> None:

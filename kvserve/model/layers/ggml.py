@@ -115,6 +115,10 @@ class GGMLGemm:
         self._dequantize = KernelFunction(library.kvserve_ggml_dequantize,
                                           [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4,
                                           ctypes.c_int)
+        self._as_q8_0 = KernelFunction(library.kvserve_ggml_as_q8_0,
+                                       [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4,
+                                       ctypes.c_int)
+        self._prefers_q8_0 = KernelFunction(library.kvserve_ggml_prefers_q8_0, [ctypes.c_int], ctypes.c_int)
 
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,6 +143,20 @@ class GGMLGemm:
             values = self.dequantize(rows, self._scratch(rows.shape))
             linear_into(x, values, None if bias is None else bias[start:stop], y[:, start:stop])
         return y
+
+    def fastest_layout(self, weight: GGMLTensor) -> GGMLTensor:
+        """``weight`` as the blocks this build multiplies fastest at one row, holding the same values: Q5_0 as
+        Q8_0 on builds without AVX-512 (the same fp16 scales, the quants as int8: lossless; ``csrc/ggml_gemm.c``
+        states why and the measurements), or ``weight`` itself."""
+        if not self._prefers_q8_0(int(weight.qtype)):
+            return weight
+        n, k = weight.shape
+        block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+        blocks = torch.empty(n, k // block_size * block_bytes, dtype=torch.uint8)
+        if self._as_q8_0(blocks.data_ptr(), weight.blocks.data_ptr(), weight.blocks.stride(0), int(weight.qtype),
+                         n, k, torch.get_num_threads()):
+            raise ValueError(f"fastest_layout: {weight.qtype.name} blocks of {k} values do not convert to Q8_0")
+        return GGMLTensor(blocks, GGMLQuantizationType.Q8_0, weight.shape)
 
     def place(self, weight: GGMLTensor, device: torch.device) -> GGMLTensor:
         """The blocks where the kernel reads them: in host memory, as loaded."""
@@ -235,6 +253,8 @@ class GGMLLinearMethod(AsLoadedLinearMethod):
         layer.pending_dense = None
         device, dtype = layer.weight.device, layer.weight.dtype
         if parts and qtypes <= self.kernel.types:
+            if self.keep_dense and self.gemm is self.kernel:  # copies allowed: the exact kernel's fastest blocks
+                parts = [self.kernel.fastest_layout(part) for part in parts]
             kept = _joined(parts) if self.keep_dense else parts
             layer.ggml_parts = tuple(self.kernel.place(part, device) for part in kept)
             if not self.keep_dense:
@@ -282,7 +302,8 @@ class GGMLLinearMethod(AsLoadedLinearMethod):
 
 def _joined(parts: list[GGMLTensor]) -> list[GGMLTensor]:
     """A packed layer's projections with each run of one block type joined into one tensor of blocks (one kernel
-    call a step for a layer of one type; Gemma 3's q and k are Q5_0 where its v is Q8_0: two calls)."""
+    call a step for a layer of one type; Gemma 3's q and k are Q5_0 where its v is Q8_0: two calls, one where the
+    exact kernel's build takes Q5_0 as Q8_0)."""
     runs: list[list[GGMLTensor]] = []
     for part in parts:
         if runs and runs[-1][0].qtype == part.qtype:

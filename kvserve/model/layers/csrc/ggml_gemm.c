@@ -410,6 +410,43 @@ int kvserve_ggml_dequantize(float *out, const uint8_t *weight, int64_t row_bytes
     return 0;
 }
 
+/* Whether this build multiplies a one-row step faster on Q8_0 blocks than on blocks of `type`, which
+ * kvserve_ggml_as_q8_0() then converts at load. Only Q5_0 on builds without AVX-512: there its group is unpacked
+ * a byte at a time (fifth bits spread by shuffles and compares, each run of 16 bytes widened on its own), and a
+ * Q8_0 group is four widenings. Measured on Gemma 3's 81 Q5_0 tensors from memory (one row, 2 threads, Zen 4,
+ * medians of 9 alternating passes): the AVX2 build 3.34 ms as Q5_0 against 2.41 as Q8_0, though Q8_0 reads 1.55x
+ * the bytes; the AVX-512 build, which builds a Q5_0 group in its lanes (quant_lanes), 2.20 against 2.65. Q4_0, as
+ * cheap to unpack as Q8_0, gained only 1.10x for twice the bytes: not converted. */
+int kvserve_ggml_prefers_q8_0(int type) {
+#ifdef QUANTS_IN_LANES
+    (void)type;
+    return 0;
+#else
+    return type == Q5_0;
+#endif
+}
+
+/* out [n, k / 32 blocks of 34 bytes] = W [n, k] in blocks of a centred one-group type (Q4_0, Q5_0) as Q8_0
+ * blocks of the same values: each block's fp16 d as it is, each quant less its centre as an int8 (Q5_0's -16 ..
+ * 15 fit), so that d * q is the same product in every kernel. Returns 0, or -1 for another type. */
+int kvserve_ggml_as_q8_0(uint8_t *out, const uint8_t *weight, int64_t row_bytes, int type, int n, int k,
+                         int num_threads) {
+    if ((type != Q4_0 && type != Q5_0) || row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
+    const int block_bytes = block_bytes_of(type), blocks = k / GROUP, out_bytes = block_bytes_of(Q8_0);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int c = 0; c < n; c++)
+        for (int b = 0; b < blocks; b++) {
+            const uint8_t *block = weight + (int64_t)c * row_bytes + (int64_t)b * block_bytes;
+            uint8_t *converted = out + ((int64_t)c * blocks + b) * out_bytes;
+            bytes16 half[2];
+            group_bytes(type, block, 0, half);
+            for (int h = 0; h < 2; h++) half[h] -= (uint8_t)centre_of(type);
+            memcpy(converted, block, 2);
+            memcpy(converted + 2, half, sizeof half);
+        }
+    return 0;
+}
+
 /* Steps of more rows: the strips kernel. STRIP weight rows at a time are decoded once into fp32 (a strip, in a
  * thread's buffer), and every row of x takes its dot products with them, the rows of x across the vector lanes
  * (x transposed once per call, so a k's values of VEC rows are one load) and each weight value broadcast:
