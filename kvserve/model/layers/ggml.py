@@ -144,11 +144,15 @@ class GGMLGemm:
             linear_into(x, values, None if bias is None else bias[start:stop], y[:, start:stop])
         return y
 
+    def layout_type(self, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
+        """The block type this build multiplies ``qtype``'s values fastest in at one row: Q8_0 for Q5_0 on builds
+        without AVX-512 (``csrc/ggml_gemm.c`` states why and the measurements), else ``qtype`` itself."""
+        return GGMLQuantizationType.Q8_0 if self._prefers_q8_0(int(qtype)) else qtype
+
     def fastest_layout(self, weight: GGMLTensor) -> GGMLTensor:
-        """``weight`` as the blocks this build multiplies fastest at one row, holding the same values: Q5_0 as
-        Q8_0 on builds without AVX-512 (the same fp16 scales, the quants as int8: lossless; ``csrc/ggml_gemm.c``
-        states why and the measurements), or ``weight`` itself."""
-        if not self._prefers_q8_0(int(weight.qtype)):
+        """``weight`` in blocks of its ``layout_type``, holding the same values (Q5_0 as Q8_0: the same fp16
+        scales, the quants as int8, lossless), or ``weight`` itself."""
+        if self.layout_type(weight.qtype) == weight.qtype:
             return weight
         n, k = weight.shape
         block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
