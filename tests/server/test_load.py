@@ -66,8 +66,11 @@ def test_clients_that_disconnect_abort_their_requests_and_free_every_block(serve
 
     async def give_up_waiting(client: httpx.AsyncClient, i: int) -> None:
         body = {"model": MODEL_NAME, "prompt": f"Patient {i}", "max_tokens": 240, "ignore_eos": True}
+        # the request is sent in full (connect and write may take their time), then the client waits 50 ms for
+        # an answer: 240 steps in 50 ms would be 0.2 ms a step, under the engine's own work a step (a fixed
+        # 0.2 s wait was outlasted by a fast CPU)
         try:
-            await client.post(f"{server.url}/v1/completions", json=body, timeout=0.2)
+            await client.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(60.0, read=0.05))
         except httpx.TimeoutException:
             return
         raise AssertionError("a 240-token completion was expected to outlast the client's timeout")
