@@ -426,12 +426,12 @@ int kvserve_ggml_prefers_q8_0(int type) {
 #endif
 }
 
-/* out [n, k / 32 blocks of 34 bytes] = W [n, k] in blocks of a centred one-group type (Q4_0, Q5_0) as Q8_0
- * blocks of the same values: each block's fp16 d as it is, each quant less its centre as an int8 (Q5_0's -16 ..
- * 15 fit), so that d * q is the same product in every kernel. Returns 0, or -1 for another type. */
+/* out [n, k / 32 blocks of 34 bytes] = W [n, k] in Q5_0 blocks as Q8_0 blocks of the same values: each block's
+ * fp16 d as it is, each quant less its centre 16 as an int8 (-16 .. 15), so that d * q is the same product in
+ * every kernel. Returns 0, or -1 for another type. */
 int kvserve_ggml_as_q8_0(uint8_t *out, const uint8_t *weight, int64_t row_bytes, int type, int n, int k,
                          int num_threads) {
-    if ((type != Q4_0 && type != Q5_0) || row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
+    if (type != Q5_0 || row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
     const int block_bytes = block_bytes_of(type), blocks = k / GROUP, out_bytes = block_bytes_of(Q8_0);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int c = 0; c < n; c++)
