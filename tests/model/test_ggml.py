@@ -300,7 +300,10 @@ def test_an_engine_keeps_the_blocks_and_agrees_with_the_dequantized_file(quantiz
         llm = LLM(str(quantized_gguf), num_kv_blocks=64, **options)
         runs[name] = (llm.stats()["weights_format"], llm.generate(prompts, params))
     qtype = quantized_gguf.stem.removeprefix("tiny-").upper()
-    assert runs["exact"][0] == runs["int8"][0] == f"gguf {qtype}" and runs["none"][0] == "float32"
+    held = GGMLGemm().layout_type(Q[qtype]).name  # the exact kernel's AVX2 build holds Q5_0 as Q8_0
+    assert runs["exact"][0] == f"gguf {held}" and runs["none"][0] == "float32"
+    # the int8 kernel keeps the file's blocks; a layer it leaves to the exact kernel may hold that kernel's layout
+    assert qtype in set(runs["int8"][0].removeprefix("gguf ").split(", ")) <= {qtype, held}
     for exact, int8, dense in zip(runs["exact"][1], runs["int8"][1], runs["none"][1]):
         assert exact.outputs[0].token_ids == dense.outputs[0].token_ids
         dense_lp = [next(iter(step.values())).logprob for step in dense.outputs[0].logprobs]
