@@ -23,7 +23,7 @@ from kvserve.model.layers.ggml_qdot import QDotGemm
 from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
 from kvserve.model.loader import load_checkpoint
 from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf
-from tests.isa_builds import cpu_flags
+from tests.isa_builds import cpu_flags, isa_build
 
 K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # blocks of 256 values that gguf-py does not quantize
 TYPES = sorted(KERNEL_TYPES - set(K_TYPES))  # blocks of 32 that it does
@@ -186,20 +186,17 @@ def test_without_a_dense_copy_a_packed_layer_multiplies_its_projections_where_th
         torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
 
 
-def isa_kernel(isa: str, monkeypatch: pytest.MonkeyPatch) -> GGMLGemm:
+def isa_kernel(isa: str) -> GGMLGemm:
     """The exact kernel built for ``isa``; skips where this CPU cannot run that build."""
     needs = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl"}}[isa]
-    if not needs <= cpu_flags():
-        pytest.skip(f"this CPU cannot run the {isa} build")
-    monkeypatch.setenv(native.ISA_ENV_VAR, isa)
-    return GGMLGemm(ctypes.CDLL(str(native.library_path(ggml.GGML_GEMM_SOURCE))))
+    return GGMLGemm(isa_build(ggml.GGML_GEMM_SOURCE, isa, frozenset(needs)))
 
 
 @pytest.mark.parametrize("isa, q_and_k", [("avx2", Q.Q8_0), ("avx512", Q.Q5_0)])
-def test_the_builds_fastest_layout_keeps_the_values(isa: str, q_and_k: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_builds_fastest_layout_keeps_the_values(isa: str, q_and_k: Q) -> None:
     """The AVX2 build multiplies Q5_0 faster as Q8_0 blocks, which hold exactly its values; the AVX-512 build
     and every other type keep the blocks as they are."""
-    build = isa_kernel(isa, monkeypatch)
+    build = isa_kernel(isa)
     gen = torch.Generator().manual_seed(6)
     for qtype in TYPES + K_TYPES:
         weight = random_blocks(9, 256, qtype, gen)
@@ -214,12 +211,10 @@ def test_the_builds_fastest_layout_keeps_the_values(isa: str, q_and_k: Q, monkey
 
 
 @pytest.mark.parametrize("isa, q_and_k", [("avx2", Q.Q8_0), ("avx512", Q.Q5_0)])
-def test_a_packed_layer_of_mixed_block_types_keeps_one_tensor_per_run_of_a_type(
-    isa: str, q_and_k: Q, monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_packed_layer_of_mixed_block_types_keeps_one_tensor_per_run_of_a_type(isa: str, q_and_k: Q) -> None:
     """Gemma 3's qkv: q and k Q5_0, v Q8_0. Kept as two tensors of blocks (q and k joined), not dequantized; the
     AVX2 build takes q and k as Q8_0 (its fastest layout), so all three join."""
-    build = isa_kernel(isa, monkeypatch)
+    build = isa_kernel(isa)
     gen = torch.Generator().manual_seed(4)
     parts = {"q_proj": blocks_of(torch.randn(32, 64, generator=gen), Q.Q5_0),
              "k_proj": blocks_of(torch.randn(16, 64, generator=gen), Q.Q5_0),
@@ -234,10 +229,10 @@ def test_a_packed_layer_of_mixed_block_types_keeps_one_tensor_per_run_of_a_type(
         torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
 
 
-def test_the_int8_kernel_and_a_mapped_file_keep_q5_0_as_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_int8_kernel_and_a_mapped_file_keep_q5_0_as_loaded() -> None:
     """Q5_0 is converted only for the exact kernel, and only where copies are kept: the int8-activation kernel
     multiplies Q5_0 as fast as Q8_0, and a mapped file's blocks stay its own pages."""
-    build = isa_kernel("avx2", monkeypatch)
+    build = isa_kernel("avx2")
     gen = torch.Generator().manual_seed(7)
     q = blocks_of(torch.randn(32, 64, generator=gen), Q.Q5_0)
     for method in (GGMLLinearMethod(build, UnquantizedLinearMethod(), keep_dense=False),
