@@ -9,7 +9,8 @@
  * 32. Each group is unpacked once into VEC-wide float vectors of its quants (bytes widened through 32-bit
  * integers: straight to floats gcc converts byte by byte, 3x slower), then every row of a tile of up to
  * TILE_ROWS rows of x takes d * (x . q) from it; the offset term (offset times the sum of x over the group)
- * uses sums of x computed once per call. A row's result does not depend on the other rows of the step.
+ * uses sums of x computed once per call. A row's result does not depend on the other rows' values; its order of
+ * summation does on their number (a tile of fewer rows spreads each row's groups over more sums, row_tile()).
  *
  * One row at a time the kernel is bound by its own instructions, not by the memory (Emerald Rapids reads 21 GB/s
  * on 2 threads; the kernel read Gemma 3's Q5_0 layers at 6): what is done once per group is what counts. Per
@@ -252,10 +253,18 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
     const int block_bytes = block_bytes_of(type), groups = block_groups(type);
     const int unit_blocks = groups == 1 ? 8 : 1, unit_bytes = unit_blocks * block_bytes;
     const int has_offset = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
-    vec sum[TILE_ROWS];
+    /* a row's groups go in turn to TILE_ROWS / rows sums (as many sums as a full tile holds): with one sum a row,
+     * each group waits for the last group's FMA (4 cycles), which bound one-row Q8_0 steps. Gemma 3's file, one
+     * row, 2 threads, Zen 5, medians of 7 alternating passes: the Q8_0 head 33 -> 50 GB/s, all of it 8.59 -> 6.71
+     * ms; 2 rows 8.77 -> 7.90; the AVX2 build's Q8_0 1.07x; the nibble types, bound by their unpacking, level */
+    const int chains = TILE_ROWS / rows;
+    vec sum[TILE_ROWS][TILE_ROWS];
     vec8 unit_offsets[TILE_ROWS]; /* each lane one group of a unit's eight */
     float offsets[TILE_ROWS];
-    for (int r = 0; r < rows; r++) sum[r] = (vec){0}, unit_offsets[r] = (vec8){0}, offsets[r] = 0.0f;
+    for (int r = 0; r < rows; r++) {
+        for (int chain = 0; chain < chains; chain++) sum[chain][r] = (vec){0};
+        unit_offsets[r] = (vec8){0}, offsets[r] = 0.0f;
+    }
     int group = 0;
     for (; group + 8 <= num_groups; group += 8) {
         const uint8_t *unit = weight_row + (int64_t)group / groups * block_bytes;
@@ -284,7 +293,8 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
                 group_quants(type, unit + g * block_bytes, 0, q);
             else
                 group_quants(type, unit, g, q);
-            for (int r = 0; r < rows; r++) sum[r] += scale[g] * group_dot(x + r * x_stride + (group + g) * GROUP, q);
+            for (int r = 0; r < rows; r++)
+                sum[g % chains][r] += scale[g] * group_dot(x + r * x_stride + (group + g) * GROUP, q);
         }
         if (has_offset)
             for (int r = 0; r < rows; r++)
@@ -297,13 +307,14 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
         vec q[GROUP / VEC];
         group_quants(type, block, 0, q);
         for (int r = 0; r < rows; r++) {
-            sum[r] += d[0] * group_dot(x + r * x_stride + group * GROUP, q);
+            sum[0][r] += d[0] * group_dot(x + r * x_stride + group * GROUP, q);
             if (has_offset) offsets[r] += offset[0] * x_sums[r * num_groups + group];
         }
     }
     for (int r = 0; r < rows; r++) {
+        for (int chain = 1; chain < chains; chain++) sum[0][r] += sum[chain][r];
         const vec8 o = unit_offsets[r];
-        out[r] = hsum(sum[r]) + (((o[0] + o[4]) + (o[1] + o[5])) + ((o[2] + o[6]) + (o[3] + o[7])) + offsets[r]);
+        out[r] = hsum(sum[0][r]) + (((o[0] + o[4]) + (o[1] + o[5])) + ((o[2] + o[6]) + (o[3] + o[7])) + offsets[r]);
     }
 }
 
@@ -450,8 +461,8 @@ int kvserve_ggml_as_q8_0(uint8_t *out, const uint8_t *weight, int64_t row_bytes,
 /* Steps of more rows: the strips kernel. STRIP weight rows at a time are decoded once into fp32 (a strip, in a
  * thread's buffer), and every row of x takes its dot products with them, the rows of x across the vector lanes
  * (x transposed once per call, so a k's values of VEC rows are one load) and each weight value broadcast:
- * ROW_VECS x STRIP sums in registers, nothing unpacked twice. Each output is one chain of FMAs over k in order,
- * as in row_tile(): a row's result does not depend on the other rows of the step. The kernel decodes every
+ * ROW_VECS x STRIP sums in registers, nothing unpacked twice. Each output is one chain of FMAs over k in order:
+ * a row's result does not depend on the other rows of the step. The kernel decodes every
  * weight once per call, which the dense panels (small_gemm.c) never do: it serves steps where no dense copy is
  * kept (--load-format mmap), from 9 rows up (the rows kernel's cost grows with the rows; this one's is flat up
  * to a vector of rows); ggml.py states the measured crossovers. */
