@@ -255,8 +255,9 @@ static inline __attribute__((always_inline)) void row_tile(const int type, const
     const int has_offset = type == Q4_1 || type == Q5_1 || type == Q4_K || type == Q5_K;
     /* a row's groups go in turn to TILE_ROWS / rows sums (as many sums as a full tile holds): with one sum a row,
      * each group waits for the last group's FMA (4 cycles), which bound one-row Q8_0 steps. Gemma 3's file, one
-     * row, 2 threads, Zen 5, medians of 7 alternating passes: the Q8_0 head 33 -> 50 GB/s, all of it 8.59 -> 6.71
-     * ms; 2 rows 8.77 -> 7.90; the AVX2 build's Q8_0 1.07x; the nibble types, bound by their unpacking, level */
+     * row, 2 threads, Zen 5, medians of 7 alternating passes in two runs: the Q8_0 head 33 -> 42-50 GB/s,
+     * all of it 8.59 -> 6.71 and 9.04 -> 7.58 ms; 2 rows 8.77 -> 7.90; the AVX2 build's Q8_0 1.07x; the nibble
+     * types, bound by their unpacking, level (docs/results/session28-zen5) */
     const int chains = TILE_ROWS / rows;
     vec sum[TILE_ROWS][TILE_ROWS];
     vec8 unit_offsets[TILE_ROWS]; /* each lane one group of a unit's eight */
