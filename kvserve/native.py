@@ -168,6 +168,12 @@ def cpu_vendor() -> str:
     return (_cpuinfo_line(("vendor_id",)) or "").partition(":")[2].strip()
 
 
+def cpu_family() -> int:
+    """The CPU's family number as /proc/cpuinfo gives it (AMD Zen 4: 25, Zen 5: 26), or 0 where it does not."""
+    value = (_cpuinfo_line(("cpu family",)) or "").partition(":")[2].strip()
+    return int(value) if value.isdigit() else 0
+
+
 def _cpu_id() -> str:
     """What ``-march=native`` depends on."""
     flags = _cpuinfo_line(("flags", "Features"))

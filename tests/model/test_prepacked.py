@@ -98,6 +98,22 @@ def test_the_avx2_build_asked_for_on_any_cpu_equals_matmul(monkeypatch: pytest.M
             torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("isa, vendor, family, max_rows", [
+    ("avx512", "AuthenticAMD", 26, None), ("avx512", "AuthenticAMD", 27, None), ("avx512", "AuthenticAMD", 25, 96),
+    ("avx512", "GenuineIntel", 6, 96), ("avx512", "", 0, 96), ("avx2", "AuthenticAMD", 23, None),
+    ("avx2", "GenuineIntel", 6, 128), ("generic", "AuthenticAMD", 26, 96)])
+def test_the_panels_serve_steps_up_to_the_measured_crossover_of_each_cpu(isa: str, vendor: str, family: int,
+                                                                          max_rows: int | None) -> None:
+    """Zen 5's full-width AVX-512 panels beat oneDNN at every step size, Zen 4's and Intel's not above 96 rows."""
+    assert prepacked.max_panel_rows(isa, vendor, family) == max_rows
+
+
+@pytest.mark.skipif(not cpu_flags(), reason="no x86 /proc/cpuinfo")
+def test_the_cpu_family_is_cpuinfo_s() -> None:
+    family = native.cpu_family()
+    assert family > 0 and f"cpu family\t: {family}\n" in Path("/proc/cpuinfo").read_text()
+
+
 @pytest.mark.skipif(not cpu_flags(), reason="no x86 /proc/cpuinfo")
 def test_the_cpu_vendor_is_cpuinfo_s() -> None:
     vendor = native.cpu_vendor()

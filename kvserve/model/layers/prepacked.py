@@ -25,8 +25,9 @@ Keeping both layouts doubles the memory of the linear weights; the panels are ke
 built for a vector ISA it was measured on (AVX-512, or AVX2 with FMA). ``KVSERVE_CPU_ISA=avx2`` builds the AVX2
 kernel on an AVX-512 machine (``kvserve.native``).
 
-Where the panels stop (``MAX_PANEL_ROWS``) depends on the ISA, and with AVX2 on the CPU's maker. On AVX-512
-oneDNN takes steps of more than 96 tokens (the table above; on a Zen 4 the two are level from 256 tokens up).
+Where the panels stop (``MAX_PANEL_ROWS``) depends on the ISA and the CPU's maker, and for AMD's AVX-512 on its
+family. On AVX-512 oneDNN takes steps of more than 96 tokens (the table above; on a Zen 4 the two are level from
+256 tokens up), except on Zen 5 (the last table).
 With AVX2 kernels, one step's GEMMs of SmolLM2 on 2 threads held to AVX2 (``KVSERVE_CPU_ISA=avx2
 ONEDNN_MAX_CPU_ISA=AVX2``), ms (Zen 4: 24 layers' projections; Intel Emerald Rapids: ``benchmarks/cpu_gemm.py``,
 every layer and the head):
@@ -43,6 +44,15 @@ so on AMD's cores the panels take every step and no oneDNN copy is made (half th
 Intel's, whose AVX2 FMAs are half their AVX-512 ones, oneDNN's blocking wins from about 128 tokens up (the first
 Intel rows, session 13, put the two level at 192; three later passes, session 19, had the panels 13-17% behind
 there and level at 96 and 128).
+
+AMD's Zen 5 (family 26) runs AVX-512 on full-width units, and there the AVX-512 panels are as fast as oneDNN or
+faster at every size (``benchmarks/cpu_gemm.py``, every layer and the head, 2 threads, ms):
+
+    tokens in the step     16     64     96    128    192    256    512
+    oneDNN blocked       19.5   45.7   59.3   76.7  109.6  156.3  299.2
+    small-GEMM panels    13.5   37.4   52.1   68.1  100.9  145.8  296.3
+
+so from that family on they take every step, as with AVX2 on AMD (Zen 4, family 25, keeps oneDNN above 96).
 """
 
 from __future__ import annotations
@@ -55,34 +65,46 @@ from pathlib import Path
 import torch
 
 from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
-from kvserve.native import KernelBuildError, KernelFunction, cpu_vendor, kernel_range, load_library
+from kvserve.native import KernelBuildError, KernelFunction, cpu_family, cpu_vendor, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
 
 SMALL_GEMM_SOURCE = Path(__file__).parent / "csrc" / "small_gemm.c"
-# the most tokens a step multiplies by the panels, by the ISA the kernel was built for and the CPU's maker ("":
-# any other), None: every step (AVX-512: from about 112 rows up oneDNN is as fast, see the tables above; a
-# generic build is correct but not used by the engine, ``small_gemm``)
-MAX_PANEL_ROWS = {("avx512", ""): 96, ("avx2", "AuthenticAMD"): None, ("avx2", ""): 128, ("generic", ""): 96}
+# the most tokens a step multiplies by the panels, by the ISA the kernel was built for, the CPU's maker ("": any
+# other) and the first family of that maker an entry holds for; None: every step (AVX-512: from about 112 rows
+# up oneDNN is as fast, except on Zen 5, see the tables above; a generic build is correct but not used by the
+# engine, ``small_gemm``)
+MAX_PANEL_ROWS = {("avx512", "", 0): 96, ("avx512", "AuthenticAMD", 26): None, ("avx2", "AuthenticAMD", 0): None,
+                  ("avx2", "", 0): 128, ("generic", "", 0): 96}
 ISA_NAMES = {2: "avx512", 1: "avx2", 0: "generic"}  # kvserve_small_gemm_isa()'s codes
 SMALL_GEMM_RANGE = "kvserve::small_gemm"  # the kernel's name in torch.profiler traces (a ctypes call is no op)
 _C_ARG_TYPES = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # y, its row stride, x, its
                 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4)  # panels, bias, m, n, k, threads
 
 
+def max_panel_rows(isa: str, vendor: str, family: int) -> int | None:
+    """``MAX_PANEL_ROWS``'s most specific entry for a build and a CPU: the maker's own before any maker's, then
+    the latest family the CPU is of."""
+    key = max((key for key in MAX_PANEL_ROWS if key[0] == isa and key[1] in ("", vendor) and family >= key[2]),
+              key=lambda key: (key[1] != "", key[2]))
+    return MAX_PANEL_ROWS[key]
+
+
 class SmallGemm:
     """The compiled small-GEMM kernel: ``pack`` lays a weight out in panels once, a call multiplies by it."""
 
-    def __init__(self, library: ctypes.CDLL | None = None, vendor: str | None = None) -> None:
-        """``library``: a build of ``SMALL_GEMM_SOURCE`` (default: this process's, for its CPU); ``vendor``: the
-        CPU's maker (default: this machine's, ``native.cpu_vendor``)."""
+    def __init__(self, library: ctypes.CDLL | None = None, vendor: str | None = None,
+                 family: int | None = None) -> None:
+        """``library``: a build of ``SMALL_GEMM_SOURCE`` (default: this process's, for its CPU); ``vendor`` and
+        ``family``: the CPU's maker and family (default: this machine's, ``native.cpu_vendor`` and
+        ``cpu_family``)."""
         library = library or load_library(SMALL_GEMM_SOURCE)
         self.panel_width: int = library.kvserve_small_gemm_panel()
         self.isa = ISA_NAMES[library.kvserve_small_gemm_isa()]
         self.tuned = self.isa != "generic"  # built for a vector ISA where it was measured to win
         vendor = cpu_vendor() if vendor is None else vendor
-        # the most rows a step gives it; None: any
-        self.max_rows: int | None = MAX_PANEL_ROWS.get((self.isa, vendor), MAX_PANEL_ROWS[(self.isa, "")])
+        family = cpu_family() if family is None else family
+        self.max_rows: int | None = max_panel_rows(self.isa, vendor, family)  # the most rows a step gives it
         self._gemm = KernelFunction(library.kvserve_small_gemm_f32, _C_ARG_TYPES)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
