@@ -93,18 +93,16 @@ def max_panel_rows(isa: str, vendor: str, family: int) -> int | None:
 class SmallGemm:
     """The compiled small-GEMM kernel: ``pack`` lays a weight out in panels once, a call multiplies by it."""
 
-    def __init__(self, library: ctypes.CDLL | None = None, vendor: str | None = None,
-                 family: int | None = None) -> None:
-        """``library``: a build of ``SMALL_GEMM_SOURCE`` (default: this process's, for its CPU); ``vendor`` and
-        ``family``: the CPU's maker and family (default: this machine's, ``native.cpu_vendor`` and
-        ``cpu_family``)."""
+    def __init__(self, library: ctypes.CDLL | None = None, vendor: str | None = None) -> None:
+        """``library``: a build of ``SMALL_GEMM_SOURCE`` (default: this process's, for its CPU); ``vendor``: the
+        CPU's maker (default: this machine's, ``native.cpu_vendor``); the family is this machine's
+        (``native.cpu_family``)."""
         library = library or load_library(SMALL_GEMM_SOURCE)
         self.panel_width: int = library.kvserve_small_gemm_panel()
         self.isa = ISA_NAMES[library.kvserve_small_gemm_isa()]
         self.tuned = self.isa != "generic"  # built for a vector ISA where it was measured to win
         vendor = cpu_vendor() if vendor is None else vendor
-        family = cpu_family() if family is None else family
-        self.max_rows: int | None = max_panel_rows(self.isa, vendor, family)  # the most rows a step gives it
+        self.max_rows: int | None = max_panel_rows(self.isa, vendor, cpu_family())  # the most rows a step gives it
         self._gemm = KernelFunction(library.kvserve_small_gemm_f32, _C_ARG_TYPES)
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
