@@ -102,6 +102,28 @@ def test_batched_product_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: 
     assert wide[:, :3].isnan().all() and wide[:, 16:].isnan().all()  # nothing written outside its columns
 
 
+@pytest.fixture(params=[1, 2, 3])
+def num_threads(request: pytest.FixtureRequest):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_strips_kernel_gathers_many_columns_in_its_buffer(kernel: GGMLGemm, num_threads: int) -> None:
+    """A thread's strips go to y a buffer of columns at a time (16 strips): 413 columns are several buffers and a
+    partial one per thread, into a column range of a wider output whose rows are 4 KiB apart."""
+    gen = torch.Generator().manual_seed(num_threads)
+    weight = blocks_of(torch.randn(413, 64, generator=gen), Q.Q4_1)
+    bias = torch.randn(413, generator=gen)
+    for rows in (9, 17, 40):
+        x = torch.randn(rows, 64, generator=gen)
+        wide = torch.full((rows, 1024), float("nan"))
+        kernel.batched(x, weight, bias, out=wide[:, 300:713])
+        assert_close_to_reference(wide[:, 300:713], x, weight, bias)
+        assert wide[:, :300].isnan().all() and wide[:, 713:].isnan().all()
+
+
 def test_batched_product_slices_a_weight_larger_than_its_buffer(kernel: GGMLGemm, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ggml, "DEQUANTIZE_SLICE_VALUES", 5 * 64)  # slices of 5 rows: 23 = 4 x 5 + 3
     gen = torch.Generator().manual_seed(4)
