@@ -15,8 +15,7 @@ memory, as in a real step. For each token count: the best of 3 passes over all o
 head in Q8_0 blocks (the engine's tied head on the file's embeddings), through the exact kernel and the
 int8-activation kernel alone at every row count (where they cross the dense ``kvserve`` column sets their
 ``max_rows``); ``mapped``: the same blocks as ``--load-format mmap`` multiplies them, with no dense copy (the
-exact kernel up to its ``max_rows``, then ``GGMLGemm.batched``: the strips kernel, or from
-``DEQUANTIZED_GEMM_ROWS`` the dequantized slices and torch's GEMM).
+exact kernel up to its ``max_rows``, then ``GGMLGemm.batched``: the rows kernel, then the strips kernel).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from kvserve import LLM, SamplingParams, native
 from kvserve.model.layers import ggml
 from kvserve.model.layers.ggml import (
-    DEQUANTIZED_GEMM_ROWS, GGML_MAX_ROWS, KERNEL_TYPES, GGMLGemm, GGMLLinearMethod, GGMLTensor,
+    GGML_MAX_ROWS, KERNEL_TYPES, GGMLGemm, GGMLLinearMethod, GGMLTensor,
 )
 from kvserve.model.layers.ggml_qdot import QDotGemm
 from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
@@ -85,12 +85,10 @@ def test_kernel_on_k_quants_equals_dequantize_then_matmul(kernel: GGMLGemm, qtyp
 
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
-@pytest.mark.parametrize("rows", [0, 1, 8, 9, 15, 16, 17, 33, 70, DEQUANTIZED_GEMM_ROWS - 1, DEQUANTIZED_GEMM_ROWS,
-                                  DEQUANTIZED_GEMM_ROWS + 1])
+@pytest.mark.parametrize("rows", [0, 1, 8, 9, 15, 16, 17, 33, 70, 255, 256, 257])
 def test_batched_product_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: int) -> None:
-    """Without a dense copy: the rows kernel up to 8 rows, the strips kernel (13 columns: a last strip of 1 on
-    AVX-512, of 3 on AVX2), then from DEQUANTIZED_GEMM_ROWS the dequantized slices; into a column range of a
-    wider output, as a packed layer's projections are."""
+    """Without a dense copy: the rows kernel up to 8 rows, then the strips kernel (13 columns: a last strip of 1
+    on AVX-512, of 3 on AVX2); into a column range of a wider output, as a packed layer's projections are."""
     gen = torch.Generator().manual_seed(rows)
     k = 512 if qtype in K_TYPES else 96
     weight = random_blocks(13, k, qtype, gen) if qtype in K_TYPES else blocks_of(torch.randn(13, k, generator=gen), qtype)
@@ -110,27 +108,19 @@ def num_threads(request: pytest.FixtureRequest):
     torch.set_num_threads(before)
 
 
-def test_strips_kernel_gathers_many_columns_in_its_buffer(kernel: GGMLGemm, num_threads: int) -> None:
+def test_strips_kernel_in_buffers_of_columns_and_passes_of_rows(kernel: GGMLGemm, num_threads: int) -> None:
     """A thread's strips go to y a buffer of columns at a time (16 strips): 413 columns are several buffers and a
-    partial one per thread, into a column range of a wider output whose rows are 4 KiB apart."""
+    partial one per thread, into a column range of a wider output whose rows are 4 KiB apart; at k = 2,048 a pass
+    of x is 32 rows (256 KiB), so 40 and 100 rows take several, the last partial."""
     gen = torch.Generator().manual_seed(num_threads)
-    weight = blocks_of(torch.randn(413, 64, generator=gen), Q.Q4_1)
+    weight = blocks_of(torch.randn(413, 2048, generator=gen), Q.Q4_1)
     bias = torch.randn(413, generator=gen)
-    for rows in (9, 17, 40):
-        x = torch.randn(rows, 64, generator=gen)
+    for rows in (9, 17, 40, 100):
+        x = torch.randn(rows, 2048, generator=gen)
         wide = torch.full((rows, 1024), float("nan"))
         kernel.batched(x, weight, bias, out=wide[:, 300:713])
         assert_close_to_reference(wide[:, 300:713], x, weight, bias)
         assert wide[:, :300].isnan().all() and wide[:, 713:].isnan().all()
-
-
-def test_batched_product_slices_a_weight_larger_than_its_buffer(kernel: GGMLGemm, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ggml, "DEQUANTIZE_SLICE_VALUES", 5 * 64)  # slices of 5 rows: 23 = 4 x 5 + 3
-    gen = torch.Generator().manual_seed(4)
-    weight = blocks_of(torch.randn(23, 64, generator=gen), Q.Q8_0)
-    x = torch.randn(DEQUANTIZED_GEMM_ROWS, 64, generator=gen)
-    bias = torch.randn(23, generator=gen)
-    assert_close_to_reference(kernel.batched(x, weight, bias), x, weight, bias)
 
 
 def assert_build_equals_the_reference(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,7 +193,7 @@ def test_without_a_dense_copy_a_packed_layer_multiplies_its_projections_where_th
     assert [part.blocks.data_ptr() for part in layer.ggml_parts] == [q.blocks.data_ptr(), k.blocks.data_ptr()]
     assert layer.weight.numel() == 0  # no dense copy
     dense = torch.cat([q.dequantize(), k.dequantize()])
-    for rows in (1, GGML_MAX_ROWS + 1, 17, DEQUANTIZED_GEMM_ROWS + 3):  # rows kernel, strips, dequantized slices
+    for rows in (1, GGML_MAX_ROWS + 1, 17, 259):  # the rows kernel, the strips kernel
         x = torch.randn(2, rows, 64, generator=gen)
         torch.testing.assert_close(layer(x), x @ dense.T, rtol=1e-5, atol=1e-5)
 

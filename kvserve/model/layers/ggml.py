@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
-from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, LinearMethod, apply_by_parts, linear_into
+from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, LinearMethod, apply_by_parts
 from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
@@ -41,20 +41,19 @@ GGML_GEMM_RANGE = "kvserve::ggml_gemm"  # the kernel's name in torch.profiler tr
 # 13.2 ms against the dense panels' 21.9 (forced AVX2 14.5 against 22.4), 5 rows 25.2 against 23.7 (AVX2)
 GGML_MAX_ROWS = 4
 # Without a dense copy (``--load-format mmap``), one step's GEMMs on the default model's blocks (ms, 2 threads,
-# Zen 4 / the same forced to AVX2; benchmarks/cpu_gemm.py's ``blocks`` and ``mapped`` columns, the layers alone
-# from 256 tokens):
+# AMD Zen 5 / the same forced to AVX2; benchmarks/cpu_gemm.py's ``blocks`` and ``mapped`` columns):
 #
-#     tokens                         8        12        16        64       256 (layers)
-#     rows kernel (ggml_gemm)      25 / 25   40 / 36   54 / 53  217 / 209
-#     strips kernel                31 / 30   33 / 34   33 / 37  115 / 112  331 / 424
-#     dequantized slices + GEMM                                            352 / 348
-#     dense panels (a copy kept)   20 / 22   22 / 23   26 / 29   87 / 93   272 / 286
+#     tokens                         8         12         16         64          256
+#     rows kernel (ggml_gemm)      10 / 15   15 / 22    20 / 29
+#     strips kernel                          19 / 29    21 / 27    49 / 86    193 / 349
+#     dense panels (a copy kept)   15 / 15   12 / 15    12 / 20    37 / 70    151 / 285
 #
-# so the rows kernel serves up to BATCHED_ROWS_KERNEL_ROWS tokens, the strips kernel up to DEQUANTIZED_GEMM_ROWS,
-# the dequantized slices (of at most DEQUANTIZE_SLICE_VALUES values, 4 MiB of fp32) from there
+# so the rows kernel serves up to BATCHED_ROWS_KERNEL_ROWS tokens (Zen 4 measured the strips ahead from 12
+# rows; on Zen 5 they cross nearer 14), the strips kernel every larger step. Until session 29 steps from 256 tokens
+# dequantized the weight a slice at a time for torch's GEMM, then about as fast as the strips (Zen 4: 352 against
+# 331 ms); since, the strips kernel no longer aliases in L1 and L2 (csrc/ggml_gemm.c), and torch's GEMM (MKL) runs
+# at AVX2 speed on AMD's AVX-512 CPUs: at 256 tokens on Zen 5 the slices took 350 ms, the strips 176.
 BATCHED_ROWS_KERNEL_ROWS = 8
-DEQUANTIZED_GEMM_ROWS = 256
-DEQUANTIZE_SLICE_VALUES = 1 << 20
 KERNEL_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
@@ -111,7 +110,6 @@ class GGMLGemm:
         library = library or load_library(GGML_GEMM_SOURCE)
         self._gemm = KernelFunction(library.kvserve_ggml_gemm_f32, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
         self._strips = KernelFunction(library.kvserve_ggml_gemm_strips_f32, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
-        self._buffer = torch.empty(0, dtype=torch.float32)
         self._dequantize = KernelFunction(library.kvserve_ggml_dequantize,
                                           [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 4,
                                           ctypes.c_int)
@@ -127,22 +125,10 @@ class GGMLGemm:
     def batched(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """The product for a step of any number of rows with no dense copy of the weight kept: this kernel up
-        to ``BATCHED_ROWS_KERNEL_ROWS`` rows, then the strips kernel, or from ``DEQUANTIZED_GEMM_ROWS`` rows up
-        the weight dequantized a slice at a time into a reused buffer and multiplied by torch's GEMM (the
-        decoding then costs little beside the product)."""
+        to ``BATCHED_ROWS_KERNEL_ROWS`` rows, then the strips kernel (each weight decoded once a call)."""
         if x.shape[0] <= BATCHED_ROWS_KERNEL_ROWS:
             return self(x, weight, bias, out)
-        if x.shape[0] < DEQUANTIZED_GEMM_ROWS:
-            return call_block_kernel(self._strips, "ggml strips GEMM", GGML_GEMM_RANGE, x, weight, bias, out)
-        n, k = weight.shape
-        y = torch.empty(x.shape[0], n, dtype=torch.float32) if out is None else out
-        step = max(1, DEQUANTIZE_SLICE_VALUES // k)
-        for start in range(0, n, step):
-            stop = min(start + step, n)
-            rows = GGMLTensor(weight.blocks[start:stop], weight.qtype, (stop - start, k))
-            values = self.dequantize(rows, self._scratch(rows.shape))
-            linear_into(x, values, None if bias is None else bias[start:stop], y[:, start:stop])
-        return y
+        return call_block_kernel(self._strips, "ggml strips GEMM", GGML_GEMM_RANGE, x, weight, bias, out)
 
     def layout_type(self, qtype: GGMLQuantizationType) -> GGMLQuantizationType:
         """The block type this build multiplies ``qtype``'s values fastest in at one row: Q8_0 for Q5_0 on builds
@@ -165,13 +151,6 @@ class GGMLGemm:
     def place(self, weight: GGMLTensor, device: torch.device) -> GGMLTensor:
         """The blocks where the kernel reads them: in host memory, as loaded."""
         return weight
-
-    def _scratch(self, shape: tuple[int, int]) -> torch.Tensor:
-        """A reused fp32 buffer of ``shape`` (one per kernel object: steps run one at a time)."""
-        numel = shape[0] * shape[1]
-        if self._buffer.numel() < numel:
-            self._buffer = torch.empty(numel, dtype=torch.float32)
-        return self._buffer[:numel].view(shape)
 
     def dequantize(self, weight: GGMLTensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 values of ``weight`` (into ``out`` [rows, k] if given): ``GGMLTensor.dequantize`` in C,

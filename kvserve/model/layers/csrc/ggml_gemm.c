@@ -468,14 +468,14 @@ int kvserve_ggml_as_q8_0(uint8_t *out, const uint8_t *weight, int64_t row_bytes,
     return 0;
 }
 
-/* Steps of more rows: the strips kernel. STRIP weight rows at a time are decoded once into fp32 (a strip, in a
+/* Steps of more rows: the strips kernel. STRIP weight rows at a time are decoded into fp32 (a strip, in a
  * thread's buffer), and every row of x takes its dot products with them, the rows of x across the vector lanes
- * (x transposed once per call, so a k's values of VEC rows are one load) and each weight value broadcast:
- * ROW_VECS x STRIP sums in registers, nothing unpacked twice. Each output is one chain of FMAs over k in order:
- * a row's result does not depend on the other rows of the step. The kernel decodes every
- * weight once per call, which the dense panels (small_gemm.c) never do: it serves steps where no dense copy is
- * kept (--load-format mmap), from 9 rows up (the rows kernel's cost grows with the rows; this one's is flat up
- * to a vector of rows); ggml.py states the measured crossovers. */
+ * (x transposed once per call, in passes of rows, so a k's values of VEC rows are one load) and each weight value
+ * broadcast: ROW_VECS x STRIP sums in registers, a strip decoded once per pass of rows. Each output is one chain
+ * of FMAs over k in order: a row's result does not depend on the other rows of the step. The kernel decodes
+ * every weight at least once per call, which the dense panels (small_gemm.c) never do: it serves steps where no
+ * dense copy is kept (--load-format mmap), from 9 rows up (the rows kernel's cost grows with the rows; this
+ * one's is flat up to a vector of rows); ggml.py states the measured crossovers. */
 #if defined(__AVX512F__)
 #define STRIP 12 /* 2 x 12 sums + 2 vectors of x of the 32 registers; each broadcast folds into its FMA */
 #else
@@ -484,16 +484,20 @@ int kvserve_ggml_as_q8_0(uint8_t *out, const uint8_t *weight, int64_t row_bytes,
 #define ROW_VECS 2
 
 /* y[rows, cols] for ROW_VECS * VEC rows (of which num_rows are real) of xt [k, m_pad] against a decoded strip
- * [STRIP, k] (rows past num_cols are zeros). */
+ * [STRIP, k] (rows past num_cols are zeros), pulling num_lines cache lines from `ahead` toward the cache on the
+ * way, spread over the k loop (a burst of prefetches is dropped). */
 static inline __attribute__((always_inline)) void strip_tile(const int vecs, const float *xt, int m_pad,
                                                              const float *strip, int k, float *y, int64_t y_stride,
-                                                             int num_rows, int num_cols, const float *bias) {
+                                                             int num_rows, int num_cols, const float *bias,
+                                                             const uint8_t *ahead, int num_lines) {
     vec sum[ROW_VECS][STRIP];
+    int owed = 0; /* in units of 1 / k lines */
 #pragma GCC unroll 2
     for (int i = 0; i < vecs; i++)
 #pragma GCC unroll 12
         for (int j = 0; j < STRIP; j++) sum[i][j] = (vec){0};
     for (int kk = 0; kk < k; kk++) {
+        for (owed += num_lines; owed >= k; owed -= k, ahead += 64) __builtin_prefetch(ahead, 0, 3);
         vec xv[ROW_VECS];
 #pragma GCC unroll 2
         for (int i = 0; i < vecs; i++) xv[i] = load(xt + (int64_t)kk * m_pad + i * VEC);
@@ -520,25 +524,70 @@ static inline __attribute__((always_inline)) void strip_tile(const int vecs, con
  * -> 267, 16 rows 214 -> 172; 3,000 columns took 289 before. */
 #define BUFFERED_COLUMNS (16 * STRIP)
 
-/* Strips c0 .. c1 - 1 of y [m, n] (rows y_stride apart) against xt [k, m_pad]: each decoded once into strip
- * [STRIP, k], its outputs gathered in out [m, BUFFERED_COLUMNS]. */
-static void strips_of(float *y, int64_t y_stride, const float *xt, int m_pad, const uint8_t *weight,
-                      int64_t row_bytes, int type, const float *bias, int m, int n, int k, int c0, int c1,
-                      float *strip, float *out) {
+/* x goes to the strips transposed, in passes of rows: pass p holds rows p * width .. (p + 1) * width - 1 as
+ * [k, width], its rows zero past m. A pass is as many rows as keep it within PASS_BYTES (in L2), so that the next
+ * strip finds it there; a strip is decoded again for each further pass. One [k, m] block for every row, as
+ * before, held k rows of m values apart: at 1,024 rows 4 KiB, so that a tile's k values of x all fell in a few
+ * sets of L1 and L2 and came from L3 (the AVX2 build's GEMMs of SmolLM2 at 1,024 rows took 3.2x their time at
+ * 512, down 576 x 1,536 alone 4x). */
+#define PASS_BYTES (256 * 1024)
+
+typedef struct {
+    float *xt;       /* [passes, k, width] */
+    int width, passes;
+} Passes;
+
+/* x [m, k] (rows x_stride apart) in passes; xt NULL if it cannot be allocated. */
+static Passes passes_of(const float *x, int64_t x_stride, int m, int k, int num_threads) {
+    const int tile = ROW_VECS * VEC, fitting = PASS_BYTES / ((int)sizeof(float) * k) / tile * tile;
+    const int m_pad = (m + VEC - 1) / VEC * VEC, pass_rows = fitting > tile ? fitting : tile;
+    Passes p = {NULL, m_pad < pass_rows ? m_pad : pass_rows, 0};
+    p.passes = (m + p.width - 1) / p.width;
+    p.xt = aligned_alloc(64, ((size_t)p.passes * k * p.width * sizeof(float) + 63) / 64 * 64);
+    if (!p.xt) return p;
+    /* a line of x (16 values of k) at a time */
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int k0 = 0; k0 < k; k0 += 16)
+        for (int r = 0; r < p.passes * p.width; r++) {
+            float *column = p.xt + ((int64_t)(r / p.width) * k * p.width + r % p.width);
+            for (int kk = k0; kk < k0 + 16 && kk < k; kk++)
+                column[(int64_t)kk * p.width] = r < m ? x[(int64_t)r * x_stride + kk] : 0.0f;
+        }
+    return p;
+}
+
+/* Strips c0 .. c1 - 1 of y [m, n] (rows y_stride apart) against x's passes: each decoded into strip [STRIP, k]
+ * once per pass, its outputs gathered in out [m, BUFFERED_COLUMNS]. */
+static void strips_of(float *y, int64_t y_stride, const Passes *x, const uint8_t *weight, int64_t row_bytes,
+                      int type, const float *bias, int m, int n, int k, int c0, int c1, float *strip, float *out) {
     for (int first = c0 * STRIP; first < c1 * STRIP && first < n; first += BUFFERED_COLUMNS) {
         const int end = c1 * STRIP < n ? c1 * STRIP : n;
         const int cols = end - first < BUFFERED_COLUMNS ? end - first : BUFFERED_COLUMNS;
-        for (int c = 0; c < cols; c += STRIP) {
-            const int num_cols = cols - c < STRIP ? cols - c : STRIP;
-            for (int j = 0; j < num_cols; j++)
-                decode_row(type, weight + (int64_t)(first + c + j) * row_bytes, k, strip + (int64_t)j * k);
-            const float *b = bias ? bias + first + c : NULL;
-            for (int r = 0; r < m; r += ROW_VECS * VEC) {
-                float *o = out + (int64_t)r * BUFFERED_COLUMNS + c;
-                if (m - r > VEC)
-                    strip_tile(2, xt + r, m_pad, strip, k, o, BUFFERED_COLUMNS, m - r, num_cols, b);
-                else
-                    strip_tile(1, xt + r, m_pad, strip, k, o, BUFFERED_COLUMNS, m - r, num_cols, b);
+        for (int pass = 0; pass < x->passes; pass++) {
+            const float *xt = x->xt + (int64_t)pass * k * x->width;
+            const int pass_first = pass * x->width, pass_end = m - pass_first < x->width ? m : pass_first + x->width;
+            for (int c = 0; c < cols; c += STRIP) {
+                const int num_cols = cols - c < STRIP ? cols - c : STRIP;
+                for (int j = 0; j < num_cols; j++)
+                    decode_row(type, weight + (int64_t)(first + c + j) * row_bytes, k, strip + (int64_t)j * k);
+                const float *b = bias ? bias + first + c : NULL;
+                /* the next strip's blocks, asked for while this one's first tile works: unasked, the reads wait
+                 * for the FMAs. SmolLM2's GEMMs from memory (Zen 5, 2 threads): 16 rows 18.5 -> 15.3 ms, 64 rows
+                 * 46.4 -> 41.4; the AVX2 build 25.7 -> 23.1, 83.3 -> 78.4. Two strips ahead was no better */
+                const int next = first + c + STRIP, next_rows = end - next < STRIP ? end - next : STRIP;
+                const uint8_t *ahead = weight + (int64_t)next * row_bytes;
+                int num_lines = next_rows > 0 ? (int)((next_rows * row_bytes + 63) / 64) : 0;
+                for (int r = pass_first; r < pass_end; r += ROW_VECS * VEC) {
+                    float *o = out + (int64_t)r * BUFFERED_COLUMNS + c;
+                    const float *xr = xt + (r - pass_first);
+                    if (pass_end - r > VEC)
+                        strip_tile(2, xr, x->width, strip, k, o, BUFFERED_COLUMNS, pass_end - r, num_cols, b, ahead,
+                                   num_lines);
+                    else
+                        strip_tile(1, xr, x->width, strip, k, o, BUFFERED_COLUMNS, pass_end - r, num_cols, b, ahead,
+                                   num_lines);
+                    num_lines = 0;
+                }
             }
         }
         for (int r = 0; r < m; r++)
@@ -552,20 +601,17 @@ int kvserve_ggml_gemm_strips_f32(float *y, int64_t y_stride, const float *x, int
                                  const uint8_t *weight, int64_t row_bytes, int type, const float *bias, int m, int n,
                                  int k, int num_threads) {
     if (row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
-    const int m_pad = (m + VEC - 1) / VEC * VEC, num_strips = (n + STRIP - 1) / STRIP;
-    float *xt = aligned_alloc(64, ((size_t)k * m_pad * sizeof(float) + 63) / 64 * 64);
-    if (!xt) return -1;
+    const Passes passes = passes_of(x, x_stride, m, k, num_threads);
+    if (!passes.xt) return -1;
+    const int num_strips = (n + STRIP - 1) / STRIP;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(static)
-        for (int kk = 0; kk < k; kk++)
-            for (int r = 0; r < m_pad; r++) xt[(int64_t)kk * m_pad + r] = r < m ? x[(int64_t)r * x_stride + kk] : 0.0f;
         const int threads = omp_get_num_threads(), t = omp_get_thread_num();
         float *strip = calloc((size_t)STRIP * k, sizeof(float));
         float *out = malloc((size_t)m * BUFFERED_COLUMNS * sizeof(float));
         if (strip && out)
-            strips_of(y, y_stride, xt, m_pad, weight, row_bytes, type, bias, m, n, k,
+            strips_of(y, y_stride, &passes, weight, row_bytes, type, bias, m, n, k,
                       (int)((int64_t)num_strips * t / threads), (int)((int64_t)num_strips * (t + 1) / threads), strip,
                       out);
         else
@@ -574,6 +620,6 @@ int kvserve_ggml_gemm_strips_f32(float *y, int64_t y_stride, const float *x, int
         free(strip);
         free(out);
     }
-    free(xt);
+    free(passes.xt);
     return failed ? -1 : 0;
 }
