@@ -7,6 +7,8 @@ of blocks it read.
     python benchmarks/gguf_kernels.py --baseline DIR   # also the kernels built from DIR (ggml_gemm.c, ggml_qdot.c
                                                        # and ggml_blocks.h of another revision, e.g. from
                                                        # `git show REV:kvserve/model/layers/csrc/ggml_gemm.c`)
+    python benchmarks/gguf_kernels.py --rows 16 --batched   # the exact kernel's product with no dense copy
+                                                            # (`--load-format mmap`: past 8 rows the strips kernel)
 
 The weights come from memory, as in a step (a pass reads the whole file: Gemma 3 270M's 246 MB, SmolLM2's 98 MB).
 """
@@ -18,21 +20,29 @@ import collections
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from gguf import GGMLQuantizationType
 
 from kvserve.model.gguf_index import load_gguf_index
-from kvserve.model.layers.ggml import GGML_GEMM_SOURCE, BlockGemm, GGMLGemm, GGMLTensor
+from kvserve.model.layers.ggml import GGML_GEMM_SOURCE, GGMLGemm, GGMLTensor
 from kvserve.model.layers.ggml_qdot import GGML_QDOT_SOURCE, QDotGemm
 from kvserve.model.packaged import pull
 from kvserve.native import load_library
 
 
-def kernels(baseline: Path | None) -> dict[str, BlockGemm]:
-    kinds: dict[str, BlockGemm] = {"exact": GGMLGemm(), "int8": QDotGemm()}
+def kernels(baseline: Path | None, batched: bool) -> dict[str, Callable[..., torch.Tensor]]:
+    """Each kind's product ``(x, weight, bias)``: the exact kernel (``batched``: as with no dense copy) and,
+    unless ``batched``, the int8-activation one; with ``baseline``, each again as built from that folder."""
+    exact = {"exact": GGMLGemm()}
     if baseline is not None:
-        kinds["exact (baseline)"] = GGMLGemm(load_library(baseline / GGML_GEMM_SOURCE.name))
+        exact["exact (baseline)"] = GGMLGemm(load_library(baseline / GGML_GEMM_SOURCE.name))
+    if batched:
+        return {f"{kind}, batched": kernel.batched for kind, kernel in exact.items()}
+    kinds: dict[str, Callable[..., torch.Tensor]] = {"exact": exact["exact"], "int8": QDotGemm()}
+    if baseline is not None:
+        kinds["exact (baseline)"] = exact["exact (baseline)"]
         kinds["int8 (baseline)"] = QDotGemm(load_library(baseline / GGML_QDOT_SOURCE.name))
     return kinds
 
@@ -44,6 +54,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=7)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--baseline", type=Path, help="a folder with another revision's kernel sources")
+    parser.add_argument("--batched", action="store_true", help="the exact kernel as `--load-format mmap` runs it")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = pull(args.model, progress=False)
@@ -51,7 +62,7 @@ def main() -> None:
     weights = [GGMLTensor.from_numpy(array, GGMLQuantizationType(entry.qtype))
                for entry, array in index.arrays(path) if len(entry.dims) == 2 and entry.qtype not in (0, 1)]
     xs = {w.shape[1]: torch.randn(args.rows, w.shape[1]) for w in weights}
-    kinds = kernels(args.baseline)
+    kinds = kernels(args.baseline, args.batched)
     times: dict[str, dict[str, list[float]]] = {kind: collections.defaultdict(list) for kind in kinds}
     for _ in range(args.passes):
         for kind, kernel in kinds.items():
@@ -66,15 +77,15 @@ def main() -> None:
     for w in weights:
         num_bytes[w.qtype.name] += w.blocks.numel()
     print(f"{args.model}, {args.rows} row(s), {args.threads} threads, median of {args.passes} alternating passes")
-    print(f"{'type':6s} {'MB':>6s}  " + "  ".join(f"{kind:>22s}" for kind in kinds))
+    print(f"{'type':6s} {'MB':>6s}  " + "  ".join(f"{kind:>26s}" for kind in kinds))
     for qtype in sorted(num_bytes):
         cells = []
         for kind in kinds:
             seconds = statistics.median(times[kind][qtype])
             cells.append(f"{seconds * 1e3:7.2f} ms {num_bytes[qtype] / seconds / 1e9:5.1f} GB/s")
-        print(f"{qtype:6s} {num_bytes[qtype] / 1e6:6.1f}  " + "  ".join(f"{cell:>22s}" for cell in cells))
+        print(f"{qtype:6s} {num_bytes[qtype] / 1e6:6.1f}  " + "  ".join(f"{cell:>26s}" for cell in cells))
     totals = {kind: sum(statistics.median(v) for v in times[kind].values()) for kind in kinds}
-    print(f"{'all':6s} {sum(num_bytes.values()) / 1e6:6.1f}  " + "  ".join(f"{totals[k] * 1e3:>19.2f} ms" for k in kinds))
+    print(f"{'all':6s} {sum(num_bytes.values()) / 1e6:6.1f}  " + "  ".join(f"{totals[k] * 1e3:>23.2f} ms" for k in kinds))
 
 
 if __name__ == "__main__":
