@@ -87,8 +87,8 @@ def test_kernel_on_k_quants_equals_dequantize_then_matmul(kernel: GGMLGemm, qtyp
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [0, 1, 8, 9, 15, 16, 17, 33, 70, 255, 256, 257])
 def test_batched_product_equals_dequantize_then_matmul(kernel: GGMLGemm, qtype: Q, rows: int) -> None:
-    """Without a dense copy: the rows kernel up to 8 rows, then the strips kernel (13 columns: a last strip of 1
-    on AVX-512, of 3 on AVX2); into a column range of a wider output, as a packed layer's projections are."""
+    """Without a dense copy: the rows kernel up to 8 rows, then the strips kernel (13 columns: a last strip of 1,
+    on AVX-512 and AVX2); into a column range of a wider output, as a packed layer's projections are."""
     gen = torch.Generator().manual_seed(rows)
     k = 512 if qtype in K_TYPES else 96
     weight = random_blocks(13, k, qtype, gen) if qtype in K_TYPES else blocks_of(torch.randn(13, k, generator=gen), qtype)

@@ -45,7 +45,7 @@ GGML_MAX_ROWS = 4
 #
 #     tokens                         8         12         16         64          256
 #     rows kernel (ggml_gemm)      10 / 15   15 / 22    20 / 29
-#     strips kernel                          19 / 29    21 / 27    49 / 86    193 / 349
+#     strips kernel                          19 / 22    21 / 22    49 / 75    193 / 306
 #     dense panels (a copy kept)   15 / 15   12 / 15    12 / 20    37 / 70    151 / 285
 #
 # so the rows kernel serves up to BATCHED_ROWS_KERNEL_ROWS tokens (Zen 4 measured the strips ahead from 12
