@@ -485,10 +485,10 @@ int kvserve_ggml_as_q8_0(uint8_t *out, const uint8_t *weight, int64_t row_bytes,
 #endif
 #define ROW_VECS 2
 
-/* y[rows, cols] for ROW_VECS * VEC rows (of which num_rows are real) of xt [k, m_pad] against a decoded strip
+/* y[rows, cols] for ROW_VECS * VEC rows (of which num_rows are real) of xt [k, width] against a decoded strip
  * [STRIP, k] (rows past num_cols are zeros), pulling num_lines cache lines from `ahead` toward the cache on the
  * way, spread over the k loop (a burst of prefetches is dropped). */
-static inline __attribute__((always_inline)) void strip_tile(const int vecs, const float *xt, int m_pad,
+static inline __attribute__((always_inline)) void strip_tile(const int vecs, const float *xt, int width,
                                                              const float *strip, int k, float *y, int64_t y_stride,
                                                              int num_rows, int num_cols, const float *bias,
                                                              const uint8_t *ahead, int num_lines) {
@@ -502,7 +502,7 @@ static inline __attribute__((always_inline)) void strip_tile(const int vecs, con
         for (owed += num_lines; owed >= k; owed -= k, ahead += 64) __builtin_prefetch(ahead, 0, 3);
         vec xv[ROW_VECS];
 #pragma GCC unroll 2
-        for (int i = 0; i < vecs; i++) xv[i] = load(xt + (int64_t)kk * m_pad + i * VEC);
+        for (int i = 0; i < vecs; i++) xv[i] = load(xt + (int64_t)kk * width + i * VEC);
 #pragma GCC unroll 12
         for (int j = 0; j < STRIP; j++) {
             const float w = strip[(int64_t)j * k + kk];
@@ -574,8 +574,9 @@ static void strips_of(float *y, int64_t y_stride, const Passes *x, const uint8_t
                     decode_row(type, weight + (int64_t)(first + c + j) * row_bytes, k, strip + (int64_t)j * k);
                 const float *b = bias ? bias + first + c : NULL;
                 /* the next strip's blocks, asked for while this one's first tile works: unasked, the reads wait
-                 * for the FMAs. SmolLM2's GEMMs from memory (Zen 5, 2 threads): 16 rows 18.5 -> 15.3 ms, 64 rows
-                 * 46.4 -> 41.4; the AVX2 build 25.7 -> 23.1, 83.3 -> 78.4. Two strips ahead was no better */
+                 * for the FMAs. SmolLM2's file (gguf_kernels.py --batched, Zen 5, 2 threads): 16 rows 19.1 ->
+                 * 16.1 ms, 64 rows 46.5 -> 42.3; the AVX2 build 26.0 -> 22.7, 79.5 -> 76.1. Two strips ahead was
+                 * no better */
                 const int next = first + c + STRIP, next_rows = end - next < STRIP ? end - next : STRIP;
                 const uint8_t *ahead = weight + (int64_t)next * row_bytes;
                 int num_lines = next_rows > 0 ? (int)((next_rows * row_bytes + 63) / 64) : 0;
