@@ -521,9 +521,9 @@ static inline __attribute__((always_inline)) void strip_tile(const int vecs, con
 
 /* Columns a thread's strips put in a buffer before they go to y, a run of each row at a time. Straight to y, a
  * strip's outputs are one short run in each row of x, and y's rows are often a multiple of 4 KiB apart (3,072
- * columns: 12 KiB), so that every run falls in the same set of the L1 cache and evicts the strip and x from it:
- * SmolLM2's gate and up (3,072 x 576, Q4_1, 2 threads, Zen 5, in cache) at 32 rows 512 -> 271 us, 24 rows 397
- * -> 267, 16 rows 214 -> 172; 3,000 columns took 289 before. */
+ * columns: 12 KiB), so that every run falls in the same set of the L1 cache and evicts the strip and x from it.
+ * One step's GEMMs of SmolLM2 with no dense copy at 32 rows (cpu_gemm.py's `mapped`, Zen 5): 37.8 -> 24.7 ms;
+ * gate and up alone (3,072 x 576, in cache) 512 -> 271 us, where 3,000 columns took 289 before. */
 #define BUFFERED_COLUMNS (16 * STRIP)
 
 /* x goes to the strips transposed, in passes of rows: pass p holds rows p * width .. (p + 1) * width - 1 as
