@@ -562,8 +562,8 @@ static Passes passes_of(const float *x, int64_t x_stride, int m, int k, int num_
  * once per pass, its outputs gathered in out [m, BUFFERED_COLUMNS]. */
 static void strips_of(float *y, int64_t y_stride, const Passes *x, const uint8_t *weight, int64_t row_bytes,
                       int type, const float *bias, int m, int n, int k, int c0, int c1, float *strip, float *out) {
-    for (int first = c0 * STRIP; first < c1 * STRIP && first < n; first += BUFFERED_COLUMNS) {
-        const int end = c1 * STRIP < n ? c1 * STRIP : n;
+    const int end = c1 * STRIP < n ? c1 * STRIP : n;
+    for (int first = c0 * STRIP; first < end; first += BUFFERED_COLUMNS) {
         const int cols = end - first < BUFFERED_COLUMNS ? end - first : BUFFERED_COLUMNS;
         for (int pass = 0; pass < x->passes; pass++) {
             const float *xt = x->xt + (int64_t)pass * k * x->width;
