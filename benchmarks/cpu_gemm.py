@@ -11,11 +11,12 @@ memory, as in a real step. For each token count: the best of 3 passes over all o
 ``oneDNN``: ``CpuPrepackedLinearMethod`` without panels; ``panels``: the small-GEMM kernel alone (any row count);
 ``kvserve``: the linear method the engine selects for fp32 on CPU (panels up to the kernel's ``max_rows`` where tuned: every step on AVX2);
 ``Q4_1``: the layers in Q4_1 blocks through the exact block kernel, the LM head through the engine's fp32 method
-(as before the head ran on blocks); ``blocks`` and ``int8``: the layers in Q4_1 and the
-head in Q8_0 blocks (the engine's tied head on the file's embeddings), through the exact kernel and the
-int8-activation kernel alone at every row count (where they cross the dense ``kvserve`` column sets their
-``max_rows``); ``mapped``: the same blocks as ``--load-format mmap`` multiplies them, with no dense copy (the
-exact kernel up to its ``max_rows``, then ``GGMLGemm.batched``: the rows kernel, then the strips kernel).
+(as before the head ran on blocks); ``blocks``: the layers in Q4_1 and the head in Q8_0 blocks (the engine's
+tied head on the file's embeddings) through the exact kernel alone at every row count (where it crosses the
+dense ``kvserve`` column sets its ``max_rows``); ``int8``: the same blocks as ``--quantize-activations``
+multiplies them (``QDotGemm.batched``: its column tiles, then the int8 strips kernel); ``mapped``: the same
+blocks as ``--load-format mmap`` multiplies them, with no dense copy (``GGMLGemm.batched``: the rows kernel,
+then the strips kernel).
 """
 
 from __future__ import annotations
@@ -64,9 +65,8 @@ def main() -> None:
     blocks = [blocks_of(w, Q8_0 if w.shape[0] == SHAPES["lm_head"][0] else Q4_1) for w in weights]
     exact, int8 = ggml_gemm(), qdot_gemm()
     kinds["blocks"] = [lambda x, b=b: exact(x, b, None) for b in blocks]
-    kinds["int8"] = [lambda x, b=b: int8(x, b, None) for b in blocks]
-    kinds["mapped"] = [lambda x, b=b: exact(x, b, None) if x.shape[0] <= exact.max_rows else exact.batched(x, b, None)
-                       for b in blocks]
+    kinds["int8"] = [lambda x, b=b: int8.batched(x, b, None) for b in blocks]
+    kinds["mapped"] = [lambda x, b=b: exact.batched(x, b, None) for b in blocks]
     print(f"{args.threads} threads; ms for one step's GEMMs (all layers and the LM head)")
     print(f"{'tokens':>6} " + " ".join(f"{kind:>9}" for kind in kinds) + "  kvserve vs F.linear, vs oneDNN")
     with torch.no_grad():

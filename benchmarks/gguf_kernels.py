@@ -7,8 +7,8 @@ of blocks it read.
     python benchmarks/gguf_kernels.py --baseline DIR   # also the kernels built from DIR (ggml_gemm.c, ggml_qdot.c
                                                        # and ggml_blocks.h of another revision, e.g. from
                                                        # `git show REV:kvserve/model/layers/csrc/ggml_gemm.c`)
-    python benchmarks/gguf_kernels.py --rows 16 --batched   # the exact kernel's product with no dense copy
-                                                            # (`--load-format mmap`: past 8 rows the strips kernel)
+    python benchmarks/gguf_kernels.py --rows 16 --batched   # each kernel's product with no dense copy
+                                                            # (`--load-format mmap`: the strips kernels)
 
 The weights come from memory, as in a step (a pass reads the whole file: Gemma 3 270M's 246 MB, SmolLM2's 98 MB).
 """
@@ -33,18 +33,18 @@ from kvserve.native import load_library
 
 
 def kernels(baseline: Path | None, batched: bool) -> dict[str, Callable[..., torch.Tensor]]:
-    """Each kind's product ``(x, weight, bias)``: the exact kernel (``batched``: as with no dense copy) and,
-    unless ``batched``, the int8-activation one; with ``baseline``, each again as built from that folder."""
-    exact = {"exact": GGMLGemm()}
+    """Each kind's product ``(x, weight, bias)``: the exact kernel and the int8-activation one (``batched``: as
+    with no dense copy); with ``baseline``, each again as built from that folder."""
+    kernels: dict[str, GGMLGemm | QDotGemm] = {"exact": GGMLGemm(), "int8": QDotGemm()}
     if baseline is not None:
-        exact["exact (baseline)"] = GGMLGemm(load_library(baseline / GGML_GEMM_SOURCE.name))
+        kernels["exact (baseline)"] = GGMLGemm(load_library(baseline / GGML_GEMM_SOURCE.name))
+        try:
+            kernels["int8 (baseline)"] = QDotGemm(load_library(baseline / GGML_QDOT_SOURCE.name))
+        except AttributeError:  # a revision before the int8 strips kernel
+            pass
     if batched:
-        return {f"{kind}, batched": kernel.batched for kind, kernel in exact.items()}
-    kinds: dict[str, Callable[..., torch.Tensor]] = {"exact": exact["exact"], "int8": QDotGemm()}
-    if baseline is not None:
-        kinds["exact (baseline)"] = exact["exact (baseline)"]
-        kinds["int8 (baseline)"] = QDotGemm(load_library(baseline / GGML_QDOT_SOURCE.name))
-    return kinds
+        return {f"{kind}, batched": kernel.batched for kind, kernel in kernels.items()}
+    return dict(kernels)
 
 
 def main() -> None:

@@ -77,7 +77,7 @@ def select_linear_method(
     weights elsewhere (on CUDA with a skinny Triton GEMM for decode steps, ``_plain_method``), or where the file is mapped (``weights="dense-mmap"``); in front of those, a GGUF's blocks
     kept (``"gguf"``, or "gguf-mmap") or every weight quantized at load (``"int8"``, ``"int4"``), as
     ``weight_format`` decided, multiplied by the block kernel's int8-activation path (``quantize_activations``,
-    where it builds) or its exact fp32 one. ``defer_dense``: kept blocks' prepacked dense copies are left for
+    where it builds: at every step size, no dense copy kept) or its exact fp32 one. ``defer_dense``: kept blocks' prepacked dense copies are left for
     ``deferred_layout.DeferredLayouts`` to lay out after start-up."""
     if weights == "fp8":
         return Fp8LinearMethod()
@@ -98,7 +98,8 @@ def select_linear_method(
     assert kernel is not None, "weight_format() said no block kernel was needed"
     gemm = (qdot_gemm() if quantize_activations else None) or kernel
     if weights in ("gguf", "gguf-mmap"):
-        return GGMLLinearMethod(kernel, dense, gemm, keep_dense=weights == "gguf",
+        # the int8-activation kernel's strips beat the dense copy at every step size (ggml_qdot.py): none is kept
+        return GGMLLinearMethod(kernel, dense, gemm, keep_dense=weights == "gguf" and gemm is kernel,
                                 defer_dense=defer_dense and isinstance(dense, CpuPrepackedLinearMethod))
     return WeightOnlyLinearMethod(kernel, dense, weights, gemm)
 

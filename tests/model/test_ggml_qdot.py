@@ -70,6 +70,33 @@ def test_the_kernel_equals_its_twin_and_stays_within_the_bound(kernel: QDotGemm,
     assert ((y - exact).abs() <= activation_error_bound(x, weight) + fp32).all()
 
 
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [0, 4, 5, 16, 17, 33, 70])
+def test_the_batched_product_equals_the_twin(kernel: QDotGemm, qtype: Q, rows: int) -> None:
+    """Past ``max_rows`` the int8 strips kernel: the same numerics (the twin's bound), 37 columns (a last strip
+    of a few on every build), whole and partial vectors of rows; into a column range of a wider output, nothing
+    written outside it."""
+    gen = torch.Generator().manual_seed(rows * 100 + int(qtype))
+    k = 512 if qtype in K_TYPES else 160
+    weight = random_weight(37, k, qtype, gen)
+    x = torch.randn(rows, k + 16, generator=gen)[:, 8 : 8 + k]
+    x[:, :32] *= 1e-3  # a block of small values next to large ones: codes of both signs and sizes
+    bias = torch.randn(37, generator=gen) if rows % 2 else None
+    wide = torch.full((rows, 45), float("nan"))
+    kernel.batched(x, weight, bias, out=wide[:, 3:40])
+    assert_equals_the_twin(wide[:, 3:40], x, weight, bias)
+    assert wide[:, :3].isnan().all() and wide[:, 40:].isnan().all()
+
+
+def test_the_batched_product_of_extreme_q8_0_bytes_does_not_overflow(kernel: QDotGemm) -> None:
+    """Q8_0's quants at -127 and 127 against codes of +-127 everywhere: the largest products each build's dot
+    adds (without VNNI, two of them in a saturating int16 unless the sign moves onto the codes)."""
+    w = torch.where(torch.arange(64) % 3 == 0, -1.0, 1.0).repeat(24, 1)
+    weight = blocks_of(w, Q.Q8_0)
+    x = torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0).repeat(20, 1) * torch.linspace(0.5, 2, 20).unsqueeze(1)
+    assert_equals_the_twin(kernel.batched(x, weight, None), x, weight, None)
+
+
 def assert_build_equals_the_twin(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(native.ISA_ENV_VAR, isa)
     build = QDotGemm(ctypes.CDLL(str(native.library_path(ggml_qdot.GGML_QDOT_SOURCE))))
@@ -79,6 +106,9 @@ def assert_build_equals_the_twin(isa: str, monkeypatch: pytest.MonkeyPatch) -> N
         for rows in (1, 4, 7):
             x = torch.randn(rows, 512, generator=gen)
             assert_equals_the_twin(build(x, weight, None), x, weight, None)
+        for rows in (5, 19):  # the int8 strips kernel
+            x = torch.randn(rows, 512, generator=gen)
+            assert_equals_the_twin(build.batched(x, weight, None), x, weight, None)
 
 
 @pytest.mark.parametrize("isa, flags", [

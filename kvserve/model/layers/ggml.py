@@ -97,6 +97,11 @@ class BlockGemm(Protocol):
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
                  out: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def batched(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The same product at any number of rows, where no dense layout is kept."""
+        ...
+
 
 class GGMLGemm:
     """The compiled exact kernel: ``x [M, K] @ W.T (+ bias)`` for W a ``GGMLTensor`` of a type in
@@ -208,7 +213,7 @@ class GGMLLinearMethod(AsLoadedLinearMethod):
     kernel reads (one tensor per run of a type in a packed layer), multiplied by ``gemm`` (default: ``kernel``,
     the exact one; or the int8-activation ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens.
     Larger steps: with ``keep_dense``, ``dense`` lays the weight out, dequantized by ``kernel``, and serves them
-    (fast, at 32 bits a weight held beside the blocks); without, ``kernel.batched`` multiplies the blocks themselves, which stay the only copy
+    (fast, at 32 bits a weight held beside the blocks); without, ``gemm.batched`` multiplies the blocks themselves, which stay the only copy
     and may be the file's own mapped pages, one tensor per projection (joining them would copy). ``dense``
     serves every step of a layer not kept in blocks. CPU in fp32 (``GGMLGemm``), or CUDA (``triton_ggml``'s
     kernel at any number of rows, no dense copy)."""
@@ -278,7 +283,7 @@ class GGMLLinearMethod(AsLoadedLinearMethod):
         if layer.ggml_parts is None or (self.keep_dense and num_rows > self.gemm.max_rows
                                         and layer.pending_dense is None):
             return self.dense.apply(layer, x)
-        multiply = self.gemm if num_rows <= self.gemm.max_rows else self.kernel.batched
+        multiply = self.gemm if num_rows <= self.gemm.max_rows else self.gemm.batched
         # mapped: a packed layer's projections where they were loaded
         return apply_by_parts(layer, layer.ggml_parts, x, multiply)
 

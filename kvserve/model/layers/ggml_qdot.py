@@ -82,12 +82,21 @@ class QDotGemm:
         """``library``: a build of ``GGML_QDOT_SOURCE`` (default: this process's, for its CPU)."""
         library = library or load_library(GGML_QDOT_SOURCE)
         self._gemm = KernelFunction(library.kvserve_ggml_qdot_gemm, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
+        self._strips = KernelFunction(library.kvserve_ggml_qdot_gemm_strips, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
         self._quantize = KernelFunction(library.kvserve_ggml_quantize_rows,
                                         [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_int] * 2)
 
     def __call__(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         return call_block_kernel(self._gemm, "ggml int8 GEMM", GGML_QDOT_RANGE, x, weight, bias, out)
+
+    def batched(self, x: torch.Tensor, weight: GGMLTensor, bias: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The product for a step of any number of rows: these column tiles up to ``max_rows`` rows, then the
+        int8 strips kernel (each weight decoded once a call), the same numerics."""
+        if x.shape[0] <= self.max_rows:
+            return self(x, weight, bias, out)
+        return call_block_kernel(self._strips, "ggml int8 strips GEMM", GGML_QDOT_RANGE, x, weight, bias, out)
 
     def quantize_activations(self, x: torch.Tensor) -> QuantizedActivations:
         """The kernel's own quantization of x [m, k] (fp32, k a multiple of 32), for tests against the twin."""

@@ -68,7 +68,10 @@ static void quantize_row(const float *x, int k, int8_t *q, float *dx, float *sx)
     for (int g = 0; g < k / GROUP; g++) {
         const float *xg = x + g * GROUP;
         float amax = 0.0f;
-        for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        for (int j = 0; j < GROUP; j++) { /* as fmaxf (a NaN ignored), which gcc calls out of line */
+            const float a = fabsf(xg[j]);
+            amax = a > amax ? a : amax;
+        }
         const float d = amax / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
         int sum = 0;
         for (int j = 0; j < GROUP; j++) {
@@ -312,4 +315,274 @@ int kvserve_ggml_qdot_gemm(float *y, int64_t y_stride, const float *x, int64_t x
     }
     free(q);
     return 0;
+}
+
+/* Steps of more rows: the int8 strips kernel, the same numerics as the column tiles above (d * dx * (qw . qx) +
+ * offset * sx per group, with the same codes), laid out as ggml_gemm.c's strips kernel is. QSTRIP weight rows at
+ * a time are decoded into a strip of unsigned bytes, once per call; the rows of x go across the lanes, QV rows a
+ * vector, each lane 4 consecutive codes of its row (the codes transposed once per call), and each 4 weight bytes
+ * are broadcast to every lane: one dpbusd (VNNI) adds 4 products to each of QV rows' sums, where the exact
+ * kernel's FMA adds one. Each unit of values sharing a scale (32; Q6_K's runs of 16) ends in an integer sum per
+ * row and weight row, which is converted and scaled into a float sum once.
+ *
+ * Unsigned weight bytes: the nibble types' quants are (offset carries the centres of Q4_0 and Q5_0); Q6_K's
+ * quants (-32 .. 31) and Q8_0's (-128 .. 127, with VNNI) are stored plus a shift (32, 128), and shift * (sum of
+ * the unit's codes) comes off the integer sum, which stays exact. Without VNNI, maddubs adds two products in
+ * int16 saturating: a shifted Q8_0 byte (up to 255) times a code (up to 127) twice overflows, so Q8_0 keeps its
+ * sign there and moves it onto the codes (sign_epi8), as the column tiles do. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QV 16     /* rows of x a vector */
+#define QSTRIP 8  /* 8 integer + 8 float sums + the codes' vector and the unit's scales, of 32 registers */
+#elif defined(__AVX2__)
+#define QV 8
+#define QSTRIP 4  /* 4 + 4 sums + the codes, a broadcast and the constants, of 16 registers */
+#else
+#define QV 8
+#define QSTRIP 4
+#endif
+
+typedef int32_t qi __attribute__((vector_size(QV * sizeof(int32_t))));
+typedef float qf __attribute__((vector_size(QV * sizeof(float))));
+
+#if (defined(__AVX512F__) && defined(__AVX512VNNI__)) || (!defined(__AVX512F__) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))))
+#define HAS_VNNI 1
+#else
+#define HAS_VNNI 0
+#endif
+/* Q8_0's bytes: shifted to unsigned where the dot product cannot overflow (VNNI), else signed (see above). */
+#define Q8_0_SHIFT (HAS_VNNI ? 128 : 0)
+
+static inline int unit_of(int type) { return type == Q6_K ? 16 : GROUP; }
+static inline int shift_of(int type) { return type == Q6_K ? 32 : type == Q8_0 ? Q8_0_SHIFT : 0; }
+
+/* acc + in each lane the sum of the 4 products of w's bytes (unsigned; Q8_0 without VNNI: signed) with the
+ * lane's 4 codes. */
+static inline __attribute__((always_inline)) qi dot4(const int type, qi acc, int32_t w, qi x) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if HAS_VNNI
+    (void)type;
+    return (qi)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(w), (__m512i)x);
+#else
+    __m512i wv = _mm512_set1_epi32(w), xv = (__m512i)x;
+    if (type == Q8_0) { /* |w| onto unsigned bytes, its sign onto the codes (AVX-512 has no sign_epi8) */
+        xv = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);
+        wv = _mm512_abs_epi8(wv);
+    }
+    return acc + (qi)_mm512_madd_epi16(_mm512_maddubs_epi16(wv, xv), _mm512_set1_epi16(1));
+#endif
+#elif defined(__AVX2__)
+#if HAS_VNNI
+    (void)type;
+#if defined(__AVXVNNI__)
+    return (qi)_mm256_dpbusd_avx_epi32((__m256i)acc, _mm256_set1_epi32(w), (__m256i)x);
+#else
+    return (qi)_mm256_dpbusd_epi32((__m256i)acc, _mm256_set1_epi32(w), (__m256i)x);
+#endif
+#else
+    __m256i wv = _mm256_set1_epi32(w), xv = (__m256i)x;
+    if (type == Q8_0) xv = _mm256_sign_epi8(xv, wv), wv = _mm256_abs_epi8(wv);
+    return acc + (qi)_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
+#endif
+#else
+    for (int l = 0; l < QV; l++)
+        for (int b = 0; b < 4; b++) {
+            const int byte = (w >> 8 * b) & 0xff, weight = type == Q8_0 && !HAS_VNNI ? (int8_t)byte : byte;
+            acc[l] += weight * (int8_t)(x[l] >> 8 * b);
+        }
+    return acc;
+#endif
+}
+
+/* Group g of a block as 32 bytes in k order, as the strips hold them: unsigned, shifted by shift_of(type). */
+static inline __attribute__((always_inline)) void strip_bytes(const int type, const uint8_t *block, int g,
+                                                              uint8_t out[GROUP]) {
+    const uint8_t shift = (uint8_t)shift_of(type);
+#if defined(__AVX2__)
+    int is_signed;
+    __m256i q = group_vector(type, block, g, &is_signed);
+    if (shift) q = _mm256_add_epi8(q, _mm256_set1_epi8((char)shift));
+    memcpy(out, &q, GROUP);
+#else
+    bytes16 half[2];
+    group_bytes(type, block, g, half);
+    half[0] += shift, half[1] += shift;
+    memcpy(out, half, GROUP);
+#endif
+}
+
+/* x quantized for the strips: per tile of QV rows, its codes [k / 4][QV] (4 codes a lane), dx and sx [k / GROUP]
+ * [QV], and each unit's sum of codes times the shift [k / unit][QV] (rows past m: zeros). */
+typedef struct {
+    qi *codes, *shifted_sums;
+    qf *dx, *sx;
+    int tiles, k;
+} TiledCodes;
+
+/* Tile `tile` of x [m, k] (rows x_stride apart): its rows quantized (codes [QV, k] and dx, sx [QV, k / GROUP] of
+ * scratch), then laid out in t. */
+static void tile_codes(TiledCodes *t, int tile, const float *x, int64_t x_stride, int m, int type, int8_t *q,
+                       float *dx, float *sx) {
+    const int k = t->k, unit = unit_of(type), shift = shift_of(type), num_groups = k / GROUP;
+    const int rows = m - tile * QV < QV ? m - tile * QV : QV;
+    memset(q, 0, (size_t)QV * k), memset(dx, 0, (size_t)QV * num_groups * sizeof(float));
+    memset(sx, 0, (size_t)QV * num_groups * sizeof(float));
+    kvserve_ggml_quantize_rows(q, dx, sx, x + (int64_t)tile * QV * x_stride, x_stride, rows, k);
+    qi *codes = t->codes + (size_t)tile * (k / 4), *sums = t->shifted_sums + (size_t)tile * (k / unit);
+    qf *tile_dx = t->dx + (size_t)tile * num_groups, *tile_sx = t->sx + (size_t)tile * num_groups;
+    for (int l = 0; l < QV; l++) {
+        for (int kq = 0; kq < k / 4; kq++) memcpy((int32_t *)&codes[kq] + l, q + (int64_t)l * k + 4 * kq, 4);
+        for (int u = 0; u < k / unit; u++) {
+            int sum = 0;
+            for (int j = 0; j < unit; j++) sum += q[(int64_t)l * k + u * unit + j];
+            sums[u][l] = shift * sum;
+        }
+        for (int g = 0; g < num_groups; g++) tile_dx[g][l] = dx[l * num_groups + g], tile_sx[g][l] = sx[l * num_groups + g];
+    }
+}
+
+/* A strip of QSTRIP weight rows: per unit its bytes [QSTRIP][unit] and scales and offsets [QSTRIP]. */
+typedef struct {
+    uint8_t *bytes;
+    float *scale, *offset;
+} QStrip;
+
+/* Weight rows c0 .. c0 + cols - 1 into the strip (rows past cols keep what they held: never stored). */
+static inline __attribute__((always_inline)) void decode_strip(const int type, const uint8_t *weight,
+                                                               int64_t row_bytes, int c0, int cols, int k,
+                                                               QStrip *s) {
+    const int groups = block_groups(type), unit = unit_of(type), units_per_group = GROUP / unit;
+    for (int j = 0; j < cols; j++)
+        for (int b = 0; b < k / (GROUP * groups); b++) {
+            const uint8_t *block = weight + (int64_t)(c0 + j) * row_bytes + (int64_t)b * block_bytes_of(type);
+            float d[SUPER_GROUPS], offset[SUPER_GROUPS];
+            block_scales(type, block, d, offset);
+            for (int g = 0; g < groups; g++) {
+                uint8_t bytes[GROUP];
+                strip_bytes(type, block, g, bytes);
+                for (int h = 0; h < units_per_group; h++) {
+                    const int u = (b * groups + g) * units_per_group + h;
+                    memcpy(s->bytes + ((int64_t)u * QSTRIP + j) * unit, bytes + h * unit, unit);
+                    s->scale[u * QSTRIP + j] = type == Q6_K ? d[g] * (float)group_scales16(block, g)[h] : d[g];
+                    s->offset[u * QSTRIP + j] = offset[g];
+                }
+            }
+        }
+}
+
+/* y's columns c0 .. c0 + cols - 1 for tile `tile` of x (num_rows real rows) against a decoded strip, asking for
+ * num_lines cache lines from `ahead` on the way (a few per unit: a burst of prefetches is dropped). */
+static inline __attribute__((always_inline)) void qstrip_tile(const int type, const TiledCodes *x, int tile,
+                                                              int num_rows, const QStrip *s, int cols,
+                                                              const float *bias, float *y, int64_t y_stride,
+                                                              const uint8_t *ahead, int num_lines) {
+    const int k = x->k, unit = unit_of(type), num_groups = k / GROUP;
+    const int has_offset = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q5_K;
+    const qi *codes = x->codes + (size_t)tile * (k / 4), *shifted = x->shifted_sums + (size_t)tile * (k / unit);
+    const qf *dx = x->dx + (size_t)tile * num_groups, *sx = x->sx + (size_t)tile * num_groups;
+    qf sum[QSTRIP];
+#pragma GCC unroll 16
+    for (int j = 0; j < QSTRIP; j++) sum[j] = (qf){0};
+    const int units = k / unit;
+    int owed = 0; /* lines, in units of 1 / units */
+    for (int u = 0; u < units; u++) {
+        for (owed += num_lines; owed >= units; owed -= units, ahead += 64) __builtin_prefetch(ahead, 0, 3);
+        const uint8_t *bytes = s->bytes + (int64_t)u * QSTRIP * unit;
+        qi acc[QSTRIP];
+#pragma GCC unroll 16
+        for (int j = 0; j < QSTRIP; j++) acc[j] = (qi){0};
+#pragma GCC unroll 8
+        for (int kq = 0; kq < unit / 4; kq++) {
+            const qi xv = codes[u * (unit / 4) + kq];
+#pragma GCC unroll 16
+            for (int j = 0; j < QSTRIP; j++) {
+                int32_t w;
+                memcpy(&w, bytes + j * unit + 4 * kq, 4);
+                acc[j] = dot4(type, acc[j], w, xv);
+            }
+        }
+        const qf dxu = dx[u * unit / GROUP];
+#pragma GCC unroll 16
+        for (int j = 0; j < QSTRIP; j++) {
+            const qi exact = shift_of(type) ? acc[j] - shifted[u] : acc[j];
+            sum[j] += __builtin_convertvector(exact, qf) * (dxu * s->scale[u * QSTRIP + j]);
+            if (has_offset && unit == GROUP) sum[j] += sx[u] * s->offset[u * QSTRIP + j];
+        }
+    }
+    for (int j = 0; j < cols; j++)
+        for (int l = 0; l < num_rows; l++) y[(int64_t)l * y_stride + j] = sum[j][l] + (bias ? bias[j] : 0.0f);
+}
+
+/* A thread's strips (QSTRIP columns each) from c0 to c1, every tile of x (the type a constant). */
+static inline __attribute__((always_inline)) void qstrips(const int type, const TiledCodes *x, int m,
+                                                          const uint8_t *weight, int64_t row_bytes,
+                                                          const float *bias, float *y, int64_t y_stride, int n,
+                                                          int c0, int c1, QStrip *s) {
+    for (int c = c0; c < c1; c += QSTRIP) {
+        const int cols = n - c < QSTRIP ? n - c : QSTRIP;
+        decode_strip(type, weight, row_bytes, c, cols, x->k, s);
+        /* the next strip's blocks, asked for while the first tile works: unasked, its decoding waits for them */
+        const int next_cols = c1 - c - QSTRIP < QSTRIP ? c1 - c - QSTRIP : QSTRIP;
+        const int num_lines = next_cols > 0 ? (int)((next_cols * row_bytes + 63) / 64) : 0;
+        for (int tile = 0; tile < x->tiles; tile++)
+            qstrip_tile(type, x, tile, m - tile * QV < QV ? m - tile * QV : QV, s, cols, bias ? bias + c : NULL,
+                        y + (int64_t)tile * QV * y_stride + c, y_stride, weight + (int64_t)(c + QSTRIP) * row_bytes,
+                        tile == 0 ? num_lines : 0);
+    }
+}
+
+static void qstrips_of(int type, const TiledCodes *x, int m, const uint8_t *weight, int64_t row_bytes,
+                       const float *bias, float *y, int64_t y_stride, int n, int c0, int c1, QStrip *s) {
+    switch (type) {
+#define TYPE(t)                                                                                                   \
+    case t: qstrips(t, x, m, weight, row_bytes, bias, y, y_stride, n, c0, c1, s); break;
+        TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
+#undef TYPE
+    }
+}
+
+/* kvserve_ggml_qdot_gemm()'s product by the int8 strips kernel, for steps of more rows: the threads quantize x a
+ * tile of rows each in turn, then take their runs of strips. */
+int kvserve_ggml_qdot_gemm_strips(float *y, int64_t y_stride, const float *x, int64_t x_stride,
+                                  const uint8_t *weight, int64_t row_bytes, int type, const float *bias, int m,
+                                  int n, int k, int num_threads) {
+    if (row_bytes_of(type, k) == 0 || row_bytes < row_bytes_of(type, k)) return -1;
+    const int unit = unit_of(type), num_groups = k / GROUP, tiles = (m + QV - 1) / QV;
+    const size_t per_tile = (size_t)k / 4 + (size_t)k / unit; /* vectors of codes and of shifted sums */
+    TiledCodes tiled = {aligned_alloc(64, ((size_t)tiles * per_tile * sizeof(qi) + 63) / 64 * 64), NULL,
+                        aligned_alloc(64, ((size_t)tiles * 2 * num_groups * sizeof(qf) + 63) / 64 * 64), NULL, tiles, k};
+    int failed = !tiled.codes || !tiled.dx;
+    if (!failed) {
+        tiled.shifted_sums = tiled.codes + (size_t)tiles * (k / 4);
+        tiled.sx = tiled.dx + (size_t)tiles * num_groups;
+        const int num_strips = (n + QSTRIP - 1) / QSTRIP;
+#pragma omp parallel num_threads(num_threads)
+        {
+            const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+            /* scratch: a tile's codes, dx and sx, then the strip's bytes, scales and offsets */
+            const size_t tile_bytes = (size_t)QV * k + 2 * (size_t)QV * num_groups * sizeof(float);
+            const size_t strip_bytes = (size_t)QSTRIP * k + 2 * (size_t)QSTRIP * (k / unit) * sizeof(float);
+            uint8_t *scratch = calloc(1, tile_bytes > strip_bytes ? tile_bytes : strip_bytes);
+            if (scratch)
+                for (int tile = t; tile < tiles; tile += threads) {
+                    float *dx = (float *)(scratch + (size_t)QV * k);
+                    tile_codes(&tiled, tile, x, x_stride, m, type, (int8_t *)scratch, dx, dx + (size_t)QV * num_groups);
+                }
+#pragma omp barrier
+            if (scratch) {
+                memset(scratch, 0, strip_bytes);
+                float *scale = (float *)(scratch + (size_t)QSTRIP * k);
+                QStrip s = {scratch, scale, scale + (size_t)QSTRIP * (k / unit)};
+                qstrips_of(type, &tiled, m, weight, row_bytes, bias, y, y_stride, n,
+                           (int)((int64_t)num_strips * t / threads) * QSTRIP,
+                           (int)((int64_t)num_strips * (t + 1) / threads) * QSTRIP, &s);
+            } else {
+#pragma omp atomic write
+                failed = 1;
+            }
+            free(scratch);
+        }
+    }
+    free(tiled.codes);
+    free(tiled.dx);
+    return failed ? -1 : 0;
 }
