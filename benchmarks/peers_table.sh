@@ -10,6 +10,7 @@
 #                                                                           # prefix cache off (issue 9)
 #   SYSTEMS="kvserve-q8act llamacpp-q4_1" LOADS=c1 ...   # kvserve-q8act: int8 activations (issue 22)
 #   SYSTEMS="kvserve-mmap kvserve-f32" LOADS=c16 ...     # kvserve-mmap: --load-format mmap (issue 22)
+#   SYSTEMS="kvserve-mmap-q8act kvserve-f32" LOADS=c16 ...  # both: the file's blocks alone, int8 activations
 #   SYSTEMS="kvserve llamacpp-q4_1 llamacpp-q4_1-repack" LOADS=c1 ...  # llama.cpp with its repacking on too
 #   MODEL=gemma-3-270m SYSTEMS="kvserve kvserve-mmap llamacpp-q4_1" ...  # llamacpp-q4_1 serves the model's shipped
 #                                                                       # file: Gemma 3's is Q4_K_M
@@ -47,6 +48,7 @@ server_command() {
     # the default form keeps the GGUF's Q4_1 / Q8_0 blocks for single-stream steps; fp32 weights throughout:
     kvserve-f32) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantization none ;;
     kvserve-mmap) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap ;;
+    kvserve-mmap-q8act) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap --quantize-activations ;;
     # its Q4_1 weight repacking segfaults while loading on a Sapphire Rapids Xeon (AMX): repacking off
     llamacpp-q4_1) echo "$LLAMA_SERVER" -m "$Q4_GGUF" "${llama[@]}" --no-repack ;;
     # llama.cpp's own default: its quantized weights repacked for the CPU's kernels at load, where it can

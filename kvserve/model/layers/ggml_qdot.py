@@ -4,8 +4,10 @@ codes with an fp32 scale (llama.cpp's Q8 activations), then integer dot products
 This changes the numerics on purpose, as llama.cpp does: the result is exactly that of x's quantized values
 (``quantize_activations``, the twin, equal bit for bit to the kernel's quantization) times the dequantized
 weight, up to the order of fp32 sums; each value of x moves by at most half its block's scale, so ``y`` moves
-from the exact kernel's by at most ``activation_error_bound``. ``ggml.GGMLGemm`` stays the exact path
-(``--no-quantize-activations``). On the default model: tests/engine/test_real_models.py states the bound.
+from the exact kernel's by at most ``activation_error_bound``. Steps of any size run on the blocks (the column
+tiles to ``QDOT_MAX_ROWS`` rows, then the int8 strips kernel, faster than a dense fp32 copy), so none is kept.
+``ggml.GGMLGemm`` stays the exact path (``--no-quantize-activations``). On the default model:
+tests/engine/test_real_models.py states the bound.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ logger = logging.getLogger(__name__)
 GGML_QDOT_SOURCE = Path(__file__).parent / "csrc" / "ggml_qdot.c"
 GGML_QDOT_RANGE = "kvserve::ggml_qdot"  # the kernel's name in torch.profiler traces
 ACTIVATION_BLOCK = 32  # values of x per int8 block (one scale)
-# as the exact kernel's GGML_MAX_ROWS: one step's GEMMs of SmolLM2 (2 threads, Emerald Rapids) at 4 rows 14.7 ms
-# against the dense panels' 21.9 (forced AVX2 16.1 against 22.4), 5 rows 25.6 against 23.7 (AVX2). Session 8 on
-# Zen 2 (1 thread, before this kernel's rewrite) had the crossover at 4 rows (91.3 ms against 62-65)
+# the column tiles up to 4 rows, then the int8 strips kernel (``batched``), which beats the dense panels at every
+# larger step, so that ``--quantize-activations`` keeps no dense copy: one step's GEMMs of SmolLM2 (2 threads,
+# Zen 5) at 4 rows 8.0 ms against the strips' 8.3, at 5 rows 10.1 against 8.3 (forced AVX2: the same crossover);
+# the strips against the dense panels in csrc/ggml_qdot.c
 QDOT_MAX_ROWS = 4
 
 
@@ -73,7 +76,8 @@ def activation_error_bound(x: torch.Tensor, weight: GGMLTensor) -> torch.Tensor:
 
 class QDotGemm:
     """The compiled kernel: ``x [M, K] @ W.T (+ bias)`` with x quantized to int8 blocks, for W a ``GGMLTensor``
-    of a type in ``KERNEL_TYPES``; serves steps of up to ``max_rows`` rows for ``GGMLLinearMethod``."""
+    of a type in ``KERNEL_TYPES``; serves ``GGMLLinearMethod``'s steps of up to ``max_rows`` rows, and through
+    ``batched`` (the int8 strips kernel) every larger one."""
 
     max_rows = QDOT_MAX_ROWS
     types = KERNEL_TYPES

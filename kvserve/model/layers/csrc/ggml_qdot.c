@@ -329,7 +329,14 @@ int kvserve_ggml_qdot_gemm(float *y, int64_t y_stride, const float *x, int64_t x
  * quants (-32 .. 31) and Q8_0's (-128 .. 127, with VNNI) are stored plus a shift (32, 128), and shift * (sum of
  * the unit's codes) comes off the integer sum, which stays exact. Without VNNI, maddubs adds two products in
  * int16 saturating: a shifted Q8_0 byte (up to 255) times a code (up to 127) twice overflows, so Q8_0 keeps its
- * sign there and moves it onto the codes (sign_epi8), as the column tiles do. */
+ * sign there and moves it onto the codes (sign_epi8), as the column tiles do.
+ *
+ * Measured (AMD Zen 5, 2 threads, one step's GEMMs of SmolLM2 on its own Q4_1 / Q8_0 blocks, benchmarks/cpu_gemm.py's
+ * `int8` column against `panels`, the dense fp32 copy, and `mapped`, the exact strips): 16 rows 8.1 ms against
+ * 10.4 and 17.3; 64 rows 19.5 against 35.5 and 50.0; 256 rows 81.5 against 145.5 and 176.7. Forced to AVX2
+ * (maddubs, no VNNI): 14.8 / 20.3 / 21.8, 51.8 / 68.0 / 72.3, 211.7 / 279.4 / 297.8. The column tiles stay faster
+ * to 4 rows (4 rows: 8.0 ms against 8.3; 5 rows: 10.1 against 8.3; the same crossover forced to AVX2), so
+ * QDOT_MAX_ROWS (ggml_qdot.py) still hands them the steps of up to 4 rows. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define QV 16     /* rows of x a vector */
 #define QSTRIP 8  /* 8 integer + 8 float sums + the codes' vector and the unit's scales, of 32 registers */
@@ -446,11 +453,16 @@ typedef struct {
     float *scale, *offset;
 } QStrip;
 
+static inline int has_offset(int type) { return type != Q8_0 && type != Q6_K; }
+
 /* Weight rows c0 .. c0 + cols - 1 into the strip (rows past cols keep what they held: never stored). */
 static inline __attribute__((always_inline)) void decode_strip(const int type, const uint8_t *weight,
                                                                int64_t row_bytes, int c0, int cols, int k,
-                                                               QStrip *s) {
+                                                               const QStrip *s) {
     const int groups = block_groups(type), unit = unit_of(type), units_per_group = GROUP / unit;
+    /* the strip's pointers in registers: a store through a byte pointer might otherwise change them */
+    uint8_t *const strip = s->bytes;
+    float *const scales = s->scale, *const offsets = s->offset;
     for (int j = 0; j < cols; j++)
         for (int b = 0; b < k / (GROUP * groups); b++) {
             const uint8_t *block = weight + (int64_t)(c0 + j) * row_bytes + (int64_t)b * block_bytes_of(type);
@@ -461,9 +473,9 @@ static inline __attribute__((always_inline)) void decode_strip(const int type, c
                 strip_bytes(type, block, g, bytes);
                 for (int h = 0; h < units_per_group; h++) {
                     const int u = (b * groups + g) * units_per_group + h;
-                    memcpy(s->bytes + ((int64_t)u * QSTRIP + j) * unit, bytes + h * unit, unit);
-                    s->scale[u * QSTRIP + j] = type == Q6_K ? d[g] * (float)group_scales16(block, g)[h] : d[g];
-                    s->offset[u * QSTRIP + j] = offset[g];
+                    memcpy(strip + ((int64_t)u * QSTRIP + j) * unit, bytes + h * unit, unit);
+                    scales[u * QSTRIP + j] = type == Q6_K ? d[g] * (float)group_scales16(block, g)[h] : d[g];
+                    if (has_offset(type)) offsets[u * QSTRIP + j] = offset[g];
                 }
             }
         }
@@ -476,7 +488,6 @@ static inline __attribute__((always_inline)) void qstrip_tile(const int type, co
                                                               const float *bias, float *y, int64_t y_stride,
                                                               const uint8_t *ahead, int num_lines) {
     const int k = x->k, unit = unit_of(type), num_groups = k / GROUP;
-    const int has_offset = type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q4_K || type == Q5_K;
     const qi *codes = x->codes + (size_t)tile * (k / 4), *shifted = x->shifted_sums + (size_t)tile * (k / unit);
     const qf *dx = x->dx + (size_t)tile * num_groups, *sx = x->sx + (size_t)tile * num_groups;
     qf sum[QSTRIP];
@@ -505,36 +516,50 @@ static inline __attribute__((always_inline)) void qstrip_tile(const int type, co
         for (int j = 0; j < QSTRIP; j++) {
             const qi exact = shift_of(type) ? acc[j] - shifted[u] : acc[j];
             sum[j] += __builtin_convertvector(exact, qf) * (dxu * s->scale[u * QSTRIP + j]);
-            if (has_offset && unit == GROUP) sum[j] += sx[u] * s->offset[u * QSTRIP + j];
+            if (has_offset(type)) sum[j] += sx[u] * s->offset[u * QSTRIP + j];
         }
     }
     for (int j = 0; j < cols; j++)
         for (int l = 0; l < num_rows; l++) y[(int64_t)l * y_stride + j] = sum[j][l] + (bias ? bias[j] : 0.0f);
 }
 
-/* A thread's strips (QSTRIP columns each) from c0 to c1, every tile of x (the type a constant). */
+/* Columns a thread's strips gather in a buffer before they go to y, a run of each row at a time, and the
+ * buffer's row stride (not a power of two). Straight to y, a tile's outputs are short runs in rows of y that are
+ * often a multiple of 4 KiB apart (gate and up: 3,072 columns), all in one set of the L1 cache (ggml_gemm.c's
+ * strips kernel measured the same): 3,072 x 576 at 64 rows, in cache, 320 -> 235 us. */
+#define QBUFFERED (16 * QSTRIP)
+#define QBUFFER_STRIDE (QBUFFERED + 8)
+
+/* A thread's strips (QSTRIP columns each) from c0 to c1, every tile of x (the type a constant), through out
+ * [m, QBUFFER_STRIDE]. */
 static inline __attribute__((always_inline)) void qstrips(const int type, const TiledCodes *x, int m,
                                                           const uint8_t *weight, int64_t row_bytes,
                                                           const float *bias, float *y, int64_t y_stride, int n,
-                                                          int c0, int c1, QStrip *s) {
-    for (int c = c0; c < c1; c += QSTRIP) {
-        const int cols = n - c < QSTRIP ? n - c : QSTRIP;
-        decode_strip(type, weight, row_bytes, c, cols, x->k, s);
-        /* the next strip's blocks, asked for while the first tile works: unasked, its decoding waits for them */
-        const int next_cols = c1 - c - QSTRIP < QSTRIP ? c1 - c - QSTRIP : QSTRIP;
-        const int num_lines = next_cols > 0 ? (int)((next_cols * row_bytes + 63) / 64) : 0;
-        for (int tile = 0; tile < x->tiles; tile++)
-            qstrip_tile(type, x, tile, m - tile * QV < QV ? m - tile * QV : QV, s, cols, bias ? bias + c : NULL,
-                        y + (int64_t)tile * QV * y_stride + c, y_stride, weight + (int64_t)(c + QSTRIP) * row_bytes,
-                        tile == 0 ? num_lines : 0);
+                                                          int c0, int c1, QStrip *s, float *out) {
+    const int end = c1 < n ? c1 : n;
+    for (int first = c0; first < end; first += QBUFFERED) {
+        const int buffered = end - first < QBUFFERED ? end - first : QBUFFERED;
+        for (int c = first; c < first + buffered; c += QSTRIP) {
+            const int cols = end - c < QSTRIP ? end - c : QSTRIP;
+            decode_strip(type, weight, row_bytes, c, cols, x->k, s);
+            /* the next strip's blocks, asked for while the first tile works: unasked, its decoding waits */
+            const int next_cols = end - c - QSTRIP < QSTRIP ? end - c - QSTRIP : QSTRIP;
+            const int num_lines = next_cols > 0 ? (int)((next_cols * row_bytes + 63) / 64) : 0;
+            for (int tile = 0; tile < x->tiles; tile++)
+                qstrip_tile(type, x, tile, m - tile * QV < QV ? m - tile * QV : QV, s, cols, bias ? bias + c : NULL,
+                            out + (int64_t)tile * QV * QBUFFER_STRIDE + (c - first), QBUFFER_STRIDE,
+                            weight + (int64_t)(c + QSTRIP) * row_bytes, tile == 0 ? num_lines : 0);
+        }
+        for (int r = 0; r < m; r++)
+            memcpy(y + (int64_t)r * y_stride + first, out + (int64_t)r * QBUFFER_STRIDE, buffered * sizeof(float));
     }
 }
 
 static void qstrips_of(int type, const TiledCodes *x, int m, const uint8_t *weight, int64_t row_bytes,
-                       const float *bias, float *y, int64_t y_stride, int n, int c0, int c1, QStrip *s) {
+                       const float *bias, float *y, int64_t y_stride, int n, int c0, int c1, QStrip *s, float *out) {
     switch (type) {
 #define TYPE(t)                                                                                                   \
-    case t: qstrips(t, x, m, weight, row_bytes, bias, y, y_stride, n, c0, c1, s); break;
+    case t: qstrips(t, x, m, weight, row_bytes, bias, y, y_stride, n, c0, c1, s, out); break;
         TYPE(Q4_0) TYPE(Q4_1) TYPE(Q5_0) TYPE(Q5_1) TYPE(Q8_0) TYPE(Q4_K) TYPE(Q5_K) TYPE(Q6_K)
 #undef TYPE
     }
@@ -562,24 +587,26 @@ int kvserve_ggml_qdot_gemm_strips(float *y, int64_t y_stride, const float *x, in
             const size_t tile_bytes = (size_t)QV * k + 2 * (size_t)QV * num_groups * sizeof(float);
             const size_t strip_bytes = (size_t)QSTRIP * k + 2 * (size_t)QSTRIP * (k / unit) * sizeof(float);
             uint8_t *scratch = calloc(1, tile_bytes > strip_bytes ? tile_bytes : strip_bytes);
+            float *out = malloc((size_t)tiles * QV * QBUFFER_STRIDE * sizeof(float));
             if (scratch)
                 for (int tile = t; tile < tiles; tile += threads) {
                     float *dx = (float *)(scratch + (size_t)QV * k);
                     tile_codes(&tiled, tile, x, x_stride, m, type, (int8_t *)scratch, dx, dx + (size_t)QV * num_groups);
                 }
 #pragma omp barrier
-            if (scratch) {
+            if (scratch && out) {
                 memset(scratch, 0, strip_bytes);
                 float *scale = (float *)(scratch + (size_t)QSTRIP * k);
                 QStrip s = {scratch, scale, scale + (size_t)QSTRIP * (k / unit)};
                 qstrips_of(type, &tiled, m, weight, row_bytes, bias, y, y_stride, n,
                            (int)((int64_t)num_strips * t / threads) * QSTRIP,
-                           (int)((int64_t)num_strips * (t + 1) / threads) * QSTRIP, &s);
+                           (int)((int64_t)num_strips * (t + 1) / threads) * QSTRIP, &s, out);
             } else {
 #pragma omp atomic write
                 failed = 1;
             }
             free(scratch);
+            free(out);
         }
     }
     free(tiled.codes);
