@@ -48,7 +48,8 @@ server_command() {
     # the default form keeps the GGUF's Q4_1 / Q8_0 blocks for single-stream steps; fp32 weights throughout:
     kvserve-f32) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --quantization none ;;
     kvserve-mmap) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap ;;
-    kvserve-mmap-q8act) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap --quantize-activations ;;
+    kvserve-mmap-q8act)
+      echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap --quantize-activations ;;
     # its Q4_1 weight repacking segfaults while loading on a Sapphire Rapids Xeon (AMX): repacking off
     llamacpp-q4_1) echo "$LLAMA_SERVER" -m "$Q4_GGUF" "${llama[@]}" --no-repack ;;
     # llama.cpp's own default: its quantized weights repacked for the CPU's kernels at load, where it can

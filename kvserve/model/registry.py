@@ -74,10 +74,11 @@ def select_linear_method(
     defer_dense: bool = False,
 ) -> LinearMethod:
     """Prepacked oneDNN weights (and small-GEMM panels where that kernel is tuned) for fp32 on CPU; the plain
-    weights elsewhere (on CUDA with a skinny Triton GEMM for decode steps, ``_plain_method``), or where the file is mapped (``weights="dense-mmap"``); in front of those, a GGUF's blocks
-    kept (``"gguf"``, or "gguf-mmap") or every weight quantized at load (``"int8"``, ``"int4"``), as
-    ``weight_format`` decided, multiplied by the block kernel's int8-activation path (``quantize_activations``,
-    where it builds: at every step size, no dense copy kept) or its exact fp32 one. ``defer_dense``: kept blocks' prepacked dense copies are left for
+    weights elsewhere (on CUDA with a skinny Triton GEMM for decode steps, ``_plain_method``), or where the file
+    is mapped (``weights="dense-mmap"``); in front of those, a GGUF's blocks kept (``"gguf"``, or "gguf-mmap") or
+    every weight quantized at load (``"int8"``, ``"int4"``), as ``weight_format`` decided, multiplied by the
+    block kernel's int8-activation path (``quantize_activations``, where it builds: at every step size, no dense
+    copy kept) or its exact fp32 one. ``defer_dense``: kept blocks' prepacked dense copies are left for
     ``deferred_layout.DeferredLayouts`` to lay out after start-up."""
     if weights == "fp8":
         return Fp8LinearMethod()

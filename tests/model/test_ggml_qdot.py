@@ -126,6 +126,21 @@ def test_each_isa_build_equals_the_twin(isa: str, flags: set[str], monkeypatch: 
     assert native.library_path(ggml_qdot.GGML_QDOT_SOURCE).exists()
 
 
+def test_without_a_dense_copy_the_linear_method_takes_the_int8_path_at_every_step(kernel: QDotGemm) -> None:
+    """As ``--quantize-activations`` loads a GGUF: no dense layout; steps past ``max_rows`` rows take the int8
+    strips kernel, the same numerics as the column tiles."""
+    gen = torch.Generator().manual_seed(6)
+    weight = blocks_of(torch.randn(48, 64, generator=gen), Q.Q4_1)
+    layer = Linear(64, 48, bias=False)
+    layer.bind(GGMLLinearMethod(ggml.GGMLGemm(), UnquantizedLinearMethod(), kernel, keep_dense=False), torch.float32)
+    layer.load_weight("weight", weight)
+    layer.process_weights_after_loading()
+    assert layer.weight.numel() == 0  # the blocks are the only copy
+    for rows in (1, kernel.max_rows, kernel.max_rows + 1, 40):
+        x = torch.randn(rows, 64, generator=gen)
+        assert_equals_the_twin(layer(x), x, weight, None)
+
+
 def test_the_linear_method_takes_the_int8_path_up_to_its_row_limit(kernel: QDotGemm) -> None:
     gen = torch.Generator().manual_seed(5)
     weight = blocks_of(torch.randn(48, 64, generator=gen), Q.Q4_1)
@@ -140,9 +155,10 @@ def test_the_linear_method_takes_the_int8_path_up_to_its_row_limit(kernel: QDotG
     torch.testing.assert_close(layer(x), x @ weight.dequantize().T)
 
 
-def test_the_kernel_refuses_what_it_cannot_read(kernel: QDotGemm) -> None:
+@pytest.mark.parametrize("rows", [2, 20])  # the column tiles, the int8 strips kernel
+def test_the_kernel_refuses_what_it_cannot_read(kernel: QDotGemm, rows: int) -> None:
     weight = blocks_of(torch.randn(8, 64), Q.Q8_0)
     with pytest.raises(ValueError, match="does not fit a Q8_0 weight"):
-        kernel(torch.randn(2, 32), weight, None)
+        kernel.batched(torch.randn(rows, 32), weight, None)
     with pytest.raises(ValueError, match="Q2_K"):
-        kernel(torch.randn(2, 64), GGMLTensor(weight.blocks, Q.Q2_K, weight.shape), None)
+        kernel.batched(torch.randn(rows, 64), GGMLTensor(weight.blocks, Q.Q2_K, weight.shape), None)

@@ -213,8 +213,9 @@ class GGMLLinearMethod(AsLoadedLinearMethod):
     kernel reads (one tensor per run of a type in a packed layer), multiplied by ``gemm`` (default: ``kernel``,
     the exact one; or the int8-activation ``ggml_qdot.QDotGemm``) for steps of up to its ``max_rows`` tokens.
     Larger steps: with ``keep_dense``, ``dense`` lays the weight out, dequantized by ``kernel``, and serves them
-    (fast, at 32 bits a weight held beside the blocks); without, ``gemm.batched`` multiplies the blocks themselves, which stay the only copy
-    and may be the file's own mapped pages, one tensor per projection (joining them would copy). ``dense``
+    (fast, at 32 bits a weight held beside the blocks); without, ``gemm.batched`` multiplies the blocks
+    themselves, which stay the only copy and may be the file's own mapped pages, one tensor per projection
+    (joining them would copy). ``dense``
     serves every step of a layer not kept in blocks. CPU in fp32 (``GGMLGemm``), or CUDA (``triton_ggml``'s
     kernel at any number of rows, no dense copy)."""
 

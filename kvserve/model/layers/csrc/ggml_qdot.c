@@ -351,7 +351,9 @@ int kvserve_ggml_qdot_gemm(float *y, int64_t y_stride, const float *x, int64_t x
 typedef int32_t qi __attribute__((vector_size(QV * sizeof(int32_t))));
 typedef float qf __attribute__((vector_size(QV * sizeof(float))));
 
-#if (defined(__AVX512F__) && defined(__AVX512VNNI__)) || (!defined(__AVX512F__) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))))
+/* a VNNI dot in this build's vector width: 512-bit with AVX-512 VNNI, 256-bit with AVX-VNNI or AVX-512 VL */
+#if (defined(__AVX512F__) && defined(__AVX512VNNI__)) ||                                                         \
+    (!defined(__AVX512F__) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))))
 #define HAS_VNNI 1
 #else
 #define HAS_VNNI 0
@@ -443,7 +445,8 @@ static void tile_codes(TiledCodes *t, int tile, const float *x, int64_t x_stride
             for (int j = 0; j < unit; j++) sum += q[(int64_t)l * k + u * unit + j];
             sums[u][l] = shift * sum;
         }
-        for (int g = 0; g < num_groups; g++) tile_dx[g][l] = dx[l * num_groups + g], tile_sx[g][l] = sx[l * num_groups + g];
+        for (int g = 0; g < num_groups; g++)
+            tile_dx[g][l] = dx[l * num_groups + g], tile_sx[g][l] = sx[l * num_groups + g];
     }
 }
 
@@ -574,7 +577,8 @@ int kvserve_ggml_qdot_gemm_strips(float *y, int64_t y_stride, const float *x, in
     const int unit = unit_of(type), num_groups = k / GROUP, tiles = (m + QV - 1) / QV;
     const size_t per_tile = (size_t)k / 4 + (size_t)k / unit; /* vectors of codes and of shifted sums */
     TiledCodes tiled = {aligned_alloc(64, ((size_t)tiles * per_tile * sizeof(qi) + 63) / 64 * 64), NULL,
-                        aligned_alloc(64, ((size_t)tiles * 2 * num_groups * sizeof(qf) + 63) / 64 * 64), NULL, tiles, k};
+                        aligned_alloc(64, ((size_t)tiles * 2 * num_groups * sizeof(qf) + 63) / 64 * 64), NULL,
+                        tiles, k};
     int failed = !tiled.codes || !tiled.dx;
     if (!failed) {
         tiled.shifted_sums = tiled.codes + (size_t)tiles * (k / 4);
