@@ -12,15 +12,18 @@ from torch.profiler import profile
 
 from kvserve.attention.cpu_paged import DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE
 from kvserve.model.layers.cpu_fused_ops import FUSED_OPS_RANGE
+from kvserve.model.layers.ggml import GGML_GEMM_RANGE
+from kvserve.model.layers.ggml_qdot import GGML_QDOT_RANGE
 from kvserve.model.layers.prepacked import SMALL_GEMM_RANGE
 
 OP_NAMESPACES = ("aten::", "mkldnn::")
 # kvserve's own C kernels, as record_function ranges; the fused elementwise ops count as "other ops"
-KERNEL_RANGES = (DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE, SMALL_GEMM_RANGE, FUSED_OPS_RANGE)
+KERNEL_RANGES = (DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE, SMALL_GEMM_RANGE, GGML_GEMM_RANGE, GGML_QDOT_RANGE,
+                 FUSED_OPS_RANGE)
 # Ops called from Python, grouped by name; ops nested inside them count toward their caller.
 OP_GROUPS = {
     "GEMMs": {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::baddbmm",
-              "mkldnn::_linear_pointwise", SMALL_GEMM_RANGE},
+              "mkldnn::_linear_pointwise", SMALL_GEMM_RANGE, GGML_GEMM_RANGE, GGML_QDOT_RANGE},
     "attention + KV": {"aten::scaled_dot_product_attention", "aten::index_select", "aten::index_copy_",
                        "aten::index_put_", "aten::gather", DECODE_KERNEL_RANGE, PREFILL_KERNEL_RANGE},
     "sampling": {"aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "aten::log_softmax",
