@@ -78,7 +78,7 @@ def format_profile(summary: dict[str, Any]) -> str:
     if not summary["num_profiled_steps"]:
         return f"kvserve ran {summary['num_steps']} steps, fewer than --profile-every: none was profiled"
     wall = summary["wall_s"]
-    lines = [f"kvserve step time: {summary['num_profiled_steps']} of {summary['num_steps']} steps profiled, "
-             f"{wall:.2f} s"]
+    lines = [f"kvserve step time: {summary['num_profiled_steps']} of {summary['num_steps']} steps profiled "
+             f"(eager), {wall:.2f} s"]
     lines += [f"  {group:<18}{s:>8.2f} s {s / wall:>5.0%}" for group, s in summary["groups_s"].items()]
     return "\n".join(lines)

@@ -11,8 +11,9 @@ Each system's figures are stated as ratios to the others' and as a share of the 
 ``multiturn`` runs turn by turn: every conversation's next message resends the whole history with the
 system's own previous answers in place of the scripted ones, so a turn starts when the previous turn of every
 conversation is done.
-``--profile`` reruns kvserve (a fresh engine, so the first run's prefix cache does not help it) with one
-engine step in ``--profile-every`` under ``torch.profiler``, and splits those steps' time by kind of op.
+``--profile`` reruns kvserve (a fresh engine, so the first run's prefix cache does not help it, and eager, so
+that its C kernels' ranges are recorded) with one engine step in ``--profile-every`` under ``torch.profiler``,
+and splits those steps' time by kind of op.
 ``--step-trace`` times kvserve's measured run step by step as each step's tokens come back, and splits the time
 by the steps' shapes (``step_trace``): on a GPU, where the profiler's CPU ops say little.
 """
@@ -309,8 +310,9 @@ def throughput_ratios(results: list[SystemResult]) -> dict[str, dict[str, float]
 def profile_kvserve(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     """The workload on a fresh engine with every ``args.profile_every``-th step under torch.profiler (CPU ops,
     no shapes), so both the prefill-heavy start and the decode-only tail are sampled while the trace stays
-    small enough to parse."""
-    llm = load_kvserve(args)
+    small enough to parse. Eager: a step graph replays the kernels' calls without their profiler ranges, and
+    its steps' time would all read as Python/framework overhead."""
+    llm = LLM(**{**dataclasses.asdict(EngineArgs.from_cli_args(args)), "enforce_eager": True})
     step_profile = StepProfile(args.profile_every)
     run_workload(profiled_generator(llm, step_profile), bench.requests, bench.chat)
     return step_profile.summary()
