@@ -364,34 +364,54 @@ typedef float qf __attribute__((vector_size(QV * sizeof(float))));
 static inline int unit_of(int type) { return type == Q6_K ? 16 : GROUP; }
 static inline int shift_of(int type) { return type == Q6_K ? 32 : type == Q8_0 ? Q8_0_SHIFT : 0; }
 
-/* acc + in each lane the sum of the 4 products of w's bytes (unsigned; Q8_0 without VNNI: signed) with the
- * lane's 4 codes. */
-static inline __attribute__((always_inline)) qi dot4(const int type, qi acc, int32_t w, qi x) {
+#if !HAS_VNNI && (defined(__AVX2__) || (defined(__AVX512F__) && defined(__AVX512BW__)))
+/* maddubs: the products of w's bytes with the lane's 4 codes summed in pairs, in int16. Several dwords' pair
+ * sums are added in int16 before one madd widens them (int16_run), where they cannot overflow: a pair is at most
+ * 2 * 31 * 127 for the nibble types (4 of them fit), 2 * 63 * 127 for shifted Q6_K (2), and 2 * 128 * 127 for
+ * Q8_0 with its sign on the codes (1). SmolLM2's file forced to AVX2 (gguf_kernels.py --batched, Zen 5): a madd
+ * per dword took 17.2 / 57.9 / 225.7 ms at 16 / 64 / 256 rows, one per run 14.2 / 44.3 / 175.5. */
+#define PAIRS_IN_INT16
+typedef int16_t qs __attribute__((vector_size(QV * sizeof(int32_t))));
+
+static inline int int16_run(int type) { return type == Q8_0 ? 1 : type == Q6_K ? 2 : 4; }
+
+static inline __attribute__((always_inline)) qs pair_sums(const int type, int32_t w, qi x) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#if HAS_VNNI
-    (void)type;
-    return (qi)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(w), (__m512i)x);
-#else
     __m512i wv = _mm512_set1_epi32(w), xv = (__m512i)x;
     if (type == Q8_0) { /* |w| onto unsigned bytes, its sign onto the codes (AVX-512 has no sign_epi8) */
         xv = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), _mm512_setzero_si512(), xv);
         wv = _mm512_abs_epi8(wv);
     }
-    return acc + (qi)_mm512_madd_epi16(_mm512_maddubs_epi16(wv, xv), _mm512_set1_epi16(1));
-#endif
-#elif defined(__AVX2__)
-#if HAS_VNNI
-    (void)type;
-#if defined(__AVXVNNI__)
-    return (qi)_mm256_dpbusd_avx_epi32((__m256i)acc, _mm256_set1_epi32(w), (__m256i)x);
-#else
-    return (qi)_mm256_dpbusd_epi32((__m256i)acc, _mm256_set1_epi32(w), (__m256i)x);
-#endif
+    return (qs)_mm512_maddubs_epi16(wv, xv);
 #else
     __m256i wv = _mm256_set1_epi32(w), xv = (__m256i)x;
     if (type == Q8_0) xv = _mm256_sign_epi8(xv, wv), wv = _mm256_abs_epi8(wv);
-    return acc + (qi)_mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
+    return (qs)_mm256_maddubs_epi16(wv, xv);
 #endif
+}
+
+static inline __attribute__((always_inline)) qi widened(qs pairs) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return (qi)_mm512_madd_epi16((__m512i)pairs, _mm512_set1_epi16(1));
+#else
+    return (qi)_mm256_madd_epi16((__m256i)pairs, _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+#if !defined(PAIRS_IN_INT16)
+/* acc + in each lane the sum of the 4 products of w's bytes (unsigned; Q8_0 without VNNI: signed) with the
+ * lane's 4 codes. */
+static inline __attribute__((always_inline)) qi dot4(const int type, qi acc, int32_t w, qi x) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    (void)type;
+    return (qi)_mm512_dpbusd_epi32((__m512i)acc, _mm512_set1_epi32(w), (__m512i)x);
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+    (void)type;
+    return (qi)_mm256_dpbusd_avx_epi32((__m256i)acc, _mm256_set1_epi32(w), (__m256i)x);
+#elif defined(__AVX2__)
+    (void)type;
+    return (qi)_mm256_dpbusd_epi32((__m256i)acc, _mm256_set1_epi32(w), (__m256i)x);
 #else
     for (int l = 0; l < QV; l++)
         for (int b = 0; b < 4; b++) {
@@ -400,6 +420,13 @@ static inline __attribute__((always_inline)) qi dot4(const int type, qi acc, int
         }
     return acc;
 #endif
+}
+#endif
+
+static inline int32_t dword(const uint8_t *p) {
+    int32_t four;
+    memcpy(&four, p, 4);
+    return four;
 }
 
 /* Group g of a block as 32 bytes in k order, as the strips hold them: unsigned, shifted by shift_of(type). */
@@ -504,16 +531,26 @@ static inline __attribute__((always_inline)) void qstrip_tile(const int type, co
         qi acc[QSTRIP];
 #pragma GCC unroll 16
         for (int j = 0; j < QSTRIP; j++) acc[j] = (qi){0};
-#pragma GCC unroll 8
-        for (int kq = 0; kq < unit / 4; kq++) {
-            const qi xv = codes[u * (unit / 4) + kq];
+#if defined(PAIRS_IN_INT16)
+        /* a column's run of pair sums at a time: runs of every column at once hold more registers than AVX2
+         * has (SmolLM2's file forced to AVX2: 16 rows 15.3 against 14.6 ms, 64 rows 51.9 against 45.2) */
+        for (int kq = 0; kq < unit / 4; kq += int16_run(type))
 #pragma GCC unroll 16
             for (int j = 0; j < QSTRIP; j++) {
-                int32_t w;
-                memcpy(&w, bytes + j * unit + 4 * kq, 4);
-                acc[j] = dot4(type, acc[j], w, xv);
+                qs pairs = (qs){0};
+#pragma GCC unroll 4
+                for (int r = kq; r < kq + int16_run(type); r++)
+                    pairs += pair_sums(type, dword(bytes + j * unit + 4 * r), codes[u * (unit / 4) + r]);
+                acc[j] += widened(pairs);
             }
-        }
+#else
+        /* each vector of codes taken by every column in turn: the columns' sums are independent chains */
+#pragma GCC unroll 8
+        for (int kq = 0; kq < unit / 4; kq++)
+#pragma GCC unroll 16
+            for (int j = 0; j < QSTRIP; j++)
+                acc[j] = dot4(type, acc[j], dword(bytes + j * unit + 4 * kq), codes[u * (unit / 4) + kq]);
+#endif
         const qf dxu = dx[u * unit / GROUP];
 #pragma GCC unroll 16
         for (int j = 0; j < QSTRIP; j++) {
