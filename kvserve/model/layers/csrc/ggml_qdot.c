@@ -334,7 +334,7 @@ int kvserve_ggml_qdot_gemm(float *y, int64_t y_stride, const float *x, int64_t x
  * Measured (AMD Zen 5, 2 threads, one step's GEMMs of SmolLM2 on its own Q4_1 / Q8_0 blocks, benchmarks/cpu_gemm.py's
  * `int8` column against `panels`, the dense fp32 copy, and `mapped`, the exact strips): 16 rows 8.1 ms against
  * 10.4 and 17.3; 64 rows 19.5 against 35.5 and 50.0; 256 rows 81.5 against 145.5 and 176.7. Forced to AVX2
- * (maddubs, no VNNI): 14.8 / 20.3 / 21.8, 51.8 / 68.0 / 72.3, 211.7 / 279.4 / 297.8. The column tiles stay faster
+ * (maddubs, no VNNI): 12.7 / 19.4 / 22.6, 45.5 / 68.4 / 76.6, 160.9 / 270.2 / 298.6. The column tiles stay faster
  * to 4 rows (4 rows: 8.0 ms against 8.3; 5 rows: 10.1 against 8.3; the same crossover forced to AVX2), so
  * QDOT_MAX_ROWS (ggml_qdot.py) still hands them the steps of up to 4 rows. */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
