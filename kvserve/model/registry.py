@@ -99,10 +99,11 @@ def select_linear_method(
     assert kernel is not None, "weight_format() said no block kernel was needed"
     gemm = (qdot_gemm() if quantize_activations else None) or kernel
     if weights in ("gguf", "gguf-mmap"):
-        # the int8-activation kernel's strips beat the dense copy at every step size (ggml_qdot.py): none is kept
+        # the int8-activation kernel's strips beat the dense copy at every step size (ggml_qdot.py): none is kept,
+        # here or for the weights quantized at load below
         return GGMLLinearMethod(kernel, dense, gemm, keep_dense=weights == "gguf" and gemm is kernel,
                                 defer_dense=defer_dense and isinstance(dense, CpuPrepackedLinearMethod))
-    return WeightOnlyLinearMethod(kernel, dense, weights, gemm)
+    return WeightOnlyLinearMethod(kernel, dense, weights, gemm, keep_dense=gemm is kernel)
 
 
 def _plain_method(device: torch.device) -> LinearMethod:

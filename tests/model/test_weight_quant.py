@@ -9,7 +9,10 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.model.layers.ggml import ggml_gemm, reference_linear
-from kvserve.model.layers.weight_quant import INT4_GROUP_SIZE, quantize_weight
+from kvserve.model.layers.ggml_qdot import reference_qdot_linear
+from kvserve.model.layers.linear import Linear
+from kvserve.model.layers.weight_quant import INT4_GROUP_SIZE, WeightOnlyLinearMethod, quantize_weight
+from kvserve.model.registry import select_linear_method
 
 # Largest |error| of a dequantized weight relative to its row's largest |value| (INT8: half a step of 1/127;
 # INT4: half a step of a group's range / 15, a range at most twice the row's largest magnitude).
@@ -49,6 +52,24 @@ def test_the_kernel_multiplies_by_the_blocks_as_their_dequantization_does(scheme
     weight, x, bias = torch.randn(45, 192, generator=gen), torch.randn(3, 192, generator=gen), torch.randn(45)
     blocks = quantize_weight(weight, scheme)
     torch.testing.assert_close(kernel(x, blocks, bias), reference_linear(x, blocks, bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_with_int8_activations_every_step_runs_on_the_blocks(scheme: str) -> None:
+    """``--quantize-activations``: no dense copy of the quantized weight; a step of many tokens goes through the
+    int8 strips kernel, within fp32 rounding of the int8 path's twin."""
+    method = select_linear_method(torch.device("cpu"), torch.float32, scheme, quantize_activations=True)
+    assert isinstance(method, WeightOnlyLinearMethod) and not method.keep_dense
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(45, 256, generator=gen)
+    layer = Linear(256, 45, bias=False)
+    layer.bind(method, torch.float32)
+    layer.load_weight("weight", weight)
+    layer.process_weights_after_loading()
+    assert layer.weight.numel() == 0
+    x = torch.randn(21, 256, generator=gen)
+    torch.testing.assert_close(layer(x), reference_qdot_linear(x, quantize_weight(weight, scheme), None),
+                               rtol=1e-5, atol=1e-4)
 
 
 # Max |difference| of the chosen tokens' logprobs to the fp32 model's, teacher-forced, on the tiny checkpoints:

@@ -141,11 +141,13 @@ class PackedWeight(NamedTuple):
 
 class WeightOnlyLinearMethod(GGMLLinearMethod):
     """Quantizes each linear layer's weight as it loads, then runs it as the GGUF blocks are run (the block kernel
-    for steps of a few tokens, the dequantized weight in the dense layout for larger ones). A tied LM head keeps
-    the embeddings' weight as loaded, as vLLM leaves the head unquantized."""
+    for steps of a few tokens; for larger ones the dequantized weight in the dense layout, or with ``keep_dense``
+    off, ``gemm.batched`` on the blocks). A tied LM head keeps the embeddings' weight as loaded, as vLLM leaves the
+    head unquantized."""
 
-    def __init__(self, kernel: GGMLGemm, dense: LinearMethod, scheme: str, gemm: BlockGemm | None = None) -> None:
-        super().__init__(kernel, dense, gemm)
+    def __init__(self, kernel: GGMLGemm, dense: LinearMethod, scheme: str, gemm: BlockGemm | None = None,
+                 keep_dense: bool = True) -> None:
+        super().__init__(kernel, dense, gemm, keep_dense)
         self.scheme = scheme
 
     def load_weight(self, layer: Linear, name: str, tensor: torch.Tensor | GGMLTensor, shard: str | None) -> None:
