@@ -50,6 +50,10 @@ server_command() {
     kvserve-mmap) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap ;;
     kvserve-mmap-q8act)
       echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap --quantize-activations ;;
+    # with int8 KV (issue 17): at 16 streams a step reads more K/V than weights
+    kvserve-mmap-kv8) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap --kv-cache-dtype int8 ;;
+    kvserve-mmap-q8act-kv8) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --load-format mmap \
+      --quantize-activations --kv-cache-dtype int8 ;;
     # its Q4_1 weight repacking segfaults while loading on a Sapphire Rapids Xeon (AMX): repacking off
     llamacpp-q4_1) echo "$LLAMA_SERVER" -m "$Q4_GGUF" "${llama[@]}" --no-repack ;;
     # llama.cpp's own default: its quantized weights repacked for the CPU's kernels at load, where it can
