@@ -625,9 +625,9 @@ int kvserve_ggml_qdot_gemm_strips(float *y, int64_t y_stride, const float *x, in
         {
             const int threads = omp_get_num_threads(), t = omp_get_thread_num();
             /* scratch: a tile's codes, dx and sx, then the strip's bytes, scales and offsets */
-            const size_t tile_bytes = (size_t)QV * k + 2 * (size_t)QV * num_groups * sizeof(float);
-            const size_t strip_bytes = (size_t)QSTRIP * k + 2 * (size_t)QSTRIP * (k / unit) * sizeof(float);
-            uint8_t *scratch = calloc(1, tile_bytes > strip_bytes ? tile_bytes : strip_bytes);
+            const size_t tile_size = (size_t)QV * k + 2 * (size_t)QV * num_groups * sizeof(float);
+            const size_t strip_size = (size_t)QSTRIP * k + 2 * (size_t)QSTRIP * (k / unit) * sizeof(float);
+            uint8_t *scratch = calloc(1, tile_size > strip_size ? tile_size : strip_size);
             float *out = malloc((size_t)tiles * QV * QBUFFER_STRIDE * sizeof(float));
             if (scratch)
                 for (int tile = t; tile < tiles; tile += threads) {
@@ -636,7 +636,7 @@ int kvserve_ggml_qdot_gemm_strips(float *y, int64_t y_stride, const float *x, in
                 }
 #pragma omp barrier
             if (scratch && out) {
-                memset(scratch, 0, strip_bytes);
+                memset(scratch, 0, strip_size);
                 float *scale = (float *)(scratch + (size_t)QSTRIP * k);
                 QStrip s = {scratch, scale, scale + (size_t)QSTRIP * (k / unit)};
                 qstrips_of(type, &tiled, m, weight, row_bytes, bias, y, y_stride, n,
