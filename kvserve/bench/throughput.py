@@ -268,8 +268,9 @@ def run_systems(bench: Bench, systems: list[tuple[str, str | None]], args: argpa
     return results
 
 
-def load_kvserve(args: argparse.Namespace) -> LLM:
-    return LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+def load_kvserve(args: argparse.Namespace, **overrides: Any) -> LLM:
+    """The engine ``args`` describe, with ``overrides`` of its keyword arguments."""
+    return LLM(**{**dataclasses.asdict(EngineArgs.from_cli_args(args)), **overrides})
 
 
 def greedy_exact(request: SampleRequest) -> SamplingParams:
@@ -312,7 +313,7 @@ def profile_kvserve(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     no shapes), so both the prefill-heavy start and the decode-only tail are sampled while the trace stays
     small enough to parse. Eager: a step graph replays the kernels' calls without their profiler ranges, and
     its steps' time would all read as Python/framework overhead."""
-    llm = LLM(**{**dataclasses.asdict(EngineArgs.from_cli_args(args)), "enforce_eager": True})
+    llm = load_kvserve(args, enforce_eager=True)
     step_profile = StepProfile(args.profile_every)
     run_workload(profiled_generator(llm, step_profile), bench.requests, bench.chat)
     return step_profile.summary()
