@@ -6,6 +6,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class InvalidParameter(ValueError):
+    """A value out of range or of the wrong type, and the name of the parameter that holds it (a server answers
+    with that name as OpenAI's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def renamed(self, param: str) -> InvalidParameter:
+        """The same error, told of the parameter under another name (the one a request sent it as)."""
+        return InvalidParameter(param, str(self).replace(self.param, param, 1))
+
+
+_CONSTRAINT_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "json": ((dict, str), "a JSON schema (an object, or its text)"),
+    "json_object": (bool, "true or false"),
+    "regex": (str, "a string"),
+    "choice": ((list, tuple), "a list of strings"),
+    "grammar": (str, "a string"),
+}
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One constraint on a request's output (vLLM's offline shape): a JSON schema (a dict or its text), any
@@ -21,12 +43,20 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"structured output takes exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {', '.join(given) or 'none'}")
+            raise InvalidParameter("structured_outputs", "structured_outputs takes exactly one of json, "
+                                   f"json_object, regex, choice, grammar; got {', '.join(given) or 'none'}")
+        self._check_types()
         if self.choice is not None:
-            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
-                raise ValueError("structured output: choice must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", tuple(self.choice))
+
+    def _check_types(self) -> None:
+        """ValueError naming the field whose value has the wrong type (a request's JSON may hold anything)."""
+        for name, (types, what) in _CONSTRAINT_TYPES.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, types):
+                raise InvalidParameter(name, f"{name} must be {what}, got {type(value).__name__}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise InvalidParameter("choice", "choice must be a non-empty list of non-empty strings")
 
     @property
     def kind(self) -> str:
@@ -41,7 +71,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to sample one request and when to stop it.
 
-    ``temperature == 0`` is greedy: an exact argmax over the processed logits. ``seed`` makes a request's
+    A temperature below ``GREEDY_BELOW`` (0 included) is greedy: an exact argmax over the processed logits, as
+    vLLM does (dividing fp32 logits by less would overflow them to inf). ``seed`` makes a request's
     samples reproducible whatever else shares its batch. ``logprobs=k`` returns the sampled token's log
     probability and the top-k alternatives per generated token; ``prompt_logprobs=k`` the same for prompt
     tokens (the first prompt token has none).
@@ -72,6 +103,10 @@ class SamplingParams:
     MAX_N = 64
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 16
+    GREEDY_BELOW = 1e-5
+    # Penalized fp32 logits (|logit| <~ 1e2) divided or multiplied by these, then by a temperature of at least
+    # GREEDY_BELOW, stay far from fp32's overflow; a penalty of 1e-300 would be 0 in fp32 (inf logits, NaN draws).
+    REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -79,40 +114,42 @@ class SamplingParams:
         self._check_ranges()
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > self.MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {self.MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+            raise InvalidParameter("stop", f"stop takes at most {self.MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError("stop: every stop string must be a non-empty string")
+            raise InvalidParameter("stop", "stop must hold non-empty strings only")
         self.stop_strings = tuple(stops)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids: every id must be a non-negative integer")
+            raise InvalidParameter("stop_token_ids", "stop_token_ids must hold non-negative integers only")
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
 
     def _check_ranges(self) -> None:
+        low, high = self.REPETITION_PENALTY_RANGE
         checks = [
-            (1 <= self.n <= self.MAX_N, f"n must be in [1, {self.MAX_N}], got {self.n}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
-             f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
-             f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            ("n", 1 <= self.n <= self.MAX_N, f"must be in [1, {self.MAX_N}], got {self.n}"),
+            ("temperature", self.temperature >= 0, f"must be >= 0, got {self.temperature}"),
+            ("top_p", 0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k >= 0, f"must be -1, 0 (disabled) or positive, got {self.top_k}"),
+            ("min_p", 0 <= self.min_p <= 1, f"must be in [0, 1], got {self.min_p}"),
+            ("repetition_penalty", low <= self.repetition_penalty <= high,
+             f"must be in [{low:g}, {high:g}], got {self.repetition_penalty}"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, f"must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
+             f"must be in [-2, 2], got {self.frequency_penalty}"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, f"must be >= 1, got {self.max_tokens}"),
+            ("min_tokens", self.min_tokens >= 0, f"must be >= 0, got {self.min_tokens}"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
+             f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
+             f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
         ]
-        for ok, message in checks:
+        for param, ok, problem in checks:
             if not ok:
-                raise ValueError(message)
+                raise InvalidParameter(param, f"{param} {problem}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < self.GREEDY_BELOW

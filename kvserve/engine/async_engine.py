@@ -74,6 +74,7 @@ class AsyncEngine:
         self._request_counter = itertools.count()
         self._stopped = False
         self._error: BaseException | None = None
+        self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
 
     # ---- lifecycle ----
@@ -91,6 +92,11 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopped
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the engine loop, if a step or command failed (None while it runs, or after a shutdown)."""
+        return self._failure
 
     # ---- the asyncio side ----
 
@@ -191,17 +197,20 @@ class AsyncEngine:
         arrival_time = time.monotonic()
 
         def add(engine: LLMEngine) -> None:
+            added: list[str] = []
             try:
                 for rid, prompt in zip(ids, prompts):
                     if rid in self._streams:
                         raise ValueError(f"request id {rid!r} is already in use")
                     engine.add_request(rid, prompt, params)
                     self._streams[rid] = _Stream(loop, queue)
-                    if self.observer:
-                        self.observer.on_request_added(rid, arrival_time)
+                    added.append(rid)
             except BaseException:
-                self._abort_now([rid for rid in ids if rid in self._streams])
+                self._withdraw(added)
                 raise
+            if self.observer:  # only a batch accepted whole is a request the metrics count
+                for rid in ids:
+                    self.observer.on_request_added(rid, arrival_time)
 
         # Counted as waiting until the caller hears back: briefly counted twice (here and in the engine's
         # stats), which only makes admission stricter, never looser.
@@ -235,6 +244,7 @@ class AsyncEngine:
                     self._deliver(self.engine.step(), step_start)
         except BaseException as e:
             logger.exception("the engine loop failed")
+            self._failure = e
             self._fail_everything(e)
         else:
             self._run_commands()
@@ -269,6 +279,13 @@ class AsyncEngine:
                 if future is not None:
                     future.set_result(result)
         self._refresh_stats([], time.monotonic())
+
+    def _withdraw(self, request_ids: list[str]) -> None:
+        """Take back the requests of a batch refused as a whole: they leave the engine (their KV blocks freed)
+        unreported, since the caller gets the refusal instead."""
+        self.engine.abort_request(request_ids)
+        for rid in request_ids:
+            del self._streams[rid]
 
     def _abort_now(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if rid in self._streams]

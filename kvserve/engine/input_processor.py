@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence, Union
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.sample.grammar import StructuredOutputCompiler
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import InvalidParameter, SamplingParams
 
 # A prompt is text, or {"prompt_token_ids": [...]} (optionally with the "prompt" text it came from).
 PromptInput = Union[str, Mapping[str, Any]]
@@ -75,7 +75,8 @@ class InputProcessor:
     def _check_token_ids(self, token_ids: Sequence[Any], what: str) -> None:
         for t in token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"{what}: {t!r} is not a token id of this model (vocabulary size {self.vocab_size})")
+                raise InvalidParameter(what, f"{what}: {t!r} is not a token id of this model (vocabulary size "
+                                             f"{self.vocab_size})")
 
     def _fit_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
@@ -86,8 +87,8 @@ class InputProcessor:
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            raise InvalidParameter(
+                "max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
                 f"{num_prompt_tokens + max_tokens} is over max_model_len={self.max_model_len}"
             )
         self._check_token_ids(params.stop_token_ids or [], "stop_token_ids")

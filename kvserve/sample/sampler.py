@@ -196,7 +196,9 @@ class Sampler:
         """The distributions rows with temperature > 0 draw from: temperature, top-k, top-p, min-p, softmax."""
         params = [r.params for r in rows]
         logits.div_(_per_row([p.temperature for p in params], logits)[:, None])
-        top_k = _per_row([p.top_k for p in params], logits, torch.long) if any(p.top_k for p in params) else None
+        vocab_size = logits.shape[1]  # a larger top-k keeps every token, and would not fit an int64 if huge
+        top_k = _per_row([min(p.top_k, vocab_size) for p in params], logits, torch.long) \
+            if any(p.top_k for p in params) else None
         top_p = _per_row([p.top_p for p in params], logits) if any(p.top_p < 1.0 for p in params) else None
         if top_k is not None or top_p is not None:
             apply_top_k_top_p(logits, top_k, top_p)

@@ -75,10 +75,12 @@ def _beyond(k: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _beyond_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """[R, n]: True at sorted positions whose mass before them reaches ``top_p`` (the most likely token always
-    stays: its mass before is 0 < top_p)."""
+    """[R, n]: True at sorted positions whose mass before them reaches ``top_p``, never the first: the most
+    likely token always stays, even where a top_p as small as 1e-300 is 0 in fp32."""
     mass_before = probs.cumsum(dim=-1) - probs
-    return (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    beyond = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    beyond[:, 0] = False
+    return beyond
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ from kvserve.server.protocol import (
     TokenizeResponse,
 )
 from kvserve.server.state import ServerState
-from kvserve.server.streaming import until_disconnected
+from kvserve.server.streaming import ending_on_failure, until_disconnected
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
@@ -58,7 +58,7 @@ async def _answer(request: Request, generation: _Generation, stream: bool) -> Re
     disconnects, streaming or not, aborts its requests."""
     outputs = await until_disconnected(request, generation.start())
     if stream:
-        return StreamingResponse(generation.stream(outputs), media_type="text/event-stream")
+        return StreamingResponse(ending_on_failure(generation.stream(outputs)), media_type="text/event-stream")
     body = await until_disconnected(request, generation.respond(outputs))
     return JSONResponse(body.model_dump())
 
@@ -70,20 +70,24 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if state.is_ready:
             return Response(status_code=HTTPStatus.OK)
-        why = "draining" if state.draining else "loading the model"
-        return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {why}")
+        return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {state.why_not_ready}")
 
     @app.get("/metrics")
     async def metrics() -> Response:
         body = state.metrics.render() if state.metrics else b""
         return Response(body, media_type=CONTENT_TYPE)
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=settings.model_root, max_model_len=state.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[
-            ModelCard(id=name, root=settings.model_root, max_model_len=state.max_model_len)
-            for name in settings.served_model_names
-        ])
+        return ModelList(data=[model_card(name) for name in settings.served_model_names])
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        state.engine_for(model)  # 404 naming the served models if it is not one of them
+        return model_card(model)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -91,7 +95,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             generation = CompletionServer(engine, body, settings.model_name)
         except ValueError as e:
-            raise bad_request(e) from e
+            raise bad_request(body.named_as_sent(e)) from e
         return await _answer(request, generation, body.stream)
 
     @app.post("/v1/chat/completions")
@@ -100,7 +104,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         try:
             generation = ChatServer(engine, body, settings.model_name, settings.tool_call_parser)
         except ValueError as e:
-            raise bad_request(e) from e
+            raise bad_request(body.named_as_sent(e)) from e
         return await _answer(request, generation, body.stream)
 
     @app.post("/tokenize")

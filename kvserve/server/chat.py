@@ -35,7 +35,6 @@ from kvserve.server.streaming import (
     last_item,
     num_tokens_used,
     sse,
-    start_generation,
     token_text,
     top_entries,
 )
@@ -85,7 +84,7 @@ class ChatServer(GenerationHandler):
         """Render and queue the conversation (raising APIError 400 for bad input); return the output stream."""
         body = self.body
         prompt = await render_chat(self.engine, body.messages, body.add_generation_prompt, body.tool_dicts)
-        return await start_generation(self.engine, [prompt], self.params, self.request_id)
+        return await self._generate([prompt])
 
     async def respond(self, stream: AsyncIterator[list[RequestOutput]]) -> ChatCompletionResponse:
         (out,) = await last_item(stream)
@@ -111,10 +110,12 @@ class ChatServer(GenerationHandler):
         async for outputs in stream:
             for index, delta in cursor.advance(outputs):
                 message, finish_reason = self._delta(index, delta.text, delta.finish_reason)
-                choice = ChatChunkChoice(
-                    index=index, delta=message, finish_reason=finish_reason,
-                    stop_reason=delta.stop_reason, logprobs=self._logprobs(delta.token_ids, delta.logprobs),
-                )
+                logprobs = self._logprobs(delta.token_ids, delta.logprobs)
+                if message.content is None and message.tool_calls is None and finish_reason is None \
+                        and logprobs is None:
+                    continue  # text a tool-call parser holds back: nothing to send yet
+                choice = ChatChunkChoice(index=index, delta=message, finish_reason=finish_reason,
+                                         stop_reason=delta.stop_reason, logprobs=logprobs)
                 yield sse(self._chunk([choice]), exclude)
         if self.body.include_usage:
             yield sse(self._chunk([], Usage.of(*num_tokens_used(outputs))))

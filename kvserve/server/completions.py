@@ -20,7 +20,6 @@ from kvserve.server.streaming import (
     last_item,
     num_tokens_used,
     sse,
-    start_generation,
     token_text,
     top_entries,
 )
@@ -41,7 +40,7 @@ class CompletionServer(GenerationHandler):
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:
         """Queue the requests (raising APIError 400 for bad input) and return their output stream."""
-        return await start_generation(self.engine, engine_prompts(self.body), self.params, self.request_id)
+        return await self._generate(engine_prompts(self.body))
 
     async def respond(self, stream: AsyncIterator[list[RequestOutput]]) -> CompletionResponse:
         outputs = await last_item(stream)

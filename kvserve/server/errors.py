@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
@@ -43,15 +43,19 @@ class APIError(Exception):
         self.headers = headers
 
 
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def bad_request(error: ValueError, param: str | None = None) -> APIError:
-    return APIError(HTTPStatus.BAD_REQUEST, str(error), param=param)
+    """A 400 for ``error``, about ``param`` or else the parameter the error names (``InvalidParameter``)."""
+    return APIError(HTTPStatus.BAD_REQUEST, str(error), param=param or getattr(error, "param", None))
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
@@ -61,8 +65,13 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(str(part))]
     param = ".".join(location) or None
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    cause = first.get("ctx", {}).get("error")
     if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', message)}", None
+        return f"the body is not valid JSON: {cause or message}", None
+    if first.get("type") == "extra_forbidden":
+        return f"{param}: kvserve does not know or implement this field (it is refused, not ignored)", param
+    if param is None and getattr(cause, "param", None):  # an InvalidParameter from a model's own check
+        return message, cause.param
     return (f"{param}: {message}" if param else message), param
 
 

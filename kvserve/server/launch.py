@@ -98,6 +98,9 @@ def serve(args: argparse.Namespace) -> int:
     if state.load_error is not None:
         print(f"kvserve: error: could not load {args.model}: {state.load_error}", file=sys.stderr, flush=True)
         return 1
+    if state.failure is not None:
+        print(f"kvserve: error: the engine failed while serving: {state.failure!r}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -178,7 +181,8 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
 
     async def on_tick(self, counter: int) -> bool:
-        return self.state.load_error is not None or await super().on_tick(counter)
+        failed = self.state.load_error is not None or self.state.failure is not None
+        return failed or await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise the signal at exit, and we exit 0.

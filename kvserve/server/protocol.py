@@ -1,25 +1,36 @@
 """The OpenAI-compatible request and response bodies (pydantic), and their mapping to SamplingParams.
 
 Ranges are checked once, by ``SamplingParams`` (its ValueError becomes a 400); the models here check shapes
-and types only. Unknown fields are ignored, as OpenAI's and vLLM's servers do, and logged once by name.
+and types only. A field kvserve does not know is refused by name, as OpenAI's server does (vLLM's ignores it):
+a misspelt or unimplemented field never silently does nothing. A field sent as null asks for its default.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
+import re
 import time
+import types
+import typing
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from kvserve.server.tools import tool_constraint
 
 MAX_LOGIT_BIAS = 100.0
-logger = logging.getLogger(__name__)
-_LOGGED_UNKNOWN_FIELDS: set[str] = set()
 
 
 def _check_utf8(text: str) -> str:
@@ -36,38 +47,40 @@ TokenIds = list[StrictInt]
 
 
 class _Body(BaseModel):
-    """Unknown fields are ignored, as OpenAI's and vLLM's servers do, and logged once each: a misspelt field
-    shows in the log instead of silently doing nothing."""
+    """A request body: unknown fields are refused by name (pydantic's ``extra_forbidden``, which the error
+    handler words), and a field sent as null takes its default, as OpenAI's nullable fields do."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
-    def _log_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key in sorted(data.keys() - _field_names(cls)):
-                name = f"{cls.__name__}.{key}"
-                if name not in _LOGGED_UNKNOWN_FIELDS:
-                    _LOGGED_UNKNOWN_FIELDS.add(name)
-                    logger.warning("ignoring the unknown field %r of %s (logged once)", key, cls.__name__)
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and None in data.values():
+            nullable = _nullable_fields(cls)
+            return {key: value for key, value in data.items() if value is not None or key in nullable}
         return data
 
 
 @functools.cache
-def _field_names(model: type[BaseModel]) -> frozenset[str]:
-    """A body's field names and aliases, once per class (every request is checked against them)."""
-    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+def _nullable_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The names and aliases of a body's fields where null is a value of its own (``max_tokens: null``: no
+    limit), once per class; null for any other field, or an unknown one, is left out of the body."""
+    names: set[str] = set()
+    for name, info in model.model_fields.items():
+        if info.annotation is Any or type(None) in typing.get_args(info.annotation):
+            names.update(filter(None, (name, info.alias)))
+    return frozenset(names)
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JSONSchemaFormat(_Body):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Body):
@@ -102,18 +115,18 @@ class SamplingRequest(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
     top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     stop_token_ids: TokenIds | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     # structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -128,7 +141,7 @@ class SamplingRequest(_Body):
     prompt_cache_key: str | None = None
     service_tier: Literal["auto", "default"] | None = None
     # OpenAI fields kvserve does not implement: refused by name rather than ignored
-    store: bool | None = None
+    store: StrictBool | None = None
     verbosity: str | None = None
     functions: list[Any] | None = None
     function_call: Any = None
@@ -141,7 +154,7 @@ class SamplingRequest(_Body):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     @model_validator(mode="after")
@@ -156,7 +169,7 @@ class SamplingRequest(_Body):
         for name, value in unsupported.items():
             if value is not None:
                 hint = " (OpenAI deprecated it: use tools)" if name.startswith("function") else ""
-                raise ValueError(f"{name} is not supported by kvserve yet{hint}")
+                raise InvalidParameter(name, f"{name} is not supported by kvserve yet{hint}")
         return self
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -173,17 +186,33 @@ class SamplingRequest(_Body):
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                           ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
-                given[name] = StructuredOutputsParams(**{key: getattr(self, name)})
+                try:
+                    given[name] = StructuredOutputsParams(**{key: getattr(self, name)})
+                except InvalidParameter as error:
+                    raise error.renamed(name) from None
         if self.structured_outputs is not None:
             try:
                 given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+            except InvalidParameter as error:  # a field of it, or the whole of it
+                whole = error.param == "structured_outputs"
+                raise (error if whole else error.renamed(f"structured_outputs.{error.param}")) from None
             except TypeError as error:
-                raise ValueError(f"structured_outputs: {error}") from None
+                raise InvalidParameter("structured_outputs", f"structured_outputs: {error}") from None
         return given
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def named_as_sent(self, error: ValueError) -> ValueError:
+        """``error`` told of the parameter by the name this request sent it as, where the engine's differs."""
+        if isinstance(error, InvalidParameter) and error.param in self._sent_names():
+            return error.renamed(self._sent_names()[error.param])
+        return error
+
+    def _sent_names(self) -> dict[str, str]:
+        """The engine's names of parameters this request sent under other names."""
+        return {}
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         """The engine's SamplingParams; raises ValueError naming the first field out of range."""
@@ -218,10 +247,10 @@ def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     bias: dict[int, float] = {}
     for key, value in logit_bias.items():
-        if not key.lstrip("-").isdigit():
-            raise ValueError(f"logit_bias: key {key!r} is not a token id")
+        if not re.fullmatch(r"-?[0-9]+", key):  # ASCII digits: str.isdigit takes "²", which int() refuses
+            raise InvalidParameter("logit_bias", f"logit_bias: key {key!r} is not a token id")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias: value {value} for token {key} is outside [-100, 100]")
+            raise InvalidParameter("logit_bias", f"logit_bias: value {value} for token {key} is outside [-100, 100]")
         bias[int(key)] = value
     return bias
 
@@ -235,7 +264,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: StrictInt | None = None
     tools: list[Any] | None = None
@@ -340,8 +369,21 @@ class ChatMessage(_Body):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
+            if kinds - {"text"}:
+                raise ValueError(f"content parts of type {', '.join(sorted(map(str, kinds - {'text'})))} are not "
+                                 "supported: kvserve serves text models, whose parts are of type text")
+        return content
+
     @model_validator(mode="after")
     def _check_tool_fields(self) -> ChatMessage:
+        if self.content in (None, []) and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a message of role {self.role} needs content (only an assistant's message with tool_calls "
+                             "may leave it out)")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         if self.role == "tool" and self.tool_call_id is None:
@@ -379,7 +421,7 @@ class FunctionDefinition(_Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # kvserve enforces every schema it is given
+    strict: StrictBool | None = None  # kvserve enforces every schema it is given
 
 
 class ChatTool(_Body):
@@ -403,12 +445,12 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # OpenAI's default: auto with tools, none without
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -441,6 +483,10 @@ class ChatCompletionRequest(SamplingRequest):
             if constraint is not None:
                 given["tool_choice"] = constraint
         return given
+
+    def _sent_names(self) -> dict[str, str]:
+        names = {"logprobs": "top_logprobs"} if self.top_logprobs is not None else {}
+        return names | ({"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {})
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -551,8 +597,8 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

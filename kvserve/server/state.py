@@ -64,13 +64,25 @@ class ServerState:
         if model is not None and model not in self.settings.served_model_names:
             raise APIError(HTTPStatus.NOT_FOUND, f"the model {model!r} does not exist; this server serves "
                                                  f"{', '.join(self.settings.served_model_names)}", param="model")
-        if self.draining:
-            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down",
+        if not self.is_ready:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, self.why_not_ready,
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        if self.engine is None or not self.engine.is_running:
-            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the model is not loaded yet",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        assert self.engine is not None
         return self.engine
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What stopped the engine if it failed while serving (the server then stops too, so that whatever
+        supervises it starts a new one)."""
+        return None if self.engine is None else self.engine.failure
+
+    @property
+    def why_not_ready(self) -> str:
+        if self.draining:
+            return "the server is shutting down"
+        if self.failure is not None:
+            return f"the engine failed ({type(self.failure).__name__}: {self.failure}); the server is stopping"
+        return "the model is not loaded yet"
 
     def admit(self, model: str | None) -> AsyncEngine:
         """``engine_for`` plus the waiting-queue limit: 503 with Retry-After while more than ``max_waiting``

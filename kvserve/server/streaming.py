@@ -4,6 +4,8 @@ logprob token text, and aborting on a client disconnect."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -12,15 +14,16 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Sequence, TypeV
 from fastapi import Request
 from pydantic import BaseModel
 
+from kvserve.engine.async_engine import EngineDeadError
 from kvserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from kvserve.sampling_params import SamplingParams
-from kvserve.server.errors import APIError, bad_request
+from kvserve.server.errors import APIError, bad_request, error_body
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.input_processor import PromptInput
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 # Characters JSON leaves as they are but Python's str.splitlines ends a line at, and with it httpx's
@@ -107,6 +110,33 @@ class GenerationHandler:
         self.params = body.to_sampling_params()
         self.tokenizer = engine.engine.tokenizer
 
+    async def _generate(self, prompts: Sequence[PromptInput]) -> AsyncIterator[list[RequestOutput]]:
+        """Queue the batch and wait until it is accepted, so bad input is a 400 before any byte is streamed."""
+        request_id = self.request_id
+        request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        stream = self.engine.generate_many(prompts, self.params, request_ids)
+        try:
+            first = await anext(stream)
+        except ValueError as e:
+            raise bad_request(self.body.named_as_sent(e)) from e
+        except StopAsyncIteration:
+            raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output") from None
+        return _prepend(first, stream)
+
+
+async def ending_on_failure(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``events``; should they fail midway (the engine died), an error event in OpenAI's shape and ``[DONE]``:
+    the headers went out with the first event, so a client reading the stream learns why it ended there."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as error:  # whatever failed, the client is told; a disconnect's cancellation passes
+        logger.exception("a stream failed midway")
+        message = f"the engine failed: {error}" if isinstance(error, EngineDeadError) \
+            else f"internal error: {type(error).__name__}"
+        yield f"data: {json.dumps(error_body(HTTPStatus.INTERNAL_SERVER_ERROR, message))}\n\n"
+        yield SSE_DONE
+
 
 def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:
     """(prompt tokens, completion tokens over every sample, prompt tokens found in the prefix cache) of a
@@ -115,21 +145,6 @@ def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:
     num_completion = sum(len(s.token_ids) for out in outputs for s in out.outputs)
     num_cached = sum(out.num_cached_tokens for out in outputs)
     return num_prompt, num_completion, num_cached
-
-
-async def start_generation(
-    engine: AsyncEngine, prompts: Sequence[PromptInput], params: SamplingParams, request_id: str
-) -> AsyncIterator[list[RequestOutput]]:
-    """Queue the batch and wait until it is accepted, so bad input is a 400 before any byte is streamed."""
-    request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    stream = engine.generate_many(prompts, params, request_ids)
-    try:
-        first = await anext(stream)
-    except ValueError as e:
-        raise bad_request(e) from e
-    except StopAsyncIteration:
-        raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output") from None
-    return _prepend(first, stream)
 
 
 async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:

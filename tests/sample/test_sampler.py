@@ -322,3 +322,25 @@ def test_prompt_logprobs():
 def test_row_count_mismatch_is_rejected():
     with pytest.raises(ValueError, match="rows"):
         Sampler()(torch.zeros(2, VOCAB), batch(row()))
+
+
+def test_values_at_the_edges_of_fp32_draw_what_their_limits_would() -> None:
+    """A temperature under GREEDY_BELOW is greedy (dividing by it would overflow fp32 logits to inf); a top_p
+    that is 0 in fp32 still keeps the most likely token; a top-k past int64 keeps every token."""
+    logits = random_logits(4, seed=3)
+    argmax = logits.argmax(-1).tolist()
+    for params in (dict(temperature=1e-40), dict(top_p=1e-300), dict(top_p=1e-300, seed=5)):
+        out = Sampler()(logits.clone(), batch(*[row(key=f"r{i}", **params) for i in range(4)]))
+        assert tokens(out) == argmax, params
+    huge_k = Sampler()(logits.clone(), batch(*[row(key=f"r{i}", top_k=2**70, seed=i) for i in range(4)]))
+    assert all(0 <= t < VOCAB for t in tokens(huge_k))
+    assert SamplingParams(temperature=SamplingParams.GREEDY_BELOW / 2).is_greedy
+    assert not SamplingParams(temperature=SamplingParams.GREEDY_BELOW).is_greedy
+
+
+def test_the_smallest_repetition_penalty_keeps_the_draw_finite() -> None:
+    low, _ = SamplingParams.REPETITION_PENALTY_RANGE
+    logits = random_logits(2, seed=4) * 30
+    rows = [row(key=f"r{i}", prompt=list(range(VOCAB)), repetition_penalty=low, seed=i) for i in range(2)]
+    out = Sampler()(logits.clone(), batch(*rows))
+    assert tokens(out) == (logits * torch.where(logits > 0, 1 / low, low)).argmax(-1).tolist()

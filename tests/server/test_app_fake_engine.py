@@ -7,6 +7,7 @@ own logic (deltas, usage, limits, disconnects) without a model.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from typing import Iterator
@@ -18,6 +19,7 @@ import uvicorn
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.server.app import build_app
+from kvserve.server.launch import DrainingServer
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.state import ServerSettings, ServerState
 from tests.engine.fake_engine import FakeEngine
@@ -156,5 +158,44 @@ def test_api_key_and_waiting_limit() -> None:
         server.state.draining = True
         assert httpx.get(f"{server.url}/health").status_code == 503
         assert httpx.post(url, json={"prompt": "a"}, headers=keyed).status_code == 503
+    finally:
+        server.stop()
+
+
+def test_a_batch_refused_whole_is_not_counted_and_holds_nothing(srv: InProcessServer) -> None:
+    aborted_before = srv.metric("kvserve:request_success_total", finished_reason="abort")
+    latencies_before = srv.metric("kvserve:e2e_request_latency_seconds_count")
+    response = httpx.post(f"{srv.url}/v1/completions", json={"prompt": ["ab", "a" * 300], "max_tokens": 5})
+    assert response.status_code == 400, response.text
+    srv.wait_idle()
+    assert srv.metric("kvserve:request_success_total", finished_reason="abort") == aborted_before
+    assert srv.metric("kvserve:e2e_request_latency_seconds_count") == latencies_before
+
+
+def test_a_served_model_is_retrieved_by_name(srv: InProcessServer, client: openai.OpenAI) -> None:
+    assert client.models.retrieve(MODEL).id == MODEL
+    missing = httpx.get(f"{srv.url}/v1/models/gpt-9")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_an_engine_that_fails_midway_ends_its_streams_with_an_error_and_stops_serving() -> None:
+    server = InProcessServer()
+    supervisor = DrainingServer(server.state, uvicorn.Config(build_app(server.state)))
+    try:
+        assert asyncio.run(supervisor.on_tick(1)) is False
+        body = {"prompt": "a", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            server.fake.step_error = RuntimeError("device lost")
+            rest = [line for line in lines if line]
+        error = json.loads(rest[-2].removeprefix("data: "))["error"]
+        assert rest[-1] == "data: [DONE]" and error["code"] == 500 and "device lost" in error["message"]
+        assert server.state.failure is not None
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "the engine failed (RuntimeError: device lost)" in health.text
+        refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a"})
+        assert refused.status_code == 503 and "the server is stopping" in refused.json()["error"]["message"]
+        assert asyncio.run(supervisor.on_tick(1)) is True  # kvserve serve exits 1, for a supervisor to restart it
     finally:
         server.stop()

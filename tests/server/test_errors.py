@@ -49,6 +49,12 @@ BAD_COMPLETIONS = {
     "stop_token_ids outside the vocabulary": completion(stop_token_ids=[10**9]),
     "stream_options without stream": completion(stream_options={"include_usage": True}),
     "min_tokens above max_tokens": completion(min_tokens=5, max_tokens=2),
+    "an unknown field": completion(temprature=0.5),
+    "a vLLM field kvserve does not implement": completion(allowed_token_ids=[1, 2]),
+    "stream not a boolean": completion(stream="yes"),
+    "structured_outputs regex not a string": completion(structured_outputs={"regex": 5}),
+    "logit_bias key a non-ASCII digit": completion(logit_bias={"\u00b2": 1.0}),
+    "repetition_penalty that fp32 cannot hold": completion(repetition_penalty=1e-300),
 }
 
 BAD_CHATS = {
@@ -61,6 +67,7 @@ BAD_CHATS = {
     "top_logprobs above the limit": chat(logprobs=True, top_logprobs=50),
     "negative frequency_penalty": chat(frequency_penalty=-5),
     "max_completion_tokens zero": chat(max_completion_tokens=0),
+    "a user message without content": chat(messages=[{"role": "user"}]),
 }
 
 
@@ -118,4 +125,30 @@ def test_unknown_routes_and_methods_answer_in_the_same_shape(server: ServerProce
     assert_openai_error(httpx.get(f"{server.url}/v1/nothing"), 404)
     assert_openai_error(httpx.get(f"{server.url}/v1/completions"), 405)
     assert_openai_error(httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]}), 400)
+    assert_still_serving(server)
+
+
+def test_an_error_names_the_field_as_the_request_sent_it(server: ServerProcess) -> None:
+    cases = [(completion(temprature=0.5), "/v1/completions", "temprature"),
+             (completion(structured_outputs={"regex": 5}), "/v1/completions", "structured_outputs.regex"),
+             (chat(logprobs=True, top_logprobs=50), "/v1/chat/completions", "top_logprobs"),
+             (chat(functions=[{"name": "f"}]), "/v1/chat/completions", "functions")]
+    for body, route, param in cases:
+        error = assert_openai_error(httpx.post(f"{server.url}{route}", content=body,
+                                               headers={"content-type": "application/json"}), 400)
+        assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_values_at_the_edges_are_served_as_their_limits(server: ServerProcess) -> None:
+    """A top-k past int64 keeps every token (it once killed the engine thread), a temperature of 1e-40 is greedy
+    (it once drew NaN: every token the first id), and null takes a field's default."""
+    def complete(**fields) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", json={**GOOD_COMPLETION, "max_tokens": 6, **fields})
+
+    greedy = complete(temperature=0).json()["choices"][0]["text"]
+    for fields in (dict(temperature=1e-40), dict(top_p=1e-300, seed=1), dict(temperature=0, n=None, echo=None)):
+        answer = complete(**fields)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == greedy, (fields, answer.text)
+    huge_k = complete(top_k=2**63, seed=3)
+    assert huge_k.status_code == 200 and huge_k.json()["usage"]["completion_tokens"] == 6
     assert_still_serving(server)

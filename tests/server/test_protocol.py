@@ -1,24 +1,79 @@
-"""Request bodies: fields outside OpenAI's and vLLM's sets are ignored, and each is logged once by name; OpenAI's
-own fields are honoured, accepted where they change nothing, or refused by name."""
+"""Request bodies: a field kvserve does not know is refused by name (never silently ignored), a field sent as null
+takes its default; OpenAI's own fields are honoured, accepted where they change nothing, or refused by name."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 from pydantic import ValidationError
 
+from kvserve.sampling_params import InvalidParameter
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
-def test_an_unknown_field_is_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    body = {"messages": [{"role": "user", "content": "hi"}], "temprature": 0.5, "max_tokens": 3}
-    with caplog.at_level(logging.WARNING, logger="kvserve.server.protocol"):
-        first = ChatCompletionRequest.model_validate(body)
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "hi"}], "temprature": 0.5},
+    {"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [1]},
+    {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"continuous_usage_stats": True}},
+    {"messages": [{"role": "user", "content": "hi", "cache_control": {}}]},
+])
+def test_an_unknown_field_is_refused_by_name(body: dict) -> None:
+    with pytest.raises(ValidationError) as raised:
         ChatCompletionRequest.model_validate(body)
-    assert first.temperature is None and first.max_tokens == 3
-    logged = [r.getMessage() for r in caplog.records if "temprature" in r.getMessage()]
-    assert logged == ["ignoring the unknown field 'temprature' of ChatCompletionRequest (logged once)"]
+    (error,) = raised.value.errors()
+    assert error["type"] == "extra_forbidden"
+
+
+def test_a_field_sent_as_null_takes_its_default() -> None:
+    nulls = dict.fromkeys(("n", "stream", "logprobs", "presence_penalty", "frequency_penalty",
+                           "parallel_tool_calls", "unknown_but_null"))
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **nulls})
+    assert (chat.n, chat.stream, chat.logprobs, chat.parallel_tool_calls) == (1, False, False, True)
+    completion = CompletionRequest.model_validate({"prompt": "x", "echo": None, "max_tokens": None})
+    assert completion.echo is False and completion.max_tokens is None  # null max_tokens: up to the context
+
+
+def test_booleans_are_strict() -> None:
+    with pytest.raises(ValidationError, match="stream"):
+        CompletionRequest.model_validate({"prompt": "x", "stream": "yes"})
+
+
+@pytest.mark.parametrize("fields, param, starts", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
+    ({"temperature": -1.0}, "temperature", "temperature must be >= 0"),
+    ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias", "logit_bias: key"),
+    ({"logit_bias": {"\uff11": 1.0}}, "logit_bias", "logit_bias: key"),
+    ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex", "structured_outputs.regex must be a string"),
+    ({"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice", "structured_outputs.choice must be"),
+    ({"structured_outputs": {}}, "structured_outputs", "structured_outputs takes exactly one"),
+    ({"guided_choice": ["a", ""]}, "guided_choice", "guided_choice must be a non-empty list"),
+])
+def test_a_value_out_of_range_names_the_field_the_request_sent(fields: dict, param: str, starts: str) -> None:
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+    with pytest.raises(InvalidParameter) as raised:
+        body.to_sampling_params()
+    error = body.named_as_sent(raised.value)
+    assert isinstance(error, InvalidParameter) and error.param == param and str(error).startswith(starts), error
+
+
+@pytest.mark.parametrize("message, fragment", [
+    ({"role": "user"}, "a message of role user needs content"),
+    ({"role": "system", "content": []}, "a message of role system needs content"),
+    ({"role": "assistant", "content": None}, "a message of role assistant needs content"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+     "content parts of type image_url are not supported"),
+])
+def test_a_message_without_text_is_refused(message: dict, fragment: str) -> None:
+    with pytest.raises(ValidationError, match=fragment):
+        ChatCompletionRequest.model_validate({"messages": [message]})
+
+
+def test_an_assistant_message_with_tool_calls_may_leave_content_out() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "4"}]}
+    assert len(ChatCompletionRequest.model_validate(body).messages) == 3
 
 
 MESSAGES = [{"role": "user", "content": "hi"}]
