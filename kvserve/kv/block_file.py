@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import uuid
 import zlib
@@ -83,8 +84,15 @@ def write_block_file(path: str, record: BlockRecord, payload: memoryview) -> int
 
 def read_block_file(path: str, expected: BlockRecord, out: memoryview) -> None:
     """Read the block at ``path`` into ``out`` (``expected.payload_bytes`` bytes) after checking it is exactly
-    ``expected``'s. Raises CorruptBlockError saying what differs, or OSError if the file cannot be read."""
-    with open(path, "rb") as f:
+    ``expected``'s. Raises CorruptBlockError saying what differs, or OSError if the file cannot be read.
+
+    Opened without blocking and checked to be a regular file before a byte is read: a FIFO or a device at a
+    block's path (a foreign entry in a shared directory) would otherwise hold the reading thread for good."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptBlockError("not a regular file")
+    with os.fdopen(fd, "rb") as f:
         preamble = f.read(_PREAMBLE.size)
         if len(preamble) != _PREAMBLE.size:
             raise CorruptBlockError("truncated before its header")

@@ -33,6 +33,7 @@ under ``_lock``, the indexes. Locking is coarse; the critical sections are dict 
 from __future__ import annotations
 
 import enum
+import errno
 import hashlib
 import logging
 import os
@@ -187,6 +188,27 @@ class HostTier:
             del self._pins[key]
 
 
+def _scandir_or_nothing(path: str) -> list[os.DirEntry]:
+    """The entries of a subdirectory, or none if it cannot be listed (one bad entry spoils no tier)."""
+    try:
+        return list(os.scandir(path))
+    except OSError:
+        return []
+
+
+def _stat_or_none(entry: os.DirEntry) -> os.stat_result | None:
+    """A regular file's stat; None for anything else, a dangling symlink or a file gone since the listing."""
+    try:
+        return entry.stat() if entry.is_file() else None
+    except OSError:
+        return None
+
+
+# Write errors of the whole directory: after one, nothing more is written there. Any other error (a directory
+# or a foreign entry where a block file would go) is that block's alone, which is then not written.
+_DIRECTORY_WIDE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
+
+
 class DiskTier:
     """The index of one directory of block files, oldest first, and the file I/O on it. The index methods are
     locked by ``TieredStore``; ``write`` and ``read`` run unlocked on its I/O threads."""
@@ -212,9 +234,8 @@ class DiskTier:
         found = []
         for sub in os.scandir(self.directory):
             if sub.is_dir() and len(sub.name) == 2:
-                for entry in os.scandir(sub.path):
-                    if entry.name.endswith(FILE_SUFFIX):
-                        stat = entry.stat()
+                for entry in _scandir_or_nothing(sub.path):
+                    if entry.name.endswith(FILE_SUFFIX) and (stat := _stat_or_none(entry)) is not None:
                         found.append((stat.st_mtime, entry.name[: -len(FILE_SUFFIX)], stat.st_size))
         for _, name, size in sorted(found):
             try:
@@ -235,7 +256,7 @@ class DiskTier:
         """Whether a usable-looking file for ``key`` exists: indexed, or written since by another server."""
         if key in self._bad:
             return False
-        return key in self._files or os.path.exists(self.path(key))
+        return key in self._files or os.path.isfile(self.path(key))
 
     def indexed(self, key: bytes) -> bool:
         return key in self._files
@@ -464,10 +485,14 @@ class TieredStore:
         except OSError as error:
             with self._lock:
                 self.counters.disk_write_errors += 1
-                if self.disk.writable:
+                stop = self.disk.writable and error.errno in _DIRECTORY_WIDE_ERRORS
+                if stop:
                     self.disk.writable = False
-                    logger.warning("KV disk tier: writing to %s failed (%s); no more blocks are written there, "
-                                   "and prefixes not found in memory are recomputed", self.disk.directory, error)
+            if stop:
+                logger.warning("KV disk tier: writing to %s failed (%s); no more blocks are written there, "
+                               "and prefixes not found in memory are recomputed", self.disk.directory, error)
+            else:
+                logger.warning("KV disk tier: block file %s not written (%s)", self.disk.path(block.key), error)
         else:
             with self._lock:
                 victims = self.disk.add(block.key, size)

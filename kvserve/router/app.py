@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from kvserve.router.policy import Decision, Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse
-from kvserve.server.errors import error_response
+from kvserve.server.errors import error_response, sse_failure
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -195,6 +195,9 @@ class Router:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamLost as error:
             logger.warning("replica %s broke off a stream: %s", replica.url, error)
+            self._set_health(replica, False)
+            failure = sse_failure(502, f"the replica serving this request failed: {error}")
+            await send({"type": "http.response.body", "body": failure.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def first_healthy_get(self, path: str) -> Response:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from kvserve.router.app import Router, build_router_app
 from kvserve.router.policy import POLICIES, make_policy
 from kvserve.extras import require_ray
 from kvserve.router.ray_replicas import RayReplicas
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +109,8 @@ class LocalReplicas:
 
     def __init__(self, argv: list[str], ports: list[int]) -> None:
         self.urls = [f"http://127.0.0.1:{port}" for port in ports]
-        self.processes = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--port", str(port)])
+        self.processes = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--port", str(port)],
+                                           preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                           for port in ports]
 
     def stop(self) -> None:
@@ -118,6 +122,12 @@ class LocalReplicas:
         for process in self.processes:
             process.wait()
         timer.cancel()
+
+
+def _die_with_parent() -> None:
+    """In a replica's process before it runs kvserve (Linux): a SIGTERM when the router's process ends however
+    it ends, ``kill -9`` included, so that no replica is left holding its port."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:

@@ -7,6 +7,7 @@ installed (the router starts without FastAPI and the request models).
 
 from __future__ import annotations
 
+import json
 import logging
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,13 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
                       "code": status}}
 
 
+def sse_failure(status: int, message: str) -> str:
+    """The events that end a stream which failed midway: an error in OpenAI's shape, then ``[DONE]``. The
+    status went out as 200 with the first event, so this is how a client reading the stream learns why it
+    ended there (as vLLM's streams do)."""
+    return f"data: {json.dumps(error_body(status, message))}\n\ndata: [DONE]\n\n"
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
@@ -83,6 +91,8 @@ def install_error_handlers(app: FastAPI) -> None:
     """Answer APIError, validation errors, HTTP errors (404 route, 405 method) and crashes in OpenAI's shape."""
     from fastapi.exceptions import RequestValidationError
 
+    from kvserve.engine.async_engine import EngineDeadError
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
         return error_response(error.status, error.message, error.param, error.headers)
@@ -95,6 +105,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return error_response(error.status_code, str(error.detail), headers=error.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_failed(_: Request, error: EngineDeadError) -> JSONResponse:
+        # a request in flight when the engine failed (later ones get the state's 503 before they start)
+        return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine failed: {error}")
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, error: Exception) -> JSONResponse:

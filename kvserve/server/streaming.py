@@ -4,7 +4,6 @@ logprob token text, and aborting on a client disconnect."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from pydantic import BaseModel
 
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from kvserve.server.errors import APIError, bad_request, error_body
+from kvserve.server.errors import APIError, bad_request, sse_failure
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
@@ -134,8 +133,7 @@ async def ending_on_failure(events: AsyncIterator[str]) -> AsyncIterator[str]:
         logger.exception("a stream failed midway")
         message = f"the engine failed: {error}" if isinstance(error, EngineDeadError) \
             else f"internal error: {type(error).__name__}"
-        yield f"data: {json.dumps(error_body(HTTPStatus.INTERNAL_SERVER_ERROR, message))}\n\n"
-        yield SSE_DONE
+        yield sse_failure(HTTPStatus.INTERNAL_SERVER_ERROR, message)
 
 
 def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:

@@ -214,3 +214,34 @@ def test_a_staging_slab_keeps_evicted_blocks_only_when_the_disk_lacks_them(tmp_p
     assert store.locate(on_disk.key) is Tier.DISK
     assert not store.wants_offload(on_disk.key, evicted=True)
     assert store.wants_offload(not_on_disk.key, evicted=True)
+
+
+def test_a_fifo_at_a_blocks_path_is_skipped_without_holding_the_reader(tmp_path: Path) -> None:
+    """A foreign entry that would block an open() (a FIFO; the same for a device) is never read as a block, and
+    the blocks after it still come back from disk."""
+    first, kv = _store(disk_dir=tmp_path), _storage()
+    blocks = _chain(first, 2)
+    _write_through(first, kv, blocks)
+    os.unlink(first.disk.path(blocks[0].key))
+    os.mkfifo(first.disk.path(blocks[0].key))
+    second = _store(disk_dir=tmp_path)
+    assert _prefetched(second, blocks) == [None, Tier.HOST]
+    assert second.stats()["kv_offload_corrupt_blocks"] == 1
+    second.close()
+
+
+def test_an_entry_in_a_blocks_way_costs_that_block_alone(tmp_path: Path, caplog) -> None:
+    """A directory where a block file would go fails that block's write (and a dangling symlink is not indexed):
+    the tier stays writable for every other block."""
+    store, kv = _store(disk_dir=tmp_path), _storage()
+    blocks = _chain(store, 3)
+    os.makedirs(store.disk.path(blocks[0].key))
+    (tmp_path / "ab").mkdir()
+    os.symlink(tmp_path / "nowhere", tmp_path / "ab" / ("ab" * 16 + ".kvb"))
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        restarted = _store(disk_dir=tmp_path)
+        assert "cannot use" not in caplog.text
+        _write_through(restarted, kv, blocks)
+    stats = restarted.stats()
+    assert stats["kv_offload_disk_writable"] and stats["kv_offload_disk_write_errors"] == 1
+    assert stats["kv_offload_disk_blocks"] == 2 and "not written" in caplog.text

@@ -384,3 +384,35 @@ def test_a_burst_sees_the_load_and_prefix_of_requests_still_waiting_for_headers(
     counts = {url: arrived.count(url) for url in fakes.urls}
     r0, r1 = fakes.urls
     assert counts[r0] == 9 + 1 and counts[r1] == 10, counts  # r0 by prefix until 9 ahead, then the two alternate
+
+
+def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    """The status went out as 200 with the first event: the client learns of the failure from an error event
+    in OpenAI's shape and [DONE], not from a stream that merely stops; the replica is marked down."""
+    fakes = FakeReplicas(1)
+    fakes.stream_forever = True
+
+    async def scenario() -> tuple[list[dict], bool]:
+        async with fakes:
+            router = Router(fakes.urls, make_policy("cache_aware"))
+            sent: list[dict] = []
+            first_event = asyncio.Event()
+
+            async def send(message: dict) -> None:
+                sent.append(message)
+                if message.get("body"):
+                    first_event.set()
+
+            relay = asyncio.create_task(router.proxy(*asgi_request({"prompt": "p", "stream": True}), send))
+            await asyncio.wait_for(first_event.wait(), 10)
+            server, _ = fakes.servers[0]
+            for connection in list(server.server_state.connections):  # the replica's process goes
+                connection.transport.abort()
+            await asyncio.wait_for(relay, 10)
+            return sent, router.replicas[0].healthy
+
+    sent, healthy = run(scenario())
+    *_, failure, end = sent
+    assert end == {"type": "http.response.body", "body": b"", "more_body": False} and not healthy
+    error_event, done = failure["body"].decode().split("\n\n", 1)
+    assert json.loads(error_event.removeprefix("data: "))["error"]["code"] == 502 and done == "data: [DONE]\n\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,29 @@ def test_the_full_parser_still_lists_the_router() -> None:
 def test_a_worker_url_without_a_scheme_is_a_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["router", "--worker", "localhost:8001"]) == 2
     assert "kvserve: error: a replica URL must be http://HOST[:PORT]" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl")
+def test_replica_processes_end_with_a_router_killed_on_the_spot() -> None:
+    """A router killed with SIGKILL runs no cleanup: its replicas end through the parent-death signal."""
+    router = subprocess.Popen([sys.executable, "-c", """
+import subprocess, sys, time
+from kvserve.router.launch import _die_with_parent  # what LocalReplicas starts each replica with
+replica = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=_die_with_parent)
+print(replica.pid, flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    replica_pid = int(router.stdout.readline())
+    router.kill()
+    router.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{replica_pid}").exists() and _state(replica_pid) != "Z":
+        assert time.monotonic() < deadline, "the replica outlived its router"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -184,11 +184,19 @@ def test_an_engine_that_fails_midway_ends_its_streams_with_an_error_and_stops_se
     try:
         assert asyncio.run(supervisor.on_tick(1)) is False
         body = {"prompt": "a", "max_tokens": 200, "stream": True}
+        whole: list[httpx.Response] = []
+        in_flight = threading.Thread(target=lambda: whole.append(httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": "b", "max_tokens": 200}, timeout=30)))
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))
+            in_flight.start()
+            while server.state.engine.num_unfinished() < 2:
+                time.sleep(0.01)
             server.fake.step_error = RuntimeError("device lost")
             rest = [line for line in lines if line]
+        in_flight.join(10)
+        assert whole[0].status_code == 503 and "the engine failed: device lost" in whole[0].json()["error"]["message"]
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert rest[-1] == "data: [DONE]" and error["code"] == 500 and "device lost" in error["message"]
         assert server.state.failure is not None
