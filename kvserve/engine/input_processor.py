@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence, Union
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.sample.grammar import StructuredOutputCompiler
-from kvserve.sampling_params import InvalidParameter, SamplingParams
+from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
 # A prompt is text, or {"prompt_token_ids": [...]} (optionally with the "prompt" text it came from).
 PromptInput = Union[str, Mapping[str, Any]]
@@ -36,10 +36,15 @@ class InputProcessor:
         text, token_ids = self._tokenize(prompt)
         self._check_token_ids(token_ids, "prompt_token_ids")
         if params.structured_outputs is not None:
-            if self.structured is None:
-                raise ValueError("structured output is not available in this engine")
-            self.structured.compile(params.structured_outputs)
+            self.check_constraint(params.structured_outputs)
         return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids)))
+
+    def check_constraint(self, spec: StructuredOutputsParams) -> None:
+        """ValueError naming the problem if ``spec`` does not compile (compiled now; later requests with the same
+        constraint find it in xgrammar's cache)."""
+        if self.structured is None:
+            raise ValueError("structured output is not available in this engine")
+        self.structured.compile(spec)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:

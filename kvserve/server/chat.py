@@ -39,7 +39,13 @@ from kvserve.server.streaming import (
     top_entries,
 )
 from kvserve.server.tool_parsers import NamedToolCallParser, ParsedDelta, ToolCallDelta, ToolCallParser, parse_tool_calls
-from kvserve.server.tools import for_template, needs_special_tokens, output_parser, tool_call_format
+from kvserve.server.tools import (
+    for_template,
+    needs_special_tokens,
+    output_parser,
+    tool_call_format,
+    tool_constraint,
+)
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
@@ -83,8 +89,19 @@ class ChatServer(GenerationHandler):
     async def start(self) -> AsyncIterator[list[RequestOutput]]:
         """Render and queue the conversation (raising APIError 400 for bad input); return the output stream."""
         body = self.body
+        if body.tools and self.tool_choice in ("auto", "none"):
+            await self._check_tool_schemas()
         prompt = await render_chat(self.engine, body.messages, body.add_generation_prompt, body.tool_dicts)
         return await self._generate([prompt])
+
+    async def _check_tool_schemas(self) -> None:
+        """A 400 for a tool whose parameters are no JSON schema, whatever ``tool_choice`` is: ``required`` and a
+        named function compile them as the output's constraint, and this compiles them (cached) for the rest."""
+        every_call = tool_constraint(self.body.tool_dicts or [], "required", parallel_tool_calls=True)
+        try:
+            await self.engine.call(lambda e: e.input_processor.check_constraint(every_call))
+        except ValueError as e:
+            raise bad_request(ValueError(f"tools: {e}"), param="tools") from e
 
     async def respond(self, stream: AsyncIterator[list[RequestOutput]]) -> ChatCompletionResponse:
         (out,) = await last_item(stream)

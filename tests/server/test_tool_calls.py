@@ -146,6 +146,8 @@ def test_a_tool_round_trip_renders_the_call_and_its_result(tool_client: openai.O
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "one constraint"),
     ({"functions": [{"name": "f"}]}, "functions is not supported"),
+    *(({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+        "tool_choice": choice}, "does not compile") for choice in ("auto", "none", "required")),
     ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "not JSON"),
