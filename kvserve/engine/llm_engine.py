@@ -20,7 +20,7 @@ from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.tiers import DEFAULT_STAGING_GIB, BlockFormat, TieredStore
 from kvserve.model.loader import Checkpoint, load_checkpoint
-from kvserve.model.registry import check_shardable, weight_format
+from kvserve.model.registry import check_quantize_activations, check_shardable, weight_format
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput
@@ -52,6 +52,8 @@ class LLMEngine:
             config.model.quantization, checkpoint, self.device, self.dtype, dtype_forced=config.model.dtype != "auto",
             tensor_parallel_size=tp_size, load_format=config.model.load_format,
         )
+        if config.model.quantize_activations:
+            check_quantize_activations(self.weight_format, self.device)
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
         workers = self._start_workers(checkpoint, tp_size)
@@ -77,7 +79,7 @@ class LLMEngine:
         logger.info(
             "kvserve: %s on %s (%s weights, %.1f MB%s, %s activations), %d KV blocks of %d tokens (%s)%s",
             self.location.name, self.device, runner.weights_format(), runner.weight_bytes / 1e6,
-            " before the dense layouts under way" if runner.layouts is not None else "", self.dtype,
+            " before the dense layouts under way" if runner.layouts is not None else "", runner.activations_format,
             self.num_kv_blocks,
             config.cache.block_size, runner.kv_cache_dtype.name,
             f", tensor parallel over {tp_size} ranks (KV blocks per rank)" if tp_size > 1 else "",
@@ -264,6 +266,7 @@ class LLMEngine:
             "kv_blocks_windowed": kv.num_windowed_blocks,  # held by sliding-window groups, bounded by their windows
             "kv_blocks_full": kv.num_blocks_total - num_free - kv.num_windowed_blocks,
             "weights_format": self.core.runner.weights_format(),
+            "activations_format": self.core.runner.activations_format,
             "weights_bytes": self.core.runner.weight_bytes,
             "kv_cache_dtype": self.core.runner.kv_cache_spec().kv_dtype.name,
             "kv_cache_bytes": self.core.runner.kv_cache_bytes,

@@ -157,6 +157,15 @@ def weight_format(
     return "gguf" if keeps_gguf_blocks(quantization, checkpoint, device, dtype, dtype_forced) else "dense"
 
 
+def check_quantize_activations(weights: str, device: torch.device) -> None:
+    """ValueError where ``quantize_activations`` would change nothing: int8 activations multiply weights kept
+    quantized on CPU (a GGUF's blocks, or int8 / int4 weight-only), and only those."""
+    if device.type != "cpu" or weights not in ("gguf", "gguf-mmap", *WEIGHT_ONLY_SCHEMES):
+        held = f"{weights} weights on {device.type}"
+        raise ValueError(f"quantize_activations (--quantize-activations) applies to weights kept quantized on CPU "
+                         f"(a GGUF's blocks, or quantization int8 / int4), not to {held}")
+
+
 def _mapped_format(
     quantization: str, checkpoint: Checkpoint, device: torch.device, dtype: torch.dtype, dtype_forced: bool,
     tensor_parallel_size: int,
@@ -308,7 +317,8 @@ def load_model(
         return _load_offloaded(checkpoint, backend, dtype, device, weights, quantize_activations, tp,
                                cpu_offload_bytes)
     if cpu_offload_bytes > 0:
-        logger.info("--cpu-offload-gb: the weights are in host memory already on %s; nothing to offload", device)
+        logger.warning("--cpu-offload-gb: the weights are in host memory already on %s; nothing to offload",
+                       device)
     method = select_linear_method(device, dtype, weights, quantize_activations, defer_dense)
     # the LM head multiplies fp32 activations whatever ``quantize_activations`` says: the logits are what sampling
     # reads, and on the default model int8 activations in the head alone turn its answer to "What is the capital

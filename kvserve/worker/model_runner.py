@@ -18,6 +18,7 @@ from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.kv.tiers import TieredStore, model_identity
 from kvserve.model.deferred_layout import DeferredLayouts
+from kvserve.model.layers.ggml_qdot import QDotGemm
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
@@ -73,6 +74,7 @@ class ModelRunner:
         self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations, self.tp,
                                 cpu_offload_bytes, defer_dense=dense_layouts_in_background)
         self._weights_format = self._find_weights_format()
+        self.activations_format = self._find_activations_format()
         self.weight_bytes = self.model.weight_bytes()  # this rank's; the draft model's are not counted
         self.layouts = DeferredLayouts.start(self.model)  # None unless some are left for after start-up
         self.grammar = GrammarProcessor(structured) if structured is not None else None
@@ -111,6 +113,15 @@ class ModelRunner:
             dense = str(self.dtype).removeprefix("torch.")
             return f"{dense} (mapped)" if self.weights == "dense-mmap" else dense
         return f"gguf {', '.join(kept)}" + (" (mapped)" if self.weights == "gguf-mmap" else "")
+
+    def _find_activations_format(self) -> str:
+        """What the linear layers multiply: the activations' dtype, or int8 codes of them where the int8 kernel
+        serves (``quantize_activations``)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if any(isinstance(getattr(getattr(layer, "method", None), "gemm", None), QDotGemm)
+               for layer in self.model.modules()):
+            return f"int8 into the linear layers ({dtype} elsewhere)"
+        return dtype
 
     def layer_windows(self) -> list[int | None]:
         return self.model.layer_windows()

@@ -302,10 +302,15 @@ def test_an_engine_keeps_the_blocks_and_agrees_with_the_dequantized_file(quantiz
     activations within 0.02 of its logprobs (measured 0.003) on this tiny random model."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     prompts = [{"prompt_token_ids": [5, 9, 30, 31, 40]}, {"prompt_token_ids": [7] * 3}]
-    runs = {}
+    runs, activations = {}, {}
     for name, options in {"exact": {}, "int8": {"quantize_activations": True}, "none": {"quantization": "none"}}.items():
         llm = LLM(str(quantized_gguf), num_kv_blocks=64, **options)
         runs[name] = (llm.stats()["weights_format"], llm.generate(prompts, params))
+        activations[name] = llm.stats()["activations_format"]
+    assert activations == {"exact": "float32", "int8": "int8 into the linear layers (float32 elsewhere)",
+                           "none": "float32"}
+    with pytest.raises(ValueError, match="quantize_activations .* not to dense weights on cpu"):
+        LLM(str(quantized_gguf), num_kv_blocks=64, quantization="none", quantize_activations=True)
     qtype = quantized_gguf.stem.removeprefix("tiny-").upper()
     held = GGMLGemm().layout_type(Q[qtype]).name  # the exact kernel's AVX2 build holds Q5_0 as Q8_0
     assert runs["exact"][0] == f"gguf {held}" and runs["none"][0] == "float32"
