@@ -168,17 +168,7 @@ def test_a_stream_reaches_the_client_before_the_replica_has_finished_it() -> Non
 
     async def scenario() -> tuple[bytes, int]:
         async with fakes:
-            router = Router(fakes.urls, make_policy("cache_aware"))
-            sent: list[dict] = []
-            first_event = asyncio.Event()
-
-            async def send(message: dict) -> None:
-                sent.append(message)
-                if message.get("body"):
-                    first_event.set()
-
-            relay = asyncio.create_task(router.proxy(*asgi_request({"prompt": "p", "stream": True}), send))
-            await asyncio.wait_for(first_event.wait(), 10)
+            relay, sent = await stream_until_first_event(Router(fakes.urls, make_policy("cache_aware")))
             relay.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await relay
@@ -186,6 +176,22 @@ def test_a_stream_reaches_the_client_before_the_replica_has_finished_it() -> Non
 
     first, status = run(scenario())
     assert status == 200 and first.startswith(b"data: 0\n\n")
+
+
+async def stream_until_first_event(router: Router) -> tuple[asyncio.Task, list[dict]]:
+    """A streamed completion relayed by ``router`` (its task, and the ASGI messages it sent), once the first
+    event is through."""
+    sent: list[dict] = []
+    first_event = asyncio.Event()
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+        if message.get("body"):
+            first_event.set()
+
+    relay = asyncio.create_task(router.proxy(*asgi_request({"prompt": "p", "stream": True}), send))
+    await asyncio.wait_for(first_event.wait(), 10)
+    return relay, sent
 
 
 def test_a_client_that_leaves_mid_stream_closes_the_replica_stream() -> None:
@@ -395,16 +401,7 @@ def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error_event() -> None
     async def scenario() -> tuple[list[dict], bool]:
         async with fakes:
             router = Router(fakes.urls, make_policy("cache_aware"))
-            sent: list[dict] = []
-            first_event = asyncio.Event()
-
-            async def send(message: dict) -> None:
-                sent.append(message)
-                if message.get("body"):
-                    first_event.set()
-
-            relay = asyncio.create_task(router.proxy(*asgi_request({"prompt": "p", "stream": True}), send))
-            await asyncio.wait_for(first_event.wait(), 10)
+            relay, sent = await stream_until_first_event(router)
             server, _ = fakes.servers[0]
             for connection in list(server.server_state.connections):  # the replica's process goes
                 connection.transport.abort()
