@@ -11,7 +11,6 @@ import functools
 import json
 import re
 import time
-import types
 import typing
 from typing import Annotated, Any, Literal, Union
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tests.attention.test_torch_ref as ref_tests
-from kvserve.attention import cpu_paged, selector
+from kvserve.attention import selector
 from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend
 from kvserve.attention.torch_ref import TorchRefBackend

@@ -9,7 +9,6 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 
 from kvserve.kv import tiers as tiers_module

@@ -9,7 +9,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.model.layers import fp8
 from kvserve.model.layers.fp8 import FP8_MAX, Fp8LinearMethod, quantize_rows, reference_fp8_linear
-from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
+from kvserve.model.layers.linear import Linear
 
 
 def test_rows_round_to_e4m3_within_a_sixteenth_of_their_magnitude() -> None:

@@ -3,7 +3,6 @@ a replica killed mid-run, and ``serve --data-parallel-size`` starting and stoppi
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

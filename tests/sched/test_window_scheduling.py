@@ -166,7 +166,6 @@ def _run_random_workload(scheduler: Scheduler, runner: GroupedFakeRunner, specs:
                          rng) -> None:
     """Requests of ``specs`` (prompt length, max_tokens, n, shares a prefix) added, aborted now and then, and
     stepped to the end, checking the manager and the runner's tables after every step."""
-    kv = scheduler.kv
     pending = [make_request(f"r{i}", p, max_tokens=m, n=n, prefix=shared_prefix(i % 2, min(p, 24)) if shared else [])
                for i, (p, m, n, shared) in enumerate(specs)]
     for _ in range(2000):
