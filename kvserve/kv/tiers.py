@@ -34,15 +34,16 @@ from __future__ import annotations
 
 import enum
 import errno
+import functools
 import hashlib
 import logging
 import os
+import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 FILE_SUFFIX = ".kvb"
 DEFAULT_STAGING_GIB = 0.25  # the host slab when only a disk tier is asked for: it stages reads and writes
+CLOSE_SECONDS = 5.0  # how long closing the tiers waits for an I/O thread (queued writes are flushed before)
 
 
 class Tier(enum.Enum):
@@ -209,6 +211,34 @@ def _stat_or_none(entry: os.DirEntry) -> os.stat_result | None:
 _DIRECTORY_WIDE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
 
 
+class IOThread:
+    """One daemon thread running the calls submitted to it, in order. Not a ThreadPoolExecutor, whose threads
+    the interpreter joins at exit: a read or write stuck in a hung filesystem would hold the process for good
+    (the engine flushes queued writes for a bounded time before it closes the tiers)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., None], *args: object) -> None:
+        self._calls.put(functools.partial(fn, *args))
+
+    def close(self, timeout: float) -> bool:
+        """Stop once the calls queued so far are done; False if they are not done within ``timeout``."""
+        self._calls.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            try:
+                call()
+            except Exception:  # a call's own faults are handled in it: this is a bug, logged, not the thread's end
+                logger.exception("%s: an I/O call failed", self.name)
+
+
 class DiskTier:
     """The index of one directory of block files, oldest first, and the file I/O on it. The index methods are
     locked by ``TieredStore``; ``write`` and ``read`` run unlocked on its I/O threads."""
@@ -317,8 +347,8 @@ class TieredStore:
         self._io_done = threading.Condition(self._lock)
         self._reading: set[bytes] = set()
         self._writing: set[bytes] = set()
-        self._reader = ThreadPoolExecutor(1, "kvserve-kv-read") if self.disk else None
-        self._writer = ThreadPoolExecutor(1, "kvserve-kv-write") if self.disk else None
+        self._reader = IOThread("kvserve-kv-read") if self.disk else None
+        self._writer = IOThread("kvserve-kv-write") if self.disk else None
 
     # ------------------------------------------------------------------------------ the KV manager's side
 
@@ -541,11 +571,13 @@ class TieredStore:
         with self._io_done:
             self._io_done.wait_for(lambda: not self._writing and not self._reading, timeout)
 
-    def close(self) -> None:
-        """Finish queued I/O and stop the I/O threads."""
-        for pool in (self._reader, self._writer):
-            if pool is not None:
-                pool.shutdown(wait=True)
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Finish queued I/O and stop the I/O threads, waiting at most ``timeout`` seconds for each: one stuck
+        in a hung filesystem is left behind (a daemon thread, it holds no process at exit), with a warning."""
+        for thread in (self._reader, self._writer):
+            if thread is not None and not thread.close(timeout):
+                logger.warning("KV disk tier: %s still waits on %s after %.0f s (a hung filesystem?); left behind",
+                               thread.name, self.disk.directory if self.disk else "the disk", timeout)
 
     def stats(self) -> dict[str, int | float | str]:
         c, bytes_per_block = self.counters, self.format.bytes_per_block

@@ -281,9 +281,11 @@ class ModelRunner:
                 self.sampler.fork(new.forked_from, new.request_id)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any, and the dense layouts still under way."""
+        """Stop the tensor-parallel workers, if any, the dense layouts still under way and the KV tiers' I/O."""
         if self.layouts is not None:
             self.layouts.stop()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
         self.peers.close()
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:

@@ -7,6 +7,8 @@ import errno
 import logging
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -244,3 +246,26 @@ def test_an_entry_in_a_blocks_way_costs_that_block_alone(tmp_path: Path, caplog)
     stats = restarted.stats()
     assert stats["kv_offload_disk_writable"] and stats["kv_offload_disk_write_errors"] == 1
     assert stats["kv_offload_disk_blocks"] == 2 and "not written" in caplog.text
+
+
+def test_closing_leaves_an_io_thread_stuck_in_a_hung_filesystem_behind(tmp_path: Path, caplog) -> None:
+    """A read or write that never returns (a hung mount) holds neither ``close`` past its timeout nor the
+    process at exit: the I/O threads are daemons, and the call left behind is warned of."""
+    store = _store(disk_dir=tmp_path)
+    hung = threading.Event()
+    store._reader.submit(hung.wait)
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        started = time.monotonic()
+        store.close(timeout=0.2)
+    assert time.monotonic() - started < 2 and "kvserve-kv-read still waits" in caplog.text
+    assert store._reader._thread.daemon
+    hung.set()
+
+
+def test_an_io_call_that_raises_is_logged_and_the_thread_goes_on(caplog) -> None:
+    thread, done = tiers_module.IOThread("kvserve-test-io"), threading.Event()
+    with caplog.at_level(logging.ERROR, logger="kvserve.kv.tiers"):
+        thread.submit(lambda: 1 / 0)
+        thread.submit(done.set)
+        assert done.wait(5) and thread.close(5)
+    assert "an I/O call failed" in caplog.text
