@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 class InvalidParameter(ValueError):
@@ -67,6 +71,27 @@ class StructuredOutputsParams:
             else "choice" if self.choice is not None else "grammar"
 
 
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_biases(logit_bias: object) -> dict[int, float]:
+    """``logit_bias`` as {token id: finite bias}; InvalidParameter naming what is not (a NaN bias would win
+    every argmax)."""
+    if not isinstance(logit_bias, Mapping):
+        raise InvalidParameter("logit_bias", f"logit_bias must be a dict of token id to bias, got "
+                                             f"{type(logit_bias).__name__}")
+    biases = {}
+    for key, value in logit_bias.items():
+        if not (_is_integer(key) or isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key)):
+            raise InvalidParameter("logit_bias", f"logit_bias: key {key!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise InvalidParameter("logit_bias", f"logit_bias: the bias of token {key} must be a finite number, "
+                                                 f"got {value!r}")
+        biases[int(key)] = float(value)
+    return biases
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request and when to stop it.
@@ -86,7 +111,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
+    logit_bias: Mapping[int | str, float] | None = None  # a dict of token id to bias once constructed
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -109,6 +134,7 @@ class SamplingParams:
     REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         self._check_ranges()
@@ -119,10 +145,23 @@ class SamplingParams:
             raise InvalidParameter("stop", "stop must hold non-empty strings only")
         self.stop_strings = tuple(stops)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_integer(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidParameter("stop_token_ids", "stop_token_ids must hold non-negative integers only")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _token_biases(self.logit_bias)
+
+    def _check_types(self) -> None:
+        """InvalidParameter naming a field of the wrong type, before any range is checked or any step sees it; a
+        number of another numeric type (numpy's) becomes Python's own. A bool is no number here (``n=True``)."""
+        for name, (kind, optional) in _FIELD_KINDS.items():
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            accepts, described, convert = _KINDS[kind]
+            if not accepts(value):
+                raise InvalidParameter(name, f"{name} must be {described}, got {type(value).__name__}")
+            setattr(self, name, convert(value))
 
     def _check_ranges(self) -> None:
         low, high = self.REPETITION_PENALTY_RANGE
@@ -153,3 +192,26 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < self.GREEDY_BELOW
+
+
+# Each field's kind, and whether it may be None: checked once, at construction (``SamplingParams._check_types``).
+_FIELD_KINDS: dict[str, tuple[str, bool]] = {
+    "n": ("integer", False), "top_k": ("integer", False), "min_tokens": ("integer", False),
+    "max_tokens": ("integer", True), "seed": ("integer", True), "logprobs": ("integer", True),
+    "prompt_logprobs": ("integer", True),
+    "temperature": ("number", False), "top_p": ("number", False), "min_p": ("number", False),
+    "repetition_penalty": ("number", False), "presence_penalty": ("number", False),
+    "frequency_penalty": ("number", False),
+    "ignore_eos": ("bool", False), "include_stop_str_in_output": ("bool", False),
+    "skip_special_tokens": ("bool", False),
+    "stop": ("strings", True), "stop_token_ids": ("ids", True), "structured_outputs": ("constraint", True),
+}
+# kind -> (accepts a value, what it must be, how it is kept)
+_KINDS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
+    "integer": (_is_integer, "an integer", int),
+    "number": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number", float),
+    "bool": (lambda v: isinstance(v, bool), "true or false", bool),
+    "strings": (lambda v: isinstance(v, (str, list, tuple)), "a string or a list of strings", lambda v: v),
+    "ids": (lambda v: isinstance(v, (list, tuple)), "a list of token ids", lambda v: v),
+    "constraint": (lambda v: isinstance(v, StructuredOutputsParams), "a StructuredOutputsParams", lambda v: v),
+}

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
 
 @pytest.mark.parametrize("penalty", [0.0, 1e-300, 1e-7, 2e6])
@@ -28,3 +29,32 @@ def test_a_constraint_of_the_wrong_type_is_refused_by_name(fields: dict, fragmen
 
 def test_a_choice_list_becomes_a_tuple() -> None:
     assert StructuredOutputsParams(choice=["a", "b"]).choice == ("a", "b")
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    (dict(n=1.5), "n must be an integer, got float"),
+    (dict(n=True), "n must be an integer, got bool"),
+    (dict(temperature="0"), "temperature must be a number, got str"),
+    (dict(max_tokens=3.5), "max_tokens must be an integer, got float"),
+    (dict(seed="x"), "seed must be an integer, got str"),
+    (dict(logprobs=True), "logprobs must be an integer, got bool"),
+    (dict(ignore_eos="no"), "ignore_eos must be true or false, got str"),
+    (dict(stop=5), "stop must be a string or a list of strings, got int"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids, got int"),
+    (dict(logit_bias=[1, 2]), "logit_bias must be a dict of token id to bias, got list"),
+    (dict(logit_bias={"a": 1.0}), "logit_bias: key 'a' is not a token id"),
+    (dict(logit_bias={9: float("nan")}), "the bias of token 9 must be a finite number"),
+    (dict(structured_outputs={"json": {}}), "structured_outputs must be a StructuredOutputsParams, got dict"),
+])
+def test_a_field_of_the_wrong_type_is_refused_by_name_at_construction(fields: dict, fragment: str) -> None:
+    (name,) = fields
+    with pytest.raises(InvalidParameter, match=fragment) as raised:
+        SamplingParams(**fields)
+    assert raised.value.param == name
+
+
+def test_numbers_of_other_numeric_types_become_pythons_own() -> None:
+    params = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), stop_token_ids=[np.int64(3)],
+                            logit_bias={np.int64(4): 1, "5": np.float64(-2.0)}, seed=2**70)
+    assert type(params.n) is int and type(params.temperature) is float and params.stop_token_ids == [3]
+    assert params.logit_bias == {4: 1.0, 5: -2.0} and all(type(k) is int for k in params.logit_bias)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Sequence
 
 import torch
 
+from kvserve.sample.json_schema import enforceable_schema
 from kvserve.sample.metadata import SamplingRow
 from kvserve.sample.processor import LogitsProcessor
 from kvserve.sample.token_mask import apply_token_mask
@@ -40,6 +41,16 @@ from kvserve.sampling_params import StructuredOutputsParams
 if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
+
+
+def _schema_object(schema: dict[str, Any] | str) -> Any:
+    """A JSON schema given as an object or as its text, as an object."""
+    if not isinstance(schema, str):
+        return schema
+    try:
+        return json.loads(schema)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"structured output: the JSON schema is not JSON: {error}") from None
 
 
 class StructuredOutputCompiler:
@@ -58,8 +69,8 @@ class StructuredOutputCompiler:
         compiler = self._get_compiler()
         try:
             if spec.json is not None:
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                return compiler.compile_json_schema(schema, any_whitespace=False)
+                schema = enforceable_schema(_schema_object(spec.json))
+                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
             if spec.json_object:  # OpenAI's json_object: a JSON object (xgrammar's builtin takes any value)
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.regex is not None:

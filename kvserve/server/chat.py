@@ -107,7 +107,7 @@ class ChatServer(GenerationHandler):
         (out,) = await last_item(stream)
         choices = []
         for s in out.outputs:
-            message, finish_reason = self._message(s.text, str(s.finish_reason))
+            message, finish_reason = self._message(s.text, str(s.finish_reason), s.stop_reason)
             choices.append(ChatChoice(index=s.index, message=message, finish_reason=finish_reason,
                                       stop_reason=s.stop_reason, logprobs=self._logprobs(s.token_ids, s.logprobs)))
         return ChatCompletionResponse(
@@ -126,7 +126,7 @@ class ChatServer(GenerationHandler):
         outputs: list[RequestOutput] = []
         async for outputs in stream:
             for index, delta in cursor.advance(outputs):
-                message, finish_reason = self._delta(index, delta.text, delta.finish_reason)
+                message, finish_reason = self._delta(index, delta.text, delta.finish_reason, delta.stop_reason)
                 logprobs = self._logprobs(delta.token_ids, delta.logprobs)
                 if message.content is None and message.tool_calls is None and finish_reason is None \
                         and logprobs is None:
@@ -147,7 +147,7 @@ class ChatServer(GenerationHandler):
             self._parsers[index] = self._new_parser()
         return self._parsers[index]
 
-    def _message(self, text: str, finish_reason: str) -> tuple[AssistantMessage, str]:
+    def _message(self, text: str, finish_reason: str, stop_reason: int | str | None) -> tuple[AssistantMessage, str]:
         """A whole sample's message: its content, or its tool calls and what content they leave."""
         parser = self._new_parser()
         if parser is None:
@@ -156,9 +156,11 @@ class ChatServer(GenerationHandler):
         if not calls:
             return AssistantMessage(content=content), finish_reason
         tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        return AssistantMessage(content=content.strip() or None, tool_calls=tool_calls), _calls_finish(finish_reason)
+        message = AssistantMessage(content=content.strip() or None, tool_calls=tool_calls)
+        return message, _calls_finish(finish_reason, stop_reason)
 
-    def _delta(self, index: int, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
+    def _delta(self, index: int, text: str, finish_reason: str | None,
+               stop_reason: int | str | None) -> tuple[DeltaMessage, str | None]:
         """A streamed piece of choice ``index``: content, pieces of calls, and the finish reason with the last."""
         parser = self._parser(index)
         if parser is None:
@@ -167,7 +169,7 @@ class ChatServer(GenerationHandler):
         if finish_reason is not None:
             parsed.extend(parser.finish())
             if parser.num_calls:
-                finish_reason = _calls_finish(finish_reason)
+                finish_reason = _calls_finish(finish_reason, stop_reason)
         tool_calls = [_delta_call(d) for d in _merged(parsed)] or None
         return DeltaMessage(content=parsed.content or None, tool_calls=tool_calls), finish_reason
 
@@ -190,9 +192,10 @@ class ChatServer(GenerationHandler):
         return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=list(token.encode("utf-8")))
 
 
-def _calls_finish(finish_reason: str) -> str:
-    """A sample that ended by itself after calling tools finished for its calls (one cut by max_tokens did not)."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def _calls_finish(finish_reason: str, stop_reason: int | str | None) -> str:
+    """A sample that ended by itself after calling tools finished for its calls; one cut by max_tokens, a stop
+    string or a stop token did not (its last call's arguments may be cut short), and keeps its reason."""
+    return "tool_calls" if finish_reason == "stop" and stop_reason is None else finish_reason
 
 
 def _merged(parsed: ParsedDelta) -> list[ToolCallDelta]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import time
 import typing
 from typing import Annotated, Any, Literal, Union
@@ -241,17 +240,12 @@ class SamplingRequest(_Body):
         )
 
 
-def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
-    if logit_bias is None:
-        return None
-    bias: dict[int, float] = {}
-    for key, value in logit_bias.items():
-        if not re.fullmatch(r"-?[0-9]+", key):  # ASCII digits: str.isdigit takes "²", which int() refuses
-            raise InvalidParameter("logit_bias", f"logit_bias: key {key!r} is not a token id")
+def _token_bias(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+    """OpenAI's bound on each bias (SamplingParams reads the keys as token ids)."""
+    for key, value in (logit_bias or {}).items():
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise InvalidParameter("logit_bias", f"logit_bias: value {value} for token {key} is outside [-100, 100]")
-        bias[int(key)] = value
-    return bias
+    return logit_bias
 
 
 # ---- completions ----
@@ -421,6 +415,14 @@ class FunctionDefinition(_Body):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None  # kvserve enforces every schema it is given
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        if parameters is not None and parameters.get("type") != "object":
+            raise ValueError("a function's parameters must be a JSON schema of type object (its arguments are a "
+                             f"JSON object), got type {parameters.get('type')!r}")
+        return parameters
 
 
 class ChatTool(_Body):

@@ -28,7 +28,8 @@ from kvserve.server.tool_parsers import (
 )
 
 TOOL_CALL_PARSERS = ("auto", *FORMATS)
-_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# OpenAI: a function whose parameters are left out takes none
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def tool_constraint(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str, Any],
@@ -37,13 +38,13 @@ def tool_constraint(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str
     ``{"type": "function", "function": {...}}`` dicts."""
     if isinstance(tool_choice, dict):
         function = _function(tools, tool_choice["function"]["name"])
-        return StructuredOutputsParams(json=function.get("parameters") or _ANY_OBJECT)
+        return StructuredOutputsParams(json=function.get("parameters") or _NO_PARAMETERS)
     if tool_choice != "required":
         return None
     calls = [
         {"type": "object",
          "properties": {"name": {"const": t["function"]["name"]},
-                        "parameters": t["function"].get("parameters") or _ANY_OBJECT},
+                        "parameters": t["function"].get("parameters") or _NO_PARAMETERS},
          "required": ["name", "parameters"]}
         for t in tools
     ]

@@ -146,8 +146,11 @@ def test_a_tool_round_trip_renders_the_call_and_its_result(tool_client: openai.O
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "one constraint"),
     ({"functions": [{"name": "f"}]}, "functions is not supported"),
-    *(({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
-        "tool_choice": choice}, "does not compile") for choice in ("auto", "none", "required")),
+    *(({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "foo"}}}}}], "tool_choice": choice}, "does not compile")
+      for choice in ("auto", "none", "required")),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "must be a JSON schema of type object"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "not JSON"),
@@ -194,3 +197,25 @@ def test_langchain_bind_tools_and_with_structured_output(tool_server: ServerProc
         assert isinstance(tool_by_name[message.tool_calls[0]["name"]].invoke(message.tool_calls[0]["args"]), str)
     forecast = chat.with_structured_output(Forecast).invoke("The weather in Oslo, please.")
     assert isinstance(forecast, Forecast)
+
+
+def test_a_function_without_parameters_is_called_with_none(tool_client: openai.OpenAI) -> None:
+    """OpenAI: parameters left out define a function of no arguments, so its arguments are {}."""
+    tick = {"type": "function", "function": {"name": "tick"}}
+    answer = create(tool_client, tools=[tick], tool_choice={"type": "function", "function": {"name": "tick"}})
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "tick" and json.loads(call.function.arguments) == {}
+
+
+def test_calls_cut_by_a_stop_string_do_not_finish_as_tool_calls(tool_client: openai.OpenAI) -> None:
+    """A stop string ends the constrained output midway: the reply keeps finish_reason stop and names the
+    string, since the last call's arguments are no whole JSON object (max_tokens gives length the same way)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        if stream:
+            _, _, finish = streamed_calls(tool_client, tools=TOOLS, tool_choice=named, stop=[","])
+        else:
+            answer = create(tool_client, tools=TOOLS, tool_choice=named, stop=[","])
+            finish = answer.choices[0].finish_reason
+            assert answer.choices[0].stop_reason == ","
+        assert finish == "stop", stream
