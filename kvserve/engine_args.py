@@ -159,6 +159,9 @@ class EngineArgs:
     @staticmethod
     def speculative_options(speculative_config: dict[str, Any]) -> dict[str, Any]:
         """vLLM's ``speculative_config`` dict as our flat options; an unknown key is a ValueError naming it."""
+        if not isinstance(speculative_config, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram'}}, got "
+                             f"{type(speculative_config).__name__}")
         unknown = set(speculative_config) - set(_SPECULATIVE_CONFIG_KEYS)
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; expected some of "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any, Mapping, Sequence, Union
 
 from transformers import PreTrainedTokenizerBase
@@ -35,6 +36,7 @@ class InputProcessor:
         constraint that does not compile included: compiled here, the runner finds it in xgrammar's cache)."""
         text, token_ids = self._tokenize(prompt)
         self._check_token_ids(token_ids, "prompt_token_ids")
+        token_ids = [int(t) for t in token_ids]
         if params.structured_outputs is not None:
             self.check_constraint(params.structured_outputs)
         return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids)))
@@ -78,8 +80,8 @@ class InputProcessor:
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
     def _check_token_ids(self, token_ids: Sequence[Any], what: str) -> None:
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+        for t in token_ids:  # numpy's integers too (``process`` keeps Python's)
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
                 raise InvalidParameter(what, f"{what}: {t!r} is not a token id of this model (vocabulary size "
                                              f"{self.vocab_size})")
 

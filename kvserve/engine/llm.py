@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from kvserve.config import DEFAULT_MODEL
+from kvserve.engine.chat_messages import for_template, template_message
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.input_processor import ChatMessages, PromptInput
 from kvserve.engine.llm_engine import LLMEngine
@@ -28,7 +29,11 @@ class LLM:
         "model": PATH, ...}``) is accepted too."""
         speculative_config = engine_options.pop("speculative_config", None)
         if speculative_config is not None:
-            engine_options.update(EngineArgs.speculative_options(speculative_config))
+            for key, value in EngineArgs.speculative_options(speculative_config).items():
+                if engine_options.get(key, value) != value:
+                    raise ValueError(f"{key}={engine_options[key]!r} and speculative_config's {value!r} disagree: "
+                                     "give it one way")
+                engine_options[key] = value
         config = EngineArgs(model=model, **engine_options).create_engine_config()
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
@@ -49,13 +54,16 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError("prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got "
+                            f"{type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts))
         processed = [self.engine.input_processor.process(p, sp) for p, sp in zip(prompts, params)]
         request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
         try:
             for rid, p in zip(request_ids, processed):
                 self.engine.add_request(rid, {"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids}, p.params)
-        except ValueError:  # e.g. a request larger than the whole KV cache: leave nothing queued
+        except BaseException:  # e.g. a request larger than the whole KV cache: leave nothing queued
             self.engine.abort_request(request_ids)
             raise
         return self._run(request_ids, use_tqdm and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS)
@@ -66,14 +74,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {'role', 'content'}) or a list of conversations."""
+        """Generate replies to one conversation (a list of {'role', 'content'} in OpenAI's shape: text parts,
+        assistant ``tool_calls`` and ``tool`` results included) or a list of conversations. ``tools`` (OpenAI's
+        ``{"type": "function", "function": {...}}``) go to the template as the server sends them; the replies are
+        the model's text, in whatever format it writes calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        prompts = [
-            self.engine.input_processor.apply_chat_template(c, add_generation_prompt) for c in conversations
-        ]
+        processor, template = self.engine.input_processor, self.engine.tokenizer.chat_template
+        prompts = []
+        for conversation in conversations:
+            messages_in, template_tools = for_template(
+                [template_message(m, i) for i, m in enumerate(conversation)], tools,
+                template if isinstance(template, str) else None)
+            prompts.append(processor.apply_chat_template(messages_in, add_generation_prompt, template_tools))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict[str, Any]:
@@ -88,6 +104,9 @@ class LLM:
             return [SamplingParams()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
+        if not isinstance(sampling_params, (list, tuple)) or \
+                not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(sampling_params) != num_prompts:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
         return list(sampling_params)

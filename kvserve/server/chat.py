@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import jinja2
 
+from kvserve.engine.chat_messages import for_template, template_message
 from kvserve.outputs import PositionLogprobs, RequestOutput
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import (
@@ -40,7 +41,6 @@ from kvserve.server.streaming import (
 )
 from kvserve.server.tool_parsers import NamedToolCallParser, ParsedDelta, ToolCallDelta, ToolCallParser, parse_tool_calls
 from kvserve.server.tools import (
-    for_template,
     needs_special_tokens,
     output_parser,
     tool_call_format,
@@ -57,7 +57,8 @@ async def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_gene
     tokenizer); a template that rejects the conversation (e.g. roles that do not alternate) is a 400."""
     try:
         conversation, template_tools = for_template(
-            [m.template_dict() for m in messages], tools, _chat_template(engine.engine.tokenizer)
+            [template_message(m.model_dump(exclude_none=True), i) for i, m in enumerate(messages)], tools,
+            _chat_template(engine.engine.tokenizer),
         )
         return await engine.call(
             lambda e: e.input_processor.apply_chat_template(conversation, add_generation_prompt, template_tools)

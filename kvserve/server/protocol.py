@@ -8,7 +8,6 @@ a misspelt or unimplemented field never silently does nothing. A field sent as n
 from __future__ import annotations
 
 import functools
-import json
 import time
 import typing
 from typing import Annotated, Any, Literal, Union
@@ -382,33 +381,6 @@ class ChatMessage(_Body):
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
-
-    def template_dict(self) -> dict[str, Any]:
-        """The message as the chat template expects it: text parts joined, like vLLM, with newlines; a call's
-        arguments as a dict, as transformers' templates take them."""
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                for c in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise ValueError(f"tool call arguments are not JSON: {text[:80]!r}") from None
-
 
 class FunctionDefinition(_Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")

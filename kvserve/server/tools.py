@@ -6,18 +6,15 @@ template.
   the named function's parameters object; ``auto`` lets the model write its own call format, which a
   ``tool_parsers`` parser reads out of the text (``--tool-call-parser``, or the format the chat template
   names). ``none`` shows the tools to the template and reads nothing.
-- Templates that take ``tools`` get them as transformers passes them (``--tool-call-parser`` or the
-  template's own markers say which format to read). A template that knows no tools (the
-  default SmolLM2's among them) still gets a working tool conversation: the tools are described in the
-  system message in the Hermes format (which the parser then reads), earlier calls are written into the
-  assistant's text as ``<tool_call>`` blocks and tool results go back as ``<tool_response>`` blocks.
+- How a conversation with tools reaches a chat template (described in the Hermes format where the template
+  takes none) is ``engine/chat_messages.py``'s, which the offline ``LLM.chat`` shares.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
+from kvserve.engine.chat_messages import takes_tools
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.server.tool_parsers import (
     FORMATS,
@@ -80,52 +77,6 @@ def output_parser(tool_choice: str | dict[str, Any], parallel_tool_calls: bool,
 def needs_special_tokens(fmt: ToolCallFormat, special_tokens: Sequence[str]) -> bool:
     """Whether the format's markers are special tokens, which the detokenizer would otherwise drop."""
     return any(marker in special_tokens for marker in fmt.markers)
-
-
-def takes_tools(chat_template: str | None) -> bool:
-    return chat_template is not None and "tools" in chat_template
-
-
-def for_template(conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
-                 chat_template: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The conversation and the tools to render: unchanged for a template that takes tools; for one that
-    does not, calls and results as Hermes blocks in the text (a result speaks as the user, which every
-    template takes) and the tools described in the system message."""
-    if takes_tools(chat_template):
-        return conversation, list(tools) if tools else None
-    conversation = [_with_calls_in_text(m) for m in conversation]
-    return (_describe_tools(conversation, tools) if tools else conversation), None
-
-
-def _describe_tools(conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    preamble = (
-        "You can call functions to answer. Their signatures, one JSON object a line:\n<tools>\n"
-        f"{lines}\n</tools>\n"
-        "To call one, reply with a JSON object naming it and giving its arguments, inside a <tool_call> block:\n"
-        '<tool_call>\n{"name": "function name", "arguments": {"argument": "value"}}\n</tool_call>'
-    )
-    out = list(conversation)
-    if out and out[0]["role"] == "system":
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{preamble}"}
-    else:
-        out.insert(0, {"role": "system", "content": preamble})
-    return out
-
-
-def _with_calls_in_text(message: dict[str, Any]) -> dict[str, Any]:
-    if message["role"] == "tool":
-        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
-    calls = message.get("tool_calls")
-    if not calls:
-        return message
-    blocks = [
-        "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                     ensure_ascii=False) + "\n</tool_call>"
-        for c in calls
-    ]
-    text = "\n".join(([message["content"]] if message["content"] else []) + blocks)
-    return {key: value for key, value in message.items() if key != "tool_calls"} | {"content": text}
 
 
 def _function(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -157,3 +158,66 @@ def test_aborted_requests_leave_no_sampler_state(llm: LLM) -> None:
     engine.step()  # the abort reaches the runner with the next step's diff
     assert engine.core.runner.sampler.num_states == 0
     assert llm.stats()["num_blocks_used"] == 0 or llm.engine.config.cache.enable_prefix_caching
+
+
+@pytest.mark.parametrize("prompts, sampling_params, fragment", [
+    (None, None, "prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got NoneType"),
+    (5, None, "got int"),
+    ((p for p in ["a"]), None, "got generator"),
+    (b"hi", None, "got bytes"),
+    (["a"], {"max_tokens": 3}, "sampling_params must be a SamplingParams or a list of them"),
+    (["a", "b"], [SamplingParams(), {"max_tokens": 3}], "sampling_params must be a SamplingParams"),
+])
+def test_arguments_of_the_wrong_type_say_what_they_must_be(llm: LLM, prompts, sampling_params, fragment) -> None:
+    with pytest.raises(TypeError, match=fragment):
+        llm.generate(prompts, sampling_params)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_any_failure_while_queueing_leaves_nothing_queued(llm: LLM, monkeypatch) -> None:
+    add, calls = llm.engine.add_request, []
+
+    def add_then_fail(*args, **kwargs) -> None:
+        calls.append(args)
+        if len(calls) == 2:
+            raise RuntimeError("interrupted")
+        add(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine, "add_request", add_then_fail)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2))
+    monkeypatch.undo()
+    stats = llm.stats()  # the one queued is aborted (the next step's diff frees its runner state)
+    assert stats["num_running"] == stats["num_waiting"] == stats["num_blocks_used"] == 0
+    assert len(llm.generate(["d"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+def test_numpy_token_ids_are_token_ids(llm: LLM) -> None:
+    out = llm.generate({"prompt_token_ids": list(np.array([5, 6, 7]))}, SamplingParams(max_tokens=1))[0]
+    assert out.prompt_token_ids == [5, 6, 7] and all(type(t) is int for t in out.prompt_token_ids)
+
+
+def test_chat_takes_openai_shaped_conversations_and_tools(llm: LLM) -> None:
+    """Text parts, an assistant's calls with JSON-text arguments and a tool's result render as the server renders
+    them; tools reach a template that takes none described in the system message."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "?"}]},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    tick = {"type": "function", "function": {"name": "tick"}}  # short: the tiny model's context is 512 bytes
+    plain, with_tools = llm.chat(conversation, params), llm.chat(conversation, params, tools=[tick])
+    prompt = llm.get_tokenizer().decode(with_tools[0].prompt_token_ids)
+    assert '"tick"' in prompt and "<tool_response>\n-3 C\n</tool_response>" in prompt
+    assert len(with_tools[0].prompt_token_ids) > len(plain[0].prompt_token_ids)
+    with pytest.raises(ValueError, match=r"messages\[1\]: tool call arguments are not JSON"):
+        llm.chat([conversation[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "f", "arguments": "{x"}}]}], params)
+
+
+def test_speculative_config_given_twice_or_not_as_a_dict_is_refused(tiny_checkpoints) -> None:
+    path = str(tiny_checkpoints["llama"])
+    with pytest.raises(ValueError, match="speculative_method='draft' and speculative_config's 'ngram' disagree"):
+        LLM(path, speculative_config={"method": "ngram"}, speculative_method="draft")
+    with pytest.raises(ValueError, match="speculative_config must be a dict"):
+        LLM(path, speculative_config="ngram")

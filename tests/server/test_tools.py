@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.server.tool_parsers import FORMATS
-from kvserve.server.tools import for_template, tool_call_format, tool_constraint
+from kvserve.server.tools import tool_call_format, tool_constraint
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -67,24 +67,6 @@ def test_the_call_format_follows_the_template() -> None:
     assert tool_call_format("auto", "{{ tools }} [TOOL_CALLS]") is FORMATS["mistral"]
     assert tool_call_format("auto", "{{ tools }} <|python_tag|>") is FORMATS["llama3_json"]
     assert tool_call_format("llama3_json", "{{ tools }}") is FORMATS["llama3_json"]
-
-
-def test_a_template_without_tools_gets_them_described_and_calls_as_text() -> None:
-    conversation = [
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": "-3 C", "tool_call_id": "call_1"},
-    ]
-    rendered, tools = for_template(conversation, [WEATHER], chat_template="{{ messages }}")
-    assert tools is None
-    assert rendered[0]["role"] == "system" and '"get_weather"' in rendered[0]["content"]
-    assert "<tool_call>" in rendered[0]["content"]
-    assert rendered[2] == {"role": "assistant", "content":
-                           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'}
-    assert rendered[3] == {"role": "user", "content": "<tool_response>\n-3 C\n</tool_response>"}
-    unchanged, passed = for_template(conversation, [WEATHER], chat_template=TOOLS_TEMPLATE)
-    assert unchanged == conversation and passed == [WEATHER]
 
 
 def test_a_template_that_takes_tools_receives_them(tokenizer) -> None:

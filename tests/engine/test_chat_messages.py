@@ -1,0 +1,49 @@
+"""Chat messages as templates take them: OpenAI's shape normalised (text parts, missing content, a call's
+arguments as a dict), refused by position where it cannot be rendered; tools described where the template takes
+none."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.engine.chat_messages import for_template, template_message
+from tests.server.test_tools import TOOLS_TEMPLATE, WEATHER
+
+
+def test_a_message_is_normalised_as_templates_take_it() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    assert template_message({"role": "assistant", "content": None, "tool_calls": [call]})["tool_calls"][0] == \
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert template_message(parts) == {"role": "user", "content": "a\nb"}
+    assert template_message({"role": "assistant", "content": None})["content"] == ""
+
+
+@pytest.mark.parametrize("message, fragment", [
+    ({"content": "hi"}, r"messages\[3\] must be a dict with a 'role'"),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, r"messages\[3\].content must be text"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]},
+     "tool call arguments are not JSON"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}, "each call needs a function with a name"),
+])
+def test_a_message_that_cannot_be_rendered_is_refused_by_position(message: dict, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        template_message(message, 3)
+
+
+def test_a_template_without_tools_gets_them_described_and_calls_as_text() -> None:
+    conversation = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "-3 C", "tool_call_id": "call_1"},
+    ]
+    rendered, tools = for_template(conversation, [WEATHER], chat_template="{{ messages }}")
+    assert tools is None
+    assert rendered[0]["role"] == "system" and '"get_weather"' in rendered[0]["content"]
+    assert "<tool_call>" in rendered[0]["content"]
+    assert rendered[2] == {"role": "assistant", "content":
+                           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'}
+    assert rendered[3] == {"role": "user", "content": "<tool_response>\n-3 C\n</tool_response>"}
+    unchanged, passed = for_template(conversation, [WEATHER], chat_template=TOOLS_TEMPLATE)
+    assert unchanged == conversation and passed == [WEATHER]
