@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
@@ -18,6 +19,7 @@ from kvserve.sched.scheduler import Scheduler
 from kvserve.worker.model_runner import ModelRunner
 
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
+logger = logging.getLogger(__name__)
 DISK_READ_WAIT_SECONDS = 0.05
 
 
@@ -33,6 +35,9 @@ def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.de
         free_bytes, _ = torch.cuda.mem_get_info(device)
         budget = free_bytes * cache.gpu_memory_utilization
     else:
+        if cache.gpu_memory_utilization != CacheConfig.gpu_memory_utilization:  # asked for, and changes nothing
+            logger.warning("--gpu-memory-utilization is not used: the KV cache is sized by --kv-cache-memory "
+                           "(default %s GiB off CUDA)", DEFAULT_CPU_KV_CACHE_GIB)
         budget = (cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB) * 2**30
     num_blocks = min(int(budget // bytes_per_block), max_blocks_needed)
     if num_blocks < 1:

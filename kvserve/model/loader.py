@@ -54,6 +54,8 @@ class Checkpoint:
     # the floating dtypes a safetensors checkpoint's headers name (empty for a GGUF or a dummy): where they are the
     # model's, the tensors come out as views of the mapped file, uncast
     stored_dtypes: frozenset[torch.dtype] = frozenset()
+    # a GGUF's matrices (2-D tensors) by their ggml type: which the block kernels can keep as blocks
+    gguf_matrix_types: dict[str, int] = field(default_factory=dict)
 
     def weights(self, keep_quantized: frozenset[int] = frozenset(), mapped: bool = False) -> WeightIterator:
         """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype (a
@@ -196,6 +198,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         max_model_len=_max_model_len(config, path),
         read_weights=partial(_read_gguf, path, index, dtype),
         is_gguf=True,
+        gguf_matrix_types={entry.name: entry.qtype for entry in index.tensors if len(entry.dims) == 2},
     )
 
 

@@ -225,6 +225,10 @@ def keeps_gguf_blocks(
     if quantization == "none" or not checkpoint.is_gguf and quantization == "auto":
         return False
     possible = "" if checkpoint.is_gguf else "the checkpoint is not a GGUF file"
+    unread = _unread_block_types(checkpoint, device)
+    if quantization == "gguf" and unread and not possible:
+        raise ValueError(f"quantization='gguf': the block kernel does not read {unread}, which would be dequantized "
+                         "(use quantization='auto', which does that)")
     if not possible and device.type == "cuda":
         # Triton's kernel, at the model's dtype: asked for by name until a GPU session has measured it
         return quantization == "gguf"
@@ -234,7 +238,10 @@ def keeps_gguf_blocks(
         possible = "the GGUF block kernel could not be built (see the warning above)"
     if quantization == "gguf" and possible:
         raise ValueError(f"quantization='gguf': {possible}")
-    return not possible and not (quantization == "auto" and dtype_forced)
+    keeps = not possible and not (quantization == "auto" and dtype_forced)
+    if keeps and unread:
+        logger.warning("the GGUF's %s: dequantized at load, beside the blocks kept", unread)
+    return keeps
 
 
 def select_fused_ops(device: torch.device, dtype: torch.dtype) -> TorchFusedOps:
@@ -371,6 +378,20 @@ def draw_dummy_weights(model: CausalLM, bound: float = DUMMY_WEIGHT_BOUND, seed:
                 layer.method.load_weight(layer, "weight", drawn, shard)
     for parameter in model.parameters():
         fill(parameter.data)
+
+
+def _unread_block_types(checkpoint: Checkpoint, device: torch.device) -> str:
+    """The GGUF's quantized matrices of types the block kernel (Triton's on CUDA) does not read, as "Q2_K
+    (blk.0.ffn_down.weight and 2 more)"; "" where there are none."""
+    from gguf import GGMLQuantizationType
+
+    floats = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+    by_type: dict[str, list[str]] = {}
+    for name, qtype in checkpoint.gguf_matrix_types.items():
+        if qtype not in kept_block_types(device) and qtype not in floats:
+            by_type.setdefault(GGMLQuantizationType(qtype).name, []).append(name)
+    return "; ".join(f"{kind} ({names[0]}" + (f" and {len(names) - 1} more)" if len(names) > 1 else ")")
+                     for kind, names in sorted(by_type.items()))
 
 
 def kept_block_types(device: torch.device) -> frozenset[int]:

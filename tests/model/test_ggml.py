@@ -340,6 +340,24 @@ def test_quantization_gguf_says_why_it_cannot_keep_blocks(tmp_path: Path) -> Non
         LLM(str(plain), quantization="int3")
 
 
+def test_a_type_the_kernel_does_not_read_is_refused_where_blocks_are_promised(tmp_path: Path, caplog) -> None:
+    """``quantization='gguf'`` and ``load_format='mmap'`` promise the file's blocks: a matrix the kernel cannot
+    read (IQ4_NL here) would be a dequantized copy, so they refuse, naming it; ``auto`` dequantizes it, saying so."""
+    model = tiny_llama(vocab_size=len(byte_level_tokens()[0]))
+    down = "model.layers.0.mlp.down_proj.weight"
+    rows, cols = model.state_dict()[down].shape
+    values, size = GGML_QUANT_SIZES[Q.IQ4_NL]
+    odd = ggml.GGMLTensor.from_numpy(np.zeros((rows, cols // values * size), np.uint8), Q.IQ4_NL)
+    path = write_gguf(tmp_path / "tiny-iq4nl.gguf", model, qtype=Q.Q8_0, blocks={down: odd})
+    for options in ({"quantization": "gguf"}, {"load_format": "mmap"}):
+        with pytest.raises(ValueError, match=r"does not read IQ4_NL \(blk.0.ffn_down.weight\)"):
+            LLM(str(path), num_kv_blocks=16, **options)
+    with caplog.at_level("WARNING", logger="kvserve.model.registry"):
+        llm = LLM(str(path), num_kv_blocks=16)
+    assert "IQ4_NL (blk.0.ffn_down.weight): dequantized at load" in caplog.text
+    assert llm.stats()["weights_format"] == "gguf Q8_0"
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_the_kernels_dequantization_equals_ggufs(kernel: GGMLGemm, qtype: Q) -> None:
     weight = blocks_of(torch.randn(37, 96, generator=torch.Generator().manual_seed(4)), qtype)
