@@ -158,9 +158,17 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None).parse_args(argv)
         args.argv = argv  # what replicas of `serve` are started with
         return args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"kvserve: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"kvserve: error: {_describe(e)}", file=sys.stderr)
         return 2
+
+
+def _describe(error: Exception) -> str:
+    """One line for the user: a path that could not be read or written (a directory, a file where a folder
+    should be, no permission) named with the reason; anything else as it says itself."""
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{error.filename}: {error.strerror}"
+    return str(error)
 
 
 if __name__ == "__main__":

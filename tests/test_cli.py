@@ -85,3 +85,14 @@ def test_make_checkpoint_config_only_writes_a_shape_without_weights(tmp_path: Pa
     assert main(["make-checkpoint", str(tmp_path / "c"), "--config-only", "--shape", "qwen2.5-7b"]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "c")
     assert (tmp_path / "c" / "config.json").is_file() and not list((tmp_path / "c").glob("*.safetensors"))
+
+
+def test_paths_that_cannot_be_used_are_one_line_errors(tmp_path: Path, capsys) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    for argv, message in ((["make-checkpoint", str(a_file / "sub"), "--arch", "llama"], "Not a directory"),
+                          (["make-checkpoint", str(a_file), "--arch", "llama"], "File exists"),
+                          (["bench", "compare", str(tmp_path)], "Is a directory")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvserve: error: ") and message in err and len(err.splitlines()) == 1

@@ -94,6 +94,21 @@ def write_result_json(path: str | Path, result: dict[str, Any], args: argparse.N
     Path(path).write_text(json.dumps(document, indent=1, default=str) + "\n")  # default: Paths in the config
 
 
+def check_output_path(path: str | Path, flag: str, directory: bool = False) -> None:
+    """Raise ValueError naming ``flag`` if ``path`` cannot take a file (or, with ``directory``, a folder made with
+    its parents): checked before a benchmark runs, so that a mistyped path does not throw its results away."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != directory:
+        raise ValueError(f"{flag} {path}: exists and is not {'a directory' if directory else 'a file'}")
+    nearest = path if path.exists() else next(p for p in path.parents if p.exists())
+    if not directory and nearest not in (path, path.parent):  # a file's folder is not made for it
+        raise ValueError(f"{flag} {path}: the directory {path.parent} does not exist")
+    if nearest != path and not nearest.is_dir():
+        raise ValueError(f"{flag} {path}: {nearest} is not a directory")
+    if not os.access(nearest, os.W_OK):
+        raise ValueError(f"{flag} {path}: {nearest} is not writable")
+
+
 def machine() -> dict[str, Any]:
     import torch
 
@@ -172,8 +187,12 @@ def _columns(path: Path) -> list[tuple[str, dict[str, Any]]]:
         document = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not a result JSON: {e}") from None
+    if not isinstance(document, dict) or "kind" not in document:
+        raise ValueError(f"{path} is not a kvserve result JSON (no 'kind')")
     label = document.get("label") or path.stem
     runs = document.get("runs", [document])
+    if not isinstance(runs, list) or not all(isinstance(run, dict) for run in runs):
+        raise ValueError(f"{path}: 'runs' is not a list of runs")
     if len(runs) == 1:
         return [(label, runs[0])]
     return [(f"{label} @{run.get('request_rate')}", run) for run in runs]

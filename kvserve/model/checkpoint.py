@@ -102,7 +102,7 @@ def make_config_only(out_dir: str | Path, shape: str) -> Path:
     times the chunks of text that stream back)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {', '.join(SHAPES)}")
-    out_dir = Path(out_dir)
+    out_dir = _made_dir(out_dir)
     config_class, fields = SHAPES[shape]
     tokenizer = _train_tokenizer(_SIZES["tiny"].vocab_size, pad_to=fields["vocab_size"])
     special_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -127,14 +127,22 @@ def make_checkpoint(
         raise ValueError(f"unknown architecture {arch!r}; expected one of {', '.join(ARCHITECTURES)}")
     if size not in SIZES:
         raise ValueError(f"unknown checkpoint size {size!r}; expected one of {', '.join(SIZES)}")
-    out_dir = Path(out_dir)
     if num_layers is not None and num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    out_dir = _made_dir(out_dir)
     shape = _SIZES[size] if num_layers is None else replace(_SIZES[size], num_layers=num_layers)
     tokenizer = _train_tokenizer(shape.vocab_size)
     model = _random_model(arch, shape, tokenizer, seed)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _made_dir(out_dir: str | Path) -> Path:
+    """``out_dir``, made first: a path that cannot be a folder raises its OSError before the tokenizer is trained
+    (and transformers' ``save_pretrained`` only logs a file in the way and writes nothing)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from kvserve.bench.report import compare_table, format_sweep, write_result_json
+from kvserve.bench.report import check_output_path, compare_table, format_sweep, write_result_json
 
 
 def write(path: Path, document: dict) -> Path:
@@ -64,3 +65,24 @@ def test_compare_keeps_large_figures_apart(tmp_path: Path) -> None:
             for label, value in (("a", 59064.2), ("b", 64540.0))]
     by_name = {row[:24].strip(): row[24:].split() for row in compare_table(runs).splitlines()[1:]}
     assert by_name["TTFT P99 ms"] == ["59064", "64540", "(1.09x)"]
+
+
+@pytest.mark.parametrize("document", [[1], {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}])
+def test_compare_refuses_json_that_is_not_a_result(tmp_path: Path, document: object) -> None:
+    path = write(tmp_path / "config.json", document)
+    with pytest.raises(ValueError, match=re.escape(f"{path} is not a kvserve result JSON (no 'kind')")):
+        compare_table([path])
+
+
+def test_output_paths_are_checked_with_their_flag(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    check_output_path(tmp_path / "new.json", "--result-json")
+    check_output_path(tmp_path / "new" / "plots", "--plot", directory=True)  # made with its parents
+    check_output_path(tmp_path, "--plot", directory=True)
+    for path, directory, message in ((tmp_path, False, "exists and is not a file"),
+                                     (tmp_path / "a-file", True, "exists and is not a directory"),
+                                     (tmp_path / "a-file" / "x.json", False, "a-file is not a directory"),
+                                     (tmp_path / "a-file" / "plots", True, "a-file is not a directory"),
+                                     (tmp_path / "none" / "x.json", False, "none does not exist")):
+        with pytest.raises(ValueError, match=f"^--flag {re.escape(str(path))}: .*{message}"):
+            check_output_path(path, "--flag", directory)
