@@ -85,7 +85,7 @@ def build_dataset(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
     ``max_model_len`` is the context limit that ``long`` fills when ``--long-prompt-len`` is not given.
     Raises ``ValueError`` naming the flag when a length or count is out of range.
     """
-    _check_lengths(args)
+    check_workload_flags(args)
     rng = random.Random(args.seed)
     name = args.dataset_name
     if name == "sharegpt":
@@ -110,7 +110,10 @@ def ordinary_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int | Non
     return [i for i in range(limit) if i not in added]
 
 
-def _check_lengths(args: argparse.Namespace) -> None:
+def check_workload_flags(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag whose value is out of range, or that the chosen workload would ignore."""
+    if args.dataset_path is not None and args.dataset_name != "sharegpt":
+        raise ValueError(f"--dataset-path is read by --dataset-name sharegpt only, not {args.dataset_name}")
     positive = ["num_prompts", "random_input_len", "random_output_len", "prefix_num_groups", "prefix_group_size",
                 "prefix_len", "suffix_len", "num_conversations", "num_turns", "first_turn_len", "turn_len"]
     for name in positive:
@@ -232,6 +235,10 @@ def _sharegpt(rng: random.Random, tokenizer: PreTrainedTokenizerBase, args: argp
         requests.append(SampleRequest(prompt, prompt_len, output_len))
         if len(requests) == args.num_prompts:
             return requests
+    if not requests:
+        raise ValueError(f"no conversation of {args.dataset_path} passes the length filter (at least "
+                         f"{SHAREGPT_MIN_LEN} tokens each way, at most {SHAREGPT_MAX_PROMPT_LEN} in the prompt and "
+                         f"{SHAREGPT_MAX_TOTAL_LEN} in all)")
     raise ValueError(f"only {len(requests)} conversations of {args.dataset_path} pass the length filter; "
                      f"ask for --num-prompts {len(requests)} or fewer")
 
@@ -246,5 +253,13 @@ def _sharegpt_pairs(path: Path | None) -> list[tuple[str, str]]:
         raise ValueError(f"{path} is not JSON: {e}") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: a ShareGPT file is a list of {{'conversations': [...]}} entries")
-    return [(c["conversations"][0]["value"], c["conversations"][1]["value"])
-            for c in data if len(c.get("conversations", [])) >= 2]
+    return [pair for index, entry in enumerate(data) if (pair := _first_exchange(path, index, entry)) is not None]
+
+
+def _first_exchange(path: Path, index: int, entry: Any) -> tuple[str, str] | None:
+    """The texts of an entry's first two turns; None for an entry of fewer turns."""
+    turns = entry.get("conversations", []) if isinstance(entry, dict) else None
+    if not isinstance(turns, list) or not all(isinstance(turn, dict) and isinstance(turn.get("value"), str)
+                                              for turn in turns[:2]):
+        raise ValueError(f"{path}: entry {index} is not a {{'conversations': [{{'value': ...}}, ...]}} object")
+    return (turns[0]["value"], turns[1]["value"]) if len(turns) >= 2 else None

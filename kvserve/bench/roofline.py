@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kvserve.bench.report import write_result_json
+from kvserve.bench.report import check_output_path, write_result_json
 from kvserve.config import DEFAULT_MODEL, parse_dtype, resolve_device
 from kvserve.model.loader import load_checkpoint
 from kvserve.model.sources import resolve_model
@@ -198,18 +198,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight dtypes to measure GEMMs in and bound, comma-separated")
     parser.add_argument("--copy-mib", type=int, default=256, help="size of the tensor copied to measure bandwidth")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--label", default=None, help="a name for this run in tables and compare")
     parser.add_argument("--result-json", default=None)
 
 
 def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
-    """The GEMM probe's sizes, shared with ``kvserve bench throughput``'s compute bound."""
+    """The GEMM probe's sizes and the threads, shared with ``kvserve bench throughput``'s compute bound."""
     parser.add_argument("--gemm-size", type=int, default=None,
                         help="side of the square GEMM probe (default 2048 on CPU, 8192 on CUDA)")
     parser.add_argument("--gemm-tokens", type=int, default=512,
                         help="tokens per step in the probe of the model's own GEMM shapes")
     parser.add_argument("--num-repeats", type=int, default=5, help="timed repeats per probe (the best counts)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def check_probe_arguments(args: argparse.Namespace) -> None:
+    """Raise ValueError naming a probe flag below 1: a probe of no size or no repeat measures nothing, and the
+    bounds drawn from it would be zeros."""
+    for name in ("gemm_size", "gemm_tokens", "num_repeats", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
 def gemm_size(args: argparse.Namespace, device: torch.device) -> int:
@@ -217,10 +226,17 @@ def gemm_size(args: argparse.Namespace, device: torch.device) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    check_probe_arguments(args)
+    if args.copy_mib < 1:
+        raise ValueError(f"--copy-mib must be >= 1, got {args.copy_mib}")
+    if args.result_json is not None:
+        check_output_path(args.result_json, "--result-json")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(resolve_device(args.device))
     dtypes = [parse_dtype(name, device.type) for name in args.dtypes.split(",") if name]
+    if not dtypes:
+        raise ValueError(f"--dtypes {args.dtypes!r} names no dtype")
     size = model_size(args.model)
     result = measure_roofline(size, device, dtypes, args)
     label = args.label or f"roofline {args.model} {device.type}"

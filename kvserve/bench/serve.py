@@ -27,10 +27,10 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from kvserve.bench.datasets import SampleRequest, add_dataset_arguments, build_dataset
+from kvserve.bench.datasets import SampleRequest, add_dataset_arguments, build_dataset, check_workload_flags
 from kvserve.bench.metrics import (RequestRecord, parse_goodput, parse_prometheus, record_dict, server_hit_rate,
                                    summarize)
-from kvserve.bench.report import format_run, format_sweep, write_result_json
+from kvserve.bench.report import check_output_path, format_run, format_sweep, write_result_json
 from kvserve.config import DEFAULT_MODEL
 from kvserve.model.loader import Checkpoint, load_checkpoint
 from kvserve.model.sources import resolve_model
@@ -313,9 +313,23 @@ def parse_request_rates(value: str) -> list[float]:
         rates = [float(item) for item in value.split(",")]
     except ValueError:
         raise ValueError(f"--request-rate takes numbers or inf, comma-separated, got {value!r}") from None
-    if any(rate <= 0 for rate in rates):
+    if not all(rate > 0 for rate in rates):  # nan too
         raise ValueError(f"--request-rate must be positive, got {value!r}")
     return rates
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Raise ValueError naming a flag the run would only trip over once requests are being sent, or once it is
+    over (an output path)."""
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1 (leave it out for no limit), got {args.max_concurrency}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    check_workload_flags(args)
+    if args.result_json is not None:
+        check_output_path(args.result_json, "--result-json")
+    if args.plot is not None:
+        check_output_path(args.plot, "--plot", directory=True)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -323,6 +337,7 @@ def main(args: argparse.Namespace) -> int:
     failures are in the report), 1 otherwise."""
     slos = parse_goodput(args.goodput)
     rates = parse_request_rates(args.request_rate)
+    check_flags(args)
     # the tokenizer and config only: no weight is read
     checkpoint = load_checkpoint(resolve_model(args.tokenizer or args.model), torch.float32, "dummy")
     target = Target(args.base_url, args.model, args.endpoint, args.backend, args.api_key, args.timeout)

@@ -35,7 +35,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.bench import hf_backend, roofline
 from kvserve.bench.hf_backend import HF_MODES, Generate
 from kvserve.bench.datasets import SampleRequest, add_dataset_arguments, build_dataset
-from kvserve.bench.report import write_result_json
+from kvserve.bench.report import check_output_path, write_result_json
 from kvserve.bench.serve import with_answers
 from kvserve.bench.step_profile import StepProfile, format_profile
 from kvserve.bench.step_trace import StepTrace, format_step_trace
@@ -92,7 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-mode", default=",".join(HF_MODES),
                         help=f"transformers modes for --backend hf, comma-separated, of {', '.join(HF_MODES)}")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="batch size of --hf-mode static")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--profile", action="store_true", help="also profile kvserve's engine steps")
     parser.add_argument("--profile-every", type=int, default=10, help="profile one engine step in this many (>= 2)")
     parser.add_argument("--step-trace", action="store_true",
@@ -126,6 +125,9 @@ def _split(value: str, allowed: Sequence[str], flag: str) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     systems = selected_systems(args)
+    roofline.check_probe_arguments(args)
+    if args.result_json is not None:
+        check_output_path(args.result_json, "--result-json")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(resolve_device(args.device))

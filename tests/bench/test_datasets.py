@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,22 @@ def test_sharegpt_errors_name_the_problem(tokenizer, tmp_path: Path) -> None:
 def test_bad_lengths_name_their_flag(tokenizer, flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_dataset(args(*flags), tokenizer)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "entry 0 is not a {'conversations'"),
+    ('[{"conversations": [{"from": "human"}, {"from": "gpt"}]}]', "entry 0 is not a {'conversations'"),
+    ('[{"conversations": [{"value": "hi"}, {"value": "yo"}]}, {"conversations": "text"}]', "entry 1 is not"),
+    ("[]", "no conversation of"),
+])
+def test_a_malformed_or_empty_sharegpt_file_is_named(tokenizer, tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "sharegpt.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        build_dataset(args("--dataset-name", "sharegpt", "--dataset-path", str(path)), tokenizer)
+    assert str(path) in str(error.value) and "--num-prompts 0" not in str(error.value)
+
+
+def test_a_dataset_path_for_another_workload_is_refused(tokenizer) -> None:
+    with pytest.raises(ValueError, match="--dataset-path is read by --dataset-name sharegpt only"):
+        build_dataset(args("--dataset-path", str(SHAREGPT_SAMPLE)), tokenizer)

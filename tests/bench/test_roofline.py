@@ -68,3 +68,19 @@ def test_roofline_on_cpu_measures_positive_rates_and_bounds_them(
         assert result["bounds"][name] == pytest.approx(expected)
     table = capsys.readouterr().out
     assert "copy bandwidth" in table and "bfloat16 weights" in table
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-repeats", "0"], "--num-repeats must be >= 1, got 0"),
+    (["--copy-mib", "0"], "--copy-mib must be >= 1, got 0"),
+    (["--copy-mib", "-1"], "--copy-mib must be >= 1, got -1"),
+    (["--gemm-size", "0"], "--gemm-size must be >= 1, got 0"),
+    (["--gemm-tokens", "-5"], "--gemm-tokens must be >= 1, got -5"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--threads", "-1"], "--threads must be >= 1, got -1"),
+    (["--dtypes", ","], "--dtypes ',' names no dtype"),
+])
+def test_probe_sizes_below_one_are_refused_naming_the_flag(tiny_checkpoint: Path, flags: list[str], message: str,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "roofline", str(tiny_checkpoint), "--device", "cpu", *flags]) == 2
+    assert capsys.readouterr().err == f"kvserve: error: {message}\n"

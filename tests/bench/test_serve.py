@@ -206,3 +206,26 @@ def test_each_backend_gets_its_exact_length_extras() -> None:
     assert {"ignore_eos", "min_tokens", "n_predict"}.isdisjoint(length_fields("openai", 7))
     assert all(length_fields(b, 7)["max_tokens"] == 7 and length_fields(b, 7)["stream_options"]["include_usage"]
                for b in ("kvserve", "vllm", "llamacpp", "openai"))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+    (["--max-concurrency", "-1"], "--max-concurrency must be >= 1"),
+    (["--timeout", "0"], "--timeout must be a positive number"),
+    (["--timeout", "-1"], "--timeout must be a positive number"),
+    (["--request-rate", "nan"], "--request-rate must be positive"),
+    (["--request-rate", "2,nan"], "--request-rate must be positive"),
+    (["--dataset-path", "data.json"], "--dataset-path is read by --dataset-name sharegpt only"),
+    (["--result-json", "{tmp}"], "--result-json {tmp}: exists and is not a file"),
+    (["--result-json", "{tmp}/a-file/out.json"], "{tmp}/a-file is not a directory"),
+    (["--result-json", "{tmp}/no-dir/out.json"], "the directory {tmp}/no-dir does not exist"),
+    (["--plot", "{tmp}/a-file"], "--plot {tmp}/a-file: exists and is not a directory"),
+])
+def test_bad_flags_are_refused_before_any_request(flags: list[str], message: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """Against a port nobody listens on: a flag checked only once requests went out would fail the warm-up."""
+    (tmp_path / "a-file").write_text("")
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--tokenizer", "/nonexistent", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvserve: error: ") and message.format(tmp=tmp_path) in err and len(err.splitlines()) == 1

@@ -141,3 +141,15 @@ def _dataset_args(flags: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_dataset_arguments(parser)
     return parser.parse_args(flags)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-repeats", "0"], "--num-repeats must be >= 1, got 0"),
+    (["--gemm-size", "-5"], "--gemm-size must be >= 1, got -5"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--result-json", "/"], "--result-json /: exists and is not a file"),
+])
+def test_bad_probe_flags_and_output_paths_are_refused_before_the_run(flags: list[str], message: str,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "throughput", "/nonexistent/model", *flags]) == 2  # refused before the model is read
+    assert capsys.readouterr().err == f"kvserve: error: {message}\n"
