@@ -14,9 +14,11 @@ import argparse
 import ctypes
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
+from typing import Callable
 
 import uvicorn
 
@@ -26,6 +28,7 @@ from kvserve.extras import require_ray
 from kvserve.router.ray_replicas import RayReplicas
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
+MAX_PORT = 65535
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +59,58 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
 
 def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return _run(Router(args.worker, make_policy(args.routing_policy)), args.host, args.port, args.routing_policy)
-
-
-def _run(router: Router, host: str, port: int, policy: str) -> int:
-    logger.info("kvserve router on http://%s:%d -> %s (%s)", host, port, ", ".join(r.url for r in router.replicas),
-                policy)
-    uvicorn.run(build_router_app(router), host=host, port=port, log_level="warning", access_log=False)
+    _run(Router(args.worker, make_policy(args.routing_policy)), listening_socket(args.host, args.port),
+         args.routing_policy)
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` for uvicorn to serve on: bound before anything says it listens, so that
+    a port in use or a bad host is one ValueError naming them (the CLI prints it) instead of uvicorn's log line."""
+    if not 0 <= port <= MAX_PORT:
+        raise ValueError(f"--port must be in 0..{MAX_PORT}, got {port}")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://HOST:PORT``, an IPv6 host in brackets (``http://[::1]:8000``)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn, which also stops once ``should_stop()`` says so (checked on each of uvicorn's ticks);
+    ``stopped_by_check`` then tells that stop from one by a signal."""
+
+    def __init__(self, config: uvicorn.Config, should_stop: Callable[[], bool]) -> None:
+        super().__init__(config)
+        self.should_stop = should_stop
+        self.stopped_by_check = False
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):  # a signal first: ^C also reaches the replicas, which then exit
+            return True
+        self.stopped_by_check = self.should_stop()
+        return self.stopped_by_check
+
+
+def _run(router: Router, sock: socket.socket, policy: str, should_stop: Callable[[], bool] = lambda: False) -> bool:
+    """Serve ``router`` on ``sock`` until a signal, or until ``should_stop()``: True in that case."""
+    host, port = sock.getsockname()[:2]
+    logger.info("kvserve router on %s -> %s (%s)", http_url(host, port), ", ".join(r.url for r in router.replicas),
+                policy)
+    server = RouterServer(uvicorn.Config(build_router_app(router), log_level="warning", access_log=False),
+                          should_stop)
+    server.run(sockets=[sock])
+    return server.stopped_by_check
 
 
 def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +127,13 @@ def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``args.data_parallel_size`` replicas of ``kvserve serve`` (the same flags, ports after the router's)
-    and run the router in front until it is stopped; then stop the replicas."""
+    and run the router in front until it is stopped, or until every local replica has exited (none could load:
+    1); then stop the replicas."""
     size = args.data_parallel_size
+    if args.port + size > MAX_PORT:
+        raise ValueError(f"--data-parallel-size {size} replicas need the ports after --port {args.port}: "
+                         f"{args.port + size} is over {MAX_PORT}")
+    sock = listening_socket(args.host, args.port)  # before any replica starts: a port in use stops nothing yet
     replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
                                          "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host"))
     if args.data_parallel_backend == "ray":
@@ -93,15 +145,22 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     router = Router(replicas.urls, make_policy(args.routing_policy))
     if isinstance(replicas, RayReplicas):
         replicas.supervise(router)
+    exit_codes = replicas.exit_codes if isinstance(replicas, LocalReplicas) else lambda: None
     # uvicorn re-raises the signal that stopped it once it has shut down: ignored here, so that the replicas
     # are stopped below instead of being left running by a process killed on the spot
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _run(router, args.host, args.port, args.routing_policy)
+        replicas_gone = _run(router, sock, args.routing_policy, should_stop=lambda: exit_codes() is not None)
     finally:
         replicas.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if replicas_gone:
+        codes = ", ".join(map(str, exit_codes() or []))
+        print(f"kvserve: error: every replica exited (exit codes {codes}), leaving the router nothing to route to; "
+              "their errors are above", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 class LocalReplicas:
@@ -112,6 +171,11 @@ class LocalReplicas:
         self.processes = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--port", str(port)],
                                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
                           for port in ports]
+
+    def exit_codes(self) -> list[int] | None:
+        """Every replica's exit code once all of them have exited; None while any runs."""
+        codes = [process.poll() for process in self.processes]
+        return None if None in codes else codes
 
     def stop(self) -> None:
         for process in self.processes:

@@ -28,7 +28,7 @@ from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
 from kvserve.engine_args import EngineArgs
-from kvserve.router.launch import add_data_parallel_arguments, add_policy_argument
+from kvserve.router.launch import add_data_parallel_arguments, add_policy_argument, http_url, listening_socket
 from kvserve.server.app import build_app
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
 from kvserve.server.tools import TOOL_CALL_PARSERS
@@ -37,6 +37,9 @@ logger = logging.getLogger("kvserve.server")
 
 DRAIN_POLL_SECONDS = 0.05
 CONNECTION_CLOSE_SECONDS = 5.0  # after the drain: how long uvicorn waits for responses still being written
+# What a model that fails to load raises for a bad model, path or flag (CheckpointError, ModelNotFoundError,
+# UnsupportedModelError, a limit out of range): the user's to fix, and said in one line
+USER_ERRORS = (ValueError, FileNotFoundError)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,9 +89,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = engine_config(args)
     state = ServerState(server_settings(args))
-    sock = _bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    url = f"http://{host}:{port}"
+    sock = listening_socket(args.host, args.port)
+    url = http_url(*sock.getsockname()[:2])
     print(f"kvserve: loading {args.model}; listening on {url} (/health answers 503 until it is loaded)", flush=True)
     server = DrainingServer(state, uvicorn.Config(
         build_app(state, _lifespan(state, config, url)), log_level=args.log_level,
@@ -102,19 +104,6 @@ def serve(args: argparse.Namespace) -> int:
         print(f"kvserve: error: the engine failed while serving: {state.failure!r}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-    sock.set_inheritable(True)
-    return sock
 
 
 def _lifespan(state: ServerState, config: EngineConfig, url: str):
@@ -150,7 +139,8 @@ def load_engine(state: ServerState, config: EngineConfig, url: str) -> None:
         async_engine.start()
         state.engine = async_engine
     except Exception as e:  # reported by serve(), which exits 1
-        logger.exception("loading the model failed")
+        if not isinstance(e, USER_ERRORS):  # a user's mistake is told in serve()'s one line; a bug keeps its trace
+            logger.exception("loading the model failed")
         state.load_error = e  # DrainingServer.on_tick sees it and stops
         return
     names = ", ".join(state.settings.served_model_names)

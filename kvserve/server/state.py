@@ -31,6 +31,8 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
+        if self.api_key is not None and not self.api_key.strip():  # "Bearer " reaches us stripped, if at all
+            raise ValueError(f"--api-key must not be empty, got {self.api_key!r}: no client could send it")
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_body_bytes < 1:

@@ -4,6 +4,7 @@ for the error shape only)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import main
+from kvserve.router.launch import http_url
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_MODULES = ("torch", "transformers", "kvserve.engine", "kvserve.config", "kvserve.model", "kvserve.worker")
@@ -20,11 +22,12 @@ STARTS_THE_ROUTER = f"""
 import sys
 import uvicorn
 
-def run(app, **kwargs):  # the app is built and about to be served: what has been imported by now
+def run(server, sockets=None):  # the app is built and about to be served: what has been imported by now
     print(" ".join(m for m in {ENGINE_MODULES!r} if m in sys.modules) or "none")
 
-uvicorn.run = run
+uvicorn.Server.run = run
 from kvserve.cli import main
+from kvserve.router.launch import http_url
 sys.exit(main(["router", "--worker", "http://127.0.0.1:9", "--worker", "http://127.0.0.1:10", "--port", "0",
                "--routing-policy", "round_robin"]))
 """
@@ -82,3 +85,47 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_the_router_binds_before_it_says_it_listens(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["router", "--worker", "http://127.0.0.1:9", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"kvserve: error: cannot listen on 127.0.0.1:{port}: " in err and "kvserve router on" not in err
+    assert main(["router", "--worker", "http://127.0.0.1:9", "--host", "999.9.9.9"]) == 2
+    assert "kvserve: error: cannot listen on 999.9.9.9:8000: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_out_of_range_is_a_cli_error(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["router", "--worker", "http://127.0.0.1:9", "--port", port]) == 2
+    assert capsys.readouterr().err == f"kvserve: error: --port must be in 0..65535, got {port}\n"
+
+
+def test_urls_put_an_ipv6_host_in_brackets() -> None:
+    assert http_url("::1", 8000) == "http://[::1]:8000"
+    assert http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+
+
+STARTS_REPLICAS_THAT_EXIT = """
+import argparse, sys
+from kvserve.router.launch import serve_data_parallel
+args = argparse.Namespace(data_parallel_size=2, data_parallel_backend="mp", port=int(sys.argv[1]), host="127.0.0.1",
+                          routing_policy="round_robin")
+sys.exit(serve_data_parallel(args, ["router"]))  # each replica: `kvserve router` without --worker, which exits 2
+"""
+
+
+def test_data_parallel_stops_once_every_replica_has_exited() -> None:
+    """Replicas that cannot start (as with a model that cannot load) leave the router nothing to route to: it
+    stops with an error instead of answering 503 forever."""
+    with socket.socket() as probe:  # a free port, and the two after it most likely
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", STARTS_REPLICAS_THAT_EXIT, str(port)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "kvserve: error: every replica exited (exit codes 2, 2)" in done.stderr

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from kvserve.cli import main
+from kvserve.engine import llm_engine
+from kvserve.model.base import CheckpointError
+from kvserve.server.launch import load_engine
+from kvserve.server.state import ServerSettings, ServerState
 from tests.server.conftest import MODEL_NAME, NUM_KV_BLOCKS, ServerProcess
 
 
@@ -105,3 +112,34 @@ def test_sigterm_aborts_what_outlasts_the_grace_period(start_server) -> None:
     for thread in threads:
         thread.join(10)
     assert [finish for _, finish in results] == ["abort"] * 3
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "70000"], "--port must be in 0..65535, got 70000"),
+    (["--port", "-1"], "--port must be in 0..65535, got -1"),
+    (["--api-key", ""], "--api-key must not be empty"),
+    (["--api-key", " "], "--api-key must not be empty"),
+])
+def test_a_bad_port_or_an_empty_api_key_is_refused_at_start(tiny_checkpoint: Path, flags: list[str], message: str,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", str(tiny_checkpoint), "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvserve: error: {message}") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("error, traced", [(CheckpointError("model.safetensors is truncated"), False),
+                                           (ValueError("--max-model-len 100000 is over the model's 256"), False),
+                                           (RuntimeError("a bug"), True)])
+def test_a_model_that_cannot_load_logs_a_traceback_only_for_a_bug(
+    error: Exception, traced: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """serve() prints the load error in one line; a user's mistake (a bad model or flag) gets no traceback."""
+    def fail(config: object) -> None:
+        raise error
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", fail)
+    state = ServerState(ServerSettings((MODEL_NAME,), MODEL_NAME))
+    with caplog.at_level(logging.ERROR, logger="kvserve.server"):
+        load_engine(state, None, "http://127.0.0.1:1")
+    assert state.load_error is error
+    assert any(record.exc_info for record in caplog.records) == traced
