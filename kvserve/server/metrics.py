@@ -68,11 +68,12 @@ _KV_GROUP_GAUGES = {
     "kv_blocks_full": "KV blocks held by full-attention layers' groups (or by every layer with one group).",
 }
 _TIER_COUNTERS = {
-    "kv_offload_host_hit_tokens": "Prefix tokens loaded back from the host-memory tier.",
+    "kv_offload_host_hit_tokens": "Tokens loaded back from the host-memory tier: prefix hits, and preempted "
+                                  "requests' blocks as they resume (prefix_cache_hits counts first admissions).",
     "kv_offload_disk_hit_tokens": "Prefix tokens loaded back from the disk tier.",
-    "kv_offload_bytes_offloaded": "Bytes of KV blocks copied from the device pool to the tiers.",
+    "kv_offload_offloaded_bytes": "Bytes of KV blocks copied from the device pool to the tiers.",
     "kv_offload_seconds": "Seconds spent copying KV blocks to the tiers.",
-    "kv_offload_bytes_loaded": "Bytes of KV blocks copied from the tiers into the device pool.",
+    "kv_offload_loaded_bytes": "Bytes of KV blocks copied from the tiers into the device pool.",
     "kv_reload_seconds": "Seconds spent copying KV blocks from the tiers into the device pool.",
     "kv_offload_corrupt_blocks": "KV block files skipped as corrupt, truncated or written for something else.",
     "kv_offload_disk_write_errors": "KV block files that could not be written.",
@@ -244,9 +245,10 @@ class ServerMetrics:
         self.request_success.labels(finished_reason=str(reason or "abort"), **self._labels).inc()
         self.e2e.observe(now - times.arrival)
         self.request_generation_tokens.observe(times.num_generation_tokens)
-        if times.first_token is not None and times.num_generation_tokens > 1:
-            per_token = (times.last_token - times.first_token) / (times.num_generation_tokens - 1)
-            self.tpot.observe(per_token)
+        # per sample: with n > 1 the samples decode side by side, so the time is the longest sample's
+        longest = max((len(sample.token_ids) for sample in out.outputs), default=0)
+        if times.first_token is not None and longest > 1:
+            self.tpot.observe((times.last_token - times.first_token) / (longest - 1))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

@@ -207,3 +207,13 @@ def test_an_engine_that_fails_midway_ends_its_streams_with_an_error_and_stops_se
         assert asyncio.run(supervisor.on_tick(1)) is True  # kvserve serve exits 1, for a supervisor to restart it
     finally:
         server.stop()
+
+
+def test_time_per_output_token_is_per_sample_with_n_samples(srv: InProcessServer) -> None:
+    """n samples decode side by side: a token's time is the decode time over one sample's tokens, not all n's."""
+    names = ("time_per_output_token_seconds", "e2e_request_latency_seconds", "time_to_first_token_seconds")
+    before = [srv.metric(f"kvserve:{name}_sum") for name in names]
+    assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 40, "n": 4}).status_code == 200
+    srv.wait_idle()
+    tpot, e2e, ttft = (srv.metric(f"kvserve:{name}_sum") - b for name, b in zip(names, before))
+    assert tpot * 39 == pytest.approx(e2e - ttft, rel=0.25)

@@ -99,3 +99,14 @@ def test_kv_block_gauges_follow_the_engine_stats() -> None:
     metrics.on_step([], stats, time.monotonic())
     for key in ("kv_blocks_windowed", "kv_blocks_full"):
         assert metrics.registry.get_sample_value(f"kvserve:{key}", {"model_name": "m"}) == stats[key], key
+
+
+def test_tier_byte_counters_put_their_unit_before_total() -> None:
+    """Prometheus' convention: ``..._bytes_total``, the unit last before the suffix."""
+    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
+             "num_running": 0, "num_waiting": 0}
+    metrics = ServerMetrics("m", {**stats, "kv_offload_offloaded_bytes": 0, "kv_offload_loaded_bytes": 0}, 64)
+    moved = {"kv_offload_offloaded_bytes": 4096, "kv_offload_loaded_bytes": 512}
+    metrics.on_step([], {**stats, **moved}, time.monotonic())
+    for key, value in moved.items():
+        assert metrics.registry.get_sample_value(f"kvserve:{key}_total", {"model_name": "m"}) == value, key
