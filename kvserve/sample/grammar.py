@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Sequence
 
 import torch
 
-from kvserve.sample.json_schema import enforceable_schema
+from kvserve.sample.json_schema import check_enforceable
 from kvserve.sample.metadata import SamplingRow
 from kvserve.sample.processor import LogitsProcessor
 from kvserve.sample.token_mask import apply_token_mask
@@ -69,8 +69,9 @@ class StructuredOutputCompiler:
         compiler = self._get_compiler()
         try:
             if spec.json is not None:
-                schema = enforceable_schema(_schema_object(spec.json))
-                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+                check_enforceable(_schema_object(spec.json))
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                return compiler.compile_json_schema(schema, any_whitespace=False)
             if spec.json_object:  # OpenAI's json_object: a JSON object (xgrammar's builtin takes any value)
                 return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.regex is not None:

@@ -1,13 +1,13 @@
-"""Which JSON schemas a grammar can hold the output to: ``enforceable_schema`` refuses a schema that uses a keyword
-xgrammar compiles without enforcing (the output could then break the schema while the reply says it finished),
-and rewrites what it can say exactly in enforced terms.
+"""Which JSON schemas a grammar can hold the output to: ``check_enforceable`` refuses a schema that uses a keyword
+xgrammar compiles without enforcing (the output could then break the schema while the reply says it finished).
 
-Measured on xgrammar 0.2.9: ``allOf``, ``not``, ``if`` / ``then`` / ``else``, ``uniqueItems``, ``contains``,
-``dependentRequired`` / ``dependentSchemas``, ``multipleOf`` and the exclusive bounds compile but are not
-enforced (``[1, 1]`` passes ``uniqueItems``, 5 passes ``exclusiveMinimum: 5``); a ``$ref`` outside the schema is
-taken as any value; a ``required`` key that ``properties`` does not list can never be written (objects admit only
-listed keys unless ``additionalProperties`` says otherwise). vLLM's xgrammar backend refuses such schemas too.
-An integer's exclusive bound is an inclusive one a step inside, so those are rewritten rather than refused.
+Measured on xgrammar 0.2.9, a document counting as admitted where the matcher takes it and then the stop token:
+``allOf``, ``not``, ``if`` / ``then`` / ``else``, ``uniqueItems``, ``contains`` (beside ``items``),
+``dependentRequired`` and ``dependentSchemas`` compile but are not enforced (``[1, 1]`` passes ``uniqueItems``,
+``0`` passes ``not: {const: 0}``), nor is a fractional ``multipleOf`` (0.3 passes ``multipleOf: 0.5``; an
+integer's is enforced, as are the exclusive bounds); a ``$ref`` outside the schema is taken as any value; a
+``required`` key that ``properties`` does not list can never be written (objects admit only listed keys unless
+``additionalProperties`` says otherwise). vLLM's xgrammar backend refuses such schemas too.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from typing import Any
 
 UNENFORCED_KEYWORDS = frozenset({
     "allOf", "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
-    "dependentRequired", "dependentSchemas", "multipleOf", "exclusiveMinimum", "exclusiveMaximum",
-    "unevaluatedProperties", "unevaluatedItems",
+    "dependentRequired", "dependentSchemas",
 })
 # keywords whose values are names or literals, not schemas: never walked into
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required", "title", "description"})
@@ -25,15 +24,16 @@ _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required", 
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
 
 
-def enforceable_schema(schema: Any, path: str = "#") -> Any:
-    """``schema`` as the grammar should compile it; ValueError naming the keyword and where it is (a JSON
-    pointer such as ``#/properties/tags``) if the grammar could not hold the output to it."""
+def check_enforceable(schema: Any, path: str = "#") -> None:
+    """ValueError naming the keyword and where it stands (a JSON pointer such as ``#/properties/tags``) if the
+    grammar could not hold the output to ``schema``."""
     if isinstance(schema, list):
-        return [enforceable_schema(item, f"{path}/{i}") for i, item in enumerate(schema)]
+        for i, item in enumerate(schema):
+            check_enforceable(item, f"{path}/{i}")
+        return
     if not isinstance(schema, dict):
-        return schema
-    schema = _inclusive_integer_bounds(schema)
-    unenforced = sorted(UNENFORCED_KEYWORDS & schema.keys())
+        return
+    unenforced = sorted(UNENFORCED_KEYWORDS & schema.keys()) or _fractional_multiple(schema)
     if unenforced:
         raise ValueError(f"the JSON schema uses {unenforced[0]!r} at {path}, which structured output cannot "
                          "enforce")
@@ -42,31 +42,20 @@ def enforceable_schema(schema: Any, path: str = "#") -> Any:
     if isinstance(ref, str) and not ref.startswith("#"):
         raise ValueError(f"the JSON schema refers to {ref!r} at {path}: only references within the schema "
                          "('#/...') are followed")
-    return {key: _walk(key, value, f"{path}/{key}") for key, value in schema.items()}
+    for key, value in schema.items():
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):  # names of properties or definitions: not keywords
+            for name, sub in value.items():
+                check_enforceable(sub, f"{path}/{key}/{name}")
+        elif key not in _DATA_KEYWORDS:
+            check_enforceable(value, f"{path}/{key}")
 
 
-def _walk(key: str, value: Any, path: str) -> Any:
-    if key in _DATA_KEYWORDS:
-        return value
-    if key in _NAMED_SCHEMAS and isinstance(value, dict):
-        return {name: enforceable_schema(sub, f"{path}/{name}") for name, sub in value.items()}
-    return enforceable_schema(value, path)
-
-
-def _inclusive_integer_bounds(schema: dict[str, Any]) -> dict[str, Any]:
-    """An integer's ``exclusiveMinimum: n`` as ``minimum: n + 1`` (and the maximum likewise), the tighter of it
-    and a ``minimum`` already there."""
-    if schema.get("type") != "integer":
-        return schema
-    schema = dict(schema)
-    for exclusive, inclusive, step, tighter in (("exclusiveMinimum", "minimum", 1, max),
-                                                ("exclusiveMaximum", "maximum", -1, min)):
-        bound = schema.get(exclusive)
-        if isinstance(bound, (int, float)) and not isinstance(bound, bool) and float(bound).is_integer():
-            del schema[exclusive]
-            edge = int(bound) + step
-            schema[inclusive] = tighter(edge, schema[inclusive]) if inclusive in schema else edge
-    return schema
+def _fractional_multiple(schema: dict[str, Any]) -> list[str]:
+    """["multipleOf"] where it is not an integer's multiple of an integer (those the grammar does enforce)."""
+    step = schema.get("multipleOf")
+    if step is None or schema.get("type") == "integer" and isinstance(step, int) and not isinstance(step, bool):
+        return []
+    return ["multipleOf"]
 
 
 def _check_required(schema: dict[str, Any], path: str) -> None:

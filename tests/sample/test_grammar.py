@@ -54,7 +54,7 @@ SCHEMAS = [
         "id": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["id"]}, "minItems": 1, "maxItems": 2}},
      "required": ["list"]},
     {"type": OBJ, "properties": {"count": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}},
-     "required": ["count"]},  # exclusive bounds of an integer: enforced as inclusive ones (sample/json_schema.py)
+     "required": ["count"]},
     {"type": OBJ, "properties": {"flag": {"type": "boolean"}, "note": {"type": ["string", "null"], "maxLength": 4}},
      "required": ["flag", "note"]},
     {"type": OBJ, "properties": {"a": {"type": OBJ, "properties": {"b": {"type": OBJ, "properties": {
