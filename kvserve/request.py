@@ -50,6 +50,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() of its first admission: queueing ends there
     block_ids: list[int] = field(default_factory=list)  # KV cache group 0's block table (``kv/groups.py``)
     group_block_ids: list[list[int]] = field(default_factory=list)  # groups 1.., as long; [] with one group
     status: RequestStatus = RequestStatus.WAITING

@@ -221,6 +221,7 @@ def _one_token_outputs(output: EngineOutput) -> list[EngineOutput]:
             output.logprobs[i : i + 1] if output.logprobs else None,
             output.prompt_logprobs if i == 0 else None,
             output.num_cached_tokens,
+            output.first_scheduled_time,
         )
         for i, token_id in enumerate(output.new_token_ids)
     ]
@@ -249,6 +250,7 @@ class _RequestState:
             [None] if params.prompt_logprobs is not None else None
         )
         self.num_cached_tokens = 0
+        self.first_scheduled_time: float | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -257,6 +259,7 @@ class _RequestState:
     def update(self, index: int, output: EngineOutput, token_texts: TokenTextCache) -> bool:
         if index == 0:
             self.num_cached_tokens = output.num_cached_tokens
+            self.first_scheduled_time = output.first_scheduled_time
             if self.prompt_logprobs is not None and output.prompt_logprobs:
                 self.prompt_logprobs.extend(to_position_logprobs(e, token_texts) for e in output.prompt_logprobs)
         return self.samples[index].update(output, token_texts)
@@ -274,6 +277,7 @@ class _RequestState:
             finished=self.is_finished,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             num_cached_tokens=self.num_cached_tokens,
+            first_scheduled_time=self.first_scheduled_time,
         )
 
 

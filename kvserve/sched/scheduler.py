@@ -30,6 +30,7 @@ always make progress and the loop never deadlocks.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
@@ -337,6 +338,7 @@ class Scheduler:
     def _admit(self, request: Request, prefix: PrefixMatch) -> None:
         if request.status is RequestStatus.WAITING:  # the first admission: count the lookup
             request.num_cached_tokens = prefix.num_tokens
+            request.first_scheduled_time = time.monotonic()
             self.num_prefix_query_tokens += request.num_tokens
             self.num_prefix_hit_tokens += prefix.num_tokens
         request.num_computed_tokens = prefix.num_tokens
@@ -484,6 +486,7 @@ class Scheduler:
             parent_id=parent.request_id,
             num_computed_tokens=parent.num_computed_tokens,
             num_cached_tokens=parent.num_cached_tokens,
+            first_scheduled_time=parent.first_scheduled_time,
             status=RequestStatus.RUNNING,
             num_prompt_logprobs_sent=parent.num_prompt_tokens - 1,  # the parent returns them all
         )
@@ -574,6 +577,7 @@ def _engine_output(
         logprobs[: len(new_token_ids)] if logprobs else None,
         prompt_logprobs,
         request.num_cached_tokens,
+        request.first_scheduled_time,
     )
 
 

@@ -236,7 +236,10 @@ class ServerMetrics:
         times.first_token = now
         num_prompt_tokens = len(out.prompt_token_ids)
         self.ttft.observe(now - times.arrival)
-        self.queue_time.observe(max(0.0, step_start - times.arrival))
+        # queueing ends where the engine first scheduled the request: for n > 1 the first token comes a step
+        # after the prefill (the samples fork then), which is no waiting
+        scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else step_start
+        self.queue_time.observe(max(0.0, scheduled - times.arrival))
         self.prompt_tokens.inc(num_prompt_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -221,3 +223,9 @@ def test_speculative_config_given_twice_or_not_as_a_dict_is_refused(tiny_checkpo
         LLM(path, speculative_config={"method": "ngram"}, speculative_method="draft")
     with pytest.raises(ValueError, match="speculative_config must be a dict"):
         LLM(path, speculative_config="ngram")
+
+
+def test_outputs_say_when_the_engine_first_scheduled_them(llm: LLM) -> None:
+    before = time.monotonic()
+    out = llm.generate("hello", SamplingParams(max_tokens=2, n=3, seed=0))[0]
+    assert before <= out.first_scheduled_time <= time.monotonic()

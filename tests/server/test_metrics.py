@@ -6,7 +6,9 @@ import time
 
 import httpx
 import openai
+import pytest
 
+from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.metrics import ServerMetrics
 from tests.server.conftest import MODEL_NAME, ServerProcess
 
@@ -110,3 +112,17 @@ def test_tier_byte_counters_put_their_unit_before_total() -> None:
     metrics.on_step([], {**stats, **moved}, time.monotonic())
     for key, value in moved.items():
         assert metrics.registry.get_sample_value(f"kvserve:{key}_total", {"model_name": "m"}) == value, key
+
+
+def test_queue_time_ends_where_the_engine_first_scheduled_the_request() -> None:
+    """Not at the step of the first token, which for n > 1 comes a step after the prefill (the samples fork)."""
+    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
+             "num_running": 0, "num_waiting": 0}
+    metrics = ServerMetrics("m", stats, 64)
+    arrival = time.monotonic()
+    metrics.on_request_added("r", arrival)
+    samples = [CompletionOutput(i, "a", [5], None) for i in range(2)]
+    metrics.on_step([RequestOutput("r", "p", [1, 2], samples, first_scheduled_time=arrival + 0.01)], stats,
+                    step_start=arrival + 0.5)
+    queued = metrics.registry.get_sample_value("kvserve:request_queue_time_seconds_sum", {"model_name": "m"})
+    assert queued == pytest.approx(0.01)
