@@ -23,15 +23,6 @@ class InvalidParameter(ValueError):
         return InvalidParameter(param, str(self).replace(self.param, param, 1))
 
 
-_CONSTRAINT_TYPES: dict[str, tuple[type | tuple[type, ...], str]] = {
-    "json": ((dict, str), "a JSON schema (an object, or its text)"),
-    "json_object": (bool, "true or false"),
-    "regex": (str, "a string"),
-    "choice": ((list, tuple), "a list of strings"),
-    "grammar": (str, "a string"),
-}
-
-
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One constraint on a request's output (vLLM's offline shape): a JSON schema (a dict or its text), any
@@ -49,18 +40,11 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise InvalidParameter("structured_outputs", "structured_outputs takes exactly one of json, "
                                    f"json_object, regex, choice, grammar; got {', '.join(given) or 'none'}")
-        self._check_types()
-        if self.choice is not None:
-            object.__setattr__(self, "choice", tuple(self.choice))
-
-    def _check_types(self) -> None:
-        """ValueError naming the field whose value has the wrong type (a request's JSON may hold anything)."""
-        for name, (types, what) in _CONSTRAINT_TYPES.items():
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, types):
-                raise InvalidParameter(name, f"{name} must be {what}, got {type(value).__name__}")
+        _check_kinds(self, _CONSTRAINT_KINDS)  # a request's JSON may hold anything
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
             raise InvalidParameter("choice", "choice must be a non-empty list of non-empty strings")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
 
     @property
     def kind(self) -> str:
@@ -134,7 +118,7 @@ class SamplingParams:
     REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
     def __post_init__(self) -> None:
-        self._check_types()
+        _check_kinds(self, _FIELD_KINDS)  # before any range is checked or any step sees a value
         if self.top_k == -1:
             self.top_k = 0
         self._check_ranges()
@@ -150,18 +134,6 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         if self.logit_bias is not None:
             self.logit_bias = _token_biases(self.logit_bias)
-
-    def _check_types(self) -> None:
-        """InvalidParameter naming a field of the wrong type, before any range is checked or any step sees it; a
-        number of another numeric type (numpy's) becomes Python's own. A bool is no number here (``n=True``)."""
-        for name, (kind, optional) in _FIELD_KINDS.items():
-            value = getattr(self, name)
-            if value is None and optional:
-                continue
-            accepts, described, convert = _KINDS[kind]
-            if not accepts(value):
-                raise InvalidParameter(name, f"{name} must be {described}, got {type(value).__name__}")
-            setattr(self, name, convert(value))
 
     def _check_ranges(self) -> None:
         low, high = self.REPETITION_PENALTY_RANGE
@@ -194,7 +166,8 @@ class SamplingParams:
         return self.temperature < self.GREEDY_BELOW
 
 
-# Each field's kind, and whether it may be None: checked once, at construction (``SamplingParams._check_types``).
+# Each field's kind, and whether it may be None: checked once, at construction (``_check_kinds``); SamplingParams', then
+# StructuredOutputsParams'
 _FIELD_KINDS: dict[str, tuple[str, bool]] = {
     "n": ("integer", False), "top_k": ("integer", False), "min_tokens": ("integer", False),
     "max_tokens": ("integer", True), "seed": ("integer", True), "logprobs": ("integer", True),
@@ -206,12 +179,32 @@ _FIELD_KINDS: dict[str, tuple[str, bool]] = {
     "skip_special_tokens": ("bool", False),
     "stop": ("strings", True), "stop_token_ids": ("ids", True), "structured_outputs": ("constraint", True),
 }
+_CONSTRAINT_KINDS: dict[str, tuple[str, bool]] = {
+    "json": ("schema", True), "json_object": ("bool", False), "regex": ("text", True), "choice": ("choices", True),
+    "grammar": ("text", True),
+}
 # kind -> (accepts a value, what it must be, how it is kept)
 _KINDS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
     "integer": (_is_integer, "an integer", int),
     "number": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number", float),
     "bool": (lambda v: isinstance(v, bool), "true or false", bool),
+    "text": (lambda v: isinstance(v, str), "a string", str),
     "strings": (lambda v: isinstance(v, (str, list, tuple)), "a string or a list of strings", lambda v: v),
+    "choices": (lambda v: isinstance(v, (list, tuple)), "a list of strings", lambda v: v),
     "ids": (lambda v: isinstance(v, (list, tuple)), "a list of token ids", lambda v: v),
+    "schema": (lambda v: isinstance(v, (dict, str)), "a JSON schema (an object, or its text)", lambda v: v),
     "constraint": (lambda v: isinstance(v, StructuredOutputsParams), "a StructuredOutputsParams", lambda v: v),
 }
+
+
+def _check_kinds(obj: object, kinds: Mapping[str, tuple[str, bool]]) -> None:
+    """InvalidParameter naming a field of ``obj`` whose value is not of its kind (None passes where the field is
+    optional); a number of another numeric type (numpy's) becomes Python's own, and a bool is no number."""
+    for name, (kind, optional) in kinds.items():
+        value = getattr(obj, name)
+        if value is None and optional:
+            continue
+        accepts, described, convert = _KINDS[kind]
+        if not accepts(value):
+            raise InvalidParameter(name, f"{name} must be {described}, got {type(value).__name__}")
+        object.__setattr__(obj, name, convert(value))  # frozen dataclasses too
