@@ -166,8 +166,8 @@ class SamplingParams:
         return self.temperature < self.GREEDY_BELOW
 
 
-# Each field's kind, and whether it may be None: checked once, at construction (``_check_kinds``); SamplingParams', then
-# StructuredOutputsParams'
+# Each field's kind, and whether it may be None, in SamplingParams and then in StructuredOutputsParams: checked
+# once, at construction (``_check_kinds``)
 _FIELD_KINDS: dict[str, tuple[str, bool]] = {
     "n": ("integer", False), "top_k": ("integer", False), "min_tokens": ("integer", False),
     "max_tokens": ("integer", True), "seed": ("integer", True), "logprobs": ("integer", True),
