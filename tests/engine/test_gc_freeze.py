@@ -28,9 +28,12 @@ def test_objects_alive_at_the_start_are_frozen_and_handed_back_at_the_end() -> N
     with heap_frozen():
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        with heap_frozen():  # nested (or another thread's): the heap stays frozen until the outer block ends
-            assert gc.get_freeze_count() >= frozen
-        assert gc.get_freeze_count() >= frozen
+        # nested (or another thread's): the heap stays frozen until the outer block ends. An unfreeze would empty
+        # the permanent generation; a frozen object some other thread of the process frees meanwhile leaves it
+        # (the whole suite has such threads), so the count may dip below ``frozen`` but not empty
+        with heap_frozen():
+            assert gc.get_freeze_count() > frozen // 2
+        assert gc.get_freeze_count() > frozen // 2
     assert gc.get_freeze_count() == 0
 
 
