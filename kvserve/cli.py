@@ -67,9 +67,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.router.launch import add_data_parallel_arguments, add_policy_argument
     from kvserve.server.launch import add_serve_arguments
 
     add_serve_arguments(parser)
+    add_data_parallel_arguments(parser)
+    add_policy_argument(parser)
     parser.set_defaults(func=_cmd_serve)
 
 

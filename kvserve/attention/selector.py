@@ -1,7 +1,7 @@
 """The one place that picks the attention backend for a device and dtype.
 
 On CUDA, fp16 / bf16 / fp32 models get ``TritonPagedBackend`` when triton imports and the kernels read the
-cache's encoding (unquantized, int8, fp8), else ``TorchRefBackend`` with a warning (once per process). fp32 on
+cache's encoding (unquantized, int8, fp8, int4), else ``TorchRefBackend`` with a warning (once per process). fp32 on
 CPU gets ``CpuPagedBackend`` when its kernel builds, else ``TorchRefBackend`` with a warning; every other CPU
 dtype gets ``TorchRefBackend``. ``KVSERVE_ATTENTION_BACKEND`` (``cpu_paged``, ``torch_ref`` or ``triton``)
 forces one, e.g. to compare them or to rule a kernel out; ``triton`` on CPU runs only under Triton's

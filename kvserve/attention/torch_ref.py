@@ -1,4 +1,7 @@
-"""Paged attention in plain PyTorch: the CPU product, and the oracle every faster backend is tested against.
+"""Paged attention in plain PyTorch: the oracle every faster backend is tested against.
+
+It also serves CPU models that are not fp32, and stands in where ``cpu_paged`` or ``triton`` cannot run
+(``selector.py``).
 
 Per layer, one gather copies every key and value the step reads out of the paged cache into a reused
 workspace, head-major, then one SDPA call runs all decodes and one more runs each prefill chunk::

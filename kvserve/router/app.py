@@ -26,14 +26,13 @@ from starlette.responses import JSONResponse, Response
 from kvserve.router.policy import Decision, Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse
-from kvserve.server.errors import error_response, sse_failure
+from kvserve.server.errors import RETRY_LATER, error_response, sse_failure
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_SECONDS = 1
 HEALTH_TIMEOUT_S = 2.0
 GET_TIMEOUT_S = 30.0
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -137,7 +136,7 @@ class Router:
             candidates = [r for r in self.replicas if r.healthy and r not in tried]
             if not candidates:
                 return error_response(503, "no kvserve replica is available; try again shortly",
-                                      headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                                      headers=RETRY_LATER)
             decision = self.policy.choose(candidates, keys)
             replica = decision.replica
             # Counted before the send, which waits for the replica's headers: requests arriving meanwhile must
@@ -206,7 +205,7 @@ class Router:
                 with contextlib.suppress(ConnectFailed, UpstreamLost):
                     status, content_type, content = await self.upstream.get(replica.url + path, GET_TIMEOUT_S)
                     return Response(content, status, media_type=content_type or None)
-        return error_response(503, "no kvserve replica is available", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return error_response(503, "no kvserve replica is available", headers=RETRY_LATER)
 
     # ---- health ------------------------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import signal
 import socket
@@ -23,12 +22,12 @@ from typing import Callable
 import uvicorn
 
 from kvserve.router.app import Router, build_router_app
+from kvserve.router.child_process import die_with_parent
 from kvserve.router.policy import POLICIES, make_policy
 from kvserve.extras import require_ray
 from kvserve.router.ray_replicas import RayReplicas
+from kvserve.server.sockets import MAX_PORT, http_url, listening_socket
 
-PR_SET_PDEATHSIG = 1  # prctl(2)
-MAX_PORT = 65535
 
 logger = logging.getLogger(__name__)
 
@@ -62,28 +61,6 @@ def run_router(args: argparse.Namespace) -> int:
     _run(Router(args.worker, make_policy(args.routing_policy)), listening_socket(args.host, args.port),
          args.routing_policy)
     return 0
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host``:``port`` for uvicorn to serve on: bound before anything says it listens, so that
-    a port in use or a bad host is one ValueError naming them (the CLI prints it) instead of uvicorn's log line."""
-    if not 0 <= port <= MAX_PORT:
-        raise ValueError(f"--port must be in 0..{MAX_PORT}, got {port}")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-    sock.set_inheritable(True)
-    return sock
-
-
-def http_url(host: str, port: int) -> str:
-    """``http://HOST:PORT``, an IPv6 host in brackets (``http://[::1]:8000``)."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class RouterServer(uvicorn.Server):
@@ -169,7 +146,7 @@ class LocalReplicas:
     def __init__(self, argv: list[str], ports: list[int]) -> None:
         self.urls = [f"http://127.0.0.1:{port}" for port in ports]
         self.processes = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--port", str(port)],
-                                           preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                           preexec_fn=die_with_parent)
                           for port in ports]
 
     def exit_codes(self) -> list[int] | None:
@@ -186,12 +163,6 @@ class LocalReplicas:
         for process in self.processes:
             process.wait()
         timer.cancel()
-
-
-def _die_with_parent() -> None:
-    """In a replica's process before it runs kvserve (Linux): a SIGTERM when the router's process ends however
-    it ends, ``kill -9`` included, so that no replica is left holding its port."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:

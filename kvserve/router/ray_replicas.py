@@ -13,20 +13,19 @@ absence is named by ``extras.require_ray``).
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import signal
 import subprocess
 import sys
 import threading
+
 from kvserve.router.app import Router
+from kvserve.router.child_process import die_with_parent
 
 logger = logging.getLogger(__name__)
 
 SUPERVISE_INTERVAL_S = 2.0
 STATUS_TIMEOUT_S = 10.0
 DRAIN_TIMEOUT_S = 60.0
-_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class ReplicaServer:
@@ -38,7 +37,7 @@ class ReplicaServer:
         host = ray.util.get_node_ip_address()
         self.url = f"http://{host}:{port}"
         self.process = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--host", host,
-                                         "--port", str(port)], preexec_fn=_die_with_parent)
+                                         "--port", str(port)], preexec_fn=die_with_parent)
 
     def status(self) -> tuple[str, bool]:
         """Its URL, and whether its server process still runs."""
@@ -106,11 +105,3 @@ class RayReplicas:
     def _supervise(self, router: Router, interval: float) -> None:
         while not self._stopped.wait(interval):
             self.check(router)
-
-
-def _die_with_parent() -> None:
-    """In the server's process: SIGTERM it when its actor's process dies (Linux), so that a restarted actor
-    finds its port free instead of an orphaned server on it."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-

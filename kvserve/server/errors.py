@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+RETRY_AFTER_SECONDS = 1
+# What a 503 of a server that will serve again soon (loading, overloaded, no replica up) asks a client to wait
+RETRY_LATER = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

@@ -28,8 +28,8 @@ from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
 from kvserve.engine_args import EngineArgs
-from kvserve.router.launch import add_data_parallel_arguments, add_policy_argument, http_url, listening_socket
 from kvserve.server.app import build_app
+from kvserve.server.sockets import http_url, listening_socket
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
@@ -60,8 +60,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                         help="the format of the model's own tool calls, read under tool_choice auto (auto: the one "
                              "the chat template uses; hermes where the template takes no tools)")
-    add_data_parallel_arguments(parser)
-    add_policy_argument(parser)
     EngineArgs.add_cli_args(parser)
 
 

@@ -4,8 +4,8 @@
 (or batch of commands) and owns the per-request timing it needs. Each instance has its own registry.
 
 Times are seen from the frontend: TTFT runs from arrival to the end of the step that made the first token,
-queue time from arrival to the start of that step (exact without chunked prefill; a prompt prefilled over
-several steps counts its earlier chunks as queueing).
+queue time from arrival to the engine's first scheduling of the request (`RequestOutput.first_scheduled_time`:
+the step of its first prompt chunk; the start of the first token's step where that is missing).
 """
 
 from __future__ import annotations

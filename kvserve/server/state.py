@@ -6,14 +6,13 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
-from kvserve.server.errors import APIError
+from kvserve.server.errors import RETRY_LATER, APIError
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.server.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-RETRY_AFTER_SECONDS = 1
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ class ServerState:
                                                  f"{', '.join(self.settings.served_model_names)}", param="model")
         if not self.is_ready:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, self.why_not_ready,
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                           headers=RETRY_LATER)
         assert self.engine is not None
         return self.engine
 
@@ -95,5 +94,5 @@ class ServerState:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE,
                            f"the server is overloaded: {num_waiting} requests are waiting (over --max-waiting "
                            f"{max_waiting}); retry later",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+                           headers=RETRY_LATER)
         return engine

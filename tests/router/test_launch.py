@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import main
-from kvserve.router.launch import http_url
+from kvserve.server.sockets import http_url
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_MODULES = ("torch", "transformers", "kvserve.engine", "kvserve.config", "kvserve.model", "kvserve.worker")
@@ -27,7 +27,7 @@ def run(server, sockets=None):  # the app is built and about to be served: what 
 
 uvicorn.Server.run = run
 from kvserve.cli import main
-from kvserve.router.launch import http_url
+from kvserve.server.sockets import http_url
 sys.exit(main(["router", "--worker", "http://127.0.0.1:9", "--worker", "http://127.0.0.1:10", "--port", "0",
                "--routing-policy", "round_robin"]))
 """
@@ -66,8 +66,8 @@ def test_replica_processes_end_with_a_router_killed_on_the_spot() -> None:
     """A router killed with SIGKILL runs no cleanup: its replicas end through the parent-death signal."""
     router = subprocess.Popen([sys.executable, "-c", """
 import subprocess, sys, time
-from kvserve.router.launch import _die_with_parent  # what LocalReplicas starts each replica with
-replica = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=_die_with_parent)
+from kvserve.router.child_process import die_with_parent  # what LocalReplicas starts each replica with
+replica = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=die_with_parent)
 print(replica.pid, flush=True)
 time.sleep(60)
 """], stdout=subprocess.PIPE, text=True, cwd=ROOT)

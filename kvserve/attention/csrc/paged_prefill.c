@@ -127,26 +127,6 @@ static inline void key_rows(const PrefillArgs *a, const int32_t *table, int firs
     }
 }
 
-/* scores[t][lane] for keys t < num_keys (num_keys fixed per call) and lane_vecs vectors of transposed queries:
- * per element of the keys, lane_vecs query loads feed lane_vecs x num_keys broadcast-FMAs. */
-static inline __attribute__((always_inline)) void score_block(const int lane_vecs, const int num_keys,
-                                                              const float *q_t, int width, const float *k_cache,
-                                                              const int64_t *rows, float *scores, const int d) {
-    vec s[SCORE_KEYS][SCORE_LANES];
-    for (int j = 0; j < num_keys; j++)
-        for (int l = 0; l < lane_vecs; l++) s[j][l] = (vec){0};
-    for (int i = 0; i < d; i++) {
-        vec q_i[SCORE_LANES];
-        for (int l = 0; l < lane_vecs; l++) q_i[l] = load(q_t + i * width + l * VEC);
-        for (int j = 0; j < num_keys; j++) {
-            const float k_ji = k_cache[rows[j] + i];
-            for (int l = 0; l < lane_vecs; l++) s[j][l] += k_ji * q_i[l];
-        }
-    }
-    for (int j = 0; j < num_keys; j++)
-        for (int l = 0; l < lane_vecs; l++) store(scores + j * width + l * VEC, s[j][l]);
-}
-
 /* A tile's scores [key][lane] over all width lanes, SCORE_LANES vectors of lanes at a time. */
 static inline __attribute__((always_inline)) void tile_scores(const float *q_t, int width, const float *k_cache,
                                                               const int64_t *rows, int num_keys, float *scores,
@@ -186,27 +166,6 @@ static inline void mask_tile(float *scores, int width, const int32_t *query_pos,
             const vec s = load(scores + t * width + lane);
             store(scores + t * width + lane, (vec)((visible & (ivec)s) | (~visible & (ivec)((vec){0} - INFINITY))));
         }
-}
-
-/* Turns a tile's scores [key][lane] into softmax weights against each lane's running max, updating the running
- * max and sum; correction: the factor each lane's accumulator must be scaled by. */
-static inline void softmax_down_lanes(float *scores, int num_keys, int width, float *row_max, float *row_sum,
-                                      float *correction) {
-    for (int lane = 0; lane < width; lane += VEC) {
-        const vec old_max = load(row_max + lane);
-        vec new_max = old_max;
-        for (int t = 0; t < num_keys; t++) new_max = max_vec(load(scores + t * width + lane), new_max);
-        const vec lane_correction = exp_nonpositive_vec(old_max - new_max); /* 0 while the max is -inf */
-        vec sum = load(row_sum + lane) * lane_correction;
-        for (int t = 0; t < num_keys; t++) {
-            const vec weights = exp_nonpositive_vec(load(scores + t * width + lane) - new_max);
-            store(scores + t * width + lane, weights);
-            sum += weights;
-        }
-        store(row_max + lane, new_max);
-        store(row_sum + lane, sum);
-        store(correction + lane, lane_correction);
-    }
 }
 
 /* acc[r][j..j + num_vecs) = acc * correction + sum over the tile's keys of weight[t][r] * value row t, for
