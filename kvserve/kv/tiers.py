@@ -36,6 +36,7 @@ import enum
 import errno
 import functools
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -43,7 +44,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -620,13 +621,31 @@ def _gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-def model_identity(named_tensors: Iterable[tuple[str, torch.Tensor]], extra: str) -> str:
-    """A fingerprint of a loaded model that a block written for other weights cannot share: every tensor's
-    name, shape and dtype plus its first and last bytes, and ``extra`` (the device, dtypes, weight format)."""
+_BUILD_KEYS = ("transformers_version",)  # which library wrote the configuration: not the model
+
+
+def model_identity(named_tensors: Iterable[tuple[str, torch.Tensor]], extra: str, config: Mapping[str, Any]) -> str:
+    """A fingerprint of a loaded model that a block written for another model cannot share: its configuration
+    (``config``, the model's own: rope, norms and windows shape its KV as much as the weights do; keys that start
+    with ``_`` name where it was loaded from, and are left out), every tensor's name, shape, dtype, first and last
+    bytes and the sum of its words, and ``extra`` (the device, dtypes, weight format). The words are summed as
+    integers (wrapping), so the sum does not depend on the thread count that computes it: two processes agree."""
+    settings = {key: value for key, value in config.items() if not key.startswith("_") and key not in _BUILD_KEYS}
     digest = hashlib.blake2b(extra.encode(), digest_size=16)
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
         flat = tensor.detach().reshape(-1)
         ends = torch.cat([flat[:32], flat[-32:]]).cpu().contiguous()
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{_word_sum(flat)}|".encode())
         digest.update(ends.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def _word_sum(flat: torch.Tensor) -> int:
+    """The sum of a tensor's bytes read as int64 words (int32 words, or bytes, where its size or its offset in
+    its storage is no multiple of 8)."""
+    data = flat.contiguous().view(torch.uint8)
+    for word in (torch.int64, torch.int32):
+        if data.numel() % word.itemsize == 0 and data.storage_offset() % word.itemsize == 0:
+            return int(data.view(word).sum(dtype=torch.int64))
+    return int(data.sum(dtype=torch.int64))

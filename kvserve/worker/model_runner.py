@@ -153,11 +153,12 @@ class ModelRunner:
         return sum(storage.nbytes for storage in kv if storage is not None)
 
     def model_identity(self) -> str:
-        """A fingerprint of the loaded weights and of what shapes their KV (device, dtypes, weight format,
-        attention backend): KV tiers on disk use blocks written under the same fingerprint only."""
+        """A fingerprint of the loaded weights, the model's configuration and what shapes their KV (device, dtypes,
+        weight format, attention backend): KV tiers on disk use blocks written under the same fingerprint only."""
         extra = "|".join((type(self.model).__name__, self.device.type, str(self.dtype), self.weights_format(),
                           type(self.backend).__name__))
-        return model_identity(itertools.chain(self.model.named_parameters(), self.model.named_buffers()), extra)
+        return model_identity(itertools.chain(self.model.named_parameters(), self.model.named_buffers()), extra,
+                              self.model.config.to_dict())
 
     def init_kv_cache(self, num_blocks: int, max_model_len: int, tiers: TieredStore | None = None,
                       max_num_seqs: int = 0) -> None:

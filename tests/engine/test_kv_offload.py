@@ -6,8 +6,10 @@ reuses the blocks on disk, and bad files or a full disk never change an output. 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,26 @@ def test_two_engines_share_one_directory(tiny_checkpoints, tmp_path) -> None:
     a.engine.flush_kv_offload()
     assert _run(b, prompts[:3]) == expected
     assert b.stats()["kv_offload_disk_hit_tokens"] >= 32
+
+
+def test_a_checkpoint_with_another_configuration_never_uses_the_blocks_on_disk(tiny_checkpoints, tmp_path) -> None:
+    """The same weights under another rope theta make other KV: blocks written for the original configuration
+    are not this model's (its identity covers the configuration), so nothing comes off disk and the output is
+    the altered model's own."""
+    path = tiny_checkpoints["llama"]
+    altered = tmp_path / "altered"
+    shutil.copytree(path, altered)
+    config = json.loads((altered / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 500.0
+    (altered / "config.json").write_text(json.dumps(config))
+    prompts = _prompts(200, seed=4)[:3]
+    first = _llm(path, kv_offload_dir=str(tmp_path / "kv"), **SMALL_POOL)
+    _run(first, prompts)
+    first.engine.flush_kv_offload()
+    expected = _run(_llm(altered, **SMALL_POOL), prompts)
+    reused = _llm(altered, kv_offload_dir=str(tmp_path / "kv"), **SMALL_POOL)
+    assert _run(reused, prompts) == expected
+    assert reused.stats()["kv_offload_disk_hit_tokens"] == 0
 
 
 def test_corrupt_block_files_are_skipped_and_recomputed(tiny_checkpoints, tmp_path, caplog) -> None:
