@@ -19,6 +19,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("ngram", "draft")
 PREEMPTION_MODES = ("recompute", "swap")
+DEFAULT_DISK_TIER_GIB = 16.0
 
 _DTYPES = {
     "float32": torch.float32,
@@ -115,11 +116,16 @@ class CacheConfig:
     # GiB of host memory for blocks evicted from the device pool, and the KV of requests preempted by swap
     kv_offload_memory: float | None = None
     kv_offload_dir: str | None = None  # a directory for the disk tier (persistent, shareable between servers)
-    kv_offload_disk: float = 16.0  # GiB the disk tier may fill; oldest blocks go first
+    kv_offload_disk: float | None = None  # GiB the disk tier may fill (DEFAULT_DISK_TIER_GIB); oldest blocks go first
 
     @property
     def offloads_kv(self) -> bool:
         return self.kv_offload_memory is not None or self.kv_offload_dir is not None
+
+    @property
+    def disk_tier_bytes(self) -> int:
+        gib = DEFAULT_DISK_TIER_GIB if self.kv_offload_disk is None else self.kv_offload_disk
+        return int(gib * 2**30)
 
     def __post_init__(self) -> None:
         self._check_offload()
@@ -137,8 +143,11 @@ class CacheConfig:
     def _check_offload(self) -> None:
         if self.kv_offload_memory is not None and self.kv_offload_memory <= 0:
             raise ValueError(f"kv_offload_memory must be > 0 GiB, got {self.kv_offload_memory}")
-        if self.kv_offload_disk <= 0:
+        if self.kv_offload_disk is not None and self.kv_offload_disk <= 0:
             raise ValueError(f"kv_offload_disk must be > 0 GiB, got {self.kv_offload_disk}")
+        if self.kv_offload_disk is not None and self.kv_offload_dir is None:
+            raise ValueError("kv_offload_disk sizes the disk tier, which kv_offload_dir turns on: give the directory "
+                             "too, or drop kv_offload_disk")
         if self.kv_offload_dir is not None and not self.kv_offload_dir:
             raise ValueError("kv_offload_dir must name a directory")
         if self.kv_offload_dir is not None and not self.enable_prefix_caching:

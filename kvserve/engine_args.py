@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection
 
 from kvserve.config import (
+    DEFAULT_DISK_TIER_GIB,
     DEFAULT_MODEL,
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -114,8 +115,8 @@ class EngineArgs:
     kv_offload_dir: str | None = _option(None, "a directory for a disk tier of KV blocks, written as they are "
                                          "computed: it outlives restarts and can be shared by servers of the same "
                                          "model (a block is used only if verified)", str)
-    kv_offload_disk: float = _option(CacheConfig.kv_offload_disk, "GiB the disk tier may fill (oldest out first)",
-                                     float)
+    kv_offload_disk: float | None = _option(None, f"GiB the disk tier may fill, oldest out first (default "
+                                            f"{DEFAULT_DISK_TIER_GIB:g}; needs --kv-offload-dir)", float)
     tensor_parallel_size: int = _option(ParallelConfig.tensor_parallel_size,
                                         "split the model's layers and KV heads over this many processes (gloo on "
                                         "CPU, each rank taking its share of the threads; NCCL on CUDA, one GPU "

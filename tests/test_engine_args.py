@@ -206,3 +206,10 @@ def test_building_an_engine_leaves_the_global_rng_alone(tiny_checkpoints) -> Non
     before = torch.get_rng_state()
     LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=16, seed=1234)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_disk_tier_size_without_its_directory_is_refused() -> None:
+    with pytest.raises(ValueError, match="kv_offload_disk sizes the disk tier.*kv_offload_dir"):
+        EngineArgs(kv_offload_disk=1.0).create_engine_config()
+    config = EngineArgs(kv_offload_dir="/tmp/kv-blocks").create_engine_config()
+    assert config.cache.disk_tier_bytes == 16 * 2**30

@@ -191,7 +191,7 @@ class LLMEngine:
                                    runner.kv_groups.layout)
         host_gib = cache.kv_offload_memory if cache.kv_offload_memory is not None else DEFAULT_STAGING_GIB
         return TieredStore(block_format, host_gib * 2**30, host_is_tier=cache.kv_offload_memory is not None,
-                           disk_dir=cache.kv_offload_dir, disk_bytes=cache.kv_offload_disk * 2**30,
+                           disk_dir=cache.kv_offload_dir, disk_bytes=cache.disk_tier_bytes,
                            pin_memory=self.device.type == "cuda")
 
     def flush_kv_offload(self, timeout: float | None = None) -> None:

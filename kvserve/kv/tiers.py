@@ -312,6 +312,17 @@ class DiskTier:
         self._bad.add(key)
         self.num_bytes -= self._files.pop(key, 0)
 
+    def is_directory(self) -> bool:
+        """Whether the directory is still one: another process may delete it or put a file in its place."""
+        return os.path.isdir(self.directory)
+
+    def forget_all(self) -> int:
+        """Drop the whole index (the directory is gone); returns how many blocks it held."""
+        forgotten = len(self._files)
+        self._files.clear()
+        self.num_bytes = 0
+        return forgotten
+
     def write(self, block: KeyedBlock, payload: memoryview) -> int:
         path = self.path(block.key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -514,15 +525,17 @@ class TieredStore:
         try:
             size = self.disk.write(block, memoryview(self.host.slab[row].numpy()))
         except OSError as error:
+            whole_directory = error.errno in _DIRECTORY_WIDE_ERRORS or not self.disk.is_directory()
             with self._lock:
                 self.counters.disk_write_errors += 1
-                stop = self.disk.writable and error.errno in _DIRECTORY_WIDE_ERRORS
+                was_writable = self.disk.writable
+                stop = was_writable and whole_directory
                 if stop:
                     self.disk.writable = False
             if stop:
                 logger.warning("KV disk tier: writing to %s failed (%s); no more blocks are written there, "
                                "and prefixes not found in memory are recomputed", self.disk.directory, error)
-            else:
+            elif was_writable:  # the writes queued before a stop fail alike: said once, above
                 logger.warning("KV disk tier: block file %s not written (%s)", self.disk.path(block.key), error)
         else:
             with self._lock:
@@ -557,11 +570,20 @@ class TieredStore:
     def _reject(self, key: bytes, row: int, error: Exception) -> None:
         """A block file that cannot be used: skipped, counted, logged, and removed if it is corrupt."""
         assert self.disk is not None
+        directory_gone = isinstance(error, OSError) and not self.disk.is_directory()
         with self._lock:
             self.host.release(row)
+            forgotten = self.disk.forget_all() if directory_gone else 0
             self.disk.mark_bad(key)
             self.counters.corrupt_blocks += isinstance(error, CorruptBlockError)
-        logger.warning("KV disk tier: skipping block file %s: %s", self.disk.path(key), error)
+        if directory_gone:
+            if forgotten:  # the reads already queued find it gone too: said once
+                logger.warning("KV disk tier: %s is no longer a directory (%s); the %d blocks indexed there are "
+                               "forgotten, and those prefixes recomputed", self.disk.directory, error, forgotten)
+        elif isinstance(error, FileNotFoundError):  # trimmed by another server sharing the directory
+            logger.info("KV disk tier: block file %s is gone; recomputing it", self.disk.path(key))
+        else:
+            logger.warning("KV disk tier: skipping block file %s: %s", self.disk.path(key), error)
         if isinstance(error, CorruptBlockError):
             self.disk.remove(key)
 

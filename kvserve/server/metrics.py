@@ -61,6 +61,8 @@ _TIER_GAUGES = {
     "kv_offload_host_bytes": "Bytes of KV blocks held in the host-memory tier.",
     "kv_offload_disk_blocks": "KV block files in the disk tier.",
     "kv_offload_disk_bytes": "Bytes of KV block files in the disk tier.",
+    "kv_offload_disk_writable": "1 while the disk tier writes blocks; 0 once an error of its whole directory (full, "
+                                "read-only, gone) stopped the writes, or where there is no disk tier.",
 }
 # KV blocks held by kind of KV cache group (``kv/groups.py``): stats key -> help
 _KV_GROUP_GAUGES = {
@@ -76,7 +78,11 @@ _TIER_COUNTERS = {
     "kv_offload_loaded_bytes": "Bytes of KV blocks copied from the tiers into the device pool.",
     "kv_reload_seconds": "Seconds spent copying KV blocks from the tiers into the device pool.",
     "kv_offload_corrupt_blocks": "KV block files skipped as corrupt, truncated or written for something else.",
+    "kv_offload_disk_writes": "KV block files written to the disk tier.",
     "kv_offload_disk_write_errors": "KV block files that could not be written.",
+    "kv_offload_disk_reads": "KV block files read from the disk tier into the host tier (prefix hits on disk).",
+    "kv_offload_blocks_dropped": "KV blocks evicted from the device pool and not offloaded: every host row was "
+                                 "held.",
     "kv_offload_disk_reads_skipped": "KV blocks on the disk tier recomputed instead: reading measured slower.",
     "kv_swap_seconds": "Seconds spent copying swapped-out requests' KV to the host tier and back.",
 }

@@ -179,10 +179,56 @@ def test_a_full_disk_stops_writing_with_one_warning(tmp_path: Path, monkeypatch,
         store.offload(kv, list(enumerate(blocks)))
         store.flush()
     assert caplog.text.count("no more blocks are written there") == 1
+    assert "not written" not in caplog.text  # the writes queued behind the first failed alike: said once
     stats = store.stats()
     assert not stats["kv_offload_disk_writable"] and stats["kv_offload_disk_write_errors"] == 3
     assert not store.wants_offload(_chain(store, 4)[3].key, evicted=False)  # not tried again
     assert [store.locate(b.key) for b in blocks] == [Tier.HOST] * 3  # the host tier still serves them
+
+
+def test_a_directory_replaced_by_a_file_stops_writing_with_one_warning(tmp_path: Path, caplog) -> None:
+    """Another process deletes the directory and puts a file in its place: every write then fails with ENOTDIR,
+    a per-path error, but the directory as a whole is gone, so writing stops with one warning."""
+    directory = tmp_path / "kv"
+    store, kv = _store(disk_dir=directory), _storage()
+    blocks = _chain(store, 5)
+    _write_through(store, kv, blocks[:2])
+    shutil.rmtree(directory)
+    directory.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        store.offload(kv, [(i + 2, b) for i, b in enumerate(blocks[2:])])
+        store.flush()
+    assert caplog.text.count("no more blocks are written there") == 1 and "not written" not in caplog.text
+    stats = store.stats()
+    assert not stats["kv_offload_disk_writable"] and stats["kv_offload_disk_write_errors"] == 3
+
+
+def test_reads_from_a_directory_that_is_gone_forget_its_blocks_with_one_warning(tmp_path: Path, caplog) -> None:
+    directory = tmp_path / "kv"
+    first, kv = _store(disk_dir=directory), _storage()
+    blocks = _chain(first, 3)
+    _write_through(first, kv, blocks)
+    second = _store(disk_dir=directory, host_blocks=8)
+    assert second.stats()["kv_offload_disk_blocks"] == 3
+    shutil.rmtree(directory)
+    directory.write_text("not a directory")
+    with caplog.at_level(logging.INFO, logger="kvserve.kv.tiers"):
+        assert _prefetched(second, blocks) == [None] * 3
+    assert caplog.text.count("is no longer a directory") == 1 and "skipping block file" not in caplog.text
+    stats = second.stats()
+    assert stats["kv_offload_disk_blocks"] == 0 and stats["kv_offload_disk_bytes"] == 0
+    assert stats["kv_offload_corrupt_blocks"] == 0  # gone is not corrupt
+
+
+def test_a_block_file_trimmed_by_another_server_is_recomputed_without_a_warning(tmp_path: Path, caplog) -> None:
+    first, kv = _store(disk_dir=tmp_path), _storage()
+    blocks = _chain(first, 2)
+    _write_through(first, kv, blocks)
+    second = _store(disk_dir=tmp_path)
+    os.unlink(second.disk.path(blocks[1].key))  # the other server's capacity trimmed it
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        assert _prefetched(second, blocks) == [Tier.HOST, None]
+    assert "kvserve" not in caplog.text and second.stats()["kv_offload_disk_blocks"] == 1
 
 
 def test_an_unusable_directory_leaves_the_host_tier_working(tmp_path: Path, caplog) -> None:

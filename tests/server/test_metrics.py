@@ -114,6 +114,19 @@ def test_tier_byte_counters_put_their_unit_before_total() -> None:
         assert metrics.registry.get_sample_value(f"kvserve:{key}_total", {"model_name": "m"}) == value, key
 
 
+def test_the_disk_tier_shows_whether_it_still_writes_and_how_much_it_moved() -> None:
+    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
+             "num_running": 0, "num_waiting": 0, "kv_offload_disk_writable": True}
+    metrics = ServerMetrics("m", stats, 64)
+    assert metrics.registry.get_sample_value("kvserve:kv_offload_disk_writable", {"model_name": "m"}) == 1
+    moved = {"kv_offload_disk_writable": False, "kv_offload_disk_writes": 3, "kv_offload_disk_reads": 2,
+             "kv_offload_blocks_dropped": 1}
+    metrics.on_step([], {**stats, **moved}, time.monotonic())
+    assert metrics.registry.get_sample_value("kvserve:kv_offload_disk_writable", {"model_name": "m"}) == 0
+    for key in ("kv_offload_disk_writes", "kv_offload_disk_reads", "kv_offload_blocks_dropped"):
+        assert metrics.registry.get_sample_value(f"kvserve:{key}_total", {"model_name": "m"}) == moved[key], key
+
+
 def test_queue_time_ends_where_the_engine_first_scheduled_the_request() -> None:
     """Not at the step of the first token, which for n > 1 comes a step after the prefill (the samples fork)."""
     stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
