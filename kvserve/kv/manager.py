@@ -162,8 +162,9 @@ class KVCacheManager:
 
     def _match_tiers(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
         """Extend a device match with the blocks the host tier holds next; if the disk holds more, start reading
-        them into the host tier and say the request should wait for them (for at most ``MAX_LOAD_WAITS``
-        lookups, then it computes them), unless reading has measured slower than computing them
+        them into the host tier (as many as its rows can stage at once) and say the request should wait for them
+        (for at most ``MAX_LOAD_WAITS`` lookups, then it computes them), unless reading has measured slower than
+        computing them
         (``reload_costs``). With window groups, a match is as long as its next query finds the
         window groups' blocks it sees on the device or in the host tier, and the disk is read for those that a
         longer match would need::
@@ -179,7 +180,10 @@ class KVCacheManager:
         where = functools.cache(functools.partial(self._window_tier, nodes, beyond))
         num_ready = self.groups.visible_length(len(nodes) + num_host, self.block_size,
                                                lambda g, index: where(g, index) is Tier.HOST)
-        num_found = self.groups.visible_length(len(nodes) + len(beyond), self.block_size,
+        # No more than the host tier can stage at once (a block of each group a block at most): reading more would
+        # evict the first reads before they load, lookup after lookup; what is beyond is computed
+        staged = len(nodes) + store.staging_rows() // self.groups.num_groups
+        num_found = self.groups.visible_length(min(len(nodes) + len(beyond), staged), self.block_size,
                                                lambda g, index: where(g, index) is not None)
         waits = self._load_waits[request.request_id]
         loading = False

@@ -144,14 +144,16 @@ class HostTier:
         self.other_groups.discard(victim)
         return self._rows.pop(victim)
 
+    def num_unpinned_rows(self) -> int:
+        """Rows free or holding a block that may be evicted: what reads can take."""
+        return len(self._free) + sum(1 for key in self._rows if not self._pins[key])
+
     def hold(self, num_rows: int) -> list[int] | None:
         """``num_rows`` rows taken out of the tier for a caller to keep until it releases them (a swapped-out
         request's KV): free rows first, then the least recently used unpinned blocks'. All or nothing: None,
         taking none, if fewer rows than that are free or unpinned."""
-        if len(self._free) < num_rows:
-            num_unpinned = sum(1 for key in self._rows if not self._pins[key])
-            if len(self._free) + num_unpinned < num_rows:
-                return None
+        if len(self._free) < num_rows and self.num_unpinned_rows() < num_rows:
+            return None
         rows = [self.reserve() for _ in range(num_rows)]
         assert None not in rows
         return rows
@@ -392,6 +394,12 @@ class TieredStore:
                     self._reader.submit(self._read, block, row)
             num_started += 1
         return num_started
+
+    def staging_rows(self) -> int:
+        """How many blocks the host tier can hold for loads at once: its rows free, holding unpinned blocks, or being
+        read into (not those pinned for a load under way, nor those a swapped-out request holds)."""
+        with self._lock:
+            return self.host.num_unpinned_rows() + len(self._reading)
 
     def disk_read_cost(self) -> tuple[float | None, int]:
         """The measured seconds a block takes to come off the disk (one reader thread: a block's wall time;

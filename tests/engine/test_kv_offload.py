@@ -125,6 +125,24 @@ def test_a_checkpoint_with_another_configuration_never_uses_the_blocks_on_disk(t
     assert reused.stats()["kv_offload_disk_hit_tokens"] == 0
 
 
+def test_a_prefix_on_disk_longer_than_the_host_tier_loads_what_the_tier_can_stage(tiny_checkpoints, tmp_path) -> None:
+    """40 blocks on disk, a host tier of 16 rows: the first 16 are read and loaded, the rest computed. Reading them
+    all would have each read evict an earlier one before it loads, lookup after lookup (3,200 reads, nothing
+    loaded)."""
+    path = tiny_checkpoints["llama"]
+    prompt = [random.Random(5).randrange(3, 200) for _ in range(161)]
+    options = {"block_size": 4, "num_kv_blocks": 128, "kv_offload_dir": str(tmp_path)}
+    writer = _llm(path, **options)
+    expected = greedy_token_ids(writer, [prompt], MAX_NEW)[0][0]
+    writer.engine.flush_kv_offload()
+    bytes_per_block = writer.engine.core.kv_manager.store.format.bytes_per_block
+    reader = _llm(path, kv_offload_memory=16 * bytes_per_block / 2**30, **options)
+    assert greedy_token_ids(reader, [prompt], MAX_NEW)[0][0] == expected
+    stats = reader.stats()
+    assert stats["kv_offload_disk_reads"] == 16 and stats["kv_offload_disk_hit_tokens"] == 16 * 4, stats
+    assert_all_blocks_free(reader)
+
+
 def test_corrupt_block_files_are_skipped_and_recomputed(tiny_checkpoints, tmp_path, caplog) -> None:
     path = tiny_checkpoints["llama"]
     prompts = _prompts(200, seed=2)
