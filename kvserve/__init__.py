@@ -6,7 +6,7 @@ from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "FinishReason"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type:
     # LLM pulls in torch and the model code: import it only when asked for.
     if name == "LLM":
         from kvserve.engine.llm import LLM

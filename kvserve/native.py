@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import platformdirs
 import torch
@@ -74,7 +74,7 @@ _recorder: tuple[int, Callable[[KernelFunction, tuple], None]] | None = None
 
 
 @contextlib.contextmanager
-def recording(record: Callable[[KernelFunction, tuple], None]):
+def recording(record: Callable[[KernelFunction, tuple], None]) -> Iterator[None]:
     """Hand every ``KernelFunction`` call this thread makes to ``record`` (the function and its arguments),
     after the call has run. One recording at a time."""
     global _recorder

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class FinishReason(str, enum.Enum):
@@ -26,6 +27,16 @@ class Logprob:
 
 # One position: token id -> Logprob, holding the chosen token and the top-k alternatives.
 PositionLogprobs = dict[int, Logprob]
+
+
+class TokenLogprobs(NamedTuple):
+    """Log probabilities at one position as the sampler computes them (the output processor turns them into
+    ``PositionLogprobs``): ``token_ids[0]`` is the chosen (sampled or prompt) token, the rest are the top-k
+    alternatives in descending order; ``ranks[i]`` is 1 for the most likely token."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
 
 
 @dataclass

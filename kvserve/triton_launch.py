@@ -1,14 +1,14 @@
 """Programmatic dependent launch (PDL) of kvserve's Triton kernels on Hopper and later GPUs.
 
-A decode step is a chain of short kernels, each waiting for the one before: inside a CUDA graph a kernel starts
-~2 us after the previous one ends (session 15's profile of a Llama-3-8B step: ~0.4 ms of its 5 ms between
-kernels). Launched with PDL (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, which stream capture keeps
-as a programmatic edge of the graph), a kernel may be scheduled while the kernel before it still runs, once every
-program of that one has signalled (``griddepcontrol.launch_dependents``) or it has ended; it then waits
+A decode step is a chain of short kernels, each waiting for the one before: inside a CUDA graph a kernel starts ~2
+us after the previous one ends (the profile of a Llama-3-8B step in docs/results/session15-h200: ~0.4 ms of its 5 ms
+between kernels). Launched with PDL (``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``, which stream capture
+keeps as a programmatic edge of the graph), a kernel may be scheduled while the kernel before it still runs, once
+every program of that one has signalled (``griddepcontrol.launch_dependents``) or it has ended; it then waits
 (``griddepcontrol.wait``) until the one before has ended and its writes are visible, before reading or writing
-anything. Both are a kernel's first step (``enter_chain``). Every kernel launched this way waits before any access to memory, and so ends after the kernel before
-it: ordering stays transitive along the chain, whatever sits between (a kernel launched without PDL, cuBLAS,
-waits for everything before it as a stream always does).
+anything. Both are a kernel's first step (``enter_chain``). Every kernel launched this way waits before any access
+to memory, and so ends after the kernel before it: ordering stays transitive along the chain, whatever sits between
+(a kernel launched without PDL, cuBLAS, waits for everything before it as a stream always does).
 
 ``pdl_options(device)`` gives a launch's keyword arguments: ``PDL`` (the kernels' constexpr: whether to emit
 the two instructions) and, where PDL is on, ``launch_pdl``. PDL is on for CUDA devices of compute capability 9.0

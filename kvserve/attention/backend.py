@@ -62,6 +62,21 @@ class AttentionInputs:
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
 
+    def validate(self) -> None:
+        """Raise ValueError unless the step's lengths agree: decodes first, one query token each, and every
+        sequence with 0 < query_len <= seq_len."""
+        query_lens, seq_lens = self.query_lens_list, self.seq_lens_list
+        if not query_lens:
+            raise ValueError("a step needs at least one sequence")
+        if len(query_lens) != len(seq_lens) or sum(query_lens) != self.num_tokens:
+            raise ValueError(
+                f"query_lens {query_lens} and seq_lens {seq_lens} disagree with the step's {self.num_tokens} tokens"
+            )
+        if any(n != 1 for n in query_lens[: self.num_decodes]):
+            raise ValueError(f"the first num_decodes={self.num_decodes} sequences must have one query token each")
+        if any(not 0 < q <= s for q, s in zip(query_lens, seq_lens)):
+            raise ValueError(f"every sequence needs 0 < query_len <= seq_len; got {query_lens} and {seq_lens}")
+
 
 def shared_prefixes(block_tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """For decodes with block tables ``block_tables`` [D, width] and lengths ``seq_lens`` [D]: the keys each

@@ -39,7 +39,7 @@ import torch
 from kvserve.attention.backend import (
     AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_sliding_window, refuse_rope,
 )
-from kvserve.attention.torch_ref import _validate
+from kvserve.kv.quant import C_ENCODING_CODES
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 from kvserve.native import KernelFunction, kernel_range, load_library
 
@@ -47,8 +47,6 @@ DECODE_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 PREFILL_SOURCE = Path(__file__).parent / "csrc" / "paged_prefill.c"
 DECODE_KERNEL_RANGE = "kvserve::paged_decode"  # the kernels' names in torch.profiler traces (a ctypes call is no op)
 PREFILL_KERNEL_RANGE = "kvserve::paged_prefill"
-# The kernels' codes for the encodings they read (csrc/paged_decode.c's enum); the queries are fp32 whatever the cache.
-ENCODING_CODES = {"float32": 0, "int8": 1, "fp8": 2, "int4": 3}
 _COMMON_ARG_TYPES = (
     [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]  # out, its row stride, q, its row stride
     + [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_int64]  # k/v caches, k/v params, encoding, num_blocks
@@ -96,7 +94,7 @@ class CpuPagedBackend(AttentionBackend):
         self._prefill, self._queries_per_tile = prefill_kernel(prefill_library)
 
     def build_metadata(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> CpuPagedMetadata:
-        _validate(inputs)
+        inputs.validate()
         if inputs.seq_lens.device.type != "cpu":
             raise ValueError(f"CpuPagedBackend runs on CPU; the step's tensors are on {inputs.seq_lens.device}")
         if any(w is not None and w < 1 for w in sliding_windows):
@@ -183,7 +181,7 @@ class CpuPagedBackend(AttentionBackend):
 def _cache_args(layer_kv: KVLayerView) -> tuple[int | None, ...]:
     """The kernels' k/v cache, k/v params (None: unquantized) and encoding arguments."""
     params = [p.data_ptr() if p is not None else None for p in (layer_kv.k_scale, layer_kv.v_scale)]
-    return layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), *params, ENCODING_CODES[layer_kv.encoding.name]
+    return layer_kv.k.data_ptr(), layer_kv.v.data_ptr(), *params, C_ENCODING_CODES[layer_kv.encoding.name]
 
 
 def _check_table_width(inputs: AttentionInputs) -> None:
@@ -220,10 +218,10 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: i
             f"num_heads a multiple of the cache's num_kv_heads={kv.spec.num_kv_heads} and head_dim={kv.spec.head_dim}"
         )
     layer_kv = kv.layer(layer)
-    if (q.dtype != torch.float32 or kv.spec.dtype != torch.float32 or layer_kv.encoding.name not in ENCODING_CODES
+    if (q.dtype != torch.float32 or kv.spec.dtype != torch.float32 or layer_kv.encoding.name not in C_ENCODING_CODES
             or not all(t.is_contiguous() for t in layer_kv.tensors())):
         raise TypeError(f"CpuPagedBackend needs fp32 queries and contiguous caches of fp32 models, stored as "
-                        f"{', '.join(ENCODING_CODES)}; got {q.dtype} and a {kv.spec.kv_dtype.name} cache")
+                        f"{', '.join(C_ENCODING_CODES)}; got {q.dtype} and a {kv.spec.kv_dtype.name} cache")
 
 
 # --- the kernel ---------------------------------------------------------------------------------------------------

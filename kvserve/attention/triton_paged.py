@@ -30,7 +30,6 @@ from kvserve.attention import triton_kernels as kernels
 from kvserve.attention.backend import (
     AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_sliding_window, refuse_rope,
 )
-from kvserve.attention.torch_ref import _validate
 from kvserve.kv.quant import KVCacheDtype, rotate_queries
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 from kvserve.triton_launch import pdl_options
@@ -102,7 +101,7 @@ class TritonPagedBackend(AttentionBackend):
         self._outgrown: list[torch.Tensor] = []  # every counter buffer made, kept alive
 
     def build_metadata(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> TritonPagedMetadata:
-        _validate(inputs)
+        inputs.validate()
         device = inputs.seq_lens.device
         if device.type != "cuda" and not is_interpreted():
             raise ValueError(f"TritonPagedBackend runs on CUDA, or on CPU under TRITON_INTERPRET=1; the step's "

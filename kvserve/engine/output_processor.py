@@ -18,10 +18,10 @@ from typing import NamedTuple, Sequence
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
-from kvserve.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput
+from kvserve.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, TokenLogprobs
 from kvserve.request import sample_request_id
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.output import EngineOutput, TokenLogprobs
+from kvserve.sched.output import EngineOutput
 
 
 class ProcessedOutputs(NamedTuple):

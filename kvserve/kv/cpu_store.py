@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
+from kvserve.kv.quant import C_ENCODING_CODES, ENCODINGS
 from kvserve.native import KernelBuildError, KernelFunction, load_library
 
 logger = logging.getLogger(__name__)
 
 KV_STORE_SOURCE = Path(__file__).parent / "csrc" / "kv_store.c"
-ENCODING_CODES = {"int8": 1, "fp8": 2, "int4": 3}  # an unquantized cache: 0, its values copied as they are
 _ARG_TYPES = ([ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
               + [ctypes.c_int] * 5 + [ctypes.c_int64])
 
@@ -39,7 +39,7 @@ class CpuKVStore:
         in the cache's own dtype where unquantized and fp32 where quantized (the C code's encodings)."""
         if data.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
             return False
-        values = (params is None and k.dtype == data.dtype) or (params is not None and encoding in ENCODING_CODES
+        values = (params is None and k.dtype == data.dtype) or (params is not None and encoding in ENCODINGS
                                                                 and k.dtype == torch.float32)
         head_dim = k.shape[-1]
         return values and all(t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v))
@@ -56,7 +56,7 @@ class CpuKVStore:
             k_data.data_ptr(), v_data.data_ptr(), None if k_params is None else k_params.data_ptr(),
             None if v_params is None else v_params.data_ptr(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
             slot_mapping.data_ptr(), num_tokens, num_heads, head_dim, k.element_size(),
-            ENCODING_CODES.get(encoding, 0) if k_params is not None else 0, num_slots)
+            C_ENCODING_CODES[encoding] if k_params is not None else 0, num_slots)
         if status:
             raise ValueError(f"a slot of the step is outside the cache's {num_slots} slots")
 

@@ -109,6 +109,10 @@ class KVCacheDtype:
         return head_dim // self.values_per_element * self.data_dtype.itemsize + param_bytes
 
 
+# The codes the C kernels know each encoding by (kv/csrc/encodings.h): float32 is the attention kernels' RAW;
+# the K/V store copies any unquantized cache as RAW
+C_ENCODING_CODES = {"float32": 0, "int8": 1, "fp8": 2, "int4": 3}
+
 ENCODINGS = {
     "int8": KVCacheDtype("int8", torch.int8, torch.float16),
     "fp8": KVCacheDtype("fp8", torch.float8_e4m3fn, torch.float16),

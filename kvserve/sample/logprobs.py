@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvserve.device_copy import HostCopy
-from kvserve.sched.output import TokenLogprobs
+from kvserve.outputs import TokenLogprobs
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprobs]:

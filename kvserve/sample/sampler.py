@@ -31,7 +31,7 @@ from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sample.processor import LogitsProcessor
 from kvserve.sample.rejection import accept_draft
 from kvserve.sample.truncation import apply_min_p, apply_top_k_top_p
-from kvserve.sched.output import TokenLogprobs
+from kvserve.outputs import TokenLogprobs
 
 _SEED_MASK = 2**64 - 1
 

@@ -1,12 +1,12 @@
 """Each row's first maximum on CUDA in two short Triton launches: ``argmax.first_max`` for CUDA rows.
 
-torch's ``max(dim=-1)`` on one row of Llama-3's 128,256 logits took 27 us of a 5 ms decode step on an H200
-(session 15's profile). One program walking a row would wait out a memory round trip per tile, 60 of them; here
-the row is cut into up to ``MAX_PARTS`` parts of whole tiles, one program each (a tile or two of reading), each
-part's largest value and its first index are written out, and one program per row merges its parts. In both,
-each lane keeps the largest value it has seen and where, and one reduction across the lanes picks the largest
-and, among equal ones, the first: a NaN counts as the largest (the first NaN wins), as in torch. Any model dtype;
-the comparisons are exact in fp32. On CPU only under Triton's interpreter, which is how CI tests it against
+torch's ``max(dim=-1)`` on one row of Llama-3's 128,256 logits took 27 us of a 5 ms decode step on an H200 (the
+profile in docs/results/session15-h200). One program walking a row would wait out a memory round trip per tile, 60
+of them; here the row is cut into up to ``MAX_PARTS`` parts of whole tiles, one program each (a tile or two of
+reading), each part's largest value and its first index are written out, and one program per row merges its parts.
+In both, each lane keeps the largest value it has seen and where, and one reduction across the lanes picks the
+largest and, among equal ones, the first: a NaN counts as the largest (the first NaN wins), as in torch. Any model
+dtype; the comparisons are exact in fp32. On CPU only under Triton's interpreter, which is how CI tests it against
 ``argmax.reference_first_max``.
 """
 

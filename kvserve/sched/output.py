@@ -9,17 +9,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvserve.kv.block_keys import KeyedBlock
-from kvserve.outputs import FinishReason
+from kvserve.outputs import FinishReason, TokenLogprobs
 from kvserve.sampling_params import SamplingParams
-
-
-class TokenLogprobs(NamedTuple):
-    """Log probabilities at one position: ``token_ids[0]`` is the chosen (sampled or prompt) token, the rest
-    are the top-k alternatives in descending order; ``ranks[i]`` is 1 for the most likely token."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
 
 
 @dataclass(frozen=True)

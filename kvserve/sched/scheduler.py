@@ -92,7 +92,6 @@ class Scheduler:
         self._pending_copies: list[_PendingCopy] = []
         self.num_preemptions = 0  # running requests preempted, since start
         self.num_scheduled_tokens = 0  # tokens run through the model, recomputed ones included
-        self.num_generated_tokens = 0  # tokens appended to outputs, forks' first tokens included
         self.num_prefix_query_tokens = 0  # tokens of newly admitted requests looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of those, found cached
         self.num_continued_steps = 0  # steps scheduled before the tokens of the step before were back
@@ -514,7 +513,6 @@ class Scheduler:
         for token_id in token_ids:
             request.output_token_ids.append(token_id)
             appended.append(token_id)
-            self.num_generated_tokens += 1
             stop = self._stop_reason(request, token_id)
             if stop is not None:
                 self._finish(request, *stop)

@@ -21,11 +21,12 @@ from kvserve.model.deferred_layout import DeferredLayouts
 from kvserve.model.layers.ggml_qdot import QDotGemm
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
+from kvserve.outputs import TokenLogprobs
 from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler, prompt_logprobs
-from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput, TokenLogprobs
+from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput
 from kvserve.spec.draft import DraftModel
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.step_graphs import StepGraphs, captures_cuda_graphs, step_graphs_for

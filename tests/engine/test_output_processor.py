@@ -10,7 +10,8 @@ from kvserve.engine.output_processor import OutputProcessor, find_stop_string, p
 from kvserve.outputs import FinishReason, Logprob, RequestOutput
 from kvserve.request import sample_request_id
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.output import EngineOutput, TokenLogprobs
+from kvserve.outputs import TokenLogprobs
+from kvserve.sched.output import EngineOutput
 from tests.engine.byte_bpe import byte_bpe_tokenizer
 
 PROMPT = "prompt:"

@@ -5,13 +5,12 @@
 #ifndef KVSERVE_KV_VECTORS_H
 #define KVSERVE_KV_VECTORS_H
 
-/* How the cache stores values (kvserve/kv/quant.py, the reference): fp32 itself, or codes with fp16
- * parameters per group: int8 and fp8 (e4m3) codes times a scale, a token's row of one KV head a group; int4
+/* How the cache stores values (kvserve/kv/quant.py, the reference; their codes in encodings.h): fp32 itself (RAW),
+ * or codes with fp16 parameters per group: int8 and fp8 (e4m3) codes times a scale, a token's row of one KV head a group; int4
  * codes times a scale plus a zero point, in groups of int4_group(head_dim) values, two a byte (byte i of a
  * group: value i in the low nibble, value i + group / 2 in the high one), and keys stored rotated group by
  * group (each kernel rotates its queries alike as it starts, rotated_queries, so scores need nothing more). */
-enum { F32 = 0, INT8 = 1, FP8 = 2, INT4 = 3 };
-
+#include "../../kv/csrc/encodings.h"
 #include "../../kv/csrc/int4_groups.h" /* int4_group, hadamard */
 
 #if defined(__AVX2__)

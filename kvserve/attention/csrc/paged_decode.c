@@ -80,7 +80,7 @@ typedef struct {
     const float *q;              /* same shape, rows q_row_stride apart; heads head_dim apart */
     const void *k_cache;         /* [num_blocks, block_size, num_kv_heads, head_dim] values in the encoding */
     const void *v_cache;
-    const void *k_params;        /* [num_blocks, block_size, num_kv_heads]: fp16 scale (+ int4's zero); NULL for F32 */
+    const void *k_params;        /* [num_blocks, block_size, num_kv_heads]: fp16 scale (+ int4's zero); NULL for RAW */
     const void *v_params;
     const int32_t *block_tables; /* [num_seqs, block_table_stride] */
     const int32_t *seq_lens;     /* [num_seqs]: keys per sequence, the new token included */
@@ -196,12 +196,12 @@ static inline float row_scale_of(const void *params, int64_t g) { return (float)
 
 /* The stored bytes of the value at index row (a multiple of head_dim: a row's first). */
 static inline const uint8_t *row_bytes(const void *cache, int64_t row, const int enc) {
-    return (const uint8_t *)cache + (enc == F32 ? row * 4 : enc == INT4 ? row / 2 : row);
+    return (const uint8_t *)cache + (enc == RAW ? row * 4 : enc == INT4 ? row / 2 : row);
 }
 
 /* Bytes that num_values stored values take in the encoding. */
 static inline int encoded_bytes(int num_values, const int enc) {
-    return enc == F32 ? num_values * 4 : enc == INT4 ? num_values / 2 : num_values;
+    return enc == RAW ? num_values * 4 : enc == INT4 ? num_values / 2 : num_values;
 }
 
 /* The parameters of the row at value index row (a multiple of d): int4's of its first group. */
@@ -213,7 +213,7 @@ static inline void prefetch_row(const void *cache, const void *params, int64_t r
                                 const int enc) {
     const uint8_t *p = row_bytes(cache, row, enc);
     for (int i = 0; i < encoded_bytes(num_values, enc); i += 4 * FLOATS_PER_LINE) __builtin_prefetch(p + i);
-    if (enc != F32) __builtin_prefetch(row_params(params, row, d, enc));
+    if (enc != RAW) __builtin_prefetch(row_params(params, row, d, enc));
 }
 
 /* How many query heads from h on (at most most) read the same KV head: a run that one register block serves. */
@@ -252,7 +252,7 @@ static inline void prefetch_lines(Prefetcher *p, int num_lines) {
         const int64_t row = p->rows[p->row];
         __builtin_prefetch(row_bytes(p->k_cache, row, p->enc) + p->offset);
         __builtin_prefetch(row_bytes(p->v_cache, row, p->enc) + p->offset);
-        if (p->offset == 0 && p->enc != F32) {
+        if (p->offset == 0 && p->enc != RAW) {
             __builtin_prefetch(row_params(p->k_params, row, p->d, p->enc));
             __builtin_prefetch(row_params(p->v_params, row, p->d, p->enc));
         }
@@ -264,7 +264,7 @@ static inline void prefetch_lines(Prefetcher *p, int num_lines) {
 /* VEC values of a row from value index index: fp32 loaded, int8 codes converted in registers (unscaled: their
  * scale is folded into the score or the weight). */
 static inline __attribute__((always_inline)) vec values_at(const void *cache, int64_t index, const int enc) {
-    if (enc == F32) return load((const float *)cache + index);
+    if (enc == RAW) return load((const float *)cache + index);
     return codes_to_vec((const uint8_t *)cache + index, enc);
 }
 
@@ -417,12 +417,12 @@ static inline __attribute__((always_inline)) void weighted_values_by_kv_head(flo
                                                                              const int d, const int enc) {
     const int num_vecs = d / VEC;
     const int most = num_vecs <= NUM_REGISTERS / 8 ? 4 : num_vecs <= NUM_REGISTERS / 4 ? 2 : 1;
-    float scaled[enc == F32 ? 1 : 4 * TILE], row_scale[enc == F32 ? 1 : TILE];
+    float scaled[enc == RAW ? 1 : 4 * TILE], row_scale[enc == RAW ? 1 : TILE];
     for (int h = 0; h < num_queries;) {
         const int n = kv_head_run(kv_offset, h, num_queries, most);
         float *out = acc + h * d;
         const float *weights = scores + h * TILE;
-        if (enc != F32) {
+        if (enc != RAW) {
             for (int t = 0; t < num_keys; t++) row_scale[t] = row_scale_of(params, (rows[t] + kv_offset[h]) / d);
             for (int p = 0; p < n; p++)
                 for (int t = 0; t < num_keys; t++) scaled[p * TILE + t] = weights[p * TILE + t] * row_scale[t];
@@ -493,7 +493,7 @@ static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *
                                                               int64_t head_offset, int num_kv, int num_queries,
                                                               const float *q, float *acc, float *row_max,
                                                               float *row_sum, const int d, const int enc) {
-    const int in_place = enc == F32 || (enc == INT8 && d % VEC == 0), read_enc = in_place ? enc : F32;
+    const int in_place = enc == RAW || (enc == INT8 && d % VEC == 0), read_enc = in_place ? enc : RAW;
     const int64_t slot_stride = (int64_t)a->num_kv_heads * d, tile_stride = (int64_t)num_kv * d;
     float scores[num_queries * TILE], tile[in_place ? 1 : TILE * tile_stride];
     int64_t rows[TILE], next_rows[TILE], tile_rows[TILE], kv_offset[num_queries];
@@ -572,17 +572,17 @@ static inline __attribute__((always_inline)) void attend_keys_across_lanes(const
     for (int h = 0; h < width; h++) max_w[h] = h < num_queries ? row_max[h] : -INFINITY;
     for (int h = 0; h < width; h++) sum_w[h] = h < num_queries ? row_sum[h] : 0.0f;
     int64_t rows[TILE], next_rows[TILE], tile_rows[TILE];
-    float k_tile[enc == F32 ? 1 : TILE * d], v_tile[enc == F32 ? 1 : TILE * d];
+    float k_tile[enc == RAW ? 1 : TILE * d], v_tile[enc == RAW ? 1 : TILE * d];
     for (int t = 0; t < TILE; t++) tile_rows[t] = (int64_t)t * d;
-    const float *keys = enc == F32 ? a->k_cache : k_tile, *values = enc == F32 ? a->v_cache : v_tile;
-    const int64_t *key_rows = enc == F32 ? rows : tile_rows;
+    const float *keys = enc == RAW ? a->k_cache : k_tile, *values = enc == RAW ? a->v_cache : v_tile;
+    const int64_t *key_rows = enc == RAW ? rows : tile_rows;
 
     int num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
     while (num_next > 0) {
         const int num_keys = num_next;
         memcpy(rows, next_rows, sizeof rows);
         num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
-        if (enc != F32) {
+        if (enc != RAW) {
             dequantize_tile(a->k_cache, a->k_params, rows, num_keys, 1, k_tile, next_rows, num_next, d, enc);
             dequantize_tile(a->v_cache, a->v_params, rows, num_keys, 1, v_tile, next_rows, num_next, d, enc);
         } else {
@@ -735,7 +735,7 @@ typedef int (*SharedFn)(const DecodeArgs *, const Cascade *, int, int, int);
     static int attend_##NAME(const DecodeArgs *a, const Cascade *c, int s, int h, int n) {                       \
         return attend(a, c, s, h, n, D, E);                                                                       \
     }
-#define ENCODING_COPIES(D, NAME) COPY(D, F32, NAME##_f32) COPY(D, INT8, NAME##_int8) COPY(D, FP8, NAME##_fp8) \
+#define ENCODING_COPIES(D, NAME) COPY(D, RAW, NAME##_f32) COPY(D, INT8, NAME##_int8) COPY(D, FP8, NAME##_fp8) \
     COPY(D, INT4, NAME##_int4) HEAD_DIM_COPY(D, NAME)
 ENCODING_COPIES(64, 64)
 ENCODING_COPIES(128, 128)

@@ -80,7 +80,7 @@ typedef struct {
     const float *q;               /* same shape, rows q_row_stride apart; heads head_dim apart */
     const void *k_cache;          /* [num_blocks, block_size, num_kv_heads, head_dim] values in the encoding */
     const void *v_cache;
-    const void *k_params;         /* [num_blocks, block_size, num_kv_heads]: fp16 scale (+ int4's zero); NULL for F32 */
+    const void *k_params;         /* [num_blocks, block_size, num_kv_heads]: fp16 scale (+ int4's zero); NULL for RAW */
     const void *v_params;
     const int32_t *block_tables;  /* [num_chunks, block_table_stride] */
     const int32_t *seq_lens;      /* [num_chunks]: keys after the chunk (cached context + the chunk) */
@@ -258,7 +258,7 @@ static inline __attribute__((always_inline)) int attend_tile(const PrefillArgs *
     memset(acc, 0, sizeof acc);
 
     int64_t rows[KEY_TILE], tile_rows[KEY_TILE];
-    const int quantized = a->encoding != F32;
+    const int quantized = a->encoding != RAW;
     float k_tile[quantized ? KEY_TILE * d : 1], v_tile[quantized ? KEY_TILE * d : 1];
     for (int t = 0; t < KEY_TILE; t++) tile_rows[t] = (int64_t)t * d;
     const float *keys = quantized ? k_tile : a->k_cache, *values = quantized ? v_tile : a->v_cache;

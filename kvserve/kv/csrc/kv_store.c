@@ -27,9 +27,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "encodings.h"
 #include "int4_groups.h"
-
-enum { RAW = 0, INT8 = 1, FP8 = 2, INT4 = 3 }; /* cpu_paged.py's ENCODING_CODES */
 
 #define FP16_MAX 65504.0f
 #define ROUNDING 12582912.0f /* 1.5 * 2^23: x + C - C rounds x to an integer, half to even, for |x| < 2^22 */

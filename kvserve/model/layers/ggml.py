@@ -48,11 +48,11 @@ GGML_MAX_ROWS = 4
 #     strips kernel                          19 / 22    21 / 22    49 / 75    193 / 306
 #     dense panels (a copy kept)   15 / 15   12 / 15    12 / 20    37 / 70    151 / 285
 #
-# so the rows kernel serves up to BATCHED_ROWS_KERNEL_ROWS tokens (Zen 4 measured the strips ahead from 12
-# rows; on Zen 5 they cross nearer 14), the strips kernel every larger step. Until session 29 steps from 256 tokens
-# dequantized the weight a slice at a time for torch's GEMM, then about as fast as the strips (Zen 4: 352 against
-# 331 ms); since, the strips kernel no longer aliases in L1 and L2 (csrc/ggml_gemm.c), and torch's GEMM (MKL) runs
-# at AVX2 speed on AMD's AVX-512 CPUs: at 256 tokens on Zen 5 the slices took 350 ms, the strips 176.
+# so the rows kernel serves up to BATCHED_ROWS_KERNEL_ROWS tokens (Zen 4 measured the strips ahead from 12 rows; on
+# Zen 5 they cross nearer 14), the strips kernel every larger step. Before docs/results/session29-zen5 steps from
+# 256 tokens dequantized the weight a slice at a time for torch's GEMM, then about as fast as the strips (Zen 4: 352
+# against 331 ms); since, the strips kernel no longer aliases in L1 and L2 (csrc/ggml_gemm.c), and torch's GEMM
+# (MKL) runs at AVX2 speed on AMD's AVX-512 CPUs: at 256 tokens on Zen 5 the slices took 350 ms, the strips 176.
 BATCHED_ROWS_KERNEL_ROWS = 8
 KERNEL_TYPES = frozenset({
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,

@@ -42,8 +42,8 @@ every layer and the head):
 
 so on AMD's cores the panels take every step and no oneDNN copy is made (half the linear weights' memory); on
 Intel's, whose AVX2 FMAs are half their AVX-512 ones, oneDNN's blocking wins from about 128 tokens up (the first
-Intel rows, session 13, put the two level at 192; three later passes, session 19, had the panels 13-17% behind
-there and level at 96 and 128).
+Intel rows, docs/results/session13-emr, put the two level at 192; three later passes, docs/results/session19-emr,
+had the panels 13-17% behind there and level at 96 and 128).
 
 AMD's Zen 5 (family 26) runs AVX-512 on full-width units, and there the AVX-512 panels are as fast as oneDNN or
 faster at every size (``benchmarks/cpu_gemm.py``, every layer and the head, 2 threads, ms):

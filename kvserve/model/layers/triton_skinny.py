@@ -2,25 +2,25 @@
 (``TritonSkinnyLinearMethod``, CUDA's method for them) or weight-only INT8 / INT4 codes (taken by
 ``triton_weight_only``), which can take a gated MLP's activation into its loads.
 
-At one to four rows a step's GEMMs read every weight once: cuBLAS reads Llama-3-8B's projections at 3.1-4.0 TB/s
-on an H200 (session 15's profile), but for the two whose outputs are narrow (o and down, N = 4,096) it splits K
-and runs a second kernel to add the splits (64 launches a step), and the gated MLP's ``act(gate) * up`` is a
-launch of its own between gate_up and down (32 more). Inside a CUDA graph each short launch costs its ~2 us plus
-a ~2 us gap. ``skinny_gemm_kernel`` gives each program ``BLOCK_N`` output columns over the whole of K (no split,
-nothing to add), with the rows of x (one to four) in its registers; for the down projection it loads x as the
+At one to four rows a step's GEMMs read every weight once: cuBLAS reads Llama-3-8B's projections at 3.1-4.0 TB/s on
+an H200 (the profile in docs/results/session15-h200), but for the two whose outputs are narrow (o and down, N =
+4,096) it splits K and runs a second kernel to add the splits (64 launches a step), and the gated MLP's ``act(gate)
+* up`` is a launch of its own between gate_up and down (32 more). Inside a CUDA graph each short launch costs its ~2
+us plus a ~2 us gap. ``skinny_gemm_kernel`` gives each program ``BLOCK_N`` output columns over the whole of K (no
+split, nothing to add), with the rows of x (one to four) in its registers; for the down projection it loads x as the
 MLP's packed [gate | up] and computes the activation's product as it goes (``triton_tiles.load_input_tile``): a
-row's product costs a few SFU operations per input per program, a fraction of the load of the weights. On codes
-it builds each weight value in fp32 (``code * scale + offset``, one FMA after the integer-to-float bits) and
-multiplies it at once: no conversion to the tensor cores' dtype (16 a clock per multiprocessor in the
-programming guide's table for compute capability 9.0, against 128 FMAs).
+row's product costs a few SFU operations per input per program, a fraction of the load of the weights. On codes it
+builds each weight value in fp32 (``code * scale + offset``, one FMA after the integer-to-float bits) and multiplies
+it at once: no conversion to the tensor cores' dtype (16 a clock per multiprocessor in the programming guide's table
+for compute capability 9.0, against 128 FMAs).
 
-Products are fp32 multiplies summed in fp32 (no tensor cores: at these rows they would compute 16 rows to keep
-one). The twin is ``F.linear`` on the same weight (after ``act_and_mul`` for the gated form; on the dequantized
-weight for codes): they differ in the order of the sums, and for fp16 / bf16 in the rounding of the output (and
-of the weight values, which the twin rounds to the dtype). Whether a layer's shape, at a batch size class, takes
-this kernel or the method's own GEMM (with the activation's own launch) is measured at its first step
-(``SkinnySteps``), in the engine's eager warm-up before graphs are captured: cuBLAS keeps whatever it reads
-faster (session 15 measured it level with a Triton kernel of this kind on the wide projections, gate_up and the
+Products are fp32 multiplies summed in fp32 (no tensor cores: at these rows they would compute 16 rows to keep one).
+The twin is ``F.linear`` on the same weight (after ``act_and_mul`` for the gated form; on the dequantized weight for
+codes): they differ in the order of the sums, and for fp16 / bf16 in the rounding of the output (and of the weight
+values, which the twin rounds to the dtype). Whether a layer's shape, at a batch size class, takes this kernel or
+the method's own GEMM (with the activation's own launch) is measured at its first step (``SkinnySteps``), in the
+engine's eager warm-up before graphs are captured: cuBLAS keeps whatever it reads faster
+(docs/results/session15-h200 has it level with a Triton kernel of this kind on the wide projections, gate_up and the
 LM head). Under Triton's interpreter (CI) the kernel always runs, at one fixed tile shape.
 """
 
@@ -38,7 +38,7 @@ import triton.language as tl
 from kvserve.model.layers.activation import KERNEL_ACTIVATIONS
 from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
 from kvserve.model.layers.triton_tiles import (
-    NO_ACTIVATION, MeasuredChoices, code_values, load_input_tile, store_tile, tuning_bench,
+    NO_ACTIVATION, MeasuredChoices, code_values, configs_within_a_group, load_input_tile, store_tile, tuning_bench,
 )
 from kvserve.model.layers.weight_quant import PackedWeight
 from kvserve.triton_launch import enter_chain, pdl_options
@@ -93,13 +93,9 @@ def skinny_gemm_kernel(x, w, scales, offsets, bias, y, M, N, K, stride_xm, strid
 @functools.cache
 def _tuned(rows_class: int) -> triton.runtime.autotuner.Autotuner:
     """The kernel tuned over ``CONFIGS[rows_class]`` per layer shape and weight format (CUDA only: tuning times
-    launches); a tile of codes lies in one group, so configs whose BLOCK_K does not divide it are pruned."""
-    def fitting(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-        group, k = named_args["group_size"], named_args["K"]
-        return [c for c in configs if group % c.kwargs["BLOCK_K"] == 0 or group >= k]
-
+    launches), configs whose tiles of codes would straddle a group pruned."""
     return triton.autotune(CONFIGS[rows_class], key=["N", "K", "ACT", "CODES", "INT4"], do_bench=tuning_bench,
-                           prune_configs_by={"early_config_prune": fitting})(skinny_gemm_kernel)
+                           prune_configs_by={"early_config_prune": configs_within_a_group})(skinny_gemm_kernel)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None,

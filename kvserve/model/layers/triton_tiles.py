@@ -97,6 +97,13 @@ def store_tile(y, acc, bias, offs_m, offs_n, M, N, stride_ym, HAS_BIAS: tl.const
     tl.store(out, acc.to(y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+def configs_within_a_group(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    """An autotuner's ``early_config_prune`` for kernels over weight-only codes: a tile of codes lies in one group,
+    so configs whose BLOCK_K does not divide the group size go (a row of one group, INT8's, takes any)."""
+    group, k = named_args["group_size"], named_args["K"]
+    return [c for c in configs if group % c.kwargs["BLOCK_K"] == 0 or group >= k]
+
+
 def tuning_bench(kernel_call: Callable[[], object], quantiles: tuple[float, ...]) -> list[float]:
     """An autotuner's timing of one config: a few ms (Triton's default spends 125), since a model's layer shapes
     are tuned at start-up."""

@@ -35,7 +35,7 @@ import triton.language as tl
 from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, linear_into
 from kvserve.model.layers.triton_skinny import SkinnySteps, skinny_gemm
 from kvserve.model.layers.triton_tiles import (
-    NO_ACTIVATION, MeasuredChoices, accumulate_dot, code_values, store_tile, tuning_bench,
+    NO_ACTIVATION, MeasuredChoices, accumulate_dot, code_values, configs_within_a_group, store_tile, tuning_bench,
 )
 from kvserve.model.layers.weight_quant import PackedWeight, QuantizedRows, quantize_rows
 from kvserve.triton_launch import enter_chain, pdl_options
@@ -99,14 +99,9 @@ def dequantize_kernel(codes, scales, offsets, out, N, K, stride_codes, stride_sc
 @functools.cache
 def _tuned(batch: bool) -> triton.runtime.autotuner.Autotuner:
     """The kernel tuned over ``BATCH_CONFIGS`` or ``DECODE_CONFIGS`` per layer shape (CUDA only: tuning times
-    launches). A tile must lie in one group: configs whose BLOCK_K does not divide the group size are pruned
-    (a row of one group, INT8's, takes any)."""
-    def fitting(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-        group, k = named_args["group_size"], named_args["K"]
-        return [c for c in configs if group % c.kwargs["BLOCK_K"] == 0 or group >= k]
-
+    launches), configs whose tiles would straddle a group pruned."""
     return triton.autotune(BATCH_CONFIGS if batch else DECODE_CONFIGS, key=["N", "K", "INT4"],
-                           prune_configs_by={"early_config_prune": fitting}, do_bench=tuning_bench)(
+                           prune_configs_by={"early_config_prune": configs_within_a_group}, do_bench=tuning_bench)(
         weight_only_gemm_kernel)
 
 
