@@ -6,7 +6,7 @@
     --------------                         -------------
     generate() --call(add)--> commands --> drain commands (add / abort / tokenize ...)
                                            step()  -> outputs
-    await queue.get() <--call_soon_threadsafe-- per-request asyncio.Queue (one call a step for all of them)
+    await mailbox.take() <--call_soon_threadsafe-- each call's mailbox (one call a step for all of them)
 
 Everything that touches the engine or its tokenizer runs on the engine thread, between two steps, so the engine
 needs no locks and HTTP handling never stalls a step. When no request is unfinished and no command is queued the
@@ -52,12 +52,40 @@ class StepObserver(Protocol):
     def on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], step_start: float) -> None: ...
 
 
+class _Mailbox:
+    """The outputs of one ``generate_many`` call not yet taken: the latest of each request, or the error that
+    ended them. Each output is cumulative, so a newer one replaces an older one unread: a consumer that falls
+    behind (a client that does not read its stream) holds one output a request, not one a step."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, RequestOutput] = {}
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._latest[item.request_id] = item
+        self._ready.set()
+
+    async def take(self) -> list[RequestOutput]:
+        """Wait for something new; the outputs that came since the last take, or raise the error."""
+        await self._ready.wait()
+        self._ready.clear()
+        if self._error is not None:
+            raise self._error
+        outputs = list(self._latest.values())
+        self._latest.clear()
+        return outputs
+
+
 @dataclass
 class _Stream:
-    """The asyncio side of one request: outputs are delivered to ``queue`` on ``loop``."""
+    """The asyncio side of one request: outputs are delivered to ``mailbox`` on ``loop``."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    mailbox: _Mailbox
 
 
 class AsyncEngine:
@@ -129,35 +157,25 @@ class AsyncEngine:
         order; a request that has not produced anything yet appears as an output with no samples."""
         ids = list(request_ids) if request_ids else [f"req-{next(self._request_counter)}" for _ in prompts]
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        mailbox = _Mailbox()
         try:
-            await self._add(ids, prompts, params, loop, queue)
+            await self._add(ids, prompts, params, loop, mailbox)
         except asyncio.CancelledError:  # the add may have run before the cancellation reached it
             self.abort(ids)
             raise
-        latest: list[RequestOutput | None] = [None] * len(ids)
+        latest = [_placeholder(rid) for rid in ids]
         index = {rid: i for i, rid in enumerate(ids)}
         num_finished = 0
         try:
             while num_finished < len(ids):
-                for item in await self._next_batch(queue):
-                    if isinstance(item, BaseException):
-                        raise item
-                    i = index[item.request_id]
-                    latest[i] = item
-                    num_finished += item.finished
-                yield [out or _placeholder(rid) for rid, out in zip(ids, latest)]
+                for out in await mailbox.take():
+                    latest[index[out.request_id]] = out
+                    num_finished += out.finished
+                yield list(latest)
         finally:
-            unfinished = [rid for rid, out in zip(ids, latest) if out is None or not out.finished]
+            unfinished = [out.request_id for out in latest if not out.finished]
             if unfinished:
                 self.abort(unfinished)
-
-    @staticmethod
-    async def _next_batch(queue: asyncio.Queue) -> list[Any]:
-        items = [await queue.get()]
-        while not queue.empty():
-            items.append(queue.get_nowait())
-        return items
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (a no-op for finished or unknown ids); their KV blocks are freed on the engine thread.
@@ -192,7 +210,7 @@ class AsyncEngine:
 
     async def _add(
         self, ids: list[str], prompts: Sequence[PromptInput], params: SamplingParams,
-        loop: asyncio.AbstractEventLoop, queue: asyncio.Queue,
+        loop: asyncio.AbstractEventLoop, mailbox: _Mailbox,
     ) -> None:
         arrival_time = time.monotonic()
 
@@ -203,7 +221,7 @@ class AsyncEngine:
                     if rid in self._streams:
                         raise ValueError(f"request id {rid!r} is already in use")
                     engine.add_request(rid, prompt, params)
-                    self._streams[rid] = _Stream(loop, queue)
+                    self._streams[rid] = _Stream(loop, mailbox)
                     added.append(rid)
             except BaseException:
                 self._withdraw(added)
@@ -295,14 +313,14 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput], step_start: float) -> None:
         # Stats and the observer first: a client that got its answer then reads metrics that include it.
         self._refresh_stats(outputs, step_start)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Mailbox, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            by_loop.setdefault(stream.loop, []).append((stream.mailbox, out))
         # one wake-up of each loop for the whole step (each call_soon_threadsafe writes to the loop's self-pipe)
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
@@ -323,13 +341,13 @@ class AsyncEngine:
         for future in futures:  # callers waiting on a command see the failure instead of hanging
             future.set_exception(EngineDeadError(str(error)))
         for stream in self._streams.values():
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(str(error)))
+            stream.loop.call_soon_threadsafe(stream.mailbox.put, EngineDeadError(str(error)))
         self._streams.clear()
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
+def _put_all(items: list[tuple[_Mailbox, RequestOutput]]) -> None:
+    for mailbox, out in items:
+        mailbox.put(out)
 
 
 def _placeholder(request_id: str) -> RequestOutput:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from typing import Any
 
@@ -161,3 +162,21 @@ def test_shutdown_aborts_requests_in_flight_and_refuses_new_ones() -> None:
     asyncio.run(asyncio.wait_for(test(), timeout=10))
     assert not fake.requests
     assert fake.num_kv_flushes == 1  # blocks due to the KV disk tier are written before the engine stops
+
+
+def test_a_consumer_that_falls_behind_holds_one_output_of_its_request() -> None:
+    """Outputs are cumulative: a client that stops reading its stream (its socket full) costs one output, not one
+    a step, each holding everything so far (with n > 1 and logprobs that grew as the square of the length)."""
+    async def test(engine: AsyncEngine) -> None:
+        stream = engine.generate("a", SamplingParams(max_tokens=60), request_id="slow")
+        first = await anext(stream)
+        while engine.num_unfinished():  # the request runs to its end while nobody reads
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last deliveries reach the loop
+        alive = [o for o in gc.get_objects() if isinstance(o, RequestOutput) and o.request_id == "slow"]
+        assert len(alive) <= 2, len(alive)  # the one read, and the latest
+        rest = [out async for out in stream]
+        assert len(rest) == 1 and rest[0].finished and len(rest[0].outputs[0].token_ids) == 60
+        assert not first.finished
+
+    run_with_engine(test)
