@@ -30,6 +30,7 @@ always make progress and the loop never deadlocks.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -51,6 +52,12 @@ from kvserve.sched.output import (
     TokenLogprobs,
 )
 from kvserve.spec.policy import SpeculationPolicy
+
+
+# Waiting requests a step looks at, from the head of the queue (those behind wait their turn), and how many of
+# them lpm orders by cached prefix (SGLang's scheduler falls back to arrival order past 128 waiting)
+WAITING_SCAN = 1024
+LPM_WINDOW = 128
 
 
 @dataclass
@@ -315,14 +322,29 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget.take(num_new)
         if admitted:
-            self.waiting = deque(r for r in self.waiting if r not in admitted)
+            self._remove_waiting(admitted)
+
+    def _remove_waiting(self, admitted: set[Request]) -> None:
+        """Take ``admitted`` out of the waiting queue, reading it only as far as the last of them: they come from
+        its head, so a step costs nothing more with thousands waiting."""
+        kept = []
+        while admitted:
+            request = self.waiting.popleft()
+            if request in admitted:
+                admitted.discard(request)
+            else:
+                kept.append(request)
+        self.waiting.extendleft(reversed(kept))
 
     def _waiting_in_policy_order(self) -> list[Request]:
-        """fcfs: queue order (preempted requests first). lpm: preempted and aged requests in queue order, then
-        the rest by longest cached prefix; the sort is stable, so ties keep arrival order."""
-        waiting = list(self.waiting)
-        if self.config.scheduling_policy == "fcfs" or self.kv.prefix_cache is None or len(waiting) < 2:
-            return waiting
+        """The first ``WAITING_SCAN`` requests of the queue, in the order to admit them. fcfs: queue order
+        (preempted requests first). lpm: among the first ``LPM_WINDOW``, preempted and aged requests in queue
+        order, then the rest by longest cached prefix (the sort is stable, so ties keep arrival order); then the
+        others in queue order. Ordering the whole queue matched every waiting request's prefix every step: with
+        100,000 queued that was most of each step. A list, not a view: admitting a request may queue its fork."""
+        candidates = list(itertools.islice(self.waiting, WAITING_SCAN))
+        if self.config.scheduling_policy == "fcfs" or self.kv.prefix_cache is None or len(candidates) < 2:
+            return candidates
         oldest_fresh_step = self._num_steps - self.config.lpm_aging_steps
 
         def priority(request: Request) -> tuple[bool, int]:
@@ -332,7 +354,7 @@ class Scheduler:
             )
             return (not first, 0 if first else -self._match_prefix(request).num_tokens)
 
-        return sorted(waiting, key=priority)
+        return sorted(candidates[:LPM_WINDOW], key=priority) + candidates[LPM_WINDOW:]
 
     def _admit(self, request: Request, prefix: PrefixMatch) -> None:
         if request.status is RequestStatus.WAITING:  # the first admission: count the lookup

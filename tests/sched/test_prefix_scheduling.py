@@ -13,6 +13,7 @@ from tests.sched.sched_fakes import (
     tokens_of,
 )
 
+from kvserve.sched import scheduler as scheduler_module
 from kvserve.sched.scheduler import Scheduler
 
 BLOCK = 4
@@ -88,6 +89,25 @@ def test_lpm_admits_the_request_with_the_longest_cached_prefix_first() -> None:
 
 def test_fcfs_keeps_arrival_order_even_with_a_cached_prefix() -> None:
     assert _first_admitted_after_a_warm_prefix("fcfs") == ["cold"]
+
+
+def test_lpm_orders_only_the_head_of_a_long_queue_and_admission_keeps_the_rest_in_order(monkeypatch) -> None:
+    """Past ``LPM_WINDOW`` waiting requests the rest keep arrival order (ordering them all matched every waiting
+    prefix every step); the requests admitted leave the queue and the others keep their places."""
+    monkeypatch.setattr(scheduler_module, "LPM_WINDOW", 2)
+    scheduler = cached_scheduler(num_blocks=128, max_num_batched_tokens=64, max_num_seqs=1)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("warm", 33, prefix=shared_prefix(1, 32), max_tokens=1))
+    run_to_completion(scheduler, runner)
+    for name in ("cold0", "cold1", "hot", "cold2"):
+        prefix = shared_prefix(1, 32) if name == "hot" else []
+        scheduler.add_request(make_request(name, 36 if prefix else 20, prefix=prefix, max_tokens=1))
+    sched_out, _ = step(scheduler, runner)
+    assert [r.request_id for r in sched_out.requests] == ["cold0"]  # "hot" is behind the window of 2
+    assert [r.request_id for r in scheduler.waiting] == ["cold1", "hot", "cold2"]
+    sched_out, _ = step(scheduler, runner)
+    assert [r.request_id for r in sched_out.requests if r.request_id != "cold0"] == ["hot"]  # now in the window
+    assert [r.request_id for r in scheduler.waiting] == ["cold1", "cold2"]
 
 
 def test_lpm_serves_a_request_that_waited_too_long_first() -> None:
