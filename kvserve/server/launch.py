@@ -155,14 +155,16 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, except that the first SIGTERM / SIGINT drains instead of stopping, and the process exits 0.
 
     Draining: health turns 503 and new requests get 503, in-flight requests may finish for
-    ``shutdown_timeout`` seconds, the rest are aborted, then uvicorn's own shutdown runs. A second signal
-    stops at once.
+    ``shutdown_timeout`` seconds, the rest are aborted, then uvicorn's own shutdown runs. A second signal ends
+    the grace period at once: the requests still running are aborted (each stream ends with ``finish_reason``
+    abort and ``[DONE]``), then the server stops. A third stops without waiting for anything.
     """
 
     def __init__(self, state: ServerState, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._hurried = False  # a second signal came: abort what still runs now
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -174,9 +176,15 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise the signal at exit, and we exit 0.
-        if self.state.draining or self.state.engine is None or self._loop is None:
-            self.force_exit = self.state.draining and sig == signal.SIGINT
+        if self.state.engine is None or self._loop is None:  # not serving yet: nothing to drain
             self.should_exit = True
+            return
+        if self.state.draining:
+            if self._hurried:
+                self.force_exit = self.should_exit = True
+            else:
+                logger.info("received %s again: aborting the requests still running", signal.Signals(sig).name)
+                self._hurried = True
             return
         logger.info("received %s: draining for up to %.0f s", signal.Signals(sig).name,
                     self.state.settings.shutdown_timeout)
@@ -187,10 +195,11 @@ class DrainingServer(uvicorn.Server):
         engine = self.state.engine
         assert engine is not None
         deadline = time.monotonic() + self.state.settings.shutdown_timeout
-        while engine.num_unfinished() and time.monotonic() < deadline:
+        while engine.num_unfinished() and time.monotonic() < deadline and not self._hurried:
             await asyncio.sleep(DRAIN_POLL_SECONDS)
         if engine.num_unfinished():
-            logger.warning("aborting %d requests still running after the grace period", engine.num_unfinished())
+            logger.warning("aborting %d requests still running %s", engine.num_unfinished(),
+                           "on a second signal" if self._hurried else "after the grace period")
             engine.abort_all()
             while engine.num_unfinished() and engine.is_running:
                 await asyncio.sleep(DRAIN_POLL_SECONDS)

@@ -114,6 +114,24 @@ def test_sigterm_aborts_what_outlasts_the_grace_period(start_server) -> None:
     assert [finish for _, finish in results] == ["abort"] * 3
 
 
+def test_a_second_sigterm_aborts_the_streams_at_once_and_each_ends_cleanly(start_server) -> None:
+    """The first signal drains (a 60 s grace here); a second ends the grace: each stream still running ends with
+    finish_reason abort (and its usage, then [DONE]), not cut off mid-body, and the server exits 0 promptly."""
+    server = start_server("--shutdown-timeout", "60", "--max-model-len", "512", "--enforce-eager")
+    results: list = []
+    threads = [stream_in_background(server.openai(), 500, results) for _ in range(3)]
+    wait_for(lambda: server.metric("kvserve:num_requests_running") == 3)
+    server.terminate()
+    wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503)
+    started = time.monotonic()
+    server.terminate()
+    assert server.process.wait(15) == 0
+    assert time.monotonic() - started < 5
+    for thread in threads:
+        thread.join(10)
+    assert [finish for _, finish in results] == ["abort"] * 3
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--port", "70000"], "--port must be in 0..65535, got 70000"),
     (["--port", "-1"], "--port must be in 0..65535, got -1"),
