@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any, Mapping, Sequence, Union
 
@@ -63,6 +64,7 @@ class InputProcessor:
             list(messages), tools=list(tools) if tools else None, tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+        self._check_text_fits(text, "the rendered conversation")
         # The template already holds the special tokens it wants (BOS included): don't add them twice.
         token_ids = self.tokenizer.encode(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": token_ids}
@@ -71,6 +73,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
+            self._check_text_fits(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
@@ -78,6 +81,19 @@ class InputProcessor:
                 raise ValueError("prompt_token_ids must be a non-empty list of token ids")
             return prompt.get("prompt"), list(token_ids)
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _check_text_fits(self, text: str, what: str) -> None:
+        """Refuse, before tokenizing it, a text too long for any tokenization of it to fit: no token covers more
+        characters than its own string in the vocabulary has (a byte-level token's characters stand one for a
+        byte; a SentencePiece token's one for a character), so such a text has more than max_model_len tokens.
+        Tokenizing megabytes that are refused anyway held every stream still for seconds."""
+        if len(text) > self.max_model_len and len(text) > self.max_model_len * self._longest_token_chars:
+            raise ValueError(f"{what} has {len(text)} characters: more tokens than max_model_len="
+                             f"{self.max_model_len}, whatever its tokenization")
+
+    @functools.cached_property
+    def _longest_token_chars(self) -> int:
+        return max(map(len, self.tokenizer.get_vocab()))
 
     def _check_token_ids(self, token_ids: Sequence[Any], what: str) -> None:
         for t in token_ids:  # numpy's integers too (``process`` keeps Python's)

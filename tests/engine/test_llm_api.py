@@ -229,3 +229,17 @@ def test_outputs_say_when_the_engine_first_scheduled_them(llm: LLM) -> None:
     before = time.monotonic()
     out = llm.generate("hello", SamplingParams(max_tokens=2, n=3, seed=0))[0]
     assert before <= out.first_scheduled_time <= time.monotonic()
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_without_tokenizing_it(llm: LLM, monkeypatch) -> None:
+    """Megabytes of text sent to be refused held the engine thread (and every stream) for seconds in the
+    tokenizer: a text longer than max_model_len tokens of the vocabulary's longest token is refused unread."""
+    def encode(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    limit = llm.engine.config.scheduler.max_model_len * max(map(len, llm.get_tokenizer().get_vocab()))
+    monkeypatch.setattr(llm.get_tokenizer(), "encode", encode)
+    with pytest.raises(ValueError, match=f"prompt has {limit + 1} characters: more tokens than max_model_len"):
+        llm.generate(["x" * (limit + 1)], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="the rendered conversation has .* characters"):
+        llm.chat([{"role": "user", "content": "x" * limit}], SamplingParams(max_tokens=1))
