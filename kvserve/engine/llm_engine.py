@@ -18,7 +18,8 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quant import kv_cache_dtype
-from kvserve.kv.tiers import DEFAULT_STAGING_GIB, BlockFormat, TieredStore
+from kvserve.kv.disk_tier import BlockFormat
+from kvserve.kv.tiers import DEFAULT_STAGING_GIB, TieredStore
 from kvserve.model.loader import Checkpoint, load_checkpoint
 from kvserve.model.registry import check_quantize_activations, check_shardable, weight_format
 from kvserve.sample.grammar import StructuredOutputCompiler

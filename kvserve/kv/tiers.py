@@ -33,28 +33,20 @@ under ``_lock``, the indexes. Locking is coarse; the critical sections are dict 
 from __future__ import annotations
 
 import enum
-import errno
-import functools
-import hashlib
-import json
 import logging
-import os
-import queue
 import threading
 import time
-from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
-import torch
-
-from kvserve.kv.block_file import BlockRecord, CorruptBlockError, read_block_file, write_block_file
+from kvserve.kv.block_file import CorruptBlockError
 from kvserve.kv.block_keys import KeyedBlock, root_key
+from kvserve.kv.disk_tier import DIRECTORY_WIDE_ERRORS, BlockFormat, DiskTier, IOThread
+from kvserve.kv.host_tier import HostTier
 from kvserve.kv.storage import KVCacheStorage
 
 logger = logging.getLogger(__name__)
 
-FILE_SUFFIX = ".kvb"
 DEFAULT_STAGING_GIB = 0.25  # the host slab when only a disk tier is asked for: it stages reads and writes
 CLOSE_SECONDS = 5.0  # how long closing the tiers waits for an I/O thread (queued writes are flushed before)
 
@@ -62,21 +54,6 @@ CLOSE_SECONDS = 5.0  # how long closing the tiers waits for an I/O thread (queue
 class Tier(enum.Enum):
     HOST = "host"
     DISK = "disk"
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """What every block of this engine's tiers is: a file is used only if it matches all of it."""
-
-    model_identity: str
-    kv_dtype: str  # the layout the KV is stored in (``KVCacheDtype.layout``)
-    block_size: int
-    bytes_per_block: int
-    kv_layout: str = ""  # which layers a block of each KV cache group holds (``KVCacheGroups.layout``)
-
-    def record(self, block: KeyedBlock) -> BlockRecord:
-        return BlockRecord(block.key, block.parent_key, block.token_ids, self.model_identity, self.kv_dtype,
-                           self.block_size, self.bytes_per_block, self.kv_layout, block.group)
 
 
 @dataclass
@@ -100,244 +77,6 @@ class TierCounters:
     disk_reads_skipped: int = 0  # blocks on the disk that were recomputed: reading measured slower
     corrupt_blocks: int = 0
     swap_seconds: float = 0.0  # copying swapped-out requests' KV out and back (``kv/swap.py``)
-
-
-class HostTier:
-    """Block-sized rows of one host tensor, keyed by content, least recently used first out. Pinned keys (a
-    load planned, a write under way) are never evicted; a reserved row belongs to its reserver until it is
-    published or released. Not thread-safe: ``TieredStore`` locks around it."""
-
-    def __init__(self, num_rows: int, bytes_per_block: int, pin_memory: bool) -> None:
-        self.slab = torch.empty((num_rows, bytes_per_block), dtype=torch.uint8, pin_memory=pin_memory)
-        self._rows: OrderedDict[bytes, int] = OrderedDict()  # key -> row, least recently used first
-        self._free = list(range(num_rows - 1, -1, -1))
-        self._pins: Counter[bytes] = Counter()
-        self.from_disk: set[bytes] = set()  # prefetched, not yet loaded: a hit on them is a disk hit
-        # blocks of KV cache groups 1.. (``kv/groups.py``): a hit on one adds no hit tokens, as the group-0 block of
-        # the same tokens counts them (or they were a hit on the device)
-        self.other_groups: set[bytes] = set()
-
-    @property
-    def num_rows(self) -> int:
-        return self.slab.shape[0]
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._rows)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._rows
-
-    def row(self, key: bytes) -> int:
-        """The key's row, now the most recently used."""
-        self._rows.move_to_end(key)
-        return self._rows[key]
-
-    def reserve(self) -> int | None:
-        """A row to fill: a free one, else the least recently used unpinned block's. None if all are pinned."""
-        if self._free:
-            return self._free.pop()
-        victim = next((key for key in self._rows if not self._pins[key]), None)
-        if victim is None:
-            return None
-        self.from_disk.discard(victim)
-        self.other_groups.discard(victim)
-        return self._rows.pop(victim)
-
-    def num_unpinned_rows(self) -> int:
-        """Rows free or holding a block that may be evicted: what reads can take."""
-        return len(self._free) + sum(1 for key in self._rows if not self._pins[key])
-
-    def hold(self, num_rows: int) -> list[int] | None:
-        """``num_rows`` rows taken out of the tier for a caller to keep until it releases them (a swapped-out
-        request's KV): free rows first, then the least recently used unpinned blocks'. All or nothing: None,
-        taking none, if fewer rows than that are free or unpinned."""
-        if len(self._free) < num_rows and self.num_unpinned_rows() < num_rows:
-            return None
-        rows = [self.reserve() for _ in range(num_rows)]
-        assert None not in rows
-        return rows
-
-    def check_rows(self, held: list[int], num_reading: int) -> None:
-        """Every row is free, indexed, held by a caller (``held``) or being read into; none is two of them."""
-        free, indexed = set(self._free), set(self._rows.values())
-        assert len(free) == len(self._free) and len(indexed) == len(self._rows), "a host row listed twice"
-        assert len(set(held)) == len(held), f"a host row held twice: {sorted(held)}"
-        assert not (free & set(held) or indexed & set(held)), "a held host row is also free or indexed"
-        assert not free & indexed, "a host row is both free and indexed"
-        assert self.other_groups <= self._rows.keys(), "a block of KV cache groups 1.. is marked but not held"
-        num_accounted = len(free) + len(indexed) + len(held)
-        assert num_accounted <= self.num_rows <= num_accounted + num_reading, (
-            f"{len(free)} free + {len(indexed)} indexed + {len(held)} held host rows, {num_reading} being read: "
-            f"{self.num_rows} rows in all"
-        )
-
-    def publish(self, key: bytes, row: int, group: int = 0) -> None:
-        """A reserved row now holds ``key``'s block, of KV cache group ``group`` (a copy already held is
-        replaced)."""
-        if key in self._rows:
-            self._free.append(self._rows.pop(key))
-        self._rows[key] = row
-        if group:
-            self.other_groups.add(key)
-
-    def release(self, row: int) -> None:
-        self._free.append(row)
-
-    def pin(self, key: bytes) -> None:
-        self._pins[key] += 1
-
-    def unpin(self, key: bytes) -> None:
-        self._pins[key] -= 1
-        if not self._pins[key]:
-            del self._pins[key]
-
-
-def _scandir_or_nothing(path: str) -> list[os.DirEntry]:
-    """The entries of a subdirectory, or none if it cannot be listed (one bad entry spoils no tier)."""
-    try:
-        return list(os.scandir(path))
-    except OSError:
-        return []
-
-
-def _stat_or_none(entry: os.DirEntry) -> os.stat_result | None:
-    """A regular file's stat; None for anything else, a dangling symlink or a file gone since the listing."""
-    try:
-        return entry.stat() if entry.is_file() else None
-    except OSError:
-        return None
-
-
-# Write errors of the whole directory: after one, nothing more is written there. Any other error (a directory
-# or a foreign entry where a block file would go) is that block's alone, which is then not written.
-_DIRECTORY_WIDE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
-
-
-class IOThread:
-    """One daemon thread running the calls submitted to it, in order. Not a ThreadPoolExecutor, whose threads
-    the interpreter joins at exit: a read or write stuck in a hung filesystem would hold the process for good
-    (the engine flushes queued writes for a bounded time before it closes the tiers)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[..., None], *args: object) -> None:
-        self._calls.put(functools.partial(fn, *args))
-
-    def close(self, timeout: float) -> bool:
-        """Stop once the calls queued so far are done; False if they are not done within ``timeout``."""
-        self._calls.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            try:
-                call()
-            except Exception:  # a call's own faults are handled in it: this is a bug, logged, not the thread's end
-                logger.exception("%s: an I/O call failed", self.name)
-
-
-class DiskTier:
-    """The index of one directory of block files, oldest first, and the file I/O on it. The index methods are
-    locked by ``TieredStore``; ``write`` and ``read`` run unlocked on its I/O threads."""
-
-    def __init__(self, directory: str, capacity_bytes: int, block_format: BlockFormat) -> None:
-        self.directory = directory
-        self.capacity_bytes = capacity_bytes
-        self.format = block_format
-        self.writable = True
-        self._files: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
-        self._bad: set[bytes] = set()  # found corrupt or foreign: never read again unless rewritten
-        self.num_bytes = 0
-        try:
-            os.makedirs(directory, exist_ok=True)
-            self._scan()
-        except OSError as error:
-            self.writable = False
-            logger.warning("KV disk tier: cannot use %s (%s); prefixes not in memory will be recomputed",
-                           directory, error)
-
-    def _scan(self) -> None:
-        """Index the files already there (a predecessor's, or another server's), oldest first."""
-        found = []
-        for sub in os.scandir(self.directory):
-            if sub.is_dir() and len(sub.name) == 2:
-                for entry in _scandir_or_nothing(sub.path):
-                    if entry.name.endswith(FILE_SUFFIX) and (stat := _stat_or_none(entry)) is not None:
-                        found.append((stat.st_mtime, entry.name[: -len(FILE_SUFFIX)], stat.st_size))
-        for _, name, size in sorted(found):
-            try:
-                self._files[bytes.fromhex(name)] = size
-                self.num_bytes += size
-            except ValueError:
-                continue  # not a kvserve block file name
-
-    def path(self, key: bytes) -> str:
-        name = key.hex()
-        return os.path.join(self.directory, name[:2], name + FILE_SUFFIX)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self._files)
-
-    def has(self, key: bytes) -> bool:
-        """Whether a usable-looking file for ``key`` exists: indexed, or written since by another server."""
-        if key in self._bad:
-            return False
-        return key in self._files or os.path.isfile(self.path(key))
-
-    def indexed(self, key: bytes) -> bool:
-        return key in self._files
-
-    def add(self, key: bytes, size: int) -> list[bytes]:
-        """Index a file just written; returns the keys to delete to keep within the capacity, oldest first."""
-        self.num_bytes += size - self._files.pop(key, 0)
-        self._files[key] = size
-        self._bad.discard(key)
-        victims = []
-        while self.num_bytes > self.capacity_bytes and len(self._files) > 1:
-            victim, victim_size = self._files.popitem(last=False)
-            self.num_bytes -= victim_size
-            victims.append(victim)
-        return victims
-
-    def touch(self, key: bytes) -> None:
-        if key in self._files:
-            self._files.move_to_end(key)
-
-    def mark_bad(self, key: bytes) -> None:
-        self._bad.add(key)
-        self.num_bytes -= self._files.pop(key, 0)
-
-    def is_directory(self) -> bool:
-        """Whether the directory is still one: another process may delete it or put a file in its place."""
-        return os.path.isdir(self.directory)
-
-    def forget_all(self) -> int:
-        """Drop the whole index (the directory is gone); returns how many blocks it held."""
-        forgotten = len(self._files)
-        self._files.clear()
-        self.num_bytes = 0
-        return forgotten
-
-    def write(self, block: KeyedBlock, payload: memoryview) -> int:
-        path = self.path(block.key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        return write_block_file(path, self.format.record(block), payload)
-
-    def read(self, block: KeyedBlock, out: memoryview) -> None:
-        read_block_file(self.path(block.key), self.format.record(block), out)
-
-    def remove(self, key: bytes) -> None:
-        try:
-            os.unlink(self.path(key))
-        except OSError:
-            pass  # gone already (another server trimmed it) or a read-only directory
 
 
 class TieredStore:
@@ -533,7 +272,7 @@ class TieredStore:
         try:
             size = self.disk.write(block, memoryview(self.host.slab[row].numpy()))
         except OSError as error:
-            whole_directory = error.errno in _DIRECTORY_WIDE_ERRORS or not self.disk.is_directory()
+            whole_directory = error.errno in DIRECTORY_WIDE_ERRORS or not self.disk.is_directory()
             with self._lock:
                 self.counters.disk_write_errors += 1
                 was_writable = self.disk.writable
@@ -649,33 +388,3 @@ class TieredStore:
 
 def _gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
-
-
-_BUILD_KEYS = ("transformers_version",)  # which library wrote the configuration: not the model
-
-
-def model_identity(named_tensors: Iterable[tuple[str, torch.Tensor]], extra: str, config: Mapping[str, Any]) -> str:
-    """A fingerprint of a loaded model that a block written for another model cannot share: its configuration
-    (``config``, the model's own: rope, norms and windows shape its KV as much as the weights do; keys that start
-    with ``_`` name where it was loaded from, and are left out), every tensor's name, shape, dtype, first and last
-    bytes and the sum of its words, and ``extra`` (the device, dtypes, weight format). The words are summed as
-    integers (wrapping), so the sum does not depend on the thread count that computes it: two processes agree."""
-    settings = {key: value for key, value in config.items() if not key.startswith("_") and key not in _BUILD_KEYS}
-    digest = hashlib.blake2b(extra.encode(), digest_size=16)
-    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
-        flat = tensor.detach().reshape(-1)
-        ends = torch.cat([flat[:32], flat[-32:]]).cpu().contiguous()
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{_word_sum(flat)}|".encode())
-        digest.update(ends.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _word_sum(flat: torch.Tensor) -> int:
-    """The sum of a tensor's bytes read as int64 words (int32 words, or bytes, where its size or its offset in
-    its storage is no multiple of 8)."""
-    data = flat.contiguous().view(torch.uint8)
-    for word in (torch.int64, torch.int32):
-        if data.numel() % word.itemsize == 0 and data.storage_offset() % word.itemsize == 0:
-            return int(data.view(word).sum(dtype=torch.int64))
-    return int(data.sum(dtype=torch.int64))

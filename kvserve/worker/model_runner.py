@@ -16,7 +16,8 @@ from kvserve.attention.selector import select_backend
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
-from kvserve.kv.tiers import TieredStore, model_identity
+from kvserve.kv.block_keys import model_identity
+from kvserve.kv.tiers import TieredStore
 from kvserve.model.deferred_layout import DeferredLayouts
 from kvserve.model.layers.ggml_qdot import QDotGemm
 from kvserve.model.loader import Checkpoint

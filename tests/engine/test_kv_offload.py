@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM
-from kvserve.kv import tiers as tiers_module
+from kvserve.kv import disk_tier
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
 
 MAX_NEW = 6
@@ -170,7 +170,7 @@ def test_a_full_disk_changes_no_output(tiny_checkpoints, tmp_path, monkeypatch, 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tiers_module, "write_block_file", full)
+    monkeypatch.setattr(disk_tier, "write_block_file", full)
     path = tiny_checkpoints["llama"]
     prompts = _prompts(200, seed=3)
     expected = _run(_llm(path, **SMALL_POOL), prompts)

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch
 
-from kvserve.kv import tiers as tiers_module
-from kvserve.kv.block_keys import KeyedBlock, block_key
+from kvserve.kv import disk_tier
+from kvserve.kv.block_keys import KeyedBlock, block_key, model_identity
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
-from kvserve.kv.tiers import BlockFormat, HostTier, Tier, TieredStore
+from kvserve.kv.disk_tier import BlockFormat
+from kvserve.kv.host_tier import HostTier
+from kvserve.kv.tiers import Tier, TieredStore
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 NUM_BLOCKS = 8
@@ -172,7 +174,7 @@ def test_a_full_disk_stops_writing_with_one_warning(tmp_path: Path, monkeypatch,
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tiers_module, "write_block_file", full)
+    monkeypatch.setattr(disk_tier, "write_block_file", full)
     store, kv = _store(disk_dir=tmp_path), _storage()
     blocks = _chain(store, 3)
     with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
@@ -309,8 +311,8 @@ def test_closing_leaves_an_io_thread_stuck_in_a_hung_filesystem_behind(tmp_path:
 
 
 def test_an_io_call_that_raises_is_logged_and_the_thread_goes_on(caplog) -> None:
-    thread, done = tiers_module.IOThread("kvserve-test-io"), threading.Event()
-    with caplog.at_level(logging.ERROR, logger="kvserve.kv.tiers"):
+    thread, done = disk_tier.IOThread("kvserve-test-io"), threading.Event()
+    with caplog.at_level(logging.ERROR, logger="kvserve.kv.disk_tier"):
         thread.submit(lambda: 1 / 0)
         thread.submit(done.set)
         assert done.wait(5) and thread.close(5)
@@ -318,7 +320,7 @@ def test_an_io_call_that_raises_is_logged_and_the_thread_goes_on(caplog) -> None
 
 
 def _identity(tensors: dict[str, torch.Tensor], config: dict | None = None) -> str:
-    return tiers_module.model_identity(tensors.items(), "cpu|float32", config or {"rope_theta": 10000.0})
+    return model_identity(tensors.items(), "cpu|float32", config or {"rope_theta": 10000.0})
 
 
 def test_the_model_identity_tells_a_changed_configuration_or_weight_apart() -> None:

@@ -1,15 +1,19 @@
 """router.upstream, the router's HTTP/1.1 client, against a raw socket server that answers with given bytes, cut
-into given pieces: every framing (chunked, Content-Length, to the end of the connection), connection reuse, and
-the two failures the router tells apart (refused: ConnectFailed; broken after the send: UpstreamLost)."""
+into given pieces: every framing (chunked, Content-Length, to the end of the connection), connection reuse, the
+failures the router tells apart (refused: ConnectFailed; broken after the send: UpstreamLost; silent:
+UpstreamTimeout), and a reused connection the replica closed unread (sent again on a new one)."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import socket
+import struct
+import time
 
 import pytest
 
-from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost
+from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamTimeout
 from tests.server.conftest import free_port
 
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -19,13 +23,17 @@ CHUNKED = CHUNKED_HEAD + b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in E
 
 class ByteServer:
     """Answers each request on a connection with ``answer``, written in ``piece``-byte pieces (or in the pieces
-    given as a list) a millisecond apart, then closes the connection if ``close``; records each request's bytes
-    and counts connections."""
+    given as a list; none: it never answers) a millisecond apart, then closes the connection if ``close``;
+    records each request's bytes and counts connections. With ``num_answers``, a connection's request after
+    that many is read and answered with ``last`` only, then the connection closed (with a reset if ``reset``):
+    a replica that closed a kept-alive connection the router had just written to."""
 
-    def __init__(self, answer: bytes | list[bytes], piece: int = 1 << 20, close: bool = False) -> None:
+    def __init__(self, answer: bytes | list[bytes], piece: int = 1 << 20, close: bool = False,
+                 num_answers: int | None = None, last: bytes = b"", reset: bool = False) -> None:
         if isinstance(answer, bytes):
             answer = [answer[start : start + piece] for start in range(0, len(answer), piece)]
         self.pieces, self.close = answer, close
+        self.num_answers, self.last, self.reset = num_answers, last, reset
         self.requests: list[bytes] = []
         self.num_connections = 0
         self.handlers: set[asyncio.Task] = set()
@@ -46,10 +54,17 @@ class ByteServer:
         self.handlers.add(asyncio.current_task())
         self.writers.append(writer)
         try:
-            while True:
+            for num_answered in range(1 << 30):
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = int(re.search(rb"content-length: (\d+)", head).group(1))
                 self.requests.append(head + await reader.readexactly(length))
+                if num_answered == self.num_answers:
+                    writer.write(self.last)
+                    await writer.drain()
+                    if self.reset:  # SO_LINGER 0: the close sends a reset
+                        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                                   struct.pack("ii", 1, 0))
+                    break
                 for piece in self.pieces:
                     writer.write(piece)
                     await writer.drain()
@@ -192,3 +207,90 @@ def test_the_host_header_brackets_an_ipv6_address() -> None:
 def test_a_url_without_a_scheme_is_refused() -> None:
     with pytest.raises(ValueError, match="http://HOST"):
         Origin.parse("localhost:8001")
+
+
+JSON_ANSWER = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_reused_connection_closed_before_any_answer_is_sent_again_on_a_new_one(reset: bool) -> None:
+    """The replica closed a kept-alive connection (EOF or reset) that the request had just been written to,
+    without a byte of answer: as HTTP clients do with stale connections, the request goes on a new one."""
+    server = ByteServer(JSON_ANSWER, num_answers=1, reset=reset)
+
+    async def scenario() -> list[tuple[int, bytes]]:
+        upstream = Upstream()
+        async with server as origin:
+            answers = []
+            for _ in range(2):
+                response = await upstream.request(b"POST", origin, b"/", b"{}")
+                answers.append((response.status, await response.read()))
+            return answers
+
+    assert run(scenario()) == [(200, b"{}")] * 2
+    assert server.num_connections == 2 and len(server.requests) == 3  # the second request sent twice
+
+
+def test_a_stale_connection_to_a_replica_gone_is_connect_failed() -> None:
+    """The replica closed the reused connection unread and listens no more (it died): the request never
+    started, so the router may send it to another replica."""
+    server = ByteServer(JSON_ANSWER, num_answers=1)
+
+    async def scenario() -> None:
+        upstream = Upstream(connect_timeout=2.0)
+        async with server as origin:
+            await (await upstream.request(b"POST", origin, b"/", b"{}")).read()
+            server.server.close()  # no new connections; the kept-alive one stays open
+            with pytest.raises(ConnectFailed):
+                await upstream.request(b"POST", origin, b"/", b"{}")
+
+    run(scenario())
+
+
+def test_a_reused_connection_cut_after_part_of_the_answer_is_lost_not_sent_again() -> None:
+    """Once a byte of the answer came, the replica had the request: sending it again could run it twice."""
+    server = ByteServer(JSON_ANSWER, num_answers=1, last=b"HTTP/1.1 200 OK\r\ncontent-")
+
+    async def scenario() -> None:
+        upstream = Upstream()
+        async with server as origin:
+            await (await upstream.request(b"POST", origin, b"/", b"{}")).read()
+            with pytest.raises(UpstreamLost):
+                await upstream.request(b"POST", origin, b"/", b"{}")
+
+    run(scenario())
+    assert server.num_connections == 1
+
+
+def test_a_replica_that_sends_no_answer_is_given_up_on_after_the_timeout() -> None:
+    server = ByteServer([])  # reads the request, never answers (a stopped or deadlocked replica)
+
+    async def scenario() -> float:
+        upstream = Upstream(response_timeout=0.2)
+        async with server as origin:
+            start = time.monotonic()
+            with pytest.raises(UpstreamTimeout, match="sent no answer within 0.2 s"):
+                await upstream.request(b"POST", origin, b"/", b"{}")
+            return time.monotonic() - start
+
+    assert 0.2 <= run(scenario()) < 5
+
+
+def test_a_stream_that_goes_silent_is_given_up_on_after_the_timeout() -> None:
+    server = ByteServer(CHUNKED_HEAD + b"3\r\nabc\r\n")  # one event, then nothing (the stream never ends)
+
+    async def scenario() -> tuple[bytes, int]:
+        upstream = Upstream(response_timeout=0.2)
+        async with server as origin:
+            response = await upstream.request(b"POST", origin, b"/", b"")
+            first = await response.receive()
+            with pytest.raises(UpstreamTimeout, match="sent nothing for 0.2 s"):
+                await response.receive()
+            return first, len(upstream._idle.get(origin, ()))
+
+    assert run(scenario()) == (b"abc", 0)  # the connection closed, not pooled
+
+
+def test_the_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="> 0"):
+        Upstream(response_timeout=0)

@@ -19,7 +19,8 @@ import torch
 
 from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.kv.manager import KVCacheManager
-from kvserve.kv.tiers import BlockFormat, TieredStore
+from kvserve.kv.disk_tier import BlockFormat
+from kvserve.kv.tiers import TieredStore
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import (

@@ -1,0 +1,183 @@
+"""The disk tier's files: one file a block in a directory (``block_file``'s format), its index, and the I/O
+threads that read and write them off the step's critical path (``kv/tiers.py`` is the store over it)."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from kvserve.kv.block_file import BlockRecord, read_block_file, write_block_file
+from kvserve.kv.block_keys import KeyedBlock
+
+logger = logging.getLogger(__name__)
+
+FILE_SUFFIX = ".kvb"
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """What every block of this engine's tiers is: a file is used only if it matches all of it."""
+
+    model_identity: str
+    kv_dtype: str  # the layout the KV is stored in (``KVCacheDtype.layout``)
+    block_size: int
+    bytes_per_block: int
+    kv_layout: str = ""  # which layers a block of each KV cache group holds (``KVCacheGroups.layout``)
+
+    def record(self, block: KeyedBlock) -> BlockRecord:
+        return BlockRecord(block.key, block.parent_key, block.token_ids, self.model_identity, self.kv_dtype,
+                           self.block_size, self.bytes_per_block, self.kv_layout, block.group)
+
+
+def _scandir_or_nothing(path: str) -> list[os.DirEntry]:
+    """The entries of a subdirectory, or none if it cannot be listed (one bad entry spoils no tier)."""
+    try:
+        return list(os.scandir(path))
+    except OSError:
+        return []
+
+
+def _stat_or_none(entry: os.DirEntry) -> os.stat_result | None:
+    """A regular file's stat; None for anything else, a dangling symlink or a file gone since the listing."""
+    try:
+        return entry.stat() if entry.is_file() else None
+    except OSError:
+        return None
+
+
+# Write errors of the whole directory: after one, nothing more is written there. Any other error (a directory
+# or a foreign entry where a block file would go) is that block's alone, which is then not written.
+DIRECTORY_WIDE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO})
+
+
+class IOThread:
+    """One daemon thread running the calls submitted to it, in order. Not a ThreadPoolExecutor, whose threads
+    the interpreter joins at exit: a read or write stuck in a hung filesystem would hold the process for good
+    (the engine flushes queued writes for a bounded time before it closes the tiers)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., None], *args: object) -> None:
+        self._calls.put(functools.partial(fn, *args))
+
+    def close(self, timeout: float) -> bool:
+        """Stop once the calls queued so far are done; False if they are not done within ``timeout``."""
+        self._calls.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            try:
+                call()
+            except Exception:  # a call's own faults are handled in it: this is a bug, logged, not the thread's end
+                logger.exception("%s: an I/O call failed", self.name)
+
+
+class DiskTier:
+    """The index of one directory of block files, oldest first, and the file I/O on it. The index methods are
+    locked by ``TieredStore``; ``write`` and ``read`` run unlocked on its I/O threads."""
+
+    def __init__(self, directory: str, capacity_bytes: int, block_format: BlockFormat) -> None:
+        self.directory = directory
+        self.capacity_bytes = capacity_bytes
+        self.format = block_format
+        self.writable = True
+        self._files: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
+        self._bad: set[bytes] = set()  # found corrupt or foreign: never read again unless rewritten
+        self.num_bytes = 0
+        try:
+            os.makedirs(directory, exist_ok=True)
+            self._scan()
+        except OSError as error:
+            self.writable = False
+            logger.warning("KV disk tier: cannot use %s (%s); prefixes not in memory will be recomputed",
+                           directory, error)
+
+    def _scan(self) -> None:
+        """Index the files already there (a predecessor's, or another server's), oldest first."""
+        found = []
+        for sub in os.scandir(self.directory):
+            if sub.is_dir() and len(sub.name) == 2:
+                for entry in _scandir_or_nothing(sub.path):
+                    if entry.name.endswith(FILE_SUFFIX) and (stat := _stat_or_none(entry)) is not None:
+                        found.append((stat.st_mtime, entry.name[: -len(FILE_SUFFIX)], stat.st_size))
+        for _, name, size in sorted(found):
+            try:
+                self._files[bytes.fromhex(name)] = size
+                self.num_bytes += size
+            except ValueError:
+                continue  # not a kvserve block file name
+
+    def path(self, key: bytes) -> str:
+        name = key.hex()
+        return os.path.join(self.directory, name[:2], name + FILE_SUFFIX)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._files)
+
+    def has(self, key: bytes) -> bool:
+        """Whether a usable-looking file for ``key`` exists: indexed, or written since by another server."""
+        if key in self._bad:
+            return False
+        return key in self._files or os.path.isfile(self.path(key))
+
+    def indexed(self, key: bytes) -> bool:
+        return key in self._files
+
+    def add(self, key: bytes, size: int) -> list[bytes]:
+        """Index a file just written; returns the keys to delete to keep within the capacity, oldest first."""
+        self.num_bytes += size - self._files.pop(key, 0)
+        self._files[key] = size
+        self._bad.discard(key)
+        victims = []
+        while self.num_bytes > self.capacity_bytes and len(self._files) > 1:
+            victim, victim_size = self._files.popitem(last=False)
+            self.num_bytes -= victim_size
+            victims.append(victim)
+        return victims
+
+    def touch(self, key: bytes) -> None:
+        if key in self._files:
+            self._files.move_to_end(key)
+
+    def mark_bad(self, key: bytes) -> None:
+        self._bad.add(key)
+        self.num_bytes -= self._files.pop(key, 0)
+
+    def is_directory(self) -> bool:
+        """Whether the directory is still one: another process may delete it or put a file in its place."""
+        return os.path.isdir(self.directory)
+
+    def forget_all(self) -> int:
+        """Drop the whole index (the directory is gone); returns how many blocks it held."""
+        forgotten = len(self._files)
+        self._files.clear()
+        self.num_bytes = 0
+        return forgotten
+
+    def write(self, block: KeyedBlock, payload: memoryview) -> int:
+        path = self.path(block.key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return write_block_file(path, self.format.record(block), payload)
+
+    def read(self, block: KeyedBlock, out: memoryview) -> None:
+        read_block_file(self.path(block.key), self.format.record(block), out)
+
+    def remove(self, key: bytes) -> None:
+        try:
+            os.unlink(self.path(key))
+        except OSError:
+            pass  # gone already (another server trimmed it) or a read-only directory
