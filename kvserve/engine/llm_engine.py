@@ -21,7 +21,8 @@ from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.disk_tier import BlockFormat
 from kvserve.kv.tiers import DEFAULT_STAGING_GIB, TieredStore
 from kvserve.model.loader import Checkpoint, load_checkpoint
-from kvserve.model.registry import check_quantize_activations, check_shardable, weight_format
+from kvserve.model.registry import check_shardable
+from kvserve.model.weight_format import check_quantize_activations, weight_format
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from kvserve import LLM, SamplingParams
 from kvserve.model.checkpoint import ARCHITECTURES, make_checkpoint
 from kvserve.model.loader import load_checkpoint
-from kvserve.model.registry import weight_format
+from kvserve.model.weight_format import weight_format
 from kvserve.model.sources import ModelLocation
 from tests.model.test_ggml import mapped_ranges
 

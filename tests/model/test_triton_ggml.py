@@ -19,7 +19,8 @@ from kvserve.model.layers.ggml import GGMLLinearMethod, GGMLTensor  # noqa: E402
 from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod  # noqa: E402
 from kvserve.model.layers.triton_ggml import BLOCK_VALUES, TRITON_TYPES, TritonGGMLGemm  # noqa: E402
 from kvserve.model.loader import load_checkpoint  # noqa: E402
-from kvserve.model.registry import build_model, kept_block_types, process_weights_after_loading  # noqa: E402
+from kvserve.model.registry import build_model, process_weights_after_loading  # noqa: E402
+from kvserve.model.weight_format import kept_block_types  # noqa: E402
 from tests.model.conftest import (  # noqa: E402
     HALF_DTYPES, TRITON_INTERPRETED, PagedRunner, assert_within_half_precision_rounding,
 )
