@@ -30,7 +30,7 @@ from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import EngineOutput
 from kvserve.sched.scheduler import Scheduler
-from kvserve.spec.draft import DraftModel
+from kvserve.worker.draft_model import DraftModel
 from kvserve.spec.policy import SpeculationPolicy
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.parallel import WorkerGroup, WorkerSpec, start_workers

@@ -2,7 +2,7 @@
 
 A proposer decides, before the step, the draft tokens a running decode runs after its last token. ``ngram``
 knows them then (``spec/ngram.py``). ``draft`` does not: its tokens come from a draft model that the runner
-runs just before the target's forward pass (``spec/draft.py``), so the scheduler reserves the positions
+runs just before the target's forward pass (``worker/draft_model.py``), so the scheduler reserves the positions
 (query tokens in the budget, KV slots in the request's blocks) as ``DRAFT_SLOT`` entries and the runner
 fills them in. Either way a row's draft is ``ScheduledRequest.draft_token_ids``, and the scheduler reads only
 its length.
@@ -29,7 +29,7 @@ class Proposer(ABC):
 
 
 class DraftModelSlots(Proposer):
-    """``draft``: k slots for the runner's draft model (``spec/draft.py``) to fill with its greedy tokens."""
+    """``draft``: k slots for the runner's draft model (``worker/draft_model.py``) to fill with its greedy tokens."""
 
     def propose(self, request: Request, k: int) -> tuple[int, ...]:
         return (DRAFT_SLOT,) * k

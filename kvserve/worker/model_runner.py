@@ -28,7 +28,7 @@ from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput
-from kvserve.spec.draft import DraftModel
+from kvserve.worker.draft_model import DraftModel
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.step_graphs import StepGraphs, captures_cuda_graphs, step_graphs_for
 from kvserve.worker.input_batch import InFlightTokens, InputBatch, PersistentBatch
