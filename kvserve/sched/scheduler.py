@@ -276,7 +276,7 @@ class Scheduler:
         while index < len(self.running) and budget.has_room():
             request = self.running[index]
             num_new = min(_num_tokens_left(request, request.num_computed_tokens), budget.num_tokens)
-            draft = self._draft(request, budget) if num_new == 1 else ()
+            draft = self._draft(request, budget, len(self.running) - index - 1) if num_new == 1 else ()
             if draft and self.kv.allocate_slots(request, 1 + len(draft)):
                 drafts[request.request_id] = draft
                 num_new += len(draft)
@@ -290,13 +290,17 @@ class Scheduler:
             index += 1
         return num_preempted
 
-    def _draft(self, request: Request, budget: _Budget) -> tuple[int, ...]:
+    def _draft(self, request: Request, budget: _Budget, num_running_behind: int) -> tuple[int, ...]:
         """The request's draft tokens this step: only for a decode (all but its last token computed), and no
         more than fit the step's budget or could be kept under max_tokens and max_model_len (a verified row
-        emits up to len(draft) + 1 tokens)."""
+        emits up to len(draft) + 1 tokens). Drafts take only what is left of the budget after a token for each
+        running request behind this one and one for the head of the waiting queue (where a seat is free):
+        taken in admission order, they starved the others of a small budget for many steps."""
         if self.speculation is None or request.num_computed_tokens != request.num_tokens - 1:
             return ()
-        room = min(budget.num_tokens, self.config.max_model_len - request.num_tokens)
+        seat_free = self.waiting and len(self.running) < self.config.max_num_seqs
+        left = budget.num_tokens - num_running_behind - (1 if seat_free else 0)
+        room = min(left, self.config.max_model_len - request.num_tokens)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens)
@@ -455,11 +459,14 @@ class Scheduler:
             # a verified row's KV is valid up to its accepted drafts: its last token + the accepted drafts
             request.num_computed_tokens += num_emitted if row.draft_token_ids else row.num_tokens
             self.kv.cache_computed(request)
+            if row.draft_token_ids:  # counted before a finish drops the request's speculation state
+                assert self.speculation is not None
+                self.speculation.record(request.request_id, len(row.draft_token_ids), num_emitted)
             output = self._take_tokens(request, row, model_out)
             if output is not None:
                 outputs.append(output)
             if row.draft_token_ids:
-                self._roll_back_rejected(request, row, num_emitted)
+                self._roll_back_rejected(request)
             if _is_ready_to_fork(request):
                 self._fork(request)
         return outputs
@@ -478,11 +485,9 @@ class Scheduler:
             return None
         return _engine_output(request, new_token_ids, logprobs, prompt_logprobs)
 
-    def _roll_back_rejected(self, request: Request, row: ScheduledRequest, num_emitted: int) -> None:
-        """After a verified row: count it, and free the blocks taken only for rejected drafts (the runner
-        drops them from its table by the same rule, so its count of the blocks sent stays right)."""
-        assert self.speculation is not None
-        self.speculation.record(request.request_id, len(row.draft_token_ids), num_emitted)
+    def _roll_back_rejected(self, request: Request) -> None:
+        """After a verified row: free the blocks taken only for rejected drafts (the runner drops them from its
+        table by the same rule, so its count of the blocks sent stays right)."""
         if request.is_finished:
             return
         self.kv.free_tail(request, request.num_tokens)
@@ -563,6 +568,9 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+        if request.status is RequestStatus.RUNNING:
+            # blocks filled by the drafts accepted in its last step are known only now: into the tree first
+            self.kv.cache_computed(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

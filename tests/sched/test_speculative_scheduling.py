@@ -114,3 +114,34 @@ def test_draft_slots_are_scheduled_as_query_tokens_and_rolled_back_like_drafts()
     assert request.output_token_ids == [8, 3, 9] and request.num_computed_tokens == 9
     assert scheduler.speculation.stats()["spec_decode_num_accepted_tokens"] == 1
     scheduler.kv.check_integrity([request])
+
+
+def test_a_finished_request_leaves_no_speculation_state_and_its_accepted_blocks_in_the_tree() -> None:
+    """Its last step accepted drafts that filled a block: the block joins the prefix tree before the request's
+    blocks are freed (a follow-up turn finds it), and the acceptance rate kept per request goes with it."""
+    scheduler = _scheduler()
+    request = _prefilled(scheduler, max_tokens=6)  # outputs: 8, then up to 5 more in one verified step
+    out = scheduler.schedule()
+    assert out.requests[0].draft_token_ids == (5, 6, 7, 8)
+    scheduler.update_from_output(out, ModelOutput({"r": [5, 6, 7, 8, 9]}))  # every draft accepted, then 9
+    assert request.is_finished and request.output_token_ids == [8, 5, 6, 7, 8, 9]
+    assert not scheduler.speculation._acceptance
+    assert scheduler.kv.prefix_cache.num_nodes == 3  # positions 0..11 computed: the third block is the drafts'
+    scheduler.kv.check_integrity([])
+
+
+def test_drafts_leave_each_running_decode_and_the_queue_head_a_token_of_a_small_budget() -> None:
+    """Drafts sized from the whole budget, in admission order, took all of it: requests behind got nothing for
+    many steps."""
+    kv = KVCacheManager(64, BLOCK_SIZE, enable_prefix_caching=True)
+    config = SchedulerConfig(max_num_batched_tokens=8, max_model_len=64, max_num_seqs=3)
+    scheduler = Scheduler(config, kv, SpeculationPolicy(SpeculativeConfig("ngram", 7, 1, 3)))
+    for rid in ("a", "b"):
+        scheduler.add_request(Request(rid, list(PROMPT), SamplingParams(temperature=0, max_tokens=30)))
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, ModelOutput({r.request_id: [8] for r in out.requests if r.sample}))
+    scheduler.add_request(Request("c", list(PROMPT), SamplingParams(temperature=0, max_tokens=30)))
+    out = scheduler.schedule()
+    rows = {row.request_id: row for row in out.requests}
+    assert set(rows) == {"a", "b", "c"}, rows  # b decodes and c starts, beside a's draft
+    assert out.num_tokens <= 8 and rows["a"].draft_token_ids
