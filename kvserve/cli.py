@@ -140,10 +140,12 @@ SUBCOMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``kvserve`` command line: every subcommand listed, with the flags of ``command`` only (of every one
     when None)."""
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, define_arguments) in SUBCOMMANDS.items():
-        subparser = sub.add_parser(name, help=help_text)
+        # no abbreviated flags: `serve --data-parallel-s 2` would reach the replicas, which drop only the full
+        # names of the router's flags, and each would start replicas of its own
+        subparser = sub.add_parser(name, help=help_text, allow_abbrev=False)
         if command in (None, name):
             define_arguments(subparser)
     return parser

@@ -283,6 +283,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={size} with quantization={self.model.quantization!r} is not "
                              "supported: tensor-parallel layers hold dense weights (use quantization='none' or "
                              "'auto', which dequantizes a GGUF)")
+        if self.model.quantize_activations:
+            raise ValueError(f"tensor_parallel_size={size} with quantize_activations is not supported: "
+                             "tensor-parallel layers hold dense weights, and int8 activations multiply quantized ones")
         if self.model.cpu_offload_gb:
             raise ValueError(f"tensor_parallel_size={size} with cpu_offload_gb is not supported: the ranks would "
                              "each stream their own shards (not built)")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 from kvserve.config import (
     DEFAULT_DISK_TIER_GIB,
@@ -150,12 +151,16 @@ class EngineArgs:
     draft_model: str | None = _option(None, "draft speculation: a small model with the target's vocabulary (a "
                                       "packaged name, a Hugging Face directory or a GGUF file); its KV takes "
                                       "blocks of the same pool", str)
-    num_speculative_tokens: int = _option(SpeculativeConfig.num_speculative_tokens,
-                                          "speculation: most tokens proposed per request per step", int)
-    ngram_min: int = _option(SpeculativeConfig.prompt_lookup_min, "ngram speculation: shortest n-gram matched",
-                             int)
-    ngram_max: int = _option(SpeculativeConfig.prompt_lookup_max, "ngram speculation: longest n-gram matched",
-                             int)
+    num_speculative_tokens: int | None = _option(None, f"speculation: most tokens proposed per request per step "
+                                                 f"(default {SpeculativeConfig.num_speculative_tokens})", int)
+    ngram_min: int | None = _option(None, f"ngram speculation: shortest n-gram matched (default "
+                                    f"{SpeculativeConfig.prompt_lookup_min})", int)
+    ngram_max: int | None = _option(None, f"ngram speculation: longest n-gram matched (default "
+                                    f"{SpeculativeConfig.prompt_lookup_max})", int)
+
+    def __post_init__(self) -> None:
+        for option in dataclasses.fields(self):
+            _check_kind(option, getattr(self, option.name))
 
     @staticmethod
     def speculative_options(speculative_config: dict[str, Any]) -> dict[str, Any]:
@@ -195,16 +200,30 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode,
                 overlap_scheduling=self.overlap_scheduling,
             ),
-            speculative=SpeculativeConfig(
-                method=self.speculative_method,
-                num_speculative_tokens=self.num_speculative_tokens,
-                prompt_lookup_min=self.ngram_min,
-                prompt_lookup_max=self.ngram_max,
-                model=self.draft_model,
-            ),
+            speculative=self._speculative_config(),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend),
             device=self.device,
+        )
+
+    def _speculative_config(self) -> SpeculativeConfig:
+        """The speculation options given, each refused by name where the method given does not use it (vLLM
+        refuses them so too: a speculation option with speculation off would be silently ignored)."""
+        ngram = {"ngram_min": self.ngram_min, "ngram_max": self.ngram_max}
+        given = [name for name, value in {"num_speculative_tokens": self.num_speculative_tokens, **ngram}.items()
+                 if value is not None]
+        if self.speculative_method is None and given:
+            raise ValueError(f"{', '.join(given)} tune speculation, which is off: give speculative_method too "
+                             "(--speculative-method ngram|draft)")
+        if self.speculative_method == "draft" and (unused := [name for name in ngram if name in given]):
+            raise ValueError(f"{', '.join(unused)} tune speculative_method='ngram', not 'draft'")
+        defaults = SpeculativeConfig()
+        return SpeculativeConfig(
+            method=self.speculative_method,
+            num_speculative_tokens=_given_or(self.num_speculative_tokens, defaults.num_speculative_tokens),
+            prompt_lookup_min=_given_or(self.ngram_min, defaults.prompt_lookup_min),
+            prompt_lookup_max=_given_or(self.ngram_max, defaults.prompt_lookup_max),
+            model=self.draft_model,
         )
 
     @classmethod
@@ -233,3 +252,26 @@ class EngineArgs:
         """The options parsed by a parser that ``add_cli_args`` filled; skipped ones keep their defaults
         unless the command's own flag of that name set them."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+# What each option's values must be, by its flag's type (None: a boolean flag)
+_KINDS: dict[type | None, tuple[Callable[[Any], bool], str]] = {
+    None: (lambda value: isinstance(value, bool), "True or False"),
+    int: (lambda value: isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"),
+    float: (lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"),
+    str: (lambda value: isinstance(value, str), "a string"),
+}
+
+
+def _check_kind(option: dataclasses.Field, value: Any) -> None:
+    """ValueError naming the option unless ``value`` is of its kind (None where its default is None): a string
+    where a number belongs failed deep inside a config's checks with a TypeError naming nothing."""
+    if value is None and option.default is None:
+        return
+    accepts, described = _KINDS[option.metadata["type"]]
+    if not accepts(value):
+        raise ValueError(f"{option.name} must be {described}, got {type(value).__name__} {value!r}")
+
+
+def _given_or(value: int | None, default: int) -> int:
+    return default if value is None else value

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.cli import main
+from kvserve.cli import build_parser, main
 
 
 def test_make_checkpoint_writes_a_loadable_seeded_checkpoint(tmp_path: Path, capsys) -> None:
@@ -96,3 +96,11 @@ def test_paths_that_cannot_be_used_are_one_line_errors(tmp_path: Path, capsys) -
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("kvserve: error: ") and message in err and len(err.splitlines()) == 1
+
+
+def test_an_abbreviated_flag_is_refused() -> None:
+    """`serve --data-parallel-s 2` reached every replica (which drop only the full names of the router's flags),
+    and each started replicas of its own."""
+    with pytest.raises(SystemExit):
+        build_parser("serve").parse_args(["serve", "--data-parallel-s", "2"])
+    assert build_parser("serve").parse_args(["serve", "--data-parallel-size", "2"]).data_parallel_size == 2

@@ -117,9 +117,12 @@ def test_tensor_parallel_options_land_in_the_parallel_config() -> None:
     "options, named",
     [
         ({"speculative_method": "medusa"}, "speculative_method"),
-        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-        ({"ngram_min": 0}, "ngram_min"),
-        ({"ngram_min": 3, "ngram_max": 2}, "ngram_max"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
+        ({"speculative_method": "ngram", "ngram_min": 0}, "ngram_min .* must be >= 1"),
+        ({"speculative_method": "ngram", "ngram_min": 3, "ngram_max": 2}, "ngram_max .* must be >= ngram_min"),
+        ({"num_speculative_tokens": 3}, "num_speculative_tokens tune speculation, which is off"),
+        ({"ngram_min": 1, "ngram_max": 3}, "ngram_min, ngram_max tune speculation, which is off"),
+        ({"speculative_method": "draft", "draft_model": "x", "ngram_min": 1}, "ngram_min tune .*'ngram', not 'draft'"),
         ({"speculative_method": "draft"}, "--draft-model"),
         ({"speculative_method": "ngram", "draft_model": "x"}, "draft_model"),
         ({"draft_model": "x"}, "draft_model"),
@@ -213,3 +216,15 @@ def test_a_disk_tier_size_without_its_directory_is_refused() -> None:
         EngineArgs(kv_offload_disk=1.0).create_engine_config()
     config = EngineArgs(kv_offload_dir="/tmp/kv-blocks").create_engine_config()
     assert config.cache.disk_tier_bytes == 16 * 2**30
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer, got str '3'"),
+    ({"max_num_seqs": 2.5}, "max_num_seqs must be an integer, got float 2.5"),
+    ({"kv_cache_memory": "1"}, "kv_cache_memory must be a number"),
+    ({"enforce_eager": "no"}, "enforce_eager must be True or False"),
+    ({"dtype": None}, "dtype must be a string, got NoneType"),
+])
+def test_an_option_of_the_wrong_kind_is_refused_by_name(options, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**options)

@@ -116,24 +116,26 @@ class LLMEngine:
 
     def _draft_model(self, vocab_size: int) -> DraftModel | None:
         """The draft model of ``--speculative-method draft``: refused (ValueError) unless it shares the target's
-        vocabulary and covers its context length."""
+        tokenizer (every token under the same id; the embeddings may be padded to other sizes, as Qwen2.5 0.5B's
+        are against 7B's) and covers its context length."""
         config = self.config
         if config.speculative.method != "draft":
             return None
         assert config.speculative.model is not None
         location = resolve_model(config.speculative.model)
         checkpoint = load_checkpoint(location, self.dtype, config.model.load_format)
-        draft_vocab_size = checkpoint.hf_config.vocab_size
-        if draft_vocab_size != vocab_size:
-            raise ValueError(f"draft model {location.name!r} has a vocabulary of {draft_vocab_size} tokens, the "
-                             f"target {vocab_size}: a draft must share the target's tokenizer")
+        target_tokens, draft_tokens = self.tokenizer.get_vocab(), checkpoint.tokenizer.get_vocab()
+        if draft_tokens != target_tokens:
+            differ = len(draft_tokens.items() ^ target_tokens.items())
+            raise ValueError(f"draft model {location.name!r} does not share the target's tokenizer ({differ} token "
+                             f"entries differ): a draft must share the target's vocabulary")
         if checkpoint.max_model_len < self.max_model_len:
             raise ValueError(f"draft model {location.name!r} covers {checkpoint.max_model_len} positions, under "
                              f"max_model_len={self.max_model_len}: lower --max-model-len")
         weights = weight_format(config.model.quantization, checkpoint, self.device, self.dtype,
                                 dtype_forced=config.model.dtype != "auto", load_format=config.model.load_format)
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
-        return DraftModel(checkpoint, self.dtype, self.device, config.cache.block_size, kv_dtype, weights,
+        return DraftModel(checkpoint, self.dtype, self.device, config.cache.block_size, kv_dtype, vocab_size, weights,
                           config.model.quantize_activations, config.model.enforce_eager)
 
     def _build_core(self, runner: ModelRunner) -> EngineCore:

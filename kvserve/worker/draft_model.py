@@ -60,9 +60,10 @@ class DraftModel:
     """Owns the draft model, its paged KV and, per request in the runner's batch, how far that KV is valid."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int,
-                 kv_dtype: KVCacheDtype, weights: str = "dense", quantize_activations: bool = False,
+                 kv_dtype: KVCacheDtype, vocab_size: int, weights: str = "dense", quantize_activations: bool = False,
                  enforce_eager: bool = False) -> None:
         self.device = device
+        self.vocab_size = vocab_size  # the target's: a draft's embeddings padded past it propose none of those
         self.dtype = dtype
         self.block_size = block_size
         self.kv_dtype = kv_dtype
@@ -171,7 +172,7 @@ class DraftModel:
     def _argmax(self, hidden: torch.Tensor, rows: np.ndarray) -> list[int]:
         """The draft's greedy token at the given token rows (a host sync: the next pass needs them)."""
         index = torch.from_numpy(np.ascontiguousarray(rows)).to(hidden.device)
-        return first_max(self.model.compute_logits(hidden[index])).tolist()
+        return first_max(self.model.compute_logits(hidden[index])[:, : self.vocab_size]).tolist()
 
 
 def _end(row: ScheduledRequest) -> int:

@@ -5,9 +5,13 @@ an abort, with no block left behind; seeded sampling that of plain decoding; uns
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.model.checkpoint import ARCHITECTURES, make_checkpoint
@@ -179,4 +183,38 @@ def test_an_abort_mid_speculation_leaves_no_block(tiny_checkpoints, drafts) -> N
 def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoints, tmp_path) -> None:
     other = make_checkpoint(tmp_path / "small", "llama", "small", seed=0, num_layers=1)
     with pytest.raises(ValueError, match="vocabulary"):
+        _draft_llm(tiny_checkpoints["llama"], other)
+
+
+def _padded_copy(draft: Path, out: Path, extra_rows: int) -> Path:
+    """The draft with its embeddings and head padded past its tokenizer (as Qwen2.5 0.5B's are against 7B's)."""
+    shutil.copytree(draft, out)
+    config = json.loads((out / "config.json").read_text())
+    for file in out.glob("*.safetensors"):
+        tensors = {name: torch.cat([t, torch.zeros(extra_rows, t.shape[1], dtype=t.dtype)])
+                   if t.dim() == 2 and t.shape[0] == config["vocab_size"] else t
+                   for name, t in load_file(file).items()}
+        save_file(tensors, file, metadata={"format": "pt"})
+    config["vocab_size"] += extra_rows
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_draft_padded_past_the_shared_tokenizer_is_used(tiny_checkpoints, drafts, tmp_path) -> None:
+    """The draft's padding rows may win its argmax: they are never proposed (not target tokens)."""
+    target = tiny_checkpoints["llama"]
+    padded = _padded_copy(drafts["llama"], tmp_path / "padded", 128)
+    llm = _draft_llm(target, padded)
+    assert _token_ids(llm, GREEDY) == _token_ids(LLM(str(target), **SMALL), GREEDY)
+    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_draft_of_the_same_size_with_another_tokenizer_is_refused(tiny_checkpoints, drafts, tmp_path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(drafts["llama"], other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    ids = sorted(tokenizer["model"]["vocab"].values())
+    tokenizer["model"]["vocab"] = dict(zip(tokenizer["model"]["vocab"], reversed(ids)))  # every id another token
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
         _draft_llm(tiny_checkpoints["llama"], other)
