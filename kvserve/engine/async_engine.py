@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+IDLE_CHECK_SECONDS = 1.0  # how often an idle engine looks at its tensor-parallel workers
 SHUTDOWN_FLUSH_SECONDS = 30.0  # at most this long for queued KV block writes at shutdown
 
 
@@ -276,7 +277,10 @@ class AsyncEngine:
         """Sleep until a command arrives or requests are unfinished; False once shut down."""
         with self._wakeup:
             while not self._stopped and not self._commands and not self.engine.has_unfinished_requests():
-                self._wakeup.wait()
+                if not self._wakeup.wait(IDLE_CHECK_SECONDS):
+                    # a tensor-parallel worker that dies while nothing runs fails the engine now (health 503, the
+                    # server restarted), not the next request
+                    self.engine.check_workers()
             return not self._stopped
 
     def _run_commands(self) -> None:

@@ -108,6 +108,10 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
         self.core.runner.close()
 
+    def check_workers(self) -> None:
+        """Raise ``TensorParallelError`` naming a tensor-parallel worker that died or failed (none: nothing)."""
+        self.core.runner.peers.check_alive()
+
     def _max_model_len(self, model_limit: int) -> int:
         asked = self.config.model.max_model_len
         if asked is not None and asked > model_limit:

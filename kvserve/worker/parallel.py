@@ -38,6 +38,7 @@ import datetime
 import logging
 import pickle
 import time
+import weakref
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -186,6 +187,9 @@ class StepPeers:
     def close(self) -> None:
         """Stop the workers (idempotent)."""
 
+    def check_alive(self) -> None:
+        """Rank 0: raise ``TensorParallelError`` naming a worker that died or reported a failure."""
+
 
 class DriverLink(StepPeers):
     """A worker's view: rank 0 sends the steps (``worker_main`` receives them) and the sampled tokens."""
@@ -214,12 +218,14 @@ class WorkerGroup(StepPeers):
     def __init__(self, workers: list[WorkerHandle], conns: list[Connection], num_threads_before: int,
                  release: Callable[[], None] = _nothing) -> None:
         self.workers, self.conns = workers, conns
-        self.num_threads_before = num_threads_before  # rank 0's torch threads, given back at close
-        self._release = release  # what else the workers held (a Ray placement group), freed at close
         self._error: str | None = None
+        # Shut down at close, or when the group is collected or the interpreter exits without one (an LLM
+        # dropped unclosed): the workers stopped, rank 0's torch threads given back, and what else the workers
+        # held (a Ray placement group, whose CPUs the next group would wait for) released
+        self._shut_down = weakref.finalize(self, _shut_down, workers, conns, num_threads_before, release)
 
     def broadcast_step(self, sched_out: SchedulerOutput) -> None:
-        self._check_alive()
+        self.check_alive()
         self._send_all(pickle.dumps(sched_out, protocol=pickle.HIGHEST_PROTOCOL))
 
     def share_sampled(self, token_ids: dict[str, list[int]] | None) -> dict[str, list[int]]:
@@ -241,6 +247,10 @@ class WorkerGroup(StepPeers):
             yield
         except BaseException as error:
             failure = self._wait_for_failure(FAILURE_GRACE_SECONDS)
+            if failure is None and _timed_out(error):  # every worker runs: one stopped answering
+                failure = (f"a collective with the tensor-parallel workers timed out after "
+                           f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s while every worker still runs: one is "
+                           f"stalled ({type(error).__name__}: {error})")
             self._error = failure or f"{type(error).__name__}: {error}"
             self.close()
             if failure is None or isinstance(error, TensorParallelError):
@@ -248,29 +258,14 @@ class WorkerGroup(StepPeers):
             raise TensorParallelError(failure) from error
 
     def close(self) -> None:
-        for conn in self.conns:
-            try:
-                conn.send(Shutdown())
-            except OSError:
-                pass  # that worker is gone already
-        deadline = time.monotonic() + SHUTDOWN_SECONDS
-        for worker in self.workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-            if worker.is_alive():
-                worker.kill()
-        for conn in self.conns:
-            conn.close()
-        self.conns = []
-        release, self._release = self._release, _nothing
-        release()
+        self._shut_down()
         self._error = self._error or "the workers were shut down"
-        torch.set_num_threads(self.num_threads_before)
 
     def _send_all(self, data: bytes) -> None:
         for conn in self.conns:
             conn.send_bytes(data)
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         failure = self._describe_failure()
         if failure is not None:
             raise TensorParallelError(failure)
@@ -441,3 +436,29 @@ def _serve(runner: Any, conn: Connection) -> None:
             conn.send(Ready())
         else:
             runner.execute(message)
+
+
+def _shut_down(workers: list[WorkerHandle], conns: list[Connection], num_threads_before: int,
+               release: Callable[[], None]) -> None:
+    """Ask each worker to stop, kill those that do not within ``SHUTDOWN_SECONDS``, close the connections,
+    release what else they held and give rank 0 its threads back (``conns`` emptied: a group stops once)."""
+    for conn in conns:
+        try:
+            conn.send(Shutdown())
+        except OSError:
+            pass  # that worker is gone already
+    deadline = time.monotonic() + SHUTDOWN_SECONDS
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+    for conn in conns:
+        conn.close()
+    conns.clear()
+    release()
+    torch.set_num_threads(num_threads_before)
+
+
+def _timed_out(error: BaseException) -> bool:
+    """Whether a step failed on a collective's timeout (gloo's and NCCL's say so in their message)."""
+    return isinstance(error, RuntimeError) and "timed out" in str(error).lower()

@@ -65,6 +65,7 @@ class FakeEngine:
         self.requests: dict[str, _FakeRequest] = {}
         self.num_steps = 0
         self.step_error: BaseException | None = None
+        self.worker_failure: BaseException | None = None  # what check_workers raises, once set
         self.threads_seen: set[str] = set()
         self.num_kv_flushes = 0
 
@@ -120,6 +121,10 @@ class FakeEngine:
 
     def close(self) -> None:
         pass
+
+    def check_workers(self) -> None:
+        if self.worker_failure is not None:
+            raise self.worker_failure
 
     def flush_kv_offload(self, timeout: float | None = None) -> None:
         self.num_kv_flushes += 1

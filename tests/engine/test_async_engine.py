@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvserve.engine import async_engine
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.outputs import FinishReason, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -180,3 +181,25 @@ def test_a_consumer_that_falls_behind_holds_one_output_of_its_request() -> None:
         assert not first.finished
 
     run_with_engine(test)
+
+
+def test_a_worker_that_dies_while_the_engine_idles_fails_it_within_a_second(monkeypatch) -> None:
+    """Not at the next request: the server's health turns 503 and it stops, so that it is restarted."""
+    monkeypatch.setattr(async_engine, "IDLE_CHECK_SECONDS", 0.05)
+
+    async def test(engine: AsyncEngine) -> None:
+        await collect(engine, "a", 2)
+        fake.worker_failure = RuntimeError("worker rank 1 (pid 7) died (signal SIGKILL)")
+        for _ in range(100):
+            if engine.failure is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert "worker rank 1" in str(engine.failure) and not engine.is_running
+
+    fake = FakeEngine()
+    engine = AsyncEngine(fake)
+    engine.start()
+    try:
+        asyncio.run(asyncio.wait_for(test(engine), timeout=10))
+    finally:
+        engine.shutdown()

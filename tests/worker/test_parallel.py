@@ -7,6 +7,7 @@ processes (a few seconds each): the tests share them where they can.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -24,7 +25,7 @@ from kvserve.engine_args import EngineArgs
 from kvserve.model.checkpoint import make_checkpoint
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.worker import parallel
-from kvserve.worker.parallel import Failed, InitKV, Ready, TensorParallelError, WorkerGroup
+from kvserve.worker.parallel import Failed, InitKV, Ready, Shutdown, TensorParallelError, WorkerGroup
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
 from tests.engine.test_llm_equality import MAX_NEW, _prompts
 
@@ -211,3 +212,30 @@ def test_a_worker_that_fails_to_start_is_named() -> None:
     with pytest.raises(TensorParallelError, match=r"worker rank 2 \(pid 102\) failed to load the model: "
                                                   "CheckpointError"):
         group.init_kv_cache(num_blocks=5, max_model_len=64)
+
+
+def test_a_group_dropped_unclosed_stops_its_workers_and_releases_what_they_held() -> None:
+    """An LLM dropped without close(): its Ray placement group stayed, and the next group waited for its CPUs;
+    rank 0 kept half its threads."""
+    released = []
+    threads = torch.get_num_threads()
+    pipes = [multiprocessing.Pipe() for _ in range(2)]
+    workers = [_FakeWorker(101), _FakeWorker(102)]
+    group = WorkerGroup(workers, [ours for ours, _ in pipes], threads, lambda: released.append(True))
+    torch.set_num_threads(1)
+    try:
+        del group
+        gc.collect()
+        assert released == [True] and all(not worker.is_alive() for worker in workers)
+        assert all(isinstance(theirs.recv(), Shutdown) for _, theirs in pipes)
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_collective_that_times_out_while_every_worker_runs_says_one_is_stalled() -> None:
+    group, _ = _group_of_fakes(2)
+    with pytest.raises(TensorParallelError, match="timed out after 120 s while every worker still runs: one is "
+                                                  "stalled"):
+        with group.stepping():
+            raise RuntimeError("[gloo] Timed out waiting 120000ms for recv operation to complete")
