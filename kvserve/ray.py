@@ -196,13 +196,17 @@ class PrefixAffinityRouter(RequestRouter):
         if not candidate_replicas:
             return []
         replicas = [self._replica(candidate.replica_id) for candidate in candidate_replicas]
-        decision = self.policy.choose(replicas, _prefix_keys(pending_request))
+        keys = _prefix_keys(pending_request)
+        decision = self.policy.choose(replicas, keys)
+        # the prefix counted as sent as soon as it is chosen, as the HTTP router does: a burst of requests with one
+        # prefix is chosen for before any is routed, and each would otherwise go by load alone
+        decision.replica.index.insert(keys)
         return [[candidate_replicas[replicas.index(decision.replica)]]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         replica = self._replica(replica_id)
         replica.in_flight += 1
-        replica.index.insert(_prefix_keys(pending_request))
+        replica.index.insert(_prefix_keys(pending_request))  # where Ray Serve sent it, if elsewhere than chosen
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         replica = self._replica(replica_id)

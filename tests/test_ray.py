@@ -5,9 +5,9 @@ replica by the request router, errors relayed, and options checked before any re
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import asyncio
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -67,6 +67,21 @@ def test_a_shared_prefix_stays_on_one_replica(deployment: str) -> None:
         assert reply.status_code == 200, reply.text
         replicas.append(reply.headers["x-kvserve-replica"])
     assert len(set(replicas)) == 1
+
+
+def test_a_burst_sharing_a_prefix_stays_on_one_replica(deployment: str) -> None:
+    """Sent at once, the requests are chosen for before any is routed: the prefix counts from the choice."""
+    body = {"model": MODEL_NAME, "max_tokens": 2, "temperature": 0}
+    other_prefix = "Summarise the following meeting notes for the team, in three bullet points. " * 3
+
+    async def burst() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            replies = await asyncio.gather(*(client.post(f"{deployment}/v1/completions", json={
+                **body, "prompt": other_prefix + f"note {i}"}) for i in range(6)))
+        assert all(reply.status_code == 200 for reply in replies), [reply.text for reply in replies]
+        return [reply.headers["x-kvserve-replica"] for reply in replies]
+
+    assert len(set(asyncio.run(burst()))) == 1
 
 
 def test_errors_are_relayed_as_openai_errors(deployment: str) -> None:
