@@ -139,7 +139,7 @@ class SamplingParams:
         low, high = self.REPETITION_PENALTY_RANGE
         checks = [
             ("n", 1 <= self.n <= self.MAX_N, f"must be in [1, {self.MAX_N}], got {self.n}"),
-            ("temperature", self.temperature >= 0, f"must be >= 0, got {self.temperature}"),
+            ("temperature", 0 <= self.temperature < math.inf, f"must be a finite number >= 0, got {self.temperature}"),
             ("top_p", 0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
             ("top_k", self.top_k >= 0, f"must be -1, 0 (disabled) or positive, got {self.top_k}"),
             ("min_p", 0 <= self.min_p <= 1, f"must be in [0, 1], got {self.min_p}"),

@@ -35,6 +35,7 @@ def test_a_choice_list_becomes_a_tuple() -> None:
     (dict(n=1.5), "n must be an integer, got float"),
     (dict(n=True), "n must be an integer, got bool"),
     (dict(temperature="0"), "temperature must be a number, got str"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
     (dict(max_tokens=3.5), "max_tokens must be an integer, got float"),
     (dict(seed="x"), "seed must be an integer, got str"),
     (dict(logprobs=True), "logprobs must be an integer, got bool"),
