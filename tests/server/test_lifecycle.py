@@ -98,38 +98,43 @@ def test_sigterm_lets_streams_in_flight_finish_then_exits_0(start_server) -> Non
     assert results == [(200, "length")] * 4
 
 
-def test_sigterm_aborts_what_outlasts_the_grace_period(start_server) -> None:
-    # the streams must outlast the 0.2 s grace: replayed step graphs decode 250 tiny-model tokens in about that
-    # long, so these run 500 tokens (the checkpoint's context) step by step
-    server = start_server("--shutdown-timeout", "0.2", "--max-model-len", "512", "--enforce-eager")
+def _three_long_streams(start_server, grace: str) -> tuple[ServerProcess, list[threading.Thread], list]:
+    """A server with the given --shutdown-timeout and three streams of 500 tokens running on it. The streams must
+    outlast a short grace: replayed step graphs decode 250 tiny-model tokens in about 0.2 s, so these run the
+    checkpoint's whole context step by step."""
+    server = start_server("--shutdown-timeout", grace, "--max-model-len", "512", "--enforce-eager")
     results: list = []
     threads = [stream_in_background(server.openai(), 500, results) for _ in range(3)]
     wait_for(lambda: server.metric("kvserve:num_requests_running") == 3)
+    return server, threads, results
+
+
+def _all_aborted(threads: list[threading.Thread], results: list) -> bool:
+    for thread in threads:
+        thread.join(10)
+    return [finish for _, finish in results] == ["abort"] * 3
+
+
+def test_sigterm_aborts_what_outlasts_the_grace_period(start_server) -> None:
+    server, threads, results = _three_long_streams(start_server, "0.2")
     started = time.monotonic()
     server.terminate()
     assert server.process.wait(15) == 0
     assert time.monotonic() - started < 8
-    for thread in threads:
-        thread.join(10)
-    assert [finish for _, finish in results] == ["abort"] * 3
+    assert _all_aborted(threads, results)
 
 
 def test_a_second_sigterm_aborts_the_streams_at_once_and_each_ends_cleanly(start_server) -> None:
     """The first signal drains (a 60 s grace here); a second ends the grace: each stream still running ends with
     finish_reason abort (and its usage, then [DONE]), not cut off mid-body, and the server exits 0 promptly."""
-    server = start_server("--shutdown-timeout", "60", "--max-model-len", "512", "--enforce-eager")
-    results: list = []
-    threads = [stream_in_background(server.openai(), 500, results) for _ in range(3)]
-    wait_for(lambda: server.metric("kvserve:num_requests_running") == 3)
+    server, threads, results = _three_long_streams(start_server, "60")
     server.terminate()
     wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503)
     started = time.monotonic()
     server.terminate()
     assert server.process.wait(15) == 0
     assert time.monotonic() - started < 5
-    for thread in threads:
-        thread.join(10)
-    assert [finish for _, finish in results] == ["abort"] * 3
+    assert _all_aborted(threads, results)
 
 
 @pytest.mark.parametrize("flags, message", [
