@@ -7,6 +7,11 @@ disconnects closes the upstream connection, which the replica treats as an abort
 connection has not started the request: it is marked down and the request goes to another one. When none is
 up the answer is a 503 with ``Retry-After``. A background task checks each replica's /health and reads its
 queue from /metrics every ``health_interval`` seconds; a replica that comes back is used again.
+
+A body over ``max_body_bytes`` (the replicas' 4 MiB by default) is refused with the replicas' 413 before the
+router holds more of it than that. A replica that sends nothing for the upstream's ``response_timeout`` (600 s
+by default) is given up on and its connection closed (its abort): the client gets a 504, or a stream already
+under way ends with an error event; the replica is left to the health checks (it may only be slow).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from starlette.responses import JSONResponse, Response
 
 from kvserve.router.policy import Decision, Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
-from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse
+from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
 from kvserve.server.errors import RETRY_LATER, error_response, sse_failure
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -86,15 +92,18 @@ class Router:
     """The replicas, the policy and the upstream connections; ``proxy`` sends one request through."""
 
     def __init__(self, urls: list[str], policy: RoutingPolicy, upstream: Upstream | None = None,
-                 health_interval: float = 1.0) -> None:
+                 health_interval: float = 1.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         if not urls:
             raise ValueError("the router needs at least one replica URL")
+        if max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {max_body_bytes}")
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
         for replica in self.replicas:
             _target(replica.url)  # a malformed URL fails here, not on the first request
         self.policy = policy
         self.upstream = upstream or Upstream()
         self.health_interval = health_interval
+        self.max_body_bytes = max_body_bytes  # the replicas' limit by default: a larger body would get their 413
         self.metrics = RouterMetrics()
 
     def move(self, old_url: str, new_url: str) -> None:
@@ -109,9 +118,11 @@ class Router:
     async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One generation request, from ASGI messages to ASGI messages: the body parsed once (for the prompt)
         and forwarded as it came, the answer relayed as the replica writes it."""
-        body = await _read_body(receive)
+        body = await _read_body(scope, receive, self.max_body_bytes)
         if body is None:  # the client left before its request was in
             return
+        if isinstance(body, Response):
+            return await body(scope, receive, send)
         payload = request_payload(body)
         if isinstance(payload, Response):
             return await payload(scope, receive, send)
@@ -143,25 +154,38 @@ class Router:
             # see this one's load and prefix, or a burst all goes where the first one went.
             replica.index.insert(keys)
             replica.in_flight += 1
-            origin, base_path = _target(replica.url)
             try:
-                upstream = await self.upstream.request(b"POST", origin, base_path + path.encode(), body, headers)
-            except ConnectFailed as error:  # not started there: try another one
+                upstream = await self._send(replica, path, body, headers)
+            except BaseException:
                 replica.in_flight -= 1
-                logger.warning("replica %s refused a request (%s); marking it down", replica.url, error)
-                self._set_health(replica, False)
+                raise
+            if upstream is None:  # refused: not started there, try another one
+                replica.in_flight -= 1
                 tried.add(replica)
                 self.metrics.retries.inc()
                 continue
-            except UpstreamLost as error:  # sent, perhaps started, and the replica went away
+            if isinstance(upstream, Response):
                 replica.in_flight -= 1
-                self._set_health(replica, False)
-                return error_response(502, f"the replica serving this request failed: {error}")
-            except BaseException:  # cancelled
-                replica.in_flight -= 1
-                raise
+                return upstream
             self._count(decision)
             return replica, upstream
+
+    async def _send(self, replica: Replica, path: str, body: bytes,
+                    headers: list[tuple[bytes, bytes]]) -> UpstreamResponse | Response | None:
+        """The head of ``replica``'s answer; None if it refused the connection (it is marked down); the error
+        to answer with if it was lost (marked down) or silent (left to the health checks: it may only be slow)
+        after the request went out."""
+        origin, base_path = _target(replica.url)
+        try:
+            return await self.upstream.request(b"POST", origin, base_path + path.encode(), body, headers)
+        except ConnectFailed as error:
+            logger.warning("replica %s refused a request (%s); marking it down", replica.url, error)
+            self._set_health(replica, False)
+            return None
+        except UpstreamLost as error:  # sent, perhaps started, and the replica went away or went silent
+            if not isinstance(error, UpstreamTimeout):
+                self._set_health(replica, False)
+            return _failure_response(error)
 
     def _count(self, decision: Decision) -> None:
         replica = decision.replica
@@ -182,9 +206,8 @@ class Router:
         if not content_type.startswith("text/event-stream"):
             try:
                 content = await upstream.read()
-            except UpstreamLost as error:  # the replica died with the request in flight
-                return await error_response(502, f"the replica serving this request failed: {error}")(
-                    scope, receive, send)
+            except UpstreamLost as error:  # the replica died (or went silent) with the request in flight
+                return await _failure_response(error)(scope, receive, send)
             start["headers"].append((b"content-length", b"%d" % len(content)))
             await send(start)
             return await send({"type": "http.response.body", "body": content})
@@ -194,8 +217,9 @@ class Router:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamLost as error:
             logger.warning("replica %s broke off a stream: %s", replica.url, error)
-            self._set_health(replica, False)
-            failure = sse_failure(502, f"the replica serving this request failed: {error}")
+            if not isinstance(error, UpstreamTimeout):  # a silent one is left to the health checks
+                self._set_health(replica, False)
+            failure = sse_failure(*_failure(error))
             await send({"type": "http.response.body", "body": failure.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -241,16 +265,38 @@ def _target(url: str) -> tuple[Origin, bytes]:
     return Origin.parse(url), urlsplit(url).path.rstrip("/").encode()
 
 
-async def _read_body(receive: Receive) -> bytes | None:
-    """The request body, or None if the client disconnected before all of it came."""
-    parts = []
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | Response | None:
+    """The request body; the replicas' 413 for one over ``limit`` bytes, as soon as its declared length or what
+    has come of it is over (the rest is not read); None if the client disconnected before all of it came."""
+    declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return _too_large(limit)
+    parts, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
         parts.append(message.get("body", b""))
+        size += len(parts[-1])
+        if size > limit:
+            return _too_large(limit)
         if not message.get("more_body", False):
             return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _too_large(limit: int) -> Response:
+    return error_response(413, f"the request body is over the limit of {limit} bytes")  # the replicas' words
+
+
+def _failure(error: UpstreamLost) -> tuple[int, str]:
+    """The status and message for a replica lost (502) or silent (504) with a request in flight."""
+    if isinstance(error, UpstreamTimeout):
+        return 504, f"the replica serving this request stopped answering: {error}"
+    return 502, f"the replica serving this request failed: {error}"
+
+
+def _failure_response(error: UpstreamLost) -> Response:
+    return error_response(*_failure(error))
 
 
 def _queue_length(metrics_text: str) -> int:

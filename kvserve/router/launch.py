@@ -26,7 +26,9 @@ from kvserve.router.child_process import die_with_parent
 from kvserve.router.policy import POLICIES, make_policy
 from kvserve.extras import require_ray
 from kvserve.router.ray_replicas import RayReplicas
+from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
 from kvserve.server.sockets import MAX_PORT, http_url, listening_socket
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
 
 logger = logging.getLogger(__name__)
@@ -47,7 +49,10 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a kvserve replica's base URL (repeat for each replica)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies are answered 413 (as by the replicas' own flag)")
     add_policy_argument(parser)
+    add_upstream_timeout_argument(parser)
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
@@ -56,10 +61,34 @@ def add_policy_argument(parser: argparse.ArgumentParser) -> None:
                              "balance; round_robin; least_load")
 
 
+def add_upstream_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--upstream-timeout", type=_positive_seconds, default=DEFAULT_RESPONSE_TIMEOUT_S,
+                        metavar="SECONDS",
+                        help="give up on a replica that sends nothing for this long: no response head (a "
+                             "non-streamed one comes when its generation is done) or no next part of a stream; "
+                             "the client gets a 504, or a stream ends with an error event")
+
+
+def _positive_seconds(text: str) -> float:
+    """A flag's number of seconds, checked at parsing (before ``serve --data-parallel-size`` starts replicas)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return seconds
+
+
+def build_router(urls: list[str], args: argparse.Namespace) -> Router:
+    """The router the flags describe, in front of ``urls``."""
+    return Router(urls, make_policy(args.routing_policy), Upstream(response_timeout=args.upstream_timeout),
+                  max_body_bytes=args.max_body_bytes)
+
+
 def run_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    _run(Router(args.worker, make_policy(args.routing_policy)), listening_socket(args.host, args.port),
-         args.routing_policy)
+    _run(build_router(args.worker, args), listening_socket(args.host, args.port), args.routing_policy)
     return 0
 
 
@@ -100,6 +129,7 @@ def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", default=None,
                         help="the Ray cluster to join (default: a local one, or $RAY_ADDRESS)")
     parser.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
+    add_upstream_timeout_argument(parser)  # the router's; --max-body-bytes is the replicas' flag, used by both
 
 
 def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
@@ -112,14 +142,15 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
                          f"{args.port + size} is over {MAX_PORT}")
     sock = listening_socket(args.host, args.port)  # before any replica starts: a port in use stops nothing yet
     replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
-                                         "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host"))
+                                         "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host",
+                                         "--upstream-timeout"))
     if args.data_parallel_backend == "ray":
         require_ray("--data-parallel-backend ray")
         replicas: LocalReplicas | RayReplicas = RayReplicas(replica_argv, size, args.port + 1, args.ray_address,
                                                             args.replica_cpus)
     else:
         replicas = LocalReplicas(replica_argv, [args.port + 1 + i for i in range(size)])
-    router = Router(replicas.urls, make_policy(args.routing_policy))
+    router = build_router(replicas.urls, args)
     if isinstance(replicas, RayReplicas):
         replicas.supervise(router)
     exit_codes = replicas.exit_codes if isinstance(replicas, LocalReplicas) else lambda: None

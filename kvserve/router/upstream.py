@@ -10,16 +10,29 @@ request, and h11 parsed each chunk in Python.
     request(url, path, body)
       -> an idle connection (the most recent; stale ones closed) or a new one   ConnectFailed: nothing was sent
       -> write the request, read the head                                       UpstreamLost: sent, then broken
-      -> UpstreamResponse: status, headers; receive() the body until b""        UpstreamLost if it breaks off
+                                                                                UpstreamTimeout: no head in time
+      -> UpstreamResponse: status, headers; receive() the body until b""        UpstreamLost if it breaks off,
+                                                                                UpstreamTimeout if it stalls
       -> read to its end: back on the idle stack; close() before that: the connection is closed (an abort)
 
 An idle connection is reused only within ``max_idle_seconds`` (below the 5 s after which uvicorn, which the
-replicas run, closes an idle one), so the replica never closes a connection the router is about to write to.
+replicas run, closes an idle one). A replica can still close one the router has just written to (it died, or
+it was stopped long enough for its keep-alive timer to run out): a reused connection that ends before a byte
+of the answer came is taken for that, and the request goes again on a new connection, as HTTP clients do with
+stale keep-alive connections (if that connect fails, ``ConnectFailed``: the router tries another replica). A new
+connection that ends so is ``ConnectFailed`` too if the replica then refuses connections (killed with the request
+in its socket, it runs nothing), else ``UpstreamLost`` (it lives, and may have run the request).
+
+A replica that goes silent (stopped, deadlocked, swapping) is given up on after ``response_timeout`` seconds:
+the longest wait for the head of its answer (a non-streamed answer's head comes when its generation is done,
+so the bound must cover the longest generation: 600 s by default, generous as the request timeouts of other
+routers are) and for each next piece of its body (a stream's next event, after a preempted request's wait too).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ssl
 import time
@@ -29,6 +42,7 @@ from urllib.parse import urlsplit
 
 READ_SIZE = 1 << 16
 MAX_HEAD_BYTES = 1 << 16
+DEFAULT_RESPONSE_TIMEOUT_S = 600.0
 
 
 class ConnectFailed(Exception):
@@ -37,6 +51,15 @@ class ConnectFailed(Exception):
 
 class UpstreamLost(Exception):
     """The connection broke (or the replica answered what is not HTTP/1.1) after the request was sent."""
+
+
+class UpstreamTimeout(UpstreamLost):
+    """The replica sent nothing for ``response_timeout`` seconds (no head, or no next body bytes); the connection
+    was closed, which the replica takes as an abort."""
+
+
+class _NothingReceived(Exception):
+    """The connection ended (EOF or reset) before a byte of the answer came."""
 
 
 @dataclass(frozen=True)
@@ -79,32 +102,61 @@ class Upstream:
     """Connections to the replicas, and requests over them. One per router, used from its event loop only."""
 
     def __init__(self, connect_timeout: float = 5.0, max_idle_seconds: float = 2.0,
-                 max_idle_per_origin: int = 256) -> None:
+                 max_idle_per_origin: int = 256, response_timeout: float = DEFAULT_RESPONSE_TIMEOUT_S) -> None:
+        if response_timeout <= 0:
+            raise ValueError(f"the upstream timeout must be > 0 seconds, got {response_timeout}")
         self.connect_timeout = connect_timeout
         self.max_idle_seconds = max_idle_seconds
         self.max_idle_per_origin = max_idle_per_origin
+        self.response_timeout = response_timeout
         self._idle: dict[Origin, deque[_Connection]] = {}
         self._ssl: ssl.SSLContext | None = None
 
     async def request(self, method: bytes, origin: Origin, path: bytes, body: bytes = b"",
                       headers: list[tuple[bytes, bytes]] | tuple = ()) -> UpstreamResponse:
-        """Send one request and read the head of its answer; the body is read from the response."""
-        connection = self._take(origin) or await self._connect(origin)
-        lines = [method, b" ", path, b" HTTP/1.1\r\nhost: ", origin.host_header, b"\r\ncontent-length: ",
-                 b"%d" % len(body), b"\r\n"]
-        for name, value in headers:
-            lines += (name, b": ", value, b"\r\n")
-        lines += (b"\r\n", body)
+        """Send one request and read the head of its answer; the body is read from the response.
+
+        A connection that ends before any byte of the answer: a reused one (the replica closed it unread) is
+        replaced by a new one and the request sent again; on a new one, ``ConnectFailed`` if the replica now
+        refuses connections (it died, so it runs nothing: the request may go elsewhere), else ``UpstreamLost``
+        (it lives and may have run the request)."""
+        message = _request_message(method, origin, path, body, headers)
+        is_head = method == b"HEAD"
+        reused = self._take(origin)
+        if reused is not None:
+            with contextlib.suppress(_NothingReceived):
+                return await self._exchange(origin, reused, message, is_head)
         try:
-            connection.writer.write(b"".join(lines))
-            status, response_headers = await _read_head(connection.reader)
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as error:
-            connection.close()
-            raise UpstreamLost(f"{origin.host}:{origin.port} broke off before answering: {error!r}") from error
-        except BaseException:  # cancelled: the connection is mid-request, of no use to the next one
-            connection.close()
-            raise
-        return UpstreamResponse(self, origin, connection, status, response_headers, method == b"HEAD")
+            return await self._exchange(origin, await self._connect(origin), message, is_head)
+        except _NothingReceived as error:
+            # A replica killed mid-accept resets the connections its kernel took for it: refused once it is gone
+            (await self._connect(origin)).close()
+            raise UpstreamLost(f"{origin.host}:{origin.port} broke off before answering: {error}") from error
+
+    async def _exchange(self, origin: Origin, connection: _Connection, message: bytes,
+                        is_head: bool) -> UpstreamResponse:
+        """Write the request and read the head of the answer; ``_NothingReceived`` if the connection ended
+        before a byte of it came."""
+        received = bytearray()
+        try:
+            async with asyncio.timeout(self.response_timeout):
+                try:
+                    connection.writer.write(message)
+                    status, response_headers, head_end = await _read_head(connection.reader, received)
+                except (OSError, EOFError, ValueError) as error:  # OSError: a socket's own TimeoutError too
+                    connection.close()
+                    if not received:
+                        raise _NothingReceived(repr(error)) from error
+                    raise UpstreamLost(f"{origin.host}:{origin.port} broke off before answering: {error!r}") \
+                        from error
+                except BaseException:  # cancelled (or timed out): the connection is mid-request, of no use
+                    connection.close()
+                    raise
+        except TimeoutError:  # only the deadline's: the socket's own is an OSError caught above
+            raise UpstreamTimeout(f"{origin.host}:{origin.port} sent no answer within "
+                                  f"{self.response_timeout:g} s") from None
+        del received[:head_end]  # what remains is the start of the body
+        return UpstreamResponse(self, origin, connection, status, response_headers, is_head, received)
 
     async def get(self, url: str, timeout: float) -> tuple[int, str, bytes]:
         """A whole GET answer (status, content type, body), within ``timeout`` seconds (``UpstreamLost`` after)."""
@@ -172,22 +224,44 @@ class Upstream:
         return _Connection(reader, writer)
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-    """The status and headers (lower-case names) of the next final response; 1xx interim ones are skipped."""
+def _request_message(method: bytes, origin: Origin, path: bytes, body: bytes,
+                     headers: list[tuple[bytes, bytes]] | tuple) -> bytes:
+    lines = [method, b" ", path, b" HTTP/1.1\r\nhost: ", origin.host_header, b"\r\ncontent-length: ",
+             b"%d" % len(body), b"\r\n"]
+    for name, value in headers:
+        lines += (name, b": ", value, b"\r\n")
+    lines += (b"\r\n", body)
+    return b"".join(lines)
+
+
+async def _read_head(reader: asyncio.StreamReader, buffer: bytearray) -> tuple[int, dict[str, str], int]:
+    """The status and headers (lower-case names) of the next final response, and where its head ends in
+    ``buffer``; 1xx interim ones are skipped. What is read is appended to ``buffer`` and nothing is removed from
+    it, so that after a failure an empty ``buffer`` says that not a byte of the answer came. EOFError if the
+    connection ends first."""
+    start = 0  # where the head being read begins (after any interim ones)
     while True:
-        head = await reader.readuntil(b"\r\n\r\n")
-        status_line, *lines = head[:-4].decode("latin-1").split("\r\n")
+        end = buffer.find(b"\r\n\r\n", start)
+        if end < 0:
+            if len(buffer) - start > MAX_HEAD_BYTES:
+                raise ValueError(f"a response head over {MAX_HEAD_BYTES} bytes")
+            data = await reader.read(READ_SIZE)
+            if not data:
+                raise EOFError("the connection closed")
+            buffer += data
+            continue
+        status_line, *lines = buffer[start:end].decode("latin-1").split("\r\n")
         version, status_text = status_line.split(" ", 2)[:2]
         if not version.startswith("HTTP/1."):
             raise ValueError(f"not an HTTP/1.x status line: {status_line!r}")
-        status = int(status_text)
+        status, start = int(status_text), end + 4
         if not 100 <= status < 200:
             break
     headers = {}
     for line in lines:
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
-    return status, headers
+    return status, headers, start
 
 
 class UpstreamResponse:
@@ -198,13 +272,13 @@ class UpstreamResponse:
     """
 
     def __init__(self, upstream: Upstream, origin: Origin, connection: _Connection, status: int,
-                 headers: dict[str, str], is_head: bool) -> None:
+                 headers: dict[str, str], is_head: bool, buffer: bytearray) -> None:
         self.status = status
         self.headers = headers
         self._upstream = upstream
         self._origin = origin
         self._connection: _Connection | None = connection
-        self._buffer = bytearray()
+        self._buffer = buffer  # body bytes read and not yet handed on
         self._closed = False
         self._reusable = headers.get("connection", "").lower() != "close"
         if is_head or status in (204, 304):
@@ -219,7 +293,8 @@ class UpstreamResponse:
             self._finish()
 
     async def receive(self) -> bytes:
-        """The body bytes that have arrived since the last call (waiting for some), or b"" at its end."""
+        """The body bytes that have arrived since the last call (waiting for some), or b"" at its end;
+        ``UpstreamTimeout`` once the replica has sent nothing for ``response_timeout`` seconds."""
         while self._connection is not None:
             if self._remaining is not None:
                 chunk = self._take_length()
@@ -231,12 +306,7 @@ class UpstreamResponse:
                     raise UpstreamLost(f"{self._origin.host}:{self._origin.port} sent a bad chunk") from error
             if chunk or self._connection is None:
                 return chunk
-            try:
-                data = await self._connection.reader.read(READ_SIZE)
-            except OSError as error:
-                data, lost = b"", error
-            else:
-                lost = None
+            data, lost = await self._read_some(self._connection)
             if not data:
                 if self._remaining == -1 and lost is None:
                     self._finish()
@@ -247,6 +317,20 @@ class UpstreamResponse:
                 raise UpstreamLost(f"{self._origin.host}:{self._origin.port} broke off the answer ({lost!r})")
             self._buffer += data
         return b""
+
+    async def _read_some(self, connection: _Connection) -> tuple[bytes, OSError | None]:
+        """The next bytes from the replica: b"" at the end of the connection, with the error that ended it if
+        one did; ``UpstreamTimeout`` (the connection closed) after ``response_timeout`` seconds of silence."""
+        try:
+            async with asyncio.timeout(self._upstream.response_timeout):
+                try:
+                    return await connection.reader.read(READ_SIZE), None
+                except OSError as error:  # a socket's own TimeoutError too: a broken connection, not silence
+                    return b"", error
+        except TimeoutError:
+            self.close()
+            raise UpstreamTimeout(f"{self._origin.host}:{self._origin.port} sent nothing for "
+                                  f"{self._upstream.response_timeout:g} s") from None
 
     async def read(self) -> bytes:
         """The rest of the body."""

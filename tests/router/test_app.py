@@ -1,6 +1,7 @@
 """The router's app against fake replicas (small HTTP servers on loopback): forwarding as sent, streams relayed
-unbuffered, a client's disconnect closing the replica's stream, retries where a replica refused, 502 for a
-replica lost mid-answer, 503 when none is up, connections reused, health and metrics."""
+unbuffered, a client's disconnect closing the replica's stream, retries where a replica refused (or closed a
+kept-alive connection unread), 502 for a replica lost mid-answer, 504 for one gone silent, 413 for a body over
+the limit, 503 when none is up, connections reused, health and metrics."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from kvserve.router.app import Router, build_router_app, prompt_text
 from kvserve.router.policy import make_policy
 from kvserve.router.prefix_index import CHUNK_CHARS
+from kvserve.router.upstream import Upstream
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
+from tests.router.test_upstream import CHUNKED_HEAD, ByteServer
 from tests.server.conftest import free_port
 
 LONG = "x" * CHUNK_CHARS * 3
@@ -413,3 +417,122 @@ def test_a_replica_lost_mid_stream_ends_the_stream_with_an_error_event() -> None
     assert end == {"type": "http.response.body", "body": b"", "more_body": False} and not healthy
     error_event, done = failure["body"].decode().split("\n\n", 1)
     assert json.loads(error_event.removeprefix("data: "))["error"]["code"] == 502 and done == "data: [DONE]\n\n"
+
+
+def json_answer(content: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(content), content)
+
+
+def test_a_request_on_a_kept_alive_connection_to_a_replica_just_dead_goes_to_another() -> None:
+    """Right after a replica dies, a request written onto its kept-alive connection (its close not yet seen)
+    was never started there: it is served by a live replica, not answered 502."""
+    dying = ByteServer(json_answer(b'{"r": 0}'), num_answers=1)  # closes a connection's second request unread
+    live = ByteServer(json_answer(b'{"r": 1}'))
+
+    async def scenario() -> tuple[list[tuple[int, dict]], bool]:
+        async with dying as dying_origin, live as live_origin:
+            urls = [f"http://127.0.0.1:{origin.port}" for origin in (dying_origin, live_origin)]
+            router = Router(urls, make_policy("round_robin"))
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            answers = []
+            for i in range(3):
+                if i == 2:
+                    dying.server.close()  # it dies: listens no more; its kept-alive connection still looks open
+                reply = await client.post("/v1/completions", json={"prompt": "p"})
+                answers.append((reply.status_code, reply.json()))
+            return answers, router.replicas[0].healthy
+
+    answers, dying_healthy = run(scenario())
+    assert answers == [(200, {"r": 0}), (200, {"r": 1}), (200, {"r": 1})] and not dying_healthy
+
+
+def silent_router(origin_port: int) -> Router:
+    return Router([f"http://127.0.0.1:{origin_port}"], make_policy("cache_aware"), Upstream(response_timeout=0.2))
+
+
+def test_a_replica_that_sends_no_answer_is_a_504_after_the_timeout() -> None:
+    """A stopped or deadlocked replica holds no request forever: a 504 in OpenAI's shape; the replica is left
+    to the health checks (a slow one is not marked down)."""
+    server = ByteServer([])
+
+    async def scenario() -> tuple[httpx.Response, Router]:
+        async with server as origin:
+            router = silent_router(origin.port)
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            return await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "p"}), 10), router
+
+    reply, router = run(scenario())
+    error = reply.json()["error"]
+    assert reply.status_code == 504 and error["code"] == 504 and "stopped answering" in error["message"]
+    assert router.replicas[0].healthy and router.replicas[0].in_flight == 0
+
+
+def test_a_stream_from_a_replica_gone_silent_ends_with_an_error_event() -> None:
+    server = ByteServer(CHUNKED_HEAD + b"9\r\ndata: 0\n\n\r\n")  # one event, then nothing
+
+    async def scenario() -> list[dict]:
+        async with server as origin:
+            relay, sent = await stream_until_first_event(silent_router(origin.port))
+            await asyncio.wait_for(relay, 10)
+            return sent
+
+    *_, failure, end = run(scenario())
+    assert end == {"type": "http.response.body", "body": b"", "more_body": False}
+    error_event, done = failure["body"].decode().split("\n\n", 1)
+    assert json.loads(error_event.removeprefix("data: "))["error"]["code"] == 504 and done == "data: [DONE]\n\n"
+
+
+def body_request(pieces: list[bytes], content_length: int | None) -> tuple[dict, Callable, list[int]]:
+    """An ASGI scope and receive for a POST whose body comes in ``pieces`` (more of them after the last, for
+    ever: a chunked body that never ends); and the count of receive() calls."""
+    headers = [(b"content-type", b"application/json")]
+    if content_length is not None:
+        headers.append((b"content-length", b"%d" % content_length))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+    num_received = [0]
+
+    async def receive() -> dict:
+        num_received[0] += 1
+        return {"type": "http.request", "body": pieces[min(num_received[0], len(pieces)) - 1], "more_body": True}
+
+    return scope, receive, num_received
+
+
+async def proxy_status(router: Router, scope: dict, receive: Callable) -> tuple[int, dict]:
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(router.proxy(scope, receive, send), 10)
+    return sent[0]["status"], json.loads(sent[1]["body"])
+
+
+@pytest.mark.parametrize("content_length, num_reads", [(101, 0), (None, 2)])
+def test_a_body_over_the_limit_is_a_413_before_more_of_it_is_read(content_length: int | None,
+                                                                   num_reads: int) -> None:
+    """A declared length over the limit is refused at once, a chunked body once what came passes it; the
+    replica (here none listens) is never asked."""
+    router = Router([f"http://127.0.0.1:{free_port()}"], make_policy("cache_aware"), max_body_bytes=100)
+    scope, receive, num_received = body_request([b"x" * 64], content_length)
+    status, body = run(proxy_status(router, scope, receive))
+    assert (status, num_received[0]) == (413, num_reads)
+    assert body["error"] == {"message": "the request body is over the limit of 100 bytes",
+                             "type": "invalid_request_error", "param": None, "code": 413}
+
+
+def test_a_body_at_the_limit_is_forwarded() -> None:
+    fakes = FakeReplicas(1)
+    body = json.dumps({"prompt": "p"}).encode()
+
+    async def scenario() -> httpx.Response:
+        async with fakes:
+            router = Router(fakes.urls, make_policy("cache_aware"), max_body_bytes=len(body))
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            return await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+
+    assert run(scenario()).status_code == 200
+    assert Router(fakes.urls, make_policy("cache_aware")).max_body_bytes == DEFAULT_MAX_BODY_BYTES
+    with pytest.raises(ValueError, match="--max-body-bytes must be >= 1"):
+        Router(fakes.urls, make_policy("cache_aware"), max_body_bytes=0)

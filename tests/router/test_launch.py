@@ -4,6 +4,7 @@ for the error shape only)."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 import subprocess
 import sys
@@ -13,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import main
+from kvserve.router.launch import add_data_parallel_arguments, add_router_arguments, build_router
+from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S
 from kvserve.server.sockets import http_url
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_MODULES = ("torch", "transformers", "kvserve.engine", "kvserve.config", "kvserve.model", "kvserve.worker")
@@ -27,7 +31,10 @@ def run(server, sockets=None):  # the app is built and about to be served: what 
 
 uvicorn.Server.run = run
 from kvserve.cli import main
+from kvserve.router.launch import add_data_parallel_arguments, add_router_arguments, build_router
+from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S
 from kvserve.server.sockets import http_url
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 sys.exit(main(["router", "--worker", "http://127.0.0.1:9", "--worker", "http://127.0.0.1:10", "--port", "0",
                "--routing-policy", "round_robin"]))
 """
@@ -46,7 +53,8 @@ def test_router_help_imports_neither_and_lists_every_flag() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert not imported & {"torch", "transformers"}
-    for flag in ("--worker", "--host", "--port", "--routing-policy", "cache_aware,round_robin,least_load"):
+    for flag in ("--worker", "--host", "--port", "--routing-policy", "cache_aware,round_robin,least_load",
+                 "--max-body-bytes", "--upstream-timeout"):
         assert flag in done.stdout
 
 
@@ -114,7 +122,7 @@ STARTS_REPLICAS_THAT_EXIT = """
 import argparse, sys
 from kvserve.router.launch import serve_data_parallel
 args = argparse.Namespace(data_parallel_size=2, data_parallel_backend="mp", port=int(sys.argv[1]), host="127.0.0.1",
-                          routing_policy="round_robin")
+                          routing_policy="round_robin", max_body_bytes=4096, upstream_timeout=600.0)
 sys.exit(serve_data_parallel(args, ["router"]))  # each replica: `kvserve router` without --worker, which exits 2
 """
 
@@ -129,3 +137,29 @@ def test_data_parallel_stops_once_every_replica_has_exited() -> None:
                           text=True, timeout=120)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "kvserve: error: every replica exited (exit codes 2, 2)" in done.stderr
+
+
+def router_args(define: object, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    define(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_the_body_limit_and_the_upstream_timeout_reach_the_router() -> None:
+    given = router_args(add_router_arguments, "--worker", "http://a:1", "--max-body-bytes", "123",
+                        "--upstream-timeout", "7.5")
+    router = build_router(given.worker, given)
+    assert (router.max_body_bytes, router.upstream.response_timeout) == (123, 7.5)
+    default = router_args(add_router_arguments, "--worker", "http://a:1")
+    router = build_router(default.worker, default)
+    assert (router.max_body_bytes, router.upstream.response_timeout) == (DEFAULT_MAX_BODY_BYTES,
+                                                                          DEFAULT_RESPONSE_TIMEOUT_S)
+    assert router_args(add_data_parallel_arguments, "--upstream-timeout", "30").upstream_timeout == 30.0
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1", "nan", "soon"])
+def test_an_upstream_timeout_that_is_no_positive_number_is_a_cli_error(seconds: str,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["router", "--worker", "http://127.0.0.1:9", "--upstream-timeout", seconds])
+    assert f"--upstream-timeout: must be a number of seconds > 0, got {seconds}" in capsys.readouterr().err

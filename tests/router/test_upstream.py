@@ -26,14 +26,15 @@ class ByteServer:
     given as a list; none: it never answers) a millisecond apart, then closes the connection if ``close``;
     records each request's bytes and counts connections. With ``num_answers``, a connection's request after
     that many is read and answered with ``last`` only, then the connection closed (with a reset if ``reset``):
-    a replica that closed a kept-alive connection the router had just written to."""
+    a replica that closed a kept-alive connection the router had just written to; with ``die`` it also stops
+    listening first (a replica killed with the request in its socket)."""
 
     def __init__(self, answer: bytes | list[bytes], piece: int = 1 << 20, close: bool = False,
-                 num_answers: int | None = None, last: bytes = b"", reset: bool = False) -> None:
+                 num_answers: int | None = None, last: bytes = b"", reset: bool = False, die: bool = False) -> None:
         if isinstance(answer, bytes):
             answer = [answer[start : start + piece] for start in range(0, len(answer), piece)]
         self.pieces, self.close = answer, close
-        self.num_answers, self.last, self.reset = num_answers, last, reset
+        self.num_answers, self.last, self.reset, self.die = num_answers, last, reset, die
         self.requests: list[bytes] = []
         self.num_connections = 0
         self.handlers: set[asyncio.Task] = set()
@@ -59,6 +60,8 @@ class ByteServer:
                 length = int(re.search(rb"content-length: (\d+)", head).group(1))
                 self.requests.append(head + await reader.readexactly(length))
                 if num_answered == self.num_answers:
+                    if self.die:
+                        self.server.close()
                     writer.write(self.last)
                     await writer.drain()
                     if self.reset:  # SO_LINGER 0: the close sends a reset
@@ -247,6 +250,22 @@ def test_a_stale_connection_to_a_replica_gone_is_connect_failed() -> None:
     run(scenario())
 
 
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_new_connection_closed_unanswered_by_a_replica_that_died_is_connect_failed(reset: bool) -> None:
+    """Right after a replica is killed, a new connection can still be taken (by its kernel), then reset: the
+    replica is gone and runs nothing, so the request may go elsewhere. One that still listens may have run it."""
+    async def scenario() -> None:
+        upstream = Upstream(connect_timeout=2.0)
+        async with ByteServer(JSON_ANSWER, num_answers=0, reset=reset, die=True) as origin:
+            with pytest.raises(ConnectFailed):
+                await upstream.request(b"POST", origin, b"/", b"{}")
+        async with ByteServer(JSON_ANSWER, num_answers=0, reset=reset) as origin:
+            with pytest.raises(UpstreamLost):
+                await upstream.request(b"POST", origin, b"/", b"{}")
+
+    run(scenario())
+
+
 def test_a_reused_connection_cut_after_part_of_the_answer_is_lost_not_sent_again() -> None:
     """Once a byte of the answer came, the replica had the request: sending it again could run it twice."""
     server = ByteServer(JSON_ANSWER, num_answers=1, last=b"HTTP/1.1 200 OK\r\ncontent-")
@@ -270,7 +289,7 @@ def test_a_replica_that_sends_no_answer_is_given_up_on_after_the_timeout() -> No
         async with server as origin:
             start = time.monotonic()
             with pytest.raises(UpstreamTimeout, match="sent no answer within 0.2 s"):
-                await upstream.request(b"POST", origin, b"/", b"{}")
+                await asyncio.wait_for(upstream.request(b"POST", origin, b"/", b"{}"), 5)
             return time.monotonic() - start
 
     assert 0.2 <= run(scenario()) < 5
@@ -285,7 +304,7 @@ def test_a_stream_that_goes_silent_is_given_up_on_after_the_timeout() -> None:
             response = await upstream.request(b"POST", origin, b"/", b"")
             first = await response.receive()
             with pytest.raises(UpstreamTimeout, match="sent nothing for 0.2 s"):
-                await response.receive()
+                await asyncio.wait_for(response.receive(), 5)
             return first, len(upstream._idle.get(origin, ()))
 
     assert run(scenario()) == (b"abc", 0)  # the connection closed, not pooled
