@@ -21,6 +21,7 @@ import contextlib
 import functools
 import json
 import logging
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from urllib.parse import urlsplit
 
@@ -139,8 +140,8 @@ class Router:
 
     async def forward(self, path: str, body: bytes, payload: dict[str, Any],
                       headers: list[tuple[bytes, bytes]]) -> tuple[Replica, UpstreamResponse] | Response:
-        """Choose a replica and send the request there, retrying another replica while one refuses it; the
-        replica (its ``in_flight`` counted) and the head of its answer, or the error to answer with."""
+        """Choose a replica and send the request there, retrying another replica while one refuses it or answers
+        503; the replica (its ``in_flight`` counted) and the head of its answer, or the error to answer with."""
         keys = prefix_keys(prompt_text(payload))
         tried: set[Replica] = set()
         while True:
@@ -167,6 +168,14 @@ class Router:
             if isinstance(upstream, Response):
                 replica.in_flight -= 1
                 return upstream
+            if upstream.status == HTTPStatus.SERVICE_UNAVAILABLE and len(candidates) > 1:
+                # loading, draining, overloaded or failed there: nothing started, so another replica may serve it
+                # (the health checks decide whether this one is down)
+                upstream.close()
+                replica.in_flight -= 1
+                tried.add(replica)
+                self.metrics.retries.inc()
+                continue
             self._count(decision)
             return replica, upstream
 

@@ -45,6 +45,7 @@ class FakeReplicas:
         self.seen: list[tuple[str, dict]] = []
         self.hold: Callable[[str], Awaitable[None]] | None = None
         self.stream_forever = False
+        self.unavailable: set[str] = set()  # replicas that answer completions 503 (loading, draining, failed)
         self.streaming: set[int] = set()
         self.servers: dict[int, tuple[uvicorn.Server, asyncio.Task]] = {}
 
@@ -86,6 +87,8 @@ class FakeReplicas:
         async def completions(request: Request) -> Response:
             payload = json.loads(await request.body())
             self.seen.append((url, payload))
+            if url in self.unavailable:
+                return JSONResponse({"error": {"message": "the engine failed", "code": 503}}, status_code=503)
             if self.hold is not None:
                 await self.hold(url)
             if self.stream_forever:
@@ -264,6 +267,24 @@ def test_a_refusing_replica_is_marked_down_and_the_request_served_elsewhere() ->
     answer, router = run(scenario())
     assert answer["replica"] == fakes.urls[1] and not router.replicas[0].healthy
     assert router.metrics.retries._value.get() == 1
+
+
+def test_a_503_from_a_replica_sends_the_request_to_another_and_the_last_one_is_passed_on() -> None:
+    """A replica that answers 503 (loading, draining, its engine failed) started nothing: another serves it."""
+    fakes = FakeReplicas(2)
+    fakes.unavailable.add(fakes.urls[0])
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        async with fakes:
+            router, client = router_client(fakes)
+            router.replicas[1].in_flight = 5  # r0 is the least loaded: the first choice
+            served = await client.post("/v1/completions", json={"prompt": "p"})
+            fakes.unavailable.add(fakes.urls[1])
+            return served, await client.post("/v1/completions", json={"prompt": "p"})
+
+    served, passed_on = run(scenario())
+    assert served.json()["replica"] == fakes.urls[1]
+    assert passed_on.status_code == 503 and passed_on.json()["error"]["message"] == "the engine failed"
 
 
 def test_no_replica_up_is_a_503_with_retry_after_and_the_router_stays_up() -> None:
