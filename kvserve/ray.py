@@ -50,6 +50,7 @@ from kvserve.router.prefix_index import prefix_keys
 from kvserve.server.errors import error_response
 
 STOP_GRACE_SECONDS = 5.0  # a cancelled stream's app task gets this long to see the disconnect and abort
+HEALTH_CHECK_PERIOD_S = 2.0  # how often Ray Serve asks each engine replica whether its engine runs
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,9 @@ def app(args: dict[str, str]) -> serve.Application:
             request_router_kwargs={"routing_policy": routing_policy},
         ),
         max_ongoing_requests=1024,  # the engine batches and queues; Ray Serve should not queue in front of it
+        # a replica whose engine failed (check_health) is replaced within seconds, not Ray Serve's default 10 s
+        # period: requests sent to it meanwhile are answered 503
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
     ingress = serve.deployment(Ingress, name="kvserve-ingress").options(
         ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096,
