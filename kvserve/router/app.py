@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
 GET_TIMEOUT_S = 30.0
-PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
+PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 _FORWARDED = frozenset(name.encode() for name in FORWARDED_HEADERS)  # ASGI header names: lower-case bytes
 QUEUE_METRICS = ("kvserve:num_requests_running", "kvserve:num_requests_waiting")

@@ -84,6 +84,7 @@ class FakeReplicas:
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
+        @app.post("/tokenize")
         async def completions(request: Request) -> Response:
             payload = json.loads(await request.body())
             self.seen.append((url, payload))
@@ -285,6 +286,19 @@ def test_a_503_from_a_replica_sends_the_request_to_another_and_the_last_one_is_p
     served, passed_on = run(scenario())
     assert served.json()["replica"] == fakes.urls[1]
     assert passed_on.status_code == 503 and passed_on.json()["error"]["message"] == "the engine failed"
+
+
+def test_tokenize_goes_through_to_a_replica() -> None:
+    fakes = FakeReplicas(1)
+
+    async def scenario() -> httpx.Response:
+        async with fakes:
+            _, client = router_client(fakes)
+            return await client.post("/tokenize", json={"prompt": "p"})
+
+    reply = run(scenario())
+    assert reply.status_code == 200 and reply.json()["replica"] == fakes.urls[0]
+    assert fakes.seen == [(fakes.urls[0], {"prompt": "p"})]
 
 
 def test_no_replica_up_is_a_503_with_retry_after_and_the_router_stays_up() -> None:
