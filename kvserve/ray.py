@@ -221,13 +221,17 @@ class PrefixAffinityRouter(RequestRouter):
 def _prefix_keys(pending_request: PendingRequest | None) -> list[bytes]:
     if pending_request is None:
         return []
-    prompts = [arg.prompt for arg in pending_request.args if isinstance(arg, ProxiedRequest)]
+    # Known by its field, not its class: Ray ships the deployment's code by value, so the request unpickled here
+    # may be of a copy of ``ProxiedRequest``, which isinstance does not recognise (every prefix then went unkeyed,
+    # and requests went by load alone)
+    prompts = [arg.prompt for arg in pending_request.args if isinstance(getattr(arg, "prompt", None), str)]
     return prefix_keys(prompts[0]) if prompts else []
 
 
 # ---- the ingress -------------------------------------------------------------------------------------------------
 
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+# requests with a prompt, relayed with it for the router: generations, and (any replica answers alike) tokenizing
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 READ_PATHS = ("/v1/models", "/health")
 
 

@@ -84,6 +84,13 @@ def test_a_burst_sharing_a_prefix_stays_on_one_replica(deployment: str) -> None:
     assert len(set(asyncio.run(burst()))) == 1
 
 
+def test_tokenize_and_detokenize_reach_an_engine(deployment: str) -> None:
+    tokens = httpx.post(f"{deployment}/tokenize", json={"prompt": "hello there"}, timeout=60)
+    assert tokens.status_code == 200, tokens.text
+    text = httpx.post(f"{deployment}/detokenize", json={"tokens": tokens.json()["tokens"]}, timeout=60)
+    assert text.status_code == 200 and "hello there" in text.json()["prompt"], text.text
+
+
 def test_errors_are_relayed_as_openai_errors(deployment: str) -> None:
     bad_json = httpx.post(f"{deployment}/v1/completions", content=b"{not json", timeout=60,
                           headers={"content-type": "application/json"})
