@@ -4,26 +4,31 @@ A byte-level tokenizer may split one character over several tokens, and decoding
 its text in context (SentencePiece drops a word's leading space at the start). So each update decodes a
 small window that starts a few tokens back and emits only what is new::
 
-    window:  | context: tokens emitted last time (or the prompt tail) | new, not yet emitted |
+    window:  | context: tokens emitted last time (or the prompt tail*) | new, not yet emitted |
              0                                                        ^ read_offset         ^ len
 
     new text = decode(window) minus decode(window[:read_offset])
 
-After an emission the window restarts at the tokens just emitted, which become the next context.
-If the window's text ends in U+FFFD (the replacement character: an incomplete UTF-8 sequence), nothing is
-emitted and the window grows until the character completes. ``flush`` emits whatever is
+After an emission the window restarts at the tokens just emitted, which become the next context. (* Less the
+tokens of a character the prompt leaves incomplete.)
+If the window's text ends in U+FFFD (the replacement character: an incomplete UTF-8 sequence), or its last token
+is a SentencePiece byte-fallback token (``<0xE2>``: such a run decodes whole, an invalid one to a U+FFFD a byte),
+nothing is emitted and the window grows until the character, or the run, ends. ``flush`` emits whatever is
 still held at the end, so the concatenated deltas always equal decoding all the output tokens at once.
 Decoding never cleans up tokenization spaces: that rewrites text across window boundaries.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
 NUM_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output, as vLLM does
 REPLACEMENT_CHAR = "\ufffd"
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 class IncrementalDetokenizer:
@@ -37,12 +42,25 @@ class IncrementalDetokenizer:
         # a fast tokenizer's own (Rust) decode is what its ``decode`` calls, less ~10 us of Python around it: at
         # two decodes per token per sample, that Python was most of a large decode step's host time
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self.window = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        self._byte_tokens = byte_fallback_tokens(tokenizer)
+        self.window = self._prompt_context(prompt_token_ids)
         self.read_offset = len(self.window)
+
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt's last tokens, less a run of bytes at its end (a character the prompt leaves incomplete, or
+        a byte-fallback run): the output's bytes would join it, and the text would then change inside the context
+        (a character lost). Without them the output's first bytes decode as they do alone, as in decoding the
+        output tokens at once."""
+        context = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
+        while context and (context[-1] in self._byte_tokens or self._decode(context).endswith(REPLACEMENT_CHAR)):
+            context.pop()
+        return context
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they complete (empty while a character is still incomplete)."""
         self.window.extend(new_token_ids)
+        if self.window and self.window[-1] in self._byte_tokens:
+            return ""  # a byte-fallback run decodes whole (an invalid one as a U+FFFD a byte): wait for its end
         prefix_text, full_text = self._window_texts()
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
@@ -67,6 +85,12 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(
             token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+
+@functools.lru_cache(maxsize=8)
+def byte_fallback_tokens(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids of a SentencePiece tokenizer's byte-fallback tokens (``<0xE2>``; none in a byte-level BPE one)."""
+    return frozenset(i for token, i in tokenizer.get_vocab().items() if BYTE_TOKEN.fullmatch(token))
 
 
 class TokenTextCache:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvserve.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, TokenTextCache
-from tests.engine.byte_bpe import SEP, byte_bpe_tokenizer
+from tests.engine.byte_bpe import SEP, byte_bpe_tokenizer, byte_fallback_tokenizer
 
 TEXTS = [
     "hello world 🙂🚀🎉 done",
@@ -78,3 +78,28 @@ def test_token_text_cache_decodes_single_tokens():
     assert texts(tok.eos_token_id) == "</s>"
     token_id = tok.encode("hello")[0]
     assert texts(token_id) == tok.decode([token_id]) == texts(token_id)
+
+
+def test_a_prompt_that_ends_inside_a_character_costs_the_output_none_of_its_text():
+    """A client continuing a reply cut inside an emoji sends its bytes back in the prompt: the output's bytes
+    complete that character, which must not shift the output's text (its first characters were lost)."""
+    tok = byte_bpe_tokenizer()
+    ids = tok.encode("Hi 🙂🚀 x y")
+    cuts = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith(REPLACEMENT_CHAR)]
+    assert cuts  # the emoji are split over several tokens
+    for k in cuts:
+        assert "".join(stream(ids[k:], prompt_ids=ids[:k])) == tok.decode(ids[k:])
+
+
+@settings(max_examples=200, deadline=None)
+@given(prompt=st.lists(st.sampled_from(["<0xE2>", "<0x82>", "<0xAC>", "<0xC3>", "▁", "a"]), max_size=6),
+       output=st.lists(st.sampled_from(["<0xE2>", "<0x82>", "<0xAC>", "<0xC3>", "<0xF0>", "▁x", "b"]), min_size=1,
+                       max_size=8))
+def test_byte_fallback_runs_stream_as_they_decode_whole(prompt, output):
+    """SentencePiece's byte-fallback decoder reads a run of byte tokens whole, an invalid run as a U+FFFD a byte:
+    a character emitted as soon as its bytes looked complete could be taken back by the next byte."""
+    tok = byte_fallback_tokenizer()
+    prompt_ids, output_ids = tok.convert_tokens_to_ids(prompt), tok.convert_tokens_to_ids(output)
+    detok = IncrementalDetokenizer(tok, prompt_ids)
+    deltas = [detok.update([token]) for token in output_ids]
+    assert "".join([*deltas, detok.flush()]) == tok.decode(output_ids)
