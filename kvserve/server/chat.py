@@ -83,7 +83,7 @@ class ChatServer(GenerationHandler):
         super().__init__(engine, body, model_name)
         self.tool_choice = body.effective_tool_choice
         self.tool_format = tool_call_format(tool_call_parser, _chat_template(self.tokenizer))
-        if self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer.all_special_tokens):
+        if self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer):
             self.params = dataclasses.replace(self.params, skip_special_tokens=False)
         self._parsers: dict[int, ToolCallParser | NamedToolCallParser | None] = {}
 

@@ -74,9 +74,17 @@ def output_parser(tool_choice: str | dict[str, Any], parallel_tool_calls: bool,
     return ToolCallParser(fmt, max_calls) if tool_choice == "auto" else None
 
 
-def needs_special_tokens(fmt: ToolCallFormat, special_tokens: Sequence[str]) -> bool:
-    """Whether the format's markers are special tokens, which the detokenizer would otherwise drop."""
-    return any(marker in special_tokens for marker in fmt.markers)
+def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Any) -> bool:
+    """Whether decoding with special tokens skipped drops one of the format's markers (Mistral's
+    ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``: special added tokens). Tried on the marker itself: transformers
+    5 lists only the named special tokens (BOS, EOS...) in ``all_special_tokens``, not every added token flagged
+    special, which the decoder drops all the same."""
+    return any(_dropped_by_decoding(tokenizer, marker) for marker in fmt.markers)
+
+
+def _dropped_by_decoding(tokenizer: Any, marker: str) -> bool:
+    token_ids = tokenizer.encode(marker, add_special_tokens=False)
+    return tokenizer.decode(token_ids, skip_special_tokens=True) != tokenizer.decode(token_ids)
 
 
 def _function(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:

@@ -3,17 +3,20 @@ reach chat templates, with and without their own tool support."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import jsonschema
 import pytest
+from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.server.tool_parsers import FORMATS
-from kvserve.server.tools import tool_call_format, tool_constraint
+from kvserve.server.tools import needs_special_tokens, tool_call_format, tool_constraint
+from tests.engine.byte_bpe import byte_bpe_tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -77,3 +80,13 @@ def test_a_template_that_takes_tools_receives_them(tokenizer) -> None:
         {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": {}}}]}]
     prompt = processor.apply_chat_template(conversation, tools=[WEATHER, TIME])["prompt"]
     assert prompt.startswith("<tools>get_weather;get_time;</tools><user>hi") and "<call>get_time{}</call>" in prompt
+
+
+def test_a_marker_that_is_a_special_added_token_keeps_special_tokens_in_the_text() -> None:
+    """Mistral's [TOOL_CALLS] is an added token flagged special: decoding with special tokens skipped drops it, so
+    the calls would come back as content. transformers 5's ``all_special_tokens`` does not list such tokens."""
+    tok = copy.deepcopy(byte_bpe_tokenizer())
+    tok.backend_tokenizer.add_special_tokens([AddedToken("[TOOL_CALLS]", special=True)])
+    assert "[TOOL_CALLS]" not in tok.all_special_tokens
+    assert needs_special_tokens(FORMATS["mistral"], tok)
+    assert not needs_special_tokens(FORMATS["mistral"], byte_bpe_tokenizer())  # a plain text marker stays
