@@ -25,6 +25,7 @@ from kvserve.server.streaming import (
 )
 
 if TYPE_CHECKING:
+    from kvserve.engine.async_engine import AsyncEngine
     from kvserve.engine.input_processor import PromptInput
 
 
@@ -38,6 +39,10 @@ class CompletionServer(GenerationHandler):
     id_prefix = "cmpl"
     body: CompletionRequest
 
+    def __init__(self, engine: AsyncEngine, body: CompletionRequest, model_name: str) -> None:
+        super().__init__(engine, body, model_name)
+        self._token_offsets: dict[int, int] = {}  # choice index -> the text offset after its tokens sent so far
+
     async def start(self) -> AsyncIterator[list[RequestOutput]]:
         """Queue the requests (raising APIError 400 for bad input) and return their output stream."""
         return await self._generate(engine_prompts(self.body))
@@ -46,7 +51,7 @@ class CompletionServer(GenerationHandler):
         outputs = await last_item(stream)
         choices = [
             self._choice(i * self.params.n + s.index, out, SampleDelta(
-                s.text, s.token_ids, s.logprobs, str(s.finish_reason), s.stop_reason, text_offset=0, is_first=True))
+                s.text, s.token_ids, s.logprobs, str(s.finish_reason), s.stop_reason, is_first=True))
             for i, out in enumerate(outputs) for s in out.outputs
         ]
         return CompletionResponse(
@@ -70,32 +75,46 @@ class CompletionServer(GenerationHandler):
         return CompletionResponse(id=self.request_id, model=self.model_name, choices=choices, usage=usage)
 
     def _choice(self, index: int, out: RequestOutput, delta: SampleDelta) -> CompletionChoice:
-        """With echo, the prompt goes before the sample's first text, and text offsets count it."""
-        text, text_offset = delta.text, delta.text_offset
+        """With echo, the prompt goes before the sample's first text."""
         with_prompt = self.body.echo and delta.is_first
-        if self.body.echo:
-            prompt_text = self._prompt_text(out)
-            text = prompt_text + text if with_prompt else text
-            text_offset += 0 if with_prompt else len(prompt_text)
         return CompletionChoice(
-            index=index, text=text, finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-            logprobs=self._logprobs(out, delta, with_prompt, text_offset),
+            index=index, text=self._prompt_text(out) + delta.text if with_prompt else delta.text,
+            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+            logprobs=self._logprobs(index, out, delta, with_prompt),
         )
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
 
     def _logprobs(
-        self, out: RequestOutput, delta: SampleDelta, with_prompt: bool, text_offset: int
+        self, index: int, out: RequestOutput, delta: SampleDelta, with_prompt: bool
     ) -> CompletionLogprobs | None:
+        """The choice's token logprobs, each token's ``text_offset`` where it starts in the choice's text: the
+        characters of the tokens before it, counted on from the choice's last chunk (a stream sends a token
+        before text held back for a stop string or an incomplete character, so the text sent is no measure)."""
         if self.body.logprobs is None or delta.logprobs is None:
             return None
         positions: list[tuple[int, PositionLogprobs | None]] = list(zip(delta.token_ids, delta.logprobs))
+        unseen: set[int] = set()
         if with_prompt:
             positions = list(zip(out.prompt_token_ids, out.prompt_logprobs or [])) + positions
-        return self._format_logprobs(positions, text_offset)
+            unseen = self._added_bos(out)
+        result, self._token_offsets[index] = self._format_logprobs(positions, self._token_offsets.get(index, 0),
+                                                                   unseen)
+        return result
 
-    def _format_logprobs(self, positions: list[tuple[int, PositionLogprobs | None]], offset: int) -> CompletionLogprobs:
+    def _added_bos(self, out: RequestOutput) -> set[int]:
+        """{0} where the tokenizer put a BOS token before a text prompt that the echoed text does not hold."""
+        bos = self.tokenizer.bos_token_id
+        first = out.prompt_token_ids[:1]
+        if out.prompt is None or first != [bos] or out.prompt.startswith(self.tokenizer.decode(first)):
+            return set()
+        return {0}
+
+    def _format_logprobs(self, positions: list[tuple[int, PositionLogprobs | None]], offset: int,
+                         unseen: set[int]) -> tuple[CompletionLogprobs, int]:
+        """The entries, their text offsets from ``offset`` (the positions in ``unseen`` take no room in the text),
+        and the offset after them."""
         result = CompletionLogprobs()
         k = self.body.logprobs or 0
         for token_id, position in positions:
@@ -111,5 +130,5 @@ class CompletionServer(GenerationHandler):
                 )
             result.tokens.append(token)
             result.text_offset.append(offset)
-            offset += len(token)
-        return result
+            offset += 0 if len(result.tokens) - 1 in unseen else len(token)
+        return result, offset

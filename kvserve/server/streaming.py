@@ -44,7 +44,6 @@ class SampleDelta:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None
     stop_reason: int | str | None
-    text_offset: int  # characters of this sample sent before ``text``
     is_first: bool  # nothing of this sample was sent before
 
     @property
@@ -70,7 +69,7 @@ class SampleCursor:
         logprobs = sample.logprobs[self.num_tokens:] if sample.logprobs is not None else None
         finish = str(sample.finish_reason) if sample.finish_reason is not None else None
         is_first = self.num_chars == 0 and self.num_tokens == 0
-        delta = SampleDelta(text, list(token_ids), logprobs, finish, sample.stop_reason, self.num_chars, is_first)
+        delta = SampleDelta(text, list(token_ids), logprobs, finish, sample.stop_reason, is_first)
         self.num_chars = max(self.num_chars, len(sample.text))
         self.num_tokens = len(sample.token_ids)
         self.finished = finish is not None

@@ -117,6 +117,23 @@ def test_completion_logprobs_have_one_entry_per_token(client: openai.OpenAI) -> 
     assert logprobs.text_offset == sorted(logprobs.text_offset)
 
 
+def test_streamed_text_offsets_are_those_of_the_whole_answer(server: ServerProcess, client: openai.OpenAI) -> None:
+    """A stream sends a token before text held back for a stop string: its offset still counts the tokens
+    before it, not the text sent so far. With echo, the prompt's tokens come first, from 0, and the answer's
+    first token starts where the prompt's text ends (a BOS the tokenizer added takes no room in the text)."""
+    free = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=12, **GREEDY).choices[0].text
+    stop = free[len(free) // 2:][:6] + "\u2603"  # long enough to hold back text, never matched
+    for echo in (False, True):
+        options = {"prompt": PROMPT, "max_tokens": 12, "logprobs": 1, "stop": [stop], "echo": echo, **GREEDY}
+        whole = client.completions.create(model=MODEL_NAME, **options).choices[0].logprobs
+        chunks = [c.choices[0].logprobs for c in client.completions.create(model=MODEL_NAME, stream=True, **options)
+                  if c.choices and c.choices[0].logprobs]
+        assert [o for lp in chunks for o in lp.text_offset] == whole.text_offset
+        assert whole.text_offset[0] == 0
+    num_prompt_tokens = len(tokenize(server, PROMPT))
+    assert whole.text_offset[num_prompt_tokens] == len(PROMPT)
+
+
 def test_chat_logprobs_have_the_asked_number_of_alternatives(client: openai.OpenAI) -> None:
     answer = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, logprobs=True,
                                             top_logprobs=2, **GREEDY)
