@@ -32,4 +32,7 @@ def run(out: Path, extra: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):  # not an OUT_DIR (``--help`` made a folder of that name)
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     sys.exit(run(Path(sys.argv[1]), sys.argv[2:]))

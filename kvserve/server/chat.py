@@ -36,6 +36,7 @@ from kvserve.server.streaming import (
     last_item,
     num_tokens_used,
     sse,
+    token_bytes,
     token_text,
     top_entries,
 )
@@ -190,7 +191,7 @@ class ChatServer(GenerationHandler):
 
     def _top(self, token_id: int, position: PositionLogprobs) -> TopLogprob:
         token = token_text(token_id, position[token_id], self.tokenizer)
-        return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=list(token.encode("utf-8")))
+        return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=token_bytes(token_id, self.tokenizer))
 
 
 def _calls_finish(finish_reason: str, stop_reason: int | str | None) -> str:

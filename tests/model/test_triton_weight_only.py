@@ -19,8 +19,9 @@ from kvserve.model.layers.triton_weight_only import (  # noqa: E402
 from kvserve.model.layers.weight_quant import PackedWeight, quantize_rows, quantize_weight  # noqa: E402
 from kvserve.model.loader import load_checkpoint  # noqa: E402
 from kvserve.model.registry import (  # noqa: E402
-    _load_offloaded, build_model, process_weights_after_loading, select_linear_method, weight_format,
+    _load_offloaded, build_model, process_weights_after_loading, select_linear_method,
 )
+from kvserve.model.weight_format import weight_format  # noqa: E402
 from kvserve.model.sources import resolve_model  # noqa: E402
 from tests.model.conftest import (  # noqa: E402
     HALF_DTYPES, TRITON_INTERPRETED, PagedRunner, assert_within_half_precision_rounding,
