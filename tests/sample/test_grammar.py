@@ -13,6 +13,9 @@ import jsonschema
 import pytest
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
+from kvserve.sample import grammar
+from kvserve.sample.grammar import StructuredOutputCompiler
+from tests.engine.byte_bpe import byte_bpe_tokenizer
 
 OBJ = "object"
 SCHEMAS = [
@@ -261,3 +264,13 @@ def test_a_speculating_request_is_masked_at_each_draft_position_and_its_matcher_
     assert torch.equal(got, expected)
     assert got[0, two] and not got[0, letter] and got[1, letter] and not got[1, two]  # digits, then letters
     assert torch.equal(allowed([base]), expected[:1])  # the walk was rolled back
+
+
+def test_the_compiled_grammar_cache_is_bounded(monkeypatch) -> None:
+    """Unbounded, a server whose clients each send their own schema grew by every schema it ever compiled."""
+    monkeypatch.setattr(grammar, "GRAMMAR_CACHE_BYTES", 64 * 2**10)
+    compiler = StructuredOutputCompiler(byte_bpe_tokenizer(), 300, [1])
+    for i in range(40):
+        schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"}}, "required": [f"field_{i}"]}
+        compiler.compile(StructuredOutputsParams(json=schema))
+    assert 0 < compiler._get_compiler().get_cache_size_bytes() <= 64 * 2**10
