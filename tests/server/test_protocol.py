@@ -41,7 +41,7 @@ def test_booleans_are_strict() -> None:
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
-    ({"temperature": -1.0}, "temperature", "temperature must be >= 0"),
+    ({"temperature": -1.0}, "temperature", "temperature must be a finite number >= 0"),
     ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias", "logit_bias: key"),
     ({"logit_bias": {"\uff11": 1.0}}, "logit_bias", "logit_bias: key"),
     ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex", "structured_outputs.regex must be a string"),
