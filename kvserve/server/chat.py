@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import jinja2
 
 from kvserve.engine.chat_messages import for_template, template_message
+from kvserve.engine.detokenizer import REPLACEMENT_CHAR
 from kvserve.outputs import PositionLogprobs, RequestOutput
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import (
@@ -190,8 +191,12 @@ class ChatServer(GenerationHandler):
         return ChatLogprobs(content=content)
 
     def _top(self, token_id: int, position: PositionLogprobs) -> TopLogprob:
-        token = token_text(token_id, position[token_id], self.tokenizer)
-        return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=token_bytes(token_id, self.tokenizer))
+        """A token, its log probability and its own bytes. A token that holds part of a character (its text a
+        U+FFFD) is spelled with its bytes escaped, as OpenAI does (``"\\xe2\\x82"``)."""
+        token, raw = token_text(token_id, position[token_id], self.tokenizer), token_bytes(token_id, self.tokenizer)
+        if REPLACEMENT_CHAR in token:
+            token = bytes(raw).decode("utf-8", errors="backslashreplace")
+        return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=raw)
 
 
 def _calls_finish(finish_reason: str, stop_reason: int | str | None) -> str:
