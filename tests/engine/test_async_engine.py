@@ -173,7 +173,9 @@ def test_a_consumer_that_falls_behind_holds_one_output_of_its_request() -> None:
         first = await anext(stream)
         while engine.num_unfinished():  # the request runs to its end while nobody reads
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)  # the last deliveries reach the loop
+        # a command runs after the step that delivered the last output, and its answer reaches this loop after
+        # that delivery (both by call_soon_threadsafe, in order): the mailbox holds everything by then
+        await engine.call(lambda _: None)
         alive = [o for o in gc.get_objects() if isinstance(o, RequestOutput) and o.request_id == "slow"]
         assert len(alive) <= 2, len(alive)  # the one read, and the latest
         rest = [out async for out in stream]
