@@ -53,10 +53,9 @@ none of a window group's dead ones, and brings them back with nulls before them.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 from kvserve.kv.block_keys import KeyedBlock, block_key, group_key
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
@@ -64,12 +63,9 @@ from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
 from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
 from kvserve.kv.reload_costs import ReloadCosts
 from kvserve.kv.swap import SwapSpace
-from kvserve.kv.tiers import Tier, TieredStore
+from kvserve.kv.tier_match import TierMatcher
+from kvserve.kv.tiers import TieredStore
 from kvserve.request import Request
-
-# lookups (about two a step under lpm) in which a waiting request may find its prefix still coming off the
-# disk before it computes it instead
-MAX_LOAD_WAITS = 200
 
 
 @dataclass
@@ -109,8 +105,9 @@ class KVCacheManager:
             self.prefix_cache.root.content_key = store.root_key
         self._paths: dict[str, _CachePath] = {}
         self._matches: dict[str, PrefixMatch] = {}  # waiting requests' last prefix match, extended as the tree grows
-        self._load_waits: Counter[str] = Counter()  # lookups in which each waiting request waited on disk reads
         self.reload_costs = ReloadCosts()  # disk reads against recomputing, as measured (the engine feeds it)
+        self._tier_matcher = (TierMatcher(store, self.prefix_cache, self.groups, block_size, self.reload_costs)
+                              if store is not None and self.prefix_cache is not None else None)
         self._offloads: dict[bytes, tuple[int, KeyedBlock]] = {}  # planned since the last step, by key
         self._loads: list[tuple[bytes, int]] = []
         self.num_evictions = 0  # cached blocks evicted to make room, since start
@@ -156,98 +153,10 @@ class KVCacheManager:
         max_blocks = max_tokens // self.block_size
         match = self.prefix_cache.match(request.token_ids, max_blocks, earlier)
         self._matches[request.request_id] = match
-        if self.store is not None and not match.sibling_computing and (self._grouped or len(match.nodes) < max_blocks):
-            return self._match_tiers(request, match, max_blocks)
+        if (self._tier_matcher is not None and not match.sibling_computing
+                and (self._grouped or len(match.nodes) < max_blocks)):
+            return self._tier_matcher.extend(request, match, max_blocks)
         return self._visible_match(match) if self._grouped else match
-
-    def _match_tiers(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
-        """Extend a device match with the blocks the host tier holds next; if the disk holds more, start reading
-        them into the host tier (as many as its rows can stage at once) and say the request should wait for them
-        (for at most ``MAX_LOAD_WAITS`` lookups, then it computes them), unless reading has measured slower than
-        computing them
-        (``reload_costs``). With window groups, a match is as long as its next query finds the
-        window groups' blocks it sees on the device or in the host tier, and the disk is read for those that a
-        longer match would need::
-
-            w = 6, block_size 4      n: device nodes, h: host tier, d: disk, '.': dead to the query at 20
-            group 0:       | n0 | n1 | n2 | h3 | h4 | d5 |
-            window group:  |  . |  . |  . | h3 | h4 | d5 |   a match of 5 blocks (h3s, h4s loaded); d5s read, wait
-        """
-        store = self.store
-        assert store is not None
-        nodes = match.nodes
-        beyond, num_host = self._blocks_beyond(request, match, max_blocks)
-        where = functools.cache(functools.partial(self._window_tier, nodes, beyond))
-        num_ready = self.groups.visible_length(len(nodes) + num_host, self.block_size,
-                                               lambda g, index: where(g, index) is Tier.HOST)
-        # No more than the host tier can stage at once (a block of each group a block at most): reading more would
-        # evict the first reads before they load, lookup after lookup; what is beyond is computed
-        staged = len(nodes) + store.staging_rows() // self.groups.num_groups
-        num_found = self.groups.visible_length(min(len(nodes) + len(beyond), staged), self.block_size,
-                                               lambda g, index: where(g, index) is not None)
-        waits = self._load_waits[request.request_id]
-        loading = False
-        if num_found > num_ready and waits < MAX_LOAD_WAITS:  # group 0's blocks on disk that it needs, then windows'
-            if self.reload_costs.disk_read_pays(*store.disk_read_cost(), self.block_size):
-                to_read = beyond[num_host : max(num_host, num_found - len(nodes))]
-                loading = store.prefetch(to_read + self._window_blocks_on_disk(nodes, beyond, num_found, where)) > 0
-            else:  # reading measured slower than computing: the request computes them, and asks no more
-                store.skip_reads(num_found - num_ready)
-                waits = MAX_LOAD_WAITS
-        self._load_waits[request.request_id] = waits + loading
-        tiered = tuple(block.key for block in beyond[: max(0, num_ready - len(nodes))])
-        return PrefixMatch(nodes[:num_ready], self.block_size, tiered=tiered, loading=loading)
-
-    def _blocks_beyond(self, request: Request, match: PrefixMatch, max_blocks: int) -> tuple[list[KeyedBlock], int]:
-        """Group 0's blocks after a device match that the tiers hold, in order, and how many lead in the host
-        tier (the rest are on the disk or being read from it, or follow one that is)."""
-        assert self.prefix_cache is not None
-        parent = match.nodes[-1].content_key if match.nodes else self.prefix_cache.root.content_key
-        assert parent is not None
-        beyond: list[KeyedBlock] = []
-        num_host = 0
-        for tokens in self.prefix_cache.keys(request.token_ids, len(match.nodes), max_blocks - len(match.nodes)):
-            key = block_key(parent, tokens)
-            tier = self._tier_of(key)
-            if tier is None:
-                break
-            num_host += tier is Tier.HOST and num_host == len(beyond)
-            beyond.append(KeyedBlock(key, parent, tokens))
-            parent = key
-        return beyond, num_host
-
-    def _tier_of(self, key: bytes) -> Tier | None:
-        """Where a block is below the device: HOST (ready to load), DISK (on the disk, or being read), or None."""
-        assert self.store is not None
-        return self.store.locate(key) or (Tier.DISK if self.store.is_reading(key) else None)
-
-    def _window_tier(self, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], group: int,
-                     index: int) -> Tier | None:
-        """Where window group ``group``'s block of the match's block ``index`` is: HOST if on the device (beside
-        its node) or in the host tier, DISK if on the disk or being read, else None."""
-        if index < len(nodes) and nodes[index].group_block_ids[group - 1] != NULL_BLOCK:
-            return Tier.HOST
-        return self._tier_of(group_key(self._keyed(nodes, beyond, index).key, group))
-
-    def _keyed(self, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], index: int) -> KeyedBlock:
-        """Group 0's block ``index`` of a device match followed by ``beyond``, named by its content."""
-        if index >= len(nodes):
-            return beyond[index - len(nodes)]
-        node = nodes[index]
-        assert node.content_key is not None and node.parent is not None and node.parent.content_key is not None
-        return KeyedBlock(node.content_key, node.parent.content_key, node.key)
-
-    def _window_blocks_on_disk(self, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], num_blocks: int,
-                               where: Callable[[int, int], Tier | None]) -> list[KeyedBlock]:
-        """The window groups' blocks that a match of ``num_blocks`` blocks needs and only the disk has."""
-        blocks = []
-        for group in range(1, self.groups.num_groups):
-            for index in range(self.groups.first_visible_block(group, num_blocks * self.block_size, self.block_size),
-                               num_blocks):
-                if where(group, index) is Tier.DISK:
-                    key, parent_key, tokens, _ = self._keyed(nodes, beyond, index)
-                    blocks.append(KeyedBlock(group_key(key, group), parent_key, tokens, group))
-        return blocks
 
     def _visible_match(self, match: PrefixMatch) -> PrefixMatch:
         """The longest prefix of a device match after which every window group still has, beside its nodes, the
@@ -385,7 +294,8 @@ class KVCacheManager:
 
     def _forget_match(self, request: Request) -> None:
         self._matches.pop(request.request_id, None)
-        self._load_waits.pop(request.request_id, None)
+        if self._tier_matcher is not None:
+            self._tier_matcher.forget(request.request_id)
 
     def _drop_dead_blocks(self, request: Request, tables: list[list[int]], num_computed: int) -> None:
         """Free the window groups' blocks wholly before position ``num_computed - w + 1``, the first key the
@@ -554,7 +464,8 @@ class KVCacheManager:
 
     def _release_blocks(self, request: Request) -> None:
         self._matches.pop(request.request_id, None)
-        self._load_waits.pop(request.request_id, None)
+        if self._tier_matcher is not None:
+            self._tier_matcher.forget(request.request_id)
         path = self._paths.pop(request.request_id, None)
         if path is not None:
             for node in reversed(path.pending):

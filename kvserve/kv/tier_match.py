@@ -1,0 +1,125 @@
+"""Prefix matches continued below the device: the blocks after a device match of the prefix tree that the KV
+tiers hold, found by content key (``block_keys``), loaded from the host tier into fresh blocks, or read from the
+disk into the host tier while the request waits. ``KVCacheManager.match_prefix`` asks it whenever the tree's
+match stops short (or windows may need blocks below the device)."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Callable
+
+from kvserve.kv.block_keys import KeyedBlock, block_key, group_key
+from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
+from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
+from kvserve.kv.reload_costs import ReloadCosts
+from kvserve.kv.tiers import Tier, TieredStore
+from kvserve.request import Request
+
+# lookups (about two a step under lpm) in which a waiting request may find its prefix still coming off the
+# disk before it computes it instead
+MAX_LOAD_WAITS = 200
+
+
+class TierMatcher:
+    """Extends device matches through the tiers; remembers how many lookups each waiting request has waited on
+    disk reads, and weighs reads against recomputing (``reload_costs``, fed by the engine)."""
+
+    def __init__(self, store: TieredStore, prefix_cache: PrefixCache, groups: KVCacheGroups, block_size: int,
+                 reload_costs: ReloadCosts) -> None:
+        self.store = store
+        self.prefix_cache = prefix_cache
+        self.groups = groups
+        self.block_size = block_size
+        self.reload_costs = reload_costs
+        self._load_waits: Counter[str] = Counter()  # lookups in which each waiting request waited on disk reads
+
+    def forget(self, request_id: str) -> None:
+        """The request took its blocks or left: its waits start again from nothing."""
+        self._load_waits.pop(request_id, None)
+
+    def extend(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
+        """Extend a device match with the blocks the host tier holds next; if the disk holds more, start reading
+        them into the host tier (as many as its rows can stage at once) and say the request should wait for them
+        (for at most ``MAX_LOAD_WAITS`` lookups, then it computes them), unless reading has measured slower than
+        computing them
+        (``reload_costs``). With window groups, a match is as long as its next query finds the
+        window groups' blocks it sees on the device or in the host tier, and the disk is read for those that a
+        longer match would need::
+
+            w = 6, block_size 4      n: device nodes, h: host tier, d: disk, '.': dead to the query at 20
+            group 0:       | n0 | n1 | n2 | h3 | h4 | d5 |
+            window group:  |  . |  . |  . | h3 | h4 | d5 |   a match of 5 blocks (h3s, h4s loaded); d5s read, wait
+        """
+        store = self.store
+        nodes = match.nodes
+        beyond, num_host = self._blocks_beyond(request, match, max_blocks)
+        where = functools.cache(functools.partial(self._window_tier, nodes, beyond))
+        num_ready = self.groups.visible_length(len(nodes) + num_host, self.block_size,
+                                               lambda g, index: where(g, index) is Tier.HOST)
+        # No more than the host tier can stage at once (a block of each group a block at most): reading more would
+        # evict the first reads before they load, lookup after lookup; what is beyond is computed
+        staged = len(nodes) + store.staging_rows() // self.groups.num_groups
+        num_found = self.groups.visible_length(min(len(nodes) + len(beyond), staged), self.block_size,
+                                               lambda g, index: where(g, index) is not None)
+        waits = self._load_waits[request.request_id]
+        loading = False
+        if num_found > num_ready and waits < MAX_LOAD_WAITS:  # group 0's blocks on disk that it needs, then windows'
+            if self.reload_costs.disk_read_pays(*store.disk_read_cost(), self.block_size):
+                to_read = beyond[num_host : max(num_host, num_found - len(nodes))]
+                loading = store.prefetch(to_read + self._window_blocks_on_disk(nodes, beyond, num_found, where)) > 0
+            else:  # reading measured slower than computing: the request computes them, and asks no more
+                store.skip_reads(num_found - num_ready)
+                waits = MAX_LOAD_WAITS
+        self._load_waits[request.request_id] = waits + loading
+        tiered = tuple(block.key for block in beyond[: max(0, num_ready - len(nodes))])
+        return PrefixMatch(nodes[:num_ready], self.block_size, tiered=tiered, loading=loading)
+
+    def _blocks_beyond(self, request: Request, match: PrefixMatch, max_blocks: int) -> tuple[list[KeyedBlock], int]:
+        """Group 0's blocks after a device match that the tiers hold, in order, and how many lead in the host
+        tier (the rest are on the disk or being read from it, or follow one that is)."""
+        parent = match.nodes[-1].content_key if match.nodes else self.prefix_cache.root.content_key
+        assert parent is not None
+        beyond: list[KeyedBlock] = []
+        num_host = 0
+        for tokens in self.prefix_cache.keys(request.token_ids, len(match.nodes), max_blocks - len(match.nodes)):
+            key = block_key(parent, tokens)
+            tier = self._tier_of(key)
+            if tier is None:
+                break
+            num_host += tier is Tier.HOST and num_host == len(beyond)
+            beyond.append(KeyedBlock(key, parent, tokens))
+            parent = key
+        return beyond, num_host
+
+    def _tier_of(self, key: bytes) -> Tier | None:
+        """Where a block is below the device: HOST (ready to load), DISK (on the disk, or being read), or None."""
+        return self.store.locate(key) or (Tier.DISK if self.store.is_reading(key) else None)
+
+    def _window_tier(self, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], group: int,
+                     index: int) -> Tier | None:
+        """Where window group ``group``'s block of the match's block ``index`` is: HOST if on the device (beside
+        its node) or in the host tier, DISK if on the disk or being read, else None."""
+        if index < len(nodes) and nodes[index].group_block_ids[group - 1] != NULL_BLOCK:
+            return Tier.HOST
+        return self._tier_of(group_key(self._keyed(nodes, beyond, index).key, group))
+
+    def _keyed(self, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], index: int) -> KeyedBlock:
+        """Group 0's block ``index`` of a device match followed by ``beyond``, named by its content."""
+        if index >= len(nodes):
+            return beyond[index - len(nodes)]
+        node = nodes[index]
+        assert node.content_key is not None and node.parent is not None and node.parent.content_key is not None
+        return KeyedBlock(node.content_key, node.parent.content_key, node.key)
+
+    def _window_blocks_on_disk(self, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], num_blocks: int,
+                               where: Callable[[int, int], Tier | None]) -> list[KeyedBlock]:
+        """The window groups' blocks that a match of ``num_blocks`` blocks needs and only the disk has."""
+        blocks = []
+        for group in range(1, self.groups.num_groups):
+            for index in range(self.groups.first_visible_block(group, num_blocks * self.block_size, self.block_size),
+                               num_blocks):
+                if where(group, index) is Tier.DISK:
+                    key, parent_key, tokens, _ = self._keyed(nodes, beyond, index)
+                    blocks.append(KeyedBlock(group_key(key, group), parent_key, tokens, group))
+        return blocks
