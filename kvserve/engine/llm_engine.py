@@ -214,15 +214,24 @@ class LLMEngine:
         """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad."""
         processed = self.input_processor.process(prompt, params)
         request = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids)
-        self.core.add_request(request)
+        # the frontend first: it still tracks an n > 1 request whose first sample the scheduler has finished
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, processed.params, self.eos_token_ids
         )
+        try:
+            self.core.add_request(request)
+        except BaseException:
+            self.output_processor.abort(request_id)
+            raise
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Stop requests now and free their KV blocks; returns their final outputs (finish reason abort)."""
         request_ids = list(request_ids)
-        self.core.finish_requests(self._all_sample_ids(request_ids), FinishReason.ABORT)
+        sample_ids = self._all_sample_ids(request_ids)
+        self.core.finish_requests(sample_ids, FinishReason.ABORT)
+        if self._held:  # outputs of a step already run, not yet processed: they would land on a reused id
+            aborted = set(sample_ids)
+            self._held = [output for output in self._held if output.request_id not in aborted]
         return [out for rid in request_ids if (out := self.output_processor.abort(rid)) is not None]
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:

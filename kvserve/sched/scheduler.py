@@ -102,7 +102,9 @@ class Scheduler:
         self.num_prefix_query_tokens = 0  # tokens of newly admitted requests looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of those, found cached
         self.num_continued_steps = 0  # steps scheduled before the tokens of the step before were back
-        self._num_steps = 0
+        self._num_steps = 0  # steps scheduled
+        self._num_updated = 0  # of those, updated from their output (two apart at most: the overlapped loop)
+        self._retiring: dict[str, int] = {}  # ids finished while a step naming them ran -> the last such step
         self._arrival_step: dict[str, int] = {}
 
     @property
@@ -118,8 +120,9 @@ class Scheduler:
         return bool(self.requests) or bool(self._finished_ids)
 
     def preemption_stats(self) -> dict[str, int | str]:
-        """Preemptions since start; with swap, the requests and blocks swapped out and in, and the swap-outs
-        that fell back to recompute (the host tier had no room)."""
+        """Preemptions since start (a sample of an n > 1 request that finds no block for its fork's copy is one);
+        with swap, the requests and blocks swapped out and in, and the swap-outs that fell back to recompute (the
+        host tier had no room)."""
         swap = self.kv.swap.counters if self.kv.swap is not None else SwapCounters()
         return {
             "preemption_mode": self.config.preemption_mode,
@@ -148,6 +151,8 @@ class Scheduler:
         """Queue a request; raises ValueError, queuing nothing, if it is a duplicate or could never fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.request_id in self._retiring:  # that step's rows would land on this request
+            raise ValueError(f"request id {request.request_id!r} is still in a step in flight: use another id")
         if SAMPLE_ID_SEPARATOR in request.request_id:
             raise ValueError(
                 f"request id {request.request_id!r} contains {SAMPLE_ID_SEPARATOR!r}, which is kept for the ids "
@@ -451,6 +456,9 @@ class Scheduler:
         stop conditions and free finished requests' blocks. One Python pass over the step's requests.
         Returns one EngineOutput per request that got tokens or prompt logprobs, or finished."""
         outputs: list[EngineOutput] = []
+        self._num_updated += 1
+        if self._retiring:
+            self._retiring = {rid: step for rid, step in self._retiring.items() if step > self._num_updated}
         for row in sched_out.requests:
             request = self.requests.get(row.request_id)
             if request is None:  # finished (e.g. aborted) after this step was scheduled
@@ -525,10 +533,11 @@ class Scheduler:
         recompute."""
         try:
             copies = self.kv.fork(parent, child)
-        except NoFreeBlocksError:
+        except NoFreeBlocksError:  # counted as a preemption: the swap counters count it among theirs
             if not (self.config.preemption_mode == "swap" and self.kv.fork_swapped(parent, child)):
                 child.num_computed_tokens = 0
             child.status = RequestStatus.PREEMPTED
+            self.num_preemptions += 1
             self.waiting.appendleft(child)
             return
         self.running.append(child)
@@ -579,6 +588,8 @@ class Scheduler:
         self._arrival_step.pop(request.request_id, None)
         self._num_blocks_sent.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
+        if self._num_updated < self._num_steps:  # a step scheduled with it is not back yet
+            self._retiring[request.request_id] = self._num_steps
         if self.speculation is not None:
             self.speculation.drop(request.request_id)
 

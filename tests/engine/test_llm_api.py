@@ -243,3 +243,23 @@ def test_a_text_too_long_for_any_tokenization_is_refused_without_tokenizing_it(l
         llm.generate(["x" * (limit + 1)], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="the rendered conversation has .* characters"):
         llm.chat([{"role": "user", "content": "x" * limit}], SamplingParams(max_tokens=1))
+
+
+def test_an_id_still_tracked_for_its_other_samples_is_refused_and_queues_nothing(tiny_checkpoints) -> None:
+    """Sample 0 of an n = 2 request finishes first (one token a step, the parent decodes to its end): the id is
+    still in use until sample 1 finishes, and a request refused for it leaves nothing queued."""
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=32, block_size=4, max_model_len=64,
+              max_num_batched_tokens=1)
+    engine = llm.engine
+    engine.add_request("x", {"prompt_token_ids": [11, 12, 13]},
+                       SamplingParams(temperature=0, max_tokens=6, n=2, ignore_eos=True))
+    while "x" in engine.core.scheduler.requests or not engine.core.scheduler.requests:
+        engine.step()
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", {"prompt_token_ids": [21, 22, 23]}, SamplingParams(max_tokens=30))
+    assert list(engine.core.scheduler.requests) == ["x#1"]
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += engine.step(final_only=True)
+    assert [len(c.token_ids) for o in finals for c in o.outputs] == [6, 6]
+    assert llm.stats()["num_blocks_used"] == 0

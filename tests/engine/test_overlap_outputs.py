@@ -68,3 +68,26 @@ def test_chunks_preemption_and_speculation_through_the_overlap(tiny_checkpoints)
     expected, overlapped, llm = both(path, params, speculative_config=NGRAM)
     assert overlapped == expected
     assert_all_blocks_free(llm)
+
+
+def test_outputs_held_for_an_aborted_request_never_reach_a_new_one_of_its_id(tiny_checkpoints) -> None:
+    """A step's outputs wait for the next call; an abort in between drops them, so that a request that takes the
+    id next gets only its own tokens."""
+    path = str(tiny_checkpoints["llama"])
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    first, second = prompts()[1], prompts()[4]
+    expected = LLM(path, **OPTIONS).generate([second], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(path, **OPTIONS)
+    engine = llm.engine
+    engine.overlap_outputs = True
+    engine.add_request("x", first, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine._held  # the second step's outputs, not processed yet
+    engine.abort_request(["x"])
+    engine.add_request("x", second, params)
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += engine.step(final_only=True)
+    assert [o.outputs[0].token_ids for o in finals] == [expected]
+    assert_all_blocks_free(llm)

@@ -398,6 +398,22 @@ def test_empty_prompts_duplicate_ids_and_sample_like_ids_are_refused() -> None:
         scheduler.add_request(make_request("r", 3))
 
 
+def test_an_id_still_in_a_step_in_flight_is_refused_until_the_step_is_back() -> None:
+    """The overlapped loop updates a step after the next is scheduled: rows of a step scheduled before an abort
+    must not land on a new request of the same id, so the id is refused until that step is back."""
+    scheduler, runner = make_scheduler(num_blocks=16, block_size=4), FakeRunner(16, 4)
+    scheduler.add_request(make_request("x", 6, max_tokens=8))
+    in_flight = scheduler.schedule()
+    scheduler.finish_requests(["x"], FinishReason.ABORT)
+    with pytest.raises(ValueError, match="still in a step in flight"):
+        scheduler.add_request(make_request("x", 3, max_tokens=2))
+    assert scheduler.update_from_output(in_flight, runner.execute(in_flight)) == []
+    scheduler.add_request(make_request("x", 3, max_tokens=2))  # the step is back: the id is free again
+    outputs = run_to_completion(scheduler, runner)
+    assert [o.new_token_ids for o in outputs["x"]] == [[default_token("x", 0)], [default_token("x", 1)]]
+    assert scheduler.kv.num_free_blocks() == 16 and not scheduler._retiring
+
+
 # ------------------------------------------------------------------------------------- finish_requests
 
 

@@ -188,3 +188,19 @@ def test_n_samples_under_a_tiny_pool_swap_and_compute_every_token_once(prefix_ca
     if not prefix_caching:  # each sample runs its prompt's last token and its outputs but the last; once each
         assert scheduler.num_scheduled_tokens == sum(p - 1 + 2 * m for p, m in lengths.values())
     assert scheduler.kv.num_free_blocks() == 8 and _host_rows_all_back(scheduler, tiers)
+
+
+@pytest.mark.parametrize("host_blocks", [8, 1])
+def test_a_fork_that_finds_no_block_counts_as_a_preemption(host_blocks: int) -> None:
+    """A sample whose fork finds no block for its copy waits (in the host tier, or to recompute): a preemption, so
+    that the swap counters stay within it: swapped out + fallen back <= preemptions."""
+    tiers = fake_tiers(4, host_blocks)
+    scheduler = make_scheduler(num_blocks=2, block_size=4, max_num_batched_tokens=32, max_num_seqs=4,
+                               max_model_len=8, tiers=tiers, preemption_mode="swap")
+    runner = FakeRunner(2, 4, ref_count=scheduler.kv.pool.ref_count, tiers=tiers)
+    scheduler.add_request(make_request("a", 7, max_tokens=1, n=2))  # forked at 6 tokens: a full and a partial block
+    outputs = run_to_completion(scheduler, runner)
+    assert sorted(outputs) == ["a", "a#1"]
+    stats = scheduler.preemption_stats()
+    assert stats["num_preemptions"] == 1
+    assert (stats["num_swapped_out"], stats["num_swap_fallbacks"]) == ((1, 0) if host_blocks == 8 else (0, 1))
