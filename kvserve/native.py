@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import re
@@ -20,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -27,6 +29,7 @@ import platformdirs
 import torch
 
 _QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_log = logging.getLogger(__name__)
 COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 # The one environment variable kvserve's kernels read: KVSERVE_CPU_ISA=avx2 builds them for AVX2 + FMA
 # (Haswell) on any x86-64 CPU, so that a developer on an AVX-512 machine can measure the AVX2 code paths too
@@ -36,7 +39,14 @@ COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 ISA_ENV_VAR = "KVSERVE_CPU_ISA"
 ISA_MARCH = {"native": "-march=native", "avx2": "-march=haswell", "avx512": "-march=skylake-avx512",
              "avx512vnni": "-march=cascadelake", "avxvnni": "-march=alderlake"}
+# what each ISA's code needs of the CPU, as /proc/cpuinfo names it (the extensions its vector code uses)
+ISA_CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"),
+                 "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl"),
+                 "avx512vnni": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"),
+                 "avxvnni": ("avx2", "fma", "f16c", "avx_vnni")}
 COMPILE_TIMEOUT_S = 120
+BUILD_PREFIX = ".build-"  # a library being built; one a killed build left is removed after STALE_BUILD_S
+STALE_BUILD_S = 3600
 
 
 def kernel_range(name: str) -> contextlib.AbstractContextManager:
@@ -106,6 +116,11 @@ def _load_once(source: Path) -> ctypes.CDLL | KernelBuildError:
         path = library_path(source)
         try:
             return ctypes.CDLL(str(path))
+        except OSError:  # a cached file that is not a library (a copy cut short, a disk fault): built again once
+            _log.warning("the cached kernel library %s does not load; building it again", path)
+            _compile(source, path, compile_flags())
+        try:
+            return ctypes.CDLL(str(path))
         except OSError as error:
             raise KernelBuildError(f"could not load the kernel library {path}: {error}") from error
     except KernelBuildError as error:
@@ -124,7 +139,27 @@ def library_path(source: Path) -> Path:
     path = Path(platformdirs.user_cache_dir("kvserve")) / "kernels" / f"{source.stem}-{key[:16]}.so"
     if not path.exists():
         _compile(source, path, flags)
+    elif not _is_whole_elf(path):  # loading a truncated library faults (SIGBUS) when the missing pages are touched
+        _log.warning("the cached kernel library %s is cut short; building it again", path)
+        _compile(source, path, flags)
     return path
+
+
+def _is_whole_elf(path: Path) -> bool:
+    """Whether ``path`` holds a 64-bit ELF file as long as its header says: its section header table, which the
+    linker writes last, ends within the file."""
+    try:
+        with path.open("rb") as file:
+            header = file.read(64)
+            size = os.fstat(file.fileno()).st_size
+    except OSError:
+        return False
+    if len(header) < 64 or header[:5] != b"\x7fELF\x02":
+        return False
+    order = "little" if header[5] == 1 else "big"
+    table_offset = int.from_bytes(header[40:48], order)
+    entry_size, num_entries = int.from_bytes(header[58:60], order), int.from_bytes(header[60:62], order)
+    return table_offset + entry_size * num_entries <= size
 
 
 def included_headers(source: Path) -> list[Path]:
@@ -147,10 +182,16 @@ def included_headers(source: Path) -> list[Path]:
 
 
 def compile_flags() -> tuple[str, ...]:
-    """gcc's flags for the kernels, for the ISA that ``$KVSERVE_CPU_ISA`` names (default: this CPU's own)."""
-    isa = os.environ.get(ISA_ENV_VAR, "native")
+    """gcc's flags for the kernels, for the ISA that ``$KVSERVE_CPU_ISA`` names (default, or set empty: this CPU's
+    own); an ISA this CPU lacks is refused, as its code would stop the process at its first instruction."""
+    value = os.environ.get(ISA_ENV_VAR, "")
+    isa = value.strip().lower() or "native"
     if isa not in ISA_MARCH:
-        raise KernelBuildError(f"{ISA_ENV_VAR}={isa!r} is not a kernel ISA; expected one of {', '.join(ISA_MARCH)}")
+        raise KernelBuildError(f"{ISA_ENV_VAR}={value!r} is not a kernel ISA; expected one of {', '.join(ISA_MARCH)}")
+    flags = _cpuinfo_line(("flags", "Features"))
+    missing = [flag for flag in ISA_CPU_FLAGS.get(isa, ()) if flags is not None and flag not in flags.split()]
+    if missing:
+        raise KernelBuildError(f"{ISA_ENV_VAR}={value!r} needs {', '.join(missing)}, which this CPU lacks")
     return (*COMPILE_FLAGS, ISA_MARCH[isa])
 
 
@@ -184,19 +225,34 @@ def _compile(source: Path, path: Path, flags: tuple[str, ...]) -> None:
     compiler = shutil.which("gcc")
     if compiler is None:
         raise KernelBuildError("no C compiler: gcc is not on PATH")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename, so concurrent processes never load a half-written library
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_builds(path.parent)
+        # build beside the target and rename, so concurrent processes never load a half-written library
+        fd, tmp = tempfile.mkstemp(prefix=BUILD_PREFIX, suffix=".so", dir=path.parent)
+        os.close(fd)
         result = subprocess.run(
             [compiler, *flags, str(source), "-o", tmp, "-lm"],
             capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S,
         )
         if result.returncode != 0:
             raise KernelBuildError(f"gcc failed to compile {source.name}:\n{result.stderr.strip()}")
+        with open(tmp, "rb") as built:  # on the disk before its name is: a crash never leaves a short library
+            os.fsync(built.fileno())
+        os.chmod(tmp, 0o755)  # readable by whoever shares the cache folder (mkstemp's file is the owner's alone)
         os.replace(tmp, path)
     except (OSError, subprocess.TimeoutExpired) as error:
-        raise KernelBuildError(f"could not build {source.name} into {path}: {error}") from error
+        raise KernelBuildError(f"could not build {source.name} into the kernel cache {path.parent}: {error}") from error
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _remove_stale_builds(folder: Path) -> None:
+    """Remove the partial libraries that builds killed midway left behind."""
+    now = time.time()
+    for leftover in folder.glob(f"{BUILD_PREFIX}*.so"):
+        with contextlib.suppress(OSError):
+            if now - leftover.stat().st_mtime > STALE_BUILD_S:
+                leftover.unlink()

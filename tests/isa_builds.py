@@ -20,11 +20,12 @@ def cpu_flags() -> set[str]:
     return set(next((line for line in lines if line.startswith("flags")), "").split())
 
 
-def isa_build(source: Path, isa: str, needs: frozenset[str] = frozenset({"avx2", "fma"})) -> ctypes.CDLL:
-    """``source`` built for ``isa`` ("native": this machine's own); skips the test where ``isa`` is not native
-    and this CPU lacks a flag in ``needs`` to run that build."""
-    if isa != "native" and not needs <= cpu_flags():
-        pytest.skip(f"this CPU has no {' + '.join(sorted(needs))} to run the {isa} build")
+def isa_build(source: Path, isa: str) -> ctypes.CDLL:
+    """``source`` built for ``isa`` ("native": this machine's own); skips the test where this CPU lacks a flag
+    that build needs (``native.ISA_CPU_FLAGS``)."""
+    needs = set(native.ISA_CPU_FLAGS.get(isa, ()))
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU has no {' + '.join(sorted(needs - cpu_flags()))} to run the {isa} build")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(native.ISA_ENV_VAR, isa)
         return ctypes.CDLL(str(native.library_path(source)))

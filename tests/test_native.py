@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,59 @@ def test_a_failed_build_is_remembered_and_raised_again(cache_dir: Path, tmp_path
 def test_missing_source_is_a_build_error(tmp_path: Path) -> None:
     with pytest.raises(KernelBuildError, match="absent.c is missing"):
         native.library_path(tmp_path / "absent.c")
+
+
+def test_a_cached_library_cut_short_is_built_again(cache_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Loading a truncated library would fault (SIGBUS) once its missing pages were touched."""
+    path = native.library_path(KERNEL_SOURCE)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) * 3 // 10])
+    assert native.library_path(KERNEL_SOURCE) == path and path.read_bytes() == whole
+    assert "cut short; building it again" in caplog.text
+    assert callable(ctypes.CDLL(str(path)).kvserve_paged_decode_f32)
+
+
+def test_a_cached_file_that_does_not_load_is_built_again(cache_dir: Path, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    source = tmp_path / "answer.c"
+    source.write_text("int kvserve_answer(void) { return 42; }\n")
+    path = native.library_path(source)
+    path.write_bytes(b"\x7fELF\x02" + bytes(59))  # an ELF header naming no sections: whole, yet no library
+    assert native.load_library(source).kvserve_answer() == 42
+    assert "does not load; building it again" in caplog.text
+
+
+def test_builds_are_readable_by_all_and_a_killed_builds_leftover_goes(cache_dir: Path) -> None:
+    cache_dir.mkdir(parents=True)
+    leftover = cache_dir / f"{native.BUILD_PREFIX}abc.so"
+    leftover.write_bytes(b"half")
+    os.utime(leftover, (0, 0))
+    path = native.library_path(KERNEL_SOURCE)
+    assert path.stat().st_mode & 0o777 == 0o755
+    assert [p.name for p in cache_dir.iterdir()] == [path.name]
+
+
+def test_an_unwritable_cache_folder_is_a_build_error_naming_it(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setattr(native.platformdirs, "user_cache_dir", lambda app: str(blocked / app))
+    with pytest.raises(KernelBuildError, match="into the kernel cache .*a-file/kvserve/kernels"):
+        native.library_path(KERNEL_SOURCE)
+
+
+@pytest.mark.parametrize("value", ["", " AVX2 ", "Native"])
+def test_the_isa_variable_set_empty_or_in_capitals_is_read(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(native.ISA_ENV_VAR, value)
+    march = native.compile_flags()[-1]
+    assert march == ("-march=haswell" if "avx2" in value.lower() else "-march=native")
+
+
+def test_an_isa_this_cpu_lacks_is_refused_before_its_code_could_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without AVX-512 the avx512 build would stop the process at its first instruction (SIGILL)."""
+    monkeypatch.setattr(native, "_cpuinfo_line", lambda prefixes: "flags : fpu sse2 avx avx2 fma f16c")
+    monkeypatch.setenv(native.ISA_ENV_VAR, "avx512")
+    with pytest.raises(KernelBuildError, match="needs avx512f, avx512bw, avx512dq, avx512vl, which this CPU lacks"):
+        native.compile_flags()
+    monkeypatch.setenv(native.ISA_ENV_VAR, "avx2")
+    assert native.compile_flags()[-1] == "-march=haswell"

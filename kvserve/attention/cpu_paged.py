@@ -23,7 +23,9 @@ and outputs stay fp32. int4 keys are stored rotated, so the kernels rotate the q
 (``kv/csrc/int4_groups.h``'s butterflies: at a one-stream decode step, torch's matrix multiply took 10-17 us a
 layer for what the butterflies do in well under one).
 
-``TorchRefBackend`` is the twin the tests compare both against (it dequantizes what it gathers). The kernels are
+``TorchRefBackend`` is the twin the tests compare both against (it dequantizes what it gathers). One difference
+is kept on purpose: a NaN score (a NaN key) weighs 0 in the kernels' softmax, where the twin's row turns NaN, since
+checking for it would cost the hot loop a compare a lane for a model that is broken already. The kernels are
 built at first use (``kvserve.native``) and called through ctypes with raw pointers.
 """
 

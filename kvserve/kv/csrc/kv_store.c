@@ -49,7 +49,8 @@ static inline float half_value(uint16_t bits) {
 /* The fp16 nearest to `scale` (>= 0) that is not below it, up to fp16's largest (quant.py's _half_at_least). */
 static inline uint16_t half_at_least(float scale) {
     const uint16_t bits = half_bits(scale > FP16_MAX ? FP16_MAX : scale); /* a NaN stays NaN, as in clamp */
-    return half_value(bits) < scale ? (uint16_t)(bits + 1) : bits; /* positive: the next fp16 up is bits + 1 */
+    /* positive: the next fp16 up is bits + 1; fp16's largest (0x7BFF) is never stepped past, to inf */
+    return half_value(bits) < scale && bits < 0x7BFF ? (uint16_t)(bits + 1) : bits;
 }
 
 static inline float reciprocal(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
