@@ -265,14 +265,14 @@ class CompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise InvalidParameter("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported (every sample is returned)")
+            raise InvalidParameter("best_of", "best_of other than n is not supported (every sample is returned)")
         for name in ("tools", "tool_choice"):
             if getattr(self, name) is not None:
-                raise ValueError(f"{name} is only supported on /v1/chat/completions")
+                raise InvalidParameter(name, f"{name} is only supported on /v1/chat/completions")
         if self.prompt == [] or any(p == [] or p == "" for p in self.prompts):
-            raise ValueError("prompt must not be empty")
+            raise InvalidParameter("prompt", "prompt must not be empty")
         return self
 
     @property

@@ -132,7 +132,11 @@ def test_an_error_names_the_field_as_the_request_sent_it(server: ServerProcess) 
     cases = [(completion(temprature=0.5), "/v1/completions", "temprature"),
              (completion(structured_outputs={"regex": 5}), "/v1/completions", "structured_outputs.regex"),
              (chat(logprobs=True, top_logprobs=50), "/v1/chat/completions", "top_logprobs"),
-             (chat(functions=[{"name": "f"}]), "/v1/chat/completions", "functions")]
+             (chat(functions=[{"name": "f"}]), "/v1/chat/completions", "functions"),
+             (completion(suffix="x"), "/v1/completions", "suffix"),
+             (completion(best_of=3), "/v1/completions", "best_of"),
+             (completion(tools=[]), "/v1/completions", "tools"),
+             (completion(prompt=""), "/v1/completions", "prompt")]
     for body, route, param in cases:
         error = assert_openai_error(httpx.post(f"{server.url}{route}", content=body,
                                                headers={"content-type": "application/json"}), 400)
