@@ -7,6 +7,9 @@
 # built here once), so peers that pick their kernels by CPUID, as OpenVINO's CPU plugin does, run their AVX2
 # paths; glibc's string functions, torch, MKL, oneDNN and kvserve's kernels are also held by their own switches.
 # Needs CPUID faulting (the "cpuid_fault" flag in /proc/cpuinfo); without it the command is not run (exit 97).
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # -h / --help: the header above, nothing run
+  awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0
+fi
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/kvserve

@@ -10,6 +10,9 @@
 # serves llama.cpp's AVX2 build. OpenVINO's CPU plugin picks its kernels by CPUID, so only the CPUID mask holds it
 # to AVX2 (session 23: no zmm register in its JIT code or its sampled hot loops under the mask; session 18 found
 # zmm FMAs under ONEDNN_MAX_CPU_ISA alone).
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # -h / --help: the header above, nothing run
+  awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0
+fi
 set -euo pipefail
 OUT=${OUT:-docs/results/cpu-targets-$(date +%Y%m%d-%H%M)}
 AVX2_ONLY=benchmarks/avx2_only.sh

@@ -36,6 +36,9 @@
 # latency half has never been measured), `kernels` (session 25's cascade rows) and `splits`. benchmarks/GPU_NOTES.md has each figure's
 # floor and what to expect.
 
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # -h / --help: the header above, nothing run
+  awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0
+fi
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
 # installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the
 # platform flags, and .git/info/exclude should name /.whl/):

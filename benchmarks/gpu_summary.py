@@ -142,6 +142,9 @@ def summarize(results: Path) -> list[str]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(__doc__)
+        sys.exit(0)
     if len(sys.argv) != 2 or not Path(sys.argv[1]).is_dir():
         sys.exit(__doc__)
     print("\n".join(summarize(Path(sys.argv[1]))))

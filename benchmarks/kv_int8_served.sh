@@ -3,6 +3,9 @@
 # 100 out), the two caches taking turns on each workload (ORDER="int8 auto" reverses them). Writes into $OUT.
 # LOADS="long" runs one workload; LONG_PROMPT=1000 LONG_OUT=1000 NUM_PROMPTS=16 makes its 2,000-token contexts
 # decode-heavy (one wave of 16 requests).
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # -h / --help: the header above, nothing run
+  awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0
+fi
 set -uo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PORT=18820

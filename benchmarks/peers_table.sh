@@ -4,7 +4,8 @@
 # seeded `random` workload at concurrency 1, 4 and 16, then the `prefix` workload. One JSON per pass in $OUT
 # (default docs/results/peers-<date>), then `kvserve bench compare` tables per load.
 #
-#   LLAMA_SERVER=$LCPP_DIR/bin/llama-server LLAMA_F32=$LLAMA_F32_GGUF benchmarks/peers_table.sh
+#   LLAMA_SERVER=$PEERS_DIR/llamacpp/build/bin/llama-server LLAMA_F32=$PEERS_DIR/smollm2-f32.gguf \
+#       benchmarks/peers_table.sh
 #   (benchmarks/peers/README.md says how to build llama-server and make the F32 GGUF)
 #   SYSTEMS="kvserve-nocache" LOADS="c16 prefix" benchmarks/peers_table.sh   # a subset; kvserve-nocache: the
 #                                                                           # prefix cache off (issue 9)
@@ -14,6 +15,9 @@
 #   SYSTEMS="kvserve llamacpp-q4_1 llamacpp-q4_1-repack" LOADS=c1 ...  # llama.cpp with its repacking on too
 #   MODEL=gemma-3-270m SYSTEMS="kvserve kvserve-mmap llamacpp-q4_1" ...  # llamacpp-q4_1 serves the model's shipped
 #                                                                       # file: Gemma 3's is Q4_K_M
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # -h / --help: the header above, nothing run
+  awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=${MODEL:-smollm2-135m-instruct}  # gemma-3-270m: its Q4_K_M file, as `kvserve pull` fetches it

@@ -4,8 +4,12 @@
 # per pass, then `kvserve bench compare` tables.
 #
 #   benchmarks/prefix_cache.sh                       # kvserve on / off, plus llama.cpp if $LLAMA_SERVER is set
-#   LLAMA_SERVER=/work/peers/llamacpp/bin/llama-server LLAMA_GGUF=/work/peers/smollm2-f32.gguf benchmarks/prefix_cache.sh
+#   LLAMA_SERVER=$PEERS_DIR/llamacpp/build/bin/llama-server LLAMA_GGUF=$PEERS_DIR/smollm2-f32.gguf \
+#       benchmarks/prefix_cache.sh    # llama.cpp too: benchmarks/peers/README.md says how to build and make them
 #   WORKLOADS="prefix" benchmarks/prefix_cache.sh    # a subset
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # -h / --help: the header above, nothing run
+  awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=smollm2-135m-instruct

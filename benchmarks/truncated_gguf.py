@@ -2,10 +2,9 @@
 that shares the target's tokenizer, embeddings and head (untrained: the kept blocks' output goes straight to the
 final norm and head, an early exit), stored in the target's own quantized blocks.
 
-    python benchmarks/truncated_gguf.py ~/.cache/kvserve/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf \
-        /tmp/smollm2-8-layers.gguf --num-layers 8
+    python benchmarks/truncated_gguf.py "$(kvserve pull smollm2-135m-instruct | tail -1)" smollm2-8.gguf --num-layers 8
 
-Then ``--speculative-method draft --draft-model /tmp/smollm2-8-layers.gguf``. Fields and tensors are copied as
+Then ``--speculative-method draft --draft-model smollm2-8.gguf``. Fields and tensors are copied as
 stored (gguf's own ``gguf_new_metadata`` way), except ``<arch>.block_count`` and the blocks past N.
 """
 
@@ -47,9 +46,9 @@ def truncate(src: str, dst: str, num_layers: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("src")
-    parser.add_argument("dst")
-    parser.add_argument("--num-layers", type=int, required=True)
+    parser.add_argument("src", help="the GGUF to copy (a packaged model's: `kvserve pull NAME | tail -1`)")
+    parser.add_argument("dst", help="the GGUF to write")
+    parser.add_argument("--num-layers", type=int, required=True, help="transformer blocks to keep, the first N")
     args = parser.parse_args()
     truncate(args.src, args.dst, args.num_layers)
 
