@@ -4,8 +4,8 @@ The peers are compared on the same weights kvserve runs: transformers dequantize
 dropping the quantizer and its config makes ``save_pretrained`` write plain fp32 safetensors that llama.cpp's
 ``convert_hf_to_gguf.py`` (an F32 GGUF) and ``optimum-cli export openvino`` (an fp32 IR) both read::
 
-    python benchmarks/peers/export_f32.py                       # -> /work/peers/smollm2-f32-hf
-    python benchmarks/peers/export_f32.py --check               # also compare greedy tokens with the GGUF
+    python benchmarks/peers/export_f32.py --out "$PEERS_DIR/smollm2-f32-hf"            # $PEERS_DIR: your choice
+    python benchmarks/peers/export_f32.py --out "$PEERS_DIR/smollm2-f32-hf" --check    # greedy tokens checked too
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from hf_source import pretrained_args
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_OUT = Path("/work/peers/smollm2-f32-hf")
 CHECK_PROMPT = "The three primary colours are"
 CHECK_NUM_TOKENS = 32
 
@@ -63,7 +62,7 @@ def check_same_greedy(reference: list[int], out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL, help="a packaged model name or a .gguf file")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, required=True, help="the Hugging Face directory to write")
     parser.add_argument("--check", action="store_true", help="compare greedy tokens of the GGUF and the export")
     args = parser.parse_args()
     hf_model, tokenizer = load_gguf_fp32(args.model)
