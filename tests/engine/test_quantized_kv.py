@@ -5,14 +5,16 @@ int8 and fp8 keep logits and greedy tokens close to the fp32 cache (int4 within 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.attention.backend import AttentionInputs
 from kvserve.kv.quant import ENCODINGS
 from kvserve.kv.storage import KVCacheStorage
+from kvserve.model.checkpoint import make_checkpoint
 from tests.conftest import assert_all_blocks_free, greedy_token_ids
 
 MAX_NEW = 12
@@ -58,6 +60,26 @@ def test_chunks_samples_prefix_hits_and_preemption_keep_the_tokens(llama, kv_cac
     assert [o[0] for o in greedy_token_ids(small, prompts, MAX_NEW)] == expected
     assert small.stats()["num_preemptions"] > 0
     assert_all_blocks_free(small)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_windowed_models_logprobs_are_the_same_bits_wherever_its_chunks_are_cut(tmp_path: Path,
+                                                                                   kv_cache_dtype: str) -> None:
+    """Gemma 3's window layers (64 keys: more than one tile of the kernel's): a chunk's first query sets where its
+    keys start, so key tiles on a grid of their own keep each row's sums (and a quantized cache's codes) the same
+    whatever the budget cut the prompt into, so in any batch (none of these budgets leaves a last chunk of one
+    token, which the decode kernel would take)."""
+    path = make_checkpoint(tmp_path / "gemma3", "gemma3", "small", seed=0)
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 2000) for _ in range(301)]
+    logprobs = []
+    for budget in (7, 16, 64):
+        llm = LLM(str(path), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=budget,
+                  kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+        output = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=6, logprobs=3),
+                              use_tqdm=False)[0].outputs[0]
+        logprobs.append([{token: entry.logprob for token, entry in position.items()} for position in output.logprobs])
+    assert logprobs[0] == logprobs[1] == logprobs[2]
 
 
 def test_the_same_budget_holds_proportionally_more_blocks(llama) -> None:

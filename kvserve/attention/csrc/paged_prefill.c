@@ -9,7 +9,9 @@
  *
  *     keys:   start ....... p_last - window + 1 ................... p_first ........ p_last
  *             |<- masked ------>|<- tiles of KEY_TILE keys, no mask ->|<- masked (diagonal) ->|
- *     start = p_first - window + 1 (or 0): older keys are skipped; without a window only the diagonal is masked
+ *     start = p_first - window + 1 (or 0): older keys are skipped, but for those of start's tile: tiles lie on a
+ *     grid of KEY_TILE keys from key 0, so that a row's sums do not depend on where its chunk was cut; without a
+ *     window only the diagonal is masked
  *
  * Per key tile: the scores of every row against the tile's keys (queries transposed once per item, so a score
  * block is broadcast-FMAs of key elements with rows of queries, sums in registers), an online softmax down the
@@ -116,14 +118,17 @@ static inline __attribute__((always_inline)) void dequantize_tile(const PrefillA
 #undef DEQUANTIZE
 }
 
-/* Cache offsets (floats, to the item's KV head) of keys first .. first + num_keys - 1 of a block table. */
-static inline void key_rows(const PrefillArgs *a, const int32_t *table, int first, int num_keys, int64_t head_offset,
-                            int64_t *rows) {
+/* Cache offsets (floats, to the item's KV head) of keys first .. first + num_keys - 1 of a block table; keys before
+ * start (masked) read start's row. */
+static inline void key_rows(const PrefillArgs *a, const int32_t *table, int first, int start, int num_keys,
+                            int64_t head_offset, int64_t *rows) {
     const int64_t slot_stride = (int64_t)a->num_kv_heads * a->head_dim;
-    int block = first / a->block_size, offset = first % a->block_size;
+    const int skipped = first < start ? start - first : 0; /* masked keys before the window: start's row stands in
+                                                              (their blocks may be freed), weighted 0 */
+    int block = (first + skipped) / a->block_size, offset = (first + skipped) % a->block_size;
     for (int t = 0; t < num_keys; t++) {
         rows[t] = ((int64_t)table[block] * a->block_size + offset) * slot_stride + head_offset;
-        if (++offset == a->block_size) offset = 0, block++;
+        if (t >= skipped && ++offset == a->block_size) offset = 0, block++;
     }
 }
 
@@ -240,6 +245,9 @@ static inline __attribute__((always_inline)) int attend_tile(const PrefillArgs *
     const int start = a->window > 0 && first_pos - a->window + 1 > 0 ? first_pos - a->window + 1 : 0;
     const int32_t *table = a->block_tables + item.chunk * a->block_table_stride;
     if (!blocks_in_cache(a, table, start, last_pos)) return 1;
+    /* Key tiles on a grid of KEY_TILE from key 0, whatever the item's first query: a row then sums its keys in the
+     * same groups wherever its chunk was cut (so in any batch); the keys before start are masked. */
+    const int first_tile_key = start - start % KEY_TILE;
     const int64_t head_offset = (int64_t)item.kv_head * d;
 
     float q_t[d * width], acc[width * d], scores[KEY_TILE * width];
@@ -263,9 +271,9 @@ static inline __attribute__((always_inline)) int attend_tile(const PrefillArgs *
     for (int t = 0; t < KEY_TILE; t++) tile_rows[t] = (int64_t)t * d;
     const float *keys = quantized ? k_tile : a->k_cache, *values = quantized ? v_tile : a->v_cache;
     const int64_t *read_rows = quantized ? tile_rows : rows;
-    for (int first_key = start; first_key <= last_pos; first_key += KEY_TILE) {
+    for (int first_key = first_tile_key; first_key <= last_pos; first_key += KEY_TILE) {
         const int num_keys = last_pos + 1 - first_key < KEY_TILE ? last_pos + 1 - first_key : KEY_TILE;
-        key_rows(a, table, first_key, num_keys, head_offset, rows);
+        key_rows(a, table, first_key, start, num_keys, head_offset, rows);
         if (quantized) dequantize_tile(a, rows, num_keys, k_tile, v_tile, d);
         tile_scores(q_t, width, keys, read_rows, num_keys, scores, d);
         const int reaches_future = first_key + num_keys - 1 > first_pos;
