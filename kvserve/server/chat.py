@@ -34,9 +34,11 @@ from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,
     BatchCursor,
+    SampleDelta,
     last_item,
     num_tokens_used,
     sse,
+    text_positions,
     token_bytes,
     token_text,
     top_entries,
@@ -111,8 +113,9 @@ class ChatServer(GenerationHandler):
         choices = []
         for s in out.outputs:
             message, finish_reason = self._message(s.text, str(s.finish_reason), s.stop_reason)
+            delta = SampleDelta(s.text, s.token_ids, s.logprobs, str(s.finish_reason), s.stop_reason, is_first=True)
             choices.append(ChatChoice(index=s.index, message=message, finish_reason=finish_reason,
-                                      stop_reason=s.stop_reason, logprobs=self._logprobs(s.token_ids, s.logprobs)))
+                                      stop_reason=s.stop_reason, logprobs=self._logprobs(delta)))
         return ChatCompletionResponse(
             id=self.request_id, model=self.model_name, choices=choices, usage=Usage.of(*num_tokens_used([out]))
         )
@@ -130,7 +133,7 @@ class ChatServer(GenerationHandler):
         async for outputs in stream:
             for index, delta in cursor.advance(outputs):
                 message, finish_reason = self._delta(index, delta.text, delta.finish_reason, delta.stop_reason)
-                logprobs = self._logprobs(delta.token_ids, delta.logprobs)
+                logprobs = self._logprobs(delta)
                 if message.content is None and message.tool_calls is None and finish_reason is None \
                         and logprobs is None:
                     continue  # text a tool-call parser holds back: nothing to send yet
@@ -179,12 +182,12 @@ class ChatServer(GenerationHandler):
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, model=self.model_name, choices=choices, usage=usage)
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None) -> ChatLogprobs | None:
-        if not self.body.logprobs or logprobs is None:
+    def _logprobs(self, delta: SampleDelta) -> ChatLogprobs | None:
+        if not self.body.logprobs or delta.logprobs is None:
             return None
         k = self.body.top_logprobs or 0
         content = []
-        for token_id, position in zip(token_ids, logprobs):
+        for token_id, position in text_positions(delta, self.params.include_stop_str_in_output):
             chosen = self._top(token_id, position)
             top = [self._top(t, position) for t, _ in top_entries(position, k)]
             content.append(TokenLogprob(**chosen.model_dump(), top_logprobs=top))

@@ -20,6 +20,7 @@ from kvserve.server.streaming import (
     last_item,
     num_tokens_used,
     sse,
+    text_positions,
     token_text,
     top_entries,
 )
@@ -94,7 +95,8 @@ class CompletionServer(GenerationHandler):
         before text held back for a stop string or an incomplete character, so the text sent is no measure)."""
         if self.body.logprobs is None or delta.logprobs is None:
             return None
-        positions: list[tuple[int, PositionLogprobs | None]] = list(zip(delta.token_ids, delta.logprobs))
+        positions: list[tuple[int, PositionLogprobs | None]] = list(
+            text_positions(delta, self.params.include_stop_str_in_output))
         unseen: set[int] = set()
         if with_prompt:
             positions = list(zip(out.prompt_token_ids, out.prompt_logprobs or [])) + positions
@@ -125,9 +127,9 @@ class CompletionServer(GenerationHandler):
             else:
                 token = token_text(token_id, position[token_id], self.tokenizer)
                 result.token_logprobs.append(position[token_id].logprob)
-                result.top_logprobs.append(
-                    {token_text(t, lp, self.tokenizer): lp.logprob for t, lp in top_entries(position, k)}
-                )
+                # the token itself beside the k most likely, as OpenAI's and vLLM's legacy completions give it
+                entries = dict(top_entries(position, k)) | {token_id: position[token_id]}
+                result.top_logprobs.append({token_text(t, lp, self.tokenizer): lp.logprob for t, lp in entries.items()})
             result.tokens.append(token)
             result.text_offset.append(offset)
             offset += 0 if len(result.tokens) - 1 in unseen else len(token)

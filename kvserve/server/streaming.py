@@ -213,6 +213,15 @@ def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
     return tokenizer.decode([token_id])
 
 
+def text_positions(delta: SampleDelta, include_stop_str_in_output: bool) -> list[tuple[int, PositionLogprobs]]:
+    """The delta's tokens that are text, with their logprobs: an EOS or stop token that ended the sample stays in
+    its token ids but is no text, so it gets no logprob entry (as in OpenAI's answers, whose entries spell the
+    text)."""
+    positions = list(zip(delta.token_ids, delta.logprobs or []))
+    ended_by_token = delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
+    return positions[:-1] if ended_by_token and positions and not include_stop_str_in_output else positions
+
+
 def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
     """The k most likely tokens at a position, most likely first."""
     ranked = sorted(position.items(), key=lambda item: item[1].rank)

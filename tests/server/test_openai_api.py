@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
 import httpx
 import openai
@@ -147,6 +148,38 @@ def test_chat_logprobs_have_the_asked_number_of_alternatives(client: openai.Open
     assert not any("\ufffd" in e.token for e in content)
     text = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
     assert text == answer.choices[0].message.content
+
+
+def test_logprobs_spell_the_text_when_an_eos_ends_the_answer(tiny_checkpoint, client: openai.OpenAI) -> None:
+    """The EOS that ends a sample is no text, so it has no logprob entry: chat's bytes and completions' tokens
+    still spell the text, streamed or not."""
+    eos = json.loads((tiny_checkpoint / "config.json").read_text())["eos_token_id"]
+    ends = {"temperature": 0.0, "logit_bias": {str(eos): 100}, "extra_body": {"min_tokens": 3}}
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, logprobs=True,
+                                            top_logprobs=1, **ends)
+    assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == 4
+    content = answer.choices[0].logprobs.content
+    assert len(content) == 3
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace") == answer.choices[0].message.content
+    streamed = [e for c in client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8,
+                                                         logprobs=True, top_logprobs=1, stream=True, **ends)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    completion = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, logprobs=1, **ends)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and "".join(choice.logprobs.tokens) == choice.text
+
+
+def test_echoed_prompt_tokens_are_among_their_own_top_logprobs(client: openai.OpenAI) -> None:
+    """Legacy completions give each position its k most likely tokens and the token itself (OpenAI, vLLM): a
+    prompt token the model did not expect still has its entry."""
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, logprobs=1, echo=True,
+                                       **GREEDY)
+    logprobs = answer.choices[0].logprobs
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        if top is not None:
+            assert top[token] == logprob and 1 <= len(top) <= 2
+    assert any(len(top) == 2 for top in logprobs.top_logprobs if top)  # some prompt token outside the top 1
 
 
 def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
