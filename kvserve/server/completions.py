@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
-from kvserve.outputs import PositionLogprobs, RequestOutput
+from kvserve.outputs import CompletionOutput, FinishReason, PositionLogprobs, RequestOutput
 from kvserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -46,7 +47,8 @@ class CompletionServer(GenerationHandler):
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:
         """Queue the requests (raising APIError 400 for bad input) and return their output stream."""
-        return await self._generate(engine_prompts(self.body))
+        stream = await self._generate(engine_prompts(self.body))
+        return _prompts_only(stream) if self.body.scores_prompt else stream
 
     async def respond(self, stream: AsyncIterator[list[RequestOutput]]) -> CompletionResponse:
         outputs = await last_item(stream)
@@ -134,3 +136,13 @@ class CompletionServer(GenerationHandler):
             result.text_offset.append(offset)
             offset += 0 if len(result.tokens) - 1 in unseen else len(token)
         return result, offset
+
+
+async def _prompts_only(stream: AsyncIterator[list[RequestOutput]]) -> AsyncIterator[list[RequestOutput]]:
+    """The outputs of a scoring request (``max_tokens`` 0) without the one token each sample drew: their prompts
+    alone, finished by length."""
+    async for outputs in stream:
+        yield [replace(out, outputs=[
+            CompletionOutput(s.index, "", [], FinishReason.LENGTH if s.finished else None, None,
+                             [] if s.logprobs is not None else None) for s in out.outputs])
+               for out in outputs]

@@ -283,9 +283,17 @@ class CompletionRequest(SamplingRequest):
             return [prompt]  # type: ignore[list-item]
         return list(prompt)  # type: ignore[arg-type]
 
+    @property
+    def scores_prompt(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt back with its logprobs and no completion (how evaluation
+        harnesses score a text)."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
+        # scoring runs one step, whose token the answer leaves out: the prompt's logprobs come with the first
+        max_tokens = 1 if self.scores_prompt else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class CompletionLogprobs(BaseModel):

@@ -219,3 +219,22 @@ def test_greedy_output_over_http_equals_the_offline_api(client: openai.OpenAI, t
     for prompt, expected in zip(prompts, offline):
         answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, **GREEDY)
         assert answer.choices[0].text == expected.outputs[0].text
+
+
+def test_echo_with_no_tokens_scores_the_prompt(client: openai.OpenAI) -> None:
+    """``echo`` with ``max_tokens`` 0, as evaluation harnesses score a text: the prompt and its logprobs, nothing
+    drawn; the same streamed. ``max_tokens`` 0 without echo is still refused."""
+    scored = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                       temperature=0.0)
+    choice = scored.choices[0]
+    echoed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, echo=True, logprobs=1,
+                                       temperature=0.0).choices[0].logprobs
+    assert choice.text == PROMPT and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    num_prompt_tokens = scored.usage.prompt_tokens
+    assert choice.logprobs.token_logprobs == echoed.token_logprobs[:num_prompt_tokens]
+    assert choice.logprobs.tokens == echoed.tokens[:num_prompt_tokens]
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0,
+                                                              echo=True, logprobs=1, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == PROMPT and chunks[-1].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
