@@ -59,7 +59,8 @@ class InputProcessor:
             if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
         if self.tokenizer.chat_template is None:
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+            raise ValueError("this model has no chat template: send it a plain prompt (/v1/completions, or "
+                             "LLM.generate)")
         text = self.tokenizer.apply_chat_template(
             list(messages), tools=list(tools) if tools else None, tokenize=False,
             add_generation_prompt=add_generation_prompt,

@@ -44,6 +44,14 @@ def test_chat_uses_the_chat_template(llm: LLM) -> None:
     assert [o.outputs[0].token_ids for o in two] == [out.outputs[0].token_ids] * 2
 
 
+def test_chat_with_a_model_without_a_template_says_what_to_send(llm: LLM, monkeypatch) -> None:
+    """Gemma 3 270M's GGUF (a base model) has none: the message fits an HTTP client as well as a Python one."""
+    monkeypatch.setattr(llm.get_tokenizer(), "chat_template", None)
+    with pytest.raises(ValueError, match=r"no chat template: send it a plain prompt \(/v1/completions"):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))
+    assert llm.stats()["num_waiting"] == 0
+
+
 def test_stats_report_the_kv_cache(llm: LLM) -> None:
     stats = llm.stats()
     for key in ("block_size", "num_blocks_total", "num_blocks_used", "num_blocks_free", "kv_cache_dtype"):
