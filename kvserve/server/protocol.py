@@ -564,7 +564,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvserve"
     root: str
-    max_model_len: int
+    max_model_len: int | None  # None while the model loads
 
 
 class ModelList(BaseModel):

@@ -52,7 +52,7 @@ class ServerState:
     settings: ServerSettings
     engine: AsyncEngine | None = None
     metrics: ServerMetrics | None = None
-    max_model_len: int = 0
+    max_model_len: int | None = None  # known once the model is loaded
     draining: bool = False
     load_error: BaseException | None = field(default=None, repr=False)
 

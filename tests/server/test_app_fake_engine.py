@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.server.app import build_app
@@ -217,3 +218,12 @@ def test_time_per_output_token_is_per_sample_with_n_samples(srv: InProcessServer
     srv.wait_idle()
     tpot, e2e, ttft = (srv.metric(f"kvserve:{name}_sum") - b for name, b in zip(names, before))
     assert tpot * 39 == pytest.approx(e2e - ttft, rel=0.25)
+
+
+def test_while_the_model_loads_its_context_length_is_not_known_yet() -> None:
+    """/v1/models answers as soon as the server listens: its max_model_len is null until the model is loaded,
+    never a 0 that a client would size its prompts by."""
+    state = ServerState(ServerSettings((MODEL,), "fake-root"))
+    with TestClient(build_app(state)) as loading:
+        assert loading.get("/health").status_code == 503
+        assert loading.get("/v1/models").json()["data"][0]["max_model_len"] is None
