@@ -39,6 +39,7 @@ COMPARED = [
     (("failed",), "failed"),
 ]
 VERSIONED_PACKAGES = ("kvserve", "torch", "transformers", "httpx", "numpy")
+REDACTED = "<redacted>"
 
 
 # ---- tables --------------------------------------------------------------------------------------------
@@ -50,8 +51,8 @@ def format_run(run: dict[str, Any], title: str) -> str:
              f"completed {run['completed']}, failed {run['failed']}, {run['duration_s']:.2f} s"]
     lines += [f"  error x{count}: {error}" for error, count in run["errors"].items()]
     if run["num_without_usage"]:
-        lines.append(f"  {run['num_without_usage']} requests came without usage: their output tokens are counted "
-                     "chunks and their input tokens the workload's lengths")
+        lines.append(f"  {run['num_without_usage']} requests came without usage: their output tokens are their text "
+                     "re-tokenized with the benchmark's tokenizer, and their input tokens the workload's lengths")
     lines.append(f"throughput: {run['request_throughput']:.3f} req/s, tokens/s input {run['input_throughput']:.1f}, "
                  f"output {run['output_throughput']:.1f}, total {run['total_throughput']:.1f}")
     if "goodput" in run:
@@ -89,9 +90,18 @@ def _percent(value: float | None) -> str:
 
 def write_result_json(path: str | Path, result: dict[str, Any], args: argparse.Namespace) -> None:
     """``result`` with the command's configuration, the machine, the package versions and the git commit."""
-    config = {key: value for key, value in vars(args).items() if key != "func"}
+    config = _redacted({key: value for key, value in vars(args).items() if key != "func"})
     document = {**result, "config": config, "machine": machine(), "versions": versions()}
     Path(path).write_text(json.dumps(document, indent=1, default=str) + "\n")  # default: Paths in the config
+
+
+def _redacted(config: dict[str, Any]) -> dict[str, Any]:
+    """The configuration without the API key, in its field or in the command line: result files are shared."""
+    key = config.get("api_key")
+    if not key:
+        return config
+    argv = [arg.replace(key, REDACTED) for arg in config.get("argv", [])]  # "--api-key KEY" and "--api-key=KEY"
+    return {**config, "api_key": REDACTED, **({"argv": argv} if "argv" in config else {})}
 
 
 def check_output_path(path: str | Path, flag: str, directory: bool = False) -> None:
@@ -191,8 +201,8 @@ def _columns(path: Path) -> list[tuple[str, dict[str, Any]]]:
         raise ValueError(f"{path} is not a kvserve result JSON (no 'kind')")
     label = document.get("label") or path.stem
     runs = document.get("runs", [document])
-    if not isinstance(runs, list) or not all(isinstance(run, dict) for run in runs):
-        raise ValueError(f"{path}: 'runs' is not a list of runs")
+    if not isinstance(runs, list) or not runs or not all(isinstance(run, dict) for run in runs):
+        raise ValueError(f"{path}: 'runs' is not a non-empty list of runs")
     if len(runs) == 1:
         return [(label, runs[0])]
     return [(f"{label} @{run.get('request_rate')}", run) for run in runs]

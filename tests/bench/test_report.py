@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.bench.report import check_output_path, compare_table, format_sweep, write_result_json
+from kvserve.cli import main
 
 
 def write(path: Path, document: dict) -> Path:
@@ -27,6 +28,18 @@ def test_result_json_holds_config_machine_versions_and_commit(tmp_path: Path) ->
     versions = document["versions"]
     assert versions["kvserve"] and versions["torch"] and len(versions["git_commit"]) == 40
     assert isinstance(versions["git_dirty"], bool)
+
+
+def test_result_json_never_holds_the_api_key(tmp_path: Path) -> None:
+    argv = ["bench", "serve", "--api-key", "sk-SECRET123", "--label=x", "--api-key=sk-SECRET123"]
+    args = argparse.Namespace(api_key="sk-SECRET123", argv=argv, label="x")
+    path = tmp_path / "r.json"
+    write_result_json(path, {"kind": "serve", "label": "a", "runs": []}, args)
+    assert "SECRET" not in path.read_text()
+    config = json.loads(path.read_text())["config"]
+    assert config["api_key"] == "<redacted>" and config["label"] == "x"
+    assert config["argv"] == ["bench", "serve", "--api-key", "<redacted>", "--label=x", "--api-key=<redacted>"]
+    assert args.api_key == "sk-SECRET123"  # the run's own arguments are left as they were
 
 
 def test_compare_puts_runs_side_by_side_with_ratios_to_the_first(tmp_path: Path) -> None:
@@ -72,6 +85,12 @@ def test_compare_refuses_json_that_is_not_a_result(tmp_path: Path, document: obj
     path = write(tmp_path / "config.json", document)
     with pytest.raises(ValueError, match=re.escape(f"{path} is not a kvserve result JSON (no 'kind')")):
         compare_table([path])
+
+
+def test_compare_refuses_a_result_without_runs(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = write(tmp_path / "empty.json", {"kind": "serve", "label": "x", "runs": []})
+    assert main(["bench", "compare", str(path)]) == 2
+    assert capsys.readouterr().err == f"kvserve: error: {path}: 'runs' is not a non-empty list of runs\n"
 
 
 def test_output_paths_are_checked_with_their_flag(tmp_path: Path) -> None:
