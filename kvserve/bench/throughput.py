@@ -109,6 +109,8 @@ def selected_systems(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     modes = _split(args.hf_mode, HF_MODES, "--hf-mode")
     if args.profile_every < 2:
         raise ValueError(f"--profile-every must be >= 2, got {args.profile_every}")
+    if args.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
     return [(backend, mode) for backend in backends for mode in ([None] if backend == "kvserve" else modes)]
 
 
@@ -163,15 +165,16 @@ def throughput_report(results: list[SystemResult], args: argparse.Namespace, dty
 
 def tokenized(requests: list[SampleRequest], chat: InputProcessor) -> list[SampleRequest]:
     """Every prompt as the token ids kvserve's input processor makes of it, checked against the model's limits
-    before anything is timed. Chat requests (multiturn) stay as they are: their history is known only as the
-    run goes."""
-    return [r if r.messages is not None else _as_token_ids(r, chat) for r in requests]
+    before anything is timed. Multiturn requests stay as they are: their history is known only as the run goes.
+    """
+    return [r if r.turn is not None else _as_token_ids(r, chat) for r in requests]
 
 
 def _as_token_ids(request: SampleRequest, chat: InputProcessor) -> SampleRequest:
+    """The prompt as ids; a grounded request drops its messages, which its prompt holds through the template."""
     prompt = request.prompt if isinstance(request.prompt, str) else {"prompt_token_ids": request.prompt}
     token_ids = chat.process(prompt, greedy_exact(request)).prompt_token_ids
-    return dataclasses.replace(request, prompt=token_ids, prompt_len=len(token_ids))
+    return dataclasses.replace(request, prompt=token_ids, prompt_len=len(token_ids), messages=None)
 
 
 # ------------------------------------------------------------------------------------------------------ runs
@@ -193,8 +196,16 @@ class Bench:
         return [SampleRequest(p, len(p), WARMUP_OUTPUT_LEN) for p in ids]
 
     def measure(self, system: str, generate: Generate) -> SystemResult:
+        """Warm up, then time the workload."""
+        self.warm_up(generate)
+        return self.timed(system, generate)
+
+    def warm_up(self, generate: Generate) -> None:
         generate(self.warmup_requests())
         self._sync()
+
+    def timed(self, system: str, generate: Generate) -> SystemResult:
+        """The workload, timed (after a warm-up: ``measure``)."""
         start = time.perf_counter()
         lengths = run_workload(generate, self.requests, self.chat)
         self._sync()
@@ -246,10 +257,12 @@ def run_systems(bench: Bench, systems: list[tuple[str, str | None]], args: argpa
     results = []
     if ("kvserve", None) in systems:
         llm = load_kvserve(args)
-        before = llm.stats()
         trace = StepTrace() if args.step_trace else None
         llm.engine.core.step_observer = trace
-        result = bench.measure("kvserve", kvserve_generator(llm, trace))
+        generate = kvserve_generator(llm, trace)
+        bench.warm_up(generate)
+        before = llm.stats()  # after the warm-up, so that the run's counters leave it out
+        result = bench.timed("kvserve", generate)
         details = {"stats": run_stats(before, llm.stats())}
         if trace is not None:
             details["step_trace"] = trace.summary()

@@ -48,6 +48,7 @@ def test_every_system_counts_exactly_the_workloads_tokens_and_compare_reads_the_
     assert ratios["kvserve"]["hf-single"] == pytest.approx(rates["kvserve"] / rates["hf-single"])
     stats = result["systems"]["kvserve"]["details"]["stats"]
     assert stats["num_preemptions"] == 0 and stats["peak_num_blocks_used"] > 0 and stats["prefix_caching"]
+    assert stats["prefix_cache_queries"] == num_prompt  # the run's prompts looked up, the warm-up's left out
     assert result["config"]["hf_batch_size"] == 3 and result["versions"]["git_commit"]
     table = capsys.readouterr().out
     assert all(name in table for name in SYSTEMS) and "row over column" in table
@@ -147,6 +148,8 @@ def _dataset_args(flags: list[str]) -> argparse.Namespace:
     (["--num-repeats", "0"], "--num-repeats must be >= 1, got 0"),
     (["--gemm-size", "-5"], "--gemm-size must be >= 1, got -5"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
+    (["--hf-batch-size", "0"], "--hf-batch-size must be >= 1, got 0"),
+    (["--backend", "kvserve,hf", "--hf-batch-size", "-2"], "--hf-batch-size must be >= 1, got -2"),
     (["--result-json", "/"], "--result-json /: exists and is not a file"),
 ])
 def test_bad_probe_flags_and_output_paths_are_refused_before_the_run(flags: list[str], message: str,
