@@ -20,6 +20,7 @@ import json
 import math
 import random
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ SHAREGPT_SAMPLE = Path(__file__).parent / "data" / "sharegpt_sample.json"
 SHAREGPT_MIN_LEN = 4
 SHAREGPT_MAX_PROMPT_LEN = 1024
 SHAREGPT_MAX_TOTAL_LEN = 2048
+TEXT_ROUNDS = 8  # of re-tokenizing a random text towards its length: one or two suffice
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,8 @@ class SampleRequest:
     prompt: str | list[int]  # text, or token ids (random, prefix, long: servers take ids in /v1/completions)
     prompt_len: int  # in tokens, as generated (the server's usage is what reports count)
     output_len: int  # tokens to generate, exactly (ignore_eos)
-    messages: list[dict[str, str]] | None = None  # multiturn: the whole chat history, its answers scripted
+    # multiturn: the whole chat history, its answers scripted; grounded: the chat turn its prompt is the template of
+    messages: list[dict[str, str]] | None = None
     group: int | None = None  # prefix group, or conversation
     turn: int | None = None  # multiturn: the turn's index in its conversation
 
@@ -79,10 +82,12 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_dataset(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
-                  max_model_len: int | None = None) -> list[SampleRequest]:
+                  max_model_len: int | None = None, chat: bool = False) -> list[SampleRequest]:
     """The workload ``args.dataset_name`` describes, the same for the same flags and seed.
 
     ``max_model_len`` is the context limit that ``long`` fills when ``--long-prompt-len`` is not given.
+    ``chat``: for a chat endpoint, which takes no token ids: random, prefix and long prompts are texts of their
+    lengths in tokens (the lengths drawn as for ids), and ``long`` leaves room for the chat template's tokens.
     Raises ``ValueError`` naming the flag when a length or count is out of range.
     """
     check_workload_flags(args)
@@ -92,14 +97,14 @@ def build_dataset(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
         return _sharegpt(rng, tokenizer, args)
     if name == "grounded":
         return _grounded_requests(rng, tokenizer, args)
-    words = _RandomText(tokenizer)
+    words = _RandomText(tokenizer, as_text=chat)
     if name == "random":
         return [_random_request(rng, words, args) for _ in range(args.num_prompts)]
     if name == "prefix":
         return _prefix_requests(rng, words, args)
     if name == "multiturn":
         return _multiturn_requests(rng, words, tokenizer, args)
-    return _long_requests(rng, words, args, max_model_len)
+    return _long_requests(rng, words, args, max_model_len, chat_template_len(tokenizer) if chat else 0)
 
 
 def ordinary_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) -> list[int]:
@@ -116,7 +121,8 @@ def check_workload_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--dataset-path is read by --dataset-name sharegpt only, not {args.dataset_name}")
     positive = ["num_prompts", "random_input_len", "random_output_len", "prefix_num_groups", "prefix_group_size",
                 "prefix_len", "suffix_len", "num_conversations", "num_turns", "first_turn_len", "turn_len"]
-    for name in positive:
+    optional = ["sharegpt_output_len", "long_prompt_len"]  # None: unset
+    for name in positive + [name for name in optional if getattr(args, name) is not None]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 <= args.random_range_ratio < 1:
@@ -126,20 +132,41 @@ def check_workload_flags(args: argparse.Namespace) -> None:
 
 
 class _RandomText:
-    """Seeded random token ids and texts of a given length in tokens."""
+    """Seeded random token ids and texts of a given length in tokens; ``as_text``: prompts are texts."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, as_text: bool = False) -> None:
         self.tokenizer = tokenizer
         self.ids = ordinary_token_ids(tokenizer)
+        self.as_text = as_text
 
     def ids_of_len(self, rng: random.Random, n: int) -> list[int]:
         return rng.choices(self.ids, k=n)
 
+    def prompt_of_len(self, rng: random.Random, n: int) -> str | list[int]:
+        return self.text_of_len(rng, n) if self.as_text else self.ids_of_len(rng, n)
+
     def text_of_len(self, rng: random.Random, n: int) -> str:
-        """Decoded random ids re-tokenize to a few more tokens (merges across the joins); cutting the
-        re-tokenized ids back to n and decoding those gives a text of n tokens, or very nearly."""
-        text = self.tokenizer.decode(self.ids_of_len(rng, n))
-        return self.tokenizer.decode(self.tokenizer.encode(text, add_special_tokens=False)[:n])
+        """A text that re-tokenizes to n tokens (in the rare case that the rounds run out, within a token or
+        two). Words joined merge or split tokens at the joins, so the text is re-tokenized, cut back to n tokens
+        when over and lengthened when under, until it has n. It takes n draws of ``rng``, as ``ids_of_len``
+        does, so that the lengths drawn after it are the same for text and ids; the words of the rounds come
+        from a generator seeded with the text."""
+        text = self.tokenizer.decode(rng.choices(self._words, k=n))
+        more = random.Random(text)
+        for _ in range(TEXT_ROUNDS):
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) == n:
+                break
+            text = (self.tokenizer.decode(ids[:n]) if len(ids) > n
+                    else text + self.tokenizer.decode(more.choices(self._words, k=n - len(ids))))
+        return text
+
+    @cached_property
+    def _words(self) -> list[int]:
+        """The ordinary ids whose text alone re-tokenizes to that id: unlike a byte of a character, for one,
+        which decodes to a replacement character that is a token or two of its own."""
+        texts = self.tokenizer.batch_decode([[i] for i in self.ids])
+        return [i for i, text in zip(self.ids, texts) if self.tokenizer.encode(text, add_special_tokens=False) == [i]]
 
 
 def _length(rng: random.Random, mean: int, ratio: float) -> int:
@@ -154,32 +181,36 @@ def _output_length(rng: random.Random, args: argparse.Namespace) -> int:
 def _random_request(rng: random.Random, words: _RandomText, args: argparse.Namespace) -> SampleRequest:
     prompt_len = _length(rng, args.random_input_len, args.random_range_ratio)
     output_len = _output_length(rng, args)
-    return SampleRequest(words.ids_of_len(rng, prompt_len), prompt_len, output_len)
+    return SampleRequest(words.prompt_of_len(rng, prompt_len), prompt_len, output_len)
 
 
 def _prefix_requests(rng: random.Random, words: _RandomText, args: argparse.Namespace) -> list[SampleRequest]:
     requests = []
     for group in range(args.prefix_num_groups):
-        system = words.ids_of_len(rng, args.prefix_len)
+        system = words.prompt_of_len(rng, args.prefix_len)
         for _ in range(args.prefix_group_size):
-            prompt = system + words.ids_of_len(rng, args.suffix_len)
-            requests.append(SampleRequest(prompt, len(prompt), args.random_output_len, group=group))
+            prompt = system + words.prompt_of_len(rng, args.suffix_len)  # text: within a token, for the join
+            requests.append(SampleRequest(prompt, args.prefix_len + args.suffix_len, args.random_output_len,
+                                          group=group))
     if args.prefix_order == "shuffled":
         rng.shuffle(requests)
     return requests
 
 
 def _long_requests(rng: random.Random, words: _RandomText, args: argparse.Namespace,
-                   max_model_len: int | None) -> list[SampleRequest]:
+                   max_model_len: int | None, template_len: int) -> list[SampleRequest]:
+    """``template_len``: the tokens a chat template puts around the prompt, which the context must hold too."""
     prompt_len = args.long_prompt_len
     if prompt_len is None:
         if max_model_len is None:
             raise ValueError("the long workload needs --long-prompt-len, or a context limit to fill")
-        prompt_len = max_model_len - args.random_output_len
+        prompt_len = max_model_len - args.random_output_len - template_len
     if prompt_len < 1:
+        template = f" and the chat template's {template_len}" if template_len else ""
         raise ValueError(f"the long workload's prompts would have {prompt_len} tokens: the context limit "
-                         f"{max_model_len} leaves no room beside --random-output-len {args.random_output_len}")
-    return [SampleRequest(words.ids_of_len(rng, prompt_len), prompt_len, args.random_output_len)
+                         f"{max_model_len} leaves no room beside --random-output-len {args.random_output_len}"
+                         f"{template}")
+    return [SampleRequest(words.prompt_of_len(rng, prompt_len), prompt_len, args.random_output_len)
             for _ in range(args.num_prompts)]
 
 
@@ -206,11 +237,18 @@ def _grounded_requests(rng: random.Random, tokenizer: PreTrainedTokenizerBase, a
     """``--num-prompts`` chat turns of documents of about ``--random-input-len`` tokens and tasks that quote them."""
     requests = []
     for i in range(args.num_prompts):
-        prompt = _chat_prompt(tokenizer, grounded_messages(rng, i, tokenizer, args.random_input_len))
+        messages = grounded_messages(rng, i, tokenizer, args.random_input_len)
+        prompt = _chat_prompt(tokenizer, messages)
         prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
         output_len = _output_length(rng, args)
-        requests.append(SampleRequest(prompt, prompt_len, output_len))
+        requests.append(SampleRequest(prompt, prompt_len, output_len, messages=messages))
     return requests
+
+
+def chat_template_len(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The tokens the chat template puts around a user message (a default system prompt included)."""
+    empty = _chat_prompt(tokenizer, [{"role": "user", "content": ""}])
+    return len(tokenizer.encode(empty, add_special_tokens=False))
 
 
 def _chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
@@ -221,16 +259,18 @@ def _chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, st
 
 def _sharegpt(rng: random.Random, tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace
               ) -> list[SampleRequest]:
-    """The first human turn and the token length of the reply to it, in a seeded order, skipping the pairs
-    vLLM's benchmark skips (under 4 tokens, over 1,024 prompt tokens or 2,048 in all)."""
+    """The first human turn and the token length of the reply to it (or ``--sharegpt-output-len``), in a seeded
+    order, skipping the pairs vLLM's benchmark skips (under 4 tokens, over 1,024 prompt tokens or 2,048 in all;
+    like vLLM's, the minimum holds for the reply's length only, not for a length that was asked for)."""
     pairs = _sharegpt_pairs(args.dataset_path)
     rng.shuffle(pairs)
     requests = []
     for prompt, reply in pairs:
         prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
-        output_len = args.sharegpt_output_len or len(tokenizer.encode(reply, add_special_tokens=False))
-        if min(prompt_len, output_len) < SHAREGPT_MIN_LEN or prompt_len > SHAREGPT_MAX_PROMPT_LEN \
-                or prompt_len + output_len > SHAREGPT_MAX_TOTAL_LEN:
+        fixed = args.sharegpt_output_len
+        output_len = fixed if fixed is not None else len(tokenizer.encode(reply, add_special_tokens=False))
+        if prompt_len < SHAREGPT_MIN_LEN or (fixed is None and output_len < SHAREGPT_MIN_LEN) \
+                or prompt_len > SHAREGPT_MAX_PROMPT_LEN or prompt_len + output_len > SHAREGPT_MAX_TOTAL_LEN:
             continue
         requests.append(SampleRequest(prompt, prompt_len, output_len))
         if len(requests) == args.num_prompts:

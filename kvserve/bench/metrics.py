@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import math
+
 import numpy as np
 
 # name -> numpy percentile (None: the mean)
@@ -36,7 +38,7 @@ class RequestRecord:
     prompt_tokens: int = 0  # the server's count; without usage, the length the workload generated
     completion_tokens: int = 0
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the server says
-    counted_from_usage: bool = False  # until a usage arrives; without one, output chunks count as tokens
+    counted_from_usage: bool = False  # until a usage arrives; without one, the output text is re-tokenized
     error: str | None = None
     group: int | None = None
     turn: int | None = None
@@ -68,16 +70,20 @@ class RequestRecord:
 
 
 def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
-    """``["ttft:500", "tpot:100"]`` -> SLOs in seconds; names ttft, tpot, e2e, values in ms."""
+    """``["ttft:500", "tpot:100"]`` -> SLOs in seconds; names ttft, tpot, e2e, values in ms, finite and > 0
+    (no request meets a limit of 0 or less, nor of nan)."""
     slos = {}
     for item in items or []:
         name, sep, value = item.partition(":")
         if not sep or name not in SLO_METRICS:
             raise ValueError(f"--goodput takes NAME:MS with NAME one of {', '.join(SLO_METRICS)}, got {item!r}")
         try:
-            slos[name] = float(value) / 1000
+            limit_ms = float(value)
         except ValueError:
             raise ValueError(f"--goodput {item!r}: {value!r} is not a number of milliseconds") from None
+        if not (math.isfinite(limit_ms) and limit_ms > 0):
+            raise ValueError(f"--goodput {item!r}: the limit must be a finite number of milliseconds > 0")
+        slos[name] = limit_ms / 1000
     return slos
 
 

@@ -4,7 +4,8 @@ Each request streams (``stream_options.include_usage``) and asks greedily for an
 the backend's extras: kvserve's and vLLM's ``ignore_eos`` + ``min_tokens``, llama.cpp's ``ignore_eos`` +
 ``n_predict`` (``--backend openai`` sends none and checks no length). A request whose usage reports another
 length failed: it did different work. Token counts come from the final chunk's ``usage``; for a server that
-sends none, the chunks that carried text are counted instead and the report says so.
+sends none, the output is the generated text re-tokenized with the benchmark's tokenizer (as vLLM's benchmark
+counts it), and the report says so. ``--timeout`` bounds each request whole, a stream that never ends included.
 
 Connections are not reused: llama.cpp's server sometimes closes a kept-alive connection after a stream, which
 would show up as failures that are the client's doing.
@@ -18,9 +19,9 @@ import json
 import random
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import httpx
 import torch
@@ -49,6 +50,7 @@ class Target:
 
     base_url: str
     model: str
+    count_tokens: Callable[[str], int]  # the tokens of a server's output, where it sends no usage
     endpoint: str = COMPLETIONS
     backend: str = "kvserve"
     api_key: str | None = None
@@ -62,12 +64,13 @@ class Target:
 
     def request_body(self, request: SampleRequest, answers: list[str]) -> tuple[str, dict[str, Any]]:
         """The path and JSON body of ``request``; ``answers``: the server's answers to the earlier turns of its
-        conversation. Requests with messages (multiturn) go to the chat endpoint whatever ``endpoint`` says."""
+        conversation. Multiturn requests go to the chat endpoint whatever ``endpoint`` says; on the chat endpoint, a
+        request with messages of its own (grounded) sends them, not its prompt, which already holds the template."""
         body = {"model": self.model, **length_fields(self.backend, request.output_len)}
-        if request.messages is not None:
-            return CHAT, {**body, "messages": with_answers(request.messages, answers)}
+        if request.turn is not None:
+            return CHAT, {**body, "messages": with_answers(request.messages or [], answers)}
         if self.endpoint == CHAT:
-            return CHAT, {**body, "messages": [{"role": "user", "content": request.prompt}]}
+            return CHAT, {**body, "messages": request.messages or [{"role": "user", "content": request.prompt}]}
         return COMPLETIONS, {**body, "prompt": request.prompt}
 
 
@@ -108,9 +111,10 @@ def take_chunk(record: RequestRecord, chunk: dict[str, Any], now: float) -> None
         record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
-def finish(record: RequestRecord, now: float, saw_done: bool, exact_length: bool) -> None:
+def finish(record: RequestRecord, now: float, saw_done: bool, exact_length: bool,
+           count_tokens: Callable[[str], int]) -> None:
     """Close the record of a stream that ended at ``now``: it succeeded if it reached [DONE] with the asked
-    number of tokens (or, without usage, counts its chunks as tokens)."""
+    number of tokens. Without usage, ``count_tokens`` counts them in the text: a chunk may carry several."""
     if record.error is not None:
         return
     if not saw_done:
@@ -118,9 +122,10 @@ def finish(record: RequestRecord, now: float, saw_done: bool, exact_length: bool
         return
     record.end = now
     if not record.counted_from_usage:
-        record.completion_tokens = len(record.chunk_times)
-    elif exact_length and record.completion_tokens != record.expected_output_len:
-        record.error = f"got {record.completion_tokens} of {record.expected_output_len} tokens (cut short?)"
+        record.completion_tokens = count_tokens(record.text)
+    if exact_length and record.completion_tokens != record.expected_output_len:
+        how = "" if record.counted_from_usage else " by re-tokenizing its text (no usage)"
+        record.error = f"got {record.completion_tokens} of {record.expected_output_len} tokens{how} (cut short?)"
 
 
 def _chunk_text(chunk: dict[str, Any]) -> str:
@@ -134,27 +139,36 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 async def send(client: httpx.AsyncClient, target: Target, path: str, body: dict[str, Any],
                record: RequestRecord) -> None:
-    """POST one streaming request and record it; whatever the server or the network does ends up in
-    ``record.error``, never in an exception."""
+    """POST one streaming request and record it, all of it within ``target.timeout_s``; whatever the server or
+    the network does ends up in ``record.error``, never in an exception."""
     record.start = time.perf_counter()
-    saw_done = False
     try:
-        async with client.stream("POST", target.url(path), json=body, headers=target.headers()) as response:
-            if response.status_code != 200:
-                raw = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {raw[:ERROR_TEXT_LIMIT]}"
-                return
-            async for data in _sse_data(response):
-                if data == "[DONE]":
-                    saw_done = True
-                    break
-                _take_data(record, data, time.perf_counter())
-                if record.error is not None:
-                    return
+        async with asyncio.timeout(target.timeout_s):  # the whole request: a trickle of chunks must not outlast it
+            saw_done = await _stream(client, target, path, body, record)
+    except TimeoutError:
+        record.error = f"timed out: no [DONE] within --timeout {target.timeout_s:g} s"
+        return
     except httpx.HTTPError as e:
         record.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         return
-    finish(record, time.perf_counter(), saw_done, exact_length=target.backend != "openai")
+    finish(record, time.perf_counter(), saw_done, target.backend != "openai", target.count_tokens)
+
+
+async def _stream(client: httpx.AsyncClient, target: Target, path: str, body: dict[str, Any],
+                  record: RequestRecord) -> bool:
+    """Whether the stream reached [DONE]; an error status or an error chunk ends it in ``record.error``."""
+    async with client.stream("POST", target.url(path), json=body, headers=target.headers()) as response:
+        if response.status_code != 200:
+            raw = (await response.aread()).decode(errors="replace")
+            record.error = f"HTTP {response.status_code}: {raw[:ERROR_TEXT_LIMIT]}"
+            return False
+        async for data in _sse_data(response):
+            if data == "[DONE]":
+                return True
+            _take_data(record, data, time.perf_counter())
+            if record.error is not None:
+                return False
+    return False
 
 
 def _take_data(record: RequestRecord, data: str, now: float) -> None:
@@ -217,7 +231,8 @@ async def run_requests(target: Target, requests: list[SampleRequest], request_ra
     semaphore = asyncio.Semaphore(max_concurrency or max(len(groups), 1))
     delays = arrival_delays(len(groups), request_rate, seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(target.timeout_s), limits=limits) as client:
+    # no httpx timeout: it would bound each read, and ``send`` bounds each request whole
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         with tqdm(total=len(requests), desc=desc, unit="req", disable=None) as progress:
             start = time.perf_counter()
             done = await asyncio.gather(*(_run_session(client, target, group, semaphore, delay, progress)
@@ -323,6 +338,8 @@ def check_flags(args: argparse.Namespace) -> None:
     over (an output path)."""
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1 (leave it out for no limit), got {args.max_concurrency}")
+    if args.num_warmups < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.num_warmups}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     check_workload_flags(args)
@@ -340,7 +357,8 @@ def main(args: argparse.Namespace) -> int:
     check_flags(args)
     # the tokenizer and config only: no weight is read
     checkpoint = load_checkpoint(resolve_model(args.tokenizer or args.model), torch.float32, "dummy")
-    target = Target(args.base_url, args.model, args.endpoint, args.backend, args.api_key, args.timeout)
+    target = Target(args.base_url, args.model, token_counter(checkpoint.tokenizer), args.endpoint, args.backend,
+                    args.api_key, args.timeout)
     runs = asyncio.run(_measure(target, args, checkpoint, rates, slos))
     label = args.label or f"{args.backend} {args.dataset_name}"
     for run in runs:
@@ -368,9 +386,7 @@ async def _measure(target: Target, args: argparse.Namespace, checkpoint: Checkpo
     runs = []
     for index, rate in enumerate(rates):
         seeded = argparse.Namespace(**{**vars(args), "seed": args.seed + index})
-        requests = build_dataset(seeded, checkpoint.tokenizer, context_len)
-        if target.endpoint == CHAT:
-            requests = as_text(requests, checkpoint.tokenizer)
+        requests = build_dataset(seeded, checkpoint.tokenizer, context_len, chat=target.endpoint == CHAT)
         runs.append(await measure_run(target, requests, rate, args.max_concurrency, seeded.seed, slos))
     return runs
 
@@ -388,9 +404,10 @@ async def measure_run(target: Target, requests: list[SampleRequest], request_rat
             "requests": [record_dict(r) for r in records]}
 
 
-def as_text(requests: list[SampleRequest], tokenizer: PreTrainedTokenizerBase) -> list[SampleRequest]:
-    """Token-id prompts decoded to text, for the chat endpoint (the server's usage counts what it tokenized)."""
-    return [r if isinstance(r.prompt, str) else replace(r, prompt=tokenizer.decode(r.prompt)) for r in requests]
+def token_counter(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], int]:
+    """The tokens of a text by the benchmark's tokenizer, none added: how vLLM's benchmark counts the output of a
+    server that sends no usage."""
+    return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
 
 
 async def warm_up(target: Target, num_warmups: int) -> None:

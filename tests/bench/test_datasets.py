@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
 import pytest
 
-from kvserve.bench.datasets import SHAREGPT_SAMPLE, add_dataset_arguments, build_dataset, ordinary_token_ids
+from kvserve.bench.datasets import (SHAREGPT_SAMPLE, add_dataset_arguments, build_dataset, chat_template_len,
+                                    ordinary_token_ids)
 
 
 def args(*flags: str) -> argparse.Namespace:
@@ -96,6 +98,38 @@ def test_long_prompts_fill_the_context_but_the_output(tokenizer) -> None:
         build_dataset(args("--dataset-name", "long"), tokenizer)
 
 
+def test_chat_prompts_are_texts_of_the_lengths_drawn_for_ids(tokenizer) -> None:
+    """The chat endpoint takes no ids: its prompts are texts that tokenize to the lengths the id workload draws
+    for the same seed (decoded random ids would come back longer)."""
+    def num_tokens(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    flags = ["--num-prompts", "30", "--random-input-len", "60", "--random-range-ratio", "0.5"]
+    ids, texts = build_dataset(args(*flags), tokenizer), build_dataset(args(*flags), tokenizer, chat=True)
+    assert texts == build_dataset(args(*flags), tokenizer, chat=True)
+    assert [(r.prompt_len, r.output_len) for r in texts] == [(r.prompt_len, r.output_len) for r in ids]
+    assert all(isinstance(r.prompt, str) and num_tokens(r.prompt) == r.prompt_len for r in texts)
+    prefix = build_dataset(args("--dataset-name", "prefix", "--prefix-num-groups", "2", "--prefix-group-size", "3",
+                                "--prefix-len", "50", "--suffix-len", "6"), tokenizer, chat=True)
+    assert all(abs(num_tokens(r.prompt) - 56) <= 1 and r.prompt_len == 56 for r in prefix)  # 1: the join
+    shared = os.path.commonprefix([r.prompt for r in prefix if r.group == 0])
+    assert num_tokens(shared) >= 49 and prefix[3].prompt[:len(shared)] != shared  # group 1: a prefix of its own
+
+
+def test_long_on_chat_leaves_room_for_the_template(tokenizer) -> None:
+    requests = build_dataset(args("--dataset-name", "long", "--num-prompts", "2", "--random-output-len", "16"),
+                             tokenizer, max_model_len=200, chat=True)
+    template_len = chat_template_len(tokenizer)
+    assert template_len > 0 and all(r.prompt_len == 200 - 16 - template_len for r in requests)
+    for r in requests:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": r.prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        assert len(tokenizer.encode(rendered, add_special_tokens=False)) + 16 <= 200
+    with pytest.raises(ValueError, match="and the chat template's"):
+        build_dataset(args("--dataset-name", "long", "--random-output-len", "16"), tokenizer,
+                      max_model_len=16 + template_len, chat=True)
+
+
 def test_grounded_prompts_hold_what_their_answers_quote(tokenizer) -> None:
     flags = ["--dataset-name", "grounded", "--num-prompts", "6", "--random-input-len", "200",
              "--random-output-len", "50"]
@@ -107,6 +141,9 @@ def test_grounded_prompts_hold_what_their_answers_quote(tokenizer) -> None:
     renamed = code.prompt.split("`")[1]
     assert f"def {renamed}(" in code.prompt  # the function to rename is in the file
     assert "word for word" in summary.prompt and "- id 1000:" in extraction.prompt
+    # the chat turn the prompt templates, for a chat endpoint to template once
+    assert [m["role"] for m in code.messages] == ["user"] and code.messages[0]["content"] in code.prompt
+    assert code.prompt == tokenizer.apply_chat_template(code.messages, tokenize=False, add_generation_prompt=True)
 
 
 def test_sharegpt_takes_first_turns_and_reply_lengths_filtered_like_vllm(tokenizer) -> None:
@@ -123,6 +160,8 @@ def test_sharegpt_takes_first_turns_and_reply_lengths_filtered_like_vllm(tokeniz
         assert r.prompt_len >= 4 and r.output_len >= 4 and r.prompt_len <= 1024
     fixed = build_dataset(args(*flags, "--sharegpt-output-len", "12"), tokenizer)
     assert {r.output_len for r in fixed} == {12}
+    # as in vLLM, the minimum length is the replies' alone: a fixed length under it is asked for, not filtered
+    assert {r.output_len for r in build_dataset(args(*flags, "--sharegpt-output-len", "2"), tokenizer)} == {2}
 
 
 def test_sharegpt_errors_name_the_problem(tokenizer, tmp_path: Path) -> None:
@@ -141,6 +180,9 @@ def test_sharegpt_errors_name_the_problem(tokenizer, tmp_path: Path) -> None:
     (["--num-prompts", "0"], "--num-prompts"),
     (["--random-range-ratio", "1.0"], "--random-range-ratio"),
     (["--dataset-name", "prefix", "--prefix-len", "0"], "--prefix-len"),
+    (["--dataset-name", "sharegpt", "--sharegpt-output-len", "0"], "--sharegpt-output-len must be at least 1, got 0"),
+    (["--dataset-name", "sharegpt", "--sharegpt-output-len", "-3"], "--sharegpt-output-len must be at least 1"),
+    (["--dataset-name", "long", "--long-prompt-len", "0"], "--long-prompt-len must be at least 1, got 0"),
 ])
 def test_bad_lengths_name_their_flag(tokenizer, flags: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -23,13 +23,18 @@ def usage_chunk(prompt: int, completion: int, cached: int | None = None) -> dict
     return {"choices": [], "usage": usage}
 
 
+def count_words(text: str) -> int:
+    """A stand-in for the benchmark's tokenizer: one token per word."""
+    return len(text.split())
+
+
 def replay(events: list[tuple[float, dict[str, Any]]], end: float, expected: int, start: float = 0.0,
-           saw_done: bool = True, turn: int | None = None) -> RequestRecord:
+           saw_done: bool = True, turn: int | None = None, exact_length: bool = True) -> RequestRecord:
     """What the client records of a stream whose chunks arrived at the given times."""
     record = RequestRecord(expected, start=start, turn=turn)
     for now, chunk in events:
         take_chunk(record, chunk, now)
-    finish(record, end, saw_done, exact_length=True)
+    finish(record, end, saw_done, exact_length, count_words)
     return record
 
 
@@ -89,13 +94,23 @@ def test_streams_cut_short_or_in_error_fail_with_their_reason() -> None:
     assert not errored.ok and "overloaded" in errored.error
 
 
-def test_without_usage_chunks_are_counted_and_said_so() -> None:
-    record = replay([(0.1, text_chunk("a")), (0.2, text_chunk("b")), (0.3, text_chunk("c"))], end=0.3, expected=3)
+def test_without_usage_the_text_is_re_tokenized_and_said_so() -> None:
+    """Two chunks of two words and one: three tokens (a server may put several tokens in a chunk), and TPOT over
+    those three, as vLLM's benchmark counts them."""
+    record = replay([(0.1, text_chunk("one two")), (0.3, text_chunk(" three"))], end=0.3, expected=3)
     record.prompt_tokens = 7  # what the workload generated
     assert record.ok and not record.counted_from_usage and record.completion_tokens == 3
+    assert record.tpot == pytest.approx(0.1)
     s = summarize([record], duration=1.0)
     assert s["num_without_usage"] == 1 and s["output_tokens"] == 3 and s["usage_cached_fraction"] is None
-    assert "came without usage" in format_run({**s, "prefix_cache_hit_rate": None}, "t")
+    assert "re-tokenized with the benchmark's tokenizer" in format_run({**s, "prefix_cache_hit_rate": None}, "t")
+
+
+def test_without_usage_a_short_output_still_fails_where_lengths_are_exact() -> None:
+    chunks = [(0.1, text_chunk("one two")), (0.2, text_chunk(" three"))]
+    short = replay(chunks, end=0.3, expected=5)
+    assert not short.ok and short.error == "got 3 of 5 tokens by re-tokenizing its text (no usage) (cut short?)"
+    assert replay(chunks, end=0.3, expected=5, exact_length=False).ok  # --backend openai: lengths unchecked
 
 
 def test_goodput_counts_requests_meeting_every_slo() -> None:
@@ -111,7 +126,7 @@ def test_goodput_counts_requests_meeting_every_slo() -> None:
     assert e2e_only["goodput"] == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("bad", ["ttft", "latency:5", "ttft:fast"])
+@pytest.mark.parametrize("bad", ["ttft", "latency:5", "ttft:fast", "tpot:-5", "ttft:0", "ttft:nan", "e2e:inf"])
 def test_bad_goodput_specs_name_the_problem(bad: str) -> None:
     with pytest.raises(ValueError, match="--goodput"):
         parse_goodput([bad])

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import pytest
 
-from kvserve.bench.datasets import SampleRequest
-from kvserve.bench.serve import (CHAT, Target, arrival_delays, length_fields, parse_request_rates, run_requests,
-                                 sessions, with_answers)
+from kvserve.bench.datasets import SampleRequest, add_dataset_arguments, build_dataset
+from kvserve.bench.serve import (CHAT, COMPLETIONS, Target, arrival_delays, length_fields, parse_request_rates,
+                                 run_requests, sessions, token_counter, with_answers)
+from kvserve.bench.throughput import tokenized
 from kvserve.cli import main
-from tests.server.conftest import MODEL_NAME, ServerProcess
+from kvserve.engine.input_processor import InputProcessor
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, ServerProcess
+
+
+def count_words(text: str) -> int:
+    """A stand-in for the benchmark's tokenizer: one token per word."""
+    return len(text.split())
 
 
 def test_runs_against_kvserve_complete_and_compare_reads_them(
@@ -53,10 +62,34 @@ def test_runs_against_kvserve_complete_and_compare_reads_them(
     assert multiturn["config"]["dataset_name"] == "multiturn" and multiturn["versions"]["kvserve"]
     assert len(list((tmp_path / "plots").glob("*.png"))) == 5  # three distributions and two against rate
     assert multiturn["versions"]["git_commit"] and multiturn["machine"]["num_cpus"]
+    assert "--tokenizer" in multiturn["config"]["argv"]
 
     assert main(["bench", "compare", *map(str, paths.values())]) == 0
     table = capsys.readouterr().out
     assert "output tok/s" in table and "x)" in table and "@50.0" in table and "@inf" in table
+
+
+def test_the_chat_endpoint_gets_texts_that_fit_and_messages_templated_once(
+    server: ServerProcess, tiny_checkpoint: Path, tokenizer, tmp_path: Path
+) -> None:
+    """long fills the context beside the template's tokens (its decoded ids used to come out longer than the
+    context); grounded sends its chat turn, which the server templates once."""
+    common = ["bench", "serve", "--base-url", server.url, "--model", MODEL_NAME, "--tokenizer", str(tiny_checkpoint),
+              "--warmup", "0", "--endpoint", CHAT, "--num-prompts", "2", "--random-output-len", "3"]
+    long_json, grounded_json = tmp_path / "long.json", tmp_path / "grounded.json"
+    assert main([*common, "--dataset-name", "long", "--result-json", str(long_json)]) == 0
+    assert main([*common, "--dataset-name", "grounded", "--random-input-len", "40", "--num-prompts", "3",
+                 "--result-json", str(grounded_json)]) == 0
+    long_run = json.loads(long_json.read_text())["runs"][0]
+    assert long_run["completed"] == 2
+    assert all(MAX_MODEL_LEN - 3 - 2 <= r["prompt_tokens"] <= MAX_MODEL_LEN - 3 for r in long_run["requests"])
+    grounded = json.loads(grounded_json.read_text())
+    workload = build_dataset(argparse.Namespace(**grounded["config"]), tokenizer)
+    grounded_run = grounded["runs"][0]
+    # the server counts the workload's templated lengths; the first (a whole module to edit) outgrows 256
+    assert [r["prompt_tokens"] for r in grounded_run["requests"]] == [r.prompt_len for r in workload]
+    assert grounded_run["completed"] == 2 and grounded_run["requests"][0]["error"].startswith(
+        f"HTTP 400: {{\"error\":{{\"message\":\"the prompt has {workload[0].prompt_len} tokens")
 
 
 # ---- a server that misbehaves -----------------------------------------------------------------------------
@@ -86,8 +119,10 @@ BEHAVIOURS: dict[str, bytes | None] = {
     "stream-error": STREAM_HEAD + sse(text("a"), {"error": {"message": "out of memory", "code": 500}}),
     "malformed": STREAM_HEAD + sse(text("a"), "[1, 2]", "[DONE]"),
     "not-json": STREAM_HEAD + sse(text("a"), "{oops", "[DONE]"),
-    "no-usage": STREAM_HEAD + sse(text("a"), text("b"), "[DONE]"),
+    "no-usage": STREAM_HEAD + sse(text("a b"), "[DONE]"),  # two words: two tokens by count_words, in one chunk
+    "no-usage-short": STREAM_HEAD + sse(text("a"), text("b"), "[DONE]"),  # two chunks of one word, "ab"
     "hang": STREAM_HEAD,  # then nothing until the client gives up
+    "endless": STREAM_HEAD,  # then a chunk every 50 ms, for longer than any test waits
     "good": STREAM_HEAD + sse(text("a"), text("b"), usage(2), "[DONE]"),
     # JSON may leave U+0085 / U+2028 / U+2029 in text, where str.splitlines (and httpx's aiter_lines) would end a
     # line; the event-stream format ends lines at CR and LF alone (here CRLF)
@@ -111,12 +146,26 @@ async def _misbehave(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
     else:
         writer.write(BEHAVIOURS[kind])
     await writer.drain()
+    if kind == "endless":
+        await _trickle(writer)
     if kind == "hang":
         await asyncio.sleep(30)
     if kind == "drop-mid-stream":
         writer.transport.abort()
     else:
         writer.close()
+
+
+async def _trickle(writer: asyncio.StreamWriter) -> None:
+    """A chunk every 50 ms for 10 s, never a gap that a timeout on each read would catch, until the client
+    leaves."""
+    for _ in range(200):
+        try:
+            writer.write(sse(text("a")))
+            await writer.drain()
+        except ConnectionError:
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _against_misbehaving_server(run: Callable[[str], Awaitable[Any]]) -> Any:
@@ -130,9 +179,11 @@ def test_errors_and_dropped_connections_are_counted_not_crashed_on() -> None:
     requests = [SampleRequest(kind, 1, 2) for kind in kinds]
 
     async def run(url: str):
-        return await run_requests(Target(url, "m", timeout_s=0.5), requests, max_concurrency=2)
+        return await run_requests(Target(url, "m", count_words, timeout_s=0.5), requests, max_concurrency=3)
 
+    start = time.perf_counter()
     records, _ = asyncio.run(_against_misbehaving_server(run))
+    assert time.perf_counter() - start < 5  # the endless stream is given up on at the timeout
     by_kind = dict(zip(kinds, records))
     assert {kind for kind, r in by_kind.items() if r.ok} == {"no-usage", "good", "raw-separators"}
     assert by_kind["http-500"].error.startswith("HTTP 500") and "boom" in by_kind["http-500"].error
@@ -141,10 +192,12 @@ def test_errors_and_dropped_connections_are_counted_not_crashed_on() -> None:
     assert "before [DONE]" in by_kind["close-before-done"].error
     assert by_kind["short"].error == "got 1 of 2 tokens (cut short?)"
     assert "out of memory" in by_kind["stream-error"].error
-    assert by_kind["hang"].error.startswith("ReadTimeout")
+    assert by_kind["hang"].error == by_kind["endless"].error == "timed out: no [DONE] within --timeout 0.5 s"
+    assert by_kind["endless"].e2e is None and len(by_kind["endless"].chunk_times) > 3
     assert by_kind["malformed"].error.startswith("a malformed chunk (AttributeError")
     assert by_kind["not-json"].error.startswith("a malformed chunk (JSONDecodeError")
     assert not by_kind["no-usage"].counted_from_usage and by_kind["no-usage"].completion_tokens == 2
+    assert by_kind["no-usage-short"].error == "got 1 of 2 tokens by re-tokenizing its text (no usage) (cut short?)"
     assert by_kind["good"].completion_tokens == 2 and len(by_kind["good"].itl) == 1
     assert by_kind["raw-separators"].completion_tokens == 2 and len(by_kind["raw-separators"].itl) == 1
 
@@ -190,13 +243,32 @@ def test_conversations_run_as_sessions_with_the_servers_answers() -> None:
         {"role": "user", "content": "again"}])
     plain = SampleRequest([1, 2], 2, 2)
     assert sessions([turns[0], turns[1], second, plain]) == [[turns[0], second], [turns[1]], [plain]]
-    target = Target("http://x", "m")
+    target = Target("http://x", "m", count_words)
     path, body = target.request_body(second, ["the server's answer"])
     assert path == CHAT and body["messages"][1] == {"role": "assistant", "content": "the server's answer"}
     assert with_answers(second.messages, ["a"])[2] == second.messages[2]
     assert target.request_body(plain, [])[1]["prompt"] == [1, 2]
-    assert Target("http://x", "m", endpoint=CHAT).request_body(SampleRequest("hi", 1, 2), [])[1]["messages"] == [
-        {"role": "user", "content": "hi"}]
+    assert Target("http://x", "m", count_words, endpoint=CHAT).request_body(
+        SampleRequest("hi", 1, 2), [])[1]["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_grounded_sends_its_chat_turn_on_the_chat_endpoint(tokenizer) -> None:
+    """Its prompt holds the chat template already: wrapped in a user message, it would be templated twice."""
+    parser = argparse.ArgumentParser()
+    add_dataset_arguments(parser)
+    workload = parser.parse_args(["--dataset-name", "grounded", "--num-prompts", "1", "--random-input-len", "40"])
+    (request,) = build_dataset(workload, tokenizer)
+    path, body = Target("http://x", "m", count_words, endpoint=CHAT).request_body(request, [])
+    assert path == CHAT and body["messages"] == request.messages and "<|im_start|>" not in str(body["messages"])
+    path, body = Target("http://x", "m", count_words).request_body(request, [])
+    assert path == COMPLETIONS and body["prompt"] == request.prompt  # templated here: the server does not
+    (offline,) = tokenized([request], InputProcessor(tokenizer, len(tokenizer), 512))  # bench throughput: ids
+    assert offline.messages is None and offline.prompt_len == len(offline.prompt) > 40
+
+
+def test_without_usage_the_benchmarks_tokenizer_counts(tokenizer) -> None:
+    text = "Re-tokenized, the way vLLM's benchmark counts."
+    assert token_counter(tokenizer)(text) == len(tokenizer.encode(text, add_special_tokens=False)) > 1
 
 
 def test_each_backend_gets_its_exact_length_extras() -> None:
@@ -213,6 +285,10 @@ def test_each_backend_gets_its_exact_length_extras() -> None:
     (["--max-concurrency", "-1"], "--max-concurrency must be >= 1"),
     (["--timeout", "0"], "--timeout must be a positive number"),
     (["--timeout", "-1"], "--timeout must be a positive number"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--goodput", "tpot:-5"], "--goodput 'tpot:-5': the limit must be a finite number of milliseconds > 0"),
+    (["--goodput", "ttft:nan"], "--goodput 'ttft:nan': the limit must be"),
+    (["--dataset-name", "sharegpt", "--sharegpt-output-len", "0"], "--sharegpt-output-len must be at least 1"),
     (["--request-rate", "nan"], "--request-rate must be positive"),
     (["--request-rate", "2,nan"], "--request-rate must be positive"),
     (["--dataset-path", "data.json"], "--dataset-path is read by --dataset-name sharegpt only"),
