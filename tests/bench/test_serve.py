@@ -185,7 +185,7 @@ def test_errors_and_dropped_connections_are_counted_not_crashed_on() -> None:
     records, _ = asyncio.run(_against_misbehaving_server(run))
     assert time.perf_counter() - start < 5  # the endless stream is given up on at the timeout
     by_kind = dict(zip(kinds, records))
-    assert {kind for kind, r in by_kind.items() if r.ok} == {"no-usage", "good", "raw-separators"}
+    assert {kind for kind, r in by_kind.items() if r.ok} == {"no-usage", "no-usage-short", "good", "raw-separators"}
     assert by_kind["http-500"].error.startswith("HTTP 500") and "boom" in by_kind["http-500"].error
     assert by_kind["drop-mid-stream"].error.split(":")[0] in {"RemoteProtocolError", "ReadError"} \
         or "before [DONE]" in by_kind["drop-mid-stream"].error
@@ -197,7 +197,7 @@ def test_errors_and_dropped_connections_are_counted_not_crashed_on() -> None:
     assert by_kind["malformed"].error.startswith("a malformed chunk (AttributeError")
     assert by_kind["not-json"].error.startswith("a malformed chunk (JSONDecodeError")
     assert not by_kind["no-usage"].counted_from_usage and by_kind["no-usage"].completion_tokens == 2
-    assert by_kind["no-usage-short"].error == "got 1 of 2 tokens by re-tokenizing its text (no usage) (cut short?)"
+    assert by_kind["no-usage-short"].completion_tokens == 1  # counted from the text: an estimate, no failure
     assert by_kind["good"].completion_tokens == 2 and len(by_kind["good"].itl) == 1
     assert by_kind["raw-separators"].completion_tokens == 2 and len(by_kind["raw-separators"].itl) == 1
 
