@@ -58,9 +58,11 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
     """Store, decode, merge and prefill kernels, as ``TritonPagedBackend`` launches them: every model dtype at SmolLM2's
     and Llama-3's head shapes, and bf16 over each quantized cache encoding the kernels read."""
     from kvserve.attention import triton_kernels as kernels
+    from kvserve.attention.triton_paged import dot_depth
 
     combos = [(dtype, dtype, *shape) for dtype in (torch.bfloat16, torch.float16, torch.float32)
               for shape in ((3, 64), (4, 128))]
+    combos += [(torch.bfloat16, torch.bfloat16, 4, 8), (torch.float32, torch.float32, 2, 4)]  # heads under a dot's K
     combos += [(torch.bfloat16, cache, 4, 128) for cache in (torch.int8, torch.float8_e4m3fn, torch.uint8)]
     cases = []
     for dtype, cache, group, head_dim in combos:  # a uint8 cache: int4 codes packed two a byte
@@ -70,7 +72,8 @@ def attention_cases() -> list[tuple[str, triton.JITFunction, dict[str, Any]]]:
                       v_scales=torch.float16 if quant else cache, stride_qt=1, stride_qh=1, stride_slot=1,
                       stride_head=1, scale_stride_slot=1, block_tables=torch.int32, stride_table=1,
                       seq_lens=torch.int32, scale_log2=1.0, window=1, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=16,
-                      BLOCK_N=64, BLOCK_D=head_dim, QUANT=quant, QUANT_GROUP=64 if cache == torch.uint8 else head_dim,
+                      BLOCK_N=64, BLOCK_D=dot_depth(head_dim), QUANT=quant,
+                      QUANT_GROUP=64 if cache == torch.uint8 else head_dim,
                       PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST_DOTS=False)
         name = f"{str(dtype)[6:]} q, {str(cache)[6:]} cache, group {group}, head_dim {head_dim}"
         for split, merge in ((False, False), (True, False), (True, True)):

@@ -370,7 +370,7 @@ def paged_prefill_kernel(
         mask_m = (offs_m < QUERIES_PER_TILE * GROUP) & (query_idx < query_len)
         mask_d = offs_d < HEAD_DIM
         heads = kv_head * GROUP + offs_m % GROUP
-        token_rows = tl.load(query_starts + chunk) + query_idx
+        token_rows = (tl.load(query_starts + chunk) + query_idx).to(tl.int64)  # x a row stride: past 2**31
         row_offsets = token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
         queries = tl.load(q + row_offsets, mask=mask_m[:, None] & mask_d[None, :], other=0)
         query_pos = context_len + query_idx

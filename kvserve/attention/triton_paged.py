@@ -51,6 +51,7 @@ CASCADE_DECODES_PER_TILE = 16  # a typical tile (4 query heads a KV head), for s
 BLOCK_N = 64  # keys per tile
 PREFILL_ROWS = 64  # query rows (positions x query heads of a KV head) per prefill tile
 MIN_DOT_ROWS = 16  # tl.dot's smallest M: decode groups are padded up to it
+MIN_DOT_DEPTH = 16  # tl.dot's smallest K for 16-bit operands (8 for fp32): a head of 4 or 8 is padded up to it
 
 
 def is_interpreted() -> bool:
@@ -182,7 +183,7 @@ class TritonPagedBackend(AttentionBackend):
         prefix_slots = meta.cascade_splits if window == NO_WINDOW else 0
         num_slots = prefix_slots + num_splits
         group = num_heads // num_kv_heads
-        block_d = triton.next_power_of_2(head_dim)
+        block_d = dot_depth(head_dim)
         target, lse, counters = out, out, out  # one split: straight into the step's output (lse is never touched)
         merge_here = num_slots > 1 and MERGE_IN_DECODE
         if num_slots > 1:
@@ -280,7 +281,7 @@ def _attend_shared_prefix(q: torch.Tensor, target: torch.Tensor, lse: torch.Tens
         meta.inputs.sharing_order, scale * math.log2(math.e), num_decodes, target.shape[2], GROUP=group,
         HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size, DECODES_PER_TILE=decodes_per_tile,
         BLOCK_M=max(CASCADE_ROWS, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
-        BLOCK_D=triton.next_power_of_2(head_dim), **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q),
+        BLOCK_D=dot_depth(head_dim), **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q),
         **pdl_options(q.device),
     )
 
@@ -299,9 +300,14 @@ def _attend_chunks(q: torch.Tensor, out: torch.Tensor, layer_kv: KVLayerView, me
         meta.block_tables[chunk_rows], meta.block_tables.stride(0), meta.seq_lens[chunk_rows],
         meta.chunk_query_starts, meta.chunk_query_lens, scale * math.log2(math.e), window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=meta.inputs.block_size, QUERIES_PER_TILE=queries_per_tile,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=dot_depth(head_dim),
         **_quant_args(layer_kv.encoding, head_dim), **_dot_args(q), **pdl_options(q.device),
     )
+
+
+def dot_depth(head_dim: int) -> int:
+    """The head width the attention kernels' dots run at: a power of two, at least ``MIN_DOT_DEPTH`` (masked)."""
+    return max(MIN_DOT_DEPTH, triton.next_power_of_2(head_dim))
 
 
 def _quant_args(encoding: KVCacheDtype, head_dim: int) -> dict[str, int]:

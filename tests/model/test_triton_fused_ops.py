@@ -67,6 +67,18 @@ def test_rotary_in_place_on_the_qk_columns_of_a_packed_qkv(dtype: torch.dtype, r
     assert torch.equal(qkv[:, num_heads:], expected[:, num_heads:])
 
 
+def test_rotary_by_one_row_of_cos_and_sin_broadcasts_as_the_twin() -> None:
+    """The kernel reads a row of cos / sin a token; one row for every token (a slice of a larger table) goes to the
+    twin, which broadcasts it, instead of the kernel reading the table's next rows."""
+    qk = randn(3, 2, 8, seed=5, dtype=torch.float32)
+    table = randn(4, 1, 4, seed=6, dtype=torch.float32, scale=3.0)
+    cos, sin = table.cos()[:1], table.sin()[:1]
+    expected = qk.clone()
+    TWIN.rotary_(expected, cos, sin)
+    FUSED.rotary_(qk, cos, sin)
+    assert_close(qk, expected)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, num_heads, head_dim", [(3, 8, 64), (1, 3, 24), (6, 2, 128)])
 def test_per_head_norm_in_place(dtype: torch.dtype, rows: int, num_heads: int, head_dim: int) -> None:

@@ -153,7 +153,8 @@ class TritonFusedOps(TorchFusedOps):
     def rotary_(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         rows, num_heads, head_dim = qk.shape
         if (qk.stride()[1:] != (head_dim, 1) or 2 * cos.shape[-1] != head_dim or qk.dtype not in MODEL_DTYPES
-                or cos.stride(-1) != 1 or cos.stride() != sin.stride() or cos.shape != sin.shape):
+                or cos.stride(-1) != 1 or cos.stride() != sin.stride() or cos.shape != sin.shape
+                or cos.shape[0] != rows):  # one row of cos / sin a token (the twin also broadcasts)
             return super().rotary_(qk, cos, sin)
         if rows:
             half = head_dim // 2
