@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, Sequen
 
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from kvserve.engine.input_processor import PromptInput
@@ -134,6 +134,12 @@ class AsyncEngine:
         future: Future[T] = Future()
         self._submit(fn, future)
         return await asyncio.wrap_future(future)
+
+    async def compile_constraint(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured-output constraint on a worker thread (xgrammar lets go of the GIL while it
+        compiles), so that no step waits on it: the request's add on the engine thread then finds it in
+        xgrammar's cache. ValueError naming the problem if it does not compile."""
+        await asyncio.to_thread(self.engine.input_processor.check_constraint, spec)
 
     async def generate(
         self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None

@@ -104,7 +104,7 @@ class ChatServer(GenerationHandler):
         named function compile them as the output's constraint, and this compiles them (cached) for the rest."""
         every_call = tool_constraint(self.body.tool_dicts or [], "required", parallel_tool_calls=True)
         try:
-            await self.engine.call(lambda e: e.input_processor.check_constraint(every_call))
+            await self.engine.compile_constraint(every_call)
         except ValueError as e:
             raise bad_request(ValueError(f"tools: {e}"), param="tools") from e
 

@@ -112,11 +112,14 @@ class GenerationHandler:
         self.tokenizer = engine.engine.tokenizer
 
     async def _generate(self, prompts: Sequence[PromptInput]) -> AsyncIterator[list[RequestOutput]]:
-        """Queue the batch and wait until it is accepted, so bad input is a 400 before any byte is streamed."""
+        """Queue the batch and wait until it is accepted, so bad input is a 400 before any byte is streamed. A
+        constraint is compiled first, off the engine thread."""
         request_id = self.request_id
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        stream = self.engine.generate_many(prompts, self.params, request_ids)
         try:
+            if self.params.structured_outputs is not None:
+                await self.engine.compile_constraint(self.params.structured_outputs)
+            stream = self.engine.generate_many(prompts, self.params, request_ids)
             first = await anext(stream)
         except ValueError as e:
             raise bad_request(self.body.named_as_sent(e)) from e

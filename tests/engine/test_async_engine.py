@@ -12,7 +12,7 @@ import pytest
 from kvserve.engine import async_engine
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
 from kvserve.outputs import FinishReason, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.fake_engine import FakeEngine
 
 
@@ -205,3 +205,18 @@ def test_a_worker_that_dies_while_the_engine_idles_fails_it_within_a_second(monk
         asyncio.run(asyncio.wait_for(test(engine), timeout=10))
     finally:
         engine.shutdown()
+
+
+def test_a_constraint_compiles_off_the_engine_thread(monkeypatch) -> None:
+    """A constraint can take xgrammar seconds to compile: not on the engine thread, where every stream would wait."""
+    threads: list[str] = []
+
+    async def test(engine: AsyncEngine) -> None:
+        import threading
+
+        monkeypatch.setattr(engine.engine.input_processor, "check_constraint",
+                            lambda spec: threads.append(threading.current_thread().name), raising=False)
+        await engine.compile_constraint(StructuredOutputsParams(regex="a+"))
+
+    run_with_engine(test)
+    assert len(threads) == 1 and threads[0] != "kvserve-engine"

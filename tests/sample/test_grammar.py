@@ -14,7 +14,7 @@ import pytest
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.sample import grammar
-from kvserve.sample.grammar import StructuredOutputCompiler
+from kvserve.sample.grammar import MAX_CONSTRAINT_CHARS, StructuredOutputCompiler
 from tests.engine.byte_bpe import byte_bpe_tokenizer
 
 OBJ = "object"
@@ -147,6 +147,23 @@ def test_an_aborted_constrained_request_leaves_no_matcher(llm: LLM) -> None:
 def test_a_constraint_that_does_not_compile_is_refused_by_name(llm: LLM, constraint: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         llm.generate(["x"], constrained(**constraint))
+
+
+LONG = "x" * (MAX_CONSTRAINT_CHARS + 1)
+
+
+@pytest.mark.parametrize("constraint, kind", [
+    ({"json": {"type": "string", "enum": [LONG]}}, "JSON schema"),
+    ({"regex": LONG}, "regex"),
+    ({"choice": ["a", LONG]}, "choice"),
+    ({"grammar": f'root ::= "{LONG}"'}, "grammar"),
+])
+def test_a_constraint_past_the_size_limit_is_refused_before_it_compiles(llm: LLM, constraint: dict, kind: str) -> None:
+    """xgrammar's time and memory grow faster than a constraint's size (a 1 MB choice took minutes, 1.6 MB of
+    rules passed 7 GB): one request must not be able to take the server down by it."""
+    with pytest.raises(ValueError, match=f"the {kind} is [0-9,]+ characters long; at most 65,536 are compiled"):
+        llm.generate(["x"], constrained(**constraint))
+    assert llm.stats()["num_waiting"] == 0
 
 
 def test_one_constraint_at_a_time() -> None:
