@@ -42,7 +42,7 @@ def _call(call: Mapping[str, Any], index: int) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested past Python's recursion limit: no arguments either
             raise ValueError(f"messages[{index}]: tool call arguments are not JSON: {arguments[:80]!r}") from None
     return {**call, "type": "function", "function": {**function, "arguments": arguments}}
 

@@ -252,6 +252,9 @@ def _token_bias(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
 Prompt = Union[Text, list[Text], TokenIds, list[TokenIds]]
 
 
+MAX_BATCH_SAMPLES = 2048  # prompts x n of one /v1/completions request (OpenAI takes up to 2,048 prompts)
+
+
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: StrictInt | None = 16
@@ -273,6 +276,10 @@ class CompletionRequest(SamplingRequest):
                 raise InvalidParameter(name, f"{name} is only supported on /v1/chat/completions")
         if self.prompt == [] or any(p == [] or p == "" for p in self.prompts):
             raise InvalidParameter("prompt", "prompt must not be empty")
+        # all queued at once, ahead of every later request (an n out of its range is refused as such)
+        if 1 <= self.n <= SamplingParams.MAX_N and len(self.prompts) * self.n > MAX_BATCH_SAMPLES:
+            raise InvalidParameter("prompt", f"prompt: a batch of {len(self.prompts):,} prompts x n={self.n} is "
+                                   f"{len(self.prompts) * self.n:,} samples; at most {MAX_BATCH_SAMPLES:,} a request")
         return self
 
     @property
@@ -373,9 +380,9 @@ class ChatMessage(_Body):
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
         if isinstance(content, list):
-            kinds = {part.get("type") if isinstance(part, dict) else type(part).__name__ for part in content}
+            kinds = {str(part.get("type")) if isinstance(part, dict) else type(part).__name__ for part in content}
             if kinds - {"text"}:
-                raise ValueError(f"content parts of type {', '.join(sorted(map(str, kinds - {'text'})))} are not "
+                raise ValueError(f"content parts of type {', '.join(sorted(kinds - {'text'}))} are not "
                                  "supported: kvserve serves text models, whose parts are of type text")
         return content
 

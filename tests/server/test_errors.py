@@ -63,6 +63,12 @@ BAD_CHATS = {
     "unknown role": chat(messages=[{"role": "wizard", "content": "Hi"}]),
     "message without role": chat(messages=[{"content": "Hi"}]),
     "image content": chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    "a part's type an object": chat(messages=[{"role": "user", "content": [{"type": {"a": 1}}]}]),
+    "tool arguments nested past the recursion limit": chat(messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "ok"}]),
     "top_logprobs without logprobs": chat(top_logprobs=2),
     "top_logprobs above the limit": chat(logprobs=True, top_logprobs=50),
     "negative frequency_penalty": chat(frequency_penalty=-5),
@@ -136,7 +142,10 @@ def test_an_error_names_the_field_as_the_request_sent_it(server: ServerProcess) 
              (completion(suffix="x"), "/v1/completions", "suffix"),
              (completion(best_of=3), "/v1/completions", "best_of"),
              (completion(tools=[]), "/v1/completions", "tools"),
-             (completion(prompt=""), "/v1/completions", "prompt")]
+             (completion(prompt=""), "/v1/completions", "prompt"),
+             # a batch is queued at once, ahead of every later request: at most 2,048 samples
+             (completion(prompt=[[5]] * 2049), "/v1/completions", "prompt"),
+             (completion(prompt=["a"] * 33, n=64), "/v1/completions", "prompt")]
     for body, route, param in cases:
         error = assert_openai_error(httpx.post(f"{server.url}{route}", content=body,
                                                headers={"content-type": "application/json"}), 400)
