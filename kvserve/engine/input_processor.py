@@ -83,6 +83,11 @@ class InputProcessor:
             return prompt.get("prompt"), list(token_ids)
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
 
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids (the server's /tokenize); ValueError for a text no context could hold."""
+        self._check_text_fits(text, "prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def _check_text_fits(self, text: str, what: str) -> None:
         """Refuse, before tokenizing it, a text too long for any tokenization of it to fit: no token covers more
         characters than its own string in the vocabulary has (a byte-level token's characters stand one for a

@@ -114,7 +114,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             token_ids = (await render_chat(engine, body.messages, body.add_generation_prompt))["prompt_token_ids"]
         else:
             text, add_special = body.prompt, body.add_special_tokens
-            token_ids = await engine.call(lambda e: e.tokenizer.encode(text, add_special_tokens=add_special))
+            try:
+                token_ids = await engine.call(lambda e: e.input_processor.tokenize_text(text, add_special))
+            except ValueError as e:
+                raise bad_request(e, param="prompt") from e
         return TokenizeResponse(count=len(token_ids), max_model_len=state.max_model_len, tokens=token_ids)
 
     @app.post("/detokenize")

@@ -131,6 +131,9 @@ def test_unknown_routes_and_methods_answer_in_the_same_shape(server: ServerProce
     assert_openai_error(httpx.get(f"{server.url}/v1/nothing"), 404)
     assert_openai_error(httpx.get(f"{server.url}/v1/completions"), 405)
     assert_openai_error(httpx.post(f"{server.url}/detokenize", json={"tokens": [10**9]}), 400)
+    # a text no context could hold is not tokenized on the engine thread (3.9 MB held every stream 3.4 s)
+    error = assert_openai_error(httpx.post(f"{server.url}/tokenize", json={"prompt": "a" * 3_000_000}), 400)
+    assert error["param"] == "prompt" and "more tokens than max_model_len" in error["message"]
     assert_still_serving(server)
 
 
