@@ -7,12 +7,14 @@ from ``ServerState``.
 
 from __future__ import annotations
 
+import asyncio
+
 import secrets
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.chat import ChatServer, render_chat
@@ -60,7 +62,7 @@ async def _answer(request: Request, generation: _Generation, stream: bool) -> Re
     if stream:
         return StreamingResponse(ending_on_failure(generation.stream(outputs)), media_type="text/event-stream")
     body = await until_disconnected(request, generation.respond(outputs))
-    return JSONResponse(body.model_dump())
+    return Response(await asyncio.to_thread(body.model_dump_json), media_type="application/json")
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

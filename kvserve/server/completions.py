@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
@@ -52,6 +53,9 @@ class CompletionServer(GenerationHandler):
 
     async def respond(self, stream: AsyncIterator[list[RequestOutput]]) -> CompletionResponse:
         outputs = await last_item(stream)
+        return await asyncio.to_thread(self._response, outputs)  # as chat's: large answers take a while
+
+    def _response(self, outputs: list[RequestOutput]) -> CompletionResponse:
         choices = [
             self._choice(i * self.params.n + s.index, out, SampleDelta(
                 s.text, s.token_ids, s.logprobs, str(s.finish_reason), s.stop_reason, is_first=True))

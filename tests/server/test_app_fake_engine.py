@@ -227,3 +227,19 @@ def test_while_the_model_loads_its_context_length_is_not_known_yet() -> None:
     with TestClient(build_app(state)) as loading:
         assert loading.get("/health").status_code == 503
         assert loading.get("/v1/models").json()["data"][0]["max_model_len"] is None
+
+
+def test_a_whole_answer_is_built_off_the_event_loop(srv: InProcessServer, client: openai.OpenAI, monkeypatch) -> None:
+    """Building a large answer took the event loop 11 s (every stream and /health waited): it runs on a thread."""
+    from kvserve.server.completions import CompletionServer
+
+    threads: list[str] = []
+    build = CompletionServer._response
+
+    def recording(self, outputs):
+        threads.append(threading.current_thread().name)
+        return build(self, outputs)
+
+    monkeypatch.setattr(CompletionServer, "_response", recording)
+    assert client.completions.create(model=MODEL, prompt="ab", max_tokens=2).choices[0].text == "cd"
+    assert len(threads) == 1 and threads[0] != srv.thread.name
