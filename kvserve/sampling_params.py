@@ -67,8 +67,9 @@ def _token_biases(logit_bias: object) -> dict[int, float]:
                                              f"{type(logit_bias).__name__}")
     biases = {}
     for key, value in logit_bias.items():
-        if not (_is_integer(key) or isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key)):
-            raise InvalidParameter("logit_bias", f"logit_bias: key {key!r} is not a token id")
+        # a token id has at most 19 digits (int64): longer strings are no id (and past 4,300, int() refuses them)
+        if not (_is_integer(key) or isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,19}", key)):
+            raise InvalidParameter("logit_bias", f"logit_bias: key {str(key)[:40]!r} is not a token id")
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise InvalidParameter("logit_bias", f"logit_bias: the bias of token {key} must be a finite number, "
                                                  f"got {value!r}")

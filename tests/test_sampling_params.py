@@ -44,6 +44,7 @@ def test_a_choice_list_becomes_a_tuple() -> None:
     (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids, got int"),
     (dict(logit_bias=[1, 2]), "logit_bias must be a dict of token id to bias, got list"),
     (dict(logit_bias={"a": 1.0}), "logit_bias: key 'a' is not a token id"),
+    (dict(logit_bias={"9" * 5000: 1.0}), "logit_bias: key '9999999999999999999999999999999999999999' is not a token id"),
     (dict(logit_bias={9: float("nan")}), "the bias of token 9 must be a finite number"),
     (dict(structured_outputs={"json": {}}), "structured_outputs must be a StructuredOutputsParams, got dict"),
 ])
