@@ -3,9 +3,10 @@ request's constraint forbids, before every other processor.
 
 ``StructuredOutputCompiler`` turns a request's ``StructuredOutputsParams`` (a JSON schema, any JSON object, a
 regex, a choice among strings, an EBNF grammar) into xgrammar's compiled grammar for the model's tokenizer;
-xgrammar caches compiled grammars by their text, so a schema many requests share is compiled once; the cache
-keeps at most ``GRAMMAR_CACHE_BYTES``, least recently used out (unbounded, a server whose clients each send their
-own schemas or tools grew by ~0.2 MB a schema on the default model, for good). The
+compiled grammars are kept by their text, so a schema many requests share is compiled once, up to
+``GRAMMAR_CACHE_BYTES`` as xgrammar counts them, least recently used out. The cache is ours: xgrammar's own,
+bounded the same way, grew the process by ~0.2 MB a new schema on the default model after it was full (its
+evictions gave nothing back), where compiled grammars that are dropped are freed. The
 frontend compiles each constrained request when it arrives, so a constraint that does not compile is the
 client's 400, never a failed step. ``GrammarProcessor`` keeps one matcher per sample (created from the
 sample's outputs so far, forked with n > 1, advanced past each drawn token, dropped when the request ends):
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Sequence
@@ -44,7 +46,9 @@ if TYPE_CHECKING:
     import xgrammar
     from transformers import PreTrainedTokenizerBase
 
-GRAMMAR_CACHE_BYTES = 256 * 2**20  # compiled grammars kept for reuse (~1,000 schemas on a 49k vocabulary)
+# compiled grammars kept for reuse, by xgrammar's count of their bytes (~1,000 schemas on a 49k vocabulary); a
+# process compiling 1,000 distinct schemas under a 32 MB bound grew 35 MB, then stayed
+GRAMMAR_CACHE_BYTES = 256 * 2**20
 # The longest constraint compiled (a schema's JSON text, a regex, a grammar, the choices together): xgrammar's time
 # and memory grow faster than its size (a 32 KB regex compiled in 0.15 s on a 49k vocabulary, a 1 MB choice took
 # minutes; 40,000 EBNF rules, 1.6 MB, passed 7 GB)
@@ -79,27 +83,53 @@ class StructuredOutputCompiler:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._info: xgrammar.TokenizerInfo | None = None
         self._lock = threading.Lock()  # the frontend and the runner may compile at once
+        self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()  # by (kind, text)
+        self.cache_bytes = 0  # of the grammars in the cache, as xgrammar counts them
 
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The compiled grammar; ValueError naming the problem if the constraint does not compile."""
+        """The compiled grammar (from the cache where its text was compiled before); ValueError naming the problem
+        if the constraint does not compile."""
+        key = self._key(spec)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
         compiler = self._get_compiler()
+        kind, text = key
         try:
-            if spec.json is not None:
-                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-                _check_size(spec, schema)
-                check_enforceable(_schema_object(spec.json))
-                return compiler.compile_json_schema(schema, any_whitespace=False)
-            if spec.json_object:  # OpenAI's json_object: a JSON object (xgrammar's builtin takes any value)
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if spec.regex is not None:
-                return compiler.compile_regex(_check_size(spec, spec.regex))
-            if spec.choice is not None:
-                choices = " | ".join(json.dumps(c) for c in spec.choice)
-                return compiler.compile_grammar("root ::= " + _check_size(spec, choices))
-            assert spec.grammar is not None
-            return compiler.compile_grammar(_check_size(spec, spec.grammar))
+            compiled = (compiler.compile_json_schema(text, any_whitespace=False) if kind == "json"
+                        else compiler.compile_regex(text) if kind == "regex" else compiler.compile_grammar(text))
         except RuntimeError as error:  # xgrammar reports a bad schema, regex or grammar as a RuntimeError
             raise ValueError(f"structured output: the {spec.kind} does not compile: {error}") from None
+        self._keep(key, compiled)
+        return compiled
+
+    @staticmethod
+    def _key(spec: StructuredOutputsParams) -> tuple[str, str]:
+        """What xgrammar compiles for ``spec``: ("json" | "regex" | "grammar", its text), checked for size (and a
+        schema for keywords xgrammar would not enforce)."""
+        if spec.json is not None:
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            _check_size(spec, schema)
+            check_enforceable(_schema_object(spec.json))
+            return "json", schema
+        if spec.json_object:  # OpenAI's json_object: a JSON object (xgrammar's builtin takes any value)
+            return "json", '{"type": "object"}'
+        if spec.regex is not None:
+            return "regex", _check_size(spec, spec.regex)
+        if spec.choice is not None:
+            return "grammar", "root ::= " + _check_size(spec, " | ".join(json.dumps(c) for c in spec.choice))
+        assert spec.grammar is not None
+        return "grammar", _check_size(spec, spec.grammar)
+
+    def _keep(self, key: tuple[str, str], compiled: xgrammar.CompiledGrammar) -> None:
+        with self._lock:
+            if key in self._cache:  # compiled at once by two threads
+                return
+            self._cache[key] = compiled
+            self.cache_bytes += compiled.memory_size_bytes
+            while self.cache_bytes > GRAMMAR_CACHE_BYTES and len(self._cache) > 1:
+                self.cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
         with self._lock:
@@ -109,8 +139,7 @@ class StructuredOutputCompiler:
                 self._info = xgrammar.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids or None
                 )
-                self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=2,
-                                                          cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+                self._compiler = xgrammar.GrammarCompiler(self._info, max_threads=2, cache_enabled=False)
             return self._compiler
 
     def stop_token_ids(self) -> list[int]:

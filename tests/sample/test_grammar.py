@@ -284,10 +284,13 @@ def test_a_speculating_request_is_masked_at_each_draft_position_and_its_matcher_
 
 
 def test_the_compiled_grammar_cache_is_bounded(monkeypatch) -> None:
-    """Unbounded, a server whose clients each send their own schema grew by every schema it ever compiled."""
+    """Unbounded, a server whose clients each send their own schema grew by every schema it ever compiled (and
+    xgrammar's own cache, bounded, still grew it: ours drops the grammars it evicts, which frees them)."""
     monkeypatch.setattr(grammar, "GRAMMAR_CACHE_BYTES", 64 * 2**10)
     compiler = StructuredOutputCompiler(byte_bpe_tokenizer(), 300, [1])
-    for i in range(40):
-        schema = {"type": "object", "properties": {f"field_{i}": {"type": "string"}}, "required": [f"field_{i}"]}
-        compiler.compile(StructuredOutputsParams(json=schema))
-    assert 0 < compiler._get_compiler().get_cache_size_bytes() <= 64 * 2**10
+    specs = [StructuredOutputsParams(json={"type": "object", "properties": {f"field_{i}": {"type": "string"}},
+                                           "required": [f"field_{i}"]}) for i in range(40)]
+    compiled = [compiler.compile(spec) for spec in specs]
+    assert 0 < compiler.cache_bytes <= 64 * 2**10 and len(compiler._cache) < 40
+    assert compiler.compile(specs[-1]) is compiled[-1]  # the latest kept
+    assert compiler.compile(specs[0]) is not compiled[0]  # the first evicted: compiled again
