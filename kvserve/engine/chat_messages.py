@@ -44,6 +44,9 @@ def _call(call: Mapping[str, Any], index: int) -> dict[str, Any]:
             arguments = json.loads(arguments)
         except (json.JSONDecodeError, RecursionError):  # nested past Python's recursion limit: no arguments either
             raise ValueError(f"messages[{index}]: tool call arguments are not JSON: {arguments[:80]!r}") from None
+    if not isinstance(arguments, Mapping):  # a function's arguments are an object of named values
+        raise ValueError(f"messages[{index}]: tool call arguments must be a JSON object, got "
+                         f"{type(arguments).__name__}")
     return {**call, "type": "function", "function": {**function, "arguments": arguments}}
 
 

@@ -24,6 +24,8 @@ def test_a_message_is_normalised_as_templates_take_it() -> None:
     ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, r"messages\[3\].content must be text"),
     ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]},
      "tool call arguments are not JSON"),
+    ({"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}]},
+     r"messages\[3\]: tool call arguments must be a JSON object, got list"),
     ({"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}, "each call needs a function with a name"),
 ])
 def test_a_message_that_cannot_be_rendered_is_refused_by_position(message: dict, fragment: str) -> None:
