@@ -138,7 +138,7 @@ class AsyncEngine:
     async def compile_constraint(self, spec: StructuredOutputsParams) -> None:
         """Compile a structured-output constraint on a worker thread (xgrammar lets go of the GIL while it
         compiles), so that no step waits on it: the request's add on the engine thread then finds it in
-        xgrammar's cache. ValueError naming the problem if it does not compile."""
+        the compiler's cache. ValueError naming the problem if it does not compile."""
         await asyncio.to_thread(self.engine.input_processor.check_constraint, spec)
 
     async def generate(

@@ -34,7 +34,7 @@ class InputProcessor:
 
     def process(self, prompt: PromptInput, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize (or check) the prompt and fit ``params`` to it; raise ValueError naming what is wrong (a
-        constraint that does not compile included: compiled here, the runner finds it in xgrammar's cache)."""
+        constraint that does not compile included: compiled here, the runner finds it in the compiler's cache)."""
         text, token_ids = self._tokenize(prompt)
         self._check_token_ids(token_ids, "prompt_token_ids")
         token_ids = [int(t) for t in token_ids]
@@ -44,7 +44,7 @@ class InputProcessor:
 
     def check_constraint(self, spec: StructuredOutputsParams) -> None:
         """ValueError naming the problem if ``spec`` does not compile (compiled now; later requests with the same
-        constraint find it in xgrammar's cache)."""
+        constraint find it in the compiler's cache)."""
         if self.structured is None:
             raise ValueError("structured output is not available in this engine")
         self.structured.compile(spec)

@@ -119,9 +119,8 @@ class ChatServer(GenerationHandler):
         choices = []
         for s in out.outputs:
             message, finish_reason = self._message(s.text, str(s.finish_reason), s.stop_reason)
-            delta = SampleDelta(s.text, s.token_ids, s.logprobs, str(s.finish_reason), s.stop_reason, is_first=True)
             choices.append(ChatChoice(index=s.index, message=message, finish_reason=finish_reason,
-                                      stop_reason=s.stop_reason, logprobs=self._logprobs(delta)))
+                                      stop_reason=s.stop_reason, logprobs=self._logprobs(SampleDelta.whole(s))))
         return ChatCompletionResponse(
             id=self.request_id, model=self.model_name, choices=choices, usage=Usage.of(*num_tokens_used([out]))
         )

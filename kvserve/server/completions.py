@@ -57,8 +57,7 @@ class CompletionServer(GenerationHandler):
 
     def _response(self, outputs: list[RequestOutput]) -> CompletionResponse:
         choices = [
-            self._choice(i * self.params.n + s.index, out, SampleDelta(
-                s.text, s.token_ids, s.logprobs, str(s.finish_reason), s.stop_reason, is_first=True))
+            self._choice(i * self.params.n + s.index, out, SampleDelta.whole(s))
             for i, out in enumerate(outputs) for s in out.outputs
         ]
         return CompletionResponse(

@@ -53,6 +53,12 @@ class SampleDelta:
     def is_empty(self) -> bool:
         return not self.text and not self.token_ids and self.finish_reason is None
 
+    @classmethod
+    def whole(cls, sample: CompletionOutput) -> SampleDelta:
+        """A finished sample as one delta: what a whole (not streamed) answer is made of."""
+        return cls(sample.text, sample.token_ids, sample.logprobs, str(sample.finish_reason), sample.stop_reason,
+                   is_first=True)
+
 
 @dataclass
 class SampleCursor:
