@@ -31,9 +31,10 @@ _DTYPES = {
     "half": torch.float16,
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
-# how a quantized checkpoint's weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32
-# activations, dtype not forced); none dequantizes at load; gguf insists on the blocks
 LOAD_FORMAT_CHOICES = ("auto", "mmap", "dummy")
+# how the weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32 activations, dtype not
+# forced); none dequantizes at load; gguf insists on the blocks; int8 / int4 / fp8 quantize every checkpoint's
+# linear weights at load (weight-only; fp8 on CUDA, activations per token too)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "fp8")
 KV_CACHE_DTYPES = ("auto", *ENCODINGS)  # "auto": the model's dtype, unquantized
 
@@ -274,8 +275,9 @@ class EngineConfig:
                              "--no-enable-prefix-caching)")
 
     def _check_tensor_parallel(self) -> None:
-        """What tensor parallelism does not combine with yet: quantized weights (GGUF's blocks, int8 / int4, fp8) and
-        the KV tiers. (``quantization="auto"`` dequantizes a GGUF instead; CPU step graphs are left off.)"""
+        """What tensor parallelism does not combine with yet: quantized weights (GGUF's blocks, int8 / int4, fp8),
+        int8 activations, weight offload, the KV tiers and draft speculation. (``quantization="auto"`` dequantizes
+        a GGUF instead; CPU step graphs are left off.)"""
         size = self.parallel.tensor_parallel_size
         if size == 1:
             return

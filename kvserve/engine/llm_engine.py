@@ -32,7 +32,7 @@ from kvserve.sched.output import EngineOutput
 from kvserve.sched.scheduler import Scheduler
 from kvserve.worker.draft_model import DraftModel
 from kvserve.spec.policy import SpeculationPolicy
-from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.model_runner import ModelRunner, RunnerOptions
 from kvserve.worker.parallel import WorkerGroup, WorkerSpec, start_workers
 from kvserve.worker.ray_workers import start_ray_workers
 
@@ -56,15 +56,17 @@ class LLMEngine:
         )
         if config.model.quantize_activations:
             check_quantize_activations(self.weight_format, self.device)
+        self.runner_options = RunnerOptions(
+            config.cache.block_size, config.model.seed, self.weight_format, config.cache.kv_cache_dtype,
+            config.model.quantize_activations, config.model.enforce_eager, int(config.model.cpu_offload_gb * 2**30),
+            config.model.dense_layouts_in_background,
+        )
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
         workers = self._start_workers(checkpoint, tp_size)
         try:
-            runner = ModelRunner(checkpoint, self.dtype, self.device, config.cache.block_size, config.model.seed,
-                                 self.weight_format, structured, config.cache.kv_cache_dtype,
-                                 config.model.quantize_activations, config.model.enforce_eager,
-                                 self._draft_model(vocab_size), workers, int(config.model.cpu_offload_gb * 2**30),
-                                 config.model.dense_layouts_in_background)
+            runner = ModelRunner(checkpoint, self.dtype, self.device, self.runner_options, structured=structured,
+                                 draft=self._draft_model(vocab_size), peers=workers)
             self.core = self._build_core(runner)
         except BaseException:
             if workers is not None:
@@ -98,8 +100,8 @@ class LLMEngine:
             return None
         check_shardable(checkpoint.hf_config, size)
         cpu_threads = max(1, torch.get_num_threads() // size)
-        spec = WorkerSpec(self.location, self.dtype, self.device.type, self.config.cache.block_size,
-                          self.config.cache.kv_cache_dtype, cpu_threads, self.config.model.load_format)
+        spec = WorkerSpec(self.location, self.dtype, self.device.type, self.runner_options, cpu_threads,
+                          self.config.model.load_format)
         if backend == "ray":
             return start_ray_workers(spec, size, self.device)
         return start_workers(spec, size)

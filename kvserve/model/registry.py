@@ -71,7 +71,7 @@ def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
 
 
 def select_linear_method(
-    device: torch.device, dtype: torch.dtype, weights: str = "dense", quantize_activations: bool = True,
+    device: torch.device, dtype: torch.dtype, weights: str = "dense", quantize_activations: bool = False,
     defer_dense: bool = False,
 ) -> LinearMethod:
     """Prepacked oneDNN weights (and small-GEMM panels where that kernel is tuned) for fp32 on CPU; the plain
@@ -188,7 +188,7 @@ def process_weights_after_loading(model: CausalLM) -> None:
 
 def load_model(
     checkpoint: Checkpoint, backend: AttentionBackend, dtype: torch.dtype, device: torch.device,
-    weights: str = "dense", quantize_activations: bool = True, tp: TensorParallel = TensorParallel(),
+    weights: str = "dense", quantize_activations: bool = False, tp: TensorParallel = TensorParallel(),
     cpu_offload_bytes: int = 0, defer_dense: bool = False,
 ) -> CausalLM:
     """The checkpoint's model on ``device`` in ``dtype``, ready to run: built with the linear method and fused ops

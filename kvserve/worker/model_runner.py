@@ -32,7 +32,7 @@ from kvserve.worker.draft_model import DraftModel
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.step_graphs import StepGraphs, captures_cuda_graphs, step_graphs_for
 from kvserve.worker.input_batch import InFlightTokens, InputBatch, PersistentBatch
-from kvserve.worker.parallel import StepPeers
+from kvserve.worker.peers import StepPeers
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,21 @@ class DeferredDraw:
     tokens: Callable[[], ModelOutput] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerOptions:
+    """How a runner holds its model and KV cache: one object, so that rank 0 and every tensor-parallel worker
+    (``WorkerSpec`` carries it) build theirs alike."""
+
+    block_size: int
+    seed: int = 0
+    weights: str = "dense"  # as ``model.weight_format.weight_format`` decided
+    kv_cache_dtype: str = "auto"
+    quantize_activations: bool = False
+    enforce_eager: bool = False
+    cpu_offload_bytes: int = 0
+    dense_layouts_in_background: bool = False
+
+
 class ModelRunner:
     """Owns the model weights, the paged KV tensors, the persistent batch, the attention backend, the sampler
     state and, with draft speculation, the draft model (which fills the step's draft slots before the forward).
@@ -59,34 +74,33 @@ class ModelRunner:
     sent."""
 
     def __init__(
-        self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int, seed: int = 0,
-        weights: str = "dense", structured: StructuredOutputCompiler | None = None,
-        kv_cache_dtype_name: str = "auto", quantize_activations: bool = True, enforce_eager: bool = False,
-        draft: DraftModel | None = None, peers: StepPeers | None = None, cpu_offload_bytes: int = 0,
-        dense_layouts_in_background: bool = False,
+        self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, options: RunnerOptions, *,
+        structured: StructuredOutputCompiler | None = None, draft: DraftModel | None = None,
+        peers: StepPeers | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
-        self.block_size = block_size
-        self.kv_cache_dtype = kv_cache_dtype(kv_cache_dtype_name, dtype)
+        self.options = options
+        self.block_size = options.block_size
+        self.kv_cache_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)
         self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=self.kv_cache_dtype)
-        self.weights = weights
+        self.weights = options.weights
         self.peers = peers or StepPeers()
         self.tp = self.peers.tp
-        self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations, self.tp,
-                                cpu_offload_bytes, defer_dense=dense_layouts_in_background)
+        self.model = load_model(checkpoint, self.backend, dtype, device, options.weights, options.quantize_activations,
+                                self.tp, options.cpu_offload_bytes, defer_dense=options.dense_layouts_in_background)
         self._weights_format = self._find_weights_format()
         self.activations_format = self._find_activations_format()
         self.weight_bytes = self.model.weight_bytes()  # this rank's; the draft model's are not counted
         self.layouts = DeferredLayouts.start(self.model)  # None unless some are left for after start-up
         self.grammar = GrammarProcessor(structured) if structured is not None else None
-        self.sampler = Sampler(seed, default_processors(self.grammar))
+        self.sampler = Sampler(options.seed, default_processors(self.grammar))
         self.kv: KVCacheStorage | None = None
         self.kv_tiers: TieredStore | None = None
         self.batch: PersistentBatch | None = None
         self.kv_groups = KVCacheGroups.single(self.model.num_layers)
         self._group_windows = [self.model.sliding_windows()]
-        self.enforce_eager = enforce_eager
+        self.enforce_eager = options.enforce_eager
         self.graphs: StepGraphs | None = None
         self._in_flight: InFlightTokens | None = None  # the last launched step's tokens until it is finished
         self._deferred: DeferredDraw | None = None  # a continued step's draw, until the step before is read back

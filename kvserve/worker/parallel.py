@@ -24,9 +24,10 @@ others down, and refuses further steps. A worker whose start-up fails sends its 
 loses rank 0 exits. Workers are daemon processes (Ray actors are owned by rank 0's process): they also end with
 rank 0's interpreter.
 
-Not combined with tensor parallelism yet: weights kept in blocks (``EngineConfig`` refuses ``quantization`` gguf /
-int8 / int4 by name; ``auto`` dequantizes a GGUF, and says so in the log), the KV tiers (refused by name) and
-CPU step graphs (every step runs eagerly, logged once).
+Not combined with tensor parallelism yet: what ``EngineConfig._check_tensor_parallel`` refuses by name (quantized
+weights, int8 activations, weight offload, the KV tiers, draft speculation; ``quantization="auto"`` dequantizes a
+GGUF, and says so in the log) and CPU step graphs (every step runs eagerly, logged once). Every rank builds its
+runner from rank 0's ``RunnerOptions``.
 
 On CPU the cores are split: every rank runs ``max(1, threads // N)`` torch threads, rank 0 included (its own
 count is lowered until the workers are closed), so N ranks on few cores do not oversubscribe them.
@@ -39,7 +40,7 @@ import logging
 import pickle
 import time
 import weakref
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Protocol
@@ -50,8 +51,11 @@ import torch.multiprocessing as mp
 
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.model.layers.tensor_parallel import TensorParallel
+from kvserve.model.loader import load_checkpoint
 from kvserve.model.sources import ModelLocation
 from kvserve.sched.output import SchedulerOutput
+from kvserve.worker.model_runner import ModelRunner, RunnerOptions
+from kvserve.worker.peers import StepPeers
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +81,7 @@ class WorkerSpec:
     location: ModelLocation
     dtype: torch.dtype
     device_type: str
-    block_size: int
-    kv_cache_dtype: str
+    options: RunnerOptions  # rank 0's
     num_threads: int
     load_format: str = "auto"  # "dummy": each rank draws random weights for its part
 
@@ -160,35 +163,6 @@ class LocalWorker:
 
 
 # ---- the other ranks, as a runner sees them ------------------------------------------------------------
-
-
-class StepPeers:
-    """The other ranks as a ``ModelRunner`` sees them. This base is a runner alone (no tensor parallelism):
-    it samples, and there is no one to tell."""
-
-    is_driver = True  # samples, and tells the others
-    tp = TensorParallel()  # this rank among the ranks, for the model's layers
-
-    def broadcast_step(self, sched_out: SchedulerOutput) -> None:
-        """Rank 0: send the step to the workers before running it."""
-
-    def share_sampled(self, token_ids: dict[str, list[int]] | None) -> dict[str, list[int]]:
-        """Rank 0: send the step's sampled tokens and return them; a worker: receive them."""
-        assert token_ids is not None
-        return token_ids
-
-    def init_kv_cache(self, num_blocks: int, max_model_len: int, groups: KVCacheGroups | None = None) -> None:
-        """Rank 0: have the workers allocate their KV pools, laid out in ``groups`` (after their models loaded)."""
-
-    def stepping(self) -> AbstractContextManager[None]:
-        """Around each step on rank 0: a failure becomes a ``TensorParallelError`` naming the worker."""
-        return nullcontext()
-
-    def close(self) -> None:
-        """Stop the workers (idempotent)."""
-
-    def check_alive(self) -> None:
-        """Rank 0: raise ``TensorParallelError`` naming a worker that died or reported a failure."""
 
 
 class DriverLink(StepPeers):
@@ -398,10 +372,6 @@ def worker_main(rank: int, size: int, store_address: tuple[str, int], spec: Work
     """A worker (a spawned process, or a Ray actor's task): join the group through rank 0's store at
     ``store_address``, build the runner for rank ``rank``, report Ready, then run each step rank 0 sends until
     Shutdown or until rank 0 is gone. An exception is reported to rank 0, then raised."""
-    # imported here: the runner imports this module for its peers
-    from kvserve.model.loader import load_checkpoint
-    from kvserve.worker.model_runner import ModelRunner
-
     try:
         torch.set_num_threads(spec.num_threads)
         device = torch.device("cuda", place.cuda_index) if spec.device_type == "cuda" else torch.device("cpu")
@@ -410,8 +380,8 @@ def worker_main(rank: int, size: int, store_address: tuple[str, int], spec: Work
         host, port = store_address
         store = dist.TCPStore(host, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         link = DriverLink(conn, join_group(rank, size, store, spec.device_type, place.host))
-        runner = ModelRunner(load_checkpoint(spec.location, spec.dtype, spec.load_format), spec.dtype, device, spec.block_size,
-                             kv_cache_dtype_name=spec.kv_cache_dtype, peers=link)
+        checkpoint = load_checkpoint(spec.location, spec.dtype, spec.load_format)
+        runner = ModelRunner(checkpoint, spec.dtype, device, spec.options, peers=link)
         conn.send(Ready())
         _serve(runner, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -424,7 +394,7 @@ def worker_main(rank: int, size: int, store_address: tuple[str, int], spec: Work
         raise
 
 
-def _serve(runner: Any, conn: Connection) -> None:
+def _serve(runner: ModelRunner, conn: Connection) -> None:
     while True:
         message = conn.recv()
         if isinstance(message, Shutdown):

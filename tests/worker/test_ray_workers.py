@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from kvserve import LLM, SamplingParams  # noqa: E402
 from kvserve.model.sources import ModelLocation  # noqa: E402
 from kvserve.worker import ray_workers  # noqa: E402
+from kvserve.worker.model_runner import RunnerOptions  # noqa: E402
 from kvserve.worker.parallel import TensorParallelError, WorkerSpec  # noqa: E402
 from tests.conftest import greedy_token_ids, hf_greedy  # noqa: E402
 from tests.engine.test_llm_equality import MAX_NEW, _prompts  # noqa: E402
@@ -82,7 +83,7 @@ def test_a_killed_actor_ends_the_run_with_an_error_naming_it(tiny_checkpoints, c
 
 def test_an_actor_that_fails_to_start_is_named(tmp_path, cluster) -> None:
     missing = ModelLocation("hf_dir", tmp_path / "missing", "missing")
-    spec = WorkerSpec(missing, torch.float32, "cpu", block_size=4, kv_cache_dtype="auto", num_threads=1)
+    spec = WorkerSpec(missing, torch.float32, "cpu", RunnerOptions(block_size=4), num_threads=1)
     group = ray_workers.start_ray_workers(spec, 2, torch.device("cpu"))
     with pytest.raises(TensorParallelError, match=rf"worker rank 1 \({group.workers[0].name}\) failed to load the "
                                                   "model: .*missing"):
@@ -110,7 +111,7 @@ class _Group:
 
 
 def test_an_inherited_placement_group_needs_a_bundle_per_rank() -> None:
-    cpu = WorkerSpec(ModelLocation("hf_dir", Path("m"), "m"), torch.float32, "cpu", 16, "auto", 1)
+    cpu = WorkerSpec(ModelLocation("hf_dir", Path("m"), "m"), torch.float32, "cpu", RunnerOptions(16), 1)
     cuda = dataclasses.replace(cpu, device_type="cuda")
     group = _Group({"CPU": 0.5}, {"CPU": 0.5})
     assert ray_workers._check_inherited(group, cpu, 2) is group
