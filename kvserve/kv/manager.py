@@ -463,22 +463,16 @@ class KVCacheManager:
         self._release_blocks(request)
 
     def _release_blocks(self, request: Request) -> None:
-        self._matches.pop(request.request_id, None)
-        if self._tier_matcher is not None:
-            self._tier_matcher.forget(request.request_id)
+        self._forget_match(request)
         path = self._paths.pop(request.request_id, None)
         if path is not None:
             for node in reversed(path.pending):
                 self._uncache(node.block_id)
+        self._null_counts.pop(request.request_id, None)
         # Tail blocks first: the evictable queue must see descendants before their ancestors.
-        if self._grouped:
-            self._null_counts.pop(request.request_id, None)
-            for window, table in zip(self.groups.windows, self.tables(request)):
-                self._free_blocks(reversed(table), window)
-            request.group_block_ids = []
-        else:
-            self.pool.free(reversed(request.block_ids))
-        request.block_ids = []
+        for window, table in zip(self.groups.windows, self.tables(request)):
+            self._free_blocks(reversed(table), window)
+        request.block_ids, request.group_block_ids = [], []
 
     def fork(self, parent: Request, child: Request) -> list[tuple[int, int]]:
         """Give ``child`` (which holds no blocks) the KV of the parent's computed tokens, copy-on-write.
@@ -492,17 +486,7 @@ class KVCacheManager:
         """
         if child.block_ids:
             raise ValueError(f"request {child.request_id} already holds blocks; only a fresh request can fork")
-        if self._grouped:
-            copies = self._fork_grouped(parent, child)
-        else:
-            num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
-            shared = parent.block_ids[:num_full]
-            copies = []
-            if num_partial:
-                (dst,) = self.pool.allocate(1)
-                copies.append((parent.block_ids[num_full], dst))
-            self.pool.incref(shared)
-            child.block_ids = shared + [dst for _, dst in copies]
+        copies = self._fork_tables(parent, child)
         parent_path = self._paths.get(parent.request_id)
         if parent_path is not None:  # the child walks the parent's computed path
             num_pending = len(parent_path.pending)
@@ -513,9 +497,9 @@ class KVCacheManager:
             )
         return copies
 
-    def _fork_grouped(self, parent: Request, child: Request) -> list[tuple[int, int]]:
-        """``fork`` with groups: each group's table shared (its nulls stay null) but for the partial block,
-        copied; all or nothing. The partial block is never null: it holds the parent's next query position."""
+    def _fork_tables(self, parent: Request, child: Request) -> list[tuple[int, int]]:
+        """``fork``'s tables: each group's shared (its nulls stay null) but for the partial block, copied; all or
+        nothing. The partial block is never null: it holds the parent's next query position."""
         num_full, num_partial = divmod(parent.num_computed_tokens, self.block_size)
         tables = self.tables(parent)
         if num_partial and len(tables) > self.pool.num_free_blocks:
