@@ -14,7 +14,7 @@ import importlib
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -31,8 +31,6 @@ from transformers import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
 PAD, BOS, IM_START, EOS = "<|pad|>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>"
 # AutoTokenizer loads a qwen2 checkpoint with Qwen2Tokenizer, which adds <|endoftext|> unless the vocab has it
@@ -108,7 +106,7 @@ def make_config_only(out_dir: str | Path, shape: str) -> Path:
     special_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                    "pad_token_id": tokenizer.pad_token_id}
     config = config_class(**fields, **special_ids)
-    config.architectures = [_MODEL_CLASSES["qwen2" if config_class is Qwen2Config else "llama"]]
+    config.architectures = [_FAMILIES["qwen2" if config_class is Qwen2Config else "llama"][1]]
     config.save_pretrained(out_dir)
     GenerationConfig(**special_ids).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -194,8 +192,9 @@ def _random_model(arch: str, size: _Size, tokenizer: PreTrainedTokenizerFast, se
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    config = _CONFIG_MAKERS[arch](size, len(tokenizer), special_ids)
-    model_class = getattr(importlib.import_module("transformers"), _MODEL_CLASSES[arch])
+    make_config, class_name = _FAMILIES[arch]
+    config = make_config(size, len(tokenizer), special_ids)
+    model_class = getattr(importlib.import_module("transformers"), class_name)
     model = model_class(config).to(torch.float32)
     randomize(model, seed)
     model.generation_config = GenerationConfig(**special_ids)
@@ -287,22 +286,16 @@ def _gemma3_config(size: _Size, vocab_size: int, special_ids: dict[str, int]) ->
     )
 
 
-_CONFIG_MAKERS = {
-    "llama": _llama_config,
-    "qwen2": _qwen2_config,
-    "qwen3": _qwen3_config,
-    "mistral": _mistral_config,
-    "gemma3": _gemma3_config,
+# each family's config and, by name, its transformers class: transformers' modeling modules take seconds to
+# import, and `kvserve serve` imports this module's names for its command line
+_FAMILIES: dict[str, tuple[Callable[..., PretrainedConfig], str]] = {
+    "llama": (_llama_config, "LlamaForCausalLM"),
+    "qwen2": (_qwen2_config, "Qwen2ForCausalLM"),
+    "qwen3": (_qwen3_config, "Qwen3ForCausalLM"),
+    "mistral": (_mistral_config, "MistralForCausalLM"),
+    "gemma3": (_gemma3_config, "Gemma3ForCausalLM"),
 }
-# by name: transformers' modeling modules take seconds to import, and `kvserve serve` imports this module's
-# names for its command line
-_MODEL_CLASSES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-}
+ARCHITECTURES = tuple(_FAMILIES)
 
 CORPUS = (
     'The quick brown fox jumps over the lazy dog while the farmer watches from the porch.',

@@ -35,21 +35,16 @@ logger = logging.getLogger(__name__)
 # dummy weights' range: small enough that activations neither overflow bf16 nor vanish through the norms
 DUMMY_WEIGHT_BOUND = 1e-3
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "MistralForCausalLM": MistralForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+# each family's config model_type -> its class (named as transformers names its own)
+_FAMILIES: dict[str, type[CausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "mistral": MistralForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
-# for configs that name no architecture
-MODEL_TYPES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-}
+MODEL_CLASSES: dict[str, type[CausalLM]] = {cls.__name__: cls for cls in _FAMILIES.values()}  # by a config's architectures entry
+MODEL_TYPES: dict[str, str] = {model_type: cls.__name__ for model_type, cls in _FAMILIES.items()}  # configs that name none
 
 
 class UnsupportedModelError(ValueError):
