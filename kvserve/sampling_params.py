@@ -43,8 +43,6 @@ class StructuredOutputsParams:
         _check_kinds(self, _CONSTRAINT_KINDS)  # a request's JSON may hold anything
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
             raise InvalidParameter("choice", "choice must be a non-empty list of non-empty strings")
-        if self.choice is not None:
-            object.__setattr__(self, "choice", tuple(self.choice))
 
     @property
     def kind(self) -> str:
@@ -191,7 +189,7 @@ _KINDS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
     "bool": (lambda v: isinstance(v, bool), "true or false", bool),
     "text": (lambda v: isinstance(v, str), "a string", str),
     "strings": (lambda v: isinstance(v, (str, list, tuple)), "a string or a list of strings", lambda v: v),
-    "choices": (lambda v: isinstance(v, (list, tuple)), "a list of strings", lambda v: v),
+    "choices": (lambda v: isinstance(v, (list, tuple)), "a list of strings", tuple),
     "ids": (lambda v: isinstance(v, (list, tuple)), "a list of token ids", lambda v: v),
     "schema": (lambda v: isinstance(v, (dict, str)), "a JSON schema (an object, or its text)", lambda v: v),
     "constraint": (lambda v: isinstance(v, StructuredOutputsParams), "a StructuredOutputsParams", lambda v: v),

@@ -43,8 +43,9 @@ _FAMILIES: dict[str, type[CausalLM]] = {
     "mistral": MistralForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
 }
-MODEL_CLASSES: dict[str, type[CausalLM]] = {cls.__name__: cls for cls in _FAMILIES.values()}  # by a config's architectures entry
-MODEL_TYPES: dict[str, str] = {model_type: cls.__name__ for model_type, cls in _FAMILIES.items()}  # configs that name none
+# by a config's ``architectures`` entry, and by its model_type for configs that name none
+MODEL_CLASSES: dict[str, type[CausalLM]] = {cls.__name__: cls for cls in _FAMILIES.values()}
+MODEL_TYPES: dict[str, str] = {model_type: cls.__name__ for model_type, cls in _FAMILIES.items()}
 
 
 class UnsupportedModelError(ValueError):

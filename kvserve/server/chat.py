@@ -32,6 +32,7 @@ from kvserve.server.protocol import (
     TopLogprob,
     Usage,
 )
+from kvserve.server.logprobs import text_positions, token_bytes, token_text, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,
@@ -40,10 +41,6 @@ from kvserve.server.streaming import (
     last_item,
     num_tokens_used,
     sse,
-    text_positions,
-    token_bytes,
-    token_text,
-    top_entries,
 )
 from kvserve.server.tool_parsers import NamedToolCallParser, ParsedDelta, ToolCallDelta, ToolCallParser, parse_tool_calls
 from kvserve.server.tools import (

@@ -14,6 +14,7 @@ from kvserve.server.protocol import (
     CompletionResponse,
     Usage,
 )
+from kvserve.server.logprobs import text_positions, token_text, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,
@@ -22,9 +23,6 @@ from kvserve.server.streaming import (
     last_item,
     num_tokens_used,
     sse,
-    text_positions,
-    token_text,
-    top_entries,
 )
 
 if TYPE_CHECKING:

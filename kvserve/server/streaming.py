@@ -1,10 +1,9 @@
-"""What completions and chat share: running a batch of prompts, deltas of cumulative outputs, SSE framing,
-logprob token text, and aborting on a client disconnect."""
+"""What completions and chat share: running a batch of prompts, deltas of cumulative outputs, SSE framing, and
+aborting on a client disconnect."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -13,11 +12,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Sequence, TypeV
 
 from fastapi import Request
 from pydantic import BaseModel
-from tokenizers import decoders
 
 from kvserve.engine.async_engine import EngineDeadError
-from kvserve.engine.detokenizer import BYTE_TOKEN
-from kvserve.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.server.errors import APIError, bad_request, sse_failure
 
 if TYPE_CHECKING:
@@ -192,46 +189,3 @@ async def _wait_for_disconnect(request: Request) -> None:
     """The body is already read, so the next ASGI message is the disconnect (uvicorn blocks until then)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def token_bytes(token_id: int, tokenizer: Any) -> list[int]:
-    """A token's own bytes, what a client joins to rebuild text that tokens split inside a character (chat
-    logprobs' ``bytes``): a byte-level BPE token's characters each stand for a byte, a SentencePiece byte-fallback
-    token (``<0xE2>``) for its byte, and any other token for its text (``▁`` a space)."""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if isinstance(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None), decoders.ByteLevel):
-        table = _unicode_to_byte()
-        if all(char in table for char in piece):
-            return [table[char] for char in piece]
-    if BYTE_TOKEN.fullmatch(piece):
-        return [int(piece[3:5], 16)]
-    return list(piece.replace("\u2581", " ").encode("utf-8"))
-
-
-@functools.cache
-def _unicode_to_byte() -> dict[str, int]:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's table of byte-level BPE
-
-    return {char: byte for byte, char in bytes_to_unicode().items()}
-
-
-def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
-    """A logprob entry's token as text: the detokenizer's piece if it gave one, else the token decoded alone."""
-    if logprob.decoded_token is not None:
-        return logprob.decoded_token
-    return tokenizer.decode([token_id])
-
-
-def text_positions(delta: SampleDelta, include_stop_str_in_output: bool) -> list[tuple[int, PositionLogprobs]]:
-    """The delta's tokens that are text, with their logprobs: an EOS or stop token that ended the sample stays in
-    its token ids but is no text, so it gets no logprob entry (as in OpenAI's answers, whose entries spell the
-    text)."""
-    positions = list(zip(delta.token_ids, delta.logprobs or []))
-    ended_by_token = delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
-    return positions[:-1] if ended_by_token and positions and not include_stop_str_in_output else positions
-
-
-def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
-    """The k most likely tokens at a position, most likely first."""
-    ranked = sorted(position.items(), key=lambda item: item[1].rank)
-    return [(token_id, lp) for token_id, lp in ranked if lp.rank <= k][:k]

@@ -225,13 +225,13 @@ class ToolCallParser:
         if not rest:
             return
         if self.fmt.bare_json_start and rest[0] in "{[":
-            self._open_run(out, len(self._text) - len(rest), 0)
+            self._open_run(len(self._text) - len(rest), 0)
             return
         marker = self._marker_at(rest)
         if marker is None and any(m.startswith(rest) for m in self.fmt.markers):
             return  # a marker may be coming
         if marker is not None:
-            self._open_run(out, len(self._text) - len(rest), len(marker))
+            self._open_run(len(self._text) - len(rest), len(marker))
         elif self.fmt.markers_anywhere:
             self._state = "content"
         else:
@@ -246,7 +246,7 @@ class ToolCallParser:
         if found:
             i, marker = min(found)
             out.content += self._text[self._pos:i]
-            self._open_run(out, i, len(marker))
+            self._open_run(i, len(marker))
             return
         keep = max((_partial_suffix(self._text, m) for m in self.fmt.markers), default=0)
         end = len(self._text) - keep
@@ -287,7 +287,7 @@ class ToolCallParser:
 
     # ---- calls ----
 
-    def _open_run(self, out: ParsedDelta, start: int, marker_length: int) -> None:
+    def _open_run(self, start: int, marker_length: int) -> None:
         self._run_start = start
         self._run_has_call = False
         self._pos = start + marker_length

@@ -8,7 +8,8 @@ import json
 import pytest
 from pydantic import BaseModel
 
-from kvserve.server.streaming import sse, token_bytes
+from kvserve.server.logprobs import token_bytes
+from kvserve.server.streaming import sse
 from tests.engine.byte_bpe import byte_bpe_tokenizer, byte_fallback_tokenizer
 
 

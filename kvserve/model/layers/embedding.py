@@ -57,7 +57,7 @@ class VocabEmbedding(Shardable, nn.Embedding):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)  # a tied head's too: it shares the parameter
             return
         if self.tp_shard is not None:
-            tensor = self.tp_shard.narrow("weight", tensor, None)
+            tensor = self.tp_shard.narrow(tensor, None)
         fp32_rows = self.weight.device.type == "cpu" and self.weight.dtype == torch.float32
         kernel = ggml_gemm() if fp32_rows and isinstance(tensor, GGMLTensor) and tensor.qtype in KERNEL_TYPES else None
         if kernel is not None and tuple(tensor.shape) == tuple(self.weight.shape):

@@ -181,7 +181,7 @@ class Linear(nn.Module):
 
     def load_weight(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         if self.tp_shard is not None:
-            tensor = self.tp_shard.narrow(name, tensor, shard)
+            tensor = self.tp_shard.narrow(tensor, shard)
         self.method.load_weight(self, name, tensor, shard)
 
     def process_weights_after_loading(self) -> None:

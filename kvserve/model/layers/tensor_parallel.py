@@ -101,8 +101,9 @@ class LinearShard:
     reduce: bool = False  # row-parallel: all-reduce the partial sums
     gathered_features: int | None = None  # LM head: rank 0 gathers the vocabulary slices, cut to this many
 
-    def narrow(self, name: str, tensor: torch.Tensor, projection: str | None) -> torch.Tensor:
-        """This rank's slice of checkpoint tensor ``name`` (``weight`` / ``bias``), zero-padded past its end."""
+    def narrow(self, tensor: torch.Tensor, projection: str | None) -> torch.Tensor:
+        """This rank's slice of a checkpoint weight or bias (of one ``projection`` of a packed layer, None: the
+        whole layer), zero-padded past its end."""
         if self.dim == 1 and tensor.dim() == 1:  # a row-parallel bias: added once, by rank 0
             return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
         first, count = self.ranges[projection]

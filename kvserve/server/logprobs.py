@@ -1,0 +1,58 @@
+"""The text of logprob entries, for completions and chat alike: a token's text and bytes, which positions of a
+sample get an entry, and a position's most likely tokens."""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import decoders
+
+from kvserve.engine.detokenizer import BYTE_TOKEN
+from kvserve.outputs import Logprob, PositionLogprobs
+
+if TYPE_CHECKING:
+    from kvserve.server.streaming import SampleDelta
+
+
+def token_bytes(token_id: int, tokenizer: Any) -> list[int]:
+    """A token's own bytes, what a client joins to rebuild text that tokens split inside a character (chat
+    logprobs' ``bytes``): a byte-level BPE token's characters each stand for a byte, a SentencePiece byte-fallback
+    token (``<0xE2>``) for its byte, and any other token for its text (``▁`` a space)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None), decoders.ByteLevel):
+        table = _unicode_to_byte()
+        if all(char in table for char in piece):
+            return [table[char] for char in piece]
+    if BYTE_TOKEN.fullmatch(piece):
+        return [int(piece[3:5], 16)]
+    return list(piece.replace("\u2581", " ").encode("utf-8"))
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's table of byte-level BPE
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
+    """A logprob entry's token as text: the detokenizer's piece if it gave one, else the token decoded alone."""
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id])
+
+
+def text_positions(delta: SampleDelta, include_stop_str_in_output: bool) -> list[tuple[int, PositionLogprobs]]:
+    """The delta's tokens that are text, with their logprobs: an EOS or stop token that ended the sample stays in
+    its token ids but is no text, so it gets no logprob entry (as in OpenAI's answers, whose entries spell the
+    text)."""
+    positions = list(zip(delta.token_ids, delta.logprobs or []))
+    ended_by_token = delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
+    return positions[:-1] if ended_by_token and positions and not include_stop_str_in_output else positions
+
+
+def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens at a position, most likely first."""
+    ranked = sorted(position.items(), key=lambda item: item[1].rank)
+    return [(token_id, lp) for token_id, lp in ranked if lp.rank <= k][:k]
