@@ -156,29 +156,25 @@ class Router:
             # see this one's load and prefix, or a burst all goes where the first one went.
             replica.index.insert(keys)
             replica.in_flight += 1
+            handed_over = False  # to the caller, which uncounts it once the answer is relayed
             try:
                 upstream = await self._send(replica, path, body, headers)
-            except BaseException:
-                replica.in_flight -= 1
-                raise
-            if upstream is None:  # refused: not started there, try another one
-                replica.in_flight -= 1
-                tried.add(replica)
-                self.metrics.retries.inc()
-                continue
+                if isinstance(upstream, UpstreamResponse) and not (
+                        upstream.status == HTTPStatus.SERVICE_UNAVAILABLE and len(candidates) > 1):
+                    self._count(decision)
+                    handed_over = True
+                    return replica, upstream
+            finally:
+                if not handed_over:
+                    replica.in_flight -= 1
             if isinstance(upstream, Response):
-                replica.in_flight -= 1
                 return upstream
-            if upstream.status == HTTPStatus.SERVICE_UNAVAILABLE and len(candidates) > 1:
-                # loading, draining, overloaded or failed there: nothing started, so another replica may serve it
-                # (the health checks decide whether this one is down)
+            # refused (not started there), or a 503 (loading, draining, overloaded or failed there: nothing
+            # started) with another replica left to try; the health checks decide whether this one is down
+            if upstream is not None:
                 upstream.close()
-                replica.in_flight -= 1
-                tried.add(replica)
-                self.metrics.retries.inc()
-                continue
-            self._count(decision)
-            return replica, upstream
+            tried.add(replica)
+            self.metrics.retries.inc()
 
     async def _send(self, replica: Replica, path: str, body: bytes,
                     headers: list[tuple[bytes, bytes]]) -> UpstreamResponse | Response | None:
