@@ -9,29 +9,58 @@ the Hermes format (which the server's parser then reads), earlier calls are writ
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Mapping, Sequence
 
+import jinja2
 
-def template_message(message: Mapping[str, Any], index: int = 0) -> dict[str, Any]:
-    """``message`` (OpenAI's shape) as a chat template expects it: text parts joined with newlines, as vLLM
-    does; no content as ""; a call's arguments as a dict, as transformers' templates take them. ValueError
-    naming ``messages[index]`` where it cannot be rendered."""
+
+def template_message(message: Mapping[str, Any], index: int = 0, keep_parts: bool = False) -> dict[str, Any]:
+    """``message`` (OpenAI's shape) as a chat template expects it: text parts as a list of ``{"type": "text",
+    "text": ...}`` for a template that iterates over them (``keep_parts``, see ``iterates_content``), else joined
+    with newlines, as vLLM does; no content as ""; a call's arguments as a dict, as transformers' templates take
+    them. ValueError naming ``messages[index]`` where it cannot be rendered."""
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise ValueError(f"messages[{index}] must be a dict with a 'role' and a 'content'")
     out = dict(message)
-    out["content"] = _text(message.get("content"), index)
+    out["content"] = _content(message.get("content"), index, keep_parts)
     if message.get("tool_calls"):
         out["tool_calls"] = [_call(call, index) for call in message["tool_calls"]]
     return out
 
 
-def _text(content: Any, index: int) -> str:
+def _content(content: Any, index: int, keep_parts: bool) -> str | list[dict[str, str]]:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
-        return "\n".join(str(part.get("text", "")) for part in content)
+        parts = [{"type": "text", "text": str(part.get("text", ""))} for part in content]
+        return parts if keep_parts else joined(parts)
     raise ValueError(f"messages[{index}].content must be text or a list of text parts")
+
+
+def joined(content: str | list[dict[str, str]]) -> str:
+    """A message's content as one text: its text parts joined with newlines."""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+
+
+@functools.lru_cache(maxsize=8)  # a server renders with one or two templates
+def iterates_content(chat_template: str) -> bool:
+    """Whether the template loops over a message's content (``{% for item in message['content'] %}``, as Gemma 3's
+    does): it then takes the text parts as a list, as transformers and vLLM pass them (vLLM's "openai" content
+    format), and renders them its own way (Gemma 3's trims and concatenates them)."""
+    try:
+        tree = jinja2.Environment().parse(chat_template)
+    except jinja2.TemplateSyntaxError:
+        return False  # transformers will say what is wrong with it
+    for loop in tree.find_all(jinja2.nodes.For):
+        over = loop.iter
+        if isinstance(over, jinja2.nodes.Getitem) and isinstance(over.arg, jinja2.nodes.Const):
+            if over.arg.value == "content":
+                return True
+        elif isinstance(over, jinja2.nodes.Getattr) and over.attr == "content":
+            return True
+    return False
 
 
 def _call(call: Mapping[str, Any], index: int) -> dict[str, Any]:
@@ -75,7 +104,7 @@ def _describe_tools(conversation: list[dict[str, Any]], tools: Sequence[dict[str
     )
     out = list(conversation)
     if out and out[0]["role"] == "system":
-        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{preamble}"}
+        out[0] = {**out[0], "content": f"{joined(out[0]['content'])}\n\n{preamble}"}
     else:
         out.insert(0, {"role": "system", "content": preamble})
     return out
@@ -83,7 +112,7 @@ def _describe_tools(conversation: list[dict[str, Any]], tools: Sequence[dict[str
 
 def _with_calls_in_text(message: dict[str, Any]) -> dict[str, Any]:
     if message["role"] == "tool":
-        return {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
+        return {"role": "user", "content": f"<tool_response>\n{joined(message['content'])}\n</tool_response>"}
     calls = message.get("tool_calls")
     if not calls:
         return message
@@ -92,5 +121,5 @@ def _with_calls_in_text(message: dict[str, Any]) -> dict[str, Any]:
                                      ensure_ascii=False) + "\n</tool_call>"
         for c in calls
     ]
-    text = "\n".join(([message["content"]] if message["content"] else []) + blocks)
+    text = "\n".join(([joined(message["content"])] if message["content"] else []) + blocks)
     return {key: value for key, value in message.items() if key != "tool_calls"} | {"content": text}

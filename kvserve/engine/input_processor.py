@@ -7,8 +7,10 @@ import functools
 import numbers
 from typing import Any, Mapping, Sequence, Union
 
+import jinja2
 from transformers import PreTrainedTokenizerBase
 
+from kvserve.engine.chat_messages import for_template, iterates_content, template_message
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
@@ -49,25 +51,49 @@ class InputProcessor:
             raise ValueError("structured output is not available in this engine")
         self.structured.compile(spec)
 
+    def chat_template(self, tools: Sequence[Any] | None = None) -> str | None:
+        """The template a conversation renders with: the tokenizer's; of named templates (as Hermes and Command-R
+        ship them) the one named ``tool_use`` where tools are given and it has one, else ``default``, as
+        transformers chooses. None: the model has none."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if isinstance(template, Mapping):
+            return template.get("tool_use") if tools and "tool_use" in template else template.get("default")
+        return template
+
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True,
-                            tools: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
-        """Render a conversation (and the tools it may call, as JSON schemas in OpenAI's shape) with the model's
-        chat template into a token-id prompt."""
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            add_special_tokens: bool = False) -> dict[str, Any]:
+        """Render a conversation in OpenAI's shape (and the tools it may call, as JSON schemas in OpenAI's shape)
+        with the model's chat template into a token-id prompt: the messages normalised and the tools described
+        where the template takes none (``chat_messages``). ``add_special_tokens``: the tokenizer's special tokens
+        (BOS) added to the rendered text as well (the template already holds those it wants). ValueError naming
+        what is wrong: a message, a template that fails on this conversation, text that is no valid UTF-8."""
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
-        if self.tokenizer.chat_template is None:
+        template = self.chat_template(tools)
+        if template is None:
             raise ValueError("this model has no chat template: send it a plain prompt (/v1/completions, or "
                              "LLM.generate)")
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tools=list(tools) if tools else None, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
+        keep_parts = iterates_content(template)
+        conversation, template_tools = for_template(
+            [template_message(m, i, keep_parts) for i, m in enumerate(messages)], tools, template)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tools=template_tools, chat_template=template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except jinja2.TemplateError as e:  # raise_exception(...) of the template: its own words
+            raise ValueError(str(e)) from e
+        except Exception as e:  # the template failed on what this conversation holds: the request's fault
+            raise ValueError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from e
         self._check_text_fits(text, "the rendered conversation")
-        # The template already holds the special tokens it wants (BOS included): don't add them twice.
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # JSON's "\ud800" in a name, a tool or a call's arguments
+                raise ValueError("the conversation is not valid UTF-8: a message, tool or tool call holds a lone "
+                                 "surrogate") from None
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -110,9 +136,9 @@ class InputProcessor:
     def _fit_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
-            raise ValueError(
-                f"the prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
+            raise ValueError(  # scoring a prompt (echo with max_tokens 0) draws one token too, left out of its answer
+                f"the prompt has {num_prompt_tokens} tokens, which leaves no room within max_model_len="
+                f"{self.max_model_len} for the token every request draws"
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if num_prompt_tokens + max_tokens > self.max_model_len:

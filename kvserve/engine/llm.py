@@ -8,7 +8,6 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from kvserve.config import DEFAULT_MODEL
-from kvserve.engine.chat_messages import for_template, template_message
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.input_processor import ChatMessages, PromptInput
 from kvserve.engine.llm_engine import LLMEngine
@@ -83,13 +82,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        processor, template = self.engine.input_processor, self.engine.tokenizer.chat_template
-        prompts = []
-        for conversation in conversations:
-            messages_in, template_tools = for_template(
-                [template_message(m, i) for i, m in enumerate(conversation)], tools,
-                template if isinstance(template, str) else None)
-            prompts.append(processor.apply_chat_template(messages_in, add_generation_prompt, template_tools))
+        processor = self.engine.input_processor
+        prompts = [processor.apply_chat_template(conversation, add_generation_prompt, tools)
+                   for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict[str, Any]:

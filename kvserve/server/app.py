@@ -113,9 +113,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         engine = state.engine_for(body.model)
         if body.messages is not None:
-            token_ids = (await render_chat(engine, body.messages, body.add_generation_prompt))["prompt_token_ids"]
+            add_generation_prompt = body.add_generation_prompt is not False
+            prompt = await render_chat(engine, body.messages, add_generation_prompt,
+                                       add_special_tokens=bool(body.add_special_tokens))
+            token_ids = prompt["prompt_token_ids"]
         else:
-            text, add_special = body.prompt, body.add_special_tokens
+            text, add_special = body.prompt, body.add_special_tokens is not False
             try:
                 token_ids = await engine.call(lambda e: e.input_processor.tokenize_text(text, add_special))
             except ValueError as e:

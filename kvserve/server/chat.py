@@ -8,9 +8,7 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-import jinja2
 
-from kvserve.engine.chat_messages import for_template, template_message
 from kvserve.engine.detokenizer import REPLACEMENT_CHAR
 from kvserve.outputs import PositionLogprobs, RequestOutput
 from kvserve.server.errors import bad_request
@@ -55,24 +53,15 @@ if TYPE_CHECKING:
 
 
 async def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool,
-                      tools: list[dict[str, Any]] | None = None) -> dict:
+                      tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False) -> dict:
     """The conversation (and tools) as a token-id prompt, rendered on the engine thread (which owns the
-    tokenizer); a template that rejects the conversation (e.g. roles that do not alternate) is a 400."""
+    tokenizer); a conversation the template cannot render (e.g. roles that do not alternate) is a 400."""
+    conversation = [m.model_dump(exclude_none=True) for m in messages]
     try:
-        conversation, template_tools = for_template(
-            [template_message(m.model_dump(exclude_none=True), i) for i, m in enumerate(messages)], tools,
-            _chat_template(engine.engine.tokenizer),
-        )
-        return await engine.call(
-            lambda e: e.input_processor.apply_chat_template(conversation, add_generation_prompt, template_tools)
-        )
-    except (ValueError, jinja2.TemplateError) as e:
+        return await engine.call(lambda e: e.input_processor.apply_chat_template(
+            conversation, add_generation_prompt, tools, add_special_tokens))
+    except ValueError as e:
         raise bad_request(ValueError(f"messages: {e}"), param="messages") from e
-
-
-def _chat_template(tokenizer: Any) -> str | None:
-    template = tokenizer.chat_template
-    return template if isinstance(template, str) else None
 
 
 class ChatServer(GenerationHandler):
@@ -85,7 +74,7 @@ class ChatServer(GenerationHandler):
                  tool_call_parser: str = "auto") -> None:
         super().__init__(engine, body, model_name)
         self.tool_choice = body.effective_tool_choice
-        self.tool_format = tool_call_format(tool_call_parser, _chat_template(self.tokenizer))
+        self.tool_format = tool_call_format(tool_call_parser, engine.engine.input_processor.chat_template(body.tools))
         if self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer):
             self.params = dataclasses.replace(self.params, skip_special_tokens=False)
         self._parsers: dict[int, ToolCallParser | NamedToolCallParser | None] = {}

@@ -16,9 +16,11 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictInt,
+    Tag,
     field_validator,
     model_serializer,
     model_validator,
@@ -41,6 +43,18 @@ def _check_utf8(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_check_utf8)]
 TokenIds = list[StrictInt]
+
+
+def _shape(value: Any) -> str:
+    """A union member for a value by its shape, so that a value that fits none gets the error of the member it
+    was meant for ("prompt.0: Input should be a valid integer" for ``[1.5]``), not the first member's. The tags
+    look like type names, which error messages leave out of a field's path."""
+    if isinstance(value, list):
+        first = value[0] if value else None
+        if isinstance(first, list):
+            return "list[list[int]]"
+        return "list[str]" if isinstance(first, str) else "list[int]"
+    return "str"
 
 
 class _Body(BaseModel):
@@ -249,7 +263,11 @@ def _token_bias(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
 
 # ---- completions ----
 
-Prompt = Union[Text, list[Text], TokenIds, list[TokenIds]]
+Prompt = Annotated[
+    Union[Annotated[Text, Tag("str")], Annotated[list[Text], Tag("list[str]")], Annotated[TokenIds, Tag("list[int]")],
+          Annotated[list[TokenIds], Tag("list[list[int]]")]],
+    Discriminator(_shape),
+]
 
 
 MAX_BATCH_SAMPLES = 2048  # prompts x n of one /v1/completions request (OpenAI takes up to 2,048 prompts)
@@ -371,7 +389,8 @@ class ToolCall(_Body):
 
 class ChatMessage(_Body):
     role: Role
-    content: Text | list[TextContentPart] | None = None
+    content: Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[TextContentPart], Tag("list[part]")]],
+                       Discriminator(lambda v: "list[part]" if isinstance(v, list) else "str")] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
@@ -585,8 +604,10 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
+    # the tokenizer's special tokens (BOS) added: by default to a prompt, not to messages, whose template holds
+    # those it wants (vLLM's defaults)
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None  # messages only; default true
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -594,6 +615,9 @@ class TokenizeRequest(_Body):
             raise ValueError("give exactly one of prompt or messages")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            raise InvalidParameter("add_generation_prompt", "add_generation_prompt applies to messages, not to a "
+                                                            "prompt")
         return self
 
 

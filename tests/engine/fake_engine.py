@@ -32,9 +32,12 @@ class FakeInputProcessor:
     def __init__(self, tokenizer: ByteTokenizer) -> None:
         self.tokenizer = tokenizer
 
+    def chat_template(self, tools: list[dict[str, Any]] | None = None) -> None:
+        return None  # the fake renders chats itself
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> dict:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + ("<assistant>" * add_generation_prompt)
+                            tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False) -> dict:
+        text = "".join(f"<{m['role']}>{m.get('content', '')}" for m in messages) + ("<assistant>" * add_generation_prompt)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 
 

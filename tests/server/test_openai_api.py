@@ -208,6 +208,19 @@ def test_tokenize_and_detokenize_round_trip(server: ServerProcess) -> None:
     assert PROMPT in text
     chat = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}).json()
     assert chat["count"] > len(tokenize(server, MESSAGES[0]["content"]))
+    refused = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT, "add_generation_prompt": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_generation_prompt"
+
+
+def test_a_lone_surrogate_in_a_tool_is_a_bad_request(server: ServerProcess) -> None:
+    """Only message content was checked for lone surrogates; one in a tool's description reached the tokenizer,
+    whose TypeError was a 500."""
+    tool = {"type": "function", "function": {"name": "f", "description": "d\ud800"}}
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "max_tokens": 1}
+    # json.dumps writes the surrogate as the escape "\\ud800", as a client's JSON carries it
+    answer = httpx.post(f"{server.url}/v1/chat/completions", content=json.dumps(body),
+                        headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "lone surrogate" in answer.json()["error"]["message"], answer.text
 
 
 def test_greedy_output_over_http_equals_the_offline_api(client: openai.OpenAI, tiny_checkpoint) -> None:

@@ -4,10 +4,12 @@ takes its default; OpenAI's own fields are honoured, accepted where they change 
 from __future__ import annotations
 
 import pytest
+from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from kvserve.sampling_params import InvalidParameter
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.errors import _validation_message
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
 
 
 @pytest.mark.parametrize("body", [
@@ -99,3 +101,32 @@ def test_best_of_is_honoured_only_as_n() -> None:
     assert CompletionRequest.model_validate({"prompt": "x", "n": 2, "best_of": 2}).to_sampling_params().n == 2
     with pytest.raises(ValidationError, match="best_of other than n"):
         CompletionRequest.model_validate({"prompt": "x", "best_of": 3})
+
+
+@pytest.mark.parametrize("body, expected", [
+    ({"prompt": [True]}, "prompt.0: Input should be a valid integer"),
+    ({"prompt": [1.5]}, "prompt.0: Input should be a valid integer"),
+    ({"prompt": [[1, 2], [3.5]]}, "prompt.1.0: Input should be a valid integer"),
+    ({"prompt": ["ok", "a\ud800b"]}, "prompt.1: the text is not valid UTF-8 (it holds a lone surrogate)"),
+    ({"prompt": ["ok", 1]}, "prompt.1: Input should be a valid string"),
+])
+def test_a_prompt_that_fits_no_form_is_told_about_the_form_it_has(body: dict, expected: str) -> None:
+    """The error of the form the value has (a list of token ids for ``[1.5]``), not pydantic's first union
+    member's, which said "Input should be a valid string" for all of these."""
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate(body)
+    assert _validation_message(RequestValidationError(raised.value.errors()))[0] == expected
+
+
+def test_a_text_part_without_text_is_told_so() -> None:
+    with pytest.raises(ValidationError) as raised:
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    assert _validation_message(RequestValidationError(raised.value.errors())) == (
+        "messages.0.content.0.text: Field required", "messages.0.content.0.text")
+
+
+def test_tokenize_takes_add_generation_prompt_with_messages_only() -> None:
+    with pytest.raises(ValidationError, match="add_generation_prompt applies to messages"):
+        TokenizeRequest.model_validate({"prompt": "hi", "add_generation_prompt": False})
+    chat = TokenizeRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.add_special_tokens is None and chat.add_generation_prompt is None  # the server's defaults

@@ -1,0 +1,98 @@
+"""InputProcessor's chat rendering against transformers' own: which template, what it is given, and a clear
+ValueError (a 400 on the server) for a conversation that cannot be rendered."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from tokenizers.processors import TemplateProcessing
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from kvserve.engine.input_processor import InputProcessor
+
+# Gemma 3's way with content: a string as it is, a list of parts trimmed and joined
+PARTS_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for item in m['content'] %}{{ item['text'] | trim }}{% endfor %}{% endif %}{% endfor %}"
+)
+STRING_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+NAMED_TEMPLATES = {
+    "default": "D{% for m in messages %}{{ m.content }}{% endfor %}",
+    "tool_use": "T{{ tools | length }}{% for m in messages %}{{ m.content }}{% endfor %}",
+}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {}}}}
+PARTS = [{"role": "user", "content": [{"type": "text", "text": " one "}, {"type": "text", "text": "two"}]}]
+
+
+@pytest.fixture
+def tokenizer(tiny_checkpoints: dict[str, Path]) -> PreTrainedTokenizerBase:
+    return copy.deepcopy(AutoTokenizer.from_pretrained(tiny_checkpoints["llama"]))
+
+
+def processor_with(tokenizer: PreTrainedTokenizerBase, template: str | dict[str, str]) -> InputProcessor:
+    tokenizer.chat_template = template
+    return InputProcessor(tokenizer, len(tokenizer), max_model_len=512)
+
+
+def render(processor: InputProcessor, messages: list[dict], **kwargs) -> str:
+    return processor.apply_chat_template(messages, add_generation_prompt=False, **kwargs)["prompt"]
+
+
+def test_a_template_that_iterates_over_parts_gets_them_as_a_list(tokenizer) -> None:
+    """As transformers and vLLM pass them (vLLM's "openai" content format): Gemma 3's template trims and joins
+    them; joined with newlines first, it rendered "one \\ntwo"."""
+    processor = processor_with(tokenizer, PARTS_TEMPLATE)
+    assert render(processor, PARTS) == tokenizer.apply_chat_template(PARTS, tokenize=False) == "<user>onetwo"
+
+
+def test_a_template_that_prints_content_gets_the_parts_joined_with_newlines(tokenizer) -> None:
+    assert render(processor_with(tokenizer, STRING_TEMPLATE), PARTS) == "<user> one \ntwo"
+
+
+@pytest.mark.parametrize("tools, expected", [([WEATHER], "T1hi"), (None, "Dhi")])
+def test_named_templates_render_with_tool_use_where_tools_are_given(tokenizer, tools, expected) -> None:
+    """Hermes and Command-R ship a ``default`` and a ``tool_use`` template; transformers picks as kvserve does.
+    Before, a dict of templates counted as none taking tools, and tools were described in kvserve's own text."""
+    processor = processor_with(tokenizer, NAMED_TEMPLATES)
+    messages = [{"role": "user", "content": "hi"}]
+    assert render(processor, messages, tools=tools) == expected
+    assert tokenizer.apply_chat_template(messages, tools=tools, tokenize=False) == expected
+    assert processor.chat_template(tools) == NAMED_TEMPLATES["tool_use" if tools else "default"]
+
+
+def test_a_template_that_fails_on_a_conversation_is_a_value_error(tokenizer) -> None:
+    processor = processor_with(tokenizer, "{% if messages | length > 1 %}{{ 1 / 0 }}{% endif %}ok")
+    assert render(processor, [{"role": "user", "content": "a"}]) == "ok"
+    with pytest.raises(ValueError, match="the chat template failed on this conversation: ZeroDivisionError"):
+        render(processor, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    with pytest.raises(ValueError, match="^roles must alternate$"):  # raise_exception: the template's own words
+        render(processor_with(tokenizer, "{{ raise_exception('roles must alternate') }}"), PARTS)
+
+
+@pytest.mark.parametrize("messages, tools", [
+    ([{"role": "user", "content": "hi"}], [{**WEATHER, "function": {**WEATHER["function"], "description": "\ud800"}}]),
+    ([{"role": "user", "content": "hi", "name": "b\ud800"}], None),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}]}], None),
+])
+def test_a_lone_surrogate_anywhere_in_a_conversation_is_named(tokenizer, messages, tools) -> None:
+    """JSON carries "\\ud800" into a tool's description, a name or a call's arguments; the tokenizer's TypeError
+    was a 500."""
+    template = ("{% for m in messages %}{{ m.name }}{{ m.content }}{{ (m.tool_calls or []) | tojson }}"
+                "{% endfor %}{{ (tools or []) | tojson }}")
+    with pytest.raises(ValueError, match="not valid UTF-8: a message, tool or tool call holds a lone surrogate"):
+        render(processor_with(tokenizer, template), messages, tools=tools)
+
+
+def test_add_special_tokens_adds_the_tokenizers_own_to_the_rendered_text(tokenizer) -> None:
+    bos = tokenizer.convert_tokens_to_ids("<|begin_of_text|>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    processor = processor_with(tokenizer, STRING_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = processor.apply_chat_template(messages)["prompt_token_ids"]
+    assert processor.apply_chat_template(messages, add_special_tokens=True)["prompt_token_ids"] == [bos, *plain]
+    assert bos not in plain
