@@ -7,6 +7,7 @@ Each component takes the narrow config it needs: the scheduler a ``SchedulerConf
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -89,8 +90,8 @@ class ModelConfig:
     dense_layouts_in_background: bool = False
 
     def __post_init__(self) -> None:
-        if self.cpu_offload_gb < 0:
-            raise ValueError(f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
+        if not (self.cpu_offload_gb >= 0 and math.isfinite(self.cpu_offload_gb * 2**30)):
+            raise ValueError(f"cpu_offload_gb must be a finite number of GiB >= 0, got {self.cpu_offload_gb}")
         if self.dtype != "auto":
             parse_dtype(self.dtype, "cpu")
         if self.load_format not in LOAD_FORMAT_CHOICES:
@@ -103,10 +104,17 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+def _check_gib(name: str, gib: float | None) -> None:
+    """A memory budget is a finite number of GiB above 0 (NaN passed ``<= 0`` and failed later, naming nothing),
+    and its bytes too (1e300 GiB overflows to infinity)."""
+    if gib is not None and not (gib > 0 and math.isfinite(gib * 2**30)):
+        raise ValueError(f"{name} must be a finite number of GiB > 0, got {gib}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache sizing. ``num_kv_blocks`` wins over ``kv_cache_memory`` (GiB on CPU) and
-    ``gpu_memory_utilization`` (the fraction of free CUDA memory to use)."""
+    """Paged KV cache sizing. ``num_kv_blocks`` wins over ``kv_cache_memory`` (GiB; default 2 GiB off CUDA), which
+    wins over ``gpu_memory_utilization`` (the fraction of free CUDA memory to use)."""
 
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -134,18 +142,15 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        _check_gib("kv_cache_memory", self.kv_cache_memory)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
 
     def _check_offload(self) -> None:
-        if self.kv_offload_memory is not None and self.kv_offload_memory <= 0:
-            raise ValueError(f"kv_offload_memory must be > 0 GiB, got {self.kv_offload_memory}")
-        if self.kv_offload_disk is not None and self.kv_offload_disk <= 0:
-            raise ValueError(f"kv_offload_disk must be > 0 GiB, got {self.kv_offload_disk}")
+        _check_gib("kv_offload_memory", self.kv_offload_memory)
+        _check_gib("kv_offload_disk", self.kv_offload_disk)
         if self.kv_offload_disk is not None and self.kv_offload_dir is None:
             raise ValueError("kv_offload_disk sizes the disk tier, which kv_offload_dir turns on: give the directory "
                              "too, or drop kv_offload_disk")

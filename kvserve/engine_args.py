@@ -98,8 +98,8 @@ class EngineArgs:
     block_size: int = _option(CacheConfig.block_size, "tokens per KV block (a power of two)", int)
     num_kv_blocks: int | None = _option(None, "KV blocks to allocate (wins over the memory options; default: sized "
                                       "from them)", int)
-    kv_cache_memory: float | None = _option(None, "GiB for the KV cache (CPU; default: sized from free memory)",
-                                            float)
+    kv_cache_memory: float | None = _option(None, "GiB for the KV cache (default: 2 GiB on CPU; on CUDA "
+                                            "--gpu-memory-utilization of the free memory)", float)
     gpu_memory_utilization: float = _option(CacheConfig.gpu_memory_utilization,
                                             "fraction of free CUDA memory the KV cache may take", float)
     kv_cache_dtype: str = _option(CacheConfig.kv_cache_dtype,

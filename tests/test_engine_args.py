@@ -4,6 +4,7 @@ configs frozen after validation; no global seeding."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -228,3 +229,18 @@ def test_a_disk_tier_size_without_its_directory_is_refused() -> None:
 def test_an_option_of_the_wrong_kind_is_refused_by_name(options, message) -> None:
     with pytest.raises(ValueError, match=message):
         EngineArgs(**options)
+
+
+@pytest.mark.parametrize("field", ["kv_cache_memory", "kv_offload_memory", "kv_offload_disk"])
+@pytest.mark.parametrize("gib", [float("nan"), float("inf"), 1e300, 0.0, -1.0])
+def test_a_memory_budget_is_a_finite_number_of_gib(field: str, gib: float) -> None:
+    """NaN passed the ``<= 0`` check and failed after the model loaded, in an ``int()`` naming nothing."""
+    extra = {"kv_offload_dir": "/nonexistent"} if field == "kv_offload_disk" else {}
+    with pytest.raises(ValueError, match=re.escape(f"{field} must be a finite number of GiB > 0, got {gib}")):
+        CacheConfig(**{field: gib}, **extra)
+
+
+@pytest.mark.parametrize("gib", [float("nan"), float("inf"), -1.0])
+def test_weight_offload_is_a_finite_number_of_gib(gib: float) -> None:
+    with pytest.raises(ValueError, match="cpu_offload_gb must be a finite number of GiB >= 0"):
+        ModelConfig(cpu_offload_gb=gib)

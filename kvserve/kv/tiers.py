@@ -94,7 +94,11 @@ class TieredStore:
                                  block_format.kv_layout)
         self.host_is_tier = host_is_tier  # False: the slab only stages disk I/O, evicted blocks skip it
         self.host = HostTier(num_rows, block_format.bytes_per_block, pin_memory)
-        self.disk = DiskTier(disk_dir, int(disk_bytes or 2**62), block_format) if disk_dir else None
+        if disk_dir and disk_bytes is not None and disk_bytes < block_format.bytes_per_block:
+            raise ValueError(f"the disk KV tier ({disk_bytes / 2**30:.3g} GiB) is smaller than one block "
+                             f"({block_format.bytes_per_block} bytes); raise kv_offload_disk")
+        disk_capacity = 2**62 if disk_bytes is None else int(disk_bytes)  # None: no bound (tests)
+        self.disk = DiskTier(disk_dir, disk_capacity, block_format) if disk_dir else None
         self.counters = TierCounters()
         self._lock = threading.Lock()
         self._io_done = threading.Condition(self._lock)

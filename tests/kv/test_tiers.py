@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvserve.kv import disk_tier
@@ -348,3 +349,11 @@ def test_the_model_identity_does_not_depend_on_the_thread_count() -> None:
         assert _identity(weights) == one
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_disk_tier_smaller_than_one_block_is_refused(tmp_path: Path) -> None:
+    """1e-10 GiB rounded to 0 bytes, which read as no bound at all; under one block it kept one file over it."""
+    for disk_blocks in (0.0, 0.5):
+        with pytest.raises(ValueError, match="the disk KV tier .* is smaller than one block .* raise kv_offload_disk"):
+            _store(disk_dir=tmp_path, disk_blocks=disk_blocks)
+    assert _store(disk_dir=tmp_path, disk_blocks=1).disk.capacity_bytes == SPEC.bytes_per_block + 400
