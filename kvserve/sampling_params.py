@@ -148,6 +148,8 @@ class SamplingParams:
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
              f"must be in [-2, 2], got {self.frequency_penalty}"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, f"must be >= 1, got {self.max_tokens}"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63,  # int64, as vLLM's: no two draw alike
+             f"must be a 64-bit signed integer, got {self.seed}"),
             ("min_tokens", self.min_tokens >= 0, f"must be >= 0, got {self.min_tokens}"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),

@@ -38,6 +38,8 @@ def test_a_choice_list_becomes_a_tuple() -> None:
     (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
     (dict(max_tokens=3.5), "max_tokens must be an integer, got float"),
     (dict(seed="x"), "seed must be an integer, got str"),
+    (dict(seed=2**63), "seed must be a 64-bit signed integer, got 9223372036854775808"),
+    (dict(seed=-(2**63) - 1), "seed must be a 64-bit signed integer"),
     (dict(logprobs=True), "logprobs must be an integer, got bool"),
     (dict(ignore_eos="no"), "ignore_eos must be true or false, got str"),
     (dict(stop=5), "stop must be a string or a list of strings, got int"),
@@ -57,6 +59,7 @@ def test_a_field_of_the_wrong_type_is_refused_by_name_at_construction(fields: di
 
 def test_numbers_of_other_numeric_types_become_pythons_own() -> None:
     params = SamplingParams(n=np.int64(2), temperature=np.float32(0.5), stop_token_ids=[np.int64(3)],
-                            logit_bias={np.int64(4): 1, "5": np.float64(-2.0)}, seed=2**70)
+                            logit_bias={np.int64(4): 1, "5": np.float64(-2.0)}, seed=np.int64(2**62))
     assert type(params.n) is int and type(params.temperature) is float and params.stop_token_ids == [3]
+    assert type(params.seed) is int
     assert params.logit_bias == {4: 1.0, 5: -2.0} and all(type(k) is int for k in params.logit_bias)

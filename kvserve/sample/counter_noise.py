@@ -6,7 +6,7 @@ row on the device; a key gives the same integers on every device (only the final
 last bit between CPU and CUDA); and a row's noise depends on nothing but its key, never on the other rows of
 the batch.
 
-    key(seed, sample index, position) = mix(mix(seed * MAX_N + index) ^ position)   host, Python ints
+    key(seed, sample index, position) = mix(mix(mix(seed) ^ index) ^ position)       host, Python ints
     noise[r, t] = -log((top 23 bits of mix(key[r] + t * GOLDEN) + 1/2) / 2^23)       device, int64 tensors
 
 ``mix`` is splitmix64's finaliser, a bijection of 64-bit integers whose outputs pass the usual tests of
@@ -21,7 +21,6 @@ from typing import Sequence
 import torch
 
 from kvserve.device_copy import to_device
-from kvserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _MIX_SHIFTS_AND_MULTIPLIERS = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB))
@@ -34,9 +33,10 @@ _CPU_CHUNK_ELEMENTS = 1 << 18
 
 
 def draw_seed(seed: int, sample_index: int, position: int) -> int:
-    """The key of a seeded sample's draw at output ``position``: distinct for the samples of one request
-    (sample_index < MAX_N) and for each position, reproducible across runs and processes."""
-    return mix64(mix64(seed * SamplingParams.MAX_N + sample_index) ^ position)
+    """The key of a seeded sample's draw at output ``position``: for one seed, distinct for each sample of a
+    request and each position; across seeds, alike only by a 64-bit hash's chance (``seed * MAX_N + index``, as
+    before, lost the seed's top 6 bits, so seeds 2^58 apart drew alike); reproducible across runs and processes."""
+    return mix64(mix64(mix64(seed) ^ sample_index) ^ position)
 
 
 def mix64(x: int) -> int:

@@ -53,7 +53,9 @@ class LogitBias(LogitsProcessor):
 
 class MinTokensBan(LogitsProcessor):
     """Masks EOS (unless ignored) and stop tokens to -inf in rows that draw an output before ``min_tokens``
-    (their ``position``: what they ban depends on how many tokens they have, not on which)."""
+    (their ``position``: what they ban depends on how many tokens they have, not on which). A row the ban would
+    leave with no token to draw (a grammar that allows only its end) keeps them: the constraint ends the output
+    before ``min_tokens``, where a row of -inf drew token 0, outside the grammar."""
 
     def is_needed(self, row: SamplingRow) -> bool:
         p = row.params
@@ -70,7 +72,11 @@ class MinTokensBan(LogitsProcessor):
             return
         row_ids, token_ids = zip(*entries)
         check_token_ids(token_ids, logits.shape[1], "eos / stop_token_ids")
-        logits[_long(row_ids, logits.device), _long(token_ids, logits.device)] = -float("inf")
+        index = (_long(row_ids, logits.device), _long(token_ids, logits.device))
+        kept = logits[index]
+        logits[index] = -float("inf")
+        stuck = ~torch.isfinite(logits[index[0]]).any(dim=1)  # per entry: its row has nothing left (no host sync)
+        logits[index] = torch.where(stuck, kept, logits[index])
 
 
 def _banned_token_ids(row: SamplingRow) -> list[int]:

@@ -557,14 +557,14 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token_id: int) -> tuple[FinishReason, int | None] | None:
         """Why the request stops after ``token_id``, checked in order: EOS, a stop token, max_tokens,
-        max_model_len. EOS and stop tokens count only once ``min_tokens`` outputs precede them (the sampler
-        masks EOS until then); both stay in ``output_token_ids``, the frontend hides them from text."""
+        max_model_len. The sampler masks EOS and stop tokens until ``min_tokens`` outputs precede them, unless a
+        constraint allows nothing else (then its end ends the request early); both stay in ``output_token_ids``,
+        the frontend hides them from text."""
         params = request.sampling_params
         num_outputs = len(request.output_token_ids)
-        past_min_tokens = num_outputs > params.min_tokens
-        if past_min_tokens and not params.ignore_eos and token_id in request.eos_token_ids:
+        if not params.ignore_eos and token_id in request.eos_token_ids:
             return FinishReason.STOP, None
-        if past_min_tokens and token_id in params.stop_token_ids:
+        if token_id in params.stop_token_ids:
             return FinishReason.STOP, token_id
         if params.max_tokens is not None and num_outputs >= params.max_tokens:
             return FinishReason.LENGTH, None

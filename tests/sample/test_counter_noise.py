@@ -74,3 +74,9 @@ def test_a_key_gives_the_same_noise_on_cuda_as_on_cpu() -> None:
     on_cpu = seeded_exponentials(keys, 262_144, CPU)
     on_cuda = seeded_exponentials(keys, 262_144, torch.device("cuda")).cpu()
     torch.testing.assert_close(on_cuda, on_cpu, rtol=2**-22, atol=0)  # the integers are exact; the log's last bit
+
+
+def test_seeds_that_share_their_low_58_bits_draw_apart() -> None:
+    """The key was built from seed * MAX_N (64) mod 2^64: seeds 1 and 2^58 + 1 drew the same text."""
+    assert draw_seed(1, 0, 0) != draw_seed(2**58 + 1, 0, 0)
+    assert len({draw_seed(s, i, 0) for s in (5, 5 + 2**58, 5 - 2**58, -5) for i in range(64)}) == 4 * 64

@@ -112,6 +112,16 @@ def test_regex_choice_and_grammar_outputs_match(llm: LLM) -> None:
         assert isinstance(json.loads(object_out.text), dict)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_constraint_that_ends_before_min_tokens_ends_the_output(llm: LLM, temperature: float) -> None:
+    """After "ab" the grammar allows only EOS, which min_tokens banned: a row of -inf drew token 0, so the
+    output went on past the constraint ("ab<|pad|><|pad|>") and still said it stopped."""
+    params = SamplingParams(max_tokens=16, min_tokens=6, temperature=temperature, seed=3, skip_special_tokens=False,
+                            structured_outputs=StructuredOutputsParams(choice=["ab"]))
+    (out,) = llm.generate(["q"], params)[0].outputs
+    assert out.text == "ab" and out.finish_reason.value == "stop" and out.token_ids[-1] in llm.engine.eos_token_ids
+
+
 def test_free_requests_beside_constrained_ones_get_their_own_tokens(llm: LLM) -> None:
     free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = llm.generate(["the free one"], free)[0].outputs[0].token_ids

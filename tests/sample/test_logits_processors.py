@@ -59,6 +59,16 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     assert logits[2].tolist() == [0] * 5
 
 
+def test_min_tokens_gives_way_where_a_grammar_allows_nothing_else():
+    """A constraint that allows only its end (EOS) before min_tokens: the ban left a row of -inf, whose draw was
+    token 0, outside the grammar ("ab<|pad|><|pad|>" for choice "ab" with min_tokens 4)."""
+    logits = torch.tensor([[-INF, -INF, 1.5, -INF], [0.0, 1.0, 2.0, 3.0]])  # row 0: only EOS (2) allowed
+    MinTokensBan().apply(logits, [row(outputs=[1], eos={2}, min_tokens=4, stop_token_ids=[3]),
+                                  row(outputs=[1], eos={2}, min_tokens=4, stop_token_ids=[3])])
+    assert logits[0].tolist() == [-INF, -INF, 1.5, -INF]  # stop token 3 was -inf already
+    assert logits[1].tolist() == [0.0, 1.0, -INF, -INF]  # other tokens left: banned as before
+
+
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
     logits = torch.tensor([[2.0, -2.0, 3.0, -1.0], [2.0, -2.0, 3.0, -1.0]])
     run(Penalties(), logits, [row(prompt=[0], outputs=[1, 1], repetition_penalty=2.0), row(key="s")])

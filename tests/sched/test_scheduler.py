@@ -199,9 +199,11 @@ def test_ignore_eos_runs_to_max_tokens() -> None:
     assert tokens == [EOS] * 4 and last.finish_reason is FinishReason.LENGTH
 
 
-def test_eos_counts_only_after_min_tokens_outputs() -> None:
-    tokens, last = run_one(script=scripted(EOS, EOS, EOS, EOS, EOS), ignore_eos=False, min_tokens=3, max_tokens=10)
-    assert tokens == [EOS] * 4 and last.finish_reason is FinishReason.STOP
+def test_an_eos_drawn_before_min_tokens_ends_the_request() -> None:
+    """The sampler bans EOS until min_tokens unless a constraint allows nothing else; an EOS it lets through
+    ends the output (counted only after min_tokens, the grammar's end repeated until then, [69, 70, 3, 3, 3])."""
+    tokens, last = run_one(script=scripted(11, EOS, 12), ignore_eos=False, min_tokens=3, max_tokens=10)
+    assert tokens == [11, EOS] and last.finish_reason is FinishReason.STOP
 
 
 def test_a_stop_token_id_stops_with_its_id_as_the_reason() -> None:
@@ -209,9 +211,9 @@ def test_a_stop_token_id_stops_with_its_id_as_the_reason() -> None:
     assert tokens == [11, 5] and (last.finish_reason, last.stop_reason) == (FinishReason.STOP, 5)
 
 
-def test_stop_token_ids_wait_for_min_tokens_too() -> None:
+def test_a_stop_token_drawn_before_min_tokens_ends_the_request_too() -> None:
     tokens, last = run_one(script=scripted(5, 5, 5), stop_token_ids=[5], min_tokens=2, max_tokens=10)
-    assert tokens == [5, 5, 5] and last.stop_reason == 5
+    assert tokens == [5] and last.stop_reason == 5
 
 
 def test_eos_is_checked_before_stop_token_ids() -> None:
