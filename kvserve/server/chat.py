@@ -9,7 +9,6 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 
-from kvserve.engine.detokenizer import REPLACEMENT_CHAR
 from kvserve.outputs import PositionLogprobs, RequestOutput
 from kvserve.server.errors import bad_request
 from kvserve.server.protocol import (
@@ -30,7 +29,7 @@ from kvserve.server.protocol import (
     TopLogprob,
     Usage,
 )
-from kvserve.server.logprobs import text_positions, token_bytes, token_text, top_entries
+from kvserve.server.logprobs import text_positions, token_bytes, token_spelling, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,
@@ -185,12 +184,9 @@ class ChatServer(GenerationHandler):
         return ChatLogprobs(content=content)
 
     def _top(self, token_id: int, position: PositionLogprobs) -> TopLogprob:
-        """A token, its log probability and its own bytes. A token that holds part of a character (its text a
-        U+FFFD) is spelled with its bytes escaped, as OpenAI does (``"\\xe2\\x82"``)."""
-        token, raw = token_text(token_id, position[token_id], self.tokenizer), token_bytes(token_id, self.tokenizer)
-        if REPLACEMENT_CHAR in token:
-            token = bytes(raw).decode("utf-8", errors="backslashreplace")
-        return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=raw)
+        """A token (``token_spelling``), its log probability and its own bytes."""
+        token = token_spelling(token_id, position[token_id], self.tokenizer)
+        return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=token_bytes(token_id, self.tokenizer))
 
 
 def _calls_finish(finish_reason: str, stop_reason: int | str | None) -> str:

@@ -14,7 +14,7 @@ from kvserve.server.protocol import (
     CompletionResponse,
     Usage,
 )
-from kvserve.server.logprobs import text_positions, token_text, top_entries
+from kvserve.server.logprobs import text_positions, token_spelling, token_text, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,
@@ -130,12 +130,16 @@ class CompletionServer(GenerationHandler):
             else:
                 token = token_text(token_id, position[token_id], self.tokenizer)
                 result.token_logprobs.append(position[token_id].logprob)
-                # the token itself beside the k most likely, as OpenAI's and vLLM's legacy completions give it
-                entries = dict(top_entries(position, k)) | {token_id: position[token_id]}
-                result.top_logprobs.append({token_text(t, lp, self.tokenizer): lp.logprob for t, lp in entries.items()})
-            result.tokens.append(token)
+                # the token itself beside the k most likely, as OpenAI's and vLLM's legacy completions give it;
+                # most likely first, so a spelling two tokens share keeps the higher logprob
+                top: dict[str, float] = {}
+                for t, lp in [*top_entries(position, k), (token_id, position[token_id])]:
+                    top.setdefault(token_spelling(t, lp, self.tokenizer), lp.logprob)
+                result.top_logprobs.append(top)
+            result.tokens.append(token if position is None else token_spelling(token_id, position[token_id],
+                                                                               self.tokenizer))
             result.text_offset.append(offset)
-            offset += 0 if len(result.tokens) - 1 in unseen else len(token)
+            offset += 0 if len(result.tokens) - 1 in unseen else len(token)  # the text's own length
         return result, offset
 
 

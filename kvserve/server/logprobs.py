@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import decoders
 
-from kvserve.engine.detokenizer import BYTE_TOKEN
+from kvserve.engine.detokenizer import BYTE_TOKEN, REPLACEMENT_CHAR
 from kvserve.outputs import Logprob, PositionLogprobs
 
 if TYPE_CHECKING:
@@ -41,6 +41,16 @@ def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
     if logprob.decoded_token is not None:
         return logprob.decoded_token
     return tokenizer.decode([token_id])
+
+
+def token_spelling(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
+    """A logprob entry's token as a client reads it: its text, or, where it holds part of a character (its text a
+    U+FFFD), its bytes escaped (``"\\xe2\\x82"``), as OpenAI spells such tokens: the partial tokens of a character
+    are told apart, where as text they were all one "\ufffd"."""
+    text = token_text(token_id, logprob, tokenizer)
+    if REPLACEMENT_CHAR in text:
+        return bytes(token_bytes(token_id, tokenizer)).decode("utf-8", errors="backslashreplace")
+    return text
 
 
 def text_positions(delta: SampleDelta, include_stop_str_in_output: bool) -> list[tuple[int, PositionLogprobs]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 
 import httpx
 import openai
@@ -167,7 +168,16 @@ def test_logprobs_spell_the_text_when_an_eos_ends_the_answer(tiny_checkpoint, cl
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     completion = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, logprobs=1, **ends)
     choice = completion.choices[0]
-    assert choice.finish_reason == "stop" and "".join(choice.logprobs.tokens) == choice.text
+    spelled = b"".join(token_bytes(token) for token in choice.logprobs.tokens).decode("utf-8", errors="replace")
+    assert choice.finish_reason == "stop" and spelled == choice.text
+
+
+def token_bytes(token: str) -> bytes:
+    """A completions logprob token's bytes: a token that holds part of a character is spelled as its bytes
+    escaped ("\\xe6\\x97")."""
+    if re.fullmatch(r"(\\x[0-9a-f]{2})+", token):
+        return bytes.fromhex(token.replace("\\x", ""))
+    return token.encode("utf-8")
 
 
 def test_echoed_prompt_tokens_are_among_their_own_top_logprobs(client: openai.OpenAI) -> None:
@@ -180,6 +190,20 @@ def test_echoed_prompt_tokens_are_among_their_own_top_logprobs(client: openai.Op
         if top is not None:
             assert top[token] == logprob and 1 <= len(top) <= 2
     assert any(len(top) == 2 for top in logprobs.top_logprobs if top)  # some prompt token outside the top 1
+
+
+def test_tokens_that_split_a_character_are_spelled_apart(client: openai.OpenAI) -> None:
+    """Tokens holding part of a character were all spelled "\ufffd": in top_logprobs they overwrote each other,
+    so a position lost entries and the chosen token's key held another token's (lower) logprob. They are spelled
+    with their bytes escaped, as chat's logprobs spell them."""
+    answer = client.completions.create(model=MODEL_NAME, prompt="日本の首都は東京です。", max_tokens=4, logprobs=5,
+                                       echo=True, **GREEDY)
+    logprobs = answer.choices[0].logprobs
+    partial = [token for token in logprobs.tokens[1:] if token.startswith("\\x")]
+    assert partial, logprobs.tokens  # the byte-level vocabulary splits these characters
+    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert top[token] == logprob and len(top) in (5, 6), (token, top)
+        assert list(top.values()) == sorted(top.values(), reverse=True) or token in list(top)[-1:]
 
 
 def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
