@@ -4,7 +4,7 @@ to a step's fp32 logits [N, V] before the greedy/random split, behind one interf
 They run in the order of ``default_processors()`` (vLLM's): logit bias, the min_tokens ban, then the
 penalties (repetition over prompt + outputs, presence and frequency over outputs; ``sample/penalties.py``).
 Each touches only the rows that need it, with per-row values travelling as [R, 1] tensors. Truncation
-(temperature, top-k/p, min-p) is not a processor: it belongs to the draw (``sample/truncation.py``).
+(temperature, min-p, top-k/p) is not a processor: it belongs to the draw (``sample/truncation.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ target's next token (``sample/rejection.py``).
     logits ─┬─> log_softmax ────────────────────────────────────────────> logprobs (raw, as vLLM v1)
             └─> logits processors, in order (in place, rows that need them)
                   ├─ greedy rows: argmax
-                  └─ random rows: / temperature -> top-k, top-p (one sort) -> min-p -> softmax -> draw
+                  └─ random rows: / temperature -> min-p -> top-k, top-p (one sort) -> softmax -> draw
 
 An all-greedy batch that no processor touches and that wants no logprobs is one max (the hot path). The draw
 is an exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to sampling from p): unseeded rows
@@ -193,17 +193,18 @@ class Sampler:
 
     @staticmethod
     def _probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """The distributions rows with temperature > 0 draw from: temperature, top-k, top-p, min-p, softmax."""
+        """The distributions rows with temperature > 0 draw from: temperature, min-p, top-k, top-p, softmax (vLLM's
+        order: min-p first, so that top-p measures its mass among the tokens min-p kept)."""
         params = [r.params for r in rows]
         logits.div_(_per_row([p.temperature for p in params], logits)[:, None])
         vocab_size = logits.shape[1]  # a larger top-k keeps every token, and would not fit an int64 if huge
         top_k = _per_row([min(p.top_k, vocab_size) for p in params], logits, torch.long) \
             if any(p.top_k for p in params) else None
         top_p = _per_row([p.top_p for p in params], logits) if any(p.top_p < 1.0 for p in params) else None
-        if top_k is not None or top_p is not None:
-            apply_top_k_top_p(logits, top_k, top_p)
         if any(p.min_p > 0.0 for p in params):
             apply_min_p(logits, _per_row([p.min_p for p in params], logits))
+        if top_k is not None or top_p is not None:
+            apply_top_k_top_p(logits, top_k, top_p)
         return logits.softmax(dim=-1)
 
     def _exponentials(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -85,9 +85,10 @@ def test_truncation_never_picks_excluded_tokens(params, allowed):
 
 
 def _allowed_by_hand(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
-    order = probs.argsort(descending=True).tolist()
+    """vLLM's order: min-p, then top-k (ties with the k-th kept), then top-p among what is left."""
+    order = [t for t in probs.argsort(descending=True).tolist() if probs[t] >= min_p * probs.max()]
     if top_k:
-        order = order[:top_k]
+        order = [t for t in order if probs[t] >= probs[order[min(top_k, len(order)) - 1]]]
     total = sum(probs[t].item() for t in order)
     kept, mass = [], 0.0
     for t in order:
@@ -95,9 +96,34 @@ def _allowed_by_hand(probs: torch.Tensor, top_k: int, top_p: float, min_p: float
             break
         kept.append(t)
         mass += probs[t].item() / total
-    renorm = torch.tensor([probs[t].item() for t in kept])
-    renorm = renorm / renorm.sum()
-    return {t for t, p in zip(kept, renorm.tolist()) if p >= min_p * max(renorm.tolist())}
+    return set(kept)
+
+
+def test_min_p_comes_before_top_p_as_in_vllm() -> None:
+    """top_p 0.8 among what min_p 0.2 kept (tokens 0-3 of these): 0, 1 and 2. Applied after top_p, as before,
+    min_p kept token 3 too, drawn a tenth of the time, which vLLM never draws."""
+    logits = torch.tensor([0.0, -0.5, -1.0, -1.5, -2.0, -2.5, -3.0, -4.0])
+    num_draws = 4000
+    out = Sampler()(logits.repeat(num_draws, 1), batch(*[row(top_p=0.8, min_p=0.2)] * num_draws))
+    assert set(tokens(out)) == {0, 1, 2} == _allowed_by_hand(logits.softmax(-1), 0, 0.8, 0.2)
+
+
+@pytest.mark.parametrize("vocab_size, num_tied", [(64, 3), (4096, 3), (4096, 2000)])
+def test_top_k_keeps_every_token_tied_with_the_kth(vocab_size: int, num_tied: int) -> None:
+    """As vLLM's: a tie at the k-th place is the model's, so all of it stays (the sort kept the tied tokens of
+    lowest index only). 4,096 tokens take the CPU's candidate path, 2,000 tied ones run past its candidates."""
+    logits = torch.full((vocab_size,), -3.0)
+    logits[10] = 2.0
+    tied = torch.arange(20, 20 + num_tied)
+    logits[tied] = 1.0
+    num_draws = 3000
+    out = Sampler()(logits.repeat(num_draws, 1), batch(*[row(top_k=2)] * num_draws))
+    picked = torch.tensor(tokens(out))
+    assert set(picked.tolist()) <= {10, *tied.tolist()}
+    share = (picked == 10).float().mean().item()  # e^2 / (e^2 + num_tied e): 0.475 for three ties
+    assert abs(share - math.e / (math.e + num_tied)) < 0.04
+    if num_tied == 3:
+        assert set(picked.tolist()) == {10, 20, 21, 22}
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
