@@ -29,6 +29,7 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, TokenizersBackend
 from transformers.utils import CONFIG_NAME
 
+from kvserve.model.config_check import check_layer_count, num_gguf_blocks
 from kvserve.model.packaged import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,9 @@ def _build_index(path: Path) -> GGUFIndex:
     tokenizer = TokenizersBackend.from_pretrained(path.parent, gguf_file=path.name)
     reader = gguf.GGUFReader(path)
     architecture = reader.fields["general.architecture"].contents()
+    # before the meta model, which has as many layers as the metadata says (a million took minutes)
+    check_layer_count(config.num_hidden_layers, num_gguf_blocks(t.name for t in reader.tensors), path,
+                      f"{architecture}.block_count")
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     with torch.device("meta"):  # the name map comes from a model that costs no memory
         model = AutoModelForCausalLM.from_config(config)

@@ -20,10 +20,12 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from kvserve.model.base import CheckpointError
+from kvserve.model.config_check import check_config
 from kvserve.model.gguf_index import GGUFIndex, TensorEntry, load_gguf_index
 from kvserve.model.layers.ggml import GGMLTensor
 from kvserve.model.sources import ModelLocation
@@ -84,7 +86,12 @@ def load_checkpoint(location: ModelLocation, dtype: torch.dtype, load_format: st
 def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Checkpoint:
     config = _read_hf_config(directory)
     shards = [] if dummy else _safetensors_shards(directory)
-    stored_dtypes = frozenset().union(*(_check_safetensors(shard) for shard in shards))
+    stored_dtypes, tensor_rows = set(), {}
+    for shard in shards:
+        dtypes, rows = _check_safetensors(shard)
+        stored_dtypes |= dtypes
+        tensor_rows |= rows
+    check_config(config, tensor_rows, directory / "config.json")
     tokenizer = _read_hf_tokenizer(directory)
     generation_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
     return Checkpoint(
@@ -94,7 +101,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Ch
         max_model_len=_max_model_len(config, directory / "config.json"),
         read_weights=partial(_read_safetensors, shards, dtype),
         dummy=dummy,
-        stored_dtypes=stored_dtypes,
+        stored_dtypes=frozenset(stored_dtypes),
     )
 
 
@@ -107,7 +114,7 @@ def _read_hf_config(directory: Path) -> PretrainedConfig:
 
     try:
         config = AutoConfig.from_pretrained(directory)
-    except (ValueError, OSError, KeyError) as error:
+    except (ValueError, OSError, KeyError, StrictDataclassError) as error:  # the last: a field's type or range
         raise CheckpointError(f"{config_file}: transformers cannot build a config from it: {error}") from None
     return _with_architectures(config, config_file)
 
@@ -144,13 +151,15 @@ def _safetensors_shards(directory: Path) -> list[Path]:
     return shards
 
 
-def _check_safetensors(shard: Path) -> set[torch.dtype]:
-    """The floating dtypes ``shard`` stores, from its header. safetensors checks the header and that the data
-    section covers every tensor: truncation shows up here."""
+def _check_safetensors(shard: Path) -> tuple[set[torch.dtype], dict[str, int]]:
+    """The floating dtypes ``shard`` stores and each tensor's rows (its first dimension), from its header.
+    safetensors checks the header and that the data section covers every tensor: truncation shows up here."""
     try:
         with safe_open(shard, framework="pt") as reader:
-            names = {reader.get_slice(name).get_dtype() for name in reader.keys()}
-        return {SAFETENSORS_FLOAT_DTYPES[name] for name in names if name in SAFETENSORS_FLOAT_DTYPES}
+            slices = {name: reader.get_slice(name) for name in reader.keys()}
+            dtypes = {s.get_dtype() for s in slices.values()}
+            rows = {name: s.get_shape()[0] for name, s in slices.items() if s.get_shape()}
+        return {SAFETENSORS_FLOAT_DTYPES[name] for name in dtypes if name in SAFETENSORS_FLOAT_DTYPES}, rows
     except SafetensorError as error:
         raise CheckpointError(f"{shard} is not a readable safetensors file (truncated or corrupt): {error}") from None
 
@@ -187,10 +196,13 @@ def _read_hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
 def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     try:
         index = load_gguf_index(path)
+    except CheckpointError:
+        raise
     except Exception as error:  # the readers fail deep inside numpy or struct on a damaged file
         _check_gguf_architecture(path)  # the clearer error, where that is the cause
         raise CheckpointError(_unreadable_gguf(path, error)) from None
     config = _with_architectures(index.config, path)
+    check_config(config, {entry.hf_name: entry.dims[0] for entry in index.tensors if entry.dims}, path)
     return Checkpoint(
         hf_config=config,
         tokenizer=index.tokenizer,
@@ -221,7 +233,8 @@ def _check_gguf_architecture(path: Path) -> None:
 
 def _unreadable_gguf(path: Path, error: Exception) -> str:
     size = path.stat().st_size
-    return f"{path} is not a readable GGUF file (truncated or corrupt; {size} bytes): {type(error).__name__}: {error}"
+    return (f"{path} is not a readable GGUF file (truncated or corrupt, or its metadata is invalid; {size} bytes): "
+            f"{type(error).__name__}: {error}")
 
 
 def _read_gguf(

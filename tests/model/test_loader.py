@@ -159,6 +159,24 @@ def assert_load_fails(directory: Path, *fragments: str) -> None:
         assert fragment in str(error.value)
 
 
+@pytest.mark.parametrize("change, fragment", [
+    ({"vocab_size": 2**31}, "vocab_size is 2147483648, but model.embed_tokens.weight holds 64 rows"),
+    ({"intermediate_size": 2**40}, "intermediate_size is 1099511627776, but model.layers.0.mlp.gate_proj.weight holds"),
+    ({"num_hidden_layers": 100_000}, "num_hidden_layers says 100000 layers, its tensors hold 2"),
+    ({"hidden_size": -64}, "hidden_size must be a positive integer, got -64"),
+    ({"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+    ({"hidden_size": "64"}, "transformers cannot build a config from it"),
+])
+def test_a_config_that_disagrees_with_the_tensors_fails_before_any_memory_is_spent(
+        tmp_path: Path, single_dir: Path, change: dict, fragment: str) -> None:
+    """Models are built from their config: a vocabulary of 2^31 tokens was allocated (512 GB) before a shape
+    was compared; a mistyped field escaped as huggingface_hub's own error."""
+    directory = copy_dir(single_dir, tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | change))
+    assert_load_fails(directory, str(directory / "config.json"), fragment)
+
+
 def test_directory_without_config_json(tmp_path: Path, single_dir: Path) -> None:
     directory = copy_dir(single_dir, tmp_path)
     (directory / "config.json").unlink()
@@ -221,16 +239,17 @@ def byte_level_tokens() -> tuple[list[str], list[str]]:
 
 def write_gguf(
     path: Path, model: LlamaForCausalLM, arch: str = "llama", qtype: gguf.GGMLQuantizationType | None = None,
-    blocks: Mapping[str, GGMLTensor] | None = None,
+    blocks: Mapping[str, GGMLTensor] | None = None, block_count: int | None = None,
 ) -> Path:
     """Write ``model`` as llama.cpp's converter would (GGUF names, permuted Q/K): F32 tensors, or its 2-D ones
     quantized to ``qtype`` by gguf's reference quantizer; the tensors ``blocks`` names (by their Hugging Face
-    names) as those blocks instead, written as they are (rows in the file's order)."""
+    names) as those blocks instead, written as they are (rows in the file's order). ``block_count``: metadata
+    that says another number of layers than the tensors hold."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers if block_count is None else block_count)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
@@ -317,6 +336,17 @@ def test_corrupt_gguf(tmp_path: Path) -> None:
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"NOTAGGUF" + bytes(100))
     assert_gguf_fails(corrupt, "truncated or corrupt")
+
+
+@pytest.mark.parametrize("block_count, fragment", [
+    (1_000_000, "llama.block_count says 1000000 layers, its tensors hold 2"),
+    (0, "llama.block_count must be a positive number of layers, got 0"),
+])
+def test_a_gguf_whose_block_count_disagrees_with_its_tensors(tmp_path: Path, gguf_model: LlamaForCausalLM,
+                                                             block_count: int, fragment: str) -> None:
+    """Checked before the meta model is built: a million layers took minutes and gigabytes to fail, named as a
+    truncated file; none dropped the file's layers and failed deep in the engine."""
+    assert_gguf_fails(write_gguf(tmp_path / "blocks.gguf", gguf_model, block_count=block_count), fragment)
 
 
 def test_gguf_of_an_architecture_transformers_cannot_read(tmp_path: Path) -> None:

@@ -1,0 +1,62 @@
+"""A checkpoint's config checked against itself and against the tensors it stores, before any memory is spent.
+
+Models are built from their config: a config that claims a million layers, a vocabulary of 2^31 tokens or an
+MLP of 2^40 rows is allocated as it says (512 GB for that vocabulary), or for GGUF metadata a million decoder
+layers are built on the meta device (minutes), before a tensor's shape could disagree. So the sizes are checked
+here first, from the tensors' names and row counts alone (their headers: nothing is read), each error naming
+the source and the field.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from transformers import PretrainedConfig
+
+from kvserve.model.base import CheckpointError
+
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+_GGUF_BLOCK = re.compile(r"blk\.(\d+)\.")
+# a stored tensor whose rows a config field gives (the output features of a linear, a vocabulary's embeddings)
+_ROWS_OF = {"vocab_size": "model.embed_tokens.weight", "intermediate_size": "model.layers.0.mlp.gate_proj.weight"}
+
+
+def num_stored_layers(tensor_names: Iterable[str], pattern: re.Pattern[str] = _HF_LAYER) -> int | None:
+    """How many decoder layers the tensors hold (the highest index + 1), None if none is named."""
+    indexes = [int(m.group(1)) for name in tensor_names if (m := pattern.match(name))]
+    return max(indexes) + 1 if indexes else None
+
+
+def num_gguf_blocks(tensor_names: Iterable[str]) -> int | None:
+    """``num_stored_layers`` for a GGUF's own tensor names (``blk.N.attn_q.weight``)."""
+    return num_stored_layers(tensor_names, _GGUF_BLOCK)
+
+
+def check_layer_count(num_layers: object, stored: int | None, source: Path, field: str) -> None:
+    """CheckpointError unless the config's layer count is a positive integer equal to the tensors' (if any)."""
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise CheckpointError(f"{source}: {field} must be a positive number of layers, got {num_layers!r}")
+    if stored is not None and num_layers != stored:
+        raise CheckpointError(f"{source}: {field} says {num_layers} layers, its tensors hold {stored}")
+
+
+def check_config(config: PretrainedConfig, tensor_rows: Mapping[str, int], source: Path) -> None:
+    """The config's sizes are positive, its heads split evenly, and no size is larger than the stored tensors'
+    (``tensor_rows``: each tensor's first dimension, by Hugging Face name; empty for a config-only directory,
+    whose sizes are then taken as they are). Raises CheckpointError naming ``source`` and the field."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for field in ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads"):
+        value = getattr(text, field, None)
+        if not isinstance(value, int) or value < 1:
+            raise CheckpointError(f"{source}: {field} must be a positive integer, got {value!r}")
+    check_layer_count(text.num_hidden_layers, num_stored_layers(tensor_rows), source, "num_hidden_layers")
+    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise CheckpointError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                              f"({kv_heads!r})")
+    for field, name in _ROWS_OF.items():
+        rows = tensor_rows.get(name)
+        if rows is not None and getattr(text, field) > rows:
+            raise CheckpointError(f"{source}: {field} is {getattr(text, field)}, but {name} holds {rows} rows")
