@@ -95,7 +95,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = state.admit(body.model)
         try:
-            generation = CompletionServer(engine, body, settings.model_name)
+            generation = CompletionServer(engine, body, body.model or settings.model_name)
         except ValueError as e:
             raise bad_request(body.named_as_sent(e)) from e
         return await _answer(request, generation, body.stream)
@@ -104,7 +104,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = state.admit(body.model)
         try:
-            generation = ChatServer(engine, body, settings.model_name, settings.tool_call_parser)
+            generation = ChatServer(engine, body, body.model or settings.model_name, settings.tool_call_parser)
         except ValueError as e:
             raise bad_request(body.named_as_sent(e)) from e
         return await _answer(request, generation, body.stream)

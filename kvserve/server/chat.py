@@ -107,7 +107,8 @@ class ChatServer(GenerationHandler):
             choices.append(ChatChoice(index=s.index, message=message, finish_reason=finish_reason,
                                       stop_reason=s.stop_reason, logprobs=self._logprobs(SampleDelta.whole(s))))
         return ChatCompletionResponse(
-            id=self.request_id, model=self.model_name, choices=choices, usage=Usage.of(*num_tokens_used([out]))
+            id=self.request_id, created=self.created, model=self.model_name, choices=choices,
+            usage=Usage.of(*num_tokens_used([out]))
         )
 
     async def stream(self, stream: AsyncIterator[list[RequestOutput]]) -> AsyncIterator[str]:
@@ -149,11 +150,13 @@ class ChatServer(GenerationHandler):
         if parser is None:
             return AssistantMessage(content=text), finish_reason
         content, calls = parse_tool_calls(parser, text)
-        if not calls:
-            return AssistantMessage(content=content), finish_reason
+        finished = _calls_finish(finish_reason, stop_reason)
+        if not calls or (parser.num_invalid and finished == "tool_calls"):
+            # a call the model finished that is no JSON object is its text, as vLLM's parsers answer: a client
+            # must be able to read every call's arguments (a call cut short by max_tokens keeps "length")
+            return AssistantMessage(content=content if not calls else text), finish_reason
         tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
-        message = AssistantMessage(content=content.strip() or None, tool_calls=tool_calls)
-        return message, _calls_finish(finish_reason, stop_reason)
+        return AssistantMessage(content=content or None, tool_calls=tool_calls), finished
 
     def _delta(self, index: int, text: str, finish_reason: str | None,
                stop_reason: int | str | None) -> tuple[DeltaMessage, str | None]:
@@ -164,13 +167,14 @@ class ChatServer(GenerationHandler):
         parsed = parser.feed(text)
         if finish_reason is not None:
             parsed.extend(parser.finish())
-            if parser.num_calls:
+            if parser.num_calls and not parser.num_invalid:  # a stream cannot take back a broken call's pieces
                 finish_reason = _calls_finish(finish_reason, stop_reason)
         tool_calls = [_delta_call(d) for d in _merged(parsed)] or None
         return DeltaMessage(content=parsed.content or None, tool_calls=tool_calls), finish_reason
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.request_id, model=self.model_name, choices=choices, usage=usage)
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model_name,
+                                   choices=choices, usage=usage)
 
     def _logprobs(self, delta: SampleDelta) -> ChatLogprobs | None:
         if not self.body.logprobs or delta.logprobs is None:

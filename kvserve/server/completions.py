@@ -59,7 +59,8 @@ class CompletionServer(GenerationHandler):
             for i, out in enumerate(outputs) for s in out.outputs
         ]
         return CompletionResponse(
-            id=self.request_id, model=self.model_name, choices=choices, usage=Usage.of(*num_tokens_used(outputs))
+            id=self.request_id, created=self.created, model=self.model_name, choices=choices,
+            usage=Usage.of(*num_tokens_used(outputs))
         )
 
     async def stream(self, stream: AsyncIterator[list[RequestOutput]]) -> AsyncIterator[str]:
@@ -76,7 +77,8 @@ class CompletionServer(GenerationHandler):
         yield SSE_DONE
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
-        return CompletionResponse(id=self.request_id, model=self.model_name, choices=choices, usage=usage)
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model_name,
+                                  choices=choices, usage=usage)
 
     def _choice(self, index: int, out: RequestOutput, delta: SampleDelta) -> CompletionChoice:
         """With echo, the prompt goes before the sample's first text."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -101,8 +102,9 @@ class BatchCursor:
 
 
 class GenerationHandler:
-    """What both generation endpoints hold: the engine, the request body, the served model name, a fresh
-    request id (``{id_prefix}-{hex}``), the sampling params and the tokenizer."""
+    """What both generation endpoints hold: the engine, the request body, the model name its answer says (the one
+    the request used), a fresh request id (``{id_prefix}-{hex}``) and when it was made (every chunk's
+    ``created``, as OpenAI's and vLLM's), the sampling params and the tokenizer."""
 
     id_prefix = "req"
 
@@ -111,6 +113,7 @@ class GenerationHandler:
         self.body = body
         self.model_name = model_name
         self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
         self.params = body.to_sampling_params()
         self.tokenizer = engine.engine.tokenizer
 

@@ -187,6 +187,7 @@ class ToolCallParser:
         self._run_has_call = False
         self._scan: _ObjectScan | None = None
         self._num_calls = 0
+        self.num_invalid = 0  # calls said (their name at least) whose whole text was no call: JSON, arguments an object
         self._named = False  # the current call's id and name were said
         self._args_sent = 0
         self._handlers = {"start": self._in_start, "text": self._in_text, "content": self._in_content,
@@ -207,9 +208,11 @@ class ToolCallParser:
         return out
 
     def finish(self) -> ParsedDelta:
-        """The end of the output: held-back text is content; a call cut short keeps what was said of it."""
+        """The end of the output: held-back text is content; a call cut short keeps what was said of it (and
+        counts as invalid: its object never closed)."""
         out = ParsedDelta()
         if self._state == "object" and self._named:
+            self.num_invalid += 1
             return out
         if self._state in ("object", "calls") and not self._run_has_call:
             out.content += self._text[self._run_start:]
@@ -323,6 +326,7 @@ class ToolCallParser:
             if self._args_sent == 0:
                 out.tool_calls.append(ToolCallDelta(self._num_calls, arguments="{}"))
             self._num_calls += 1
+            self.num_invalid += not valid
             self._run_has_call = True
         elif valid and not self._keeps_call():
             self._run_has_call = True  # a call past max_calls: dropped
@@ -342,6 +346,8 @@ class ToolCallParser:
 class NamedToolCallParser:
     """``tool_choice`` naming a function: the whole output, constrained to its parameters' schema, is the
     arguments of one call."""
+
+    num_invalid = 0  # the grammar wrote the arguments
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -392,8 +398,12 @@ def _string_member(text: str, scan: _ObjectScan, keys: tuple[str, ...]) -> str |
 
 
 def _is_call(text: str) -> bool:
+    """Whether ``text`` is a call as OpenAI's clients read one: a name, and arguments (if any) an object."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
-    return isinstance(value, dict) and isinstance(value.get("name"), str)
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return False
+    arguments = next((value[key] for key in ARGUMENT_KEYS if key in value), {})
+    return isinstance(arguments, dict)

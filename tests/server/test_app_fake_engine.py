@@ -30,9 +30,9 @@ MODEL = "fake"
 
 
 class InProcessServer:
-    def __init__(self, **settings) -> None:
-        self.fake = FakeEngine(max_num_seqs=2, max_model_len=256, step_seconds=0.002)
-        self.state = ServerState(ServerSettings((MODEL,), "fake-root", **settings), max_model_len=256)
+    def __init__(self, names: tuple[str, ...] = (MODEL,), step_seconds: float = 0.002, **settings) -> None:
+        self.fake = FakeEngine(max_num_seqs=2, max_model_len=256, step_seconds=step_seconds)
+        self.state = ServerState(ServerSettings(names, "fake-root", **settings), max_model_len=256)
         self.state.metrics = ServerMetrics(MODEL, self.fake.stats(), 256)
         self.state.engine = AsyncEngine(self.fake, observer=self.state.metrics)
         self.state.engine.start()
@@ -243,3 +243,18 @@ def test_a_whole_answer_is_built_off_the_event_loop(srv: InProcessServer, client
     monkeypatch.setattr(CompletionServer, "_response", recording)
     assert client.completions.create(model=MODEL, prompt="ab", max_tokens=2).choices[0].text == "cd"
     assert len(threads) == 1 and threads[0] != srv.thread.name
+
+
+def test_an_answer_names_the_model_the_request_named_and_its_chunks_one_creation_time() -> None:
+    """Each chunk took the time it was made, and every answer the first served name, not the alias asked for
+    (OpenAI's chunks of one completion share ``created``; vLLM's answers echo the requested name)."""
+    server = InProcessServer(names=(MODEL, "alias"), step_seconds=0.3)  # a stream of 5 tokens spans 1.5 s
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        chunks = list(client.chat.completions.create(model="alias", messages=[{"role": "user", "content": "x"}],
+                                                     max_tokens=5, stream=True))
+        assert {c.created for c in chunks} == {chunks[0].created} and {c.model for c in chunks} == {"alias"}
+        assert client.completions.create(model="alias", prompt="ab", max_tokens=1).model == "alias"
+        assert client.completions.create(model=MODEL, prompt="ab", max_tokens=1).model == MODEL
+    finally:
+        server.stop()

@@ -104,12 +104,23 @@ def test_streamed_calls_equal_the_whole_ones(tool_client: openai.OpenAI, tool_ch
 def test_auto_reads_the_models_own_calls_streamed_and_whole(tool_client: openai.OpenAI) -> None:
     extra = {"guided_regex": HERMES_CALL}
     whole = create(tool_client, tools=TOOLS, extra_body=extra).choices[0]
-    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking.\n"
     assert assert_valid_calls(whole.message.tool_calls, {"get_weather"}) == [
         ("get_weather", {"city": "Oslo", "unit": "C"})]
     content, calls, finish = streamed_calls(tool_client, tools=TOOLS, extra_body=extra)
     assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert content.strip() == "Checking." and finish == "tool_calls"
+    assert content == whole.message.content and finish == "tool_calls"  # the whole content was stripped
+
+
+def test_a_call_that_is_no_json_object_is_not_a_call(tool_client: openai.OpenAI) -> None:
+    """As vLLM's parsers answer: the whole text as content, not a call whose arguments no client can parse under
+    finish_reason tool_calls; a stream, which has sent the call's pieces, does not finish as tool_calls."""
+    broken = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": \}\n</tool_call>'
+    extra = {"guided_regex": broken}
+    whole = create(tool_client, tools=TOOLS, extra_body=extra).choices[0]
+    assert whole.message.tool_calls is None and whole.finish_reason == "stop"
+    assert whole.message.content == '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    assert streamed_calls(tool_client, tools=TOOLS, extra_body=extra)[2] == "stop"
 
 
 def test_the_sdks_stream_helper_reassembles_the_calls(tool_client: openai.OpenAI) -> None:

@@ -120,3 +120,15 @@ def test_the_required_array_and_a_named_function() -> None:
     text = json.dumps([{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}])
     assert calls_of(parse_tool_calls(ToolCallParser(REQUIRED_FORMAT), text)) == [("f", {"a": 1}), ("g", {})]
     assert calls_of(parse_tool_calls(NamedToolCallParser("f"), '{"a": 1}')) == [("f", {"a": 1})]
+
+
+@pytest.mark.parametrize("call", [
+    '{"name": "f", "arguments": "x"}',  # arguments that are no object
+    '{"name": "f", "arguments": {"a": }',  # no JSON, and never closed
+    '{"name": "f", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}",  # nested past Python's recursion limit
+])
+def test_a_call_that_is_no_json_object_counts_as_invalid(call: str) -> None:
+    """The chat server answers such an output as text (a stream does not finish as tool_calls)."""
+    parser = ToolCallParser(FORMATS["hermes"])
+    parse_tool_calls(parser, f"<tool_call>\n{call}\n</tool_call>")
+    assert parser.num_invalid == 1
