@@ -121,7 +121,8 @@ class EngineArgs:
                                               "tier)", float)
     kv_offload_dir: str | None = _option(None, "a directory for a disk tier of KV blocks, written as they are "
                                          "computed: it outlives restarts and can be shared by servers of the same "
-                                         "model (a block is used only if verified; default: no disk tier)", str)
+                                         "model (a block is used only if verified; staged in 0.25 GiB of host memory "
+                                         "unless --kv-offload-memory sets it; default: no disk tier)", str)
     kv_offload_disk: float | None = _option(None, f"GiB the disk tier may fill, oldest out first (default "
                                             f"{DEFAULT_DISK_TIER_GIB:g}; needs --kv-offload-dir)", float)
     tensor_parallel_size: int = _option(ParallelConfig.tensor_parallel_size,

@@ -23,12 +23,13 @@ logger = logging.getLogger(__name__)
 DISK_READ_WAIT_SECONDS = 0.05
 
 
-def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.device, max_blocks_needed: int,
+def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.device, max_blocks_needed: int | None,
                       block_scale: int = 1) -> int:
     """How many blocks of ``bytes_per_block`` (every model's KV a block id holds) the pool gets: ``num_kv_blocks``
     if set, else a memory budget (``kv_cache_memory`` GiB, default 2 GiB on CPU; a fraction of free memory on
-    CUDA), never more than the engine could ever fill. ``num_kv_blocks`` counts blocks of every layer: with KV
-    cache groups (``kv/groups.py``) a block holds 1 / ``block_scale`` of that, and the pool gets as many more."""
+    CUDA), never more than ``max_blocks_needed`` (what the running requests could ever fill; None: the whole
+    budget, which the prefix cache fills). ``num_kv_blocks`` counts blocks of every layer: with KV cache groups
+    (``kv/groups.py``) a block holds 1 / ``block_scale`` of that, and the pool gets as many more."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks * block_scale
     if device.type == "cuda" and cache.kv_cache_memory is None:
@@ -39,7 +40,11 @@ def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.de
             logger.warning("--gpu-memory-utilization is not used: the KV cache is sized by --kv-cache-memory "
                            "(default %s GiB off CUDA)", DEFAULT_CPU_KV_CACHE_GIB)
         budget = (cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB) * 2**30
-    num_blocks = min(int(budget // bytes_per_block), max_blocks_needed)
+    num_blocks = int(budget // bytes_per_block)
+    if max_blocks_needed is not None and num_blocks > max_blocks_needed:
+        logger.info("the KV budget (%.3f GiB) holds more than the running requests could ever fill, with no "
+                    "prefix cache to keep: %d blocks", budget / 2**30, max_blocks_needed)
+        num_blocks = max_blocks_needed
     if num_blocks < 1:
         raise ValueError(
             f"the KV cache budget ({budget / 2**30:.3f} GiB) is smaller than one block "

@@ -149,18 +149,40 @@ class LLMEngine:
         block_size = self.config.cache.block_size
         groups = self._kv_groups(runner)
         runner.use_kv_groups(groups)
-        max_blocks_needed = sched_config.max_num_seqs * -(-self.max_model_len // block_size) * groups.num_groups
+        # with the prefix cache on, blocks no running request holds keep prefixes: the whole budget is used
+        max_blocks_needed = None if self.config.cache.enable_prefix_caching else (
+            sched_config.max_num_seqs * -(-self.max_model_len // block_size) * groups.num_groups)
         self.num_kv_blocks = num_kv_blocks_for(
             self.config.cache, runner.kv_bytes_per_block(), self.device, max_blocks_needed,
             block_scale=len(groups.layer_groups) // groups.group_size,
         )
         tiers = self._build_kv_tiers(runner)
-        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, tiers, sched_config.max_num_seqs)
         kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching, tiers,
                                     groups)
+        self._fit_max_model_len(kv_manager, sched_config.max_num_batched_tokens)
+        sched_config = dataclasses.replace(sched_config, max_model_len=self.max_model_len)
+        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, tiers, sched_config.max_num_seqs)
         speculative = self.config.speculative
         speculation = SpeculationPolicy(speculative) if speculative.enabled else None
         return EngineCore(runner, Scheduler(sched_config, kv_manager, speculation), kv_manager)
+
+    def _fit_max_model_len(self, kv: KVCacheManager, max_chunk: int) -> None:
+        """Lower ``max_model_len`` to the longest request the whole KV pool holds, saying so: else every request
+        without max_tokens (which may grow to max_model_len: the OpenAI SDK's default) would be refused, on a server
+        that started and said it was healthy. (vLLM refuses to start; SGLang caps requests likewise.)"""
+        if kv.max_blocks_for(self.max_model_len, max_chunk) <= kv.num_blocks_total:
+            return
+        low, high = 0, self.max_model_len  # low fits (0 tokens need no block), high does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if kv.max_blocks_for(middle, max_chunk) <= kv.num_blocks_total else (low, middle)
+        if low < 2:
+            raise ValueError(f"the KV cache ({kv.num_blocks_total} blocks of {kv.block_size} tokens) holds no request "
+                             "of a prompt and a token: raise --kv-cache-memory or --num-kv-blocks")
+        logger.warning("kvserve: the KV cache (%d blocks of %d tokens) holds requests of at most %d tokens: "
+                       "max_model_len lowered from %d (raise --kv-cache-memory or --num-kv-blocks to keep it)",
+                       kv.num_blocks_total, kv.block_size, low, self.max_model_len)
+        self.max_model_len = low
 
     def _kv_groups(self, runner: ModelRunner) -> KVCacheGroups:
         """The model's KV cache groups (``kv/groups.py``): sliding-window layers apart, freeing the blocks their

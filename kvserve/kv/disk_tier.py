@@ -100,6 +100,12 @@ class DiskTier:
         try:
             os.makedirs(directory, exist_ok=True)
             self._scan()
+            over = self._over_capacity(keep=0)  # a predecessor's blocks past this server's (smaller) budget
+            for key in over:
+                self.remove(key)
+            if over:
+                logger.info("KV disk tier: removed the %d oldest blocks of %s, over its %d bytes", len(over),
+                            directory, capacity_bytes)
         except OSError as error:
             self.writable = False
             logger.warning("KV disk tier: cannot use %s (%s); prefixes not in memory will be recomputed",
@@ -142,8 +148,13 @@ class DiskTier:
         self.num_bytes += size - self._files.pop(key, 0)
         self._files[key] = size
         self._bad.discard(key)
+        return self._over_capacity(keep=1)
+
+    def _over_capacity(self, keep: int) -> list[bytes]:
+        """Drop the oldest files from the index while it is over the capacity (but for the newest ``keep``);
+        returns their keys, for the caller to delete."""
         victims = []
-        while self.num_bytes > self.capacity_bytes and len(self._files) > 1:
+        while self.num_bytes > self.capacity_bytes and len(self._files) > keep:
             victim, victim_size = self._files.popitem(last=False)
             self.num_bytes -= victim_size
             victims.append(victim)

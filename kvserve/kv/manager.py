@@ -123,7 +123,8 @@ class KVCacheManager:
 
     @property
     def num_slots_total(self) -> int:
-        """The most tokens the whole cache can hold."""
+        """The pool's token slots: the most tokens the whole cache holds in the plain layout (with KV cache
+        groups a token takes a slot in each group it is kept in)."""
         return self.pool.num_blocks * self.block_size
 
     def num_free_blocks(self) -> int:

@@ -180,11 +180,11 @@ class Scheduler:
         max_len = max_model_len if max_tokens is None else num_needed
         max_blocks = self.kv.max_blocks_for(max_len, self.config.max_num_batched_tokens)
         if max_blocks > self.kv.num_blocks_total:
-            raise ValueError(
-                f"request {request.request_id!r} may grow to {max_len} tokens, over the whole KV cache "
-                f"({self.kv.num_blocks_total} blocks x {self.kv.block_size} = {self.kv.num_slots_total} tokens"
-                + (f"; its KV cache groups may hold {max_blocks} blocks at once)" if self._grouped else ")")
-            )
+            capacity = (f"it needs up to {max_blocks} of the pool's {self.kv.num_blocks_total} blocks across its KV "
+                        "cache groups" if self._grouped else
+                        f"{self.kv.num_blocks_total} blocks x {self.kv.block_size} = {self.kv.num_slots_total} tokens")
+            raise ValueError(f"request {request.request_id!r} may grow to {max_len} tokens, over the whole KV cache "
+                             f"({capacity})")
 
     def finish_requests(self, request_ids: Iterable[str], reason: FinishReason) -> None:
         """Finish requests now (abort, or a stop string seen by the frontend), freeing their blocks at once;

@@ -125,11 +125,16 @@ def test_wrong_number_of_sampling_params(llm: LLM) -> None:
         llm.generate(["a", "b"], [SamplingParams()])
 
 
-def test_request_larger_than_the_kv_cache_is_refused_at_once(tiny_checkpoints) -> None:
+def test_a_kv_cache_smaller_than_max_model_len_lowers_it(tiny_checkpoints, caplog) -> None:
+    """A request without max_tokens may grow to max_model_len: with a pool that cannot hold that much, every such
+    request was refused (the OpenAI SDK's default chat request among them) by a server that said it was healthy.
+    max_model_len is lowered to what the pool holds instead, saying so, and longer requests refused at once."""
     small = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=2, block_size=4)
-    with pytest.raises(ValueError, match="KV"):
+    assert small.engine.max_model_len == 8 and "max_model_len lowered from 512" in caplog.text
+    with pytest.raises(ValueError, match="max_model_len=8"):
         small.generate({"prompt_token_ids": list(range(3, 20))}, SamplingParams(max_tokens=4))
-    assert small.stats()["num_blocks_used"] == 0
+    (out,) = small.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=None, temperature=0))
+    assert len(out.outputs[0].token_ids) <= 5 and small.stats()["num_blocks_used"] == 0
 
 
 @pytest.mark.parametrize(

@@ -351,6 +351,22 @@ def test_the_model_identity_does_not_depend_on_the_thread_count() -> None:
         torch.set_num_threads(threads)
 
 
+def test_a_store_restarted_with_a_smaller_disk_budget_keeps_within_it(tmp_path: Path) -> None:
+    """Trimmed as it starts, the oldest first: it stayed over budget (6x in the audit) until a block was
+    written, which a server whose traffic all hits the cache never does."""
+    first, kv = _store(disk_dir=tmp_path), _storage(0)
+    blocks = _chain(first, 5)
+    _write_through(first, kv, blocks)
+    first.close()
+    second = _store(disk_dir=tmp_path, disk_blocks=2)
+    stats = second.stats()
+    assert stats["kv_offload_disk_blocks"] == 2 and stats["kv_offload_disk_bytes"] <= stats[
+        "kv_offload_disk_capacity_bytes"]
+    # (the oldest go first, by their files' times, which one quick write may share)
+    assert sorted(str(second.locate(b.key)) for b in blocks) == sorted([str(None)] * 3 + [str(Tier.DISK)] * 2)
+    assert sum(1 for _ in tmp_path.rglob("*.kvb")) == 2
+
+
 def test_a_disk_tier_smaller_than_one_block_is_refused(tmp_path: Path) -> None:
     """1e-10 GiB rounded to 0 bytes, which read as no bound at all; under one block it kept one file over it."""
     for disk_blocks in (0.0, 0.5):
