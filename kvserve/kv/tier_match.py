@@ -33,10 +33,24 @@ class TierMatcher:
         self.block_size = block_size
         self.reload_costs = reload_costs
         self._load_waits: Counter[str] = Counter()  # lookups in which each waiting request waited on disk reads
+        # the blocks each waiting request needs staged in the host tier (read, or being read, until it loads
+        # them): rows another waiting request may not take for reads of its own
+        self._staging: dict[str, frozenset[bytes]] = {}
 
     def forget(self, request_id: str) -> None:
-        """The request took its blocks or left: its waits start again from nothing."""
+        """The request took its blocks or left: its waits start again from nothing, its staged blocks are no
+        longer kept from others' reads."""
         self._load_waits.pop(request_id, None)
+        self._staging.pop(request_id, None)
+
+    def _staging_room(self, request_id: str, wanted: list[KeyedBlock]) -> int:
+        """The blocks (of every group) this request may have staged at once: the host tier's staging rows less
+        those other waiting requests' staged blocks hold (their reads would evict each other's before they load,
+        lookup after lookup: 60 reads for 12 blocks used); blocks it shares with them (a common prefix) are not
+        counted against it."""
+        mine = {block.key for block in wanted}
+        held = set().union(*(keys for rid, keys in self._staging.items() if rid != request_id)) - mine
+        return max(0, self.store.staging_rows() - len(held) * self.groups.num_groups)
 
     def extend(self, request: Request, match: PrefixMatch, max_blocks: int) -> PrefixMatch:
         """Extend a device match with the blocks the host tier holds next; if the disk holds more, start reading
@@ -57,9 +71,9 @@ class TierMatcher:
         where = functools.cache(functools.partial(self._window_tier, nodes, beyond))
         num_ready = self.groups.visible_length(len(nodes) + num_host, self.block_size,
                                                lambda g, index: where(g, index) is Tier.HOST)
-        # No more than the host tier can stage at once (a block of each group a block at most): reading more would
-        # evict the first reads before they load, lookup after lookup; what is beyond is computed
-        staged = len(nodes) + store.staging_rows() // self.groups.num_groups
+        # No more than the host tier can stage for this request (a block of each group a block at most): reading
+        # more would evict the first reads before they load, lookup after lookup; what is beyond is computed
+        staged = len(nodes) + self._staging_room(request.request_id, beyond) // self.groups.num_groups
         num_found = self.groups.visible_length(min(len(nodes) + len(beyond), staged), self.block_size,
                                                lambda g, index: where(g, index) is not None)
         waits = self._load_waits[request.request_id]
@@ -72,6 +86,11 @@ class TierMatcher:
                 store.skip_reads(num_found - num_ready)
                 waits = MAX_LOAD_WAITS
         self._load_waits[request.request_id] = waits + loading
+        staged_here = frozenset(b.key for b in beyond[: max(0, num_found - len(nodes))])  # read or being read
+        if staged_here:  # kept from others' reads until the request takes them (``forget``) or needs them no more
+            self._staging[request.request_id] = staged_here
+        else:
+            self._staging.pop(request.request_id, None)
         tiered = tuple(block.key for block in beyond[: max(0, num_ready - len(nodes))])
         return PrefixMatch(nodes[:num_ready], self.block_size, tiered=tiered, loading=loading)
 

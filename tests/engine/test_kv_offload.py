@@ -143,6 +143,25 @@ def test_a_prefix_on_disk_longer_than_the_host_tier_loads_what_the_tier_can_stag
     assert_all_blocks_free(reader)
 
 
+def test_requests_waiting_on_disk_reads_together_use_every_block_they_read(tiny_checkpoints, tmp_path) -> None:
+    """Six prefixes of 6 blocks on disk, a host tier of 12 rows, the six sent together: each waiting request
+    read as much as the whole tier could stage, evicting the others' reads before they loaded (60 reads, 12
+    blocks used). Rows staged for one waiting request are now kept from the others' reads."""
+    path = tiny_checkpoints["llama"]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(10, 400) for _ in range(100)] for _ in range(6)]
+    options = {"num_kv_blocks": 16, "kv_offload_dir": str(tmp_path)}
+    writer = _llm(path, **options)
+    expected = greedy_token_ids(writer, prompts, 4)
+    writer.engine.flush_kv_offload()
+    bytes_per_block = writer.engine.core.kv_manager.store.format.bytes_per_block
+    reader = _llm(path, kv_offload_memory=12 * bytes_per_block / 2**30, **options)
+    assert greedy_token_ids(reader, prompts, 4) == expected
+    stats = reader.stats()
+    assert stats["kv_offload_disk_hit_tokens"] == stats["kv_offload_disk_reads"] * 16 >= 2 * 96, stats
+    assert_all_blocks_free(reader)
+
+
 def test_corrupt_block_files_are_skipped_and_recomputed(tiny_checkpoints, tmp_path, caplog) -> None:
     path = tiny_checkpoints["llama"]
     prompts = _prompts(200, seed=2)
