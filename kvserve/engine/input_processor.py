@@ -136,8 +136,8 @@ class InputProcessor:
     def _fit_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
-            raise ValueError(  # scoring a prompt (echo with max_tokens 0) draws one token too, left out of its answer
-                f"the prompt has {num_prompt_tokens} tokens, which leaves no room within max_model_len="
+            raise InvalidParameter(  # scoring a prompt (echo, max_tokens 0) draws one token too, left out of its answer
+                "prompt", f"prompt ({num_prompt_tokens} tokens) leaves no room within max_model_len="
                 f"{self.max_model_len} for the token every request draws"
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens

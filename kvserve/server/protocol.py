@@ -492,7 +492,7 @@ class ChatCompletionRequest(SamplingRequest):
         return given
 
     def _sent_names(self) -> dict[str, str]:
-        names = {"logprobs": "top_logprobs"} if self.top_logprobs is not None else {}
+        names = {"prompt": "messages"} | ({"logprobs": "top_logprobs"} if self.top_logprobs is not None else {})
         return names | ({"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {})
 
     def to_sampling_params(self) -> SamplingParams:

@@ -236,6 +236,14 @@ def test_tokenize_and_detokenize_round_trip(server: ServerProcess) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "add_generation_prompt"
 
 
+def test_a_conversation_too_long_for_the_context_names_messages(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "the cat " * 300}])
+    error = raised.value.body
+    assert error["param"] == "messages" and error["message"].startswith("messages (") and "max_model_len=256" in \
+        error["message"]
+
+
 def test_a_lone_surrogate_in_a_tool_is_a_bad_request(server: ServerProcess) -> None:
     """Only message content was checked for lone surrogates; one in a tool's description reached the tokenizer,
     whose TypeError was a 500."""
