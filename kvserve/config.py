@@ -34,8 +34,9 @@ _DTYPES = {
 DTYPE_CHOICES = ("auto", *_DTYPES)
 LOAD_FORMAT_CHOICES = ("auto", "mmap", "dummy")
 # how the weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32 activations, dtype not
-# forced); none dequantizes at load; gguf insists on the blocks; int8 / int4 / fp8 quantize every checkpoint's
-# linear weights at load (weight-only; fp8 on CUDA, activations per token too)
+# forced); none dequantizes at load; gguf insists on the blocks; int8 / int4 quantize every checkpoint's linear
+# weights at load (weight-only unless quantize_activations); fp8 holds them in e4m3 and quantizes activations per
+# token too (CUDA of compute capability 8.9+, or CPU)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "fp8")
 KV_CACHE_DTYPES = ("auto", *ENCODINGS)  # "auto": the model's dtype, unquantized
 

@@ -52,7 +52,8 @@ def check_config(config: PretrainedConfig, tensor_rows: Mapping[str, int], sourc
         if not isinstance(value, int) or value < 1:
             raise CheckpointError(f"{source}: {field} must be a positive integer, got {value!r}")
     check_layer_count(text.num_hidden_layers, num_stored_layers(tensor_rows), source, "num_hidden_layers")
-    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    heads, kv_heads = text.num_attention_heads, getattr(text, "num_key_value_heads", None)
+    kv_heads = heads if kv_heads is None else kv_heads  # none given: multi-head attention (0 is refused)
     if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
         raise CheckpointError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                               f"({kv_heads!r})")

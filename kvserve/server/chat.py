@@ -29,7 +29,7 @@ from kvserve.server.protocol import (
     TopLogprob,
     Usage,
 )
-from kvserve.server.logprobs import text_positions, token_bytes, token_spelling, top_entries
+from kvserve.server.logprobs import entry_spelling, text_positions, token_bytes, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,
@@ -189,7 +189,7 @@ class ChatServer(GenerationHandler):
 
     def _top(self, token_id: int, position: PositionLogprobs) -> TopLogprob:
         """A token (``token_spelling``), its log probability and its own bytes."""
-        token = token_spelling(token_id, position[token_id], self.tokenizer)
+        token = entry_spelling(token_id, position[token_id], self.tokenizer)
         return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=token_bytes(token_id, self.tokenizer))
 
 

@@ -14,7 +14,7 @@ from kvserve.server.protocol import (
     CompletionResponse,
     Usage,
 )
-from kvserve.server.logprobs import text_positions, token_spelling, token_text, top_entries
+from kvserve.server.logprobs import entry_spelling, text_positions, token_spelling, token_text, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,
@@ -95,9 +95,10 @@ class CompletionServer(GenerationHandler):
     def _logprobs(
         self, index: int, out: RequestOutput, delta: SampleDelta, with_prompt: bool
     ) -> CompletionLogprobs | None:
-        """The choice's token logprobs, each token's ``text_offset`` where it starts in the choice's text: the
-        characters of the tokens before it, counted on from the choice's last chunk (a stream sends a token
-        before text held back for a stop string or an incomplete character, so the text sent is no measure)."""
+        """The choice's token logprobs, each token's ``text_offset`` the summed lengths of the tokens before it,
+        each decoded alone, counted on from the choice's last chunk (a stream sends a token before text held back
+        for a stop string or an incomplete character, so the text sent is no measure): where it starts in the
+        choice's text, but for the pieces of a character, which count one U+FFFD each (as vLLM counts them)."""
         if self.body.logprobs is None or delta.logprobs is None:
             return None
         positions: list[tuple[int, PositionLogprobs | None]] = list(
@@ -136,12 +137,11 @@ class CompletionServer(GenerationHandler):
                 # most likely first, so a spelling two tokens share keeps the higher logprob
                 top: dict[str, float] = {}
                 for t, lp in [*top_entries(position, k), (token_id, position[token_id])]:
-                    top.setdefault(token_spelling(t, lp, self.tokenizer), lp.logprob)
+                    top.setdefault(entry_spelling(t, lp, self.tokenizer), lp.logprob)
                 result.top_logprobs.append(top)
-            result.tokens.append(token if position is None else token_spelling(token_id, position[token_id],
-                                                                               self.tokenizer))
+            result.tokens.append(token_spelling(token_id, token, self.tokenizer))
             result.text_offset.append(offset)
-            offset += 0 if len(result.tokens) - 1 in unseen else len(token)  # the text's own length
+            offset += 0 if len(result.tokens) - 1 in unseen else len(token)  # the token decoded alone
         return result, offset
 
 

@@ -165,6 +165,7 @@ def assert_load_fails(directory: Path, *fragments: str) -> None:
     ({"num_hidden_layers": 100_000}, "num_hidden_layers says 100000 layers, its tensors hold 2"),
     ({"hidden_size": -64}, "hidden_size must be a positive integer, got -64"),
     ({"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads (0)"),
     ({"hidden_size": "64"}, "transformers cannot build a config from it"),
 ])
 def test_a_config_that_disagrees_with_the_tensors_fails_before_any_memory_is_spent(

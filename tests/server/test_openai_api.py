@@ -201,6 +201,7 @@ def test_tokens_that_split_a_character_are_spelled_apart(client: openai.OpenAI) 
     logprobs = answer.choices[0].logprobs
     partial = [token for token in logprobs.tokens[1:] if token.startswith("\\x")]
     assert partial, logprobs.tokens  # the byte-level vocabulary splits these characters
+    assert "\ufffd" not in "".join(logprobs.tokens)  # the first prompt token (no logprob) spelled alike
     for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
         assert top[token] == logprob and len(top) in (5, 6), (token, top)
         assert list(top.values()) == sorted(top.values(), reverse=True) or token in list(top)[-1:]
