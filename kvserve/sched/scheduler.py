@@ -317,27 +317,29 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return  # before ordering the queue: under lpm that matches every waiting request's prefix
         admitted: set[Request] = set()
-        for request in self._waiting_in_policy_order():
-            if not budget.has_room() or len(self.running) >= self.config.max_num_seqs:
-                break
-            prefix = self._match_prefix(request)
-            if prefix.must_wait:
-                continue
-            num_new = min(_num_tokens_left(request, prefix.num_tokens), budget.num_tokens)
-            if not self.kv.allocate_slots(request, num_new, prefix):
-                break
-            self._admit(request, prefix)
-            admitted.add(request)
-            scheduled.append((request, num_new))
-            budget.take(num_new)
-        if admitted:
-            self._remove_waiting(admitted)
+        try:
+            for request in self._waiting_in_policy_order():
+                if not budget.has_room() or len(self.running) >= self.config.max_num_seqs:
+                    break
+                prefix = self._match_prefix(request)
+                if prefix.must_wait:
+                    continue
+                num_new = min(_num_tokens_left(request, prefix.num_tokens), budget.num_tokens)
+                if not self.kv.allocate_slots(request, num_new, prefix):
+                    break
+                admitted.add(request)
+                self._admit(request, prefix)
+                scheduled.append((request, num_new))
+                budget.take(num_new)
+        finally:  # even when interrupted (Ctrl-C in LLM.generate), a request admitted so far is in one queue
+            if admitted:
+                self._remove_waiting(admitted & set(self.running))
 
     def _remove_waiting(self, admitted: set[Request]) -> None:
         """Take ``admitted`` out of the waiting queue, reading it only as far as the last of them: they come from
         its head, so a step costs nothing more with thousands waiting."""
         kept = []
-        while admitted:
+        while admitted and self.waiting:
             request = self.waiting.popleft()
             if request in admitted:
                 admitted.discard(request)
@@ -572,11 +574,19 @@ class Scheduler:
             return FinishReason.LENGTH, None
         return None
 
+    def _dequeue(self, request: Request) -> None:
+        """Take the request out of the queue its status names; should an interrupt (Ctrl-C in a step) have come
+        between a queue change and its status, out of the other one, or of neither (it was between them)."""
+        running = request.status is RequestStatus.RUNNING
+        for queue in (self.running, self.waiting) if running else (self.waiting, self.running):
+            try:
+                queue.remove(request)
+                return
+            except ValueError:
+                continue
+
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting.remove(request)
+        self._dequeue(request)
         if request.status is RequestStatus.RUNNING:
             # blocks filled by the drafts accepted in its last step are known only now: into the tree first
             self.kv.cache_computed(request)

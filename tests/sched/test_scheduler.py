@@ -452,3 +452,32 @@ def test_a_request_finished_between_schedule_and_update_is_skipped() -> None:
     assert [o.request_id for o in outputs] == ["b"]
     scheduler.kv.check_integrity(scheduler.requests.values())
     assert scheduler.schedule().finished_request_ids == {"a"}
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-admit", "after-admit"])
+def test_an_interrupt_while_admitting_leaves_every_request_in_one_queue(monkeypatch, after: bool) -> None:
+    """A Ctrl-C in LLM.generate can land between a request's admission and its leaving the waiting queue: it
+    was then in both, and once aborted stayed in the waiting queue, breaking every later step of the engine."""
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    for rid in ("a", "b", "c"):
+        scheduler.add_request(make_request(rid, 5, max_tokens=3))
+    admit, calls = Scheduler._admit, []
+
+    def interrupted(self: Scheduler, request, prefix) -> None:
+        calls.append(request.request_id)
+        if len(calls) == 2 and not after:
+            raise KeyboardInterrupt
+        admit(self, request, prefix)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Scheduler, "_admit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        scheduler.schedule()
+    monkeypatch.setattr(Scheduler, "_admit", admit)
+    assert not set(scheduler.running) & set(scheduler.waiting)
+    scheduler.finish_requests(["a", "b", "c"], FinishReason.ABORT)  # what LLM.generate does on the way out
+    assert_all_blocks_free(scheduler)
+    scheduler.add_request(make_request("d", 5, max_tokens=3))
+    outputs = run_to_completion(scheduler, runner_for(scheduler))
+    assert tokens_of(outputs["d"]) == expected_tokens("d", 3)
