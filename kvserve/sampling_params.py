@@ -111,6 +111,10 @@ class SamplingParams:
     MAX_N = 64
     MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 16
+    # Stop strings and token ids are checked against every token of every sample on the engine thread: bounded,
+    # so that one request cannot slow every step (2 M stop ids took 10 ms a token; 100,000-character strings 0.1 s)
+    MAX_STOP_STRING_CHARS = 1024
+    MAX_STOP_TOKEN_IDS = 1024
     GREEDY_BELOW = 1e-5
     # Penalized fp32 logits (|logit| <~ 1e2) divided or multiplied by these, then by a temperature of at least
     # GREEDY_BELOW, stay far from fp32's overflow; a penalty of 1e-300 would be 0 in fp32 (inf logits, NaN draws).
@@ -126,11 +130,16 @@ class SamplingParams:
             raise InvalidParameter("stop", f"stop takes at most {self.MAX_STOP_STRINGS} stop strings, got {len(stops)}")
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidParameter("stop", "stop must hold non-empty strings only")
+        if any(len(s) > self.MAX_STOP_STRING_CHARS for s in stops):
+            raise InvalidParameter("stop", f"a stop string has at most {self.MAX_STOP_STRING_CHARS} characters")
         self.stop_strings = tuple(stops)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if any(not _is_integer(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidParameter("stop_token_ids", "stop_token_ids must hold non-negative integers only")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        self.stop_token_ids = list(dict.fromkeys(int(t) for t in self.stop_token_ids))  # each once, in order
+        if len(self.stop_token_ids) > self.MAX_STOP_TOKEN_IDS:
+            raise InvalidParameter("stop_token_ids", f"stop_token_ids takes at most {self.MAX_STOP_TOKEN_IDS} "
+                                                     f"distinct ids, got {len(self.stop_token_ids)}")
         if self.logit_bias is not None:
             self.logit_bias = _token_biases(self.logit_bias)
 

@@ -39,6 +39,8 @@ def test_a_choice_list_becomes_a_tuple() -> None:
     (dict(max_tokens=3.5), "max_tokens must be an integer, got float"),
     (dict(seed="x"), "seed must be an integer, got str"),
     (dict(seed=2**63), "seed must be a 64-bit signed integer, got 9223372036854775808"),
+    (dict(stop="x" * 1025), "a stop string has at most 1024 characters"),
+    (dict(stop_token_ids=list(range(1025))), "stop_token_ids takes at most 1024 distinct ids, got 1025"),
     (dict(seed=-(2**63) - 1), "seed must be a 64-bit signed integer"),
     (dict(logprobs=True), "logprobs must be an integer, got bool"),
     (dict(ignore_eos="no"), "ignore_eos must be true or false, got str"),
@@ -63,3 +65,8 @@ def test_numbers_of_other_numeric_types_become_pythons_own() -> None:
     assert type(params.n) is int and type(params.temperature) is float and params.stop_token_ids == [3]
     assert type(params.seed) is int
     assert params.logit_bias == {4: 1.0, 5: -2.0} and all(type(k) is int for k in params.logit_bias)
+
+
+def test_stop_token_ids_are_kept_once_each() -> None:
+    """Checked against every token of every sample: 2,000,000 copies of one id are one id."""
+    assert SamplingParams(stop_token_ids=[9] * 2_000_000 + [3, 9]).stop_token_ids == [9, 3]

@@ -303,11 +303,17 @@ def find_stop_string(text: str, num_checked_chars: int, stop_strings: Sequence[s
 
 
 def partial_stop_length(text: str, stop_strings: Sequence[str]) -> int:
-    """The length of the longest end of ``text`` that is the start of a stop string (but not all of it)."""
+    """The length of the longest end of ``text`` that is the start of a stop string (but not all of it). Only
+    the places in the text's last ``len(stop) - 1`` characters where the stop string's first character stands
+    are tried, leftmost (longest) first, each compared in C: trying every length, each sliced anew, cost the
+    square of the stop string's length per token."""
     longest = 0
     for stop in stop_strings:
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:length]):
-                longest = length
+        tail = text[len(text) - min(len(stop) - 1, len(text)):]
+        start = tail.find(stop[0])
+        while start != -1 and len(tail) - start > longest:
+            if stop.startswith(tail[start:]):
+                longest = len(tail) - start
                 break
+            start = tail.find(stop[0], start + 1)
     return longest

@@ -105,6 +105,18 @@ def test_partial_stop_length():
     assert partial_stop_length("aab", ["abx", "aabx"]) == 3
 
 
+def _partial_stop_length_by_every_length(text: str, stop_strings: list[str]) -> int:
+    """The definition, every length tried: what ``partial_stop_length`` does in time linear in the stop string."""
+    return max((n for stop in stop_strings for n in range(1, min(len(stop) - 1, len(text)) + 1)
+                if text.endswith(stop[:n])), default=0)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text("ab", max_size=12), st.lists(st.text("ab", min_size=1, max_size=8), min_size=1, max_size=3))
+def test_partial_stop_length_is_the_longest_end_that_starts_a_stop_string(text: str, stops: list[str]) -> None:
+    assert partial_stop_length(text, stops) == _partial_stop_length_by_every_length(text, stops)
+
+
 def test_no_stop_string_check_before_min_tokens():
     ids = tok().encode("stop STOP end.")
     proc = processor(stop=["stop"], min_tokens=6)
