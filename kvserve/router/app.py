@@ -229,11 +229,13 @@ class Router:
             await send({"type": "http.response.body", "body": failure.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def first_healthy_get(self, path: str) -> Response:
+    async def first_healthy_get(self, path: str, headers: list[tuple[bytes, bytes]] | tuple = ()) -> Response:
+        """The first healthy replica's answer to a GET of ``path``, sent with ``headers`` (the client's key)."""
         for replica in self.replicas:
             if replica.healthy:
                 with contextlib.suppress(ConnectFailed, UpstreamLost):
-                    status, content_type, content = await self.upstream.get(replica.url + path, GET_TIMEOUT_S)
+                    status, content_type, content = await self.upstream.get(replica.url + path, GET_TIMEOUT_S,
+                                                                            headers)
                     return Response(content, status, media_type=content_type or None)
         return error_response(503, "no kvserve replica is available", headers=RETRY_LATER)
 
@@ -321,7 +323,7 @@ class RouterApp:
 
     def __init__(self, router: Router) -> None:
         self.router = router
-        self.get_routes: dict[str, Callable[[], Awaitable[Response]]] = {
+        self.get_routes: dict[str, Callable[[Scope], Awaitable[Response]]] = {
             "/health": self.health, "/metrics": self.metrics, "/v1/models": self.models}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -336,21 +338,23 @@ class RouterApp:
             response = error_response(405, f"{method} is not allowed on {path}",
                                       headers={"Allow": "POST" if path in PROXIED_PATHS else "GET"})
         elif path in self.get_routes:
-            response = await self.get_routes[path]()
+            response = await self.get_routes[path](scope)
         else:
             response = error_response(404, f"no route {path}")
         await response(scope, receive, send)
 
-    async def health(self) -> Response:
+    async def health(self, scope: Scope) -> Response:
         up = [r.url for r in self.router.replicas if r.healthy]
         status = 200 if up else 503
         return JSONResponse({"status": "ok" if up else "unavailable", "replicas_up": up}, status_code=status)
 
-    async def metrics(self) -> Response:
+    async def metrics(self, scope: Scope) -> Response:
         return Response(generate_latest(self.router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def models(self) -> Response:
-        return await self.router.first_healthy_get("/v1/models")
+    async def models(self, scope: Scope) -> Response:
+        """A replica's list, asked with the client's key (replicas started with --api-key want it)."""
+        key = [(name, value) for name, value in scope["headers"] if name == b"authorization"]
+        return await self.router.first_healthy_get("/v1/models", key)
 
     async def lifespan(self, receive: Receive, send: Send) -> None:
         """Startup: one round of health checks, then the loop in the background; shutdown: stop it, close the

@@ -158,13 +158,14 @@ class Upstream:
         del received[:head_end]  # what remains is the start of the body
         return UpstreamResponse(self, origin, connection, status, response_headers, is_head, received)
 
-    async def get(self, url: str, timeout: float) -> tuple[int, str, bytes]:
+    async def get(self, url: str, timeout: float,
+                  headers: list[tuple[bytes, bytes]] | tuple = ()) -> tuple[int, str, bytes]:
         """A whole GET answer (status, content type, body), within ``timeout`` seconds (``UpstreamLost`` after)."""
         parts = urlsplit(url)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
         async def get() -> tuple[int, str, bytes]:
-            response = await self.request(b"GET", Origin.parse(url), path.encode())
+            response = await self.request(b"GET", Origin.parse(url), path.encode(), headers=headers)
             try:
                 return response.status, response.headers.get("content-type", ""), await response.read()
             finally:

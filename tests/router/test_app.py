@@ -78,6 +78,10 @@ class FakeReplicas:
         async def health() -> JSONResponse:
             return JSONResponse({"status": "ok"})
 
+        @app.get("/v1/models")
+        async def models(request: Request) -> JSONResponse:
+            return JSONResponse({"replica": url, "auth": request.headers.get("authorization")})
+
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
             return PlainTextResponse('kvserve:num_requests_waiting{model_name="m"} 0.0\n')
@@ -299,6 +303,20 @@ def test_tokenize_goes_through_to_a_replica() -> None:
     reply = run(scenario())
     assert reply.status_code == 200 and reply.json()["replica"] == fakes.urls[0]
     assert fakes.seen == [(fakes.urls[0], {"prompt": "p"})]
+
+
+def test_the_model_list_is_asked_with_the_clients_key() -> None:
+    """Replicas started with --api-key want it on /v1/models too: the router asked with no headers at all, so the
+    list was a 401 whatever key the client sent (the SDK's models.list(), tools probing it)."""
+    fakes = FakeReplicas(1)
+
+    async def scenario() -> httpx.Response:
+        async with fakes:
+            _, client = router_client(fakes)
+            return await client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+
+    reply = run(scenario())
+    assert reply.status_code == 200 and reply.json() == {"replica": fakes.urls[0], "auth": "Bearer sekret"}
 
 
 def test_no_replica_up_is_a_503_with_retry_after_and_the_router_stays_up() -> None:
