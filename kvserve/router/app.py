@@ -32,7 +32,8 @@ from starlette.responses import JSONResponse, Response
 from kvserve.router.policy import Decision, Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
-from kvserve.server.errors import RETRY_LATER, error_response, sse_failure
+from kvserve.server.errors import RETRY_LATER, error_response, sse_failure, unauthorized
+from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ HEALTH_TIMEOUT_S = 2.0
 GET_TIMEOUT_S = 30.0
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+PROTECTED_PATHS = PROXIED_PATHS | {"/v1/models"}  # with --api-key, as the replicas' (/health, /metrics stay open)
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 _FORWARDED = frozenset(name.encode() for name in FORWARDED_HEADERS)  # ASGI header names: lower-case bytes
 QUEUE_METRICS = ("kvserve:num_requests_running", "kvserve:num_requests_waiting")
@@ -94,7 +96,8 @@ class Router:
     """The replicas, the policy and the upstream connections; ``proxy`` sends one request through."""
 
     def __init__(self, urls: list[str], policy: RoutingPolicy, upstream: Upstream | None = None,
-                 health_interval: float = 1.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 health_interval: float = 1.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("the router needs at least one replica URL")
         if max_body_bytes < 1:
@@ -106,6 +109,7 @@ class Router:
         self.upstream = upstream or Upstream()
         self.health_interval = health_interval
         self.max_body_bytes = max_body_bytes  # the replicas' limit by default: a larger body would get their 413
+        self.api_key = api_key  # checked before a body is read: a client without it costs the router nothing
         self.metrics = RouterMetrics()
 
     def move(self, old_url: str, new_url: str) -> None:
@@ -280,16 +284,20 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | Resp
     if declared is not None and declared.isdigit() and int(declared) > limit:
         return _too_large(limit)
     parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        parts.append(message.get("body", b""))
-        size += len(parts[-1])
-        if size > limit:
-            return _too_large(limit)
-        if not message.get("more_body", False):
-            return parts[0] if len(parts) == 1 else b"".join(parts)
+    try:
+        async with asyncio.timeout(BODY_SECONDS):  # the replicas' deadline: a body a byte at a time held it forever
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                parts.append(message.get("body", b""))
+                size += len(parts[-1])
+                if size > limit:
+                    return _too_large(limit)
+                if not message.get("more_body", False):
+                    return parts[0] if len(parts) == 1 else b"".join(parts)
+    except TimeoutError:
+        return error_response(408, f"the request body did not come whole within {BODY_SECONDS:g} s")
 
 
 def _too_large(limit: int) -> Response:
@@ -332,6 +340,10 @@ class RouterApp:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
+        key = self.router.api_key
+        refused = unauthorized(scope["headers"], key) if key is not None and path in PROTECTED_PATHS else None
+        if refused is not None:
+            return await error_response(refused.status, refused.message)(scope, receive, send)
         if path in PROXIED_PATHS and method == "POST":
             return await self.router.proxy(scope, receive, send)
         if path in PROXIED_PATHS or (path in self.get_routes and method not in ("GET", "HEAD")):

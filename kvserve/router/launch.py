@@ -27,7 +27,7 @@ from kvserve.router.policy import POLICIES, make_policy
 from kvserve.extras import require_ray
 from kvserve.router.ray_replicas import RayReplicas
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
-from kvserve.server.sockets import MAX_PORT, http_url, listening_socket
+from kvserve.server.sockets import MAX_PORT, http_url, listening_socket, raise_open_file_limit
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
 
@@ -52,6 +52,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies are answered 413, as by the replicas' own flag (default: "
                              "%(default)s, 4 MiB)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' before a request's body is read, as the "
+                             "replicas do (/health and /metrics stay open; the header goes on to the replicas, "
+                             "which check their own; `serve --data-parallel-size N --api-key KEY` sets both; "
+                             "default: no key)")
     add_policy_argument(parser)
     add_upstream_timeout_argument(parser)
 
@@ -84,7 +89,7 @@ def _positive_seconds(text: str) -> float:
 def build_router(urls: list[str], args: argparse.Namespace) -> Router:
     """The router the flags describe, in front of ``urls``."""
     return Router(urls, make_policy(args.routing_policy), Upstream(response_timeout=args.upstream_timeout),
-                  max_body_bytes=args.max_body_bytes)
+                  max_body_bytes=args.max_body_bytes, api_key=args.api_key)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -112,6 +117,7 @@ class RouterServer(uvicorn.Server):
 def _run(router: Router, sock: socket.socket, policy: str, should_stop: Callable[[], bool] = lambda: False) -> bool:
     """Serve ``router`` on ``sock`` until a signal, or until ``should_stop()``: True in that case."""
     host, port = sock.getsockname()[:2]
+    raise_open_file_limit()
     logger.info("kvserve router on %s -> %s (%s)", http_url(host, port), ", ".join(r.url for r in router.replicas),
                 policy)
     server = RouterServer(uvicorn.Config(build_router_app(router), log_level="warning", access_log=False),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 
-import secrets
 from http import HTTPStatus
 from typing import Any, AsyncIterator, Callable, Protocol
 
@@ -19,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.chat import ChatServer, render_chat
 from kvserve.server.completions import CompletionServer
-from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers
+from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers, unauthorized
 from kvserve.server.metrics import CONTENT_TYPE
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -31,6 +30,7 @@ from kvserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ending_on_failure, until_disconnected
 
@@ -166,10 +166,9 @@ class RequestGuard:
         key = self.settings.api_key
         if key is None or not scope["path"].startswith(PROTECTED_PREFIXES):
             return
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'")
+        error = unauthorized(scope["headers"], key)
+        if error is not None:
+            raise error
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_body_bytes
@@ -179,16 +178,21 @@ class RequestGuard:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > limit:
-                raise too_large
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(BODY_SECONDS):  # a body sent a byte at a time held its connection forever
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        break
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > limit:
+                        raise too_large
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise APIError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not come whole within "
+                                                        f"{BODY_SECONDS:g} s") from None
         body = b"".join(chunks)
         try:
             body.decode("utf-8")

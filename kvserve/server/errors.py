@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
@@ -68,6 +69,15 @@ def error_response(status: int, message: str, param: str | None = None,
 def bad_request(error: ValueError, param: str | None = None) -> APIError:
     """A 400 for ``error``, about ``param`` or else the parameter the error names (``InvalidParameter``)."""
     return APIError(HTTPStatus.BAD_REQUEST, str(error), param=param or getattr(error, "param", None))
+
+
+def unauthorized(headers: Iterable[tuple[bytes, bytes]], key: str) -> APIError | None:
+    """The 401 for a request whose ``Authorization`` is not ``Bearer key`` (compared in constant time), or None;
+    the server and the router answer alike."""
+    given = next((value for name, value in headers if name == b"authorization"), b"")
+    if secrets.compare_digest(given, f"Bearer {key}".encode()):
+        return None
+    return APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'")
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:

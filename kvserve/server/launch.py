@@ -29,7 +29,7 @@ from fastapi import FastAPI
 from kvserve.config import EngineConfig
 from kvserve.engine_args import EngineArgs
 from kvserve.server.app import build_app
-from kvserve.server.sockets import http_url, listening_socket
+from kvserve.server.sockets import http_url, listening_socket, raise_open_file_limit
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
@@ -93,6 +93,7 @@ def serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     state = ServerState(server_settings(args))
     sock = listening_socket(args.host, args.port)
+    raise_open_file_limit()
     url = http_url(*sock.getsockname()[:2])
     print(f"kvserve: loading {args.model}; listening on {url} (/health answers 503 until it is loaded)", flush=True)
     server = DrainingServer(state, uvicorn.Config(

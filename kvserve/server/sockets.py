@@ -1,10 +1,16 @@
-"""The listening socket of a server or router, and the URL it is reached at."""
+"""The listening socket of a server or router, the URL it is reached at, and the connections it may hold."""
 
 from __future__ import annotations
 
+import logging
+import resource
 import socket
 
 MAX_PORT = 65535
+MAX_OPEN_FILES = 65535  # as vLLM and SGLang raise it: a connection is a file descriptor
+BODY_SECONDS = 60.0  # a request body must have come whole within this long (a 4 MiB body at 0.6 Mbit/s)
+
+logger = logging.getLogger(__name__)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -27,3 +33,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def http_url(host: str, port: int) -> str:
     """``http://HOST:PORT``, an IPv6 host in brackets (``http://[::1]:8000``)."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def raise_open_file_limit() -> None:
+    """Raise this process's soft limit on open files to the hard one (at most ``MAX_OPEN_FILES``): at the usual
+    1,024, a thousand idle connections, which need no API key to open, locked every client out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as error:
+            logger.warning("could not raise the open-file limit from %d: %s", soft, error)

@@ -589,3 +589,40 @@ def test_a_body_at_the_limit_is_forwarded() -> None:
     assert Router(fakes.urls, make_policy("cache_aware")).max_body_bytes == DEFAULT_MAX_BODY_BYTES
     with pytest.raises(ValueError, match="--max-body-bytes must be >= 1"):
         Router(fakes.urls, make_policy("cache_aware"), max_body_bytes=0)
+
+
+def test_a_body_that_does_not_come_whole_in_time_is_a_408(monkeypatch) -> None:
+    """As the replicas answer: a body sent a byte at a time held the router's connection forever."""
+    from kvserve.router import app
+
+    monkeypatch.setattr(app, "BODY_SECONDS", 0.1)
+
+    async def trickle() -> dict:
+        await asyncio.sleep(1)
+        return {"type": "http.request", "body": b"{", "more_body": True}
+
+    scope = {"type": "http", "headers": [(b"content-length", b"100")]}
+    response = run(app._read_body(scope, trickle, limit=1000))
+    assert response.status_code == 408 and b"did not come whole within 0.1 s" in response.body
+
+
+def test_with_a_key_the_router_refuses_a_request_without_it_before_reading_its_body() -> None:
+    """The replicas checked the key, but only after the router had read, parsed and hashed the body into its
+    prefix index (a 4 MiB body: 68 ms of its event loop) and forwarded it."""
+    fakes = FakeReplicas(1)
+
+    async def scenario() -> list[httpx.Response]:
+        async with fakes:
+            router = Router(fakes.urls, make_policy("cache_aware"), api_key="sekret")
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            return [await client.post("/v1/completions", json={"prompt": "p"}),
+                    await client.get("/v1/models"),
+                    await client.post("/v1/completions", json={"prompt": "p"},
+                                      headers={"Authorization": "Bearer sekret"}),
+                    await client.get("/health")]
+
+    refused, models, served, health = run(scenario())
+    assert refused.status_code == models.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error"
+    assert served.status_code == 200 and served.json()["auth"] == "Bearer sekret" and health.status_code == 200
+    assert [payload for _, payload in fakes.seen] == [{"prompt": "p"}]  # the refused one never reached a replica

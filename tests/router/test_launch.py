@@ -122,7 +122,7 @@ STARTS_REPLICAS_THAT_EXIT = """
 import argparse, sys
 from kvserve.router.launch import serve_data_parallel
 args = argparse.Namespace(data_parallel_size=2, data_parallel_backend="mp", port=int(sys.argv[1]), host="127.0.0.1",
-                          routing_policy="round_robin", max_body_bytes=4096, upstream_timeout=600.0)
+                          routing_policy="round_robin", max_body_bytes=4096, upstream_timeout=600.0, api_key=None)
 sys.exit(serve_data_parallel(args, ["router"]))  # each replica: `kvserve router` without --worker, which exits 2
 """
 
@@ -147,9 +147,9 @@ def router_args(define: object, *argv: str) -> argparse.Namespace:
 
 def test_the_body_limit_and_the_upstream_timeout_reach_the_router() -> None:
     given = router_args(add_router_arguments, "--worker", "http://a:1", "--max-body-bytes", "123",
-                        "--upstream-timeout", "7.5")
+                        "--upstream-timeout", "7.5", "--api-key", "sekret")
     router = build_router(given.worker, given)
-    assert (router.max_body_bytes, router.upstream.response_timeout) == (123, 7.5)
+    assert (router.max_body_bytes, router.upstream.response_timeout, router.api_key) == (123, 7.5, "sekret")
     default = router_args(add_router_arguments, "--worker", "http://a:1")
     router = build_router(default.worker, default)
     assert (router.max_body_bytes, router.upstream.response_timeout) == (DEFAULT_MAX_BODY_BYTES,

@@ -258,3 +258,18 @@ def test_an_answer_names_the_model_the_request_named_and_its_chunks_one_creation
         assert client.completions.create(model=MODEL, prompt="ab", max_tokens=1).model == MODEL
     finally:
         server.stop()
+
+
+def test_a_body_that_does_not_come_whole_in_time_is_a_408(srv: InProcessServer, monkeypatch) -> None:
+    """A body sent a byte every few seconds held its connection (and a file descriptor) forever."""
+    import socket
+
+    from kvserve.server import app
+
+    monkeypatch.setattr(app, "BODY_SECONDS", 0.3)
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        answer = conn.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408") and "did not come whole within 0.3 s" in answer
