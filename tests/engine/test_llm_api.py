@@ -276,3 +276,27 @@ def test_an_id_still_tracked_for_its_other_samples_is_refused_and_queues_nothing
         finals += engine.step(final_only=True)
     assert [len(c.token_ids) for o in finals for c in o.outputs] == [6, 6]
     assert llm.stats()["num_blocks_used"] == 0
+
+
+def test_an_interrupt_while_a_cached_prefix_is_taken_leaks_no_block(tiny_checkpoints, monkeypatch) -> None:
+    """A Ctrl-C in LLM.generate while fresh blocks were allocated for a request that starts from a cached prefix:
+    they were in no request's table yet, so the abort could not free them (one block lost for good a time)."""
+    from kvserve.kv.manager import KVCacheManager
+
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64)
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    params = SamplingParams(max_tokens=4, temperature=0)
+    (first,) = llm.generate(prompt, params)  # its prefix is cached now
+    fill = KVCacheManager._fill
+
+    def interrupted(self, tables, slots, num_new_blocks):
+        fill(self, tables, slots, num_new_blocks)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(KVCacheManager, "_fill", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt, params)
+    monkeypatch.setattr(KVCacheManager, "_fill", fill)
+    assert llm.stats()["num_blocks_used"] == 0
+    (again,) = llm.generate(prompt, params)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
