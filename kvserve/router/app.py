@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from kvserve.router.policy import Decision, Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
-from kvserve.server.errors import RETRY_LATER, error_response, sse_failure, unauthorized
+from kvserve.server.errors import RETRY_LATER, error_response, shortened, sse_failure, unauthorized
 from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
@@ -352,7 +352,7 @@ class RouterApp:
         elif path in self.get_routes:
             response = await self.get_routes[path](scope)
         else:
-            response = error_response(404, f"no route {path}")
+            response = error_response(404, f"no route {shortened(path)}")
         await response(scope, receive, send)
 
     async def health(self, scope: Scope) -> Response:

@@ -28,7 +28,7 @@ from kvserve.extras import require_ray
 from kvserve.router.ray_replicas import RayReplicas
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
 from kvserve.server.sockets import MAX_PORT, http_url, listening_socket, raise_open_file_limit
-from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, api_key
 
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' before a request's body is read, as the "
                              "replicas do (/health and /metrics stay open; the header goes on to the replicas, "
                              "which check their own; `serve --data-parallel-size N --api-key KEY` sets both; "
-                             "default: no key)")
+                             "default: $KVSERVE_API_KEY, else no key)")
     add_policy_argument(parser)
     add_upstream_timeout_argument(parser)
 
@@ -89,7 +89,7 @@ def _positive_seconds(text: str) -> float:
 def build_router(urls: list[str], args: argparse.Namespace) -> Router:
     """The router the flags describe, in front of ``urls``."""
     return Router(urls, make_policy(args.routing_policy), Upstream(response_timeout=args.upstream_timeout),
-                  max_body_bytes=args.max_body_bytes, api_key=args.api_key)
+                  max_body_bytes=args.max_body_bytes, api_key=api_key(args.api_key))
 
 
 def run_router(args: argparse.Namespace) -> int:

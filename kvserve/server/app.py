@@ -47,7 +47,7 @@ class _Generation(Protocol):
 
 def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
     """The app serving ``state``; ``lifespan`` loads and unloads the engine (see ``launch``)."""
-    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
     _add_routes(app, state)

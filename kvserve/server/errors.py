@@ -7,6 +7,7 @@ installed (the router starts without FastAPI and the request models).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import secrets
@@ -72,10 +73,13 @@ def bad_request(error: ValueError, param: str | None = None) -> APIError:
 
 
 def unauthorized(headers: Iterable[tuple[bytes, bytes]], key: str) -> APIError | None:
-    """The 401 for a request whose ``Authorization`` is not ``Bearer key`` (compared in constant time), or None;
-    the server and the router answer alike."""
+    """The 401 for a request whose ``Authorization`` is not ``Bearer key`` (the scheme in any case, RFC 9110; the
+    key compared by its digest, in constant time and whatever its length), or None; the server and the router
+    answer alike."""
     given = next((value for name, value in headers if name == b"authorization"), b"")
-    if secrets.compare_digest(given, f"Bearer {key}".encode()):
+    scheme, _, token = given.partition(b" ")
+    digest = hashlib.sha256(token.strip()).digest()
+    if scheme.lower() == b"bearer" and secrets.compare_digest(digest, hashlib.sha256(key.encode()).digest()):
         return None
     return APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'")
 
@@ -91,10 +95,17 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {cause or message}", None
     if first.get("type") == "extra_forbidden":
+        param = shortened(param or "")
         return f"{param}: kvserve does not know or implement this field (it is refused, not ignored)", param
     if param is None and getattr(cause, "param", None):  # an InvalidParameter from a model's own check
         return message, cause.param
     return (f"{param}: {message}" if param else message), param
+
+
+def shortened(text: str, limit: int = 100) -> str:
+    """A value the request sent, cut short for an error message (a 100 KB field name came back twice, a 1 MB
+    model name whole)."""
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def _is_type_tag(part: str) -> bool:

@@ -30,7 +30,7 @@ from kvserve.config import EngineConfig
 from kvserve.engine_args import EngineArgs
 from kvserve.server.app import build_app
 from kvserve.server.sockets import http_url, listening_socket, raise_open_file_limit
-from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings, ServerState, api_key
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("kvserve.server")
@@ -51,7 +51,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the name(s) clients use in 'model' (default: MODEL as given)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize and /detokenize "
-                             "(/health and /metrics stay open; default: no key)")
+                             "(/health and /metrics stay open; default: $KVSERVE_API_KEY, which `ps` does not "
+                             "show, else no key)")
     parser.add_argument("--max-waiting", type=int, default=None,
                         help="answer 503 (Retry-After) while more requests than this wait (default: no limit)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -79,7 +80,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         served_model_names=tuple(args.served_model_name or [args.model]),
         model_root=args.model,
-        api_key=args.api_key,
+        api_key=api_key(args.api_key),
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,

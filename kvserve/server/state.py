@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
-from kvserve.server.errors import RETRY_LATER, APIError
+from kvserve.server.errors import RETRY_LATER, APIError, shortened
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
     from kvserve.server.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+API_KEY_ENV = "KVSERVE_API_KEY"  # the key where no --api-key is given: out of `ps`, and inherited by local replicas
+
+
+def api_key(flag: str | None) -> str | None:
+    """The API key to require: ``--api-key``, else ``$KVSERVE_API_KEY`` (empty: none), else none."""
+    return flag if flag is not None else (os.environ.get(API_KEY_ENV) or None)
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,7 @@ class ServerState:
     def engine_for(self, model: str | None) -> AsyncEngine:
         """The engine to run a request for ``model`` on, or the APIError that says why there is none."""
         if model is not None and model not in self.settings.served_model_names:
-            raise APIError(HTTPStatus.NOT_FOUND, f"the model {model!r} does not exist; this server serves "
+            raise APIError(HTTPStatus.NOT_FOUND, f"the model {shortened(model)!r} does not exist; this server serves "
                                                  f"{', '.join(self.settings.served_model_names)}", param="model")
         if not self.is_ready:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, self.why_not_ready,

@@ -145,6 +145,12 @@ def test_api_key_and_waiting_limit() -> None:
         url = f"{server.url}/v1/completions"
         assert httpx.post(url, json={"prompt": "a"}).status_code == 401
         assert httpx.post(url, json={"prompt": "a"}, headers={"Authorization": "Bearer no"}).status_code == 401
+        assert httpx.post(url, json={"prompt": "a"}, headers={"Authorization": "Bearer kk"}).status_code == 401
+        assert httpx.post(url, json={"prompt": "a"}, headers={"Authorization": "Basic k"}).status_code == 401
+        for scheme in ("bearer", "BEARER"):  # a scheme is read in any case (RFC 9110), as vLLM reads it
+            assert httpx.post(url, json={"prompt": "a", "max_tokens": 1},
+                              headers={"Authorization": f"{scheme} k"}).status_code == 200
+        assert httpx.get(f"{server.url}/openapi.json").status_code == 404  # every field, open to anyone
         assert httpx.get(f"{server.url}/health").status_code == 200
         server.fake.max_num_seqs = 0  # nothing runs: every request stays waiting
         keyed = {"Authorization": "Bearer k"}
@@ -273,3 +279,21 @@ def test_a_body_that_does_not_come_whole_in_time_is_a_408(srv: InProcessServer, 
                      b"Content-Length: 100\r\n\r\n{")
         answer = conn.recv(65536).decode()
     assert answer.startswith("HTTP/1.1 408") and "did not come whole within 0.3 s" in answer
+
+
+def test_a_value_echoed_in_an_error_is_cut_short(srv: InProcessServer) -> None:
+    """A 1 MB model name came back whole in the 404, an unknown 100 KB field's name twice in the 400."""
+    unknown = httpx.post(f"{srv.url}/v1/completions", json={"model": "m" * 5000, "prompt": "a"})  # 10 KB bodies
+    assert unknown.status_code == 404 and len(unknown.content) < 1000
+    field = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a", "x" * 5000: 1})
+    assert field.status_code == 400 and len(field.content) < 1000 and field.json()["error"]["param"].endswith("...")
+
+
+def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch) -> None:
+    """On the command line a key is in `ps` for every local user (and in each replica's arguments)."""
+    from kvserve.server.state import api_key
+
+    monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
+    assert api_key(None) == "from-env" and api_key("flag") == "flag"
+    monkeypatch.setenv("KVSERVE_API_KEY", "")
+    assert api_key(None) is None
