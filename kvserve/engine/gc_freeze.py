@@ -22,13 +22,17 @@ _depth = 0  # blocks inside heap_frozen, in every thread: the heap is unfrozen w
 
 @contextmanager
 def heap_frozen(collect_first: bool = False) -> Iterator[None]:
-    """Run the block with every object alive at its start frozen. ``collect_first`` collects before freezing,
-    so that no garbage is kept frozen: worth its one full collection only before a long run (a server's
-    step loop), not before each offline ``generate``."""
+    """Run the block with every object alive at its start frozen. The young generations are collected first
+    (cheap: the oldest is not walked), so that their garbage is not frozen: ``unfreeze`` hands frozen objects
+    to the oldest generation, which only a full collection visits, so the caller's cycles made between offline
+    ``generate`` calls piled up (1.2 GB over 300 calls). ``collect_first`` collects the oldest too: worth its
+    one full collection only before a long run (a server's step loop)."""
     global _depth
     with _lock:
         if collect_first:
             gc.collect()
+        else:
+            gc.collect(1)
         gc.freeze()
         _depth += 1
     try:

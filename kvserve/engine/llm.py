@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any, Sequence
 
 from tqdm.auto import tqdm
@@ -36,6 +37,19 @@ class LLM:
         config = EngineArgs(model=model, **engine_options).create_engine_config()
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
+        # one generate at a time: calls from two threads stepped each other's requests (wrong tokens, or errors)
+        self._running = threading.Lock()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop what the engine runs beside this process's step loop (tensor-parallel workers, the KV tiers' I/O
+        threads); the LLM cannot generate afterwards. Idempotent; ``with LLM(...) as llm:`` calls it."""
+        self.engine.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -49,7 +63,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order.
 
         ``sampling_params`` is one SamplingParams for all prompts or a list with one per prompt. Every prompt is
-        validated before any runs: a bad one raises ValueError and nothing is left queued.
+        validated before any runs: a bad one raises ValueError and nothing is left queued. Calls from several
+        threads run one after the other.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -57,15 +72,17 @@ class LLM:
             raise TypeError("prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got "
                             f"{type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts))
-        processed = [self.engine.input_processor.process(p, sp) for p, sp in zip(prompts, params)]
-        request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
-        try:
-            for rid, p in zip(request_ids, processed):
-                self.engine.add_request(rid, {"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids}, p.params)
-        except BaseException:  # e.g. a request larger than the whole KV cache: leave nothing queued
-            self.engine.abort_request(request_ids)
-            raise
-        return self._run(request_ids, use_tqdm and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS)
+        with self._running:
+            processed = [self.engine.input_processor.process(p, sp) for p, sp in zip(prompts, params)]
+            request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
+            try:
+                for rid, p in zip(request_ids, processed):
+                    self.engine.add_request(rid, {"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids},
+                                            p.params)
+            except BaseException:  # e.g. a request larger than the whole KV cache: leave nothing queued
+                self.engine.abort_request(request_ids)
+                raise
+            return self._run(request_ids, use_tqdm and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS)
 
     def chat(
         self,

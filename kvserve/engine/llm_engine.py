@@ -107,7 +107,8 @@ class LLMEngine:
         return start_workers(spec, size)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        """Stop the tensor-parallel workers, if any, and the KV tiers' I/O threads (the engine cannot step
+        afterwards); idempotent."""
         self.core.runner.close()
 
     def check_workers(self) -> None:

@@ -73,9 +73,13 @@ class IOThread:
 
     def close(self, timeout: float) -> bool:
         """Stop once the calls queued so far are done; False if they are not done within ``timeout``."""
-        self._calls.put(None)
+        self.stop()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop once the calls queued so far are done, without waiting."""
+        self._calls.put(None)
 
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
@@ -83,6 +87,7 @@ class IOThread:
                 call()
             except Exception:  # a call's own faults are handled in it: this is a bug, logged, not the thread's end
                 logger.exception("%s: an I/O call failed", self.name)
+            del call  # it holds its store: kept while waiting for the next call, it kept a dropped store alive
 
 
 class DiskTier:

@@ -36,6 +36,7 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -106,6 +107,8 @@ class TieredStore:
         self._writing: set[bytes] = set()
         self._reader = IOThread("kvserve-kv-read") if self.disk else None
         self._writer = IOThread("kvserve-kv-write") if self.disk else None
+        # a store dropped without close() (an LLM let go) stops its threads, which would live on with nothing to do
+        weakref.finalize(self, _stop_threads, self._reader, self._writer)
 
     # ------------------------------------------------------------------------------ the KV manager's side
 
@@ -392,3 +395,9 @@ class TieredStore:
 
 def _gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _stop_threads(*threads: IOThread | None) -> None:
+    for thread in threads:
+        if thread is not None:
+            thread.stop()
