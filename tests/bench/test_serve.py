@@ -89,7 +89,7 @@ def test_the_chat_endpoint_gets_texts_that_fit_and_messages_templated_once(
     # the server counts the workload's templated lengths; the first (a whole module to edit) outgrows 256
     assert [r["prompt_tokens"] for r in grounded_run["requests"]] == [r.prompt_len for r in workload]
     assert grounded_run["completed"] == 2 and grounded_run["requests"][0]["error"].startswith(
-        f"HTTP 400: {{\"error\":{{\"message\":\"the prompt has {workload[0].prompt_len} tokens")
+        f"HTTP 400: {{\"error\":{{\"message\":\"messages ({workload[0].prompt_len} tokens) leaves no room")
 
 
 # ---- a server that misbehaves -----------------------------------------------------------------------------
