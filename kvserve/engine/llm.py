@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import signal
 import threading
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -125,14 +127,35 @@ class LLM:
 
     def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generate", disable=not show_progress) as bar, heap_frozen():
+        with tqdm(total=len(request_ids), desc="generate", disable=not show_progress) as bar, heap_frozen(), \
+                _interrupts_between_steps() as interrupted:
             try:
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step(final_only=True):
                         if out.finished:
                             finished[out.request_id] = out
                             bar.update(1)
+                    if interrupted():
+                        raise KeyboardInterrupt
             except BaseException:
                 self.engine.abort_request(rid for rid in request_ids if rid not in finished)
                 raise
         return [finished[rid] for rid in request_ids]
+
+
+@contextmanager
+def _interrupts_between_steps() -> Iterator[Callable[[], bool]]:
+    """Ctrl-C lands between engine steps, never inside one: a step half done (a block taken but in no table, a
+    request in two queues) left the engine broken for every later call. In the main thread, while Python's own
+    handler is in place, SIGINT is only noted; the caller asks after each step whether it came. Elsewhere (another
+    thread, a handler of the user's) signals are left as they are."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield lambda: False
+        return
+    received: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield lambda: bool(received)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -106,9 +106,9 @@ class OutputProcessor:
         return len(self._requests)
 
     def _forget(self, state: _RequestState) -> None:
-        del self._requests[state.request_id]
-        for index in range(state.params.n):
-            del self._samples[sample_request_id(state.request_id, index)]
+        self._requests.pop(state.request_id, None)
+        for index in range(state.params.n):  # an interrupted add_request may have made none of them
+            self._samples.pop(sample_request_id(state.request_id, index), None)
 
 
 class _SampleState:

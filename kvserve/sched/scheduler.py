@@ -586,15 +586,17 @@ class Scheduler:
                 continue
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        # out of the queues and of ``requests`` first: a request is finished once, even should its freeing be
+        # interrupted (a second free, from an abort, freed its blocks twice)
+        del self.requests[request.request_id]
         self._dequeue(request)
         if request.status is RequestStatus.RUNNING:
             # blocks filled by the drafts accepted in its last step are known only now: into the tree first
             self.kv.cache_computed(request)
-        self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        del self.requests[request.request_id]
+        self.kv.free(request)
         self._arrival_step.pop(request.request_id, None)
         self._num_blocks_sent.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)

@@ -351,3 +351,33 @@ def test_a_dropped_or_closed_llm_stops_its_disk_tiers_threads(tiny_checkpoints, 
     with LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=16, kv_offload_dir=str(tmp_path)):
         assert tier_threads() == before + 2
     assert tier_threads() == before
+
+
+def test_ctrl_c_lands_between_engine_steps(llm: LLM, monkeypatch) -> None:
+    """A SIGINT in the middle of a step (here while a finished request's blocks are freed) is held until the step
+    is done, then raised: the requests are aborted and the engine is as it was. Landing inside a step, it left a
+    request in two queues, a block in no table, or a request freed twice (every later generate spun)."""
+    import os
+    import signal
+
+    from kvserve.kv.block_pool import BlockPool
+
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(4)]  # 3 blocks each
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    free = BlockPool.free
+
+    def interrupted(self, block_ids):
+        block_ids = list(block_ids)
+        free(self, block_ids[:1])
+        if len(block_ids) > 1:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered here, mid-step, as a Ctrl-C would be
+        free(self, block_ids[1:])
+
+    monkeypatch.setattr(BlockPool, "free", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params)
+    monkeypatch.setattr(BlockPool, "free", free)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert llm.stats()["num_blocks_used"] == 0 and not llm.engine.core.scheduler.requests
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
