@@ -60,13 +60,14 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         ``sampling_params`` is one SamplingParams for all prompts or a list with one per prompt. Every prompt is
         validated before any runs: a bad one raises ValueError and nothing is left queued. Calls from several
-        threads run one after the other.
+        threads run one after the other. ``use_tqdm``: a progress bar (for 8 prompts or more), or, as in vLLM, the
+        tqdm-like class to make it with.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -84,13 +85,14 @@ class LLM:
             except BaseException:  # e.g. a request larger than the whole KV cache: leave nothing queued
                 self.engine.abort_request(request_ids)
                 raise
-            return self._run(request_ids, use_tqdm and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS)
+            bar = use_tqdm if callable(use_tqdm) else tqdm
+            return self._run(request_ids, bool(use_tqdm) and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS, bar)
 
     def chat(
         self,
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
@@ -98,6 +100,8 @@ class LLM:
         assistant ``tool_calls`` and ``tool`` results included) or a list of conversations. ``tools`` (OpenAI's
         ``{"type": "function", "function": {...}}``) go to the template as the server sends them; the replies are
         the model's text, in whatever format it writes calls."""
+        if not isinstance(messages, (list, tuple)):
+            raise TypeError(f"messages must be a list of messages or of conversations, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
@@ -125,9 +129,10 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
         return list(sampling_params)
 
-    def _run(self, request_ids: list[str], show_progress: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], show_progress: bool,
+             progress_bar: Callable[..., Any] = tqdm) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generate", disable=not show_progress) as bar, heap_frozen(), \
+        with progress_bar(total=len(request_ids), desc="generate", disable=not show_progress) as bar, heap_frozen(), \
                 _interrupts_between_steps() as interrupted:
             try:
                 while self.engine.has_unfinished_requests():

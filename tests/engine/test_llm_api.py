@@ -10,6 +10,7 @@ import weakref
 
 import numpy as np
 import pytest
+from tqdm.auto import tqdm
 
 from kvserve import LLM, SamplingParams
 from kvserve.outputs import FinishReason
@@ -381,3 +382,17 @@ def test_ctrl_c_lands_between_engine_steps(llm: LLM, monkeypatch) -> None:
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert llm.stats()["num_blocks_used"] == 0 and not llm.engine.core.scheduler.requests
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_use_tqdm_may_name_the_progress_bar_to_make(llm: LLM) -> None:
+    """As vLLM's: a callable given as use_tqdm makes the bar (it was taken as True)."""
+    made = []
+
+    def bar(**kwargs):
+        made.append(kwargs["total"])
+        return tqdm(**kwargs)
+
+    llm.generate(["a"] * 8, SamplingParams(max_tokens=1, temperature=0), use_tqdm=bar)
+    assert made == [8]
+    with pytest.raises(TypeError, match="messages must be a list of messages or of conversations, got generator"):
+        llm.chat(m for m in [[{"role": "user", "content": "hi"}]])
