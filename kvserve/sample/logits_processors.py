@@ -75,7 +75,10 @@ class MinTokensBan(LogitsProcessor):
         index = (_long(row_ids, logits.device), _long(token_ids, logits.device))
         kept = logits[index]
         logits[index] = -float("inf")
-        stuck = ~torch.isfinite(logits[index[0]]).any(dim=1)  # per entry: its row has nothing left (no host sync)
+        rows = sorted(set(row_ids))  # each banned row read once, whatever it bans
+        alive = torch.isfinite(logits[_long(rows, logits.device)]).any(dim=1)  # no host sync
+        where = {row: i for i, row in enumerate(rows)}
+        stuck = ~alive[_long([where[row] for row in row_ids], logits.device)]  # per entry: its row has nothing left
         logits[index] = torch.where(stuck, kept, logits[index])
 
 

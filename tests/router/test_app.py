@@ -292,15 +292,19 @@ def test_a_503_from_a_replica_sends_the_request_to_another_and_the_last_one_is_p
     assert passed_on.status_code == 503 and passed_on.json()["error"]["message"] == "the engine failed"
 
 
-def test_tokenize_goes_through_to_a_replica() -> None:
-    fakes = FakeReplicas(1)
-
+def answer_of(fakes: FakeReplicas, send: Callable[[httpx.AsyncClient], Awaitable[httpx.Response]]) -> httpx.Response:
+    """The router's answer to one request ``send`` makes, in front of ``fakes``."""
     async def scenario() -> httpx.Response:
         async with fakes:
             _, client = router_client(fakes)
-            return await client.post("/tokenize", json={"prompt": "p"})
+            return await send(client)
 
-    reply = run(scenario())
+    return run(scenario())
+
+
+def test_tokenize_goes_through_to_a_replica() -> None:
+    fakes = FakeReplicas(1)
+    reply = answer_of(fakes, lambda client: client.post("/tokenize", json={"prompt": "p"}))
     assert reply.status_code == 200 and reply.json()["replica"] == fakes.urls[0]
     assert fakes.seen == [(fakes.urls[0], {"prompt": "p"})]
 
@@ -309,13 +313,7 @@ def test_the_model_list_is_asked_with_the_clients_key() -> None:
     """Replicas started with --api-key want it on /v1/models too: the router asked with no headers at all, so the
     list was a 401 whatever key the client sent (the SDK's models.list(), tools probing it)."""
     fakes = FakeReplicas(1)
-
-    async def scenario() -> httpx.Response:
-        async with fakes:
-            _, client = router_client(fakes)
-            return await client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
-
-    reply = run(scenario())
+    reply = answer_of(fakes, lambda client: client.get("/v1/models", headers={"Authorization": "Bearer sekret"}))
     assert reply.status_code == 200 and reply.json() == {"replica": fakes.urls[0], "auth": "Bearer sekret"}
 
 
