@@ -18,6 +18,7 @@ from typing import NamedTuple, Sequence
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
+from kvserve.engine.stop_strings import StopStringMatcher
 from kvserve.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, TokenLogprobs
 from kvserve.request import sample_request_id
 from kvserve.sampling_params import SamplingParams
@@ -126,6 +127,7 @@ class _SampleState:
         self.params = params
         self.stop_token_ids = stop_token_ids
         self.detokenizer = detokenizer
+        self.stop_matcher = StopStringMatcher(params.stop_strings) if params.stop_strings else None
         self.token_ids: list[int] = []
         self.text = ""
         self.num_visible_chars = 0
@@ -155,11 +157,11 @@ class _SampleState:
         self.token_ids.extend(output.new_token_ids)
         if self.logprobs is not None and output.logprobs:
             self.logprobs.extend(to_position_logprobs(entry, token_texts) for entry in output.logprobs)
-        num_checked_chars = len(self.text)
-        self.text += self.detokenizer.update(self._text_token_ids(output))
+        new_text = self.detokenizer.update(self._text_token_ids(output))
         if output.finished:
-            self.text += self.detokenizer.flush()
-        stopped_by_string = self._cut_at_stop_string(num_checked_chars)
+            new_text += self.detokenizer.flush()
+        self.text += new_text
+        stopped_by_string = self._cut_at_stop_string(new_text)
         if output.finished and not stopped_by_string:
             self._finish(output.finish_reason, output.stop_reason)
         self._update_visible()
@@ -187,13 +189,12 @@ class _SampleState:
             return new[:-1]
         return new
 
-    def _cut_at_stop_string(self, num_checked_chars: int) -> bool:
+    def _cut_at_stop_string(self, new_text: str) -> bool:
         """Look for a stop string ending in the new text (from ``min_tokens + 1`` outputs on); if one is there,
         cut the text before it (after it with ``include_stop_str_in_output``) and finish."""
-        stops = self.params.stop_strings
-        if not stops or len(self.token_ids) <= self.params.min_tokens:
+        if self.stop_matcher is None:
             return False
-        found = find_stop_string(self.text, num_checked_chars, stops)
+        found = self.stop_matcher.feed(new_text, report=len(self.token_ids) > self.params.min_tokens)
         if found is None:
             return False
         position, stop = found
@@ -202,7 +203,7 @@ class _SampleState:
         return True
 
     def _update_visible(self) -> None:
-        held = 0 if self.is_finished else partial_stop_length(self.text, self.params.stop_strings)
+        held = 0 if self.is_finished or self.stop_matcher is None else self.stop_matcher.partial_length
         self.num_visible_chars = len(self.text) - held
 
     def _finish(self, reason: FinishReason | None, stop_reason: int | str | None) -> None:
@@ -289,31 +290,3 @@ def to_position_logprobs(entry: TokenLogprobs, token_texts: TokenTextCache) -> P
         if token_id not in position:
             position[token_id] = Logprob(logprob, rank, token_texts(token_id))
     return position
-
-
-def find_stop_string(text: str, num_checked_chars: int, stop_strings: Sequence[str]) -> tuple[int, str] | None:
-    """The earliest stop string in ``text`` that ends after ``num_checked_chars`` (the text already searched),
-    as (start position, stop string); on a tie the one listed first."""
-    best: tuple[int, str] | None = None
-    for stop in stop_strings:
-        position = text.find(stop, max(0, num_checked_chars - len(stop) + 1))
-        if position != -1 and (best is None or position < best[0]):
-            best = (position, stop)
-    return best
-
-
-def partial_stop_length(text: str, stop_strings: Sequence[str]) -> int:
-    """The length of the longest end of ``text`` that is the start of a stop string (but not all of it). Only
-    the places in the text's last ``len(stop) - 1`` characters where the stop string's first character stands
-    are tried, leftmost (longest) first, each compared in C: trying every length, each sliced anew, cost the
-    square of the stop string's length per token."""
-    longest = 0
-    for stop in stop_strings:
-        tail = text[len(text) - min(len(stop) - 1, len(text)):]
-        start = tail.find(stop[0])
-        while start != -1 and len(tail) - start > longest:
-            if stop.startswith(tail[start:]):
-                longest = len(tail) - start
-                break
-            start = tail.find(stop[0], start + 1)
-    return longest

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.engine.output_processor import OutputProcessor, find_stop_string, partial_stop_length
+from kvserve.engine.output_processor import OutputProcessor
 from kvserve.outputs import FinishReason, Logprob, RequestOutput
 from kvserve.request import sample_request_id
 from kvserve.sampling_params import SamplingParams
@@ -94,27 +94,6 @@ def test_earliest_stop_string_wins():
     steps = feed(proc, tok().encode("hello world"), )
     final = next(out for out, stopped in steps if stopped)
     assert (final.outputs[0].text, final.outputs[0].stop_reason) == ("hell", "o w")
-    assert find_stop_string("a world", 0, ["world", "orl"]) == (2, "world")
-    assert find_stop_string("abcabc", 4, ["abc"]) == (3, "abc")  # must end in the unchecked text
-    assert find_stop_string("abcabc", 6, ["abc"]) is None
-
-
-def test_partial_stop_length():
-    assert partial_stop_length("hello wo", ["world", "xyz"]) == 2
-    assert partial_stop_length("hello", ["hello"]) == 0  # a whole stop string is not a partial one
-    assert partial_stop_length("aab", ["abx", "aabx"]) == 3
-
-
-def _partial_stop_length_by_every_length(text: str, stop_strings: list[str]) -> int:
-    """The definition, every length tried: what ``partial_stop_length`` does in time linear in the stop string."""
-    return max((n for stop in stop_strings for n in range(1, min(len(stop) - 1, len(text)) + 1)
-                if text.endswith(stop[:n])), default=0)
-
-
-@settings(max_examples=500, deadline=None)
-@given(st.text("ab", max_size=12), st.lists(st.text("ab", min_size=1, max_size=8), min_size=1, max_size=3))
-def test_partial_stop_length_is_the_longest_end_that_starts_a_stop_string(text: str, stops: list[str]) -> None:
-    assert partial_stop_length(text, stops) == _partial_stop_length_by_every_length(text, stops)
 
 
 def test_no_stop_string_check_before_min_tokens():
