@@ -16,14 +16,19 @@ from typing import Any, Mapping, Sequence
 import jinja2
 
 
-def template_message(message: Mapping[str, Any], index: int = 0, keep_parts: bool = False) -> dict[str, Any]:
+def template_message(message: Mapping[str, Any], index: int = 0, keep_parts: bool = False,
+                     developer_is_system: bool = False) -> dict[str, Any]:
     """``message`` (OpenAI's shape) as a chat template expects it: text parts as a list of ``{"type": "text",
     "text": ...}`` for a template that iterates over them (``keep_parts``, see ``iterates_content``), else joined
     with newlines, as vLLM does; no content as ""; a call's arguments as a dict, as transformers' templates take
-    them. ValueError naming ``messages[index]`` where it cannot be rendered."""
+    them; OpenAI's ``developer`` role as ``system`` for a template that knows no such role
+    (``developer_is_system``): OpenAI's newer name for the system prompt. ValueError naming ``messages[index]``
+    where it cannot be rendered."""
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise ValueError(f"messages[{index}] must be a dict with a 'role' and a 'content'")
     out = dict(message)
+    if developer_is_system and out["role"] == "developer":
+        out["role"] = "system"
     out["content"] = _content(message.get("content"), index, keep_parts)
     if message.get("tool_calls"):
         out["tool_calls"] = [_call(call, index) for call in message["tool_calls"]]

@@ -74,9 +74,10 @@ class InputProcessor:
         if template is None:
             raise ValueError("this model has no chat template: send it a plain prompt (/v1/completions, or "
                              "LLM.generate)")
-        keep_parts = iterates_content(template)
+        keep_parts, developer_is_system = iterates_content(template), "developer" not in template
         conversation, template_tools = for_template(
-            [template_message(m, i, keep_parts) for i, m in enumerate(messages)], tools, template)
+            [template_message(m, i, keep_parts, developer_is_system) for i, m in enumerate(messages)], tools,
+            template)
         try:
             text = self.tokenizer.apply_chat_template(
                 conversation, tools=template_tools, chat_template=template, tokenize=False,

@@ -41,6 +41,7 @@ from kvserve.server.streaming import (
 )
 from kvserve.server.tool_parsers import NamedToolCallParser, ParsedDelta, ToolCallDelta, ToolCallParser, parse_tool_calls
 from kvserve.server.tools import (
+    DeclaredTools,
     needs_special_tokens,
     output_parser,
     tool_call_format,
@@ -77,18 +78,23 @@ class ChatServer(GenerationHandler):
         if self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer):
             self.params = dataclasses.replace(self.params, skip_special_tokens=False)
         self._parsers: dict[int, ToolCallParser | NamedToolCallParser | None] = {}
+        self._declared: DeclaredTools | None = None
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:
         """Render and queue the conversation (raising APIError 400 for bad input); return the output stream."""
         body = self.body
-        if body.tools and self.tool_choice in ("auto", "none"):
+        if body.tools:
             await self._check_tool_schemas()
+            try:
+                self._declared = DeclaredTools(body.tool_dicts or [])
+            except ValueError as e:
+                raise bad_request(ValueError(f"tools: {e}"), param="tools") from e
         prompt = await render_chat(self.engine, body.messages, body.add_generation_prompt, body.tool_dicts)
         return await self._generate([prompt])
 
     async def _check_tool_schemas(self) -> None:
-        """A 400 for a tool whose parameters are no JSON schema, whatever ``tool_choice`` is: ``required`` and a
-        named function compile them as the output's constraint, and this compiles them (cached) for the rest."""
+        """A 400 naming ``tools`` for a tool whose parameters are no JSON schema, whatever ``tool_choice`` is
+        (compiled once, cached: ``required`` constrains the output with the same grammar)."""
         every_call = tool_constraint(self.body.tool_dicts or [], "required", parallel_tool_calls=True)
         try:
             await self.engine.compile_constraint(every_call)
@@ -137,7 +143,7 @@ class ChatServer(GenerationHandler):
 
     def _new_parser(self) -> ToolCallParser | NamedToolCallParser | None:
         """A parser for one sample's output; None when the output is only content."""
-        return output_parser(self.tool_choice, self.body.parallel_tool_calls, self.tool_format)
+        return output_parser(self.tool_choice, self.body.parallel_tool_calls, self.tool_format, self._declared)
 
     def _parser(self, index: int) -> ToolCallParser | NamedToolCallParser | None:
         if index not in self._parsers:
@@ -150,7 +156,7 @@ class ChatServer(GenerationHandler):
         if parser is None:
             return AssistantMessage(content=text), finish_reason
         content, calls = parse_tool_calls(parser, text)
-        finished = _calls_finish(finish_reason, stop_reason)
+        finished = self._calls_finish(finish_reason, stop_reason)
         if not calls or (parser.num_invalid and finished == "tool_calls"):
             # a call the model finished that is no JSON object is its text, as vLLM's parsers answer: a client
             # must be able to read every call's arguments (a call cut short by max_tokens keeps "length")
@@ -168,9 +174,17 @@ class ChatServer(GenerationHandler):
         if finish_reason is not None:
             parsed.extend(parser.finish())
             if parser.num_calls and not parser.num_invalid:  # a stream cannot take back a broken call's pieces
-                finish_reason = _calls_finish(finish_reason, stop_reason)
+                finish_reason = self._calls_finish(finish_reason, stop_reason)
         tool_calls = [_delta_call(d) for d in _merged(parsed)] or None
         return DeltaMessage(content=parsed.content or None, tool_calls=tool_calls), finish_reason
+
+    def _calls_finish(self, finish_reason: str, stop_reason: int | str | None) -> str:
+        """A sample that ended by itself after calling tools finished for its calls; one cut by max_tokens, a
+        stop string or a stop token did not (its last call's arguments may be cut short), and keeps its reason.
+        So does a call of the function ``tool_choice`` names, as OpenAI and vLLM answer: "stop"."""
+        if isinstance(self.tool_choice, dict):
+            return finish_reason
+        return "tool_calls" if finish_reason == "stop" and stop_reason is None else finish_reason
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model_name,
@@ -191,12 +205,6 @@ class ChatServer(GenerationHandler):
         """A token (``token_spelling``), its log probability and its own bytes."""
         token = entry_spelling(token_id, position[token_id], self.tokenizer)
         return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=token_bytes(token_id, self.tokenizer))
-
-
-def _calls_finish(finish_reason: str, stop_reason: int | str | None) -> str:
-    """A sample that ended by itself after calling tools finished for its calls; one cut by max_tokens, a stop
-    string or a stop token did not (its last call's arguments may be cut short), and keeps its reason."""
-    return "tool_calls" if finish_reason == "stop" and stop_reason is None else finish_reason
 
 
 def _merged(parsed: ParsedDelta) -> list[ToolCallDelta]:

@@ -97,7 +97,7 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     if first.get("type") == "extra_forbidden":
         param = shortened(param or "")
         return f"{param}: kvserve does not know or implement this field (it is refused, not ignored)", param
-    if param is None and getattr(cause, "param", None):  # an InvalidParameter from a model's own check
+    if getattr(cause, "param", None):  # an InvalidParameter from a model's own check: it names the field whole
         return message, cause.param
     return (f"{param}: {message}" if param else message), param
 

@@ -85,11 +85,20 @@ def _nullable_fields(model: type[BaseModel]) -> frozenset[str]:
 
 class StreamOptions(_Body):
     include_usage: StrictBool = False
+    # OpenAI pads stream deltas with random text unless this is false; kvserve never does
+    include_obfuscation: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _no_obfuscation(self) -> StreamOptions:
+        if self.include_obfuscation:
+            raise InvalidParameter("stream_options.include_obfuscation", "stream_options.include_obfuscation: "
+                                   "kvserve does not pad stream deltas; leave it out or set it to false")
+        return self
 
 
 class JSONSchemaFormat(_Body):
     name: str = "response"
-    description: str | None = None
+    description: str | None = None  # informational, as in vLLM: the schema alone constrains the output
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
@@ -104,7 +113,11 @@ class ResponseFormat(_Body):
     @model_validator(mode="after")
     def _schema_with_json_schema(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
-            raise ValueError("response_format of type json_schema needs json_schema.schema")
+            raise InvalidParameter("response_format.json_schema",
+                                   "response_format of type json_schema needs json_schema.schema")
+        if self.type != "json_schema" and self.json_schema is not None:  # most likely meant type json_schema
+            raise InvalidParameter("response_format.json_schema", f"response_format.json_schema is only used with "
+                                   f"type json_schema, not with type {self.type}")
         return self
 
     def params(self) -> StructuredOutputsParams:
@@ -112,6 +125,20 @@ class ResponseFormat(_Body):
             return StructuredOutputsParams(json_object=True)
         assert self.json_schema is not None and self.json_schema.schema_ is not None
         return StructuredOutputsParams(json=self.json_schema.schema_)
+
+
+class StructuredOutputsBody(_Body):
+    """vLLM's ``structured_outputs``: one of its constraints (``StructuredOutputsParams``); its other keys are
+    refused by name."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: StrictBool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(**self.model_dump(exclude_defaults=True, by_alias=True))
 
 
 class SamplingRequest(_Body):
@@ -144,7 +171,7 @@ class SamplingRequest(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     # OpenAI fields that change nothing here: informational (user, safety_identifier, metadata), or a cache hint
     # the automatic prefix cache does not need (prompt_cache_key); service_tier only in its default meanings
     safety_identifier: str | None = None
@@ -184,11 +211,17 @@ class SamplingRequest(_Body):
         return self
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The one constraint the request asks for, from whichever field names it; ValueError for several."""
+        """The one constraint the request asks for, from whichever field names it; InvalidParameter for
+        several."""
         given = self._constraints()
         if len(given) > 1:
-            raise ValueError(f"give one constraint, not several: {', '.join(given)}")
+            raise InvalidParameter(list(given)[1], f"give one constraint, not several: {', '.join(given)}")
         return next(iter(given.values()), None)
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field the request's constraint came in (a constraint that does not compile is a 400 naming it)."""
+        return next(iter(self._constraints()), None)
 
     def _constraints(self) -> dict[str, StructuredOutputsParams]:
         given: dict[str, StructuredOutputsParams] = {}
@@ -203,12 +236,10 @@ class SamplingRequest(_Body):
                     raise error.renamed(name) from None
         if self.structured_outputs is not None:
             try:
-                given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+                given["structured_outputs"] = self.structured_outputs.params()
             except InvalidParameter as error:  # a field of it, or the whole of it
                 whole = error.param == "structured_outputs"
                 raise (error if whole else error.renamed(f"structured_outputs.{error.param}")) from None
-            except TypeError as error:
-                raise InvalidParameter("structured_outputs", f"structured_outputs: {error}") from None
         return given
 
     @property
@@ -363,6 +394,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
 
 
 # ---- chat completions ----
@@ -420,7 +452,9 @@ class FunctionDefinition(_Body):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None  # kvserve enforces every schema it is given
+    # a grammar enforces the schema under tool_choice required or named; under auto the model writes its own calls,
+    # and a strict function's call whose arguments break its schema is no call (server/tools.py)
+    strict: StrictBool | None = None
 
     @field_validator("parameters")
     @classmethod
@@ -462,14 +496,15 @@ class ChatCompletionRequest(SamplingRequest):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs to be true")
+            raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs to be true")
         if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError("tool_choice needs tools")
+            raise InvalidParameter("tool_choice", "tool_choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is "
-                                 f"not among the tools ({', '.join(names)})")
+                raise InvalidParameter("tool_choice", f"tool_choice names the function "
+                                       f"{self.tool_choice.function.name!r}, which is not among the tools "
+                                       f"({', '.join(names)})")
         return self
 
     @property
@@ -518,6 +553,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    refusal: None = None  # OpenAI's field for a model that refuses: always there, and null here
     tool_calls: list[ToolCall] | None = None
 
 
@@ -536,6 +572,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None
+    service_tier: Literal["default"] = "default"  # the one tier kvserve serves in
 
 
 class DeltaFunctionCall(BaseModel):
@@ -579,6 +617,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None
+    service_tier: Literal["default"] = "default"
 
 
 # ---- models, tokenizer ----
@@ -612,7 +652,7 @@ class TokenizeRequest(_Body):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise InvalidParameter("prompt", "give exactly one of prompt or messages")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
         if self.prompt is not None and self.add_generation_prompt is not None:

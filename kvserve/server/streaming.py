@@ -122,9 +122,12 @@ class GenerationHandler:
         constraint is compiled first, off the engine thread."""
         request_id = self.request_id
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        try:
-            if self.params.structured_outputs is not None:
+        if self.params.structured_outputs is not None:
+            try:
                 await self.engine.compile_constraint(self.params.structured_outputs)
+            except ValueError as e:  # the constraint's own fault: named as the field that held it
+                raise bad_request(e, param=self.body.constraint_field) from e
+        try:
             stream = self.engine.generate_many(prompts, self.params, request_ids)
             first = await anext(stream)
         except ValueError as e:

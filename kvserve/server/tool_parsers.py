@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes and Mistral write "arguments", Llama 3 "parameters"
 _SEPARATORS = " \t\r\n[],;"  # what may stand between the calls of one run: arrays, commas, Llama's "; "
@@ -41,6 +41,16 @@ FORMATS = {
 }
 # What ``tool_choice: required`` constrains the output to: a JSON array of {"name", "parameters"} objects.
 REQUIRED_FORMAT = ToolCallFormat("required", (), markers_anywhere=False, bare_json_start=True)
+
+
+class CallCheck(Protocol):
+    """What the request declares, as a parser checks the calls it reads against it."""
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a function the request declares."""
+
+    def accepts(self, name: str, arguments: dict[str, Any]) -> bool:
+        """Whether a call of ``name`` may take these arguments."""
 
 
 @dataclass
@@ -175,11 +185,14 @@ class _ObjectScan:
 
 class ToolCallParser:
     """Splits a model's output into content and tool calls of one ``ToolCallFormat``, incrementally.
-    ``max_calls`` (1 when ``parallel_tool_calls`` is false) drops the calls after it."""
+    ``max_calls`` (1 when ``parallel_tool_calls`` is false) drops the calls after it; with ``check``, a call of
+    a function the request does not declare is no call (its text is content), nor one whose arguments the
+    check refuses. Whitespace between calls is neither."""
 
-    def __init__(self, fmt: ToolCallFormat, max_calls: int | None = None) -> None:
+    def __init__(self, fmt: ToolCallFormat, max_calls: int | None = None, check: CallCheck | None = None) -> None:
         self.fmt = fmt
         self.max_calls = max_calls
+        self.check = check
         self._text = ""
         self._pos = 0  # everything before it has been said (or is held in a call)
         self._state = "start" if fmt.bare_json_start or not fmt.markers_anywhere else "content"
@@ -217,7 +230,7 @@ class ToolCallParser:
         if self._state in ("object", "calls") and not self._run_has_call:
             out.content += self._text[self._run_start:]
         elif self._state in ("content", "start"):
-            out.content += self._text[self._pos:]
+            out.content += self._between_calls(self._text[self._pos:])
         self._pos = len(self._text)
         return out
 
@@ -248,13 +261,19 @@ class ToolCallParser:
         found = [(i, m) for m in self.fmt.markers if (i := self._text.find(m, self._pos)) >= 0]
         if found:
             i, marker = min(found)
-            out.content += self._text[self._pos:i]
+            out.content += self._between_calls(self._text[self._pos:i])
             self._open_run(i, len(marker))
             return
         keep = max((_partial_suffix(self._text, m) for m in self.fmt.markers), default=0)
         end = len(self._text) - keep
+        if not self._between_calls(self._text[self._pos:end]):
+            return  # whitespace after a call: content only if more content follows
         out.content += self._text[self._pos:end]
         self._pos = end
+
+    def _between_calls(self, text: str) -> str:
+        """``text`` as content: none where it is only whitespace after a call (OpenAI's calls come without it)."""
+        return "" if self.num_calls and not text.strip() else text
 
     def _in_calls(self, out: ParsedDelta) -> None:
         text, i = self._text, self._pos
@@ -305,7 +324,7 @@ class ToolCallParser:
     def _say_call(self, scan: _ObjectScan, out: ParsedDelta) -> None:
         if not self._named:
             name = _string_member(self._text, scan, ("name",))
-            if name is None:
+            if name is None or (self.check is not None and not self.check.knows(name)):
                 return
             out.tool_calls.append(ToolCallDelta(self._num_calls, new_call_id(), name))
             self._named = True
@@ -321,7 +340,7 @@ class ToolCallParser:
 
     def _end_call(self, scan: _ObjectScan, out: ParsedDelta) -> None:
         assert scan.end is not None
-        valid = _is_call(self._text[scan.start:scan.end])
+        valid = self._is_call(self._text[scan.start:scan.end])
         if self._named:
             if self._args_sent == 0:
                 out.tool_calls.append(ToolCallDelta(self._num_calls, arguments="{}"))
@@ -333,11 +352,18 @@ class ToolCallParser:
         elif not valid and not self._run_has_call:
             out.content += self._text[self._run_start:scan.end]
             self._close_run()
+        elif not valid:  # among the run's calls, an object that is no call: the whole answer is the model's text
+            self.num_invalid += 1
         self._scan = None
         self._named = False
         self._args_sent = 0
         if self._state == "object":
             self._state = "calls"
+
+    def _is_call(self, text: str) -> bool:
+        """Whether ``text`` is a call as OpenAI's clients read one (``_call``), and one the check lets through."""
+        call = _call(text)
+        return call is not None and (self.check is None or (self.check.knows(call[0]) and self.check.accepts(*call)))
 
     def _marker_at(self, text: str) -> str | None:
         return next((m for m in self.fmt.markers if text.startswith(m)), None)
@@ -397,13 +423,14 @@ def _string_member(text: str, scan: _ObjectScan, keys: tuple[str, ...]) -> str |
     return value if isinstance(value, str) else None
 
 
-def _is_call(text: str) -> bool:
-    """Whether ``text`` is a call as OpenAI's clients read one: a name, and arguments (if any) an object."""
+def _call(text: str) -> tuple[str, dict[str, Any]] | None:
+    """``text`` as a call as OpenAI's clients read one, (name, arguments): a name, and arguments (if any) an
+    object; None if it is not one."""
     try:
         value = json.loads(text)
     except (json.JSONDecodeError, RecursionError):
-        return False
+        return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return False
+        return None
     arguments = next((value[key] for key in ARGUMENT_KEYS if key in value), {})
-    return isinstance(arguments, dict)
+    return (value["name"], arguments) if isinstance(arguments, dict) else None

@@ -12,7 +12,7 @@ template.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvserve.engine.chat_messages import takes_tools
 from kvserve.sampling_params import StructuredOutputsParams
@@ -23,6 +23,9 @@ from kvserve.server.tool_parsers import (
     ToolCallFormat,
     ToolCallParser,
 )
+
+if TYPE_CHECKING:
+    import jsonschema
 
 TOOL_CALL_PARSERS = ("auto", *FORMATS)
 # OpenAI: a function whose parameters are left out takes none
@@ -63,15 +66,49 @@ def tool_call_format(parser: str, chat_template: str | None) -> ToolCallFormat:
     return next((fmt for fmt in FORMATS.values() if any(m in chat_template for m in fmt.markers)), FORMATS["hermes"])
 
 
-def output_parser(tool_choice: str | dict[str, Any], parallel_tool_calls: bool,
-                  fmt: ToolCallFormat) -> ToolCallParser | NamedToolCallParser | None:
-    """A fresh parser for one sample's output, or None when the output is plain content."""
+class DeclaredTools:
+    """The functions a request declares, which the ``auto`` parser checks each call against (under
+    ``required`` and a named function the grammar writes only such calls): a call of another function is no
+    call, since OpenAI only ever calls declared ones; nor is a call of a ``strict`` function whose arguments
+    break its parameters' schema, since ``strict`` promises they follow it. Its schema errors are ValueErrors."""
+
+    def __init__(self, tools: Sequence[dict[str, Any]]) -> None:
+        self.names = frozenset(t["function"]["name"] for t in tools)
+        self._strict: dict[str, jsonschema.protocols.Validator] = {}
+        for tool in tools:
+            function = tool["function"]
+            if function.get("strict"):
+                self._strict[function["name"]] = _validator(function.get("parameters") or _NO_PARAMETERS)
+
+    def knows(self, name: str) -> bool:
+        return name in self.names
+
+    def accepts(self, name: str, arguments: dict[str, Any]) -> bool:
+        validator = self._strict.get(name)
+        return validator is None or validator.is_valid(arguments)
+
+
+def _validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
+    import jsonschema  # only where a function is strict
+
+    cls = jsonschema.validators.validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as error:
+        raise ValueError(f"a strict function's parameters are no valid JSON schema: {error.message}") from None
+    return cls(schema)
+
+
+def output_parser(tool_choice: str | dict[str, Any], parallel_tool_calls: bool, fmt: ToolCallFormat,
+                  declared: DeclaredTools | None = None) -> ToolCallParser | NamedToolCallParser | None:
+    """A fresh parser for one sample's output, or None when the output is plain content. ``declared``: the
+    request's tools, which ``auto``'s calls are checked against."""
     if isinstance(tool_choice, dict):
         return NamedToolCallParser(tool_choice["function"]["name"])
     max_calls = None if parallel_tool_calls else 1
     if tool_choice == "required":
         return ToolCallParser(REQUIRED_FORMAT, max_calls)
-    return ToolCallParser(fmt, max_calls) if tool_choice == "auto" else None
+    return ToolCallParser(fmt, max_calls, declared) if tool_choice == "auto" else None
 
 
 def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Any) -> bool:

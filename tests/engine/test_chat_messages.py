@@ -19,6 +19,13 @@ def test_a_message_is_normalised_as_templates_take_it() -> None:
     assert template_message({"role": "assistant", "content": None})["content"] == ""
 
 
+def test_the_developer_role_is_the_system_prompt_for_a_template_that_knows_no_developer() -> None:
+    """OpenAI's newer name for the system prompt; a template that names the role gets it as sent."""
+    developer = {"role": "developer", "content": "Answer in French."}
+    assert template_message(developer, developer_is_system=True) == {"role": "system", "content": "Answer in French."}
+    assert template_message(developer)["role"] == "developer"
+
+
 @pytest.mark.parametrize("message, fragment", [
     ({"content": "hi"}, r"messages\[3\] must be a dict with a 'role'"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, r"messages\[3\].content must be text"),

@@ -96,3 +96,13 @@ def test_add_special_tokens_adds_the_tokenizers_own_to_the_rendered_text(tokeniz
     plain = processor.apply_chat_template(messages)["prompt_token_ids"]
     assert processor.apply_chat_template(messages, add_special_tokens=True)["prompt_token_ids"] == [bos, *plain]
     assert bos not in plain
+
+
+@pytest.mark.parametrize("template, expected", [
+    (STRING_TEMPLATE, "<system>Answer in French.<user>hi"),
+    (STRING_TEMPLATE.replace("{% for", "{# developer #}{% for"), "<developer>Answer in French.<user>hi"),
+])
+def test_a_developer_message_is_the_system_prompt_unless_the_template_names_the_role(
+        tokenizer, template: str, expected: str) -> None:
+    messages = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "hi"}]
+    assert render(processor_with(tokenizer, template), messages) == expected

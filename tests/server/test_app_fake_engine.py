@@ -96,6 +96,17 @@ def test_echo_and_chat_shapes(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].delta.content for c in chunks) == whole.choices[0].message.content
 
 
+def test_a_chat_answer_has_every_field_openais_has(srv: InProcessServer) -> None:
+    """Raw JSON, as a client without the SDK (which fills missing fields with None) reads it."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    whole = httpx.post(f"{srv.url}/v1/chat/completions", json=body).json()
+    assert whole["choices"][0]["message"]["refusal"] is None
+    assert whole["system_fingerprint"] is None and whole["service_tier"] == "default"
+    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json={**body, "stream": True}) as answer:
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    assert all(e["service_tier"] == "default" and "system_fingerprint" in e for e in events)
+
+
 @pytest.mark.parametrize("body, status", [
     (b"{", 400), (b'{"prompt": 5}', 400), (b'{"prompt": "a", "max_tokens": 0}', 400),
     (b'{"prompt": "a", "top_p": 2}', 400), (b'{"prompt": "a\xff"}', 400), (b'{"prompt": "a", "model": "x"}', 404),

@@ -46,10 +46,10 @@ def test_booleans_are_strict() -> None:
     ({"temperature": -1.0}, "temperature", "temperature must be a finite number >= 0"),
     ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias", "logit_bias: key"),
     ({"logit_bias": {"\uff11": 1.0}}, "logit_bias", "logit_bias: key"),
-    ({"structured_outputs": {"regex": 5}}, "structured_outputs.regex", "structured_outputs.regex must be a string"),
-    ({"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice", "structured_outputs.choice must be"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "structured_outputs.choice must be"),
     ({"structured_outputs": {}}, "structured_outputs", "structured_outputs takes exactly one"),
     ({"guided_choice": ["a", ""]}, "guided_choice", "guided_choice must be a non-empty list"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "give one constraint, not several"),
 ])
 def test_a_value_out_of_range_names_the_field_the_request_sent(fields: dict, param: str, starts: str) -> None:
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
@@ -130,3 +130,33 @@ def test_tokenize_takes_add_generation_prompt_with_messages_only() -> None:
         TokenizeRequest.model_validate({"prompt": "hi", "add_generation_prompt": False})
     chat = TokenizeRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
     assert chat.add_special_tokens is None and chat.add_generation_prompt is None  # the server's defaults
+
+
+@pytest.mark.parametrize("cls, body, param, fragment", [
+    (ChatCompletionRequest, {"messages": MESSAGES, "structured_outputs": {"regex": 5}}, "structured_outputs.regex",
+     "valid string"),
+    (ChatCompletionRequest, {"messages": MESSAGES, "structured_outputs": {"json": {}, "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace", "kvserve does not know or implement this field"),
+    (ChatCompletionRequest, {"messages": MESSAGES, "response_format": {"type": "json_object", "json_schema": {
+        "schema": {"type": "object"}}}}, "response_format.json_schema", "only used with type json_schema"),
+    (ChatCompletionRequest, {"messages": MESSAGES, "response_format": {"type": "json_schema"}},
+     "response_format.json_schema", "needs json_schema.schema"),
+    (ChatCompletionRequest, {"messages": MESSAGES, "stream": True, "stream_options": {"include_obfuscation": True}},
+     "stream_options.include_obfuscation", "does not pad stream deltas"),
+    (ChatCompletionRequest, {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    (ChatCompletionRequest, {"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice", "needs tools"),
+    (TokenizeRequest, {"prompt": "hi", "messages": MESSAGES}, "prompt", "exactly one of prompt or messages"),
+])
+def test_a_refused_body_names_the_field(cls: type, body: dict, param: str, fragment: str) -> None:
+    """Nested fields by their whole path, as OpenAI's ``param`` names them."""
+    with pytest.raises(ValidationError) as raised:
+        cls.model_validate(body)
+    message, named = _validation_message(RequestValidationError(raised.value.errors()))
+    assert named == param and fragment in message, (message, named)
+
+
+def test_stream_options_take_include_obfuscation_false() -> None:
+    """What kvserve always does (OpenAI pads stream deltas unless told not to)."""
+    body = {"messages": MESSAGES, "stream": True, "stream_options": {"include_obfuscation": False,
+                                                                    "include_usage": True}}
+    assert ChatCompletionRequest.model_validate(body).include_usage

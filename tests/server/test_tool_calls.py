@@ -4,6 +4,7 @@ whole, a full round trip through the chat template, and 400s naming what is wron
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterator, Literal
 
 import jsonschema
@@ -87,18 +88,20 @@ def test_required_returns_valid_calls_of_the_given_tools(tool_client: openai.Ope
 
 
 def test_a_named_function_is_called_with_valid_arguments(tool_client: openai.OpenAI) -> None:
+    """A call of the function tool_choice names finishes "stop", as OpenAI and vLLM answer."""
     reply = create(tool_client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
     calls = assert_valid_calls(reply.choices[0].message.tool_calls, {"get_time"})
-    assert len(calls) == 1 and reply.choices[0].finish_reason == "tool_calls"
+    assert len(calls) == 1 and reply.choices[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_streamed_calls_equal_the_whole_ones(tool_client: openai.OpenAI, tool_choice) -> None:
+@pytest.mark.parametrize("tool_choice, finish_reason", [
+    ("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}}, "stop")])
+def test_streamed_calls_equal_the_whole_ones(tool_client: openai.OpenAI, tool_choice, finish_reason: str) -> None:
     whole = create(tool_client, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False).choices[0]
     content, calls, finish = streamed_calls(tool_client, tools=TOOLS, tool_choice=tool_choice,
                                             parallel_tool_calls=False)
     assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert finish == whole.finish_reason == "tool_calls" and content == ""
+    assert finish == whole.finish_reason == finish_reason and content == ""
 
 
 def test_auto_reads_the_models_own_calls_streamed_and_whole(tool_client: openai.OpenAI) -> None:
@@ -123,6 +126,40 @@ def test_a_call_that_is_no_json_object_is_not_a_call(tool_client: openai.OpenAI)
     assert streamed_calls(tool_client, tools=TOOLS, extra_body=extra)[2] == "stop"
 
 
+def test_auto_returns_no_call_of_an_undeclared_function(tool_client: openai.OpenAI) -> None:
+    """OpenAI only ever calls the functions a request declares: a call of another is the model's text."""
+    text = '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
+    extra = {"guided_regex": re.escape(text)}
+    whole = create(tool_client, tools=TOOLS, extra_body=extra).choices[0]
+    assert whole.message.tool_calls is None and whole.message.content == text and whole.finish_reason == "stop"
+    assert streamed_calls(tool_client, tools=TOOLS, extra_body=extra) == (text, [], "stop")
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_auto_holds_a_strict_functions_call_to_its_schema(tool_client: openai.OpenAI, strict: bool) -> None:
+    """Under auto no grammar writes the calls: one whose arguments break a strict function's schema is the
+    model's text (a stream, which has sent its pieces, finishes stop); without strict it is a call."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"town": 5}}\n</tool_call>'
+    extra = {"guided_regex": re.escape(text)}
+    tools = [{"type": "function", "function": {**WEATHER["function"], "strict": strict}}]
+    whole = create(tool_client, tools=tools, extra_body=extra).choices[0]
+    if strict:
+        assert whole.message.tool_calls is None and whole.message.content == text and whole.finish_reason == "stop"
+    else:
+        assert [c.function.arguments for c in whole.message.tool_calls] == ['{"town": 5}']
+    assert streamed_calls(tool_client, tools=tools, extra_body=extra)[2] == whole.finish_reason
+
+
+def test_whitespace_between_calls_is_no_content(tool_client: openai.OpenAI) -> None:
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    extra = {"guided_regex": re.escape(f"{call}\n{call}\n")}
+    whole = create(tool_client, tools=TOOLS, extra_body=extra, max_tokens=400).choices[0]
+    assert whole.message.content is None and len(whole.message.tool_calls) == 2
+    assert whole.finish_reason == "tool_calls"
+    content, calls, finish = streamed_calls(tool_client, tools=TOOLS, extra_body=extra, max_tokens=400)
+    assert (content, len(calls), finish) == ("", 2, "tool_calls")
+
+
 def test_the_sdks_stream_helper_reassembles_the_calls(tool_client: openai.OpenAI) -> None:
     choice = {"type": "function", "function": {"name": "get_weather"}}
     whole = create(tool_client, tools=TOOLS, tool_choice=choice).choices[0].message.tool_calls
@@ -131,7 +168,7 @@ def test_the_sdks_stream_helper_reassembles_the_calls(tool_client: openai.OpenAI
         final = stream.get_final_completion().choices[0]
     assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in whole]
-    assert final.finish_reason == "tool_calls"
+    assert final.finish_reason == "stop"
 
 
 def test_auto_without_a_call_is_plain_content(tool_client: openai.OpenAI) -> None:
@@ -151,27 +188,29 @@ def test_a_tool_round_trip_renders_the_call_and_its_result(tool_client: openai.O
     assert answer.usage.prompt_tokens > without.usage.prompt_tokens  # the call and its result were rendered
 
 
-@pytest.mark.parametrize("body, fragment", [
-    ({"tool_choice": "required"}, "tool_choice needs tools"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
-    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "one constraint"),
-    ({"functions": [{"name": "f"}]}, "functions is not supported"),
+@pytest.mark.parametrize("body, fragment, param", [
+    ({"tool_choice": "required"}, "tool_choice needs tools", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'", "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name", "tools.0.function.name"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "one constraint", "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions is not supported", "functions"),
     *(({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "foo"}}}}}], "tool_choice": choice}, "does not compile")
-      for choice in ("auto", "none", "required")),
+        "type": "object", "properties": {"a": {"type": "foo"}}}}}], "tool_choice": choice}, "does not compile", "tools")
+      for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "f"}})),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
-     "must be a JSON schema of type object"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+     "must be a JSON schema of type object", "tools.0.function.parameters"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id", "messages.0"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "not JSON"),
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, "not JSON",
+     "messages"),
 ])
-def test_a_bad_tool_request_is_a_400_naming_it(tool_client: openai.OpenAI, body: dict, fragment: str) -> None:
+def test_a_bad_tool_request_is_a_400_naming_it(tool_client: openai.OpenAI, body: dict, fragment: str,
+                                               param: str) -> None:
     body = dict(body)
     messages = body.pop("messages", MESSAGES)
     with pytest.raises(openai.BadRequestError) as error:
         tool_client.chat.completions.create(model=MODEL_NAME, max_tokens=4, messages=messages, extra_body=body)
-    assert fragment in str(error.value)
+    assert fragment in str(error.value) and error.value.body["param"] == param
 
 
 def test_tools_on_completions_are_a_400(tool_client: openai.OpenAI) -> None:

@@ -132,3 +132,43 @@ def test_a_call_that_is_no_json_object_counts_as_invalid(call: str) -> None:
     parser = ToolCallParser(FORMATS["hermes"])
     parse_tool_calls(parser, f"<tool_call>\n{call}\n</tool_call>")
     assert parser.num_invalid == 1
+
+
+class _OnlyF:
+    """A request that declares f alone, whose arguments must hold "a"."""
+
+    def knows(self, name: str) -> bool:
+        return name == "f"
+
+    def accepts(self, name: str, arguments: dict) -> bool:
+        return "a" in arguments
+
+
+def test_a_call_the_check_refuses_is_no_call() -> None:
+    """An undeclared function's call is content whole and streamed (its name is never said); a declared one
+    whose arguments the check refuses was said, and counts as invalid."""
+    undeclared = hermes([("g", {"a": 1})])
+    for cuts in ([], list(range(len(undeclared)))):
+        parser = ToolCallParser(FORMATS["hermes"], check=_OnlyF())
+        deltas = ParsedDelta()
+        start = 0
+        for cut in cuts + [len(undeclared)]:
+            deltas.extend(parser.feed(undeclared[start:cut]))
+            start = cut
+        deltas.extend(parser.finish())
+        assert fold(deltas) == (undeclared, []) and parser.num_invalid == 0
+    parser = ToolCallParser(FORMATS["hermes"], check=_OnlyF())
+    assert calls_of(parse_tool_calls(parser, hermes([("f", {"b": 1})]))) == [("f", {"b": 1})]
+    assert parser.num_invalid == 1
+    mistral = "[TOOL_CALLS]" + json.dumps([{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}])
+    parser = ToolCallParser(FORMATS["mistral"], check=_OnlyF())
+    assert calls_of(parse_tool_calls(parser, mistral)) == [("f", {"a": 1})] and parser.num_invalid == 1
+
+
+@pytest.mark.parametrize("between", ["\n", " \n\n ", ""])
+def test_whitespace_between_and_after_calls_is_no_content(between: str) -> None:
+    """OpenAI answers calls without content; text before the first call and after the last is content."""
+    text = hermes([("f", {"a": 1}), ("f", {"a": 2})], before="Checking.\n", between=between) + "\n"
+    content, calls = streamed(FORMATS["hermes"], text, list(range(len(text))))
+    assert (content, len(calls)) == ("Checking.\n", 2)
+    assert parse_tool_calls(ToolCallParser(FORMATS["hermes"]), text + " done")[0] == "Checking.\n\n done"
