@@ -27,7 +27,7 @@ TERMS = ("per_step", "per_decode_row", "per_context_token", "per_prefill_token")
 
 @dataclass
 class StepTrace:
-    """An ``EngineCore.step_observer``: one row per step read back, [time, decode rows, their context tokens,
+    """What ``LLMEngine.observe_steps`` calls: one row per step read back, [time, decode rows, their context tokens,
     prefill tokens], in segments (one per ``LLM.generate`` call: the time between two calls is no step's)."""
 
     segments: list[list[tuple[float, int, int, int]]] = field(default_factory=list)

@@ -258,7 +258,7 @@ def run_systems(bench: Bench, systems: list[tuple[str, str | None]], args: argpa
     if ("kvserve", None) in systems:
         llm = load_kvserve(args)
         trace = StepTrace() if args.step_trace else None
-        llm.engine.core.step_observer = trace
+        llm.engine.observe_steps(trace)
         generate = kvserve_generator(llm, trace)
         bench.warm_up(generate)
         before = llm.stats()  # after the warm-up, so that the run's counters leave it out

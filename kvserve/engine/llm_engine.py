@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -28,7 +28,7 @@ from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.output import EngineOutput
+from kvserve.sched.output import EngineOutput, SchedulerOutput
 from kvserve.sched.scheduler import Scheduler
 from kvserve.worker.draft_model import DraftModel
 from kvserve.spec.policy import SpeculationPolicy
@@ -226,6 +226,11 @@ class LLMEngine:
         return TieredStore(block_format, host_gib * 2**30, host_is_tier=cache.kv_offload_memory is not None,
                            disk_dir=cache.kv_offload_dir, disk_bytes=cache.disk_tier_bytes,
                            pin_memory=self.device.type == "cuda")
+
+    def observe_steps(self, observer: Callable[[SchedulerOutput], None] | None) -> None:
+        """Have ``observer`` called with each step as its tokens come back, before the engine takes them (the
+        bench's ``StepTrace``); None stops it."""
+        self.core.step_observer = observer
 
     def flush_kv_offload(self, timeout: float | None = None) -> None:
         """Hand every computed block still due to the tiers over, and wait up to ``timeout`` seconds for the
