@@ -349,8 +349,28 @@ def form_group(spec: WorkerSpec, size: int, host: str, launch: Launch,
         raise
     group = WorkerGroup(workers, conns, num_threads_before, release)
     with group.stepping():
+        _wait_for_arrivals(store, group, size)
         group.tp = join_group(0, size, store, spec.device_type, host)
     return group
+
+
+def _arrival_key(rank: int) -> str:
+    return f"kvserve-tp-arrived/{rank}"
+
+
+def _wait_for_arrivals(store: dist.Store, group: WorkerGroup, size: int) -> None:
+    """Wait until every worker has come as far as joining the group (each sets its arrival key first), watching
+    them meanwhile: the group's rendezvous would wait the whole collective timeout for a worker that died on the
+    way (an import that failed, the OOM killer), where this names it at once."""
+    keys = [_arrival_key(rank) for rank in range(1, size)]
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        group.check_alive()
+        if time.monotonic() > deadline:
+            missing = [rank for rank in range(1, size) if not store.check([_arrival_key(rank)])]
+            raise TensorParallelError(f"worker rank {missing[0]} did not reach the process group within "
+                                      f"{COLLECTIVE_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(_POLL_SECONDS)
 
 
 def join_group(rank: int, size: int, store: dist.Store, device_type: str, host: str) -> TensorParallel:
@@ -379,6 +399,7 @@ def worker_main(rank: int, size: int, store_address: tuple[str, int], spec: Work
             torch.cuda.set_device(device)
         host, port = store_address
         store = dist.TCPStore(host, port, size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        store.set(_arrival_key(rank), b"")
         link = DriverLink(conn, join_group(rank, size, store, spec.device_type, place.host))
         checkpoint = load_checkpoint(spec.location, spec.dtype, spec.load_format)
         runner = ModelRunner(checkpoint, spec.dtype, device, spec.options, peers=link)

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import types
 from typing import Callable
 
 import pytest
@@ -239,3 +240,23 @@ def test_a_collective_that_times_out_while_every_worker_runs_says_one_is_stalled
                                                   "stalled"):
         with group.stepping():
             raise RuntimeError("[gloo] Timed out waiting 120000ms for recv operation to complete")
+
+
+def test_a_worker_that_dies_before_it_joins_is_named_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Named before rank 0 joins the group, whose rendezvous would wait its whole 120 s timeout for it."""
+    from torch import distributed as dist
+
+    joined = []
+    monkeypatch.setattr(parallel, "join_group", lambda *args: joined.append(args))
+
+    def launch(address: tuple[str, int]) -> tuple[list, list]:
+        workers = [_FakeWorker(101), _FakeWorker(102)]
+        arrived = dist.TCPStore(*address, 3, is_master=False)
+        arrived.set("kvserve-tp-arrived/1", b"")  # rank 1 comes as far as joining; rank 2 dies on its way
+        workers[1].exitcode = 1
+        return workers, [multiprocessing.Pipe()[0] for _ in workers]
+
+    spec = types.SimpleNamespace(device_type="cpu", num_threads=torch.get_num_threads())
+    with pytest.raises(TensorParallelError, match=r"worker rank 2 \(pid 102\) died \(exit code 1\)"):
+        parallel.form_group(spec, 3, "127.0.0.1", launch)
+    assert not joined
