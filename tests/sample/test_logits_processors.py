@@ -175,25 +175,41 @@ def test_top_p_applies_to_the_top_k_renormalised_distribution():
     assert torch.isfinite(logits).tolist() == [[False, True, False, False]]
 
 
-@pytest.mark.parametrize("candidates", [1, 4, 16])
-def test_truncation_among_cpu_candidates_equals_the_whole_sort(monkeypatch: pytest.MonkeyPatch, candidates: int):
-    """Rows with a top-k, a top-p, both or neither, peaked and flat (whose top-p set is not among the candidates:
-    the whole sort then serves those rows), against the whole sort (more candidates than tokens)."""
-    rng = torch.Generator().manual_seed(candidates)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_cpus_cut_off_values_keep_what_the_whole_sort_keeps(seed: int) -> None:
+    """Rows with a top-k, a top-p, both or neither, peaked and flat, no ties: the same kept sets, values
+    unchanged."""
+    rng = torch.Generator().manual_seed(seed)
     for case in range(40):
         num_rows, vocab_size = 6, 64
         logits = torch.randn(num_rows, vocab_size, generator=rng) * (8.0 if case % 2 else 0.3)
         top_k = torch.tensor([0, 3, 0, 20, 1, 0])[torch.randperm(num_rows, generator=rng)]
         top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 0.3, 0.95])[torch.randperm(num_rows, generator=rng)]
         for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
-            monkeypatch.setattr(truncation, "CPU_CANDIDATES", vocab_size)
             expected = logits.clone()
-            apply_top_k_top_p(expected, k, p)
-            monkeypatch.setattr(truncation, "CPU_CANDIDATES", candidates)
+            truncation._truncate_by_sort(expected, k, p)
             actual = logits.clone()
-            apply_top_k_top_p(actual, k, p)
+            truncation._truncate_by_threshold(actual, k, p)
             assert torch.equal(torch.isfinite(actual), torch.isfinite(expected))
             assert torch.equal(actual[torch.isfinite(actual)], logits[torch.isfinite(actual)])
+
+
+@pytest.mark.parametrize("cut", [truncation._truncate_by_sort, truncation._truncate_by_threshold])
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p_exactly(cut) -> None:
+    """At the boundary: a mass of exactly top_p before a token drops it (vLLM's smallest set reaching p)."""
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.25, 0.5, 0.125, 0.125]]).log()
+    cut(logits, None, torch.tensor([0.5, 0.75]))
+    assert torch.isfinite(logits).tolist() == [[True, False, False, False], [True, True, False, False]]
+
+
+def test_the_cpus_top_p_keeps_every_token_tied_with_the_last_it_keeps() -> None:
+    """Where the whole sort keeps the tied tokens it happened to put first, the cut-off value keeps them all."""
+    logits = torch.tensor([[0.4, 0.2, 0.2, 0.2]]).log()
+    truncation._truncate_by_threshold(logits, None, torch.tensor([0.5]))
+    assert torch.isfinite(logits).tolist() == [[True, True, True, True]]
+    logits = torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1]]).log()
+    truncation._truncate_by_threshold(logits, torch.tensor([4]), torch.tensor([0.5]))
+    assert torch.isfinite(logits).tolist() == [[True, True, True, False, False]]
 
 
 def test_min_p_masks_below_a_fraction_of_the_top_probability():

@@ -111,7 +111,7 @@ def test_min_p_comes_before_top_p_as_in_vllm() -> None:
 @pytest.mark.parametrize("vocab_size, num_tied", [(64, 3), (4096, 3), (4096, 2000)])
 def test_top_k_keeps_every_token_tied_with_the_kth(vocab_size: int, num_tied: int) -> None:
     """As vLLM's: a tie at the k-th place is the model's, so all of it stays (the sort kept the tied tokens of
-    lowest index only). 4,096 tokens take the CPU's candidate path, 2,000 tied ones run past its candidates."""
+    lowest index only); 2,000 tied tokens as well as 3."""
     logits = torch.full((vocab_size,), -3.0)
     logits[10] = 2.0
     tied = torch.arange(20, 20 + num_tied)
