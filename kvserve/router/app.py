@@ -2,11 +2,14 @@
 
 A request's body is parsed once for its prompt text, which is keyed (``prefix_index``); the policy picks a
 healthy replica, and the body is forwarded as the bytes it came as (``upstream``, over kept-alive
-connections). The answer streams back through as the replica writes it (no buffering), and a client that
-disconnects closes the upstream connection, which the replica treats as an abort. A replica that refuses the
-connection has not started the request: it is marked down and the request goes to another one. When none is
-up the answer is a 503 with ``Retry-After``. A background task checks each replica's /health and reads its
-queue from /metrics every ``health_interval`` seconds; a replica that comes back is used again.
+connections; a body that is no JSON object is forwarded too, for the replica to refuse in its words). The
+answer streams back through as the replica writes it (no buffering), with the replica's headers but the
+hop-by-hop ones. A client that disconnects, from the moment its request is forwarded (a non-streamed answer's
+head comes only once its generation is done), closes the upstream connection, which the replica treats as an
+abort. A replica that refuses the connection has not started the request: it is marked down and the request
+goes to another one. When none is up the answer is a 503 with ``Retry-After``. A background task checks each
+replica's /health and reads its /metrics (its queue, for the policy; its page, shown on the router's /metrics
+with a ``replica`` label) every ``health_interval`` seconds; a replica that comes back is used again.
 
 A body over ``max_body_bytes`` (the replicas' 4 MiB by default) is refused with the replicas' 413 before the
 router holds more of it than that. A replica that sends nothing for the upstream's ``response_timeout`` (600 s
@@ -22,17 +25,19 @@ import functools
 import json
 import logging
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
-from urllib.parse import urlsplit
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Iterator, TypeVar
+from urllib.parse import quote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
-from starlette.responses import JSONResponse, Response
+from starlette.datastructures import URL
+from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from kvserve.router.policy import Decision, Replica, RoutingPolicy
-from kvserve.router.prefix_index import prefix_keys
+from kvserve.router.prefix_index import MAX_KEYED_CHARS, prefix_keys
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
-from kvserve.server.errors import RETRY_LATER, error_response, shortened, sse_failure, unauthorized
+from kvserve.server.errors import RETRY_LATER, error_response, sse_failure, unauthorized
 from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
@@ -45,10 +50,19 @@ HEALTH_TIMEOUT_S = 2.0
 GET_TIMEOUT_S = 30.0
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
-PROTECTED_PATHS = PROXIED_PATHS | {"/v1/models"}  # with --api-key, as the replicas' (/health, /metrics stay open)
-FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answers
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # with --api-key, as the replicas' (/health, /metrics open)
+# The client's headers a replica gets: its key and formats, and what names the request in logs and traces (the
+# rest are the client's business, or hop-by-hop)
+FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "traceparent", "tracestate")
 _FORWARDED = frozenset(name.encode() for name in FORWARDED_HEADERS)  # ASGI header names: lower-case bytes
+# A replica's headers the client does not get: hop-by-hop ones (RFC 9110 section 7.6.1, and any that `connection`
+# names), and those the router's own server writes (content-length: the router frames the body anew)
+UNRELAYED_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+                               "upgrade", "proxy-authenticate", "proxy-authorization", "content-length", "date",
+                               "server"})
 QUEUE_METRICS = ("kvserve:num_requests_running", "kvserve:num_requests_waiting")
+T = TypeVar("T")
 
 
 class RouterMetrics:
@@ -64,32 +78,87 @@ class RouterMetrics:
                                registry=self.registry)
         self.healthy = Gauge("kvserve_router:replica_healthy", "1 while the replica answers /health.", ["replica"],
                              registry=self.registry)
+        self.replica_pages = ReplicaPages()
+        self.registry.register(self.replica_pages)
+
+
+class ReplicaPages:
+    """The replicas' own metrics (``kvserve:*``, from the page each health check reads), each sample labelled
+    with its ``replica``: the router's port shows what one server's would (vLLM's data-parallel server shows
+    each engine's alike), so dashboards survive scaling from one replica to N. A replica down has none."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, list[Metric]] = {}  # by replica URL: its families, as last read
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}  # one family (one HELP and TYPE) over every replica
+        for url, families in self.pages.items():
+            for family in families:
+                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                into.samples += [sample._replace(labels={**sample.labels, "replica": url}) for sample in family.samples]
+        return iter(merged.values())
 
 
 def prompt_text(payload: dict[str, Any]) -> str:
-    """The text a request's KV prefix comes from: the completion prompt, or the chat messages in order."""
-    if "messages" in payload and isinstance(payload["messages"], list):
-        return "\n".join(f"{m.get('role')}:{_content_text(m.get('content'))}" for m in payload["messages"]
-                         if isinstance(m, dict))
+    """The text a request's KV prefix comes from, its first ``MAX_KEYED_CHARS`` characters (all that is keyed):
+    the completion prompt, or the chat messages in order. Fields of the wrong type count as no text: the replica
+    refuses them with its own 400."""
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        return _leading_lines(f"{_text(m.get('role'))}:{_content_text(m.get('content'))}" for m in messages
+                              if isinstance(m, dict))
     prompt = payload.get("prompt", "")
-    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+    if isinstance(prompt, list):  # token ids or several prompts; each item is at least a character of the JSON
+        try:
+            prompt = json.dumps(prompt[:MAX_KEYED_CHARS])
+        except RecursionError:  # nested too deep to print again (the replica refuses it): keyed as no prefix
+            return ""
+    return _text(prompt)[:MAX_KEYED_CHARS]
 
 
-def request_payload(body: bytes) -> dict[str, Any] | Response:
-    """The JSON object a generation request carries, or the 400 that says why the body is none."""
+def request_payload(body: bytes) -> dict[str, Any]:
+    """The JSON object a request carries, or {} (no prompt) if its body is none: it is forwarded all the same,
+    so that the replica's 400 is the one the client gets."""
     try:
         payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        return error_response(400, f"the request body is not valid JSON: {error}")
-    if not isinstance(payload, dict):
-        return error_response(400, "the request body must be a JSON object")
-    return payload
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's recursion limit
+        return {}
+    return payload if isinstance(payload, dict) else {}
+
+
+def forwarded_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The client's request headers that go on to the replica (``FORWARDED_HEADERS``)."""
+    return [(name, value) for name, value in headers if name in _FORWARDED]
+
+
+def relayed_headers(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    """A replica's response headers (lower-case names) as the client gets them: all but ``UNRELAYED_HEADERS`` and
+    those the replica's ``connection`` header names (hop-by-hop too)."""
+    named = {token.strip() for name, value in headers if name == "connection" for token in value.lower().split(",")}
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in headers
+            if name not in UNRELAYED_HEADERS and name not in named]
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def _content_text(content: Any) -> str:
     if isinstance(content, list):  # content parts
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return content if isinstance(content, str) else ""
+        return "".join(_text(part.get("text")) for part in content if isinstance(part, dict))
+    return _text(content)
+
+
+def _leading_lines(lines: Iterable[str]) -> str:
+    """``lines`` joined by newlines, cut to the first ``MAX_KEYED_CHARS`` characters, without joining the lines
+    after those."""
+    taken, size = [], 0
+    for line in lines:
+        taken.append(line)
+        size += len(line) + 1
+        if size > MAX_KEYED_CHARS:
+            break
+    return "\n".join(taken)[:MAX_KEYED_CHARS]
 
 
 class Router:
@@ -118,30 +187,36 @@ class Router:
         for i, replica in enumerate(self.replicas):
             if replica.url == old_url.rstrip("/"):
                 self.replicas[i] = Replica(new_url.rstrip("/"), healthy=False)  # until its health check
+                self.metrics.replica_pages.pages.pop(replica.url, None)
                 return
         raise ValueError(f"no replica at {old_url}")
 
     async def proxy(self, scope: Scope, receive: Receive, send: Send) -> None:
         """One generation request, from ASGI messages to ASGI messages: the body parsed once (for the prompt)
-        and forwarded as it came, the answer relayed as the replica writes it."""
+        and forwarded as it came, the answer relayed as the replica writes it. The client is watched from the
+        moment its body is in: one that leaves before the head of the answer (all of a non-streamed
+        generation's time) or during its body closes the upstream connection, the replica's abort."""
         body = await _read_body(scope, receive, self.max_body_bytes)
         if body is None:  # the client left before its request was in
             return
         if isinstance(body, Response):
             return await body(scope, receive, send)
-        payload = request_payload(body)
-        if isinstance(payload, Response):
-            return await payload(scope, receive, send)
-        headers = [(name, value) for name, value in scope["headers"] if name in _FORWARDED]
-        answer = await self.forward(scope["path"], body, payload, headers)
-        if isinstance(answer, Response):
-            return await answer(scope, receive, send)
-        replica, upstream = answer
+        left = asyncio.ensure_future(receive())  # http.disconnect: the client left, or its answer is over
         try:
-            await self._relay(scope, receive, send, replica, upstream)
+            forwarding = self.forward(scope["path"], body, request_payload(body), forwarded_headers(scope["headers"]))
+            answer = await _unless_done(left, forwarding)
+            if answer is None:  # the client left: the request was cancelled, its connection closed
+                return
+            if isinstance(answer, Response):
+                return await answer(scope, receive, send)
+            replica, upstream = answer
+            try:
+                await self._relay(scope, receive, send, replica, upstream, left)
+            finally:
+                replica.in_flight -= 1
+                upstream.close()  # nothing if it was read to its end (the connection is back in the pool)
         finally:
-            replica.in_flight -= 1
-            upstream.close()  # nothing if it was read to its end (the connection is back in the pool)
+            left.cancel()
 
     async def forward(self, path: str, body: bytes, payload: dict[str, Any],
                       headers: list[tuple[bytes, bytes]]) -> tuple[Replica, UpstreamResponse] | Response:
@@ -158,11 +233,13 @@ class Router:
             replica = decision.replica
             # Counted before the send, which waits for the replica's headers: requests arriving meanwhile must
             # see this one's load and prefix, or a burst all goes where the first one went.
-            replica.index.insert(keys)
+            insertion = replica.index.insert(keys)
             replica.in_flight += 1
             handed_over = False  # to the caller, which uncounts it once the answer is relayed
             try:
                 upstream = await self._send(replica, path, body, headers)
+                if _turned_down(upstream):  # the replica cached none of it: its keys would only crowd others out
+                    replica.index.forget(insertion)
                 if isinstance(upstream, UpstreamResponse) and not (
                         upstream.status == HTTPStatus.SERVICE_UNAVAILABLE and len(candidates) > 1):
                     self._count(decision)
@@ -204,16 +281,14 @@ class Router:
         self.metrics.decisions.labels(decision.reason).inc()
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send, replica: Replica,
-                     upstream: UpstreamResponse) -> None:
+                     upstream: UpstreamResponse, left: asyncio.Future) -> None:
         """The replica's answer: a stream chunk by chunk as it arrives, anything else whole (so that a replica
-        lost mid-answer is a 502, not a cut 200). A client that leaves closes the upstream connection, which
-        the replica takes as an abort."""
-        left = asyncio.ensure_future(receive())  # http.disconnect: the client left, or the answer is over
+        lost mid-answer is a 502, not a cut 200). A client that leaves (``left``) closes the upstream
+        connection, which the replica takes as an abort."""
         left.add_done_callback(lambda _: upstream.close())
-        content_type = upstream.headers.get("content-type", "application/json")
         start = {"type": "http.response.start", "status": upstream.status,
-                 "headers": [(b"content-type", content_type.encode("latin-1"))]}
-        if not content_type.startswith("text/event-stream"):
+                 "headers": relayed_headers(upstream.header_list)}
+        if not upstream.headers.get("content-type", "").startswith("text/event-stream"):
             try:
                 content = await upstream.read()
             except UpstreamLost as error:  # the replica died (or went silent) with the request in flight
@@ -238,9 +313,11 @@ class Router:
         for replica in self.replicas:
             if replica.healthy:
                 with contextlib.suppress(ConnectFailed, UpstreamLost):
-                    status, content_type, content = await self.upstream.get(replica.url + path, GET_TIMEOUT_S,
-                                                                            headers)
-                    return Response(content, status, media_type=content_type or None)
+                    status, response_headers, content = await self.upstream.get(replica.url + path, GET_TIMEOUT_S,
+                                                                                headers)
+                    response = Response(content, status)
+                    response.raw_headers += relayed_headers(response_headers)
+                    return response
         return error_response(503, "no kvserve replica is available", headers=RETRY_LATER)
 
     # ---- health ------------------------------------------------------------------------------------------
@@ -250,13 +327,17 @@ class Router:
         self.upstream.prune()
 
     async def _check(self, replica: Replica) -> None:
+        pages = self.metrics.replica_pages.pages
         try:
             healthy = (await self.upstream.get(replica.url + "/health", HEALTH_TIMEOUT_S))[0] == 200
             if healthy:
-                metrics = (await self.upstream.get(replica.url + "/metrics", GET_TIMEOUT_S))[2]
-                replica.reported_load = _queue_length(metrics.decode())
+                page = (await self.upstream.get(replica.url + "/metrics", GET_TIMEOUT_S))[2]
+                pages[replica.url] = list(text_string_to_metric_families(page.decode()))
+                replica.reported_load = _queue_length(pages[replica.url])
         except (ConnectFailed, UpstreamLost):
             healthy = False
+        if not healthy:
+            pages.pop(replica.url, None)
         if healthy != replica.healthy:
             logger.warning("replica %s is %s", replica.url, "back up" if healthy else "down")
         self._set_health(replica, healthy)
@@ -269,6 +350,26 @@ class Router:
         while True:
             await self.check_health()
             await asyncio.sleep(self.health_interval)
+
+
+async def _unless_done(done: asyncio.Future, work: Awaitable[T]) -> T | None:
+    """What ``work`` comes to, or None if ``done`` is done first: ``work`` is then cancelled (a request being
+    sent, or waiting for the head of its answer, closes its connection)."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait((task, done), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+def _turned_down(upstream: UpstreamResponse | Response | None) -> bool:
+    """Whether a replica turned the request down before running it: it refused the connection (None) or
+    answered an error status (a 4xx for bad input, a 503 loading or overloaded)."""
+    return upstream is None or isinstance(upstream, UpstreamResponse) and upstream.status >= 400
 
 
 @functools.lru_cache(maxsize=1024)
@@ -315,9 +416,9 @@ def _failure_response(error: UpstreamLost) -> Response:
     return error_response(*_failure(error))
 
 
-def _queue_length(metrics_text: str) -> int:
+def _queue_length(families: list[Metric]) -> int:
     total = 0.0
-    for family in text_string_to_metric_families(metrics_text):
+    for family in families:
         if family.name in QUEUE_METRICS:
             total += sum(sample.value for sample in family.samples)
     return int(total)
@@ -325,9 +426,10 @@ def _queue_length(metrics_text: str) -> int:
 
 class RouterApp:
     """The router's ASGI app. The generation routes go to ``Router.proxy`` as plain ASGI messages (no Starlette
-    request, response or task group on the path every token takes); ``/health``, ``/metrics`` and
-    ``/v1/models`` answer from here; the lifespan runs the health checks. No FastAPI: the router starts in
-    well under a second."""
+    request, response or task group on the path every token takes); ``/health``, ``/metrics``, ``/v1/models``
+    and ``/v1/models/{model}`` answer from here; the lifespan runs the health checks. No FastAPI: the router
+    starts in well under a second. What it answers itself in a replica's place (404, 405, the redirect of a
+    trailing slash) it answers as a replica does."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -341,19 +443,28 @@ class RouterApp:
             return
         path, method = scope["path"], scope["method"]
         key = self.router.api_key
-        refused = unauthorized(scope["headers"], key) if key is not None and path in PROTECTED_PATHS else None
+        refused = unauthorized(scope["headers"], key) if key is not None and path.startswith(PROTECTED_PREFIXES) \
+            else None
         if refused is not None:
             return await error_response(refused.status, refused.message)(scope, receive, send)
         if path in PROXIED_PATHS and method == "POST":
             return await self.router.proxy(scope, receive, send)
-        if path in PROXIED_PATHS or (path in self.get_routes and method not in ("GET", "HEAD")):
-            response = error_response(405, f"{method} is not allowed on {path}",
-                                      headers={"Allow": "POST" if path in PROXIED_PATHS else "GET"})
-        elif path in self.get_routes:
-            response = await self.get_routes[path](scope)
-        else:
-            response = error_response(404, f"no route {shortened(path)}")
-        await response(scope, receive, send)
+        await (await self.answer(scope))(scope, receive, send)
+
+    async def answer(self, scope: Scope) -> Response:
+        """The answer to a request that is not a generation's: from the router's GET routes, or the replicas'
+        405, 404 and redirect."""
+        path, method = scope["path"], scope["method"]
+        route = self.model if path.startswith(MODEL_PATH) else self.get_routes.get(path)
+        if path in PROXIED_PATHS or (route is not None and method not in ("GET", "HEAD")):
+            return error_response(405, HTTPStatus.METHOD_NOT_ALLOWED.phrase,
+                                  headers={"Allow": "POST" if path in PROXIED_PATHS else "GET"})
+        if route is not None:
+            return await route(scope)
+        stripped = path.rstrip("/")
+        if path.endswith("/") and (stripped in PROXIED_PATHS or stripped in self.get_routes):
+            return RedirectResponse(URL(scope=scope).replace(path=stripped))  # 307, as Starlette's redirect_slashes
+        return error_response(404, HTTPStatus.NOT_FOUND.phrase)
 
     async def health(self, scope: Scope) -> Response:
         up = [r.url for r in self.router.replicas if r.healthy]
@@ -365,8 +476,11 @@ class RouterApp:
 
     async def models(self, scope: Scope) -> Response:
         """A replica's list, asked with the client's key (replicas started with --api-key want it)."""
-        key = [(name, value) for name, value in scope["headers"] if name == b"authorization"]
-        return await self.router.first_healthy_get("/v1/models", key)
+        return await self.router.first_healthy_get("/v1/models", forwarded_headers(scope["headers"]))
+
+    async def model(self, scope: Scope) -> Response:
+        """A replica's card of one model (its name may hold slashes: a path), or its 404."""
+        return await self.router.first_healthy_get(quote(scope["path"]), forwarded_headers(scope["headers"]))
 
     async def lifespan(self, receive: Receive, send: Send) -> None:
         """Startup: one round of health checks, then the loop in the background; shutdown: stop it, close the

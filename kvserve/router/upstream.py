@@ -159,15 +159,16 @@ class Upstream:
         return UpstreamResponse(self, origin, connection, status, response_headers, is_head, received)
 
     async def get(self, url: str, timeout: float,
-                  headers: list[tuple[bytes, bytes]] | tuple = ()) -> tuple[int, str, bytes]:
-        """A whole GET answer (status, content type, body), within ``timeout`` seconds (``UpstreamLost`` after)."""
+                  headers: list[tuple[bytes, bytes]] | tuple = ()) -> tuple[int, list[tuple[str, str]], bytes]:
+        """A whole GET answer (status, ``header_list``, body), within ``timeout`` seconds (``UpstreamLost``
+        after)."""
         parts = urlsplit(url)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
 
-        async def get() -> tuple[int, str, bytes]:
+        async def get() -> tuple[int, list[tuple[str, str]], bytes]:
             response = await self.request(b"GET", Origin.parse(url), path.encode(), headers=headers)
             try:
-                return response.status, response.headers.get("content-type", ""), await response.read()
+                return response.status, response.header_list, await response.read()
             finally:
                 response.close()
 
@@ -235,8 +236,8 @@ def _request_message(method: bytes, origin: Origin, path: bytes, body: bytes,
     return b"".join(lines)
 
 
-async def _read_head(reader: asyncio.StreamReader, buffer: bytearray) -> tuple[int, dict[str, str], int]:
-    """The status and headers (lower-case names) of the next final response, and where its head ends in
+async def _read_head(reader: asyncio.StreamReader, buffer: bytearray) -> tuple[int, list[tuple[str, str]], int]:
+    """The status and headers (lower-case names, in order) of the next final response, and where its head ends in
     ``buffer``; 1xx interim ones are skipped. What is read is appended to ``buffer`` and nothing is removed from
     it, so that after a failure an empty ``buffer`` says that not a byte of the answer came. EOFError if the
     connection ends first."""
@@ -258,36 +259,38 @@ async def _read_head(reader: asyncio.StreamReader, buffer: bytearray) -> tuple[i
         status, start = int(status_text), end + 4
         if not 100 <= status < 200:
             break
-    headers = {}
+    headers = []
     for line in lines:
         name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+        headers.append((name.strip().lower(), value.strip()))
     return status, headers, start
 
 
 class UpstreamResponse:
-    """One replica answer: ``status`` and ``headers`` at once, the body by ``receive()`` as it comes.
+    """One replica answer: ``status`` and its headers at once (``header_list`` as they came, names lower-case;
+    ``headers`` by name, the last of a repeated one), the body by ``receive()`` as it comes.
 
     Read to its end, the connection goes back to the pool; ``close()`` before that closes it, which the
     replica sees as the client leaving (kvserve aborts the request). ``close()`` after the end does nothing.
     """
 
     def __init__(self, upstream: Upstream, origin: Origin, connection: _Connection, status: int,
-                 headers: dict[str, str], is_head: bool, buffer: bytearray) -> None:
+                 header_list: list[tuple[str, str]], is_head: bool, buffer: bytearray) -> None:
         self.status = status
-        self.headers = headers
+        self.header_list = header_list
+        self.headers = dict(header_list)
         self._upstream = upstream
         self._origin = origin
         self._connection: _Connection | None = connection
         self._buffer = buffer  # body bytes read and not yet handed on
         self._closed = False
-        self._reusable = headers.get("connection", "").lower() != "close"
+        self._reusable = self.headers.get("connection", "").lower() != "close"
         if is_head or status in (204, 304):
             self._remaining: int | None = 0
-        elif headers.get("transfer-encoding", "").lower() == "chunked":
+        elif self.headers.get("transfer-encoding", "").lower() == "chunked":
             self._remaining = None
-        elif "content-length" in headers:
-            self._remaining = int(headers["content-length"])
+        elif "content-length" in self.headers:
+            self._remaining = int(self.headers["content-length"])
         else:  # the body runs to the end of the connection
             self._remaining, self._reusable = -1, False
         if self._remaining == 0:

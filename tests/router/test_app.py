@@ -1,7 +1,9 @@
 """The router's app against fake replicas (small HTTP servers on loopback): forwarding as sent, streams relayed
-unbuffered, a client's disconnect closing the replica's stream, retries where a replica refused (or closed a
+unbuffered, a client's disconnect closing the replica's connection (mid-stream, or before a non-streamed answer
+came), the replica's headers relayed but the hop-by-hop ones, retries where a replica refused (or closed a
 kept-alive connection unread), 502 for a replica lost mid-answer, 504 for one gone silent, 413 for a body over
-the limit, 503 when none is up, connections reused, health and metrics."""
+the limit, 503 when none is up, bad input left to the replica to refuse, connections reused, health and
+metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import time
 from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -16,16 +19,32 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.router.app import Router, build_router_app, prompt_text
 from kvserve.router.policy import make_policy
-from kvserve.router.prefix_index import CHUNK_CHARS
+from kvserve.router.prefix_index import CHUNK_CHARS, MAX_KEYED_CHARS
 from kvserve.router.upstream import Upstream
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 from tests.router.test_upstream import CHUNKED_HEAD, ByteServer
 from tests.server.conftest import free_port
 
 LONG = "x" * CHUNK_CHARS * 3
+
+
+REPLICA_PAGE = """# HELP kvserve:num_requests_waiting Requests waiting.
+# TYPE kvserve:num_requests_waiting gauge
+kvserve:num_requests_waiting{model_name="m"} 0.0
+# HELP kvserve:prompt_tokens_total Prompt tokens.
+# TYPE kvserve:prompt_tokens_total counter
+kvserve:prompt_tokens_total{model_name="m"} 7.0
+# HELP kvserve:time_to_first_token_seconds Time to first token.
+# TYPE kvserve:time_to_first_token_seconds histogram
+kvserve:time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 1.0
+kvserve:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 2.0
+kvserve:time_to_first_token_seconds_count{model_name="m"} 2.0
+kvserve:time_to_first_token_seconds_sum{model_name="m"} 0.5
+"""
 
 
 class QuietServer(uvicorn.Server):
@@ -82,9 +101,13 @@ class FakeReplicas:
         async def models(request: Request) -> JSONResponse:
             return JSONResponse({"replica": url, "auth": request.headers.get("authorization")})
 
+        @app.get("/v1/models/{model:path}")
+        async def model(model: str) -> JSONResponse:
+            return JSONResponse({"id": model, "replica": url})
+
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
-            return PlainTextResponse('kvserve:num_requests_waiting{model_name="m"} 0.0\n')
+            return PlainTextResponse(REPLICA_PAGE)
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
@@ -359,15 +382,6 @@ def test_a_replica_lost_with_the_request_in_flight_is_a_502_and_marked_down() ->
     assert again.status_code == 200
 
 
-def test_a_body_that_is_not_json_is_a_400() -> None:
-    async def scenario() -> httpx.Response:
-        _, client = router_client(FakeReplicas(1))
-        return await client.post("/v1/completions", content=b"{nope", headers={"content-type": "application/json"})
-
-    reply = run(scenario())
-    assert reply.status_code == 400 and "not valid JSON" in reply.json()["error"]["message"]
-
-
 def test_metrics_count_requests_and_prefix_hits_per_replica() -> None:
     fakes = FakeReplicas(2)
 
@@ -404,6 +418,8 @@ def test_connections_to_a_replica_are_reused() -> None:
     ({"prompt": "abc"}, "abc"),
     ({"prompt": [1, 2]}, "[1, 2]"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "user:hi"),
+    ({"messages": [{"role": 5, "content": [{"type": "text", "text": None}, {"text": 5}, "x"]}]}, ":"),
+    ({"prompt": {"not": "a prompt"}}, ""),
 ])
 def test_prompt_text(payload: dict, text: str) -> None:
     assert prompt_text(payload) == text
@@ -617,10 +633,206 @@ def test_with_a_key_the_router_refuses_a_request_without_it_before_reading_its_b
                     await client.get("/v1/models"),
                     await client.post("/v1/completions", json={"prompt": "p"},
                                       headers={"Authorization": "Bearer sekret"}),
-                    await client.get("/health")]
+                    await client.get("/health"),
+                    await client.get("/v1/models/m"),
+                    await client.get("/v1/nope")]
 
-    refused, models, served, health = run(scenario())
-    assert refused.status_code == models.status_code == 401
+    refused, models, served, health, model, unknown = run(scenario())
+    assert refused.status_code == models.status_code == model.status_code == unknown.status_code == 401
     assert refused.json()["error"]["type"] == "authentication_error"
     assert served.status_code == 200 and served.json()["auth"] == "Bearer sekret" and health.status_code == 200
     assert [payload for _, payload in fakes.seen] == [{"prompt": "p"}]  # the refused one never reached a replica
+
+
+async def until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_a_client_that_leaves_before_a_non_streamed_answer_closes_the_replica_connection() -> None:
+    """A non-streamed answer's head comes only once its generation is done: a client that leaves before then
+    closes the upstream connection (the replica's abort) at once; the router did not watch the client until the
+    head came, so an abandoned request ran to its end on the replica."""
+    server = ByteServer([])  # reads the request and never answers: a replica still generating
+
+    async def scenario() -> tuple[list[dict], int]:
+        async with server as origin:
+            router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
+            left, sent = asyncio.Event(), []
+            scope, receive = asgi_request({"prompt": "p"}, left)
+            relay = asyncio.create_task(router.proxy(scope, receive, sent_to(sent)))
+            await until(lambda: server.requests)
+            left.set()
+            await asyncio.wait_for(relay, 5)
+            await asyncio.wait_for(asyncio.gather(*server.handlers), 5)  # the replica read its connection's end
+            return sent, router.replicas[0].in_flight
+
+    sent, in_flight = run(scenario())
+    assert sent == [] and in_flight == 0
+
+
+def sent_to(sent: list[dict]) -> Callable[[dict], Awaitable[None]]:
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    return send
+
+
+HOP_BY_HOP = b"connection: keep-alive, x-hop\r\nkeep-alive: timeout=5\r\nx-hop: 1\r\n"
+END_TO_END = b"retry-after: 1\r\nx-end: a\r\nx-end: b\r\n"
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n" + END_TO_END + HOP_BY_HOP
+    + b"content-length: 2\r\n\r\n{}",
+    CHUNKED_HEAD.replace(b"\r\n\r\n", b"\r\n" + END_TO_END + HOP_BY_HOP + b"\r\n") + b"9\r\ndata: 0\n\n\r\n0\r\n\r\n",
+], ids=["503", "stream"])
+def test_the_replicas_headers_reach_the_client_but_the_hop_by_hop_ones(answer: bytes) -> None:
+    """A replica's 503 asks the client to come back after Retry-After: the router passed on content-type only.
+    Hop-by-hop headers (RFC 9110 section 7.6.1: connection, those it names, keep-alive, transfer-encoding) are
+    the router's own connection's business; content-length is the router's, which frames the body anew."""
+    server = ByteServer(answer)
+
+    async def scenario() -> list[dict]:
+        async with server as origin:
+            router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
+            sent: list[dict] = []
+            scope, receive = asgi_request({"prompt": "p"}, asyncio.Event())
+            await asyncio.wait_for(router.proxy(scope, receive, sent_to(sent)), 5)
+            return sent
+
+    start, *_ = run(scenario())
+    names = [name for name, _ in start["headers"]]
+    assert (b"retry-after", b"1") in start["headers"] and names.count(b"x-end") == 2
+    assert not {b"connection", b"keep-alive", b"x-hop", b"transfer-encoding"} & set(names)
+    if start["status"] == 503:
+        assert (b"content-type", b"application/json") in start["headers"] and (b"content-length", b"2") in start[
+            "headers"]
+    else:
+        assert (b"content-type", b"text/event-stream") in start["headers"] and b"content-length" not in names
+
+
+def test_a_model_card_is_asked_of_a_replica() -> None:
+    """GET /v1/models/{model} (the SDK's models.retrieve) was a 404 "no route"; a model's name may hold
+    slashes and any character."""
+    fakes = FakeReplicas(1)
+    reply = answer_of(fakes, lambda client: client.get("/v1/models/org/m%201%3F"))
+    assert reply.status_code == 200 and reply.json() == {"id": "org/m 1?", "replica": fakes.urls[0]}
+
+
+@pytest.mark.parametrize("payload", [
+    {"prompt": "\ud800" + LONG},
+    {"messages": [{"role": "user", "content": LONG + "\udfff" + LONG}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+], ids=["surrogate-prompt", "surrogate-message", "number-text", "null-text"])
+def test_bad_text_goes_to_a_replica_to_refuse(payload: dict) -> None:
+    """A lone surrogate (which a replica refuses with its 400) or a content part's text that is no string
+    crashed the router's prompt keying: a plain-text 500."""
+    fakes = FakeReplicas(1)
+    reply = answer_of(fakes, lambda client: client.post("/v1/chat/completions", content=json.dumps(payload),
+                                                        headers={"content-type": "application/json"}))
+    assert reply.status_code == 200 and fakes.seen == [(fakes.urls[0], payload)]
+
+
+def test_only_a_long_prompts_leading_characters_are_keyed() -> None:
+    """A 4 MiB prompt was hashed whole (106 ms of the router's event loop, 62,500 keys in the index)."""
+    huge = "a" * (MAX_KEYED_CHARS * 4)
+    assert prompt_text({"prompt": huge}) == huge[:MAX_KEYED_CHARS]
+    assert prompt_text({"messages": [{"role": "user", "content": huge}] * 3}) == ("user:" + huge)[:MAX_KEYED_CHARS]
+    assert len(prompt_text({"prompt": list(range(MAX_KEYED_CHARS))})) == MAX_KEYED_CHARS
+
+
+def error_answer(status: int, message: bytes) -> bytes:
+    content = b'{"error": {"message": "%s", "code": %d}}' % (message, status)
+    return b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        status, len(content), content)
+
+
+@pytest.mark.parametrize("answer, num_keys", [(error_answer(400, b"too long"), 0), (json_answer(b"{}"), 3)],
+                         ids=["400", "200"])
+def test_the_keys_of_a_request_the_replica_refused_leave_its_index(answer: bytes, num_keys: int) -> None:
+    """A refused request caches nothing there: its keys only crowded out the keys of prompts that are cached
+    (17 over-long prompts flushed a replica's whole index)."""
+    server = ByteServer(answer)
+
+    async def scenario() -> int:
+        async with server as origin:
+            router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            await client.post("/v1/completions", json={"prompt": LONG})
+            return len(router.replicas[0].index)
+
+    assert run(scenario()) == num_keys
+
+
+def test_request_ids_and_trace_context_reach_the_replica() -> None:
+    server = ByteServer(json_answer(b"{}"))
+    sent = {"x-request-id": "my-req-42", "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "tracestate": "vendor=1"}
+
+    async def scenario() -> None:
+        async with server as origin:
+            router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            await client.post("/v1/completions", json={"prompt": "p"}, headers=sent)
+
+    run(scenario())
+    head = server.requests[0].decode().split("\r\n\r\n")[0]
+    assert all(f"\r\n{name}: {value}" in head for name, value in sent.items()), head
+
+
+@pytest.mark.parametrize("body", [b"{nope", b"[1, 2]", b""])
+def test_a_body_that_is_no_json_object_goes_to_a_replica_to_refuse_in_its_words(body: bytes) -> None:
+    """The router answered these 400s itself, worded unlike a replica (which names the field, as pydantic does)."""
+    server = ByteServer(error_answer(400, b"the replica's words"))
+
+    async def scenario() -> httpx.Response:
+        async with server as origin:
+            router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            return await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+
+    reply = run(scenario())
+    assert reply.status_code == 400 and reply.json()["error"]["message"] == "the replica's words"
+    assert server.requests[0].endswith(b"\r\n\r\n" + body)
+
+
+def test_what_the_router_answers_in_a_replicas_place_is_worded_as_a_replica_words_it() -> None:
+    """404, 405 and the redirect of a trailing slash, as a replica's FastAPI answers them."""
+    async def scenario() -> list[httpx.Response]:
+        _, client = router_client(FakeReplicas(1))  # none up: these never reach one
+        return [await client.get("/nope"), await client.get("/v1/completions"), await client.post("/health"),
+                await client.post("/v1/completions/?a=1", json={})]
+
+    missing, get_a_post, post_a_get, slash = run(scenario())
+    assert (missing.status_code, missing.json()["error"]["message"]) == (404, "Not Found")
+    assert (get_a_post.status_code, get_a_post.json()["error"]["message"]) == (405, "Method Not Allowed")
+    assert get_a_post.headers["allow"] == "POST" and post_a_get.headers["allow"] == "GET"
+    assert (slash.status_code, slash.headers["location"]) == (307, "http://router/v1/completions?a=1")
+
+
+def test_metrics_show_each_replicas_own_metrics_while_it_is_up() -> None:
+    """One server's /metrics has the engine's kvserve:* metrics; behind the router (serve --data-parallel-size)
+    they were on the replicas' ports only, so dashboards went empty when a deployment scaled out."""
+    fakes = FakeReplicas(2)
+
+    async def scenario() -> tuple[str, str]:
+        async with fakes:
+            router, client = router_client(fakes)
+            await router.check_health()
+            both = (await client.get("/metrics")).text
+            await fakes.stop(1)
+            await router.check_health()
+            return both, (await client.get("/metrics")).text
+
+    both, one = run(scenario())
+    families = {family.name: family for family in text_string_to_metric_families(both)}
+    for url in fakes.urls:
+        assert f'kvserve:prompt_tokens_total{{model_name="m",replica="{url}"}} 7.0' in both
+        assert f'kvserve:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m",replica="{url}"}} 2.0' in both
+    assert families["kvserve:time_to_first_token_seconds"].type == "histogram"
+    assert both.count("# TYPE kvserve:num_requests_waiting gauge") == 1
+    assert f'replica="{fakes.urls[0]}"' in one and f'replica="{fakes.urls[1]}"}} 7.0' not in one  # r1 is down

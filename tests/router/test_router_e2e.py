@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, ServerProcess, free_port, scrape
 
@@ -71,6 +72,8 @@ def test_the_router_answers_as_one_server_and_keeps_a_prefix_on_one_replica(clus
     metrics = httpx.get(f"{router.url}/metrics").text
     counts = sorted(requests_sent(metrics, r.url) for r in replicas)
     assert counts == [0.0, 6.0]  # the whole group on one replica
+    assert all(scrape(metrics, "kvserve:num_requests_running", replica=r.url) >= 0 for r in replicas)  # theirs too
+    assert list(text_string_to_metric_families(metrics))  # one page a scraper parses, HELP and TYPE once a family
 
 
 def requests_sent(metrics: str, url: str) -> float:
