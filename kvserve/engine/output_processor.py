@@ -68,7 +68,8 @@ class OutputProcessor:
 
         A snapshot copies everything a request has produced, so a consumer that reads only final outputs
         (offline generation) asks for those alone: snapshotting every request at every step is quadratic in
-        the output length."""
+        the output length. Nor is the text of such a sample without stop strings made before it finishes: its
+        tokens are detokenized at once at the end (a fifth of the host's work in a 256-request step)."""
         moved: dict[str, _RequestState] = {}
         stopped: list[str] = []
         for engine_output in engine_outputs:
@@ -76,7 +77,7 @@ class OutputProcessor:
             if located is None:
                 continue
             state, index = located
-            if state.update(index, engine_output, self.token_texts):
+            if state.update(index, engine_output, self.token_texts, final_only):
                 stopped.append(engine_output.request_id)
             moved[state.request_id] = state
         outputs = [state.snapshot() for state in moved.values() if state.is_finished or not final_only]
@@ -129,6 +130,7 @@ class _SampleState:
         self.detokenizer = detokenizer
         self.stop_matcher = StopStringMatcher(params.stop_strings) if params.stop_strings else None
         self.token_ids: list[int] = []
+        self._undecoded: list[int] = []  # tokens whose text nobody reads before the sample ends (``update``)
         self.text = ""
         self.num_visible_chars = 0
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
@@ -139,11 +141,16 @@ class _SampleState:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def update(self, output: EngineOutput, token_texts: TokenTextCache) -> bool:
+    def update(self, output: EngineOutput, token_texts: TokenTextCache, final_only: bool = False) -> bool:
         """Take one EngineOutput; return True if a stop string ended the sample while the engine still runs it.
         Several new tokens (a speculating step's accepted run) are taken one at a time when there are stop
-        strings, so that ``token_ids`` end at the token completing a stop string, as with one-token steps."""
+        strings, so that ``token_ids`` end at the token completing a stop string, as with one-token steps.
+        ``final_only``: only the finished sample is read, so without stop strings its text waits until then."""
         if self.is_finished:
+            return False
+        if final_only and self.stop_matcher is None and not output.finished:
+            self._take_tokens(output, token_texts)
+            self._undecoded.extend(output.new_token_ids)
             return False
         if len(output.new_token_ids) > 1 and self.params.stop_strings:
             for one in _one_token_outputs(output):
@@ -154,10 +161,8 @@ class _SampleState:
         return self._update(output, token_texts)
 
     def _update(self, output: EngineOutput, token_texts: TokenTextCache) -> bool:
-        self.token_ids.extend(output.new_token_ids)
-        if self.logprobs is not None and output.logprobs:
-            self.logprobs.extend(to_position_logprobs(entry, token_texts) for entry in output.logprobs)
-        new_text = self.detokenizer.update(self._text_token_ids(output))
+        self._take_tokens(output, token_texts)
+        new_text = self._detokenize(self._text_token_ids(output))
         if output.finished:
             new_text += self.detokenizer.flush()
         self.text += new_text
@@ -167,9 +172,20 @@ class _SampleState:
         self._update_visible()
         return stopped_by_string and not output.finished
 
+    def _take_tokens(self, output: EngineOutput, token_texts: TokenTextCache) -> None:
+        self.token_ids.extend(output.new_token_ids)
+        if self.logprobs is not None and output.logprobs:
+            self.logprobs.extend(to_position_logprobs(entry, token_texts) for entry in output.logprobs)
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` and of the tokens held back before them."""
+        if self._undecoded:
+            token_ids, self._undecoded = self._undecoded + token_ids, []
+        return self.detokenizer.update(token_ids)
+
     def abort(self) -> None:
         if not self.is_finished:
-            self.text += self.detokenizer.flush()
+            self.text += self._detokenize([]) + self.detokenizer.flush()
             self._finish(FinishReason.ABORT, None)
             self._update_visible()
 
@@ -257,13 +273,13 @@ class _RequestState:
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.samples)
 
-    def update(self, index: int, output: EngineOutput, token_texts: TokenTextCache) -> bool:
+    def update(self, index: int, output: EngineOutput, token_texts: TokenTextCache, final_only: bool) -> bool:
         if index == 0:
             self.num_cached_tokens = output.num_cached_tokens
             self.first_scheduled_time = output.first_scheduled_time
             if self.prompt_logprobs is not None and output.prompt_logprobs:
                 self.prompt_logprobs.extend(to_position_logprobs(e, token_texts) for e in output.prompt_logprobs)
-        return self.samples[index].update(output, token_texts)
+        return self.samples[index].update(output, token_texts, final_only)
 
     def abort(self) -> None:
         for sample in self.samples:

@@ -247,3 +247,28 @@ def test_final_only_returns_finished_requests_alone_and_their_whole_output():
     assert final.finished and final.outputs[0].text == reference.outputs[0].text == "hello world, "
     assert final.outputs[0].token_ids == reference.outputs[0].token_ids
     assert final_only.num_unfinished_requests == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(["a", " b", "é", "🙂", "漢字", "\n"]), min_size=1, max_size=10),
+    end=st.sampled_from(["eos", "length", "abort"]),
+    skip_special_tokens=st.booleans(),
+)
+def test_final_only_outputs_equal_the_streamed_ones(pieces: list[str], end: str, skip_special_tokens: bool) -> None:
+    """Offline generation reads only finished samples, whose text is then detokenized at once: the same text,
+    tokens and finish as when every step's text is made."""
+    ids = tok().encode("".join(pieces)) + ([tok().eos_token_id] if end == "eos" else [])
+    results = []
+    for final_only in (False, True):
+        proc = processor(skip_special_tokens=skip_special_tokens)
+        outputs = []
+        for i, token_id in enumerate(ids):
+            finish = {"eos": FinishReason.STOP, "length": FinishReason.LENGTH}.get(end) if i == len(ids) - 1 else None
+            outputs += proc.process([EngineOutput("r", [token_id], finish, None)], final_only).request_outputs
+        if end == "abort":
+            outputs.append(proc.abort("r"))
+        final = outputs[-1].outputs[0]
+        results.append((final.text, final.token_ids, final.finish_reason))
+        assert not final_only or len(outputs) == 1  # the finished snapshot alone
+    assert results[0] == results[1]
