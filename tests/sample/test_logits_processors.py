@@ -217,3 +217,16 @@ def test_min_p_masks_below_a_fraction_of_the_top_probability():
     apply_min_p(logits, torch.tensor([0.2]))  # threshold 0.1
     assert torch.isfinite(logits).tolist() == [[True, True, True, False]]
     assert logits[0, :3].tolist() == pytest.approx([math.log(0.5), math.log(0.3), math.log(0.15)])
+
+
+def test_min_p_keeps_a_token_exactly_at_the_threshold() -> None:
+    """vLLM masks ``probs < min_p * max``: 0.25 is exactly half of 0.5, so min_p 0.5 keeps it."""
+    logits = torch.tensor([[0.25, 0.5, 0.25]]).log()
+    apply_min_p(logits, torch.tensor([0.5]))
+    assert torch.isfinite(logits).tolist() == [[True, True, True]]
+
+
+def test_min_p_of_one_keeps_the_most_likely_tokens_and_their_ties() -> None:
+    logits = torch.tensor([[0.2, 0.4, 0.4], [0.25, 0.5, 0.25]]).log()
+    apply_min_p(logits, torch.tensor([1.0, 1.0]))
+    assert torch.isfinite(logits).tolist() == [[False, True, True], [False, True, False]]

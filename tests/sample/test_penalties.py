@@ -132,3 +132,17 @@ def test_late_tokens_of_a_dropped_sample_are_not_counted_for_the_next_owner_of_i
     second = SamplingRow(SamplingParams(frequency_penalty=1.0), 0, "b", [], [1])
     penalties.add("b", second)  # takes a's slot
     check_apply(penalties, [second], [[1]])
+
+
+def test_late_tokens_of_a_dropped_sample_stay_off_its_slot_while_another_sample_holds_the_storage() -> None:
+    """As above, but with b alive the storage (and its late tokens) is not released on a's drop."""
+    penalties = Penalties()
+    a, b = (SamplingRow(SamplingParams(frequency_penalty=1.0), 0, key, [], []) for key in "ab")
+    penalties.add("a", a)
+    penalties.add("b", b)
+    check_apply(penalties, [a, b], [[], []])
+    penalties.accept("a", [5, 5, 5])  # a speculating step's tokens, counted at the next apply
+    penalties.drop("a")
+    c = SamplingRow(SamplingParams(frequency_penalty=1.0), 0, "c", [], [])
+    penalties.add("c", c)  # takes a's slot
+    check_apply(penalties, [b, c], [[], []])

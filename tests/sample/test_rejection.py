@@ -95,6 +95,19 @@ def test_a_stateful_processor_advances_past_the_kept_tokens_only() -> None:
     assert processor.produced == {"plain": [0], "s": [0, 0]}
 
 
+
+def test_penalties_after_a_speculating_step_count_the_emitted_tokens_only() -> None:
+    """Draft (3, 4) against the target's choices 3, 6, 7: [3, 6] emitted. The 7 after the rejected draft was
+    never emitted, so the next step must not penalise it (speculation never changes the output)."""
+    sampler = Sampler()
+    params = dict(temperature=0.0, frequency_penalty=0.5)
+    logits = torch.zeros(3, 8)
+    logits[0, 3] = logits[1, 6] = logits[2, 7] = 5.0
+    assert sampler(logits, drafted(row("s", **params), (3, 4))).token_ids == [[3, 6]]
+    following = torch.zeros(1, 8)
+    following[0, 7] = 0.25  # the best unless penalised (0.25 - 0.5 < 0)
+    assert sampler(following, SamplingBatch([row("s", outputs=[3, 6], **params)])).token_ids == [[7]]
+
 class MarkovModel:
     """A fake target over a tiny vocabulary: the next token's logits depend on the last two tokens."""
 

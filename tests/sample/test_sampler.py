@@ -84,6 +84,37 @@ def test_truncation_never_picks_excluded_tokens(params, allowed):
     assert len(picked) == len(allowed)  # every allowed token shows up in 2000 draws
 
 
+
+@pytest.mark.parametrize("params", [dict(top_k=3), dict(top_p=0.5), dict(min_p=0.5)])
+def test_truncation_holds_in_a_batch_with_rows_that_do_not_truncate(params) -> None:
+    """The scheduler batches a request with top_k/top_p/min_p with plain ones: its rows stay truncated."""
+    base = torch.arange(VOCAB, dtype=torch.float32) * 0.3
+    allowed = _allowed_by_hand(base.softmax(-1), params.get("top_k", 0), params.get("top_p", 1.0),
+                               params.get("min_p", 0.0))
+    num_draws = 600
+    rows = [row(**params) if i % 2 == 0 else row() for i in range(num_draws)]
+    picked = tokens(Sampler()(base.repeat(num_draws, 1), batch(*rows)))
+    assert set(picked[0::2]) == allowed
+    assert not set(picked[1::2]) <= allowed  # the plain rows draw from the whole vocabulary
+
+
+def test_min_p_of_one_draws_the_most_likely_token() -> None:
+    logits = random_logits(1, seed=3)[0]
+    assert logits.argmax() != 0
+    num_draws = 200
+    out = Sampler()(logits.repeat(num_draws, 1), batch(*[row(min_p=1.0)] * num_draws))
+    assert set(tokens(out)) == {int(logits.argmax())}
+
+
+@pytest.mark.parametrize("temperature, allowed", [(2.0, {0, 1, 2}), (1.0, {0, 1}), (0.5, {0})])
+def test_min_p_applies_to_the_temperature_scaled_distribution(temperature: float, allowed: set[int]) -> None:
+    """vLLM's order: temperature first, then min-p on the scaled probabilities."""
+    logits = torch.tensor([0.0, -0.5, -1.0, -5.0])
+    assert _allowed_by_hand((logits / temperature).softmax(-1), 0, 1.0, 0.5) == allowed
+    num_draws = 2000
+    out = Sampler()(logits.repeat(num_draws, 1), batch(*[row(temperature=temperature, min_p=0.5)] * num_draws))
+    assert set(tokens(out)) == allowed
+
 def _allowed_by_hand(probs: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
     """vLLM's order: min-p, then top-k (ties with the k-th kept), then top-p among what is left."""
     order = [t for t in probs.argsort(descending=True).tolist() if probs[t] >= min_p * probs.max()]
@@ -335,6 +366,17 @@ def test_logprobs_zero_returns_only_the_sampled_token():
     expected = 3 - math.log(math.exp(1) + math.exp(2) + math.exp(3))
     assert entry.logprobs[0] == pytest.approx(expected)
 
+
+
+def test_a_tied_tokens_rank_counts_only_the_strictly_more_likely() -> None:
+    """Ranks are 1 + the number of strictly more likely tokens: tokens tied for the top all rank 1."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0]] * 2)
+    rows = [row(temperature=0.0, logprobs=2, logit_bias={2: 1.0}),  # drawn: token 2, tied with 1 and 3
+            row(temperature=0.0, logprobs=0, logit_bias={0: 9.0})]
+    out = Sampler()(logits.clone(), batch(*rows))
+    assert tokens(out) == [2, 0]
+    assert out.logprobs[0][0].ranks == [1, 1, 2]
+    assert out.logprobs[1][0].ranks == [4]  # below the three tied tokens
 
 def test_prompt_logprobs():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
