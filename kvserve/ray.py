@@ -250,11 +250,8 @@ class Ingress:
         return error_response(404, f"no route {request.method} {path}")
 
     async def _generate(self, request: Request) -> Response:
-        body = await request.body()
-        payload = request_payload(body)
-        if isinstance(payload, Response):
-            return payload
-        return await self._relay(request, body, prompt_text(payload))
+        body = await request.body()  # a body that is no JSON object goes on, for the replica's own 400
+        return await self._relay(request, body, prompt_text(request_payload(body)))
 
     async def _relay(self, request: Request, body: bytes, prompt: str) -> Response:
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS)
