@@ -272,3 +272,47 @@ def test_final_only_outputs_equal_the_streamed_ones(pieces: list[str], end: str,
         results.append((final.text, final.token_ids, final.finish_reason))
         assert not final_only or len(outputs) == 1  # the finished snapshot alone
     assert results[0] == results[1]
+
+
+def test_a_two_token_step_ends_at_the_token_completing_a_stop_string():
+    """The smallest speculating step: [a, b] with stop "a" ends at a, as two one-token steps would."""
+    a, b = tok().encode("ab")
+    proc = processor(stop=["a"])
+    out = proc.process([EngineOutput("r", [a, b])])
+    assert out.stopped_request_ids == ["r"]
+    sample = out.request_outputs[0].outputs[0]
+    assert (sample.text, sample.token_ids, sample.finish_reason, sample.stop_reason) == (
+        "", [a], FinishReason.STOP, "a")
+
+
+@pytest.mark.parametrize("min_tokens", [1, 2])
+def test_a_stop_string_counts_from_the_output_after_min_tokens(min_tokens: int):
+    """Output ``min_tokens`` completing a stop string does not end the sample; output ``min_tokens + 1`` does
+    (vLLM: ``len(output_token_ids) > min_tokens``)."""
+    (a,) = tok().encode("a")
+    proc = processor(stop=["a"], min_tokens=min_tokens)
+    steps = feed(proc, [a] * (min_tokens + 1))
+    assert [stopped for _, stopped in steps] == [[]] * min_tokens + [["r"]]
+    final = steps[-1][0].outputs[0]
+    assert (final.text, final.token_ids, final.stop_reason) == ("a" * min_tokens, [a] * (min_tokens + 1), "a")
+
+
+@pytest.mark.parametrize("stops", [["he", "h"], ["h", "he"]])
+def test_of_stop_strings_starting_at_the_same_place_the_one_listed_first_wins(stops):
+    (he,) = tok().encode("he")
+    out = processor(stop=stops, include_stop_str_in_output=True).process([EngineOutput("r", [he])])
+    sample = out.request_outputs[0].outputs[0]
+    assert (sample.stop_reason, sample.text) == (stops[0], stops[0])
+
+
+@pytest.mark.parametrize("text", ["hello", "hel!"])
+def test_a_multi_token_step_split_for_stop_strings_splits_its_logprobs(text):
+    """Each token of a speculating step keeps its own logprob entry, whether or not a stop string ends it."""
+    ids = tok().encode(text)
+    entries = [TokenLogprobs([t], [-0.5 * (i + 1)], [i + 1]) for i, t in enumerate(ids)]
+    proc = processor(stop=["!"], logprobs=0)
+    sample = proc.process([EngineOutput("r", ids, logprobs=entries)]).request_outputs[0].outputs[0]
+    assert len(sample.logprobs) == len(sample.token_ids) == len(ids)
+    for i, (token_id, position) in enumerate(zip(ids, sample.logprobs)):
+        assert list(position) == [token_id]
+        assert (position[token_id].logprob, position[token_id].rank) == (-0.5 * (i + 1), i + 1)
