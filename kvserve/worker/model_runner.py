@@ -29,6 +29,7 @@ from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput
 from kvserve.worker.draft_model import DraftModel
+from kvserve.worker.heap import keep_large_blocks
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.step_graphs import StepGraphs, captures_cuda_graphs, step_graphs_for
 from kvserve.worker.input_batch import InFlightTokens, InputBatch, PersistentBatch
@@ -81,6 +82,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.options = options
+        if device.type == "cpu":
+            keep_large_blocks()  # a large batch's logits and the sampler's temporaries are not mapped anew a step
         self.block_size = options.block_size
         self.kv_cache_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)
         self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=self.kv_cache_dtype)
