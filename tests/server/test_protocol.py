@@ -83,7 +83,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 def test_fields_that_change_nothing_are_accepted() -> None:
     body = {"messages": MESSAGES, "service_tier": "auto", "metadata": {"team": "a"}, "prompt_cache_key": "k",
-            "store": False, "safety_identifier": "user-1", "user": "u"}
+            "store": False, "safety_identifier": "user-1", "user": "u", "modalities": ["text"]}
     assert ChatCompletionRequest.model_validate(body).to_sampling_params().n == 1
 
 
@@ -160,3 +160,56 @@ def test_stream_options_take_include_obfuscation_false() -> None:
     body = {"messages": MESSAGES, "stream": True, "stream_options": {"include_obfuscation": False,
                                                                     "include_usage": True}}
     assert ChatCompletionRequest.model_validate(body).include_usage
+
+
+SAMPLING_FIELDS = {  # each a value of its own, none the default: a swap of two fields shows
+    "n": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2,
+    "presence_penalty": 1.5, "frequency_penalty": -0.5, "seed": 11, "min_tokens": 2, "stop": ["###"],
+    "stop_token_ids": [7], "ignore_eos": True, "include_stop_str_in_output": True, "skip_special_tokens": False,
+}
+
+
+@pytest.mark.parametrize("cls, body", [(CompletionRequest, {"prompt": "x", "max_tokens": 9}),
+                                       (ChatCompletionRequest, {"messages": MESSAGES, "max_tokens": 9})])
+def test_each_sampling_field_lands_on_the_engines_field_of_its_name(cls: type, body: dict) -> None:
+    params = cls.model_validate({**body, **SAMPLING_FIELDS, "logit_bias": {"5": 2.5}}).to_sampling_params()
+    assert {name: getattr(params, name) for name in SAMPLING_FIELDS} == SAMPLING_FIELDS
+    assert (params.max_tokens, params.logit_bias) == (9, {5: 2.5})
+
+
+@pytest.mark.parametrize("bias", [100, -100, 100.0, -99.99])
+def test_a_logit_bias_at_openais_bounds_is_accepted(bias: float) -> None:
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logit_bias": {"5": bias}})
+    assert body.to_sampling_params().logit_bias == {5: bias}
+
+
+@pytest.mark.parametrize("bias", [100.01, -100.01])
+def test_a_logit_bias_past_openais_bounds_is_refused(bias: float) -> None:
+    body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logit_bias": {"5": bias}})
+    with pytest.raises(InvalidParameter, match="outside \\[-100, 100\\]") as raised:
+        body.to_sampling_params()
+    assert raised.value.param == "logit_bias"
+
+
+@pytest.mark.parametrize("num_prompts, n", [(2048, 1), (1024, 2)])
+def test_a_batch_of_up_to_2048_samples_is_accepted(num_prompts: int, n: int) -> None:
+    assert len(CompletionRequest.model_validate({"prompt": ["x"] * num_prompts, "n": n}).prompts) == num_prompts
+
+
+@pytest.mark.parametrize("num_prompts, n", [(2049, 1), (1025, 2)])
+def test_a_batch_of_more_than_2048_samples_is_refused_naming_the_prompt(num_prompts: int, n: int) -> None:
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({"prompt": ["x"] * num_prompts, "n": n})
+    message, named = _validation_message(RequestValidationError(raised.value.errors()))
+    assert named == "prompt" and "at most 2,048" in message, message
+
+
+def test_max_completion_tokens_wins_over_the_deprecated_max_tokens() -> None:
+    body = {"messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 9}
+    assert ChatCompletionRequest.model_validate(body).to_sampling_params().max_tokens == 9
+
+
+def test_chat_logprobs_without_top_logprobs_asks_for_the_chosen_tokens_alone() -> None:
+    params = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": True}).to_sampling_params()
+    assert params.logprobs == 0
+    assert ChatCompletionRequest.model_validate({"messages": MESSAGES}).to_sampling_params().logprobs is None
