@@ -36,3 +36,9 @@ def test_a_match_near_the_end_repeats_with_its_period() -> None:
     assert propose([4, 4, 4, 4], k=3) == [4, 4, 4]
     assert propose([1, 2, 1, 2, 1, 2], max_n=2, k=5) == [1, 2, 1, 2, 1]
     assert propose([9, 1, 2, 3, 1, 2, 3], k=4) == [1, 2, 3, 1]
+
+
+def test_a_match_of_exactly_max_n_tokens_counts_as_the_longest() -> None:
+    # "1 2 3" (3 = max_n tokens) ends at index 2, followed by 9; "2 3" alone ends later, at index 6, followed by 8
+    assert propose([1, 2, 3, 9, 5, 2, 3, 8, 7, 1, 2, 3], max_n=3, k=2) == [9, 5]
+    assert propose([1, 2, 3, 9, 5, 2, 3, 8, 7, 1, 2, 3], max_n=2, k=2) == [8, 7]

@@ -32,6 +32,11 @@ def test_no_speculation_in_a_busy_step() -> None:
     assert policy().draft(request(), num_running=MAX_RUNNING_TO_SPECULATE + 1, max_draft=10) == ()
 
 
+def test_speculation_at_the_running_limit_itself() -> None:
+    """The limit is the most running requests that still speculate."""
+    assert policy().draft(request(), num_running=MAX_RUNNING_TO_SPECULATE, max_draft=10) == (1, 2, 3, 4)
+
+
 @pytest.mark.parametrize(
     "params",
     [{"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}, {"min_tokens": 2},
