@@ -47,6 +47,21 @@ def test_a_pending_node_stops_the_match_and_says_a_sibling_computes_it() -> None
     assert match.block_ids == [0] and match.sibling_computing
 
 
+def test_a_remembered_match_whose_nodes_left_the_tree_is_walked_again() -> None:
+    """``start`` is reused only while its nodes are in the tree: here its blocks were evicted and cached again
+    under other tokens, so reusing it would hand out KV of another prompt."""
+    cache = PrefixCache(BLOCK)
+    a = cache.add(cache.root, (1, 2, 3, 4), block_id=0, computed=True)
+    cache.add(a, (5, 6, 7, 8), block_id=1, computed=True)
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 0]
+    first = cache.match(tokens, max_blocks=10)
+    assert first.block_ids == [0, 1]
+    cache.remove(1)
+    cache.remove(0)
+    x = cache.add(cache.root, (20, 21, 22, 23), block_id=1, computed=True)
+    cache.add(x, (24, 25, 26, 27), block_id=0, computed=True)
+    assert cache.match(tokens, max_blocks=10, start=first).block_ids == []
+
 def test_add_refuses_a_second_block_for_the_same_tokens_and_bad_keys() -> None:
     cache = PrefixCache(BLOCK)
     assert cache.add(cache.root, (1, 2, 3, 4), block_id=0, computed=True) is not None
@@ -216,3 +231,20 @@ def test_a_fork_child_extends_the_parents_path() -> None:
     compute(kv, child, 1)
     assert kv.match_prefix(request("x", list(range(1, 7)) + [40, 41, 99])).num_tokens == 8
     kv.check_integrity([parent, child])
+
+
+def test_a_waiting_request_rematched_after_its_prefix_was_evicted_starts_from_what_is_cached_now() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=BLOCK, enable_prefix_caching=True)
+    a = request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    compute(kv, a, 9)
+    kv.free(a)  # [1..4] and [5..8] cached, evictable
+    waiting = request("w", [1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert kv.match_prefix(waiting).num_tokens == 8  # matched while it waits
+    x = request("x", list(range(20, 31)))
+    compute(kv, x, 11)  # takes every block: both cached ones evicted, and cached again under x's tokens
+    assert kv.num_evictions == 2
+    match = kv.match_prefix(waiting)
+    assert match.num_tokens == 0
+    kv.free(x)
+    assert kv.allocate_slots(waiting, waiting.num_tokens, match)
+    kv.check_integrity([waiting])

@@ -142,6 +142,19 @@ def test_a_preempted_request_resumes_from_its_cached_blocks() -> None:
     assert written[False] - written[True] == 8
 
 
+def test_a_resumed_request_counts_neither_a_second_lookup_nor_its_own_blocks_as_cached() -> None:
+    """The lookup is counted at a request's first admission alone: b, preempted and resumed from 8 tokens of its
+    own blocks, still reports the 0 cached tokens it found at first, and the hit rate stays that of the prompts."""
+    scheduler = make_scheduler(num_blocks=8, block_size=BLOCK, max_num_batched_tokens=64, prefix_caching=True)
+    scheduler.add_request(make_request("a", 12, max_tokens=12))
+    scheduler.add_request(make_request("b", 16, max_tokens=4))
+    outputs = run_to_completion(scheduler, runner_for(scheduler))
+    assert scheduler.num_preemptions == 1
+    stats = scheduler.prefix_cache_stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (12 + 16, 0)
+    assert {rid: [o.num_cached_tokens for o in outs] for rid, outs in outputs.items()} == {
+        "a": [0] * len(outputs["a"]), "b": [0] * len(outputs["b"])}
+
 def test_decodes_keep_flowing_while_a_max_model_len_prompt_is_prefilled() -> None:
     scheduler = cached_scheduler(num_blocks=128, max_num_batched_tokens=16, max_model_len=256)
     runner = runner_for(scheduler)

@@ -98,6 +98,22 @@ def test_waiting_requests_beyond_max_num_seqs_wait() -> None:
     assert scheduler.num_running == 2 and scheduler.num_waiting == 1
 
 
+
+def test_samples_forked_at_admission_count_against_max_num_seqs() -> None:
+    """A one-token prompt with n=2 forks as it is admitted and fills max_num_seqs=2: the next request waits
+    until one of them finishes."""
+    scheduler = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
+    scheduler.add_request(make_request("a", 1, n=2, max_tokens=4))
+    scheduler.add_request(make_request("b", 5, max_tokens=4))
+    runner = runner_for(scheduler)
+    most_running = 0
+    for _ in range(20):
+        if not scheduler.has_unfinished_requests():
+            break
+        step(scheduler, runner)
+        most_running = max(most_running, scheduler.num_running)
+    assert most_running == 2 and not scheduler.has_unfinished_requests()
+
 # ------------------------------------------------------------------------------------------- preemption
 
 

@@ -10,7 +10,7 @@ from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
-from kvserve.sched.output import ModelOutput
+from kvserve.sched.output import ModelOutput, TokenLogprobs
 from kvserve.sched.scheduler import Scheduler
 from kvserve.spec.policy import SpeculationPolicy
 from kvserve.spec.proposer import DRAFT_SLOT
@@ -79,6 +79,15 @@ def test_a_stop_token_inside_the_accepted_run_truncates_it_and_frees_everything(
     assert outputs[0].new_token_ids == [5, 6] and request.is_finished
     assert scheduler.kv.num_free_blocks() == 16
 
+
+def test_a_run_truncated_by_a_stop_token_keeps_the_logprobs_of_its_kept_tokens_only() -> None:
+    scheduler = _scheduler()
+    _prefilled(scheduler, stop_token_ids=[6], logprobs=0)
+    accepted = [5, 6, 7, 8, 5]
+    logprobs = [TokenLogprobs([t], [-0.5 * (i + 1)], [1]) for i, t in enumerate(accepted)]
+    (output,) = scheduler.update_from_output(scheduler.schedule(), ModelOutput({"r": accepted}, {"r": logprobs}))
+    assert output.new_token_ids == [5, 6]
+    assert output.logprobs == logprobs[:2]
 
 def test_no_draft_past_max_tokens_or_the_budget() -> None:
     scheduler = _scheduler()
