@@ -97,8 +97,15 @@ def test_a_consumer_that_stops_early_aborts_its_request() -> None:
         stream = engine.generate("a", SamplingParams(max_tokens=50))
         await anext(stream)
         await stream.aclose()
-        task = asyncio.create_task(collect(engine, "b", 50))
-        await asyncio.sleep(0.01)
+        streaming = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in engine.generate("b", SamplingParams(max_tokens=60)):
+                streaming.set()
+
+        task = asyncio.create_task(consume())
+        await streaming.wait()  # cancelled mid-stream, not before it submitted anything
+        assert engine.num_unfinished() == 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -106,7 +113,7 @@ def test_a_consumer_that_stops_early_aborts_its_request() -> None:
         assert engine.num_unfinished() == 0
         assert engine.stats()["num_blocks_used"] == 0
 
-    fake, _ = run_with_engine(test, step_seconds=0.002)
+    fake, _ = run_with_engine(test, step_seconds=0.01)  # b's 60 tokens take 0.6 s: it is cancelled mid-stream
     assert not fake.requests
 
 
@@ -151,7 +158,10 @@ def test_shutdown_aborts_requests_in_flight_and_refuses_new_ones() -> None:
 
     async def test() -> None:
         task = asyncio.create_task(collect(engine, "a", 5))
-        await asyncio.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while engine.num_unfinished() == 0:  # shut down with the request in flight, not before it arrives
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            await asyncio.sleep(0.005)
         started = time.monotonic()
         await asyncio.to_thread(engine.shutdown)
         outputs = await task

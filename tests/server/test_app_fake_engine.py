@@ -29,6 +29,14 @@ from tests.server.conftest import free_port, scrape
 MODEL = "fake"
 
 
+def wait_until(condition, what: str, timeout: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds (never hang the run)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.01)
+
+
 class InProcessServer:
     def __init__(self, names: tuple[str, ...] = (MODEL,), step_seconds: float = 0.002, **settings) -> None:
         self.fake = FakeEngine(max_num_seqs=2, max_model_len=256, step_seconds=step_seconds)
@@ -41,8 +49,8 @@ class InProcessServer:
         self.server = uvicorn.Server(uvicorn.Config(build_app(self.state), port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        wait_until(lambda: self.server.started or not self.thread.is_alive(), "uvicorn to start")
+        assert self.server.started, "uvicorn's thread ended before the server started (could it bind the port?)"
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -53,10 +61,8 @@ class InProcessServer:
         return scrape(httpx.get(f"{self.url}/metrics").text, name, **labels)
 
     def wait_idle(self) -> None:
-        deadline = time.monotonic() + 5
-        while self.fake.requests or self.state.engine.num_unfinished():
-            assert time.monotonic() < deadline, "requests left unfinished"
-            time.sleep(0.01)
+        wait_until(lambda: not self.fake.requests and not self.state.engine.num_unfinished(),
+                   "every request to finish", timeout=5)
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +173,7 @@ def test_api_key_and_waiting_limit() -> None:
         keyed = {"Authorization": "Bearer k"}
         waiting = threading.Thread(target=lambda: httpx.post(url, json={"prompt": "a"}, headers=keyed, timeout=30))
         waiting.start()
-        while server.state.engine.num_waiting() == 0:
-            time.sleep(0.01)
+        wait_until(lambda: server.state.engine.num_waiting() > 0, "the request to wait in the engine")
         refused = httpx.post(url, json={"prompt": "a"}, headers=keyed)
         assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
         server.fake.max_num_seqs = 2
@@ -209,8 +214,7 @@ def test_an_engine_that_fails_midway_ends_its_streams_with_an_error_and_stops_se
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))
             in_flight.start()
-            while server.state.engine.num_unfinished() < 2:
-                time.sleep(0.01)
+            wait_until(lambda: server.state.engine.num_unfinished() >= 2, "both requests to be in flight")
             server.fake.step_error = RuntimeError("device lost")
             rest = [line for line in lines if line]
         in_flight.join(10)
