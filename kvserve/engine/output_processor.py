@@ -152,7 +152,7 @@ class _SampleState:
             self._take_tokens(output, token_texts)
             self._undecoded.extend(output.new_token_ids)
             return False
-        if len(output.new_token_ids) > 1 and self.params.stop_strings:
+        if len(output.new_token_ids) > 1 and self.stop_matcher is not None:
             for one in _one_token_outputs(output):
                 stopped_by_string = self._update(one, token_texts)
                 if self.is_finished:

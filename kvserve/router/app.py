@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from kvserve.router.policy import Decision, Replica, RoutingPolicy
 from kvserve.router.prefix_index import MAX_KEYED_CHARS, prefix_keys
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
-from kvserve.server.errors import RETRY_LATER, error_response, sse_failure, unauthorized
+from kvserve.server.errors import PROTECTED_PREFIXES, RETRY_LATER, error_response, sse_failure, unauthorized
 from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
@@ -51,9 +51,8 @@ GET_TIMEOUT_S = 30.0
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answers
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")  # with --api-key, as the replicas' (/health, /metrics open)
-# The client's headers a replica gets: its key and formats, and what names the request in logs and traces (the
-# rest are the client's business, or hop-by-hop)
+# The client's headers a replica gets: its key and formats, and what names the request to proxies and tracing in
+# between (kvserve's replicas do not read those yet); the rest are the client's business, or hop-by-hop
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "traceparent", "tracestate")
 _FORWARDED = frozenset(name.encode() for name in FORWARDED_HEADERS)  # ASGI header names: lower-case bytes
 # A replica's headers the client does not get: hop-by-hop ones (RFC 9110 section 7.6.1, and any that `connection`

@@ -6,11 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> None:
     """Keep each row's logits at least as large as its ``top_k``-th largest (0: all; every token tied with the
     k-th stays, as in vLLM), then the smallest set of those whose probability reaches ``top_p`` (1: all); the
     rest become -inf. One sort serves both. On CPU only the values are sorted, by numpy
-    (``_truncate_by_threshold``): torch's CPU sort of a 49,152-token row cost 2-36 ms, numpy's 0.1."""
+    (``_truncate_by_threshold``): torch's CPU sort of a 49,152-token row cost 2-36 ms, numpy's 0.1. There top-p
+    also keeps every token tied with the last one it keeps, where the sort (CUDA's) keeps the tied tokens it
+    happened to put first: the two differ only on a row with such a tie."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         _truncate_by_threshold(logits, top_k, top_p)
     else:

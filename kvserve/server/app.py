@@ -18,7 +18,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.chat import ChatServer, render_chat
 from kvserve.server.completions import CompletionServer
-from kvserve.server.errors import APIError, bad_request, error_response, install_error_handlers, unauthorized
+from kvserve.server.errors import (
+    PROTECTED_PREFIXES,
+    APIError,
+    bad_request,
+    error_response,
+    install_error_handlers,
+    unauthorized,
+)
 from kvserve.server.metrics import CONTENT_TYPE
 from kvserve.server.protocol import (
     ChatCompletionRequest,
@@ -33,8 +40,6 @@ from kvserve.server.protocol import (
 from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ending_on_failure, until_disconnected
-
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 class _Generation(Protocol):

@@ -72,6 +72,10 @@ def bad_request(error: ValueError, param: str | None = None) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, str(error), param=param or getattr(error, "param", None))
 
 
+# the paths ``--api-key`` guards, on a server and on the router alike (/health and /metrics stay open)
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
 def unauthorized(headers: Iterable[tuple[bytes, bytes]], key: str) -> APIError | None:
     """The 401 for a request whose ``Authorization`` is not ``Bearer key`` (the scheme in any case, RFC 9110; the
     key compared by its digest, in constant time and whatever its length), or None; the server and the router

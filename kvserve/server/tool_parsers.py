@@ -200,7 +200,9 @@ class ToolCallParser:
         self._run_has_call = False
         self._scan: _ObjectScan | None = None
         self._num_calls = 0
-        self.num_invalid = 0  # calls said (their name at least) whose whole text was no call: JSON, arguments an object
+        # calls that were none: said ones (their name at least) whose whole text was no call (JSON, arguments an
+        # object), and calls the check refused
+        self.num_invalid = 0
         self._named = False  # the current call's id and name were said
         self._args_sent = 0
         self._handlers = {"start": self._in_start, "text": self._in_text, "content": self._in_content,
@@ -352,6 +354,9 @@ class ToolCallParser:
         elif not valid and not self._run_has_call:
             out.content += self._text[self._run_start:scan.end]
             self._close_run()
+            # a call of an undeclared function, left as content: the whole answer is the model's text, as for a
+            # strict function's call whose arguments the check refused
+            self.num_invalid += self._is_undeclared_call(scan)
         elif not valid:  # among the run's calls, an object that is no call: the whole answer is the model's text
             self.num_invalid += 1
         self._scan = None
@@ -364,6 +369,10 @@ class ToolCallParser:
         """Whether ``text`` is a call as OpenAI's clients read one (``_call``), and one the check lets through."""
         call = _call(text)
         return call is not None and (self.check is None or (self.check.knows(call[0]) and self.check.accepts(*call)))
+
+    def _is_undeclared_call(self, scan: _ObjectScan) -> bool:
+        call = _call(self._text[scan.start:scan.end])
+        return call is not None and self.check is not None and not self.check.knows(call[0])
 
     def _marker_at(self, text: str) -> str | None:
         return next((m for m in self.fmt.markers if text.startswith(m)), None)

@@ -29,8 +29,8 @@ from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler, prompt_logprobs
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput
 from kvserve.worker.draft_model import DraftModel
-from kvserve.worker.heap import keep_large_blocks
 from kvserve.worker.cpu_graph import CpuStepGraphs
+from kvserve.worker.heap import keep_large_blocks
 from kvserve.worker.step_graphs import StepGraphs, captures_cuda_graphs, step_graphs_for
 from kvserve.worker.input_batch import InFlightTokens, InputBatch, PersistentBatch
 from kvserve.worker.peers import StepPeers
@@ -82,8 +82,6 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.options = options
-        if device.type == "cpu":
-            keep_large_blocks()  # a large batch's logits and the sampler's temporaries are not mapped anew a step
         self.block_size = options.block_size
         self.kv_cache_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)
         self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=self.kv_cache_dtype)
@@ -95,6 +93,8 @@ class ModelRunner:
         self._weights_format = self._find_weights_format()
         self.activations_format = self._find_activations_format()
         self.weight_bytes = self.model.weight_bytes()  # this rank's; the draft model's are not counted
+        if device.type == "cpu":  # after the load, whose buffers the kept heap would hold on to
+            keep_large_blocks()  # a large batch's logits and the sampler's temporaries are not mapped anew a step
         self.layouts = DeferredLayouts.start(self.model)  # None unless some are left for after start-up
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(options.seed, default_processors(self.grammar))

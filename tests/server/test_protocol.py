@@ -213,3 +213,15 @@ def test_chat_logprobs_without_top_logprobs_asks_for_the_chosen_tokens_alone() -
     params = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": True}).to_sampling_params()
     assert params.logprobs == 0
     assert ChatCompletionRequest.model_validate({"messages": MESSAGES}).to_sampling_params().logprobs is None
+
+
+def test_structured_outputs_takes_the_engines_fields_and_no_other() -> None:
+    """The wire model and the engine's dataclass list the same constraints (a field added to one alone would be
+    refused by name, or never reach the engine)."""
+    import dataclasses
+
+    from kvserve.sampling_params import StructuredOutputsParams
+    from kvserve.server.protocol import StructuredOutputsBody
+
+    wire = {info.alias or name for name, info in StructuredOutputsBody.model_fields.items()}
+    assert wire == {field.name for field in dataclasses.fields(StructuredOutputsParams)}

@@ -133,6 +133,9 @@ def test_auto_returns_no_call_of_an_undeclared_function(tool_client: openai.Open
     whole = create(tool_client, tools=TOOLS, extra_body=extra).choices[0]
     assert whole.message.tool_calls is None and whole.message.content == text and whole.finish_reason == "stop"
     assert streamed_calls(tool_client, tools=TOOLS, extra_body=extra) == (text, [], "stop")
+    beside = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n' + text
+    whole = create(tool_client, tools=TOOLS, extra_body={"guided_regex": re.escape(beside)}, max_tokens=400).choices[0]
+    assert whole.message.tool_calls is None and whole.message.content == beside and whole.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("strict", [True, False])

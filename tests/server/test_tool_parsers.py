@@ -145,8 +145,9 @@ class _OnlyF:
 
 
 def test_a_call_the_check_refuses_is_no_call() -> None:
-    """An undeclared function's call is content whole and streamed (its name is never said); a declared one
-    whose arguments the check refuses was said, and counts as invalid."""
+    """An undeclared function's call is content whole and streamed (its name is never said) and counts as invalid
+    (the chat server then answers the whole text); so does a declared one whose arguments the check refuses,
+    whose name was said."""
     undeclared = hermes([("g", {"a": 1})])
     for cuts in ([], list(range(len(undeclared)))):
         parser = ToolCallParser(FORMATS["hermes"], check=_OnlyF())
@@ -156,10 +157,13 @@ def test_a_call_the_check_refuses_is_no_call() -> None:
             deltas.extend(parser.feed(undeclared[start:cut]))
             start = cut
         deltas.extend(parser.finish())
-        assert fold(deltas) == (undeclared, []) and parser.num_invalid == 0
+        assert fold(deltas) == (undeclared, []) and parser.num_invalid == 1
     parser = ToolCallParser(FORMATS["hermes"], check=_OnlyF())
     assert calls_of(parse_tool_calls(parser, hermes([("f", {"b": 1})]))) == [("f", {"b": 1})]
     assert parser.num_invalid == 1
+    parser = ToolCallParser(FORMATS["hermes"], check=_OnlyF())
+    beside = hermes([("f", {"a": 1}), ("g", {})])  # beside a declared call: the whole answer is the model's text
+    assert calls_of(parse_tool_calls(parser, beside)) == [("f", {"a": 1})] and parser.num_invalid == 1
     mistral = "[TOOL_CALLS]" + json.dumps([{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}])
     parser = ToolCallParser(FORMATS["mistral"], check=_OnlyF())
     assert calls_of(parse_tool_calls(parser, mistral)) == [("f", {"a": 1})] and parser.num_invalid == 1
