@@ -511,6 +511,15 @@ class Scheduler:
         for index in range(1, parent.sampling_params.n):
             self._place_child(parent, self._new_child(parent, index))
 
+    def _park_child(self, parent: Request, child: Request) -> None:
+        """A child that cannot run yet waits as if preempted: with swap, on a copy of the parent's KV in the host
+        tier (as if swapped out); else (or with no room there) to recompute, from the prefix cache where it is
+        on."""
+        if not (self.config.preemption_mode == "swap" and self.kv.fork_swapped(parent, child)):
+            child.num_computed_tokens = 0
+        child.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(child)
+
     def _new_child(self, parent: Request, index: int) -> Request:
         child = Request(
             request_id=sample_request_id(parent.request_id, index),
@@ -530,17 +539,16 @@ class Scheduler:
         return child
 
     def _place_child(self, parent: Request, child: Request) -> None:
-        """Run the child on shared KV. With no block free for its partial-block copy it waits: with swap, for
-        a copy of the parent's KV in the host tier (as if swapped out); else (or with no room there) to
-        recompute."""
+        """Run the child on shared KV. With no seat left under ``max_num_seqs``, or no block free for its
+        partial-block copy, it waits at the head of the queue (``_park_child``)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            self._park_child(parent, child)
+            return
         try:
             copies = self.kv.fork(parent, child)
         except NoFreeBlocksError:  # counted as a preemption: the swap counters count it among theirs
-            if not (self.config.preemption_mode == "swap" and self.kv.fork_swapped(parent, child)):
-                child.num_computed_tokens = 0
-            child.status = RequestStatus.PREEMPTED
             self.num_preemptions += 1
-            self.waiting.appendleft(child)
+            self._park_child(parent, child)
             return
         self.running.append(child)
         self._pending_copies.extend(_PendingCopy(child, src, dst) for src, dst in copies)

@@ -266,6 +266,7 @@ def check_step(scheduler: Scheduler, sched_out: SchedulerOutput) -> None:
     lengths = [r.num_tokens for r in sched_out.requests]
     assert sched_out.num_tokens == sum(lengths) <= config.max_num_batched_tokens
     assert len(sched_out.requests) <= config.max_num_seqs
+    assert len(scheduler.running) <= config.max_num_seqs, "forked samples took the running set past max_num_seqs"
     assert len({r.request_id for r in sched_out.requests}) == len(sched_out.requests)
     assert all(n >= 1 for n in lengths)
     assert lengths == sorted(lengths, key=lambda n: n > 1), f"one-token rows must come first: {lengths}"
