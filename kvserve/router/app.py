@@ -50,6 +50,7 @@ HEALTH_TIMEOUT_S = 2.0
 GET_TIMEOUT_S = 30.0
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # the requests that leave KV behind
 MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answers
 # The client's headers a replica gets: its key and formats, and what names the request to proxies and tracing in
 # between (kvserve's replicas do not read those yet); the rest are the client's business, or hop-by-hop
@@ -232,7 +233,8 @@ class Router:
             replica = decision.replica
             # Counted before the send, which waits for the replica's headers: requests arriving meanwhile must
             # see this one's load and prefix, or a burst all goes where the first one went.
-            insertion = replica.index.insert(keys)
+            # (a /tokenize computes no KV: it goes where its prefix is, but leaves no keys)
+            insertion = replica.index.insert(keys if path in GENERATION_PATHS else [])
             replica.in_flight += 1
             handed_over = False  # to the caller, which uncounts it once the answer is relayed
             try:

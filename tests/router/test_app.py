@@ -751,18 +751,19 @@ def error_answer(status: int, message: bytes) -> bytes:
         status, len(content), content)
 
 
-@pytest.mark.parametrize("answer, num_keys", [(error_answer(400, b"too long"), 0), (json_answer(b"{}"), 3)],
-                         ids=["400", "200"])
-def test_the_keys_of_a_request_the_replica_refused_leave_its_index(answer: bytes, num_keys: int) -> None:
-    """A refused request caches nothing there: its keys only crowded out the keys of prompts that are cached
-    (17 over-long prompts flushed a replica's whole index)."""
+@pytest.mark.parametrize("answer, path, num_keys", [
+    (error_answer(400, b"too long"), "/v1/completions", 0), (json_answer(b"{}"), "/v1/completions", 3),
+    (json_answer(b"{}"), "/tokenize", 0)], ids=["400", "200", "tokenize"])
+def test_the_keys_of_a_request_that_cached_nothing_leave_its_index(answer: bytes, path: str, num_keys: int) -> None:
+    """A refused request caches nothing there, nor does a /tokenize: their keys only crowded out the keys of
+    prompts that are cached (17 over-long prompts flushed a replica's whole index)."""
     server = ByteServer(answer)
 
     async def scenario() -> int:
         async with server as origin:
             router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
             client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
-            await client.post("/v1/completions", json={"prompt": LONG})
+            await client.post(path, json={"prompt": LONG})
             return len(router.replicas[0].index)
 
     assert run(scenario()) == num_keys
