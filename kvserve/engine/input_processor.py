@@ -130,7 +130,10 @@ class InputProcessor:
 
     def _check_token_ids(self, token_ids: Sequence[Any], what: str) -> None:
         for t in token_ids:  # numpy's integers too (``process`` keeps Python's)
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # a tensor's element: .tolist() it
+                raise InvalidParameter(what, f"{what}: {t!r} is a {type(t).__name__}, not a token id: token ids "
+                                             "are ints (Python's or numpy's)")
+            if not 0 <= t < self.vocab_size:
                 raise InvalidParameter(what, f"{what}: {t!r} is not a token id of this model (vocabulary size "
                                              f"{self.vocab_size})")
 

@@ -10,6 +10,7 @@ import weakref
 
 import numpy as np
 import pytest
+import torch
 from tqdm.auto import tqdm
 
 from kvserve import LLM, SamplingParams
@@ -91,6 +92,8 @@ def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
         ({"prompt_token_ids": []}, SamplingParams(), "prompt_token_ids"),
         ({"prompt_token_ids": [1, 10**9]}, SamplingParams(), "not a token id"),
         ({"prompt_token_ids": [1, -1]}, SamplingParams(), "not a token id"),
+        ({"prompt_token_ids": [1, *torch.tensor([264])]}, SamplingParams(), r"tensor\(264\) is a Tensor, not a "
+         "token id: token ids are ints"),
         (12, SamplingParams(), "must be a string"),
         ("hi", SamplingParams(max_tokens=10**6), "max_model_len"),
         ("hi", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
