@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ from kvserve.extras import require_ray
 from kvserve.router.ray_replicas import RayReplicas
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
 from kvserve.server.sockets import MAX_PORT, http_url, listening_socket, raise_open_file_limit
-from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, api_key
+from kvserve.server.state import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, api_key
 
 
 logger = logging.getLogger(__name__)
@@ -149,15 +150,13 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
         raise ValueError(f"--data-parallel-size {size} replicas need the ports after --port {args.port}: "
                          f"{args.port + size} is over {MAX_PORT}")
     sock = listening_socket(args.host, args.port)  # before any replica starts: a port in use stops nothing yet
-    replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
-                                         "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host",
-                                         "--upstream-timeout"))
+    replica_argv, replica_env = replica_command(args, argv)
     if args.data_parallel_backend == "ray":
         require_ray("--data-parallel-backend ray")
         replicas: LocalReplicas | RayReplicas = RayReplicas(replica_argv, size, args.port + 1, args.ray_address,
-                                                            args.replica_cpus)
+                                                            args.replica_cpus, replica_env)
     else:
-        replicas = LocalReplicas(replica_argv, [args.port + 1 + i for i in range(size)])
+        replicas = LocalReplicas(replica_argv, [args.port + 1 + i for i in range(size)], replica_env)
     router = build_router(replicas.urls, args)
     if isinstance(replicas, RayReplicas):
         replicas.supervise(router)
@@ -179,13 +178,23 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-class LocalReplicas:
-    """Replica processes on this machine, one port each."""
+def replica_command(args: argparse.Namespace, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A replica's ``kvserve serve`` arguments (``argv`` without the router's flags) and the environment it
+    adds: the API key goes in ``$KVSERVE_API_KEY``, out of the replicas' command lines (which ``ps`` shows)."""
+    replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
+                                         "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host",
+                                         "--upstream-timeout", "--api-key"))
+    key = api_key(args.api_key)
+    return replica_argv, {API_KEY_ENV: key} if key is not None else {}
 
-    def __init__(self, argv: list[str], ports: list[int]) -> None:
+
+class LocalReplicas:
+    """Replica processes on this machine, one port each, with ``env`` added to this process's environment."""
+
+    def __init__(self, argv: list[str], ports: list[int], env: dict[str, str]) -> None:
         self.urls = [f"http://127.0.0.1:{port}" for port in ports]
         self.processes = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--port", str(port)],
-                                           preexec_fn=die_with_parent)
+                                           env={**os.environ, **env}, preexec_fn=die_with_parent)
                           for port in ports]
 
     def exit_codes(self) -> list[int] | None:

@@ -14,6 +14,7 @@ absence is named by ``extras.require_ray``).
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -31,13 +32,13 @@ DRAIN_TIMEOUT_S = 60.0
 class ReplicaServer:
     """The actor's body: one ``kvserve serve`` process on this node (``ray.remote`` wraps it at start)."""
 
-    def __init__(self, argv: list[str], port: int) -> None:
+    def __init__(self, argv: list[str], port: int, env: dict[str, str]) -> None:
         import ray
 
         host = ray.util.get_node_ip_address()
         self.url = f"http://{host}:{port}"
         self.process = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--host", host,
-                                         "--port", str(port)], preexec_fn=die_with_parent)
+                                         "--port", str(port)], env={**os.environ, **env}, preexec_fn=die_with_parent)
 
     def status(self) -> tuple[str, bool]:
         """Its URL, and whether its server process still runs."""
@@ -54,16 +55,18 @@ class ReplicaServer:
 
 
 class RayReplicas:
-    """``size`` replica actors on the Ray cluster at ``address`` (None: a local one), restarted by Ray."""
+    """``size`` replica actors on the Ray cluster at ``address`` (None: a local one), restarted by Ray; each
+    replica's process gets ``env`` added to its actor's environment."""
 
-    def __init__(self, argv: list[str], size: int, first_port: int, address: str | None, cpus: float) -> None:
+    def __init__(self, argv: list[str], size: int, first_port: int, address: str | None, cpus: float,
+                 env: dict[str, str]) -> None:
         import ray
 
         if not ray.is_initialized():
             ray.init(address=address, log_to_driver=False)
         actor = ray.remote(num_cpus=cpus, max_restarts=-1)(ReplicaServer)
         self._ray = ray
-        self.actors = [actor.remote(argv, first_port + rank) for rank in range(size)]
+        self.actors = [actor.remote(argv, first_port + rank, env) for rank in range(size)]
         self.urls = [url for url, _ in ray.get([a.status.remote() for a in self.actors])]
         self._stopped = threading.Event()
         self._supervisor: threading.Thread | None = None

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import main
-from kvserve.router.launch import add_data_parallel_arguments, add_router_arguments, build_router
+from kvserve.router.launch import add_data_parallel_arguments, add_router_arguments, build_router, replica_command
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S
 from kvserve.server.sockets import http_url
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
@@ -163,3 +163,17 @@ def test_an_upstream_timeout_that_is_no_positive_number_is_a_cli_error(seconds: 
     with pytest.raises(SystemExit):
         main(["router", "--worker", "http://127.0.0.1:9", "--upstream-timeout", seconds])
     assert f"--upstream-timeout: must be a number of seconds > 0, got {seconds}" in capsys.readouterr().err
+
+
+def test_the_api_key_reaches_the_replicas_in_their_environment_not_their_command_line(monkeypatch) -> None:
+    """A command line is what `ps` shows every user of the machine."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api-key", default=None)
+    argv = ["serve", "m", "--api-key", "sekret", "--data-parallel-size", "2", "--max-num-seqs", "4"]
+    args = parser.parse_known_args(argv)[0]
+    assert replica_command(args, argv) == (["serve", "m", "--max-num-seqs", "4"], {"KVSERVE_API_KEY": "sekret"})
+    monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
+    assert replica_command(parser.parse_known_args(["serve", "m"])[0], ["serve", "m"])[1] == {
+        "KVSERVE_API_KEY": "from-env"}
+    monkeypatch.delenv("KVSERVE_API_KEY")
+    assert replica_command(parser.parse_known_args(["serve", "m"])[0], ["serve", "m"])[1] == {}
