@@ -4,7 +4,7 @@ A kernel is one C file with no torch headers, so it builds in about a second. Th
 cache folder under a name keyed by a hash of the source, the flags and the CPU (``-march=native`` code built on
 one CPU may not run on another sharing the folder). Where torch ships GNU OpenMP (the Linux wheels) the library
 binds to torch's ``libgomp.so.1``, already loaded, so the kernels and torch's ops share one thread pool rather
-than fighting for the cores.
+than fighting for the cores. A library no process has used for two weeks is removed when its kernel is built anew.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ ISA_CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"),
 COMPILE_TIMEOUT_S = 120
 BUILD_PREFIX = ".build-"  # a library being built; one a killed build left is removed after STALE_BUILD_S
 STALE_BUILD_S = 3600
+# A library of an older source, other flags or another CPU that no process has loaded for this long is removed
+# when its kernel is built anew: without it, every edit of a kernel left its library in the cache for good.
+UNUSED_LIBRARY_S = 14 * 24 * 3600
+KEY_CHARS = 16  # of the hash in a library's name
 
 
 def kernel_range(name: str) -> contextlib.AbstractContextManager:
@@ -136,12 +140,16 @@ def library_path(source: Path) -> Path:
     flags = compile_flags()
     headers = [header.read_bytes() for header in included_headers(source)]
     key = hashlib.sha256(b"\0".join([text, *headers, " ".join(flags).encode(), _cpu_id().encode()])).hexdigest()
-    path = Path(platformdirs.user_cache_dir("kvserve")) / "kernels" / f"{source.stem}-{key[:16]}.so"
+    path = Path(platformdirs.user_cache_dir("kvserve")) / "kernels" / f"{source.stem}-{key[:KEY_CHARS]}.so"
     if not path.exists():
         _compile(source, path, flags)
+        _remove_unused_libraries(path.parent, source.stem)
     elif not _is_whole_elf(path):  # loading a truncated library faults (SIGBUS) when the missing pages are touched
         _log.warning("the cached kernel library %s is cut short; building it again", path)
         _compile(source, path, flags)
+    else:
+        with contextlib.suppress(OSError):  # its modification time says when it was last used (see below)
+            os.utime(path)
     return path
 
 
@@ -247,6 +255,17 @@ def _compile(source: Path, path: Path, flags: tuple[str, ...]) -> None:
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+def _remove_unused_libraries(folder: Path, stem: str) -> None:
+    """Remove the libraries of kernel ``stem`` that no process has used for ``UNUSED_LIBRARY_S`` (each use sets a
+    library's modification time). A process that still has one loaded keeps its mapping; a later use builds it
+    again."""
+    now = time.time()
+    for library in folder.glob(f"{stem}-{'?' * KEY_CHARS}.so"):
+        with contextlib.suppress(OSError):
+            if now - library.stat().st_mtime > UNUSED_LIBRARY_S:
+                library.unlink()
 
 
 def _remove_stale_builds(folder: Path) -> None:

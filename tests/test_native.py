@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,26 @@ def test_builds_are_readable_by_all_and_a_killed_builds_leftover_goes(cache_dir:
     path = native.library_path(KERNEL_SOURCE)
     assert path.stat().st_mode & 0o777 == 0o755
     assert [p.name for p in cache_dir.iterdir()] == [path.name]
+
+
+def test_a_new_build_removes_the_kernels_libraries_unused_for_two_weeks(cache_dir: Path) -> None:
+    cache_dir.mkdir(parents=True)
+    two_weeks = native.UNUSED_LIBRARY_S
+    ages = {f"paged_decode-{'0' * native.KEY_CHARS}.so": two_weeks + 60,  # removed
+            f"paged_decode-{'1' * native.KEY_CHARS}.so": two_weeks - 60,  # used lately: kept
+            f"kv_store-{'0' * native.KEY_CHARS}.so": two_weeks + 60}  # another kernel's: kept
+    for name, age in ages.items():
+        (cache_dir / name).write_bytes(b"an old build")
+        os.utime(cache_dir / name, (time.time() - age,) * 2)
+    path = native.library_path(KERNEL_SOURCE)
+    assert sorted(p.name for p in cache_dir.iterdir()) == sorted([path.name, *list(ages)[1:]])
+
+
+def test_using_a_cached_library_marks_it_used(cache_dir: Path) -> None:
+    path = native.library_path(KERNEL_SOURCE)
+    os.utime(path, (0, 0))
+    assert native.library_path(KERNEL_SOURCE) == path
+    assert time.time() - path.stat().st_mtime < 60
 
 
 def test_an_unwritable_cache_folder_is_a_build_error_naming_it(tmp_path: Path,
