@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.chat import ChatServer, render_chat
@@ -40,6 +41,8 @@ from kvserve.server.protocol import (
 from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ending_on_failure, until_disconnected
+
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class _Generation(Protocol):
@@ -100,7 +103,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         engine = state.admit(body.model)
         try:
-            generation = CompletionServer(engine, body, body.model or settings.model_name)
+            generation = CompletionServer(engine, body, body.model or settings.model_name, client_request_id(request))
         except ValueError as e:
             raise bad_request(body.named_as_sent(e)) from e
         return await _answer(request, generation, body.stream)
@@ -109,7 +112,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         engine = state.admit(body.model)
         try:
-            generation = ChatServer(engine, body, body.model or settings.model_name, settings.tool_call_parser)
+            generation = ChatServer(engine, body, body.model or settings.model_name, settings.tool_call_parser,
+                                    client_request_id(request))
         except ValueError as e:
             raise bad_request(body.named_as_sent(e)) from e
         return await _answer(request, generation, body.stream)
@@ -147,9 +151,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(e, param="tokens") from e
 
 
+def client_request_id(request: Request) -> str | None:
+    """The request's ``X-Request-Id`` header (None: none, or empty): what the answer's id is made of, as in vLLM."""
+    return request.headers.get(REQUEST_ID_HEADER) or None
+
+
 class RequestGuard:
     """ASGI middleware: 413 for a body over ``max_body_bytes`` (read in full before the app sees it), 401 for
-    a missing or wrong bearer token on the protected routes when an API key is set."""
+    a missing or wrong bearer token on the protected routes when an API key is set. Every answer to a request
+    that sent an ``X-Request-Id`` carries it back, errors included (a router or a client's logs match the two)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -159,6 +169,7 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _echoing_request_id(scope, send)
         try:
             self._check_api_key(scope)
             body = await self._read_body(scope, receive)
@@ -205,6 +216,20 @@ class RequestGuard:
             message = f"the body is not valid UTF-8: {e.reason} at byte {e.start}"
             raise APIError(HTTPStatus.BAD_REQUEST, message) from None
         return body
+
+
+def _echoing_request_id(scope: Scope, send: Send) -> Send:
+    """``send`` adding the request's X-Request-Id (if it sent one) to the response's headers."""
+    request_id = Headers(scope=scope).get(REQUEST_ID_HEADER)
+    if not request_id:
+        return send
+
+    async def echoing(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
+        await send(message)
+
+    return echoing
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -71,8 +71,8 @@ class ChatServer(GenerationHandler):
     body: ChatCompletionRequest
 
     def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest, model_name: str,
-                 tool_call_parser: str = "auto") -> None:
-        super().__init__(engine, body, model_name)
+                 tool_call_parser: str = "auto", client_request_id: str | None = None) -> None:
+        super().__init__(engine, body, model_name, client_request_id)
         self.tool_choice = body.effective_tool_choice
         self.tool_format = tool_call_format(tool_call_parser, engine.engine.input_processor.chat_template(body.tools))
         if self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer):

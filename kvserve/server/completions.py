@@ -40,8 +40,9 @@ class CompletionServer(GenerationHandler):
     id_prefix = "cmpl"
     body: CompletionRequest
 
-    def __init__(self, engine: AsyncEngine, body: CompletionRequest, model_name: str) -> None:
-        super().__init__(engine, body, model_name)
+    def __init__(self, engine: AsyncEngine, body: CompletionRequest, model_name: str,
+                 client_request_id: str | None = None) -> None:
+        super().__init__(engine, body, model_name, client_request_id)
         self._token_offsets: dict[int, int] = {}  # choice index -> the text offset after its tokens sent so far
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:

@@ -103,16 +103,19 @@ class BatchCursor:
 
 class GenerationHandler:
     """What both generation endpoints hold: the engine, the request body, the model name its answer says (the one
-    the request used), a fresh request id (``{id_prefix}-{hex}``) and when it was made (every chunk's
-    ``created``, as OpenAI's and vLLM's), the sampling params and the tokenizer."""
+    the request used), the answer's id (``{id_prefix}-{the client's X-Request-Id}``, as vLLM's, or
+    ``{id_prefix}-{fresh hex}``) and when it was made (every chunk's ``created``, as OpenAI's and vLLM's), the
+    sampling params and the tokenizer."""
 
     id_prefix = "req"
 
-    def __init__(self, engine: AsyncEngine, body: Any, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, body: Any, model_name: str, client_request_id: str | None = None) -> None:
         self.engine = engine
         self.body = body
         self.model_name = model_name
-        self.request_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.request_id = f"{self.id_prefix}-{client_request_id or uuid.uuid4().hex}"
+        # a client may send one X-Request-Id twice at once; the engine's ids must differ
+        self._engine_id = self.request_id if client_request_id is None else f"{self.request_id}-{uuid.uuid4().hex[:8]}"
         self.created = int(time.time())
         self.params = body.to_sampling_params()
         self.tokenizer = engine.engine.tokenizer
@@ -120,7 +123,7 @@ class GenerationHandler:
     async def _generate(self, prompts: Sequence[PromptInput]) -> AsyncIterator[list[RequestOutput]]:
         """Queue the batch and wait until it is accepted, so bad input is a 400 before any byte is streamed. A
         constraint is compiled first, off the engine thread."""
-        request_id = self.request_id
+        request_id = self._engine_id
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         if self.params.structured_outputs is not None:
             try:

@@ -113,6 +113,33 @@ def test_a_chat_answer_has_every_field_openais_has(srv: InProcessServer) -> None
     assert all(e["service_tier"] == "default" and "system_fingerprint" in e for e in events)
 
 
+def test_a_clients_x_request_id_names_the_answer_and_comes_back_whatever_the_answer(srv: InProcessServer) -> None:
+    """As vLLM: the answer's id is made of it, and a response carries it back, an error's too. The same id sent
+    twice at once is two requests, not a 400 for an id in use."""
+    headers = {"X-Request-Id": "trace-7"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40}
+
+    async def twice_at_once() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await asyncio.gather(*(client.post(f"{srv.url}/v1/chat/completions", json=chat, headers=headers)
+                                          for _ in range(2)))
+
+    for answer in asyncio.run(twice_at_once()):
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["id"] == "chatcmpl-trace-7" and answer.headers["x-request-id"] == "trace-7"
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True},
+                      headers=headers) as answer:
+        assert answer.headers["x-request-id"] == "trace-7"
+        assert all(json.loads(line[6:])["id"] == "cmpl-trace-7" for line in answer.iter_lines()
+                   if line.startswith("data: {"))
+    refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a", "top_p": 2}, headers=headers)
+    too_large = httpx.post(f"{srv.url}/v1/completions", content=b"x" * 20_000, headers=headers)
+    assert (refused.status_code, too_large.status_code) == (400, 413)
+    assert refused.headers["x-request-id"] == too_large.headers["x-request-id"] == "trace-7"
+    unnamed = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 1})
+    assert "x-request-id" not in unnamed.headers and len(unnamed.json()["id"]) == len("cmpl-") + 32
+
+
 @pytest.mark.parametrize("body, status", [
     (b"{", 400), (b'{"prompt": 5}', 400), (b'{"prompt": "a", "max_tokens": 0}', 400),
     (b'{"prompt": "a", "top_p": 2}', 400), (b'{"prompt": "a\xff"}', 400), (b'{"prompt": "a", "model": "x"}', 404),
