@@ -33,6 +33,10 @@ _DTYPES = {
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
 LOAD_FORMAT_CHOICES = ("auto", "mmap", "dummy")
+# attention backends a run may force (kvserve/attention/selector.py); by default the device's best is picked.
+# ``EngineArgs`` reads the environment variable where no backend is given (tests and benchmarks set it per run)
+ATTENTION_BACKENDS = ("cpu_paged", "torch_ref", "triton")
+ATTENTION_BACKEND_ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
 # how the weights are held: auto keeps a GGUF's blocks where a kernel reads them (CPU, fp32 activations, dtype not
 # forced); none dequantizes at load; gguf insists on the blocks; int8 / int4 quantize every checkpoint's linear
 # weights at load (weight-only unless quantize_activations); fp8 holds them in e4m3 and quantizes activations per
@@ -89,6 +93,7 @@ class ModelConfig:
     # a GGUF's dense copies for steps of many tokens are laid out on a thread after start-up, those steps
     # multiplying the blocks meanwhile (kvserve/model/deferred_layout.py); ``kvserve serve`` sets it
     dense_layouts_in_background: bool = False
+    attention_backend: str | None = None  # one of ATTENTION_BACKENDS, forced; None: the device's best
 
     def __post_init__(self) -> None:
         if not (self.cpu_offload_gb >= 0 and math.isfinite(self.cpu_offload_gb * 2**30)):
@@ -103,6 +108,9 @@ class ModelConfig:
                              f"{', '.join(QUANTIZATION_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention_backend!r}; expected one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
 
 
 def _check_gib(name: str, gib: float | None) -> None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
 from kvserve.config import (
+    ATTENTION_BACKEND_ENV_VAR,
+    ATTENTION_BACKENDS,
     DEFAULT_DISK_TIER_GIB,
     DEFAULT_MODEL,
     DEVICES,
@@ -76,6 +79,11 @@ class EngineArgs:
     enforce_eager: bool = _option(ModelConfig.enforce_eager,
                                   "run every step op by op; by default a CPU decode step of up to 16 tokens is "
                                   "recorded once per size and replayed without its Python (a step graph)")
+    attention_backend: str | None = _option(None, "force an attention backend: 'cpu_paged' (the C kernel: fp32 on "
+                                            "CPU), 'triton' (CUDA, or CPU under TRITON_INTERPRET=1), 'torch_ref' "
+                                            "(plain PyTorch, the reference); one that cannot run is an error, not "
+                                            f"a fallback (default: ${ATTENTION_BACKEND_ENV_VAR}, else the "
+                                            "device's best)", str, ATTENTION_BACKENDS)
     load_format: str = _option(ModelConfig.load_format, "'mmap' (CPU): the weights are used where the file is "
                                "mapped (start-up reads nothing ahead; the pages are shared with other processes "
                                "serving the file; memory about the file's size): a safetensors checkpoint's "
@@ -191,7 +199,9 @@ class EngineArgs:
             model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
                               quantization=self.quantization, quantize_activations=self.quantize_activations,
                               enforce_eager=self.enforce_eager, load_format=self.load_format,
-                              cpu_offload_gb=self.cpu_offload_gb),
+                              cpu_offload_gb=self.cpu_offload_gb,
+                              attention_backend=self.attention_backend
+                              or os.environ.get(ATTENTION_BACKEND_ENV_VAR) or None),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from kvserve import LLM
+from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.cli import build_parser
 from kvserve.config import (
+    ATTENTION_BACKEND_ENV_VAR,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -28,6 +30,7 @@ CHANGED = {
     "quantization": "none",
     "quantize_activations": True,
     "enforce_eager": True,
+    "attention_backend": "torch_ref",
     "load_format": "mmap",
     "cpu_offload_gb": 2.5,
     "max_model_len": 512,
@@ -101,7 +104,8 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     # (test_draft_options_land_in_the_speculative_config)
     config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1,
                            "draft_model": None}).create_engine_config()
-    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5)
+    assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5,
+                                       attention_backend="torch_ref")
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5, "swap", False)
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
@@ -199,6 +203,22 @@ def test_configs_are_frozen(config) -> None:
 def test_a_bad_value_is_refused_before_anything_loads(options, message) -> None:
     with pytest.raises(ValueError, match=message):
         EngineArgs(**options).create_engine_config()
+
+
+def test_a_forced_attention_backend_comes_from_the_option_else_the_environment(
+    tiny_checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV_VAR, raising=False)
+    assert EngineArgs().create_engine_config().model.attention_backend is None
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV_VAR, "torch_ref")
+    assert EngineArgs().create_engine_config().model.attention_backend == "torch_ref"
+    assert EngineArgs(attention_backend="cpu_paged").create_engine_config().model.attention_backend == "cpu_paged"
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV_VAR, "flash")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        EngineArgs().create_engine_config()
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV_VAR)
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=16, attention_backend="torch_ref")
+    assert type(llm.engine.core.runner.backend) is TorchRefBackend
 
 
 def test_an_unknown_llm_option_is_named() -> None:

@@ -3,28 +3,25 @@
 On CUDA, fp16 / bf16 / fp32 models get ``TritonPagedBackend`` when triton imports and the kernels read the
 cache's encoding (unquantized, int8, fp8, int4), else ``TorchRefBackend`` with a warning (once per process). fp32 on
 CPU gets ``CpuPagedBackend`` when its kernel builds, else ``TorchRefBackend`` with a warning; every other CPU
-dtype gets ``TorchRefBackend``. ``KVSERVE_ATTENTION_BACKEND`` (``cpu_paged``, ``torch_ref`` or ``triton``)
-forces one, e.g. to compare them or to rule a kernel out; ``triton`` on CPU runs only under Triton's
-interpreter (``TRITON_INTERPRET=1``, as the tests do). triton is imported here only when it is picked, so
-kvserve imports without it.
+dtype gets ``TorchRefBackend``. A run may force one (``--attention-backend``, or ``$KVSERVE_ATTENTION_BACKEND``,
+which ``EngineArgs`` reads: ``cpu_paged``, ``torch_ref`` or ``triton``), e.g. to compare them or to rule a kernel
+out; ``triton`` on CPU runs only under Triton's interpreter (``TRITON_INTERPRET=1``, as the tests do). triton is
+imported here only when it is picked, so kvserve imports without it.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
 from kvserve.attention.backend import AttentionBackend
 from kvserve.attention.cpu_paged import CpuPagedBackend
 from kvserve.attention.torch_ref import TorchRefBackend
+from kvserve.config import ATTENTION_BACKENDS
 from kvserve.kv.quant import KVCacheDtype
 from kvserve.native import KernelBuildError
-
-BACKEND_ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
-BACKEND_NAMES = ("cpu_paged", "torch_ref", "triton")
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +29,10 @@ logger = logging.getLogger(__name__)
 def select_backend(device: torch.device, dtype: torch.dtype, name: str | None = None,
                    kv_dtype: KVCacheDtype | None = None) -> AttentionBackend:
     """The backend for a model on ``device`` in ``dtype`` whose cache is stored as ``kv_dtype`` (None: ``dtype``
-    itself); ``name`` (default: ``$KVSERVE_ATTENTION_BACKEND``) forces one of ``BACKEND_NAMES``, and a forced
-    ``cpu_paged`` or ``triton`` that cannot run raises instead of falling back."""
-    name = name or os.environ.get(BACKEND_ENV_VAR) or None
-    if name is not None and name not in BACKEND_NAMES:
-        raise ValueError(f"unknown attention backend {name!r} (from {BACKEND_ENV_VAR}?); choose one of {BACKEND_NAMES}")
+    itself); ``name`` forces one of ``config.ATTENTION_BACKENDS``, and a forced ``cpu_paged`` or ``triton`` that
+    cannot run raises instead of falling back."""
+    if name is not None and name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
     if name == "torch_ref":
         return TorchRefBackend()
     if name == "cpu_paged":

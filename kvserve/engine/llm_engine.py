@@ -59,7 +59,7 @@ class LLMEngine:
         self.runner_options = RunnerOptions(
             config.cache.block_size, config.model.seed, self.weight_format, config.cache.kv_cache_dtype,
             config.model.quantize_activations, config.model.enforce_eager, int(config.model.cpu_offload_gb * 2**30),
-            config.model.dense_layouts_in_background,
+            config.model.dense_layouts_in_background, config.model.attention_backend,
         )
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
@@ -143,7 +143,8 @@ class LLMEngine:
                                 dtype_forced=config.model.dtype != "auto", load_format=config.model.load_format)
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         return DraftModel(checkpoint, self.dtype, self.device, config.cache.block_size, kv_dtype, vocab_size, weights,
-                          config.model.quantize_activations, config.model.enforce_eager)
+                          config.model.quantize_activations, config.model.enforce_eager,
+                          config.model.attention_backend)
 
     def _build_core(self, runner: ModelRunner) -> EngineCore:
         sched_config = dataclasses.replace(self.config.scheduler, max_model_len=self.max_model_len)

@@ -61,13 +61,13 @@ class DraftModel:
 
     def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, block_size: int,
                  kv_dtype: KVCacheDtype, vocab_size: int, weights: str = "dense", quantize_activations: bool = False,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, attention_backend: str | None = None) -> None:
         self.device = device
         self.vocab_size = vocab_size  # the target's: a draft's embeddings padded past it propose none of those
         self.dtype = dtype
         self.block_size = block_size
         self.kv_dtype = kv_dtype
-        self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=kv_dtype)
+        self.backend: AttentionBackend = select_backend(device, dtype, attention_backend, kv_dtype=kv_dtype)
         self.model = load_model(checkpoint, self.backend, dtype, device, weights, quantize_activations)
         self.enforce_eager = enforce_eager
         self.kv: KVCacheStorage | None = None

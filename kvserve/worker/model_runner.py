@@ -61,6 +61,7 @@ class RunnerOptions:
     enforce_eager: bool = False
     cpu_offload_bytes: int = 0
     dense_layouts_in_background: bool = False
+    attention_backend: str | None = None  # forced (config.ATTENTION_BACKENDS); None: the device's best
 
 
 class ModelRunner:
@@ -84,7 +85,8 @@ class ModelRunner:
         self.options = options
         self.block_size = options.block_size
         self.kv_cache_dtype = kv_cache_dtype(options.kv_cache_dtype, dtype)
-        self.backend: AttentionBackend = select_backend(device, dtype, kv_dtype=self.kv_cache_dtype)
+        self.backend: AttentionBackend = select_backend(device, dtype, options.attention_backend,
+                                                        kv_dtype=self.kv_cache_dtype)
         self.weights = options.weights
         self.peers = peers or StepPeers()
         self.tp = self.peers.tp

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import tests.attention.test_torch_ref as ref_tests
 from kvserve.attention import selector
 from kvserve.attention.cpu_paged import CpuPagedBackend
-from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend
+from kvserve.attention.selector import select_backend
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.native import KernelBuildError
 from tests.attention.test_torch_ref import LAYER, SCENARIOS, TOLERANCE, Step, naive_attention
@@ -258,24 +258,18 @@ def test_corrupt_chunk_block_tables_raise_instead_of_reading_outside_the_cache(b
 # --- the selector -----------------------------------------------------------------------------------------------
 
 
-def test_selector_picks_the_kernel_for_fp32_cpu_and_the_reference_for_other_cpu_dtypes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+def test_selector_picks_the_kernel_for_fp32_cpu_and_the_reference_for_other_cpu_dtypes() -> None:
     assert isinstance(select_backend(CPU, torch.float32), CpuPagedBackend)
     assert type(select_backend(CPU, torch.bfloat16)) is TorchRefBackend
 
 
-def test_selector_honours_the_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(BACKEND_ENV_VAR, "torch_ref")
-    assert type(select_backend(CPU, torch.float32)) is TorchRefBackend
-    monkeypatch.setenv(BACKEND_ENV_VAR, "cpu_paged")
-    assert isinstance(select_backend(CPU, torch.float32), CpuPagedBackend)
+def test_selector_honours_a_forced_backend() -> None:
+    assert type(select_backend(CPU, torch.float32, "torch_ref")) is TorchRefBackend
+    assert isinstance(select_backend(CPU, torch.float32, "cpu_paged"), CpuPagedBackend)
     with pytest.raises(ValueError, match="runs fp32 on CPU"):
-        select_backend(CPU, torch.bfloat16)
-    monkeypatch.setenv(BACKEND_ENV_VAR, "flash")
+        select_backend(CPU, torch.bfloat16, "cpu_paged")
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
-        select_backend(CPU, torch.float32)
+        select_backend(CPU, torch.float32, "flash")
 
 
 def test_selector_falls_back_with_one_warning_when_the_kernel_cannot_be_built(
@@ -284,7 +278,6 @@ def test_selector_falls_back_with_one_warning_when_the_kernel_cannot_be_built(
     def unbuildable() -> CpuPagedBackend:
         raise KernelBuildError("no C compiler: gcc is not on PATH (test_cpu_paged)")
 
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
     monkeypatch.setattr(selector, "CpuPagedBackend", unbuildable)
     with caplog.at_level(logging.WARNING, logger=selector.__name__):
         backends = [select_backend(CPU, torch.float32) for _ in range(3)]

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
 
 from kvserve.attention.backend import shared_prefixes  # noqa: E402
-from kvserve.attention.selector import BACKEND_ENV_VAR, select_backend  # noqa: E402
+from kvserve.attention.selector import select_backend  # noqa: E402
 from kvserve.attention.torch_ref import TorchRefBackend  # noqa: E402
 from kvserve.attention import triton_paged  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted, store_kv  # noqa: E402
@@ -248,8 +248,7 @@ def test_unsupported_inputs_are_rejected_with_what_is_wrong() -> None:
 CUDA = torch.device("cuda")
 
 
-def test_selector_picks_triton_on_cuda_where_its_kernels_read_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(BACKEND_ENV_VAR, raising=False)
+def test_selector_picks_triton_on_cuda_where_its_kernels_read_the_cache() -> None:
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         assert isinstance(select_backend(CUDA, dtype), TritonPagedBackend)
     for encoding in ("int8", "fp8", "int4"):
@@ -259,13 +258,12 @@ def test_selector_picks_triton_on_cuda_where_its_kernels_read_the_cache(monkeypa
         select_backend(CUDA, torch.float64, name="triton")
 
 
-def test_selector_forces_triton_on_cpu_only_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+def test_selector_forces_triton_on_cpu_only_under_the_interpreter() -> None:
     if is_interpreted():
-        assert isinstance(select_backend(torch.device("cpu"), torch.float32), TritonPagedBackend)
+        assert isinstance(select_backend(torch.device("cpu"), torch.float32, "triton"), TritonPagedBackend)
     else:
         with pytest.raises(ValueError, match="under TRITON_INTERPRET=1"):
-            select_backend(torch.device("cpu"), torch.float32)
+            select_backend(torch.device("cpu"), torch.float32, "triton")
 
 
 def test_kvserve_imports_and_selects_without_triton() -> None:

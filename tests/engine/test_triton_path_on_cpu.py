@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 where there is no CUDA
 
 from kvserve import LLM  # noqa: E402
-from kvserve.attention.selector import BACKEND_ENV_VAR  # noqa: E402
+from kvserve.config import ATTENTION_BACKEND_ENV_VAR  # noqa: E402
 from kvserve.attention import triton_paged  # noqa: E402
 from kvserve.attention.triton_paged import TritonPagedBackend, is_interpreted  # noqa: E402
 from kvserve.model import registry  # noqa: E402
@@ -35,7 +35,7 @@ def test_triton_attention_fused_ops_and_skinny_gemms_in_the_engine_give_transfor
 ) -> None:
     """The linear layers as on CUDA too: decode steps through the skinny GEMM (the MLP's activation in its
     loads), prefill chunks through torch's."""
-    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV_VAR, "triton")
     monkeypatch.setattr(registry, "select_fused_ops", lambda device, dtype: TritonFusedOps())
     monkeypatch.setattr(registry, "can_prepack", lambda device, dtype: False)
     monkeypatch.setattr(registry, "_plain_method", lambda device: TritonSkinnyLinearMethod())
@@ -64,7 +64,7 @@ def test_the_samples_of_one_prompt_attend_its_keys_once_and_give_transformers_to
 ) -> None:
     """16 greedy samples of a 70-token prompt share its blocks: their decodes go through cascade attention (the
     shared keys once per tile of decodes) and each gives transformers' tokens."""
-    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV_VAR, "triton")
     monkeypatch.setattr(registry, "select_fused_ops", lambda device, dtype: TritonFusedOps())
     cascades = []
     attend_shared_prefix = triton_paged._attend_shared_prefix
@@ -102,7 +102,7 @@ def test_weight_only_linears_of_the_cuda_path_give_the_cpu_block_kernels_tokens(
                                                                                       **kwargs)
 
     monkeypatch.setattr(registry, "select_linear_method", select_as_on_cuda)
-    monkeypatch.setenv(BACKEND_ENV_VAR, "triton")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV_VAR, "triton")
     monkeypatch.setattr(registry, "select_fused_ops", lambda device, dtype: TritonFusedOps())
     llm = LLM(path, **options)
     assert llm.engine.core.runner.model.lm_head.packed_parts is not None  # the untied head is quantized too
