@@ -18,6 +18,8 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.server.chat import ChatServer, render_chat
+from kvserve.server.chat_protocol import ChatCompletionRequest
+from kvserve.server.completion_protocol import CompletionRequest
 from kvserve.server.completions import CompletionServer
 from kvserve.server.errors import (
     PROTECTED_PREFIXES,
@@ -28,9 +30,7 @@ from kvserve.server.errors import (
     unauthorized,
 )
 from kvserve.server.metrics import CONTENT_TYPE
-from kvserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from kvserve.server.model_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,

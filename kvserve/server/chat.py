@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kvserve.outputs import PositionLogprobs, RequestOutput
 from kvserve.server.errors import bad_request
-from kvserve.server.protocol import (
+from kvserve.server.chat_protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -27,8 +27,8 @@ from kvserve.server.protocol import (
     TokenLogprob,
     ToolCall,
     TopLogprob,
-    Usage,
 )
+from kvserve.server.protocol import Usage
 from kvserve.server.logprobs import entry_spelling, text_positions, token_bytes, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,

@@ -7,13 +7,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 from kvserve.outputs import CompletionOutput, FinishReason, PositionLogprobs, RequestOutput
-from kvserve.server.protocol import (
+from kvserve.server.completion_protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    Usage,
 )
+from kvserve.server.protocol import Usage
 from kvserve.server.logprobs import entry_spelling, text_positions, token_spelling, token_text, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,

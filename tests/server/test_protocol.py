@@ -9,7 +9,9 @@ from pydantic import ValidationError
 
 from kvserve.sampling_params import InvalidParameter
 from kvserve.server.errors import _validation_message
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from kvserve.server.chat_protocol import ChatCompletionRequest
+from kvserve.server.completion_protocol import CompletionRequest
+from kvserve.server.model_protocol import TokenizeRequest
 
 
 @pytest.mark.parametrize("body", [

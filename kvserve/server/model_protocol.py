@@ -1,0 +1,66 @@
+"""The bodies of the routes about the served model: /v1/models (its card) and /tokenize, /detokenize (its
+tokenizer)."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field, StrictBool, model_validator
+
+from kvserve.sampling_params import InvalidParameter
+from kvserve.server.chat_protocol import ChatMessage
+from kvserve.server.protocol import RequestBody, Text, TokenIds
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvserve"
+    root: str
+    max_model_len: int | None  # None while the model loads
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(RequestBody):
+    """Either ``prompt`` (text) or ``messages`` (rendered with the chat template) is tokenized."""
+
+    model: str | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    # the tokenizer's special tokens (BOS) added: by default to a prompt, not to messages, whose template holds
+    # those it wants (vLLM's defaults)
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None  # messages only; default true
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidParameter("prompt", "give exactly one of prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            raise InvalidParameter("add_generation_prompt", "add_generation_prompt applies to messages, not to a "
+                                                            "prompt")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestBody):
+    model: str | None = None
+    tokens: TokenIds
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
