@@ -24,14 +24,14 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from kvserve.engine.input_processor import PromptInput
+    from kvserve.engine.input_processor import ChatMessages, PromptInput
     from kvserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -130,10 +130,33 @@ class AsyncEngine:
     # ---- the asyncio side ----
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between two steps and return (or raise) its result."""
+        """Run ``fn(engine)`` on the engine thread between two steps and return (or raise) its result: what the
+        typed methods below are made of (and tests' probes of the engine thread); a server calls those instead."""
         future: Future[T] = Future()
         self._submit(fn, future)
         return await asyncio.wrap_future(future)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, tokenized on the engine thread (which owns the tokenizer); ValueError for a text
+        no context could hold."""
+        return await self.call(lambda e: e.input_processor.tokenize_text(text, add_special_tokens))
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, decoded on the engine thread; InvalidParameter naming ``token_ids`` for an id
+        that is none of this model's."""
+        def decode(engine: LLMEngine) -> str:
+            engine.input_processor.check_token_ids(token_ids, "token_ids")
+            return engine.tokenizer.decode(token_ids)
+
+        return await self.call(decode)
+
+    async def render_chat(self, messages: ChatMessages, add_generation_prompt: bool = True,
+                          tools: Sequence[Mapping[str, Any]] | None = None,
+                          add_special_tokens: bool = False) -> dict[str, Any]:
+        """A conversation (and its tools) rendered with the model's chat template into a token-id prompt
+        (``InputProcessor.apply_chat_template``), on the engine thread; ValueError naming what is wrong."""
+        return await self.call(lambda e: e.input_processor.apply_chat_template(
+            messages, add_generation_prompt, tools, add_special_tokens))
 
     async def compile_constraint(self, spec: StructuredOutputsParams) -> None:
         """Compile a structured-output constraint on a worker thread (xgrammar lets go of the GIL while it

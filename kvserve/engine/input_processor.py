@@ -38,7 +38,7 @@ class InputProcessor:
         """Tokenize (or check) the prompt and fit ``params`` to it; raise ValueError naming what is wrong (a
         constraint that does not compile included: compiled here, the runner finds it in the compiler's cache)."""
         text, token_ids = self._tokenize(prompt)
-        self._check_token_ids(token_ids, "prompt_token_ids")
+        self.check_token_ids(token_ids, "prompt_token_ids")
         token_ids = [int(t) for t in token_ids]
         if params.structured_outputs is not None:
             self.check_constraint(params.structured_outputs)
@@ -128,7 +128,9 @@ class InputProcessor:
     def _longest_token_chars(self) -> int:
         return max(map(len, self.tokenizer.get_vocab()))
 
-    def _check_token_ids(self, token_ids: Sequence[Any], what: str) -> None:
+    def check_token_ids(self, token_ids: Sequence[Any], what: str) -> None:
+        """InvalidParameter naming ``what`` for the first of ``token_ids`` that is no int or no token id of this
+        model."""
         for t in token_ids:  # numpy's integers too (``process`` keeps Python's)
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):  # a tensor's element: .tolist() it
                 raise InvalidParameter(what, f"{what}: {t!r} is a {type(t).__name__}, not a token id: token ids "
@@ -150,6 +152,6 @@ class InputProcessor:
                 "max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
                 f"{num_prompt_tokens + max_tokens} is over max_model_len={self.max_model_len}"
             )
-        self._check_token_ids(params.stop_token_ids or [], "stop_token_ids")
-        self._check_token_ids(list(params.logit_bias or {}), "logit_bias")
+        self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
+        self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         return dataclasses.replace(params, max_tokens=max_tokens)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import asyncio
 
 from http import HTTPStatus
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvserve.sampling_params import InvalidParameter
 from kvserve.server.chat import ChatServer, render_chat
 from kvserve.server.chat_protocol import ChatCompletionRequest
 from kvserve.server.completion_protocol import CompletionRequest
@@ -38,9 +39,13 @@ from kvserve.server.model_protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from kvserve.server.protocol import SamplingRequest
 from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ending_on_failure, until_disconnected
+
+if TYPE_CHECKING:
+    from kvserve.engine.async_engine import AsyncEngine
 
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -58,23 +63,16 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     app = FastAPI(title="kvserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
-    _add_routes(app, state)
+    _add_health_routes(app, state)
+    _add_model_routes(app, state)
+    _add_generation_routes(app, state)
+    _add_token_routes(app, state)
     app.add_middleware(RequestGuard, state=state)
     return app
 
 
-async def _answer(request: Request, generation: _Generation, stream: bool) -> Response:
-    """Queue the generation (400 on bad input), then stream it or answer once it is done. A client that
-    disconnects, streaming or not, aborts its requests."""
-    outputs = await until_disconnected(request, generation.start())
-    if stream:
-        return StreamingResponse(ending_on_failure(generation.stream(outputs)), media_type="text/event-stream")
-    body = await until_disconnected(request, generation.respond(outputs))
-    return Response(await asyncio.to_thread(body.model_dump_json), media_type="application/json")
-
-
-def _add_routes(app: FastAPI, state: ServerState) -> None:
-    settings = state.settings
+def _add_health_routes(app: FastAPI, state: ServerState) -> None:
+    """GET /health (200 once the model serves, else 503 saying why) and GET /metrics."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -87,68 +85,87 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         body = state.metrics.render() if state.metrics else b""
         return Response(body, media_type=CONTENT_TYPE)
 
-    def model_card(name: str) -> ModelCard:
-        return ModelCard(id=name, root=settings.model_root, max_model_len=state.max_model_len)
+
+def _add_model_routes(app: FastAPI, state: ServerState) -> None:
+    """GET /v1/models and /v1/models/{model}: the cards of the served names."""
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in settings.served_model_names])
+        return ModelList(data=[_model_card(state, name) for name in state.settings.served_model_names])
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> ModelCard:
         state.engine_for(model)  # 404 naming the served models if it is not one of them
-        return model_card(model)
+        return _model_card(state, model)
+
+
+def _model_card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, root=state.settings.model_root, max_model_len=state.max_model_len)
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        engine = state.admit(body.model)
-        try:
-            generation = CompletionServer(engine, body, body.model or settings.model_name, client_request_id(request))
-        except ValueError as e:
-            raise bad_request(body.named_as_sent(e)) from e
-        return await _answer(request, generation, body.stream)
+        return await _serve(state, CompletionServer, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        engine = state.admit(body.model)
-        try:
-            generation = ChatServer(engine, body, body.model or settings.model_name, settings.tool_call_parser,
-                                    client_request_id(request))
-        except ValueError as e:
-            raise bad_request(body.named_as_sent(e)) from e
-        return await _answer(request, generation, body.stream)
+        return await _serve(state, ChatServer, body, request, tool_call_parser=state.settings.tool_call_parser)
+
+
+async def _serve(state: ServerState, handler: Callable[..., _Generation], body: SamplingRequest, request: Request,
+                 **options: Any) -> Response:
+    """Admit the request (an error answer when the server cannot take it now), make its ``handler`` (400 for
+    bad input, naming the field as the request sent it), then answer it."""
+    engine = state.admit(body.model)
+    try:
+        generation = handler(engine, body, body.model or state.settings.model_name,
+                             client_request_id=client_request_id(request), **options)
+    except ValueError as e:
+        raise bad_request(body.named_as_sent(e)) from e
+    return await _answer(request, generation, body.stream)
+
+
+async def _answer(request: Request, generation: _Generation, stream: bool) -> Response:
+    """Queue the generation (400 on bad input), then stream it or answer once it is done. A client that
+    disconnects, streaming or not, aborts its requests."""
+    outputs = await until_disconnected(request, generation.start())
+    if stream:
+        return StreamingResponse(ending_on_failure(generation.stream(outputs)), media_type="text/event-stream")
+    body = await until_disconnected(request, generation.respond(outputs))
+    return Response(await asyncio.to_thread(body.model_dump_json), media_type="application/json")
+
+
+def _add_token_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /tokenize (a prompt, or messages rendered with the chat template) and POST /detokenize."""
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        engine = state.engine_for(body.model)
-        if body.messages is not None:
-            add_generation_prompt = body.add_generation_prompt is not False
-            prompt = await render_chat(engine, body.messages, add_generation_prompt,
-                                       add_special_tokens=bool(body.add_special_tokens))
-            token_ids = prompt["prompt_token_ids"]
-        else:
-            text, add_special = body.prompt, body.add_special_tokens is not False
-            try:
-                token_ids = await engine.call(lambda e: e.input_processor.tokenize_text(text, add_special))
-            except ValueError as e:
-                raise bad_request(e, param="prompt") from e
+        token_ids = await _token_ids(state.engine_for(body.model), body)
         return TokenizeResponse(count=len(token_ids), max_model_len=state.max_model_len, tokens=token_ids)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         engine = state.engine_for(body.model)
-
-        def decode(e: Any) -> str:
-            bad = [t for t in body.tokens if not 0 <= t < e.input_processor.vocab_size]
-            if bad:
-                raise ValueError(f"tokens: {bad[0]} is not a token id of this model "
-                                 f"(vocabulary size {e.input_processor.vocab_size})")
-            return e.tokenizer.decode(body.tokens)
-
         try:
-            return DetokenizeResponse(prompt=await engine.call(decode))
-        except ValueError as e:
-            raise bad_request(e, param="tokens") from e
+            return DetokenizeResponse(prompt=await engine.detokenize(body.tokens))
+        except InvalidParameter as e:  # the engine names the ids token_ids; the request sent them as tokens
+            raise bad_request(e.renamed("tokens")) from e
+
+
+async def _token_ids(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
+    """The token ids of the request's messages or prompt. Special tokens (BOS) are added, by vLLM's defaults, to
+    a prompt and not to messages, whose template holds those it wants; ``add_special_tokens`` overrides that."""
+    if body.messages is not None:
+        prompt = await render_chat(engine, body.messages, body.add_generation_prompt is not False,
+                                   add_special_tokens=bool(body.add_special_tokens))
+        return prompt["prompt_token_ids"]
+    try:
+        return await engine.tokenize(body.prompt, body.add_special_tokens is not False)
+    except ValueError as e:
+        raise bad_request(e, param="prompt") from e
 
 
 def client_request_id(request: Request) -> str | None:

@@ -53,13 +53,12 @@ if TYPE_CHECKING:
 
 
 async def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool,
-                      tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False) -> dict:
+                      tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False) -> dict[str, Any]:
     """The conversation (and tools) as a token-id prompt, rendered on the engine thread (which owns the
     tokenizer); a conversation the template cannot render (e.g. roles that do not alternate) is a 400."""
     conversation = [m.model_dump(exclude_none=True) for m in messages]
     try:
-        return await engine.call(lambda e: e.input_processor.apply_chat_template(
-            conversation, add_generation_prompt, tools, add_special_tokens))
+        return await engine.render_chat(conversation, add_generation_prompt, tools, add_special_tokens)
     except ValueError as e:
         raise bad_request(ValueError(f"messages: {e}"), param="messages") from e
 

@@ -230,3 +230,30 @@ def test_a_constraint_compiles_off_the_engine_thread(monkeypatch) -> None:
 
     run_with_engine(test)
     assert len(threads) == 1 and threads[0] != "kvserve-engine"
+
+
+def test_the_tokenizer_calls_run_on_the_engine_thread_through_the_input_processor(monkeypatch) -> None:
+    """tokenize, detokenize and render_chat are the server's only ways to the tokenizer: no reach into the engine."""
+    threads: list[str] = []
+
+    async def test(engine: AsyncEngine) -> None:
+        import threading
+
+        from kvserve.engine.input_processor import InputProcessor
+        from kvserve.sampling_params import InvalidParameter
+
+        processor = InputProcessor(engine.engine.tokenizer, vocab_size=256, max_model_len=64)
+        monkeypatch.setattr(engine.engine, "input_processor", processor)
+        tokenize_text = processor.tokenize_text
+        monkeypatch.setattr(processor, "tokenize_text", lambda *args: (
+            threads.append(threading.current_thread().name), tokenize_text(*args))[1])
+        assert await engine.tokenize("hé") == [104, 195, 169]
+        assert await engine.detokenize([104, 195, 169]) == "hé"
+        with pytest.raises(InvalidParameter, match=r"token_ids: 256 is not a token id .*vocabulary size 256") as error:
+            await engine.detokenize([104, 256])
+        assert error.value.param == "token_ids"
+        with pytest.raises(ValueError, match="no chat template"):  # the byte tokenizer has none
+            await engine.render_chat([{"role": "user", "content": "hi"}])
+
+    run_with_engine(test)
+    assert threads == ["kvserve-engine"]

@@ -339,3 +339,17 @@ def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch) -> No
     assert api_key(None) == "from-env" and api_key("flag") == "flag"
     monkeypatch.setenv("KVSERVE_API_KEY", "")
     assert api_key(None) is None
+
+
+def test_tokenize_and_detokenize_answer_and_name_the_field_as_sent(srv: InProcessServer, monkeypatch) -> None:
+    from kvserve.engine.input_processor import InputProcessor
+
+    monkeypatch.setattr(srv.fake, "input_processor", InputProcessor(srv.fake.tokenizer, 256, 256))
+    tokens = httpx.post(f"{srv.url}/tokenize", json={"prompt": "ab"}).json()
+    assert tokens == {"count": 2, "max_model_len": 256, "tokens": [97, 98]}
+    assert httpx.post(f"{srv.url}/detokenize", json={"tokens": [97, 98]}).json() == {"prompt": "ab"}
+    refused = httpx.post(f"{srv.url}/detokenize", json={"tokens": [97, 300]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tokens"
+    assert refused.json()["error"]["message"].startswith("tokens: 300 is not a token id of this model")
+    chat = httpx.post(f"{srv.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"  # the byte tokenizer has no template
