@@ -30,7 +30,7 @@ import torch
 from kvserve.attention.backend import AttentionInputs
 from kvserve.attention.cpu_paged import DECODE_SOURCE, PREFILL_SOURCE, CpuPagedBackend
 from kvserve.config import CacheConfig
-from kvserve.engine.core import num_kv_blocks_for
+from kvserve.engine.kv_budget import num_kv_blocks_for
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.native import load_library

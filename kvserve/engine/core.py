@@ -1,15 +1,13 @@
-"""EngineCore: schedule -> execute -> update. No I/O and no tokenizer: token ids in, token ids out."""
+"""EngineCore: schedule -> execute -> update, plainly or overlapped. No tokenizer and no network: token ids in,
+token ids out. Beside the step it keeps the KV pool's peak use (for ``stats``), times steps for the disk tier's
+reload costs, and waits briefly on the disk tier's reads when nothing else can run."""
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple
 
-import torch
-
-from kvserve.config import CacheConfig
 from kvserve.kv.groups import NULL_BLOCK
 from kvserve.kv.manager import KVCacheManager
 from kvserve.outputs import FinishReason
@@ -18,39 +16,7 @@ from kvserve.sched.output import EngineOutput, KVTransferPlan, ModelOutput, Sche
 from kvserve.sched.scheduler import Scheduler
 from kvserve.worker.model_runner import ModelRunner
 
-DEFAULT_CPU_KV_CACHE_GIB = 2.0
-logger = logging.getLogger(__name__)
 DISK_READ_WAIT_SECONDS = 0.05
-
-
-def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.device, max_blocks_needed: int | None,
-                      block_scale: int = 1) -> int:
-    """How many blocks of ``bytes_per_block`` (every model's KV a block id holds) the pool gets: ``num_kv_blocks``
-    if set, else a memory budget (``kv_cache_memory`` GiB, default 2 GiB on CPU; a fraction of free memory on
-    CUDA), never more than ``max_blocks_needed`` (what the running requests could ever fill; None: the whole
-    budget, which the prefix cache fills). ``num_kv_blocks`` counts blocks of every layer: with KV cache groups
-    (``kv/groups.py``) a block holds 1 / ``block_scale`` of that, and the pool gets as many more."""
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks * block_scale
-    if device.type == "cuda" and cache.kv_cache_memory is None:
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        budget = free_bytes * cache.gpu_memory_utilization
-    else:
-        if cache.gpu_memory_utilization != CacheConfig.gpu_memory_utilization:  # asked for, and changes nothing
-            logger.warning("--gpu-memory-utilization is not used: the KV cache is sized by --kv-cache-memory "
-                           "(default %s GiB off CUDA)", DEFAULT_CPU_KV_CACHE_GIB)
-        budget = (cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB) * 2**30
-    num_blocks = int(budget // bytes_per_block)
-    if max_blocks_needed is not None and num_blocks > max_blocks_needed:
-        logger.info("the KV budget (%.3f GiB) holds more than the running requests could ever fill, with no "
-                    "prefix cache to keep: %d blocks", budget / 2**30, max_blocks_needed)
-        num_blocks = max_blocks_needed
-    if num_blocks < 1:
-        raise ValueError(
-            f"the KV cache budget ({budget / 2**30:.3f} GiB) is smaller than one block "
-            f"({bytes_per_block} bytes); raise kv_cache_memory"
-        )
-    return num_blocks
 
 
 class PendingStep(NamedTuple):

@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from kvserve.config import EngineConfig, parse_dtype, resolve_device
-from kvserve.engine.core import EngineCore, PendingStep, num_kv_blocks_for
+from kvserve.engine.core import EngineCore, PendingStep
+from kvserve.engine.kv_budget import num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.groups import KVCacheGroups
