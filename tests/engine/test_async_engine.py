@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 from typing import Any
 
@@ -11,8 +12,9 @@ import pytest
 
 from kvserve.engine import async_engine
 from kvserve.engine.async_engine import AsyncEngine, EngineDeadError
+from kvserve.engine.input_processor import InputProcessor
 from kvserve.outputs import FinishReason, RequestOutput
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from tests.engine.fake_engine import FakeEngine
 
 
@@ -129,8 +131,6 @@ def test_the_loop_sleeps_when_idle() -> None:
 
 def test_call_runs_on_the_engine_thread_and_passes_exceptions_back() -> None:
     async def test(engine: AsyncEngine) -> None:
-        import threading
-
         assert await engine.call(lambda e: threading.current_thread().name) == "kvserve-engine"
         with pytest.raises(KeyError):
             await engine.call(lambda e: {}["missing"])
@@ -222,8 +222,6 @@ def test_a_constraint_compiles_off_the_engine_thread(monkeypatch) -> None:
     threads: list[str] = []
 
     async def test(engine: AsyncEngine) -> None:
-        import threading
-
         monkeypatch.setattr(engine.engine.input_processor, "check_constraint",
                             lambda spec: threads.append(threading.current_thread().name), raising=False)
         await engine.compile_constraint(StructuredOutputsParams(regex="a+"))
@@ -232,21 +230,25 @@ def test_a_constraint_compiles_off_the_engine_thread(monkeypatch) -> None:
     assert len(threads) == 1 and threads[0] != "kvserve-engine"
 
 
-def test_the_tokenizer_calls_run_on_the_engine_thread_through_the_input_processor(monkeypatch) -> None:
-    """tokenize, detokenize and render_chat are the server's only ways to the tokenizer: no reach into the engine."""
-    threads: list[str] = []
+class ThreadRecordingProcessor(InputProcessor):
+    """An InputProcessor that notes the thread each tokenization ran on."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.threads: list[str] = []
+
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.threads.append(threading.current_thread().name)
+        return super().tokenize_text(text, add_special_tokens)
+
+
+def test_tokenize_detokenize_and_render_chat_run_on_the_engine_thread(monkeypatch) -> None:
+    """The server's way to the tokenizer: typed calls, no reach into the engine's input processor."""
+    fake = FakeEngine()
+    processor = ThreadRecordingProcessor(fake.tokenizer, vocab_size=256, max_model_len=64)
+    monkeypatch.setattr(fake, "input_processor", processor)
 
     async def test(engine: AsyncEngine) -> None:
-        import threading
-
-        from kvserve.engine.input_processor import InputProcessor
-        from kvserve.sampling_params import InvalidParameter
-
-        processor = InputProcessor(engine.engine.tokenizer, vocab_size=256, max_model_len=64)
-        monkeypatch.setattr(engine.engine, "input_processor", processor)
-        tokenize_text = processor.tokenize_text
-        monkeypatch.setattr(processor, "tokenize_text", lambda *args: (
-            threads.append(threading.current_thread().name), tokenize_text(*args))[1])
         assert await engine.tokenize("hé") == [104, 195, 169]
         assert await engine.detokenize([104, 195, 169]) == "hé"
         with pytest.raises(InvalidParameter, match=r"token_ids: 256 is not a token id .*vocabulary size 256") as error:
@@ -255,5 +257,10 @@ def test_the_tokenizer_calls_run_on_the_engine_thread_through_the_input_processo
         with pytest.raises(ValueError, match="no chat template"):  # the byte tokenizer has none
             await engine.render_chat([{"role": "user", "content": "hi"}])
 
-    run_with_engine(test)
-    assert threads == ["kvserve-engine"]
+    engine = AsyncEngine(fake)
+    engine.start()
+    try:
+        asyncio.run(asyncio.wait_for(test(engine), timeout=10))
+    finally:
+        engine.shutdown()
+    assert processor.threads == ["kvserve-engine"]
