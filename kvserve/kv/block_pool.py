@@ -1,13 +1,14 @@
-"""BlockPool: fixed-size KV blocks named by ints, with reference counts and O(1) free queues.
+"""BlockPool: fixed-size KV blocks named by ints, with reference counts and O(1) queues of unheld blocks.
 
-A block is held by one or more requests (reference count >= 1) or unheld (count 0). An unheld block waits
-in one of two queues, each in the order blocks were released (head = released longest ago)::
+A block is held by one or more requests (reference count >= 1) or free (unheld, count 0): an allocation can
+take it. A free block waits in one of two queues, each in the order blocks were released (head = released
+longest ago)::
 
-    free:       | unheld, content worthless |  -> allocation takes these first
-    evictable:  | unheld, content kept by the prefix cache (LRU) |  -> then these, evicting each
+    worthless:  | free, content worthless |  -> allocation takes these first
+    evictable:  | free, content kept by the prefix cache (LRU) |  -> then these, evicting each
 
 A block is *cached* while the prefix cache's tree names it (``mark_cached``); a cached block that loses its
-last holder becomes evictable instead of free. Allocation never evicts while a worthless block is left, and
+last holder becomes evictable instead of worthless. Allocation never evicts while a worthless block is left, and
 evicts the least recently released cached block first, telling the cache through ``on_evict``. A cache hit
 takes an evictable block back (``take``) without copying anything.
 """
@@ -31,13 +32,13 @@ class BlockPool:
         self._ref_counts = [0] * num_blocks
         self._cached = [False] * num_blocks
         # OrderedDicts as O(1) queues that also allow O(1) removal from the middle (a cache hit).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._worthless: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can get: the free ones and the evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        """Blocks an allocation can get: the unheld ones, worthless or evictable."""
+        return len(self._worthless) + len(self._evictable)
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -52,7 +53,7 @@ class BlockPool:
         return self._cached[block_id]
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks (reference count 1 each), free ones first, then evicting the least
+        """Take ``num_blocks`` blocks (reference count 1 each), worthless ones first, then evicting the least
         recently released cached ones; raises NoFreeBlocksError, taking none, when too few are unheld."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
@@ -60,8 +61,8 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {num_blocks} blocks but only {self.num_free_blocks} are free")
         block_ids = []
         for _ in range(num_blocks):
-            if self._free:
-                block_id, _ = self._free.popitem(last=False)
+            if self._worthless:
+                block_id, _ = self._worthless.popitem(last=False)
             else:
                 block_id, _ = self._evictable.popitem(last=False)
                 self._evict(block_id)
@@ -87,13 +88,13 @@ class BlockPool:
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one holder from each block; one whose count reaches 0 joins the tail of the evictable queue
-        if cached, else of the free queue."""
+        if cached, else of the worthless queue."""
         for block_id in block_ids:
             if self.ref_count(block_id) == 0:
                 raise ValueError(f"block {block_id} is already free")
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                queue = self._evictable if self._cached[block_id] else self._free
+                queue = self._evictable if self._cached[block_id] else self._worthless
                 queue[block_id] = None
 
     def mark_cached(self, block_id: int) -> None:
@@ -110,12 +111,12 @@ class BlockPool:
 
     def drop_cached(self, block_id: int) -> None:
         """The prefix cache let go of this unheld cached block without evicting it (its node left the tree): its
-        content is worthless, and it moves from the evictable queue to the tail of the free one."""
+        content is worthless, and it moves from the evictable queue to the tail of the worthless one."""
         if self.ref_count(block_id) != 0 or not self._cached[block_id]:
             raise ValueError(f"block {block_id} is not an unheld cached block")
         del self._evictable[block_id]
         self._cached[block_id] = False
-        self._free[block_id] = None
+        self._worthless[block_id] = None
 
     def evictable_order(self) -> list[int]:
         """The evictable blocks, next to be evicted first."""
@@ -124,14 +125,14 @@ class BlockPool:
     def check_integrity(self) -> None:
         """The two queues hold exactly the unheld blocks, each once, sorted by whether they are cached;
         raises AssertionError."""
-        free, evictable = set(self._free), set(self._evictable)
-        assert not free & evictable, f"blocks {sorted(free & evictable)} are in both queues"
-        unqueued = [b for b, count in enumerate(self._ref_counts) if count == 0 and b not in free | evictable]
+        worthless, evictable = set(self._worthless), set(self._evictable)
+        assert not worthless & evictable, f"blocks {sorted(worthless & evictable)} are in both queues"
+        unqueued = [b for b, count in enumerate(self._ref_counts) if count == 0 and b not in worthless | evictable]
         assert not unqueued, f"blocks {unqueued} have reference count 0 but are in no queue"
-        held = [b for b in free | evictable if self._ref_counts[b] != 0]
-        assert not held, f"blocks {held} are in a free queue but still held"
-        wrong_free = [b for b in free if self._cached[b]]
-        assert not wrong_free, f"cached blocks {wrong_free} are in the free queue, not the evictable one"
+        held = [b for b in worthless | evictable if self._ref_counts[b] != 0]
+        assert not held, f"blocks {held} are in a queue of unheld blocks but still held"
+        wrong_worthless = [b for b in worthless if self._cached[b]]
+        assert not wrong_worthless, f"cached blocks {wrong_worthless} are in the worthless queue, not the evictable one"
         wrong_evictable = [b for b in evictable if not self._cached[b]]
         assert not wrong_evictable, f"uncached blocks {wrong_evictable} are in the evictable queue"
 

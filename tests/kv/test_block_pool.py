@@ -59,11 +59,11 @@ def test_bad_ids_and_sizes_are_refused() -> None:
         pool.allocate(-1)
 
 
-def test_check_integrity_catches_a_corrupted_free_queue() -> None:
+def test_check_integrity_catches_a_corrupted_worthless_queue() -> None:
     pool = BlockPool(3)
     pool.allocate(1)
     pool.check_integrity()
-    pool._free[0] = None  # a held block in the free queue
+    pool._worthless[0] = None  # a held block in the queue of unheld worthless blocks
     with pytest.raises(AssertionError, match="still held"):
         pool.check_integrity()
 
