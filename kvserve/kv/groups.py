@@ -95,6 +95,20 @@ class KVCacheGroups:
         window = self.windows[group]
         return 0 if window is None else max(0, (position - window + 1) // block_size)
 
+    def visible_entries(self, tables: Sequence[Sequence[int]], num_tokens: int,
+                        block_size: int) -> list[tuple[int, int, int]]:
+        """(group, index, table entry) of every block holding KV of the first ``num_tokens`` tokens that the query
+        at ``num_tokens`` sees: group after group, each from its first visible block (what a swap keeps, in the
+        order of its host rows)::
+
+            num_tokens 14, block_size 4, w = 6 (the query at 14 sees 9 .. 14):
+            group 0:       | b0 | b1 | b2 | b3 |   -> entries 0 .. 3
+            window group:  | -1 | b5 | b6 | b7 |   -> entries 4 .. 5 (b6, b7); b5 is dead to the query
+        """
+        num_blocks = -(-num_tokens // block_size)
+        return [(group, index, table[index]) for group, table in enumerate(tables)
+                for index in range(self.first_visible_block(group, num_tokens, block_size), num_blocks)]
+
     def visible_length(self, num_blocks: int, block_size: int, has: Callable[[int, int], bool]) -> int:
         """The longest k <= ``num_blocks`` such that the query at k * block_size finds every block it sees in
         every window group (``has(group, index)``): how much of a cached prefix a request can start from. A

@@ -300,6 +300,14 @@ def test_visible_length_cuts_a_prefix_back_to_where_its_query_sees_only_blocks_s
     assert length({6, 5}) == 5 and length({6, 5, 3}) == 3 and length({0}) == 8
 
 
+def test_visible_entries_are_every_groups_blocks_from_the_first_its_next_query_sees() -> None:
+    groups = KVCacheGroups.of_layers([6, None])  # the query at 14 sees keys 9 .. 14: window blocks 2 and 3
+    tables = [[10, 11, 12, 13], [NULL_BLOCK, 21, 22, 23]]
+    assert groups.visible_entries(tables, 14, 4) == [(0, 0, 10), (0, 1, 11), (0, 2, 12), (0, 3, 13),
+                                                     (1, 2, 22), (1, 3, 23)]
+    assert groups.visible_entries(tables, 8, 4) == [(0, 0, 10), (0, 1, 11), (1, 0, NULL_BLOCK), (1, 1, 21)]
+
+
 # ----------------------------------------------------------------------------------- swap and the KV tiers
 
 
