@@ -15,12 +15,11 @@ for load in ${LOADS:-random long}; do
   if [ $load = random ]; then FLAGS="--dataset-name random --random-input-len 256 --random-output-len 128 --random-range-ratio 0.5 --num-prompts 64 --max-concurrency 16"
   else FLAGS="--dataset-name long --long-prompt-len ${LONG_PROMPT:-1900} --random-output-len ${LONG_OUT:-100} --num-prompts ${NUM_PROMPTS:-32} --max-concurrency 16"; fi
   for dtype in ${ORDER:-auto int8}; do
-    kvserve serve smollm2-135m-instruct --port $PORT --max-num-seqs 16 --kv-cache-dtype $dtype > $OUT/$dtype-$load.server.log 2>&1 &
-    pid=$!
+    start_server $OUT/$dtype-$load.server.log kvserve serve smollm2-135m-instruct --port $PORT --max-num-seqs 16 --kv-cache-dtype $dtype
     wait_healthy
     kvserve bench serve --base-url http://127.0.0.1:$PORT --model smollm2-135m-instruct --label kv-$dtype --backend kvserve \
       --warmup 2 --result-json $OUT/$dtype-$load.json $FLAGS 2>/dev/null > $OUT/$dtype-$load.txt
-    kill $pid; wait $pid 2>/dev/null
+    stop_server
   done
   kvserve bench compare $OUT/auto-$load.json $OUT/int8-$load.json > $OUT/compare-$load.txt
 done

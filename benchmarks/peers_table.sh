@@ -73,15 +73,16 @@ for system in $SYSTEMS; do
   backend=llamacpp; [ "${system#kvserve}" = "$system" ] || backend=kvserve
   for load in $LOADS; do  # a fresh server per pass: no pass finds another's prompts cached
     # shellcheck disable=SC2046
-    $(server_command "$system") >"$OUT/$system-$load.server.log" 2>&1 &
-    pid=$!
+    start_server "$OUT/$system-$load.server.log" $(server_command "$system")
     wait_healthy
     # shellcheck disable=SC2046
     kvserve bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$system" --backend "$backend" \
       --warmup 2 --result-json "$OUT/$system-$load.json" $(load_flags "$load") 2>/dev/null | tee "$OUT/$system-$load.txt"
-    kill "$pid"; wait "$pid" 2>/dev/null || true
+    stop_server
   done
 done
-for load in $LOADS; do
-  kvserve bench compare "$OUT"/*-"$load".json | tee "$OUT/compare-$load.txt"
+for load in $LOADS; do  # in $SYSTEMS order: the first system run is the baseline; older files in $OUT stay out
+  results=()
+  for system in $SYSTEMS; do results+=("$OUT/$system-$load.json"); done
+  kvserve bench compare "${results[@]}" | tee "$OUT/compare-$load.txt"
 done

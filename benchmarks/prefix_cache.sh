@@ -35,21 +35,22 @@ source "benchmarks/wait_healthy.sh"
 
 run_pass() {  # label, workload, bench backend, server command...
   local label=$1 workload=$2 backend=$3; shift 3
-  "$@" >"$OUT/$label-$workload.server.log" 2>&1 &
-  local pid=$!
+  start_server "$OUT/$label-$workload.server.log" "$@"
   wait_healthy
   # shellcheck disable=SC2046
   kvserve bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$label" --backend "$backend" \
     --result-json "$OUT/$label-$workload.json" $(workload_flags "$workload") 2>/dev/null | tee "$OUT/$label-$workload.txt"
-  kill "$pid"; wait "$pid" 2>/dev/null || true
+  stop_server
+  results+=("$OUT/$label-$workload.json")
 }
 
 for workload in $WORKLOADS; do
+  results=()  # in the order run: the cache off is the baseline; older files in $OUT stay out
   run_pass kvserve-cache-off "$workload" kvserve kvserve serve "$MODEL" --port "$PORT" --no-enable-prefix-caching
   run_pass kvserve-cache-on "$workload" kvserve kvserve serve "$MODEL" --port "$PORT"
   if [ -n "${LLAMA_SERVER:-}" ] && [ "$workload" != random ]; then
     run_pass "llamacpp-$(basename "${LLAMA_GGUF%.gguf}")" "$workload" llamacpp "$LLAMA_SERVER" -m "$LLAMA_GGUF" \
       --host 127.0.0.1 --port "$PORT" -t 2 -tb 2 -np 16 -c 32768 -b 512 -ub 512 --metrics
   fi
-  kvserve bench compare "$OUT"/*-"$workload".json | tee "$OUT/compare-$workload.txt"
+  kvserve bench compare "${results[@]}" | tee "$OUT/compare-$workload.txt"
 done

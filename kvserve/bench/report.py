@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections import Counter
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -177,9 +178,12 @@ def _git_state() -> dict[str, Any]:
 
 def compare_table(paths: list[str | Path]) -> str:
     """The figures of every run of every file side by side; each column after the first with its ratio to the
-    first."""
-    columns = [column for path in paths for column in _columns(Path(path))]
-    names = [name for name, _ in columns]
+    first. A column is headed by its run's label, and by its file's name too where another column has the same
+    label (two runs without ``--label`` are both "kvserve random")."""
+    columns = [(Path(path), *column) for path in paths for column in _columns(Path(path))]
+    label_counts = Counter(name for _, name, _ in columns)
+    names = [f"{name} ({path.stem})" if label_counts[name] > 1 else name for path, name, _ in columns]
+    columns = [(name, figures) for name, (_, _, figures) in zip(names, columns)]
     rows = []
     for keys, row_name in COMPARED:
         values = [_get(figures, keys) for _, figures in columns]

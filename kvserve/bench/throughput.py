@@ -171,8 +171,13 @@ def tokenized(requests: list[SampleRequest], chat: InputProcessor) -> list[Sampl
 
 
 def _as_token_ids(request: SampleRequest, chat: InputProcessor) -> SampleRequest:
-    """The prompt as ids; a grounded request drops its messages, which its prompt holds through the template."""
-    prompt = request.prompt if isinstance(request.prompt, str) else {"prompt_token_ids": request.prompt}
+    """The prompt as ids; a grounded request's are its messages through the chat template, as the server's chat
+    route makes them (its prompt text, tokenized again, would add a second BOS where the template writes one), and
+    it drops the messages."""
+    if request.messages is not None:
+        prompt = {"prompt_token_ids": chat.apply_chat_template(request.messages)["prompt_token_ids"]}
+    else:
+        prompt = request.prompt if isinstance(request.prompt, str) else {"prompt_token_ids": request.prompt}
     token_ids = chat.process(prompt, greedy_exact(request)).prompt_token_ids
     return dataclasses.replace(request, prompt=token_ids, prompt_len=len(token_ids), messages=None)
 
@@ -205,11 +210,13 @@ class Bench:
         self._sync()
 
     def timed(self, system: str, generate: Generate) -> SystemResult:
-        """The workload, timed (after a warm-up: ``measure``)."""
+        """The workload, timed (after a warm-up: ``measure``), less what the runner counts as no generation of its
+        own (``hf_backend.ContinuousBatching.untimed_s``: transformers' session shutdowns)."""
+        untimed_before = getattr(generate, "untimed_s", 0.0)
         start = time.perf_counter()
         lengths = run_workload(generate, self.requests, self.chat)
         self._sync()
-        wall_s = time.perf_counter() - start
+        wall_s = time.perf_counter() - start - (getattr(generate, "untimed_s", 0.0) - untimed_before)
         bound_s = roofline.workload_flops(self.size, lengths) / self.peak_flops_per_s
         return SystemResult(system, wall_s, lengths, bound_s)
 

@@ -58,6 +58,13 @@ def test_compare_puts_runs_side_by_side_with_ratios_to_the_first(tmp_path: Path)
     assert "TPOT median ms" not in by_name  # a figure no file has
 
 
+def test_compare_tells_columns_of_one_label_apart_by_their_files(tmp_path: Path) -> None:
+    runs = [write(tmp_path / f"{name}.json", {"kind": "serve", "label": label, "output_throughput": 1.0})
+            for name, label in (("served", "kvserve random"), ("offline", "kvserve random"), ("peer", "llamacpp"))]
+    assert compare_table(runs).splitlines()[0].split() == ["kvserve", "random", "(served)", "kvserve", "random",
+                                                           "(offline)", "llamacpp"]
+
+
 def test_compare_names_a_file_that_is_not_a_result(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("not json")

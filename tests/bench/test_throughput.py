@@ -4,12 +4,14 @@ same ids as kvserve, multiturn run turn by turn, the engine's options and stats,
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from tokenizers.processors import TemplateProcessing
 
 from kvserve import LLM
 from kvserve.bench import hf_backend, throughput
@@ -115,6 +117,45 @@ def test_multiturn_resends_each_history_with_the_systems_own_answers(tokenizer) 
     history = [{**m, "content": next(answers)} if m["role"] == "assistant" else m for m in scripted]
     assert calls[2][1].prompt == chat.apply_chat_template(history)["prompt_token_ids"]
     assert lengths == [(len(r.prompt), 4) for batch in calls for r in batch]
+
+
+def test_a_grounded_prompt_is_its_messages_through_the_template_as_the_server_makes_it(tokenizer) -> None:
+    """On a tokenizer that adds BOS and a template that writes it (Gemma 3's, Llama 3's), the templated text
+    tokenized again got BOS twice."""
+    bos_adding = copy.deepcopy(tokenizer)
+    bos = bos_adding.bos_token
+    bos_adding._tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A",
+                                                              special_tokens=[(bos, bos_adding.bos_token_id)])
+    bos_adding.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    workload = ["--dataset-name", "grounded", "--num-prompts", "2", "--random-input-len", "40"]
+    requests = build_dataset(_dataset_args(workload), bos_adding)
+    chat = InputProcessor(bos_adding, len(bos_adding), 512)
+    for request, offline in zip(requests, throughput.tokenized(requests, chat)):
+        served = chat.apply_chat_template(request.messages)["prompt_token_ids"]
+        assert offline.prompt == served and served.count(bos_adding.bos_token_id) == 1
+        assert offline.prompt_len == len(served) and offline.messages is None
+
+
+def test_what_a_runner_counts_as_no_generation_of_its_own_is_not_timed(tokenizer, monkeypatch) -> None:
+    """transformers' continuous-batching session takes ~0.5 s to shut down after its last result, whatever the
+    work: a fake clock, a runner that generates for 5 s and shuts down for 2, a wall of 5."""
+    now = [0.0]
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: now[0])
+    runner = hf_backend.ContinuousBatching(model=None, max_batch_tokens=8, max_num_seqs=2, desc="fake")
+
+    def generate(requests):
+        now[0] += 5.0
+        collected = now[0]
+        now[0] += 2.0
+        runner.untimed_s += now[0] - collected
+        return [[1] * r.output_len for r in requests]
+
+    monkeypatch.setattr(hf_backend.ContinuousBatching, "__call__", lambda self, requests: generate(requests))
+    size = throughput.roofline.ModelSize(64, 128, 2, 4, 2, 16, len(tokenizer), True)
+    bench = throughput.Bench([SampleRequest([5, 6, 7], 3, 2)], InputProcessor(tokenizer, len(tokenizer), 64),
+                             torch.device("cpu"), size, 1e12)
+    assert bench.timed("hf-generate_batch", runner).wall_s == 5.0
+    assert runner.untimed_s == 2.0
 
 
 def test_bad_backends_and_modes_are_named() -> None:
