@@ -36,6 +36,28 @@ SHAREGPT_MAX_PROMPT_LEN = 1024
 SHAREGPT_MAX_TOTAL_LEN = 2048
 TEXT_ROUNDS = 8  # of re-tokenizing a random text towards its length: one or two suffice
 
+# The workload flags each dataset reads, and their defaults: a flag set away from its default for a dataset that
+# does not read it is refused (a sweep written with another dataset's flags would run other work than it reads).
+READ_BY = {
+    "dataset_path": ("sharegpt",),
+    "num_prompts": ("random", "sharegpt", "long", "grounded"),
+    "random_input_len": ("random", "grounded"),
+    "random_output_len": ("random", "prefix", "multiturn", "long", "grounded"),
+    "random_range_ratio": ("random", "grounded"),
+    "random_output_range_ratio": ("random", "grounded"),
+    "sharegpt_output_len": ("sharegpt",),
+    **dict.fromkeys(("prefix_num_groups", "prefix_group_size", "prefix_len", "suffix_len", "prefix_order"),
+                    ("prefix",)),
+    **dict.fromkeys(("num_conversations", "num_turns", "first_turn_len", "turn_len"), ("multiturn",)),
+    "long_prompt_len": ("long",),
+}
+DEFAULTS: dict[str, Any] = {
+    "dataset_path": None, "num_prompts": 64, "random_input_len": 256, "random_output_len": 64,
+    "random_range_ratio": 0.0, "random_output_range_ratio": None, "sharegpt_output_len": None,
+    "prefix_num_groups": 8, "prefix_group_size": 16, "prefix_len": 1024, "suffix_len": 32, "prefix_order": "grouped",
+    "num_conversations": 8, "num_turns": 4, "first_turn_len": 1000, "turn_len": 100, "long_prompt_len": None,
+}
+
 
 @dataclass(frozen=True)
 class SampleRequest:
@@ -54,30 +76,42 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload flags, shared by ``kvserve bench serve`` and ``kvserve bench throughput``."""
     group = parser.add_argument_group("workload")
     group.add_argument("--dataset-name", choices=DATASETS, default="random")
-    group.add_argument("--dataset-path", type=Path, default=None,
+    group.add_argument("--dataset-path", type=Path, default=DEFAULTS["dataset_path"],
                        help=f"sharegpt: a ShareGPT-format JSON file (a small synthetic one: {SHAREGPT_SAMPLE})")
-    group.add_argument("--num-prompts", type=int, default=64, help="requests (random, sharegpt, long)")
+    group.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"],
+                       help="requests (random, sharegpt, long, grounded)")
     group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--random-input-len", type=int, default=256)
-    group.add_argument("--random-output-len", type=int, default=64,
-                       help="output tokens of every request of random, prefix, multiturn and long")
-    group.add_argument("--random-range-ratio", type=float, default=0.0,
-                       help="random: lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1 (vLLM's meaning)")
-    group.add_argument("--random-output-range-ratio", type=float, default=None,
-                       help="random: the output lengths' r, where it differs from the prompts' (0: exact lengths)")
-    group.add_argument("--sharegpt-output-len", type=int, default=None,
+    group.add_argument("--random-input-len", type=int, default=DEFAULTS["random_input_len"],
+                       help="random: prompt tokens (the centre of a range with --random-range-ratio); grounded: "
+                       "tokens of each document")
+    group.add_argument("--random-output-len", type=int, default=DEFAULTS["random_output_len"],
+                       help="output tokens of every request of prefix, multiturn and long; of random and grounded, "
+                       "the centre of a range with a range ratio")
+    group.add_argument("--random-range-ratio", type=float, default=DEFAULTS["random_range_ratio"],
+                       help="random: lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1 (vLLM's meaning); "
+                       "grounded: its output lengths'")
+    group.add_argument("--random-output-range-ratio", type=float, default=DEFAULTS["random_output_range_ratio"],
+                       help="random, grounded: the output lengths' r, where it differs from the prompts' (0: exact "
+                       "lengths)")
+    group.add_argument("--sharegpt-output-len", type=int, default=DEFAULTS["sharegpt_output_len"],
                        help="sharegpt: this output length for every request instead of the reply's")
-    group.add_argument("--prefix-num-groups", type=int, default=8)
-    group.add_argument("--prefix-group-size", type=int, default=16, help="prefix: requests per group")
-    group.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens of each group's shared prompt")
-    group.add_argument("--suffix-len", type=int, default=32, help="prefix: tokens of each request's own suffix")
-    group.add_argument("--prefix-order", choices=("grouped", "shuffled"), default="grouped",
+    group.add_argument("--prefix-num-groups", type=int, default=DEFAULTS["prefix_num_groups"], help="prefix: groups")
+    group.add_argument("--prefix-group-size", type=int, default=DEFAULTS["prefix_group_size"],
+                       help="prefix: requests per group")
+    group.add_argument("--prefix-len", type=int, default=DEFAULTS["prefix_len"],
+                       help="prefix: tokens of each group's shared prompt")
+    group.add_argument("--suffix-len", type=int, default=DEFAULTS["suffix_len"],
+                       help="prefix: tokens of each request's own suffix")
+    group.add_argument("--prefix-order", choices=("grouped", "shuffled"), default=DEFAULTS["prefix_order"],
                        help="prefix: a group's requests together, or all requests in a seeded random order")
-    group.add_argument("--num-conversations", type=int, default=8)
-    group.add_argument("--num-turns", type=int, default=4)
-    group.add_argument("--first-turn-len", type=int, default=1000, help="multiturn: tokens of the first message")
-    group.add_argument("--turn-len", type=int, default=100, help="multiturn: tokens of each later message")
-    group.add_argument("--long-prompt-len", type=int, default=None,
+    group.add_argument("--num-conversations", type=int, default=DEFAULTS["num_conversations"],
+                       help="multiturn: conversations")
+    group.add_argument("--num-turns", type=int, default=DEFAULTS["num_turns"], help="multiturn: turns of each")
+    group.add_argument("--first-turn-len", type=int, default=DEFAULTS["first_turn_len"],
+                       help="multiturn: tokens of the first message")
+    group.add_argument("--turn-len", type=int, default=DEFAULTS["turn_len"],
+                       help="multiturn: tokens of each later message")
+    group.add_argument("--long-prompt-len", type=int, default=DEFAULTS["long_prompt_len"],
                        help="long: prompt tokens (default: the context limit minus --random-output-len)")
 
 
@@ -116,9 +150,12 @@ def ordinary_token_ids(tokenizer: PreTrainedTokenizerBase, vocab_size: int | Non
 
 
 def check_workload_flags(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the flag whose value is out of range, or that the chosen workload would ignore."""
-    if args.dataset_path is not None and args.dataset_name != "sharegpt":
-        raise ValueError(f"--dataset-path is read by --dataset-name sharegpt only, not {args.dataset_name}")
+    """Raise ValueError naming the flag whose value is out of range, or that the chosen workload would ignore (set
+    away from its default: ``READ_BY``)."""
+    for name, datasets in READ_BY.items():
+        if args.dataset_name not in datasets and getattr(args, name) != DEFAULTS[name]:
+            raise ValueError(f"--{name.replace('_', '-')} is read by --dataset-name {' / '.join(datasets)} only, "
+                             f"not {args.dataset_name}")
     positive = ["num_prompts", "random_input_len", "random_output_len", "prefix_num_groups", "prefix_group_size",
                 "prefix_len", "suffix_len", "num_conversations", "num_turns", "first_turn_len", "turn_len"]
     optional = ["sharegpt_output_len", "long_prompt_len"]  # None: unset

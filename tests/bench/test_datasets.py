@@ -164,6 +164,19 @@ def test_sharegpt_takes_first_turns_and_reply_lengths_filtered_like_vllm(tokeniz
     assert {r.output_len for r in build_dataset(args(*flags, "--sharegpt-output-len", "2"), tokenizer)} == {2}
 
 
+@pytest.mark.parametrize("flags, named", [
+    (["--dataset-name", "prefix", "--num-prompts", "50"], "--num-prompts is read by --dataset-name random / "
+                                                          "sharegpt / long / grounded only, not prefix"),
+    (["--dataset-name", "random", "--prefix-len", "4096"], "--prefix-len"),
+    (["--dataset-name", "multiturn", "--random-range-ratio", "0.9"], "--random-range-ratio"),
+    (["--dataset-name", "long", "--random-input-len", "100"], "--random-input-len"),
+    (["--dataset-name", "grounded", "--num-turns", "2"], "--num-turns"),
+])
+def test_a_flag_the_workload_would_ignore_is_refused_by_name(tokenizer, flags: list[str], named: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        build_dataset(args(*flags), tokenizer)
+
+
 def test_sharegpt_errors_name_the_problem(tokenizer, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--dataset-path"):
         build_dataset(args("--dataset-name", "sharegpt"), tokenizer)
