@@ -1,18 +1,13 @@
 """KVCacheManager: the scheduler's only view of KV memory.
 
-It owns the block pool, the prefix cache and every request's block table (``request.block_ids``); nobody
-else allocates or frees blocks. Blocks stay opaque ints to the scheduler.
+It owns the block pool and every request's block table (``request.block_ids``); nobody else allocates or frees
+blocks. Blocks stay opaque ints to the scheduler. It allocates, forks, swaps and matches itself, and keeps the
+rest in parts it owns::
 
-With prefix caching on, each request walks a path of the tree (``_CachePath``) as its blocks fill::
-
-    request.block_ids:  | b3 | b9 | b4 | b6 | b8 |
-    tree path:          | b3 | b9 | b4 | b6 |          b3..b4 computed, b6 pending (this step computes it);
-                                                      b8 not full of known tokens yet
-
-A block joins the tree as soon as all its token ids are known (prompt blocks when allocated, output blocks
-when filled), pending until computed, so that requests arriving with the same prefix wait for it rather
-than compute it again. If another block already holds the same tokens, the request leaves the tree there
-("detached"): its later blocks stay private, so a cached node's ancestors are always cached and held.
+    paths       CachePaths (kv/cache_paths.py)   each request's path on the prefix tree; group blocks beside nodes
+    tier_plan   TierPlan (kv/tier_plan.py)       the tier offloads and loads planned for the next step
+    swap        SwapSpace (kv/swap.py)           swapped-out requests' host rows, swap-outs and swap-ins planned
+    (matches)   TierMatcher (kv/tier_match.py)   prefix matches continued below the device, through the tiers
 
 A request preempted by swap (``swap_out``) leaves its KV in host rows (``kv/swap.py``) and holds no block;
 its next ``match_prefix`` is that KV, and ``allocate_slots`` with it takes back the leading blocks the tree
@@ -28,12 +23,10 @@ become ``NULL_BLOCK``; the step writes and reads nothing there, and no later que
     window group:  | -1 | -1 | b6 | b7 |      blocks (13 - 6 + 1) // 4 = 2 of them dead, freed
 
 The prefix tree stays keyed by group 0, the model's one full-attention group (``KVCacheGroups.keys_prefix_tree``;
-a model with no full group, or several, gets the plain layout from the engine when the prefix cache is on): its
-nodes are held and evicted as with one group. A node also records the other groups' blocks of its tokens
-(``PrefixNode.group_block_ids``), cached beside it: a request that frees one (dead to it, or at its end) leaves it
-evictable, and it may be evicted alone (``_on_evict`` detaches it from its node). A match of k blocks lets a
-request compute from position k * block_size, whose query sees the keys from k * block_size - w + 1 on, so it is
-valid only if every window group still has the blocks of those positions::
+a model with no full group, or several, gets the plain layout from the engine when the prefix cache is on), the
+other groups' blocks of a node's tokens cached beside it, where they may be evicted alone (``kv/cache_paths.py``).
+A match of k blocks lets a request compute from position k * block_size, whose query sees the keys from
+k * block_size - w + 1 on, so it is valid only if every window group still has the blocks of those positions::
 
     match of k = 4 blocks (block_size 4, w = 6): the query at 16 sees 11 .. 16, blocks 2 and 3
     full group:    | b0 | b1 | b2 | b3 |
@@ -42,43 +35,37 @@ valid only if every window group still has the blocks of those positions::
 and is shortened to the longest k that is (``KVCacheGroups.visible_length``). The request's window tables then
 start with nulls up to the first needed block.
 
-With the KV tiers, every group's block of a node is a tier block of its own, under its group's key
-(``block_keys.group_key``, chained from group 0's): offered when computed (written through to the disk) and when
-evicted, a node's group blocks with it and a window block evicted alone by itself. A match through the tiers
-walks group 0's keys past the device tree, then is shortened as above, a window block counting as there if it is
-beside its node or in the host tier (loaded into a fresh block); blocks on the disk that a longer match would
-need are read while the request waits. A swap keeps every group's blocks that the request's next query sees,
-none of a window group's dead ones, and brings them back with nulls before them.
+With the KV tiers, a match through the tiers walks group 0's keys past the device tree, then is shortened as above,
+a window block counting as there if it is beside its node or in the host tier (loaded into a fresh block, under its
+group's key: ``kv/tier_plan.py``); blocks on the disk that a longer match would need are read while the request
+waits. A swap keeps every group's blocks that the request's next query sees, none of a window group's dead ones,
+and brings them back with nulls before them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
-from kvserve.kv.block_keys import KeyedBlock, block_key, group_key
+from kvserve.kv.block_keys import KeyedBlock, group_key
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
+from kvserve.kv.cache_paths import CachePaths
 from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
 from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
 from kvserve.kv.reload_costs import ReloadCosts
 from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tier_match import TierMatcher
+from kvserve.kv.tier_plan import TierPlan
 from kvserve.kv.tiers import TieredStore
 from kvserve.request import Request
 
 
-@dataclass
-class _CachePath:
-    """How far a request's blocks lie on the prefix tree."""
-
-    node: PrefixNode  # the deepest node of the request's path (the root before any)
-    num_blocks: int  # the request's leading blocks on the path: node's depth
-    pending: list[PrefixNode] = field(default_factory=list)  # the path's uncomputed tail, in order
-    detached: bool = False  # another block holds one of its keys: no later block of it joins the tree
-
-
 class KVCacheManager:
+    cache_computed: Callable[[Request], None]
+    """After a step: the request's blocks now computed stop being pending, and blocks it has just filled with known
+    tokens (outputs) join the tree. It is ``CachePaths.cache_computed`` itself, bound in ``__init__``: the scheduler
+    calls it for every request every step, and a method here passing it on would add a call to each."""
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  store: TieredStore | None = None, groups: KVCacheGroups | None = None) -> None:
         if block_size < 1:
@@ -86,36 +73,38 @@ class KVCacheManager:
         if store is not None and store.disk is not None and not enable_prefix_caching:
             raise ValueError("a disk tier keeps prefix-cache blocks: it needs prefix caching on")
         self.groups = groups or KVCacheGroups.single(1)
-        self._grouped = self.groups.frees_blocks  # per-group tables, windows' dead blocks freed
+        self._has_group_tables = self.groups.frees_blocks  # a table per group, windows' dead blocks freed
         if store is not None and store.format.kv_layout != self.groups.layout:
             raise ValueError(f"the KV tiers keep blocks of layout {store.format.kv_layout!r}, the cache's groups are "
                              f"{self.groups.layout!r}")
-        if self._grouped and enable_prefix_caching and not self.groups.keys_prefix_tree:
+        if self._has_group_tables and enable_prefix_caching and not self.groups.keys_prefix_tree:
             raise ValueError("the prefix cache with KV cache groups needs one full-attention group to key its tree: "
                              "use KVCacheGroups.single")
         self.num_windowed_blocks = 0  # distinct blocks held in window groups' tables
         self._null_counts: dict[str, tuple[int, ...]] = {}  # per request: leading null entries per group, if new
-        self._group_owner: dict[int, tuple[PrefixNode, int]] = {}  # a cached block of groups 1.. -> node, index
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, on_evict=self._on_evict)
+        self.pool = BlockPool(num_blocks)
         self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
         self.store = store
         self.swap = SwapSpace(store) if store is not None else None
-        if store is not None and self.prefix_cache is not None:
-            self.prefix_cache.root.content_key = store.root_key
-        self._paths: dict[str, _CachePath] = {}
+        self.tier_plan = TierPlan(store) if store is not None else None
+        self.paths = CachePaths(self.pool, block_size, self.prefix_cache, self.tier_plan)
+        self.pool.on_evict = self.paths.on_evict  # an evicted block leaves the tree (and goes to the tiers)
+        self.cache_computed = self.paths.cache_computed
         self._matches: dict[str, PrefixMatch] = {}  # waiting requests' last prefix match, extended as the tree grows
         self.reload_costs = ReloadCosts()  # disk reads against recomputing, as measured (the engine feeds it)
         self._tier_matcher = (TierMatcher(store, self.prefix_cache, self.groups, block_size, self.reload_costs)
                               if store is not None and self.prefix_cache is not None else None)
-        self._offloads: dict[bytes, tuple[int, KeyedBlock]] = {}  # planned since the last step, by key
-        self._loads: list[tuple[bytes, int]] = []
-        self.num_evictions = 0  # cached blocks evicted to make room, since start
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks the prefix cache names (held or evictable), every group's."""
-        return self.prefix_cache.num_nodes + len(self._group_owner) if self.prefix_cache else 0
+        return self.paths.num_cached_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached blocks evicted to make room, since start."""
+        return self.paths.num_evictions
 
     @property
     def num_blocks_total(self) -> int:
@@ -155,9 +144,9 @@ class KVCacheManager:
         match = self.prefix_cache.match(request.token_ids, max_blocks, earlier)
         self._matches[request.request_id] = match
         if (self._tier_matcher is not None and not match.sibling_computing
-                and (self._grouped or len(match.nodes) < max_blocks)):
+                and (self._has_group_tables or len(match.nodes) < max_blocks)):
             return self._tier_matcher.extend(request, match, max_blocks)
-        return self._visible_match(match) if self._grouped else match
+        return self._visible_match(match) if self._has_group_tables else match
 
     def _visible_match(self, match: PrefixMatch) -> PrefixMatch:
         """The longest prefix of a device match after which every window group still has, beside its nodes, the
@@ -191,8 +180,8 @@ class KVCacheManager:
                 raise ValueError(f"request {request.request_id} holds blocks; only a fresh one takes a prefix")
             return self._take_match(request, num_new_tokens, prefix)
         num_computed = request.num_computed_tokens
-        if not self._grouped and self.num_blocks_for(num_computed + num_new_tokens) <= len(request.block_ids):
-            self._extend_path(request, num_computed)  # the common decode step: its blocks hold the new tokens
+        if not self._has_group_tables and self.num_blocks_for(num_computed + num_new_tokens) <= len(request.block_ids):
+            self.paths.extend(request, num_computed)  # the common decode step: its blocks hold the new tokens
             return True
         if not request.block_ids:
             request.group_block_ids = [[] for _ in range(self.groups.num_groups - 1)]
@@ -203,7 +192,7 @@ class KVCacheManager:
             return False
         self._forget_match(request)
         self._fill(tables, [], num_needed)
-        self._extend_path(request, num_computed)
+        self.paths.extend(request, num_computed)
         return True
 
     def tables(self, request: Request) -> list[list[int]]:
@@ -219,7 +208,7 @@ class KVCacheManager:
         """The most blocks a request of ``num_tokens`` tokens ever holds at once, run in chunks of at most
         ``max_chunk`` tokens: a full group every block, a window group those of its window plus a chunk."""
         num_blocks = self.num_blocks_for(num_tokens)
-        if not self._grouped:
+        if not self._has_group_tables:
             return num_blocks
         return sum(num_blocks if w is None else min(num_blocks, (w - 1 + max_chunk) // self.block_size + 2)
                    for w in self.groups.windows)
@@ -247,10 +236,10 @@ class KVCacheManager:
         # blocks are allocated into them leaves them where ``free`` finds them
         request.block_ids, request.group_block_ids = tables[0], tables[1:]
         fresh = self._fill(tables, [(group, index) for group, index, _ in loads], num_needed)
-        self._loads.extend(zip(keys, fresh))
-        if prefix.nodes:
-            self._paths[request.request_id] = _CachePath(prefix.nodes[-1], len(prefix.nodes))
-        self._extend_path(request, num_computed)
+        if keys:
+            assert self.tier_plan is not None
+            self.tier_plan.add_loads(zip(keys, fresh))
+        self.paths.start(request, prefix.nodes, num_computed)
         return True
 
     def _match_tables(self, match: PrefixMatch) -> tuple[list[list[int]], list[tuple[int, int, bytes]]]:
@@ -357,23 +346,11 @@ class KVCacheManager:
 
     def _live_blocks(self, request: Request, num_tokens: int) -> list[int]:
         """The blocks holding KV of the request's first ``num_tokens`` tokens that its query at ``num_tokens``
-        sees, group after group (``_swap_rows``): what a swap keeps. A window group's earlier entries may still
-        name blocks (dropped only at the next allocation), never null later ones."""
-        blocks = [b for group, index, b in self._swap_rows(self.tables(request), num_tokens)]
+        sees, group after group (``KVCacheGroups.visible_entries``): what a swap keeps. A window group's earlier
+        entries may still name blocks (dropped only at the next allocation), never null later ones."""
+        blocks = [b for _, _, b in self.groups.visible_entries(self.tables(request), num_tokens, self.block_size)]
         assert NULL_BLOCK not in blocks, f"request {request.request_id} lost a block its next query sees"
         return blocks
-
-    def _swap_rows(self, tables: list[list[int]], num_tokens: int) -> list[tuple[int, int, int]]:
-        """(group, index, table entry) of every block a swap of ``num_tokens`` computed tokens keeps, in the
-        order of its rows: group after group, each from the first block the query at ``num_tokens`` sees::
-
-            num_tokens 14, block_size 4, w = 6 (the query at 14 sees 9 .. 14):
-            group 0:       | b0 | b1 | b2 | b3 |   -> rows 0 .. 3
-            window group:  | -1 | b5 | b6 | b7 |   -> rows 4 .. 5 (b6, b7); b5 is dead to the query
-        """
-        num_blocks = self.num_blocks_for(num_tokens)
-        return [(group, index, table[index]) for group, table in enumerate(tables)
-                for index in range(self.groups.first_visible_block(group, num_tokens, self.block_size), num_blocks)]
 
     def _swap_in(self, request: Request, num_tokens: int) -> bool:
         """Blocks for a swapped-out request's ``num_tokens``, all or nothing: of its swapped KV, the blocks that
@@ -396,7 +373,7 @@ class KVCacheManager:
         tables = [[node.block_id for node in nodes] + unmatched]
         for group in range(1, self.groups.num_groups):
             tables.append([node.group_block_ids[group - 1] for node in nodes] + unmatched)
-        rows = self._swap_rows(tables, num_swapped)
+        rows = self.groups.visible_entries(tables, num_swapped, self.block_size)
         for group, table in enumerate(tables):  # entries before the rows' are dead: not taken back
             first = self.groups.first_visible_block(group, num_swapped, self.block_size)
             table[:first] = [NULL_BLOCK] * first
@@ -409,9 +386,7 @@ class KVCacheManager:
         fresh = dict(zip(to_load, self._fill(tables, to_load, num_needed)))
         self.swap.swap_in(request.request_id, [fresh.get((group, index)) for group, index, _ in rows])
         request.block_ids, request.group_block_ids = tables[0], tables[1:]
-        if nodes:
-            self._paths[request.request_id] = _CachePath(nodes[-1], len(nodes))
-        self._extend_path(request, 0)
+        self.paths.start(request, nodes, 0)
         return True
 
     def take_tier_transfers(self) -> tuple[
@@ -421,26 +396,9 @@ class KVCacheManager:
         """The offloads ((block_id, content) copied out), loads ((content key, block_id) copied in), swap-outs
         ((block_id, host row)) and swap-ins ((host row, block_id)) planned since the last call, for the runner
         to apply before the next forward pass in the order of ``KVTransferPlan``."""
-        offloads, loads = tuple(self._offloads.values()), tuple(self._loads)
-        self._offloads.clear()
-        self._loads.clear()
+        offloads, loads = self.tier_plan.take() if self.tier_plan is not None else ((), ())
         swap_outs, swap_ins = self.swap.take_transfers() if self.swap is not None else ((), ())
         return offloads, loads, swap_outs, swap_ins
-
-    def cache_computed(self, request: Request) -> None:
-        """After a step: the request's blocks now computed stop being pending, and blocks it has just filled
-        with known tokens (outputs) join the tree."""
-        path = self._paths.get(request.request_id)
-        if path is None or (not path.pending and request.num_tokens // self.block_size <= path.num_blocks):
-            return  # nothing pending, no block newly filled with known tokens
-        num_full = request.num_computed_tokens // self.block_size
-        first_pending = path.num_blocks - len(path.pending)
-        num_done = min(len(path.pending), max(0, num_full - first_pending))
-        for node in path.pending[:num_done]:
-            node.computed = True
-            self._offer(node, evicted=False)
-        del path.pending[:num_done]
-        self._extend_path(request, request.num_computed_tokens)
 
     def free_tail(self, request: Request, num_tokens: int) -> None:
         """Release the request's blocks past those its first ``num_tokens`` tokens need: blocks taken for
@@ -451,8 +409,9 @@ class KVCacheManager:
         num_kept = self.num_blocks_for(num_tokens)
         if len(request.block_ids) <= num_kept:
             return
-        path = self._paths.get(request.request_id)
-        assert path is None or path.num_blocks <= num_kept, "a block past the request's known tokens is cached"
+        assert self.paths.num_path_blocks(request.request_id) <= num_kept, (
+            "a block past the request's known tokens is cached"
+        )
         for window, table in zip(self.groups.windows, self.tables(request)):
             self._free_blocks(reversed(table[num_kept:]), window)
             del table[num_kept:]
@@ -467,10 +426,7 @@ class KVCacheManager:
 
     def _release_blocks(self, request: Request) -> None:
         self._forget_match(request)
-        path = self._paths.pop(request.request_id, None)
-        if path is not None:
-            for node in reversed(path.pending):
-                self._uncache(node.block_id)
+        self.paths.drop(request)
         self._null_counts.pop(request.request_id, None)
         # Tail blocks first: the evictable queue must see descendants before their ancestors.
         for window, table in zip(self.groups.windows, self.tables(request)):
@@ -490,14 +446,7 @@ class KVCacheManager:
         if child.block_ids:
             raise ValueError(f"request {child.request_id} already holds blocks; only a fresh request can fork")
         copies = self._fork_tables(parent, child)
-        parent_path = self._paths.get(parent.request_id)
-        if parent_path is not None:  # the child walks the parent's computed path
-            num_pending = len(parent_path.pending)
-            node = parent_path.pending[0].parent if num_pending else parent_path.node
-            assert node is not None
-            self._paths[child.request_id] = _CachePath(
-                node, parent_path.num_blocks - num_pending, detached=parent_path.detached
-            )
+        self.paths.fork(parent, child)
         return copies
 
     def _fork_tables(self, parent: Request, child: Request) -> list[tuple[int, int]]:
@@ -530,21 +479,7 @@ class KVCacheManager:
         holders: Counter[int] = Counter()
         windowed: set[int] = set()
         for request in requests:
-            tables = self.tables(request)
-            assert len({len(t) for t in tables}) == 1 and len(tables) == self.groups.num_groups or not any(tables), (
-                f"request {request.request_id}'s tables do not match the groups: {tables}"
-            )
-            held = [b for table in tables for b in table if b != NULL_BLOCK]
-            duplicates = [b for b, count in Counter(held).items() if count > 1]
-            assert not duplicates, f"request {request.request_id} holds blocks {duplicates} more than once"
-            holders.update(held)
-            for window, table in zip(self.groups.windows, tables):
-                nulls = [i for i, b in enumerate(table) if b == NULL_BLOCK]
-                assert nulls == list(range(len(nulls))) and (window is not None or not nulls), (
-                    f"request {request.request_id}'s null entries are not a leading run of a window group: {table}"
-                )
-                if window is not None:
-                    windowed.update(b for b in table if b != NULL_BLOCK)
+            self._check_tables(request, holders, windowed)
         assert len(windowed) == self.num_windowed_blocks, (
             f"{len(windowed)} blocks held in window groups, counted {self.num_windowed_blocks}"
         )
@@ -558,145 +493,28 @@ class KVCacheManager:
         assert self.pool.num_free_blocks + num_held == self.pool.num_blocks, (
             f"{self.pool.num_free_blocks} free + {num_held} held != {self.pool.num_blocks} blocks"
         )
-        if self.prefix_cache is not None:
-            self._check_tree(requests)
+        self.paths.check(requests)
         if self.swap is not None:
             self.swap.check_integrity(request.request_id for request in requests)
 
-    def _check_tree(self, requests: list[Request]) -> None:
-        assert self.prefix_cache is not None
-        nodes = list(self.prefix_cache.nodes())
-        tree_blocks = {node.block_id for node in nodes}
-        assert len(tree_blocks) == len(nodes) == self.prefix_cache.num_nodes, "a block is in the tree twice"
-        owners = {b: (node, g) for node in nodes for g, b in enumerate(node.group_block_ids) if b != NULL_BLOCK}
-        assert owners.keys() == self._group_owner.keys() and all(
-            self._group_owner[b][0] is node and self._group_owner[b][1] == g for b, (node, g) in owners.items()
-        ), "the nodes' group blocks and their owners disagree"
-        assert not owners.keys() & tree_blocks, "a block is in the tree and beside a node"
-        tree_blocks |= owners.keys()
-        cached = {b for b in range(self.pool.num_blocks) if self.pool.is_cached(b)}
-        assert cached == tree_blocks, f"cached in the pool but not in the tree, or back: {cached ^ tree_blocks}"
-        evict_rank = {b: rank for rank, b in enumerate(self.pool.evictable_order())}
-        for node in nodes:
-            parent = node.parent
-            assert parent is not None
-            if not parent.is_root and node.block_id not in evict_rank:  # held: so is every ancestor
-                assert parent.block_id not in evict_rank, f"block {node.block_id} is held, its parent is not"
-            if not parent.is_root and node.block_id in evict_rank and parent.block_id in evict_rank:
-                assert evict_rank[node.block_id] < evict_rank[parent.block_id], (
-                    f"block {parent.block_id} would be evicted before its child {node.block_id}"
-                )
-        live = {request.request_id: request for request in requests}
-        pending = [node for node in nodes if not node.computed]
-        owned = [node for rid, path in self._paths.items() if rid in live for node in path.pending]
-        assert {id(n) for n in pending} == {id(n) for n in owned} and len(owned) == len(pending), (
-            "pending nodes and the live requests' pending tails disagree"
+    def _check_tables(self, request: Request, holders: Counter[int], windowed: set[int]) -> None:
+        """A request's tables match the groups, hold no block twice, and have nulls only in a leading run of a window
+        group; adds its blocks to ``holders`` and its window groups' to ``windowed``."""
+        tables = self.tables(request)
+        assert len({len(t) for t in tables}) == 1 and len(tables) == self.groups.num_groups or not any(tables), (
+            f"request {request.request_id}'s tables do not match the groups: {tables}"
         )
-        for request_id, path in self._paths.items():
-            request = live.get(request_id)
-            assert request is not None, f"request {request_id} has a tree path but holds no blocks"
-            node = path.node
-            for index in reversed(range(path.num_blocks)):
-                assert node.block_id == request.block_ids[index], (
-                    f"request {request_id}'s block {index} is not on its tree path"
-                )
-                assert node.parent is not None
-                node = node.parent
-            assert node.is_root, f"request {request_id}'s tree path is deeper than it says"
-
-    def _extend_path(self, request: Request, num_computed: int) -> None:
-        """Hang the request's blocks whose token ids are all known on its tree path, pending unless computed."""
-        path = self._paths.get(request.request_id)
-        num_known = min(len(request.block_ids), request.num_tokens // self.block_size)
-        if self.prefix_cache is None or (path is not None and (path.detached or path.num_blocks >= num_known)):
-            return  # the common decode step ends here: no block newly filled with known tokens
-        if path is None:
-            path = self._paths[request.request_id] = _CachePath(self.prefix_cache.root, 0)
-        if path.num_blocks >= num_known:
-            return
-        keys = self.prefix_cache.keys(request.token_ids, path.num_blocks, num_known - path.num_blocks)
-        for index, key in enumerate(keys, start=path.num_blocks):
-            block_id = request.block_ids[index]
-            computed = index < num_computed // self.block_size
-            node = self.prefix_cache.add(path.node, key, block_id, computed)
-            if node is None:
-                path.detached = True
-                return
-            self.pool.mark_cached(block_id)
-            if request.group_block_ids:
-                self._cache_group_blocks(node, request, index)
-            if self.store is not None:
-                assert path.node.content_key is not None
-                node.content_key = block_key(path.node.content_key, key)
-            if computed:
-                self._offer(node, evicted=False)
-            else:
-                path.pending.append(node)
-            path.node, path.num_blocks = node, index + 1
-
-    def _offer(self, node: PrefixNode, evicted: bool) -> None:
-        """A computed block's content is final: offload it, and the other groups' blocks beside it, if the tiers
-        want them (evicted from the pool, or newly computed and not yet on the disk)."""
-        if self.store is None:
-            return
-        self._offer_block(node, 0, node.block_id, evicted)
-        for group, block_id in enumerate(node.group_block_ids, start=1):
-            if block_id != NULL_BLOCK:
-                self._offer_block(node, group, block_id, evicted)
-
-    def _offer_block(self, node: PrefixNode, group: int, block_id: int, evicted: bool) -> None:
-        """Offer group ``group``'s block of a node's tokens, under that group's key (``block_keys.group_key``)."""
-        assert self.store is not None
-        key, parent = node.content_key, node.parent
-        assert key is not None and parent is not None and parent.content_key is not None
-        block = KeyedBlock(group_key(key, group), parent.content_key, node.key, group)
-        if self.store.wants_offload(block.key, evicted):
-            self._offloads[block.key] = (block_id, block)
-
-    def _cache_group_blocks(self, node: PrefixNode, request: Request, index: int) -> None:
-        """Record the other groups' blocks of a new node (a request's own blocks: never another node's)."""
-        node.group_block_ids = [table[index] for table in request.group_block_ids]
-        for g, block_id in enumerate(node.group_block_ids):
-            if block_id != NULL_BLOCK:
-                assert block_id not in self._group_owner, f"block {block_id} is already beside a node"
-                self.pool.mark_cached(block_id)
-                self._group_owner[block_id] = (node, g)
-
-    def _drop_group_blocks(self, node: PrefixNode) -> None:
-        """A node left the tree: the group blocks beside it are worthless once unheld."""
-        for block_id in node.group_block_ids:
-            if block_id == NULL_BLOCK:
-                continue
-            del self._group_owner[block_id]
-            if self.pool.ref_count(block_id):
-                self.pool.unmark_cached(block_id)
-            else:
-                self.pool.drop_cached(block_id)
-
-    def _uncache(self, block_id: int) -> None:
-        assert self.prefix_cache is not None
-        node = self.prefix_cache.node_of(block_id)
-        assert node is not None
-        self.prefix_cache.remove(block_id)
-        self.pool.unmark_cached(block_id)
-        self._drop_group_blocks(node)
-
-    def _on_evict(self, block_id: int) -> None:
-        assert self.prefix_cache is not None
-        owner = self._group_owner.pop(block_id, None)
-        if owner is not None:  # a group block beside a node: the node stays, without it (the tiers may keep it)
-            node, index = owner
-            if self.store is not None:
-                self._offer_block(node, index + 1, block_id, evicted=True)
-            node.group_block_ids[index] = NULL_BLOCK
-            self.num_evictions += 1
-            return
-        node = self.prefix_cache.node_of(block_id)
-        assert node is not None
-        self._offer(node, evicted=True)  # its content stays valid until the runner applies this step
-        self.prefix_cache.remove(block_id)
-        self._drop_group_blocks(node)
-        self.num_evictions += 1
+        held = [b for table in tables for b in table if b != NULL_BLOCK]
+        duplicates = [b for b, count in Counter(held).items() if count > 1]
+        assert not duplicates, f"request {request.request_id} holds blocks {duplicates} more than once"
+        holders.update(held)
+        for window, table in zip(self.groups.windows, tables):
+            nulls = [i for i, b in enumerate(table) if b == NULL_BLOCK]
+            assert nulls == list(range(len(nulls))) and (window is not None or not nulls), (
+                f"request {request.request_id}'s null entries are not a leading run of a window group: {table}"
+            )
+            if window is not None:
+                windowed.update(b for b in table if b != NULL_BLOCK)
 
 
 __all__ = ["KVCacheManager", "NoFreeBlocksError"]

@@ -1,0 +1,56 @@
+"""TierPlan: the copies between the device pool and the KV tiers planned since the last step, for the runner to
+apply before the next forward pass (``KVTransferPlan.offloads`` and ``loads``).
+
+Offloads: a computed block's content is final, so it is offered to the tiers when it is computed (the tiers take
+it then only to write it through to the disk) and when the pool evicts it (``TieredStore.wants_offload``); its
+content stays valid until the runner applies this step's plan. Every group's block of a prefix-tree node is a tier
+block of its own, under its group's key (``block_keys.group_key``, chained from group 0's): a node's group blocks
+are offered with it, and a window block evicted alone by itself. Loads: fresh blocks that a match through the tiers
+fills from the host tier (pinned there until the copy).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from kvserve.kv.block_keys import KeyedBlock, group_key
+from kvserve.kv.groups import NULL_BLOCK
+from kvserve.kv.prefix_cache import PrefixNode
+from kvserve.kv.tiers import TieredStore
+
+
+class TierPlan:
+    """The offloads and loads planned since the last ``take``."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self._offloads: dict[bytes, tuple[int, KeyedBlock]] = {}  # by key: a block offered twice is copied once
+        self._loads: list[tuple[bytes, int]] = []
+
+    def offer(self, node: PrefixNode, evicted: bool) -> None:
+        """Offer a computed node's block and the other groups' blocks beside it (evicted from the pool, or newly
+        computed)."""
+        self.offer_block(node, 0, node.block_id, evicted)
+        for group, block_id in enumerate(node.group_block_ids, start=1):
+            if block_id != NULL_BLOCK:
+                self.offer_block(node, group, block_id, evicted)
+
+    def offer_block(self, node: PrefixNode, group: int, block_id: int, evicted: bool) -> None:
+        """Offer group ``group``'s block of a node's tokens, under that group's key."""
+        key, parent = node.content_key, node.parent
+        assert key is not None and parent is not None and parent.content_key is not None
+        block = KeyedBlock(group_key(key, group), parent.content_key, node.key, group)
+        if self.store.wants_offload(block.key, evicted):
+            self._offloads[block.key] = (block_id, block)
+
+    def add_loads(self, loads: Iterable[tuple[bytes, int]]) -> None:
+        """Plan copies of host-tier blocks ((content key, block_id)) into fresh device blocks."""
+        self._loads.extend(loads)
+
+    def take(self) -> tuple[tuple[tuple[int, KeyedBlock], ...], tuple[tuple[bytes, int], ...]]:
+        """The offloads ((block_id, content) copied out) and loads ((content key, block_id) copied in) planned since
+        the last call."""
+        offloads, loads = tuple(self._offloads.values()), tuple(self._loads)
+        self._offloads.clear()
+        self._loads.clear()
+        return offloads, loads
