@@ -217,7 +217,7 @@ class DecoderLM(CausalLM):
 
     def _is_ignored(self, name: str) -> bool:
         # Old Llama checkpoints store each layer's rotary inv_freq buffer; a tied model may still store
-        # lm_head.weight, which HF ignores in favour of the embeddings.
+        # lm_head.weight equal to the embeddings (the loader unties one that differs, as transformers does).
         return name.endswith(".rotary_emb.inv_freq") or (self.tied and name == "lm_head.weight")
 
 

@@ -11,8 +11,10 @@ fails there, as a ``CheckpointError`` naming the file, before any memory is spen
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -29,6 +31,9 @@ from kvserve.model.config_check import check_config
 from kvserve.model.gguf_index import GGUFIndex, TensorEntry, load_gguf_index
 from kvserve.model.layers.ggml import GGMLTensor
 from kvserve.model.sources import ModelLocation
+
+_log = logging.getLogger(__name__)
+HEAD_TENSOR, EMBEDDINGS_TENSOR = "lm_head.weight", "model.embed_tokens.weight"
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
 
@@ -92,6 +97,8 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Ch
         stored_dtypes |= dtypes
         tensor_rows |= rows
     check_config(config, tensor_rows, directory / "config.json")
+    if getattr(config, "tie_word_embeddings", False) and HEAD_TENSOR in tensor_rows:
+        config = _untied_if_head_differs(config, shards)
     tokenizer = _read_hf_tokenizer(directory)
     generation_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
     return Checkpoint(
@@ -103,6 +110,24 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Ch
         dummy=dummy,
         stored_dtypes=frozenset(stored_dtypes),
     )
+
+
+def _untied_if_head_differs(config: PretrainedConfig, shards: list[Path]) -> PretrainedConfig:
+    """``config`` untied where the checkpoint stores an LM head that is not its embeddings: transformers (since 5)
+    then keeps the stored head, with a warning, rather than tie it; a head equal to the embeddings stays tied."""
+    stored = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as reader:
+            stored |= {name: reader.get_tensor(name) for name in (HEAD_TENSOR, EMBEDDINGS_TENSOR)
+                       if name in reader.keys()}
+    head, embeddings = stored[HEAD_TENSOR], stored.get(EMBEDDINGS_TENSOR)
+    if embeddings is not None and head.shape == embeddings.shape and torch.equal(head, embeddings):
+        return config
+    _log.warning("the checkpoint's config ties the LM head to the embeddings, but it stores an lm_head.weight of its "
+                 "own that differs: that head is used, untied, as transformers does")
+    untied = copy.deepcopy(config)
+    untied.tie_word_embeddings = False
+    return untied
 
 
 def _read_hf_config(directory: Path) -> PretrainedConfig:

@@ -41,10 +41,13 @@ _FAMILIES: dict[str, type[CausalLM]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
     "mistral": MistralForCausalLM,
+    # transformers reads a Mistral config with ``layer_types`` as Ministral's (alternating sliding layers)
+    "ministral": MistralForCausalLM,
     "gemma3_text": Gemma3ForCausalLM,
 }
 # by a config's ``architectures`` entry, and by its model_type for configs that name none
 MODEL_CLASSES: dict[str, type[CausalLM]] = {cls.__name__: cls for cls in _FAMILIES.values()}
+MODEL_CLASSES["MinistralForCausalLM"] = MistralForCausalLM
 MODEL_TYPES: dict[str, str] = {model_type: cls.__name__ for model_type, cls in _FAMILIES.items()}
 
 
@@ -53,7 +56,9 @@ class UnsupportedModelError(ValueError):
 
 
 def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
-    """The class for ``config.architectures[0]``, or for ``config.model_type`` when no architecture is named."""
+    """The class for ``config.architectures[0]``, or for ``config.model_type`` when no architecture is named. An
+    architecture of another family than the config's model_type is refused: the class would read fields the
+    config does not have."""
     architectures = getattr(config, "architectures", None)
     if architectures:
         architecture = architectures[0]
@@ -63,7 +68,13 @@ def get_model_class(config: PretrainedConfig) -> type[CausalLM]:
         raise UnsupportedModelError(
             f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_CLASSES)}"
         )
-    return MODEL_CLASSES[architecture]
+    model_class = MODEL_CLASSES[architecture]
+    family = _FAMILIES.get(config.model_type)
+    if family is not None and family is not model_class:
+        raise UnsupportedModelError(f"the config's architectures names {architecture!r} but its model_type is "
+                                    f"{config.model_type!r} (whose architecture is {family.__name__}): they must "
+                                    "agree")
+    return model_class
 
 
 def select_linear_method(

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MinistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.model.checkpoint import ARCHITECTURES, randomize
@@ -87,6 +94,11 @@ VARIANTS = {
         **TINY, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
         },
+    ),
+    # a Mistral checkpoint with layer_types, which transformers reads as Ministral's: only its sliding layers window
+    "ministral-layer-types": lambda: MinistralConfig(
+        **TINY, head_dim=16, sliding_window=7, layer_types=["full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
     ),
     "qwen2-sliding-layers": lambda: Qwen2Config(**TINY, use_sliding_window=True, sliding_window=9, max_window_layers=1),
     "qwen3-attention-bias": lambda: Qwen3Config(**TINY, head_dim=24, attention_bias=True),

@@ -12,14 +12,17 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from kvserve import LLM
 from kvserve.model.base import CheckpointError
 from kvserve.model.layers.ggml import GGMLTensor
 from kvserve.model.loader import Checkpoint, load_checkpoint
 from kvserve.model.sources import ModelLocation, resolve_model
+from tests.conftest import greedy_token_ids, hf_greedy
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
 
@@ -176,6 +179,24 @@ def test_a_config_that_disagrees_with_the_tensors_fails_before_any_memory_is_spe
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps(config | change))
     assert_load_fails(directory, str(directory / "config.json"), fragment)
+
+
+@pytest.mark.parametrize("head_differs", [True, False])
+def test_a_tied_checkpoint_that_stores_another_head_is_untied_as_transformers_does(
+    tmp_path: Path, head_differs: bool
+) -> None:
+    tied = tiny_llama(tie_word_embeddings=True)
+    directory = save_hf_dir(tmp_path / "tied", tied)
+    tensors = load_file(directory / "model.safetensors")
+    embeddings = tensors["model.embed_tokens.weight"]
+    tensors["lm_head.weight"] = torch.randn_like(embeddings) if head_differs else embeddings.clone()
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    checkpoint = load_checkpoint(hf_location(directory), torch.float32)
+    assert checkpoint.hf_config.tie_word_embeddings is not head_differs
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    llm = LLM(str(directory), dtype="float32", num_kv_blocks=16)
+    prompt = [5, 9, 14, 3, 22]
+    assert greedy_token_ids(llm, [prompt], 8)[0][0] == hf_greedy(hf, prompt, 8)
 
 
 def test_directory_without_config_json(tmp_path: Path, single_dir: Path) -> None:

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, MinistralConfig, MistralConfig, PretrainedConfig, Qwen3Config
 
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.model.gemma3 import Gemma3ForCausalLM
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.mistral import MistralForCausalLM
 from kvserve.model.qwen3 import Qwen3ForCausalLM
 from kvserve import LLM, SamplingParams
 from kvserve.model.base import CheckpointError
@@ -44,6 +45,18 @@ def test_unsupported_architecture_is_named_with_the_supported_ones() -> None:
         get_model_class(PretrainedConfig.from_dict({"model_type": "gpt2"}))
 
 
+def test_an_architecture_of_another_family_than_the_model_type_is_refused_naming_both() -> None:
+    mistral_as_llama = MistralConfig(**TINY, architectures=["LlamaForCausalLM"])
+    with pytest.raises(UnsupportedModelError, match="'LlamaForCausalLM' but its model_type is 'mistral'"):
+        get_model_class(mistral_as_llama)
+
+
+def test_a_ministral_config_is_a_mistral_with_layer_types() -> None:
+    """transformers reads a Mistral config.json that has layer_types as Ministral's, architectures kept."""
+    assert get_model_class(MinistralConfig(**TINY)) is MistralForCausalLM
+    assert get_model_class(MinistralConfig(**TINY, architectures=["MistralForCausalLM"])) is MistralForCausalLM
+
+
 def test_build_model_allocates_in_the_dtype_on_the_device() -> None:
     model = build_model(LlamaConfig(**TINY, vocab_size=100), TorchRefBackend(), torch.bfloat16, "cpu")
     assert isinstance(model, LlamaForCausalLM)
@@ -56,6 +69,10 @@ def test_unsupported_rope_and_gemma_options_are_rejected() -> None:
     dynamic = LlamaConfig(**TINY, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
     with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
         build_model(dynamic, TorchRefBackend(), torch.float32, "cpu")
+    partial = LlamaConfig(**TINY, rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0,
+                                                   "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.5 .* with rope_type 'linear' is not supported"):
+        build_model(partial, TorchRefBackend(), torch.float32, "cpu")
     softcapped = Gemma3TextConfig(**TINY, attn_logit_softcapping=50.0)
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         build_model(softcapped, TorchRefBackend(), torch.float32, "cpu")

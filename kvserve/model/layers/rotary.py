@@ -34,7 +34,12 @@ def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tu
         if rope_type in SEQUENCE_DEPENDENT_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
             static = ["default", *sorted(set(ROPE_INIT_FUNCTIONS) - set(SEQUENCE_DEPENDENT_ROPE_TYPES))]
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(static)}")
-        return ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
+    if inv_freq.numel() != rope_head_dim(config) // 2:  # the rest of each head would have to pass unrotated
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+        raise ValueError(f"partial_rotary_factor={factor} (rotary embeddings over part of each head) with rope_type "
+                         f"{rope_type!r} is not supported")
+    return inv_freq, attention_factor
 
 
 class RotaryEmbedding:
