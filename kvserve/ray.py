@@ -44,9 +44,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message
 
 from kvserve.config import DEFAULT_MODEL
-from kvserve.router.app import FORWARDED_HEADERS, prompt_text, request_payload
+from kvserve.router.app import FORWARDED_HEADERS
 from kvserve.router.policy import Replica, RoutingPolicy, make_policy
 from kvserve.router.prefix_index import prefix_keys
+from kvserve.router.prompts import prompt_text, request_payload
 from kvserve.server.errors import error_response
 
 STOP_GRACE_SECONDS = 5.0  # a cancelled stream's app task gets this long to see the disconnect and abort

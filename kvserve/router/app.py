@@ -1,15 +1,15 @@
 """The router's ASGI app: OpenAI-compatible endpoints proxied to kvserve replicas chosen by a routing policy.
 
-A request's body is parsed once for its prompt text, which is keyed (``prefix_index``); the policy picks a
-healthy replica, and the body is forwarded as the bytes it came as (``upstream``, over kept-alive
+A request's body is parsed once for its prompt text (``prompts``), which is keyed (``prefix_index``); the
+policy picks a healthy replica, and the body is forwarded as the bytes it came as (``upstream``, over kept-alive
 connections; a body that is no JSON object is forwarded too, for the replica to refuse in its words). The
 answer streams back through as the replica writes it (no buffering), with the replica's headers but the
 hop-by-hop ones. A client that disconnects, from the moment its request is forwarded (a non-streamed answer's
 head comes only once its generation is done), closes the upstream connection, which the replica treats as an
 abort. A replica that refuses the connection has not started the request: it is marked down and the request
-goes to another one. When none is up the answer is a 503 with ``Retry-After``. A background task checks each
-replica's /health and reads its /metrics (its queue, for the policy; its page, shown on the router's /metrics
-with a ``replica`` label) every ``health_interval`` seconds; a replica that comes back is used again.
+goes to another one. When none is up the answer is a 503 with ``Retry-After``. The lifespan runs the health
+checks (``health``: each replica's /health, and its /metrics, read for its queue and shown on the router's own,
+``metrics``) every ``health_interval`` seconds; a replica that comes back is used again.
 
 A body over ``max_body_bytes`` (the replicas' 4 MiB by default) is refused with the replicas' 413 before the
 router holds more of it than that. A replica that sends nothing for the upstream's ``response_timeout`` (600 s
@@ -22,20 +22,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeVar
 from urllib.parse import quote, urlsplit
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import URL
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
-from kvserve.router.policy import Decision, Replica, RoutingPolicy
-from kvserve.router.prefix_index import MAX_KEYED_CHARS, prefix_keys
+from kvserve.router.health import GET_TIMEOUT_S, HealthChecker
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.policy import Replica, RoutingPolicy
+from kvserve.router.prefix_index import prefix_keys
+from kvserve.router.prompts import prompt_text, request_payload
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
 from kvserve.server.errors import PROTECTED_PREFIXES, RETRY_LATER, error_response, sse_failure, unauthorized
 from kvserve.server.sockets import BODY_SECONDS
@@ -46,8 +46,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 2.0
-GET_TIMEOUT_S = 30.0
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # the requests that leave KV behind
@@ -61,69 +59,7 @@ _FORWARDED = frozenset(name.encode() for name in FORWARDED_HEADERS)  # ASGI head
 UNRELAYED_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                                "upgrade", "proxy-authenticate", "proxy-authorization", "content-length", "date",
                                "server"})
-QUEUE_METRICS = ("kvserve:num_requests_running", "kvserve:num_requests_waiting")
 T = TypeVar("T")
-
-
-class RouterMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("kvserve_router:requests", "Requests sent to each replica.", ["replica"],
-                                registry=self.registry)
-        self.prefix_hits = Counter("kvserve_router:prefix_hit_chunks", "Prompt chunks the chosen replica had "
-                                   "been sent before (64 characters each).", ["replica"], registry=self.registry)
-        self.decisions = Counter("kvserve_router:decisions", "Routing decisions by reason.", ["reason"],
-                                 registry=self.registry)
-        self.retries = Counter("kvserve_router:retries", "Requests sent again after a replica refused them.",
-                               registry=self.registry)
-        self.healthy = Gauge("kvserve_router:replica_healthy", "1 while the replica answers /health.", ["replica"],
-                             registry=self.registry)
-        self.replica_pages = ReplicaPages()
-        self.registry.register(self.replica_pages)
-
-
-class ReplicaPages:
-    """The replicas' own metrics (``kvserve:*``, from the page each health check reads), each sample labelled
-    with its ``replica``: the router's port shows what one server's would (vLLM's data-parallel server shows
-    each engine's alike), so dashboards survive scaling from one replica to N. A replica down has none."""
-
-    def __init__(self) -> None:
-        self.pages: dict[str, list[Metric]] = {}  # by replica URL: its families, as last read
-
-    def collect(self) -> Iterator[Metric]:
-        merged: dict[str, Metric] = {}  # one family (one HELP and TYPE) over every replica
-        for url, families in self.pages.items():
-            for family in families:
-                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
-                into.samples += [sample._replace(labels={**sample.labels, "replica": url}) for sample in family.samples]
-        return iter(merged.values())
-
-
-def prompt_text(payload: dict[str, Any]) -> str:
-    """The text a request's KV prefix comes from, its first ``MAX_KEYED_CHARS`` characters (all that is keyed):
-    the completion prompt, or the chat messages in order. Fields of the wrong type count as no text: the replica
-    refuses them with its own 400."""
-    messages = payload.get("messages")
-    if isinstance(messages, list):
-        return _leading_lines(f"{_text(m.get('role'))}:{_content_text(m.get('content'))}" for m in messages
-                              if isinstance(m, dict))
-    prompt = payload.get("prompt", "")
-    if isinstance(prompt, list):  # token ids or several prompts; each item is at least a character of the JSON
-        try:
-            prompt = json.dumps(prompt[:MAX_KEYED_CHARS])
-        except RecursionError:  # nested too deep to print again (the replica refuses it): keyed as no prefix
-            return ""
-    return _text(prompt)[:MAX_KEYED_CHARS]
-
-
-def request_payload(body: bytes) -> dict[str, Any]:
-    """The JSON object a request carries, or {} (no prompt) if its body is none: it is forwarded all the same,
-    so that the replica's 400 is the one the client gets."""
-    try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's recursion limit
-        return {}
-    return payload if isinstance(payload, dict) else {}
 
 
 def forwarded_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -139,30 +75,9 @@ def relayed_headers(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]
             if name not in UNRELAYED_HEADERS and name not in named]
 
 
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else ""
-
-
-def _content_text(content: Any) -> str:
-    if isinstance(content, list):  # content parts
-        return "".join(_text(part.get("text")) for part in content if isinstance(part, dict))
-    return _text(content)
-
-
-def _leading_lines(lines: Iterable[str]) -> str:
-    """``lines`` joined by newlines, cut to the first ``MAX_KEYED_CHARS`` characters, without joining the lines
-    after those."""
-    taken, size = [], 0
-    for line in lines:
-        taken.append(line)
-        size += len(line) + 1
-        if size > MAX_KEYED_CHARS:
-            break
-    return "\n".join(taken)[:MAX_KEYED_CHARS]
-
-
 class Router:
-    """The replicas, the policy and the upstream connections; ``proxy`` sends one request through."""
+    """The replicas, the policy, the upstream connections, the metrics and the health checks; ``proxy`` sends one
+    request through."""
 
     def __init__(self, urls: list[str], policy: RoutingPolicy, upstream: Upstream | None = None,
                  health_interval: float = 1.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -176,10 +91,10 @@ class Router:
             _target(replica.url)  # a malformed URL fails here, not on the first request
         self.policy = policy
         self.upstream = upstream or Upstream()
-        self.health_interval = health_interval
         self.max_body_bytes = max_body_bytes  # the replicas' limit by default: a larger body would get their 413
         self.api_key = api_key  # checked before a body is read: a client without it costs the router nothing
         self.metrics = RouterMetrics()
+        self.health = HealthChecker(self.replicas, self.upstream, self.metrics, health_interval)
 
     def move(self, old_url: str, new_url: str) -> None:
         """A replica now answers at ``new_url`` (Ray restarted it elsewhere): a fresh entry, since the prompts
@@ -243,7 +158,7 @@ class Router:
                     replica.index.forget(insertion)
                 if isinstance(upstream, UpstreamResponse) and not (
                         upstream.status == HTTPStatus.SERVICE_UNAVAILABLE and len(candidates) > 1):
-                    self._count(decision)
+                    self.metrics.count(decision)
                     handed_over = True
                     return replica, upstream
             finally:
@@ -268,18 +183,12 @@ class Router:
             return await self.upstream.request(b"POST", origin, base_path + path.encode(), body, headers)
         except ConnectFailed as error:
             logger.warning("replica %s refused a request (%s); marking it down", replica.url, error)
-            self._set_health(replica, False)
+            self.health.mark_down(replica)
             return None
         except UpstreamLost as error:  # sent, perhaps started, and the replica went away or went silent
             if not isinstance(error, UpstreamTimeout):
-                self._set_health(replica, False)
+                self.health.mark_down(replica)
             return _failure_response(error)
-
-    def _count(self, decision: Decision) -> None:
-        replica = decision.replica
-        self.metrics.requests.labels(replica.url).inc()
-        self.metrics.prefix_hits.labels(replica.url).inc(decision.matched_chunks)
-        self.metrics.decisions.labels(decision.reason).inc()
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send, replica: Replica,
                      upstream: UpstreamResponse, left: asyncio.Future) -> None:
@@ -304,7 +213,7 @@ class Router:
         except UpstreamLost as error:
             logger.warning("replica %s broke off a stream: %s", replica.url, error)
             if not isinstance(error, UpstreamTimeout):  # a silent one is left to the health checks
-                self._set_health(replica, False)
+                self.health.mark_down(replica)
             failure = sse_failure(*_failure(error))
             await send({"type": "http.response.body", "body": failure.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -320,37 +229,6 @@ class Router:
                     response.raw_headers += relayed_headers(response_headers)
                     return response
         return error_response(503, "no kvserve replica is available", headers=RETRY_LATER)
-
-    # ---- health ------------------------------------------------------------------------------------------
-
-    async def check_health(self) -> None:
-        await asyncio.gather(*(self._check(replica) for replica in self.replicas))
-        self.upstream.prune()
-
-    async def _check(self, replica: Replica) -> None:
-        pages = self.metrics.replica_pages.pages
-        try:
-            healthy = (await self.upstream.get(replica.url + "/health", HEALTH_TIMEOUT_S))[0] == 200
-            if healthy:
-                page = (await self.upstream.get(replica.url + "/metrics", GET_TIMEOUT_S))[2]
-                pages[replica.url] = list(text_string_to_metric_families(page.decode()))
-                replica.reported_load = _queue_length(pages[replica.url])
-        except (ConnectFailed, UpstreamLost):
-            healthy = False
-        if not healthy:
-            pages.pop(replica.url, None)
-        if healthy != replica.healthy:
-            logger.warning("replica %s is %s", replica.url, "back up" if healthy else "down")
-        self._set_health(replica, healthy)
-
-    def _set_health(self, replica: Replica, healthy: bool) -> None:
-        replica.healthy = healthy
-        self.metrics.healthy.labels(replica.url).set(1 if healthy else 0)
-
-    async def health_loop(self) -> None:
-        while True:
-            await self.check_health()
-            await asyncio.sleep(self.health_interval)
 
 
 async def _unless_done(done: asyncio.Future, work: Awaitable[T]) -> T | None:
@@ -417,14 +295,6 @@ def _failure_response(error: UpstreamLost) -> Response:
     return error_response(*_failure(error))
 
 
-def _queue_length(families: list[Metric]) -> int:
-    total = 0.0
-    for family in families:
-        if family.name in QUEUE_METRICS:
-            total += sum(sample.value for sample in family.samples)
-    return int(total)
-
-
 class RouterApp:
     """The router's ASGI app. The generation routes go to ``Router.proxy`` as plain ASGI messages (no Starlette
     request, response or task group on the path every token takes); ``/health``, ``/metrics``, ``/v1/models``
@@ -487,14 +357,11 @@ class RouterApp:
         """Startup: one round of health checks, then the loop in the background; shutdown: stop it, close the
         connections."""
         await receive()  # lifespan.startup
-        await self.router.check_health()
-        checker = asyncio.create_task(self.router.health_loop())
+        await self.router.health.check_all()
+        checker = asyncio.create_task(self.router.health.loop())
         await send({"type": "lifespan.startup.complete"})
         await receive()  # lifespan.shutdown
         checker.cancel()
         await self.router.upstream.aclose()
         await send({"type": "lifespan.shutdown.complete"})
 
-
-def build_router_app(router: Router) -> RouterApp:
-    return RouterApp(router)

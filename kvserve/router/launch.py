@@ -22,7 +22,7 @@ from typing import Callable
 
 import uvicorn
 
-from kvserve.router.app import Router, build_router_app
+from kvserve.router.app import Router, RouterApp
 from kvserve.router.child_process import die_with_parent
 from kvserve.router.policy import POLICIES, make_policy
 from kvserve.extras import require_ray
@@ -121,7 +121,7 @@ def _run(router: Router, sock: socket.socket, policy: str, should_stop: Callable
     raise_open_file_limit()
     logger.info("kvserve router on %s -> %s (%s)", http_url(host, port), ", ".join(r.url for r in router.replicas),
                 policy)
-    server = RouterServer(uvicorn.Config(build_router_app(router), log_level="warning", access_log=False),
+    server = RouterServer(uvicorn.Config(RouterApp(router), log_level="warning", access_log=False),
                           should_stop)
     server.run(sockets=[sock])
     return server.stopped_by_check

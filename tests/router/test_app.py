@@ -21,9 +21,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.router.app import Router, build_router_app, prompt_text
+from kvserve.router.app import Router, RouterApp
 from kvserve.router.policy import make_policy
-from kvserve.router.prefix_index import CHUNK_CHARS, MAX_KEYED_CHARS
+from kvserve.router.prefix_index import CHUNK_CHARS
 from kvserve.router.upstream import Upstream
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 from tests.router.test_upstream import CHUNKED_HEAD, ByteServer
@@ -141,7 +141,7 @@ class FakeReplicas:
 
 def router_client(fakes: FakeReplicas, policy: str = "cache_aware") -> tuple[Router, httpx.AsyncClient]:
     router = Router(fakes.urls, make_policy(policy))
-    app = build_router_app(router)
+    app = RouterApp(router)
     return router, httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router")
 
 
@@ -155,7 +155,7 @@ def test_requests_with_one_prefix_land_on_one_replica() -> None:
     async def scenario() -> list[dict]:
         async with fakes:
             router, client = router_client(fakes)
-            await router.check_health()
+            await router.health.check_all()
             answers = []
             for suffix in "abcd":
                 reply = await client.post("/v1/completions", json={"prompt": LONG + suffix, "max_tokens": 1},
@@ -345,11 +345,11 @@ def test_no_replica_up_is_a_503_with_retry_after_and_the_router_stays_up() -> No
 
     async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         router, client = router_client(fakes)
-        await router.check_health()
+        await router.health.check_all()
         refused = await client.post("/v1/completions", json={"prompt": "p"})
         health = await client.get("/health")
         async with fakes:
-            await router.check_health()  # the replicas are back: used again
+            await router.health.check_all()  # the replicas are back: used again
             return refused, health, await client.post("/v1/completions", json={"prompt": "p"})
 
     refused, health, again = run(scenario())
@@ -374,7 +374,7 @@ def test_a_replica_lost_with_the_request_in_flight_is_a_502_and_marked_down() ->
             lost = await client.post("/v1/completions", json={"prompt": "p"})
             fakes.hold = None
             healthy_after = router.replicas[0].healthy
-            await router.check_health()
+            await router.health.check_all()
             return lost, healthy_after, await client.post("/v1/completions", json={"prompt": "p"})
 
     lost, healthy_after, again = run(scenario())
@@ -412,17 +412,6 @@ def test_connections_to_a_replica_are_reused() -> None:
 
     total_requests, idle = run(scenario())
     assert total_requests == 4 and idle == [1]  # four requests, one connection
-
-
-@pytest.mark.parametrize("payload, text", [
-    ({"prompt": "abc"}, "abc"),
-    ({"prompt": [1, 2]}, "[1, 2]"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "user:hi"),
-    ({"messages": [{"role": 5, "content": [{"type": "text", "text": None}, {"text": 5}, "x"]}]}, ":"),
-    ({"prompt": {"not": "a prompt"}}, ""),
-])
-def test_prompt_text(payload: dict, text: str) -> None:
-    assert prompt_text(payload) == text
 
 
 def test_a_moved_replica_is_a_fresh_entry_until_its_health_check() -> None:
@@ -501,7 +490,7 @@ def test_a_request_on_a_kept_alive_connection_to_a_replica_just_dead_goes_to_ano
         async with dying as dying_origin, live as live_origin:
             urls = [f"http://127.0.0.1:{origin.port}" for origin in (dying_origin, live_origin)]
             router = Router(urls, make_policy("round_robin"))
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
             answers = []
             for i in range(3):
                 if i == 2:
@@ -526,7 +515,7 @@ def test_a_replica_that_sends_no_answer_is_a_504_after_the_timeout() -> None:
     async def scenario() -> tuple[httpx.Response, Router]:
         async with server as origin:
             router = silent_router(origin.port)
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
             return await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "p"}), 10), router
 
     reply, router = run(scenario())
@@ -596,7 +585,7 @@ def test_a_body_at_the_limit_is_forwarded() -> None:
     async def scenario() -> httpx.Response:
         async with fakes:
             router = Router(fakes.urls, make_policy("cache_aware"), max_body_bytes=len(body))
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
             return await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
 
     assert run(scenario()).status_code == 200
@@ -628,7 +617,7 @@ def test_with_a_key_the_router_refuses_a_request_without_it_before_reading_its_b
     async def scenario() -> list[httpx.Response]:
         async with fakes:
             router = Router(fakes.urls, make_policy("cache_aware"), api_key="sekret")
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
             return [await client.post("/v1/completions", json={"prompt": "p"}),
                     await client.get("/v1/models"),
                     await client.post("/v1/completions", json={"prompt": "p"},
@@ -737,14 +726,6 @@ def test_bad_text_goes_to_a_replica_to_refuse(payload: dict) -> None:
     assert reply.status_code == 200 and fakes.seen == [(fakes.urls[0], payload)]
 
 
-def test_only_a_long_prompts_leading_characters_are_keyed() -> None:
-    """A 4 MiB prompt was hashed whole (106 ms of the router's event loop, 62,500 keys in the index)."""
-    huge = "a" * (MAX_KEYED_CHARS * 4)
-    assert prompt_text({"prompt": huge}) == huge[:MAX_KEYED_CHARS]
-    assert prompt_text({"messages": [{"role": "user", "content": huge}] * 3}) == ("user:" + huge)[:MAX_KEYED_CHARS]
-    assert len(prompt_text({"prompt": list(range(MAX_KEYED_CHARS))})) == MAX_KEYED_CHARS
-
-
 def error_answer(status: int, message: bytes) -> bytes:
     content = b'{"error": {"message": "%s", "code": %d}}' % (message, status)
     return b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
@@ -762,7 +743,7 @@ def test_the_keys_of_a_request_that_cached_nothing_leave_its_index(answer: bytes
     async def scenario() -> int:
         async with server as origin:
             router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
             await client.post(path, json={"prompt": LONG})
             return len(router.replicas[0].index)
 
@@ -777,7 +758,7 @@ def test_request_ids_and_trace_context_reach_the_replica() -> None:
     async def scenario() -> None:
         async with server as origin:
             router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
             await client.post("/v1/completions", json={"prompt": "p"}, headers=sent)
 
     run(scenario())
@@ -793,7 +774,7 @@ def test_a_body_that_is_no_json_object_goes_to_a_replica_to_refuse_in_its_words(
     async def scenario() -> httpx.Response:
         async with server as origin:
             router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
-            client = httpx.AsyncClient(transport=httpx.ASGITransport(build_router_app(router)), base_url="http://r")
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
             return await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
 
     reply = run(scenario())
@@ -823,10 +804,10 @@ def test_metrics_show_each_replicas_own_metrics_while_it_is_up() -> None:
     async def scenario() -> tuple[str, str]:
         async with fakes:
             router, client = router_client(fakes)
-            await router.check_health()
+            await router.health.check_all()
             both = (await client.get("/metrics")).text
             await fakes.stop(1)
-            await router.check_health()
+            await router.health.check_all()
             return both, (await client.get("/metrics")).text
 
     both, one = run(scenario())

@@ -1,0 +1,70 @@
+"""The router's Prometheus metrics, shown on its /metrics: its own counters (``kvserve_router:*``: requests and
+prefix hits per replica, decisions by reason, retries, replica health), and each healthy replica's own page
+(``kvserve:*``) with a ``replica`` label; ``queue_length`` reads a replica's queue, its load, off that page."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.metrics_core import Metric
+
+from kvserve.router.policy import Decision
+
+QUEUE_METRICS = ("kvserve:num_requests_running", "kvserve:num_requests_waiting")
+
+
+class RouterMetrics:
+    """Everything the router's /metrics shows, in one registry: its counters, its gauge of each replica's health
+    (mirroring ``Replica.healthy``, which ``health.HealthChecker`` sets) and the replicas' own pages."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvserve_router:requests", "Requests sent to each replica.", ["replica"],
+                                registry=self.registry)
+        self.prefix_hits = Counter("kvserve_router:prefix_hit_chunks", "Prompt chunks the chosen replica had "
+                                   "been sent before (64 characters each).", ["replica"], registry=self.registry)
+        self.decisions = Counter("kvserve_router:decisions", "Routing decisions by reason.", ["reason"],
+                                 registry=self.registry)
+        self.retries = Counter("kvserve_router:retries", "Requests sent again after a replica refused them.",
+                               registry=self.registry)
+        self.healthy = Gauge("kvserve_router:replica_healthy", "1 while the replica answers /health.", ["replica"],
+                             registry=self.registry)
+        self.replica_pages = ReplicaPages()
+        self.registry.register(self.replica_pages)
+
+    def count(self, decision: Decision) -> None:
+        """A request handed to ``decision.replica``: its request, its prefix hits and the decision's reason."""
+        url = decision.replica.url
+        self.requests.labels(url).inc()
+        self.prefix_hits.labels(url).inc(decision.matched_chunks)
+        self.decisions.labels(decision.reason).inc()
+
+    def set_health(self, url: str, healthy: bool) -> None:
+        self.healthy.labels(url).set(1 if healthy else 0)
+
+
+class ReplicaPages:
+    """The replicas' own metrics (``kvserve:*``, from the page each health check reads), each sample labelled
+    with its ``replica``: the router's port shows what one server's would (vLLM's data-parallel server shows
+    each engine's alike), so dashboards survive scaling from one replica to N. A replica down has none."""
+
+    def __init__(self) -> None:
+        self.pages: dict[str, list[Metric]] = {}  # by replica URL: its families, as last read
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}  # one family (one HELP and TYPE) over every replica
+        for url, families in self.pages.items():
+            for family in families:
+                into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                into.samples += [sample._replace(labels={**sample.labels, "replica": url}) for sample in family.samples]
+        return iter(merged.values())
+
+
+def queue_length(families: list[Metric]) -> int:
+    """A replica's requests running and waiting, from the families of its /metrics page."""
+    total = 0.0
+    for family in families:
+        if family.name in QUEUE_METRICS:
+            total += sum(sample.value for sample in family.samples)
+    return int(total)

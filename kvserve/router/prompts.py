@@ -1,0 +1,63 @@
+"""The text a request's KV prefix comes from, read from its OpenAI-shaped body: what the router (and the Ray
+ingress) key prefixes on (``prefix_index.prefix_keys``).
+
+A body is read leniently: one that is no JSON object, or fields of the wrong type, count as no text, and the
+request is forwarded all the same, so that the replica refuses it in its own words. Only the first
+``MAX_KEYED_CHARS`` characters are read (all that is keyed), so a huge prompt costs the router no more.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+from kvserve.router.prefix_index import MAX_KEYED_CHARS
+
+
+def request_payload(body: bytes) -> dict[str, Any]:
+    """The JSON object a request carries, or {} (no prompt) if its body is none: it is forwarded all the same,
+    so that the replica's 400 is the one the client gets."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's recursion limit
+        return {}
+    return payload if isinstance(payload, dict) else {}
+
+
+def prompt_text(payload: dict[str, Any]) -> str:
+    """The text a request's KV prefix comes from, its first ``MAX_KEYED_CHARS`` characters (all that is keyed):
+    the completion prompt, or the chat messages in order. Fields of the wrong type count as no text: the replica
+    refuses them with its own 400."""
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        return _leading_lines(f"{_text(m.get('role'))}:{_content_text(m.get('content'))}" for m in messages
+                              if isinstance(m, dict))
+    prompt = payload.get("prompt", "")
+    if isinstance(prompt, list):  # token ids or several prompts; each item is at least a character of the JSON
+        try:
+            prompt = json.dumps(prompt[:MAX_KEYED_CHARS])
+        except RecursionError:  # nested too deep to print again (the replica refuses it): keyed as no prefix
+            return ""
+    return _text(prompt)[:MAX_KEYED_CHARS]
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):  # content parts
+        return "".join(_text(part.get("text")) for part in content if isinstance(part, dict))
+    return _text(content)
+
+
+def _leading_lines(lines: Iterable[str]) -> str:
+    """``lines`` joined by newlines, cut to the first ``MAX_KEYED_CHARS`` characters, without joining the lines
+    after those."""
+    taken, size = [], 0
+    for line in lines:
+        taken.append(line)
+        size += len(line) + 1
+        if size > MAX_KEYED_CHARS:
+            break
+    return "\n".join(taken)[:MAX_KEYED_CHARS]

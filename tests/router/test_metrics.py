@@ -1,0 +1,34 @@
+"""The router's metrics: a replica's queue read off its page, and the decision counters."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.router.metrics import RouterMetrics, queue_length
+from kvserve.router.policy import Decision, Replica
+
+PAGE = """# TYPE kvserve:num_requests_running gauge
+kvserve:num_requests_running{model_name="m"} 2.0
+# TYPE kvserve:num_requests_waiting gauge
+kvserve:num_requests_waiting{model_name="m"} 3.0
+# TYPE kvserve:prompt_tokens_total counter
+kvserve:prompt_tokens_total{model_name="m"} 7.0
+"""
+
+
+def test_a_replicas_queue_is_its_requests_running_and_waiting() -> None:
+    assert queue_length(list(text_string_to_metric_families(PAGE))) == 5
+    assert queue_length([]) == 0
+
+
+def test_a_decision_counts_its_request_prefix_hits_and_reason() -> None:
+    metrics = RouterMetrics()
+    replica = Replica("http://a:1")
+    metrics.count(Decision(replica, "prefix", matched_chunks=3))
+    metrics.set_health(replica.url, False)
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvserve_router:requests_total{replica="http://a:1"} 1.0' in text
+    assert 'kvserve_router:prefix_hit_chunks_total{replica="http://a:1"} 3.0' in text
+    assert 'kvserve_router:decisions_total{reason="prefix"} 1.0' in text
+    assert 'kvserve_router:replica_healthy{replica="http://a:1"} 0.0' in text
