@@ -111,6 +111,8 @@ class AttentionMetadata:
     """Whatever a backend precomputes once per step from ``AttentionInputs`` (masks, gather indices)."""
 
     inputs: AttentionInputs
+    # the windows build_metadata was given (None = global): ``forward`` refuses any other
+    sliding_windows: Collection[int | None]
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata layer ``layer`` attends with: this one, unless the step has KV cache groups."""
@@ -142,20 +144,25 @@ def build_step_metadata(backend: AttentionBackend, inputs: AttentionInputs, grou
 
 
 class AttentionBackend(ABC):
-    """Paged attention over a step's mixed batch of decodes and prefill chunks."""
+    """Paged attention over a step's mixed batch of decodes and prefill chunks.
+
+    ``forward`` checks what every backend needs of its arguments, then hands them to the backend's ``_attend``;
+    a backend adds the dtypes and cache encodings its kernels read in ``_check_dtypes``.
+    """
 
     # The device types whose step graphs (kvserve/worker/step_graphs.py) can replay this backend's decode steps:
     # its metadata of a decode-only step reads nothing but the input tensors (no host lists), so that metadata
     # built once over static tensors serves every later step of that size once they are refilled, and its
     # kernels are what that device's graphs record (C kernels on CPU, CUDA kernels on a GPU).
     graph_devices: frozenset[str] = frozenset()
+    # what this backend's build_metadata returns, and so what its forward takes
+    metadata_type: type[AttentionMetadata]
 
     @abstractmethod
     def build_metadata(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> AttentionMetadata:
         """Precompute what every layer of this step reuses; ``sliding_windows`` lists the distinct windows
         (None = global) the model's layers use."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
@@ -172,7 +179,32 @@ class AttentionBackend(ABC):
         """Write k and v of the step's tokens into layer ``layer``'s cache, then return causal attention of
         each query over its sequence's cached keys: [T, num_heads, head_dim]. With ``sliding_window`` w, a
         query at position p sees keys at positions p - w + 1 .. p (HF's convention). ``rope``: where
-        ``takes_rope`` says so, the layer's cos and sin, q and k arriving unrotated; None: already rotated."""
+        ``takes_rope`` says so, the layer's cos and sin, q and k arriving unrotated; None: already rotated.
+
+        Raises ValueError for a ``rope`` the backend does not take, a window ``meta`` was not built for, or
+        shapes that do not fit the step and the cache; TypeError for another backend's metadata, or dtypes
+        and cache encodings the backend does not read."""
+        if rope is not None and not self.takes_rope(kv, layer):
+            raise ValueError(f"{type(self).__name__} does not rotate q and k for this layer (its takes_rope is "
+                             "False): the layer applies the rotary embedding before forward")
+        if not isinstance(meta, self.metadata_type):
+            raise TypeError(f"{type(self).__name__} needs {self.metadata_type.__name__}, got {type(meta).__name__}")
+        check_sliding_window(sliding_window, meta.sliding_windows)
+        check_step_inputs(q, k, kv, meta.inputs)
+        self._check_dtypes(q, kv, layer)
+        return self._attend(q, k, v, layer, kv, meta, scale, sliding_window, rope)
+
+    @abstractmethod
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, kv: KVCacheStorage,
+        meta: AttentionMetadata, scale: float, sliding_window: int | None, rope: Rope | None,
+    ) -> torch.Tensor:
+        """``forward`` once its arguments are checked: ``meta`` is this backend's ``metadata_type``, and ``rope``
+        is None unless ``takes_rope`` said yes for ``layer``."""
+
+    def _check_dtypes(self, q: torch.Tensor, kv: KVCacheStorage, layer: int) -> None:
+        """TypeError (or NotImplementedError) unless this backend reads queries of q's dtype and layer
+        ``layer``'s cache as it is stored. Default: any."""
 
     def takes_rope(self, kv: KVCacheStorage, layer: int) -> bool:
         """Whether ``forward`` rotates q and k itself for layer ``layer`` (``rope``), in the launch that stores
@@ -180,15 +212,21 @@ class AttentionBackend(ABC):
         return False
 
 
-def refuse_rope(backend: AttentionBackend, rope: Rope | None) -> None:
-    """ValueError where ``rope`` is handed to a backend whose ``takes_rope`` said no."""
-    if rope is not None:
-        raise ValueError(f"{type(backend).__name__} does not rotate q and k for this layer (its takes_rope is "
-                         "False): the layer applies the rotary embedding before forward")
-
-
 def check_sliding_window(sliding_window: int | None, windows: Collection[int | None]) -> None:
     """ValueError unless ``sliding_window`` is one of the windows the step's metadata was built for."""
     if sliding_window not in windows:
         raise ValueError(f"sliding_window={sliding_window} was not among the windows given to build_metadata "
                          f"({sorted(windows, key=str)})")
+
+
+def check_step_inputs(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, inputs: AttentionInputs) -> None:
+    """ValueError unless q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] have the step's T tokens
+    and the cache's KV heads and head size, with a whole number of query heads per KV head."""
+    num_tokens, num_heads, head_dim = q.shape
+    spec = kv.spec
+    if (num_tokens != inputs.num_tokens or k.shape[1] != spec.num_kv_heads or num_heads % spec.num_kv_heads
+            or head_dim != spec.head_dim):
+        raise ValueError(
+            f"q {tuple(q.shape)} / k {tuple(k.shape)} do not fit a step of {inputs.num_tokens} tokens with "
+            f"num_heads a multiple of the cache's num_kv_heads={spec.num_kv_heads} and head_dim={spec.head_dim}"
+        )

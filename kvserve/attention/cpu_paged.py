@@ -38,9 +38,7 @@ from typing import Callable
 
 import torch
 
-from kvserve.attention.backend import (
-    AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_sliding_window, refuse_rope,
-)
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, Rope
 from kvserve.kv.quant import C_ENCODING_CODES
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 from kvserve.native import KernelFunction, kernel_range, load_library
@@ -67,7 +65,7 @@ class CpuPagedMetadata(AttentionMetadata):
     """The step's inputs and the kernels' arguments: decodes (the first ``num_decodes`` sequences) and chunks."""
 
     inputs: AttentionInputs
-    sliding_windows: frozenset[int | None]  # those build_metadata was given; forward refuses others, as the twin
+    sliding_windows: frozenset[int | None]
     decode_block_tables: torch.Tensor  # int32 [num_decodes, max_blocks], contiguous
     decode_seq_lens: torch.Tensor  # int32 [num_decodes], contiguous
     chunk_block_tables: torch.Tensor  # int32 [num_chunks, max_blocks], contiguous
@@ -89,6 +87,7 @@ class CpuPagedBackend(AttentionBackend):
     """
 
     graph_devices = frozenset({"cpu"})  # decodes' tables and lengths are read from the input tensors by the kernel
+    metadata_type = CpuPagedMetadata
 
     def __init__(self, libraries: tuple[ctypes.CDLL, ctypes.CDLL] | None = None) -> None:
         decode_library, prefill_library = libraries or (None, None)
@@ -116,24 +115,17 @@ class CpuPagedBackend(AttentionBackend):
             chunk_query_lens=torch.tensor(inputs.query_lens_list[num_decodes:], dtype=torch.int32),
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        kv: KVCacheStorage,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        rope: Rope | None = None,
+    def _check_dtypes(self, q: torch.Tensor, kv: KVCacheStorage, layer: int) -> None:
+        layer_kv = kv.layer(layer)
+        if (q.dtype != torch.float32 or kv.spec.dtype != torch.float32 or layer_kv.encoding.name not in C_ENCODING_CODES
+                or not all(t.is_contiguous() for t in layer_kv.tensors())):
+            raise TypeError(f"CpuPagedBackend needs fp32 queries and contiguous caches of fp32 models, stored as "
+                            f"{', '.join(C_ENCODING_CODES)}; got {q.dtype} and a {kv.spec.kv_dtype.name} cache")
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, kv: KVCacheStorage,
+        meta: CpuPagedMetadata, scale: float, sliding_window: int | None, rope: Rope | None,
     ) -> torch.Tensor:
-        refuse_rope(self, rope)
-        if not isinstance(meta, CpuPagedMetadata):
-            raise TypeError(f"CpuPagedBackend needs CpuPagedMetadata, got {type(meta).__name__}")
-        _check_shapes(q, k, kv, layer, meta.inputs)
-        check_sliding_window(sliding_window, meta.sliding_windows)
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernels walk heads head_dim apart within a row
             q = q.contiguous()
         kv.write(layer, meta.inputs.slot_mapping, k, v)  # the chunks' keys are read back in place
@@ -210,20 +202,6 @@ def _raise_on_failure(num_bad: int, kernel: str, kv: KVCacheStorage) -> None:
     if num_bad:
         raise ValueError(f"a {kernel}'s block table names a block outside the cache's {kv.num_blocks} blocks")
 
-
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: int, inputs: AttentionInputs) -> None:
-    num_tokens, num_heads, head_dim = q.shape
-    if (num_tokens != inputs.num_tokens or num_heads % k.shape[1] or k.shape[1] != kv.spec.num_kv_heads
-            or head_dim != kv.spec.head_dim):
-        raise ValueError(
-            f"q {tuple(q.shape)} / k {tuple(k.shape)} do not fit a step of {inputs.num_tokens} tokens with "
-            f"num_heads a multiple of the cache's num_kv_heads={kv.spec.num_kv_heads} and head_dim={kv.spec.head_dim}"
-        )
-    layer_kv = kv.layer(layer)
-    if (q.dtype != torch.float32 or kv.spec.dtype != torch.float32 or layer_kv.encoding.name not in C_ENCODING_CODES
-            or not all(t.is_contiguous() for t in layer_kv.tensors())):
-        raise TypeError(f"CpuPagedBackend needs fp32 queries and contiguous caches of fp32 models, stored as "
-                        f"{', '.join(C_ENCODING_CODES)}; got {q.dtype} and a {kv.spec.kv_dtype.name} cache")
 
 
 # --- the kernel ---------------------------------------------------------------------------------------------------

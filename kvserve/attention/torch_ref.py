@@ -18,13 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import Collection
 
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.backend import (
-    AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_sliding_window, refuse_rope,
-)
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, Rope
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 
 MIN_DECODE_GROUP = 8
@@ -115,6 +114,11 @@ class TorchRefMetadata(AttentionMetadata):
     inputs: AttentionInputs
     plans: dict[int | None, WindowPlan]
 
+    @property
+    def sliding_windows(self) -> Collection[int | None]:
+        """The windows planned for: the plans' keys (the dict itself, so that reading them allocates nothing)."""
+        return self.plans
+
 
 class TorchRefBackend(AttentionBackend):
     """Paged attention with ``scaled_dot_product_attention``; works on any device and float dtype.
@@ -122,6 +126,8 @@ class TorchRefBackend(AttentionBackend):
     Holds a gather workspace that grows to the largest step seen, so layers neither allocate nor page-fault
     tens of megabytes each (measured: 2x on fp32 CPU decodes); one step runs at a time.
     """
+
+    metadata_type = TorchRefMetadata
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
@@ -136,29 +142,11 @@ class TorchRefBackend(AttentionBackend):
         plans = {w: _window_plan(inputs, w, max_groups) for w in sliding_windows}
         return TorchRefMetadata(inputs=inputs, plans=plans)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        kv: KVCacheStorage,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        rope: Rope | None = None,
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, kv: KVCacheStorage,
+        meta: TorchRefMetadata, scale: float, sliding_window: int | None, rope: Rope | None,
     ) -> torch.Tensor:
-        refuse_rope(self, rope)
-        if not isinstance(meta, TorchRefMetadata):
-            raise TypeError(f"TorchRefBackend needs TorchRefMetadata, got {type(meta).__name__}")
-        plan = _plan_for(meta, sliding_window)
-        num_kv_heads = k.shape[1]
-        if q.shape[0] != meta.inputs.num_tokens or q.shape[1] % num_kv_heads:
-            raise ValueError(
-                f"q {tuple(q.shape)} / k {tuple(k.shape)} do not fit a step of {meta.inputs.num_tokens} tokens "
-                "with num_heads a multiple of num_kv_heads"
-            )
+        plan, num_kv_heads = meta.plans[sliding_window], k.shape[1]
         kv.write(layer, meta.inputs.slot_mapping, k, v)
         keys, values = self._gather(kv.layer(layer), plan.gather_rows(num_kv_heads), q)
         sizes = [c.slots.numel() * num_kv_heads for c in plan.calls]
@@ -181,11 +169,6 @@ class TorchRefBackend(AttentionBackend):
         if ws is None or ws.dtype != dtype or ws.device != device or ws.numel() < numel:
             ws = self._workspace = torch.empty(numel, dtype=dtype, device=device)
         return ws[:numel]
-
-
-def _plan_for(meta: TorchRefMetadata, sliding_window: int | None) -> WindowPlan:
-    check_sliding_window(sliding_window, meta.plans)
-    return meta.plans[sliding_window]
 
 
 def _window_plan(inputs: AttentionInputs, window: int | None, max_decode_groups: int) -> WindowPlan:

@@ -27,9 +27,7 @@ import torch
 import triton
 
 from kvserve.attention import triton_kernels as kernels
-from kvserve.attention.backend import (
-    AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_sliding_window, refuse_rope,
-)
+from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, Rope
 from kvserve.kv.quant import KVCacheDtype, rotate_queries
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 from kvserve.triton_launch import pdl_options
@@ -69,7 +67,7 @@ class TritonPagedMetadata(AttentionMetadata):
     """The step's inputs cut into the decodes (the first ``num_decodes`` sequences) and the prefill chunks."""
 
     inputs: AttentionInputs
-    sliding_windows: frozenset[int | None]  # those build_metadata was given; forward refuses others, as the twin
+    sliding_windows: frozenset[int | None]
     block_tables: torch.Tensor  # int32 [B, max_blocks]
     seq_lens: torch.Tensor  # int32 [B]
     chunk_query_starts: torch.Tensor  # int32 [num_chunks]: the step's row of each chunk's first query
@@ -93,6 +91,7 @@ class TritonPagedBackend(AttentionBackend):
     # count, which metadata built for a CUDA graph fixes for the longest sequence the graph serves (under the
     # interpreter the kernels run in numpy, which no CPU step graph records)
     graph_devices = frozenset({"cuda"})
+    metadata_type = TritonPagedMetadata
 
     def __init__(self, max_kv_splits: int = 32) -> None:
         if max_kv_splits < 1:
@@ -138,30 +137,25 @@ class TritonPagedBackend(AttentionBackend):
         tiles = math.ceil(inputs.num_decodes / CASCADE_DECODES_PER_TILE)  # x KV heads, unknown here: a lower bound
         return max(1, min(self.max_kv_splits, by_length, math.ceil(2 * num_sms / tiles)))
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: int,
-        kv: KVCacheStorage,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        rope: Rope | None = None,
+    def _check_dtypes(self, q: torch.Tensor, kv: KVCacheStorage, layer: int) -> None:
+        if q.dtype not in MODEL_DTYPES or q.dtype != kv.spec.dtype:
+            raise TypeError(f"TritonPagedBackend takes fp16 / bf16 / fp32 queries in the cache's {kv.spec.dtype}; "
+                            f"got {q.dtype}")
+        encoding = kv.layer(layer).encoding
+        if not can_read(encoding):
+            raise NotImplementedError(f"TritonPagedBackend reads caches stored unquantized or as "
+                                      f"{' / '.join(QUANTIZED_ENCODINGS)}, not {encoding.name}; use torch_ref")
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, kv: KVCacheStorage,
+        meta: TritonPagedMetadata, scale: float, sliding_window: int | None, rope: Rope | None,
     ) -> torch.Tensor:
-        if not isinstance(meta, TritonPagedMetadata):
-            raise TypeError(f"TritonPagedBackend needs TritonPagedMetadata, got {type(meta).__name__}")
-        check_sliding_window(sliding_window, meta.sliding_windows)
-        _check_inputs(q, k, kv, layer, meta.inputs)
         if q.stride(-1) != 1:  # the kernels take row and head strides, so column slices of a packed qkv pass as is
             q = q.contiguous()
         layer_kv, window = kv.layer(layer), sliding_window or NO_WINDOW
         if layer_kv.k_scale is None:
             store_kv(layer_kv, meta.inputs.slot_mapping, k, v, rope, q)
-        else:
-            refuse_rope(self, rope)
+        else:  # rope is None here: takes_rope said no
             kv.write(layer, meta.inputs.slot_mapping, k, v)
             q = rotate_queries(q, layer_kv.encoding)  # int4's keys are stored rotated
         out = torch.empty_like(q)
@@ -333,20 +327,3 @@ def _dot_args(q: torch.Tensor) -> dict[str, str | bool]:
     return {"PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
             "UPCAST_DOTS": q.dtype == torch.bfloat16 and is_interpreted()}
 
-
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, kv: KVCacheStorage, layer: int, inputs: AttentionInputs) -> None:
-    num_tokens, num_heads, head_dim = q.shape
-    spec = kv.spec
-    if (num_tokens != inputs.num_tokens or num_heads % spec.num_kv_heads or k.shape[1] != spec.num_kv_heads
-            or head_dim != spec.head_dim):
-        raise ValueError(
-            f"q {tuple(q.shape)} / k {tuple(k.shape)} do not fit a step of {inputs.num_tokens} tokens with "
-            f"num_heads a multiple of the cache's num_kv_heads={spec.num_kv_heads} and head_dim={spec.head_dim}"
-        )
-    encoding = kv.layer(layer).encoding
-    if q.dtype not in MODEL_DTYPES or q.dtype != spec.dtype:
-        raise TypeError(f"TritonPagedBackend takes fp16 / bf16 / fp32 queries in the cache's {spec.dtype}; "
-                        f"got {q.dtype}")
-    if not can_read(encoding):
-        raise NotImplementedError(f"TritonPagedBackend reads caches stored unquantized or as "
-                                  f"{' / '.join(QUANTIZED_ENCODINGS)}, not {encoding.name}; use torch_ref")

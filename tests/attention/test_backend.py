@@ -1,16 +1,62 @@
-"""``attention.backend.shared_prefixes``, which the runner calls every step for cascade attention, against its
-definition written out group by group: steps of many groups (samples of a few prompts), of none, of short and
-partial members."""
+"""``AttentionBackend.forward``'s checks, the same for every backend; ``attention.backend.shared_prefixes``, which
+the runner calls every step for cascade attention, against its definition written out group by group: steps of
+many groups (samples of a few prompts), of none, of short and partial members."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.attention.backend import shared_prefixes
+from kvserve.attention.backend import AttentionBackend, shared_prefixes
+from kvserve.attention.cpu_paged import CpuPagedBackend
+from kvserve.attention.torch_ref import TorchRefBackend
+from tests.attention.test_torch_ref import LAYER, make_step
 
 BLOCK_SIZE = 4
+
+
+def triton_backend() -> AttentionBackend:
+    """The Triton backend where its kernels run on this step's CPU tensors: under the interpreter."""
+    triton_paged = pytest.importorskip("kvserve.attention.triton_paged")
+    if not triton_paged.is_interpreted():
+        pytest.skip("the steps here are on CPU; test_triton_paged.py checks the compiled backend")
+    return triton_paged.TritonPagedBackend()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch_ref": TorchRefBackend, "cpu_paged": CpuPagedBackend, "triton": triton_backend,
+}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_forward_refuses_what_does_not_fit_the_step_alike_in_every_backend(name: str) -> None:
+    """The reference is as strict as the backends it judges, and a refused call writes nothing."""
+    backend = BACKENDS[name]()
+    step = make_step([(3, 1), (0, 4)], 1, block_size=4, num_kv_heads=2, group=2)
+    meta = backend.build_metadata(step.inputs, {None})
+    other_meta = (CpuPagedBackend() if name == "torch_ref" else TorchRefBackend()).build_metadata(step.inputs, {None})
+    rope = (torch.ones(step.q.shape[0], 1, step.q.shape[2] // 2), torch.zeros(step.q.shape[0], 1, step.q.shape[2] // 2))
+    cache_before = [t.clone() for t in step.kv.layer(LAYER).tensors()]
+    bad_calls = [
+        (ValueError, "multiple of the cache's num_kv_heads=2", dict(q=step.q[:, :3])),
+        (ValueError, "num_kv_heads=2", dict(k=step.k[:, :1], v=step.v[:, :1])),  # q's 4 heads would fit 1
+        (ValueError, "head_dim=8", dict(q=step.q[..., :4])),
+        (ValueError, "a step of 5 tokens", dict(q=step.q[:4], k=step.k[:4], v=step.v[:4])),
+        (ValueError, "sliding_window=8", dict(sliding_window=8)),
+        (TypeError, f"{type(backend).__name__} needs {type(meta).__name__}", dict(meta=other_meta)),
+    ]
+    if not backend.takes_rope(step.kv, LAYER):
+        bad_calls.append((ValueError, f"{type(backend).__name__} does not rotate", dict(rope=rope)))
+    for error, words, bad in bad_calls:
+        call = dict(q=step.q, k=step.k, v=step.v, layer=LAYER, kv=step.kv, meta=meta, scale=1.0) | bad
+        with pytest.raises(error, match=words):
+            backend.forward(**call)
+    assert all(torch.equal(t, before) for t, before in zip(step.kv.layer(LAYER).tensors(), cache_before))
 
 
 def definition(tables: np.ndarray, seq_lens: np.ndarray) -> list[int]:

@@ -209,7 +209,7 @@ def test_heads_not_a_multiple_of_kv_heads_is_rejected() -> None:
     step = make_step([(3, 1)], 1, block_size=4, num_kv_heads=2, group=1)
     backend = TorchRefBackend()
     meta = backend.build_metadata(step.inputs, {None})
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    with pytest.raises(ValueError, match="multiple of the cache's num_kv_heads=2"):
         backend.forward(step.q[:, :1], step.k, step.v, LAYER, step.kv, meta, scale=1.0)
 
 
