@@ -212,6 +212,12 @@ class AttentionBackend(ABC):
         return False
 
 
+def check_window_sizes(sliding_windows: Collection[int | None]) -> None:
+    """ValueError unless every window handed to ``build_metadata`` is global (None) or a positive number of tokens."""
+    if any(w is not None and w < 1 for w in sliding_windows):
+        raise ValueError(f"sliding windows must be positive numbers of tokens, got {sorted(sliding_windows, key=str)}")
+
+
 def check_sliding_window(sliding_window: int | None, windows: Collection[int | None]) -> None:
     """ValueError unless ``sliding_window`` is one of the windows the step's metadata was built for."""
     if sliding_window not in windows:

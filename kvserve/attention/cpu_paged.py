@@ -38,7 +38,9 @@ from typing import Callable
 
 import torch
 
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, Rope
+from kvserve.attention.backend import (
+    AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_window_sizes,
+)
 from kvserve.kv.quant import C_ENCODING_CODES
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 from kvserve.native import KernelFunction, kernel_range, load_library
@@ -98,8 +100,7 @@ class CpuPagedBackend(AttentionBackend):
         inputs.validate()
         if inputs.seq_lens.device.type != "cpu":
             raise ValueError(f"CpuPagedBackend runs on CPU; the step's tensors are on {inputs.seq_lens.device}")
-        if any(w is not None and w < 1 for w in sliding_windows):
-            raise ValueError(f"sliding windows must be positive numbers of tokens, got {sliding_windows}")
+        check_window_sizes(sliding_windows)
         _check_table_width(inputs)
         num_decodes = inputs.num_decodes
         tables = inputs.block_tables.to(torch.int32)

@@ -23,7 +23,9 @@ from typing import Collection
 import torch
 import torch.nn.functional as F
 
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, Rope
+from kvserve.attention.backend import (
+    AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_window_sizes,
+)
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 
 MIN_DECODE_GROUP = 8
@@ -135,6 +137,7 @@ class TorchRefBackend(AttentionBackend):
     def build_metadata(self, inputs: AttentionInputs, sliding_windows: set[int | None]) -> TorchRefMetadata:
         """One Python pass over the step's prefill chunks per window; the decodes are one batch."""
         inputs.validate()
+        check_window_sizes(sliding_windows)
         # Grouping decodes by length pays where a step is bound by the bytes of K/V it reads (CPU); on CUDA
         # this path is bound by kernel launches, and each group adds a gather, an SDPA and a scatter per layer
         # (measured on an H100: 256 decodes in length groups of 8 made the step 2.2x slower).
@@ -172,8 +175,6 @@ class TorchRefBackend(AttentionBackend):
 
 
 def _window_plan(inputs: AttentionInputs, window: int | None, max_decode_groups: int) -> WindowPlan:
-    if window is not None and window < 1:
-        raise ValueError(f"sliding window must be a positive number of tokens, got {window}")
     calls: list[DecodeBatch | PrefillChunk] = [
         _decode_batch(inputs, rows, window)
         for rows in _decode_groups(inputs.seq_lens_list[: inputs.num_decodes], max_decode_groups)

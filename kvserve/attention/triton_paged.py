@@ -27,7 +27,9 @@ import torch
 import triton
 
 from kvserve.attention import triton_kernels as kernels
-from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, Rope
+from kvserve.attention.backend import (
+    AttentionBackend, AttentionInputs, AttentionMetadata, Rope, check_window_sizes,
+)
 from kvserve.kv.quant import KVCacheDtype, rotate_queries
 from kvserve.kv.storage import KVCacheStorage, KVLayerView
 from kvserve.triton_launch import pdl_options
@@ -106,8 +108,7 @@ class TritonPagedBackend(AttentionBackend):
         if device.type != "cuda" and not is_interpreted():
             raise ValueError(f"TritonPagedBackend runs on CUDA, or on CPU under TRITON_INTERPRET=1; the step's "
                              f"tensors are on {device}")
-        if any(w is not None and w < 1 for w in sliding_windows):
-            raise ValueError(f"sliding windows must be positive numbers of tokens, got {sliding_windows}")
+        check_window_sizes(sliding_windows)
         num_decodes = inputs.num_decodes
         return TritonPagedMetadata(
             inputs=inputs,

@@ -59,6 +59,14 @@ def test_forward_refuses_what_does_not_fit_the_step_alike_in_every_backend(name:
     assert all(torch.equal(t, before) for t, before in zip(step.kv.layer(LAYER).tensors(), cache_before))
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("window", [0, -4])
+def test_metadata_refuses_a_window_of_no_tokens(name: str, window: int) -> None:
+    step = make_step([(3, 1), (0, 4)], 1, block_size=4, num_kv_heads=1, group=1)
+    with pytest.raises(ValueError, match="sliding windows must be positive numbers of tokens"):
+        BACKENDS[name]().build_metadata(step.inputs, {None, window})
+
+
 def definition(tables: np.ndarray, seq_lens: np.ndarray) -> list[int]:
     """Each decode's keys shared with the decodes whose tables start with its first block: their longest common
     run of leading blocks complete before every member's own key; 0 alone."""
