@@ -15,7 +15,7 @@ from kvserve import native
 from kvserve.model.layers import ggml, ggml_qdot
 from kvserve.model.layers.ggml import GGMLLinearMethod, GGMLTensor
 from kvserve.model.layers.ggml_qdot import (
-    QDotGemm, activation_error_bound, quantize_activations, reference_qdot_linear,
+    ACTIVATION_BLOCK, QDotGemm, activation_error_bound, quantize_activations, reference_qdot_linear,
 )
 from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
 from tests.model.test_ggml import K_TYPES, TYPES, blocks_of, random_blocks
@@ -54,6 +54,12 @@ def test_the_kernels_quantization_equals_the_twins_bit_for_bit(kernel: QDotGemm)
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert twin.codes.abs().amax() == 127 and (twin.dx[3, 1] == 0 and twin.sx[3, 1] == 0)
     assert twin.codes[5, 70] == 0 and twin.dx[5, 2].isfinite()
+    # the stated bound, whatever the twin says: each value moves by at most half its block's step (rounded to the
+    # nearest code; truncated codes moved by up to a whole step and both twins agreed)
+    step = twin.dx.repeat_interleave(ACTIVATION_BLOCK, dim=1)
+    moved = (twin.dequantize() - x).abs()
+    finite = x.isfinite()
+    assert (moved[finite] <= step[finite] * (0.5 + 1e-6)).all()
 
 
 @pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
