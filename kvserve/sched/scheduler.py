@@ -11,13 +11,9 @@ again. By swap (``"swap"``), the KV manager copies its KV to the host tier and f
 ``num_computed_tokens``, and when it is admitted again its prefix match is that KV, which the manager loads
 into fresh blocks, so it computes nothing again. A swap the host tier cannot take falls back to recompute.
 
-A step's ``SchedulerOutput`` is a diff of the runner's batch: a request is named in full once, when it enters
-the batch (``NewRequestData``), and after that only by its chunk and its newly allocated blocks, so a step's
-size and the scheduler's work per step do not grow with context length.
-
-A request with n > 1 forks once: when all but its last prompt token are computed, samples 1..n-1 are made
-as requests of their own that share its KV (copy-on-write), and each sample then runs the last prompt token
-itself and samples its own first token. Nothing below the scheduler and the KV manager knows about forks.
+A step's ``SchedulerOutput`` is a diff of the runner's batch (``batch_diff.py``). A request with n > 1 forks
+once, when all but its last prompt token are computed, into samples that share its KV (``forks.py``); where a
+request's tokens end, and which prompt logprobs it still owes, are rules of the request alone (``stopping.py``).
 
 A running decode may speculate (``spec/``): it runs its last token plus k drafted tokens as one chunk, and
 ``update_from_output`` advances it by the accepted drafts + 1 only; blocks taken just for rejected drafts are
@@ -37,20 +33,22 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from kvserve.config import SchedulerConfig
-from kvserve.kv.manager import KVCacheManager, NoFreeBlocksError
+from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_cache import PrefixMatch
 from kvserve.kv.swap import SwapCounters
 from kvserve.outputs import FinishReason
-from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus, sample_request_id
+from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
+from kvserve.sched.batch_diff import RunnerBatchMirror
+from kvserve.sched.forks import ForkCopies, is_ready_to_fork, new_sample
 from kvserve.sched.output import (
     EngineOutput,
     KVTransferPlan,
     ModelOutput,
-    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
     TokenLogprobs,
 )
+from kvserve.sched.stopping import new_prompt_logprobs, num_tokens_left, stop_reason, stops_after_next_token
 from kvserve.spec.policy import SpeculationPolicy
 
 
@@ -73,39 +71,24 @@ class _Budget:
         self.num_seqs -= 1
 
 
-@dataclass(frozen=True)
-class _PendingCopy:
-    """A fork's copy-on-write of a partial block, applied before the next forward if the child still runs."""
-
-    child: Request
-    src: int
-    dst: int
-
-
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv: KVCacheManager, speculation: SpeculationPolicy | None = None
     ) -> None:
         self.config = config
         self.kv = kv
-        self._grouped = kv.groups.frees_blocks  # tables per KV cache group: steps carry every group's blocks
         self.speculation = speculation
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
-        self._finished_ids: set[str] = set()
-        self._preempted_ids: set[str] = set()
-        self._num_blocks_sent: dict[str, int] = {}  # requests in the runner's batch -> blocks of theirs it knows
-        self._pending_copies: list[_PendingCopy] = []
+        self._batch_mirror = RunnerBatchMirror(kv, self.requests)
+        self._fork_copies = ForkCopies(kv)
         self.num_preemptions = 0  # running requests preempted, since start
         self.num_scheduled_tokens = 0  # tokens run through the model, recomputed ones included
         self.num_prefix_query_tokens = 0  # tokens of newly admitted requests looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of those, found cached
         self.num_continued_steps = 0  # steps scheduled before the tokens of the step before were back
-        self._num_steps = 0  # steps scheduled
-        self._num_updated = 0  # of those, updated from their output (two apart at most: the overlapped loop)
-        self._retiring: dict[str, int] = {}  # ids finished while a step naming them ran -> the last such step
-        self._arrival_step: dict[str, int] = {}
+        self._arrival_step: dict[str, int] = {}  # unfinished requests -> steps sent before they arrived (lpm aging)
 
     @property
     def num_running(self) -> int:
@@ -117,7 +100,7 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running, or finished ones whose runner state the next step's diff must free."""
-        return bool(self.requests) or bool(self._finished_ids)
+        return bool(self.requests) or self._batch_mirror.has_finished_ids
 
     def preemption_stats(self) -> dict[str, int | str]:
         """Preemptions since start (a sample of an n > 1 request that finds no block for its fork's copy is one);
@@ -151,7 +134,7 @@ class Scheduler:
         """Queue a request; raises ValueError, queuing nothing, if it is a duplicate or could never fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.request_id in self._retiring:  # that step's rows would land on this request
+        if self._batch_mirror.is_in_flight(request.request_id):  # that step's rows would land on this request
             raise ValueError(f"request id {request.request_id!r} is still in a step in flight: use another id")
         if SAMPLE_ID_SEPARATOR in request.request_id:
             raise ValueError(
@@ -163,7 +146,7 @@ class Scheduler:
         self._check_fits(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._arrival_step[request.request_id] = self._num_steps
+        self._arrival_step[request.request_id] = self._batch_mirror.num_steps_sent
         self.waiting.append(request)
 
     def _check_fits(self, request: Request) -> None:
@@ -181,7 +164,7 @@ class Scheduler:
         max_blocks = self.kv.max_blocks_for(max_len, self.config.max_num_batched_tokens)
         if max_blocks > self.kv.num_blocks_total:
             capacity = (f"it needs up to {max_blocks} of the pool's {self.kv.num_blocks_total} blocks across its KV "
-                        "cache groups" if self._grouped else
+                        "cache groups" if self.kv.groups.frees_blocks else
                         f"{self.kv.num_blocks_total} blocks x {self.kv.block_size} = {self.kv.num_slots_total} tokens")
             raise ValueError(f"request {request.request_id!r} may grow to {max_len} tokens, over the whole KV cache "
                              f"({capacity})")
@@ -198,30 +181,25 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then waiting ones while the budget and KV allow.
-        Mutates queues and block tables (never ``num_computed_tokens``: ``update_from_output`` advances it)."""
-        self._num_steps += 1
+        Mutates the queues and the block tables, and ``num_computed_tokens`` only at the edges of a request's
+        residence: set to its cached prefix (or its swapped-in KV) on admission, reset to 0 on preemption by
+        recompute (a sample that waits for a seat or a block included). ``update_from_output`` is the only place
+        it advances by computed tokens."""
+        self._batch_mirror.step_sent()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: list[tuple[Request, int]] = []
         drafts: dict[str, tuple[int, ...]] = {}
         num_preempted = self._schedule_running(budget, scheduled, drafts)
         if not num_preempted:  # memory is tight when preempting: admitting now would only thrash
             self._schedule_waiting(budget, scheduled)
-        new_requests: list[NewRequestData] = []
-        requests = [
-            self._scheduled_request(request, num_new, new_requests, drafts.get(request.request_id, ()))
-            for request, num_new in scheduled
-        ]
+        requests, new_requests = self._batch_mirror.rows(scheduled, drafts)
         num_tokens = sum(num_new for _, num_new in scheduled)
         if num_tokens > len(requests):  # one-token rows first, in order, then the chunks
             requests = [r for r in requests if r.num_tokens == 1] + [r for r in requests if r.num_tokens > 1]
         self.num_scheduled_tokens += num_tokens
-        out = SchedulerOutput(
-            requests, num_tokens, new_requests, self._take_kv_transfers(),
-            frozenset(self._finished_ids), frozenset(self._preempted_ids),
+        return SchedulerOutput(
+            requests, num_tokens, new_requests, self._take_kv_transfers(), *self._batch_mirror.take_removals()
         )
-        self._finished_ids.clear()
-        self._preempted_ids.clear()
-        return out
 
     def schedule_continuation(self, previous: SchedulerOutput) -> SchedulerOutput | None:
         """The step after ``previous``, scheduled before ``previous``'s tokens are back (the engine's overlapped
@@ -238,28 +216,24 @@ class Scheduler:
         blocks taken by then for the others stay theirs, as their next step needs them anyway). The diff
         leaves finished and preempted requests to the next ``schedule``: the runner still has ``previous``'s
         tokens to record for them."""
-        if self._could_admit() or self._pending_copies or self.kv.store is not None or self.speculation is not None:
+        if (self._could_admit() or self._fork_copies.has_pending or self.kv.store is not None
+                or self.speculation is not None):
             return None
         if any(r.num_tokens != 1 or not r.sample or r.draft_token_ids for r in previous.requests):
             return None
         continuing = [request for r in previous.requests
                       if (request := self.requests.get(r.request_id)) is not None
                       and request.status is RequestStatus.RUNNING
-                      and not _stops_after_next_token(request, self.config)]
+                      and not stops_after_next_token(request, self.config.max_model_len)]
         if not continuing or len(continuing) > self.config.max_num_batched_tokens:
             return None
         # the token ``previous`` samples sits one past the known ones: its slot for every request, or no step
         if not all(self.kv.allocate_slots(request, 2) for request in continuing):
             return None
-        self._num_steps += 1
+        self._batch_mirror.step_sent()
         self.num_continued_steps += 1
         self.num_scheduled_tokens += len(continuing)
-        requests = [
-            ScheduledRequest(request.request_id, request.num_computed_tokens + 1, 1, self._new_block_ids(request),
-                             True, False, (), self.kv.take_null_counts(request) if self._grouped else ())
-            for request in continuing
-        ]
-        return SchedulerOutput(requests, len(requests))
+        return SchedulerOutput(self._batch_mirror.continued_rows(continuing), len(continuing))
 
     def _could_admit(self) -> bool:
         """Whether ``schedule`` could admit a waiting request now: room in the batch, and free blocks for the
@@ -280,7 +254,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget.has_room():
             request = self.running[index]
-            num_new = min(_num_tokens_left(request, request.num_computed_tokens), budget.num_tokens)
+            num_new = min(num_tokens_left(request, request.num_computed_tokens), budget.num_tokens)
             draft = self._draft(request, budget, len(self.running) - index - 1) if num_new == 1 else ()
             if draft and self.kv.allocate_slots(request, 1 + len(draft)):
                 drafts[request.request_id] = draft
@@ -324,7 +298,7 @@ class Scheduler:
                 prefix = self._match_prefix(request)
                 if prefix.must_wait:
                     continue
-                num_new = min(_num_tokens_left(request, prefix.num_tokens), budget.num_tokens)
+                num_new = min(num_tokens_left(request, prefix.num_tokens), budget.num_tokens)
                 if not self.kv.allocate_slots(request, num_new, prefix):
                     break
                 admitted.add(request)
@@ -356,7 +330,7 @@ class Scheduler:
         candidates = list(itertools.islice(self.waiting, WAITING_SCAN))
         if self.config.scheduling_policy == "fcfs" or self.kv.prefix_cache is None or len(candidates) < 2:
             return candidates
-        oldest_fresh_step = self._num_steps - self.config.lpm_aging_steps
+        oldest_fresh_step = self._batch_mirror.num_steps_sent - self.config.lpm_aging_steps
 
         def priority(request: Request) -> tuple[bool, int]:
             first = (
@@ -376,7 +350,7 @@ class Scheduler:
         request.num_computed_tokens = prefix.num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        if _is_ready_to_fork(request):  # all but its last prompt token were cached (or it has only one)
+        if is_ready_to_fork(request):  # all but its last prompt token were cached (or it has only one)
             self._fork(request)
 
     def _match_prefix(self, request: Request) -> PrefixMatch:
@@ -393,63 +367,15 @@ class Scheduler:
         if not (self.config.preemption_mode == "swap" and self.kv.swap_out(request)):
             self.kv.free(request)
             request.num_computed_tokens = 0
-        if self._num_blocks_sent.pop(request.request_id, None) is not None:
-            self._preempted_ids.add(request.request_id)
+        self._batch_mirror.mark_preempted(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         return request
 
-    def _scheduled_request(
-        self, request: Request, num_new: int, new_requests: list[NewRequestData], draft: tuple[int, ...]
-    ) -> ScheduledRequest:
-        """The request's row of this step; a request not in the runner's batch yet is named in full."""
-        num_sent = self._num_blocks_sent.get(request.request_id)
-        if num_sent is None:
-            new_requests.append(_new_request_data(request, self._fork_source(request), self.kv.tables(request)))
-            self._num_blocks_sent[request.request_id] = len(request.block_ids)
-        end = request.num_computed_tokens + num_new - len(draft)  # drafts are not the request's tokens yet
-        return ScheduledRequest(
-            request.request_id,
-            request.num_computed_tokens,
-            num_new,
-            self._new_block_ids(request),
-            end == request.num_tokens,
-            request.sampling_params.prompt_logprobs is not None and _wants_prompt_logprobs(request, end),
-            draft,
-            self.kv.take_null_counts(request) if self._grouped else (),
-        )
-
-    def _new_block_ids(self, request: Request) -> tuple[int, ...]:
-        """The request's blocks the runner has not been sent yet (every group's, group after group, the same
-        number each); from now on it is counted as having them."""
-        num_sent, num_blocks = self._num_blocks_sent[request.request_id], len(request.block_ids)
-        self._num_blocks_sent[request.request_id] = num_blocks
-        if num_sent >= num_blocks:
-            return ()
-        if self._grouped:
-            return tuple(b for table in self.kv.tables(request) for b in table[num_sent:])
-        return tuple(request.block_ids[num_sent:])
-
-    def _fork_source(self, request: Request) -> str | None:
-        """The parent whose per-request sampling state a sample entering the batch copies: only while the
-        parent has sampled nothing, so that what is copied is the state at the fork. Otherwise (a sample
-        that waited for a block, or a resumed one) the runner creates its state afresh or keeps its own."""
-        parent = self.requests.get(request.parent_id) if request.parent_id is not None else None
-        if parent is None or parent.output_token_ids or request.output_token_ids:
-            return None
-        return parent.request_id
-
     def _take_kv_transfers(self) -> KVTransferPlan:
-        # A child finished or preempted by recompute since its fork no longer owns dst: copying into it could
-        # clobber the block's next owner. One swapped out still needs the copy: its swap-out reads dst after it.
-        copies = tuple(
-            (c.src, c.dst) for c in self._pending_copies
-            if c.child.status is RequestStatus.RUNNING or self.kv.is_swapped_out(c.child)
-        )
-        self._pending_copies.clear()
-        return KVTransferPlan(copies, *self.kv.take_tier_transfers())
+        return KVTransferPlan(self._fork_copies.take(), *self.kv.take_tier_transfers())
 
     # ------------------------------------------------------------------------------- update_from_output
 
@@ -458,9 +384,7 @@ class Scheduler:
         stop conditions and free finished requests' blocks. One Python pass over the step's requests.
         Returns one EngineOutput per request that got tokens or prompt logprobs, or finished."""
         outputs: list[EngineOutput] = []
-        self._num_updated += 1
-        if self._retiring:
-            self._retiring = {rid: step for rid, step in self._retiring.items() if step > self._num_updated}
+        self._batch_mirror.step_back()
         for row in sched_out.requests:
             request = self.requests.get(row.request_id)
             if request is None:  # finished (e.g. aborted) after this step was scheduled
@@ -476,15 +400,15 @@ class Scheduler:
             if output is not None:
                 outputs.append(output)
             if row.draft_token_ids:
-                self._roll_back_rejected(request)
-            if _is_ready_to_fork(request):
+                self._batch_mirror.roll_back_rejected(request)
+            if is_ready_to_fork(request):
                 self._fork(request)
         return outputs
 
     def _take_tokens(self, request: Request, row: ScheduledRequest, model_out: ModelOutput) -> EngineOutput | None:
         """Append the row's sampled tokens (if it sampled) and return its output, or None if nothing moved."""
         entries = model_out.prompt_logprobs.get(row.request_id)
-        prompt_logprobs = None if entries is None else _new_prompt_logprobs(request, row.start_pos, entries)
+        prompt_logprobs = None if entries is None else new_prompt_logprobs(request, row.start_pos, entries)
         new_token_ids: list[int] = []
         logprobs = model_out.logprobs.get(row.request_id)
         if row.sample:
@@ -495,63 +419,30 @@ class Scheduler:
             return None
         return _engine_output(request, new_token_ids, logprobs, prompt_logprobs)
 
-    def _roll_back_rejected(self, request: Request) -> None:
-        """After a verified row: free the blocks taken only for rejected drafts (the runner drops them from its
-        table by the same rule, so its count of the blocks sent stays right)."""
-        if request.is_finished:
-            return
-        self.kv.free_tail(request, request.num_tokens)
-        self._num_blocks_sent[request.request_id] = len(request.block_ids)
-
     def _fork(self, parent: Request) -> None:
-        """Make samples 1..n-1 of ``parent``, whose computed tokens are all but its last prompt token: each
-        shares the parent's KV (full blocks shared, the partial one copied before the next step) and runs
-        the last prompt token itself."""
+        """Make samples 1..n-1 of ``parent``, whose computed tokens are all but its last prompt token: each runs
+        on the parent's KV and runs the last prompt token itself. With no seat left under ``max_num_seqs``, or
+        no block free for its partial-block copy, a sample waits at the head of the queue (``_park_sample``)."""
         parent.has_forked = True
         for index in range(1, parent.sampling_params.n):
-            self._place_child(parent, self._new_child(parent, index))
+            sample = new_sample(parent, index)
+            self.requests[sample.request_id] = sample
+            if len(self.running) >= self.config.max_num_seqs:
+                self._park_sample(parent, sample)
+            elif self._fork_copies.share_kv(parent, sample):
+                self.running.append(sample)
+            else:  # no block for its copy: counted as a preemption, as the swap counters count it among theirs
+                self.num_preemptions += 1
+                self._park_sample(parent, sample)
 
-    def _park_child(self, parent: Request, child: Request) -> None:
-        """A child that cannot run yet waits as if preempted: with swap, on a copy of the parent's KV in the host
+    def _park_sample(self, parent: Request, sample: Request) -> None:
+        """A sample that cannot run yet waits as if preempted: with swap, on a copy of the parent's KV in the host
         tier (as if swapped out); else (or with no room there) to recompute, from the prefix cache where it is
         on."""
-        if not (self.config.preemption_mode == "swap" and self.kv.fork_swapped(parent, child)):
-            child.num_computed_tokens = 0
-        child.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(child)
-
-    def _new_child(self, parent: Request, index: int) -> Request:
-        child = Request(
-            request_id=sample_request_id(parent.request_id, index),
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling_params=parent.sampling_params,
-            eos_token_ids=parent.eos_token_ids,
-            arrival_time=parent.arrival_time,
-            sample_index=index,
-            parent_id=parent.request_id,
-            num_computed_tokens=parent.num_computed_tokens,
-            num_cached_tokens=parent.num_cached_tokens,
-            first_scheduled_time=parent.first_scheduled_time,
-            status=RequestStatus.RUNNING,
-            num_prompt_logprobs_sent=parent.num_prompt_tokens - 1,  # the parent returns them all
-        )
-        self.requests[child.request_id] = child
-        return child
-
-    def _place_child(self, parent: Request, child: Request) -> None:
-        """Run the child on shared KV. With no seat left under ``max_num_seqs``, or no block free for its
-        partial-block copy, it waits at the head of the queue (``_park_child``)."""
-        if len(self.running) >= self.config.max_num_seqs:
-            self._park_child(parent, child)
-            return
-        try:
-            copies = self.kv.fork(parent, child)
-        except NoFreeBlocksError:  # counted as a preemption: the swap counters count it among theirs
-            self.num_preemptions += 1
-            self._park_child(parent, child)
-            return
-        self.running.append(child)
-        self._pending_copies.extend(_PendingCopy(child, src, dst) for src, dst in copies)
+        if not (self.config.preemption_mode == "swap" and self.kv.fork_swapped(parent, sample)):
+            sample.num_computed_tokens = 0
+        sample.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(sample)
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append sampled tokens until one stops the request; returns those appended."""
@@ -559,28 +450,11 @@ class Scheduler:
         for token_id in token_ids:
             request.output_token_ids.append(token_id)
             appended.append(token_id)
-            stop = self._stop_reason(request, token_id)
+            stop = stop_reason(request, token_id, self.config.max_model_len)
             if stop is not None:
                 self._finish(request, *stop)
                 break
         return appended
-
-    def _stop_reason(self, request: Request, token_id: int) -> tuple[FinishReason, int | None] | None:
-        """Why the request stops after ``token_id``, checked in order: EOS, a stop token, max_tokens,
-        max_model_len. The sampler masks EOS and stop tokens until ``min_tokens`` outputs precede them, unless a
-        constraint allows nothing else (then its end ends the request early); both stay in ``output_token_ids``,
-        the frontend hides them from text."""
-        params = request.sampling_params
-        num_outputs = len(request.output_token_ids)
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return FinishReason.STOP, None
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP, token_id
-        if params.max_tokens is not None and num_outputs >= params.max_tokens:
-            return FinishReason.LENGTH, None
-        if request.num_prompt_tokens + num_outputs >= self.config.max_model_len:
-            return FinishReason.LENGTH, None
-        return None
 
     def _dequeue(self, request: Request) -> None:
         """Take the request out of the queue its status names; should an interrupt (Ctrl-C in a step) have come
@@ -606,20 +480,9 @@ class Scheduler:
         request.stop_reason = stop_reason
         self.kv.free(request)
         self._arrival_step.pop(request.request_id, None)
-        self._num_blocks_sent.pop(request.request_id, None)
-        self._finished_ids.add(request.request_id)
-        if self._num_updated < self._num_steps:  # a step scheduled with it is not back yet
-            self._retiring[request.request_id] = self._num_steps
+        self._batch_mirror.mark_finished(request.request_id)
         if self.speculation is not None:
             self.speculation.drop(request.request_id)
-
-
-def _stops_after_next_token(request: Request, config: SchedulerConfig) -> bool:
-    """Whether the token the request samples next is sure to end it: its max_tokens, or max_model_len."""
-    max_tokens = request.sampling_params.max_tokens
-    num_outputs = request.num_output_tokens + 1
-    return (max_tokens is not None and num_outputs >= max_tokens) \
-        or request.num_prompt_tokens + num_outputs >= config.max_model_len
 
 
 def _engine_output(
@@ -638,48 +501,3 @@ def _engine_output(
         request.num_cached_tokens,
         request.first_scheduled_time,
     )
-
-
-def _new_request_data(request: Request, forked_from: str | None, tables: list[list[int]]) -> NewRequestData:
-    return NewRequestData(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        output_token_ids=list(request.output_token_ids),
-        sampling_params=request.sampling_params,
-        block_ids=[b for table in tables for b in table],
-        sample_index=request.sample_index,
-        eos_token_ids=request.eos_token_ids,
-        forked_from=forked_from,
-    )
-
-
-def _num_tokens_left(request: Request, num_computed: int) -> int:
-    """Tokens the request may run from ``num_computed`` on: all it has, except that an n > 1 request that
-    has not forked yet stops before its last prompt token (each of its samples runs that token itself)."""
-    end = request.num_tokens
-    if request.will_fork and num_computed < request.num_prompt_tokens - 1:
-        end = request.num_prompt_tokens - 1
-    return end - num_computed
-
-
-def _is_ready_to_fork(request: Request) -> bool:
-    return (request.will_fork and request.status is RequestStatus.RUNNING
-            and request.num_computed_tokens == request.num_prompt_tokens - 1)
-
-
-def _wants_prompt_logprobs(request: Request, end: int) -> bool:
-    """True if the chunk ending at ``end`` predicts prompt tokens whose logprobs were not returned yet.
-
-        positions:  0   1   2  ...  P-2 | P-1 ...        (P = num_prompt_tokens)
-        predicts:  t1  t2  t3  ...  tP-1|  (outputs)     position p predicts prompt token p + 1
-    """
-    if request.sampling_params.prompt_logprobs is None:
-        return False
-    return min(end, request.num_prompt_tokens - 1) > request.num_prompt_logprobs_sent
-
-
-def _new_prompt_logprobs(request: Request, start: int, entries: list[TokenLogprobs]) -> list[TokenLogprobs] | None:
-    """Drop entries already returned before a preemption; ``entries[j]`` predicts prompt token start+1+j."""
-    num_sent = request.num_prompt_logprobs_sent
-    request.num_prompt_logprobs_sent = max(num_sent, start + len(entries))
-    return entries[max(0, num_sent - start) :] or None

@@ -429,7 +429,7 @@ def test_an_id_still_in_a_step_in_flight_is_refused_until_the_step_is_back() -> 
     scheduler.add_request(make_request("x", 3, max_tokens=2))  # the step is back: the id is free again
     outputs = run_to_completion(scheduler, runner)
     assert [o.new_token_ids for o in outputs["x"]] == [[default_token("x", 0)], [default_token("x", 1)]]
-    assert scheduler.kv.num_free_blocks() == 16 and not scheduler._retiring
+    assert scheduler.kv.num_free_blocks() == 16 and not scheduler._batch_mirror._retiring
 
 
 # ------------------------------------------------------------------------------------- finish_requests

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import Request
@@ -14,6 +16,7 @@ from kvserve.sched.output import ModelOutput, TokenLogprobs
 from kvserve.sched.scheduler import Scheduler
 from kvserve.spec.policy import SpeculationPolicy
 from kvserve.spec.proposer import DRAFT_SLOT
+from kvserve.worker.input_batch import PersistentBatch
 
 BLOCK_SIZE = 4
 PROMPT = [5, 6, 7, 8, 5, 6, 7]  # "5 6 7" repeats: the proposer drafts "8 5 6 7 ..."
@@ -72,6 +75,32 @@ def test_blocks_taken_only_for_rejected_drafts_go_back_to_the_pool() -> None:
     scheduler.kv.check_integrity([request])
 
 
+def test_after_a_rejection_the_runner_holds_as_many_blocks_as_the_scheduler_counts_it_has() -> None:
+    """Nothing in the step diff says how many blocks a verified row keeps: the runner's batch and the scheduler's
+    count of the blocks sent each apply the rule (``PersistentBatch.drop_rejected_blocks``,
+    ``RunnerBatchMirror.roll_back_rejected``), and the next diff sends the blocks past that count."""
+    scheduler = _scheduler()
+    batch = PersistentBatch(max_blocks_per_request=16, block_size=BLOCK_SIZE, device=torch.device("cpu"))
+    request = Request("r", list(PROMPT), SamplingParams(temperature=0, max_tokens=20))
+    scheduler.add_request(request)
+
+    def run(sampled: list[int]) -> None:
+        out = scheduler.schedule()
+        batch.update(out)
+        batch.append_sampled({"r": sampled})
+        if out.requests[0].draft_token_ids:
+            batch.drop_rejected_blocks("r")
+        scheduler.update_from_output(out, ModelOutput({"r": sampled}))
+
+    run([8])
+    run([5, 6, 7, 8, 5])  # all accepted: positions 0..12 known
+    run([1])  # the draft of positions 13..16 took a fifth block; every draft rejected
+    assert len(request.block_ids) == 4
+    assert len(batch.block_ids("r")) == scheduler._batch_mirror._num_blocks_sent["r"] == 4
+    run([2])  # the next diff sends exactly the blocks the runner lacks
+    assert batch.block_ids("r") == request.block_ids
+
+
 def test_a_stop_token_inside_the_accepted_run_truncates_it_and_frees_everything() -> None:
     scheduler = _scheduler()
     request = _prefilled(scheduler, stop_token_ids=[6])
@@ -88,6 +117,7 @@ def test_a_run_truncated_by_a_stop_token_keeps_the_logprobs_of_its_kept_tokens_o
     (output,) = scheduler.update_from_output(scheduler.schedule(), ModelOutput({"r": accepted}, {"r": logprobs}))
     assert output.new_token_ids == [5, 6]
     assert output.logprobs == logprobs[:2]
+
 
 def test_no_draft_past_max_tokens_or_the_budget() -> None:
     scheduler = _scheduler()
