@@ -289,3 +289,16 @@ def run_to_completion(
 
 def tokens_of(outputs: list[EngineOutput]) -> list[int]:
     return [t for out in outputs for t in out.new_token_ids]
+
+
+def runner_for(scheduler: Scheduler, token_fn: TokenFn = default_token) -> FakeRunner:
+    return FakeRunner(scheduler.kv.num_blocks_total, scheduler.kv.block_size, token_fn)
+
+
+def expected_tokens(request_id: str, num_tokens: int) -> list[int]:
+    return [default_token(request_id, k) for k in range(num_tokens)]
+
+
+def assert_all_blocks_free(scheduler: Scheduler) -> None:
+    assert scheduler.kv.num_free_blocks() == scheduler.kv.num_blocks_total
+    assert not scheduler.running and not scheduler.waiting and not scheduler.requests

@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import pytest
 from tests.sched.sched_fakes import (
-    EOS,
     FakeRunner,
+    assert_all_blocks_free,
     default_token,
+    expected_tokens,
     make_request,
     make_scheduler,
     run_to_completion,
+    runner_for,
     step,
     tokens_of,
 )
@@ -15,19 +17,6 @@ from tests.sched.sched_fakes import (
 from kvserve.outputs import FinishReason
 from kvserve.request import RequestStatus
 from kvserve.sched.scheduler import Scheduler
-
-
-def runner_for(scheduler: Scheduler, token_fn=default_token) -> FakeRunner:
-    return FakeRunner(scheduler.kv.num_blocks_total, scheduler.kv.block_size, token_fn)
-
-
-def expected_tokens(request_id: str, num_tokens: int) -> list[int]:
-    return [default_token(request_id, k) for k in range(num_tokens)]
-
-
-def assert_all_blocks_free(scheduler: Scheduler) -> None:
-    assert scheduler.kv.num_free_blocks() == scheduler.kv.num_blocks_total
-    assert not scheduler.running and not scheduler.waiting and not scheduler.requests
 
 
 # --------------------------------------------------------------------------------------- budget and order
@@ -187,201 +176,6 @@ def test_a_recomputed_request_runs_its_outputs_again_and_samples_the_next_token(
     assert entry.prompt_token_ids + entry.output_token_ids == new.prompt_token_ids + new.output_token_ids[:num_outputs]
     assert row.start_pos == 0 and row.num_tokens == new.num_prompt_tokens + num_outputs
     assert row.sample and new.num_output_tokens == num_outputs + 1
-
-
-# ------------------------------------------------------------------------------------------------ stops
-
-
-def scripted(*tokens: int):
-    return lambda request_id, output_index: tokens[output_index] if output_index < len(tokens) else 99
-
-
-def run_one(num_prompt: int = 3, script=None, max_model_len: int = 256, **params):
-    scheduler = make_scheduler(max_model_len=max_model_len)
-    scheduler.add_request(make_request("r", num_prompt, **params))
-    outputs = run_to_completion(scheduler, runner_for(scheduler, script or default_token))["r"]
-    assert_all_blocks_free(scheduler)
-    return tokens_of(outputs), outputs[-1]
-
-
-def test_eos_stops_and_is_kept_in_the_output() -> None:
-    tokens, last = run_one(script=scripted(11, 12, EOS, 13), ignore_eos=False, max_tokens=10)
-    assert tokens == [11, 12, EOS]
-    assert (last.finish_reason, last.stop_reason) == (FinishReason.STOP, None)
-
-
-def test_ignore_eos_runs_to_max_tokens() -> None:
-    tokens, last = run_one(script=scripted(EOS, EOS, EOS, EOS), ignore_eos=True, max_tokens=4)
-    assert tokens == [EOS] * 4 and last.finish_reason is FinishReason.LENGTH
-
-
-def test_an_eos_drawn_before_min_tokens_ends_the_request() -> None:
-    """The sampler bans EOS until min_tokens unless a constraint allows nothing else; an EOS it lets through
-    ends the output (counted only after min_tokens, the grammar's end repeated until then, [69, 70, 3, 3, 3])."""
-    tokens, last = run_one(script=scripted(11, EOS, 12), ignore_eos=False, min_tokens=3, max_tokens=10)
-    assert tokens == [11, EOS] and last.finish_reason is FinishReason.STOP
-
-
-def test_a_stop_token_id_stops_with_its_id_as_the_reason() -> None:
-    tokens, last = run_one(script=scripted(11, 5, 12), stop_token_ids=[5], max_tokens=10)
-    assert tokens == [11, 5] and (last.finish_reason, last.stop_reason) == (FinishReason.STOP, 5)
-
-
-def test_a_stop_token_drawn_before_min_tokens_ends_the_request_too() -> None:
-    tokens, last = run_one(script=scripted(5, 5, 5), stop_token_ids=[5], min_tokens=2, max_tokens=10)
-    assert tokens == [5] and last.stop_reason == 5
-
-
-def test_eos_is_checked_before_stop_token_ids() -> None:
-    tokens, last = run_one(script=scripted(EOS), ignore_eos=False, stop_token_ids=[EOS], max_tokens=10)
-    assert tokens == [EOS] and (last.finish_reason, last.stop_reason) == (FinishReason.STOP, None)
-
-
-def test_max_tokens_stops_with_length() -> None:
-    tokens, last = run_one(max_tokens=3)
-    assert tokens == expected_tokens("r", 3) and (last.finish_reason, last.stop_reason) == (FinishReason.LENGTH, None)
-
-
-def test_without_max_tokens_a_request_stops_at_max_model_len() -> None:
-    tokens, last = run_one(num_prompt=4, max_model_len=10, max_tokens=None)
-    assert len(tokens) == 6 and last.finish_reason is FinishReason.LENGTH
-
-
-def test_sampled_logprobs_travel_with_their_tokens() -> None:
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("r", 3, max_tokens=3, logprobs=2))
-    outputs = run_to_completion(scheduler, runner_for(scheduler))["r"]
-    for out in outputs:
-        assert [lp.token_ids[0] for lp in out.logprobs] == out.new_token_ids
-
-
-# ------------------------------------------------------------------------------------------------ forks
-
-
-def test_n_samples_fork_sharing_full_blocks_and_copying_the_partial_one() -> None:
-    scheduler = make_scheduler(block_size=4)
-    runner = runner_for(scheduler)
-    scheduler.add_request(make_request("p", 6, n=3, max_tokens=5, logprobs=0))
-    sched_out, outputs = step(scheduler, runner)
-    (row,) = sched_out.requests  # all but the last prompt token, then the fork
-    assert (row.num_tokens, row.sample, outputs) == (5, False, [])
-    parent, c1, c2 = (scheduler.requests[rid] for rid in ("p", "p#1", "p#2"))
-    assert (c1.parent_id, c1.sample_index, c2.sample_index) == ("p", 1, 2)
-    assert parent.block_ids[0] == c1.block_ids[0] == c2.block_ids[0]
-    assert scheduler.kv.pool.ref_count(parent.block_ids[0]) == 3
-    assert len({parent.block_ids[1], c1.block_ids[1], c2.block_ids[1]}) == 3
-
-    sched_out, outputs = step(scheduler, runner)  # each sample runs the last prompt token and samples
-    src = parent.block_ids[1]
-    assert sched_out.kv_transfers.copies == ((src, c1.block_ids[1]), (src, c2.block_ids[1]))
-    assert [(n.request_id, n.forked_from) for n in sched_out.new_requests] == [("p#1", "p"), ("p#2", "p")]
-    assert [(r.request_id, r.start_pos, r.num_tokens, r.sample) for r in sched_out.requests] == [
-        ("p", 5, 1, True), ("p#1", 5, 1, True), ("p#2", 5, 1, True),
-    ]
-    assert [o.request_id for o in outputs] == ["p", "p#1", "p#2"]
-    assert [o.new_token_ids for o in outputs] == [[default_token(rid, 0)] for rid in ("p", "p#1", "p#2")]
-    assert all(len(o.logprobs) == 1 for o in outputs)
-    outputs = run_to_completion(scheduler, runner)
-    for rid in ("p#1", "p#2"):  # the fake KV check proved each sample read its own, correctly copied history
-        assert tokens_of(outputs[rid]) == expected_tokens(rid, 5)[1:]
-    assert runner.moved.num_copies == 2
-    assert_all_blocks_free(scheduler)
-
-
-def test_a_fork_at_a_block_boundary_needs_no_copy() -> None:
-    scheduler = make_scheduler(block_size=4)
-    runner = runner_for(scheduler)
-    scheduler.add_request(make_request("p", 9, n=2, max_tokens=3))  # forks with 8 tokens computed
-    step(scheduler, runner)
-    sched_out, _ = step(scheduler, runner)
-    assert not sched_out.kv_transfers
-    run_to_completion(scheduler, runner)
-    assert_all_blocks_free(scheduler)
-
-
-def test_a_one_token_prompt_forks_at_admission() -> None:
-    scheduler = make_scheduler(block_size=4)
-    runner = runner_for(scheduler)
-    scheduler.add_request(make_request("p", 1, n=3, max_tokens=2))
-    sched_out, outputs = step(scheduler, runner)
-    assert [(r.request_id, r.num_tokens) for r in sched_out.requests] == [("p", 1)]
-    outputs = run_to_completion(scheduler, runner)
-    assert {rid: tokens_of(outputs[rid]) for rid in ("p#1", "p#2")} == {
-        rid: expected_tokens(rid, 2) for rid in ("p#1", "p#2")
-    }
-    assert_all_blocks_free(scheduler)
-
-
-def test_samples_that_finish_on_their_first_token_free_everything() -> None:
-    scheduler = make_scheduler(block_size=4)
-    runner = runner_for(scheduler)
-    scheduler.add_request(make_request("p", 6, n=4, max_tokens=1))
-    step(scheduler, runner)
-    _, outputs = step(scheduler, runner)
-    assert [(o.request_id, o.finish_reason) for o in outputs] == [
-        (rid, FinishReason.LENGTH) for rid in ("p", "p#1", "p#2", "p#3")
-    ]
-    assert_all_blocks_free(scheduler)
-    sched_out = scheduler.schedule()
-    assert not sched_out.kv_transfers and sched_out.finished_request_ids == {"p", "p#1", "p#2", "p#3"}
-
-
-def test_a_fork_with_no_block_free_for_its_copy_waits_and_recomputes() -> None:
-    scheduler = make_scheduler(num_blocks=2, block_size=4)
-    runner = runner_for(scheduler)
-    scheduler.add_request(make_request("p", 6, n=2, max_tokens=2))
-    step(scheduler, runner)
-    child = scheduler.requests["p#1"]
-    assert child.status is RequestStatus.PREEMPTED and child.block_ids == [] and child.num_output_tokens == 0
-    outputs = run_to_completion(scheduler, runner)
-    assert tokens_of(outputs["p#1"]) == expected_tokens("p#1", 2)
-    assert_all_blocks_free(scheduler)
-
-
-def test_a_preempted_parent_does_not_fork_again() -> None:
-    scheduler = make_scheduler(num_blocks=5, block_size=4)
-    runner = runner_for(scheduler)
-    scheduler.add_request(make_request("old", 4, max_tokens=12))
-    parent = make_request("p", 4, n=2, max_tokens=6)
-    scheduler.add_request(parent)
-    outputs: dict[str, list[int]] = {}
-    children = set()  # every Request object ever made for sample 1
-    while scheduler.has_unfinished_requests():
-        _, step_outputs = step(scheduler, runner)
-        if "p#1" in scheduler.requests:
-            children.add(id(scheduler.requests["p#1"]))
-        for out in step_outputs:
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert parent.num_preemptions == 1 and len(children) == 1  # it forked on its first prompt pass only
-    assert outputs == {rid: expected_tokens(rid, n) for rid, n in [("old", 12), ("p", 6), ("p#1", 6)]}
-
-
-# -------------------------------------------------------------------------------------- prompt logprobs
-
-
-def test_prompt_logprobs_cover_every_prompt_token_once_across_chunks() -> None:
-    scheduler = make_scheduler(max_num_batched_tokens=4)
-    runner = runner_for(scheduler)
-    scheduler.add_request(make_request("r", 10, max_tokens=3, prompt_logprobs=1))
-    flags, returned = [], []
-    while scheduler.has_unfinished_requests():
-        sched_out, outputs = step(scheduler, runner)
-        flags += [r.prompt_logprobs for r in sched_out.requests]
-        returned += [-lp.logprobs[0] for o in outputs for lp in o.prompt_logprobs or []]
-    assert returned == list(range(1, 10))
-    assert flags == [True, True, True, False, False]
-    assert sched_out.is_empty and sched_out.finished_request_ids == {"r"}  # the last step only frees runner state
-
-
-def test_prompt_logprobs_are_not_returned_again_after_a_mid_prefill_preemption() -> None:
-    scheduler = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=5)
-    runner = runner_for(scheduler)
-    scheduler.add_request(make_request("old", 4, max_tokens=12))
-    r = make_request("r", 12, max_tokens=1, prompt_logprobs=0)  # finishes with its prompt: preempted mid-prefill
-    scheduler.add_request(r)
-    outputs = run_to_completion(scheduler, runner)
-    returned = [-lp.logprobs[0] for o in outputs["r"] for lp in o.prompt_logprobs or []]
-    assert r.num_preemptions >= 1 and returned == list(range(1, 12))
 
 
 # --------------------------------------------------------------------------------------------- refusals
