@@ -30,8 +30,8 @@ class RecordingObserver:
         self.finished += [o.request_id for o in outputs if o.finished]
 
 
-def run_with_engine(test, **engine_kwargs: Any) -> tuple[FakeEngine, AsyncEngine]:
-    fake = FakeEngine(**engine_kwargs)
+def run_with_engine(test, fake: FakeEngine | None = None, **engine_kwargs: Any) -> tuple[FakeEngine, AsyncEngine]:
+    fake = fake or FakeEngine(**engine_kwargs)
     engine = AsyncEngine(fake, observer=RecordingObserver())
     engine.start()
     try:
@@ -257,10 +257,5 @@ def test_tokenize_detokenize_and_render_chat_run_on_the_engine_thread(monkeypatc
         with pytest.raises(ValueError, match="no chat template"):  # the byte tokenizer has none
             await engine.render_chat([{"role": "user", "content": "hi"}])
 
-    engine = AsyncEngine(fake)
-    engine.start()
-    try:
-        asyncio.run(asyncio.wait_for(test(engine), timeout=10))
-    finally:
-        engine.shutdown()
+    run_with_engine(test, fake)
     assert processor.threads == ["kvserve-engine"]
