@@ -1,4 +1,10 @@
-"""The ``kvserve`` command: serve | router | generate | pull | models | make-checkpoint | bench."""
+"""The ``kvserve`` command: serve | router | generate | pull | models | make-checkpoint | bench.
+
+``SUBCOMMANDS`` lists each with its help and what defines its flags; ``build_parser(command)`` defines the chosen
+one's flags only, since each imports what it runs (``serve`` neither the benchmark tools nor the checkpoint
+maker). ``kvserve router ...`` is handed to ``router.launch.main`` before any parser is built, so the router
+starts without torch and transformers.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,15 @@
 """LLMEngine: input processor -> engine core -> output processor. Tokenizer-aware, device-unaware.
 
 The server drives it through ``add_request / abort_request / step``; the offline ``LLM`` loops ``step``.
+
+At start-up it loads the model, chooses its KV cache groups (sliding-window layers apart, unless a feature that
+keeps one block table per request is on: a draft model, or the prefix cache on a model without one
+full-attention group; then one table, said once in the log; tensor parallelism's workers get the same layout)
+and sizes the KV pool (``kv_budget.py``). On CUDA with one rank it overlaps steps: ``overlap_outputs`` (a step
+returns the previous step's outputs, detokenized while the device runs this one) and ``overlap_scheduling``
+(``--no-overlap-scheduling`` turns it off: the next decode step launched behind the running one where it can be,
+``EngineCore.launch_continuation``). ``stats()`` reports, among others, the blocks held by window groups
+(``kv_blocks_windowed``) and by full ones (``kv_blocks_full``).
 """
 
 from __future__ import annotations

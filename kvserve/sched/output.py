@@ -1,6 +1,12 @@
 """The messages that cross the scheduler / model runner boundary, in one module.
 
 Only Python ints, floats and lists travel back from the device to the scheduler.
+
+``SchedulerOutput`` is a diff of the runner's batch: ``NewRequestData`` names a request in full once;
+``ScheduledRequest`` is then its chunk and its new blocks (every KV cache group's, and the leading entries that
+became ``NULL_BLOCK``), beside the finished and preempted ids. ``KVTransferPlan`` lists the step's block moves
+(offloads, copies, swap-outs, loads and swap-ins, in that order, and why). ``ModelOutput`` and ``EngineOutput``
+come back, log probabilities as ``outputs.TokenLogprobs``.
 """
 
 from __future__ import annotations
