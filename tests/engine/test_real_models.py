@@ -213,11 +213,11 @@ def _fp32_teacher(name: str) -> tuple[list[dict], list]:
     return forced, dense.generate(forced, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
 
 
-def _drift_from_fp32(name: str, quantization: str) -> list[float]:
-    """``quantization`` against fp32, teacher-forced on fp32's greedy tokens: |difference| of each chosen token's
-    logprob."""
+def _drift_from_fp32(name: str, quantization: str, **options: str) -> list[float]:
+    """``quantization`` (and ``options``) against fp32, teacher-forced on fp32's greedy tokens: |difference| of each
+    chosen token's logprob."""
     forced, reference = _fp32_teacher(name)
-    quantized = LLM(name, quantization=quantization, max_model_len=1024, num_kv_blocks=256)
+    quantized = LLM(name, quantization=quantization, max_model_len=1024, num_kv_blocks=256, **options)
     scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     return [abs(next(iter(x.values())).logprob - next(iter(y.values())).logprob)
             for a, b in zip(reference, quantized.generate(forced, scored))
@@ -242,6 +242,14 @@ def test_smollm2_fp8_stays_within_its_stated_bound() -> None:
     e4m3 keeps 3 mantissa bits of every weight and activation, coarser than per-channel int8 weights alone."""
     diffs = _drift_from_fp32("smollm2-135m-instruct", "fp8")
     assert max(diffs) < 2.0 and sum(diffs) / len(diffs) < 0.2
+
+
+def test_smollm2_in_bf16_stays_within_its_stated_bound() -> None:
+    """``--dtype bfloat16`` (weights, activations and KV in bf16, CUDA's default; on CPU the reference paths)
+    against fp32, teacher-forced on fp32's 32 greedy tokens per prompt: the chosen tokens' logprobs differ by
+    (measured, Zen 5, session 36) at most 0.156 and on average 0.028; asserted with margin."""
+    diffs = _drift_from_fp32("smollm2-135m-instruct", "none", dtype="bfloat16")
+    assert max(diffs) < 0.3 and sum(diffs) / len(diffs) < 0.045
 
 
 @pytest.mark.slow
