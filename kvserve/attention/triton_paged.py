@@ -13,9 +13,16 @@ Decodes are bound by the bytes of K/V they read. A program takes one decode and 
 ride together, so each key row is loaded once for the group); when decodes x KV heads are too few to fill the
 GPU, the visible keys of each decode are split across ``num_splits`` programs whose normalised partial outputs
 and log-sum-exps the last of them to finish merges (flash-decoding, its merge in the same launch).
+In a step of ``CASCADE_MIN_DECODES`` or more decodes where some share leading blocks (``shared_prefix_lens``),
+``cascade_prefix_kernel`` first attends each sharing group's shared keys once per tile of decodes x query heads
+(the decodes taken in ``sharing_order``) into the first partial slots of each decode, and the decode kernel reads
+only the keys past them (cascade attention, as the CPU kernel has it). Every prefill chunk of the step goes
+through one ``paged_prefill_kernel`` launch, causal and windowed masks per row.
 
 Runs on CUDA; on CPU only under Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported),
-which is how CI tests it. ``TorchRefBackend`` is the twin the tests compare it with.
+which is how CI tests it. ``TorchRefBackend`` is the twin the tests compare it with, there and natively with
+``-m gpu``; every kernel is also compiled for sm_90 without a GPU (``tests/hopper_compile.py``: the interpreter
+accepts code the compiler refuses), and ``benchmarks/triton_attention.py`` times the backend on a GPU.
 """
 
 from __future__ import annotations
