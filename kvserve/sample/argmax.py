@@ -3,8 +3,8 @@ the last op of greedy decoding and of the exponential race that draws random sam
 
 On CPU, fp32 rows go to ``csrc/first_max.c`` (two vector passes over a row, a long row split among the threads):
 torch's index-returning reductions walk a row one value at a time, 0.3 ms for one 262,144-token row of Gemma 3's
-logits. On CUDA, rows of a model dtype go to ``triton_first_max`` (one program a row; torch's reduction took 27 us
-of a 128,256-token row). ``reference_first_max`` is the plain-PyTorch twin, and serves every other device and
+logits. On CUDA, rows of a model dtype go to ``triton_first_max`` (two launches: each row cut into parts, one
+program a part, then one program a row merging them; torch's reduction took 27 us of a 128,256-token row). ``reference_first_max`` is the plain-PyTorch twin, and serves every other device and
 dtype.
 """
 
