@@ -66,11 +66,7 @@ class LLMEngine:
         )
         if config.model.quantize_activations:
             check_quantize_activations(self.weight_format, self.device)
-        self.runner_options = RunnerOptions(
-            config.cache.block_size, config.model.seed, self.weight_format, config.cache.kv_cache_dtype,
-            config.model.quantize_activations, config.model.enforce_eager, int(config.model.cpu_offload_gb * 2**30),
-            config.model.dense_layouts_in_background, config.model.attention_backend,
-        )
+        self.runner_options = self._runner_options()
         vocab_size = checkpoint.hf_config.vocab_size
         structured = StructuredOutputCompiler(self.tokenizer, vocab_size, sorted(self.eos_token_ids))
         workers = self._start_workers(checkpoint, tp_size)
@@ -90,12 +86,24 @@ class LLMEngine:
         self.overlap_scheduling = self.overlap_outputs and config.scheduler.overlap_scheduling
         self._held: list[EngineOutput] = []  # the last step's outputs, not yet processed (overlap_outputs)
         self._next: PendingStep | None = None  # a step launched ahead of its turn (overlap_scheduling)
+        self._log_start(runner)
+
+    def _runner_options(self) -> RunnerOptions:
+        """How the runner (and every tensor-parallel worker's) holds the model and its KV cache."""
+        model, cache = self.config.model, self.config.cache
+        return RunnerOptions(
+            cache.block_size, model.seed, self.weight_format, cache.kv_cache_dtype, model.quantize_activations,
+            model.enforce_eager, int(model.cpu_offload_gb * 2**30), model.dense_layouts_in_background,
+            model.attention_backend,
+        )
+
+    def _log_start(self, runner: ModelRunner) -> None:
+        tp_size = self.config.parallel.tensor_parallel_size
         logger.info(
             "kvserve: %s on %s (%s weights, %.1f MB%s, %s activations), %d KV blocks of %d tokens (%s)%s",
             self.location.name, self.device, runner.weights_format(), runner.weight_bytes / 1e6,
             " before the dense layouts under way" if runner.layouts is not None else "", runner.activations_format,
-            self.num_kv_blocks,
-            config.cache.block_size, runner.kv_cache_dtype.name,
+            self.num_kv_blocks, self.config.cache.block_size, runner.kv_cache_dtype.name,
             f", tensor parallel over {tp_size} ranks (KV blocks per rank)" if tp_size > 1 else "",
         )
 
