@@ -178,11 +178,14 @@ def _git_state() -> dict[str, Any]:
 
 def compare_table(paths: list[str | Path]) -> str:
     """The figures of every run of every file side by side; each column after the first with its ratio to the
-    first. A column is headed by its run's label, and by its file's name too where another column has the same
-    label (two runs without ``--label`` are both "kvserve random")."""
+    first. A column is headed by its run's label, and by its file too where another column has the same label
+    (two runs without ``--label`` are both "kvserve random"): the file's name, or as much of its path as tells the
+    files apart (``before/kvserve-c16``, ``after/kvserve-c16``)."""
     columns = [(Path(path), *column) for path in paths for column in _columns(Path(path))]
     label_counts = Counter(name for _, name, _ in columns)
-    names = [f"{name} ({path.stem})" if label_counts[name] > 1 else name for path, name, _ in columns]
+    repeated = [path for path, name, _ in columns if label_counts[name] > 1]
+    names = [f"{name} ({_distinct_name(path, repeated)})" if label_counts[name] > 1 else name
+             for path, name, _ in columns]
     columns = [(name, figures) for name, (_, _, figures) in zip(names, columns)]
     rows = []
     for keys, row_name in COMPARED:
@@ -194,6 +197,16 @@ def compare_table(paths: list[str | Path]) -> str:
     lines = [f"{'':<24}" + "".join(f"{name:>{width}}" for name in names)]
     lines += [f"{row_name:<24}" + "".join(f"{cell:>{width}}" for cell in cells) for row_name, cells in rows]
     return "\n".join(lines)
+
+
+def _distinct_name(path: Path, others: list[Path]) -> str:
+    """The shortest tail of ``path`` (without its suffix) that no other of ``others`` ends in."""
+    parts = path.with_suffix("").parts
+    tails = [other.with_suffix("").parts for other in others if other != path]
+    for length in range(1, len(parts) + 1):
+        if all(tail[-length:] != parts[-length:] for tail in tails):
+            return "/".join(parts[-length:])
+    return str(path)
 
 
 def _columns(path: Path) -> list[tuple[str, dict[str, Any]]]:

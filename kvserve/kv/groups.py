@@ -102,8 +102,8 @@ class KVCacheGroups:
         order of its host rows)::
 
             num_tokens 14, block_size 4, w = 6 (the query at 14 sees 9 .. 14):
-            group 0:       | b0 | b1 | b2 | b3 |   -> entries 0 .. 3
-            window group:  | -1 | b5 | b6 | b7 |   -> entries 4 .. 5 (b6, b7); b5 is dead to the query
+            group 0:       | b0 | b1 | b2 | b3 |   -> indices 0 .. 3 (a swap's host rows 0 .. 3)
+            window group:  | -1 | b5 | b6 | b7 |   -> indices 2 .. 3 (b6, b7: rows 4 .. 5); b5 is dead to the query
         """
         num_blocks = -(-num_tokens // block_size)
         return [(group, index, table[index]) for group, table in enumerate(tables)

@@ -11,6 +11,7 @@ fails there, as a ``CheckpointError`` naming the file, before any memory is spen
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -114,20 +115,29 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Ch
 
 def _untied_if_head_differs(config: PretrainedConfig, shards: list[Path]) -> PretrainedConfig:
     """``config`` untied where the checkpoint stores an LM head that is not its embeddings: transformers (since 5)
-    then keeps the stored head, with a warning, rather than tie it; a head equal to the embeddings stays tied."""
-    stored = {}
-    for shard in shards:
-        with safe_open(shard, framework="pt") as reader:
-            stored |= {name: reader.get_tensor(name) for name in (HEAD_TENSOR, EMBEDDINGS_TENSOR)
-                       if name in reader.keys()}
-    head, embeddings = stored[HEAD_TENSOR], stored.get(EMBEDDINGS_TENSOR)
-    if embeddings is not None and head.shape == embeddings.shape and torch.equal(head, embeddings):
-        return config
+    then keeps the stored head, with a warning, rather than tie it; a head equal to the embeddings stays tied, and
+    so does one stored without embeddings (whose load then names the missing tensor)."""
+    with contextlib.ExitStack() as files:
+        readers = [files.enter_context(safe_open(shard, framework="pt")) for shard in shards]
+        located = {name: reader for reader in readers for name in (HEAD_TENSOR, EMBEDDINGS_TENSOR)
+                   if name in reader.keys()}
+        if EMBEDDINGS_TENSOR not in located or _same_tensor(located[HEAD_TENSOR].get_slice(HEAD_TENSOR),
+                                                            located[EMBEDDINGS_TENSOR].get_slice(EMBEDDINGS_TENSOR)):
+            return config
     _log.warning("the checkpoint's config ties the LM head to the embeddings, but it stores an lm_head.weight of its "
                  "own that differs: that head is used, untied, as transformers does")
     untied = copy.deepcopy(config)
     untied.tie_word_embeddings = False
     return untied
+
+
+def _same_tensor(a: Any, b: Any, rows: int = 4096) -> bool:
+    """Whether two safetensors slices hold the same tensor, compared a block of rows at a time (a 256k-token
+    vocabulary's embeddings are GBs)."""
+    if a.get_shape() != b.get_shape() or a.get_dtype() != b.get_dtype():
+        return False
+    num_rows = a.get_shape()[0]
+    return all(torch.equal(a[start:start + rows], b[start:start + rows]) for start in range(0, num_rows, rows))
 
 
 def _read_hf_config(directory: Path) -> PretrainedConfig:

@@ -38,6 +38,7 @@ from kvserve.router.prefix_index import prefix_keys
 from kvserve.router.prompts import prompt_text, request_payload
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
 from kvserve.server.errors import PROTECTED_PREFIXES, RETRY_LATER, error_response, sse_failure, unauthorized
+from kvserve.server.request_ids import echoing_request_id
 from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
@@ -312,6 +313,7 @@ class RouterApp:
             return await self.lifespan(receive, send)
         if scope["type"] != "http":
             return
+        send = echoing_request_id(scope, send)  # on the router's own answers; a replica's carries it already
         path, method = scope["path"], scope["method"]
         key = self.router.api_key
         refused = unauthorized(scope["headers"], key) if key is not None and path.startswith(PROTECTED_PREFIXES) \

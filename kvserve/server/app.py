@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.sampling_params import InvalidParameter
@@ -40,6 +39,7 @@ from kvserve.server.model_protocol import (
     TokenizeResponse,
 )
 from kvserve.server.protocol import SamplingRequest
+from kvserve.server.request_ids import client_request_id, echoing_request_id
 from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ending_on_failure, until_disconnected
@@ -47,7 +47,6 @@ from kvserve.server.streaming import ending_on_failure, until_disconnected
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
 
-REQUEST_ID_HEADER = "X-Request-Id"
 
 
 class _Generation(Protocol):
@@ -122,7 +121,7 @@ async def _serve(state: ServerState, handler: Callable[..., _Generation], body: 
     engine = state.admit(body.model)
     try:
         generation = handler(engine, body, body.model or state.settings.model_name,
-                             client_request_id=client_request_id(request), **options)
+                             client_request_id=client_request_id(request.scope), **options)
     except ValueError as e:
         raise bad_request(body.named_as_sent(e)) from e
     return await _answer(request, generation, body.stream)
@@ -168,11 +167,6 @@ async def _token_ids(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
         raise bad_request(e, param="prompt") from e
 
 
-def client_request_id(request: Request) -> str | None:
-    """The request's ``X-Request-Id`` header (None: none, or empty): what the answer's id is made of, as in vLLM."""
-    return request.headers.get(REQUEST_ID_HEADER) or None
-
-
 class RequestGuard:
     """ASGI middleware: 413 for a body over ``max_body_bytes`` (read in full before the app sees it), 401 for
     a missing or wrong bearer token on the protected routes when an API key is set. Every answer to a request
@@ -186,7 +180,7 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        send = _echoing_request_id(scope, send)
+        send = echoing_request_id(scope, send)
         try:
             self._check_api_key(scope)
             body = await self._read_body(scope, receive)
@@ -233,20 +227,6 @@ class RequestGuard:
             message = f"the body is not valid UTF-8: {e.reason} at byte {e.start}"
             raise APIError(HTTPStatus.BAD_REQUEST, message) from None
         return body
-
-
-def _echoing_request_id(scope: Scope, send: Send) -> Send:
-    """``send`` adding the request's X-Request-Id (if it sent one) to the response's headers."""
-    request_id = Headers(scope=scope).get(REQUEST_ID_HEADER)
-    if not request_id:
-        return send
-
-    async def echoing(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            MutableHeaders(scope=message).append(REQUEST_ID_HEADER, request_id)
-        await send(message)
-
-    return echoing
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -113,9 +113,10 @@ class GenerationHandler:
         self.engine = engine
         self.body = body
         self.model_name = model_name
-        self.request_id = f"{self.id_prefix}-{client_request_id or uuid.uuid4().hex}"
-        # a client may send one X-Request-Id twice at once; the engine's ids must differ
-        self._engine_id = self.request_id if client_request_id is None else f"{self.request_id}-{uuid.uuid4().hex[:8]}"
+        # the engine's ids are always fresh: a client may send one X-Request-Id twice at once, or one with a
+        # character the engine keeps for its samples' ids ('#')
+        self._engine_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.request_id = self._engine_id if client_request_id is None else f"{self.id_prefix}-{client_request_id}"
         self.created = int(time.time())
         self.params = body.to_sampling_params()
         self.tokenizer = engine.engine.tokenizer

@@ -63,6 +63,12 @@ def test_compare_tells_columns_of_one_label_apart_by_their_files(tmp_path: Path)
             for name, label in (("served", "kvserve random"), ("offline", "kvserve random"), ("peer", "llamacpp"))]
     assert compare_table(runs).splitlines()[0].split() == ["kvserve", "random", "(served)", "kvserve", "random",
                                                            "(offline)", "llamacpp"]
+    before, after = (tmp_path / name / "kvserve-c16.json" for name in ("before", "after"))
+    for path in (before, after):
+        path.parent.mkdir()
+        write(path, {"kind": "serve", "label": "kvserve", "output_throughput": 1.0})
+    assert compare_table([before, after]).splitlines()[0].split() == ["kvserve", "(before/kvserve-c16)", "kvserve",
+                                                                      "(after/kvserve-c16)"]
 
 
 def test_compare_names_a_file_that_is_not_a_result(tmp_path: Path) -> None:

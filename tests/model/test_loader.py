@@ -199,6 +199,18 @@ def test_a_tied_checkpoint_that_stores_another_head_is_untied_as_transformers_do
     assert greedy_token_ids(llm, [prompt], 8)[0][0] == hf_greedy(hf, prompt, 8)
 
 
+def test_a_tied_checkpoint_that_stores_only_its_head_is_named_missing_its_embeddings(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = save_hf_dir(tmp_path / "head-only", tiny_llama(tie_word_embeddings=True))
+    tensors = load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"missing 1 tensor.*model\.embed_tokens\.weight"):
+        LLM(str(directory), dtype="float32", num_kv_blocks=16)
+    assert "differs" not in caplog.text
+
+
 def test_directory_without_config_json(tmp_path: Path, single_dir: Path) -> None:
     directory = copy_dir(single_dir, tmp_path)
     (directory / "config.json").unlink()

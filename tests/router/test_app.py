@@ -766,6 +766,27 @@ def test_request_ids_and_trace_context_reach_the_replica() -> None:
     assert all(f"\r\n{name}: {value}" in head for name, value in sent.items()), head
 
 
+def test_every_answer_carries_the_clients_request_id_once() -> None:
+    """A replica's answer carries it already (relayed as it came); what the router answers itself, a 404 or a 503
+    with no replica up, gets it from the router, as a replica's own errors do."""
+    echoed = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-request-id: my-req-42\r\ncontent-length: 2\r\n\r\n{}"
+    server = ByteServer(echoed)
+    headers = {"X-Request-Id": "my-req-42"}
+
+    async def scenario() -> list[httpx.Response]:
+        async with server as origin:
+            router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
+            relayed = await client.post("/v1/completions", json={"prompt": "p"}, headers=headers)
+        _, nobody_up = router_client(FakeReplicas(1))
+        return [relayed, await nobody_up.get("/nope", headers=headers),
+                await nobody_up.post("/v1/completions", json={"prompt": "p"}, headers=headers)]
+
+    for answer, status in zip(run(scenario()), (200, 404, 503)):
+        assert answer.status_code == status
+        assert answer.headers.get_list("x-request-id") == ["my-req-42"]
+
+
 @pytest.mark.parametrize("body", [b"{nope", b"[1, 2]", b""])
 def test_a_body_that_is_no_json_object_goes_to_a_replica_to_refuse_in_its_words(body: bytes) -> None:
     """The router answered these 400s itself, worded unlike a replica (which names the field, as pydantic does)."""

@@ -138,6 +138,10 @@ def test_a_clients_x_request_id_names_the_answer_and_comes_back_whatever_the_ans
     assert refused.headers["x-request-id"] == too_large.headers["x-request-id"] == "trace-7"
     unnamed = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 1})
     assert "x-request-id" not in unnamed.headers and len(unnamed.json()["id"]) == len("cmpl-") + 32
+    # any value a header holds: '#' names samples inside the engine, whose ids never come from the client
+    odd = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 1, "n": 2},
+                     headers={"X-Request-Id": "abc#1"})
+    assert odd.status_code == 200 and odd.json()["id"] == "cmpl-abc#1" and odd.headers["x-request-id"] == "abc#1"
 
 
 @pytest.mark.parametrize("body, status", [

@@ -87,6 +87,16 @@ def test_n_samples_come_back_as_indexed_choices(client: openai.OpenAI) -> None:
     assert sorted(c.index for c in chat.choices) == [0, 1] and chat.usage.completion_tokens == 8
 
 
+def test_a_clients_request_id_may_hold_any_character_and_names_the_answer(server: ServerProcess) -> None:
+    """'#' names samples inside the engine: a request id made of the client's X-Request-Id was refused over it."""
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": MESSAGES})):
+        answer = httpx.post(f"{server.url}{path}", json={**body, "model": MODEL_NAME, "max_tokens": 2, "n": 2},
+                            headers={"X-Request-Id": "trace#7"})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["id"].endswith("-trace#7") and answer.headers["x-request-id"] == "trace#7"
+
+
 def test_a_batch_of_prompts_gets_one_choice_each(client: openai.OpenAI, server: ServerProcess) -> None:
     token_prompt = tokenize(server, "Hello there")
     answer = client.completions.create(model=MODEL_NAME, prompt=[PROMPT, "Hello there"], max_tokens=4, **GREEDY)
