@@ -23,11 +23,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import platformdirs
 import torch
 
+T = TypeVar("T")
 _QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 _log = logging.getLogger(__name__)
 COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
@@ -103,6 +104,16 @@ def recording(record: Callable[[KernelFunction, tuple], None]) -> Iterator[None]
 
 class KernelBuildError(RuntimeError):
     """A kernel could not be compiled or loaded (no compiler, a compile error, an unloadable library)."""
+
+
+def built_or_none(build: Callable[[], T], fallback: str, log: logging.Logger) -> T | None:
+    """``build()``, or None where its kernel cannot be built, with a warning on ``log`` that says what runs
+    instead (``fallback``) and why: each kernel has a slower plain-PyTorch twin."""
+    try:
+        return build()
+    except KernelBuildError as error:
+        log.warning("%s: %s", fallback, error)
+        return None
 
 
 def load_library(source: Path) -> ctypes.CDLL:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import time
 from pathlib import Path
@@ -140,6 +141,19 @@ def test_using_a_cached_library_marks_it_used(cache_dir: Path) -> None:
     os.utime(path, (0, 0))
     assert native.library_path(KERNEL_SOURCE) == path
     assert time.time() - path.stat().st_mtime < 60
+
+
+def test_a_kernel_that_cannot_be_built_is_none_with_a_warning_naming_what_runs_instead(
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    def unbuildable() -> object:
+        raise KernelBuildError("no C compiler: gcc is not on PATH")
+
+    log = logging.getLogger("kvserve.test_native")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        assert native.built_or_none(unbuildable, "the twin runs", log) is None
+        assert native.built_or_none(lambda: 42, "the twin runs", log) == 42
+    assert [r.getMessage() for r in caplog.records] == ["the twin runs: no C compiler: gcc is not on PATH"]
 
 
 def test_an_unwritable_cache_folder_is_a_build_error_naming_it(tmp_path: Path,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvserve.kv.quant import C_ENCODING_CODES, ENCODINGS
-from kvserve.native import KernelBuildError, KernelFunction, load_library
+from kvserve.native import built_or_none, KernelFunction, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +64,4 @@ class CpuKVStore:
 @functools.cache
 def cpu_kv_store() -> CpuKVStore | None:
     """The store, or None where it cannot be built (the torch path then writes)."""
-    try:
-        return CpuKVStore()
-    except KernelBuildError as error:
-        logger.warning("KV writes on CPU take the slower torch path: %s", error)
-        return None
+    return built_or_none(CpuKVStore, "KV writes on CPU take the slower torch path", logger)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvserve.native import KernelBuildError, load_library
+from kvserve.native import built_or_none, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,5 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        return bind(load_library(FIRST_MAX_SOURCE))
-    except KernelBuildError as error:
-        logger.warning("argmax falls back to torch's slower reduction: %s", error)
-        return None
+    return built_or_none(lambda: bind(load_library(FIRST_MAX_SOURCE)), "argmax falls back to torch's slower "
+                         "reduction", logger)

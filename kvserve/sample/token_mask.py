@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from kvserve.device_copy import to_device
-from kvserve.native import KernelBuildError, load_library
+from kvserve.native import built_or_none, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,12 @@ def _kernel_takes(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    try:
-        library = load_library(TOKEN_MASK_SOURCE)
-    except KernelBuildError as error:
-        logger.warning("grammar masks fall back to the slower PyTorch twin: %s", error)
-        return None
+    return built_or_none(lambda: _bind(load_library(TOKEN_MASK_SOURCE)),
+                         "grammar masks fall back to the slower PyTorch twin", logger)
+
+
+def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
+    """``library`` (built from ``TOKEN_MASK_SOURCE``) with its function's C signature set."""
     library.kvserve_apply_token_mask.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                                  ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     library.kvserve_apply_token_mask.restype = None

@@ -35,7 +35,7 @@ import torch
 from kvserve.model.layers.activation import KERNEL_ACTIVATIONS, GatedMLP
 from kvserve.model.layers.fused_ops import TorchFusedOps
 from kvserve.model.layers.norm import RMSNorm
-from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_library
+from kvserve.native import built_or_none, KernelFunction, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +121,7 @@ class CpuFusedOps(TorchFusedOps):
 @functools.cache
 def cpu_fused_ops() -> CpuFusedOps | None:
     """This process's kernels, or None (with a warning) where they cannot be built."""
-    try:
-        return CpuFusedOps()
-    except KernelBuildError as error:
-        logger.warning("CPU elementwise ops run op by op in PyTorch: %s", error)
-        return None
+    return built_or_none(CpuFusedOps, "CPU elementwise ops run op by op in PyTorch", logger)
 
 
 def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:

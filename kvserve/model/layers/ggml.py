@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, LinearMethod, apply_by_parts
-from kvserve.native import KernelBuildError, KernelFunction, kernel_range, load_library
+from kvserve.native import built_or_none, KernelFunction, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -201,11 +201,7 @@ def call_block_kernel(
 @functools.cache
 def ggml_gemm() -> GGMLGemm | None:
     """The kernel, or None where it cannot be built (the weights are then dequantized at load)."""
-    try:
-        return GGMLGemm()
-    except KernelBuildError as error:
-        logger.warning("GGUF weights are dequantized at load: %s", error)
-        return None
+    return built_or_none(GGMLGemm, "GGUF weights are dequantized at load", logger)
 
 
 class GGMLLinearMethod(AsLoadedLinearMethod):

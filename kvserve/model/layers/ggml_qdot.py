@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers.ggml import BLOCK_GEMM_ARG_TYPES, KERNEL_TYPES, GGMLTensor, call_block_kernel
-from kvserve.native import KernelBuildError, KernelFunction, load_library
+from kvserve.native import built_or_none, KernelFunction, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +117,4 @@ class QDotGemm:
 @functools.cache
 def qdot_gemm() -> QDotGemm | None:
     """The kernel, or None where it cannot be built (the exact kernel then serves)."""
-    try:
-        return QDotGemm()
-    except KernelBuildError as error:
-        logger.warning("GGUF blocks multiply fp32 activations: %s", error)
-        return None
+    return built_or_none(QDotGemm, "GGUF blocks multiply fp32 activations", logger)

@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 
 from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
-from kvserve.native import KernelBuildError, KernelFunction, cpu_family, cpu_vendor, kernel_range, load_library
+from kvserve.native import built_or_none, KernelFunction, cpu_family, cpu_vendor, kernel_range, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +136,8 @@ class SmallGemm:
 @functools.cache
 def small_gemm() -> SmallGemm | None:
     """The kernel where it is worth its memory (built, and tuned for this CPU); None elsewhere."""
-    try:
-        kernel = SmallGemm()
-    except KernelBuildError as error:
-        logger.warning("CPU GEMMs of a few tokens use oneDNN alone: %s", error)
-        return None
-    return kernel if kernel.tuned else None
+    kernel = built_or_none(SmallGemm, "CPU GEMMs of a few tokens use oneDNN alone", logger)
+    return kernel if kernel is not None and kernel.tuned else None
 
 
 class CpuPrepackedLinearMethod(UnquantizedLinearMethod):
