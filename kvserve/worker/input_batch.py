@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -275,39 +275,39 @@ class PersistentBatch:
             "seq_lens": (seq_lens, torch.int32),
         }
         num_decodes = int(np.count_nonzero(query_lens == 1))
-        shared = []  # per group, the most keys a decode shares with others
-        for group in range(self.block_table.shape[0]):  # KV cache groups (``kv/groups.py``): a table each
-            block_tables = self.block_table[group, rows, :width]
-            arrays[f"block_tables{group}"] = (block_tables, torch.int32)
-            arrays[f"slot_mapping{group}"] = (self._slot_mapping(block_tables, seq_of_token, positions), torch.int64)
-            lens, order = shared_prefixes(block_tables[:num_decodes], seq_lens[:num_decodes], self.block_size)
-            shared.append(int(lens.max(initial=0)))
-            arrays[f"shared_prefix_lens{group}"] = (lens, torch.int32)
-            arrays[f"sharing_order{group}"] = (order, torch.int32)
+        num_groups = self.block_table.shape[0]  # KV cache groups (``kv/groups.py``): a table each
+        shared = [self._add_group_arrays(arrays, group, rows, width, seq_of_token, positions, seq_lens, num_decodes)
+                  for group in range(num_groups)]
         sent = self._send({**arrays, **(extra or {})})
-        attn = AttentionInputs(
+        common = AttentionInputs(
             num_decodes=num_decodes,
             query_start_loc=sent["query_start_loc"],
             seq_lens=sent["seq_lens"],
-            block_tables=sent["block_tables0"],
-            slot_mapping=sent["slot_mapping0"],
             query_lens_list=query_lens.tolist(),
             seq_lens_list=seq_lens.tolist(),
             block_size=self.block_size,
-            shared_prefix_lens=sent["shared_prefix_lens0"],
-            sharing_order=sent["sharing_order0"],
-            max_shared_prefix_len=shared[0],
+            **_group_inputs(sent, 0, shared[0]),
         )
-        if self.block_table.shape[0] > 1:  # group 0's layout through the other groups' own tables (a new token
-            # never lies in a null block: those end before the window of the step's first query)
-            attn = dataclasses.replace(attn, groups=tuple(
-                dataclasses.replace(attn, block_tables=sent[f"block_tables{group}"],
-                                    slot_mapping=sent[f"slot_mapping{group}"],
-                                    shared_prefix_lens=sent[f"shared_prefix_lens{group}"],
-                                    sharing_order=sent[f"sharing_order{group}"], max_shared_prefix_len=shared[group])
-                for group in range(1, self.block_table.shape[0])))
+        # group 0's layout through the other groups' own tables (a new token never lies in a null block: those
+        # end before the window of the step's first query)
+        groups = tuple(dataclasses.replace(common, **_group_inputs(sent, group, shared[group]))
+                       for group in range(1, num_groups))
+        attn = dataclasses.replace(common, groups=groups) if groups else common
         return StepLayout(sent["input_ids"], sent["positions"], attn, query_start,
                           {name: sent[name] for name in extra or {}})
+
+    def _add_group_arrays(self, arrays: HostArrays, group: int, rows: np.ndarray, width: int,
+                          seq_of_token: np.ndarray, positions: np.ndarray, seq_lens: np.ndarray,
+                          num_decodes: int) -> int:
+        """Add KV cache group ``group``'s block tables, slot mapping and decode sharing to ``arrays``; returns the
+        most keys a decode of the step shares with others in that group."""
+        block_tables = self.block_table[group, rows, :width]
+        lens, order = shared_prefixes(block_tables[:num_decodes], seq_lens[:num_decodes], self.block_size)
+        arrays[f"block_tables{group}"] = (block_tables, torch.int32)
+        arrays[f"slot_mapping{group}"] = (self._slot_mapping(block_tables, seq_of_token, positions), torch.int64)
+        arrays[f"shared_prefix_lens{group}"] = (lens, torch.int32)
+        arrays[f"sharing_order{group}"] = (order, torch.int32)
+        return int(lens.max(initial=0))
 
     def _slot_mapping(self, block_tables: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray) -> np.ndarray:
         slot_mapping = block_tables[seq_of_token, positions // self.block_size].astype(np.int64) * self.block_size
@@ -376,6 +376,13 @@ class PersistentBatch:
             return self._staging.send(arrays)
         return {name: torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
                 for name, (array, dtype) in arrays.items()}
+
+
+def _group_inputs(sent: dict[str, torch.Tensor], group: int, max_shared_prefix_len: int) -> dict[str, Any]:
+    """The fields of ``AttentionInputs`` that KV cache group ``group``'s own table decides, from the sent arrays."""
+    return {"block_tables": sent[f"block_tables{group}"], "slot_mapping": sent[f"slot_mapping{group}"],
+            "shared_prefix_lens": sent[f"shared_prefix_lens{group}"], "sharing_order": sent[f"sharing_order{group}"],
+            "max_shared_prefix_len": max_shared_prefix_len}
 
 
 def _query_start(query_lens: np.ndarray) -> np.ndarray:
