@@ -223,9 +223,10 @@ class PackedLinear(Linear):
 
 def linear_from_tensors(weight: torch.Tensor, bias: torch.Tensor | None, method: LinearMethod) -> Linear:
     """A ready Linear holding ``weight [out, in]`` and ``bias`` through ``method``: the life a model's layers
-    go through at load, for benchmarks and tests of one layer."""
-    layer = Linear(weight.shape[1], weight.shape[0], bias is not None)
-    layer.bind(method, weight.dtype)
+    go through at load, for benchmarks and tests of one layer; on the weight's device."""
+    with torch.device(weight.device):
+        layer = Linear(weight.shape[1], weight.shape[0], bias is not None)
+        layer.bind(method, weight.dtype)
     layer.load_weight("weight", weight)
     if bias is not None:
         layer.load_weight("bias", bias)
