@@ -40,7 +40,9 @@ load_flags() {
 }
 
 server_command() {
-  local llama=(-t 2 -tb 2 -np 16 -c 32768 -b 512 -ub 512 --metrics --host 127.0.0.1 --port "$PORT")
+  # llama.cpp gets the threads kvserve gets: torch's default, one per physical core
+  local threads=${THREADS:-$(python3 -c "import torch; print(torch.get_num_threads())")}
+  local llama=(-t "$threads" -tb "$threads" -np 16 -c 32768 -b 512 -ub 512 --metrics --host 127.0.0.1 --port "$PORT")
   case "$1" in
     kvserve) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 ;;
     kvserve-nocache) echo kvserve serve "$MODEL" --port "$PORT" --max-num-seqs 16 --no-enable-prefix-caching ;;
