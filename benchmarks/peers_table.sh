@@ -7,6 +7,7 @@
 #   LLAMA_SERVER=$PEERS_DIR/llamacpp/build/bin/llama-server LLAMA_F32=$PEERS_DIR/smollm2-f32.gguf \
 #       benchmarks/peers_table.sh
 #   (benchmarks/peers/README.md says how to build llama-server and make the F32 GGUF)
+#   llama-server runs with THREADS threads (default: torch's thread count, the one kvserve runs with)
 #   SYSTEMS="kvserve-nocache" LOADS="c16 prefix" benchmarks/peers_table.sh   # a subset; kvserve-nocache: the
 #                                                                           # prefix cache off (issue 9)
 #   SYSTEMS="kvserve-q8act llamacpp-q4_1" LOADS=c1 ...   # kvserve-q8act: int8 activations (issue 22)
