@@ -26,7 +26,7 @@ class RunnerBatchMirror:
 
     def __init__(self, kv: KVCacheManager, requests: Mapping[str, Request]) -> None:
         self.kv = kv
-        self._grouped = kv.groups.frees_blocks  # tables per KV cache group: rows carry every group's blocks
+        self._has_group_tables = kv.groups.frees_blocks  # tables per KV cache group: rows carry every group's blocks
         self._requests = requests  # the scheduler's unfinished requests, where a new sample finds its parent
         self._num_blocks_sent: dict[str, int] = {}  # requests in the runner's batch -> blocks of theirs it knows
         self._finished_ids: set[str] = set()
@@ -70,7 +70,7 @@ class RunnerBatchMirror:
         samples for it, which sits one past its computed tokens."""
         return [
             ScheduledRequest(request.request_id, request.num_computed_tokens + 1, 1, self._new_block_ids(request),
-                             True, False, (), self.kv.take_null_counts(request) if self._grouped else ())
+                             True, False, (), self.kv.take_null_counts(request) if self._has_group_tables else ())
             for request in requests
         ]
 
@@ -119,7 +119,7 @@ class RunnerBatchMirror:
             end == request.num_tokens,
             request.sampling_params.prompt_logprobs is not None and wants_prompt_logprobs(request, end),
             draft,
-            self.kv.take_null_counts(request) if self._grouped else (),
+            self.kv.take_null_counts(request) if self._has_group_tables else (),
         )
 
     def _new_block_ids(self, request: Request) -> tuple[int, ...]:
@@ -129,7 +129,7 @@ class RunnerBatchMirror:
         self._num_blocks_sent[request.request_id] = num_blocks
         if num_sent >= num_blocks:
             return ()
-        if self._grouped:
+        if self._has_group_tables:
             return tuple(b for table in self.kv.tables(request) for b in table[num_sent:])
         return tuple(request.block_ids[num_sent:])
 
