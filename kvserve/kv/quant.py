@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.kv.encodings import KV_ENCODING_NAMES
+
 INT8_MAX = 127
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 INT4_MAX = 15
@@ -119,6 +121,8 @@ ENCODINGS = {
     "int4": KVCacheDtype("int4", torch.uint8, torch.float16, values_per_element=2, has_zero_point=True,
                          max_group=INT4_MAX_GROUP, rotates_keys=True, layout_name="int4-g64-hadamard-keys"),
 }
+# the configuration validates --kv-cache-dtype against the torch-free names, so the two lists must agree
+assert tuple(ENCODINGS) == KV_ENCODING_NAMES, f"kv/encodings.py names {KV_ENCODING_NAMES}, ENCODINGS {tuple(ENCODINGS)}"
 
 
 def kv_cache_dtype(name: str, dtype: torch.dtype) -> KVCacheDtype:
