@@ -10,9 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
-from kvserve.kv.quant import ENCODINGS
+from kvserve.kv.encodings import KV_ENCODING_NAMES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SCHEDULING_POLICIES = ("fcfs", "lpm")
@@ -22,16 +20,18 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_DISK_TIER_GIB = 16.0
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+# --dtype's names -> the torch dtype each means (``torch.<name>``, ``kvserve.device.parse_dtype``): names, not
+# dtypes, so that the configuration and the command line import no torch
+TORCH_DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
-DTYPE_CHOICES = ("auto", *_DTYPES)
+DTYPE_CHOICES = ("auto", *TORCH_DTYPE_NAMES)
 LOAD_FORMAT_CHOICES = ("auto", "mmap", "dummy")
 # attention backends a run may force (kvserve/attention/selector.py); by default the device's best is picked.
 # ``EngineArgs`` reads the environment variable where no backend is given (tests and benchmarks set it per run)
@@ -42,31 +42,18 @@ ATTENTION_BACKEND_ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
 # weights at load (weight-only unless quantize_activations); fp8 holds them in e4m3 and quantizes activations per
 # token too (CUDA of compute capability 8.9+, or CPU)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "fp8")
-KV_CACHE_DTYPES = ("auto", *ENCODINGS)  # "auto": the model's dtype, unquantized
+KV_CACHE_DTYPES = ("auto", *KV_ENCODING_NAMES)  # "auto": the model's dtype, unquantized
 
 
-def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
-    """Map a user-facing dtype name to a torch dtype; ``auto`` is fp32 on CPU and bf16 on CUDA."""
-    if isinstance(name, torch.dtype):
-        return name
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of auto, {', '.join(sorted(set(_DTYPES)))}")
-    return _DTYPES[name]
+def check_dtype_name(name: str) -> None:
+    """Refuse a ``--dtype`` that is neither ``auto`` nor one of ``TORCH_DTYPE_NAMES``."""
+    if name != "auto" and name not in TORCH_DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of auto, {', '.join(sorted(TORCH_DTYPE_NAMES))}")
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` picks CUDA when it is there; an explicit ``cuda`` without a GPU is an error that says so."""
-    _check_device_name(device)
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was asked for but no CUDA device is available")
-    return device
-
-
-def _check_device_name(device: str) -> None:
+def check_device_name(device: str) -> None:
+    """Refuse a device that is not ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (whether it is there is
+    ``kvserve.device.resolve_device``'s to say)."""
     if device not in DEVICES and not device.startswith("cuda:"):
         raise ValueError(f"unknown device {device!r}; expected cpu, cuda, cuda:N or auto")
 
@@ -98,8 +85,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not (self.cpu_offload_gb >= 0 and math.isfinite(self.cpu_offload_gb * 2**30)):
             raise ValueError(f"cpu_offload_gb must be a finite number of GiB >= 0, got {self.cpu_offload_gb}")
-        if self.dtype != "auto":
-            parse_dtype(self.dtype, "cpu")
+        check_dtype_name(self.dtype)
         if self.load_format not in LOAD_FORMAT_CHOICES:
             raise ValueError(f"unknown load_format {self.load_format!r}; expected one of "
                              f"{', '.join(LOAD_FORMAT_CHOICES)}")
@@ -269,7 +255,7 @@ class EngineConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_device_name(self.device)
+        check_device_name(self.device)
         self._check_host_tier()
         self._check_tensor_parallel()
         if self.speculative.method == "draft" and self.cache.offloads_kv:
