@@ -1,9 +1,10 @@
 """The ``kvserve`` command: serve | router | generate | pull | models | make-checkpoint | bench.
 
-``SUBCOMMANDS`` lists each with its help and what defines its flags; ``build_parser(command)`` defines the chosen
-one's flags only, since each imports what it runs (``serve`` neither the benchmark tools nor the checkpoint
-maker). ``kvserve router ...`` is handed to ``router.launch.main`` before any parser is built, so the router
-starts without torch and transformers.
+``SUBCOMMANDS`` lists each with its help and what defines its flags; ``build_parser(command, bench_command)``
+defines the chosen one's flags only, since each imports what it runs (``serve`` neither the benchmark tools nor
+the checkpoint maker), and ``kvserve --help`` and ``kvserve bench --help`` define none, so they import neither
+torch nor transformers. ``kvserve router ...`` is handed to ``router.launch.main`` before any parser is built,
+so the router starts without torch and transformers.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.cli_serve import add_serve_arguments
     from kvserve.router.launch import add_data_parallel_arguments, add_policy_argument
-    from kvserve.server.launch import add_serve_arguments
 
     add_serve_arguments(parser)
     add_data_parallel_arguments(parser)
@@ -128,10 +129,10 @@ def _make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=_cmd_make_checkpoint)
 
 
-def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+def _bench_arguments(parser: argparse.ArgumentParser, bench_command: str | None = None) -> None:
     from kvserve.bench import cli as bench_cli
 
-    bench_cli.add_arguments(parser)
+    bench_cli.add_arguments(parser, bench_command)
 
 
 # name -> (help, what defines its flags); a subcommand's flags import what it runs (torch, transformers, the
@@ -147,16 +148,19 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, bench_command: str | None = None) -> argparse.ArgumentParser:
     """The ``kvserve`` command line: every subcommand listed, with the flags of ``command`` only (of every one
-    when None)."""
+    when None, of none when it names no subcommand, as in ``kvserve --help``); of ``bench``'s own commands, the
+    flags of ``bench_command`` only (of every one when None)."""
     parser = argparse.ArgumentParser(prog="kvserve", description=DESCRIPTION, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, define_arguments) in SUBCOMMANDS.items():
         # no abbreviated flags: `serve --data-parallel-s 2` would reach the replicas, which drop only the full
         # names of the router's flags, and each would start replicas of its own
         subparser = sub.add_parser(name, help=help_text, allow_abbrev=False)
-        if command in (None, name):
+        if name == command == "bench":
+            _bench_arguments(subparser, bench_command)
+        elif command in (None, name):
             define_arguments(subparser)
     return parser
 
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             from kvserve.router.launch import main as router_main
 
             return router_main(argv[1:])
-        args = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None).parse_args(argv)
+        args = build_parser(*argv[:2]).parse_args(argv)  # the first two words name the (bench) command
         args.argv = argv  # what replicas of `serve` are started with
         return args.func(args)
     except (ValueError, OSError, RuntimeError) as e:

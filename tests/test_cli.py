@@ -67,9 +67,27 @@ def test_serve_defines_only_its_own_flags(tmp_path: Path) -> None:
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
-    assert not imported & {"kvserve.bench.throughput", "kvserve.bench.hf_backend", "kvserve.model.checkpoint"}
+    assert not imported & {"kvserve.bench.throughput", "kvserve.bench.hf_backend", "kvserve.model.checkpoint",
+                           "torch", "transformers"}
     for flag in ("--port", "--load-format", "--cpu-offload-gb", "--preemption-mode", "--data-parallel-size"):
         assert flag in done.stdout
+
+
+@pytest.mark.parametrize("argv, listed", [([], ("serve", "bench", "make-checkpoint")),
+                                          (["bench"], ("serve", "throughput", "roofline", "compare"))])
+def test_help_of_a_command_with_subcommands_imports_neither_torch_nor_transformers(argv: list[str],
+                                                                                   listed: tuple[str, ...]) -> None:
+    """`kvserve --help` and `kvserve bench --help` list their commands without defining their flags, which import
+    torch and transformers (seconds)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvserve.cli", *argv, "--help"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert not imported & {"torch", "transformers"}
+    assert all(command in done.stdout for command in listed)
 
 
 def test_other_subcommands_still_define_their_flags() -> None:
@@ -77,6 +95,8 @@ def test_other_subcommands_still_define_their_flags() -> None:
 
     args = build_parser("bench").parse_args(["bench", "throughput", "some-model", "--num-prompts", "4"])
     assert args.num_prompts == 4 and args.func is not None
+    args = build_parser("bench", "throughput").parse_args(["bench", "throughput", "some-model", "--num-prompts", "4"])
+    assert args.num_prompts == 4 and args.func is not None  # the bench command's own flags only
     assert build_parser("make-checkpoint").parse_args(["make-checkpoint", "out", "--arch", "llama"]).arch == "llama"
     assert build_parser().parse_args(["serve", "--load-format", "mmap"]).load_format == "mmap"  # every one's
 
