@@ -81,7 +81,7 @@ class ResponseStart:
 def serve_arguments(options: dict[str, str]) -> argparse.Namespace:
     """``name=value`` pairs as `kvserve serve` flags, parsed by its own argument definitions: every serve option
     works, and a bad name or value is a ValueError naming it."""
-    from kvserve.server.launch import add_serve_arguments
+    from kvserve.cli_serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(prog="kvserve.ray", exit_on_error=False)
     add_serve_arguments(parser)

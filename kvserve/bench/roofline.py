@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from kvserve.bench.report import check_output_path, write_result_json
-from kvserve.config import DEFAULT_MODEL, parse_dtype, resolve_device
+from kvserve.config import DEFAULT_MODEL
+from kvserve.device import parse_dtype, resolve_device
 from kvserve.model.loader import load_checkpoint
 from kvserve.model.sources import resolve_model
 

@@ -39,7 +39,7 @@ from kvserve.bench.report import check_output_path, write_result_json
 from kvserve.bench.serve import with_answers
 from kvserve.bench.step_profile import StepProfile, format_profile
 from kvserve.bench.step_trace import StepTrace, format_step_trace
-from kvserve.config import parse_dtype, resolve_device
+from kvserve.device import parse_dtype, resolve_device
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine_args import EngineArgs
 from kvserve.model.loader import load_checkpoint

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kvserve.config import EngineConfig, parse_dtype, resolve_device
+from kvserve.config import EngineConfig
+from kvserve.device import parse_dtype, resolve_device
 from kvserve.engine.core import EngineCore, PendingStep
 from kvserve.engine.kv_budget import num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, PromptInput
