@@ -154,9 +154,8 @@ class EngineArgs:
     scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,
                                      "order of waiting requests: arrival (fcfs) or longest cached prefix first "
                                      "(lpm)", str, SCHEDULING_POLICIES)
-    lpm_aging_steps: int = _option(SchedulerConfig.lpm_aging_steps,
-                                   "lpm: requests waiting longer than this many steps go first, in arrival order",
-                                   int)
+    lpm_aging_steps: int | None = _option(None, f"lpm: requests waiting longer than this many steps go first, in "
+                                          f"arrival order (default {SchedulerConfig.lpm_aging_steps})", int)
     preemption_mode: str = _option(SchedulerConfig.preemption_mode,
                                    "a running request preempted for lack of KV blocks: 'recompute' drops its KV "
                                    "and runs its tokens again, 'swap' copies all its KV to the host tier (needs "
@@ -213,18 +212,24 @@ class EngineArgs:
                 kv_offload_disk=self.kv_offload_disk,
                 kv_cache_dtype=self.kv_cache_dtype,
             ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                scheduling_policy=self.scheduling_policy,
-                lpm_aging_steps=self.lpm_aging_steps,
-                preemption_mode=self.preemption_mode,
-                overlap_scheduling=self.overlap_scheduling,
-            ),
+            scheduler=self._scheduler_config(),
             speculative=self._speculative_config(),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend),
             device=self.device,
+        )
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        """The scheduling options; lpm's aging refused by name under fcfs, where it would be silently ignored."""
+        if self.lpm_aging_steps is not None and self.scheduling_policy != "lpm":
+            raise ValueError(f"lpm_aging_steps tunes scheduling_policy='lpm', not {self.scheduling_policy!r}")
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduling_policy=self.scheduling_policy,
+            lpm_aging_steps=_given_or(self.lpm_aging_steps, SchedulerConfig.lpm_aging_steps),
+            preemption_mode=self.preemption_mode,
+            overlap_scheduling=self.overlap_scheduling,
         )
 
     def _speculative_config(self) -> SpeculativeConfig:

@@ -101,15 +101,23 @@ def test_defaults_are_the_configs_defaults() -> None:
 def test_flat_options_land_in_the_narrow_configs() -> None:
     # KV offload keeps prefix-cache blocks: the changed values it cannot go with are caching off and (not yet)
     # tensor parallelism, whose option lands in the test below; a draft model goes with the draft method only
-    # (test_draft_options_land_in_the_speculative_config)
+    # (test_draft_options_land_in_the_speculative_config), and lpm's aging with lpm only (the test below)
     config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1,
-                           "draft_model": None}).create_engine_config()
+                           "draft_model": None, "lpm_aging_steps": None}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5,
                                        attention_backend="torch_ref")
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
-    assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs", 5, "swap", False)
+    assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs",
+                                               SchedulerConfig.lpm_aging_steps, "swap", False)
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
     assert config.device == "cpu"
+
+
+def test_lpm_aging_lands_under_lpm_and_is_refused_under_fcfs() -> None:
+    aging = CHANGED["lpm_aging_steps"]
+    assert EngineArgs(lpm_aging_steps=aging).create_engine_config().scheduler.lpm_aging_steps == aging
+    with pytest.raises(ValueError, match="lpm_aging_steps tunes scheduling_policy='lpm', not 'fcfs'"):
+        EngineArgs(scheduling_policy="fcfs", lpm_aging_steps=aging).create_engine_config()
 
 
 def test_tensor_parallel_options_land_in_the_parallel_config() -> None:
