@@ -61,7 +61,7 @@ def time_us(fn: Callable[[], None]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", default="1,4,16,512")
     args = parser.parse_args()

@@ -38,7 +38,7 @@ def decode_step_ms(llm: LLM, prompts: list[list[int]]) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--streams", default="1,16")
     parser.add_argument("--rounds", type=int, default=3)

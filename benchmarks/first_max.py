@@ -17,7 +17,7 @@ from kvserve.sample.argmax import first_max, reference_first_max
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="1x262144,16x262144,1x49152,64x49152", help="rows x vocabulary, ...")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)

@@ -48,7 +48,7 @@ def kernels(baseline: Path | None, batched: bool) -> dict[str, Callable[..., tor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gemma-3-270m")
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--passes", type=int, default=7)

@@ -50,7 +50,7 @@ def agreement(outputs: list[list[int]], reference: list[list[int]]) -> tuple[int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--tokens", type=int, default=2048, help="tokens of the fixed text")
     parser.add_argument("--prompts", type=int, default=8)

@@ -39,7 +39,7 @@ def timed_run(llm: LLM, params: SamplingParams) -> tuple[list[int], float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--draft-model", default=None, help="draft-model speculation with this model, not ngram")
     parser.add_argument("--max-tokens", type=int, default=128)
