@@ -129,6 +129,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any, and the KV tiers' I/O threads (the engine cannot step
         afterwards); idempotent."""
         self.core.runner.close()
+        if (store := self.core.kv_manager.store) is not None:
+            store.close()
 
     def check_workers(self) -> None:
         """Raise ``TensorParallelError`` naming a tensor-parallel worker that died or failed (none: nothing)."""
@@ -182,7 +184,8 @@ class LLMEngine:
                                     groups)
         self._fit_max_model_len(kv_manager, sched_config.max_num_batched_tokens)
         sched_config = dataclasses.replace(sched_config, max_model_len=self.max_model_len)
-        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, tiers, sched_config.max_num_seqs)
+        host_slab = tiers.host_slab if tiers is not None else None
+        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, host_slab, sched_config.max_num_seqs)
         speculative = self.config.speculative
         speculation = SpeculationPolicy(speculative) if speculative.enabled else None
         return EngineCore(runner, Scheduler(sched_config, kv_manager, speculation), kv_manager)
@@ -346,6 +349,7 @@ class LLMEngine:
             **self.core.scheduler.preemption_stats(),
             **self.core.scheduler.prefix_cache_stats(),
             **(store.stats() if (store := self.core.kv_manager.store) else {}),
+            **(copies.stats() if (copies := self.core.runner.host_copies) else {}),
             **self._structured_output_stats(),
             **(speculation.stats() if (speculation := self.core.scheduler.speculation) else {}),
         }

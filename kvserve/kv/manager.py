@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Callable, Iterable
 
-from kvserve.kv.block_keys import KeyedBlock, group_key
+from kvserve.kv.block_keys import group_key
 from kvserve.kv.block_pool import BlockPool, NoFreeBlocksError
 from kvserve.kv.cache_paths import CachePaths
 from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
@@ -390,14 +390,16 @@ class KVCacheManager:
         return True
 
     def take_tier_transfers(self) -> tuple[
-        tuple[tuple[int, KeyedBlock], ...], tuple[tuple[bytes, int], ...],
+        tuple[tuple[int, int], ...], tuple[tuple[int, int], ...],
         tuple[tuple[int, int], ...], tuple[tuple[int, int], ...],
     ]:
-        """The offloads ((block_id, content) copied out), loads ((content key, block_id) copied in), swap-outs
+        """The offloads ((block_id, host row) copied out), loads ((host row, block_id) copied in), swap-outs
         ((block_id, host row)) and swap-ins ((host row, block_id)) planned since the last call, for the runner
-        to apply before the next forward pass in the order of ``KVTransferPlan``."""
-        offloads, loads = self.tier_plan.take() if self.tier_plan is not None else ((), ())
+        to apply before the next forward pass in the order of ``KVTransferPlan``. The runner must have applied
+        the plan taken before (the engine executes a step before it schedules the next): swap rows whose last
+        copy it held go back to the host tier first, where this plan's offloads may take them."""
         swap_outs, swap_ins = self.swap.take_transfers() if self.swap is not None else ((), ())
+        offloads, loads = self.tier_plan.take() if self.tier_plan is not None else ((), ())
         return offloads, loads, swap_outs, swap_ins
 
     def free_tail(self, request: Request, num_tokens: int) -> None:

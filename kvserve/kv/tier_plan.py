@@ -6,7 +6,8 @@ it then only to write it through to the disk) and when the pool evicts it (``Tie
 content stays valid until the runner applies this step's plan. Every group's block of a prefix-tree node is a tier
 block of its own, under its group's key (``block_keys.group_key``, chained from group 0's): a node's group blocks
 are offered with it, and a window block evicted alone by itself. Loads: fresh blocks that a match through the tiers
-fills from the host tier (pinned there until the copy).
+fills from the host tier (pinned there until the plan is taken). ``take`` has the store pick their host rows, so
+the runner copies rows and knows no content key.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ class TierPlan:
         """Plan copies of host-tier blocks ((content key, block_id)) into fresh device blocks."""
         self._loads.extend(loads)
 
-    def take(self) -> tuple[tuple[tuple[int, KeyedBlock], ...], tuple[tuple[bytes, int], ...]]:
-        """The offloads ((block_id, content) copied out) and loads ((content key, block_id) copied in) planned since
-        the last call."""
-        offloads, loads = tuple(self._offloads.values()), tuple(self._loads)
+    def take(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+        """The offloads ((block_id, host row) copied out) and loads ((host row, block_id) copied in) planned since
+        the last call, their rows picked now. The offloads' rows first: a load's block stays pinned until then, so
+        that no offload of this plan takes the row it is loaded from."""
+        offloads = self.store.reserve_offload_rows(tuple(self._offloads.values()))
+        loads = self.store.take_load_rows(self._loads)
         self._offloads.clear()
         self._loads.clear()
         return offloads, loads

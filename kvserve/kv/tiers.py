@@ -20,14 +20,28 @@ key; the KV manager decides which of them a prefix needs.
   through as soon as a block is computed, so that a restarted server, or a second one on the same directory,
   finds it; oldest files out past the capacity.
 
-Nothing here runs I/O on the step's critical path. The runner's ``offload`` and ``load`` are memory copies
-between the device and the slab; file writes and reads run on a writer and a reader thread. A disk hit is
-*prefetched* into the slab while the request waits (other requests keep running) and counts as a hit only once
-verified, so a truncated, corrupt or foreign file is skipped before anyone relies on it. A full or unwritable
-disk turns writing off with one warning; reads and the host tier go on.
+The KV manager plans every move; the runner only copies bytes (``worker/kv_transfers.py``). When the manager hands
+a step's plan over (``KVCacheManager.take_tier_transfers``), this store picks the host rows of its offloads and
+loads, so the plan carries rows, and the runner needs the slab, never this store::
 
-Threads: the engine thread calls everything public; the two I/O threads touch the slab rows they reserved and,
-under ``_lock``, the indexes. Locking is coarse; the critical sections are dict operations.
+    schedule N:  match (locate, prefetch, pin loads)  ...  take: reserve offload rows, publish; load rows, unpin
+    execute N:   the runner copies: offloads into their rows, loads out of theirs
+    update N:    start_disk_writes: the writer thread may now read the offloads' rows
+
+Publishing an offload's key before its copy, and unpinning a load's row before it, is safe: rows change hands only
+on the engine thread while it plans (``prefetch``, ``hold_rows``, the next take), which it does only once the runner
+has applied this plan (on CUDA its copies are queued before the step's tokens, which the engine waits for), and a
+key published now is loaded only by a later plan. The one reader that does not wait for that is the writer thread,
+so a block's write is queued only by ``start_disk_writes``, which the engine calls once the step ran; until then
+its row stays pinned, so no reservation takes it.
+
+Nothing here runs I/O on the step's critical path: file writes and reads run on a writer and a reader thread. A
+disk hit is *prefetched* into the slab while the request waits (other requests keep running) and counts as a hit
+only once verified, so a truncated, corrupt or foreign file is skipped before anyone relies on it. A full or
+unwritable disk turns writing off with one warning; reads and the host tier go on.
+
+Threads: the engine thread calls everything public; the two I/O threads touch the slab rows of their reads and
+writes and, under ``_lock``, the indexes. Locking is coarse; the critical sections are dict operations.
 """
 
 from __future__ import annotations
@@ -38,13 +52,15 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from kvserve.kv.block_file import CorruptBlockError
 from kvserve.kv.block_keys import KeyedBlock, root_key
 from kvserve.kv.disk_tier import DIRECTORY_WIDE_ERRORS, BlockFormat, DiskTier, IOThread
 from kvserve.kv.host_tier import HostTier
-from kvserve.kv.storage import KVCacheStorage
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +75,15 @@ class Tier(enum.Enum):
 
 @dataclass
 class TierCounters:
-    """Since start: tokens hit per tier (with KV cache groups, those of group 0's blocks), blocks, bytes and
-    seconds moved each way, disk events."""
+    """Since start: tokens hit per tier (with KV cache groups, those of group 0's blocks), blocks and bytes planned
+    to move each way, disk events. (The runner times the copies: ``HostCopies``.)"""
 
     host_hit_tokens: int = 0
     disk_hit_tokens: int = 0
     blocks_offloaded: int = 0
     bytes_offloaded: int = 0
-    offload_seconds: float = 0.0
     blocks_loaded: int = 0
     bytes_loaded: int = 0
-    load_seconds: float = 0.0
     blocks_dropped: int = 0  # offloads skipped: every host row was pinned
     disk_writes: int = 0
     disk_write_errors: int = 0
@@ -77,12 +91,11 @@ class TierCounters:
     disk_read_seconds: float = 0.0
     disk_reads_skipped: int = 0  # blocks on the disk that were recomputed: reading measured slower
     corrupt_blocks: int = 0
-    swap_seconds: float = 0.0  # copying swapped-out requests' KV out and back (``kv/swap.py``)
 
 
 class TieredStore:
-    """The host and disk tiers behind one interface: the KV manager asks where a key is, prefetches disk hits
-    and says which blocks to offload; the runner moves bytes with ``offload`` and ``load``."""
+    """The host and disk tiers behind one interface, the KV manager's: it asks where a key is, prefetches disk
+    hits, pins blocks to load, says which blocks to offload, and has rows picked for each plan's copies."""
 
     def __init__(self, block_format: BlockFormat, host_bytes: float, host_is_tier: bool,
                  disk_dir: str | None = None, disk_bytes: float | None = None, pin_memory: bool = False) -> None:
@@ -104,7 +117,8 @@ class TieredStore:
         self._lock = threading.Lock()
         self._io_done = threading.Condition(self._lock)
         self._reading: set[bytes] = set()
-        self._writing: set[bytes] = set()
+        self._writing: set[bytes] = set()  # written, or to be once their offload is copied (``_unsent_writes``)
+        self._unsent_writes: list[tuple[KeyedBlock, int]] = []
         self._reader = IOThread("kvserve-kv-read") if self.disk else None
         self._writer = IOThread("kvserve-kv-write") if self.disk else None
         # a store dropped without close() (an LLM let go) stops its threads, which would live on with nothing to do
@@ -205,68 +219,67 @@ class TieredStore:
         with self._lock:
             return len(self._reading)
 
-    # ----------------------------------------------------------------------------------- the runner's side
+    # ------------------------------------------------------------------------- a plan's rows, as it is taken
 
-    def offload(self, kv: KVCacheStorage, blocks: Sequence[tuple[int, KeyedBlock]]) -> None:
-        """Copy device blocks into host rows (before the forward pass may overwrite them), then queue the disk
-        writes of those the disk lacks."""
-        start = time.perf_counter()
+    @property
+    def host_slab(self) -> torch.Tensor:
+        """The host rows' tensor, which the runner copies blocks into and out of."""
+        return self.host.slab
+
+    def reserve_offload_rows(self, blocks: Sequence[tuple[int, KeyedBlock]]) -> tuple[tuple[int, int], ...]:
+        """Rows for a plan's offloads ((block_id, content) -> (block_id, row) pairs for the runner to copy), each
+        block published under its key now (safe before its copy: module docstring); those the disk lacks are
+        pinned until ``start_disk_writes`` queues their writes. A block finds no row when every row is pinned or
+        held: it is dropped, counted. All rows are reserved before any is published, so that no offload of the
+        plan evicts another's."""
         with self._lock:
             rows = [self.host.reserve() for _ in blocks]
-        kept = [(block_id, block, row) for (block_id, block), row in zip(blocks, rows) if row is not None]
-        kv.read_blocks([block_id for block_id, _, _ in kept], self.host.slab, [row for _, _, row in kept])
-        writes = []
-        with self._lock:
+            kept = [(block_id, block, row) for (block_id, block), row in zip(blocks, rows) if row is not None]
             for _, block, row in kept:
                 self.host.publish(block.key, row, block.group)
                 if self._should_write(block.key):
                     self._writing.add(block.key)
                     self.host.pin(block.key)
-                    writes.append((block, row))
+                    self._unsent_writes.append((block, row))
+            c = self.counters
+            c.blocks_dropped += len(blocks) - len(kept)
+            c.blocks_offloaded += len(kept)
+            c.bytes_offloaded += len(kept) * self.format.bytes_per_block
+        return tuple((block_id, row) for block_id, _, row in kept)
+
+    def take_load_rows(self, loads: Sequence[tuple[bytes, int]]) -> tuple[tuple[int, int], ...]:
+        """The rows of a plan's loads ((key, block_id) -> (row, block_id) pairs for the runner to copy), counting
+        the hits; the blocks are unpinned now (safe before their copy: module docstring). Call it after the same
+        plan's ``reserve_offload_rows``, whose reservations must not take these rows."""
+        with self._lock:
+            moves = tuple((self.host.row(key), block_id) for key, block_id in loads)
+            for key, _ in loads:
+                self._count_hit(key)
+                self.host.unpin(key)
+            self.counters.blocks_loaded += len(loads)
+            self.counters.bytes_loaded += len(loads) * self.format.bytes_per_block
+        return moves
+
+    def _count_hit(self, key: bytes) -> None:
+        """A block loaded: its tokens (group 0's) are a hit on the tier it came from; its file is used again."""
+        from_disk = key in self.host.from_disk
+        self.host.from_disk.discard(key)
+        num_tokens = 0 if key in self.host.other_groups else self.format.block_size
+        if from_disk:
+            self.counters.disk_hit_tokens += num_tokens
+        else:
+            self.counters.host_hit_tokens += num_tokens
+        if self.disk is not None:
+            self.disk.touch(key)
+
+    def start_disk_writes(self) -> None:
+        """Queue the disk writes of the offloads reserved so far. The caller has applied every plan taken: their
+        rows hold the blocks now, so the writer thread may read them."""
+        with self._lock:
+            writes, self._unsent_writes = self._unsent_writes, []
         for block, row in writes:
             assert self._writer is not None
             self._writer.submit(self._write, block, row)
-        c = self.counters
-        c.blocks_dropped += len(blocks) - len(kept)
-        c.blocks_offloaded += len(kept)
-        c.bytes_offloaded += len(kept) * self.format.bytes_per_block
-        c.offload_seconds += time.perf_counter() - start
-
-    def load(self, kv: KVCacheStorage, loads: Sequence[tuple[bytes, int]]) -> None:
-        """Copy pinned host blocks into their device blocks ((key, block_id) pairs), then unpin them."""
-        start = time.perf_counter()
-        with self._lock:
-            rows = [self.host.row(key) for key, _ in loads]
-            for key, _ in loads:
-                from_disk = key in self.host.from_disk
-                self.host.from_disk.discard(key)
-                num_tokens = 0 if key in self.host.other_groups else self.format.block_size
-                if from_disk:
-                    self.counters.disk_hit_tokens += num_tokens
-                else:
-                    self.counters.host_hit_tokens += num_tokens
-                if self.disk is not None:
-                    self.disk.touch(key)
-        kv.write_blocks([block_id for _, block_id in loads], self.host.slab, rows)
-        with self._lock:
-            for key, _ in loads:
-                self.host.unpin(key)
-        c = self.counters
-        c.blocks_loaded += len(loads)
-        c.bytes_loaded += len(loads) * self.format.bytes_per_block
-        c.load_seconds += time.perf_counter() - start
-
-    def swap_out(self, kv: KVCacheStorage, moves: Sequence[tuple[int, int]]) -> None:
-        """Copy device blocks into the held host rows of a swapped-out request ((block_id, row) pairs)."""
-        start = time.perf_counter()
-        kv.read_blocks([block_id for block_id, _ in moves], self.host.slab, [row for _, row in moves])
-        self.counters.swap_seconds += time.perf_counter() - start
-
-    def swap_in(self, kv: KVCacheStorage, moves: Sequence[tuple[int, int]]) -> None:
-        """Copy held host rows back into device blocks ((row, block_id) pairs) of a resumed request."""
-        start = time.perf_counter()
-        kv.write_blocks([block_id for _, block_id in moves], self.host.slab, [row for row, _ in moves])
-        self.counters.swap_seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------------------------------ the I/O threads
 
@@ -344,9 +357,10 @@ class TieredStore:
     # -------------------------------------------------------------------------------------------- the rest
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every queued disk write and read is done (shutdown, tests)."""
+        """Block until every disk write queued by ``start_disk_writes`` and every read is done (shutdown, tests)."""
         with self._io_done:
-            self._io_done.wait_for(lambda: not self._writing and not self._reading, timeout)
+            self._io_done.wait_for(lambda: len(self._writing) == len(self._unsent_writes) and not self._reading,
+                                   timeout)
 
     def close(self, timeout: float = CLOSE_SECONDS) -> None:
         """Finish queued I/O and stop the I/O threads, waiting at most ``timeout`` seconds for each: one stuck
@@ -376,12 +390,8 @@ class TieredStore:
             "kv_offload_disk_hit_tokens": c.disk_hit_tokens,
             "kv_offload_blocks_offloaded": c.blocks_offloaded,
             "kv_offload_offloaded_bytes": c.bytes_offloaded,
-            "kv_offload_seconds": c.offload_seconds,
-            "kv_offload_bandwidth_gbps": _gbps(c.bytes_offloaded, c.offload_seconds),
             "kv_offload_blocks_loaded": c.blocks_loaded,
             "kv_offload_loaded_bytes": c.bytes_loaded,
-            "kv_reload_seconds": c.load_seconds,
-            "kv_reload_bandwidth_gbps": _gbps(c.bytes_loaded, c.load_seconds),
             "kv_offload_blocks_dropped": c.blocks_dropped,
             "kv_offload_disk_writes": c.disk_writes,
             "kv_offload_disk_write_errors": c.disk_write_errors,
@@ -389,7 +399,6 @@ class TieredStore:
             "kv_offload_disk_read_bandwidth_gbps": _gbps(c.disk_reads * bytes_per_block, c.disk_read_seconds),
             "kv_offload_disk_reads_skipped": c.disk_reads_skipped,
             "kv_offload_corrupt_blocks": c.corrupt_blocks,
-            "kv_swap_seconds": c.swap_seconds,
         }
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvserve.kv.block_keys import KeyedBlock
 from kvserve.outputs import FinishReason, TokenLogprobs
 from kvserve.sampling_params import SamplingParams
 
@@ -77,20 +76,24 @@ class ScheduledRequest(NamedTuple):
 class KVTransferPlan:
     """Block moves to apply before the forward pass, in this order:
 
-    1. ``offloads`` copy (block_id, its content) from the device pool to the KV tiers: blocks evicted since
-       the last step, which a copy, a load or this step's tokens may overwrite;
+    1. ``offloads`` copy (block_id, host row) from the device pool to the KV tiers' host slab: blocks evicted
+       (or computed, to be written to the disk) since the last step, which a copy, a load or this step's tokens
+       may overwrite;
     2. ``copies`` are (src_block, dst_block) pairs, e.g. the copy-on-write of a partly filled block when a
        request forks into n samples;
     3. ``swap_outs`` copy (block_id, host row) the KV of requests preempted by swap, after ``copies`` (a sample
        swapped out the step after its fork reads its copied block) and before anything that writes blocks
        they freed: loads, swap-ins, this step's tokens. (A copy never targets such a block: copies are
        planned by forks, which take blocks before this step's preemptions or in steps that preempt none.)
-    4. ``loads`` copy (content key, block_id) from the host tier into fresh blocks (a prefix hit on an
-       offloaded block), and ``swap_ins`` (host row, block_id) a resumed request's swapped-out KV."""
+    4. ``loads`` copy (host row, block_id) from the host tier into fresh blocks (a prefix hit on an
+       offloaded block), and ``swap_ins`` (host row, block_id) a resumed request's swapped-out KV.
+
+    Rows, not content keys: the KV manager picked them when it planned (``kv/tiers.py``), so the runner only
+    copies bytes between its KV tensors and the host slab."""
 
     copies: tuple[tuple[int, int], ...] = ()
-    offloads: tuple[tuple[int, KeyedBlock], ...] = ()
-    loads: tuple[tuple[bytes, int], ...] = ()
+    offloads: tuple[tuple[int, int], ...] = ()
+    loads: tuple[tuple[int, int], ...] = ()
     swap_outs: tuple[tuple[int, int], ...] = ()
     swap_ins: tuple[tuple[int, int], ...] = ()
 

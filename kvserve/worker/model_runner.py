@@ -17,7 +17,6 @@ from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.kv.block_keys import model_identity
-from kvserve.kv.tiers import TieredStore
 from kvserve.model.deferred_layout import DeferredLayouts
 from kvserve.model.layers.ggml_qdot import QDotGemm
 from kvserve.model.loader import Checkpoint
@@ -33,6 +32,7 @@ from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.heap import keep_large_blocks
 from kvserve.worker.step_graphs import StepGraphs, captures_cuda_graphs, step_graphs_for
 from kvserve.worker.input_batch import InFlightTokens, InputBatch, PersistentBatch
+from kvserve.worker.kv_transfers import HostCopies
 from kvserve.worker.peers import StepPeers
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class ModelRunner:
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(options.seed, default_processors(self.grammar))
         self.kv: KVCacheStorage | None = None
-        self.kv_tiers: TieredStore | None = None
+        self.host_copies: HostCopies | None = None  # with KV tiers: copies to and from their host slab
         self.batch: PersistentBatch | None = None
         self.kv_groups = KVCacheGroups.single(self.model.num_layers)
         self._group_windows = [self.model.sliding_windows()]
@@ -181,11 +181,12 @@ class ModelRunner:
         return model_identity(itertools.chain(self.model.named_parameters(), self.model.named_buffers()), extra,
                               self.model.config.to_dict())
 
-    def init_kv_cache(self, num_blocks: int, max_model_len: int, tiers: TieredStore | None = None,
+    def init_kv_cache(self, num_blocks: int, max_model_len: int, host_slab: torch.Tensor | None = None,
                       max_num_seqs: int = 0) -> None:
         """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``);
-        ``tiers`` holds blocks offloaded from them. Rank 0's has the workers allocate theirs. On CUDA, decode
-        steps of up to ``max_num_seqs`` sequences are captured as CUDA graphs (0: none)."""
+        ``host_slab`` holds the KV tiers' host rows, which the steps' transfers copy blocks into and out of. Rank
+        0's has the workers allocate theirs. On CUDA, decode steps of up to ``max_num_seqs`` sequences are
+        captured as CUDA graphs (0: none)."""
         self.peers.init_kv_cache(num_blocks, max_model_len, self.kv_groups)
         if self.tp.size > 1:
             max_num_seqs = 0  # no graphs under tensor parallelism (below)
@@ -195,7 +196,7 @@ class ModelRunner:
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device, scratch_block=cuda_graphs)
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = PersistentBatch(max_blocks, self.block_size, self.device, num_groups=self.kv_groups.num_groups)
-        self.kv_tiers = tiers
+        self.host_copies = HostCopies(host_slab) if host_slab is not None else None
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks, max_blocks)
         self.graphs = None
@@ -303,11 +304,9 @@ class ModelRunner:
                 self.sampler.fork(new.forked_from, new.request_id)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any, the dense layouts still under way and the KV tiers' I/O."""
+        """Stop the tensor-parallel workers, if any, and the dense layouts still under way."""
         if self.layouts is not None:
             self.layouts.stop()
-        if self.kv_tiers is not None:
-            self.kv_tiers.close()
         self.peers.close()
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
@@ -335,20 +334,20 @@ class ModelRunner:
         """Apply a step's block moves in the plan's order (``KVTransferPlan``): offloads (they save blocks this
         step may overwrite), fork copies, swap-outs, then tier loads and swap-ins."""
         assert self.kv is not None
-        tiers = self.kv_tiers
-        assert tiers is not None or not (plan.offloads or plan.loads or plan.swap_outs or plan.swap_ins), \
+        host = self.host_copies
+        assert host is not None or not (plan.offloads or plan.loads or plan.swap_outs or plan.swap_ins), \
             "a tier transfer but no KV tiers"
         if plan.offloads:
-            tiers.offload(self.kv, plan.offloads)
+            host.offload(self.kv, plan.offloads)
         self.kv.copy_blocks(plan.copies)
         if self.draft is not None:
             self.draft.copy_blocks(plan.copies)
         if plan.swap_outs:
-            tiers.swap_out(self.kv, plan.swap_outs)
+            host.swap_out(self.kv, plan.swap_outs)
         if plan.loads:
-            tiers.load(self.kv, plan.loads)
+            host.load(self.kv, plan.loads)
         if plan.swap_ins:
-            tiers.swap_in(self.kv, plan.swap_ins)
+            host.swap_in(self.kv, plan.swap_ins)
 
     def _sample(self, batch: InputBatch, hidden: torch.Tensor) -> Callable[[], ModelOutput]:
         """Queue the sampling; the call returned gives the tokens each sampling request appends: one, or a

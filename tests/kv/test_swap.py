@@ -6,7 +6,8 @@ from __future__ import annotations
 from kvserve.kv.block_keys import KeyedBlock, block_key
 from kvserve.kv.swap import SwapSpace
 from kvserve.kv.tiers import Tier
-from tests.sched.sched_fakes import FakeKVBytes, fake_tiers
+from kvserve.worker.kv_transfers import HostCopies
+from tests.sched.sched_fakes import FakeKVBytes, fake_tiers, load_now
 
 
 def _kv() -> FakeKVBytes:
@@ -15,16 +16,16 @@ def _kv() -> FakeKVBytes:
 
 def test_a_row_goes_back_only_at_the_plan_after_its_last_copy() -> None:
     store, kv = fake_tiers(4, host_blocks=3), _kv()
-    swap = SwapSpace(store)
+    swap, host = SwapSpace(store), HostCopies(store.host_slab)
     assert swap.swap_out("r", [2, 3], num_tokens=7)
     outs, _ = swap.take_transfers()
-    store.swap_out(kv, outs)
+    host.swap_out(kv, outs)
     kv.kv[2], kv.kv[3] = [None] * 4, [None] * 4  # the freed blocks are reused
     swap.swap_in("r", [0, 1])
     _, ins = swap.take_transfers()
     swap.check_integrity([])
     assert store.hold_rows(2) is None, "the swap-in's rows were given back before its copy"
-    store.swap_in(kv, ins)
+    host.swap_in(kv, ins)
     assert kv.kv[0] == [20, 21, 22, 23] and kv.kv[1] == [30, 31, 32, 33]
     swap.take_transfers()
     swap.check_integrity([])
@@ -44,18 +45,19 @@ def test_rows_of_a_request_aborted_before_its_swap_out_copy_are_not_lent_to_that
     """Aborted between ``schedule`` and ``execute``: the plan still copies its KV into the rows. An offload in
     the same plan (a cached block evicted that step) must not get those rows and be overwritten."""
     store, kv = fake_tiers(4, host_blocks=1), _kv()
-    swap = SwapSpace(store)
+    swap, host = SwapSpace(store), HostCopies(store.host_slab)
     assert swap.swap_out("r", [1], num_tokens=4)
-    outs, _ = swap.take_transfers()
-    swap.drop("r")
     tokens = (0, 1, 2, 3)
     evicted = KeyedBlock(block_key(store.root_key, tokens), store.root_key, tokens)
-    store.offload(kv, [(0, evicted)])  # the runner applies the plan: offloads, then the swap-out
-    store.swap_out(kv, outs)
+    outs, _ = swap.take_transfers()  # the plan taken as the KV manager takes it: swap rows, then offload rows
+    offloads = store.reserve_offload_rows([(0, evicted)])
+    swap.drop("r")
+    host.offload(kv, offloads)  # the runner applies the plan: offloads, then the swap-out
+    host.swap_out(kv, outs)
     swap.take_transfers()
     swap.check_integrity([])
     if store.locate(evicted.key) is Tier.HOST:
         assert store.pin([evicted.key])
-        store.load(kv, [(evicted.key, 2)])
+        load_now(store, kv, [(evicted.key, 2)])
         assert kv.kv[2] == [0, 1, 2, 3], "a cached block in the host tier holds another request's KV"
     assert len(store.host._free) + store.host.num_blocks == 1

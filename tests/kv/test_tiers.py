@@ -20,6 +20,8 @@ from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.kv.disk_tier import BlockFormat
 from kvserve.kv.host_tier import HostTier
 from kvserve.kv.tiers import Tier, TieredStore
+from kvserve.worker.kv_transfers import HostCopies
+from tests.sched.sched_fakes import load_now, offload_now
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 NUM_BLOCKS = 8
@@ -61,7 +63,7 @@ def _block_bytes(kv: KVCacheStorage, block_id: int) -> bytes:
 
 def _load(store: TieredStore, kv: KVCacheStorage, pairs: list[tuple[bytes, int]]) -> None:
     assert store.pin([key for key, _ in pairs])
-    store.load(kv, pairs)
+    load_now(store, kv, pairs)
 
 
 def test_host_tier_evicts_the_least_recently_used_unpinned_block() -> None:
@@ -84,7 +86,7 @@ def test_offload_then_load_through_the_host_tier_is_bit_exact() -> None:
     store, source, target = _store(), _storage(0), _storage(1)
     blocks = _chain(store, 3)
     assert all(store.wants_offload(b.key, evicted=True) for b in blocks)
-    store.offload(source, [(5, blocks[0]), (2, blocks[1]), (7, blocks[2])])
+    offload_now(store, source, [(5, blocks[0]), (2, blocks[1]), (7, blocks[2])])
     assert [store.locate(b.key) for b in blocks] == [Tier.HOST] * 3
     assert not store.wants_offload(blocks[0].key, evicted=True)  # held already
     _load(store, target, [(blocks[0].key, 0), (blocks[2].key, 1)])
@@ -98,15 +100,45 @@ def test_offload_then_load_through_the_host_tier_is_bit_exact() -> None:
 def test_pin_fails_for_a_block_that_left_the_host_tier() -> None:
     store, kv = _store(host_blocks=1), _storage()
     first, second = _chain(store, 2)
-    store.offload(kv, [(0, first)])
-    store.offload(kv, [(1, second)])  # the one host row now holds the second block
+    offload_now(store, kv, [(0, first)])
+    offload_now(store, kv, [(1, second)])  # the one host row now holds the second block
     assert not store.pin([first.key, second.key])
     assert store.pin([second.key])
 
 
+def test_a_plans_offloads_never_take_the_row_one_of_its_loads_reads() -> None:
+    """Rows are picked as a plan is taken, the offloads' first, while its loads' blocks are still pinned: the
+    runner copies offloads first, and one into a load's row would overwrite the block before it loads."""
+    store, source, target = _store(host_blocks=1), _storage(0), _storage(1)
+    loaded, evicted = _chain(store, 2)
+    offload_now(store, source, [(5, loaded)])
+    assert store.pin([loaded.key])  # a load planned
+    assert store.reserve_offload_rows([(6, evicted)]) == ()  # the one row is the load's: dropped
+    HostCopies(store.host_slab).load(target, store.take_load_rows([(loaded.key, 0)]))
+    assert _block_bytes(target, 0) == _block_bytes(source, 5)
+    assert store.stats()["kv_offload_blocks_dropped"] == 1 and store.locate(loaded.key) is Tier.HOST
+
+
+def test_a_blocks_disk_write_waits_for_its_copy_into_the_host_row(tmp_path: Path) -> None:
+    """The writer thread reads an offload's host row, so its write is queued only once the runner has copied the
+    block there (``start_disk_writes``); until then the row stays pinned, so no reservation takes it."""
+    store, kv = _store(host_blocks=1, disk_dir=tmp_path), _storage()
+    block = _chain(store, 1)[0]
+    offloads = store.reserve_offload_rows([(3, block)])
+    store.flush()  # waits for no write not yet queued
+    assert not os.path.exists(store.disk.path(block.key)) and store.host.reserve() is None
+    HostCopies(store.host_slab).offload(kv, offloads)
+    store.start_disk_writes()
+    store.flush()
+    restarted, target = _store(disk_dir=tmp_path), _storage(1)
+    assert _prefetched(restarted, [block]) == [Tier.HOST]
+    _load(restarted, target, [(block.key, 0)])
+    assert _block_bytes(target, 0) == _block_bytes(kv, 3)
+
+
 def _write_through(store: TieredStore, kv: KVCacheStorage, blocks: list[KeyedBlock]) -> None:
     assert all(store.wants_offload(b.key, evicted=False) for b in blocks)
-    store.offload(kv, list(enumerate(blocks)))
+    offload_now(store, kv, list(enumerate(blocks)))
     store.flush()
 
 
@@ -179,7 +211,7 @@ def test_a_full_disk_stops_writing_with_one_warning(tmp_path: Path, monkeypatch,
     store, kv = _store(disk_dir=tmp_path), _storage()
     blocks = _chain(store, 3)
     with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
-        store.offload(kv, list(enumerate(blocks)))
+        offload_now(store, kv, list(enumerate(blocks)))
         store.flush()
     assert caplog.text.count("no more blocks are written there") == 1
     assert "not written" not in caplog.text  # the writes queued behind the first failed alike: said once
@@ -199,7 +231,7 @@ def test_a_directory_replaced_by_a_file_stops_writing_with_one_warning(tmp_path:
     shutil.rmtree(directory)
     directory.write_text("not a directory")
     with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
-        store.offload(kv, [(i + 2, b) for i, b in enumerate(blocks[2:])])
+        offload_now(store, kv, [(i + 2, b) for i, b in enumerate(blocks[2:])])
         store.flush()
     assert caplog.text.count("no more blocks are written there") == 1 and "not written" not in caplog.text
     stats = store.stats()
@@ -243,7 +275,7 @@ def test_an_unusable_directory_leaves_the_host_tier_working(tmp_path: Path, capl
     kv = _storage()
     block = _chain(store, 1)[0]
     assert store.wants_offload(block.key, evicted=True) and not store.wants_offload(block.key, evicted=False)
-    store.offload(kv, [(0, block)])
+    offload_now(store, kv, [(0, block)])
     assert store.locate(block.key) is Tier.HOST
 
 

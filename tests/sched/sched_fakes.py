@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from kvserve.config import SchedulerConfig, SpeculativeConfig
+from kvserve.kv.block_keys import KeyedBlock
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.disk_tier import BlockFormat
+from kvserve.kv.storage import KVCacheStorage
 from kvserve.kv.tiers import TieredStore
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
 from kvserve.sampling_params import SamplingParams
@@ -33,6 +35,7 @@ from kvserve.sched.output import (
 )
 from kvserve.sched.scheduler import Scheduler
 from kvserve.spec.policy import SpeculationPolicy
+from kvserve.worker.kv_transfers import HostCopies
 
 EOS = 2
 FIRST_ORDINARY_TOKEN = 10  # ids below this are reserved for EOS / stop-token tests
@@ -114,24 +117,41 @@ class TransferCounts:
 
 def apply_kv_transfers(kv: list[list[int | None]], tiers: TieredStore | None, transfers: KVTransferPlan,
                        counts: TransferCounts) -> None:
-    """A plan's moves over a fake cache, in the real runner's order: offloads, copies, swap-outs, loads, swap-ins."""
+    """A plan's moves over a fake cache, as the real runner applies them (``HostCopies`` over the tiers' host slab,
+    in its order: offloads, copies, swap-outs, loads, swap-ins); then the disk writes start, as the engine starts
+    them once a step ran."""
     if transfers.offloads or transfers.loads or transfers.swap_outs or transfers.swap_ins:
         assert tiers is not None, "a tier transfer without tiers"
     blocks = FakeKVBytes(kv)
+    host = HostCopies(tiers.host_slab) if tiers is not None else None
     if transfers.offloads:
-        tiers.offload(blocks, transfers.offloads)
+        host.offload(blocks, transfers.offloads)
     for src, dst in transfers.copies:
         kv[dst] = list(kv[src])
     counts.num_copies += len(transfers.copies)
     if transfers.swap_outs:
-        tiers.swap_out(blocks, transfers.swap_outs)
+        host.swap_out(blocks, transfers.swap_outs)
     counts.num_swapped_out += len(transfers.swap_outs)
     if transfers.loads:
-        tiers.load(blocks, transfers.loads)
+        host.load(blocks, transfers.loads)
     counts.num_loads += len(transfers.loads)
     if transfers.swap_ins:
-        tiers.swap_in(blocks, transfers.swap_ins)
+        host.swap_in(blocks, transfers.swap_ins)
     counts.num_swapped_in += len(transfers.swap_ins)
+    if tiers is not None:
+        tiers.start_disk_writes()
+
+
+def offload_now(tiers: TieredStore, kv: KVCacheStorage | FakeKVBytes, blocks: Sequence[tuple[int, KeyedBlock]]) -> None:
+    """Offload ``blocks`` ((block_id, content)) as one plan taken, applied by the runner, and its disk writes
+    started."""
+    HostCopies(tiers.host_slab).offload(kv, tiers.reserve_offload_rows(blocks))
+    tiers.start_disk_writes()
+
+
+def load_now(tiers: TieredStore, kv: KVCacheStorage | FakeKVBytes, loads: Sequence[tuple[bytes, int]]) -> None:
+    """Load pinned host blocks ((content key, block_id)) as one plan taken and applied by the runner."""
+    HostCopies(tiers.host_slab).load(kv, tiers.take_load_rows(loads))
 
 
 class FakeRunner:

@@ -19,6 +19,7 @@ from tests.sched.sched_fakes import (
     fake_tiers,
     make_request,
     make_scheduler,
+    offload_now,
     run_to_completion,
     step,
     tokens_of,
@@ -140,7 +141,7 @@ def test_a_host_tier_with_no_room_falls_back_to_recompute_counted() -> None:
 def test_pinned_host_rows_are_not_taken_by_a_swap_out() -> None:
     scheduler, runner, tiers = _swapping(host_blocks=4, max_num_seqs=2)
     cached = [KeyedBlock(block_key(tiers.root_key, (i,) * 4), tiers.root_key, (i,) * 4) for i in range(2)]
-    tiers.offload(FakeKVBytes(runner.kv), list(enumerate(cached)))
+    offload_now(tiers, FakeKVBytes(runner.kv), list(enumerate(cached)))
     assert tiers.pin([block.key for block in cached])  # as for loads planned: 2 of the 4 rows are pinned
     scheduler.add_request(make_request("old", 6, max_tokens=12))
     scheduler.add_request(make_request("new", 4, max_tokens=12))
