@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 from prometheus_client.metrics_core import Metric
 
 from kvserve.router.policy import Decision
@@ -19,6 +19,7 @@ class RouterMetrics:
     (mirroring ``Replica.healthy``, which ``health.HealthChecker`` sets) and the replicas' own pages."""
 
     def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series, as on the server's own page (server/metrics.py)
         self.registry = CollectorRegistry()
         self.requests = Counter("kvserve_router:requests", "Requests sent to each replica.", ["replica"],
                                 registry=self.registry)
