@@ -7,8 +7,8 @@ if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # -h / --help: the header above
   awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0
 fi
 set -uo pipefail
-cd "$(git rev-parse --show-toplevel)"
-PORT=18820
+cd "$(dirname "$0")/.."
+PORT=${PORT:-18820}
 source benchmarks/wait_healthy.sh
 OUT=${OUT:-kv-int8-served}; mkdir -p $OUT
 for load in ${LOADS:-random long}; do
