@@ -14,17 +14,14 @@ and each group's block of the same tokens has a key of its own, chained from gro
 H is BLAKE2b with a 16-byte digest, never Python's ``hash`` (salted per process), so a block written by one
 server is found under the same key by a restarted one or by a second server on the same directory, and
 blocks of another model, KV dtype or block size live under other keys altogether. The model identity is
-``model_identity``'s fingerprint of the loaded model.
+``model/identity.py``'s fingerprint of the loaded model.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import struct
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
-
-import torch
+from typing import NamedTuple, Sequence
 
 KEY_BYTES = 16
 _NAMESPACE = b"kvserve-kv-block/1"
@@ -59,33 +56,3 @@ class KeyedBlock(NamedTuple):
     parent_key: bytes
     token_ids: tuple[int, ...]
     group: int = 0
-
-
-_BUILD_KEYS = ("transformers_version",)  # which library wrote the configuration: not the model
-
-
-def model_identity(named_tensors: Iterable[tuple[str, torch.Tensor]], extra: str, config: Mapping[str, Any]) -> str:
-    """A fingerprint of a loaded model that a block written for another model cannot share: its configuration
-    (``config``, the model's own: rope, norms and windows shape its KV as much as the weights do; keys that start
-    with ``_`` name where it was loaded from, and are left out), every tensor's name, shape, dtype, first and last
-    bytes and the sum of its words, and ``extra`` (the device, dtypes, weight format). The words are summed as
-    integers (wrapping), so the sum does not depend on the thread count that computes it: two processes agree."""
-    settings = {key: value for key, value in config.items() if not key.startswith("_") and key not in _BUILD_KEYS}
-    digest = hashlib.blake2b(extra.encode(), digest_size=16)
-    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
-        flat = tensor.detach().reshape(-1)
-        ends = torch.cat([flat[:32], flat[-32:]]).cpu().contiguous()
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{_word_sum(flat)}|".encode())
-        digest.update(ends.view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _word_sum(flat: torch.Tensor) -> int:
-    """The sum of a tensor's bytes read as int64 words (int32 words, or bytes, where its size or its offset in
-    its storage is no multiple of 8)."""
-    data = flat.contiguous().view(torch.uint8)
-    for word in (torch.int64, torch.int32):
-        if data.numel() % word.itemsize == 0 and data.storage_offset() % word.itemsize == 0:
-            return int(data.view(word).sum(dtype=torch.int64))
-    return int(data.sum(dtype=torch.int64))

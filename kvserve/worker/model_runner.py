@@ -16,8 +16,8 @@ from kvserve.attention.selector import select_backend
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
-from kvserve.kv.block_keys import model_identity
 from kvserve.model.deferred_layout import DeferredLayouts
+from kvserve.model.identity import model_identity
 from kvserve.model.layers.ggml_qdot import QDotGemm
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvserve.kv import disk_tier
-from kvserve.kv.block_keys import KeyedBlock, block_key, model_identity
+from kvserve.kv.block_keys import KeyedBlock, block_key
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.kv.disk_tier import BlockFormat
 from kvserve.kv.host_tier import HostTier
@@ -350,37 +350,6 @@ def test_an_io_call_that_raises_is_logged_and_the_thread_goes_on(caplog) -> None
         thread.submit(done.set)
         assert done.wait(5) and thread.close(5)
     assert "an I/O call failed" in caplog.text
-
-
-def _identity(tensors: dict[str, torch.Tensor], config: dict | None = None) -> str:
-    return model_identity(tensors.items(), "cpu|float32", config or {"rope_theta": 10000.0})
-
-
-def test_the_model_identity_tells_a_changed_configuration_or_weight_apart() -> None:
-    """Blocks written for one model are never another's: a configuration that shapes the KV (rope here) or a weight
-    changed away from its ends gives another identity; where the configuration was loaded from does not."""
-    weights = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3)}
-    base = _identity(weights)
-    assert _identity(weights, {"rope_theta": 500.0}) != base
-    assert _identity(weights, {"rope_theta": 10000.0, "_name_or_path": "/elsewhere",
-                               "transformers_version": "9.9"}) == base
-    edited = dict(weights, w=weights["w"].clone())
-    edited["w"][500] += 1  # not among the first or last 32 values
-    assert _identity(edited) != base
-    odd = {"w": torch.arange(7, dtype=torch.uint8)[1:]}  # 6 bytes at offset 1: summed byte by byte
-    assert _identity(odd) == _identity({"w": odd["w"].clone()})
-
-
-def test_the_model_identity_does_not_depend_on_the_thread_count() -> None:
-    weights = {"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))}
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _identity(weights)
-        torch.set_num_threads(2)
-        assert _identity(weights) == one
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_a_store_restarted_with_a_smaller_disk_budget_keeps_within_it(tmp_path: Path) -> None:

@@ -1,0 +1,43 @@
+"""A fingerprint of a loaded model, the model identity that KV blocks' content keys chain from (``kv/block_keys.py``):
+a block written for one model is never found under another's keys, on this server, a restarted one or another
+sharing its disk tier.
+
+Apart from the keys because it reads the weights (torch), which the scheduler's side of the KV store does without.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Iterable, Mapping
+
+import torch
+
+_BUILD_KEYS = ("transformers_version",)  # which library wrote the configuration: not the model
+
+
+def model_identity(named_tensors: Iterable[tuple[str, torch.Tensor]], extra: str, config: Mapping[str, Any]) -> str:
+    """A fingerprint of a loaded model that a block written for another model cannot share: its configuration
+    (``config``, the model's own: rope, norms and windows shape its KV as much as the weights do; keys that start
+    with ``_`` name where it was loaded from, and are left out), every tensor's name, shape, dtype, first and last
+    bytes and the sum of its words, and ``extra`` (the device, dtypes, weight format). The words are summed as
+    integers (wrapping), so the sum does not depend on the thread count that computes it: two processes agree."""
+    settings = {key: value for key, value in config.items() if not key.startswith("_") and key not in _BUILD_KEYS}
+    digest = hashlib.blake2b(extra.encode(), digest_size=16)
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
+        flat = tensor.detach().reshape(-1)
+        ends = torch.cat([flat[:32], flat[-32:]]).cpu().contiguous()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{_word_sum(flat)}|".encode())
+        digest.update(ends.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _word_sum(flat: torch.Tensor) -> int:
+    """The sum of a tensor's bytes read as int64 words (int32 words, or bytes, where its size or its offset in
+    its storage is no multiple of 8)."""
+    data = flat.contiguous().view(torch.uint8)
+    for word in (torch.int64, torch.int32):
+        if data.numel() % word.itemsize == 0 and data.storage_offset() % word.itemsize == 0:
+            return int(data.view(word).sum(dtype=torch.int64))
+    return int(data.sum(dtype=torch.int64))
