@@ -158,17 +158,19 @@ def _memory_gib() -> float | None:
     return round(kib / 2**20, 1)
 
 
-def _git_state() -> dict[str, Any]:
-    """The commit of the kvserve checkout and whether it has uncommitted changes (None outside a checkout)."""
+def _git_state(package_dir: Path = Path(__file__).resolve().parents[1]) -> dict[str, Any]:
+    """The commit of the kvserve checkout and whether it has uncommitted changes: None outside a checkout, and
+    for a package installed inside some other repository (a project's own .venv), whose commit is not kvserve's."""
     def git(*command: str) -> str | None:
         try:
-            out = subprocess.run(["git", *command], capture_output=True, text=True, timeout=10,
-                                 cwd=Path(__file__).resolve().parent)
+            out = subprocess.run(["git", *command], capture_output=True, text=True, timeout=10, cwd=package_dir)
         except (OSError, subprocess.TimeoutExpired):
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
-    commit = git("rev-parse", "HEAD")
+    top = git("rev-parse", "--show-toplevel")
+    is_checkout = top is not None and Path(top).resolve() == package_dir.parent
+    commit = git("rev-parse", "HEAD") if is_checkout else None
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from kvserve.bench.report import check_output_path, compare_table, format_sweep, write_result_json
+import kvserve
+from kvserve.bench.report import _git_state, check_output_path, compare_table, format_sweep, write_result_json
 from kvserve.cli import main
+
+IS_CHECKOUT = (Path(kvserve.__file__).resolve().parents[1] / ".git").exists()  # else an installed wheel
 
 
 def write(path: Path, document: dict) -> Path:
@@ -26,8 +30,24 @@ def test_result_json_holds_config_machine_versions_and_commit(tmp_path: Path) ->
     assert document["config"] == {"dataset_name": "random", "dataset_path": "/data/x.json"}
     assert document["label"] == "a" and document["machine"]["num_cpus"] >= 1 and document["machine"]["cpu"]
     versions = document["versions"]
-    assert versions["kvserve"] and versions["torch"] and len(versions["git_commit"]) == 40
-    assert isinstance(versions["git_dirty"], bool)
+    assert versions["kvserve"] and versions["torch"]
+    if IS_CHECKOUT:  # an installed wheel has no commit to name
+        assert len(versions["git_commit"]) == 40 and isinstance(versions["git_dirty"], bool)
+    else:
+        assert versions["git_commit"] is None and versions["git_dirty"] is None
+
+
+def test_a_package_installed_inside_another_repository_names_no_commit(tmp_path: Path) -> None:
+    """A wheel installed into a project's own .venv sits inside the project's repository: its commit is not
+    kvserve's."""
+    package = tmp_path / ".venv" / "site-packages" / "kvserve"
+    package.mkdir(parents=True)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "a project"], check=True)
+    assert _git_state(package) == {"git_commit": None, "git_dirty": None}
+    (tmp_path / "kvserve").mkdir()
+    assert len(_git_state(tmp_path / "kvserve")["git_commit"]) == 40  # a checkout: the package at its top
 
 
 def test_result_json_never_holds_the_api_key(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable
 import pytest
 
 from kvserve.bench.datasets import SampleRequest, add_dataset_arguments, build_dataset
+from kvserve.bench.report import versions
 from kvserve.bench.serve import (CHAT, COMPLETIONS, Target, arrival_delays, length_fields, parse_request_rates,
                                  run_requests, sessions, token_counter, with_answers)
 from kvserve.bench.throughput import tokenized
@@ -61,7 +62,7 @@ def test_runs_against_kvserve_complete_and_compare_reads_them(
         assert list(by_turn) == ["0", "1", "2"] and by_turn["0"] < by_turn["1"] < by_turn["2"]
     assert multiturn["config"]["dataset_name"] == "multiturn" and multiturn["versions"]["kvserve"]
     assert len(list((tmp_path / "plots").glob("*.png"))) == 5  # three distributions and two against rate
-    assert multiturn["versions"]["git_commit"] and multiturn["machine"]["num_cpus"]
+    assert multiturn["versions"] == versions() and multiturn["machine"]["num_cpus"]
     assert "--tokenizer" in multiturn["config"]["argv"]
 
     assert main(["bench", "compare", *map(str, paths.values())]) == 0

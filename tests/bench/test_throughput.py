@@ -16,7 +16,7 @@ from tokenizers.processors import TemplateProcessing
 from kvserve import LLM
 from kvserve.bench import hf_backend, throughput
 from kvserve.bench.datasets import SampleRequest, add_dataset_arguments, build_dataset, ordinary_token_ids
-from kvserve.bench.report import compare_table
+from kvserve.bench.report import compare_table, versions
 from kvserve.cli import main
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.model.loader import load_checkpoint
@@ -51,7 +51,7 @@ def test_every_system_counts_exactly_the_workloads_tokens_and_compare_reads_the_
     stats = result["systems"]["kvserve"]["details"]["stats"]
     assert stats["num_preemptions"] == 0 and stats["peak_num_blocks_used"] > 0 and stats["prefix_caching"]
     assert stats["prefix_cache_queries"] == num_prompt  # the run's prompts looked up, the warm-up's left out
-    assert result["config"]["hf_batch_size"] == 3 and result["versions"]["git_commit"]
+    assert result["config"]["hf_batch_size"] == 3 and result["versions"] == versions()
     table = capsys.readouterr().out
     assert all(name in table for name in SYSTEMS) and "row over column" in table
     assert "total tok/s" in compare_table([result_json, result_json])
