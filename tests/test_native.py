@@ -13,6 +13,7 @@ import torch
 
 from kvserve import native
 from kvserve.attention.cpu_paged import DECODE_SOURCE as KERNEL_SOURCE
+from kvserve.model.layers.cpu_fused_ops import FUSED_OPS_SOURCE
 from kvserve.native import KernelBuildError
 
 
@@ -43,10 +44,13 @@ def test_kernel_shares_torchs_openmp_runtime() -> None:
 
 def test_a_change_to_any_included_header_rebuilds(cache_dir: Path, tmp_path: Path) -> None:
     """The build key covers what a source includes in quotes, also from another folder and through another
-    header (the attention kernels include kv/csrc/int4_groups.h through kv_vectors.h)."""
-    kv_headers = KERNEL_SOURCE.parents[2] / "kv" / "csrc"
+    header (the attention kernels include kv/csrc/int4_groups.h and csrc/vec_exp.h through kv_vectors.h)."""
+    package = KERNEL_SOURCE.parents[2]
+    kv_headers = package / "kv" / "csrc"
     assert native.included_headers(KERNEL_SOURCE) == [KERNEL_SOURCE.parent / "kv_vectors.h",
-                                                      kv_headers / "encodings.h", kv_headers / "int4_groups.h"]
+                                                      kv_headers / "encodings.h", kv_headers / "int4_groups.h",
+                                                      package / "csrc" / "vec_exp.h"]
+    assert native.included_headers(FUSED_OPS_SOURCE) == [package / "csrc" / "vec_exp.h"]
     (tmp_path / "src").mkdir()
     (tmp_path / "lib").mkdir()
     source = tmp_path / "src" / "kernel.c"

@@ -12,6 +12,7 @@
  * group (each kernel rotates its queries alike as it starts, rotated_queries, so scores need nothing more). */
 #include "../../kv/csrc/encodings.h"
 #include "../../kv/csrc/int4_groups.h" /* int4_group, hadamard */
+#include "../../csrc/vec_exp.h" /* exp_nonpositive_vec, the softmax's exponential */
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -28,27 +29,6 @@ static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 static inline vec max_vec(vec a, vec b) {
     const ivec a_greater = a > b;
     return (vec)((a_greater & (ivec)a) | (~a_greater & (ivec)b));
-}
-
-/* exp(x) for x <= 0 on a whole vector: 2^n * p(r) with |r| <= ln2 / 2, Cephes' polynomial; relative error about
- * 2e-7; exactly 0 below -87 (and for -inf), where the float result would be denormal. Written in GNU vector
- * arithmetic because GCC 12 left a scalar version (floorf) unvectorised; comparisons give all-ones lanes, which
- * select by bitwise and/or. */
-static inline vec exp_nonpositive_vec(vec x) {
-    const vec lowest = (vec){0} - 87.0f;
-    const ivec keep = x >= lowest; /* all ones where the result is not flushed to 0 (-inf included) */
-    x = (vec)((keep & (ivec)x) | (~keep & (ivec)lowest));
-    const ivec n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ivec); /* round: x <= 0 */
-    const vec nf = __builtin_convertvector(n, vec);
-    const vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    vec p = (vec){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return (vec)((ivec)(p * (vec)((n + 127) << 23)) & keep);
 }
 
 /* VEC bytes widened to int32 lanes, sign- or zero-extended. GCC 12 scalarises __builtin_convertvector from a

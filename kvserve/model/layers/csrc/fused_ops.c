@@ -7,8 +7,8 @@
  * A norm is x / rms(x) * (weight + offset): offset 0 for Llama's weights, 1 for Gemma's (1 + weight).
  *
  * Vectors are GNU vector types of the build's width (8 floats on AVX2, 16 on AVX-512), a row's last partial
- * vector zero-padded, so any size works. The exponential is computed here, in vector arithmetic (libm's expf
- * stays scalar under GCC 12 without -ffast-math). Rows are split across OpenMP threads only when each thread
+ * vector zero-padded, so any size works; the exponential is the vector one of kvserve/csrc/vec_exp.h (libm's
+ * expf stays scalar under GCC 12 without -ffast-math). Rows are split across OpenMP threads only when each thread
  * gets enough floats to pay for waking it.
  *
  * No torch headers: called through ctypes with raw pointers.
@@ -27,6 +27,8 @@
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
+
+#include "../../../csrc/vec_exp.h" /* exp_vec, for the activations */
 
 /* The first n (<= VEC) floats at p, the rest of the vector zero. */
 static inline vec load(const float *p, int n) {
@@ -63,29 +65,6 @@ static inline float horizontal_sum(vec v) {
     memcpy(lanes, &v, sizeof lanes);
     for (int i = 0; i < VEC; i++) total += lanes[i];
     return total;
-}
-
-static inline vec select(ivec mask, vec a, vec b) { return (vec)((mask & (ivec)a) | (~mask & (ivec)b)); }
-
-/* exp(x): 2^n * p(r) with |r| <= ln2 / 2 (Cephes' polynomial, relative error about 2e-7), x clamped to
- * [-87.3, 88.3] so that 2^n stays a normal float: exp(-100) comes out 1e-38 rather than 4e-44, and exp(100)
- * 2e38 rather than inf, which changes no sigmoid. */
-static inline vec exp_vec(vec x) {
-    const vec lo = (vec){0} - 87.3f, hi = (vec){0} + 88.3f;
-    x = select(x < lo, lo, select(x > hi, hi, x));
-    const vec z = x * 1.44269504088896341f + 0.5f;
-    ivec n = __builtin_convertvector(z, ivec); /* truncates toward zero; floor below */
-    n += (ivec)(__builtin_convertvector(n, vec) > z);
-    const vec nf = __builtin_convertvector(n, vec);
-    const vec r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    vec p = (vec){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (vec)((n + 127) << 23);
 }
 
 /* 1 / rms(x) of n floats. */
