@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(*argv[:2]).parse_args(argv)  # the first two words name the (bench) command
         args.argv = argv  # what replicas of `serve` are started with
         return args.func(args)
-    except (ValueError, OSError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError, ImportError) as e:  # ImportError: an extra not installed
         print(f"kvserve: error: {_describe(e)}", file=sys.stderr)
         return 2
 

@@ -3,13 +3,22 @@ ImportError that says how to install it."""
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 
 def require_ray(feature: str) -> ModuleType:
     """Ray, for ``feature`` (a flag, named in the error when Ray is missing)."""
+    return _require("ray", "Ray", "ray", feature)
+
+
+def require_matplotlib(feature: str) -> ModuleType:
+    """matplotlib, for ``feature`` (a flag, named in the error when matplotlib is missing)."""
+    return _require("matplotlib", "matplotlib", "bench", feature)
+
+
+def _require(module: str, name: str, extra: str, feature: str) -> ModuleType:
     try:
-        import ray
+        return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"{feature} needs Ray: pip install 'kvserve[ray]'") from None
-    return ray
+        raise ImportError(f"{feature} needs {name}: pip install 'kvserve[{extra}]'") from None

@@ -33,6 +33,7 @@ from kvserve.bench.metrics import (RequestRecord, parse_goodput, parse_prometheu
                                    summarize)
 from kvserve.bench.report import check_output_path, format_run, format_sweep, write_result_json
 from kvserve.config import DEFAULT_MODEL
+from kvserve.extras import require_matplotlib
 from kvserve.model.loader import Checkpoint, load_checkpoint
 from kvserve.model.sources import resolve_model
 
@@ -347,6 +348,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.result_json is not None:
         check_output_path(args.result_json, "--result-json")
     if args.plot is not None:
+        require_matplotlib("--plot")  # before the run, not after it
         check_output_path(args.plot, "--plot", directory=True)
 
 

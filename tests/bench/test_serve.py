@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -306,3 +307,13 @@ def test_bad_flags_are_refused_before_any_request(flags: list[str], message: str
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--tokenizer", "/nonexistent", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvserve: error: ") and message.format(tmp=tmp_path) in err and len(err.splitlines()) == 1
+
+
+def test_plots_without_matplotlib_are_refused_before_any_request(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain `pip install kvserve` has no matplotlib: the run would end in a traceback after the whole sweep."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    argv = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--tokenizer", "/nonexistent", "--plot", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == "kvserve: error: --plot needs matplotlib: pip install 'kvserve[bench]'\n"
