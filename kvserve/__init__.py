@@ -1,7 +1,14 @@
 """kvserve: an LLM inference and serving engine built around the KV cache."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from kvserve.outputs import CompletionOutput, FinishReason, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+try:
+    __version__ = version("kvserve")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "unknown"
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "FinishReason"]
 

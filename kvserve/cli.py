@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import sys
 
+from kvserve import __version__
 from kvserve.router.launch import ROUTER_HELP  # light: the router imports no engine code
 
 DESCRIPTION = "kvserve: an LLM inference and serving engine that treats the KV cache as the first-class resource."
@@ -153,6 +154,7 @@ def build_parser(command: str | None = None, bench_command: str | None = None) -
     when None, of none when it names no subcommand, as in ``kvserve --help``); of ``bench``'s own commands, the
     flags of ``bench_command`` only (of every one when None)."""
     parser = argparse.ArgumentParser(prog="kvserve", description=DESCRIPTION, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, define_arguments) in SUBCOMMANDS.items():
         # no abbreviated flags: `serve --data-parallel-s 2` would reach the replicas, which drop only the full

@@ -124,3 +124,13 @@ def test_an_abbreviated_flag_is_refused() -> None:
     with pytest.raises(SystemExit):
         build_parser("serve").parse_args(["serve", "--data-parallel-s", "2"])
     assert build_parser("serve").parse_args(["serve", "--data-parallel-size", "2"]).data_parallel_size == 2
+
+
+def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture) -> None:
+    from importlib.metadata import version
+
+    from kvserve.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"kvserve {version('kvserve')}\n"

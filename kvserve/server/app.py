@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvserve import __version__
 from kvserve.sampling_params import InvalidParameter
 from kvserve.server.chat import ChatServer, render_chat
 from kvserve.server.chat_protocol import ChatCompletionRequest
@@ -71,7 +72,7 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
 
 
 def _add_health_routes(app: FastAPI, state: ServerState) -> None:
-    """GET /health (200 once the model serves, else 503 saying why) and GET /metrics."""
+    """GET /health (200 once the model serves, else 503 saying why), GET /metrics and GET /version."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -83,6 +84,10 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         body = state.metrics.render() if state.metrics else b""
         return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}  # as vLLM answers it
 
 
 def _add_model_routes(app: FastAPI, state: ServerState) -> None:

@@ -7,6 +7,7 @@ own logic (deltas, usage, limits, disconnects) without a model.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ import pytest
 import uvicorn
 from fastapi.testclient import TestClient
 
+import kvserve
 from kvserve.engine.async_engine import AsyncEngine
 from kvserve.server.app import build_app
 from kvserve.server.launch import DrainingServer
@@ -230,6 +232,11 @@ def test_a_served_model_is_retrieved_by_name(srv: InProcessServer, client: opena
     assert client.models.retrieve(MODEL).id == MODEL
     missing = httpx.get(f"{srv.url}/v1/models/gpt-9")
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_version_answers_the_packages_version_as_vllm_does(srv: InProcessServer) -> None:
+    assert httpx.get(f"{srv.url}/version").json() == {"version": kvserve.__version__}
+    assert kvserve.__version__ == importlib.metadata.version("kvserve")
 
 
 def test_an_engine_that_fails_midway_ends_its_streams_with_an_error_and_stops_serving() -> None:
