@@ -106,14 +106,20 @@ class KernelBuildError(RuntimeError):
     """A kernel could not be compiled or loaded (no compiler, a compile error, an unloadable library)."""
 
 
-def built_or_none(build: Callable[[], T], fallback: str, log: logging.Logger) -> T | None:
-    """``build()``, or None where its kernel cannot be built, with a warning on ``log`` that says what runs
-    instead (``fallback``) and why: each kernel has a slower plain-PyTorch twin."""
-    try:
-        return build()
-    except KernelBuildError as error:
-        log.warning("%s: %s", fallback, error)
-        return None
+def optional_kernel(build: Callable[[], T], fallback: str, log: logging.Logger) -> Callable[[], T | None]:
+    """A function giving this process's ``build()``, built at its first call and the same object after
+    (``functools.cache``: ``cache_clear()`` forgets it), or None where its kernel cannot be built, with one
+    warning on ``log`` that says what runs instead (``fallback``) and why: each kernel has a slower twin."""
+
+    @functools.cache
+    def kernel() -> T | None:
+        try:
+            return build()
+        except KernelBuildError as error:
+            log.warning("%s: %s", fallback, error)
+            return None
+
+    return kernel
 
 
 def load_library(source: Path) -> ctypes.CDLL:

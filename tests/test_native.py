@@ -150,14 +150,20 @@ def test_using_a_cached_library_marks_it_used(cache_dir: Path) -> None:
 def test_a_kernel_that_cannot_be_built_is_none_with_a_warning_naming_what_runs_instead(
     caplog: pytest.LogCaptureFixture
 ) -> None:
+    builds = []
+
     def unbuildable() -> object:
+        builds.append(1)
         raise KernelBuildError("no C compiler: gcc is not on PATH")
 
     log = logging.getLogger("kvserve.test_native")
+    missing = native.optional_kernel(unbuildable, "the twin runs", log)
+    built = native.optional_kernel(lambda: [42], "the twin runs", log)
     with caplog.at_level(logging.WARNING, logger=log.name):
-        assert native.built_or_none(unbuildable, "the twin runs", log) is None
-        assert native.built_or_none(lambda: 42, "the twin runs", log) == 42
+        assert missing() is None and missing() is None
+        assert built() == [42] and built() is built()
     assert [r.getMessage() for r in caplog.records] == ["the twin runs: no C compiler: gcc is not on PATH"]
+    assert len(builds) == 1  # built (or not) once a process
 
 
 def test_an_unwritable_cache_folder_is_a_build_error_naming_it(tmp_path: Path,

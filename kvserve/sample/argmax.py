@@ -11,13 +11,12 @@ dtype.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from pathlib import Path
 
 import torch
 
-from kvserve.native import built_or_none, load_library
+from kvserve.native import load_library, optional_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,5 @@ def bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    return built_or_none(lambda: bind(load_library(FIRST_MAX_SOURCE)), "argmax falls back to torch's slower "
-                         "reduction", logger)
+_library = optional_kernel(lambda: bind(load_library(FIRST_MAX_SOURCE)),
+                          "argmax falls back to torch's slower reduction", logger)

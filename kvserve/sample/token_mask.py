@@ -9,7 +9,6 @@ serves. ``reference_apply`` is the plain-PyTorch twin the kernel is tested again
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -17,7 +16,7 @@ from typing import Sequence
 import torch
 
 from kvserve.device_copy import to_device
-from kvserve.native import built_or_none, load_library
+from kvserve.native import load_library, optional_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -57,10 +56,8 @@ def _kernel_takes(logits: torch.Tensor, bitmask: torch.Tensor) -> bool:
             and bitmask.dtype == torch.int32 and bitmask.stride(-1) == 1)
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    return built_or_none(lambda: _bind(load_library(TOKEN_MASK_SOURCE)),
-                         "grammar masks fall back to the slower PyTorch twin", logger)
+_library = optional_kernel(lambda: _bind(load_library(TOKEN_MASK_SOURCE)),
+                          "grammar masks fall back to the slower PyTorch twin", logger)
 
 
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:

@@ -26,7 +26,6 @@ what PyTorch's does); at 512 tokens it is one pass instead of two, on both threa
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 from kvserve.model.layers.activation import KERNEL_ACTIVATIONS, GatedMLP
 from kvserve.model.layers.fused_ops import TorchFusedOps
 from kvserve.model.layers.norm import RMSNorm
-from kvserve.native import built_or_none, KernelFunction, kernel_range, load_library
+from kvserve.native import KernelFunction, kernel_range, load_library, optional_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +117,7 @@ class CpuFusedOps(TorchFusedOps):
         return out
 
 
-@functools.cache
-def cpu_fused_ops() -> CpuFusedOps | None:
-    """This process's kernels, or None (with a warning) where they cannot be built."""
-    return built_or_none(CpuFusedOps, "CPU elementwise ops run op by op in PyTorch", logger)
+cpu_fused_ops = optional_kernel(CpuFusedOps, "CPU elementwise ops run op by op in PyTorch", logger)
 
 
 def can_fuse(device: torch.device, dtype: torch.dtype) -> bool:

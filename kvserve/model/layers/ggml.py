@@ -18,7 +18,6 @@ so that none is kept); this exact kernel also dequantizes the blocks for the den
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -30,7 +29,7 @@ from gguf import GGMLQuantizationType, GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
 from kvserve.model.layers.linear import AsLoadedLinearMethod, Linear, LinearMethod, apply_by_parts
-from kvserve.native import built_or_none, KernelFunction, kernel_range, load_library
+from kvserve.native import KernelFunction, kernel_range, load_library, optional_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -198,10 +197,7 @@ def call_block_kernel(
     return y
 
 
-@functools.cache
-def ggml_gemm() -> GGMLGemm | None:
-    """The kernel, or None where it cannot be built (the weights are then dequantized at load)."""
-    return built_or_none(GGMLGemm, "GGUF weights are dequantized at load", logger)
+ggml_gemm = optional_kernel(GGMLGemm, "GGUF weights are dequantized at load", logger)
 
 
 class GGMLLinearMethod(AsLoadedLinearMethod):

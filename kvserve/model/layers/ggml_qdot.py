@@ -13,7 +13,6 @@ tests/engine/test_real_models.py states the bound.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from pathlib import Path
 from typing import NamedTuple
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.layers.ggml import BLOCK_GEMM_ARG_TYPES, KERNEL_TYPES, GGMLTensor, call_block_kernel
-from kvserve.native import built_or_none, KernelFunction, load_library
+from kvserve.native import KernelFunction, load_library, optional_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +113,4 @@ class QDotGemm:
         return QuantizedActivations(codes, dx, sx)
 
 
-@functools.cache
-def qdot_gemm() -> QDotGemm | None:
-    """The kernel, or None where it cannot be built (the exact kernel then serves)."""
-    return built_or_none(QDotGemm, "GGUF blocks multiply fp32 activations", logger)
+qdot_gemm = optional_kernel(QDotGemm, "GGUF blocks multiply fp32 activations", logger)

@@ -58,14 +58,13 @@ so from that family on they take every step, as with AVX2 on AMD (Zen 4, family 
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 from pathlib import Path
 
 import torch
 
 from kvserve.model.layers.linear import Linear, UnquantizedLinearMethod
-from kvserve.native import built_or_none, KernelFunction, cpu_family, cpu_vendor, kernel_range, load_library
+from kvserve.native import KernelFunction, cpu_family, cpu_vendor, kernel_range, load_library, optional_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -133,11 +132,13 @@ class SmallGemm:
         return y
 
 
-@functools.cache
-def small_gemm() -> SmallGemm | None:
-    """The kernel where it is worth its memory (built, and tuned for this CPU); None elsewhere."""
-    kernel = built_or_none(SmallGemm, "CPU GEMMs of a few tokens use oneDNN alone", logger)
-    return kernel if kernel is not None and kernel.tuned else None
+def _tuned_small_gemm() -> SmallGemm | None:
+    """The kernel where it is worth its memory (tuned for this CPU), else None."""
+    kernel = SmallGemm()
+    return kernel if kernel.tuned else None
+
+
+small_gemm = optional_kernel(_tuned_small_gemm, "CPU GEMMs of a few tokens use oneDNN alone", logger)
 
 
 class CpuPrepackedLinearMethod(UnquantizedLinearMethod):
