@@ -25,6 +25,7 @@ import torch
 
 from kvserve import LLM, SamplingParams, triton_launch
 from kvserve.bench.roofline import measure_copy_bandwidth
+from kvserve.config import SchedulerConfig
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.model import registry
 from kvserve.model.checkpoint import SHAPES, make_config_only
@@ -32,6 +33,21 @@ from kvserve.model.layers.fused_ops import TorchFusedOps
 from kvserve.model.layers.linear import Linear
 
 NUM_WARMUP_STEPS = 4
+
+
+def max_new_tokens(batch: int, prompt_len: int, num_steps: int, profile_steps: int) -> int:
+    """What each request asks for: the measured steps, and room for the prefill's (the first requests decode while
+    the last prefill, in what SchedulerConfig's default chunk leaves past a token for each decode)."""
+    prefill_steps = -(-batch * prompt_len // max(SchedulerConfig.max_num_batched_tokens - batch, 1))
+    return num_steps + profile_steps + NUM_WARMUP_STEPS + prefill_steps + 4
+
+
+def max_model_len(args: argparse.Namespace, batch: int) -> int:
+    """Room for every request's tokens; 256 past the measured steps where that is enough, as in sessions 14-36's
+    runs (the block tables' width unchanged; 64 requests of 2,000 tokens prefill in 250 steps and need more)."""
+    steps = max(args.steps + args.profile_steps + 256, max_new_tokens(batch, args.prompt_len, args.steps,
+                                                                      args.profile_steps))
+    return args.prompt_len + steps
 
 
 def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int,
@@ -64,9 +80,7 @@ def decode_step_seconds(llm: LLM, batch: int, prompt_len: int, num_steps: int,
         return timed_finish
 
     runner.execute, runner.launch = timed_execute, timed_launch
-    # the first requests decode while the last prefill: room for the prefill's steps too
-    prefill_steps = -(-batch * prompt_len // engine.config.scheduler.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=num_steps + profile_steps + NUM_WARMUP_STEPS + prefill_steps + 4,
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens(batch, prompt_len, num_steps, profile_steps),
                             ignore_eos=True)
     generator = torch.Generator().manual_seed(batch)
     for i in range(batch):
@@ -165,7 +179,7 @@ def main(argv: list[str]) -> int:
     bandwidth = measure_copy_bandwidth(device, 1 << 30)
     llm = LLM(str(model), load_format="dummy", device="cuda", dtype=args.dtype, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max(batches),
-              max_model_len=args.prompt_len + args.steps + args.profile_steps + 256, enforce_eager=args.enforce_eager,
+              max_model_len=max_model_len(args, max(batches)), enforce_eager=args.enforce_eager,
               overlap_scheduling=not args.no_overlap_scheduling)
     weight_bytes = llm.stats()["weights_bytes"]
     device_name = torch.cuda.get_device_name(device)
