@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import weakref
 import random
 from pathlib import Path
 
@@ -55,6 +56,28 @@ def test_every_system_counts_exactly_the_workloads_tokens_and_compare_reads_the_
     table = capsys.readouterr().out
     assert all(name in table for name in SYSTEMS) and "row over column" in table
     assert "total tok/s" in compare_table([result_json, result_json])
+
+
+def test_kvserves_engine_is_gone_before_transformers_loads(tiny_checkpoint: Path, monkeypatch) -> None:
+    """One model in memory at a time: on a GPU kvserve's KV pool takes most of the free memory."""
+    engines, alive_at_hf_load = [], []
+    load_kvserve, load_hf_model = throughput.load_kvserve, hf_backend.load_hf_model
+
+    def recorded_kvserve(*args, **kwargs):
+        llm = load_kvserve(*args, **kwargs)
+        engines.append(weakref.ref(llm))
+        return llm
+
+    def probed_hf_model(*args, **kwargs):
+        alive_at_hf_load.append(sum(engine() is not None for engine in engines))
+        return load_hf_model(*args, **kwargs)
+
+    monkeypatch.setattr(throughput, "load_kvserve", recorded_kvserve)
+    monkeypatch.setattr(hf_backend, "load_hf_model", probed_hf_model)
+    assert main(["bench", "throughput", str(tiny_checkpoint), "--dataset-name", "random", "--num-prompts", "2",
+                 "--random-input-len", "8", "--random-output-len", "2", *PROBE, "--backend", "kvserve,hf",
+                 "--hf-mode", "single", "--device", "cpu", "--step-trace"]) == 0
+    assert len(engines) == 1 and alive_at_hf_load == [0]
 
 
 def test_engine_options_pass_through_and_the_profile_and_the_trace_split_step_time(
