@@ -136,7 +136,8 @@ step_kv() {  # issue 17 on the GPU, Llama-3-8B shape: decode steps over long con
     local model=(--model "$shapes/llama3-8b" --load-format dummy --device cuda --dtype bfloat16)
     python3 benchmarks/kv_offload.py multiturn "${model[@]}" --num-kv-blocks 128 --large-pool-blocks 1024 \
         --json "$OUT/kv-multiturn.json"
-    python3 benchmarks/kv_offload.py restart "${model[@]}" --json "$OUT/kv-restart.json"
+    python3 benchmarks/kv_offload.py restart "${model[@]}" --server-log "$OUT/kv-restart-server.log" \
+        --json "$OUT/kv-restart.json"
 }
 
 step_offload() {  # issue 22: Llama-3-8B with 8 GiB of its weights streamed from pinned host memory, against the

@@ -97,6 +97,7 @@ def json_lines(result: dict[str, Any]) -> Iterator[str]:
             yield (f"multiturn {name}: later turns' TTFT {result[name]['later_turn_ttft_median_s'] * 1e3:.1f} ms, "
                    f"{result[name]['speedup_vs_recompute']:.2f}x lower than recomputing "
                    f"({result['recompute']['later_turn_ttft_median_s'] * 1e3:.1f} ms)")
+        yield f"multiturn: first tokens agree across the variants: {result.get('first_tokens_agree', True)}"
     elif "ttft_from_disk_s" in result:
         disk_ms = result["ttft_from_disk_s"] * 1e3
         yield (f"restart: a {result['prefix_len']}-token prefix from the disk tier {disk_ms:.1f} ms, "

@@ -96,12 +96,24 @@ def multiturn(args: argparse.Namespace) -> dict:
         print(f"{name:9s} later turns TTFT median {results[name]['later_turn_ttft_median_s'] * 1e3:8.1f} ms  "
               f"mean {results[name]['later_turn_ttft_mean_s'] * 1e3:8.1f} ms  prefix hits {stats['prefix_cache_hits']}",
               flush=True)
-    assert all(t == tokens["device"] for t in tokens.values()), "the variants' first tokens differ"
+    results["first_tokens_agree"] = all(t == tokens["device"] for t in tokens.values())
+    check_same_answers(args, results["first_tokens_agree"], "the variants' first tokens differ")
     base = results["recompute"]["later_turn_ttft_median_s"]
     for name in ("host", "disk", "device"):
         results[name]["speedup_vs_recompute"] = base / results[name]["later_turn_ttft_median_s"]
         print(f"{name}: later turns' TTFT {results[name]['speedup_vs_recompute']:.2f}x lower than recomputing")
     return results
+
+
+def check_same_answers(args: argparse.Namespace, same: bool, what: str) -> None:
+    """Real weights must answer alike however the KV got there. Dummy weights give flat logits (every token's
+    about -ln(vocabulary)), whose greedy choice rounding decides, and a GPU's GEMMs round differently in steps of
+    other shapes: there a difference is reported, and the timings still kept."""
+    if same:
+        return
+    if args.load_format != "dummy":
+        raise AssertionError(what)
+    print(f"note: {what}; with dummy weights rounding picks among tied tokens, so this says nothing of the KV")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, str]:
@@ -152,7 +164,7 @@ def restart(args: argparse.Namespace) -> dict:
     ids = ordinary_token_ids(tokenizer)
     prompt, fresh = rng.choices(ids, k=args.prefix_len), rng.choices(ids, k=args.prefix_len)
     blocks_dir = tempfile.mkdtemp(prefix="kv-blocks-")
-    log_path = blocks_dir + ".log"
+    log_path = args.server_log or blocks_dir + ".log"
     first_server = serve(args, blocks_dir, log_path)
     try:
         cold_first, text_first, _ = stream_ttft(args.port, prompt, args.max_tokens)
@@ -167,12 +179,14 @@ def restart(args: argparse.Namespace) -> dict:
     finally:
         second_server.send_signal(signal.SIGTERM)
         second_server.wait(120)
-    assert text_second == text_first, "the restarted server answered the same prompt differently"
+    check_same_answers(args, text_second == text_first, "the restarted server answered the same prompt differently")
     result = {"prefix_len": args.prefix_len, "ttft_cold_first_server_s": cold_first, "ttft_cold_s": cold,
-              "ttft_from_disk_s": disk, "cached_tokens": cached, "speedup": cold / disk, "identical_text": True}
+              "ttft_from_disk_s": disk, "cached_tokens": cached, "speedup": cold / disk,
+              "identical_text": text_second == text_first}
     print(f"restart: {args.prefix_len}-token prompt, TTFT from the disk tier {disk * 1e3:.1f} ms vs a cold prefill "
           f"{cold * 1e3:.1f} ms on the same server ({cold / disk:.1f}x sooner; {cached} tokens cached); the first "
-          f"server's cold TTFT {cold_first * 1e3:.1f} ms; answers byte-identical")
+          f"server's cold TTFT {cold_first * 1e3:.1f} ms; answers "
+          f"{'byte-identical' if text_second == text_first else 'different (dummy weights)'}")
     return result
 
 
@@ -191,6 +205,7 @@ def main() -> None:
     again.add_argument("--prefix-len", type=int, default=1500)
     again.add_argument("--max-tokens", type=int, default=32)
     again.add_argument("--port", type=int, default=18711)
+    again.add_argument("--server-log", help="both servers' output (default: beside the blocks' temporary folder)")
     for p in (turns, again):
         p.add_argument("--model", default=MODEL)
         p.add_argument("--device", default="auto")

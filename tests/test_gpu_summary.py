@@ -56,7 +56,8 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
                   "fraction_of_roofline": 0.05}]}))
     tier = {"later_turn_ttft_median_s": 0.01, "speedup_vs_recompute": 5.0}
     (tmp_path / "kv-multiturn.json").write_text(json.dumps({
-        "recompute": {"later_turn_ttft_median_s": 0.05}, "host": tier, "disk": tier, "device": tier}))
+        "recompute": {"later_turn_ttft_median_s": 0.05}, "host": tier, "disk": tier, "device": tier,
+        "first_tokens_agree": False}))
     (tmp_path / "kv-restart.json").write_text(json.dumps({
         "prefix_len": 1500, "ttft_from_disk_s": 0.02, "ttft_cold_s": 0.2, "speedup": 10.0, "cached_tokens": 1488,
         "identical_text": True}))
@@ -74,6 +75,7 @@ def test_every_kind_of_result_gets_its_figures(tmp_path: Path) -> None:
         "tok/s, 5% of the 1.00 ms weight-read roofline",
         *[f"kv-multiturn.json: multiturn {name}: later turns' TTFT 10.0 ms, 5.00x lower than recomputing (50.0 ms)"
           for name in ("host", "disk", "device")],
+        "kv-multiturn.json: multiturn: first tokens agree across the variants: False",
         "kv-restart.json: restart: a 1500-token prefix from the disk tier 20.0 ms, 10.0x sooner than a cold prefill "
         "(200.0 ms), 1488 tokens cached, text identical: True",
         "offload-8.json: offload llama3-8b: 8.00 GiB streamed, 300 output tok/s at batch 64, 80% of the PCIe bound "
