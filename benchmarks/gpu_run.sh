@@ -35,19 +35,20 @@
 # then `ab` with the failing part off), and later leases `fixed`, `throughput`, `kv`, `offload`, `sweep` (its
 # latency half has never been measured), `kernels` (session 25's cascade rows) and `splits`. benchmarks/GPU_NOTES.md has each figure's
 # floor and what to expect.
-
-if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # -h / --help: the header above, nothing run
-  awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0
-fi
+#
 # The machine has torch, triton and transformers but not every kvserve dependency: wheels of the others are
 # installed from .whl/ when it exists. Here, before the call (carry .whl; the device tool's README has the
 # platform flags, and .git/info/exclude should name /.whl/):
 #
 #     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp <platform flags> \
 #         -d .whl gguf platformdirs xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types \
-#         typing-inspection typing-extensions "fastapi<0.125" "starlette<0.51" uvicorn
+#         typing-inspection typing-extensions "fastapi<0.125" "starlette<0.51" uvicorn jsonschema \
+#         jsonschema-specifications referencing rpds-py attrs
 #
-# (pydantic and pydantic-core must be a matching pair; tests that need openai or jsonschema are not collected.)
+# (pydantic and pydantic-core must be a matching pair; tests that need openai are not collected.)
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # -h / --help: the header above, nothing run
+  awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 0
+fi
 set -u
 DEST=${OUT:-gpu-out}
 mkdir -p "$DEST"
