@@ -10,8 +10,8 @@ rest in parts it owns::
     (matches)   TierMatcher (kv/tier_match.py)   prefix matches continued below the device, through the tiers
 
 A request preempted by swap (``swap_out``) leaves its KV in host rows (``kv/swap.py``) and holds no block;
-its next ``match_prefix`` is that KV, and ``allocate_slots`` with it takes back the leading blocks the tree
-still holds on the device and loads the rest into fresh blocks.
+its next ``match_prefix`` is that KV (a ``SwappedKV``, not a ``PrefixMatch``), and ``allocate_slots`` from it
+takes back the leading blocks the tree still holds on the device and loads the rest into fresh blocks.
 
 With KV cache groups that free blocks (``kv/groups.py``: sliding-window layers), a request has one table per
 group (``request.block_ids`` for group 0, ``request.group_block_ids`` for the others), all as long. Before a
@@ -53,7 +53,7 @@ from kvserve.kv.cache_paths import CachePaths
 from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
 from kvserve.kv.prefix_cache import PrefixCache, PrefixMatch, PrefixNode
 from kvserve.kv.reload_costs import ReloadCosts
-from kvserve.kv.swap import SwapSpace
+from kvserve.kv.swap import SwappedKV, SwapSpace
 from kvserve.kv.tier_match import TierMatcher
 from kvserve.kv.tier_plan import TierPlan
 from kvserve.kv.tiers import TieredStore
@@ -126,14 +126,15 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def match_prefix(self, request: Request, max_cached_tokens: int | None = None) -> PrefixMatch:
-        """The longest computed cached prefix of the request's tokens, of at most ``max_cached_tokens``
-        tokens, leaving at least one token to compute (its logits are needed). Empty when caching is off.
-        The match is remembered until the request takes blocks or is freed, so that matching a waiting
-        request again costs O(1) while the tree does not change under it. A swapped-out request's match is its
-        own KV, all its computed tokens, whatever ``max_cached_tokens`` (their prompt logprobs are returned)."""
+    def match_prefix(self, request: Request, max_cached_tokens: int | None = None) -> PrefixMatch | SwappedKV:
+        """Where a request holding no blocks can start: the longest computed cached prefix of its tokens, of at
+        most ``max_cached_tokens`` tokens, leaving at least one token to compute (its logits are needed); empty
+        when caching is off. The match is remembered until the request takes blocks or is freed, so that matching
+        a waiting request again costs O(1) while the tree does not change under it. A swapped-out request starts
+        from its own KV instead (``SwappedKV``), all its computed tokens, whatever ``max_cached_tokens`` (their
+        prompt logprobs are returned)."""
         if self.swap is not None and request.request_id in self.swap:
-            return PrefixMatch((), self.block_size, swapped_tokens=self.swap.num_tokens(request.request_id))
+            return self.swap.resume_point(request.request_id)
         if self.prefix_cache is None:
             return PrefixMatch((), self.block_size)
         max_tokens = request.num_tokens - 1
@@ -156,10 +157,11 @@ class KVCacheManager:
                                        lambda g, index: nodes[index].group_block_ids[g - 1] != NULL_BLOCK)
         return match if k == len(nodes) else PrefixMatch(nodes[:k], self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
-        """Grow the request's block tables so that its computed tokens plus ``num_new_tokens`` fit; ``prefix``,
-        for a request holding no blocks, is a cached prefix it starts from (the caller then counts those tokens
-        as computed), or its swapped-out KV.
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       start: PrefixMatch | SwappedKV | None = None) -> bool:
+        """Grow the request's block tables so that its computed tokens plus ``num_new_tokens`` fit; ``start``,
+        for a request holding no blocks, is where ``match_prefix`` said it starts: a cached prefix, or its
+        swapped-out KV (the caller then counts ``start.num_tokens`` as computed).
 
         All or nothing: returns False and changes nothing when the pool cannot supply the blocks::
 
@@ -173,12 +175,12 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        if prefix is not None and prefix.swapped_tokens is not None:
-            return self._swap_in(request, prefix.swapped_tokens + num_new_tokens)
-        if prefix is not None and (prefix.nodes or prefix.tiered):
+        if isinstance(start, SwappedKV):
+            return self._swap_in(request, start, num_new_tokens)
+        if start is not None and (start.nodes or start.tiered):
             if request.block_ids:
                 raise ValueError(f"request {request.request_id} holds blocks; only a fresh one takes a prefix")
-            return self._take_match(request, num_new_tokens, prefix)
+            return self._take_match(request, num_new_tokens, start)
         num_computed = request.num_computed_tokens
         if not self._has_group_tables and self.num_blocks_for(num_computed + num_new_tokens) <= len(request.block_ids):
             self.paths.extend(request, num_computed)  # the common decode step: its blocks hold the new tokens
@@ -352,11 +354,11 @@ class KVCacheManager:
         assert NULL_BLOCK not in blocks, f"request {request.request_id} lost a block its next query sees"
         return blocks
 
-    def _swap_in(self, request: Request, num_tokens: int) -> bool:
-        """Blocks for a swapped-out request's ``num_tokens``, all or nothing: of its swapped KV, the blocks that
-        the prefix tree still holds on the device (group 0's leading full blocks, and the window groups' blocks
-        beside those nodes) are taken back as they are, and fresh blocks get the rest loaded; a window group's
-        table starts with nulls up to the first block the request's next query sees::
+    def _swap_in(self, request: Request, swapped: SwappedKV, num_new_tokens: int) -> bool:
+        """Blocks for a swapped-out request's KV and ``num_new_tokens`` more, all or nothing: of its KV, the blocks
+        that the prefix tree still holds on the device (group 0's leading full blocks, and the window groups'
+        blocks beside those nodes) are taken back as they are, and fresh blocks get the rest loaded; a window
+        group's table starts with nulls up to the first block the request's next query sees::
 
             swapped KV:  | r7       | r2       | r5       | r4: 3 of 4 slots |
             block_ids:   | b3 (hit) | b9 (hit) | b1 (load r5) | b6 (load r4) | b8 (new tokens) |
@@ -364,7 +366,7 @@ class KVCacheManager:
         Fresh blocks of known tokens join the tree pending, so that no offload of this step reads them before
         their load: the step's end marks the loaded ones computed (``cache_computed``)."""
         assert self.swap is not None and not request.block_ids, f"{request.request_id} holds blocks"
-        num_swapped = self.swap.num_tokens(request.request_id)
+        num_swapped = swapped.num_tokens
         nodes: tuple[PrefixNode, ...] = ()
         if self.prefix_cache is not None:
             nodes = self.prefix_cache.match(request.token_ids, num_swapped // self.block_size).nodes
@@ -378,7 +380,7 @@ class KVCacheManager:
             first = self.groups.first_visible_block(group, num_swapped, self.block_size)
             table[:first] = [NULL_BLOCK] * first
         to_load = [(group, index) for group, index, block_id in rows if block_id == NULL_BLOCK]
-        num_needed = self.num_blocks_for(num_tokens) - num_blocks
+        num_needed = self.num_blocks_for(num_swapped + num_new_tokens) - num_blocks
         num_revived = sum(1 for table in tables for b in table if b != NULL_BLOCK and self.pool.ref_count(b) == 0)
         if num_needed * len(tables) + len(to_load) + num_revived > self.pool.num_free_blocks:
             return False

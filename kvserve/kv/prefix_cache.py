@@ -44,15 +44,13 @@ class PrefixNode:
 class PrefixMatch:
     """The longest computed cached prefix of some tokens: ``nodes`` in order, one per block, then the content
     keys of the blocks after them that the host KV tier holds (``tiered``: loaded into fresh device blocks).
-    For a request swapped out (``kv/swap.py``), its own KV in host rows instead: ``swapped_tokens`` tokens,
-    loaded back into fresh device blocks, and nothing else."""
+    (A swapped-out request resumes from its own KV instead: ``SwappedKV``, ``kv/swap.py``.)"""
 
     nodes: tuple[PrefixNode, ...]
     block_size: int
     sibling_computing: bool = False  # the next block of the prefix is pending: a running request computes it
     tiered: tuple[bytes, ...] = ()
     loading: bool = False  # the next blocks are being read from the disk tier
-    swapped_tokens: int | None = None
 
     @property
     def block_ids(self) -> list[int]:
@@ -61,8 +59,6 @@ class PrefixMatch:
 
     @property
     def num_tokens(self) -> int:
-        if self.swapped_tokens is not None:
-            return self.swapped_tokens
         return (len(self.nodes) + len(self.tiered)) * self.block_size
 
     @property

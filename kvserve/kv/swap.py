@@ -31,7 +31,21 @@ from kvserve.kv.tiers import TieredStore
 
 @dataclass(frozen=True)
 class SwappedKV:
-    """A swapped-out request's KV: the host rows holding its first ``len(rows)`` blocks, in order."""
+    """Where a swapped-out request resumes: its own KV of ``num_tokens`` computed tokens, kept in host rows and
+    loaded back by ``KVCacheManager.allocate_slots``. What ``match_prefix`` gives such a request in place of a
+    ``PrefixMatch``; it answers the two questions the scheduler asks of either."""
+
+    num_tokens: int  # the request's computed tokens when it was swapped out: it resumes with all of them
+
+    @property
+    def must_wait(self) -> bool:
+        """Never: the whole KV is in host rows already."""
+        return False
+
+
+@dataclass(frozen=True)
+class _SwapRows:
+    """A swapped-out request's rows: the host rows holding its first ``len(rows)`` blocks, in order."""
 
     rows: tuple[int, ...]
     num_tokens: int  # the request's computed tokens when it was swapped out
@@ -60,7 +74,7 @@ class SwapSpace:
     def __init__(self, store: TieredStore) -> None:
         self.store = store
         self.counters = SwapCounters()
-        self._swapped: dict[str, SwappedKV] = {}
+        self._swapped: dict[str, _SwapRows] = {}
         self._outs: list[tuple[int, int]] = []  # (block_id, row), planned since the last take
         self._ins: list[tuple[int, int]] = []  # (row, block_id), planned since the last take
         self._dropped: list[int] = []  # rows of requests finished while swapped out, since the last take
@@ -69,8 +83,9 @@ class SwapSpace:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._swapped
 
-    def num_tokens(self, request_id: str) -> int:
-        return self._swapped[request_id].num_tokens
+    def resume_point(self, request_id: str) -> SwappedKV:
+        """Where the swapped-out request resumes."""
+        return SwappedKV(self._swapped[request_id].num_tokens)
 
     def swap_out(self, request_id: str, block_ids: list[int], num_tokens: int) -> bool:
         """Plan the copy of ``block_ids`` (the blocks of the request's ``num_tokens`` computed tokens) into
@@ -79,7 +94,7 @@ class SwapSpace:
         if rows is None:
             self.counters.num_fallbacks += 1
             return False
-        self._swapped[request_id] = SwappedKV(tuple(rows), num_tokens)
+        self._swapped[request_id] = _SwapRows(tuple(rows), num_tokens)
         self._outs.extend(zip(block_ids, rows))
         self.counters.num_swapped_out += 1
         self.counters.num_blocks_swapped_out += len(rows)

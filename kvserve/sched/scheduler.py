@@ -35,7 +35,7 @@ from typing import Iterable
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_cache import PrefixMatch
-from kvserve.kv.swap import SwapCounters
+from kvserve.kv.swap import SwapCounters, SwappedKV
 from kvserve.outputs import FinishReason
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
 from kvserve.sched.batch_diff import RunnerBatchMirror
@@ -295,14 +295,14 @@ class Scheduler:
             for request in self._waiting_in_policy_order():
                 if not budget.has_room() or len(self.running) >= self.config.max_num_seqs:
                     break
-                prefix = self._match_prefix(request)
-                if prefix.must_wait:
+                start = self._match_prefix(request)
+                if start.must_wait:
                     continue
-                num_new = min(num_tokens_left(request, prefix.num_tokens), budget.num_tokens)
-                if not self.kv.allocate_slots(request, num_new, prefix):
+                num_new = min(num_tokens_left(request, start.num_tokens), budget.num_tokens)
+                if not self.kv.allocate_slots(request, num_new, start):
                     break
                 admitted.add(request)
-                self._admit(request, prefix)
+                self._admit(request, start)
                 scheduled.append((request, num_new))
                 budget.take(num_new)
         finally:  # even when interrupted (Ctrl-C in LLM.generate), a request admitted so far is in one queue
@@ -341,21 +341,22 @@ class Scheduler:
 
         return sorted(candidates[:LPM_WINDOW], key=priority) + candidates[LPM_WINDOW:]
 
-    def _admit(self, request: Request, prefix: PrefixMatch) -> None:
+    def _admit(self, request: Request, start: PrefixMatch | SwappedKV) -> None:
         if request.status is RequestStatus.WAITING:  # the first admission: count the lookup
-            request.num_cached_tokens = prefix.num_tokens
+            request.num_cached_tokens = start.num_tokens
             request.first_scheduled_time = time.monotonic()
             self.num_prefix_query_tokens += request.num_tokens
-            self.num_prefix_hit_tokens += prefix.num_tokens
-        request.num_computed_tokens = prefix.num_tokens
+            self.num_prefix_hit_tokens += start.num_tokens
+        request.num_computed_tokens = start.num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         if is_ready_to_fork(request):  # all but its last prompt token were cached (or it has only one)
             self._fork(request)
 
-    def _match_prefix(self, request: Request) -> PrefixMatch:
-        """The request's cached prefix. One that wants prompt logprobs may start only from positions whose
-        logprobs it has returned already (after a preemption): the others' logits must be computed."""
+    def _match_prefix(self, request: Request) -> PrefixMatch | SwappedKV:
+        """Where the request starts: its cached prefix, or its swapped-out KV. One that wants prompt logprobs may
+        start only from positions whose logprobs it has returned already (after a preemption): the others' logits
+        must be computed."""
         wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
         return self.kv.match_prefix(request, request.num_prompt_logprobs_sent if wants_prompt_logprobs else None)
 

@@ -11,6 +11,7 @@ from kvserve.kv.groups import NULL_BLOCK, KVCacheGroups
 from kvserve.kv.manager import KVCacheManager, NoFreeBlocksError
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from kvserve.kv.swap import SwappedKV
 from kvserve.request import Request
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import KVTransferPlan
@@ -369,7 +370,7 @@ def test_swap_keeps_every_groups_blocks_that_the_next_query_sees_and_brings_them
     apply_plan(kv, cache)
     cache[:] = fake_cache(kv)  # every freed block reused and overwritten
     match = kv.match_prefix(r)
-    assert match.swapped_tokens == num_tokens and kv.allocate_slots(r, 1, match)
+    assert match == SwappedKV(num_tokens) and kv.allocate_slots(r, 1, match)
     assert len(apply_plan(kv, cache).swap_ins) == num_rows
     full, window = kv.tables(r)
     assert len(full) == len(window) == -(-(num_tokens + 1) // 4) and window[:first] == [NULL_BLOCK] * first

@@ -4,7 +4,7 @@ all or nothing, and never given to an offload of a plan that still copies throug
 from __future__ import annotations
 
 from kvserve.kv.block_keys import KeyedBlock, block_key
-from kvserve.kv.swap import SwapSpace
+from kvserve.kv.swap import SwappedKV, SwapSpace
 from kvserve.kv.tiers import Tier
 from kvserve.worker.kv_transfers import HostCopies
 from tests.sched.sched_fakes import FakeKVBytes, fake_tiers, load_now
@@ -18,6 +18,7 @@ def test_a_row_goes_back_only_at_the_plan_after_its_last_copy() -> None:
     store, kv = fake_tiers(4, host_blocks=3), _kv()
     swap, host = SwapSpace(store), HostCopies(store.host_slab)
     assert swap.swap_out("r", [2, 3], num_tokens=7)
+    assert swap.resume_point("r") == SwappedKV(7) and not swap.resume_point("r").must_wait
     outs, _ = swap.take_transfers()
     host.swap_out(kv, outs)
     kv.kv[2], kv.kv[3] = [None] * 4, [None] * 4  # the freed blocks are reused
