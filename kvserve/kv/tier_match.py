@@ -56,8 +56,7 @@ class TierMatcher:
         """Extend a device match with the blocks the host tier holds next; if the disk holds more, start reading
         them into the host tier (as many as its rows can stage at once) and say the request should wait for them
         (for at most ``MAX_LOAD_WAITS`` lookups, then it computes them), unless reading has measured slower than
-        computing them
-        (``reload_costs``). With window groups, a match is as long as its next query finds the
+        computing them (``reload_costs``). With window groups, a match is as long as its next query finds the
         window groups' blocks it sees on the device or in the host tier, and the disk is read for those that a
         longer match would need::
 
@@ -65,7 +64,6 @@ class TierMatcher:
             group 0:       | n0 | n1 | n2 | h3 | h4 | d5 |
             window group:  |  . |  . |  . | h3 | h4 | d5 |   a match of 5 blocks (h3s, h4s loaded); d5s read, wait
         """
-        store = self.store
         nodes = match.nodes
         beyond, num_host = self._blocks_beyond(request, match, max_blocks)
         where = functools.cache(functools.partial(self._window_tier, nodes, beyond))
@@ -76,23 +74,39 @@ class TierMatcher:
         staged = len(nodes) + self._staging_room(request.request_id, beyond) // self.groups.num_groups
         num_found = self.groups.visible_length(min(len(nodes) + len(beyond), staged), self.block_size,
                                                lambda g, index: where(g, index) is not None)
-        waits = self._load_waits[request.request_id]
-        loading = False
-        if num_found > num_ready and waits < MAX_LOAD_WAITS:  # group 0's blocks on disk that it needs, then windows'
-            if self.reload_costs.disk_read_pays(*store.disk_read_cost(), self.block_size):
-                to_read = beyond[num_host : max(num_host, num_found - len(nodes))]
-                loading = store.prefetch(to_read + self._window_blocks_on_disk(nodes, beyond, num_found, where)) > 0
-            else:  # reading measured slower than computing: the request computes them, and asks no more
-                store.skip_reads(num_found - num_ready)
-                waits = MAX_LOAD_WAITS
-        self._load_waits[request.request_id] = waits + loading
-        staged_here = frozenset(b.key for b in beyond[: max(0, num_found - len(nodes))])  # read or being read
-        if staged_here:  # kept from others' reads until the request takes them (``forget``) or needs them no more
-            self._staging[request.request_id] = staged_here
-        else:
-            self._staging.pop(request.request_id, None)
+        loading = self._plan_reads(request.request_id, nodes, beyond, num_host, num_ready, num_found, where)
+        self._remember_staging(request.request_id, beyond[: max(0, num_found - len(nodes))])
         tiered = tuple(block.key for block in beyond[: max(0, num_ready - len(nodes))])
         return PrefixMatch(nodes[:num_ready], self.block_size, tiered=tiered, loading=loading)
+
+    def _plan_reads(self, request_id: str, nodes: tuple[PrefixNode, ...], beyond: list[KeyedBlock], num_host: int,
+                    num_ready: int, num_found: int, where: Callable[[int, int], Tier | None]) -> bool:
+        """Whether the request should wait for disk reads: if a match of ``num_found`` blocks would be longer than
+        the ``num_ready`` ready now, start reading the blocks it needs that only the disk has (group 0's after
+        the ``num_host`` in the host tier, then the window groups'). Not once the request has waited
+        ``MAX_LOAD_WAITS`` lookups, nor when reading has measured slower than computing: then it computes them,
+        and asks no more."""
+        waits = self._load_waits[request_id]
+        loading = False
+        if num_found > num_ready and waits < MAX_LOAD_WAITS:
+            if self.reload_costs.disk_read_pays(*self.store.disk_read_cost(), self.block_size):
+                to_read = beyond[num_host : max(num_host, num_found - len(nodes))]
+                to_read += self._window_blocks_on_disk(nodes, beyond, num_found, where)
+                loading = self.store.prefetch(to_read) > 0
+            else:
+                self.store.skip_reads(num_found - num_ready)
+                waits = MAX_LOAD_WAITS
+        self._load_waits[request_id] = waits + loading
+        return loading
+
+    def _remember_staging(self, request_id: str, staged: list[KeyedBlock]) -> None:
+        """Keep ``staged`` (group 0's blocks below the device that the request's match found: in the host tier,
+        or read or being read into it) from other requests' reads, until the request takes them (``forget``) or
+        needs them no more."""
+        if staged:
+            self._staging[request_id] = frozenset(block.key for block in staged)
+        else:
+            self._staging.pop(request_id, None)
 
     def _blocks_beyond(self, request: Request, match: PrefixMatch, max_blocks: int) -> tuple[list[KeyedBlock], int]:
         """Group 0's blocks after a device match that the tiers hold, in order, and how many lead in the host
