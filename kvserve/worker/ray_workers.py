@@ -117,35 +117,50 @@ def start_ray_workers(spec: WorkerSpec, size: int, device: torch.device) -> Work
     from ray.util.placement_group import remove_placement_group
 
     host = ray.util.get_node_ip_address()
-    inherited = ray.util.get_current_placement_group()
-    placement = _check_inherited(inherited, spec, size) if inherited is not None else _place(ray, spec, size, host)
-    actors: list[Any] = []
+    placement, inherited = _placement_group(ray, spec, size, host)
+    actors: list[Any] = []  # filled by ``_spawn_actors`` as they start, so that ``release`` kills every one
 
     def release() -> None:
         for actor in actors:
             ray.kill(actor)
-        if inherited is None:  # an inherited group is its owner's (Ray Serve's) to remove
+        if not inherited:  # an inherited group is its owner's (Ray Serve's) to remove
             remove_placement_group(placement)
 
     def launch(store_address: tuple[str, int]) -> tuple[list[WorkerHandle], list[Connection]]:
-        if spec.device_type == "cuda" and inherited is None:  # in an inherited group Ray gave this actor its GPU
+        if spec.device_type == "cuda" and not inherited:  # in an inherited group Ray gave this actor its GPU
             _use_rank_zero_gpu(ray, placement, device)
-        authkey = secrets.token_bytes(32)
-        actor_class = ray.remote(TensorParallelActor)
-        for rank in range(1, size):
-            resources = _rank_resources(placement, inherited is not None, spec, rank)
-            actors.append(actor_class.options(**resources, scheduling_strategy=_in_bundle(placement, rank))
-                          .remote(authkey))
-        addresses = _wait_started(ray, actors)
-        workers: list[WorkerHandle] = []
-        for rank, (actor, (address, pid)) in enumerate(zip(actors, addresses), start=1):
-            run = actor.run.remote(rank, size, store_address, spec)
-            workers.append(RayWorker(ray, actor, run, f"Ray actor on {address[0]}, pid {pid}"))
-        return workers, [_connect(rank, worker, address, authkey)
-                         for rank, (worker, (address, _)) in enumerate(zip(workers, addresses), start=1)]
+        return _spawn_actors(ray, placement, inherited, spec, size, store_address, actors)
 
     logger.info("tensor parallel: ranks 1 .. %d as Ray actors, the group formed at %s", size - 1, host)
     return form_group(spec, size, host, launch, release)
+
+
+def _placement_group(ray: ModuleType, spec: WorkerSpec, size: int, host: str) -> tuple[Any, bool]:
+    """The placement group the ranks run in, and whether it is inherited: the one this process already runs in
+    (a Ray Serve replica's), if any, else one reserved here (``_place``)."""
+    inherited = ray.util.get_current_placement_group()
+    if inherited is not None:
+        return _check_inherited(inherited, spec, size), True
+    return _place(ray, spec, size, host), False
+
+
+def _spawn_actors(ray: ModuleType, placement: Any, inherited: bool, spec: WorkerSpec, size: int,
+                  store_address: tuple[str, int], actors: list[Any]) -> tuple[list[WorkerHandle], list[Connection]]:
+    """Start ranks 1 .. ``size`` - 1 as actors in their bundles, appended to ``actors`` as each starts (the
+    caller's ``release`` kills them on a failure), run each one's worker loop, and connect rank 0 to each."""
+    authkey = secrets.token_bytes(32)
+    actor_class = ray.remote(TensorParallelActor)
+    for rank in range(1, size):
+        resources = _rank_resources(placement, inherited, spec, rank)
+        actors.append(actor_class.options(**resources, scheduling_strategy=_in_bundle(placement, rank))
+                      .remote(authkey))
+    addresses = _wait_started(ray, actors)
+    workers: list[WorkerHandle] = []
+    for rank, (actor, (address, pid)) in enumerate(zip(actors, addresses), start=1):
+        run = actor.run.remote(rank, size, store_address, spec)
+        workers.append(RayWorker(ray, actor, run, f"Ray actor on {address[0]}, pid {pid}"))
+    return workers, [_connect(rank, worker, address, authkey)
+                     for rank, (worker, (address, _)) in enumerate(zip(workers, addresses), start=1)]
 
 
 def _cpus(spec: WorkerSpec) -> int:
