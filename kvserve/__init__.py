@@ -1,9 +1,13 @@
 """kvserve: an LLM inference and serving engine built around the KV cache."""
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from kvserve.outputs import CompletionOutput, FinishReason, RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:  # type checkers see LLM's own type; at run time it is imported when first asked for
+    from kvserve.engine.llm import LLM
 
 try:
     __version__ = version("kvserve")
@@ -13,7 +17,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "FinishReason"]
 
 
-def __getattr__(name: str) -> type:
+def __getattr__(name: str) -> Any:
     # LLM pulls in torch and the model code: import it only when asked for.
     if name == "LLM":
         from kvserve.engine.llm import LLM

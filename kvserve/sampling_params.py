@@ -94,12 +94,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Mapping[int | str, float] | None = None  # a dict of token id to bias once constructed
+    logit_bias: Mapping[Any, float] | None = None  # ids as ints or their text (JSON); int keys once built
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None  # a list once constructed
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.outputs import RequestOutput
@@ -166,7 +166,7 @@ class AsyncEngine:
 
     async def generate(
         self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Queue one request and yield its cumulative outputs until the finished one.
 
         Outputs may be coalesced: when the consumer falls behind, only the latest output is yielded (each is
@@ -181,7 +181,7 @@ class AsyncEngine:
 
     async def generate_many(
         self, prompts: Sequence[PromptInput], params: SamplingParams, request_ids: Sequence[str] | None = None
-    ) -> AsyncIterator[list[RequestOutput]]:
+    ) -> AsyncGenerator[list[RequestOutput], None]:
         """Queue several requests with the same params, all or none (one bad prompt raises ValueError and
         queues nothing), and yield, each time any of them moves, the latest output of each request in input
         order; a request that has not produced anything yet appears as an output with no samples."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import signal
 import threading
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, overload
 
 from tqdm.auto import tqdm
 
@@ -69,9 +70,9 @@ class LLM:
         threads run one after the other. ``use_tqdm``: a progress bar (for 8 prompts or more), or, as in vLLM, the
         tqdm-like class to make it with.
         """
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):  # bytes: no text
             raise TypeError("prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got "
                             f"{type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts))
@@ -88,6 +89,17 @@ class LLM:
             bar = use_tqdm if callable(use_tqdm) else tqdm
             return self._run(request_ids, bool(use_tqdm) and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS, bar)
 
+    @overload
+    def chat(self, messages: ChatMessages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = True, add_generation_prompt: bool = True,
+             tools: Sequence[dict[str, Any]] | None = None) -> list[RequestOutput]: ...
+
+    @overload  # apart, so that a type checker infers a conversation of messages in several shapes as one
+    def chat(self, messages: Sequence[ChatMessages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., Any] = True, add_generation_prompt: bool = True,
+             tools: Sequence[dict[str, Any]] | None = None) -> list[RequestOutput]: ...
+
     def chat(
         self,
         messages: ChatMessages | Sequence[ChatMessages],
@@ -100,9 +112,9 @@ class LLM:
         assistant ``tool_calls`` and ``tool`` results included) or a list of conversations. ``tools`` (OpenAI's
         ``{"type": "function", "function": {...}}``) go to the template as the server sends them; the replies are
         the model's text, in whatever format it writes calls."""
-        if not isinstance(messages, (list, tuple)):
+        if isinstance(messages, (str, bytes, bytearray)) or not isinstance(messages, Sequence):
             raise TypeError(f"messages must be a list of messages or of conversations, got {type(messages).__name__}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         if not conversations:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         processor = self.engine.input_processor
@@ -122,7 +134,7 @@ class LLM:
             return [SamplingParams()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
-        if not isinstance(sampling_params, (list, tuple)) or \
+        if not isinstance(sampling_params, Sequence) or \
                 not all(isinstance(p, SamplingParams) for p in sampling_params):
             raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(sampling_params) != num_prompts:

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Sequence, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -121,7 +121,7 @@ class GenerationHandler:
         self.params = body.to_sampling_params()
         self.tokenizer = engine.engine.tokenizer
 
-    async def _generate(self, prompts: Sequence[PromptInput]) -> AsyncIterator[list[RequestOutput]]:
+    async def _generate(self, prompts: Sequence[PromptInput]) -> AsyncGenerator[list[RequestOutput], None]:
         """Queue the batch and wait until it is accepted, so bad input is a 400 before any byte is streamed. A
         constraint is compiled first, off the engine thread."""
         request_id = self._engine_id
@@ -163,7 +163,7 @@ def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:
     return num_prompt, num_completion, num_cached
 
 
-async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+async def _prepend(first: T, rest: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
     try:
         yield first
         async for item in rest:

@@ -7,6 +7,8 @@ import gc
 import threading
 import time
 import weakref
+from collections import deque
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -399,3 +401,18 @@ def test_use_tqdm_may_name_the_progress_bar_to_make(llm: LLM) -> None:
     assert made == [8]
     with pytest.raises(TypeError, match="messages must be a list of messages or of conversations, got generator"):
         llm.chat(m for m in [[{"role": "user", "content": "hi"}]])
+
+
+def test_any_sequence_or_mapping_is_taken_as_its_list_or_dict(llm: LLM) -> None:
+    """generate and chat are typed Sequence / Mapping, as vLLM types them: a deque or a read-only mapping is
+    taken as the list or dict it holds."""
+    params = SamplingParams(temperature=0, max_tokens=3)
+    as_lists = llm.generate(["a", {"prompt_token_ids": [5, 6]}], [params, params])
+    as_others = llm.generate(deque(["a", MappingProxyType({"prompt_token_ids": [5, 6]})]), (params, params))
+    assert [o.outputs[0].token_ids for o in as_others] == [o.outputs[0].token_ids for o in as_lists]
+    message = {"role": "user", "content": "hi"}
+    as_dict = llm.chat([message], params)
+    as_proxy = llm.chat(deque([MappingProxyType(message)]), params)
+    assert as_proxy[0].outputs[0].token_ids == as_dict[0].outputs[0].token_ids
+    with pytest.raises(TypeError, match="messages must be a list of messages or of conversations, got str"):
+        llm.chat("hi")
