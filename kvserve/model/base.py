@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from typing import Iterable
 
 import torch
@@ -16,7 +16,7 @@ from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.model.offload import WeightStreamer
 
 
-class CausalLM(nn.Module):
+class CausalLM(nn.Module, ABC):
     """A decoder-only LM over paged KV.
 
     ``forward`` maps the step's flat token batch ([T] ids and positions) to final hidden states [T, hidden];
@@ -65,7 +65,6 @@ class CausalLM(nn.Module):
         """The shape of this model's paged KV (its layers, KV heads and head size) in blocks of ``block_size``."""
         return KVCacheSpec(self.num_layers, self.num_kv_heads, self.head_dim, block_size, dtype, kv_dtype)
 
-    @abstractmethod
     def weight_bytes(self) -> int:
         """Bytes the loaded weights hold, in every layout a layer keeps (parameters and buffers, a GGUF's blocks,
         a mapped file's tensors, a dense or prepacked copy), each storage counted once (a tied head shares the
@@ -85,6 +84,7 @@ class CausalLM(nn.Module):
         """The distinct attention windows of the layers (None = global attention)."""
         return set(self.layer_windows())
 
+    @abstractmethod
     def layer_windows(self) -> list[int | None]:
         """Each layer's attention window (None = global attention), in layer order."""
 

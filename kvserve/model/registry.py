@@ -143,7 +143,7 @@ def select_fused_ops(device: torch.device, dtype: torch.dtype) -> TorchFusedOps:
 
 def build_model(
     config: PretrainedConfig,
-    backend: AttentionBackend,
+    backend: AttentionBackend | None,
     dtype: torch.dtype,
     device: torch.device | str,
     linear_method: LinearMethod | None = None,
@@ -157,7 +157,7 @@ def build_model(
     (default: the plain weights) but the LM head, which gets ``head_method`` (default: ``linear_method``); every
     norm, attention and MLP ``fused_ops`` (default: the plain twin). With ``tp.size`` > 1 the model holds this
     rank's part of every shardable layer (``tensor_parallel.shard_model``; ShardingError if a shape does not
-    split)."""
+    split). ``backend`` None: a model that never runs (``check_shardable``'s dry run on the meta device)."""
     model_class = get_model_class(config)
     linear_method = linear_method or UnquantizedLinearMethod()
     head_method = head_method or linear_method

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -244,9 +244,9 @@ class PersistentBatch:
             draft_token_ids=draft_token_ids,
             sampling=SamplingBatch.of_requests([self._sampling_row(scheduled[i].request_id, rows[i], in_flight)
                                                 for i in sampling], draft_token_ids),
-            prompt_logprobs=[
-                rows for i, r in enumerate(scheduled) if r.prompt_logprobs
-                if (rows := self._prompt_logprob_rows(r, int(query_start[i]))) is not None
+            prompt_logprobs=[  # a comprehension's := binds in this function: a name of its own, not ``rows``
+                logprob_rows for i, r in enumerate(scheduled) if r.prompt_logprobs
+                if (logprob_rows := self._prompt_logprob_rows(r, int(query_start[i]))) is not None
             ],
         )
 
@@ -323,7 +323,7 @@ class PersistentBatch:
         row = self._row(request_id)
         return _slice(row.prompt_token_ids, row.output_token_ids, start, end)
 
-    def _gather(self, scheduled: tuple[ScheduledRequest, ...], in_flight: InFlightTokens | None
+    def _gather(self, scheduled: Sequence[ScheduledRequest], in_flight: InFlightTokens | None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], list[tuple[int, int]]]:
         """Each scheduled request's row, start position and token count, the token ids the step runs, in
         order, and for each token still in flight its index among them and its row of ``in_flight`` (its id
