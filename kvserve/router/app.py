@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import URL
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
+from kvserve import __version__
 from kvserve.router.health import GET_TIMEOUT_S, HealthChecker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import Replica, RoutingPolicy
@@ -298,15 +299,15 @@ def _failure_response(error: UpstreamLost) -> Response:
 
 class RouterApp:
     """The router's ASGI app. The generation routes go to ``Router.proxy`` as plain ASGI messages (no Starlette
-    request, response or task group on the path every token takes); ``/health``, ``/metrics``, ``/v1/models``
-    and ``/v1/models/{model}`` answer from here; the lifespan runs the health checks. No FastAPI: the router
+    request, response or task group on the path every token takes); ``/health``, ``/metrics``, ``/version``,
+    ``/v1/models`` and ``/v1/models/{model}`` answer from here; the lifespan runs the health checks. No FastAPI: the router
     starts in well under a second. What it answers itself in a replica's place (404, 405, the redirect of a
     trailing slash) it answers as a replica does."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
         self.get_routes: dict[str, Callable[[Scope], Awaitable[Response]]] = {
-            "/health": self.health, "/metrics": self.metrics, "/v1/models": self.models}
+            "/health": self.health, "/metrics": self.metrics, "/version": self.version, "/v1/models": self.models}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -346,6 +347,9 @@ class RouterApp:
 
     async def metrics(self, scope: Scope) -> Response:
         return Response(generate_latest(self.router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(self, scope: Scope) -> Response:
+        return JSONResponse({"version": __version__})  # the replicas' too: one package
 
     async def models(self, scope: Scope) -> Response:
         """A replica's list, asked with the client's key (replicas started with --api-key want it)."""

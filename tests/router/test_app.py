@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvserve
 from kvserve.router.app import Router, RouterApp
 from kvserve.router.policy import make_policy
 from kvserve.router.prefix_index import CHUNK_CHARS
@@ -839,3 +840,15 @@ def test_metrics_show_each_replicas_own_metrics_while_it_is_up() -> None:
     assert families["kvserve:time_to_first_token_seconds"].type == "histogram"
     assert both.count("# TYPE kvserve:num_requests_waiting gauge") == 1
     assert f'replica="{fakes.urls[0]}"' in one and f'replica="{fakes.urls[1]}"}} 7.0' not in one  # r1 is down
+
+
+def test_version_is_the_packages_as_on_a_replica() -> None:
+    fakes = FakeReplicas(1)
+
+    async def scenario() -> httpx.Response:
+        async with fakes:
+            _, client = router_client(fakes)
+            return await client.get("/version")
+
+    answer = run(scenario())
+    assert answer.status_code == 200 and answer.json() == {"version": kvserve.__version__}
