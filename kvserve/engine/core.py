@@ -106,8 +106,6 @@ class EngineCore:
         if self.step_observer is not None:
             self.step_observer(sched_out)
         store = self.kv_manager.store
-        if store is not None:
-            store.start_disk_writes()  # the step's offloads are in their host rows now
         step_back = time.perf_counter() if self._times_steps else 0.0
         if self._times_steps:
             self._observe_step_cost(sched_out, step_back)
@@ -136,8 +134,7 @@ class EngineCore:
         """Apply the tier offloads planned since the last step (blocks computed in it) at once."""
         offloads, *moves_in_a_step = self.kv_manager.take_tier_transfers()
         assert not any(moves_in_a_step), "loads and swaps are planned only while scheduling, and sent with that step"
-        self.runner.apply_kv_transfers(KVTransferPlan(offloads=offloads))
-        self.kv_manager.store.start_disk_writes()  # copied: the writer thread may read their rows
+        self.runner.apply_kv_transfers(KVTransferPlan(offloads=offloads))  # their disk writes queued once copied
 
     def _track_peak(self, sched_out: SchedulerOutput) -> None:
         num_used = self.kv_manager.num_blocks_total - self.kv_manager.num_free_blocks()

@@ -42,6 +42,7 @@ from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import EngineOutput, SchedulerOutput
 from kvserve.sched.scheduler import Scheduler
 from kvserve.worker.draft_model import DraftModel
+from kvserve.worker.kv_transfers import HostCopies
 from kvserve.spec.policy import SpeculationPolicy
 from kvserve.worker.model_runner import ModelRunner, RunnerOptions
 from kvserve.worker.parallel import WorkerGroup, WorkerSpec, start_workers
@@ -184,8 +185,8 @@ class LLMEngine:
                                     groups)
         self._fit_max_model_len(kv_manager, sched_config.max_num_batched_tokens)
         sched_config = dataclasses.replace(sched_config, max_model_len=self.max_model_len)
-        host_slab = tiers.host_slab if tiers is not None else None
-        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, host_slab, sched_config.max_num_seqs)
+        host_copies = HostCopies(tiers.host_slab, tiers.start_disk_writes) if tiers is not None else None
+        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, host_copies, sched_config.max_num_seqs)
         speculative = self.config.speculative
         speculation = SpeculationPolicy(speculative) if speculative.enabled else None
         return EngineCore(runner, Scheduler(sched_config, kv_manager, speculation), kv_manager)

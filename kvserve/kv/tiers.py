@@ -25,15 +25,15 @@ a step's plan over (``KVCacheManager.take_tier_transfers``), this store picks th
 loads, so the plan carries rows, and the runner needs the slab, never this store::
 
     schedule N:  match (locate, prefetch, pin loads)  ...  take: reserve offload rows, publish; load rows, unpin
-    execute N:   the runner copies: offloads into their rows, loads out of theirs
-    update N:    start_disk_writes: the writer thread may now read the offloads' rows
+    execute N:   the runner copies: offloads into their rows (then start_disk_writes: the writer thread may now
+                 read them, while the step's forward pass runs), loads out of theirs
 
 Publishing an offload's key before its copy, and unpinning a load's row before it, is safe: rows change hands only
 on the engine thread while it plans (``prefetch``, ``hold_rows``, the next take), which it does only once the runner
 has applied this plan (on CUDA its copies are queued before the step's tokens, which the engine waits for), and a
 key published now is loaded only by a later plan. The one reader that does not wait for that is the writer thread,
-so a block's write is queued only by ``start_disk_writes``, which the engine calls once the step ran; until then
-its row stays pinned, so no reservation takes it.
+so a block's write is queued only by ``start_disk_writes``, which the runner's copies call once the offloads are
+in their rows (``HostCopies.after_offloads``); until then its row stays pinned, so no reservation takes it.
 
 Nothing here runs I/O on the step's critical path: file writes and reads run on a writer and a reader thread. A
 disk hit is *prefetched* into the slab while the request waits (other requests keep running) and counts as a hit
@@ -183,8 +183,8 @@ class TieredStore:
             return (evicted and self.host_is_tier) or not on_disk
 
     def pin(self, keys: Sequence[bytes]) -> bool:
-        """Keep these host blocks until ``load`` moves them (a load is planned); False, pinning none, if one
-        left the host tier since it was located."""
+        """Keep these host blocks until the plan that loads them is taken (``take_load_rows``); False, pinning
+        none, if one left the host tier since it was located."""
         with self._lock:
             if not all(key in self.host for key in keys):
                 return False

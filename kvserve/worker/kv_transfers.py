@@ -30,16 +30,19 @@ class CopyTotals:
 
 class HostCopies:
     """Copies between the paged KV and the host slab: offloads and swap-outs ((block_id, row) pairs) out, loads and
-    swap-ins ((row, block_id) pairs) back in."""
+    swap-ins ((row, block_id) pairs) back in. ``after_offloads`` is called once a step's offloads are in their
+    rows (the tiers queue their disk writes then, so that the writer works during the step's forward pass)."""
 
-    def __init__(self, host_slab: torch.Tensor) -> None:
+    def __init__(self, host_slab: torch.Tensor, after_offloads: Callable[[], None] = lambda: None) -> None:
         self.host_slab = host_slab
+        self.after_offloads = after_offloads
         self.offloaded = CopyTotals()
         self.loaded = CopyTotals()
         self.swapped = CopyTotals()  # out and back
 
     def offload(self, kv: KVCacheStorage, moves: Sequence[tuple[int, int]]) -> None:
         self._copy(kv.read_blocks, [block_id for block_id, _ in moves], [row for _, row in moves], self.offloaded)
+        self.after_offloads()  # the copy is synchronous: the rows hold the blocks now
 
     def swap_out(self, kv: KVCacheStorage, moves: Sequence[tuple[int, int]]) -> None:
         self._copy(kv.read_blocks, [block_id for block_id, _ in moves], [row for _, row in moves], self.swapped)

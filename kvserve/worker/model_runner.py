@@ -181,10 +181,10 @@ class ModelRunner:
         return model_identity(itertools.chain(self.model.named_parameters(), self.model.named_buffers()), extra,
                               self.model.config.to_dict())
 
-    def init_kv_cache(self, num_blocks: int, max_model_len: int, host_slab: torch.Tensor | None = None,
+    def init_kv_cache(self, num_blocks: int, max_model_len: int, host_copies: HostCopies | None = None,
                       max_num_seqs: int = 0) -> None:
         """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``);
-        ``host_slab`` holds the KV tiers' host rows, which the steps' transfers copy blocks into and out of. Rank
+        ``host_copies`` copies the steps' transfers into and out of the KV tiers' host rows. Rank
         0's has the workers allocate theirs. On CUDA, decode steps of up to ``max_num_seqs`` sequences are
         captured as CUDA graphs (0: none)."""
         self.peers.init_kv_cache(num_blocks, max_model_len, self.kv_groups)
@@ -196,7 +196,7 @@ class ModelRunner:
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device, scratch_block=cuda_graphs)
         max_blocks = -(-max_model_len // self.block_size)
         self.batch = PersistentBatch(max_blocks, self.block_size, self.device, num_groups=self.kv_groups.num_groups)
-        self.host_copies = HostCopies(host_slab) if host_slab is not None else None
+        self.host_copies = host_copies
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks, max_blocks)
         self.graphs = None

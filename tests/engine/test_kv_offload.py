@@ -202,6 +202,27 @@ def test_a_full_disk_changes_no_output(tiny_checkpoints, tmp_path, monkeypatch, 
     assert llm.stats()["kv_offload_host_hit_tokens"] > 0
 
 
+def test_a_steps_offloads_go_to_the_disk_writer_before_its_forward_pass(tiny_checkpoints, tmp_path) -> None:
+    """Written while the step computes: queued only after it, their rows stayed pinned into the next plan, where a
+    small host tier then had fewer rows to give (more offloads dropped, and counts that varied run to run)."""
+    llm = _llm(tiny_checkpoints["llama"], kv_offload_memory=0.01, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    store, runner, events = llm.engine.core.kv_manager.store, llm.engine.core.runner, []
+    assert runner.host_copies.after_offloads == store.start_disk_writes  # as the engine wires them
+    reserve, start_writes, forward = store.reserve_offload_rows, store.start_disk_writes, runner.model.forward
+
+    def reserving(blocks):
+        rows = reserve(blocks)
+        events.extend(["reserved"] * bool(rows))
+        return rows
+
+    store.reserve_offload_rows = reserving
+    runner.host_copies.after_offloads = lambda: (events.append("writes queued"), start_writes())
+    runner.model.forward = lambda *args, **kwargs: (events.append("forward"), forward(*args, **kwargs))[1]
+    _run(llm, _prompts(200, seed=6))
+    after_reserving = [events[i + 1] for i, event in enumerate(events[:-1]) if event == "reserved"]
+    assert after_reserving and set(after_reserving) == {"writes queued"}
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_quantized_kv_blocks_go_through_the_tiers_unchanged(tiny_checkpoints, tmp_path, kv_cache_dtype) -> None:
     path = tiny_checkpoints["llama"]

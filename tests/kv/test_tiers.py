@@ -121,14 +121,14 @@ def test_a_plans_offloads_never_take_the_row_one_of_its_loads_reads() -> None:
 
 def test_a_blocks_disk_write_waits_for_its_copy_into_the_host_row(tmp_path: Path) -> None:
     """The writer thread reads an offload's host row, so its write is queued only once the runner has copied the
-    block there (``start_disk_writes``); until then the row stays pinned, so no reservation takes it."""
+    block there (``HostCopies.after_offloads``: ``start_disk_writes``); until then the row stays pinned, so no
+    reservation takes it."""
     store, kv = _store(host_blocks=1, disk_dir=tmp_path), _storage()
     block = _chain(store, 1)[0]
     offloads = store.reserve_offload_rows([(3, block)])
     store.flush()  # waits for no write not yet queued
     assert not os.path.exists(store.disk.path(block.key)) and store.host.reserve() is None
-    HostCopies(store.host_slab).offload(kv, offloads)
-    store.start_disk_writes()
+    HostCopies(store.host_slab, store.start_disk_writes).offload(kv, offloads)
     store.flush()
     restarted, target = _store(disk_dir=tmp_path), _storage(1)
     assert _prefetched(restarted, [block]) == [Tier.HOST]

@@ -118,12 +118,12 @@ class TransferCounts:
 def apply_kv_transfers(kv: list[list[int | None]], tiers: TieredStore | None, transfers: KVTransferPlan,
                        counts: TransferCounts) -> None:
     """A plan's moves over a fake cache, as the real runner applies them (``HostCopies`` over the tiers' host slab,
-    in its order: offloads, copies, swap-outs, loads, swap-ins); then the disk writes start, as the engine starts
-    them once a step ran."""
+    in its order: offloads, copies, swap-outs, loads, swap-ins), the offloads' disk writes started once they are
+    copied, as the engine wires it."""
     if transfers.offloads or transfers.loads or transfers.swap_outs or transfers.swap_ins:
         assert tiers is not None, "a tier transfer without tiers"
     blocks = FakeKVBytes(kv)
-    host = HostCopies(tiers.host_slab) if tiers is not None else None
+    host = HostCopies(tiers.host_slab, tiers.start_disk_writes) if tiers is not None else None
     if transfers.offloads:
         host.offload(blocks, transfers.offloads)
     for src, dst in transfers.copies:
@@ -138,15 +138,12 @@ def apply_kv_transfers(kv: list[list[int | None]], tiers: TieredStore | None, tr
     if transfers.swap_ins:
         host.swap_in(blocks, transfers.swap_ins)
     counts.num_swapped_in += len(transfers.swap_ins)
-    if tiers is not None:
-        tiers.start_disk_writes()
 
 
 def offload_now(tiers: TieredStore, kv: KVCacheStorage | FakeKVBytes, blocks: Sequence[tuple[int, KeyedBlock]]) -> None:
     """Offload ``blocks`` ((block_id, content)) as one plan taken, applied by the runner, and its disk writes
     started."""
-    HostCopies(tiers.host_slab).offload(kv, tiers.reserve_offload_rows(blocks))
-    tiers.start_disk_writes()
+    HostCopies(tiers.host_slab, tiers.start_disk_writes).offload(kv, tiers.reserve_offload_rows(blocks))
 
 
 def load_now(tiers: TieredStore, kv: KVCacheStorage | FakeKVBytes, loads: Sequence[tuple[bytes, int]]) -> None:
