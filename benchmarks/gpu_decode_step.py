@@ -38,7 +38,7 @@ NUM_WARMUP_STEPS = 4
 def max_new_tokens(batch: int, prompt_len: int, num_steps: int, profile_steps: int) -> int:
     """What each request asks for: the measured steps, and room for the prefill's (the first requests decode while
     the last prefill, in what SchedulerConfig's default chunk leaves past a token for each decode)."""
-    prefill_steps = -(-batch * prompt_len // max(SchedulerConfig.max_num_batched_tokens - batch, 1))
+    prefill_steps = -(-batch * prompt_len // (SchedulerConfig.max_num_batched_tokens - batch))
     return num_steps + profile_steps + NUM_WARMUP_STEPS + prefill_steps + 4
 
 
@@ -161,6 +161,9 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU")
     batches = [int(b) for b in args.batch.split(",")]
+    if max(batches) >= SchedulerConfig.max_num_batched_tokens:  # the decodes would leave no room to prefill
+        parser.error(f"--batch takes fewer than {SchedulerConfig.max_num_batched_tokens} sequences (the step's "
+                     f"token budget), got {max(batches)}")
     if args.twin_ops:
         registry.select_fused_ops = lambda device, dtype: TorchFusedOps()
     if args.min_split_keys is not None or args.separate_merge:
