@@ -58,6 +58,7 @@ class EngineCore:
         store = kv_manager.store
         self._times_steps = store is not None and store.disk is not None
         self._last_step_back: float | None = None
+        self._steps_out: list[SchedulerOutput] = []  # scheduled, their tokens not back yet: oldest first
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -69,16 +70,14 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineOutput]:
-        sched_out = self.scheduler.schedule()
-        self._track_peak(sched_out)
+        sched_out = self._schedule(self.scheduler.schedule())
         self._start_period()
         return self._update(sched_out, self.runner.execute(sched_out))
 
     def launch_step(self) -> PendingStep:
         """``step`` in two halves: schedule and queue the step on the device (``ModelRunner.launch``); then
         ``finish_step`` waits for its tokens and updates the scheduler. The host is free in between (on CUDA)."""
-        sched_out = self.scheduler.schedule()
-        self._track_peak(sched_out)
+        sched_out = self._schedule(self.scheduler.schedule())
         self._start_period()
         return PendingStep(sched_out, self.runner.launch(sched_out))
 
@@ -92,8 +91,7 @@ class EngineCore:
         sched_out = self.scheduler.schedule_continuation(pending.sched_out)
         if sched_out is None:
             return None
-        self._track_peak(sched_out)
-        return PendingStep(sched_out, self.runner.launch(sched_out))
+        return PendingStep(self._schedule(sched_out), self.runner.launch(sched_out))
 
     def finish_step(self, pending: PendingStep) -> list[EngineOutput]:
         """Read back ``pending``'s tokens and update; then a continued step launched after it whose draw waited
@@ -102,7 +100,25 @@ class EngineCore:
         self.runner.draw_deferred()
         return outputs
 
+    def abandon_steps(self) -> None:
+        """A step raised (in the runner, or as its tokens were read back): every step not back yet is abandoned,
+        the newest first (``Scheduler.abandon_step``: their requests finish aborted, committing nothing), and the
+        KV moves of a plan the runner never applied with them. The scheduler and the KV cache are then as if those
+        steps had never been scheduled, so the engine can go on."""
+        while self._steps_out:
+            self.scheduler.abandon_step(self._steps_out.pop())
+        self.kv_manager.abandon_transfers()
+        self._last_step_back = None
+
+    def _schedule(self, sched_out: SchedulerOutput) -> SchedulerOutput:
+        """A step just scheduled: out until its update."""
+        self._steps_out.append(sched_out)
+        self._track_peak(sched_out)
+        return sched_out
+
     def _update(self, sched_out: SchedulerOutput, model_out: ModelOutput) -> list[EngineOutput]:
+        back = self._steps_out.pop(0)
+        assert back is sched_out, "steps come back in the order they were scheduled"
         if self.step_observer is not None:
             self.step_observer(sched_out)
         store = self.kv_manager.store

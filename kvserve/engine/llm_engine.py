@@ -185,7 +185,7 @@ class LLMEngine:
                                     groups)
         self._fit_max_model_len(kv_manager, sched_config.max_num_batched_tokens)
         sched_config = dataclasses.replace(sched_config, max_model_len=self.max_model_len)
-        host_copies = HostCopies(tiers.host_slab, tiers.start_disk_writes) if tiers is not None else None
+        host_copies = HostCopies(tiers.host_slab, tiers.publish_offloads) if tiers is not None else None
         runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, host_copies, sched_config.max_num_seqs)
         speculative = self.config.speculative
         speculation = SpeculationPolicy(speculative) if speculative.enabled else None
@@ -306,7 +306,20 @@ class LLMEngine:
             host:    | schedule N+1, launch N+1 | process N-1's outputs | wait for N, update | (next call)
             device:  |<------------ step N ------------>|<------------ step N+1 ------------>|
 
-        A request then runs up to two steps past a stop string or EOS, and their tokens are dropped."""
+        A request then runs up to two steps past a stop string or EOS, and their tokens are dropped.
+
+        A step that raises fails every request: the steps not back yet are abandoned (``EngineCore.abandon_steps``:
+        nothing they planned is kept), every request is aborted, and the exception goes to the caller. The engine
+        is then as it was before those requests came, and takes new ones."""
+        try:
+            return self._step(final_only)
+        except BaseException:
+            self._next, self._held = None, []
+            self.core.abandon_steps()
+            self.abort_request(self.output_processor.request_ids())
+            raise
+
+    def _step(self, final_only: bool) -> list[RequestOutput]:
         if not self.overlap_outputs:
             processed = self.output_processor.process(self.core.step(), final_only)
         else:

@@ -103,6 +103,10 @@ class OutputProcessor:
             return [request_id]
         return [sample_request_id(request_id, i) for i in range(state.params.n)]
 
+    def request_ids(self) -> list[str]:
+        """The requests not finished yet."""
+        return list(self._requests)
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)

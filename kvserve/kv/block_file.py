@@ -114,7 +114,7 @@ def _parse_header(raw: bytes, header_len: int) -> dict:
         raise CorruptBlockError("truncated inside its header")
     try:
         header = json.loads(raw)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: nested too deep (a crafted file)
         raise CorruptBlockError(f"unreadable header ({error})") from None
     if not isinstance(header, dict):
         raise CorruptBlockError("header is not an object")

@@ -241,7 +241,9 @@ class KVCacheManager:
         if keys:
             assert self.tier_plan is not None
             self.tier_plan.add_loads(zip(keys, fresh))
-        self.paths.start(request, prefix.nodes, num_computed)
+        # the blocks to load join the tree pending, as a swap-in's do: computed once their step is back, never
+        # before their copy (a step that raises first leaves no node over a block that was never filled)
+        self.paths.start(request, prefix.nodes, len(prefix.nodes) * self.block_size)
         return True
 
     def _match_tables(self, match: PrefixMatch) -> tuple[list[list[int]], list[tuple[int, int, bytes]]]:
@@ -404,6 +406,13 @@ class KVCacheManager:
         offloads, loads = self.tier_plan.take() if self.tier_plan is not None else ((), ())
         return offloads, loads, swap_outs, swap_ins
 
+    def abandon_transfers(self) -> None:
+        """The runner did not apply the last plan taken (its step raised): its offloads are not published. Its
+        loads' and swap-ins' blocks are pending on the tree until their step is back, and the requests of an
+        abandoned step finish without it (``Scheduler.abandon_step``)."""
+        if self.store is not None:
+            self.store.abandon_offloads()
+
     def free_tail(self, request: Request, num_tokens: int) -> None:
         """Release the request's blocks past those its first ``num_tokens`` tokens need: blocks taken for
         draft tokens that verification rejected. Their slots hold no known token, so none is on the tree::
@@ -500,6 +509,8 @@ class KVCacheManager:
         self.paths.check(requests)
         if self.swap is not None:
             self.swap.check_integrity(request.request_id for request in requests)
+        elif self.store is not None:
+            self.store.check_integrity([])
 
     def _check_tables(self, request: Request, holders: Counter[int], windowed: set[int]) -> None:
         """A request's tables match the groups, hold no block twice, and have nulls only in a leading run of a window

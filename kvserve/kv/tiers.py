@@ -24,16 +24,16 @@ The KV manager plans every move; the runner only copies bytes (``worker/kv_trans
 a step's plan over (``KVCacheManager.take_tier_transfers``), this store picks the host rows of its offloads and
 loads, so the plan carries rows, and the runner needs the slab, never this store::
 
-    schedule N:  match (locate, prefetch, pin loads)  ...  take: reserve offload rows, publish; load rows, unpin
-    execute N:   the runner copies: offloads into their rows (then start_disk_writes: the writer thread may now
-                 read them, while the step's forward pass runs), loads out of theirs
+    schedule N:  match (locate, prefetch, pin loads)  ...  take: reserve offload rows; load rows, unpin
+    execute N:   the runner copies: offloads into their rows (then publish_offloads: their keys are found from now
+                 on, and the writer thread may read them, while the step's forward pass runs), loads out of theirs
 
-Publishing an offload's key before its copy, and unpinning a load's row before it, is safe: rows change hands only
-on the engine thread while it plans (``prefetch``, ``hold_rows``, the next take), which it does only once the runner
-has applied this plan (on CUDA its copies are queued before the step's tokens, which the engine waits for), and a
-key published now is loaded only by a later plan. The one reader that does not wait for that is the writer thread,
-so a block's write is queued only by ``start_disk_writes``, which the runner's copies call once the offloads are
-in their rows (``HostCopies.after_offloads``); until then its row stays pinned, so no reservation takes it.
+An offload's key is published only once its bytes are in its row, so a step that raises before its copies leaves
+no key over a row that was never written (``abandon_offloads`` gives the reserved rows back). Unpinning a load's
+row before its copy is safe: rows change hands only on the engine thread while it plans (``prefetch``,
+``hold_rows``, the next take), which it does only once the runner has applied this plan (on CUDA its copies are
+queued before the step's tokens, which the engine waits for). The one reader that does not wait for that is the
+writer thread, so a block's write is queued only once it is in its row, and its row stays pinned until written.
 
 Nothing here runs I/O on the step's critical path: file writes and reads run on a writer and a reader thread. A
 disk hit is *prefetched* into the slab while the request waits (other requests keep running) and counts as a hit
@@ -117,8 +117,8 @@ class TieredStore:
         self._lock = threading.Lock()
         self._io_done = threading.Condition(self._lock)
         self._reading: set[bytes] = set()
-        self._writing: set[bytes] = set()  # written, or to be once their offload is copied (``_unsent_writes``)
-        self._unsent_writes: list[tuple[KeyedBlock, int]] = []
+        self._writing: set[bytes] = set()  # being written to the disk
+        self._reserved: list[tuple[KeyedBlock, int]] = []  # offloads taken, not yet copied into their rows
         self._reader = IOThread("kvserve-kv-read") if self.disk else None
         self._writer = IOThread("kvserve-kv-write") if self.disk else None
         # a store dropped without close() (an LLM let go) stops its threads, which would live on with nothing to do
@@ -205,9 +205,9 @@ class TieredStore:
 
     def check_integrity(self, held_rows: list[int]) -> None:
         """Host rows are each free, indexed, held (``held_rows``: every row taken by ``hold_rows`` and not yet
-        released) or being read into. Raises AssertionError."""
+        released), reserved for an offload or being read into. Raises AssertionError."""
         with self._lock:
-            self.host.check_rows(held_rows, len(self._reading))
+            self.host.check_rows(held_rows + [row for _, row in self._reserved], len(self._reading))
 
     def wait_for_reads(self, timeout: float) -> None:
         """Block until no prefetch is under way, or ``timeout`` seconds (an idle engine waiting on the disk)."""
@@ -227,24 +227,14 @@ class TieredStore:
         return self.host.slab
 
     def reserve_offload_rows(self, blocks: Sequence[tuple[int, KeyedBlock]]) -> tuple[tuple[int, int], ...]:
-        """Rows for a plan's offloads ((block_id, content) -> (block_id, row) pairs for the runner to copy), each
-        block published under its key now (safe before its copy: module docstring); those the disk lacks are
-        pinned until ``start_disk_writes`` queues their writes. A block finds no row when every row is pinned or
-        held: it is dropped, counted. All rows are reserved before any is published, so that no offload of the
-        plan evicts another's."""
+        """Rows for a plan's offloads ((block_id, content) -> (block_id, row) pairs for the runner to copy), held
+        out of the index until the copy (``publish_offloads``). A block finds no row when every row is pinned or
+        held: it is dropped, counted."""
         with self._lock:
             rows = [self.host.reserve() for _ in blocks]
             kept = [(block_id, block, row) for (block_id, block), row in zip(blocks, rows) if row is not None]
-            for _, block, row in kept:
-                self.host.publish(block.key, row, block.group)
-                if self._should_write(block.key):
-                    self._writing.add(block.key)
-                    self.host.pin(block.key)
-                    self._unsent_writes.append((block, row))
-            c = self.counters
-            c.blocks_dropped += len(blocks) - len(kept)
-            c.blocks_offloaded += len(kept)
-            c.bytes_offloaded += len(kept) * self.format.bytes_per_block
+            self._reserved.extend((block, row) for _, block, row in kept)
+            self.counters.blocks_dropped += len(blocks) - len(kept)
         return tuple((block_id, row) for block_id, _, row in kept)
 
     def take_load_rows(self, loads: Sequence[tuple[bytes, int]]) -> tuple[tuple[int, int], ...]:
@@ -272,14 +262,32 @@ class TieredStore:
         if self.disk is not None:
             self.disk.touch(key)
 
-    def start_disk_writes(self) -> None:
-        """Queue the disk writes of the offloads reserved so far. The caller has applied every plan taken: their
-        rows hold the blocks now, so the writer thread may read them."""
+    def publish_offloads(self) -> None:
+        """The runner has copied the reserved offloads into their rows: their keys are found from now on, and the
+        writes of those the disk lacks are queued (their rows pinned until written)."""
         with self._lock:
-            writes, self._unsent_writes = self._unsent_writes, []
+            reserved, self._reserved = self._reserved, []
+            writes = []
+            for block, row in reserved:
+                self.host.publish(block.key, row, block.group)
+                if self._should_write(block.key):
+                    self._writing.add(block.key)
+                    self.host.pin(block.key)
+                    writes.append((block, row))
+            c = self.counters
+            c.blocks_offloaded += len(reserved)
+            c.bytes_offloaded += len(reserved) * self.format.bytes_per_block
         for block, row in writes:
             assert self._writer is not None
             self._writer.submit(self._write, block, row)
+
+    def abandon_offloads(self) -> None:
+        """A plan's offloads that were never copied (its step raised first): their rows go back, nothing is
+        published."""
+        with self._lock:
+            for _, row in self._reserved:
+                self.host.release(row)
+            self._reserved.clear()
 
     # ------------------------------------------------------------------------------------ the I/O threads
 
@@ -321,7 +329,7 @@ class TieredStore:
         start = time.perf_counter()
         try:
             self.disk.read(block, memoryview(self.host.slab[row].numpy()))
-        except (OSError, CorruptBlockError) as error:
+        except Exception as error:  # any file that cannot be used is skipped, and its row given back
             self._reject(block.key, row, error)
         else:
             with self._lock:
@@ -335,7 +343,8 @@ class TieredStore:
                 self._io_done.notify_all()
 
     def _reject(self, key: bytes, row: int, error: Exception) -> None:
-        """A block file that cannot be used: skipped, counted, logged, and removed if it is corrupt."""
+        """A block file that cannot be used (unreadable, corrupt, or failing in a way not foreseen): skipped, counted,
+        logged, and removed if it is corrupt."""
         assert self.disk is not None
         directory_gone = isinstance(error, OSError) and not self.disk.is_directory()
         with self._lock:
@@ -350,17 +359,17 @@ class TieredStore:
         elif isinstance(error, FileNotFoundError):  # trimmed by another server sharing the directory
             logger.info("KV disk tier: block file %s is gone; recomputing it", self.disk.path(key))
         else:
-            logger.warning("KV disk tier: skipping block file %s: %s", self.disk.path(key), error)
+            logger.warning("KV disk tier: skipping block file %s: %s", self.disk.path(key), error,
+                           exc_info=not isinstance(error, (OSError, CorruptBlockError)))  # unforeseen: where from
         if isinstance(error, CorruptBlockError):
             self.disk.remove(key)
 
     # -------------------------------------------------------------------------------------------- the rest
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every disk write queued by ``start_disk_writes`` and every read is done (shutdown, tests)."""
+        """Block until every disk write queued by ``publish_offloads`` and every read is done (shutdown, tests)."""
         with self._io_done:
-            self._io_done.wait_for(lambda: len(self._writing) == len(self._unsent_writes) and not self._reading,
-                                   timeout)
+            self._io_done.wait_for(lambda: not self._writing and not self._reading, timeout)
 
     def close(self, timeout: float = CLOSE_SECONDS) -> None:
         """Finish queued I/O and stop the I/O threads, waiting at most ``timeout`` seconds for each: one stuck

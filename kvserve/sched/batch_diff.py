@@ -16,7 +16,7 @@ from typing import Mapping
 
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import Request
-from kvserve.sched.output import NewRequestData, ScheduledRequest
+from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from kvserve.sched.stopping import wants_prompt_logprobs
 
 
@@ -52,6 +52,12 @@ class RunnerBatchMirror:
         self._num_steps_back += 1
         if self._retiring:
             self._retiring = {rid: step for rid, step in self._retiring.items() if step > self._num_steps_back}
+
+    def abandon(self, sched_out: SchedulerOutput) -> None:
+        """A step the runner may not have applied: it counts as back, and the next diff drops its removals again."""
+        self.step_back()
+        self._finished_ids |= sched_out.finished_request_ids
+        self._preempted_ids |= sched_out.preempted_request_ids
 
     def rows(
         self, scheduled: list[tuple[Request, int]], drafts: dict[str, tuple[int, ...]]

@@ -177,6 +177,18 @@ class Scheduler:
             if request is not None:
                 self._finish(request, reason)
 
+    def abandon_step(self, sched_out: SchedulerOutput) -> None:
+        """The runner did not finish ``sched_out`` (it raised before its tokens were back): nothing the step planned
+        is taken as done. It counts as back, and its removals go in the next diff again (the runner may not have
+        applied them; it ignores ids it does not hold). Its requests, and those it preempted, finish aborted
+        without committing the KV it was to compute, load or swap in: their pending blocks leave the tree. The
+        KV moves of its plan are the KV manager's to abandon (``abandon_transfers``)."""
+        self._batch_mirror.abandon(sched_out)
+        for request_id in [row.request_id for row in sched_out.requests] + list(sched_out.preempted_request_ids):
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, FinishReason.ABORT, commit=False)
+
     # ----------------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
@@ -468,12 +480,15 @@ class Scheduler:
             except ValueError:
                 continue
 
-    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None,
+                commit: bool = True) -> None:
+        """``commit``: the request's computed tokens are what completed steps computed (False: its last step was
+        abandoned, and what it counts may never have been filled)."""
         # out of the queues and of ``requests`` first: a request is finished once, even should its freeing be
         # interrupted (a second free, from an abort, freed its blocks twice)
         del self.requests[request.request_id]
         self._dequeue(request)
-        if request.status is RequestStatus.RUNNING:
+        if commit and request.status is RequestStatus.RUNNING:
             # blocks filled by the drafts accepted in its last step are known only now: into the tree first
             self.kv.cache_computed(request)
         request.status = RequestStatus.FINISHED

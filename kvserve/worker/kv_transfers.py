@@ -31,7 +31,8 @@ class CopyTotals:
 class HostCopies:
     """Copies between the paged KV and the host slab: offloads and swap-outs ((block_id, row) pairs) out, loads and
     swap-ins ((row, block_id) pairs) back in. ``after_offloads`` is called once a step's offloads are in their
-    rows (the tiers queue their disk writes then, so that the writer works during the step's forward pass)."""
+    rows (the tiers publish them then, and queue their disk writes, so that the writer works during the step's
+    forward pass)."""
 
     def __init__(self, host_slab: torch.Tensor, after_offloads: Callable[[], None] = lambda: None) -> None:
         self.host_slab = host_slab

@@ -207,8 +207,8 @@ def test_a_steps_offloads_go_to_the_disk_writer_before_its_forward_pass(tiny_che
     small host tier then had fewer rows to give (more offloads dropped, and counts that varied run to run)."""
     llm = _llm(tiny_checkpoints["llama"], kv_offload_memory=0.01, kv_offload_dir=str(tmp_path), **SMALL_POOL)
     store, runner, events = llm.engine.core.kv_manager.store, llm.engine.core.runner, []
-    assert runner.host_copies.after_offloads == store.start_disk_writes  # as the engine wires them
-    reserve, start_writes, forward = store.reserve_offload_rows, store.start_disk_writes, runner.model.forward
+    assert runner.host_copies.after_offloads == store.publish_offloads  # as the engine wires them
+    reserve, publish, forward = store.reserve_offload_rows, store.publish_offloads, runner.model.forward
 
     def reserving(blocks):
         rows = reserve(blocks)
@@ -216,7 +216,7 @@ def test_a_steps_offloads_go_to_the_disk_writer_before_its_forward_pass(tiny_che
         return rows
 
     store.reserve_offload_rows = reserving
-    runner.host_copies.after_offloads = lambda: (events.append("writes queued"), start_writes())
+    runner.host_copies.after_offloads = lambda: (events.append("writes queued"), publish())
     runner.model.forward = lambda *args, **kwargs: (events.append("forward"), forward(*args, **kwargs))[1]
     _run(llm, _prompts(200, seed=6))
     after_reserving = [events[i + 1] for i, event in enumerate(events[:-1]) if event == "reserved"]

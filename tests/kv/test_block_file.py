@@ -118,6 +118,10 @@ def test_a_file_of_something_else_is_refused(tmp_path: Path) -> None:
     path.write_bytes(struct.pack("<6sHI", b"KVSBLK", 1, len(header)) + header + PAYLOAD)
     with pytest.raises(CorruptBlockError, match="not an object"):
         _read(str(path))
+    header = b"[" * 300_000 + b"]" * 300_000  # within the header bound, nested past json's recursion limit
+    path.write_bytes(struct.pack("<6sHI", b"KVSBLK", 1, len(header)) + header + PAYLOAD)
+    with pytest.raises(CorruptBlockError, match="unreadable header"):
+        _read(str(path))
 
 
 def test_header_fields_are_the_ones_documented(tmp_path: Path) -> None:

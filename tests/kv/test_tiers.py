@@ -121,19 +121,51 @@ def test_a_plans_offloads_never_take_the_row_one_of_its_loads_reads() -> None:
 
 def test_a_blocks_disk_write_waits_for_its_copy_into_the_host_row(tmp_path: Path) -> None:
     """The writer thread reads an offload's host row, so its write is queued only once the runner has copied the
-    block there (``HostCopies.after_offloads``: ``start_disk_writes``); until then the row stays pinned, so no
+    block there (``HostCopies.after_offloads``: ``publish_offloads``); until then the row stays pinned, so no
     reservation takes it."""
     store, kv = _store(host_blocks=1, disk_dir=tmp_path), _storage()
     block = _chain(store, 1)[0]
     offloads = store.reserve_offload_rows([(3, block)])
     store.flush()  # waits for no write not yet queued
     assert not os.path.exists(store.disk.path(block.key)) and store.host.reserve() is None
-    HostCopies(store.host_slab, store.start_disk_writes).offload(kv, offloads)
+    HostCopies(store.host_slab, store.publish_offloads).offload(kv, offloads)
     store.flush()
     restarted, target = _store(disk_dir=tmp_path), _storage(1)
     assert _prefetched(restarted, [block]) == [Tier.HOST]
     _load(restarted, target, [(block.key, 0)])
     assert _block_bytes(target, 0) == _block_bytes(kv, 3)
+
+
+def test_an_offload_is_found_only_once_copied_and_one_never_copied_gives_its_row_back(tmp_path: Path) -> None:
+    """A step that raises before its copies leaves no key over a row that was never written, nor a write of it."""
+    store, kv = _store(host_blocks=2, disk_dir=tmp_path), _storage()
+    first, second = _chain(store, 2)
+    offloads = store.reserve_offload_rows([(3, first)])
+    assert store.locate(first.key) is None and store.staging_rows() == 1  # reserved: neither found nor free
+    store.check_integrity([])
+    store.abandon_offloads()
+    store.flush()
+    assert store.locate(first.key) is None and store.staging_rows() == 2
+    assert store.stats()["kv_offload_disk_writes"] == 0
+    offloads = store.reserve_offload_rows([(3, first), (4, second)])
+    HostCopies(store.host_slab, store.publish_offloads).offload(kv, offloads)
+    store.flush()
+    assert [store.locate(b.key) for b in (first, second)] == [Tier.HOST] * 2
+    assert store.stats()["kv_offload_disk_writes"] == 2 and store.stats()["kv_offload_blocks_offloaded"] == 2
+    store.check_integrity([])
+
+
+def test_a_read_that_fails_unforeseen_skips_the_block_and_gives_its_row_back(tmp_path: Path, monkeypatch,
+                                                                             caplog) -> None:
+    first, kv = _store(disk_dir=tmp_path), _storage()
+    blocks = _chain(first, 2)
+    _write_through(first, kv, blocks)
+    second = _store(host_blocks=2, disk_dir=tmp_path)
+    monkeypatch.setattr(second.disk, "read", lambda block, out: [][0])  # a bug, say: IndexError
+    with caplog.at_level(logging.WARNING, logger="kvserve.kv.tiers"):
+        assert _prefetched(second, blocks) == [None, None]
+    assert second.staging_rows() == 2 and "IndexError" in caplog.text
+    second.check_integrity([])
 
 
 def _write_through(store: TieredStore, kv: KVCacheStorage, blocks: list[KeyedBlock]) -> None:

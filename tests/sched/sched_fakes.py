@@ -123,7 +123,7 @@ def apply_kv_transfers(kv: list[list[int | None]], tiers: TieredStore | None, tr
     if transfers.offloads or transfers.loads or transfers.swap_outs or transfers.swap_ins:
         assert tiers is not None, "a tier transfer without tiers"
     blocks = FakeKVBytes(kv)
-    host = HostCopies(tiers.host_slab, tiers.start_disk_writes) if tiers is not None else None
+    host = HostCopies(tiers.host_slab, tiers.publish_offloads) if tiers is not None else None
     if transfers.offloads:
         host.offload(blocks, transfers.offloads)
     for src, dst in transfers.copies:
@@ -143,7 +143,7 @@ def apply_kv_transfers(kv: list[list[int | None]], tiers: TieredStore | None, tr
 def offload_now(tiers: TieredStore, kv: KVCacheStorage | FakeKVBytes, blocks: Sequence[tuple[int, KeyedBlock]]) -> None:
     """Offload ``blocks`` ((block_id, content)) as one plan taken, applied by the runner, and its disk writes
     started."""
-    HostCopies(tiers.host_slab, tiers.start_disk_writes).offload(kv, tiers.reserve_offload_rows(blocks))
+    HostCopies(tiers.host_slab, tiers.publish_offloads).offload(kv, tiers.reserve_offload_rows(blocks))
 
 
 def load_now(tiers: TieredStore, kv: KVCacheStorage | FakeKVBytes, loads: Sequence[tuple[bytes, int]]) -> None:
