@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from kvserve.kv.block_keys import block_key, group_key
 
+TEMP_SUFFIX = ".tmp"  # a block file being written; renamed over the block's name once whole
 MAGIC = b"KVSBLK"
 VERSION = 1
 _PREAMBLE = struct.Struct("<6sHI")  # magic, version, header length
@@ -66,7 +67,7 @@ def write_block_file(path: str, record: BlockRecord, payload: memoryview) -> int
     if payload.nbytes != record.payload_bytes:
         raise ValueError(f"payload of {payload.nbytes} bytes for a block of {record.payload_bytes}")
     header = json.dumps(record.header(zlib.crc32(payload)), separators=(",", ":")).encode()
-    tmp_path = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp_path = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TEMP_SUFFIX}"
     try:
         with open(tmp_path, "wb") as f:
             f.write(_PREAMBLE.pack(MAGIC, VERSION, len(header)))

@@ -3,22 +3,25 @@ threads that read and write them off the step's critical path (``kv/tiers.py`` i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from kvserve.kv.block_file import BlockRecord, read_block_file, write_block_file
+from kvserve.kv.block_file import TEMP_SUFFIX, BlockRecord, read_block_file, write_block_file
 from kvserve.kv.block_keys import KeyedBlock
 
 logger = logging.getLogger(__name__)
 
 FILE_SUFFIX = ".kvb"
+STALE_TEMP_SECONDS = 60.0  # a temporary block file this old is a dead writer's (a block is written in milliseconds)
 
 
 @dataclass(frozen=True)
@@ -117,13 +120,25 @@ class DiskTier:
                            directory, error)
 
     def _scan(self) -> None:
-        """Index the files already there (a predecessor's, or another server's), oldest first."""
-        found = []
+        """Index the files already there (a predecessor's, or another server's), oldest first, and remove the
+        temporary files of writers that died mid-write (outside the index and the budget, nothing else would)."""
+        found, stale = [], []
+        now = time.time()
         for sub in os.scandir(self.directory):
             if sub.is_dir() and len(sub.name) == 2:
                 for entry in _scandir_or_nothing(sub.path):
-                    if entry.name.endswith(FILE_SUFFIX) and (stat := _stat_or_none(entry)) is not None:
+                    if (stat := _stat_or_none(entry)) is None:
+                        continue
+                    if entry.name.endswith(FILE_SUFFIX):
                         found.append((stat.st_mtime, entry.name[: -len(FILE_SUFFIX)], stat.st_size))
+                    elif entry.name.endswith(TEMP_SUFFIX) and now - stat.st_mtime > STALE_TEMP_SECONDS:
+                        stale.append(entry.path)
+        for path in stale:
+            with contextlib.suppress(FileNotFoundError):  # another server starting on the directory took it first
+                os.unlink(path)
+        if stale:
+            logger.info("KV disk tier: removed %d temporary block files of %s left by writers that died", len(stale),
+                        self.directory)
         for _, name, size in sorted(found):
             try:
                 self._files[bytes.fromhex(name)] = size

@@ -400,6 +400,25 @@ def test_a_store_restarted_with_a_smaller_disk_budget_keeps_within_it(tmp_path: 
     assert sum(1 for _ in tmp_path.rglob("*.kvb")) == 2
 
 
+def test_a_restarted_store_removes_the_temporary_files_of_writers_that_died(tmp_path: Path, caplog) -> None:
+    """A server killed mid-write leaves its temporary file outside the index and the budget; one a live writer may
+    still be writing (another server's, just now) stays."""
+    first, kv = _store(disk_dir=tmp_path), _storage(0)
+    block = _chain(first, 1)[0]
+    _write_through(first, kv, [block])
+    first.close()
+    path = first.disk.path(block.key)
+    dead, writing = Path(f"{path}.999999.dead0000.tmp"), Path(f"{path}.999998.live0000.tmp")
+    for temporary in (dead, writing):
+        temporary.write_bytes(b"KVSBLK")
+    an_hour_ago = time.time() - 3600
+    os.utime(dead, (an_hour_ago, an_hour_ago))
+    with caplog.at_level(logging.INFO, logger="kvserve.kv.disk_tier"):
+        second = _store(disk_dir=tmp_path)
+    assert not dead.exists() and writing.exists() and "removed 1 temporary block files" in caplog.text
+    assert second.locate(block.key) is Tier.DISK
+
+
 def test_a_disk_tier_smaller_than_one_block_is_refused(tmp_path: Path) -> None:
     """1e-10 GiB rounded to 0 bytes, which read as no bound at all; under one block it kept one file over it."""
     for disk_blocks in (0.0, 0.5):
