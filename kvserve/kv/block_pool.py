@@ -127,9 +127,10 @@ class BlockPool:
         raises AssertionError."""
         worthless, evictable = set(self._worthless), set(self._evictable)
         assert not worthless & evictable, f"blocks {sorted(worthless & evictable)} are in both queues"
-        unqueued = [b for b, count in enumerate(self._ref_counts) if count == 0 and b not in worthless | evictable]
+        queued = worthless | evictable  # once: the union in the loop made the check quadratic in the pool
+        unqueued = [b for b, count in enumerate(self._ref_counts) if count == 0 and b not in queued]
         assert not unqueued, f"blocks {unqueued} have reference count 0 but are in no queue"
-        held = [b for b in worthless | evictable if self._ref_counts[b] != 0]
+        held = [b for b in queued if self._ref_counts[b] != 0]
         assert not held, f"blocks {held} are in a queue of unheld blocks but still held"
         wrong_worthless = [b for b in worthless if self._cached[b]]
         assert not wrong_worthless, f"cached blocks {wrong_worthless} are in the worthless queue, not the evictable one"
