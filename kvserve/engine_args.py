@@ -133,8 +133,9 @@ class EngineArgs:
                                          "computed: it outlives restarts and can be shared by servers of the same "
                                          "model (a block is used only if verified; staged in 0.25 GiB of host memory "
                                          "unless --kv-offload-memory sets it; default: no disk tier)", str)
-    kv_offload_disk: float | None = _option(None, f"GiB the disk tier may fill, oldest out first (default "
-                                            f"{DEFAULT_DISK_TIER_GIB:g}; needs --kv-offload-dir)", float)
+    kv_offload_disk: float | None = _option(None, f"GiB the disk tier's directory may fill, least recently used out "
+                                            f"first, shared by the servers on it (default {DEFAULT_DISK_TIER_GIB:g}; "
+                                            "needs --kv-offload-dir)", float)
     tensor_parallel_size: int = _option(ParallelConfig.tensor_parallel_size,
                                         "split every layer over this many processes (attention heads, the MLP's "
                                         "columns and the vocabulary; KV heads split, or replicated where there are "

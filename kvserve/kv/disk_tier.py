@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 FILE_SUFFIX = ".kvb"
 STALE_TEMP_SECONDS = 60.0  # a temporary block file this old is a dead writer's (a block is written in milliseconds)
+# Servers sharing a directory share its capacity: each keeps its own index within it, and lists the directory again
+# (the others' writes count too) and trims it once it has written this share of the capacity since its last listing.
+# So the directory holds at most the capacity plus this share of it for each other server writing there.
+LIST_EVERY_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,35 @@ def _stat_or_none(entry: os.DirEntry) -> os.stat_result | None:
         return entry.stat() if entry.is_file() else None
     except OSError:
         return None
+
+
+def list_directory(directory: str) -> tuple[list[tuple[bytes, int]], list[str]]:
+    """The block files of a tier's directory ((key, size), least recently used first: a file's time is its last
+    write or use), and the temporary files of writers that died mid-write (older than ``STALE_TEMP_SECONDS``).
+    Raises OSError if the directory cannot be listed."""
+    found, stale = [], []
+    now = time.time()
+    for sub in os.scandir(directory):
+        if sub.is_dir() and len(sub.name) == 2:
+            for entry in _scandir_or_nothing(sub.path):
+                if (stat := _stat_or_none(entry)) is None:
+                    continue
+                if entry.name.endswith(FILE_SUFFIX):
+                    with contextlib.suppress(ValueError):  # not a kvserve block file's name
+                        found.append((stat.st_mtime, bytes.fromhex(entry.name[: -len(FILE_SUFFIX)]), stat.st_size))
+                elif entry.name.endswith(TEMP_SUFFIX) and now - stat.st_mtime > STALE_TEMP_SECONDS:
+                    stale.append(entry.path)
+    return [(key, size) for _, key, size in sorted(found)], stale
+
+
+def _remove_stale_temporaries(directory: str, paths: list[str]) -> None:
+    """Temporary files of writers that died: outside every index and budget, nothing else would remove them."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):  # another server starting on the directory took it first
+            os.unlink(path)
+    if paths:
+        logger.info("KV disk tier: removed %d temporary block files of %s left by writers that died", len(paths),
+                    directory)
 
 
 # Write errors of the whole directory: after one, nothing more is written there. Any other error (a directory
@@ -105,10 +138,12 @@ class DiskTier:
         self._files: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recently used first
         self._bad: set[bytes] = set()  # found corrupt or foreign: never read again unless rewritten
         self.num_bytes = 0
+        self._bytes_since_listing = 0  # written by this server since the directory was last listed
         try:
             os.makedirs(directory, exist_ok=True)
-            self._scan()
-            over = self._over_capacity(keep=0)  # a predecessor's blocks past this server's (smaller) budget
+            files, stale = list_directory(directory)
+            _remove_stale_temporaries(directory, stale)
+            over = self.trim(files)  # a predecessor's blocks past this server's (smaller) budget
             for key in over:
                 self.remove(key)
             if over:
@@ -118,33 +153,6 @@ class DiskTier:
             self.writable = False
             logger.warning("KV disk tier: cannot use %s (%s); prefixes not in memory will be recomputed",
                            directory, error)
-
-    def _scan(self) -> None:
-        """Index the files already there (a predecessor's, or another server's), oldest first, and remove the
-        temporary files of writers that died mid-write (outside the index and the budget, nothing else would)."""
-        found, stale = [], []
-        now = time.time()
-        for sub in os.scandir(self.directory):
-            if sub.is_dir() and len(sub.name) == 2:
-                for entry in _scandir_or_nothing(sub.path):
-                    if (stat := _stat_or_none(entry)) is None:
-                        continue
-                    if entry.name.endswith(FILE_SUFFIX):
-                        found.append((stat.st_mtime, entry.name[: -len(FILE_SUFFIX)], stat.st_size))
-                    elif entry.name.endswith(TEMP_SUFFIX) and now - stat.st_mtime > STALE_TEMP_SECONDS:
-                        stale.append(entry.path)
-        for path in stale:
-            with contextlib.suppress(FileNotFoundError):  # another server starting on the directory took it first
-                os.unlink(path)
-        if stale:
-            logger.info("KV disk tier: removed %d temporary block files of %s left by writers that died", len(stale),
-                        self.directory)
-        for _, name, size in sorted(found):
-            try:
-                self._files[bytes.fromhex(name)] = size
-                self.num_bytes += size
-            except ValueError:
-                continue  # not a kvserve block file name
 
     def path(self, key: bytes) -> str:
         name = key.hex()
@@ -164,25 +172,52 @@ class DiskTier:
         return key in self._files
 
     def add(self, key: bytes, size: int) -> list[bytes]:
-        """Index a file just written; returns the keys to delete to keep within the capacity, oldest first."""
+        """Index a file just written; returns the keys to delete to keep the index within the capacity, least
+        recently used first. Once ``listing_due``, the caller lists the directory (``list_directory``, unlocked)
+        and has it trimmed (``trim``)."""
         self.num_bytes += size - self._files.pop(key, 0)
         self._files[key] = size
         self._bad.discard(key)
-        return self._over_capacity(keep=1)
+        self._bytes_since_listing += size
+        return self._over_capacity(keep=key)
 
-    def _over_capacity(self, keep: int) -> list[bytes]:
-        """Drop the oldest files from the index while it is over the capacity (but for the newest ``keep``);
+    @property
+    def listing_due(self) -> bool:
+        """Whether this server has written ``LIST_EVERY_SHARE`` of the capacity since it last listed the directory."""
+        return self._bytes_since_listing >= LIST_EVERY_SHARE * self.capacity_bytes
+
+    def trim(self, files: list[tuple[bytes, int]], keep: bytes | None = None) -> list[bytes]:
+        """Index the directory as listed, every server's files, least recently used first (the capacity is the
+        directory's, not this server's writes'), and drop the oldest but ``keep`` while it is over the capacity;
         returns their keys, for the caller to delete."""
+        self._files = OrderedDict((key, size) for key, size in files if key not in self._bad)
+        self.num_bytes = sum(self._files.values())
+        self._bytes_since_listing = 0
+        return self._over_capacity(keep)
+
+    def _over_capacity(self, keep: bytes | None) -> list[bytes]:
+        """Drop the least recently used files but ``keep`` from the index while it is over the capacity; returns
+        their keys."""
         victims = []
-        while self.num_bytes > self.capacity_bytes and len(self._files) > keep:
-            victim, victim_size = self._files.popitem(last=False)
-            self.num_bytes -= victim_size
-            victims.append(victim)
+        for key, size in list(self._files.items()):
+            if self.num_bytes <= self.capacity_bytes:
+                break
+            if key != keep:
+                del self._files[key]
+                self.num_bytes -= size
+                victims.append(key)
         return victims
 
     def touch(self, key: bytes) -> None:
+        """A hit on ``key``'s file: the most recently used in the index now, and on the disk (``mark_used``)."""
         if key in self._files:
             self._files.move_to_end(key)
+
+    def mark_used(self, key: bytes) -> None:
+        """The file's time is its last use, so that every server sharing the directory trims the least recently
+        used first. An I/O call: run it on an I/O thread."""
+        with contextlib.suppress(OSError):  # gone, or a read-only directory: its order is a hint only
+            os.utime(self.path(key))
 
     def mark_bad(self, key: bytes) -> None:
         self._bad.add(key)

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 from kvserve.kv.block_file import CorruptBlockError
 from kvserve.kv.block_keys import KeyedBlock, root_key
-from kvserve.kv.disk_tier import DIRECTORY_WIDE_ERRORS, BlockFormat, DiskTier, IOThread
+from kvserve.kv.disk_tier import DIRECTORY_WIDE_ERRORS, BlockFormat, DiskTier, IOThread, list_directory
 from kvserve.kv.host_tier import HostTier
 
 if TYPE_CHECKING:
@@ -259,8 +259,10 @@ class TieredStore:
             self.counters.disk_hit_tokens += num_tokens
         else:
             self.counters.host_hit_tokens += num_tokens
-        if self.disk is not None:
+        if self.disk is not None and (from_disk or self.disk.indexed(key)):  # its file is there
             self.disk.touch(key)
+            assert self._writer is not None
+            self._writer.submit(self.disk.mark_used, key)
 
     def publish_offloads(self) -> None:
         """The runner has copied the reserved offloads into their rows: their keys are found from now on, and the
@@ -315,14 +317,30 @@ class TieredStore:
         else:
             with self._lock:
                 victims = self.disk.add(block.key, size)
+                listing_due = self.disk.listing_due
                 self.counters.disk_writes += 1
             for victim in victims:
                 self.disk.remove(victim)
+            if listing_due:
+                self._trim_directory(block.key)
         finally:
             with self._io_done:
                 self._writing.discard(block.key)
                 self.host.unpin(block.key)
                 self._io_done.notify_all()
+
+    def _trim_directory(self, newest: bytes) -> None:
+        """List the directory (unlocked: thousands of entries, other servers' writes among them) and remove its
+        least recently used files, every server's, while it is over the capacity, but ``newest``."""
+        assert self.disk is not None
+        try:
+            files, _ = list_directory(self.disk.directory)
+        except OSError:
+            return  # gone or unlistable: the next write or read says so
+        with self._lock:
+            victims = self.disk.trim(files, keep=newest)
+        for victim in victims:
+            self.disk.remove(victim)
 
     def _read(self, block: KeyedBlock, row: int) -> None:
         assert self.disk is not None

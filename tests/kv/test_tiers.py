@@ -320,6 +320,21 @@ def test_the_disk_tier_keeps_within_its_capacity_oldest_out(tmp_path: Path) -> N
     assert [os.path.exists(store.disk.path(b.key)) for b in blocks] == [False, False, True, True]
 
 
+def test_servers_sharing_a_directory_share_its_capacity_least_recently_used_out(tmp_path: Path) -> None:
+    """Each server counted only its own writes, so N servers on one directory (``--data-parallel-size N``) filled it
+    to N times ``--kv-offload-disk``. A file's time is its last write or use, so the least recently used go first,
+    whichever server wrote them."""
+    first, second, kv = _store(disk_dir=tmp_path, disk_blocks=4), _store(disk_dir=tmp_path, disk_blocks=4), _storage()
+    blocks = _chain(first, 8)
+    _write_through(first, kv, blocks[:4])
+    _write_through(second, kv, blocks[4:7])  # each of its writes lists the directory: it holds 3 and 4, 5, 6
+    assert _prefetched(second, [blocks[3]]) == [Tier.HOST]
+    _load(second, _storage(1), [(blocks[3].key, 0)])  # a hit: block 3 is the most recently used now
+    _write_through(second, kv, blocks[7:])
+    assert [os.path.exists(first.disk.path(b.key)) for b in blocks] == [False] * 3 + [True, False, True, True, True]
+    assert sum(f.stat().st_size for f in tmp_path.rglob("*.kvb")) <= second.disk.capacity_bytes
+
+
 def test_a_staging_slab_keeps_evicted_blocks_only_when_the_disk_lacks_them(tmp_path: Path) -> None:
     store, kv = _store(host_blocks=1, disk_dir=tmp_path, host_is_tier=False), _storage()
     on_disk, not_on_disk, other = _chain(store, 3)
