@@ -81,6 +81,7 @@ class ModelConfig:
     # multiplying the blocks meanwhile (kvserve/model/deferred_layout.py); ``kvserve serve`` sets it
     dense_layouts_in_background: bool = False
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS, forced; None: the device's best
+    chat_template: str | None = None  # a Jinja chat template in place of the tokenizer's; None: the tokenizer's
 
     def __post_init__(self) -> None:
         if not (self.cpu_offload_gb >= 0 and math.isfinite(self.cpu_offload_gb * 2**30)):

@@ -84,6 +84,9 @@ class EngineArgs:
                                             "(plain PyTorch, the reference); one that cannot run is an error, not "
                                             f"a fallback (default: ${ATTENTION_BACKEND_ENV_VAR}, else the "
                                             "device's best)", str, ATTENTION_BACKENDS)
+    chat_template: str | None = _option(None, "a Jinja chat template, or the path of a file holding one, in place "
+                                        "of the model's own (as vLLM's flag; for a model that has none, such as "
+                                        "the packaged gemma-3-270m)", str)
     load_format: str = _option(ModelConfig.load_format, "'mmap' (CPU): the weights are used where the file is "
                                "mapped (start-up reads nothing ahead; the pages are shared with other processes "
                                "serving the file; memory about the file's size): a safetensors checkpoint's "
@@ -201,7 +204,8 @@ class EngineArgs:
                               enforce_eager=self.enforce_eager, load_format=self.load_format,
                               cpu_offload_gb=self.cpu_offload_gb,
                               attention_backend=self.attention_backend
-                              or os.environ.get(ATTENTION_BACKEND_ENV_VAR) or None),
+                              or os.environ.get(ATTENTION_BACKEND_ENV_VAR) or None,
+                              chat_template=_chat_template_text(self.chat_template)),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
@@ -313,3 +317,15 @@ def _help_with_default(option: dataclasses.Field) -> str:
 
 def _given_or(value: int | None, default: int) -> int:
     return default if value is None else value
+
+
+def _chat_template_text(value: str | None) -> str | None:
+    """``--chat-template``'s text: the file it names, or the template itself (as vLLM reads it)."""
+    if value is None or not value.strip():
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")

@@ -31,6 +31,7 @@ CHANGED = {
     "quantize_activations": True,
     "enforce_eager": True,
     "attention_backend": "torch_ref",
+    "chat_template": "{{ messages[0].content }}",
     "load_format": "mmap",
     "cpu_offload_gb": 2.5,
     "max_model_len": 512,
@@ -105,7 +106,7 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1,
                            "draft_model": None, "lpm_aging_steps": None}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5,
-                                       attention_backend="torch_ref")
+                                       attention_backend="torch_ref", chat_template="{{ messages[0].content }}")
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs",
                                                SchedulerConfig.lpm_aging_steps, "swap", False)
@@ -272,3 +273,14 @@ def test_a_memory_budget_is_a_finite_number_of_gib(field: str, gib: float) -> No
 def test_weight_offload_is_a_finite_number_of_gib(gib: float) -> None:
     with pytest.raises(ValueError, match="cpu_offload_gb must be a finite number of GiB >= 0"):
         ModelConfig(cpu_offload_gb=gib)
+
+
+def test_a_chat_template_is_a_files_text_or_the_template_itself(tmp_path) -> None:
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    assert EngineArgs(chat_template=str(path)).create_engine_config().model.chat_template == template
+    assert EngineArgs(chat_template=template).create_engine_config().model.chat_template == template
+    assert EngineArgs().create_engine_config().model.chat_template is None
+    with pytest.raises(ValueError, match="chat_template: .*neither a file nor a Jinja template"):
+        EngineArgs(chat_template=str(tmp_path / "missing.jinja")).create_engine_config()

@@ -28,11 +28,14 @@ class ProcessedPrompt:
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
-                 structured: StructuredOutputCompiler | None = None) -> None:
+                 structured: StructuredOutputCompiler | None = None, chat_template: str | None = None) -> None:
+        """``chat_template``: a template in place of the tokenizer's (``--chat-template``); ValueError if it does
+        not parse."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.structured = structured
+        self._chat_template = _checked_template(chat_template) if chat_template is not None else None
 
     def process(self, prompt: PromptInput, params: SamplingParams) -> ProcessedPrompt:
         """Tokenize (or check) the prompt and fit ``params`` to it; raise ValueError naming what is wrong (a
@@ -52,17 +55,17 @@ class InputProcessor:
         self.structured.compile(spec)
 
     def chat_template(self, tools: Sequence[Any] | None = None) -> str | None:
-        """The template a conversation renders with: the tokenizer's; of named templates (as Hermes and Command-R
-        ship them) the one named ``tool_use`` where tools are given and it has one, else ``default``, as
-        transformers chooses. None: the model has none."""
-        template = getattr(self.tokenizer, "chat_template", None)
+        """The template a conversation renders with: the engine's ``chat_template``, else the tokenizer's; of named
+        templates (as Hermes and Command-R ship them) the one named ``tool_use`` where tools are given and it has
+        one, else ``default``, as transformers chooses. None: the model has none."""
+        template = self._chat_template or getattr(self.tokenizer, "chat_template", None)
         if isinstance(template, Mapping):
             return template.get("tool_use") if tools and "tool_use" in template else template.get("default")
         return template
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None,
-                            add_special_tokens: bool = False) -> dict[str, Any]:
+                            add_special_tokens: bool = False, chat_template: str | None = None) -> dict[str, Any]:
         """Render a conversation in OpenAI's shape (and the tools it may call, as JSON schemas in OpenAI's shape)
         with the model's chat template into a token-id prompt: the messages normalised and the tools described
         where the template takes none (``chat_messages``). ``add_special_tokens``: the tokenizer's special tokens
@@ -70,7 +73,7 @@ class InputProcessor:
         what is wrong: a message, a template that fails on this conversation, text that is no valid UTF-8."""
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
-        template = self.chat_template(tools)
+        template = _checked_template(chat_template) if chat_template is not None else self.chat_template(tools)
         if template is None:
             raise ValueError("this model has no chat template: send it a plain prompt (/v1/completions, or "
                              "LLM.generate)")
@@ -155,3 +158,12 @@ class InputProcessor:
         self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def _checked_template(template: str) -> str:
+    """A chat template given in place of the model's, checked to parse (a typo fails here, not in every request)."""
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"chat_template does not parse as Jinja: {error} (line {error.lineno})") from None
+    return template

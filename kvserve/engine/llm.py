@@ -92,13 +92,15 @@ class LLM:
     @overload
     def chat(self, messages: ChatMessages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True, add_generation_prompt: bool = True,
-             tools: Sequence[dict[str, Any]] | None = None) -> list[RequestOutput]: ...
+             tools: Sequence[dict[str, Any]] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]: ...
 
     @overload  # apart, so that a type checker infers a conversation of messages in several shapes as one
     def chat(self, messages: Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True, add_generation_prompt: bool = True,
-             tools: Sequence[dict[str, Any]] | None = None) -> list[RequestOutput]: ...
+             tools: Sequence[dict[str, Any]] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]: ...
 
     def chat(
         self,
@@ -107,18 +109,21 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {'role', 'content'} in OpenAI's shape: text parts,
         assistant ``tool_calls`` and ``tool`` results included) or a list of conversations. ``tools`` (OpenAI's
         ``{"type": "function", "function": {...}}``) go to the template as the server sends them; the replies are
-        the model's text, in whatever format it writes calls."""
+        the model's text, in whatever format it writes calls. ``chat_template``: a Jinja template for this call in
+        place of the engine's (as vLLM's ``LLM.chat`` takes one)."""
         if isinstance(messages, (str, bytes, bytearray)) or not isinstance(messages, Sequence):
             raise TypeError(f"messages must be a list of messages or of conversations, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         if not conversations:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         processor = self.engine.input_processor
-        prompts = [processor.apply_chat_template(conversation, add_generation_prompt, tools)
+        prompts = [processor.apply_chat_template(conversation, add_generation_prompt, tools,
+                                                 chat_template=chat_template)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

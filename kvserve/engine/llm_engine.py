@@ -80,7 +80,8 @@ class LLMEngine:
             if workers is not None:
                 workers.close()
             raise
-        self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured)
+        self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured,
+                                              config.model.chat_template)
         self.output_processor = OutputProcessor(self.tokenizer)
         # On CUDA a step's outputs are processed while the device runs the next step (see ``step``)
         self.overlap_outputs = self.device.type == "cuda" and tp_size == 1

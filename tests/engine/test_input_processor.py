@@ -106,3 +106,19 @@ def test_a_developer_message_is_the_system_prompt_unless_the_template_names_the_
         tokenizer, template: str, expected: str) -> None:
     messages = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "hi"}]
     assert render(processor_with(tokenizer, template), messages) == expected
+
+
+def test_a_template_given_to_the_engine_or_the_call_takes_the_tokenizers_place(tokenizer) -> None:
+    """``--chat-template`` / ``LLM.chat(chat_template=...)``, as in vLLM: for a model without one (the packaged
+    gemma-3-270m) or in place of its own."""
+    tokenizer.chat_template = None
+    processor = InputProcessor(tokenizer, len(tokenizer), max_model_len=512, chat_template=STRING_TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}]
+    assert render(processor, messages) == "<user>hi"
+    assert render(processor, messages, chat_template="[{{ messages[0].content }}]") == "[hi]"
+    with pytest.raises(ValueError, match="has no chat template"):
+        render(InputProcessor(tokenizer, len(tokenizer), max_model_len=512), messages)
+    with pytest.raises(ValueError, match="does not parse as Jinja"):
+        InputProcessor(tokenizer, len(tokenizer), max_model_len=512, chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="does not parse as Jinja"):
+        render(processor, messages, chat_template="{{ messages[0].content")
