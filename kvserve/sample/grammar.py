@@ -27,6 +27,7 @@ never pays for them.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -100,7 +101,8 @@ class StructuredOutputCompiler:
             compiled = (compiler.compile_json_schema(text, any_whitespace=False) if kind == "json"
                         else compiler.compile_regex(text) if kind == "regex" else compiler.compile_grammar(text))
         except RuntimeError as error:  # xgrammar reports a bad schema, regex or grammar as a RuntimeError
-            raise ValueError(f"structured output: the {spec.kind} does not compile: {error}") from None
+            raise ValueError(f"structured output: the {spec.kind} does not compile: {_xgrammar_message(error)}") \
+                from None
         self._keep(key, compiled)
         return compiled
 
@@ -292,3 +294,9 @@ class _DraftWalk:
     def rewind(self) -> None:
         if self._num_accepted:
             self.matcher.rollback(self._num_accepted)
+
+
+def _xgrammar_message(error: RuntimeError) -> str:
+    """xgrammar's error without the log prefix it carries ("[23:05:48] /project/cpp/regex_converter.cc:94: "): a
+    time and a C++ source path are no help to a client."""
+    return re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(error)).strip()
