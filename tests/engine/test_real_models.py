@@ -157,6 +157,10 @@ def test_gemma3_keeps_every_linear_layer_in_its_blocks() -> None:
     qkv = [layer.self_attn.qkv_proj.ggml_parts for layer in layers]
     v_types = [[part.qtype.name for part in parts] for parts in qkv]
     assert sorted(v_types) == [["Q5_0"] * 3] * (len(layers) // 2) + [["Q5_0", "Q5_0", "Q8_0"]] * (len(layers) // 2)
+    # the file asks for BOS (tokenizer.ggml.add_bos_token): transformers 5.21-5.22 built a tokenizer without it, and
+    # Gemma 3 without its BOS answered "The The The ..." (hence transformers >= 5.23)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer("The capital of France is")["input_ids"][0] == tokenizer.bos_token_id == 2
 
 
 @pytest.mark.slow
