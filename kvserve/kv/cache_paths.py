@@ -78,15 +78,18 @@ class CachePaths:
         self.extend(request, num_computed)
 
     def fork(self, parent: Request, child: Request) -> None:
-        """The child, sharing the parent's full blocks, walks the parent's computed path (not its pending tail)."""
+        """The child walks the parent's path through the full blocks it shares: their computed nodes, and those of
+        blocks loaded from the KV tiers in this step (pending on the parent's path until its step is back); not the
+        node of the partly filled block, which the child gets a copy of."""
         parent_path = self._paths.get(parent.request_id)
         if parent_path is None:
             return
-        num_pending = len(parent_path.pending)
-        node = parent_path.pending[0].parent if num_pending else parent_path.node
-        assert node is not None
-        self._paths[child.request_id] = _CachePath(node, parent_path.num_blocks - num_pending,
-                                                   detached=parent_path.detached)
+        num_shared = min(parent_path.num_blocks, parent.num_computed_tokens // self.block_size)
+        node = parent_path.node
+        for _ in range(parent_path.num_blocks - num_shared):
+            assert node.parent is not None
+            node = node.parent
+        self._paths[child.request_id] = _CachePath(node, num_shared, detached=parent_path.detached)
 
     def extend(self, request: Request, num_computed: int) -> None:
         """Hang the request's blocks whose token ids are all known on its tree path, pending unless computed."""

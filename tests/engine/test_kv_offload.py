@@ -223,6 +223,23 @@ def test_a_steps_offloads_go_to_the_disk_writer_before_its_forward_pass(tiny_che
     assert after_reserving and set(after_reserving) == {"writes queued"}
 
 
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_request_forking_over_blocks_loaded_from_the_tiers_shares_them(tiny_checkpoints, tmp_path, disk) -> None:
+    """n = 2 whose prompt but its last token comes back from the tiers forks as it is admitted, over blocks whose
+    load is still to come: they are the samples' own, on the tree (a sample re-added one: a ValueError)."""
+    path = tiny_checkpoints["llama"]
+    prompts = _prompts(200, seed=7)
+    forking = prompts[0] + [5]  # 8 whole blocks of 4 tokens, then its last token
+    expected = greedy_token_ids(_llm(path, num_kv_blocks=256, block_size=4), [forking], MAX_NEW, n=2)
+    options = {"kv_offload_dir": str(tmp_path)} if disk else {"kv_offload_memory": 0.01}
+    llm = _llm(path, **options, **SMALL_POOL)
+    _run(llm, prompts[:3])  # the first history goes to the tiers as the next two evict it
+    assert greedy_token_ids(llm, [forking], MAX_NEW, n=2) == expected
+    stats = llm.stats()
+    assert stats["kv_offload_host_hit_tokens"] + stats["kv_offload_disk_hit_tokens"] > 0, stats  # loaded
+    assert_all_blocks_free(llm)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4"])
 def test_quantized_kv_blocks_go_through_the_tiers_unchanged(tiny_checkpoints, tmp_path, kv_cache_dtype) -> None:
     path = tiny_checkpoints["llama"]
