@@ -102,12 +102,14 @@ class EngineCore:
 
     def abandon_steps(self) -> None:
         """A step raised (in the runner, or as its tokens were read back): every step not back yet is abandoned,
-        the newest first (``Scheduler.abandon_step``: their requests finish aborted, committing nothing), and the
-        KV moves of a plan the runner never applied with them. The scheduler and the KV cache are then as if those
-        steps had never been scheduled, so the engine can go on."""
+        the newest first (``Scheduler.abandon_step``: their requests finish aborted, committing nothing), with the
+        KV moves of a plan the runner never applied, and the runner's tokens in flight and draws waiting. The
+        scheduler, the KV cache and the runner are then as if those steps had never been scheduled, so the engine
+        can go on."""
         while self._steps_out:
             self.scheduler.abandon_step(self._steps_out.pop())
         self.kv_manager.abandon_transfers()
+        self.runner.abandon_steps()
         self._last_step_back = None
 
     def _schedule(self, sched_out: SchedulerOutput) -> SchedulerOutput:

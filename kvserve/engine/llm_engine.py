@@ -311,7 +311,8 @@ class LLMEngine:
 
         A step that raises fails every request: the steps not back yet are abandoned (``EngineCore.abandon_steps``:
         nothing they planned is kept), every request is aborted, and the exception goes to the caller. The engine
-        is then as it was before those requests came, and takes new ones."""
+        is then as it was before those requests came, and takes new ones; but under tensor parallelism the
+        workers stop at a failed step (``WorkerGroup.stepping``), and every later step raises."""
         try:
             return self._step(final_only)
         except BaseException:

@@ -269,6 +269,11 @@ class ModelRunner:
         if deferred is not None:
             self._draw(deferred)
 
+    def abandon_steps(self) -> None:
+        """The steps launched and not finished are abandoned (one raised: ``EngineCore.abandon_steps``): no token of
+        theirs is in flight for a next step to read, and no draw of theirs waits."""
+        self._in_flight, self._deferred = None, None
+
     def _deferred_tokens(self, deferred: DeferredDraw) -> ModelOutput:
         if self._deferred is deferred:  # not drawn after the step before finished: now, before reading back
             self._deferred = None

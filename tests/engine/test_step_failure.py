@@ -13,7 +13,9 @@ import pytest
 
 from kvserve import LLM, SamplingParams
 from kvserve.worker.input_batch import PersistentBatch
+from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.worker.kv_transfers import HostCopies
+from kvserve.worker.model_runner import ModelRunner
 from tests.conftest import assert_all_blocks_free
 
 MAX_NEW = 6
@@ -148,3 +150,25 @@ def _drain(engine: Any) -> list[list[int]]:
     while engine.has_unfinished_requests():
         outputs += engine.step(final_only=True)
     return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def test_the_overlapped_loop_leaves_no_token_in_flight_nor_draw_waiting(tiny_checkpoints, monkeypatch) -> None:
+    """CUDA's loop, forced on the CPU: a step read back while the next one's grammar draw waits for it fails; the
+    next, unrelated request found that draw and the token in flight of a request gone ("scheduled but was never
+    added to the runner's batch")."""
+    path = tiny_checkpoints["llama"]
+    prompt = [{"prompt_token_ids": _tokens(5, 6)}]
+    plain = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    llms = [_llm(path), _llm(path)]
+    for llm in llms:
+        llm.engine.overlap_outputs = llm.engine.overlap_scheduling = True
+    fresh, llm = llms
+    expected = [list(o.outputs[0].token_ids) for o in fresh.generate(prompt, plain, use_tqdm=False)]
+    fired = _fail_once(monkeypatch, ModelRunner, "_finish", lambda self, *args: self._deferred is not None)
+    grammar = SamplingParams(temperature=0, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(regex="[a-z ]{1,40}"))
+    with pytest.raises(InjectedFault):
+        llm.generate([{"prompt_token_ids": _tokens(6, 4)}], grammar, use_tqdm=False)
+    assert fired
+    assert [list(o.outputs[0].token_ids) for o in llm.generate(prompt, plain, use_tqdm=False)] == expected
+    _assert_clean(llm)
