@@ -135,8 +135,10 @@ def main(args: argparse.Namespace) -> int:
     device = torch.device(resolve_device(args.device))
     dtype = parse_dtype(args.dtype, device.type)
     checkpoint = load_checkpoint(resolve_model(args.model), dtype, "dummy")  # its tokenizer and shapes only
-    chat = InputProcessor(checkpoint.tokenizer, checkpoint.hf_config.vocab_size, checkpoint.max_model_len,
-                          chat_template=EngineArgs.from_cli_args(args).create_engine_config().model.chat_template)
+    chat_template = EngineArgs.from_cli_args(args).create_engine_config().model.chat_template
+    if chat_template is not None:  # the workloads are built and rendered with the run's template
+        checkpoint.tokenizer.chat_template = chat_template
+    chat = InputProcessor(checkpoint.tokenizer, checkpoint.hf_config.vocab_size, checkpoint.max_model_len)
     requests = tokenized(build_dataset(args, checkpoint.tokenizer, checkpoint.max_model_len), chat)
     size = roofline.ModelSize.from_hf_config(checkpoint.hf_config)
     gemm = roofline.measure_gemm_peak(size, dtype, device, roofline.gemm_size(args, device), args.gemm_tokens,

@@ -101,13 +101,12 @@ class EngineCore:
         return outputs
 
     def abandon_steps(self) -> None:
-        """A step raised (in the runner, or as its tokens were read back): every step not back yet is abandoned,
-        the newest first (``Scheduler.abandon_step``: their requests finish aborted, committing nothing), with the
-        KV moves of a plan the runner never applied, and the runner's tokens in flight and draws waiting. The
-        scheduler, the KV cache and the runner are then as if those steps had never been scheduled, so the engine
-        can go on."""
-        while self._steps_out:
-            self.scheduler.abandon_step(self._steps_out.pop())
+        """A step raised (in the runner, as its tokens were read back, or while it was scheduled): the steps not
+        back yet are abandoned and every request finishes, committing nothing (``Scheduler.abandon``), with the
+        KV moves planned and never applied, and the runner's tokens in flight and draws waiting. The scheduler,
+        the KV cache and the runner are then as if those requests had never come, so the engine can go on."""
+        self.scheduler.abandon(self._steps_out)
+        self._steps_out.clear()
         self.kv_manager.abandon_transfers()
         self.runner.abandon_steps()
         self._last_step_back = None

@@ -407,9 +407,13 @@ class KVCacheManager:
         return offloads, loads, swap_outs, swap_ins
 
     def abandon_transfers(self) -> None:
-        """The runner did not apply the last plan taken (its step raised): its offloads are not published. Its
-        loads' and swap-ins' blocks are pending on the tree until their step is back, and the requests of an
-        abandoned step finish without it (``Scheduler.abandon_step``)."""
+        """Drop the moves planned and never applied (a step raised; its requests have finished, committing nothing:
+        ``Scheduler.abandon``): the offloads of the last plan taken are not published, and the loads and swap-ins
+        planned since are not copied into blocks that are no longer theirs (their host rows go back)."""
+        if self.tier_plan is not None:
+            self.tier_plan.abandon()
+        if self.swap is not None:
+            self.swap.abandon()
         if self.store is not None:
             self.store.abandon_offloads()
 

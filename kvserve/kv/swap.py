@@ -124,6 +124,13 @@ class SwapSpace:
         self._outs = [(block_id, row) for block_id, row in self._outs if row not in rows]
         self._dropped.extend(swapped.rows)
 
+    def abandon(self) -> None:
+        """Forget the swap-ins planned since the last ``take_transfers`` (a step raised before it was taken; their
+        requests have finished): their rows go back with the next take, uncopied. (Swap-outs of finished requests
+        are dropped by ``drop``.)"""
+        self._dropped.extend(row for row, _ in self._ins)
+        self._ins.clear()
+
     def take_transfers(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
         """The swap-outs and swap-ins planned since the last call, for the runner to apply before the next
         forward pass. Rows whose last copy was in a plan taken before now go back to the host tier: the

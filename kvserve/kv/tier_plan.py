@@ -48,6 +48,13 @@ class TierPlan:
         """Plan copies of host-tier blocks ((content key, block_id)) into fresh device blocks."""
         self._loads.extend(loads)
 
+    def abandon(self) -> None:
+        """Forget the offloads and loads planned since the last ``take`` (a step raised before it was taken): the
+        loads' host blocks are unpinned."""
+        self.store.unpin([key for key, _ in self._loads])
+        self._offloads.clear()
+        self._loads.clear()
+
     def take(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
         """The offloads ((block_id, host row) copied out) and loads ((host row, block_id) copied in) planned since
         the last call, their rows picked now. The offloads' rows first: a load's block stays pinned until then, so

@@ -192,6 +192,12 @@ class TieredStore:
                 self.host.pin(key)
             return True
 
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Let go of blocks pinned for a load that will not be made."""
+        with self._lock:
+            for key in keys:
+                self.host.unpin(key)
+
     def hold_rows(self, num_rows: int) -> list[int] | None:
         """Host rows kept out of the tier for the caller (``HostTier.hold``); None, taking none, if too few
         rows are free or unpinned. The caller gives them back with ``release_rows``."""

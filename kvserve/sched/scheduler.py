@@ -30,7 +30,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from kvserve.config import SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
@@ -177,17 +177,17 @@ class Scheduler:
             if request is not None:
                 self._finish(request, reason)
 
-    def abandon_step(self, sched_out: SchedulerOutput) -> None:
-        """The runner did not finish ``sched_out`` (it raised before its tokens were back): nothing the step planned
-        is taken as done. It counts as back, and its removals go in the next diff again (the runner may not have
-        applied them; it ignores ids it does not hold). Its requests, and those it preempted, finish aborted
-        without committing the KV it was to compute, load or swap in: their pending blocks leave the tree. The
-        KV moves of its plan are the KV manager's to abandon (``abandon_transfers``)."""
-        self._batch_mirror.abandon(sched_out)
-        for request_id in [row.request_id for row in sched_out.requests] + list(sched_out.preempted_request_ids):
-            request = self.requests.get(request_id)
-            if request is not None:
-                self._finish(request, FinishReason.ABORT, commit=False)
+    def abandon(self, steps: Sequence[SchedulerOutput]) -> None:
+        """A step raised, in the runner or while it was scheduled: nothing since the last step back is trusted.
+        ``steps`` (scheduled, not back) count as back, and their removals go in the next diff again (the runner may
+        not have applied them; it ignores ids it does not hold). Every live request finishes aborted without
+        committing what it was to compute, load or swap in (its pending blocks leave the tree; what a half-done
+        schedule set up goes with it). The KV moves planned and never applied are the KV manager's to drop
+        (``abandon_transfers``)."""
+        for sched_out in steps:
+            self._batch_mirror.abandon(sched_out)
+        for request in list(self.requests.values()):
+            self._finish(request, FinishReason.ABORT, commit=False)
 
     # ----------------------------------------------------------------------------------------- schedule
 

@@ -8,6 +8,7 @@ import copy
 import json
 import weakref
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,18 @@ def test_kvserves_engine_is_gone_before_transformers_loads(tiny_checkpoint: Path
                  "--random-input-len", "8", "--random-output-len", "2", *PROBE, "--backend", "kvserve,hf",
                  "--hf-mode", "single", "--device", "cpu", "--step-trace"]) == 0
     assert len(engines) == 1 and alive_at_hf_load == [0]
+
+
+def test_a_chat_workload_renders_with_the_runs_chat_template(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A model without a template (the packaged gemma-3-270m) runs chat workloads with ``--chat-template``."""
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_checkpoint, plain)
+    (plain / "chat_template.jinja").unlink()
+    workload = ["--dataset-name", "grounded", "--num-prompts", "2", "--random-input-len", "32",
+                "--random-output-len", "2", *PROBE, "--backend", "kvserve", "--device", "cpu"]
+    assert main(["bench", "throughput", str(plain), *workload]) == 2  # refused: no template
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    assert main(["bench", "throughput", str(plain), *workload, "--chat-template", template]) == 0
 
 
 def test_engine_options_pass_through_and_the_profile_and_the_trace_split_step_time(

@@ -14,6 +14,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.worker.input_batch import PersistentBatch
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.sched.batch_diff import RunnerBatchMirror
 from kvserve.worker.kv_transfers import HostCopies
 from kvserve.worker.model_runner import ModelRunner
 from tests.conftest import assert_all_blocks_free
@@ -86,6 +87,22 @@ def test_a_load_never_copied_leaves_no_computed_block(tiny_checkpoints, expected
     _assert_clean(llm)
     assert _run(llm, [PROMPT])[0] == expected and fired
     assert llm.stats()["kv_offload_host_hit_tokens"] > 0  # the host tier still serves the prefix
+    _assert_clean(llm)
+
+
+def test_a_schedule_that_raises_after_planning_loads_keeps_none_of_them(tiny_checkpoints, expected,
+                                                                        monkeypatch) -> None:
+    """The step never came to the runner: the request admitted over tier loads finished committing them (its
+    blocks cached unfilled), and the loads stayed planned for blocks no longer its."""
+    llm = _llm(tiny_checkpoints["llama"], kv_offload_memory=HOST_ROWS_26)
+    _run(llm, [PROMPT] + FILLERS)
+    fired = _fail_once(monkeypatch, RunnerBatchMirror, "rows",
+                       lambda self, scheduled, drafts: any(r.num_computed_tokens for r, _ in scheduled))
+    with pytest.raises(InjectedFault):
+        _run(llm, [PROMPT])
+    _assert_clean(llm)
+    llm.engine.flush_kv_offload()  # takes what is planned: nothing
+    assert _run(llm, [PROMPT])[0] == expected and fired
     _assert_clean(llm)
 
 
