@@ -53,16 +53,6 @@ def test_matches_reference(scenario: str, block_size: int, group: int, window: i
     check(make_step(seqs, num_decodes, head_dim=8, block_size=block_size, num_kv_heads=2, group=group), window)
 
 
-@pytest.fixture(params=[1, 4, 16])
-def num_threads(request: pytest.FixtureRequest):
-    """The kernel's work items are whole sequences when there are at least 4 per thread, else single KV heads;
-    the more threads, the more runs a group's shared blocks are cut into (16: two, the fewest any group has)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 48])
 @pytest.mark.parametrize("window", [None, 100])
 def test_compiled_head_dims_on_long_contexts(head_dim: int, window: int | None, num_threads: int,

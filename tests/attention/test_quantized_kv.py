@@ -69,11 +69,11 @@ def test_compiled_head_dims_on_long_contexts(encoding: str, head_dim: int, windo
 
 
 @pytest.mark.parametrize("encoding", ENCODING_NAMES)
-@pytest.mark.parametrize("head_dim", [64, 48, 8])  # the group pass across lanes (64, 48) and alone (8)
+@pytest.mark.parametrize("head_dim", [64, 48, 8])  # int8 read in place (64, 48) or dequantized (8)
 @pytest.mark.parametrize("window", [None, 40])
 def test_decodes_sharing_a_prefix(encoding: str, head_dim: int, window: int | None,
                                   isa_backend: CpuPagedBackend) -> None:
-    """The cascade: shared blocks read once for a group, dequantized a tile at a time."""
+    """The cascade: shared blocks read once for a group."""
     contexts = [70, 100, 65, 300, 90, 200, 33, 64, 47] + [80 + 7 * i for i in range(24)]
     step = make_step([(c, 1) for c in contexts] + [(40, 9)], len(contexts), encoding, head_dim=head_dim,
                      block_size=16, num_kv_heads=3, group=3, seed=7)
@@ -118,3 +118,46 @@ def test_random_layouts(encoding: str, decode_contexts: list[int], chunks: list[
     check(step, window, SHARED_BACKEND)
 
 
+
+
+def decodes_alone(step: Step, seq: int) -> Step:
+    """Decode ``seq`` of a decode-only step as a step of its own, over the same cache and block table."""
+    inputs = step.inputs
+    num_blocks = -(-inputs.seq_lens_list[seq] // inputs.block_size)
+    alone = replace(
+        inputs, num_decodes=1, query_start_loc=inputs.query_start_loc[:2],
+        seq_lens=inputs.seq_lens[seq : seq + 1].clone(),
+        block_tables=inputs.block_tables[seq : seq + 1, :num_blocks].clone(),
+        slot_mapping=inputs.slot_mapping[seq : seq + 1].clone(),
+        query_lens_list=[1], seq_lens_list=[inputs.seq_lens_list[seq]])
+    rows = slice(seq, seq + 1)
+    return replace(step, inputs=alone, q=step.q[rows], k=step.k[rows], v=step.v[rows],
+                   histories=[step.histories[seq]], query_lens=[1])
+
+
+def decode_attention(step: Step, backend: CpuPagedBackend, window: int | None) -> torch.Tensor:
+    meta = backend.build_metadata(step.inputs, {None, window})
+    scale = step.q.shape[-1] ** -0.5
+    return backend.forward(step.q, step.k, step.v, LAYER, step.kv, meta, scale=scale, sliding_window=window)
+
+
+@pytest.mark.parametrize("encoding", [None, *ENCODING_NAMES])
+@pytest.mark.parametrize("head_dim", [64, 48, 8])
+@pytest.mark.parametrize("window", [None, 200])
+def test_a_decode_sharing_its_prefix_gets_the_bits_it_gets_alone(encoding: str | None, head_dim: int,
+                                                                 window: int | None, num_threads: int,
+                                                                 isa_backend: CpuPagedBackend) -> None:
+    """Cascade attention is batch-invariant: a decode's output is bit for bit what it is alone, whatever shares
+    its step (groups whose common blocks are not whole tiles, a member sharing less than the rest, groups cut
+    into several work items, any thread count). With a quantized cache a last-bit difference here becomes
+    another code in the next layer's K/V, and a request's tokens then depended on its neighbours."""
+    contexts = [70, 100, 65, 300, 90, 200, 33, 64, 47] + [80 + 7 * i for i in range(24)]
+    kind = {} if encoding is None else {"encoding": ENCODINGS[encoding]}
+    step = paged_tests.make_step([(c, 1) for c in contexts], len(contexts), head_dim=head_dim, block_size=16,
+                                 num_kv_heads=3, group=3, seed=11, **kind)
+    step = paged_tests.share_leading_blocks(step, [([0, 1, 3, 5], 5), ([2, 4], 4), ([3, 5], 12),
+                                                   (list(range(9, 33)), 5)])
+    batched = decode_attention(step, isa_backend, window)
+    for seq in range(len(contexts)):
+        alone = decode_attention(decodes_alone(step, seq), isa_backend, window)
+        assert torch.equal(batched[seq : seq + 1], alone), f"decode {seq} differs from its output alone"

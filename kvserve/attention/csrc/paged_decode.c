@@ -8,10 +8,10 @@
  *
  * Sequences whose tables start with the same block ids (prefix-cache hits on one system prompt, the samples of
  * one prompt) hold the same keys there: a first pass reads those shared keys once per KV head for the queries
- * of the whole group (a tile's keys stay in L1 while every member's query heads use them), the shared blocks
- * cut into runs so that every thread has work, and leaves each member's softmax state per run; the second pass,
- * per sequence, merges those states and goes on over the sequence's own keys. Sixteen requests on a
- * 1,024-token prompt read 16x fewer bytes of it than sixteen independent walks.
+ * of the whole group (a tile's keys stay in L1 while every member's query heads use them) and leaves each
+ * member's softmax state; the second pass, per sequence, goes on from it over the sequence's own keys, with the
+ * very sums it would have had alone (see Cascade). Sixteen requests on a 1,024-token prompt read 16x fewer
+ * bytes of it than sixteen independent walks.
  *
  * What made it fast, measured at SmolLM2's shapes (3 KV heads x 3 query heads, head_dim 64, 32 decodes):
  *   - head_dim known at compile time (a copy per common head_dim): 1.6x over a runtime head_dim;
@@ -61,11 +61,6 @@
 #define VEC 8
 #define NUM_REGISTERS 16
 #endif
-/* score blocks (queries across the lanes): lane vectors x keys of sums, plus the query vectors and a broadcast
- * key element, within the registers */
-#define SCORE_LANES (NUM_REGISTERS == 32 ? 4 : 3)
-#define SCORE_KEYS (NUM_REGISTERS == 32 ? 6 : 3)
-
 typedef float vec __attribute__((vector_size(VEC * sizeof(float))));
 typedef float half_vec __attribute__((vector_size(VEC / 2 * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t))));
@@ -526,124 +521,36 @@ static inline __attribute__((always_inline)) void attend_keys(const DecodeArgs *
     }
 }
 
-/* A tile's scores, [key][query lane], for width / VEC lane vectors, up to SCORE_LANES at a time: blocks of keys
- * sized so that the sums, the query vectors and a key element fit the registers. */
-static inline __attribute__((always_inline)) void scores_down_lanes(const float *q_t, int width,
-                                                                    const float *k_cache, const int64_t *rows,
-                                                                    int num_keys, float *scores, const int d) {
-#define SCORE_BLOCKS(L, K)                                                                                        \
-    {                                                                                                             \
-        int t = 0;                                                                                                \
-        for (; t + (K) <= num_keys; t += (K)) score_block(L, K, q, width, k_cache, rows + t, out + t * width, d);  \
-        for (; t < num_keys; t++) score_block(L, 1, q, width, k_cache, rows + t, out + t * width, d);             \
-        break;                                                                                                    \
-    }
-    for (int lane = 0; lane < width; lane += SCORE_LANES * VEC) {
-        const float *q = q_t + lane;
-        float *out = scores + lane;
-        switch ((width - lane) / VEC) {
-        case 1: SCORE_BLOCKS(1, NUM_REGISTERS == 32 ? 8 : 7)
-        case 2: SCORE_BLOCKS(2, NUM_REGISTERS == 32 ? 8 : 4)
-        case 3: SCORE_BLOCKS(3, NUM_REGISTERS == 32 ? 8 : SCORE_KEYS)
-        default: SCORE_BLOCKS(SCORE_LANES, SCORE_KEYS)
-        }
-    }
-#undef SCORE_BLOCKS
-}
-
-/* attend_keys for many query heads of one KV head at once (a sharing group's), with the queries across the
- * vector lanes: a key's scores against VEC queries are broadcast-FMAs of its elements with rows of the
- * transposed queries, so no dot product ends in a horizontal sum and neither keys nor values are transposed;
- * the softmax then runs down the lanes, and each value row is read once for several queries. The queries are
- * transposed once for all the shared keys. head_dim a multiple of VEC. Quantized keys and values are
- * dequantized a tile at a time into fp32 rows: each serves every query of the group. */
-static inline __attribute__((always_inline)) void attend_keys_across_lanes(const DecodeArgs *a, KeyCursor *cursor,
-                                                                           int64_t head_offset, int num_queries,
-                                                                           const float *q, float *acc,
-                                                                           float *row_max, float *row_sum,
-                                                                           const int d, const int enc) {
-    const int width = (num_queries + VEC - 1) / VEC * VEC, num_vecs = d / VEC;
-    /* the accumulators (queries_per_pass x num_vecs) fit half the registers */
-    const int queries_per_pass = num_vecs <= NUM_REGISTERS / 8 ? 4 : num_vecs <= NUM_REGISTERS / 4 ? 2 : 1;
-    const int64_t slot_stride = (int64_t)a->num_kv_heads * d;
-    float q_t[d * width], scores[TILE * width], max_w[width], sum_w[width], correction[width];
-    for (int i = 0; i < d; i++)
-        for (int h = 0; h < width; h++) q_t[i * width + h] = h < num_queries ? q[h * d + i] : 0.0f;
-    for (int h = 0; h < width; h++) max_w[h] = h < num_queries ? row_max[h] : -INFINITY;
-    for (int h = 0; h < width; h++) sum_w[h] = h < num_queries ? row_sum[h] : 0.0f;
-    int64_t rows[TILE], next_rows[TILE], tile_rows[TILE];
-    float k_tile[enc == RAW ? 1 : TILE * d], v_tile[enc == RAW ? 1 : TILE * d];
-    for (int t = 0; t < TILE; t++) tile_rows[t] = (int64_t)t * d;
-    const float *keys = enc == RAW ? a->k_cache : k_tile, *values = enc == RAW ? a->v_cache : v_tile;
-    const int64_t *key_rows = enc == RAW ? rows : tile_rows;
-
-    int num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
-    while (num_next > 0) {
-        const int num_keys = num_next;
-        memcpy(rows, next_rows, sizeof rows);
-        num_next = next_tile(cursor, a->block_size, slot_stride, head_offset, next_rows);
-        if (enc != RAW) {
-            dequantize_tile(a->k_cache, a->k_params, rows, num_keys, 1, k_tile, next_rows, num_next, d, enc);
-            dequantize_tile(a->v_cache, a->v_params, rows, num_keys, 1, v_tile, next_rows, num_next, d, enc);
-        } else {
-            for (int t = 0; t < num_next; t++) {
-                prefetch_row(a->k_cache, a->k_params, next_rows[t], d, d, enc);
-                prefetch_row(a->v_cache, a->v_params, next_rows[t], d, d, enc);
-            }
-        }
-        scores_down_lanes(q_t, width, keys, key_rows, num_keys, scores, d);
-        softmax_down_lanes(scores, num_keys, width, max_w, sum_w, correction);
-        /* whole passes of queries_per_pass (padding lanes past num_queries have scores too) keep sum in
-         * registers; only the real queries' accumulators are read and written */
-        for (int h = 0; h < num_queries; h += queries_per_pass) {
-            vec sum[queries_per_pass][num_vecs];
-            for (int p = 0; p < queries_per_pass; p++)
-                for (int j = 0; j < num_vecs; j++)
-                    sum[p][j] = h + p < num_queries ? load(acc + (h + p) * d + j * VEC) * correction[h + p] : (vec){0};
-            for (int t = 0; t < num_keys; t++) {
-                const float *v = values + key_rows[t];
-                for (int j = 0; j < num_vecs; j++) {
-                    const vec v_j = load(v + j * VEC);
-                    for (int p = 0; p < queries_per_pass; p++) sum[p][j] += scores[t * width + h + p] * v_j;
-                }
-            }
-            for (int p = 0; p < queries_per_pass && h + p < num_queries; p++)
-                for (int j = 0; j < num_vecs; j++) store(acc + (h + p) * d + j * VEC, sum[p][j]);
-        }
-    }
-    for (int h = 0; h < num_queries; h++) row_max[h] = max_w[h], row_sum[h] = sum_w[h];
-}
-
 /* Sequences of a step that share their leading blocks (a prefix-cache hit, or the samples of one prompt):
  * their shared keys are attended once per KV head for all their queries ("cascade" attention), and each
- * sequence then goes on from that state over its own keys. */
+ * sequence then goes on from that state over its own keys.
+ *
+ * Batch-invariant: a sequence's output is bit for bit the same whether it shares the step's keys or attends
+ * alone. The group pass runs attend_keys, whose arithmetic for one query head depends on neither the other
+ * query heads nor how many there are, over whole tiles from the sequence's first key (a shared length is a
+ * multiple of TILE), so the state it leaves is the state the sequence's own walk has at that key; and the keys
+ * are never cut into runs merged afterwards. Cuts that depended on the step (its sharers' common blocks, the
+ * threads' work) changed the sums, and with a quantized cache the codes later layers' K/V rounded to. */
 typedef struct {
     int *shared_len;   /* [num_seqs]: leading keys the group pass covered (0: the sequence attends alone) */
-    float *state;      /* [num_splits, num_seqs * num_heads, head_dim + 2]: acc, running max, running sum after
-                          each split's keys */
+    float *state;      /* [num_seqs * num_heads, head_dim + 2]: acc, running max, running sum after them */
     int *members;      /* the sharing sequences, one group after another */
     int *chunk_first;  /* [num_chunks]: a chunk is members[chunk_first[c] .. chunk_first[c + 1]) */
     int num_chunks;
-    int num_splits;    /* every group's shared blocks are cut into this many runs, a work item each */
-    int64_t split_stride; /* floats from one split's states to the next's */
 } Cascade;
 
 #define MAX_SHARED_QUERIES 64 /* query heads per group work item: bounds its stack arrays */
 
-/* One split of the shared keys of one chunk of a group, for the query heads of one KV head; 0, or 1 on a bad
- * block id. */
+/* The shared keys of one chunk of a group, for the query heads of one KV head; 0, or 1 on a bad block id. */
 static inline __attribute__((always_inline)) int attend_shared(const DecodeArgs *a, const Cascade *c, int chunk,
-                                                                int split, int kv_head, const int d) {
-    const int enc = a->encoding; /* at run time: a tile's dequantization is shared by the whole group */
+                                                                int kv_head, const int d) {
+    const int enc = a->encoding; /* at run time: one copy per head_dim serves every encoding */
     const int first = c->chunk_first[chunk], count = c->chunk_first[chunk + 1] - first, group = a->group;
     const int leader = c->members[first], num_queries = count * group, num_heads = a->num_kv_heads * group;
-    const int num_blocks = c->shared_len[leader] / a->block_size;
-    const int first_block = (int)((int64_t)num_blocks * split / c->num_splits);
-    const int end_block = (int)((int64_t)num_blocks * (split + 1) / c->num_splits);
+    const int num_keys = c->shared_len[leader];
     const int64_t head_offset = (int64_t)kv_head * d;
-    KeyCursor cursor = {a->block_tables + leader * a->block_table_stride, first_block, 0,
-                        (end_block - first_block) * a->block_size};
-    if (!blocks_in_cache(a, cursor.table, first_block * a->block_size, end_block * a->block_size)) return 1;
+    KeyCursor cursor = {a->block_tables + leader * a->block_table_stride, 0, 0, num_keys};
+    if (!blocks_in_cache(a, cursor.table, 0, num_keys)) return 1;
     float q[num_queries * d], acc[num_queries * d], row_max[num_queries], row_sum[num_queries];
     for (int m = 0; m < count; m++) {
         const float *q_in = a->q + c->members[first + m] * a->q_row_stride + head_offset * group;
@@ -651,39 +558,14 @@ static inline __attribute__((always_inline)) int attend_shared(const DecodeArgs 
     }
     memset(acc, 0, sizeof acc);
     for (int h = 0; h < num_queries; h++) row_max[h] = -INFINITY, row_sum[h] = 0.0f;
-    if (d % VEC == 0)
-        attend_keys_across_lanes(a, &cursor, head_offset, num_queries, q, acc, row_max, row_sum, d, enc);
-    else
-        attend_keys(a, &cursor, head_offset, 1, num_queries, q, acc, row_max, row_sum, d, enc);
+    attend_keys(a, &cursor, head_offset, 1, num_queries, q, acc, row_max, row_sum, d, enc);
     for (int h = 0; h < num_queries; h++) {
         const int seq = c->members[first + h / group];
-        const int64_t head = (int64_t)seq * num_heads + kv_head * group + h % group;
-        float *state = c->state + split * c->split_stride + head * (d + 2);
+        float *state = c->state + ((int64_t)seq * num_heads + kv_head * group + h % group) * (d + 2);
         memcpy(state, acc + h * d, d * sizeof(float));
         state[d] = row_max[h], state[d + 1] = row_sum[h];
     }
     return 0;
-}
-
-/* The softmax state of one head after all the shared keys, from its num_splits partial states (each split
- * has at least one key, so every partial max is finite). */
-static inline __attribute__((always_inline)) void merge_splits(const Cascade *c, int64_t head, float *acc,
-                                                               float *row_max, float *row_sum, const int d) {
-    const float *state = c->state + head * (d + 2);
-    float max = state[d];
-    for (int s = 1; s < c->num_splits; s++) {
-        const float split_max = state[s * c->split_stride + d];
-        max = split_max > max ? split_max : max;
-    }
-    float sum = 0.0f;
-    memset(acc, 0, d * sizeof(float));
-    for (int s = 0; s < c->num_splits; s++) {
-        const float *part = state + s * c->split_stride;
-        const float weight = expf(part[d] - max);
-        for (int i = 0; i < d; i++) acc[i] += weight * part[i];
-        sum += weight * part[d + 1];
-    }
-    *row_max = max, *row_sum = sum;
 }
 
 /* One sequence, KV heads first_kv_head .. first_kv_head + num_kv - 1 and their query heads, from where the
@@ -706,8 +588,10 @@ static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, con
     for (int i = 0; i < num_heads * d; i++) q[i] = q_in[i] * a->scale;
     for (int h = 0; h < num_heads; h++) {
         if (num_shared) {
-            const int64_t head = (int64_t)seq * a->num_kv_heads * group + first_kv_head * group + h;
-            merge_splits(c, head, acc + h * d, &row_max[h], &row_sum[h], d);
+            const float *state = c->state + ((int64_t)seq * a->num_kv_heads * group + first_kv_head * group + h) *
+                                                (d + 2);
+            memcpy(acc + h * d, state, d * sizeof(float));
+            row_max[h] = state[d], row_sum[h] = state[d + 1];
         } else {
             memset(acc + h * d, 0, d * sizeof(float));
             row_max[h] = -INFINITY, row_sum[h] = 0.0f;
@@ -724,12 +608,12 @@ static inline __attribute__((always_inline)) int attend(const DecodeArgs *a, con
 }
 
 typedef int (*AttendFn)(const DecodeArgs *, const Cascade *, int, int, int);
-typedef int (*SharedFn)(const DecodeArgs *, const Cascade *, int, int, int);
+typedef int (*SharedFn)(const DecodeArgs *, const Cascade *, int, int);
 /* A copy per head_dim (64 / 128 / 256 known at compile time, any other at run time) for the group pass, whose
  * tile dequantization is shared by the whole group, and per (head_dim, encoding) for the sequences' own keys. */
 #define HEAD_DIM_COPY(D, NAME)                                                                                    \
-    static int shared_##NAME(const DecodeArgs *a, const Cascade *c, int chunk, int split, int h) {              \
-        return attend_shared(a, c, chunk, split, h, D);                                                           \
+    static int shared_##NAME(const DecodeArgs *a, const Cascade *c, int chunk, int h) {                         \
+        return attend_shared(a, c, chunk, h, D);                                                                  \
     }
 #define COPY(D, E, NAME)                                                                                          \
     static int attend_##NAME(const DecodeArgs *a, const Cascade *c, int s, int h, int n) {                       \
@@ -747,18 +631,17 @@ static const SharedFn SHARED[4] = {shared_64, shared_128, shared_256, shared_any
 
 /* Groups the sequences whose block tables start with the same blocks. A group's shared length is the blocks
  * all its members have in common with its first member, counting only blocks before each member's last one (so
- * every shared key is older than every member's new token), and none for a sequence past its sliding window.
- * Groups are cut into chunks of at most MAX_SHARED_QUERIES query heads, and their shared blocks into enough
- * splits to give every thread work: each key is then read by one work item for all of a chunk's queries
- * (cutting the members instead would read it once per chunk). Fills c (owning its arrays; free with
- * free_cascade); -1 when out of memory. */
+ * every shared key is older than every member's new token), cut down to whole tiles, and none for a sequence past
+ * its sliding window. Groups are cut into chunks of at most MAX_SHARED_QUERIES query heads, and into more when
+ * that leaves a thread without work (each chunk then reads the shared keys, while they are in the caches). Fills
+ * c (owning its arrays; free with free_cascade); -1 when out of memory. */
 static int plan_cascade(const DecodeArgs *a, int num_seqs, int num_threads, Cascade *c) {
     const int n = num_seqs, bs = a->block_size;
     int *leader_of = malloc(n * sizeof(int)), *blocks = malloc(n * sizeof(int)), *size = calloc(n, sizeof(int));
     c->shared_len = calloc(n, sizeof(int));
     c->members = malloc(n * sizeof(int));
     c->chunk_first = malloc((n + 1) * sizeof(int));
-    c->state = NULL, c->num_chunks = 0, c->num_splits = 1;
+    c->state = NULL, c->num_chunks = 0;
     if (!leader_of || !blocks || !size || !c->shared_len || !c->members || !c->chunk_first) goto fail;
     for (int i = 0; i < n; i++) {
         const int seq_len = a->seq_lens[i];
@@ -776,29 +659,27 @@ static int plan_cascade(const DecodeArgs *a, int num_seqs, int num_threads, Casc
         }
         if (leader_of[i] < 0 && own > 0) leader_of[i] = i, blocks[i] = own, size[i] = 1;
     }
-    int num_members = 0, fewest_blocks = 0;
+    int num_groups = 0;
     for (int j = 0; j < n; j++)
-        if (leader_of[j] == j && size[j] > 1) {
-            num_members += size[j];
-            fewest_blocks = !fewest_blocks || blocks[j] < fewest_blocks ? blocks[j] : fewest_blocks;
-        }
+        num_groups += leader_of[j] == j && size[j] > 1 && (int64_t)blocks[j] * bs >= TILE;
+    const int per_chunk = MAX_SHARED_QUERIES / a->group > 1 ? MAX_SHARED_QUERIES / a->group : 1;
+    /* chunks a group needs for every thread to have two items (KV heads x chunks) */
+    const int busy_chunks = num_groups ? (2 * num_threads + num_groups * a->num_kv_heads - 1) /
+                                             (num_groups * a->num_kv_heads) : 0;
     int next = 0;
-    for (int j = 0; j < n && num_members; j++) {
-        if (leader_of[j] != j || size[j] < 2) continue;
-        const int per_chunk = MAX_SHARED_QUERIES / a->group > 1 ? MAX_SHARED_QUERIES / a->group : 1;
-        const int chunks = (size[j] + per_chunk - 1) / per_chunk;
+    for (int j = 0; j < n && num_groups; j++) {
+        const int shared = (int)((int64_t)blocks[j] * bs / TILE * TILE);
+        if (leader_of[j] != j || size[j] < 2 || shared == 0) continue;
+        int chunks = (size[j] + per_chunk - 1) / per_chunk;
+        chunks = chunks < busy_chunks ? (busy_chunks < size[j] ? busy_chunks : size[j]) : chunks;
         const int first = next;
         for (int i = j; i < n; i++)
-            if (leader_of[i] == j) c->members[next++] = i, c->shared_len[i] = blocks[j] * bs;
+            if (leader_of[i] == j) c->members[next++] = i, c->shared_len[i] = shared;
         for (int k = 0; k < chunks; k++) c->chunk_first[c->num_chunks++] = first + (int)((int64_t)size[j] * k / chunks);
     }
     c->chunk_first[c->num_chunks] = next;
-    if (num_members) {
-        const int items = c->num_chunks * a->num_kv_heads, wanted_items = 2 * num_threads;
-        const int splits = (wanted_items + items - 1) / items;
-        c->num_splits = splits < fewest_blocks ? splits : fewest_blocks; /* at least a block each */
-        c->split_stride = (int64_t)n * a->num_kv_heads * a->group * (a->head_dim + 2);
-        c->state = malloc((size_t)c->num_splits * c->split_stride * sizeof(float));
+    if (num_groups) {
+        c->state = malloc((size_t)n * a->num_kv_heads * a->group * (a->head_dim + 2) * sizeof(float));
         if (!c->state) goto fail;
     }
     free(leader_of), free(blocks), free(size);
@@ -838,13 +719,11 @@ int kvserve_paged_decode_f32(float *out, int64_t out_row_stride, const float *q,
         return -1;
     }
     int num_bad = 0;
-    /* the groups' shared keys first: every (chunk, split, KV head) item writes its members' states */
-    const int items_per_chunk = cascade.num_splits * num_kv_heads;
+    /* the groups' shared keys first: every (chunk, KV head) item writes its members' states */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(+ : num_bad) \
     if (cascade.num_chunks > 0) /* no threads woken for a step without groups */
-    for (int item = 0; item < cascade.num_chunks * items_per_chunk; item++)
-        num_bad += shared_fn(&a, &cascade, item / items_per_chunk, item % items_per_chunk / num_kv_heads,
-                             item % num_kv_heads);
+    for (int item = 0; item < cascade.num_chunks * num_kv_heads; item++)
+        num_bad += shared_fn(&a, &cascade, item / num_kv_heads, item % num_kv_heads);
     /* whole sequences per item when they are enough to keep every thread busy, else one KV head per item */
     const int kv_per_item = num_seqs >= 4 * num_threads ? num_kv_heads : 1;
     const int items_per_seq = num_kv_heads / kv_per_item;

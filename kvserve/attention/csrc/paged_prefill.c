@@ -76,6 +76,52 @@ typedef int8_t signed_byte_vec __attribute__((vector_size(VEC)));
 
 #include "kv_vectors.h"
 
+#define MAX_SCORE_KEYS 8
+
+/* A tile's scores laid out [key][query lane] (width lanes, a multiple of VEC; num_keys rows) turned into softmax
+ * weights against each lane's running max, updating the running max and sum; correction: the factor each lane's
+ * accumulator must be scaled by (0 on the first tile, while the max is -inf). */
+static inline __attribute__((always_inline)) void softmax_down_lanes(float *scores, int num_keys, int width,
+                                                                     float *max_w, float *sum_w,
+                                                                     float *correction) {
+    for (int lane = 0; lane < width; lane += VEC) {
+        const vec old_max = load(max_w + lane);
+        vec new_max = old_max;
+        for (int t = 0; t < num_keys; t++) new_max = max_vec(load(scores + t * width + lane), new_max);
+        const vec lane_correction = exp_nonpositive_vec(old_max - new_max); /* 0 on the first tile */
+        vec sum = load(sum_w + lane) * lane_correction;
+        for (int t = 0; t < num_keys; t++) {
+            const vec weights = exp_nonpositive_vec(load(scores + t * width + lane) - new_max);
+            store(scores + t * width + lane, weights);
+            sum += weights;
+        }
+        store(max_w + lane, new_max);
+        store(sum_w + lane, sum);
+        store(correction + lane, lane_correction);
+    }
+}
+
+/* The scores of keys t .. t + num_keys - 1 (num_keys <= MAX_SCORE_KEYS, fixed per call) against lane_vecs vectors
+ * of transposed queries (lane_vecs <= SCORE_LANES), all lane_vecs x num_keys sums in registers: per element of the
+ * keys, lane_vecs loads of queries feed lane_vecs x num_keys broadcast-FMAs. */
+static inline __attribute__((always_inline)) void score_block(const int lane_vecs, const int num_keys,
+                                                              const float *q_t, int width, const float *k_cache,
+                                                              const int64_t *rows, float *scores, const int d) {
+    vec s[MAX_SCORE_KEYS][SCORE_LANES];
+    for (int j = 0; j < num_keys; j++)
+        for (int l = 0; l < lane_vecs; l++) s[j][l] = (vec){0};
+    for (int i = 0; i < d; i++) {
+        vec q_i[SCORE_LANES];
+        for (int l = 0; l < lane_vecs; l++) q_i[l] = load(q_t + i * width + l * VEC);
+        for (int j = 0; j < num_keys; j++) {
+            const float k_ji = k_cache[rows[j] + i];
+            for (int l = 0; l < lane_vecs; l++) s[j][l] += k_ji * q_i[l];
+        }
+    }
+    for (int j = 0; j < num_keys; j++)
+        for (int l = 0; l < lane_vecs; l++) store(scores + j * width + l * VEC, s[j][l]);
+}
+
 
 typedef struct {
     float *out;                   /* [num_tokens, num_kv_heads * group, head_dim], rows out_row_stride apart */
