@@ -31,7 +31,11 @@ import torch
 T = TypeVar("T")
 _QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 _log = logging.getLogger(__name__)
-COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
+# avoid-fma-max-bits=0: gcc tuned for AMD Zen 1-3 (-march=native there) leaves a multiply and an add unfused
+# where they form a chain in a loop, and that call depends on the loop around them, so two inlined copies of one
+# sum (a decode alone and the same decode in a sharing group; a prompt cut into other chunks) rounded differently,
+# and a request's output bits depended on its batch on those CPUs alone. Always fused, as on every other CPU.
+COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "--param=avoid-fma-max-bits=0")
 # The one environment variable kvserve's kernels read: KVSERVE_CPU_ISA=avx2 builds them for AVX2 + FMA
 # (Haswell) on any x86-64 CPU, so that a developer on an AVX-512 machine can measure the AVX2 code paths too
 # (ATEN_CPU_CAPABILITY=avx2 does the same for torch's own kernels); avx512 builds for Skylake-X's AVX-512, so

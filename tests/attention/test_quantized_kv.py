@@ -142,19 +142,23 @@ def decode_attention(step: Step, backend: CpuPagedBackend, window: int | None) -
 
 
 @pytest.mark.parametrize("encoding", [None, *ENCODING_NAMES])
-@pytest.mark.parametrize("head_dim", [64, 48, 8])
+@pytest.mark.parametrize("head_dim", [64, 16, 8])
+@pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("window", [None, 200])
-def test_a_decode_sharing_its_prefix_gets_the_bits_it_gets_alone(encoding: str | None, head_dim: int,
+def test_a_decode_sharing_its_prefix_gets_the_bits_it_gets_alone(encoding: str | None, head_dim: int, group: int,
                                                                  window: int | None, num_threads: int,
                                                                  isa_backend: CpuPagedBackend) -> None:
     """Cascade attention is batch-invariant: a decode's output is bit for bit what it is alone, whatever shares
     its step (groups whose common blocks are not whole tiles, a member sharing less than the rest, groups cut
     into several work items, any thread count). With a quantized cache a last-bit difference here becomes
-    another code in the next layer's K/V, and a request's tokens then depended on its neighbours."""
+    another code in the next layer's K/V, and a request's tokens then depended on its neighbours. (Query heads
+    per KV head 1 and 2 as well as 3: a sharing group's query heads are taken 3 at a time, so with 1 or 2 the
+    group's copy of the sums runs in other loop shapes than a decode's alone, which gcc tuned for AMD Zen 1-3
+    fused differently until the kernels' flags said otherwise: kvserve/native.py.)"""
     contexts = [70, 100, 65, 300, 90, 200, 33, 64, 47] + [80 + 7 * i for i in range(24)]
     kind = {} if encoding is None else {"encoding": ENCODINGS[encoding]}
     step = paged_tests.make_step([(c, 1) for c in contexts], len(contexts), head_dim=head_dim, block_size=16,
-                                 num_kv_heads=3, group=3, seed=11, **kind)
+                                 num_kv_heads=2, group=group, seed=11, **kind)
     step = paged_tests.share_leading_blocks(step, [([0, 1, 3, 5], 5), ([2, 4], 4), ([3, 5], 12),
                                                    (list(range(9, 33)), 5)])
     batched = decode_attention(step, isa_backend, window)

@@ -87,6 +87,33 @@ def test_a_windowed_models_logprobs_are_the_same_bits_wherever_its_chunks_are_cu
     assert logprobs[0] == logprobs[1] == logprobs[2]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", *ENCODING_NAMES])
+def test_requests_on_one_system_prompt_get_the_logprobs_they_get_alone(llama, kv_cache_dtype: str) -> None:
+    """Decodes that share a system prompt's blocks through the prefix cache (and the samples of n > 1) are
+    attended as a group over those blocks, with the very sums each gets alone: their logprobs are the same bits
+    batched or alone, with every KV encoding. (An n > 1 request is compared with itself alone, not with n = 1:
+    it decodes its last prompt token, which n = 1 prefills, README.)"""
+    path, prompts = llama
+    system = [(7 * i) % 190 + 3 for i in range(70)]  # four whole blocks: two whole tiles of the decode kernel
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=2)
+
+    def logprobs(outputs) -> list[list[list[dict[int, float]]]]:
+        return [[[{t: e.logprob for t, e in position.items()} for position in sample.logprobs]
+                 for sample in output.outputs] for output in outputs]
+
+    llm = LLM(path, dtype="float32", num_kv_blocks=128, kv_cache_dtype=kv_cache_dtype)
+    requests = [{"prompt_token_ids": system + prompt} for prompt in prompts]
+    batched = logprobs(llm.generate(requests, params, use_tqdm=False))
+    assert llm.stats()["prefix_cache_hits"] > 0
+    alone = [logprobs(llm.generate([request], params, use_tqdm=False))[0] for request in requests]
+    assert alone == batched
+    three = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=2, n=3)
+    samples = logprobs(llm.generate(requests[:3], three, use_tqdm=False))
+    assert [logprobs(llm.generate([request], three, use_tqdm=False))[0] for request in requests[:3]] == samples
+    assert all(request_samples == [request_samples[0]] * 3 for request_samples in samples)
+    assert_all_blocks_free(llm)
+
+
 def test_the_same_budget_holds_proportionally_more_blocks(llama) -> None:
     path, _ = llama
     budget_gib = 2**-10
