@@ -91,3 +91,20 @@ def test_what_the_store_does_not_take_goes_to_torch() -> None:
     assert not CpuKVStore.takes(view.k, view.k_scale, transposed, transposed, "int8")
     kv.write(0, torch.tensor([0, 1]), transposed, transposed)  # the torch path stores it
     assert torch.allclose(kv.layer(0).gather(torch.tensor([0, 1]))[0], k, atol=0.05)
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("where", [0, 3])  # a group's first value, and one after it
+def test_a_nan_gives_its_group_nan_parameters_as_the_twin_does(store: CpuKVStore, cache: str, where: int) -> None:
+    """A NaN (a broken model's) reads back as NaN, never as a made-up finite value kept in a cached block: int4
+    once took the group's minimum for a NaN that was not the group's first value."""
+    by_store, by_torch = _storage(cache, 64), _storage(cache, 64)
+    k, v = (_rows(2, 64, torch.float32, seed) for seed in (7, 8))
+    v[1, 2, where] = float("nan")
+    slots = torch.tensor([5, 9])
+    view = by_store.layer(0)
+    store(view.k, view.v, view.k_scale, view.v_scale, slots, k, v, cache)
+    by_torch.write_by_torch(by_torch.layer(0), slots, k, v)
+    ours, twin = (kv.layer(0).v_scale.float().isnan() for kv in (by_store, by_torch))
+    assert ours.any() and torch.equal(ours, twin)
+    assert by_store.layer(0).gather(slots)[1][1, 2, where].isnan()

@@ -106,8 +106,11 @@ static void quantize_fp8(const float *x, int n, uint8_t *codes, uint16_t *params
 
 /* A group of n values (even) into n / 2 bytes and (scale, zero point). */
 static void quantize_int4(const float *x, int n, uint8_t *packed, uint16_t *params) {
-    float low = x[0] + 0.0f, high = low; /* -0 as 0, as the reference */
-    for (int i = 1; i < n; i++) low = x[i] < low ? x[i] + 0.0f : low, high = x[i] > high ? x[i] + 0.0f : high;
+    float low = x[0] + 0.0f, high = low; /* -0 as 0, as the reference; a NaN wins both, as in amin / amax */
+    for (int i = 1; i < n; i++) {
+        low = x[i] < low || isnan(x[i]) ? x[i] + 0.0f : low;
+        high = x[i] > high || isnan(x[i]) ? x[i] + 0.0f : high;
+    }
     const float zero = half_value(half_bits(clamp(low, -FP16_MAX, FP16_MAX)));
     const float range = (high - zero) / 15.0f;
     const uint16_t scale = half_bits(range > FP16_MAX ? FP16_MAX : range);
