@@ -41,17 +41,48 @@ def tool_constraint(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str
         return StructuredOutputsParams(json=function.get("parameters") or _NO_PARAMETERS)
     if tool_choice != "required":
         return None
-    calls = [
-        {"type": "object",
-         "properties": {"name": {"const": t["function"]["name"]},
-                        "parameters": t["function"].get("parameters") or _NO_PARAMETERS},
-         "required": ["name", "parameters"]}
-        for t in tools
-    ]
+    calls, definitions = [], {}
+    for i, tool in enumerate(tools):
+        parameters, own_definitions = _nested(tool["function"].get("parameters") or _NO_PARAMETERS, i)
+        definitions.update(own_definitions)
+        calls.append({"type": "object",
+                      "properties": {"name": {"const": tool["function"]["name"]}, "parameters": parameters},
+                      "required": ["name", "parameters"]})
     array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if definitions:
+        array["$defs"] = definitions
     if not parallel_tool_calls:
         array["maxItems"] = 1
     return StructuredOutputsParams(json=array)
+
+
+_DEFINITIONS = ("$defs", "definitions")
+
+
+def _nested(parameters: dict[str, Any], index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Function ``index``'s parameters as they sit inside the array of calls, and their definitions, which move
+    to the array's root under names of their own: a local ``$ref`` (``#/$defs/Loc``, as pydantic and the openai
+    SDK's ``pydantic_function_tool`` write them) resolves from the root of the whole schema, so each is
+    rewritten to where its target now is."""
+    inside = f"#/items/anyOf/{index}/properties/parameters"
+
+    def moved(ref: str) -> str:
+        parts = ref[1:].split("/")  # a JSON pointer: "", "$defs", "Loc", ...
+        if len(parts) >= 3 and parts[1] in _DEFINITIONS:
+            return f"#/$defs/{index}.{parts[2]}" + "".join("/" + part for part in parts[3:])
+        return inside + ref[1:]
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {key: moved(value) if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                    else rewrite(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        return node
+
+    definitions = {f"{index}.{name}": rewrite(schema) for key in _DEFINITIONS
+                   for name, schema in (parameters.get(key) or {}).items()}
+    return rewrite({key: value for key, value in parameters.items() if key not in _DEFINITIONS}), definitions
 
 
 def tool_call_format(parser: str, chat_template: str | None) -> ToolCallFormat:

@@ -6,9 +6,12 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Literal
 
 import jsonschema
+import openai
 import pytest
+from pydantic import BaseModel
 from tokenizers import AddedToken
 from transformers import AutoTokenizer
 
@@ -90,3 +93,34 @@ def test_a_marker_that_is_a_special_added_token_keeps_special_tokens_in_the_text
     assert "[TOOL_CALLS]" not in tok.all_special_tokens
     assert needs_special_tokens(FORMATS["mistral"], tok)
     assert not needs_special_tokens(FORMATS["mistral"], byte_bpe_tokenizer())  # a plain text marker stays
+
+
+class City(BaseModel):
+    name: str
+    country: Literal["FR", "NO"]
+
+
+class Trip(BaseModel):
+    start: City
+    stops: list[City]
+
+
+def test_required_takes_functions_whose_parameters_refer_to_their_definitions(tokenizer) -> None:
+    """pydantic (and the openai SDK's ``pydantic_function_tool``) write a nested model as ``$defs`` and a
+    ``#/$defs/...`` reference, which resolves from the schema's root: inside the array of calls each function's
+    definitions move to the root, and its references with them, including one to its parameters' own root."""
+    trip = openai.pydantic_function_tool(Trip, name="plan_trip")
+    assert "$defs" in trip["function"]["parameters"]
+    node = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"label": {"type": "string"}, "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "required": ["label", "child"], "additionalProperties": False}}}
+    constraint = tool_constraint([WEATHER, trip, node], "required", parallel_tool_calls=True)
+    assert constraint is not None and isinstance(constraint.json, dict)
+    paris = {"name": "Paris", "country": "FR"}
+    calls = [{"name": "plan_trip", "parameters": {"start": paris, "stops": [{"name": "Oslo", "country": "NO"}]}},
+             {"name": "tree", "parameters": {"label": "a", "child": {"label": "b", "child": None}}}]
+    jsonschema.validate(calls, constraint.json)
+    assert matcher_accepts(tokenizer, constraint, json.dumps(calls))
+    wrong_country = [{"name": "plan_trip", "parameters": {"start": {**paris, "country": "IT"}, "stops": []}}]
+    assert not matcher_accepts(tokenizer, constraint, json.dumps(wrong_country))
+    assert trip["function"]["parameters"]["properties"]["start"] == {"$ref": "#/$defs/City"}  # the request's own
