@@ -26,6 +26,21 @@ def test_a_fractional_multiple_is_refused_and_an_integers_and_the_bounds_are_not
     check_enforceable({"type": "number", "exclusiveMinimum": 0.5, "maximum": 10})
 
 
+@pytest.mark.parametrize(("schema", "named"), [
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}, "'maxLength' beside 'pattern'"),
+    ({"type": "string", "format": "date", "minLength": 30}, "'minLength' beside 'format'"),
+    ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, "'maxLength' beside 'enum'"),
+    ({"const": "abc", "pattern": "^x"}, "'pattern' beside 'const'"),
+])
+def test_a_constraint_the_grammar_drops_for_another_beside_it_is_refused(schema: dict, named: str) -> None:
+    """pydantic's ``Field(pattern=..., max_length=...)`` writes the first: its answers broke the length."""
+    with pytest.raises(ValueError, match=f"uses {named} at #/properties/s, which structured output"):
+        check_enforceable({"type": OBJ, "properties": {"s": schema}})
+    check_enforceable({"type": "string", "pattern": "^[a-z]+$"})
+    check_enforceable({"type": "string", "maxLength": 5, "minLength": 1})
+    check_enforceable({"type": "string", "enum": ["a", "b"], "title": "Letter", "description": "one of two"})
+
+
 def test_a_reference_outside_the_schema_and_an_unlisted_required_key_are_refused() -> None:
     with pytest.raises(ValueError, match="refers to 'https://example.com/s.json' at #/properties/a"):
         check_enforceable({"type": OBJ, "properties": {"a": {"$ref": "https://example.com/s.json"}}})
@@ -58,5 +73,9 @@ def test_what_is_refused_is_what_the_grammar_lets_through(tiny_checkpoints) -> N
     assert admits({"not": {"const": 0}}, "0")
     assert admits({"type": "number", "multipleOf": 0.5}, "0.3")
     assert not admits({"type": "integer", "multipleOf": 5}, "12")
+    assert admits({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, '"abcdef"')
+    assert admits({"type": "string", "enum": ["a", "b"], "maxLength": 0}, '"a"')
+    assert admits({"const": "abc", "pattern": "^x"}, '"abc"')
+    assert not admits({"type": "string", "maxLength": 3}, '"abcdef"')
     assert not admits({"type": "number", "exclusiveMinimum": 5}, "5") and admits({"type": "number",
                                                                                    "exclusiveMinimum": 5}, "6")
