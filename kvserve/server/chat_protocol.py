@@ -103,6 +103,7 @@ class NamedToolChoice(RequestBody):
     function: NamedFunction
 
 
+TOOL_CHOICES = ("none", "auto", "required")
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
@@ -116,6 +117,20 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # OpenAI's default: auto with tools, none without
     parallel_tool_calls: StrictBool = True
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _known_tool_choice(cls, value: Any) -> Any:
+        """OpenAI's other forms (``allowed_tools``, a custom tool) refused by name, where the union's error said
+        only "Input should be 'none', 'auto' or 'required'", as if a named function were not taken either."""
+        if value is None or isinstance(value, str) and value in TOOL_CHOICES:
+            return value
+        if isinstance(value, dict) and value.get("type") == "function":
+            return value
+        kind = value.get("type") if isinstance(value, dict) else value
+        raise InvalidParameter("tool_choice", f"tool_choice {str(kind)[:100]!r} is not supported: kvserve takes "
+                               f"{', '.join(map(repr, TOOL_CHOICES))} or "
+                               "{'type': 'function', 'function': {'name': ...}}")
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

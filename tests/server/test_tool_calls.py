@@ -197,6 +197,9 @@ def test_a_tool_round_trip_renders_the_call_and_its_result(tool_client: openai.O
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name", "tools.0.function.name"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "one constraint", "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions is not supported", "functions"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
+     "tool_choice 'allowed_tools' is not supported: kvserve takes 'none', 'auto', 'required' or", "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice 'any' is not supported", "tool_choice"),
     *(({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "foo"}}}}}], "tool_choice": choice}, "does not compile", "tools")
       for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "f"}})),
