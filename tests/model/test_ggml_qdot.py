@@ -62,6 +62,18 @@ def test_the_kernels_quantization_equals_the_twins_bit_for_bit(kernel: QDotGemm)
     assert (moved[finite] <= step[finite] * (0.5 + 1e-6)).all()
 
 
+def test_the_twin_quantizes_infinities_and_tiny_blocks_as_the_kernel_does(kernel: QDotGemm) -> None:
+    """An inf makes its block's dx inf and sx NaN (the product NaN, as the exact path's); a block whose 1 / dx is
+    inf has codes 0 and sx 0. The twin once turned the inf into the largest float and gave a finite product."""
+    x = torch.linspace(-1, 1, 96).repeat(2, 1)
+    x[0, 3] = float("inf")
+    x[1, 32:64] *= 1e-37
+    ours, twin = kernel.quantize_activations(x), quantize_activations(x)
+    for a, b in zip(ours, twin):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert twin.dx[0, 0].isinf() and twin.sx[0, 0].isnan() and twin.sx[1, 1] == 0 and (twin.codes[1, 32:64] == 0).all()
+
+
 @pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9, 17, 128])
 def test_the_kernel_equals_its_twin_and_stays_within_the_bound(kernel: QDotGemm, qtype: Q, rows: int) -> None:

@@ -52,12 +52,14 @@ class QuantizedActivations(NamedTuple):
 def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
     """The twin of the kernel's quantization, bit for bit: per block of 32, ``dx = max|x| / 127``,
     ``codes = round_half_even(x * (1 / dx))`` (0 where dx is 0), ``sx = dx * sum(codes)``. As in the kernel (and
-    llama.cpp), a NaN in x is left out of its block's max and its code is 0."""
+    llama.cpp), a NaN in x is left out of its block's max and its code is 0; so is every code that is not finite
+    (an inf's block, whose dx is inf and sx NaN; a block so small that 1 / dx is inf)."""
     m, k = x.shape
     blocks = x.float().reshape(m, k // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
-    dx = blocks.abs().nan_to_num(nan=0.0).amax(dim=-1) / 127
+    dx = blocks.abs().nan_to_num(nan=0.0, posinf=torch.inf).amax(dim=-1) / 127
     inverse = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
-    codes = torch.round(blocks * inverse.unsqueeze(-1)).nan_to_num(nan=0.0)
+    codes = torch.round(blocks * inverse.unsqueeze(-1))
+    codes = torch.where(codes.isfinite(), codes, torch.zeros_like(codes))
     return QuantizedActivations(codes.to(torch.int8).view(m, k), dx, dx * codes.sum(dim=-1))
 
 
