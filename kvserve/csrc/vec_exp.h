@@ -26,7 +26,8 @@ static inline __attribute__((always_inline)) vec exp_reduced(vec x, ivec n) {
 }
 
 /* exp(x) for any x, clamped to [-87.3, 88.3] so that 2^n stays a normal float: exp(-100) comes out 1e-38 rather
- * than 4e-44, and exp(100) 2e38 rather than inf, which changes no sigmoid. */
+ * than 4e-44, and exp(100) 2e38 rather than inf (a caller whose result that changes takes those lanes apart:
+ * fused_ops.c's activate). */
 static inline vec exp_vec(vec x) {
     const vec lo = (vec){0} - 87.3f, hi = (vec){0} + 88.3f;
     x = select_lanes(x < lo, lo, select_lanes(x > hi, hi, x));

@@ -133,7 +133,9 @@ ACTIVATIONS_64 = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh64}
 def test_act_and_mul_equals_twin_and_float64(rows: int, n: int, activation: str, fused: CpuFusedOps) -> None:
     mlp = GatedMLP(8, n, activation, bias=False)
     gate_up = _strided(_randn(rows, 2 * n, seed=n, scale=4.0))
-    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # the exponential's clamped ends
+    # gates at the exponential's clamped ends, and past them (x / (1 + exp(-a)) with exp(-a) held at 2e38 gave
+    # -0.45 for silu(-1e38); gelu's cube overflows at -1e13)
+    gate_up[0, : min(n, 5)] = torch.tensor([-100.0, 100.0, 0.0, -1e38, -1e13])[:n]
     gate, up = gate_up.double().chunk(2, dim=-1)
     expected = ACTIVATIONS_64[activation](gate) * up
     torch.testing.assert_close(fused.act_and_mul(mlp, gate_up).double(), expected, atol=ATOL, rtol=RTOL)

@@ -157,7 +157,9 @@ enum { SILU = 0, GELU_TANH = 1 };
 static inline __attribute__((always_inline)) vec activate(vec x, int activation) {
     vec a = x;
     if (activation == GELU_TANH) a = 1.5957691216057308f * (x + 0.044715f * x * x * x);
-    return x / (1.0f + exp_vec(-a));
+    /* x * sigmoid(a); where exp_vec's clamp holds exp(-a) below its value the sigmoid is 0 in fp32, so x times 0
+     * (x / (1 + 2e38) gave -0.45 at x = -1e38; x = -inf gives NaN, as the twin's x * sigmoid) */
+    return select_lanes(a < (vec){0} - 88.3f, x * 0.0f, x / (1.0f + exp_vec(-a)));
 }
 
 /* out [rows, n] = act(gate) * up, gate and up the two halves of each gate_up row [2n] (in_stride apart). */
