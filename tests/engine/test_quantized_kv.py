@@ -33,11 +33,8 @@ def llama(tiny_checkpoints) -> tuple[str, list[list[int]]]:
 def baseline(path: str, prompts: list[list[int]], kv_cache_dtype: str) -> list[list[int]]:
     """The prompts' greedy tokens in one batch, which each prompt alone must equal: with fp32 weights (the dense
     panels, summed in one order whatever the step's rows) a quantized cache's codes do not depend on the batch
-    either, as long as no decodes share leading blocks (prefix caching off here). (The GGUF block kernels sum a row
-    in an order that depends on how many rows share its tile, and a quantized cache can then round a key the other
-    way: README, "Quantized GGUF weights"; so can the decode kernel's pass over keys that several decodes share,
-    whose cuts depend on the batch: the n = 3 and prefix-hit runs below keep the tokens only because this tiny
-    model's top tokens lie far apart, where SmolLM2's part now and then.)"""
+    either. (The GGUF block kernels sum a row in an order that depends on how many rows share its tile, and a
+    quantized cache can then round a key the other way: README, "Quantized GGUF weights".)"""
     llm = LLM(path, dtype="float32", num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
     assert llm.stats()["kv_cache_dtype"] == kv_cache_dtype
     batched = [o[0] for o in greedy_token_ids(llm, prompts, MAX_NEW)]
