@@ -32,6 +32,16 @@ def test_kernel_is_built_once_into_the_cache_folder(cache_dir: Path, monkeypatch
     assert callable(ctypes.CDLL(str(path)).kvserve_paged_decode_f32)
 
 
+def test_batch_invariant_builds_keep_every_multiply_add_fused_and_are_cached_apart(cache_dir: Path) -> None:
+    """gcc tuned for AMD Zen 1-3 left some multiply-adds unfused depending on the loop around them, so two inlined
+    copies of one sum rounded apart (tests/attention/test_quantized_kv.py's batch-invariance tests failed on a Zen 3);
+    kernels that need not be invariant (the GGUF block kernels) keep the CPU's tuning, in a library of their own."""
+    assert "--param=avoid-fma-max-bits=0" in native.compile_flags()
+    assert "--param=avoid-fma-max-bits=0" not in native.compile_flags(batch_invariant=False)
+    invariant, tuned = (native.library_path(FUSED_OPS_SOURCE, batch_invariant=b) for b in (True, False))
+    assert invariant != tuned and {p.name for p in cache_dir.iterdir()} == {invariant.name, tuned.name}
+
+
 def test_kernel_shares_torchs_openmp_runtime() -> None:
     """The kernel's OpenMP calls bind to the libgomp torch loaded: a second runtime would bring a second
     thread pool that fights torch's for the cores."""

@@ -111,7 +111,7 @@ class GGMLGemm:
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``GGML_GEMM_SOURCE`` (default: this process's, for its CPU)."""
-        library = library or load_library(GGML_GEMM_SOURCE)
+        library = library or load_library(GGML_GEMM_SOURCE, batch_invariant=False)
         self._gemm = KernelFunction(library.kvserve_ggml_gemm_f32, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
         self._strips = KernelFunction(library.kvserve_ggml_gemm_strips_f32, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
         self._dequantize = KernelFunction(library.kvserve_ggml_dequantize,

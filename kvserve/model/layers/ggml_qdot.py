@@ -86,7 +86,7 @@ class QDotGemm:
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """``library``: a build of ``GGML_QDOT_SOURCE`` (default: this process's, for its CPU)."""
-        library = library or load_library(GGML_QDOT_SOURCE)
+        library = library or load_library(GGML_QDOT_SOURCE, batch_invariant=False)
         self._gemm = KernelFunction(library.kvserve_ggml_qdot_gemm, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
         self._strips = KernelFunction(library.kvserve_ggml_qdot_gemm_strips, BLOCK_GEMM_ARG_TYPES, ctypes.c_int)
         self._quantize = KernelFunction(library.kvserve_ggml_quantize_rows,
