@@ -36,8 +36,7 @@ COMPILE_FLAGS = ("-O3", "-fopenmp", "-std=gnu11", "-shared", "-fPIC")
 # multiply and an add unfused where they form a chain in a loop, and that call depends on the loop around them, so
 # two inlined copies of one sum (a decode alone and the same decode in a sharing group; a prompt cut into other
 # chunks) rounded differently, and a request's output bits depended on its batch on those CPUs alone. Always
-# fused, as on every other CPU. (The GGUF block kernels, batch-dependent by design, keep the CPU's tuning: 4-5%
-# faster on a Zen 3.)
+# fused, as on every other CPU. (The GGUF block kernels, batch-dependent by design, keep the CPU's own tuning.)
 BATCH_INVARIANT_FLAGS = ("--param=avoid-fma-max-bits=0",)
 # The one environment variable kvserve's kernels read: KVSERVE_CPU_ISA=avx2 builds them for AVX2 + FMA
 # (Haswell) on any x86-64 CPU, so that a developer on an AVX-512 machine can measure the AVX2 code paths too
