@@ -1,6 +1,8 @@
 """Decodes that share a cached prefix, through the CPU decode kernel: shared blocks vs private copies.
 
     python benchmarks/attention_cascade.py [--threads N] [--num-decodes 16] [--prefix-len 1024]
+    python benchmarks/attention_cascade.py --baseline DIR   # also the decode kernel of another revision's
+                                                            # kvserve/attention/csrc (a worktree's), taking turns
 
 The `prefix` workload's decode step at SmolLM2-135M's shapes (9 query / 3 KV heads, head_dim 64, block 16,
 fp32): NUM_DECODES sequences of PREFIX_LEN shared tokens plus 32..96 tokens of their own. ``shared``: their block
@@ -14,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
 from kvserve.attention.backend import AttentionInputs
-from kvserve.attention.cpu_paged import CpuPagedBackend
+from kvserve.attention.cpu_paged import DECODE_SOURCE, PREFILL_SOURCE, CpuPagedBackend
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from kvserve.native import load_library
 
 NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
 NUM_ROUNDS = 8
@@ -63,6 +67,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-decodes", type=int, default=16)
     parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--baseline", type=Path, help="another revision's kvserve/attention/csrc folder")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     steps, copies = layouts(args.num_decodes, args.prefix_len)
@@ -72,22 +77,29 @@ def main() -> None:
     for layer in range(NUM_LAYERS):
         kv.write(layer, slots, *(torch.randn(kv.num_slots, NUM_KV_HEADS, HEAD_DIM) for _ in "kv"))
     kv.copy_blocks(tuple(copies))
-    backend = CpuPagedBackend()
+    backends = {"": CpuPagedBackend()}
+    if args.baseline:
+        libraries = (load_library(args.baseline / DECODE_SOURCE.name), load_library(args.baseline / PREFILL_SOURCE.name))
+        backends["baseline "] = CpuPagedBackend(libraries)
     q = torch.randn(args.num_decodes, NUM_HEADS, HEAD_DIM)
     k, v = torch.randn(2, args.num_decodes, NUM_KV_HEADS, HEAD_DIM)
-    metas = {name: backend.build_metadata(inputs, {None}) for name, inputs in steps.items()}
-    outs, best = {}, dict.fromkeys(steps, float("inf"))
+    runs = {(prefix + name, backend): backend.build_metadata(inputs, {None})
+            for prefix, backend in backends.items() for name, inputs in steps.items()}
+    outs, best = {}, {name: float("inf") for name, _ in runs}
     for _ in range(NUM_ROUNDS):
-        for name, meta in metas.items():
+        for (name, backend), meta in runs.items():
             start = time.perf_counter()
             for layer in range(NUM_LAYERS):
                 outs[name] = backend.forward(q, k, v, layer, kv, meta, scale=HEAD_DIM**-0.5)
             best[name] = min(best[name], (time.perf_counter() - start) / NUM_LAYERS)
-    torch.testing.assert_close(outs["shared"], outs["private"], atol=1e-5, rtol=1e-5)  # same keys, same result
+    for name in outs:  # same keys, same result
+        torch.testing.assert_close(outs[name], outs["private"], atol=1e-5, rtol=1e-5)
     print(f"{args.num_decodes} decodes, {args.prefix_len}-token shared prefix, {args.threads} threads, ms per layer:")
     for name, seconds in best.items():
-        print(f"  {name:8s} {seconds * 1e3:7.3f}")
+        print(f"  {name:17s} {seconds * 1e3:7.3f}")
     print(f"  shared is {best['private'] / best['shared']:.2f}x private")
+    if args.baseline:
+        print(f"  shared is {best['baseline shared'] / best['shared']:.2f}x the baseline's shared")
 
 
 if __name__ == "__main__":
