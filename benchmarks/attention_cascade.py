@@ -79,8 +79,8 @@ def main() -> None:
     kv.copy_blocks(tuple(copies))
     backends = {"": CpuPagedBackend()}
     if args.baseline:
-        libraries = (load_library(args.baseline / DECODE_SOURCE.name), load_library(args.baseline / PREFILL_SOURCE.name))
-        backends["baseline "] = CpuPagedBackend(libraries)
+        decode, prefill = (load_library(args.baseline / source.name) for source in (DECODE_SOURCE, PREFILL_SOURCE))
+        backends["baseline "] = CpuPagedBackend((decode, prefill))
     q = torch.randn(args.num_decodes, NUM_HEADS, HEAD_DIM)
     k, v = torch.randn(2, args.num_decodes, NUM_KV_HEADS, HEAD_DIM)
     runs = {(prefix + name, backend): backend.build_metadata(inputs, {None})

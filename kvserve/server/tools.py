@@ -57,6 +57,8 @@ def tool_constraint(tools: Sequence[dict[str, Any]], tool_choice: str | dict[str
 
 
 _DEFINITIONS = ("$defs", "definitions")
+_LITERALS = frozenset({"const", "enum", "default", "examples"})  # data, whose "$ref" keys are no references
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def _nested(parameters: dict[str, Any], index: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -66,23 +68,29 @@ def _nested(parameters: dict[str, Any], index: int) -> tuple[dict[str, Any], dic
     rewritten to where its target now is."""
     inside = f"#/items/anyOf/{index}/properties/parameters"
 
+    hoisted = [key for key in _DEFINITIONS if isinstance(parameters.get(key), dict)]  # else left to fail to compile
+
     def moved(ref: str) -> str:
         parts = ref[1:].split("/")  # a JSON pointer: "", "$defs", "Loc", ...
-        if len(parts) >= 3 and parts[1] in _DEFINITIONS:
-            return f"#/$defs/{index}.{parts[2]}" + "".join("/" + part for part in parts[3:])
+        if len(parts) >= 3 and parts[1] in hoisted:
+            return f"#/$defs/{index}.{parts[1]}.{parts[2]}" + "".join("/" + part for part in parts[3:])
         return inside + ref[1:]
 
-    def rewrite(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {key: moved(value) if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                    else rewrite(value) for key, value in node.items()}
+    def rewrite(node: Any, names: bool = False) -> Any:
+        """``node`` with its references moved; ``names``: a mapping of names to schemas (``properties``)."""
         if isinstance(node, list):
             return [rewrite(item) for item in node]
-        return node
+        if not isinstance(node, dict):
+            return node
+        if names:
+            return {name: rewrite(schema) for name, schema in node.items()}
+        return {key: moved(value) if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                else value if key in _LITERALS else rewrite(value, names=key in _NAMED_SCHEMAS)
+                for key, value in node.items()}
 
-    definitions = {f"{index}.{name}": rewrite(schema) for key in _DEFINITIONS
-                   for name, schema in (parameters.get(key) or {}).items()}
-    return rewrite({key: value for key, value in parameters.items() if key not in _DEFINITIONS}), definitions
+    definitions = {f"{index}.{key}.{name}": rewrite(schema) for key in hoisted
+                   for name, schema in parameters[key].items()}
+    return rewrite({key: value for key, value in parameters.items() if key not in hoisted}), definitions
 
 
 def tool_call_format(parser: str, chat_template: str | None) -> ToolCallFormat:

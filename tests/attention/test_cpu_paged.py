@@ -119,11 +119,11 @@ def test_decodes_sharing_a_prefix_read_it_once_and_agree(head_dim: int, window: 
 @pytest.mark.parametrize(("num_decodes", "group"), [(512, 3), (3, 80)])
 def test_groups_too_large_for_one_work_item(num_decodes: int, group: int) -> None:
     """512 sharers of one prompt with 3 query heads each (a prefill chunk's rows, say) are cut into chunks of
-    at most 64 query heads; 80 query heads on one KV head make a chunk of one member wider than 64 lanes."""
-    contexts = [24 + i % 17 for i in range(num_decodes)]
+    at most 64 query heads; 80 query heads on one KV head make a chunk of one member of more than 64."""
+    contexts = [40 + i % 17 for i in range(num_decodes)]
     step = make_step([(c, 1) for c in contexts], num_decodes, head_dim=64, block_size=4, num_kv_heads=1,
                      group=group, seed=num_decodes)
-    check(share_leading_blocks(step, [(list(range(num_decodes)), 5)]), None)
+    check(share_leading_blocks(step, [(list(range(num_decodes)), 8)]), None)  # a whole tile: 32 keys
 
 
 @settings(max_examples=40, deadline=None)
@@ -283,9 +283,10 @@ def test_selector_falls_back_with_one_warning_when_the_kernel_cannot_be_built(
 def test_blocks_before_every_window_may_be_null_and_a_run_of_nulls_is_no_shared_prefix(block_size: int,
                                                                                        num_threads: int) -> None:
     """Decodes past their window, whose tables all start with nulls, share no keys; two decodes within it that
-    share real blocks still read them once; chunks start at their first query's window."""
-    window = 6
-    step = make_step([(50, 1), (70, 1), (4, 1), (4, 1), (40, 9), (33, 20)], 4, head_dim=64, block_size=block_size,
+    share real blocks (a whole tile of keys: the group pass takes no less) still read them once; chunks start at
+    their first query's window."""
+    window = 40
+    step = make_step([(50, 1), (70, 1), (36, 1), (36, 1), (40, 9), (33, 20)], 4, head_dim=64, block_size=block_size,
                      num_kv_heads=2, group=2)
-    step = share_leading_blocks(step, [([2, 3], 4 // block_size)]) if block_size < 4 else step
+    step = share_leading_blocks(step, [([2, 3], 32 // block_size)])
     check(ref_tests.null_dead_blocks(step, window), window)

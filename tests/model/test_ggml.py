@@ -126,7 +126,7 @@ def test_strips_kernel_in_buffers_of_columns_and_passes_of_rows(kernel: GGMLGemm
 def assert_build_equals_the_reference(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel built for ``isa`` (``$KVSERVE_CPU_ISA``), on every type it reads."""
     monkeypatch.setenv(native.ISA_ENV_VAR, isa)
-    build = GGMLGemm(ctypes.CDLL(str(native.library_path(ggml.GGML_GEMM_SOURCE))))
+    build = GGMLGemm(ctypes.CDLL(str(native.library_path(ggml.GGML_GEMM_SOURCE, batch_invariant=False))))
     gen = torch.Generator().manual_seed(1)
     weights = [blocks_of(torch.randn(19, 512, generator=gen), qtype) for qtype in TYPES]
     weights += [random_blocks(19, 512, qtype, gen) for qtype in K_TYPES]
@@ -200,7 +200,7 @@ def test_without_a_dense_copy_a_packed_layer_multiplies_its_projections_where_th
 
 def isa_kernel(isa: str) -> GGMLGemm:
     """The exact kernel built for ``isa``; skips where this CPU cannot run that build."""
-    return GGMLGemm(isa_build(ggml.GGML_GEMM_SOURCE, isa))
+    return GGMLGemm(isa_build(ggml.GGML_GEMM_SOURCE, isa, batch_invariant=False))
 
 
 @pytest.mark.parametrize("isa, q_and_k", [("avx2", Q.Q8_0), ("avx512", Q.Q5_0)])

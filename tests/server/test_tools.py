@@ -112,7 +112,8 @@ def test_required_takes_functions_whose_parameters_refer_to_their_definitions(to
     trip = openai.pydantic_function_tool(Trip, name="plan_trip")
     assert "$defs" in trip["function"]["parameters"]
     node = {"type": "function", "function": {"name": "tree", "parameters": {
-        "type": "object", "properties": {"label": {"type": "string"}, "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+        "type": "object",
+        "properties": {"label": {"type": "string"}, "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
         "required": ["label", "child"], "additionalProperties": False}}}
     constraint = tool_constraint([WEATHER, trip, node], "required", parallel_tool_calls=True)
     assert constraint is not None and isinstance(constraint.json, dict)
@@ -124,3 +125,35 @@ def test_required_takes_functions_whose_parameters_refer_to_their_definitions(to
     wrong_country = [{"name": "plan_trip", "parameters": {"start": {**paris, "country": "IT"}, "stops": []}}]
     assert not matcher_accepts(tokenizer, constraint, json.dumps(wrong_country))
     assert trip["function"]["parameters"]["properties"]["start"] == {"$ref": "#/$defs/City"}  # the request's own
+
+
+def test_moving_definitions_keeps_what_the_schema_means(tokenizer) -> None:
+    """A name in both ``$defs`` and ``definitions`` stays two definitions; a ``"$ref"`` inside data (a const, a
+    property named ``default``) is no reference and stays as written; definitions that are not an object are left
+    for the compiler to refuse (a 400), not a crash."""
+    parameters = {
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/X"}, "b": {"$ref": "#/definitions/X"},
+                       "c": {"const": {"$ref": "#/$defs/X"}}, "default": {"$ref": "#/$defs/X"}},
+        "required": ["a", "b", "c", "default"], "additionalProperties": False,
+        "$defs": {"X": {"type": "integer"}}, "definitions": {"X": {"type": "string"}},
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+    constraint = tool_constraint([tool], "required", parallel_tool_calls=True)
+    assert constraint is not None and isinstance(constraint.json, dict)
+    call = [{"name": "f", "parameters": {"a": 1, "b": "x", "c": {"$ref": "#/$defs/X"}, "default": 2}}]
+    jsonschema.validate(call, constraint.json)
+    for wrong in ({"a": "x"}, {"b": 1}, {"c": {"$ref": "#/$defs/0.$defs.X"}}, {"default": "x"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "f", "parameters": {**call[0]["parameters"], **wrong}}], constraint.json)
+    # what the grammar writes (xgrammar writes a const object without spaces, so c is left out here)
+    del parameters["properties"]["c"], call[0]["parameters"]["c"]
+    parameters["required"].remove("c")
+    constraint = tool_constraint([tool], "required", parallel_tool_calls=True)
+    assert constraint is not None and matcher_accepts(tokenizer, constraint, json.dumps(call))
+    for wrong in ({"a": "x"}, {"b": 1}, {"default": "x"}):
+        bad = [{"name": "f", "parameters": {**call[0]["parameters"], **wrong}}]
+        assert not matcher_accepts(tokenizer, constraint, json.dumps(bad))
+    odd = {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "$defs": ["x"]}}}
+    constraint = tool_constraint([odd], "required", parallel_tool_calls=True)
+    assert constraint is not None and constraint.json["items"]["anyOf"][0]["properties"]["parameters"]["$defs"] == ["x"]
