@@ -67,7 +67,6 @@ def _nested(parameters: dict[str, Any], index: int) -> tuple[dict[str, Any], dic
     SDK's ``pydantic_function_tool`` write them) resolves from the root of the whole schema, so each is
     rewritten to where its target now is."""
     inside = f"#/items/anyOf/{index}/properties/parameters"
-
     hoisted = [key for key in _DEFINITIONS if isinstance(parameters.get(key), dict)]  # else left to fail to compile
 
     def moved(ref: str) -> str:
