@@ -629,6 +629,11 @@ ENCODING_COPIES(a->head_dim, any)
 static const AttendFn ATTEND[4][4] = {BY_ENCODING(64), BY_ENCODING(128), BY_ENCODING(256), BY_ENCODING(any)};
 static const SharedFn SHARED[4] = {shared_64, shared_128, shared_256, shared_any};
 
+/* The keys of num_blocks blocks that whole tiles cover: what a group pass may take. */
+static inline int whole_tiles(int num_blocks, int block_size) {
+    return (int)((int64_t)num_blocks * block_size / TILE * TILE);
+}
+
 /* Groups the sequences whose block tables start with the same blocks. A group's shared length is the blocks
  * all its members have in common with its first member, counting only blocks before each member's last one (so
  * every shared key is older than every member's new token), cut down to whole tiles, and none for a sequence past
@@ -661,14 +666,14 @@ static int plan_cascade(const DecodeArgs *a, int num_seqs, int num_threads, Casc
     }
     int num_groups = 0;
     for (int j = 0; j < n; j++)
-        num_groups += leader_of[j] == j && size[j] > 1 && (int64_t)blocks[j] * bs >= TILE;
+        num_groups += leader_of[j] == j && size[j] > 1 && whole_tiles(blocks[j], bs) > 0;
     const int per_chunk = MAX_SHARED_QUERIES / a->group > 1 ? MAX_SHARED_QUERIES / a->group : 1;
     /* chunks a group needs for every thread to have two items (KV heads x chunks) */
     const int busy_chunks = num_groups ? (2 * num_threads + num_groups * a->num_kv_heads - 1) /
                                              (num_groups * a->num_kv_heads) : 0;
     int next = 0;
     for (int j = 0; j < n && num_groups; j++) {
-        const int shared = (int)((int64_t)blocks[j] * bs / TILE * TILE);
+        const int shared = whole_tiles(blocks[j], bs);
         if (leader_of[j] != j || size[j] < 2 || shared == 0) continue;
         int chunks = (size[j] + per_chunk - 1) / per_chunk;
         chunks = chunks < busy_chunks ? (busy_chunks < size[j] ? busy_chunks : size[j]) : chunks;
