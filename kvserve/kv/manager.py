@@ -234,8 +234,8 @@ class KVCacheManager:
                 return False
         self._forget_match(request)
         self._hold(tables)  # first, so that the allocation below cannot evict them
-        # the request owns its tables before they are filled, so that an interrupt (Ctrl-C in LLM.generate) while
-        # blocks are allocated into them leaves them where ``free`` finds them
+        # the request owns its tables before they are filled, so that an interrupt (a caller's SIGINT handler
+        # that raises) while blocks are allocated into them leaves them where ``free`` finds them
         request.block_ids, request.group_block_ids = tables[0], tables[1:]
         fresh = self._fill(tables, [(group, index) for group, index, _ in loads], num_needed)
         if keys:

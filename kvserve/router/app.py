@@ -220,7 +220,7 @@ class Router:
             await send({"type": "http.response.body", "body": failure.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def first_healthy_get(self, path: str, headers: list[tuple[bytes, bytes]] | tuple = ()) -> Response:
+    async def first_healthy_get(self, path: str, headers: list[tuple[bytes, bytes]]) -> Response:
         """The first healthy replica's answer to a GET of ``path``, sent with ``headers`` (the client's key)."""
         for replica in self.replicas:
             if replica.healthy:

@@ -317,7 +317,8 @@ class Scheduler:
                 self._admit(request, start)
                 scheduled.append((request, num_new))
                 budget.take(num_new)
-        finally:  # even when interrupted (Ctrl-C in LLM.generate), a request admitted so far is in one queue
+        finally:  # even when interrupted (a SIGINT handler of the caller's that raises; LLM.generate itself holds
+            # Ctrl-C until the step is done), a request admitted so far is in one queue
             if admitted:
                 self._remove_waiting(admitted & set(self.running))
 
@@ -470,7 +471,7 @@ class Scheduler:
         return appended
 
     def _dequeue(self, request: Request) -> None:
-        """Take the request out of the queue its status names; should an interrupt (Ctrl-C in a step) have come
+        """Take the request out of the queue its status names; should an interrupt (a SIGINT handler that raises inside a step) have come
         between a queue change and its status, out of the other one, or of neither (it was between them)."""
         running = request.status is RequestStatus.RUNNING
         for queue in (self.running, self.waiting) if running else (self.waiting, self.running):
