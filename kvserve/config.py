@@ -8,6 +8,7 @@ Each component takes the narrow config it needs: the scheduler a ``SchedulerConf
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from kvserve.kv.encodings import KV_ENCODING_NAMES
@@ -58,6 +59,12 @@ def check_device_name(device: str) -> None:
         raise ValueError(f"unknown device {device!r}; expected cpu, cuda, cuda:N or auto")
 
 
+def is_seed(value: object) -> bool:
+    """A seed is a 64-bit signed integer, as vLLM's: a larger one would be folded into 64 bits and draw as another
+    seed does."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load and how: ``model`` is resolved by ``kvserve.model.sources``."""
@@ -95,6 +102,8 @@ class ModelConfig:
                              f"{', '.join(QUANTIZATION_CHOICES)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not is_seed(self.seed):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; expected one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")

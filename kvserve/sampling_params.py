@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from kvserve.config import is_seed
+
 
 class InvalidParameter(ValueError):
     """A value out of range or of the wrong type, and the name of the parameter that holds it (a server answers
@@ -157,8 +159,7 @@ class SamplingParams:
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2,
              f"must be in [-2, 2], got {self.frequency_penalty}"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, f"must be >= 1, got {self.max_tokens}"),
-            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63,  # int64, as vLLM's: no two draw alike
-             f"must be a 64-bit signed integer, got {self.seed}"),
+            ("seed", self.seed is None or is_seed(self.seed), f"must be a 64-bit signed integer, got {self.seed}"),
             ("min_tokens", self.min_tokens >= 0, f"must be >= 0, got {self.min_tokens}"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),

@@ -275,6 +275,14 @@ def test_weight_offload_is_a_finite_number_of_gib(gib: float) -> None:
         ModelConfig(cpu_offload_gb=gib)
 
 
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, 2**70, 1.5, "3", True])
+def test_the_engines_seed_is_a_64_bit_signed_integer_as_a_requests_is(seed: object) -> None:
+    """2**64 and -2**64 drew as seed 0 does (folded into 64 bits); SamplingParams refused them already."""
+    with pytest.raises(ValueError, match=re.escape(f"seed must be a 64-bit signed integer, got {seed!r}")):
+        ModelConfig(seed=seed)
+    assert ModelConfig(seed=2**63 - 1).seed == 2**63 - 1 and ModelConfig(seed=-(2**63)).seed == -(2**63)
+
+
 def test_a_chat_template_is_a_files_text_or_the_template_itself(tmp_path) -> None:
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     path = tmp_path / "template.jinja"
