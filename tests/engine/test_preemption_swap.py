@@ -28,7 +28,7 @@ def _llm(path: Path, **options) -> LLM:
 
 
 def _num_scheduled_tokens(llm: LLM) -> int:
-    return llm.engine.core.scheduler.num_scheduled_tokens
+    return llm.stats()["num_tokens_computed"]
 
 
 def _large_pool(path: Path, kv_cache_dtype: str, n: int) -> tuple[list, int]:

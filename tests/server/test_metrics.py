@@ -32,6 +32,7 @@ EXPECTED = [
     "kvserve:num_blocks_swapped_in_total",
     "kvserve:num_swap_fallbacks_total",
     "kvserve:num_graph_replays_total",
+    "kvserve:num_tokens_computed_total",
     "kvserve:request_success_total",
     "kvserve:cache_config_info",
     "kvserve:prefix_cache_blocks",
@@ -88,7 +89,8 @@ def test_swap_and_graph_counters_follow_the_engine_stats() -> None:
              "num_running": 0, "num_waiting": 0}
     metrics = ServerMetrics("m", stats, 64)
     swaps = {"num_preemptions": 4, "num_swapped_out": 3, "num_swapped_in": 2, "num_blocks_swapped_out": 9,
-             "num_blocks_swapped_in": 6, "num_swap_fallbacks": 1, "num_graph_replays": 11}
+             "num_blocks_swapped_in": 6, "num_swap_fallbacks": 1, "num_graph_replays": 11,
+             "num_tokens_computed": 57}
     metrics.on_step([], {**stats, **swaps}, time.monotonic())
     for key, value in swaps.items():
         assert metrics.registry.get_sample_value(f"kvserve:{key}_total", {"model_name": "m"}) == value, key
