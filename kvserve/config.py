@@ -8,10 +8,10 @@ Each component takes the narrow config it needs: the scheduler a ``SchedulerConf
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 
 from kvserve.kv.encodings import KV_ENCODING_NAMES
+from kvserve.sampling_params import is_seed
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SCHEDULING_POLICIES = ("fcfs", "lpm")
@@ -57,12 +57,6 @@ def check_device_name(device: str) -> None:
     ``kvserve.device.resolve_device``'s to say)."""
     if device not in DEVICES and not device.startswith("cuda:"):
         raise ValueError(f"unknown device {device!r}; expected cpu, cuda, cuda:N or auto")
-
-
-def is_seed(value: object) -> bool:
-    """A seed is a 64-bit signed integer, as vLLM's: a larger one would be folded into 64 bits and draw as another
-    seed does."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
 
 @dataclass(frozen=True)

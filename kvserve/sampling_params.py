@@ -9,8 +9,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvserve.config import is_seed
-
 
 class InvalidParameter(ValueError):
     """A value out of range or of the wrong type, and the name of the parameter that holds it (a server answers
@@ -57,6 +55,12 @@ class StructuredOutputsParams:
 
 def _is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_seed(value: object) -> bool:
+    """A seed is a 64-bit signed integer, as vLLM's: a larger one would be folded into 64 bits and draw as another
+    seed does."""
+    return _is_integer(value) and -(2**63) <= value < 2**63
 
 
 def _token_biases(logit_bias: object) -> dict[int, float]:
