@@ -1,0 +1,57 @@
+"""The GGUF tensor table read past the metadata: the same tensors, types, shapes and offsets as gguf's own
+reader finds, for every kind of metadata value; a file that is not GGUF, or is cut short, is a ValueError naming
+it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from kvserve.model.gguf_table import read_tensor_table
+
+
+def _write(path: Path, alignment: int | None) -> Path:
+    writer = gguf.GGUFWriter(path, "llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    writer.add_uint8("u8", 1), writer.add_int8("i8", -1), writer.add_uint16("u16", 2), writer.add_int16("i16", -2)
+    writer.add_uint32("u32", 3), writer.add_int32("i32", -3), writer.add_float32("f32", 0.5)
+    writer.add_uint64("u64", 4), writer.add_int64("i64", -4), writer.add_float64("f64", 0.25)
+    writer.add_bool("flag", True), writer.add_string("text", "héllo")
+    writer.add_array("numbers", [1, 2, 3]), writer.add_array("words", ["a", "", "ünï", "longer words"])
+    writer.add_array("nested", [[1, 2], [3]])
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.add_tensor("output_norm.weight", np.ones(5, dtype=np.float16))
+    blocks = np.arange(2 * 34, dtype=np.uint8).reshape(2, 34)  # two rows of one Q8_0 block: 32 values each
+    writer.add_tensor("output.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("alignment", [None, 64])
+def test_the_table_is_the_one_ggufs_reader_finds(tmp_path: Path, alignment: int | None) -> None:
+    path = _write(tmp_path / "model.gguf", alignment)
+    table = read_tensor_table(path)
+    reader = gguf.GGUFReader(path)
+    assert table.architecture == reader.fields["general.architecture"].contents() == "llama"
+    assert [(t.name, t.qtype, t.offset) for t in table.tensors] == \
+        [(t.name, int(t.tensor_type), t.data_offset) for t in reader.tensors]
+    assert [t.shape for t in table.tensors] == [(3, 4), (5,), (2, 32)]  # values, in torch's order
+
+
+def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_value_error_naming_it(tmp_path: Path) -> None:
+    path = _write(tmp_path / "model.gguf", None)
+    data, data_start = path.read_bytes(), read_tensor_table(path).tensors[0].offset
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"NOTAGGUF" + bytes(100))
+    with pytest.raises(ValueError, match=f"{other} is not a GGUF file"):
+        read_tensor_table(other)
+    for cut in (30, 200, data_start - 40):  # in the header, the metadata, the tensor table
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=f"{short} is cut short"):
+            read_tensor_table(short)
