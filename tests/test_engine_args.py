@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.attention.torch_ref import TorchRefBackend
 from kvserve.cli import build_parser
 from kvserve.config import (
@@ -239,6 +240,15 @@ def test_building_an_engine_leaves_the_global_rng_alone(tiny_checkpoints) -> Non
     before = torch.get_rng_state()
     LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=16, seed=1234)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_numpy_integer_seeds_the_engine_as_the_same_int_does(tiny_checkpoints) -> None:
+    """It passed the seed's check, then the first unseeded draw raised OverflowError inside the step."""
+    params = SamplingParams(temperature=1.0, max_tokens=6)
+    draws = [LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=16, seed=seed).generate(
+        [{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids
+        for seed in (np.int64(3), 3)]
+    assert draws[0] == draws[1] and len(draws[0]) == 6
 
 
 def test_a_disk_tier_size_without_its_directory_is_refused() -> None:

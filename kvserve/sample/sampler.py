@@ -67,7 +67,7 @@ class Sampler:
     state past each token a request appends by itself."""
 
     def __init__(self, seed: int = 0, processors: Sequence[LogitsProcessor] | None = None) -> None:
-        self.seed = seed
+        self.seed = int(seed)  # a numpy integer's & with the 64-bit mask below would overflow
         self._processors = default_processors() if processors is None else list(processors)
         self._stateful = [p for p in self._processors if p.is_stateful]
         self._keys: set[str] = set()  # keys whose processor state exists (tracked only with stateful processors)
