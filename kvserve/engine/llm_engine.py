@@ -361,8 +361,8 @@ class LLMEngine:
             "num_running": self.core.scheduler.num_running,
             "num_waiting": self.core.scheduler.num_waiting,
             "num_steps_scheduled_ahead": self.core.scheduler.num_continued_steps,
-            # run through the model since start, recomputed ones included: beside the requests' own tokens, the cost
-            # of preemption by recompute
+            # run through the model since start: prompt tokens not found in the prefix cache, generated ones,
+            # speculative drafts, and those recomputed after a preemption
             "num_tokens_computed": self.core.scheduler.num_scheduled_tokens,
             "num_graph_replays": self.core.runner.num_graph_replays,  # steps run through a CUDA or CPU step graph
             **self.core.scheduler.preemption_stats(),

@@ -5,8 +5,9 @@ gguf's reader parses every metadata field element by element through numpy, so a
 seconds, and transformers parses the file again for the config, for the tokenizer and for the weights (and
 builds its tensor-name map once per submodule): about 30 s before the default model's first weight is read on
 2 cores. The tensor table is read by ``gguf_table`` (the metadata stepped over, not parsed); transformers still
-parses the file for the config (18 s for Gemma 3 on a slow CPU, Zen 3). The index is written by those readers on first use, atomically, under a key made of the file's path,
-size and modification time and the readers' versions, and read back in milliseconds afterwards; tensors then
+parses the file for the config (18 s for Gemma 3 on a slow CPU, Zen 3). The index is written by those readers
+on first use, atomically, under a key made of the file's path, size and modification time and the readers'
+versions, and read back in milliseconds afterwards; tensors then
 come straight from a memory map of the file. An index that cannot be read is rebuilt with a warning.
 """
 
@@ -16,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -180,8 +182,11 @@ def _entry(tensor: GGUFTensor, hf_name: str, processor: Any, path: Path, file_si
         dims, dtype = tensor.shape, np.dtype(_VALUE_TYPES[tensor.qtype])
     else:
         block_values, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(tensor.qtype)]
+        if tensor.shape[-1] % block_values:
+            raise ValueError(f"{path}: tensor {tensor.name}'s rows of {tensor.shape[-1]} values are no whole number "
+                             f"of {block_values}-value blocks")
         dims, dtype = (*tensor.shape[:-1], tensor.shape[-1] // block_values * block_bytes), np.dtype(np.uint8)
-    if tensor.offset + int(np.prod(dims)) * dtype.itemsize > file_size:
+    if tensor.offset + math.prod(dims) * dtype.itemsize > file_size:  # Python's ints: no product wraps
         raise ValueError(f"{path} is cut short: tensor {tensor.name} runs past its {file_size} bytes")
     return TensorEntry(tensor.name, hf_name, tensor.qtype, tuple(dims), dtype.str, tensor.offset,
                        learn_processing(processor, tensor.name, hf_name, dims[0]))

@@ -51,21 +51,30 @@ class _Cursor:
         self.pos = 4
         version, num_tensors, num_values = self.unpack("<IQQ")
         if version not in VERSIONS:
-            raise ValueError(f"{self.path}: GGUF version {version} (kvserve reads versions 2 and 3)")
+            byte_swapped = version & 0xFFFF == 0  # a big-endian file's version read little-endian
+            raise ValueError(f"{self.path}: " + ("a big-endian GGUF (kvserve reads little-endian files)" if byte_swapped
+                                                 else f"GGUF version {version} (kvserve reads versions 2 and 3)"))
         wanted = {"general.architecture": _STRING, "general.alignment": _UINT32}
-        found = {}
+        found, seen = {}, set()
         for _ in range(num_values):
             key, kind = self.string(), self.unpack("<I")[0]
-            if wanted.get(key) == kind:
+            if key in seen:
+                raise ValueError(f"{self.path}: metadata key {key} given twice")
+            seen.add(key)
+            if key in wanted and wanted[key] != kind:
+                raise ValueError(f"{self.path}: {key} has value type {kind}, not {wanted[key]}")
+            if key in wanted:
                 found[key] = self.string() if kind == _STRING else self.unpack("<I")[0]
             else:
                 self.skip_value(kind)
         if "general.architecture" not in found:
             raise ValueError(f"{self.path}: no general.architecture in its metadata")
         entries = [self.tensor_entry() for _ in range(num_tensors)]
+        if len({name for name, *_ in entries}) < len(entries):
+            raise ValueError(f"{self.path}: a tensor name is given twice in its tensor table")
         alignment = found.get("general.alignment", DEFAULT_ALIGNMENT)
-        if alignment < 1:
-            raise ValueError(f"{self.path}: general.alignment is {alignment}")
+        if alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"{self.path}: general.alignment is {alignment}, not a power of two")
         start = -(-self.pos // alignment) * alignment
         tensors = tuple(GGUFTensor(name, qtype, shape, start + offset) for name, qtype, shape, offset in entries)
         return GGUFTable(found["general.architecture"], tensors)

@@ -471,8 +471,9 @@ class Scheduler:
         return appended
 
     def _dequeue(self, request: Request) -> None:
-        """Take the request out of the queue its status names; should an interrupt (a SIGINT handler that raises inside a step) have come
-        between a queue change and its status, out of the other one, or of neither (it was between them)."""
+        """Take the request out of the queue its status names; should an interrupt (a SIGINT handler that raises
+        inside a step) have come between a queue change and its status, out of the other one, or of neither (it
+        was between them)."""
         running = request.status is RequestStatus.RUNNING
         for queue in (self.running, self.waiting) if running else (self.waiting, self.running):
             try:

@@ -116,8 +116,8 @@ class ServerMetrics:
                 "num_steps_scheduled_ahead", "Decode steps scheduled and queued while the step before them ran "
                 "(the overlapped scheduler, CUDA)."),
             "num_tokens_computed": self._counter(
-                "num_tokens_computed", "Tokens run through the model, recomputed ones included (beside the prompt "
-                "and generation tokens: what preemption by recompute cost)."),
+                "num_tokens_computed", "Tokens run through the model: prompt tokens not found in the prefix cache, "
+                "generated ones, speculative drafts, and those recomputed after a preemption."),
             "num_graph_replays": self._counter(
                 "num_graph_replays", "Engine steps run through a captured step graph (CUDA or CPU); the rest ran "
                 "eagerly."),

@@ -4,6 +4,7 @@ it."""
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import gguf
@@ -55,3 +56,50 @@ def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_value_error_naming_it(tmp_
         short.write_bytes(data[:cut])
         with pytest.raises(ValueError, match=f"{short} is cut short"):
             read_tensor_table(short)
+
+
+def _text(value: str) -> bytes:
+    return struct.pack("<Q", len(value.encode())) + value.encode()
+
+
+ARCHITECTURE = ("general.architecture", 8, _text("llama"))
+
+
+def _by_hand(path: Path, values: list[tuple[str, int, bytes]], tensor_names: tuple[str, ...] = ("a.weight",)) -> Path:
+    """A GGUF of ``values`` (key, value type, payload) and F32 tensors of 4 values, written byte by byte: the
+    malformed files gguf's writer would refuse to make."""
+    data = b"GGUF" + struct.pack("<IQQ", 3, len(tensor_names), len(values))
+    data += b"".join(_text(key) + struct.pack("<I", kind) + payload for key, kind, payload in values)
+    data += b"".join(_text(name) + struct.pack("<I2QIQ", 2, 4, 1, 0, 16 * i) for i, name in enumerate(tensor_names))
+    path.write_bytes(data + bytes(-len(data) % 64 + 16 * len(tensor_names)))
+    return path
+
+
+@pytest.mark.parametrize("values, names, problem", [
+    ([ARCHITECTURE, ("general.alignment", 10, struct.pack("<Q", 64))], ("a.weight",),
+     "general.alignment has value type 10, not 4"),
+    ([ARCHITECTURE, ("general.alignment", 4, struct.pack("<I", 48))], ("a.weight",),
+     "general.alignment is 48, not a power of two"),
+    ([ARCHITECTURE, ("general.alignment", 4, struct.pack("<I", 0))], ("a.weight",),
+     "general.alignment is 0, not a power of two"),
+    ([ARCHITECTURE, ("x", 4, bytes(4)), ("x", 4, bytes(4))], ("a.weight",), "metadata key x given twice"),
+    ([ARCHITECTURE], ("a.weight", "a.weight"), "a tensor name is given twice"),
+    ([("general.name", 8, _text("no architecture"))], ("a.weight",), "no general.architecture"),
+    ([ARCHITECTURE, ("odd", 13, b"")], ("a.weight",), "unknown metadata value type 13"),
+])
+def test_a_malformed_table_is_a_value_error_naming_the_problem(tmp_path: Path, values: list, names: tuple,
+                                                              problem: str) -> None:
+    path = _by_hand(tmp_path / "bad.gguf", values, names)
+    with pytest.raises(ValueError, match=f"{path}: {problem}"):
+        read_tensor_table(path)
+    assert read_tensor_table(_by_hand(tmp_path / "good.gguf", [ARCHITECTURE])).tensors[0].shape == (1, 4)
+
+
+def test_a_big_endian_file_is_refused_as_one(tmp_path: Path) -> None:
+    path = tmp_path / "big.gguf"
+    writer = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_tensor("token_embd.weight", np.ones((2, 4), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="a big-endian GGUF"):
+        read_tensor_table(path)
