@@ -363,7 +363,7 @@ class LLMEngine:
             "num_steps_scheduled_ahead": self.core.scheduler.num_continued_steps,
             # run through the model since start: prompt tokens not found in the prefix cache, generated ones,
             # speculative drafts, and those recomputed after a preemption
-            "num_tokens_computed": self.core.scheduler.num_scheduled_tokens,
+            "num_tokens_computed": self.core.scheduler.num_tokens_computed,
             "num_graph_replays": self.core.runner.num_graph_replays,  # steps run through a CUDA or CPU step graph
             **self.core.scheduler.preemption_stats(),
             **self.core.scheduler.prefix_cache_stats(),

@@ -84,7 +84,7 @@ class Scheduler:
         self._batch_mirror = RunnerBatchMirror(kv, self.requests)
         self._fork_copies = ForkCopies(kv)
         self.num_preemptions = 0  # running requests preempted, since start
-        self.num_scheduled_tokens = 0  # tokens run through the model, recomputed ones included
+        self.num_tokens_computed = 0  # tokens run through the model, recomputed ones included
         self.num_prefix_query_tokens = 0  # tokens of newly admitted requests looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of those, found cached
         self.num_continued_steps = 0  # steps scheduled before the tokens of the step before were back
@@ -208,7 +208,7 @@ class Scheduler:
         num_tokens = sum(num_new for _, num_new in scheduled)
         if num_tokens > len(requests):  # one-token rows first, in order, then the chunks
             requests = [r for r in requests if r.num_tokens == 1] + [r for r in requests if r.num_tokens > 1]
-        self.num_scheduled_tokens += num_tokens
+        self.num_tokens_computed += num_tokens
         return SchedulerOutput(
             requests, num_tokens, new_requests, self._take_kv_transfers(), *self._batch_mirror.take_removals()
         )
@@ -244,7 +244,7 @@ class Scheduler:
             return None
         self._batch_mirror.step_sent()
         self.num_continued_steps += 1
-        self.num_scheduled_tokens += len(continuing)
+        self.num_tokens_computed += len(continuing)
         return SchedulerOutput(self._batch_mirror.continued_rows(continuing), len(continuing))
 
     def _could_admit(self) -> bool:

@@ -27,14 +27,14 @@ def _llm(path: Path, **options) -> LLM:
     return LLM(str(path), dtype="float32", **options)
 
 
-def _num_scheduled_tokens(llm: LLM) -> int:
+def _num_tokens_computed(llm: LLM) -> int:
     return llm.stats()["num_tokens_computed"]
 
 
 def _large_pool(path: Path, kv_cache_dtype: str, n: int) -> tuple[list, int]:
     if (kv_cache_dtype, n) not in _expected:
         llm = _llm(path, kv_cache_dtype=kv_cache_dtype, num_kv_blocks=256, block_size=4)
-        _expected[kv_cache_dtype, n] = greedy_token_ids(llm, _prompts(), MAX_NEW, n=n), _num_scheduled_tokens(llm)
+        _expected[kv_cache_dtype, n] = greedy_token_ids(llm, _prompts(), MAX_NEW, n=n), _num_tokens_computed(llm)
     return _expected[kv_cache_dtype, n]
 
 
@@ -59,7 +59,7 @@ def test_swap_matches_a_large_pool_and_recompute_and_computes_nothing_twice(
     if not prefix_caching:
         assert stats["num_blocks_swap_in_found_on_device"] == 0, stats
     assert stats["num_swap_fallbacks"] == 0, stats
-    assert _num_scheduled_tokens(swap) == num_scheduled < _num_scheduled_tokens(recompute), "a token ran twice"
+    assert _num_tokens_computed(swap) == num_scheduled < _num_tokens_computed(recompute), "a token ran twice"
     assert_all_blocks_free(swap)
     assert recompute.stats()["num_swapped_out"] == 0
 

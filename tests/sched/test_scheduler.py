@@ -29,7 +29,7 @@ def test_budget_and_max_num_seqs_hold_every_step_and_all_requests_finish() -> No
         scheduler.add_request(make_request(rid, num_prompt, max_tokens=max_tokens))
     outputs = run_to_completion(scheduler, runner_for(scheduler))  # checks budget and seqs every step
     assert scheduler.num_preemptions == 0
-    assert scheduler.num_scheduled_tokens == sum(p + m - 1 for p, m in lengths.values())
+    assert scheduler.num_tokens_computed == sum(p + m - 1 for p, m in lengths.values())
     for rid, (_, max_tokens) in lengths.items():
         assert tokens_of(outputs[rid]) == expected_tokens(rid, max_tokens)
         assert outputs[rid][-1].finish_reason is FinishReason.LENGTH

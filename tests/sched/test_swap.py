@@ -82,7 +82,7 @@ def test_a_swapped_request_resumes_where_it_stopped_with_its_kv_bit_identical(pr
     tokens = _tokens_so_far(scheduler, "new")
     outputs = run_to_completion(scheduler, runner)
     assert tokens + tokens_of(outputs["new"]) == [default_token("new", k) for k in range(12)]
-    assert scheduler.num_scheduled_tokens == (6 + 12 - 1) + (4 + 12 - 1), "a token computed twice"
+    assert scheduler.num_tokens_computed == (6 + 12 - 1) + (4 + 12 - 1), "a token computed twice"
     stats = scheduler.preemption_stats()
     assert stats["num_swapped_out"] == stats["num_swapped_in"] == stats["num_preemptions"] > 0
     assert stats["num_blocks_swapped_in"] == runner.moved.num_swapped_in > 0
@@ -187,7 +187,7 @@ def test_n_samples_under_a_tiny_pool_swap_and_compute_every_token_once(prefix_ca
     stats = scheduler.preemption_stats()
     assert stats["num_swapped_out"] > 0 and stats["num_swap_fallbacks"] == 0
     if not prefix_caching:  # each sample runs its prompt's last token and its outputs but the last; once each
-        assert scheduler.num_scheduled_tokens == sum(p - 1 + 2 * m for p, m in lengths.values())
+        assert scheduler.num_tokens_computed == sum(p - 1 + 2 * m for p, m in lengths.values())
     assert scheduler.kv.num_free_blocks() == 8 and _host_rows_all_back(scheduler, tiers)
 
 
