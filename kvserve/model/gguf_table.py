@@ -61,12 +61,12 @@ class _Cursor:
             if key in seen:
                 raise ValueError(f"{self.path}: metadata key {key} given twice")
             seen.add(key)
-            if key in wanted and wanted[key] != kind:
-                raise ValueError(f"{self.path}: {key} has value type {kind}, not {wanted[key]}")
-            if key in wanted:
-                found[key] = self.string() if kind == _STRING else self.unpack("<I")[0]
-            else:
+            if key not in wanted:
                 self.skip_value(kind)
+            elif kind != wanted[key]:
+                raise ValueError(f"{self.path}: {key} has value type {kind}, not {wanted[key]}")
+            else:
+                found[key] = self.string() if kind == _STRING else self.unpack("<I")[0]
         if "general.architecture" not in found:
             raise ValueError(f"{self.path}: no general.architecture in its metadata")
         entries = [self.tensor_entry() for _ in range(num_tensors)]
