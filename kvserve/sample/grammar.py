@@ -120,7 +120,10 @@ class StructuredOutputCompiler:
         if spec.regex is not None:
             return "regex", _check_size(spec, spec.regex)
         if spec.choice is not None:
-            return "grammar", "root ::= " + _check_size(spec, " | ".join(json.dumps(c) for c in spec.choice))
+            # each choice an EBNF string literal; ensure_ascii would write a character past U+FFFF as two
+            # surrogate escapes, which xgrammar reads as two code points of their own (invalid UTF-8 forced)
+            literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            return "grammar", "root ::= " + _check_size(spec, literals)
         assert spec.grammar is not None
         return "grammar", _check_size(spec, spec.grammar)
 

@@ -112,6 +112,13 @@ def test_regex_choice_and_grammar_outputs_match(llm: LLM) -> None:
         assert isinstance(json.loads(object_out.text), dict)
 
 
+def test_a_choice_past_the_basic_plane_is_spelled_as_its_own_bytes(llm: LLM) -> None:
+    """An emoji written as two surrogate escapes made xgrammar force each surrogate's bytes: invalid UTF-8."""
+    choices = ["wave \U0001F30A", "\u65e5\u672c \U0001F600 sand"]
+    outs = llm.generate(["q", "r", "s", "t"], constrained(choice=choices, temperature=1.0))
+    assert all(o.outputs[0].text in choices for o in outs), [o.outputs[0].text for o in outs]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_constraint_that_ends_before_min_tokens_ends_the_output(llm: LLM, temperature: float) -> None:
     """After "ab" the grammar allows only EOS, which min_tokens banned: a row of -inf drew token 0, so the
