@@ -13,8 +13,11 @@ After an emission the window restarts at the tokens just emitted, which become t
 tokens of a character the prompt leaves incomplete.)
 If the window's text ends in U+FFFD (the replacement character: an incomplete UTF-8 sequence), or its last token
 is a SentencePiece byte-fallback token (``<0xE2>``: such a run decodes whole, an invalid one to a U+FFFD a byte),
-nothing is emitted and the window grows until the character, or the run, ends. ``flush`` emits whatever is
-still held at the end, so the concatenated deltas always equal decoding all the output tokens at once.
+nothing is emitted and the window grows until the character, or the run, ends. Special tokens that the decode
+skips are dropped before its decoder runs, so a run goes on across them: they are looked through. ``flush`` emits whatever is
+still held at the end, so the concatenated deltas always equal decoding all the output tokens at once (but for
+a decoder that strips a text's first space, Llama 2's: the output's first word follows the prompt's context, so
+it keeps its space, as in vLLM).
 Decoding never cleans up tokenization spaces: that rewrites text across window boundaries.
 """
 
@@ -43,6 +46,7 @@ class IncrementalDetokenizer:
         # two decodes per token per sample, that Python was most of a large decode step's host time
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._byte_tokens = byte_fallback_tokens(tokenizer)
+        self._skipped = special_tokens(tokenizer) if skip_special_tokens else frozenset()
         self.window = self._prompt_context(prompt_token_ids)
         self.read_offset = len(self.window)
 
@@ -52,19 +56,23 @@ class IncrementalDetokenizer:
         (a character lost). Without them the output's first bytes decode as they do alone, as in decoding the
         output tokens at once."""
         context = list(prompt_token_ids[-NUM_CONTEXT_TOKENS:])
-        while context and (context[-1] in self._byte_tokens or self._decode(context).endswith(REPLACEMENT_CHAR)):
-            context.pop()
+        while context and (context[-1] in self._byte_tokens or context[-1] in self._skipped
+                           or self._decode(context).endswith(REPLACEMENT_CHAR)):
+            context.pop()  # a skipped token is no text: popping it changes no decode, and reaches the bytes before
         return context
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they complete (empty while a character is still incomplete)."""
         self.window.extend(new_token_ids)
-        if self.window and self.window[-1] in self._byte_tokens:
+        if self._last_kept_token() in self._byte_tokens:
             return ""  # a byte-fallback run decodes whole (an invalid one as a U+FFFD a byte): wait for its end
         prefix_text, full_text = self._window_texts()
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             return ""
         return self._emit(full_text[len(prefix_text):])
+
+    def _last_kept_token(self) -> int | None:
+        return next((i for i in reversed(self.window) if i not in self._skipped), None)
 
     def flush(self) -> str:
         """Return the text held back for an incomplete character (it stays incomplete: the sample ended)."""
@@ -91,6 +99,12 @@ class IncrementalDetokenizer:
 def byte_fallback_tokens(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """The ids of a SentencePiece tokenizer's byte-fallback tokens (``<0xE2>``; none in a byte-level BPE one)."""
     return frozenset(i for token, i in tokenizer.get_vocab().items() if BYTE_TOKEN.fullmatch(token))
+
+
+@functools.lru_cache(maxsize=8)
+def special_tokens(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The ids that ``decode(..., skip_special_tokens=True)`` drops: the added tokens marked special."""
+    return frozenset(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
 
 
 class TokenTextCache:
