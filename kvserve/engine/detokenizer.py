@@ -14,10 +14,10 @@ tokens of a character the prompt leaves incomplete.)
 If the window's text ends in U+FFFD (the replacement character: an incomplete UTF-8 sequence), or its last token
 is a SentencePiece byte-fallback token (``<0xE2>``: such a run decodes whole, an invalid one to a U+FFFD a byte),
 nothing is emitted and the window grows until the character, or the run, ends. Special tokens that the decode
-skips are dropped before its decoder runs, so a run goes on across them: they are looked through. ``flush`` emits whatever is
-still held at the end, so the concatenated deltas always equal decoding all the output tokens at once (but for
-a decoder that strips a text's first space, Llama 2's: the output's first word follows the prompt's context, so
-it keeps its space, as in vLLM).
+skips are dropped before its decoder runs, so a run goes on across them: they are looked through. ``flush``
+emits whatever is still held at the end, so the concatenated deltas always equal decoding all the output tokens
+at once (but for a decoder that strips a text's first space, Llama 2's: the output's first word follows the
+prompt's context, so it keeps its space, as in vLLM).
 Decoding never cleans up tokenization spaces: that rewrites text across window boundaries.
 """
 
