@@ -60,7 +60,9 @@ def entry_spelling(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
 def text_positions(delta: SampleDelta, include_stop_str_in_output: bool) -> list[tuple[int, PositionLogprobs]]:
     """The delta's tokens that are text, with their logprobs: an EOS or stop token that ended the sample stays in
     its token ids but is no text, so it gets no logprob entry (as in OpenAI's answers, whose entries spell the
-    text)."""
+    text). Every other sampled token keeps its entry, as in vLLM: those that completed a stop string cut from the
+    text, and special tokens the text skips, so then the entries spell more than the text (``text_offset`` past
+    its end) and stay one per token that usage counts."""
     positions = list(zip(delta.token_ids, delta.logprobs or []))
     ended_by_token = delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
     return positions[:-1] if ended_by_token and positions and not include_stop_str_in_output else positions
