@@ -96,14 +96,18 @@ def with_answers(messages: list[dict[str, str]], answers: list[str]) -> list[dic
 
 
 def take_chunk(record: RequestRecord, chunk: dict[str, Any], now: float) -> None:
-    """Record one parsed SSE chunk that arrived at ``now``: its text and time, its usage, or its error."""
+    """Record one parsed SSE chunk that arrived at ``now``: its text and time, its usage, or its error.
+
+    Every chunk with a choice times a token's arrival, its text empty or not, as vLLM's benchmark counts them: a
+    server sends one for a token whose text it holds back (a character's first bytes). Not chat's role-only
+    chunk, which kvserve sends before the first token."""
     if "error" in chunk:
         record.error = f"stream error: {json.dumps(chunk['error'])[:ERROR_TEXT_LIMIT]}"
         return
-    text = _chunk_text(chunk)
-    if text:
+    choices = chunk.get("choices") or []
+    if choices and not _is_role_only(choices[0]):
         record.chunk_times.append(now)
-        record.text += text
+        record.text += _choice_text(choices[0])
     usage = chunk.get("usage")
     if usage:
         record.counted_from_usage = True
@@ -130,13 +134,16 @@ def finish(record: RequestRecord, now: float, saw_done: bool, exact_length: bool
         record.error = f"got {record.completion_tokens} of {record.expected_output_len} tokens (cut short?)"
 
 
-def _chunk_text(chunk: dict[str, Any]) -> str:
-    choices = chunk.get("choices") or []
-    if not choices:
-        return ""
-    if "delta" in choices[0]:  # chat: the first chunk may carry only the role
-        return (choices[0]["delta"] or {}).get("content") or ""
-    return choices[0].get("text") or ""
+def _is_role_only(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    return (delta is not None and "role" in delta and not delta.get("content") and not delta.get("tool_calls")
+            and choice.get("finish_reason") is None)
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    if "delta" in choice:
+        return (choice["delta"] or {}).get("content") or ""
+    return choice.get("text") or ""
 
 
 async def send(client: httpx.AsyncClient, target: Target, path: str, body: dict[str, Any],

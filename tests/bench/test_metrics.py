@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from kvserve.bench.metrics import (RequestRecord, distribution_ms, parse_goodput, parse_prometheus, record_dict,
-                                   server_hit_rate, summarize)
+from kvserve.bench.metrics import (RequestRecord, distribution_ms, meets_slos, parse_goodput, parse_prometheus,
+                                   record_dict, server_hit_rate, summarize)
 from kvserve.bench.report import format_run
 from kvserve.bench.serve import finish, take_chunk
 
@@ -43,19 +43,35 @@ def test_one_stream_gives_exact_ttft_itl_tpot_e2e() -> None:
                      (0.45, text_chunk("cd")), (0.46, usage_chunk(12, 4, cached=8))], end=0.5, expected=4, start=0.1)
     assert record.ok and record.text == "abcd" and record.counted_from_usage
     assert record.ttft == pytest.approx(0.15)
-    assert record.itl == pytest.approx([0.05, 0.15])  # the empty chunk is not a token's arrival
+    # the empty chunk is a token's arrival (its text held back, a character's first bytes), as vLLM's bench counts
+    assert record.itl == pytest.approx([0.05, 0.10, 0.05])
     assert record.e2e == pytest.approx(0.4)
     assert record.tpot == pytest.approx((0.4 - 0.15) / 3)
     assert (record.prompt_tokens, record.completion_tokens, record.cached_tokens) == (12, 4, 8)
     figures = record_dict(record)
-    assert figures["ttft_ms"] == 150.0 and figures["itl_ms"] == [50.0, 150.0] and "text" not in figures
+    assert figures["ttft_ms"] == 150.0 and figures["itl_ms"] == pytest.approx([50.0, 100.0, 50.0])
+    assert "text" not in figures
 
 
-def test_chat_chunks_time_content_not_the_role() -> None:
-    role = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+def test_chat_chunks_time_tokens_not_the_role() -> None:
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    held = {"choices": [{"index": 0, "delta": {"content": ""}}]}  # a token whose text is held back
     content = {"choices": [{"index": 0, "delta": {"content": "hi"}}]}
-    record = replay([(0.1, role), (0.3, content), (0.35, usage_chunk(5, 1))], end=0.4, expected=1)
-    assert record.ttft == pytest.approx(0.3) and record.tpot is None and record.ok
+    record = replay([(0.1, role), (0.3, held), (0.35, content), (0.36, usage_chunk(5, 2))], end=0.4, expected=2)
+    assert record.ttft == pytest.approx(0.3) and record.tpot == pytest.approx(0.1) and record.ok
+    assert record.text == "hi" and record.itl == pytest.approx([0.05])
+    first_with_role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "hi"}}]}
+    record = replay([(0.2, first_with_role), (0.25, usage_chunk(5, 1))], end=0.3, expected=1)
+    assert record.ttft == pytest.approx(0.2) and record.text == "hi"
+
+
+def test_a_stream_that_timed_no_token_meets_no_ttft_or_tpot_limit() -> None:
+    untimed = replay([(0.3, usage_chunk(5, 4))], end=0.4, expected=4)
+    one_token = replay([(0.1, text_chunk("a")), (0.2, usage_chunk(5, 1))], end=0.3, expected=1)
+    assert untimed.ok and untimed.ttft is None and untimed.tpot is None
+    assert not meets_slos(untimed, {"ttft": 1.0}) and not meets_slos(untimed, {"tpot": 1.0})
+    assert meets_slos(untimed, {"e2e": 1.0})
+    assert meets_slos(one_token, {"ttft": 1.0, "tpot": 0.001})  # one token: no TPOT to miss
 
 
 def test_a_run_summary_is_exact() -> None:
