@@ -41,17 +41,13 @@ from kvserve.bench.step_profile import StepProfile, format_profile
 from kvserve.bench.step_trace import StepTrace, format_step_trace
 from kvserve.device import parse_dtype, resolve_device
 from kvserve.engine.input_processor import InputProcessor
+from kvserve.engine.stats_counters import COUNTER_STATS
 from kvserve.engine_args import EngineArgs
 from kvserve.model.loader import load_checkpoint
 from kvserve.model.sources import resolve_model
 
 BACKENDS = ("kvserve", "hf")
 WARMUP_OUTPUT_LEN = 4
-# Counters of llm.stats() that count since the engine started: the run's own figure is after minus before.
-RUN_COUNTERS = ("num_preemptions", "num_steps_scheduled_ahead", "num_graph_replays", "num_swapped_out", "num_swapped_in",
-                "num_blocks_swapped_out", "num_blocks_swapped_in", "num_swap_fallbacks", "prefix_cache_queries",
-                "prefix_cache_hits", "prefix_cache_evictions", "spec_decode_num_draft_tokens",
-                "spec_decode_num_accepted_tokens", "spec_decode_num_emitted_tokens")
 
 
 @dataclass(frozen=True)
@@ -320,9 +316,10 @@ def kvserve_generator(llm: LLM, trace: StepTrace | None = None) -> Generate:
 
 
 def run_stats(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """``llm.stats()`` after the run, its counters counted from ``before`` (the warm-up left out); the KV peak
-    is since the engine started (the warm-up's is smaller than any real run's)."""
-    stats = {**after, **{name: after[name] - before[name] for name in RUN_COUNTERS if name in after}}
+    """``llm.stats()`` after the run, its counters counted from ``before`` (the warm-up left out), the prefix
+    cache's hit rate and speculation's acceptance rate from them; the KV peak (the warm-up's is smaller than any
+    real run's) and the copies' bandwidths are since the engine started."""
+    stats = {**after, **{name: after[name] - before[name] for name in COUNTER_STATS if name in after}}
     if "prefix_cache_queries" in stats:
         queries = stats["prefix_cache_queries"]
         stats["prefix_cache_hit_rate"] = stats["prefix_cache_hits"] / queries if queries else 0.0

@@ -355,11 +355,12 @@ class Scheduler:
         return sorted(candidates[:LPM_WINDOW], key=priority) + candidates[LPM_WINDOW:]
 
     def _admit(self, request: Request, start: PrefixMatch | SwappedKV) -> None:
-        if request.status is RequestStatus.WAITING:  # the first admission: count the lookup
+        if request.status is RequestStatus.WAITING:  # the first admission: count the lookup, if there is a cache
             request.num_cached_tokens = start.num_tokens
             request.first_scheduled_time = time.monotonic()
-            self.num_prefix_query_tokens += request.num_tokens
-            self.num_prefix_hit_tokens += start.num_tokens
+            if self.kv.prefix_cache is not None:
+                self.num_prefix_query_tokens += request.num_tokens
+                self.num_prefix_hit_tokens += start.num_tokens
         request.num_computed_tokens = start.num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)

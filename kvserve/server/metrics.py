@@ -52,6 +52,7 @@ class _RequestTimes:
     arrival: float
     first_token: float | None = None
     last_token: float | None = None
+    scheduled: float | None = None  # where queueing ended, once known
     num_generation_tokens: int = 0
 
 
@@ -243,19 +244,21 @@ class ServerMetrics:
 
     def _observe_first_token(self, out: RequestOutput, times: _RequestTimes, step_start: float, now: float) -> None:
         times.first_token = now
-        num_prompt_tokens = len(out.prompt_token_ids)
         self.ttft.observe(now - times.arrival)
         # queueing ends where the engine first scheduled the request: for n > 1 the first token comes a step
         # after the prefill (the samples fork then), which is no waiting
-        scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else step_start
-        self.queue_time.observe(max(0.0, scheduled - times.arrival))
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.request_prompt_tokens.observe(num_prompt_tokens)
+        times.scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else step_start
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
 
     def _observe_finished(self, out: RequestOutput, times: _RequestTimes, now: float) -> None:
+        """Every finished request's figures, an aborted one's too (its queue time and prompt as well, though it
+        never had a first token: one that was never scheduled queued until it ended)."""
         reason = out.outputs[0].finish_reason if out.outputs else None
         self.request_success.labels(finished_reason=str(reason or "abort"), **self._labels).inc()
         self.e2e.observe(now - times.arrival)
+        scheduled = times.scheduled if times.scheduled is not None else out.first_scheduled_time
+        self.queue_time.observe(max(0.0, (scheduled if scheduled is not None else now) - times.arrival))
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
         self.request_generation_tokens.observe(times.num_generation_tokens)
         # per sample: with n > 1 the samples decode side by side, so the time is the longest sample's
         longest = max((len(sample.token_ids) for sample in out.outputs), default=0)

@@ -53,6 +53,8 @@ def test_every_system_counts_exactly_the_workloads_tokens_and_compare_reads_the_
     stats = result["systems"]["kvserve"]["details"]["stats"]
     assert stats["num_preemptions"] == 0 and stats["peak_num_blocks_used"] > 0 and stats["prefix_caching"]
     assert stats["prefix_cache_queries"] == num_prompt  # the run's prompts looked up, the warm-up's left out
+    # every token but each request's last output, less the prompt tokens found in the cache: the run's alone
+    assert stats["num_tokens_computed"] == num_prompt - stats["prefix_cache_hits"] + num_output - 7
     assert result["config"]["hf_batch_size"] == 3 and result["versions"] == versions()
     table = capsys.readouterr().out
     assert all(name in table for name in SYSTEMS) and "row over column" in table

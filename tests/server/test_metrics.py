@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from kvserve.engine.stats_counters import COUNTER_STATS
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.metrics import ServerMetrics
 from tests.server.conftest import MODEL_NAME, ServerProcess
@@ -139,5 +140,37 @@ def test_queue_time_ends_where_the_engine_first_scheduled_the_request() -> None:
     samples = [CompletionOutput(i, "a", [5], None) for i in range(2)]
     metrics.on_step([RequestOutput("r", "p", [1, 2], samples, first_scheduled_time=arrival + 0.01)], stats,
                     step_start=arrival + 0.5)
+    metrics.on_step([RequestOutput("r", "p", [1, 2], samples, finished=True, first_scheduled_time=arrival + 0.01)],
+                    stats, step_start=arrival + 0.6)
     queued = metrics.registry.get_sample_value("kvserve:request_queue_time_seconds_sum", {"model_name": "m"})
     assert queued == pytest.approx(0.01)
+
+
+def test_a_request_aborted_before_its_first_token_counts_in_every_per_request_histogram() -> None:
+    """Its prompt and queue time were observed at the first token only, so the histograms' counts parted."""
+    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
+             "num_running": 0, "num_waiting": 0}
+    metrics = ServerMetrics("m", stats, 64)
+    arrival = time.monotonic()
+    for request_id, scheduled in (("prefilling", arrival + 0.02), ("waiting", None)):
+        metrics.on_request_added(request_id, arrival)
+        aborted = RequestOutput(request_id, "p", [1, 2, 3], [CompletionOutput(0, "", [], None)], finished=True,
+                                first_scheduled_time=scheduled)
+        metrics.on_step([aborted], stats, time.monotonic())
+
+    def value(name: str) -> float | None:
+        return metrics.registry.get_sample_value(f"kvserve:{name}", {"model_name": "m"})
+    for histogram in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+                      "request_generation_tokens"):
+        assert value(f"{histogram}_count") == 2, histogram
+    assert value("request_prompt_tokens_sum") == 6 and value("request_generation_tokens_sum") == 0
+    # the waiting one queued until it ended; the other until its first prompt chunk
+    assert 0.02 <= value("request_queue_time_seconds_sum") <= 0.02 + value("e2e_request_latency_seconds_sum")
+    assert value("prompt_tokens_total") == 0  # counted at the first token, as vLLM does
+    assert value("time_to_first_token_seconds_count") == 0
+
+
+def test_every_engine_counter_the_server_mirrors_is_one_that_counts_since_start() -> None:
+    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
+             "num_running": 0, "num_waiting": 0}
+    assert set(ServerMetrics("m", stats, 64)._engine_counters) <= COUNTER_STATS
