@@ -37,15 +37,17 @@ class InputProcessor:
         self.structured = structured
         self._chat_template = _checked_template(chat_template) if chat_template is not None else None
 
-    def process(self, prompt: PromptInput, params: SamplingParams) -> ProcessedPrompt:
+    def process(self, prompt: PromptInput, params: SamplingParams, cap_max_tokens: bool = False) -> ProcessedPrompt:
         """Tokenize (or check) the prompt and fit ``params`` to it; raise ValueError naming what is wrong (a
-        constraint that does not compile included: compiled here, the runner finds it in the compiler's cache)."""
+        constraint that does not compile included: compiled here, the runner finds it in the compiler's cache).
+        A ``max_tokens`` past the room ``max_model_len`` leaves is refused, as vLLM's server answers a 400, or with
+        ``cap_max_tokens`` lowered to that room, as vLLM's offline ``LLM`` does (the sample ends with "length")."""
         text, token_ids = self._tokenize(prompt)
         self.check_token_ids(token_ids, "prompt_token_ids")
         token_ids = [int(t) for t in token_ids]
         if params.structured_outputs is not None:
             self.check_constraint(params.structured_outputs)
-        return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids)))
+        return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids), cap_max_tokens))
 
     def check_constraint(self, spec: StructuredOutputsParams) -> None:
         """ValueError naming the problem if ``spec`` does not compile (compiled now; later requests with the same
@@ -142,7 +144,7 @@ class InputProcessor:
                 raise InvalidParameter(what, f"{what}: {t!r} is not a token id of this model (vocabulary size "
                                              f"{self.vocab_size})")
 
-    def _fit_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+    def _fit_params(self, params: SamplingParams, num_prompt_tokens: int, cap_max_tokens: bool) -> SamplingParams:
         room = self.max_model_len - num_prompt_tokens
         if room < 1:
             raise InvalidParameter(  # scoring a prompt (echo, max_tokens 0) draws one token too, left out of its answer
@@ -150,6 +152,8 @@ class InputProcessor:
                 f"{self.max_model_len} for the token every request draws"
             )
         max_tokens = room if params.max_tokens is None else params.max_tokens
+        if cap_max_tokens:
+            max_tokens = min(max_tokens, room)
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise InvalidParameter(
                 "max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "

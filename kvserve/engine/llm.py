@@ -77,7 +77,8 @@ class LLM:
                             f"{type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts))
         with self._running:
-            processed = [self.engine.input_processor.process(p, sp) for p, sp in zip(prompts, params)]
+            process = self.engine.input_processor.process
+            processed = [process(p, sp, cap_max_tokens=True) for p, sp in zip(prompts, params)]
             request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
             try:
                 for rid, p in zip(request_ids, processed):

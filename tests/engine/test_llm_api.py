@@ -97,7 +97,6 @@ def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
         ({"prompt_token_ids": [1, *torch.tensor([264])]}, SamplingParams(), r"tensor\(264\) is a Tensor, not a "
          "token id: token ids are ints"),
         (12, SamplingParams(), "must be a string"),
-        ("hi", SamplingParams(max_tokens=10**6), "max_model_len"),
         ("hi", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
         ("hi", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
     ],
@@ -133,6 +132,23 @@ def test_bad_sampling_params_name_the_field(kwargs, message) -> None:
 def test_wrong_number_of_sampling_params(llm: LLM) -> None:
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()])
+
+
+def test_max_tokens_past_max_model_len_is_capped_offline_as_in_vllm(tiny_checkpoints) -> None:
+    """vLLM's offline LLM ends such a sample at max_model_len with "length" (its server answers a 400, as
+    kvserve's does); a prompt that leaves no room is still refused."""
+    small = LLM(str(tiny_checkpoints["llama"]), dtype="float32", max_model_len=16, num_kv_blocks=16, block_size=4)
+    prompt = {"prompt_token_ids": list(range(3, 13))}
+    capped, filled = small.generate([prompt, prompt], [SamplingParams(max_tokens=10**6, temperature=0,
+                                                                      ignore_eos=True),
+                                                       SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)])
+    assert len(capped.outputs[0].token_ids) == 6 and capped.outputs[0].finish_reason.value == "length"
+    assert capped.outputs[0].token_ids == filled.outputs[0].token_ids
+    with pytest.raises(ValueError, match="leaves no room"):
+        small.generate({"prompt_token_ids": list(range(3, 19))}, SamplingParams(max_tokens=10**6))
+    with pytest.raises(ValueError, match="min_tokens"):
+        small.generate(prompt, SamplingParams(max_tokens=10**6, min_tokens=7))
+    assert small.stats()["num_blocks_used"] == 0
 
 
 def test_a_kv_cache_smaller_than_max_model_len_lowers_it(tiny_checkpoints, caplog) -> None:
