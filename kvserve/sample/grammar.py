@@ -111,7 +111,8 @@ class StructuredOutputCompiler:
         """What xgrammar compiles for ``spec``: ("json" | "regex" | "grammar", its text), checked for size (and a
         schema for keywords xgrammar would not enforce)."""
         if spec.json is not None:
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, ensure_ascii=False,
+                                                                                 separators=(",", ":"))
             _check_size(spec, schema)
             check_enforceable(_schema_object(spec.json))
             return "json", schema

@@ -184,6 +184,14 @@ def test_a_constraint_past_the_size_limit_is_refused_before_it_compiles(llm: LLM
     assert llm.stats()["num_waiting"] == 0
 
 
+def test_the_size_limit_counts_characters_not_escapes() -> None:
+    """Non-ASCII text counted as its six-character escapes: an 11,000-character CJK choice was "66,002 long"."""
+    cjk = "\u4e2d" * 20_000
+    for spec in (StructuredOutputsParams(choice=[cjk]), StructuredOutputsParams(json={"enum": [cjk]})):
+        kind, text = StructuredOutputCompiler._key(spec)
+        assert cjk in text and len(text) < 20_000 + 32, (kind, len(text))
+
+
 def test_one_constraint_at_a_time() -> None:
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(json={"type": "integer"}, regex="a")
