@@ -45,6 +45,14 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or a step raised): no request can make progress."""
 
 
+class QueueFull(RuntimeError):
+    """More requests wait than the limit ``AsyncEngine.admit`` was given."""
+
+    def __init__(self, num_waiting: int, max_waiting: int) -> None:
+        super().__init__(f"{num_waiting} requests are waiting (over {max_waiting})")
+        self.num_waiting = num_waiting
+
+
 class StepObserver(Protocol):
     """Told, on the engine thread, what the engine did; the server's metrics implement it."""
 
@@ -89,6 +97,25 @@ class _Stream:
     mailbox: _Mailbox
 
 
+class Admission:
+    """One request let in by ``AsyncEngine.admit``, counted as waiting while open."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._open = True
+
+    def close(self) -> None:
+        """Stop counting it (idempotent): it was queued, or refused before that."""
+        with self._engine._wakeup:
+            self.close_locked()
+
+    def close_locked(self) -> None:
+        """``close``, with the engine's lock held."""
+        if self._open:
+            self._open = False
+            self._engine._num_admitted -= 1
+
+
 class AsyncEngine:
     """Runs ``engine`` in a background thread; ``generate`` streams each request's cumulative outputs."""
 
@@ -100,6 +127,7 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # owned by the engine thread
         self._stats: dict[str, Any] = engine.stats()
         self._num_pending_adds = 0
+        self._num_admitted = 0  # admissions still open (``admit``)
         self._request_counter = itertools.count()
         self._stopped = False
         self._error: BaseException | None = None
@@ -180,16 +208,18 @@ class AsyncEngine:
                 yield outputs[0]
 
     async def generate_many(
-        self, prompts: Sequence[PromptInput], params: SamplingParams, request_ids: Sequence[str] | None = None
+        self, prompts: Sequence[PromptInput], params: SamplingParams, request_ids: Sequence[str] | None = None,
+        admission: Admission | None = None,
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """Queue several requests with the same params, all or none (one bad prompt raises ValueError and
         queues nothing), and yield, each time any of them moves, the latest output of each request in input
-        order; a request that has not produced anything yet appears as an output with no samples."""
+        order; a request that has not produced anything yet appears as an output with no samples.
+        ``admission``: the one ``admit`` gave these requests, closed as their add takes over its count."""
         ids = list(request_ids) if request_ids else [f"req-{next(self._request_counter)}" for _ in prompts]
         loop = asyncio.get_running_loop()
         mailbox = _Mailbox()
         try:
-            await self._add(ids, prompts, params, loop, mailbox)
+            await self._add(ids, prompts, params, loop, mailbox, admission)
         except asyncio.CancelledError:  # the add may have run before the cancellation reached it
             self.abort(ids)
             raise
@@ -224,9 +254,22 @@ class AsyncEngine:
             pass
 
     def num_waiting(self) -> int:
-        """Requests queued but not yet running: the engine's waiting queue plus adds not yet handed to it."""
+        """Requests queued but not yet running: the engine's waiting queue plus adds not yet handed to it, and
+        requests admitted that have not reached their add."""
         with self._wakeup:
-            return self._stats.get("num_waiting", 0) + self._num_pending_adds
+            return self._stats.get("num_waiting", 0) + self._num_pending_adds + self._num_admitted
+
+    def admit(self, max_waiting: int) -> Admission:
+        """Let one request in while at most ``max_waiting`` wait, else raise QueueFull. It counts as waiting from
+        now until ``generate_many`` queues it (given the admission) or the admission is closed (refused before
+        that): a chat template's render or the step under way may come first, and each request of a burst
+        admitted meanwhile must see those before it."""
+        with self._wakeup:
+            num_waiting = self._stats.get("num_waiting", 0) + self._num_pending_adds + self._num_admitted
+            if num_waiting > max_waiting:
+                raise QueueFull(num_waiting, max_waiting)
+            self._num_admitted += 1
+        return Admission(self)
 
     def num_unfinished(self) -> int:
         """Requests added (or being added) that have not finished."""
@@ -240,7 +283,7 @@ class AsyncEngine:
 
     async def _add(
         self, ids: list[str], prompts: Sequence[PromptInput], params: SamplingParams,
-        loop: asyncio.AbstractEventLoop, mailbox: _Mailbox,
+        loop: asyncio.AbstractEventLoop, mailbox: _Mailbox, admission: Admission | None,
     ) -> None:
         arrival_time = time.monotonic()
 
@@ -264,6 +307,8 @@ class AsyncEngine:
         # stats), which only makes admission stricter, never looser.
         with self._wakeup:
             self._num_pending_adds += len(ids)
+            if admission is not None:
+                admission.close_locked()
         try:
             await self.call(add)
         finally:

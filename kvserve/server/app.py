@@ -122,20 +122,21 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 async def _serve(state: ServerState, handler: Callable[..., _Generation], body: SamplingRequest, request: Request,
                  **options: Any) -> Response:
     """Admit the request (an error answer when the server cannot take it now), make its ``handler`` (400 for
-    bad input, naming the field as the request sent it), then answer it."""
-    engine = state.admit(body.model)
-    try:
-        generation = handler(engine, body, body.model or state.settings.model_name,
-                             client_request_id=client_request_id(request.scope), **options)
-    except ValueError as e:
-        raise bad_request(body.named_as_sent(e)) from e
-    return await _answer(request, generation, body.stream)
+    bad input, naming the field as the request sent it), queue it (400 on bad input), then answer it. A client
+    that disconnects, streaming or not, aborts its requests."""
+    with state.admission(body.model) as (engine, admission):
+        try:
+            generation = handler(engine, body, body.model or state.settings.model_name,
+                                 client_request_id=client_request_id(request.scope), admission=admission, **options)
+        except ValueError as e:
+            raise bad_request(body.named_as_sent(e)) from e
+        outputs = await until_disconnected(request, generation.start())
+    return await _answer(request, generation, outputs, body.stream)
 
 
-async def _answer(request: Request, generation: _Generation, stream: bool) -> Response:
-    """Queue the generation (400 on bad input), then stream it or answer once it is done. A client that
-    disconnects, streaming or not, aborts its requests."""
-    outputs = await until_disconnected(request, generation.start())
+async def _answer(request: Request, generation: _Generation, outputs: AsyncIterator[Any],
+                  stream: bool) -> Response:
+    """Stream the queued generation's ``outputs``, or answer once it is done."""
     if stream:
         return StreamingResponse(ending_on_failure(generation.stream(outputs)), media_type="text/event-stream")
     body = await until_disconnected(request, generation.respond(outputs))

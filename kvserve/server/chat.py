@@ -49,7 +49,7 @@ from kvserve.server.tools import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.async_engine import Admission, AsyncEngine
 
 
 async def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -70,8 +70,9 @@ class ChatServer(GenerationHandler):
     body: ChatCompletionRequest
 
     def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest, model_name: str,
-                 tool_call_parser: str = "auto", client_request_id: str | None = None) -> None:
-        super().__init__(engine, body, model_name, client_request_id)
+                 tool_call_parser: str = "auto", client_request_id: str | None = None,
+                 admission: Admission | None = None) -> None:
+        super().__init__(engine, body, model_name, client_request_id, admission)
         self.tool_choice = body.effective_tool_choice
         self.tool_format = tool_call_format(tool_call_parser, engine.engine.input_processor.chat_template(body.tools))
         if self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer):

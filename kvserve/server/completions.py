@@ -26,7 +26,7 @@ from kvserve.server.streaming import (
 )
 
 if TYPE_CHECKING:
-    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.async_engine import Admission, AsyncEngine
     from kvserve.engine.input_processor import PromptInput
 
 
@@ -41,8 +41,8 @@ class CompletionServer(GenerationHandler):
     body: CompletionRequest
 
     def __init__(self, engine: AsyncEngine, body: CompletionRequest, model_name: str,
-                 client_request_id: str | None = None) -> None:
-        super().__init__(engine, body, model_name, client_request_id)
+                 client_request_id: str | None = None, admission: Admission | None = None) -> None:
+        super().__init__(engine, body, model_name, client_request_id, admission)
         self._token_offsets: dict[int, int] = {}  # choice index -> the text offset after its tokens sent so far
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
+from kvserve.engine.async_engine import QueueFull
 from kvserve.server.errors import RETRY_LATER, APIError, shortened
 
 if TYPE_CHECKING:
-    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.async_engine import Admission, AsyncEngine
     from kvserve.server.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -92,14 +94,23 @@ class ServerState:
             return f"the engine failed ({type(self.failure).__name__}: {self.failure}); the server is stopping"
         return "the model is not loaded yet"
 
-    def admit(self, model: str | None) -> AsyncEngine:
+    @contextlib.contextmanager
+    def admission(self, model: str | None) -> Iterator[tuple[AsyncEngine, Admission | None]]:
         """``engine_for`` plus the waiting-queue limit: 503 with Retry-After while more than ``max_waiting``
-        requests wait (``max_waiting=0`` admits a request only when none is waiting)."""
+        requests wait (``max_waiting=0`` admits a request only when none is waiting). The admission (None without
+        a limit) counts the request as waiting until ``generate_many`` queues it; one refused before that is
+        closed as the block ends."""
         engine = self.engine_for(model)
         max_waiting = self.settings.max_waiting
-        if max_waiting is not None and (num_waiting := engine.num_waiting()) > max_waiting:
+        if max_waiting is None:
+            yield engine, None
+            return
+        try:
+            admission = engine.admit(max_waiting)
+        except QueueFull as full:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE,
-                           f"the server is overloaded: {num_waiting} requests are waiting (over --max-waiting "
+                           f"the server is overloaded: {full.num_waiting} requests are waiting (over --max-waiting "
                            f"{max_waiting}); retry later",
-                           headers=RETRY_LATER)
-        return engine
+                           headers=RETRY_LATER) from None
+        with contextlib.closing(admission):
+            yield engine, admission

@@ -19,7 +19,7 @@ from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.server.errors import APIError, bad_request, sse_failure
 
 if TYPE_CHECKING:
-    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.async_engine import Admission, AsyncEngine
     from kvserve.engine.input_processor import PromptInput
 
 T = TypeVar("T")
@@ -109,8 +109,10 @@ class GenerationHandler:
 
     id_prefix = "req"
 
-    def __init__(self, engine: AsyncEngine, body: Any, model_name: str, client_request_id: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, body: Any, model_name: str, client_request_id: str | None = None,
+                 admission: Admission | None = None) -> None:
         self.engine = engine
+        self.admission = admission  # counted as waiting until queued (``AsyncEngine.admit``)
         self.body = body
         self.model_name = model_name
         # the engine's ids are always fresh: a client may send one X-Request-Id twice at once, or one with a
@@ -132,7 +134,7 @@ class GenerationHandler:
             except ValueError as e:  # the constraint's own fault: named as the field that held it
                 raise bad_request(e, param=self.body.constraint_field) from e
         try:
-            stream = self.engine.generate_many(prompts, self.params, request_ids)
+            stream = self.engine.generate_many(prompts, self.params, request_ids, self.admission)
             first = await anext(stream)
         except ValueError as e:
             raise bad_request(self.body.named_as_sent(e)) from e

@@ -218,6 +218,38 @@ def test_api_key_and_waiting_limit() -> None:
         server.stop()
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_burst_is_held_to_the_waiting_limit(path: str) -> None:
+    """Requests were counted as waiting only once their add reached the engine thread (after a chat's render,
+    which waits for the step under way): a burst of 24 chat requests let 20 in past --max-waiting 2."""
+    server = InProcessServer(max_waiting=2, step_seconds=0.05)
+    try:
+        server.fake.max_num_seqs = 0  # nothing runs: every request admitted stays waiting
+        body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(timeout=30) as http:
+                async def one() -> int:
+                    try:
+                        return (await http.post(f"{server.url}{path}", json={**body, "max_tokens": 2})).status_code
+                    except httpx.ReadTimeout:
+                        return 0
+                tasks = [asyncio.create_task(one()) for _ in range(24)]
+                for _ in range(200):  # until every request but those let in is answered
+                    await asyncio.sleep(0.05)
+                    if sum(task.done() for task in tasks) >= 21:
+                        break
+                await asyncio.sleep(0.5)  # time for any further answer
+                refused = sum(task.done() and task.result() == 503 for task in tasks)
+                server.fake.max_num_seqs = 64
+                return [refused, *(await asyncio.gather(*tasks))]
+
+        refused, *codes = asyncio.run(burst())
+        assert refused == codes.count(503) == 21 and codes.count(200) == 3, codes
+    finally:
+        server.stop()
+
+
 def test_a_batch_refused_whole_is_not_counted_and_holds_nothing(srv: InProcessServer) -> None:
     aborted_before = srv.metric("kvserve:request_success_total", finished_reason="abort")
     latencies_before = srv.metric("kvserve:e2e_request_latency_seconds_count")
