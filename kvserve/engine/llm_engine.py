@@ -141,7 +141,11 @@ class LLMEngine:
     def _max_model_len(self, model_limit: int) -> int:
         asked = self.config.model.max_model_len
         if asked is not None and asked > model_limit:
-            raise ValueError(f"max_model_len={asked} is over the model's context length ({model_limit})")
+            # vLLM raises a yarn or linear rope scaling's limit by its factor; kvserve reads the config's figure,
+            # which a user who means the scaled length sets (the rope tables grow past it)
+            raise ValueError(f"max_model_len={asked} is over the model's context length ({model_limit}, its "
+                             "max_position_embeddings; a rope scaling does not raise it here: set that to serve "
+                             "longer)")
         return asked or model_limit
 
     def _draft_model(self, vocab_size: int) -> DraftModel | None:
