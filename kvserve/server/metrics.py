@@ -5,7 +5,8 @@
 
 Times are seen from the frontend: TTFT runs from arrival to the end of the step that made the first token,
 queue time from arrival to the engine's first scheduling of the request (`RequestOutput.first_scheduled_time`:
-the step of its first prompt chunk; the start of the first token's step where that is missing).
+the step of its first prompt chunk; the start of the first token's step where that is missing; its end for a
+request aborted before it was scheduled), observed with the prompt's length as each request finishes.
 """
 
 from __future__ import annotations
