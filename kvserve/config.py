@@ -34,6 +34,8 @@ TORCH_DTYPE_NAMES = {
 }
 DTYPE_CHOICES = ("auto", *TORCH_DTYPE_NAMES)
 LOAD_FORMAT_CHOICES = ("auto", "mmap", "dummy")
+# where the sampling defaults come from (vLLM's --generation-config): the model's generation_config.json, or none
+GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 # attention backends a run may force (kvserve/attention/selector.py); by default the device's best is picked.
 # ``EngineArgs`` reads the environment variable where no backend is given (tests and benchmarks set it per run)
 ATTENTION_BACKENDS = ("cpu_paged", "torch_ref", "triton")
@@ -83,6 +85,7 @@ class ModelConfig:
     dense_layouts_in_background: bool = False
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS, forced; None: the device's best
     chat_template: str | None = None  # a Jinja chat template in place of the tokenizer's; None: the tokenizer's
+    generation_config: str = "auto"  # one of GENERATION_CONFIG_CHOICES
 
     def __post_init__(self) -> None:
         if not (self.cpu_offload_gb >= 0 and math.isfinite(self.cpu_offload_gb * 2**30)):
@@ -91,6 +94,9 @@ class ModelConfig:
         if self.load_format not in LOAD_FORMAT_CHOICES:
             raise ValueError(f"unknown load_format {self.load_format!r}; expected one of "
                              f"{', '.join(LOAD_FORMAT_CHOICES)}")
+        if self.generation_config not in GENERATION_CONFIG_CHOICES:
+            raise ValueError(f"unknown generation_config {self.generation_config!r}; expected one of "
+                             f"{', '.join(GENERATION_CONFIG_CHOICES)}")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"unknown quantization {self.quantization!r}; expected one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}")

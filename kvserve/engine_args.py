@@ -23,6 +23,7 @@ from kvserve.config import (
     DEVICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     DTYPE_CHOICES,
+    GENERATION_CONFIG_CHOICES,
     LOAD_FORMAT_CHOICES,
     QUANTIZATION_CHOICES,
     KV_CACHE_DTYPES,
@@ -87,6 +88,11 @@ class EngineArgs:
     chat_template: str | None = _option(None, "a Jinja chat template, or the path of a file holding one, in place "
                                         "of the model's own (as vLLM's flag; for a model that has none, such as "
                                         "the packaged gemma-3-270m)", str)
+    generation_config: str = _option(ModelConfig.generation_config, "'auto': the sampling fields of the model's "
+                                     "generation_config.json (temperature, top_p, top_k, min_p, "
+                                     "repetition_penalty) are the defaults of requests that leave them out and "
+                                     "of LLM.generate without sampling params, as in vLLM; 'vllm': "
+                                     "SamplingParams' own defaults", str, GENERATION_CONFIG_CHOICES)
     load_format: str = _option(ModelConfig.load_format, "'mmap' (CPU): the weights are used where the file is "
                                "mapped (start-up reads nothing ahead; the pages are shared with other processes "
                                "serving the file; memory about the file's size): a safetensors checkpoint's "
@@ -205,7 +211,8 @@ class EngineArgs:
                               cpu_offload_gb=self.cpu_offload_gb,
                               attention_backend=self.attention_backend
                               or os.environ.get(ATTENTION_BACKEND_ENV_VAR) or None,
-                              chat_template=_chat_template_text(self.chat_template)),
+                              chat_template=_chat_template_text(self.chat_template),
+                              generation_config=self.generation_config),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,

@@ -75,7 +75,7 @@ class LLM:
         if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):  # bytes: no text
             raise TypeError("prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got "
                             f"{type(prompts).__name__}")
-        params = self._params_per_prompt(sampling_params, len(prompts))
+        params = self._params_per_prompt(sampling_params, len(prompts), self.get_default_sampling_params())
         with self._running:
             process = self.engine.input_processor.process
             processed = [process(p, sp, cap_max_tokens=True) for p, sp in zip(prompts, params)]
@@ -132,12 +132,17 @@ class LLM:
         """KV cache and scheduler state: block counts, KV dtype, peak usage and waste, preemptions."""
         return self.engine.stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without sampling params (vLLM's name): the model's
+        generation_config.json sampling fields (``generation_config="auto"``), else SamplingParams' defaults."""
+        return self.engine.default_sampling_params
+
     @staticmethod
     def _params_per_prompt(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int, defaults: SamplingParams
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * num_prompts
+            return [defaults] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         if not isinstance(sampling_params, Sequence) or \

@@ -61,6 +61,7 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(checkpoint.max_model_len)
         self.tokenizer = checkpoint.tokenizer
         self.eos_token_ids = checkpoint.eos_token_ids
+        self.default_sampling_params = self._default_sampling_params(checkpoint)
         tp_size = config.parallel.tensor_parallel_size
         self.weight_format = weight_format(
             config.model.quantization, checkpoint, self.device, self.dtype, dtype_forced=config.model.dtype != "auto",
@@ -99,6 +100,23 @@ class LLMEngine:
             model.enforce_eager, int(model.cpu_offload_gb * 2**30), model.dense_layouts_in_background,
             model.attention_backend,
         )
+
+    def _default_sampling_params(self, checkpoint: Checkpoint) -> SamplingParams:
+        """What a request leaves out (the server) or leaves out whole (``LLM.generate`` without sampling params)
+        gets: with ``generation_config="auto"`` the sampling fields of the model's generation_config.json, as vLLM
+        (since 0.8) fills them in, said at start-up; a field out of range there is a ValueError naming the file."""
+        defaults = checkpoint.sampling_defaults if self.config.model.generation_config == "auto" else {}
+        if not defaults:
+            return SamplingParams()
+        try:
+            params = SamplingParams(**defaults)
+        except ValueError as error:
+            raise ValueError(f"{self.location.name}: generation_config.json: {error} (--generation-config vllm "
+                             "ignores the file's sampling fields)") from None
+        logger.info("kvserve: sampling defaults from the model's generation_config.json: %s (requests that set a "
+                    "field keep theirs; --generation-config vllm ignores the file)",
+                    ", ".join(f"{name}={value}" for name, value in defaults.items()))
+        return params
 
     def _log_start(self, runner: ModelRunner) -> None:
         tp_size = self.config.parallel.tensor_parallel_size

@@ -41,6 +41,8 @@ WeightIterator = Iterator[tuple[str, torch.Tensor]]
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # any one of these lets AutoTokenizer build a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+# generation_config.json's fields that vLLM (since 0.8) takes as the sampling defaults: SamplingParams' names
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # safetensors' names of the floating dtypes torch reads, which the loader casts to the model's dtype
 SAFETENSORS_FLOAT_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -64,6 +66,8 @@ class Checkpoint:
     stored_dtypes: frozenset[torch.dtype] = frozenset()
     # a GGUF's matrices (2-D tensors) by their ggml type: which the block kernels can keep as blocks
     gguf_matrix_types: dict[str, int] = field(default_factory=dict)
+    # the sampling fields generation_config.json sets (SAMPLING_DEFAULT_FIELDS), as it sets them
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     def weights(self, keep_quantized: frozenset[int] = frozenset(), mapped: bool = False) -> WeightIterator:
         """Yield ``(hf_name, tensor)`` once per stored tensor, floating tensors cast to the load dtype (a
@@ -101,15 +105,16 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Ch
     if getattr(config, "tie_word_embeddings", False) and HEAD_TENSOR in tensor_rows:
         config = _untied_if_head_differs(config, shards)
     tokenizer = _read_hf_tokenizer(directory)
-    generation_eos = _read_json(directory / "generation_config.json").get("eos_token_id")
+    generation = _read_json(directory / "generation_config.json")
     return Checkpoint(
         hf_config=config,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(generation_eos, config, tokenizer),
+        eos_token_ids=_eos_token_ids(generation.get("eos_token_id"), config, tokenizer),
         max_model_len=_max_model_len(config, directory / "config.json"),
         read_weights=partial(_read_safetensors, shards, dtype),
         dummy=dummy,
         stored_dtypes=frozenset(stored_dtypes),
+        sampling_defaults={name: generation[name] for name in SAMPLING_DEFAULT_FIELDS if name in generation},
     )
 
 

@@ -74,11 +74,13 @@ class CompletionRequest(SamplingRequest):
         harnesses score a text)."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
+        """The engine's SamplingParams; ``defaults`` fill the fields left out (None: SamplingParams')."""
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         # scoring runs one step, whose token the answer leaves out: the prompt's logprobs come with the first
         max_tokens = 1 if self.scores_prompt else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs=prompt_logprobs)
+        return self.sampling_params(max_tokens, self.logprobs, defaults or SamplingParams(),
+                                    prompt_logprobs=prompt_logprobs)
 
 
 class CompletionLogprobs(BaseModel):

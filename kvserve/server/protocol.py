@@ -244,9 +244,10 @@ class SamplingRequest(RequestBody):
         """The engine's names of parameters this request sent under other names."""
         return {}
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError naming the first field out of range."""
-        defaults = SamplingParams()
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: SamplingParams,
+                        **extra: Any) -> SamplingParams:
+        """The engine's SamplingParams, the fields this request leaves out taken from ``defaults`` (the model's:
+        ``LLMEngine.default_sampling_params``); raises ValueError naming the first field out of range."""
         return SamplingParams(
             n=self.n,
             temperature=defaults.temperature if self.temperature is None else self.temperature,

@@ -120,7 +120,7 @@ class GenerationHandler:
         self._engine_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.request_id = self._engine_id if client_request_id is None else f"{self.id_prefix}-{client_request_id}"
         self.created = int(time.time())
-        self.params = body.to_sampling_params()
+        self.params = body.to_sampling_params(engine.engine.default_sampling_params)
         self.tokenizer = engine.engine.tokenizer
 
     async def _generate(self, prompts: Sequence[PromptInput]) -> AsyncGenerator[list[RequestOutput], None]:

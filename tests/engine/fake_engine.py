@@ -64,6 +64,7 @@ class FakeEngine:
         self.tokenizer = ByteTokenizer()
         self.input_processor = FakeInputProcessor(self.tokenizer)
         self.max_model_len = max_model_len
+        self.default_sampling_params = SamplingParams()
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, _FakeRequest] = {}
         self.num_steps = 0

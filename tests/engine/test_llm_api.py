@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import json
+import shutil
 import threading
 import time
 import weakref
@@ -149,6 +151,25 @@ def test_max_tokens_past_max_model_len_is_capped_offline_as_in_vllm(tiny_checkpo
     with pytest.raises(ValueError, match="min_tokens"):
         small.generate(prompt, SamplingParams(max_tokens=10**6, min_tokens=7))
     assert small.stats()["num_blocks_used"] == 0
+
+
+def test_the_models_generation_config_gives_the_sampling_defaults_as_in_vllm(tiny_checkpoints, tmp_path) -> None:
+    """vLLM (since 0.8) fills what a request leaves out from generation_config.json's sampling fields; top_k 1
+    makes every default draw the greedy token. Fields the file does not set keep SamplingParams' defaults."""
+    folder = tmp_path / "llama"
+    shutil.copytree(tiny_checkpoints["llama"], folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.6, "top_k": 1}))
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=32)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.6, 1, SamplingParams().top_p)
+    greedy = llm.generate("Hello", SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].token_ids
+    assert [o.outputs[0].token_ids[:6] for o in llm.generate(["Hello", "Hello"])] == [greedy, greedy]
+    plain = LLM(str(folder), dtype="float32", num_kv_blocks=32, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "top_p": 2.0}))
+    with pytest.raises(ValueError, match=r"generation_config.json: .*top_p"):
+        LLM(str(folder), dtype="float32", num_kv_blocks=32)
 
 
 def test_a_kv_cache_smaller_than_max_model_len_lowers_it(tiny_checkpoints, caplog) -> None:

@@ -7,7 +7,7 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from kvserve.sampling_params import InvalidParameter
+from kvserve.sampling_params import InvalidParameter, SamplingParams
 from kvserve.server.errors import _validation_message
 from kvserve.server.chat_protocol import ChatCompletionRequest
 from kvserve.server.completion_protocol import CompletionRequest
@@ -227,3 +227,12 @@ def test_structured_outputs_takes_the_engines_fields_and_no_other() -> None:
 
     wire = {info.alias or name for name, info in StructuredOutputsBody.model_fields.items()}
     assert wire == {field.name for field in dataclasses.fields(StructuredOutputsParams)}
+
+
+@pytest.mark.parametrize("cls, body", [(CompletionRequest, {"prompt": "x"}),
+                                       (ChatCompletionRequest, {"messages": MESSAGES})])
+def test_the_models_sampling_defaults_fill_only_the_fields_a_request_leaves_out(cls, body) -> None:
+    model_defaults = SamplingParams(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1)
+    params = cls.model_validate({**body, "temperature": 0.0, "top_k": 5}).to_sampling_params(model_defaults)
+    assert (params.temperature, params.top_k) == (0.0, 5)  # the request's own
+    assert (params.top_p, params.min_p, params.repetition_penalty) == (0.9, 0.05, 1.1)  # the model's
