@@ -14,8 +14,10 @@ from kvserve.engine.chat_messages import for_template, iterates_content, templat
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 
-# A prompt is text, or {"prompt_token_ids": [...]} (optionally with the "prompt" text it came from).
+# A prompt is text, {"prompt": text} (vLLM's TextPrompt), or {"prompt_token_ids": [...]} (its TokensPrompt,
+# optionally with the "prompt" text it came from).
 PromptInput = Union[str, Mapping[str, Any]]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
 ChatMessages = Sequence[Mapping[str, Any]]
 
 
@@ -108,12 +110,21 @@ class InputProcessor:
                 raise ValueError("the prompt is empty")
             self._check_text_fits(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+        if not isinstance(prompt, Mapping):
+            raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt', got "
+                             f"{type(prompt).__name__}")
+        unknown = [key for key in prompt if key not in PROMPT_KEYS]
+        if unknown:  # vLLM's multi_modal_data, cache_salt, ...: dropped, they would change the answer unseen
+            raise ValueError(f"a prompt dict takes {' and '.join(map(repr, PROMPT_KEYS))} only; kvserve does not "
+                             f"implement {', '.join(map(repr, unknown))}")
+        if "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
             if not isinstance(token_ids, (list, tuple)) or not token_ids:
                 raise ValueError("prompt_token_ids must be a non-empty list of token ids")
             return prompt.get("prompt"), list(token_ids)
-        raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError("a prompt dict needs 'prompt_token_ids', or 'prompt' with the text to tokenize")
+        return self._tokenize(prompt["prompt"])
 
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (the server's /tokenize); ValueError for a text no context could hold."""

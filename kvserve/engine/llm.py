@@ -65,7 +65,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
-        ``sampling_params`` is one SamplingParams for all prompts or a list with one per prompt. Every prompt is
+        ``prompts``: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}`` (vLLM's TextPrompt and
+        TokensPrompt), or a list of them; another key of such a dict is a ValueError naming it. ``sampling_params``
+        is one SamplingParams for all prompts or a list with one per prompt (None: ``get_default_sampling_params``,
+        the model's generation_config.json's). Every prompt is
         validated before any runs: a bad one raises ValueError and nothing is left queued. Calls from several
         threads run one after the other. ``use_tqdm``: a progress bar (for 8 prompts or more), or, as in vLLM, the
         tqdm-like class to make it with.
@@ -73,8 +76,8 @@ class LLM:
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):  # bytes: no text
-            raise TypeError("prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got "
-                            f"{type(prompts).__name__}")
+            raise TypeError("prompts must be a string, a dict with 'prompt_token_ids' or 'prompt', or a list of "
+                            f"them; got {type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts), self.get_default_sampling_params())
         with self._running:
             process = self.engine.input_processor.process

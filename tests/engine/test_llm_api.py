@@ -100,6 +100,9 @@ def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
          "token id: token ids are ints"),
         (12, SamplingParams(), "must be a string"),
         ("hi", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
+        ({"prompt_token_ids": [5, 6], "cache_salt": "s"}, SamplingParams(), "does not implement 'cache_salt'"),
+        ({"prompt": "hi", "multi_modal_data": {"image": 1}}, SamplingParams(), "'multi_modal_data'"),
+        ({"prompt": 5}, SamplingParams(), "'prompt' with the text"),
         ("hi", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
     ],
 )
@@ -134,6 +137,13 @@ def test_bad_sampling_params_name_the_field(kwargs, message) -> None:
 def test_wrong_number_of_sampling_params(llm: LLM) -> None:
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [SamplingParams()])
+
+
+def test_a_text_prompt_dict_is_its_text_as_in_vllm(llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    as_text, as_dict = llm.generate(["Hello there", {"prompt": "Hello there"}], greedy)
+    assert as_dict.prompt == "Hello there" and as_dict.prompt_token_ids == as_text.prompt_token_ids
+    assert as_dict.outputs[0].token_ids == as_text.outputs[0].token_ids
 
 
 def test_max_tokens_past_max_model_len_is_capped_offline_as_in_vllm(tiny_checkpoints) -> None:
@@ -223,7 +233,7 @@ def test_aborted_requests_leave_no_sampler_state(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("prompts, sampling_params, fragment", [
-    (None, None, "prompts must be a string, a dict with 'prompt_token_ids', or a list of them; got NoneType"),
+    (None, None, "prompts must be a string, a dict with 'prompt_token_ids' or 'prompt', or a list of them; got NoneType"),
     (5, None, "got int"),
     ((p for p in ["a"]), None, "got generator"),
     (b"hi", None, "got bytes"),
