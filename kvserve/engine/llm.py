@@ -95,14 +95,14 @@ class LLM:
 
     @overload
     def chat(self, messages: ChatMessages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., Any] = True, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., Any] = True, *, add_generation_prompt: bool = True,
              tools: Sequence[dict[str, Any]] | None = None,
              chat_template: str | None = None) -> list[RequestOutput]: ...
 
     @overload  # apart, so that a type checker infers a conversation of messages in several shapes as one
     def chat(self, messages: Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., Any] = True, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., Any] = True, *, add_generation_prompt: bool = True,
              tools: Sequence[dict[str, Any]] | None = None,
              chat_template: str | None = None) -> list[RequestOutput]: ...
 
@@ -111,6 +111,7 @@ class LLM:
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        *,
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template: str | None = None,
@@ -119,7 +120,14 @@ class LLM:
         assistant ``tool_calls`` and ``tool`` results included) or a list of conversations. ``tools`` (OpenAI's
         ``{"type": "function", "function": {...}}``) go to the template as the server sends them; the replies are
         the model's text, in whatever format it writes calls. ``chat_template``: a Jinja template for this call in
-        place of the engine's (as vLLM's ``LLM.chat`` takes one)."""
+        place of the engine's (as vLLM's ``LLM.chat`` takes one). The options after ``use_tqdm`` are keywords
+        only: vLLM's ``chat`` takes others in their places (``lora_request`` fourth)."""
+        if not isinstance(add_generation_prompt, bool):
+            raise TypeError(f"add_generation_prompt must be a bool, got {type(add_generation_prompt).__name__}")
+        if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)
+                                  or not all(isinstance(tool, Mapping) for tool in tools)):
+            raise TypeError("tools must be a list of tools in OpenAI's shape ({'type': 'function', 'function': "
+                            f"{{...}}}}), got {repr(tools)[:80]}")
         if isinstance(messages, (str, bytes, bytearray)) or not isinstance(messages, Sequence):
             raise TypeError(f"messages must be a list of messages or of conversations, got {type(messages).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)

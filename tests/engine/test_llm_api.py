@@ -139,6 +139,20 @@ def test_wrong_number_of_sampling_params(llm: LLM) -> None:
         llm.generate(["a", "b"], [SamplingParams()])
 
 
+def test_chats_options_past_use_tqdm_are_keywords_and_checked(llm: LLM) -> None:
+    """vLLM's chat takes lora_request fourth and chat_template fifth: by position they landed in
+    add_generation_prompt (the generation prompt silently dropped) and tools (a string as two tools)."""
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(TypeError, match="positional"):
+        llm.chat(messages, SamplingParams(max_tokens=1), False, None)
+    with pytest.raises(TypeError, match="add_generation_prompt must be a bool"):
+        llm.chat(messages, SamplingParams(max_tokens=1), add_generation_prompt="no")
+    for tools in ("ab", {"type": "function"}, ["ab"]):
+        with pytest.raises(TypeError, match="tools must be a list of tools"):
+            llm.chat(messages, SamplingParams(max_tokens=1), tools=tools)
+    assert llm.stats()["num_blocks_used"] == 0
+
+
 def test_a_text_prompt_dict_is_its_text_as_in_vllm(llm: LLM) -> None:
     greedy = SamplingParams(max_tokens=4, temperature=0)
     as_text, as_dict = llm.generate(["Hello there", {"prompt": "Hello there"}], greedy)
