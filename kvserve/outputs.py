@@ -52,6 +52,14 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the chosen tokens' logprobs, as vLLM's (to rank ``n`` samples); None unless ``logprobs`` was
+        asked for."""
+        if self.logprobs is None:
+            return None
+        return sum(position[token].logprob for token, position in zip(self.token_ids, self.logprobs))
+
 
 @dataclass
 class RequestOutput:

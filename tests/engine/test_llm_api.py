@@ -153,6 +153,14 @@ def test_chats_options_past_use_tqdm_are_keywords_and_checked(llm: LLM) -> None:
     assert llm.stats()["num_blocks_used"] == 0
 
 
+def test_each_samples_cumulative_logprob_is_the_sum_of_its_tokens_as_in_vllm(llm: LLM) -> None:
+    (out,) = llm.generate("Hello", SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1, logprobs=0))
+    for sample in out.outputs:
+        chosen = [position[token].logprob for token, position in zip(sample.token_ids, sample.logprobs)]
+        assert len(chosen) == 5 and sample.cumulative_logprob == pytest.approx(sum(chosen))
+    assert llm.generate("Hello", SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob is None
+
+
 def test_a_text_prompt_dict_is_its_text_as_in_vllm(llm: LLM) -> None:
     greedy = SamplingParams(max_tokens=4, temperature=0)
     as_text, as_dict = llm.generate(["Hello there", {"prompt": "Hello there"}], greedy)
