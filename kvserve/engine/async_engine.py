@@ -45,14 +45,6 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or a step raised): no request can make progress."""
 
 
-class QueueFull(RuntimeError):
-    """More requests wait than the limit ``AsyncEngine.admit`` was given."""
-
-    def __init__(self, num_waiting: int, max_waiting: int) -> None:
-        super().__init__(f"{num_waiting} requests are waiting (over {max_waiting})")
-        self.num_waiting = num_waiting
-
-
 class StepObserver(Protocol):
     """Told, on the engine thread, what the engine did; the server's metrics implement it."""
 
@@ -259,15 +251,15 @@ class AsyncEngine:
         with self._wakeup:
             return self._stats.get("num_waiting", 0) + self._num_pending_adds + self._num_admitted
 
-    def admit(self, max_waiting: int) -> Admission:
-        """Let one request in while at most ``max_waiting`` wait, else raise QueueFull. It counts as waiting from
+    def admit(self, max_waiting: int) -> Admission | None:
+        """Let one request in while at most ``max_waiting`` wait, else None. It counts as waiting from
         now until ``generate_many`` queues it (given the admission) or the admission is closed (refused before
         that): a chat template's render or the step under way may come first, and each request of a burst
         admitted meanwhile must see those before it."""
         with self._wakeup:
             num_waiting = self._stats.get("num_waiting", 0) + self._num_pending_adds + self._num_admitted
             if num_waiting > max_waiting:
-                raise QueueFull(num_waiting, max_waiting)
+                return None
             self._num_admitted += 1
         return Admission(self)
 
@@ -302,9 +294,12 @@ class AsyncEngine:
             if self.observer:  # only a batch accepted whole is a request the metrics count
                 for rid in ids:
                     self.observer.on_request_added(rid, arrival_time)
+            stats = engine.stats()  # counting them before the caller resumes and drops them from the pending adds
+            with self._wakeup:
+                self._stats = stats
 
         # Counted as waiting until the caller hears back: briefly counted twice (here and in the engine's
-        # stats), which only makes admission stricter, never looser.
+        # stats, refreshed by the add itself), which only makes admission stricter, never looser.
         with self._wakeup:
             self._num_pending_adds += len(ids)
             if admission is not None:

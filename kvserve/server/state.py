@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Iterator
 
-from kvserve.engine.async_engine import QueueFull
 from kvserve.server.errors import RETRY_LATER, APIError, shortened
 
 if TYPE_CHECKING:
@@ -105,12 +104,11 @@ class ServerState:
         if max_waiting is None:
             yield engine, None
             return
-        try:
-            admission = engine.admit(max_waiting)
-        except QueueFull as full:
+        admission = engine.admit(max_waiting)
+        if admission is None:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE,
-                           f"the server is overloaded: {full.num_waiting} requests are waiting (over --max-waiting "
-                           f"{max_waiting}); retry later",
-                           headers=RETRY_LATER) from None
+                           f"the server is overloaded: {engine.num_waiting()} requests are waiting (over "
+                           f"--max-waiting {max_waiting}); retry later",
+                           headers=RETRY_LATER)
         with contextlib.closing(admission):
             yield engine, admission

@@ -221,8 +221,16 @@ def test_api_key_and_waiting_limit() -> None:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_a_burst_is_held_to_the_waiting_limit(path: str) -> None:
     """Requests were counted as waiting only once their add reached the engine thread (after a chat's render,
-    which waits for the step under way): a burst of 24 chat requests let 20 in past --max-waiting 2."""
+    which waits for the step under way): a burst of 24 chat requests let 20 in past --max-waiting 2; and between
+    the add's answer and the stats' next refresh, no longer pending nor yet in the stats, one more."""
     server = InProcessServer(max_waiting=2, step_seconds=0.05)
+    stats = server.fake.stats
+
+    def slow_stats() -> dict:  # a large engine's: an add's caller resumed before the stats counted the request
+        time.sleep(0.03)
+        return stats()
+
+    server.fake.stats = slow_stats
     try:
         server.fake.max_num_seqs = 0  # nothing runs: every request admitted stays waiting
         body = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"}
