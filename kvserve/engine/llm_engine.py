@@ -305,11 +305,12 @@ class LLMEngine:
         """Stop requests now and free their KV blocks; returns their final outputs (finish reason abort)."""
         request_ids = list(request_ids)
         sample_ids = self._all_sample_ids(request_ids)
+        scheduled = {rid: self._first_scheduled_time(rid) for rid in request_ids}  # before the scheduler forgets
         self.core.finish_requests(sample_ids, FinishReason.ABORT)
         if self._held:  # outputs of a step already run, not yet processed: they would land on a reused id
             aborted = set(sample_ids)
             self._held = [output for output in self._held if output.request_id not in aborted]
-        return [out for rid in request_ids if (out := self.output_processor.abort(rid)) is not None]
+        return [out for rid in request_ids if (out := self.output_processor.abort(rid, scheduled[rid])) is not None]
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one engine step and return the outputs of the requests that moved (``final_only``: of those that
@@ -361,6 +362,14 @@ class LLMEngine:
 
     def _all_sample_ids(self, request_ids: list[str]) -> list[str]:
         return [sid for rid in request_ids for sid in self.output_processor.sample_request_ids(rid)]
+
+    def _first_scheduled_time(self, request_id: str) -> float | None:
+        """When the scheduler first took the request (its earliest sample), None if it never did: what the output
+        processor learns only with a token, so a request aborted during its prefill would not carry it."""
+        requests = self.core.scheduler.requests
+        times = [request.first_scheduled_time for sid in self.output_processor.sample_request_ids(request_id)
+                 if (request := requests.get(sid)) is not None and request.first_scheduled_time is not None]
+        return min(times, default=None)
 
     def stats(self) -> dict[str, Any]:
         kv = self.core.kv_manager

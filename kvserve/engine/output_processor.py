@@ -86,12 +86,15 @@ class OutputProcessor:
                 self._forget(state)
         return ProcessedOutputs(outputs, stopped)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
+    def abort(self, request_id: str, first_scheduled_time: float | None = None) -> RequestOutput | None:
         """Finish every unfinished sample with ABORT and forget the request; its final snapshot, or None if the
-        request is unknown or already finished."""
+        request is unknown or already finished. ``first_scheduled_time``: the scheduler's, where no token brought
+        it yet (aborted before its first)."""
         state = self._requests.get(request_id)
         if state is None:
             return None
+        if state.first_scheduled_time is None:
+            state.first_scheduled_time = first_scheduled_time
         state.abort()
         self._forget(state)
         return state.snapshot()

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from kvserve.engine.stats_counters import COUNTER_STATS
+from kvserve import LLM, SamplingParams
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.server.metrics import ServerMetrics
 from tests.server.conftest import MODEL_NAME, ServerProcess
@@ -146,26 +147,40 @@ def test_queue_time_ends_where_the_engine_first_scheduled_the_request() -> None:
     assert queued == pytest.approx(0.01)
 
 
-def test_a_request_aborted_before_its_first_token_counts_in_every_per_request_histogram() -> None:
-    """Its prompt and queue time were observed at the first token only, so the histograms' counts parted."""
-    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
-             "num_running": 0, "num_waiting": 0}
-    metrics = ServerMetrics("m", stats, 64)
-    arrival = time.monotonic()
-    for request_id, scheduled in (("prefilling", arrival + 0.02), ("waiting", None)):
-        metrics.on_request_added(request_id, arrival)
-        aborted = RequestOutput(request_id, "p", [1, 2, 3], [CompletionOutput(0, "", [], None)], finished=True,
-                                first_scheduled_time=scheduled)
-        metrics.on_step([aborted], stats, time.monotonic())
+def test_a_request_aborted_before_its_first_token_counts_in_every_per_request_histogram(tiny_checkpoints) -> None:
+    """Its prompt and queue time were observed at the first token only, so the histograms' counts parted; and one
+    aborted during its prefill queued only until that began (the engine's abort carries when it was scheduled)."""
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, block_size=4,
+              max_num_batched_tokens=16)
+    engine = llm.engine
+    metrics = ServerMetrics("m", engine.stats(), engine.max_model_len)
 
     def value(name: str) -> float | None:
         return metrics.registry.get_sample_value(f"kvserve:{name}", {"model_name": "m"})
+
+    arrival = time.monotonic()
+    engine.add_request("prefilling", {"prompt_token_ids": list(range(3, 60))}, SamplingParams(max_tokens=4))
+    metrics.on_request_added("prefilling", arrival)
+    for _ in range(2):  # two chunks of its prompt, no token yet
+        step_start = time.monotonic()
+        metrics.on_step(engine.step(), engine.stats(), step_start)
+    scheduled = engine.core.scheduler.requests["prefilling"].first_scheduled_time
+    time.sleep(0.2)
+    metrics.on_step(engine.abort_request(["prefilling"]), engine.stats(), time.monotonic())
+    queued = value("request_queue_time_seconds_sum")
+    assert queued == pytest.approx(scheduled - arrival, abs=1e-6)
+
+    arrival = time.monotonic()
+    engine.add_request("waiting", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4))
+    metrics.on_request_added("waiting", arrival)
+    time.sleep(0.05)  # never scheduled: it queued until it ended
+    metrics.on_step(engine.abort_request(["waiting"]), engine.stats(), time.monotonic())
+    assert value("request_queue_time_seconds_sum") >= queued + 0.05
+
     for histogram in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
                       "request_generation_tokens"):
         assert value(f"{histogram}_count") == 2, histogram
-    assert value("request_prompt_tokens_sum") == 6 and value("request_generation_tokens_sum") == 0
-    # the waiting one queued until it ended; the other until its first prompt chunk
-    assert 0.02 <= value("request_queue_time_seconds_sum") <= 0.02 + value("e2e_request_latency_seconds_sum")
+    assert value("request_prompt_tokens_sum") == 57 + 3 and value("request_generation_tokens_sum") == 0
     assert value("prompt_tokens_total") == 0  # counted at the first token, as vLLM does
     assert value("time_to_first_token_seconds_count") == 0
 
