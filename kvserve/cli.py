@@ -50,11 +50,13 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from kvserve import LLM, SamplingParams
+    from kvserve import LLM
     from kvserve.engine_args import EngineArgs
 
     llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    # the model's sampling defaults (generation_config.json's, as the server's) beneath the two flags
+    params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens,
+                                 temperature=args.temperature)
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:

@@ -128,6 +128,10 @@ def finish(record: RequestRecord, now: float, saw_done: bool, exact_length: bool
         record.error = "the stream ended before [DONE] (connection closed)"
         return
     record.end = now
+    # a chunk past the tokens the usage counts carried none: a peer's last one, its finish reason alone
+    # (llama.cpp's ``"delta": {}``), not a token's arrival
+    if record.counted_from_usage and len(record.chunk_times) > record.completion_tokens > 0:
+        del record.chunk_times[record.completion_tokens:]
     if not record.counted_from_usage:
         record.completion_tokens = count_tokens(record.text)
     elif exact_length and record.completion_tokens != record.expected_output_len:

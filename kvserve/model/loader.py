@@ -66,7 +66,7 @@ class Checkpoint:
     stored_dtypes: frozenset[torch.dtype] = frozenset()
     # a GGUF's matrices (2-D tensors) by their ggml type: which the block kernels can keep as blocks
     gguf_matrix_types: dict[str, int] = field(default_factory=dict)
-    # the sampling fields generation_config.json sets (SAMPLING_DEFAULT_FIELDS), as it sets them
+    # the sampling fields generation_config.json sets (SAMPLING_DEFAULT_FIELDS, not null), as it sets them
     sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     def weights(self, keep_quantized: frozenset[int] = frozenset(), mapped: bool = False) -> WeightIterator:
@@ -114,7 +114,8 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Ch
         read_weights=partial(_read_safetensors, shards, dtype),
         dummy=dummy,
         stored_dtypes=frozenset(stored_dtypes),
-        sampling_defaults={name: generation[name] for name in SAMPLING_DEFAULT_FIELDS if name in generation},
+        sampling_defaults={name: generation[name] for name in SAMPLING_DEFAULT_FIELDS
+                           if generation.get(name) is not None},  # null: not set, as vLLM reads it
     )
 
 

@@ -66,11 +66,17 @@ def _schema_object(schema: dict[str, Any] | str) -> Any:
         raise ValueError(f"structured output: the JSON schema is not JSON: {error}") from None
 
 
-def _check_size(spec: StructuredOutputsParams, text: str) -> str:
-    """``text`` (the constraint as compiled), or ValueError if it is longer than ``MAX_CONSTRAINT_CHARS``."""
+def _checked_text(spec: StructuredOutputsParams, text: str) -> str:
+    """``text`` (the constraint as compiled), or ValueError if it is longer than ``MAX_CONSTRAINT_CHARS`` or is
+    no valid UTF-8 (a lone surrogate: JSON's "\ud800", which xgrammar's C++ cannot take)."""
     if len(text) > MAX_CONSTRAINT_CHARS:
         raise ValueError(f"structured output: the {spec.kind} is {len(text):,} characters long; at most "
                          f"{MAX_CONSTRAINT_CHARS:,} are compiled")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"structured output: the {spec.kind} holds a lone surrogate (U+D800 to U+DFFF alone): no "
+                         "valid UTF-8") from None
     return text
 
 
@@ -113,20 +119,20 @@ class StructuredOutputCompiler:
         if spec.json is not None:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, ensure_ascii=False,
                                                                                  separators=(",", ":"))
-            _check_size(spec, schema)
+            _checked_text(spec, schema)
             check_enforceable(_schema_object(spec.json))
             return "json", schema
         if spec.json_object:  # OpenAI's json_object: a JSON object (xgrammar's builtin takes any value)
             return "json", '{"type": "object"}'
         if spec.regex is not None:
-            return "regex", _check_size(spec, spec.regex)
+            return "regex", _checked_text(spec, spec.regex)
         if spec.choice is not None:
             # each choice an EBNF string literal; ensure_ascii would write a character past U+FFFF as two
             # surrogate escapes, which xgrammar reads as two code points of their own (invalid UTF-8 forced)
             literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
-            return "grammar", "root ::= " + _check_size(spec, literals)
+            return "grammar", "root ::= " + _checked_text(spec, literals)
         assert spec.grammar is not None
-        return "grammar", _check_size(spec, spec.grammar)
+        return "grammar", _checked_text(spec, spec.grammar)
 
     def _keep(self, key: tuple[str, str], compiled: xgrammar.CompiledGrammar) -> None:
         with self._lock:

@@ -169,11 +169,11 @@ class ChatCompletionRequest(SamplingRequest):
         names = {"prompt": "messages"} | ({"logprobs": "top_logprobs"} if self.top_logprobs is not None else {})
         return names | ({"max_tokens": "max_completion_tokens"} if self.max_completion_tokens is not None else {})
 
-    def to_sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
-        """The engine's SamplingParams; ``defaults`` fill the fields left out (None: SamplingParams')."""
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """The engine's SamplingParams; ``defaults`` (the model's) fill the fields left out."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs, defaults or SamplingParams())
+        return self.sampling_params(max_tokens, logprobs, defaults)
 
 
 class TopLogprob(BaseModel):

@@ -74,13 +74,12 @@ class CompletionRequest(SamplingRequest):
         harnesses score a text)."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
-        """The engine's SamplingParams; ``defaults`` fill the fields left out (None: SamplingParams')."""
+    def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """The engine's SamplingParams; ``defaults`` (the model's) fill the fields left out."""
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         # scoring runs one step, whose token the answer leaves out: the prompt's logprobs come with the first
         max_tokens = 1 if self.scores_prompt else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs, defaults or SamplingParams(),
-                                    prompt_logprobs=prompt_logprobs)
+        return self.sampling_params(max_tokens, self.logprobs, defaults, prompt_logprobs=prompt_logprobs)
 
 
 class CompletionLogprobs(BaseModel):

@@ -65,6 +65,15 @@ def test_chat_chunks_time_tokens_not_the_role() -> None:
     assert record.ttft == pytest.approx(0.2) and record.text == "hi"
 
 
+def test_a_peers_finish_only_chunk_after_its_last_token_is_no_token() -> None:
+    """llama.cpp ends a stream with ``"delta": {}`` and the finish reason, a chunk past the tokens usage counts."""
+    finish_only = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    content = [{"choices": [{"index": 0, "delta": {"content": word}}]} for word in ("a", "b")]
+    record = replay([(0.1, content[0]), (0.2, content[1]), (0.201, finish_only), (0.21, usage_chunk(5, 2))],
+                    end=0.3, expected=2)
+    assert record.ok and record.itl == pytest.approx([0.1]) and record.tpot == pytest.approx(0.2)
+
+
 def test_a_stream_that_timed_no_token_meets_no_ttft_or_tpot_limit() -> None:
     untimed = replay([(0.3, usage_chunk(5, 4))], end=0.4, expected=4)
     one_token = replay([(0.1, text_chunk("a")), (0.2, usage_chunk(5, 1))], end=0.3, expected=1)

@@ -191,7 +191,8 @@ def test_the_models_generation_config_gives_the_sampling_defaults_as_in_vllm(tin
     folder = tmp_path / "llama"
     shutil.copytree(tiny_checkpoints["llama"], folder)
     generation = json.loads((folder / "generation_config.json").read_text())
-    (folder / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.6, "top_k": 1}))
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.6, "top_k": 1,
+                                                              "top_p": None}))  # null: not set, as vLLM reads it
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=32)
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.6, 1, SamplingParams().top_p)
@@ -255,7 +256,8 @@ def test_aborted_requests_leave_no_sampler_state(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("prompts, sampling_params, fragment", [
-    (None, None, "prompts must be a string, a dict with 'prompt_token_ids' or 'prompt', or a list of them; got NoneType"),
+    (None, None, "prompts must be a string, a dict with 'prompt_token_ids' or 'prompt', or a list of them; got "
+                 "NoneType"),
     (5, None, "got int"),
     ((p for p in ["a"]), None, "got generator"),
     (b"hi", None, "got bytes"),

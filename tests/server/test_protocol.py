@@ -56,7 +56,7 @@ def test_booleans_are_strict() -> None:
 def test_a_value_out_of_range_names_the_field_the_request_sent(fields: dict, param: str, starts: str) -> None:
     body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
     with pytest.raises(InvalidParameter) as raised:
-        body.to_sampling_params()
+        body.to_sampling_params(PLAIN)
     error = body.named_as_sent(raised.value)
     assert isinstance(error, InvalidParameter) and error.param == param and str(error).startswith(starts), error
 
@@ -80,13 +80,14 @@ def test_an_assistant_message_with_tool_calls_may_leave_content_out() -> None:
     assert len(ChatCompletionRequest.model_validate(body).messages) == 3
 
 
+PLAIN = SamplingParams()  # SamplingParams' own defaults, a model without generation_config.json's
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def test_fields_that_change_nothing_are_accepted() -> None:
     body = {"messages": MESSAGES, "service_tier": "auto", "metadata": {"team": "a"}, "prompt_cache_key": "k",
             "store": False, "safety_identifier": "user-1", "user": "u", "modalities": ["text"]}
-    assert ChatCompletionRequest.model_validate(body).to_sampling_params().n == 1
+    assert ChatCompletionRequest.model_validate(body).to_sampling_params(PLAIN).n == 1
 
 
 @pytest.mark.parametrize("extra, fragment", [
@@ -100,7 +101,7 @@ def test_openai_fields_kvserve_does_not_implement_are_refused_by_name(extra: dic
 
 
 def test_best_of_is_honoured_only_as_n() -> None:
-    assert CompletionRequest.model_validate({"prompt": "x", "n": 2, "best_of": 2}).to_sampling_params().n == 2
+    assert CompletionRequest.model_validate({"prompt": "x", "n": 2, "best_of": 2}).to_sampling_params(PLAIN).n == 2
     with pytest.raises(ValidationError, match="best_of other than n"):
         CompletionRequest.model_validate({"prompt": "x", "best_of": 3})
 
@@ -174,7 +175,7 @@ SAMPLING_FIELDS = {  # each a value of its own, none the default: a swap of two 
 @pytest.mark.parametrize("cls, body", [(CompletionRequest, {"prompt": "x", "max_tokens": 9}),
                                        (ChatCompletionRequest, {"messages": MESSAGES, "max_tokens": 9})])
 def test_each_sampling_field_lands_on_the_engines_field_of_its_name(cls: type, body: dict) -> None:
-    params = cls.model_validate({**body, **SAMPLING_FIELDS, "logit_bias": {"5": 2.5}}).to_sampling_params()
+    params = cls.model_validate({**body, **SAMPLING_FIELDS, "logit_bias": {"5": 2.5}}).to_sampling_params(PLAIN)
     assert {name: getattr(params, name) for name in SAMPLING_FIELDS} == SAMPLING_FIELDS
     assert (params.max_tokens, params.logit_bias) == (9, {5: 2.5})
 
@@ -182,14 +183,14 @@ def test_each_sampling_field_lands_on_the_engines_field_of_its_name(cls: type, b
 @pytest.mark.parametrize("bias", [100, -100, 100.0, -99.99])
 def test_a_logit_bias_at_openais_bounds_is_accepted(bias: float) -> None:
     body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logit_bias": {"5": bias}})
-    assert body.to_sampling_params().logit_bias == {5: bias}
+    assert body.to_sampling_params(PLAIN).logit_bias == {5: bias}
 
 
 @pytest.mark.parametrize("bias", [100.01, -100.01])
 def test_a_logit_bias_past_openais_bounds_is_refused(bias: float) -> None:
     body = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logit_bias": {"5": bias}})
     with pytest.raises(InvalidParameter, match="outside \\[-100, 100\\]") as raised:
-        body.to_sampling_params()
+        body.to_sampling_params(PLAIN)
     assert raised.value.param == "logit_bias"
 
 
@@ -208,13 +209,13 @@ def test_a_batch_of_more_than_2048_samples_is_refused_naming_the_prompt(num_prom
 
 def test_max_completion_tokens_wins_over_the_deprecated_max_tokens() -> None:
     body = {"messages": MESSAGES, "max_tokens": 5, "max_completion_tokens": 9}
-    assert ChatCompletionRequest.model_validate(body).to_sampling_params().max_tokens == 9
+    assert ChatCompletionRequest.model_validate(body).to_sampling_params(PLAIN).max_tokens == 9
 
 
 def test_chat_logprobs_without_top_logprobs_asks_for_the_chosen_tokens_alone() -> None:
-    params = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": True}).to_sampling_params()
+    params = ChatCompletionRequest.model_validate({"messages": MESSAGES, "logprobs": True}).to_sampling_params(PLAIN)
     assert params.logprobs == 0
-    assert ChatCompletionRequest.model_validate({"messages": MESSAGES}).to_sampling_params().logprobs is None
+    assert ChatCompletionRequest.model_validate({"messages": MESSAGES}).to_sampling_params(PLAIN).logprobs is None
 
 
 def test_structured_outputs_takes_the_engines_fields_and_no_other() -> None:
