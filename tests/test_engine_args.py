@@ -33,6 +33,7 @@ CHANGED = {
     "enforce_eager": True,
     "attention_backend": "torch_ref",
     "chat_template": "{{ messages[0].content }}",
+    "generation_config": "vllm",
     "load_format": "mmap",
     "cpu_offload_gb": 2.5,
     "max_model_len": 512,
@@ -107,7 +108,8 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1,
                            "draft_model": None, "lpm_aging_steps": None}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5,
-                                       attention_backend="torch_ref", chat_template="{{ messages[0].content }}")
+                                       attention_backend="torch_ref", chat_template="{{ messages[0].content }}",
+                                       generation_config="vllm")
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs",
                                                SchedulerConfig.lpm_aging_steps, "swap", False)
@@ -302,3 +304,9 @@ def test_a_chat_template_is_a_files_text_or_the_template_itself(tmp_path) -> Non
     assert EngineArgs().create_engine_config().model.chat_template is None
     with pytest.raises(ValueError, match="chat_template: .*neither a file nor a Jinja template"):
         EngineArgs(chat_template=str(tmp_path / "missing.jinja")).create_engine_config()
+
+
+def test_generation_config_takes_vllms_two_names_only() -> None:
+    assert EngineArgs().create_engine_config().model.generation_config == "auto"
+    with pytest.raises(ValueError, match="unknown generation_config '/some/folder'; expected one of auto, vllm"):
+        EngineArgs(generation_config="/some/folder").create_engine_config()
