@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import numbers
 import os
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
@@ -188,7 +189,9 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         for option in dataclasses.fields(self):
-            _check_kind(option, getattr(self, option.name))
+            value = _in_our_spelling(option, getattr(self, option.name))
+            _check_kind(option, value)
+            object.__setattr__(self, option.name, value)
 
     @staticmethod
     def speculative_options(speculative_config: dict[str, Any]) -> dict[str, Any]:
@@ -300,6 +303,22 @@ _KINDS: dict[type | None, tuple[Callable[[Any], bool], str]] = {
     float: (lambda value: isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"),
     str: (lambda value: isinstance(value, str), "a string"),
 }
+
+
+# Options whose default in vLLM is None, "the engine decides": a vLLM script's explicit None means our default
+_NONE_MEANS_DEFAULT = frozenset({"quantization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"})
+
+
+def _in_our_spelling(option: dataclasses.Field, value: Any) -> Any:
+    """A value as vLLM's ``LLM`` takes it, spelled as ours: None where vLLM's default is None (for ``seed``, as
+    vLLM's None, a seed drawn at random, so that runs differ), a ``torch.dtype`` by its name."""
+    if value is None and option.name in _NONE_MEANS_DEFAULT:
+        return option.default
+    if value is None and option.name == "seed":
+        return random.SystemRandom().randrange(2**31)
+    if option.name == "dtype" and type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        return str(value).removeprefix("torch.")
+    return value
 
 
 def _check_kind(option: dataclasses.Field, value: Any) -> None:

@@ -48,8 +48,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[PositionLogprobs] | None = None
 
-    @property
     def finished(self) -> bool:
+        """Whether this sample is done (a method, as vLLM's ``CompletionOutput.finished()``; ``RequestOutput``'s
+        ``finished`` is a field)."""
         return self.finish_reason is not None
 
     @property

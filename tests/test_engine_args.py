@@ -272,6 +272,26 @@ def test_an_option_of_the_wrong_kind_is_refused_by_name(options, message) -> Non
         EngineArgs(**options)
 
 
+@pytest.mark.parametrize("option", ["quantization", "max_num_seqs", "max_num_batched_tokens",
+                                    "enable_prefix_caching"])
+def test_none_means_our_default_where_vllm_defaults_to_none(option: str) -> None:
+    """A vLLM script passes ``quantization=None`` for "whatever the checkpoint holds"; it was refused as not a
+    string."""
+    assert getattr(EngineArgs(**{option: None}), option) == getattr(EngineArgs(), option)
+
+
+def test_a_seed_of_none_is_drawn_at_random_as_vllm_does() -> None:
+    seeds = {EngineArgs(seed=None).seed for _ in range(4)}
+    assert all(isinstance(seed, int) and 0 <= seed < 2**31 for seed in seeds) and len(seeds) > 1
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "bfloat16"), (torch.float32, "float32"),
+                                         (torch.float16, "float16")])
+def test_a_torch_dtype_is_taken_by_its_name(dtype: torch.dtype, name: str) -> None:
+    args = EngineArgs(dtype=dtype)
+    assert args.dtype == name and args.create_engine_config().model.dtype == name
+
+
 @pytest.mark.parametrize("field", ["kv_cache_memory", "kv_offload_memory", "kv_offload_disk"])
 @pytest.mark.parametrize("gib", [float("nan"), float("inf"), 1e300, 0.0, -1.0])
 def test_a_memory_budget_is_a_finite_number_of_gib(field: str, gib: float) -> None:

@@ -151,6 +151,6 @@ async def _prompts_only(stream: AsyncIterator[list[RequestOutput]]) -> AsyncIter
     alone, finished by length."""
     async for outputs in stream:
         yield [replace(out, outputs=[
-            CompletionOutput(s.index, "", [], FinishReason.LENGTH if s.finished else None, None,
+            CompletionOutput(s.index, "", [], FinishReason.LENGTH if s.finished() else None, None,
                              [] if s.logprobs is not None else None) for s in out.outputs])
                for out in outputs]

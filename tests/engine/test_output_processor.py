@@ -135,7 +135,7 @@ def test_n_samples_are_gathered_in_index_order_and_finish_together():
     out = proc.process([EngineOutput(a, hi[1:], FinishReason.LENGTH), EngineOutput(c, yo[1:])])
     assert out.stopped_request_ids == [c]
     (request,) = out.request_outputs
-    assert [s.finished for s in request.outputs] == [True, False, True]
+    assert [s.finished() for s in request.outputs] == [True, False, True]
     assert not request.finished
     assert request.outputs[2].text == "yo"
     (request,) = proc.process([EngineOutput(b, hi[1:], FinishReason.LENGTH)]).request_outputs
