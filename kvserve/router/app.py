@@ -38,7 +38,15 @@ from kvserve.router.policy import Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
 from kvserve.router.prompts import prompt_text, request_payload
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
-from kvserve.server.errors import PROTECTED_PREFIXES, RETRY_LATER, error_response, sse_failure, unauthorized
+from kvserve.server.errors import (
+    PROTECTED_PREFIXES,
+    RETRY_LATER,
+    error_response,
+    no_route,
+    sse_failure,
+    unauthorized,
+    wrong_method,
+)
 from kvserve.server.request_ids import echoing_request_id
 from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
@@ -331,14 +339,14 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         route = self.model if path.startswith(MODEL_PATH) else self.get_routes.get(path)
         if path in PROXIED_PATHS or (route is not None and method not in ("GET", "HEAD")):
-            return error_response(405, HTTPStatus.METHOD_NOT_ALLOWED.phrase,
-                                  headers={"Allow": "POST" if path in PROXIED_PATHS else "GET"})
+            allowed = "POST" if path in PROXIED_PATHS else "GET"
+            return error_response(405, wrong_method(method, path, allowed), headers={"Allow": allowed})
         if route is not None:
             return await route(scope)
         stripped = path.rstrip("/")
         if path.endswith("/") and (stripped in PROXIED_PATHS or stripped in self.get_routes):
             return RedirectResponse(URL(scope=scope).replace(path=stripped))  # 307, as Starlette's redirect_slashes
-        return error_response(404, HTTPStatus.NOT_FOUND.phrase)
+        return error_response(404, no_route(method, path))
 
     async def health(self, scope: Scope) -> Response:
         up = [r.url for r in self.router.replicas if r.healthy]

@@ -8,7 +8,7 @@ from ``ServerState``.
 from __future__ import annotations
 
 import asyncio
-
+import logging
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
@@ -48,7 +48,7 @@ from kvserve.server.streaming import ending_on_failure, until_disconnected
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
 
-
+logger = logging.getLogger(__name__)
 
 class _Generation(Protocol):
     async def start(self) -> AsyncIterator[Any]: ...
@@ -98,7 +98,9 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
         return ModelList(data=[_model_card(state, name) for name in state.settings.served_model_names])
 
     @app.get("/v1/models/{model:path}")
-    async def model(model: str) -> ModelCard:
+    async def model(model: str) -> ModelCard | ModelList:
+        if not model:  # /v1/models/: the list, as vLLM's redirect to it answers
+            return await models()
         state.engine_for(model)  # 404 naming the served models if it is not one of them
         return _model_card(state, model)
 
@@ -193,7 +195,28 @@ class RequestGuard:
         except APIError as e:
             await error_response(e.status, e.message, e.param, e.headers)(scope, receive, send)
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self._answer_or_fail(scope, _replay(body, receive), send)
+
+    async def _answer_or_fail(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app's answer; an exception that no handler answered is a 500 here, inside the guard, so that it
+        carries the request's id and is logged once, naming it (Starlette's own last handler sits outside every
+        middleware: its 500 dropped the id, and uvicorn logged the traceback a second time)."""
+        started = False
+
+        async def noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_start)
+        except Exception as error:
+            if started:  # too late to answer: uvicorn logs it and closes the connection
+                raise
+            logger.exception("unhandled error in %s %s (request id %s)", scope["method"], scope["path"],
+                             client_request_id(scope))
+            response = error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(error).__name__}")
+            await response(scope, receive, send)
 
     def _check_api_key(self, scope: Scope) -> None:
         key = self.settings.api_key

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import secrets
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Iterable
@@ -21,7 +20,6 @@ if TYPE_CHECKING:
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
 
-logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
 # What a 503 of a server that will serve again soon (loading, overloaded, no replica up) asks a client to wait
@@ -32,6 +30,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",  # the client's body came too slowly
     413: "invalid_request_error",
     503: "service_unavailable",
 }
@@ -72,6 +71,9 @@ def bad_request(error: ValueError, param: str | None = None) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, str(error), param=param or getattr(error, "param", None))
 
 
+# what a 404 lists: the OpenAI routes and vLLM's kvserve answers
+SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+                 "/metrics", "/version")
 # the paths ``--api-key`` guards, on a server and on the router alike (/health and /metrics stay open)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
@@ -88,9 +90,11 @@ def unauthorized(headers: Iterable[tuple[bytes, bytes]], key: str) -> APIError |
     return APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'")
 
 
-def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(error: RequestValidationError, content_type: str | None) -> tuple[str, str | None]:
     """FastAPI's first validation error as one line, with the field it is about."""
     first = error.errors()[0] if error.errors() else {}
+    if tuple(first.get("loc", ())) == ("body",):
+        return _whole_body_message(first, content_type), None
     # Drop "body" and pydantic's names for union members and validators (e.g. "function-after[...]").
     location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(str(part))]
     param = ".".join(location) or None
@@ -106,6 +110,25 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return (f"{param}: {message}" if param else message), param
 
 
+def _whole_body_message(error: dict[str, Any], content_type: str | None) -> str:
+    """Why a body is no JSON object at all: sent as another media type (``curl -d`` sends a form), empty, or
+    JSON of another kind. FastAPI reads a body as JSON only under a JSON media type (newer releases: not
+    without one either); one it did not read comes as its bytes."""
+    if isinstance(error.get("input"), bytes):
+        sent = repr(shortened(content_type)) if content_type else "none"
+        return f"the body must be JSON sent with 'Content-Type: application/json'; the request sent {sent}"
+    if error.get("type") == "missing":
+        return "the request body is empty: send a JSON object"
+    return f"the body must be a JSON object, not {_json_kind(error.get('input'))}"
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number", type(None): "null"}
+    return kinds.get(type(value), "another kind of value")
+
+
 def shortened(text: str, limit: int = 100) -> str:
     """A value the request sent, cut short for an error message (a 100 KB field name came back twice, a 1 MB
     model name whole)."""
@@ -117,7 +140,8 @@ def _is_type_tag(part: str) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer APIError, validation errors, HTTP errors (404 route, 405 method) and crashes in OpenAI's shape."""
+    """Answer APIError, validation errors and HTTP errors (404 route, 405 method) in OpenAI's shape (an
+    exception none of them answers is the request guard's 500: ``server/app.py``)."""
     from fastapi.exceptions import RequestValidationError
 
     from kvserve.engine.async_engine import EngineDeadError
@@ -127,20 +151,35 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(error.status, error.message, error.param, error.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(error)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(error, request.headers.get("content-type"))
         return error_response(HTTPStatus.BAD_REQUEST, message, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(error.status_code, str(error.detail), headers=error.headers)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, _routing_message(request, error), headers=error.headers)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_failed(_: Request, error: EngineDeadError) -> JSONResponse:
         # a request in flight when the engine failed (later ones get the state's 503 before they start)
         return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine failed: {error}")
 
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error in a request")
-        return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(error).__name__}")
+
+
+def _routing_message(request: Request, error: StarletteHTTPException) -> str:
+    """Routing's 404 and 405 as ``no_route`` and ``wrong_method`` word them; other HTTP errors as raised."""
+    if error.status_code == HTTPStatus.NOT_FOUND:
+        return no_route(request.method, request.url.path)
+    if error.status_code == HTTPStatus.METHOD_NOT_ALLOWED:
+        return wrong_method(request.method, request.url.path, (error.headers or {}).get("Allow", "another method"))
+    return str(error.detail)
+
+
+def no_route(method: str, path: str) -> str:
+    """A 404's words for a path no route serves, naming it and the routes (a bare "Not Found" read as a wrong
+    base URL, or as a model that does not exist); the router answers in a replica's words."""
+    return f"kvserve serves no {method} {shortened(path)} (it serves {', '.join(SERVED_ROUTES)})"
+
+
+def wrong_method(method: str, path: str, allowed: str) -> str:
+    return f"{method} {shortened(path)}: this route takes {allowed}"

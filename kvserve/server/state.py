@@ -69,8 +69,9 @@ class ServerState:
         return self.engine is not None and self.engine.is_running and not self.draining
 
     def engine_for(self, model: str | None) -> AsyncEngine:
-        """The engine to run a request for ``model`` on, or the APIError that says why there is none."""
-        if model is not None and model not in self.settings.served_model_names:
+        """The engine to run a request for ``model`` on (None or empty: the served model, as vLLM takes them),
+        or the APIError that says why there is none."""
+        if model and model not in self.settings.served_model_names:
             raise APIError(HTTPStatus.NOT_FOUND, f"the model {shortened(model)!r} does not exist; this server serves "
                                                  f"{', '.join(self.settings.served_model_names)}", param="model")
         if not self.is_ready:

@@ -26,6 +26,7 @@ from kvserve.router.app import Router, RouterApp
 from kvserve.router.policy import make_policy
 from kvserve.router.prefix_index import CHUNK_CHARS
 from kvserve.router.upstream import Upstream
+from kvserve.server.errors import no_route
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 from tests.router.test_upstream import CHUNKED_HEAD, ByteServer
 from tests.server.conftest import free_port
@@ -812,8 +813,10 @@ def test_what_the_router_answers_in_a_replicas_place_is_worded_as_a_replica_word
                 await client.post("/v1/completions/?a=1", json={})]
 
     missing, get_a_post, post_a_get, slash = run(scenario())
-    assert (missing.status_code, missing.json()["error"]["message"]) == (404, "Not Found")
-    assert (get_a_post.status_code, get_a_post.json()["error"]["message"]) == (405, "Method Not Allowed")
+    assert (missing.status_code, missing.json()["error"]["message"]) == (404, no_route("GET", "/nope"))
+    assert missing.json()["error"]["message"].startswith("kvserve serves no GET /nope (it serves /v1/completions")
+    assert (get_a_post.status_code, get_a_post.json()["error"]["message"]) == (
+        405, "GET /v1/completions: this route takes POST")
     assert get_a_post.headers["allow"] == "POST" and post_a_get.headers["allow"] == "GET"
     assert (slash.status_code, slash.headers["location"]) == (307, "http://router/v1/completions?a=1")
 

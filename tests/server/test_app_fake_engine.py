@@ -406,3 +406,60 @@ def test_tokenize_and_detokenize_answer_and_name_the_field_as_sent(srv: InProces
     assert refused.json()["error"]["message"].startswith("tokens: 300 is not a token id of this model")
     chat = httpx.post(f"{srv.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"  # the byte tokenizer has no template
+
+
+def test_an_unexpected_error_is_a_500_that_names_the_request_and_is_logged_once(srv: InProcessServer, monkeypatch,
+                                                                                caplog) -> None:
+    """Starlette's last handler sat outside the guard: its 500 dropped the X-Request-Id, and uvicorn logged the
+    traceback a second time."""
+    async def broken(*args, **kwargs):
+        raise RuntimeError("boom")  # stands for any bug on a handler's path
+
+    monkeypatch.setattr(srv.state.engine, "tokenize", broken)
+    with caplog.at_level("ERROR"):
+        answer = httpx.post(f"{srv.url}/tokenize", json={"prompt": "a"}, headers={"X-Request-Id": "trace-42"})
+    assert answer.status_code == 500 and answer.headers["x-request-id"] == "trace-42"
+    assert answer.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error",
+                                      "param": None, "code": 500}
+    tracebacks = [record for record in caplog.records if record.exc_info]
+    assert len(tracebacks) == 1 and "trace-42" in tracebacks[0].getMessage(), caplog.text
+    assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("content, content_type, message", [
+    (b'{"prompt": "a"}', "application/x-www-form-urlencoded",
+     "the body must be JSON sent with 'Content-Type: application/json'; the request sent "
+     "'application/x-www-form-urlencoded'"),
+    (b'{"prompt": "a"}', "text/plain", "the body must be JSON sent with 'Content-Type: application/json'"),
+    (b"", "application/json", "the request body is empty: send a JSON object"),
+    (b"null", "application/json", "the body must be a JSON object, not null"),
+    (b'["a"]', "application/json", "the body must be a JSON object, not an array"),
+    (b'"a"', "application/json", "the body must be a JSON object, not a string"),
+    (b"5", "application/merge-patch+json", "the body must be a JSON object, not a number"),
+])
+def test_a_body_that_is_no_json_object_says_why(srv: InProcessServer, content: bytes, content_type: str | None,
+                                                message: str) -> None:
+    """``curl -d`` without the JSON header sends a form: it was answered as a body that is not an object."""
+    headers = {"content-type": content_type} if content_type else {}
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        error = httpx.post(f"{srv.url}{path}", content=content, headers=headers).json()["error"]
+        assert error["code"] == 400 and error["message"].startswith(message) and error["param"] is None, error
+
+
+def test_routing_errors_name_the_method_and_path(srv: InProcessServer) -> None:
+    missing = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "a"}).json()["error"]
+    assert missing["code"] == 404 and missing["message"].startswith("kvserve serves no POST /v1/embeddings (it "
+                                                                   "serves /v1/completions, /v1/chat/completions")
+    wrong = httpx.get(f"{srv.url}/v1/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["message"] == "GET /v1/completions: this route takes POST"
+
+
+def test_an_empty_model_name_is_the_served_model_as_in_vllm(srv: InProcessServer, monkeypatch) -> None:
+    from kvserve.engine.input_processor import InputProcessor
+
+    monkeypatch.setattr(srv.fake, "input_processor", InputProcessor(srv.fake.tokenizer, 256, 256))
+    answer = httpx.post(f"{srv.url}/v1/completions", json={"model": "", "prompt": "a", "max_tokens": 1})
+    assert answer.status_code == 200 and answer.json()["model"] == MODEL
+    assert httpx.post(f"{srv.url}/tokenize", json={"model": "", "prompt": "a"}).status_code == 200
+    listed = httpx.get(f"{srv.url}/v1/models/").json()
+    assert listed["object"] == "list" and [card["id"] for card in listed["data"]] == [MODEL]
