@@ -30,10 +30,17 @@ class HealthChecker:
         self.upstream = upstream
         self.metrics = metrics
         self.interval = interval
+        self.checked: set[str] = set()  # replicas a check has answered about (their first state is logged)
+        self.unreadable: set[str] = set()  # replicas whose /metrics page did not read at their last check
 
     async def loop(self) -> None:
+        """Rounds for as long as the router runs; a round that fails is logged and the next one comes (a loop that
+        ended left every replica as its last round found it, unlogged)."""
         while True:
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:
+                logger.exception("a round of health checks failed; the next in %g s", self.interval)
             await asyncio.sleep(self.interval)
 
     async def check_all(self) -> None:
@@ -47,20 +54,46 @@ class HealthChecker:
         self._set_health(replica, False)
 
     async def _check(self, replica: Replica) -> None:
-        pages = self.metrics.replica_pages.pages
         try:
             healthy = (await self.upstream.get(replica.url + "/health", HEALTH_TIMEOUT_S))[0] == 200
             if healthy:
-                page = (await self.upstream.get(replica.url + "/metrics", GET_TIMEOUT_S))[2]
-                pages[replica.url] = list(text_string_to_metric_families(page.decode()))
-                replica.reported_load = queue_length(pages[replica.url])
+                await self._read_load(replica)
         except (ConnectFailed, UpstreamLost):
             healthy = False
         if not healthy:
-            pages.pop(replica.url, None)
-        if healthy != replica.healthy:
-            logger.warning("replica %s is %s", replica.url, "back up" if healthy else "down")
+            self.metrics.replica_pages.pages.pop(replica.url, None)
+        self._log_change(replica, healthy)
         self._set_health(replica, healthy)
+
+    async def _read_load(self, replica: Replica) -> None:
+        """The replica's page and queue from its /metrics; a page that is not Prometheus' (a proxy's error page)
+        leaves its load unknown (0: the router's own count of what it sent stands), said once until it reads."""
+        status, _, page = await self.upstream.get(replica.url + "/metrics", GET_TIMEOUT_S)
+        try:
+            if status != 200:
+                raise ValueError(f"status {status}")
+            families = list(text_string_to_metric_families(page.decode()))
+        except ValueError as e:  # UnicodeDecodeError is one
+            if replica.url not in self.unreadable:
+                logger.warning("replica %s: its /metrics page does not read (%s); its load is taken as unknown",
+                               replica.url, str(e)[:200])
+            self.unreadable.add(replica.url)
+            self.metrics.replica_pages.pages.pop(replica.url, None)
+            replica.reported_load = 0
+            return
+        self.unreadable.discard(replica.url)
+        self.metrics.replica_pages.pages[replica.url] = families
+        replica.reported_load = queue_length(families)
+
+    def _log_change(self, replica: Replica, healthy: bool) -> None:
+        """A replica's first state (one still loading is not up yet, at start) and its later changes: down is
+        a warning, back up is news."""
+        if replica.url not in self.checked:
+            self.checked.add(replica.url)
+            logger.info("replica %s is %s", replica.url, "up" if healthy else "not up yet")
+        elif healthy != replica.healthy:
+            logger.log(logging.INFO if healthy else logging.WARNING, "replica %s is %s", replica.url,
+                       "back up" if healthy else "down")
 
     def _set_health(self, replica: Replica, healthy: bool) -> None:
         replica.healthy = healthy

@@ -67,6 +67,7 @@ class FakeReplicas:
         self.hold: Callable[[str], Awaitable[None]] | None = None
         self.stream_forever = False
         self.unavailable: set[str] = set()  # replicas that answer completions 503 (loading, draining, failed)
+        self.html_metrics: set[str] = set()  # replicas whose /metrics is a proxy's error page
         self.streaming: set[int] = set()
         self.servers: dict[int, tuple[uvicorn.Server, asyncio.Task]] = {}
 
@@ -109,6 +110,8 @@ class FakeReplicas:
 
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
+            if url in self.html_metrics:
+                return PlainTextResponse("<html><body>502 Bad Gateway</body></html>", status_code=200)
             return PlainTextResponse(REPLICA_PAGE)
 
         @app.post("/v1/completions")
@@ -855,3 +858,57 @@ def test_version_is_the_packages_as_on_a_replica() -> None:
 
     answer = run(scenario())
     assert answer.status_code == 200 and answer.json() == {"version": kvserve.__version__}
+
+
+def test_a_metrics_page_that_does_not_read_leaves_the_load_unknown_and_the_checks_going(caplog) -> None:
+    """A proxy's HTML page in place of /metrics raised out of the health-check loop, which no one awaited: the
+    checks stopped unlogged, a dead replica read healthy and a replica marked down never came back."""
+    fakes = FakeReplicas(1)
+    fakes.html_metrics.add(fakes.urls[0])
+
+    async def scenario() -> list[bool]:
+        async with fakes:
+            router, _ = router_client(fakes)
+            router.health.interval = 0.01
+            (replica,) = router.replicas
+            loop = asyncio.create_task(router.health.loop())
+            seen = []
+            for change in (None, lambda: fakes.stop(0), lambda: fakes.start(0)):
+                if change is not None:
+                    await change()
+                await asyncio.sleep(0.3)
+                seen.append(replica.healthy)
+            assert replica.reported_load == 0 and not loop.done()
+            loop.cancel()
+            return seen
+
+    with caplog.at_level("INFO", logger="kvserve.router.health"):
+        assert run(scenario()) == [True, False, True]
+    lines = [record.getMessage() for record in caplog.records]
+    assert sum("does not read" in line for line in lines) == 1, lines  # said once until a page reads
+    assert [line.rsplit(" is ", 1)[1] for line in lines if " is " in line and "page" not in line] == [
+        "up", "down", "back up"]
+
+
+def test_a_round_that_fails_is_logged_and_the_next_comes(caplog, monkeypatch) -> None:
+    fakes = FakeReplicas(1)
+
+    async def scenario() -> int:
+        router, _ = router_client(fakes)
+        router.health.interval = 0.01
+        rounds = 0
+
+        async def failing() -> None:
+            nonlocal rounds
+            rounds += 1
+            raise RuntimeError("a bug in a round")
+
+        monkeypatch.setattr(router.health, "check_all", failing)
+        loop = asyncio.create_task(router.health.loop())
+        await asyncio.sleep(0.1)
+        loop.cancel()
+        return rounds
+
+    with caplog.at_level("ERROR", logger="kvserve.router.health"):
+        assert run(scenario()) > 2
+    assert all("a round of health checks failed" in r.getMessage() and r.exc_info for r in caplog.records)
