@@ -395,8 +395,9 @@ class AsyncEngine:
                 del self._streams[out.request_id]
             by_loop.setdefault(stream.loop, []).append((stream.mailbox, out))
         # one wake-up of each loop for the whole step (each call_soon_threadsafe writes to the loop's self-pipe)
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+        closed = {loop for loop, items in by_loop.items() if not _posted(loop, _put_all, items)}
+        if closed:  # their callers are gone with them: their requests' aborts were never to arrive
+            self._abort_now([rid for rid, stream in self._streams.items() if stream.loop in closed])
 
     def _refresh_stats(self, outputs: list[RequestOutput], step_start: float) -> None:
         stats = self.engine.stats()
@@ -411,11 +412,22 @@ class AsyncEngine:
             self._stopped = True
             futures = [future for _, future in self._commands if future is not None]
             self._commands.clear()
-        for future in futures:  # callers waiting on a command see the failure instead of hanging
-            future.set_exception(EngineDeadError(str(error)))
         for stream in self._streams.values():
-            stream.loop.call_soon_threadsafe(stream.mailbox.put, EngineDeadError(str(error)))
+            _posted(stream.loop, stream.mailbox.put, EngineDeadError(str(error)))
         self._streams.clear()
+        for future in futures:  # callers waiting on a command see the failure instead of hanging
+            if future.set_running_or_notify_cancel():  # not one whose caller was cancelled (that raised here)
+                future.set_exception(EngineDeadError(str(error)))
+
+
+def _posted(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> bool:
+    """Whether ``callback`` was handed to ``loop``: not if the loop is closed (a request begun under an
+    ``asyncio.run`` that has returned), which must not stop the engine for every other caller."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # "Event loop is closed"
+        return False
+    return True
 
 
 def _put_all(items: list[tuple[_Mailbox, RequestOutput]]) -> None:

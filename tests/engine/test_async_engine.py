@@ -150,6 +150,57 @@ def test_a_failing_step_fails_every_request_instead_of_hanging() -> None:
     run_with_engine(test)
 
 
+def test_a_step_that_fails_behind_a_cancelled_command_still_fails_every_request() -> None:
+    """A client gone while its command waited behind the failing step (a disconnect during a chat's render):
+    failing its cancelled future raised on the engine thread, before any stream was told, and every stream hung."""
+    in_step, release = threading.Event(), threading.Event()
+
+    def blocked_step() -> list[RequestOutput]:
+        in_step.set()
+        release.wait(5)
+        raise RuntimeError("device lost")
+
+    async def test(engine: AsyncEngine) -> None:
+        stream = asyncio.create_task(collect(engine, "a", 50))
+        await asyncio.to_thread(in_step.wait, 5)  # the stream's first step blocks; its failure is to come
+        gone = asyncio.create_task(engine.call(lambda e: None))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await asyncio.wait_for(stream, 5)
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+
+    fake = FakeEngine()
+    fake.step = blocked_step
+    run_with_engine(test, fake)
+
+
+def test_a_request_whose_event_loop_closed_is_aborted_and_the_engine_serves_on() -> None:
+    """A stream begun under an ``asyncio.run`` that returned after its first output: delivering its next output
+    (or its abort) to the closed loop raised on the engine thread and stopped the engine for every caller."""
+    fake = FakeEngine(step_seconds=0.01)
+    engine = AsyncEngine(fake)
+    engine.start()
+
+    async def first_output_only() -> None:
+        stream = engine.generate("a", SamplingParams(max_tokens=60))
+        await anext(stream)  # asyncio.run then closes the loop with the stream still running
+
+    try:
+        asyncio.run(first_output_only())
+        asyncio.run(first_output_only())
+        deadline = time.monotonic() + 5
+        while fake.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.is_running and not fake.requests
+        assert len(asyncio.run(collect(engine, "b", 3))) == 3
+    finally:
+        engine.shutdown()
+
+
 def test_shutdown_aborts_requests_in_flight_and_refuses_new_ones() -> None:
     fake = FakeEngine()
     engine = AsyncEngine(fake)
