@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_CHECK_SECONDS = 1.0  # how often an idle engine looks at its tensor-parallel workers
 SHUTDOWN_FLUSH_SECONDS = 30.0  # at most this long for queued KV block writes at shutdown
+MAX_IDS_LOGGED = 16  # a log line names at most this many request ids
 
 
 class EngineDeadError(RuntimeError):
@@ -331,7 +332,7 @@ class AsyncEngine:
                     step_start = time.monotonic()
                     self._deliver(self.engine.step(), step_start)
         except BaseException as e:
-            logger.exception("the engine loop failed")
+            logger.exception("the engine loop failed; failing its requests: %s", _listed(list(self._streams)))
             self._failure = e
             self._fail_everything(e)
         else:
@@ -418,6 +419,14 @@ class AsyncEngine:
         for future in futures:  # callers waiting on a command see the failure instead of hanging
             if future.set_running_or_notify_cancel():  # not one whose caller was cancelled (that raised here)
                 future.set_exception(EngineDeadError(str(error)))
+
+
+def _listed(request_ids: list[str]) -> str:
+    """Request ids for a log line: the first ``MAX_IDS_LOGGED`` of them, and how many there are."""
+    if not request_ids:
+        return "none"
+    more = ", ..." if len(request_ids) > MAX_IDS_LOGGED else ""
+    return f"{len(request_ids)} ({', '.join(request_ids[:MAX_IDS_LOGGED])}{more})"
 
 
 def _posted(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> bool:

@@ -140,7 +140,8 @@ async def _answer(request: Request, generation: _Generation, outputs: AsyncItera
                   stream: bool) -> Response:
     """Stream the queued generation's ``outputs``, or answer once it is done."""
     if stream:
-        return StreamingResponse(ending_on_failure(generation.stream(outputs)), media_type="text/event-stream")
+        return StreamingResponse(ending_on_failure(generation.stream(outputs), client_request_id(request.scope)),
+                                 media_type="text/event-stream")
     body = await until_disconnected(request, generation.respond(outputs))
     return Response(await asyncio.to_thread(body.model_dump_json), media_type="application/json")
 

@@ -143,16 +143,21 @@ class GenerationHandler:
         return _prepend(first, stream)
 
 
-async def ending_on_failure(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def ending_on_failure(events: AsyncIterator[str], request_id: str | None = None) -> AsyncIterator[str]:
     """``events``; should they fail midway (the engine died), an error event in OpenAI's shape and ``[DONE]``:
-    the headers went out with the first event, so a client reading the stream learns why it ended there."""
+    the headers went out with the first event, so a client reading the stream learns why it ended there.
+    ``request_id``: the client's, which the log line names."""
     try:
         async for event in events:
             yield event
     except Exception as error:  # whatever failed, the client is told; a disconnect's cancellation passes
-        logger.exception("a stream failed midway")
-        message = f"the engine failed: {error}" if isinstance(error, EngineDeadError) \
-            else f"internal error: {type(error).__name__}"
+        named = f"the stream of request {request_id}" if request_id else "a stream"
+        if isinstance(error, EngineDeadError):  # its cause is logged once, by the engine thread
+            logger.warning("%s ended: the engine failed (%s)", named, error)
+            message = f"the engine failed: {error}"
+        else:
+            logger.exception("%s failed midway", named)
+            message = f"internal error: {type(error).__name__}"
         yield sse_failure(HTTPStatus.INTERNAL_SERVER_ERROR, message)
 
 

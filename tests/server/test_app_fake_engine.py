@@ -279,7 +279,7 @@ def test_version_answers_the_packages_version_as_vllm_does(srv: InProcessServer)
     assert kvserve.__version__ == importlib.metadata.version("kvserve")
 
 
-def test_an_engine_that_fails_midway_ends_its_streams_with_an_error_and_stops_serving() -> None:
+def test_an_engine_that_fails_midway_ends_its_streams_with_an_error_and_stops_serving(caplog) -> None:
     server = InProcessServer()
     supervisor = DrainingServer(server.state, uvicorn.Config(build_app(server.state)))
     try:
@@ -288,7 +288,9 @@ def test_an_engine_that_fails_midway_ends_its_streams_with_an_error_and_stops_se
         whole: list[httpx.Response] = []
         in_flight = threading.Thread(target=lambda: whole.append(httpx.post(
             f"{server.url}/v1/completions", json={"prompt": "b", "max_tokens": 200}, timeout=30)))
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        with (caplog.at_level("WARNING"),
+              httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30,
+                           headers={"X-Request-Id": "trace-9"}) as response):
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))
             in_flight.start()
@@ -296,6 +298,10 @@ def test_an_engine_that_fails_midway_ends_its_streams_with_an_error_and_stops_se
             server.fake.step_error = RuntimeError("device lost")
             rest = [line for line in lines if line]
         in_flight.join(10)
+        # the cause logged once, naming the (engine's) requests it failed; each stream's end one line naming it
+        (traceback,) = [record.getMessage() for record in caplog.records if record.exc_info]
+        assert traceback.startswith("the engine loop failed; failing its requests: 2 (cmpl-")
+        assert "the stream of request trace-9 ended: the engine failed (device lost)" in caplog.text
         assert whole[0].status_code == 503 and "the engine failed: device lost" in whole[0].json()["error"]["message"]
         error = json.loads(rest[-2].removeprefix("data: "))["error"]
         assert rest[-1] == "data: [DONE]" and error["code"] == 500 and "device lost" in error["message"]
