@@ -113,20 +113,35 @@ class LLMEngine:
         except ValueError as error:
             raise ValueError(f"{self.location.name}: generation_config.json: {error} (--generation-config vllm "
                              "ignores the file's sampling fields)") from None
-        logger.info("kvserve: sampling defaults from the model's generation_config.json: %s (requests that set a "
+        logger.info("sampling defaults from the model's generation_config.json: %s (requests that set a "
                     "field keep theirs; --generation-config vllm ignores the file)",
                     ", ".join(f"{name}={value}" for name, value in defaults.items()))
         return params
 
     def _log_start(self, runner: ModelRunner) -> None:
+        """What runs, said once: the model and its memory, then how the engine serves it."""
         tp_size = self.config.parallel.tensor_parallel_size
         logger.info(
-            "kvserve: %s on %s (%s weights, %.1f MB%s, %s activations), %d KV blocks of %d tokens (%s)%s",
+            "%s on %s (%s weights, %.1f MB%s, %s activations), %d KV blocks of %d tokens (%s)%s",
             self.location.name, self.device, runner.weights_format(), runner.weight_bytes / 1e6,
             " before the dense layouts under way" if runner.layouts is not None else "", runner.activations_format,
             self.num_kv_blocks, self.config.cache.block_size, runner.kv_cache_dtype.name,
             f", tensor parallel over {tp_size} ranks (KV blocks per rank)" if tp_size > 1 else "",
         )
+        logger.info("attention %s; %s", type(runner.backend).__name__, "; ".join(self._serving_settings()))
+
+    def _serving_settings(self) -> list[str]:
+        cache, sched, spec = self.config.cache, self.config.scheduler, self.config.speculative
+        settings = [f"prefix caching {'on' if cache.enable_prefix_caching else 'off'}"]
+        if cache.kv_offload_memory is not None:
+            settings.append(f"host KV tier {cache.kv_offload_memory:g} GiB")
+        if cache.kv_offload_dir is not None:
+            settings.append(f"disk KV tier {cache.kv_offload_dir} (up to {cache.disk_tier_bytes / 2**30:g} GiB)")
+        if spec.method is not None:
+            settings.append(f"{spec.method} speculation of up to {spec.num_speculative_tokens} tokens")
+        settings.append(f"steps of up to {sched.max_num_seqs} sequences and {sched.max_num_batched_tokens} tokens, "
+                        f"{sched.scheduling_policy} scheduling, preemption by {sched.preemption_mode}")
+        return settings
 
     def _start_workers(self, checkpoint: Checkpoint, size: int) -> WorkerGroup | None:
         """Ranks 1 .. size - 1 of tensor parallelism (none for one rank), local processes or Ray actors, each
@@ -227,7 +242,7 @@ class LLMEngine:
         if low < 2:
             raise ValueError(f"the KV cache ({kv.num_blocks_total} blocks of {kv.block_size} tokens) holds no request "
                              "of a prompt and a token: raise --kv-cache-memory or --num-kv-blocks")
-        logger.warning("kvserve: the KV cache (%d blocks of %d tokens) holds requests of at most %d tokens: "
+        logger.warning("the KV cache (%d blocks of %d tokens) holds requests of at most %d tokens: "
                        "max_model_len lowered from %d (raise --kv-cache-memory or --num-kv-blocks to keep it)",
                        kv.num_blocks_total, kv.block_size, low, self.max_model_len)
         self.max_model_len = low
@@ -242,7 +257,7 @@ class LLMEngine:
         reason = self._why_one_block_table(groups)
         if not groups.frees_blocks or reason is None:
             return groups
-        logger.info("kvserve: sliding-window layers keep all their KV blocks (one block table for every layer): %s",
+        logger.info("sliding-window layers keep all their KV blocks (one block table for every layer): %s",
                     reason)
         return KVCacheGroups.single(len(windows))
 

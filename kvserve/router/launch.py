@@ -21,13 +21,17 @@ import threading
 from typing import Callable
 
 import uvicorn
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp
 
 from kvserve.router.app import Router, RouterApp
 from kvserve.router.child_process import die_with_parent
 from kvserve.router.policy import POLICIES, make_policy
 from kvserve.extras import require_ray
+from kvserve.logs import add_log_arguments, configure_logging, uvicorn_logging
 from kvserve.router.ray_replicas import RayReplicas
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
+from kvserve.server.cors import CorsPolicy, add_cors_arguments
 from kvserve.server.sockets import MAX_PORT, http_url, listening_socket, raise_open_file_limit
 from kvserve.server.state import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, api_key
 
@@ -60,6 +64,8 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                              "default: $KVSERVE_API_KEY, else no key)")
     add_policy_argument(parser)
     add_upstream_timeout_argument(parser)
+    add_log_arguments(parser, access_log=False)
+    add_cors_arguments(parser)
 
 
 def add_policy_argument(parser: argparse.ArgumentParser) -> None:
@@ -94,8 +100,8 @@ def build_router(urls: list[str], args: argparse.Namespace) -> Router:
 
 
 def run_router(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    _run(build_router(args.worker, args), listening_socket(args.host, args.port), args.routing_policy)
+    configure_logging(args.log_level)
+    _run(build_router(args.worker, args), listening_socket(args.host, args.port), args)
     return 0
 
 
@@ -115,16 +121,23 @@ class RouterServer(uvicorn.Server):
         return self.stopped_by_check
 
 
-def _run(router: Router, sock: socket.socket, policy: str, should_stop: Callable[[], bool] = lambda: False) -> bool:
-    """Serve ``router`` on ``sock`` until a signal, or until ``should_stop()``: True in that case."""
+def _run(router: Router, sock: socket.socket, args: argparse.Namespace,
+         should_stop: Callable[[], bool] = lambda: False) -> bool:
+    """Serve ``router`` on ``sock`` until a signal, or until ``should_stop()``: True in that case. ``args``: the
+    routing policy, the log level and the CORS policy."""
     host, port = sock.getsockname()[:2]
     raise_open_file_limit()
     logger.info("kvserve router on %s -> %s (%s)", http_url(host, port), ", ".join(r.url for r in router.replicas),
-                policy)
-    server = RouterServer(uvicorn.Config(RouterApp(router), log_level="warning", access_log=False),
-                          should_stop)
+                args.routing_policy)
+    app = router_app(router, CorsPolicy.from_cli_args(args))
+    server = RouterServer(uvicorn.Config(app, **uvicorn_logging(args.log_level, access_log=False)), should_stop)
     server.run(sockets=[sock])
     return server.stopped_by_check
+
+
+def router_app(router: Router, cors: CorsPolicy) -> ASGIApp:
+    """The router's ASGI app: ``RouterApp`` behind the CORS policy (a preflight answered before the API key)."""
+    return CORSMiddleware(RouterApp(router), **cors.middleware_options())
 
 
 def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -145,6 +158,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     """Start ``args.data_parallel_size`` replicas of ``kvserve serve`` (the same flags, ports after the router's)
     and run the router in front until it is stopped, or until every local replica has exited (none could load:
     1); then stop the replicas."""
+    configure_logging(args.log_level)
     size = args.data_parallel_size
     if args.port + size > MAX_PORT:
         raise ValueError(f"--data-parallel-size {size} replicas need the ports after --port {args.port}: "
@@ -165,7 +179,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
     # are stopped below instead of being left running by a process killed on the spot
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        replicas_gone = _run(router, sock, args.routing_policy, should_stop=lambda: exit_codes() is not None)
+        replicas_gone = _run(router, sock, args, should_stop=lambda: exit_codes() is not None)
     finally:
         replicas.stop()
         for sig, handler in previous.items():

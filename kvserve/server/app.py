@@ -13,6 +13,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -68,6 +69,8 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     _add_generation_routes(app, state)
     _add_token_routes(app, state)
     app.add_middleware(RequestGuard, state=state)
+    # added last, so outermost: a preflight is answered before the guard
+    app.add_middleware(CORSMiddleware, **state.settings.cors.middleware_options())
     return app
 
 

@@ -28,11 +28,13 @@ from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
 from kvserve.engine_args import EngineArgs
+from kvserve.logs import configure_logging, uvicorn_logging
 from kvserve.server.app import build_app
+from kvserve.server.cors import CorsPolicy
 from kvserve.server.sockets import http_url, listening_socket, raise_open_file_limit
 from kvserve.server.state import ServerSettings, ServerState, api_key
 
-logger = logging.getLogger("kvserve.server")
+logger = logging.getLogger(__name__)
 
 DRAIN_POLL_SECONDS = 0.05
 CONNECTION_CLOSE_SECONDS = 5.0  # after the drain: how long uvicorn waits for responses still being written
@@ -57,21 +59,22 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
+        cors=CorsPolicy.from_cli_args(args),
     )
 
 
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM / SIGINT; 0 after a clean drain, 1 if the model failed to load."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     config = engine_config(args)
     state = ServerState(server_settings(args))
     sock = listening_socket(args.host, args.port)
     raise_open_file_limit()
     url = http_url(*sock.getsockname()[:2])
-    print(f"kvserve: loading {args.model}; listening on {url} (/health answers 503 until it is loaded)", flush=True)
+    logger.info("loading %s; listening on %s (/health answers 503 until it is loaded)", args.model, url)
     server = DrainingServer(state, uvicorn.Config(
-        build_app(state, _lifespan(state, config, url)), log_level=args.log_level,
-        timeout_graceful_shutdown=CONNECTION_CLOSE_SECONDS,
+        build_app(state, _lifespan(state, config, url)), timeout_graceful_shutdown=CONNECTION_CLOSE_SECONDS,
+        **uvicorn_logging(args.log_level, access_log=not args.disable_uvicorn_access_log),
     ))
     server.run(sockets=[sock])
     if state.load_error is not None:
@@ -120,14 +123,8 @@ def load_engine(state: ServerState, config: EngineConfig, url: str) -> None:
             logger.exception("loading the model failed")
         state.load_error = e  # DrainingServer.on_tick sees it and stops
         return
-    names = ", ".join(state.settings.served_model_names)
-    print(
-        f"kvserve: serving {state.settings.model_root} as {names!r} at {url}/v1 on {engine.device} "
-        f"({str(engine.dtype).removeprefix('torch.')}): {stats['num_blocks_total']} KV blocks of "
-        f"{stats['block_size']} tokens, max_model_len {engine.max_model_len} "
-        f"(loaded in {time.monotonic() - started:.1f} s)",
-        flush=True,
-    )
+    logger.info("serving %s as %r at %s/v1, max_model_len %d (loaded in %.1f s)", state.settings.model_root,
+                ", ".join(state.settings.served_model_names), url, engine.max_model_len, time.monotonic() - started)
 
 
 class DrainingServer(uvicorn.Server):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Iterator
 
+from kvserve.server.cors import CorsPolicy
 from kvserve.server.errors import RETRY_LATER, APIError, shortened
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
     tool_call_parser: str = "auto"  # the format of the model's own tool calls (``tools.TOOL_CALL_PARSERS``)
+    cors: CorsPolicy = CorsPolicy()
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -5,12 +5,14 @@ for the error shape only)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvserve.cli import main
@@ -122,7 +124,9 @@ STARTS_REPLICAS_THAT_EXIT = """
 import argparse, sys
 from kvserve.router.launch import serve_data_parallel
 args = argparse.Namespace(data_parallel_size=2, data_parallel_backend="mp", port=int(sys.argv[1]), host="127.0.0.1",
-                          routing_policy="round_robin", max_body_bytes=4096, upstream_timeout=600.0, api_key=None)
+                          routing_policy="round_robin", max_body_bytes=4096, upstream_timeout=600.0, api_key=None,
+                          log_level="info", allowed_origins=["*"], allowed_methods=["*"], allowed_headers=["*"],
+                          allow_credentials=False)
 sys.exit(serve_data_parallel(args, ["router"]))  # each replica: `kvserve router` without --worker, which exits 2
 """
 
@@ -177,3 +181,36 @@ def test_the_api_key_reaches_the_replicas_in_their_environment_not_their_command
         "KVSERVE_API_KEY": "from-env"}
     monkeypatch.delenv("KVSERVE_API_KEY")
     assert replica_command(parser.parse_known_args(["serve", "m"])[0], ["serve", "m"])[1] == {}
+
+
+def test_the_router_takes_a_log_level_as_serve_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """It logged at INFO whatever was asked, and under `serve --data-parallel-size` not at all."""
+    with pytest.raises(SystemExit) as exited:
+        main(["router", "--worker", "http://127.0.0.1:9", "--log-level", "loud"])
+    assert exited.value.code == 2 and "--log-level: invalid choice: 'loud'" in capsys.readouterr().err
+
+
+def test_the_routers_cors_flags_are_vllms_and_a_preflight_needs_no_key() -> None:
+    from kvserve.router.app import Router
+    from kvserve.router.launch import router_app
+    from kvserve.router.policy import make_policy
+    from kvserve.server.cors import CorsPolicy
+
+    parser = argparse.ArgumentParser()
+    add_router_arguments(parser)
+    args = parser.parse_args(["--worker", "http://127.0.0.1:9", "--allowed-origins", '["https://chat.example"]'])
+    policy = CorsPolicy.from_cli_args(args)
+    assert policy == CorsPolicy(allowed_origins=("https://chat.example",))
+    router = Router(["http://127.0.0.1:9"], make_policy("round_robin"), api_key="sesame")
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(router_app(router, policy)), base_url="http://r")
+    preflight = asyncio.run(client.options("/v1/completions", headers={
+        "Origin": "https://chat.example", "Access-Control-Request-Method": "POST"}))
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://chat.example"
+
+
+@pytest.mark.parametrize("value", ["*", '{"a": 1}', "[1]"])
+def test_a_cors_list_that_is_no_json_array_of_strings_is_a_usage_error(value: str,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["router", "--worker", "http://127.0.0.1:9", "--allowed-origins", value])
+    assert exited.value.code == 2 and "--allowed-origins: " in capsys.readouterr().err

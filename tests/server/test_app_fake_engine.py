@@ -469,3 +469,39 @@ def test_an_empty_model_name_is_the_served_model_as_in_vllm(srv: InProcessServer
     assert httpx.post(f"{srv.url}/tokenize", json={"model": "", "prompt": "a"}).status_code == 200
     listed = httpx.get(f"{srv.url}/v1/models/").json()
     assert listed["object"] == "list" and [card["id"] for card in listed["data"]] == [MODEL]
+
+
+PREFLIGHT = {"Origin": "https://chat.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "content-type,authorization"}
+
+
+def test_a_browsers_preflight_is_answered_before_the_api_key_as_vllm_allows_any_origin() -> None:
+    """A web page's client got 405 for its preflight (401 with --api-key, which a preflight never carries)."""
+    server = InProcessServer(api_key="sesame")
+    try:
+        preflight = httpx.options(f"{server.url}/v1/chat/completions", headers=PREFLIGHT)
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+        assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+        keyed = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 1},
+                           headers={"Origin": "https://chat.example", "Authorization": "Bearer sesame"})
+        assert keyed.status_code == 200 and keyed.headers["access-control-allow-origin"] == "*"
+        assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "a"},
+                          headers={"Origin": "https://chat.example"}).status_code == 401
+    finally:
+        server.stop()
+
+
+def test_allowed_origins_hold_other_pages_off() -> None:
+    from kvserve.server.cors import CorsPolicy
+
+    server = InProcessServer(cors=CorsPolicy(allowed_origins=("https://chat.example",)))
+    try:
+        allowed = httpx.options(f"{server.url}/v1/completions", headers=PREFLIGHT)
+        assert allowed.headers["access-control-allow-origin"] == "https://chat.example"
+        other = {**PREFLIGHT, "Origin": "https://evil.example"}
+        assert httpx.options(f"{server.url}/v1/completions", headers=other).status_code == 400
+        answer = httpx.post(f"{server.url}/v1/completions", json={"prompt": "a", "max_tokens": 1},
+                            headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in answer.headers  # the browser withholds it from the page
+    finally:
+        server.stop()

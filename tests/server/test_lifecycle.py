@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -40,9 +41,14 @@ def wait_for(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_the_startup_line_says_what_is_served_where_and_how_many_blocks(server: ServerProcess) -> None:
-    line = next(line for line in server.log().splitlines() if line.startswith("kvserve: serving"))
-    assert repr(MODEL_NAME) in line and f"{server.url}/v1" in line and f"{NUM_KV_BLOCKS} KV blocks" in line
+def test_the_startup_lines_say_what_is_served_where_and_how_many_blocks(server: ServerProcess) -> None:
+    """Logged, with the time and the process (a deployment's replicas share a stream), at --log-level."""
+    lines = server.log().splitlines()
+    served = next(line for line in lines if "kvserve.server.launch[" in line and ": serving " in line)
+    assert repr(MODEL_NAME) in served and f"{server.url}/v1" in served and re.match(r"\d{4}-\d\d-\d\d ", served)
+    engine = next(line for line in lines if "kvserve.engine.llm_engine[" in line and " KV blocks of " in line)
+    assert f"{NUM_KV_BLOCKS} KV blocks" in engine
+    assert any("attention " in line and "prefix caching on" in line for line in lines)
 
 
 def test_a_bad_flag_is_a_clear_startup_error(start_server) -> None:
@@ -53,8 +59,18 @@ def test_a_bad_flag_is_a_clear_startup_error(start_server) -> None:
 
 @pytest.fixture(scope="module")
 def guarded(start_server) -> ServerProcess:
-    """One sequence at a time, no waiting beyond one request, and an API key."""
-    return start_server("--api-key", "sesame", "--max-num-seqs", "1", "--max-waiting", "0")
+    """One sequence at a time, no waiting beyond one request, an API key, and no access log."""
+    return start_server("--api-key", "sesame", "--max-num-seqs", "1", "--max-waiting", "0",
+                        "--disable-uvicorn-access-log")
+
+
+def test_the_access_log_is_on_by_default_and_off_alone(server: ServerProcess, guarded: ServerProcess) -> None:
+    """A router polls each replica's /health and /metrics every second; --log-level warning hid kvserve's own
+    INFO lines with them."""
+    for each in (server, guarded):
+        assert httpx.get(f"{each.url}/health").status_code == 200
+    assert '"GET /health HTTP/1.1" 200' in server.log()
+    assert '"GET /health' not in guarded.log() and ": serving " in guarded.log()
 
 
 def test_the_api_key_is_required_when_set(guarded: ServerProcess) -> None:

@@ -1,0 +1,34 @@
+"""How kvserve's processes log: one format for kvserve's loggers and uvicorn's (its access log included), with
+the time, and the process id, since a deployment's replicas write to one stream; at the level ``--log-level`` sets.
+
+Imports nothing but the standard library: ``kvserve serve --help`` and the router define their flags from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+
+
+def add_log_arguments(parser: argparse.ArgumentParser, access_log: bool = True) -> None:
+    """``--log-level``, and with ``access_log`` vLLM's ``--disable-uvicorn-access-log`` (a router polls each
+    replica's /health and /metrics every second: two access lines a second with no traffic)."""
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                        help="kvserve's and uvicorn's logs (default: %(default)s)")
+    if access_log:
+        parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                            help="no line for each HTTP request (kvserve's own INFO lines stay)")
+
+
+def configure_logging(level: str) -> None:
+    """kvserve's loggers, and uvicorn's (``uvicorn_logging`` leaves them to propagate here), at ``level``."""
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
+def uvicorn_logging(level: str, access_log: bool = True) -> dict[str, Any]:
+    """``uvicorn.Config``'s logging options: its loggers configured by ``configure_logging``, not its own."""
+    return {"log_config": None, "log_level": level, "access_log": access_log}
