@@ -20,8 +20,9 @@ replicas run, closes an idle one). A replica can still close one the router has 
 it was stopped long enough for its keep-alive timer to run out): a reused connection that ends before a byte
 of the answer came is taken for that, and the request goes again on a new connection, as HTTP clients do with
 stale keep-alive connections (if that connect fails, ``ConnectFailed``: the router tries another replica). A new
-connection that ends so is ``ConnectFailed`` too if the replica then refuses connections (killed with the request
-in its socket, it runs nothing), else ``UpstreamLost`` (it lives, and may have run the request).
+connection that ends so is ``ConnectFailed`` too if the replica then refuses connections (it died: whatever it
+had begun of the request died with it, and a generation has no effect but its answer, so the request may go
+again elsewhere), else ``UpstreamLost`` (it lives, and may be running the request).
 
 A replica that goes silent (stopped, deadlocked, swapping) is given up on after ``response_timeout`` seconds:
 the longest wait for the head of its answer (a non-streamed answer's head comes when its generation is done,
@@ -118,8 +119,8 @@ class Upstream:
 
         A connection that ends before any byte of the answer: a reused one (the replica closed it unread) is
         replaced by a new one and the request sent again; on a new one, ``ConnectFailed`` if the replica now
-        refuses connections (it died, so it runs nothing: the request may go elsewhere), else ``UpstreamLost``
-        (it lives and may have run the request)."""
+        refuses connections (it died, and with it whatever it had begun: the request may go elsewhere), else
+        ``UpstreamLost`` (it lives and may be running the request)."""
         message = _request_message(method, origin, path, body, headers)
         is_head = method == b"HEAD"
         reused = self._take(origin)
