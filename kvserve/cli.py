@@ -16,6 +16,8 @@ import sys
 from kvserve import __version__
 from kvserve.router.launch import ROUTER_HELP  # light: the router imports no engine code
 
+DEFAULT_CHECKPOINT_SIZE = "tiny"
+INTERRUPTED = 128 + 2  # a shell's exit status for SIGINT
 DESCRIPTION = "kvserve: an LLM inference and serving engine that treats the KV cache as the first-class resource."
 
 
@@ -42,6 +44,8 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
     if args.config_only != (args.shape is not None) or args.config_only == (args.arch is not None):
         raise ValueError("make-checkpoint takes --arch (a random checkpoint), or --config-only with --shape")
+    if args.config_only and (args.size, args.seed) != (DEFAULT_CHECKPOINT_SIZE, 0):
+        raise ValueError("--size and --seed go with --arch: --config-only writes no weights")
     if args.config_only:
         print(make_config_only(args.out_dir, args.shape))
     else:
@@ -66,8 +70,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.router.launch import check_data_parallel_flags
     from kvserve.server.launch import serve
 
+    check_data_parallel_flags(args)
     if args.data_parallel_size == 1:
         return serve(args)
     from kvserve.router.launch import serve_data_parallel
@@ -124,7 +130,7 @@ def _make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("out_dir")
     parser.add_argument("--arch", choices=ARCHITECTURES, help="a seeded random checkpoint of this family")
-    parser.add_argument("--size", choices=SIZES, default="tiny", help="default: %(default)s")
+    parser.add_argument("--size", choices=SIZES, default=DEFAULT_CHECKPOINT_SIZE, help="default: %(default)s")
     parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     parser.add_argument("--config-only", action="store_true",
                         help="write a published model's config and no weights (run it with --load-format dummy)")
@@ -184,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError, ImportError) as e:  # ImportError: an extra not installed
         print(f"kvserve: error: {_describe(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was under way is cleaned up on the way out (``serve`` drains instead)
+        print("kvserve: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def _describe(error: Exception) -> str:

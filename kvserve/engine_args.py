@@ -110,9 +110,9 @@ class EngineArgs:
                                     "pinned host memory and stream to the GPU as each layer runs, the next "
                                     "layer's copy overlapping this one's compute (CUDA; for models larger than "
                                     "the GPU; ignored, with a note, where the weights fit)", float)
-    max_model_len: int | None = _option(None, "context length (default: the model's own; lowered, with a warning, "
-                                        "to the longest request the KV cache holds where it holds none this long)",
-                                        int)
+    max_model_len: int | None = _option(None, "context length (default: the model's own); given or not, it is "
+                                        "lowered, with a warning, to the longest request the KV cache holds where "
+                                        "it holds none this long", int)
     seed: int = _option(ModelConfig.seed, "seeds the sampling of requests that bring no seed of their own", int)
     device: str = _option(EngineConfig.device, "where the model runs ('auto': CUDA when there is one)", str, DEVICES)
     block_size: int = _option(CacheConfig.block_size, "tokens per KV block (a power of two)", int)

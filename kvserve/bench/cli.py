@@ -12,7 +12,7 @@ from kvserve.bench import report
 def add_arguments(bench: argparse.ArgumentParser, command: str | None = None) -> None:
     """Add the ``bench`` commands to ``kvserve bench``'s parser, with the flags of ``command`` only (of every one
     when None, of none when it names no command, as in ``kvserve bench --help``)."""
-    commands = bench.add_subparsers(dest="bench_command", required=True)
+    commands = bench.add_subparsers(dest="bench_command", required=True, metavar="COMMAND")
     for name, (help_text, define_arguments) in COMMANDS.items():
         parser = commands.add_parser(name, help=help_text)
         if command in (None, name):

@@ -214,7 +214,7 @@ def _distinct_name(path: Path, others: list[Path]) -> str:
 def _columns(path: Path) -> list[tuple[str, dict[str, Any]]]:
     try:
         document = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not a result JSON: {e}") from None
     if not isinstance(document, dict) or "kind" not in document:
         raise ValueError(f"{path} is not a kvserve result JSON (no 'kind')")

@@ -23,6 +23,7 @@ Norms, rotary, activations and embedding lookups are left out: they are a roundi
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -195,8 +196,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"a packaged model name, a Hugging Face directory or a GGUF file "
                              f"(default {DEFAULT_MODEL})")
     add_probe_arguments(parser)
-    parser.add_argument("--dtypes", default="float32,bfloat16",
-                        help="weight dtypes to measure GEMMs in and bound, comma-separated")
+    parser.add_argument("--dtypes", default="auto",
+                        help="weight dtypes to measure GEMMs in and bound, comma-separated (default: auto, the "
+                             "device's run dtype: float32 on CPU, bfloat16 on CUDA; a CPU without native bf16 "
+                             "takes minutes for bfloat16's probes)")
     parser.add_argument("--copy-mib", type=int, default=256, help="size of the tensor copied to measure bandwidth")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--label", default=None, help="a name for this run in tables and compare")
@@ -254,6 +257,7 @@ def measure_roofline(size: ModelSize, device: torch.device, dtypes: list[torch.d
     gemm, bounds = {}, {}
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
+        print(f"measuring {name} GEMMs ...", file=sys.stderr, flush=True)  # a slow dtype is not silence
         gemm[name] = measure_gemm_peak(size, dtype, device, gemm_size(args, device), args.gemm_tokens,
                                        args.num_repeats)
         bounds[name] = token_bounds(size, copy_bytes_per_s, gemm[name]["peak_flops_per_s"], dtype)

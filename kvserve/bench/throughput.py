@@ -48,6 +48,8 @@ from kvserve.model.sources import resolve_model
 
 BACKENDS = ("kvserve", "hf")
 WARMUP_OUTPUT_LEN = 4
+HF_BATCH_SIZE = 8  # --hf-batch-size's default
+PROFILE_EVERY = 10  # --profile-every's default
 
 
 @dataclass(frozen=True)
@@ -87,9 +89,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="kvserve", help=f"comma-separated, of {', '.join(BACKENDS)}")
     parser.add_argument("--hf-mode", default=",".join(HF_MODES),
                         help=f"transformers modes for --backend hf, comma-separated, of {', '.join(HF_MODES)}")
-    parser.add_argument("--hf-batch-size", type=int, default=8, help="batch size of --hf-mode static")
+    parser.add_argument("--hf-batch-size", type=int, default=HF_BATCH_SIZE,
+                        help="batch size of --hf-mode static (default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="also profile kvserve's engine steps")
-    parser.add_argument("--profile-every", type=int, default=10, help="profile one engine step in this many (>= 2)")
+    parser.add_argument("--profile-every", type=int, default=PROFILE_EVERY,
+                        help="profile one engine step in this many (>= 2; default: %(default)s)")
     parser.add_argument("--step-trace", action="store_true",
                         help="time each kvserve step as its tokens come back and fit the times to the steps' shapes")
     parser.add_argument("--label", default=None, help="a name for this run in tables and compare")
@@ -107,7 +111,23 @@ def selected_systems(args: argparse.Namespace) -> list[tuple[str, str | None]]:
         raise ValueError(f"--profile-every must be >= 2, got {args.profile_every}")
     if args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
+    _refuse_ignored(args, backends)
     return [(backend, mode) for backend in backends for mode in ([None] if backend == "kvserve" else modes)]
+
+
+def _refuse_ignored(args: argparse.Namespace, backends: list[str]) -> None:
+    """ValueError naming a flag the chosen systems would ignore: a run would read as what it did not measure."""
+    ignored = {
+        "--hf-mode": "hf" not in backends and args.hf_mode != ",".join(HF_MODES),
+        "--hf-batch-size": "hf" not in backends and args.hf_batch_size != HF_BATCH_SIZE,
+        "--profile-every": not args.profile and args.profile_every != PROFILE_EVERY,
+        "--profile": "kvserve" not in backends and args.profile,
+        "--step-trace": "kvserve" not in backends and args.step_trace,
+    }
+    given = [flag for flag, is_ignored in ignored.items() if is_ignored]
+    if given:
+        raise ValueError(f"{', '.join(given)}: ignored by this run (--hf-* need --backend hf, --profile and "
+                         "--step-trace --backend kvserve, --profile-every --profile)")
 
 
 def _split(value: str, allowed: Sequence[str], flag: str) -> list[str]:

@@ -79,8 +79,9 @@ class InputProcessor:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         template = _checked_template(chat_template) if chat_template is not None else self.chat_template(tools)
         if template is None:
-            raise ValueError("this model has no chat template: send it a plain prompt (/v1/completions, or "
-                             "LLM.generate)")
+            raise ValueError("this model has no chat template: send it a plain prompt (/v1/completions, "
+                             "LLM.generate, `kvserve generate` without --chat), or give it one (--chat-template, "
+                             "chat_template=)")
         keep_parts, developer_is_system = iterates_content(template), "developer" not in template
         conversation, template_tools = for_template(
             [template_message(m, i, keep_parts, developer_is_system) for i, m in enumerate(messages)], tools,

@@ -101,6 +101,10 @@ def make_config_only(out_dir: str | Path, shape: str) -> Path:
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {', '.join(SHAPES)}")
     out_dir = _made_dir(out_dir)
+    weights = sorted(path.name for path in out_dir.glob("*.safetensors"))
+    if weights:
+        raise ValueError(f"{out_dir} holds weights ({', '.join(weights)}): a config written beside them would load "
+                         "as a broken model; choose an empty directory")
     config_class, fields = SHAPES[shape]
     tokenizer = _train_tokenizer(_SIZES["tiny"].vocab_size, pad_to=fields["vocab_size"])
     special_ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,

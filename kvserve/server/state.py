@@ -46,7 +46,7 @@ class ServerSettings:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        if self.shutdown_timeout < 0:
+        if not self.shutdown_timeout >= 0:  # NaN too: it drained nothing
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
     @property

@@ -96,6 +96,10 @@ def test_compare_names_a_file_that_is_not_a_result(tmp_path: Path) -> None:
     bad.write_text("not json")
     with pytest.raises(ValueError, match="bad.json is not a result JSON"):
         compare_table([bad])
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe")  # not UTF-8: the error named no file
+    with pytest.raises(ValueError, match="binary.json is not a result JSON"):
+        compare_table([bad.with_name("binary.json")])
 
 
 def test_sweep_table_has_a_row_per_rate() -> None:

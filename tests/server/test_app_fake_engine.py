@@ -505,3 +505,10 @@ def test_allowed_origins_hold_other_pages_off() -> None:
         assert "access-control-allow-origin" not in answer.headers  # the browser withholds it from the page
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), -1.0])
+def test_a_shutdown_timeout_is_a_number_of_seconds_not_below_zero(seconds: float) -> None:
+    """NaN passed the check and drained nothing: every request was aborted at SIGTERM."""
+    with pytest.raises(ValueError, match="shutdown_timeout must be >= 0"):
+        ServerSettings((MODEL,), "fake-root", shutdown_timeout=seconds)
