@@ -75,42 +75,46 @@ class SampleRequest:
 def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     """The workload flags, shared by ``kvserve bench serve`` and ``kvserve bench throughput``."""
     group = parser.add_argument_group("workload")
-    group.add_argument("--dataset-name", choices=DATASETS, default="random")
+    group.add_argument("--dataset-name", choices=DATASETS, default="random", help="default: %(default)s")
     group.add_argument("--dataset-path", type=Path, default=DEFAULTS["dataset_path"],
-                       help=f"sharegpt: a ShareGPT-format JSON file (a small synthetic one: {SHAREGPT_SAMPLE})")
+                       help=f"sharegpt: a ShareGPT-format JSON file (default: a small synthetic one, "
+                       f"{SHAREGPT_SAMPLE})")
     group.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"],
-                       help="requests (random, sharegpt, long, grounded)")
-    group.add_argument("--seed", type=int, default=0)
+                       help="requests (random, sharegpt, long, grounded) (default: %(default)s)")
+    group.add_argument("--seed", type=int, default=0, help="default: %(default)s")
     group.add_argument("--random-input-len", type=int, default=DEFAULTS["random_input_len"],
                        help="random: prompt tokens (the centre of a range with --random-range-ratio); grounded: "
-                       "tokens of each document")
+                       "tokens of each document (default: %(default)s)")
     group.add_argument("--random-output-len", type=int, default=DEFAULTS["random_output_len"],
                        help="output tokens of every request of prefix, multiturn and long; of random and grounded, "
-                       "the centre of a range with a range ratio")
+                       "the centre of a range with a range ratio (default: %(default)s)")
     group.add_argument("--random-range-ratio", type=float, default=DEFAULTS["random_range_ratio"],
                        help="random: lengths uniform in [len * (1 - r), len * (1 + r)], 0 <= r < 1 (vLLM's meaning); "
-                       "grounded: its output lengths'")
+                       "grounded: its output lengths' (default: %(default)s)")
     group.add_argument("--random-output-range-ratio", type=float, default=DEFAULTS["random_output_range_ratio"],
                        help="random, grounded: the output lengths' r, where it differs from the prompts' (0: exact "
-                       "lengths)")
+                       "lengths; default: the prompts')")
     group.add_argument("--sharegpt-output-len", type=int, default=DEFAULTS["sharegpt_output_len"],
-                       help="sharegpt: this output length for every request instead of the reply's")
-    group.add_argument("--prefix-num-groups", type=int, default=DEFAULTS["prefix_num_groups"], help="prefix: groups")
+                       help="sharegpt: this output length for every request (default: each reply's)")
+    group.add_argument("--prefix-num-groups", type=int, default=DEFAULTS["prefix_num_groups"],
+                       help="prefix: groups (default: %(default)s)")
     group.add_argument("--prefix-group-size", type=int, default=DEFAULTS["prefix_group_size"],
-                       help="prefix: requests per group")
+                       help="prefix: requests per group (default: %(default)s)")
     group.add_argument("--prefix-len", type=int, default=DEFAULTS["prefix_len"],
-                       help="prefix: tokens of each group's shared prompt")
+                       help="prefix: tokens of each group's shared prompt (default: %(default)s)")
     group.add_argument("--suffix-len", type=int, default=DEFAULTS["suffix_len"],
-                       help="prefix: tokens of each request's own suffix")
+                       help="prefix: tokens of each request's own suffix (default: %(default)s)")
     group.add_argument("--prefix-order", choices=("grouped", "shuffled"), default=DEFAULTS["prefix_order"],
-                       help="prefix: a group's requests together, or all requests in a seeded random order")
+                       help="prefix: a group's requests together, or all requests in a seeded random order "
+                       "(default: %(default)s)")
     group.add_argument("--num-conversations", type=int, default=DEFAULTS["num_conversations"],
-                       help="multiturn: conversations")
-    group.add_argument("--num-turns", type=int, default=DEFAULTS["num_turns"], help="multiturn: turns of each")
+                       help="multiturn: conversations (default: %(default)s)")
+    group.add_argument("--num-turns", type=int, default=DEFAULTS["num_turns"],
+                       help="multiturn: turns of each (default: %(default)s)")
     group.add_argument("--first-turn-len", type=int, default=DEFAULTS["first_turn_len"],
-                       help="multiturn: tokens of the first message")
+                       help="multiturn: tokens of the first message (default: %(default)s)")
     group.add_argument("--turn-len", type=int, default=DEFAULTS["turn_len"],
-                       help="multiturn: tokens of each later message")
+                       help="multiturn: tokens of each later message (default: %(default)s)")
     group.add_argument("--long-prompt-len", type=int, default=DEFAULTS["long_prompt_len"],
                        help="long: prompt tokens (default: the context limit minus --random-output-len)")
 

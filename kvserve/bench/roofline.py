@@ -200,7 +200,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weight dtypes to measure GEMMs in and bound, comma-separated (default: auto, the "
                              "device's run dtype: float32 on CPU, bfloat16 on CUDA; a CPU without native bf16 "
                              "takes minutes for bfloat16's probes)")
-    parser.add_argument("--copy-mib", type=int, default=256, help="size of the tensor copied to measure bandwidth")
+    parser.add_argument("--copy-mib", type=int, default=256,
+                        help="size of the tensor copied to measure bandwidth (default: %(default)s)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--label", default=None, help="a name for this run in tables and compare")
     parser.add_argument("--result-json", default=None)
@@ -211,8 +212,9 @@ def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemm-size", type=int, default=None,
                         help="side of the square GEMM probe (default 2048 on CPU, 8192 on CUDA)")
     parser.add_argument("--gemm-tokens", type=int, default=512,
-                        help="tokens per step in the probe of the model's own GEMM shapes")
-    parser.add_argument("--num-repeats", type=int, default=5, help="timed repeats per probe (the best counts)")
+                        help="tokens per step in the probe of the model's own GEMM shapes (default: %(default)s)")
+    parser.add_argument("--num-repeats", type=int, default=5,
+                        help="timed repeats per probe, the best counting (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 

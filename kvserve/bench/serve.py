@@ -307,29 +307,32 @@ async def server_context_len(target: Target) -> int | None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (default: %(default)s)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help="the model name the server answers to")
     parser.add_argument("--tokenizer", default=None,
                         help="the model whose tokenizer builds the prompts, resolved as kvserve resolves a model "
                              "(default: --model)")
     parser.add_argument("--backend", choices=BACKENDS, default="kvserve",
                         help="which extras make output lengths exact: kvserve/vllm (ignore_eos, min_tokens), "
-                             "llamacpp (ignore_eos, n_predict), openai (none, lengths unchecked)")
+                             "llamacpp (ignore_eos, n_predict), openai (none, lengths unchecked; default: "
+                             "%(default)s)")
     parser.add_argument("--endpoint", choices=(COMPLETIONS, CHAT), default=COMPLETIONS,
-                        help="multiturn always uses the chat endpoint")
+                        help="multiturn always uses the chat endpoint (default: %(default)s)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--label", default=None, help="this run's name in tables, plots and compare")
     parser.add_argument("--request-rate", default="inf",
                         help="Poisson arrivals per second (multiturn: conversations), or inf (all at once); a "
                              "comma-separated list sweeps, "
                              "each rate after the first with fresh prompts (seed + index) so that nothing an "
-                             "earlier rate left in the server's cache helps it")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+                             "earlier rate left in the server's cache helps it (default: %(default)s)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="requests in flight at most (default: no limit)")
     parser.add_argument("--warmup", "--num-warmups", dest="num_warmups", type=int, default=2,
-                        help="short requests sent before timing")
+                        help="short requests sent before timing (default: %(default)s)")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                         help="SLOs for goodput, any of ttft, tpot, e2e in ms, e.g. ttft:500 tpot:100")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a request counts as failed")
+    parser.add_argument("--timeout", type=float, default=3600.0,
+                        help="seconds before a request counts as failed (default: %(default)g)")
     parser.add_argument("--result-json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write latency (and sweep) PNGs")
     add_dataset_arguments(parser)

@@ -86,9 +86,11 @@ class SystemResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="kvserve", help=f"comma-separated, of {', '.join(BACKENDS)}")
+    parser.add_argument("--backend", default="kvserve",
+                        help=f"comma-separated, of {', '.join(BACKENDS)} (default: %(default)s)")
     parser.add_argument("--hf-mode", default=",".join(HF_MODES),
-                        help=f"transformers modes for --backend hf, comma-separated, of {', '.join(HF_MODES)}")
+                        help=f"transformers modes for --backend hf, comma-separated, of {', '.join(HF_MODES)} "
+                             "(default: all)")
     parser.add_argument("--hf-batch-size", type=int, default=HF_BATCH_SIZE,
                         help="batch size of --hf-mode static (default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="also profile kvserve's engine steps")
