@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Sequence
 
 import torch
 
-from kvserve.sample.json_schema import check_enforceable
+from kvserve.sample.json_schema import check_enforceable, with_json_string_characters
 from kvserve.sample.metadata import SamplingRow
 from kvserve.sample.processor import LogitsProcessor
 from kvserve.sample.token_mask import apply_token_mask
@@ -80,6 +80,17 @@ def _checked_text(spec: StructuredOutputsParams, text: str) -> str:
     return text
 
 
+def _json_schema_grammar(schema: str) -> xgrammar.Grammar:
+    """xgrammar's grammar of a JSON schema (compact: no whitespace beyond one after ':' and ','), its length-bounded
+    strings' characters written as JSON's (``with_json_string_characters``)."""
+    import xgrammar
+
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    ebnf = str(grammar)
+    fixed = with_json_string_characters(ebnf)
+    return grammar if fixed is ebnf else xgrammar.Grammar.from_ebnf(fixed)
+
+
 class StructuredOutputCompiler:
     """Compiles constraints for one tokenizer and a vocabulary of ``vocab_size`` (the logits' width)."""
 
@@ -104,7 +115,7 @@ class StructuredOutputCompiler:
         compiler = self._get_compiler()
         kind, text = key
         try:
-            compiled = (compiler.compile_json_schema(text, any_whitespace=False) if kind == "json"
+            compiled = (compiler.compile_grammar(_json_schema_grammar(text)) if kind == "json"
                         else compiler.compile_regex(text) if kind == "regex" else compiler.compile_grammar(text))
         except RuntimeError as error:  # xgrammar reports a bad schema, regex or grammar as a RuntimeError
             raise ValueError(f"structured output: the {spec.kind} does not compile: {_xgrammar_message(error)}") \

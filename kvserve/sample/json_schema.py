@@ -5,20 +5,27 @@ Measured on xgrammar 0.2.9, a document counting as admitted where the matcher ta
 ``allOf``, ``not``, ``if`` / ``then`` / ``else``, ``uniqueItems``, ``contains`` (beside ``items``),
 ``dependentRequired`` and ``dependentSchemas`` compile but are not enforced (``[1, 1]`` passes ``uniqueItems``,
 ``0`` passes ``not: {const: 0}``), nor is a fractional ``multipleOf`` (0.3 passes ``multipleOf: 0.5``; an
-integer's is enforced, as are the exclusive bounds); ``minLength`` / ``maxLength`` beside ``pattern`` or
-``format``, and any constraint beside ``enum`` or ``const``, are dropped (``"abcdef"`` passes ``pattern: ^[a-z]+$``
-with ``maxLength: 3``); a ``$ref`` outside the schema is taken as any value; a
-``required`` key that ``properties`` does not list can never be written (objects admit only listed keys unless
+integer's is enforced, as are the exclusive bounds); ``minLength`` / ``maxLength`` or ``pattern`` beside
+``format``, lengths beside ``pattern``, and any constraint or ``type`` beside ``enum`` or ``const``, are dropped
+(``"abcdef"`` passes ``pattern: ^[a-z]+$`` with ``maxLength: 3``), as is every assertion beside ``$ref``,
+``anyOf`` or ``oneOf`` (``5`` passes a ``$ref`` with ``minimum: 1000``); ``oneOf`` is compiled as ``anyOf`` (a
+document matching two branches passes), which holds only where its branches cannot both match (distinct types,
+or pydantic's discriminated unions: a distinct ``const`` of one required property); a lookaround in a ``pattern``
+is dropped (a ``regex`` constraint's is refused by xgrammar); a ``$ref`` outside the schema, or to an anchor
+(``#name``), is taken as any value, and draft-07's ``dependencies`` is not enforced; a ``required`` key that
+``properties`` does not list can never be written (objects admit only listed keys unless
 ``additionalProperties`` says otherwise). vLLM's xgrammar backend refuses such schemas too.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 UNENFORCED_KEYWORDS = frozenset({
     "allOf", "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
-    "dependentRequired", "dependentSchemas",
+    "dependentRequired", "dependentSchemas", "dependencies",
 })
 # what a value must satisfy besides its type: the grammar writes any of an enum's or a const's values regardless
 _CONSTRAINTS = frozenset({
@@ -26,37 +33,43 @@ _CONSTRAINTS = frozenset({
     "multipleOf", "minItems", "maxItems", "items", "prefixItems", "minProperties", "maxProperties", "properties",
     "additionalProperties", "patternProperties", "propertyNames",
 })
+# what constrains a value beside a reference or a composition, which the grammar then drops (annotations such as
+# title, description, default are no assertions)
+_ASSERTIONS = _CONSTRAINTS | {"type", "required", "enum", "const", "$ref", "anyOf", "oneOf"}
+_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # (?= (?! (?<= (?<!, not escaped
 # keywords whose values are names or literals, not schemas: never walked into
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required", "title", "description"})
 # keywords whose values map names (of properties, of definitions) to schemas
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
 
 
-def check_enforceable(schema: Any, path: str = "#") -> None:
+def check_enforceable(schema: Any, path: str = "#", root: Any = None) -> None:
     """ValueError naming the keyword and where it stands (a JSON pointer such as ``#/properties/tags``) if the
-    grammar could not hold the output to ``schema``."""
+    grammar could not hold the output to ``schema`` (within ``root``, the whole schema, which references point
+    into)."""
+    root = schema if root is None else root
     if isinstance(schema, list):
         for i, item in enumerate(schema):
-            check_enforceable(item, f"{path}/{i}")
+            check_enforceable(item, f"{path}/{i}", root)
         return
     if not isinstance(schema, dict):
         return
     unenforced = ([repr(key) for key in sorted(UNENFORCED_KEYWORDS & schema.keys())] or _fractional_multiple(schema)
-                  or _beside(schema))
+                  or _beside(schema) or _lookaround(schema) or _overlapping_one_of(schema, root))
     if unenforced:
         raise ValueError(f"the JSON schema uses {unenforced[0]} at {path}, which structured output cannot "
                          "enforce")
     _check_required(schema, path)
     ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        raise ValueError(f"the JSON schema refers to {ref!r} at {path}: only references within the schema "
-                         "('#/...') are followed")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        raise ValueError(f"the JSON schema refers to {ref[:100]!r} at {path}: only references within the "
+                         "schema by JSON pointer ('#/...') are followed")
     for key, value in schema.items():
         if key in _NAMED_SCHEMAS and isinstance(value, dict):  # names of properties or definitions: not keywords
             for name, sub in value.items():
-                check_enforceable(sub, f"{path}/{key}/{name}")
+                check_enforceable(sub, f"{path}/{key}/{name}", root)
         elif key not in _DATA_KEYWORDS:
-            check_enforceable(value, f"{path}/{key}")
+            check_enforceable(value, f"{path}/{key}", root)
 
 
 def _fractional_multiple(schema: dict[str, Any]) -> list[str]:
@@ -68,13 +81,97 @@ def _fractional_multiple(schema: dict[str, Any]) -> list[str]:
 
 
 def _beside(schema: dict[str, Any]) -> list[str]:
-    """A keyword the grammar drops for another beside it: a string's lengths beside its ``pattern`` or
-    ``format``, and every constraint beside ``enum`` or ``const`` (whose values alone it writes)."""
+    """A keyword the grammar drops for another beside it: every assertion beside ``$ref``, ``anyOf`` or
+    ``oneOf``; every constraint, and a ``type`` some value breaks, beside ``enum`` or ``const`` (whose values
+    alone it writes); a string's lengths or ``pattern`` beside its ``format``, its lengths beside its
+    ``pattern``."""
+    for composition in ("$ref", "anyOf", "oneOf"):
+        if composition in schema:
+            dropped = sorted(_ASSERTIONS & schema.keys() - {composition})
+            return [f"{key!r} beside {composition!r}" for key in dropped][:1]
     for literal in ("enum", "const"):
         if literal in schema:
-            return [f"{key!r} beside {literal!r}" for key in sorted(_CONSTRAINTS & schema.keys())][:1]
-    shape = next((key for key in ("pattern", "format") if key in schema), None)
-    return [f"{key!r} beside {shape!r}" for key in ("minLength", "maxLength") if shape and key in schema][:1]
+            dropped = sorted(_CONSTRAINTS & schema.keys()) + (["type"] if _breaks_type(schema, literal) else [])
+            return [f"{key!r} beside {literal!r}" for key in dropped][:1]
+    shape = next((key for key in ("format", "pattern") if key in schema), None)
+    return [f"{key!r} beside {shape!r}" for key in ("pattern", "minLength", "maxLength")
+            if shape and key != shape and key in schema][:1]
+
+
+def _breaks_type(schema: dict[str, Any], literal: str) -> bool:
+    """Whether a value of ``enum`` or ``const`` is not of the schema's ``type`` (the grammar would write it)."""
+    if "type" not in schema:
+        return False
+    values = schema[literal] if literal == "enum" and isinstance(schema[literal], list) else [schema[literal]]
+    types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    return not all(any(_is_of_type(value, kind) for kind in types) for value in values)
+
+
+def _is_of_type(value: Any, kind: Any) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    kinds = {"string": str, "boolean": bool, "null": type(None), "array": list, "object": dict}
+    return kind in kinds and isinstance(value, kinds[kind])
+
+
+def _lookaround(schema: dict[str, Any]) -> list[str]:
+    """A ``pattern`` with a lookahead or lookbehind, which the grammar drops (and refuses in a ``regex``)."""
+    pattern = schema.get("pattern")
+    return ["a lookaround in 'pattern'"] if isinstance(pattern, str) and _LOOKAROUND.search(pattern) else []
+
+
+def _overlapping_one_of(schema: dict[str, Any], root: Any) -> list[str]:
+    """["'oneOf'"] unless its branches cannot both match: each of its own single ``type``, or each with its own
+    ``const`` (or one-value ``enum``) of a property all of them require, as pydantic's discriminated unions (whose
+    branches are references into ``root``)."""
+    branches = schema.get("oneOf")
+    if not isinstance(branches, list) or len(branches) < 2:
+        return []
+    resolved = [_resolved(branch, root) for branch in branches]
+    if not all(isinstance(branch, dict) for branch in resolved):
+        return ["'oneOf'"]
+    types = [branch.get("type") for branch in resolved]
+    kinds = {"number" if kind == "integer" else kind for kind in types}  # an integer is a number
+    if all(isinstance(kind, str) for kind in types) and len(kinds) == len(types):
+        return []
+    return [] if _discriminated(resolved) else ["'oneOf' (its branches can match together)"]
+
+
+def _discriminated(branches: list[dict[str, Any]]) -> bool:
+    """Whether one property, required by every branch, has a distinct single literal in each."""
+    common = set.intersection(*(set(b.get("required") or []) for b in branches))
+    for name in sorted(common):
+        literals = [_literal((b.get("properties") or {}).get(name)) for b in branches]
+        if all(value is not _NONE for value in literals) and len({json.dumps(v, sort_keys=True) for v in literals}) \
+                == len(literals):
+            return True
+    return False
+
+
+_NONE = object()
+
+
+def _resolved(schema: Any, root: Any) -> Any:
+    """``schema``, or what its ``$ref`` points to in ``root`` (a JSON pointer, "~1" and "~0" unescaped); None
+    where it points nowhere (xgrammar then refuses the schema itself)."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return schema
+    target = root
+    for part in ref[2:].split("/") if ref.startswith("#/") else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        target = target.get(part) if isinstance(target, dict) else None
+    return target
+
+
+def _literal(schema: Any) -> Any:
+    if isinstance(schema, dict) and "const" in schema:
+        return schema["const"]
+    if isinstance(schema, dict) and isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
+        return schema["enum"][0]
+    return _NONE
 
 
 def _check_required(schema: dict[str, Any], path: str) -> None:
@@ -83,3 +180,20 @@ def _check_required(schema: dict[str, Any], path: str) -> None:
     if missing:
         raise ValueError(f"the JSON schema requires {', '.join(map(repr, missing))} at {path} without listing "
                          "it under properties: structured output writes only the properties listed")
+
+
+# xgrammar 0.2.9 writes the characters of a string with ``minLength`` / ``maxLength`` as ``[^"\\\r\n]``: raw
+# control characters admitted (the output is no JSON: pydantic's ``max_length`` met it) and no escape
+# (mlc-ai/xgrammar#800). ``with_json_string_characters`` rewrites such a rule as JSON's own string character: one
+# that is no control character, quote or backslash, or an escape (one character, as the bound counts it).
+_BOUNDED_STRING_CHARACTER = re.compile(r'^(\S+ ::= )\(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+_JSON_STRING_CHARACTER = r'(([^\0-\x1f\"\\]) | ("\\" kvserve_json_escape))'
+_JSON_ESCAPE_RULE = r'kvserve_json_escape ::= (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
+
+
+def with_json_string_characters(ebnf: str) -> str:
+    """The grammar xgrammar converted a schema to (its EBNF text), with every length-bounded string's character
+    rule written as JSON's; the text itself where it has none."""
+    fixed = _BOUNDED_STRING_CHARACTER.sub(lambda rule: rule.group(1) + _JSON_STRING_CHARACTER, ebnf)
+    return ebnf if fixed == ebnf else f"{fixed}\n{_JSON_ESCAPE_RULE}\n"
+

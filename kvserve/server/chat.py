@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 
 from kvserve.outputs import PositionLogprobs, RequestOutput
+from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.server.errors import bad_request
 from kvserve.server.chat_protocol import (
     AssistantMessage,
@@ -42,6 +43,7 @@ from kvserve.server.streaming import (
 from kvserve.server.tool_parsers import NamedToolCallParser, ParsedDelta, ToolCallDelta, ToolCallParser, parse_tool_calls
 from kvserve.server.tools import (
     DeclaredTools,
+    checked_schema,
     needs_special_tokens,
     output_parser,
     tool_call_format,
@@ -93,13 +95,34 @@ class ChatServer(GenerationHandler):
         return await self._generate([prompt])
 
     async def _check_tool_schemas(self) -> None:
-        """A 400 naming ``tools`` for a tool whose parameters are no JSON schema, whatever ``tool_choice`` is
-        (compiled once, cached: ``required`` constrains the output with the same grammar)."""
-        every_call = tool_constraint(self.body.tool_dicts or [], "required", parallel_tool_calls=True)
+        """Where a grammar will hold the calls to their schemas (``tool_choice`` required, or a named function), a
+        400 naming the tool whose parameters it could not hold them to, and where in them (compiled once, cached:
+        the request's own constraint). Under ``auto`` and ``none`` the model writes its own calls, as with OpenAI's
+        and vLLM's, and no grammar is made of them: their schemas need only be valid."""
+        tools = self.body.tool_dicts or []
+        constraint = tool_constraint(tools, self.tool_choice, self.body.parallel_tool_calls)
+        if constraint is None:
+            for i, tool in enumerate(tools):  # a schema that is no JSON schema at all is refused, as by OpenAI
+                try:
+                    checked_schema(tool["function"].get("parameters") or {})
+                except ValueError as e:
+                    raise bad_request(ValueError(f"tools[{i}].function.parameters: {e}"), param="tools") from e
+            return
         try:
-            await self.engine.compile_constraint(every_call)
+            await self.engine.compile_constraint(constraint)
         except ValueError as e:
-            raise bad_request(ValueError(f"tools: {e}"), param="tools") from e
+            raise bad_request(await self._tool_schema_error(tools, e), param="tools") from e
+
+    async def _tool_schema_error(self, tools: list[dict[str, Any]], error: ValueError) -> ValueError:
+        """The first tool's own error, placed in its parameters (``error`` placed them in the array of calls that
+        ``required`` compiles)."""
+        for i, tool in enumerate(tools):
+            own = StructuredOutputsParams(json=tool["function"].get("parameters") or {"type": "object"})
+            try:
+                await self.engine.compile_constraint(own)
+            except ValueError as e:
+                return ValueError(f"tools[{i}].function.parameters: {e}")
+        return ValueError(f"tools: {error}")
 
     async def respond(self, stream: AsyncIterator[list[RequestOutput]]) -> ChatCompletionResponse:
         (out,) = await last_item(stream)

@@ -93,7 +93,7 @@ def unauthorized(headers: Iterable[tuple[bytes, bytes]], key: str) -> APIError |
 def _validation_message(error: RequestValidationError, content_type: str | None) -> tuple[str, str | None]:
     """FastAPI's first validation error as one line, with the field it is about."""
     first = error.errors()[0] if error.errors() else {}
-    if tuple(first.get("loc", ())) == ("body",):
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in _NO_OBJECT:
         return _whole_body_message(first, content_type), None
     # Drop "body" and pydantic's names for union members and validators (e.g. "function-after[...]").
     location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(str(part))]
@@ -108,6 +108,10 @@ def _validation_message(error: RequestValidationError, content_type: str | None)
     if getattr(cause, "param", None):  # an InvalidParameter from a model's own check: it names the field whole
         return message, cause.param
     return (f"{param}: {message}" if param else message), param
+
+
+# pydantic's errors for a body that is no JSON object (a model's own checks fail at the body's place too)
+_NO_OBJECT = frozenset({"missing", "model_attributes_type", "model_type", "dict_type"})
 
 
 def _whole_body_message(error: dict[str, Any], content_type: str | None) -> str:

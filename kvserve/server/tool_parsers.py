@@ -169,7 +169,9 @@ class _ObjectScan:
             self._close_value(i + 1)
 
     def _open_value(self, i: int) -> None:
-        if self._key is not None:
+        # a repeated key keeps its first value: what a stream said of it before the repeat came, so that the
+        # whole answer, scanned at once, says the same
+        if self._key is not None and self._key not in self.members:
             self.members[self._key] = [i, None]
 
     def _close_value(self, i: int) -> None:

@@ -127,14 +127,20 @@ class DeclaredTools:
 
 
 def _validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
-    import jsonschema  # only where a function is strict
+    return checked_schema(schema)(schema)
+
+
+def checked_schema(schema: dict[str, Any]) -> type[jsonschema.protocols.Validator]:
+    """The validator class of a function's parameters' schema, or ValueError saying why it is no valid JSON
+    schema (under its own ``$schema``'s meta-schema)."""
+    import jsonschema  # only where tools come
 
     cls = jsonschema.validators.validator_for(schema)
     try:
         cls.check_schema(schema)
     except jsonschema.SchemaError as error:
-        raise ValueError(f"a strict function's parameters are no valid JSON schema: {error.message}") from None
-    return cls(schema)
+        raise ValueError(f"no valid JSON schema: {error.message}") from None
+    return cls
 
 
 def output_parser(tool_choice: str | dict[str, Any], parallel_tool_calls: bool, fmt: ToolCallFormat,

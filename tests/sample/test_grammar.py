@@ -90,14 +90,37 @@ def test_every_schema_output_parses_and_validates(llm: LLM) -> None:
         if completion.finish_reason.value != "stop":
             continue  # cut by max_tokens: a prefix of a valid document, as other engines return it
         finished += 1
-        # strict=False: xgrammar's JSON strings exclude only \r and \n of the control characters, which a
-        # random model at temperature 1 does emit raw; everything else about the document is checked
-        document = json.loads(completion.text, strict=False)
+        document = json.loads(completion.text)  # strict: no raw control character in a string either
         jsonschema.validate(document, p.structured_outputs.json)
         for name, shape in FORMAT_SHAPES.items():  # formats are enforced by shape (xgrammar's own regexes), so
             if p.structured_outputs.json.get("format") == name:  # "2025-06-31" is a date to it
                 assert re.fullmatch(shape, document), (name, document)
     assert finished >= 0.9 * len(params)
+
+
+def test_a_length_bounded_string_is_written_as_json_writes_strings(llm: LLM) -> None:
+    """xgrammar writes its characters as [^"\\\r\n] (mlc-ai/xgrammar#800): a raw control character passed, so the
+    document was no JSON (a random model wrote 2 in 8 so), and no escape could be written."""
+    import xgrammar
+
+    compiler = StructuredOutputCompiler(llm.engine.tokenizer, llm.engine.tokenizer.vocab_size,
+                                        sorted(llm.engine.eos_token_ids))
+    schema = {"type": OBJ, "properties": {"k": {"type": "string", "minLength": 1, "maxLength": 3}}, "required": ["k"]}
+
+    def admits(document: str) -> bool:
+        matcher = xgrammar.GrammarMatcher(compiler.compile(StructuredOutputsParams(json=schema)))
+        return matcher.accept_string(document) and matcher.is_completed()
+
+    for text in ["a", "abc", 'a"b', "a\\", "\n\t", "é\u2028x"]:  # an escape counts one character
+        assert admits(json.dumps({"k": text})), text
+        assert admits(json.dumps({"k": text}, ensure_ascii=False)), text
+    for document in ['{"k": "a\x0e"}', '{"k": "a\tb"}', '{"k": ""}', '{"k": "abcd"}', '{"k": "a\\"bcd"}']:
+        assert not admits(document), document
+    outs = llm.generate(["a prompt"], SamplingParams(max_tokens=40, temperature=1.0, seed=7, n=16,
+                                                    structured_outputs=StructuredOutputsParams(json=schema)))
+    for sample in outs[0].outputs:
+        if sample.finish_reason.value == "stop":
+            jsonschema.validate(json.loads(sample.text), schema)
 
 
 def test_regex_choice_and_grammar_outputs_match(llm: LLM) -> None:

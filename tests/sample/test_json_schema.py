@@ -29,8 +29,19 @@ def test_a_fractional_multiple_is_refused_and_an_integers_and_the_bounds_are_not
 @pytest.mark.parametrize(("schema", "named"), [
     ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 5}, "'maxLength' beside 'pattern'"),
     ({"type": "string", "format": "date", "minLength": 30}, "'minLength' beside 'format'"),
+    ({"type": "string", "format": "date", "pattern": "^2"}, "'pattern' beside 'format'"),
     ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, "'maxLength' beside 'enum'"),
     ({"const": "abc", "pattern": "^x"}, "'pattern' beside 'const'"),
+    ({"type": "string", "enum": ["a", 1]}, "'type' beside 'enum'"),
+    ({"type": "string", "const": 1}, "'type' beside 'const'"),
+    ({"$ref": "#/$defs/P", "minimum": 1000}, "'minimum' beside '\\$ref'"),
+    ({"$ref": "#/$defs/P", "required": ["a"]}, "'required' beside '\\$ref'"),
+    ({"type": "integer", "anyOf": [{"minimum": 5}, {"maximum": 0}]}, "'type' beside 'anyOf'"),
+    ({"type": "integer", "oneOf": [{"minimum": 5}, {"maximum": 0}]}, "'type' beside 'oneOf'"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf' \\(its branches can match together\\)"),
+    ({"oneOf": [{"type": "object"}, {"type": "object"}]}, "'oneOf' \\(its branches can match together\\)"),
+    ({"type": "string", "pattern": "^(?!a)[a-c]{1,3}$"}, "a lookaround in 'pattern'"),
+    ({"type": "string", "pattern": "(?<=x)y"}, "a lookaround in 'pattern'"),
 ])
 def test_a_constraint_the_grammar_drops_for_another_beside_it_is_refused(schema: dict, named: str) -> None:
     """pydantic's ``Field(pattern=..., max_length=...)`` writes the first: its answers broke the length."""
@@ -39,11 +50,34 @@ def test_a_constraint_the_grammar_drops_for_another_beside_it_is_refused(schema:
     check_enforceable({"type": "string", "pattern": "^[a-z]+$"})
     check_enforceable({"type": "string", "maxLength": 5, "minLength": 1})
     check_enforceable({"type": "string", "enum": ["a", "b"], "title": "Letter", "description": "one of two"})
+    check_enforceable({"type": "integer", "enum": [1, 2.0]})
+    check_enforceable({"type": "string", "pattern": "^\\(?=x$"})  # an escaped parenthesis is no lookaround
+
+
+def test_annotations_beside_a_reference_or_a_composition_and_disjoint_one_ofs_are_let_through() -> None:
+    """What pydantic writes: a reference with its description, an optional field's anyOf with a default, a
+    discriminated union's oneOf of references whose one required property holds a distinct const each."""
+    definitions = {"Cat": {"type": OBJ, "properties": {"kind": {"const": "cat"}, "m": {"type": "string"}},
+                           "required": ["kind", "m"]},
+                   "Dog": {"type": OBJ, "properties": {"kind": {"enum": ["dog"]}}, "required": ["kind"]}}
+    check_enforceable({"$defs": definitions, "type": OBJ, "properties": {
+        "pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "kind"}},
+        "owner": {"$ref": "#/$defs/Cat", "description": "who feeds it"},
+        "age": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "Age"},
+        "id": {"oneOf": [{"type": "integer"}, {"type": "string"}]},
+        "next": {"$ref": "#"}}})
+    definitions["Dog"]["properties"]["kind"] = {"const": "cat"}
+    with pytest.raises(ValueError, match="'oneOf' \\(its branches can match together\\) at #/properties/pet"):
+        check_enforceable({"$defs": definitions, "type": OBJ, "properties": {
+            "pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}}})
 
 
 def test_a_reference_outside_the_schema_and_an_unlisted_required_key_are_refused() -> None:
     with pytest.raises(ValueError, match="refers to 'https://example.com/s.json' at #/properties/a"):
         check_enforceable({"type": OBJ, "properties": {"a": {"$ref": "https://example.com/s.json"}}})
+    with pytest.raises(ValueError, match="refers to '#pp' at #/items: only references within the schema by JSON"):
+        check_enforceable({"$defs": {"P": {"$anchor": "pp", "type": "integer"}}, "type": "array",
+                           "items": {"$ref": "#pp"}})  # an anchor: taken as any value
     with pytest.raises(ValueError, match="requires 'b' at # without listing it under properties"):
         check_enforceable({"type": OBJ, "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]})
 
@@ -79,3 +113,16 @@ def test_what_is_refused_is_what_the_grammar_lets_through(tiny_checkpoints) -> N
     assert not admits({"type": "string", "maxLength": 3}, '"abcdef"')
     assert not admits({"type": "number", "exclusiveMinimum": 5}, "5") and admits({"type": "number",
                                                                                    "exclusiveMinimum": 5}, "6")
+    assert admits({"type": "string", "enum": ["a", 1]}, "1")
+    assert admits({"$defs": {"P": {"type": "integer"}}, "$ref": "#/$defs/P", "minimum": 1000}, "5")
+    assert admits({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1")
+    assert admits({"type": "string", "format": "date", "pattern": "^2"}, '"1999-01-01"')
+    assert admits({"type": "string", "pattern": "^(?!a)[a-c]{1,3}$"}, '"abc"')
+    assert admits({"$defs": {"P": {"$anchor": "pp", "type": "integer"}}, "type": "array", "items": {"$ref": "#pp"}},
+                  '["x"]')
+    assert admits({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "dependencies": {"a": ["b"]}}, '{"a": 1}')
+    # xgrammar's own length-bounded string takes a raw control character and no escape (mlc-ai/xgrammar#800):
+    # ``with_json_string_characters`` rewrites it (tests/sample/test_grammar.py)
+    assert admits({"type": "string", "maxLength": 3}, '"a\x0e"') and not admits({"type": "string", "maxLength": 3},
+                                                                                 '"a\\"b"')

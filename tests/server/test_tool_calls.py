@@ -201,8 +201,16 @@ def test_a_tool_round_trip_renders_the_call_and_its_result(tool_client: openai.O
      "tool_choice 'allowed_tools' is not supported: kvserve takes 'none', 'auto', 'required' or", "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice 'any' is not supported", "tool_choice"),
     *(({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "foo"}}}}}], "tool_choice": choice}, "does not compile", "tools")
-      for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "f"}})),
+        "type": "object", "properties": {"a": {"type": "foo"}}}}}], "tool_choice": choice}, fragment, "tools")
+      for choice, fragment in (
+          ("auto", "tools[0].function.parameters: no valid JSON schema"),
+          ("none", "tools[0].function.parameters: no valid JSON schema"),
+          ("required", "tools[0].function.parameters: structured output: the JSON schema does not compile"),
+          ({"type": "function", "function": {"name": "f"}}, "tools[0].function.parameters: structured output"))),
+    # a keyword no grammar enforces is refused only where a grammar holds the calls, named in the tool's schema
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
+     "tools[0].function.parameters: the JSON schema uses 'uniqueItems' at #/properties/a", "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
      "must be a JSON schema of type object", "tools.0.function.parameters"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id", "messages.0"),
@@ -217,6 +225,13 @@ def test_a_bad_tool_request_is_a_400_naming_it(tool_client: openai.OpenAI, body:
     with pytest.raises(openai.BadRequestError) as error:
         tool_client.chat.completions.create(model=MODEL_NAME, max_tokens=4, messages=messages, extra_body=body)
     assert fragment in str(error.value) and error.value.body["param"] == param
+
+
+def test_under_auto_a_schema_no_grammar_enforces_is_served(tool_client: openai.OpenAI) -> None:
+    """Refused under auto too, though auto makes no grammar of the tools (OpenAI and vLLM answer it)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]
+    assert create(tool_client, tools=tools, tool_choice="auto", max_tokens=4).choices[0].finish_reason
 
 
 def test_tools_on_completions_are_a_400(tool_client: openai.OpenAI) -> None:

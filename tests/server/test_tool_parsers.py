@@ -79,6 +79,17 @@ def test_streaming_in_any_pieces_gives_the_whole_texts_calls(name: str, cuts: li
     assert pieces[0] == whole[0]
 
 
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "get", "arguments": {"city": "x"}, "name": "other"}</tool_call>',
+    '<tool_call>{"name": "get", "arguments": {"city": "x"}, "arguments": {"city": 2}}</tool_call>',
+])
+@pytest.mark.parametrize("cuts", [[], list(range(1, 90)), [30, 60]])
+def test_a_repeated_key_gives_the_same_call_streamed_and_whole(text: str, cuts: list[int]) -> None:
+    """The whole answer took the repeat (as json.loads does), a stream the first it saw."""
+    whole = parse_tool_calls(ToolCallParser(FORMATS["hermes"]), text)
+    assert calls_of(streamed(FORMATS["hermes"], text, cuts)) == calls_of(whole) == [("get", {"city": "x"})]
+
+
 def test_arguments_stream_as_they_are_written() -> None:
     parser = ToolCallParser(FORMATS["hermes"])
     first = parser.feed('<tool_call>{"name": "f", "arguments": {"city": "Pa')
