@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import numbers
 import os
-import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
@@ -305,17 +304,17 @@ _KINDS: dict[type | None, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-# Options whose default in vLLM is None, "the engine decides": a vLLM script's explicit None means our default
-_NONE_MEANS_DEFAULT = frozenset({"quantization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching"})
+# Options whose default in vLLM is None, "the engine decides": a vLLM script's explicit None means our default (a
+# seed of None is vLLM V1's 0 too)
+_NONE_MEANS_DEFAULT = frozenset({"quantization", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
+                                 "seed", "block_size", "distributed_executor_backend"})
 
 
 def _in_our_spelling(option: dataclasses.Field, value: Any) -> Any:
-    """A value as vLLM's ``LLM`` takes it, spelled as ours: None where vLLM's default is None (for ``seed``, as
-    vLLM's None, a seed drawn at random, so that runs differ), a ``torch.dtype`` by its name."""
+    """A value as vLLM's ``LLM`` takes it, spelled as ours: None where vLLM's default is None, a ``torch.dtype``
+    by its name."""
     if value is None and option.name in _NONE_MEANS_DEFAULT:
         return option.default
-    if value is None and option.name == "seed":
-        return random.SystemRandom().randrange(2**31)
     if option.name == "dtype" and type(value).__module__ == "torch" and type(value).__name__ == "dtype":
         return str(value).removeprefix("torch.")
     return value

@@ -20,7 +20,7 @@ def add_log_arguments(parser: argparse.ArgumentParser, access_log: bool = True) 
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                         help="kvserve's and uvicorn's logs (default: %(default)s)")
     if access_log:
-        parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+        parser.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
                             help="no line for each HTTP request (kvserve's own INFO lines stay)")
 
 

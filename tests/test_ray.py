@@ -102,6 +102,7 @@ def test_errors_are_relayed_as_openai_errors(deployment: str) -> None:
 
 def test_bad_options_are_named_before_anything_starts() -> None:
     assert serve_arguments({"model": "m", "max_num_seqs": "3", "enable_prefix_caching": "false"}).max_num_seqs == 3
+    assert serve_arguments({"allow_credentials": "true", "disable_uvicorn_access_log": "true"}).allow_credentials
     with pytest.raises(ValueError, match="no_such_option"):
         serve_arguments({"no_such_option": "1"})
     with pytest.raises(ValueError, match="enable_prefix_caching takes true or false"):

@@ -73,7 +73,8 @@ class HealthChecker:
             if status != 200:
                 raise ValueError(f"status {status}")
             families = list(text_string_to_metric_families(page.decode()))
-        except ValueError as e:  # UnicodeDecodeError is one
+            load = queue_length(families)
+        except (ValueError, OverflowError) as e:  # UnicodeDecodeError is one; a NaN or infinite queue too
             if replica.url not in self.unreadable:
                 logger.warning("replica %s: its /metrics page does not read (%s); its load is taken as unknown",
                                replica.url, str(e)[:200])
@@ -83,7 +84,7 @@ class HealthChecker:
             return
         self.unreadable.discard(replica.url)
         self.metrics.replica_pages.pages[replica.url] = families
-        replica.reported_load = queue_length(families)
+        replica.reported_load = load
 
     def _log_change(self, replica: Replica, healthy: bool) -> None:
         """A replica's first state (one still loading is not up yet, at start) and its later changes: down is

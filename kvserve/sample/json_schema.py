@@ -123,34 +123,50 @@ def _lookaround(schema: dict[str, Any]) -> list[str]:
 
 
 def _overlapping_one_of(schema: dict[str, Any], root: Any) -> list[str]:
-    """["'oneOf'"] unless its branches cannot both match: each of its own single ``type``, or each with its own
-    ``const`` (or one-value ``enum``) of a property all of them require, as pydantic's discriminated unions (whose
-    branches are references into ``root``)."""
+    """["'oneOf' ..."] unless its branches cannot both match: each of its own single ``type``, or each with its own
+    literals (``const`` or ``enum``) of one property, as pydantic's discriminated unions (whose branches are
+    references into ``root``, and may be unions themselves). Where a branch leaves that property out of
+    ``required`` (a defaulted discriminator), a document without it could still match two (README)."""
     branches = schema.get("oneOf")
     if not isinstance(branches, list) or len(branches) < 2:
         return []
-    resolved = [_resolved(branch, root) for branch in branches]
-    if not all(isinstance(branch, dict) for branch in resolved):
+    leaves = [leaf for branch in branches for leaf in _union_leaves(branch, root)]
+    if not all(isinstance(leaf, dict) for leaf in leaves):
         return ["'oneOf'"]
-    types = [branch.get("type") for branch in resolved]
-    kinds = {"number" if kind == "integer" else kind for kind in types}  # an integer is a number
-    if all(isinstance(kind, str) for kind in types) and len(kinds) == len(types):
+    kinds = [leaf.get("type") for leaf in leaves]
+    numbers = {"number" if kind == "integer" else kind for kind in kinds}  # an integer is a number
+    if all(isinstance(kind, str) for kind in kinds) and len(numbers) == len(kinds):
         return []
-    return [] if _discriminated(resolved) else ["'oneOf' (its branches can match together)"]
+    return [] if _discriminated(leaves) else ["'oneOf' (its branches can match together)"]
+
+
+def _union_leaves(schema: Any, root: Any) -> list[Any]:
+    """``schema`` resolved, or the leaves of the union it is (a ``oneOf`` or ``anyOf`` and nothing else)."""
+    resolved = _resolved(schema, root)
+    if isinstance(resolved, dict):
+        inner = resolved.get("oneOf", resolved.get("anyOf"))
+        if isinstance(inner, list) and not _ASSERTIONS & resolved.keys() - {"oneOf", "anyOf"}:
+            return [leaf for branch in inner for leaf in _union_leaves(branch, root)]
+    return [resolved]
 
 
 def _discriminated(branches: list[dict[str, Any]]) -> bool:
-    """Whether one property, required by every branch, has a distinct single literal in each."""
-    common = set.intersection(*(set(b.get("required") or []) for b in branches))
-    for name in sorted(common):
-        literals = [_literal((b.get("properties") or {}).get(name)) for b in branches]
-        if all(value is not _NONE for value in literals) and len({json.dumps(v, sort_keys=True) for v in literals}) \
-                == len(literals):
+    """Whether one property, in every branch, has literals that no other branch's literals share."""
+    named = set.intersection(*(set(branch.get("properties") or {}) for branch in branches))
+    for name in sorted(named):
+        literals = [_literals(branch["properties"][name]) for branch in branches]
+        if all(literals) and sum(map(len, literals)) == len(set().union(*literals)):
             return True
     return False
 
 
-_NONE = object()
+def _literals(schema: Any) -> set[str]:
+    """The values ``schema`` allows, as JSON texts, where it lists them (``const``, ``enum``); else none."""
+    if isinstance(schema, dict) and "const" in schema:
+        return {json.dumps(schema["const"], sort_keys=True)}
+    if isinstance(schema, dict) and isinstance(schema.get("enum"), list):
+        return {json.dumps(value, sort_keys=True) for value in schema["enum"]}
+    return set()
 
 
 def _resolved(schema: Any, root: Any) -> Any:
@@ -164,14 +180,6 @@ def _resolved(schema: Any, root: Any) -> Any:
         part = part.replace("~1", "/").replace("~0", "~")
         target = target.get(part) if isinstance(target, dict) else None
     return target
-
-
-def _literal(schema: Any) -> Any:
-    if isinstance(schema, dict) and "const" in schema:
-        return schema["const"]
-    if isinstance(schema, dict) and isinstance(schema.get("enum"), list) and len(schema["enum"]) == 1:
-        return schema["enum"][0]
-    return _NONE
 
 
 def _check_required(schema: dict[str, Any], path: str) -> None:

@@ -217,8 +217,9 @@ class RequestGuard:
         except Exception as error:
             if started:  # too late to answer: uvicorn logs it and closes the connection
                 raise
-            logger.exception("unhandled error in %s %s (request id %s)", scope["method"], scope["path"],
-                             client_request_id(scope))
+            request_id = client_request_id(scope)
+            logger.exception("unhandled error in %s %s (%s)", scope["method"], scope["path"],
+                             f"X-Request-Id {request_id}" if request_id else "no X-Request-Id")
             response = error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(error).__name__}")
             await response(scope, receive, send)
 

@@ -95,18 +95,18 @@ class ChatServer(GenerationHandler):
         return await self._generate([prompt])
 
     async def _check_tool_schemas(self) -> None:
-        """Where a grammar will hold the calls to their schemas (``tool_choice`` required, or a named function), a
-        400 naming the tool whose parameters it could not hold them to, and where in them (compiled once, cached:
-        the request's own constraint). Under ``auto`` and ``none`` the model writes its own calls, as with OpenAI's
-        and vLLM's, and no grammar is made of them: their schemas need only be valid."""
+        """A 400 naming the tool, and where in its parameters, whose schema is no JSON schema (as OpenAI checks,
+        whatever ``tool_choice`` is) or, among those a grammar will hold the calls to (``tool_choice`` required,
+        or a named function: compiled once, cached, the request's own constraint), one it could not hold them to.
+        Under ``auto`` and ``none`` the model writes its own calls, as with OpenAI's and vLLM's."""
         tools = self.body.tool_dicts or []
+        for i, tool in enumerate(tools):
+            try:
+                checked_schema(tool["function"].get("parameters") or {})
+            except ValueError as e:
+                raise bad_request(ValueError(f"tools[{i}].function.parameters: {e}"), param="tools") from e
         constraint = tool_constraint(tools, self.tool_choice, self.body.parallel_tool_calls)
         if constraint is None:
-            for i, tool in enumerate(tools):  # a schema that is no JSON schema at all is refused, as by OpenAI
-                try:
-                    checked_schema(tool["function"].get("parameters") or {})
-                except ValueError as e:
-                    raise bad_request(ValueError(f"tools[{i}].function.parameters: {e}"), param="tools") from e
             return
         try:
             await self.engine.compile_constraint(constraint)
@@ -114,9 +114,12 @@ class ChatServer(GenerationHandler):
             raise bad_request(await self._tool_schema_error(tools, e), param="tools") from e
 
     async def _tool_schema_error(self, tools: list[dict[str, Any]], error: ValueError) -> ValueError:
-        """The first tool's own error, placed in its parameters (``error`` placed them in the array of calls that
-        ``required`` compiles)."""
+        """The error of the first tool the constraint holds calls to, placed in its parameters (``error`` placed it
+        in the array of calls that ``required`` compiles)."""
+        named = self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
         for i, tool in enumerate(tools):
+            if named not in (None, tool["function"]["name"]):
+                continue
             own = StructuredOutputsParams(json=tool["function"].get("parameters") or {"type": "object"})
             try:
                 await self.engine.compile_constraint(own)

@@ -438,10 +438,21 @@ def _call(text: str) -> tuple[str, dict[str, Any]] | None:
     """``text`` as a call as OpenAI's clients read one, (name, arguments): a name, and arguments (if any) an
     object; None if it is not one."""
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_KeysFirstSeen)
     except (json.JSONDecodeError, RecursionError):
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    if not isinstance(value, _KeysFirstSeen) or not isinstance(value.first.get("name"), str):
         return None
-    arguments = next((value[key] for key in ARGUMENT_KEYS if key in value), {})
-    return (value["name"], arguments) if isinstance(arguments, dict) else None
+    arguments = next((value.first[key] for key in ARGUMENT_KEYS if key in value.first), {})
+    return (value.first["name"], arguments) if isinstance(arguments, dict) else None
+
+
+class _KeysFirstSeen(dict):
+    """A JSON object as ``json.loads`` makes it (a repeated key: its last value, as a client reads arguments),
+    with each key's first value too: the call's own name and arguments are the first, as the stream said them."""
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        self.first: dict[str, Any] = {}
+        for key, value in pairs:
+            self.first.setdefault(key, value)

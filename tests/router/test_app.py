@@ -67,7 +67,7 @@ class FakeReplicas:
         self.hold: Callable[[str], Awaitable[None]] | None = None
         self.stream_forever = False
         self.unavailable: set[str] = set()  # replicas that answer completions 503 (loading, draining, failed)
-        self.html_metrics: set[str] = set()  # replicas whose /metrics is a proxy's error page
+        self.odd_metrics: dict[str, str] = {}  # replicas whose /metrics is this page (a proxy's error page, say)
         self.streaming: set[int] = set()
         self.servers: dict[int, tuple[uvicorn.Server, asyncio.Task]] = {}
 
@@ -110,9 +110,7 @@ class FakeReplicas:
 
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
-            if url in self.html_metrics:
-                return PlainTextResponse("<html><body>502 Bad Gateway</body></html>", status_code=200)
-            return PlainTextResponse(REPLICA_PAGE)
+            return PlainTextResponse(self.odd_metrics.get(url, REPLICA_PAGE))
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
@@ -860,11 +858,14 @@ def test_version_is_the_packages_as_on_a_replica() -> None:
     assert answer.status_code == 200 and answer.json() == {"version": kvserve.__version__}
 
 
-def test_a_metrics_page_that_does_not_read_leaves_the_load_unknown_and_the_checks_going(caplog) -> None:
-    """A proxy's HTML page in place of /metrics raised out of the health-check loop, which no one awaited: the
-    checks stopped unlogged, a dead replica read healthy and a replica marked down never came back."""
+@pytest.mark.parametrize("page", ["<html><body>502 Bad Gateway</body></html>",
+                                  "kvserve:num_requests_waiting NaN\n", "kvserve:num_requests_running +Inf\n"])
+def test_a_metrics_page_that_does_not_read_leaves_the_load_unknown_and_the_checks_going(page: str, caplog) -> None:
+    """A proxy's HTML page in place of /metrics (or a queue of NaN) raised out of the health-check loop, which no
+    one awaited: the checks stopped unlogged, a dead replica read healthy and a replica marked down never came
+    back."""
     fakes = FakeReplicas(1)
-    fakes.html_metrics.add(fakes.urls[0])
+    fakes.odd_metrics[fakes.urls[0]] = page
 
     async def scenario() -> list[bool]:
         async with fakes:

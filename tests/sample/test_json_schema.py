@@ -126,3 +126,39 @@ def test_what_is_refused_is_what_the_grammar_lets_through(tiny_checkpoints) -> N
     # ``with_json_string_characters`` rewrites it (tests/sample/test_grammar.py)
     assert admits({"type": "string", "maxLength": 3}, '"a\x0e"') and not admits({"type": "string", "maxLength": 3},
                                                                                  '"a\\"b"')
+
+
+def test_pydantics_discriminated_unions_are_let_through() -> None:
+    """A defaulted discriminator (not required), one of several values, unions of unions and a callable
+    discriminator with tags: their branches' literals are disjoint, so oneOf compiled as anyOf holds."""
+    from typing import Annotated, Literal, Union
+
+    from pydantic import BaseModel, Discriminator, Field, Tag
+
+    class Cat(BaseModel):
+        kind: Literal["cat", "kitten"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"] = "dog"
+        bark: str
+
+    class Fish(BaseModel):
+        kind: Literal["fish"]
+
+    class Pets(BaseModel):
+        one: Annotated[Union[Cat, Dog], Field(discriminator="kind")]
+        nested: Annotated[Union[Annotated[Union[Cat, Dog], Field(discriminator="kind")], Fish],
+                          Field(discriminator="kind")]
+        many: list[Annotated[Union[Cat, Dog, Fish], Field(discriminator="kind")]] = Field(min_length=1)
+        tagged: Annotated[Union[Annotated[Cat, Tag("cat")], Annotated[Dog, Tag("dog")]],
+                          Discriminator(lambda value: value.get("kind") if isinstance(value, dict) else None)]
+
+    check_enforceable(Pets.model_json_schema())
+
+    class Kitten(BaseModel):
+        kind: Literal["kitten"]
+
+    with pytest.raises(ValueError, match="'oneOf' \\(its branches can match together\\)"):
+        check_enforceable({"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Kitten"}],
+                           "$defs": {"Cat": Cat.model_json_schema(), "Kitten": Kitten.model_json_schema()}})

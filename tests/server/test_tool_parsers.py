@@ -90,6 +90,24 @@ def test_a_repeated_key_gives_the_same_call_streamed_and_whole(text: str, cuts: 
     assert calls_of(streamed(FORMATS["hermes"], text, cuts)) == calls_of(whole) == [("get", {"city": "x"})]
 
 
+def test_a_repeated_key_is_checked_as_the_call_is_said() -> None:
+    """The check read the repeat (json.loads keeps a key's last value) where the call said the first: a strict
+    call's bad arguments went out as a call, and good ones were made content."""
+    class Strict:
+        def knows(self, name: str) -> bool:
+            return name == "get"
+
+        def accepts(self, name: str, arguments: dict) -> bool:
+            return isinstance(arguments.get("city"), str)
+
+    good_first = '<tool_call>{"name": "get", "arguments": {"city": "x"}, "arguments": {"city": 2}}</tool_call>'
+    bad_first = '<tool_call>{"name": "get", "arguments": {"city": 2}, "arguments": {"city": "x"}}</tool_call>'
+    for text, arguments, invalid in ((good_first, {"city": "x"}, 0), (bad_first, {"city": 2}, 1)):
+        parser = ToolCallParser(FORMATS["hermes"], check=Strict())
+        assert calls_of(parse_tool_calls(parser, text)) == [("get", arguments)]
+        assert parser.num_invalid == invalid  # the chat server answers an invalid call's whole text as content
+
+
 def test_arguments_stream_as_they_are_written() -> None:
     parser = ToolCallParser(FORMATS["hermes"])
     first = parser.feed('<tool_call>{"name": "f", "arguments": {"city": "Pa')
