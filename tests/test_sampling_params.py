@@ -50,6 +50,7 @@ def test_a_choice_list_becomes_a_tuple() -> None:
     (dict(logit_bias={"a": 1.0}), "logit_bias: key 'a' is not a token id"),
     (dict(logit_bias={"9" * 5000: 1.0}), "logit_bias: key '9999999999999999999999999999999999999999' is not a token id"),
     (dict(logit_bias={9: float("nan")}), "the bias of token 9 must be a finite number"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias takes at most 300 tokens, got 301"),
     (dict(structured_outputs={"json": {}}), "structured_outputs must be a StructuredOutputsParams, got dict"),
 ])
 def test_a_field_of_the_wrong_type_is_refused_by_name_at_construction(fields: dict, fragment: str) -> None:

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Mapping, Protocol, Sequence, TypeVar
 
@@ -40,6 +40,7 @@ T = TypeVar("T")
 IDLE_CHECK_SECONDS = 1.0  # how often an idle engine looks at its tensor-parallel workers
 SHUTDOWN_FLUSH_SECONDS = 30.0  # at most this long for queued KV block writes at shutdown
 MAX_IDS_LOGGED = 16  # a log line names at most this many request ids
+COMPILE_THREADS = 2  # structured-output constraints compiled at once
 
 
 class EngineDeadError(RuntimeError):
@@ -126,6 +127,9 @@ class AsyncEngine:
         self._error: BaseException | None = None
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        # constraints compile on threads of their own: a slow one (a regex of nested stars took minutes) then
+        # delays only the constrained requests behind it, not the answers built on asyncio's default threads
+        self._compiling = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kvserve-compile")
 
     # ---- lifecycle ----
 
@@ -138,6 +142,7 @@ class AsyncEngine:
             self._stopped = True
             self._wakeup.notify()
         self._thread.join(timeout)
+        self._compiling.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_running(self) -> bool:
@@ -180,10 +185,14 @@ class AsyncEngine:
             messages, add_generation_prompt, tools, add_special_tokens))
 
     async def compile_constraint(self, spec: StructuredOutputsParams) -> None:
-        """Compile a structured-output constraint on a worker thread (xgrammar lets go of the GIL while it
+        """Compile a structured-output constraint on a compile thread (xgrammar lets go of the GIL while it
         compiles), so that no step waits on it: the request's add on the engine thread then finds it in
-        the compiler's cache. ValueError naming the problem if it does not compile."""
-        await asyncio.to_thread(self.engine.input_processor.check_constraint, spec)
+        the compiler's cache, as does a later request's, at once. ValueError naming the problem if it does not
+        compile."""
+        processor = self.engine.input_processor
+        if processor.constraint_compiled(spec):
+            return
+        await asyncio.get_running_loop().run_in_executor(self._compiling, processor.check_constraint, spec)
 
     async def generate(
         self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None

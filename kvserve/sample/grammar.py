@@ -123,6 +123,12 @@ class StructuredOutputCompiler:
         self._keep(key, compiled)
         return compiled
 
+    def is_cached(self, spec: StructuredOutputsParams) -> bool:
+        """Whether ``spec``'s grammar is compiled and cached; ValueError if it is refused before compiling."""
+        key = self._key(spec)
+        with self._lock:
+            return key in self._cache
+
     @staticmethod
     def _key(spec: StructuredOutputsParams) -> tuple[str, str]:
         """What xgrammar compiles for ``spec``: ("json" | "regex" | "grammar", its text), checked for size (and a

@@ -35,6 +35,9 @@ class FakeInputProcessor:
     def chat_template(self, tools: list[dict[str, Any]] | None = None) -> None:
         return None  # the fake renders chats itself
 
+    def constraint_compiled(self, spec: Any) -> bool:
+        return False  # the fake compiles nothing: a test stands in for check_constraint
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False) -> dict:
         text = "".join(f"<{m['role']}>{m.get('content', '')}" for m in messages) + ("<assistant>" * add_generation_prompt)

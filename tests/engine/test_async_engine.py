@@ -278,7 +278,28 @@ def test_a_constraint_compiles_off_the_engine_thread(monkeypatch) -> None:
         await engine.compile_constraint(StructuredOutputsParams(regex="a+"))
 
     run_with_engine(test)
-    assert len(threads) == 1 and threads[0] != "kvserve-engine"
+    assert len(threads) == 1 and threads[0].startswith("kvserve-compile")
+
+
+def test_a_compiled_constraint_waits_behind_no_slow_compile(monkeypatch) -> None:
+    """Compiles shared asyncio's default threads with the answers being built, and a cached constraint went
+    through them too: 8 slow regexes held a 2-token answer 39 s and a cached one's TTFT 5 s."""
+    release = threading.Event()
+
+    async def test(engine: AsyncEngine) -> None:
+        processor = engine.engine.input_processor
+        monkeypatch.setattr(processor, "check_constraint", lambda spec: release.wait(5), raising=False)
+        monkeypatch.setattr(processor, "constraint_compiled", lambda spec: spec.regex == "cached", raising=False)
+        slow = [asyncio.create_task(engine.compile_constraint(StructuredOutputsParams(regex=f"slow{i}")))
+                for i in range(4)]
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(engine.compile_constraint(StructuredOutputsParams(regex="cached")), 0.5)
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: "answer built"), 0.5) == "answer built"
+        assert not any(task.done() for task in slow)
+        release.set()
+        await asyncio.gather(*slow)
+
+    run_with_engine(test)
 
 
 class ThreadRecordingProcessor(InputProcessor):

@@ -122,3 +122,15 @@ def test_a_template_given_to_the_engine_or_the_call_takes_the_tokenizers_place(t
         InputProcessor(tokenizer, len(tokenizer), max_model_len=512, chat_template="{% for m in messages %}")
     with pytest.raises(ValueError, match="does not parse as Jinja"):
         render(processor, messages, chat_template="{{ messages[0].content")
+
+
+def test_a_conversation_no_context_could_hold_is_refused_before_it_renders(tokenizer, monkeypatch) -> None:
+    """100,000 messages of 4 MB rendered for 1.75 s on the engine thread (every stream stalled), then refused."""
+    processor = processor_with(tokenizer, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    monkeypatch.setattr(processor.tokenizer, "apply_chat_template", lambda *a, **k: pytest.fail("rendered"))
+    many = [{"role": "user", "content": "a" * 100}] * 2_000
+    with pytest.raises(ValueError, match="the conversation's messages has 200000 characters: more tokens than"):
+        processor.apply_chat_template(many)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a" * 200_000}]}]
+    with pytest.raises(ValueError, match="the conversation's messages has 200000 characters"):
+        processor.apply_chat_template(parts)
