@@ -90,7 +90,7 @@ def unauthorized(headers: Iterable[tuple[bytes, bytes]], key: str) -> APIError |
     return APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'")
 
 
-def _validation_message(error: RequestValidationError, content_type: str | None) -> tuple[str, str | None]:
+def _validation_message(error: RequestValidationError, content_type: str | None = None) -> tuple[str, str | None]:
     """FastAPI's first validation error as one line, with the field it is about."""
     first = error.errors()[0] if error.errors() else {}
     if tuple(first.get("loc", ())) == ("body",) and first.get("type") in _NO_OBJECT:

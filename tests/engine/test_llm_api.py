@@ -335,7 +335,7 @@ def test_a_text_too_long_for_any_tokenization_is_refused_without_tokenizing_it(l
     monkeypatch.setattr(llm.get_tokenizer(), "encode", encode)
     with pytest.raises(ValueError, match=f"prompt has {limit + 1} characters: more tokens than max_model_len"):
         llm.generate(["x" * (limit + 1)], SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="the rendered conversation has .* characters"):
+    with pytest.raises(ValueError, match="the conversation's messages has .* characters"):  # not even rendered
         llm.chat([{"role": "user", "content": "x" * limit}], SamplingParams(max_tokens=1))
 
 
