@@ -12,6 +12,7 @@ import argparse
 from kvserve.engine_args import EngineArgs
 from kvserve.logs import add_log_arguments
 from kvserve.server.cors import add_cors_arguments
+from kvserve.server.request_log import add_request_log_arguments
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 from kvserve.server.tools import TOOL_CALL_PARSERS
 
@@ -36,6 +37,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="larger request bodies are answered 413 (default: %(default)s, 4 MiB)")
     add_log_arguments(parser)
     add_cors_arguments(parser)
+    add_request_log_arguments(parser)
     parser.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                         help="the format of the model's own tool calls, read under tool_choice auto (auto: the one "
                              "the chat template uses; hermes where the template takes no tools; default: "

@@ -132,7 +132,8 @@ async def _serve(state: ServerState, handler: Callable[..., _Generation], body: 
     with state.admission(body.model) as (engine, admission):
         try:
             generation = handler(engine, body, body.model or state.settings.model_name,
-                                 client_request_id=client_request_id(request.scope), admission=admission, **options)
+                                 client_request_id=client_request_id(request.scope), admission=admission,
+                                 request_log=state.settings.request_log, **options)
         except ValueError as e:
             raise bad_request(body.named_as_sent(e)) from e
         outputs = await until_disconnected(request, generation.start())

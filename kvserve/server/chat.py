@@ -30,6 +30,7 @@ from kvserve.server.chat_protocol import (
     TopLogprob,
 )
 from kvserve.server.protocol import Usage
+from kvserve.server.request_log import RequestLog
 from kvserve.server.logprobs import entry_spelling, text_positions, token_bytes, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
@@ -73,8 +74,8 @@ class ChatServer(GenerationHandler):
 
     def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest, model_name: str,
                  tool_call_parser: str = "auto", client_request_id: str | None = None,
-                 admission: Admission | None = None) -> None:
-        super().__init__(engine, body, model_name, client_request_id, admission)
+                 admission: Admission | None = None, request_log: RequestLog = RequestLog()) -> None:
+        super().__init__(engine, body, model_name, client_request_id, admission, request_log)
         self.tool_choice = body.effective_tool_choice
         self.tool_format = tool_call_format(tool_call_parser, engine.engine.input_processor.chat_template(body.tools))
         if self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer):

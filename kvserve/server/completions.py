@@ -14,6 +14,7 @@ from kvserve.server.completion_protocol import (
     CompletionResponse,
 )
 from kvserve.server.protocol import Usage
+from kvserve.server.request_log import RequestLog
 from kvserve.server.logprobs import entry_spelling, text_positions, token_spelling, token_text, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
@@ -41,8 +42,9 @@ class CompletionServer(GenerationHandler):
     body: CompletionRequest
 
     def __init__(self, engine: AsyncEngine, body: CompletionRequest, model_name: str,
-                 client_request_id: str | None = None, admission: Admission | None = None) -> None:
-        super().__init__(engine, body, model_name, client_request_id, admission)
+                 client_request_id: str | None = None, admission: Admission | None = None,
+                 request_log: RequestLog = RequestLog()) -> None:
+        super().__init__(engine, body, model_name, client_request_id, admission, request_log)
         self._token_offsets: dict[int, int] = {}  # choice index -> the text offset after its tokens sent so far
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:

@@ -31,6 +31,7 @@ from kvserve.engine_args import EngineArgs
 from kvserve.logs import configure_logging, uvicorn_logging
 from kvserve.server.app import build_app
 from kvserve.server.cors import CorsPolicy
+from kvserve.server.request_log import RequestLog
 from kvserve.server.sockets import http_url, listening_socket, raise_open_file_limit
 from kvserve.server.state import ServerSettings, ServerState, api_key
 
@@ -60,6 +61,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
         cors=CorsPolicy.from_cli_args(args),
+        request_log=RequestLog.from_cli_args(args),
     )
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from kvserve.server.cors import CorsPolicy
 from kvserve.server.errors import RETRY_LATER, APIError, shortened
+from kvserve.server.request_log import RequestLog
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import Admission, AsyncEngine
@@ -36,6 +37,7 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     tool_call_parser: str = "auto"  # the format of the model's own tool calls (``tools.TOOL_CALL_PARSERS``)
     cors: CorsPolicy = CorsPolicy()
+    request_log: RequestLog = RequestLog()
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.server.errors import APIError, bad_request, sse_failure
+from kvserve.server.request_log import RequestLog
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import Admission, AsyncEngine
@@ -110,8 +111,9 @@ class GenerationHandler:
     id_prefix = "req"
 
     def __init__(self, engine: AsyncEngine, body: Any, model_name: str, client_request_id: str | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, request_log: RequestLog = RequestLog()) -> None:
         self.engine = engine
+        self.request_log = request_log
         self.admission = admission  # counted as waiting until queued (``AsyncEngine.admit``)
         self.body = body
         self.model_name = model_name
@@ -133,6 +135,7 @@ class GenerationHandler:
                 await self.engine.compile_constraint(self.params.structured_outputs)
             except ValueError as e:  # the constraint's own fault: named as the field that held it
                 raise bad_request(e, param=self.body.constraint_field) from e
+        self.request_log.queued(self.request_id, request_id, prompts, self.params)
         try:
             stream = self.engine.generate_many(prompts, self.params, request_ids, self.admission)
             first = await anext(stream)
@@ -140,7 +143,7 @@ class GenerationHandler:
             raise bad_request(self.body.named_as_sent(e)) from e
         except StopAsyncIteration:
             raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output") from None
-        return _prepend(first, stream)
+        return self.request_log.watched(self.request_id, _prepend(first, stream))
 
 
 async def ending_on_failure(events: AsyncIterator[str], request_id: str | None = None) -> AsyncIterator[str]:

@@ -1,0 +1,96 @@
+"""``--enable-log-requests``: one INFO line for each request as it is queued (its prompt and sampling params, as
+vLLM logs them, cut to ``--max-log-len``) and one as it ends (how, its tokens, its time), each naming the id its
+answer carries, so that an operator can follow a request a client reports."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Sequence
+
+if TYPE_CHECKING:
+    from kvserve.engine.input_processor import PromptInput
+    from kvserve.outputs import RequestOutput
+    from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def add_request_log_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                        help="log each request's prompt and sampling params as it is queued, and how it ended "
+                             "(default: off)")
+    parser.add_argument("--max-log-len", type=int, default=None,
+                        help="the characters of a prompt's text, and the ids of its token ids, that a request's "
+                             "line shows (default: all)")
+
+
+@dataclass(frozen=True)
+class RequestLog:
+    """Whether requests are logged, and how much of a prompt a line shows (None: all of it)."""
+
+    enabled: bool = False
+    max_log_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> RequestLog:
+        return cls(args.enable_log_requests, args.max_log_len)
+
+    def queued(self, request_id: str, engine_id: str, prompts: Sequence[PromptInput], params: SamplingParams
+               ) -> None:
+        """One line for each prompt of the request (a batch's ``{request_id}-{i}``), naming the engine's id
+        where it is not the answer's (the engine's own lines name that one)."""
+        if not self.enabled:
+            return
+        for i, prompt in enumerate(prompts):
+            suffix = "" if len(prompts) == 1 else f"-{i}"
+            engine = "" if engine_id == request_id else f" (engine id {engine_id}{suffix})"
+            logger.info("request %s%s%s queued: %s, params: %s", request_id, suffix, engine, self._prompt(prompt),
+                        params)
+
+    def _prompt(self, prompt: PromptInput) -> str:
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+        ids = None if isinstance(prompt, str) else prompt.get("prompt_token_ids")
+        shown = [f"prompt: {self._cut(text)!r}"] if text is not None else []
+        if ids is not None:
+            shown.append(f"prompt_token_ids: {self._cut(list(ids))} ({len(ids)} tokens)")
+        return ", ".join(shown)
+
+    def _cut(self, value: Any) -> Any:
+        return value if self.max_log_len is None else value[:self.max_log_len]
+
+    def watched(self, request_id: str, stream: AsyncGenerator[list[RequestOutput], None]
+                ) -> AsyncGenerator[list[RequestOutput], None]:
+        """``stream``, logged if requests are: once it ends, a line for each of its requests."""
+        return self._watched(request_id, stream) if self.enabled else stream
+
+    async def _watched(self, request_id: str, stream: AsyncGenerator[list[RequestOutput], None]
+                       ) -> AsyncGenerator[list[RequestOutput], None]:
+        start = time.monotonic()
+        outputs: list[RequestOutput] = []
+        how = "was aborted (its client went away)"  # closed or cancelled before its end
+        try:
+            async for outputs in stream:
+                yield outputs
+            how = "finished"
+        except Exception as error:
+            how = f"failed ({type(error).__name__}: {error})"
+            raise
+        finally:
+            await stream.aclose()
+            for i, out in enumerate(outputs):
+                named = request_id if len(outputs) == 1 else f"{request_id}-{i}"
+                logger.info("request %s %s after %.3f s: %s", named, how, time.monotonic() - start, _counts(out))
+
+
+def _counts(out: RequestOutput) -> str:
+    reasons = ", ".join(str(s.finish_reason) for s in out.outputs if s.finish_reason is not None) or "none"
+    num_output = sum(len(s.token_ids) for s in out.outputs)
+    return (f"{len(out.prompt_token_ids)} prompt tokens ({out.num_cached_tokens} cached), {num_output} output "
+            f"tokens, finish reasons: {reasons}")
