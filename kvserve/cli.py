@@ -70,12 +70,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvserve.cli_serve import engine_config, model_to_serve, server_settings
     from kvserve.router.launch import check_data_parallel_flags
-    from kvserve.server.launch import serve
 
+    model_to_serve(args)
     check_data_parallel_flags(args)
+    # every value checked before the server's imports (FastAPI, transformers: seconds) and before replicas start
+    config, settings = engine_config(args), server_settings(args)
     if args.data_parallel_size == 1:
-        return serve(args)
+        from kvserve.server.launch import serve
+
+        return serve(args, config, settings)
     from kvserve.router.launch import serve_data_parallel
 
     if args.data_parallel_size < 1 or args.port == 0:

@@ -1,20 +1,40 @@
-"""The flags of ``kvserve serve``: the server's own, then every engine option.
+"""The flags of ``kvserve serve`` (the server's own, then every engine option) and what they make: the engine's
+configuration and the server's settings, each refused here, by name, before the model loads.
 
 Apart from ``server/launch.py``, which runs the server, so that defining them (and ``kvserve serve --help``)
-imports neither FastAPI and uvicorn nor transformers and torch: ``cli.py`` imports ``server.launch`` only when
-``serve`` runs.
+imports neither FastAPI and uvicorn nor transformers and torch, and a bad value is refused before those imports:
+``cli.py`` imports ``server.launch`` only when ``serve`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Any, Sequence
 
+from kvserve.config import DEFAULT_MODEL, EngineConfig
 from kvserve.engine_args import EngineArgs
 from kvserve.logs import add_log_arguments
-from kvserve.server.cors import add_cors_arguments
-from kvserve.server.request_log import add_request_log_arguments
-from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
+from kvserve.server.cors import CorsPolicy, add_cors_arguments
+from kvserve.server.environment import api_key
+from kvserve.server.request_log import RequestLog, add_request_log_arguments
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings
 from kvserve.server.tools import TOOL_CALL_PARSERS
+
+# vLLM's flags that kvserve has under another name, or not at all -> what to do instead; refused with that
+VLLM_ONLY_FLAGS = {
+    "--model": "give the model as the first argument: kvserve serve MODEL",
+    "--swap-space": "preempted requests keep their KV in host memory with --preemption-mode swap, whose room is "
+                    "--kv-offload-memory GiB",
+    "--uvicorn-log-level": "--log-level sets kvserve's and uvicorn's logs",
+    "--trust-remote-code": "kvserve runs no code of a checkpoint's own (`kvserve models` and the README list the "
+                           "model families it runs); drop the flag",
+    "--enable-lora": "kvserve serves no LoRA adapters",
+    "--lora-modules": "kvserve serves no LoRA adapters",
+    "--disable-log-requests": "requests are logged only with --enable-log-requests; drop the flag",
+    "--pipeline-parallel-size": "kvserve splits a model over processes with --tensor-parallel-size, and runs "
+                                "replicas with --data-parallel-size",
+}
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,4 +62,63 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the format of the model's own tool calls, read under tool_choice auto (auto: the one "
                              "the chat template uses; hermes where the template takes no tools; default: "
                              "%(default)s)")
+    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                        help="vLLM's, taken for its tool-calling recipes: kvserve always serves tool_choice 'auto' "
+                             "(default: on; off is refused)")
     EngineArgs.add_cli_args(parser)
+    # MODEL not given: the default model, unless --served-model-name took it for a name (``model_to_serve``)
+    parser.set_defaults(model=None)
+    for flag, instead in VLLM_ONLY_FLAGS.items():
+        parser.add_argument(flag, action=_RefusedAsVllms, nargs="*", help=argparse.SUPPRESS, instead=instead)
+
+
+class _RefusedAsVllms(argparse.Action):
+    """A vLLM flag kvserve does not take: the usage error names it and says what to do instead."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, instead: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        raise argparse.ArgumentError(self, f"vLLM's, not kvserve's: {self.instead}")
+
+
+def model_to_serve(args: argparse.Namespace) -> None:
+    """Fill in MODEL: the packaged default model where none was given; refused where none was given and
+    ``--served-model-name`` took several words, the last of them likely meant as MODEL (the flag takes every
+    word after it)."""
+    if args.model is not None:
+        return
+    names = args.served_model_name or []
+    if len(names) > 1:
+        raise ValueError(f"no MODEL was given, and --served-model-name took {' '.join(names)}: give MODEL first "
+                         f"(kvserve serve MODEL --served-model-name NAME...), or end the names with -- before "
+                         f"MODEL; to serve the default model under several names, name it: kvserve serve "
+                         f"{DEFAULT_MODEL} --served-model-name {' '.join(names)}")
+    args.model = DEFAULT_MODEL
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from the flags; raises ValueError for a bad value before anything loads. A
+    server lays out a GGUF's dense copies after /health answers (``ModelConfig.dense_layouts_in_background``)."""
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dense_layouts_in_background=True))
+
+
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from the flags; raises ValueError for a bad value."""
+    if not args.enable_auto_tool_choice:
+        raise ValueError("--no-enable-auto-tool-choice: kvserve always serves tool_choice 'auto' (the model's own "
+                         "calls, read by --tool-call-parser); a client that wants none sends tool_choice 'none'")
+    return ServerSettings(
+        served_model_names=tuple(args.served_model_name or [args.model]),
+        model_root=args.model,
+        api_key=api_key(args.api_key),
+        max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        tool_call_parser=args.tool_call_parser,
+        cors=CorsPolicy.from_cli_args(args),
+        request_log=RequestLog.from_cli_args(args),
+    )

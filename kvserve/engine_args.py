@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import numbers
 import os
 from dataclasses import dataclass, field
@@ -120,11 +121,13 @@ class EngineArgs:
     kv_cache_memory: float | None = _option(None, "GiB for the KV cache (default: 2 GiB on CPU; on CUDA "
                                             "--gpu-memory-utilization of the free memory)", float)
     gpu_memory_utilization: float = _option(CacheConfig.gpu_memory_utilization,
-                                            "fraction of free CUDA memory the KV cache may take", float)
+                                            "fraction of the CUDA memory free once the weights are loaded that "
+                                            "the KV cache takes (unlike vLLM's, whose fraction is of the whole "
+                                            "GPU for the whole instance)", float)
     kv_cache_dtype: str = _option(CacheConfig.kv_cache_dtype,
                                   f"how KV blocks are stored: {' | '.join(KV_CACHE_DTYPES)} ('auto': the model's "
                                   "dtype; the others quantize per token and KV head, holding ~4x / ~4x / ~7x the "
-                                  "tokens of fp32 in the same memory)", str)
+                                  "tokens of fp32 in the same memory)", str, KV_CACHE_DTYPES)
     overlap_scheduling: bool = _option(SchedulerConfig.overlap_scheduling,
                                        "CUDA: schedule and queue the next decode step while one runs, its input "
                                        "ids taken from the sampled tokens on the GPU (SGLang's overlap schedule; "
@@ -192,6 +195,20 @@ class EngineArgs:
             _check_kind(option, value)
             object.__setattr__(self, option.name, value)
 
+    @classmethod
+    def with_speculative_config(cls, options: dict[str, Any], speculative_config: Any) -> dict[str, Any]:
+        """``options`` with vLLM's ``speculative_config`` dict folded in (None: none given); ValueError where an
+        option given as well says otherwise."""
+        if speculative_config is None:
+            return options
+        merged = dict(options)
+        for key, value in cls.speculative_options(speculative_config).items():
+            if merged.get(key) is not None and merged[key] != value:
+                raise ValueError(f"{key}={merged[key]!r} and speculative_config's {value!r} disagree: give it "
+                                 "one way")
+            merged[key] = value
+        return merged
+
     @staticmethod
     def speculative_options(speculative_config: dict[str, Any]) -> dict[str, Any]:
         """vLLM's ``speculative_config`` dict as our flat options; an unknown key is a ValueError naming it."""
@@ -211,8 +228,7 @@ class EngineArgs:
                               quantization=self.quantization, quantize_activations=self.quantize_activations,
                               enforce_eager=self.enforce_eager, load_format=self.load_format,
                               cpu_offload_gb=self.cpu_offload_gb,
-                              attention_backend=self.attention_backend
-                              or os.environ.get(ATTENTION_BACKEND_ENV_VAR) or None,
+                              attention_backend=self.attention_backend or _attention_backend_from_environment(),
                               chat_template=_chat_template_text(self.chat_template),
                               generation_config=self.generation_config),
             cache=CacheConfig(
@@ -287,12 +303,17 @@ class EngineArgs:
             else:
                 action = group.add_argument("--" + option.name.replace("_", "-"), **kwargs)
             action.help = kwargs["help"]  # as written here, whatever the action adds to it
+        group.add_argument("--speculative-config", type=_json_object, default=None,
+                           help="vLLM's speculation options as JSON, e.g. '{\"method\": \"ngram\", "
+                                "\"num_speculative_tokens\": 4}' (keys: " + ", ".join(_SPECULATIVE_CONFIG_KEYS)
+                                + "; the --speculative-method flags otherwise)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """The options parsed by a parser that ``add_cli_args`` filled; skipped ones keep their defaults
-        unless the command's own flag of that name set them."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+        """The options parsed by a parser that ``add_cli_args`` filled (``--speculative-config`` folded in);
+        skipped ones keep their defaults unless the command's own flag of that name set them."""
+        options = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**cls.with_speculative_config(options, getattr(args, "speculative_config", None)))
 
 
 # What each option's values must be, by its flag's type (None: a boolean flag)
@@ -338,6 +359,24 @@ def _help_with_default(option: dataclasses.Field) -> str:
         return text
     shown = ("on" if option.default else "off") if option.metadata["type"] is None else option.default
     return f"{text} (default: {shown})"
+
+
+def _json_object(text: str) -> Any:
+    """A flag's JSON value (``--speculative-config``), or argparse's error saying why it is none."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+
+
+def _attention_backend_from_environment() -> str | None:
+    """``$KVSERVE_ATTENTION_BACKEND``, or None; a value that names no backend is a ValueError naming the
+    variable (no flag was given to name)."""
+    value = os.environ.get(ATTENTION_BACKEND_ENV_VAR) or None
+    if value is not None and value not in ATTENTION_BACKENDS:
+        raise ValueError(f"${ATTENTION_BACKEND_ENV_VAR}={value!r} names no attention backend; expected one of "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    return value
 
 
 def _given_or(value: int | None, default: int) -> int:

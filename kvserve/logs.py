@@ -21,7 +21,7 @@ def add_log_arguments(parser: argparse.ArgumentParser, access_log: bool = True) 
                         help="kvserve's and uvicorn's logs (default: %(default)s)")
     if access_log:
         parser.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
-                            help="no line for each HTTP request (kvserve's own INFO lines stay)")
+                            help="no line for each HTTP request (kvserve's own INFO lines stay; default: off)")
 
 
 def configure_logging(level: str) -> None:

@@ -112,7 +112,8 @@ class EngineReplica:
 
     def __init__(self, options: dict[str, str]) -> None:
         from kvserve.server.app import build_app
-        from kvserve.server.launch import engine_config, load_engine, server_settings
+        from kvserve.cli_serve import engine_config, server_settings
+        from kvserve.server.launch import load_engine
         from kvserve.server.state import ServerState
 
         args = serve_arguments(options)

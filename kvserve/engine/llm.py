@@ -30,13 +30,8 @@ class LLM:
         an unknown one is a TypeError that names it, a bad value a ValueError that names it. vLLM's
         ``speculative_config={"method": "ngram", "num_speculative_tokens": K, ...}`` (or ``{"method": "draft",
         "model": PATH, ...}``) is accepted too."""
-        speculative_config = engine_options.pop("speculative_config", None)
-        if speculative_config is not None:
-            for key, value in EngineArgs.speculative_options(speculative_config).items():
-                if engine_options.get(key, value) != value:
-                    raise ValueError(f"{key}={engine_options[key]!r} and speculative_config's {value!r} disagree: "
-                                     "give it one way")
-                engine_options[key] = value
+        engine_options = EngineArgs.with_speculative_config(engine_options,
+                                                            engine_options.pop("speculative_config", None))
         config = EngineArgs(model=model, **engine_options).create_engine_config()
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()

@@ -33,7 +33,8 @@ from kvserve.router.ray_replicas import RayReplicas
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
 from kvserve.server.cors import CorsPolicy, add_cors_arguments
 from kvserve.server.sockets import MAX_PORT, http_url, listening_socket, raise_open_file_limit
-from kvserve.server.state import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, api_key
+from kvserve.server.environment import API_KEY_ENV, api_key, warn_of_vllm_environment
+from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ def build_router(urls: list[str], args: argparse.Namespace) -> Router:
 
 def run_router(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    warn_of_vllm_environment()
     _run(build_router(args.worker, args), listening_socket(args.host, args.port), args)
     return 0
 

@@ -41,7 +41,7 @@ def add_cors_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=_json_strings, default=list(ANY), metavar="JSON",
                             help=f"the {what} a web page's scripts may use, a JSON array (default: [\"*\"], any)")
     parser.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
-                        help="let cross-origin requests carry cookies and HTTP authentication")
+                        help="let cross-origin requests carry cookies and HTTP authentication (default: off)")
 
 
 def _json_strings(text: str) -> list[str]:

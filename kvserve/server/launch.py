@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import socket
@@ -27,13 +26,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
-from kvserve.engine_args import EngineArgs
 from kvserve.logs import configure_logging, uvicorn_logging
 from kvserve.server.app import build_app
-from kvserve.server.cors import CorsPolicy
-from kvserve.server.request_log import RequestLog
+from kvserve.server.environment import warn_of_vllm_environment
 from kvserve.server.sockets import http_url, listening_socket, raise_open_file_limit
-from kvserve.server.state import ServerSettings, ServerState, api_key
+from kvserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -44,32 +41,12 @@ CONNECTION_CLOSE_SECONDS = 5.0  # after the drain: how long uvicorn waits for re
 USER_ERRORS = (ValueError, FileNotFoundError)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's configuration from the flags; raises ValueError for a bad value before anything loads. A
-    server lays out a GGUF's dense copies after /health answers (``ModelConfig.dense_layouts_in_background``)."""
-    config = EngineArgs.from_cli_args(args).create_engine_config()
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, dense_layouts_in_background=True))
-
-
-def server_settings(args: argparse.Namespace) -> ServerSettings:
-    return ServerSettings(
-        served_model_names=tuple(args.served_model_name or [args.model]),
-        model_root=args.model,
-        api_key=api_key(args.api_key),
-        max_waiting=args.max_waiting,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_timeout=args.shutdown_timeout,
-        tool_call_parser=args.tool_call_parser,
-        cors=CorsPolicy.from_cli_args(args),
-        request_log=RequestLog.from_cli_args(args),
-    )
-
-
-def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM / SIGINT; 0 after a clean drain, 1 if the model failed to load."""
+def serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSettings) -> int:
+    """Run the server (``cli_serve``'s ``engine_config`` and ``server_settings`` of the flags) until SIGTERM /
+    SIGINT; 0 after a clean drain, 1 if the model failed to load."""
     configure_logging(args.log_level)
-    config = engine_config(args)
-    state = ServerState(server_settings(args))
+    warn_of_vllm_environment()
+    state = ServerState(settings)
     sock = listening_socket(args.host, args.port)
     raise_open_file_limit()
     url = http_url(*sock.getsockname()[:2])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Iterator
@@ -17,12 +16,6 @@ if TYPE_CHECKING:
     from kvserve.server.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-API_KEY_ENV = "KVSERVE_API_KEY"  # the key where no --api-key is given: out of `ps`, and inherited by local replicas
-
-
-def api_key(flag: str | None) -> str | None:
-    """The API key to require: ``--api-key``, else ``$KVSERVE_API_KEY`` (empty: none), else none."""
-    return flag if flag is not None else (os.environ.get(API_KEY_ENV) or None)
 
 
 @dataclass(frozen=True)

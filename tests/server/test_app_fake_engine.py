@@ -392,12 +392,15 @@ def test_a_value_echoed_in_an_error_is_cut_short(srv: InProcessServer) -> None:
 
 
 def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch) -> None:
-    """On the command line a key is in `ps` for every local user (and in each replica's arguments)."""
-    from kvserve.server.state import api_key
+    """On the command line a key is in `ps` for every local user (and in each replica's arguments); a
+    deployment moved from vLLM with its $VLLM_API_KEY does not start open."""
+    from kvserve.server.environment import api_key
 
+    monkeypatch.setenv("VLLM_API_KEY", "vllms")
+    assert api_key(None) == "vllms"
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
     assert api_key(None) == "from-env" and api_key("flag") == "flag"
-    monkeypatch.setenv("KVSERVE_API_KEY", "")
+    monkeypatch.setenv("KVSERVE_API_KEY", "")  # set empty: no key, whatever vLLM's says
     assert api_key(None) is None
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from kvserve.cli import build_parser
-from kvserve.server.launch import server_settings
+from kvserve.cli_serve import server_settings
 from kvserve.server.request_log import RequestLog
 from tests.server.test_app_fake_engine import MODEL, InProcessServer, wait_until
 
