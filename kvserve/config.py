@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvserve.extras import check_ray_installed
 from kvserve.kv.encodings import KV_ENCODING_NAMES
 from kvserve.sampling_params import is_seed
 
@@ -253,6 +254,8 @@ class ParallelConfig:
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.tensor_parallel_size > 1:
+            check_ray_installed("--distributed-executor-backend ray")  # before the checkpoint loads
 
 
 @dataclass(frozen=True)

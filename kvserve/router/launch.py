@@ -32,7 +32,7 @@ from kvserve.logs import add_log_arguments, configure_logging, uvicorn_logging
 from kvserve.router.ray_replicas import RayReplicas
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
 from kvserve.server.cors import CorsPolicy, add_cors_arguments
-from kvserve.server.sockets import MAX_PORT, http_url, listening_socket, raise_open_file_limit
+from kvserve.server.sockets import LISTEN_FD_ENV, MAX_PORT, http_url, listening_socket, raise_open_file_limit
 from kvserve.server.environment import API_KEY_ENV, api_key, warn_of_vllm_environment
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
@@ -40,6 +40,10 @@ from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 logger = logging.getLogger(__name__)
 
 ROUTER_HELP = "route OpenAI requests to kvserve replicas, cache-aware"
+LOCAL_HOST = "127.0.0.1"  # where local replicas listen: only their router reaches them
+# after a replica's --shutdown-timeout: its uvicorn's close of the answers it aborted, and their way through the
+# router, which stops waiting for its connections after that
+REPLICA_CLOSE_SECONDS = 10.0
 
 
 def main(argv: list[str]) -> int:
@@ -109,12 +113,18 @@ def run_router(args: argparse.Namespace) -> int:
 
 class RouterServer(uvicorn.Server):
     """uvicorn, which also stops once ``should_stop()`` says so (checked on each of uvicorn's ticks);
-    ``stopped_by_check`` then tells that stop from one by a signal."""
+    ``stopped_by_check`` then tells that stop from one by a signal. ``on_shutdown`` runs as its shutdown begins."""
 
-    def __init__(self, config: uvicorn.Config, should_stop: Callable[[], bool]) -> None:
+    def __init__(self, config: uvicorn.Config, should_stop: Callable[[], bool],
+                 on_shutdown: Callable[[], None] = lambda: None) -> None:
         super().__init__(config)
         self.should_stop = should_stop
+        self.on_shutdown = on_shutdown
         self.stopped_by_check = False
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.on_shutdown()
+        await super().shutdown(sockets)
 
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):  # a signal first: ^C also reaches the replicas, which then exit
@@ -124,15 +134,19 @@ class RouterServer(uvicorn.Server):
 
 
 def _run(router: Router, sock: socket.socket, args: argparse.Namespace,
-         should_stop: Callable[[], bool] = lambda: False) -> bool:
+         should_stop: Callable[[], bool] = lambda: False, on_shutdown: Callable[[], None] = lambda: None,
+         shutdown_seconds: float | None = None) -> bool:
     """Serve ``router`` on ``sock`` until a signal, or until ``should_stop()``: True in that case. ``args``: the
-    routing policy, the log level and the CORS policy."""
+    routing policy, the log level and the CORS policy; ``on_shutdown`` runs as the shutdown begins, which waits
+    for open connections up to ``shutdown_seconds`` (None: until they close)."""
     host, port = sock.getsockname()[:2]
     raise_open_file_limit()
     logger.info("kvserve router on %s -> %s (%s)", http_url(host, port), ", ".join(r.url for r in router.replicas),
                 args.routing_policy)
     app = router_app(router, CorsPolicy.from_cli_args(args))
-    server = RouterServer(uvicorn.Config(app, **uvicorn_logging(args.log_level, access_log=False)), should_stop)
+    config = uvicorn.Config(app, timeout_graceful_shutdown=shutdown_seconds,
+                            **uvicorn_logging(args.log_level, access_log=False))
+    server = RouterServer(config, should_stop, on_shutdown)
     server.run(sockets=[sock])
     return server.stopped_by_check
 
@@ -197,18 +211,27 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
         replicas: LocalReplicas | RayReplicas = RayReplicas(replica_argv, size, args.port + 1, args.ray_address,
                                                             args.replica_cpus, replica_env)
     else:
-        replicas = LocalReplicas(replica_argv, [args.port + 1 + i for i in range(size)], replica_env)
+        # every replica's port taken here, before any starts, and handed to it: a port in use stops nothing yet,
+        # and no other server can take one while its replica loads (the router would route to that server)
+        sockets = [listening_socket(LOCAL_HOST, args.port + 1 + i) for i in range(size)]
+        replicas = LocalReplicas(replica_argv, sockets, replica_env)
     router = build_router(replicas.urls, args)
     if isinstance(replicas, RayReplicas):
         replicas.supervise(router)
     exit_codes = replicas.exit_codes if isinstance(replicas, LocalReplicas) else lambda: None
+    # the replicas drain as the router's shutdown begins (their streams, which the router waits for, end within
+    # --shutdown-timeout), not once the router has waited for every stream to end by itself
+    stopping = threading.Thread(target=replicas.stop, name="kvserve-replicas-stop")
     # uvicorn re-raises the signal that stopped it once it has shut down: ignored here, so that the replicas
     # are stopped below instead of being left running by a process killed on the spot
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        replicas_gone = _run(router, sock, args, should_stop=lambda: exit_codes() is not None)
+        replicas_gone = _run(router, sock, args, should_stop=lambda: exit_codes() is not None,
+                             on_shutdown=stopping.start, shutdown_seconds=args.shutdown_timeout + REPLICA_CLOSE_SECONDS)
     finally:
-        replicas.stop()
+        if stopping.ident is None:  # the router never began its shutdown
+            stopping.start()
+        stopping.join()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if replicas_gone:
@@ -230,13 +253,18 @@ def replica_command(args: argparse.Namespace, argv: list[str]) -> tuple[list[str
 
 
 class LocalReplicas:
-    """Replica processes on this machine, one port each, with ``env`` added to this process's environment."""
+    """Replica processes on this machine, each serving on one of ``sockets`` (listening on ``LOCAL_HOST``), which
+    it inherits; with ``env`` added to this process's environment."""
 
-    def __init__(self, argv: list[str], ports: list[int], env: dict[str, str]) -> None:
-        self.urls = [f"http://127.0.0.1:{port}" for port in ports]
+    def __init__(self, argv: list[str], sockets: list[socket.socket], env: dict[str, str]) -> None:
+        ports = [sock.getsockname()[1] for sock in sockets]
+        self.urls = [http_url(LOCAL_HOST, port) for port in ports]
         self.processes = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--port", str(port)],
-                                           env={**os.environ, **env}, preexec_fn=die_with_parent)
-                          for port in ports]
+                                           env={**os.environ, **env, LISTEN_FD_ENV: str(sock.fileno())},
+                                           pass_fds=(sock.fileno(),), preexec_fn=die_with_parent)
+                          for sock, port in zip(sockets, ports)]
+        for sock in sockets:
+            sock.close()  # the replica's now
 
     def exit_codes(self) -> list[int] | None:
         """Every replica's exit code once all of them have exited; None while any runs."""

@@ -319,7 +319,8 @@ class UpstreamResponse:
                 if self._closed:  # close() while a receive() waited: the caller asked for the end
                     return b""
                 self.close()
-                raise UpstreamLost(f"{self._origin.host}:{self._origin.port} broke off the answer ({lost!r})")
+                why = f" ({lost!r})" if lost is not None else ""  # None: the replica closed the connection
+                raise UpstreamLost(f"{self._origin.host}:{self._origin.port} broke off the answer{why}")
             self._buffer += data
         return b""
 

@@ -29,7 +29,7 @@ from kvserve.config import EngineConfig
 from kvserve.logs import configure_logging, uvicorn_logging
 from kvserve.server.app import build_app
 from kvserve.server.environment import warn_of_vllm_environment
-from kvserve.server.sockets import http_url, listening_socket, raise_open_file_limit
+from kvserve.server.sockets import http_url, raise_open_file_limit, serving_socket
 from kvserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSettin
     configure_logging(args.log_level)
     warn_of_vllm_environment()
     state = ServerState(settings)
-    sock = listening_socket(args.host, args.port)
+    sock = serving_socket(args.host, args.port)
     raise_open_file_limit()
     url = http_url(*sock.getsockname()[:2])
     logger.info("loading %s; listening on %s (/health answers 503 until it is loaded)", args.model, url)

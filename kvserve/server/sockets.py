@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import socket
 
 MAX_PORT = 65535
+BACKLOG = 2048  # uvicorn's
+LISTEN_FD_ENV = "KVSERVE_LISTEN_FD"  # a socket a data-parallel replica's parent bound and listens on for it
 MAX_OPEN_FILES = 65535  # as vLLM and SGLang raise it: a connection is a file descriptor
 BODY_SECONDS = 60.0  # a request body must have come whole within this long (a 4 MiB body at 0.6 Mbit/s)
 
@@ -14,8 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host``:``port`` for uvicorn to serve on: bound before anything says it listens, so that
-    a port in use or a bad host is one ValueError naming them (the CLI prints it) instead of uvicorn's log line."""
+    """A socket listening on ``host``:``port`` for uvicorn to serve on: made before anything says it listens, so
+    that a port in use or a bad host is one ValueError naming them (the CLI prints it) instead of uvicorn's log
+    line. Listening at once: two servers may both bind one port with SO_REUSEADDR until one listens."""
     if not 0 <= port <= MAX_PORT:
         raise ValueError(f"--port must be in 0..{MAX_PORT}, got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -23,11 +27,20 @@ def listening_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(BACKLOG)
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
     sock.set_inheritable(True)
     return sock
+
+
+def serving_socket(host: str, port: int) -> socket.socket:
+    """The socket a server serves on: the one its parent made for it (``$KVSERVE_LISTEN_FD``: a data-parallel
+    replica's, made before any replica started, so that no other process could take its port meanwhile), else
+    ``listening_socket(host, port)``."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)  # not for this server's own children
+    return listening_socket(host, port) if fd is None else socket.socket(fileno=int(fd))
 
 
 def http_url(host: str, port: int) -> str:

@@ -126,7 +126,7 @@ from kvserve.router.launch import serve_data_parallel
 args = argparse.Namespace(data_parallel_size=2, data_parallel_backend="mp", port=int(sys.argv[1]), host="127.0.0.1",
                           routing_policy="round_robin", max_body_bytes=4096, upstream_timeout=600.0, api_key=None,
                           log_level="info", allowed_origins=["*"], allowed_methods=["*"], allowed_headers=["*"],
-                          allow_credentials=False)
+                          allow_credentials=False, shutdown_timeout=30.0)
 sys.exit(serve_data_parallel(args, ["router"]))  # each replica: `kvserve router` without --worker, which exits 2
 """
 
@@ -214,3 +214,17 @@ def test_a_cors_list_that_is_no_json_array_of_strings_is_a_usage_error(value: st
     with pytest.raises(SystemExit) as exited:
         main(["router", "--worker", "http://127.0.0.1:9", "--allowed-origins", value])
     assert exited.value.code == 2 and "--allowed-origins: " in capsys.readouterr().err
+
+
+def test_a_replicas_port_in_use_stops_the_deployment_before_anything_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Each replica bound its port as it started: whatever else listened there became a replica to the router,
+    which sent it half of the requests."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "/no/model", "--data-parallel-size", "2", "--port", str(port - 1)]) == 2
+    err = capsys.readouterr().err
+    assert f"kvserve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert "kvserve router on" not in err

@@ -56,6 +56,16 @@ def cluster(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
         process.kill()
 
 
+def wait_for_requests_on_replicas(url: str, count: int) -> None:
+    """Until the replicas' pages, as the router shows them, count ``count`` requests running or waiting."""
+    deadline = time.monotonic() + 60
+    while sum(sample.value for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+              if family.name in ("kvserve:num_requests_running", "kvserve:num_requests_waiting")
+              for sample in family.samples) < count:
+        assert time.monotonic() < deadline, f"{count} requests did not reach the replicas"
+        time.sleep(0.05)
+
+
 def complete(url: str, prompt: str, **extra) -> dict:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra}
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -99,11 +109,13 @@ def test_a_replica_killed_mid_run_loses_only_its_own_requests(cluster) -> None:
 
 
 def test_serve_with_data_parallel_replicas_starts_and_stops_them(checkpoint: Path, tmp_path: Path) -> None:
+    """SIGTERM drains the replicas as the router begins to stop, within --shutdown-timeout (0: what runs or waits
+    is aborted at once): the router had waited for every stream to end by itself before telling them."""
     port = free_port()
     log = open(tmp_path / "dp.log", "w")
     process = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", *serve_flags(checkpoint),
-                                "--port", str(port), "--data-parallel-size", "2"], stdout=log, stderr=log,
-                               start_new_session=True)
+                                "--port", str(port), "--data-parallel-size", "2", "--shutdown-timeout", "0",
+                                "--max-num-seqs", "1"], stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -118,6 +130,14 @@ def test_serve_with_data_parallel_replicas_starts_and_stops_them(checkpoint: Pat
         else:
             pytest.fail(f"the router was not healthy with two replicas:\n{(tmp_path / 'dp.log').read_text()}")
         assert complete(url, "hello")["choices"][0]["text"]
+        body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True}
+        with ThreadPoolExecutor(6) as pool:  # one running on each replica, the others waiting behind them
+            streams = [pool.submit(lambda: httpx.post(f"{url}/v1/completions", json=body, timeout=120).text)
+                       for _ in range(6)]
+            wait_for_requests_on_replicas(url, len(streams))
+            process.send_signal(signal.SIGTERM)
+            ends = [stream.result() for stream in streams]
+        assert any('"finish_reason":"abort"' in end for end in ends), [end[-300:] for end in ends]
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(90)

@@ -150,7 +150,9 @@ def test_combinations_not_supported_yet_are_refused_by_name(options: dict, named
 def test_the_ray_backend_without_ray_says_how_to_get_it(tiny_checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(ImportError, match=r"--distributed-executor-backend ray needs Ray: "
-                                          r"pip install 'kvserve\[ray\]'"):
+                                          r"pip install 'kvserve\[ray\]'"):  # the configuration's check
+        EngineArgs(tensor_parallel_size=2, distributed_executor_backend="ray").create_engine_config()
+    with pytest.raises(ImportError, match=r"--distributed-executor-backend ray needs Ray"):
         LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, tensor_parallel_size=2,
             distributed_executor_backend="ray")
     assert not multiprocessing.active_children()
