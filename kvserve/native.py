@@ -81,8 +81,10 @@ class KernelFunction:
 
     def __call__(self, *args: Any) -> Any:
         result = self.function(*args)
-        if _recorder is not None and _recorder[0] == threading.get_ident():
-            _recorder[1](self, args)
+        if _num_recordings:  # a thread-local lookup only while some thread records
+            record = getattr(_recordings, "record", None)
+            if record is not None:
+                record(self, args)
         return result
 
     def converted(self, args: tuple) -> tuple:
@@ -91,21 +93,28 @@ class KernelFunction:
         return tuple(a if a is None else arg_type(a) for arg_type, a in zip(self.function.argtypes, args))
 
 
-_recorder: tuple[int, Callable[[KernelFunction, tuple], None]] | None = None
+_recordings = threading.local()  # ``record``: the recording open in this thread, if any
+_num_recordings = 0  # open in any thread
+_recordings_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def recording(record: Callable[[KernelFunction, tuple], None]) -> Iterator[None]:
     """Hand every ``KernelFunction`` call this thread makes to ``record`` (the function and its arguments),
-    after the call has run. One recording at a time."""
-    global _recorder
-    if _recorder is not None:
-        raise RuntimeError("a kernel recording is already open")
-    _recorder = (threading.get_ident(), record)
+    after the call has run. One recording at a time in a thread; threads record apart (two engines of one
+    process may each record a step graph at once)."""
+    global _num_recordings
+    if getattr(_recordings, "record", None) is not None:
+        raise RuntimeError("a kernel recording is already open in this thread")
+    _recordings.record = record
+    with _recordings_lock:
+        _num_recordings += 1
     try:
         yield
     finally:
-        _recorder = None
+        _recordings.record = None
+        with _recordings_lock:
+            _num_recordings -= 1
 
 
 class KernelBuildError(RuntimeError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 import threading
 from collections.abc import Mapping, Sequence
@@ -37,6 +38,11 @@ class LLM:
         self._request_ids = itertools.count()
         # one generate at a time: calls from two threads stepped each other's requests (wrong tokens, or errors)
         self._running = threading.Lock()
+        self._pid = os.getpid()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an LLM cannot be pickled or sent to another process: make one in that process (with "
+                        "multiprocessing's spawn start method)")
 
     def __enter__(self) -> LLM:
         return self
@@ -74,6 +80,7 @@ class LLM:
             raise TypeError("prompts must be a string, a dict with 'prompt_token_ids' or 'prompt', or a list of "
                             f"them; got {type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts), self.get_default_sampling_params())
+        self._check_process()
         with self._running:
             process = self.engine.input_processor.process
             processed = [process(p, sp, cap_max_tokens=True) for p, sp in zip(prompts, params)]
@@ -158,12 +165,21 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
         return list(sampling_params)
 
+    def _check_process(self) -> None:
+        """RuntimeError in a child forked after the LLM was made: its OpenMP threads (torch's, the kernels') did
+        not come with it, and its first parallel kernel would wait for them for ever."""
+        if os.getpid() != self._pid:
+            raise RuntimeError("this LLM was made in another process (a fork): make one in this process, or start "
+                               "it with multiprocessing's spawn start method")
+
     def _run(self, request_ids: list[str], show_progress: bool,
              progress_bar: Callable[..., Any] = tqdm) -> list[RequestOutput]:
+        """Step until ``request_ids`` finish; whatever is raised meanwhile (the caller's progress bar too) aborts
+        those unfinished, so that none is left queued for the next call to run."""
         finished: dict[str, RequestOutput] = {}
-        with progress_bar(total=len(request_ids), desc="generate", disable=not show_progress) as bar, heap_frozen(), \
-                _interrupts_between_steps() as interrupted:
-            try:
+        try:
+            with progress_bar(total=len(request_ids), desc="generate", disable=not show_progress) as bar, \
+                    heap_frozen(), _interrupts_between_steps() as interrupted:
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step(final_only=True):
                         if out.finished:
@@ -171,9 +187,9 @@ class LLM:
                             bar.update(1)
                     if interrupted():
                         raise KeyboardInterrupt
-            except BaseException:
-                self.engine.abort_request(rid for rid in request_ids if rid not in finished)
-                raise
+        except BaseException:
+            self.engine.abort_request(rid for rid in request_ids if rid not in finished)
+            raise
         return [finished[rid] for rid in request_ids]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -219,6 +220,8 @@ class LLMEngine:
             block_scale=len(groups.layer_groups) // groups.group_size,
         )
         tiers = self._build_kv_tiers(runner)
+        if tiers is not None:  # an engine dropped without close() (an LLM let go) stops the tiers' I/O threads
+            weakref.finalize(self, tiers.close)  # at once: the KV manager's cycles would hold them to a collection
         kv_manager = KVCacheManager(self.num_kv_blocks, block_size, self.config.cache.enable_prefix_caching, tiers,
                                     groups)
         self._fit_max_model_len(kv_manager, sched_config.max_num_batched_tokens)

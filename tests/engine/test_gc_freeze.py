@@ -89,3 +89,23 @@ def test_the_server_engine_thread_runs_with_the_heap_frozen_and_hands_it_back_at
     finally:
         engine.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_host_that_froze_its_own_heap_or_turned_the_collector_off_is_left_to_it() -> None:
+    """A host program freezes its heap before forking workers (copy-on-write pages stay shared): ``generate``'s
+    unfreeze thawed it. One that turned the collector off got collections."""
+    gc.freeze()
+    try:
+        host_frozen = gc.get_freeze_count()
+        with heap_frozen():
+            pass
+        assert gc.get_freeze_count() >= host_frozen // 2  # still frozen (other threads may free frozen objects)
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with heap_frozen():
+            assert gc.get_freeze_count() == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -109,8 +109,8 @@ def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
 def test_bad_input_is_refused_and_leaves_nothing_queued(llm: LLM, prompt, params, message) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate(["fine", prompt], params)
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.stats()["num_blocks_used"] == 0
+    stats = llm.stats()
+    assert (stats["num_waiting"], stats["num_running"], stats["num_blocks_used"]) == (0, 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -487,3 +487,60 @@ def test_any_sequence_or_mapping_is_taken_as_its_list_or_dict(llm: LLM) -> None:
     assert as_proxy[0].outputs[0].token_ids == as_dict[0].outputs[0].token_ids
     with pytest.raises(TypeError, match="messages must be a list of messages or of conversations, got str"):
         llm.chat("hi")
+
+
+def test_a_progress_bar_that_raises_leaves_nothing_queued(llm: LLM) -> None:
+    """The call's requests were queued before its progress bar was made: a bar that raised left them for the next
+    call to run and throw away."""
+    class Broken:
+        def __init__(self, **options) -> None:
+            raise RuntimeError("progress bar broke")
+
+    with pytest.raises(RuntimeError, match="progress bar broke"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=4), use_tqdm=Broken)
+    stats = llm.stats()
+    assert (stats["num_waiting"], stats["num_running"], stats["num_blocks_used"]) == (0, 0, 0)
+
+
+def test_an_llm_in_a_forked_child_refuses_to_generate(llm: LLM) -> None:
+    """The child's OpenMP threads did not come with the fork: its first parallel kernel waited for ever."""
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what generate raised, then leave at once
+        try:
+            llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False)
+            os.write(write, b"generated")
+        except BaseException as error:
+            os.write(write, f"{type(error).__name__}: {error}".encode())
+        os._exit(0)
+    os.close(write)
+    said = os.read(read, 1000).decode()
+    os.waitpid(pid, 0)
+    os.close(read)
+    assert said.startswith("RuntimeError: this LLM was made in another process (a fork)"), said
+    assert llm.generate(["a"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_an_llm_cannot_be_pickled_and_says_so(llm: LLM) -> None:
+    import pickle
+
+    with pytest.raises(TypeError, match="an LLM cannot be pickled or sent to another process"):
+        pickle.dumps(llm)
+
+
+def test_an_llm_dropped_with_a_disk_tier_stops_its_threads_at_once(tiny_checkpoints, tmp_path) -> None:
+    """The KV manager's reference cycles held the tiers until a collection (never, with the collector off)."""
+    def tier_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("kvserve-kv-")]
+
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=32, kv_offload_dir=str(tmp_path))
+    llm.generate(["hello " * 20], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert tier_threads()
+    gc.disable()
+    try:
+        del llm
+        assert tier_threads() == []
+    finally:
+        gc.enable()
