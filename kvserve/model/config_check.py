@@ -61,3 +61,21 @@ def check_config(config: PretrainedConfig, tensor_rows: Mapping[str, int], sourc
         rows = tensor_rows.get(name)
         if rows is not None and getattr(text, field) > rows:
             raise CheckpointError(f"{source}: {field} is {getattr(text, field)}, but {name} holds {rows} rows")
+    _check_attention_rows(text, heads, kv_heads, tensor_rows, source)
+
+
+def _check_attention_rows(text: PretrainedConfig, heads: int, kv_heads: int, tensor_rows: Mapping[str, int],
+                          source: Path) -> None:
+    """The first layer's attention projections hold the rows its heads, head_dim and hidden_size make: a head_dim
+    of 2^31 was allocated for its rotary frequencies (minutes, GBs) before a weight could disagree."""
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise CheckpointError(f"{source}: head_dim must be a positive integer, got {head_dim!r}")
+    attention = "model.layers.0.self_attn."
+    for projection, field, expected in (("q_proj", "num_attention_heads x head_dim", heads * head_dim),
+                                        ("k_proj", "num_key_value_heads x head_dim", kv_heads * head_dim),
+                                        ("o_proj", "hidden_size", text.hidden_size)):
+        rows = tensor_rows.get(f"{attention}{projection}.weight")
+        if rows is not None and rows != expected:
+            raise CheckpointError(f"{source}: {field} is {expected}, but {attention}{projection}.weight holds "
+                                  f"{rows} rows")

@@ -14,6 +14,7 @@ come straight from a memory map of the file. An index that cannot be read is reb
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ import transformers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, TokenizersBackend
 from transformers.utils import CONFIG_NAME
 
+from kvserve.model.base import CheckpointError
 from kvserve.model.config_check import check_layer_count, num_gguf_blocks
 from kvserve.model.gguf_table import GGUFTensor, read_tensor_table
 from kvserve.model.packaged import cache_dir
@@ -175,9 +177,25 @@ def _build_index(path: Path) -> GGUFIndex:
 _VALUE_TYPES = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
 
 
+@functools.cache
+def _dequantizable(qtype: int) -> bool:
+    """Whether gguf dequantizes ``qtype`` (tried on one zero block: it has no list to ask)."""
+    quantization = gguf.GGMLQuantizationType(qtype)
+    try:
+        gguf.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[quantization][1]), np.uint8), quantization)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _entry(tensor: GGUFTensor, hf_name: str, processor: Any, path: Path, file_size: int) -> TensorEntry:
     """``tensor``'s entry, its array shaped as gguf's reader shapes it: values as themselves, blocks as each row's
-    bytes. ValueError where it lies past the file's end (a file cut short)."""
+    bytes. ValueError where it lies past the file's end (a file cut short); CheckpointError where it is of a type
+    the loader cannot turn into values."""
+    if not _dequantizable(tensor.qtype):  # the file is sound: said as it is, not as a damaged one
+        raise CheckpointError(f"{path}: tensor {tensor.name} is of ggml type "
+                              f"{gguf.GGMLQuantizationType(tensor.qtype).name}, which kvserve cannot read (the gguf "
+                              "package does not dequantize it)")
     if tensor.qtype in _VALUE_TYPES:
         dims, dtype = tensor.shape, np.dtype(_VALUE_TYPES[tensor.qtype])
     else:

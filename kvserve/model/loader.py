@@ -96,9 +96,13 @@ def load_checkpoint(location: ModelLocation, dtype: torch.dtype, load_format: st
 def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Checkpoint:
     config = _read_hf_config(directory)
     shards = [] if dummy else _safetensors_shards(directory)
-    stored_dtypes, tensor_rows = set(), {}
+    stored_dtypes, tensor_rows, shard_of = set(), {}, {}
     for shard in shards:
         dtypes, rows = _check_safetensors(shard)
+        if twice := sorted(set(rows) & set(tensor_rows)):  # the later copy would silently win
+            raise CheckpointError(f"{shard} holds {twice[0]}, which {shard_of[twice[0]].name} holds too"
+                                  + (f" (and {len(twice) - 1} more such tensors)" if len(twice) > 1 else ""))
+        shard_of |= dict.fromkeys(rows, shard)
         stored_dtypes |= dtypes
         tensor_rows |= rows
     check_config(config, tensor_rows, directory / "config.json")
@@ -109,7 +113,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, dummy: bool = False) -> Ch
     return Checkpoint(
         hf_config=config,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(generation.get("eos_token_id"), config, tokenizer),
+        eos_token_ids=_eos_token_ids(generation.get("eos_token_id"), config, tokenizer, directory),
         max_model_len=_max_model_len(config, directory / "config.json"),
         read_weights=partial(_read_safetensors, shards, dtype),
         dummy=dummy,
@@ -155,7 +159,8 @@ def _read_hf_config(directory: Path) -> PretrainedConfig:
 
     try:
         config = AutoConfig.from_pretrained(directory)
-    except (ValueError, OSError, KeyError, StrictDataclassError) as error:  # the last: a field's type or range
+    # the last three: a field's type or range (``"dtype": "banana"`` is an AttributeError of transformers')
+    except (ValueError, OSError, KeyError, StrictDataclassError, AttributeError, TypeError) as error:
         raise CheckpointError(f"{config_file}: transformers cannot build a config from it: {error}") from None
     return _with_architectures(config, config_file)
 
@@ -198,11 +203,15 @@ def _check_safetensors(shard: Path) -> tuple[set[torch.dtype], dict[str, int]]:
     try:
         with safe_open(shard, framework="pt") as reader:
             slices = {name: reader.get_slice(name) for name in reader.keys()}
-            dtypes = {s.get_dtype() for s in slices.values()}
             rows = {name: s.get_shape()[0] for name, s in slices.items() if s.get_shape()}
-        return {SAFETENSORS_FLOAT_DTYPES[name] for name in dtypes if name in SAFETENSORS_FLOAT_DTYPES}, rows
     except SafetensorError as error:
         raise CheckpointError(f"{shard} is not a readable safetensors file (truncated or corrupt): {error}") from None
+    # every tensor is a weight: an integer or boolean one would be cast to values it never held
+    if other := sorted((name, s.get_dtype()) for name, s in slices.items()
+                       if s.get_dtype() not in SAFETENSORS_FLOAT_DTYPES):
+        raise CheckpointError(f"{shard}: tensor {other[0][0]} is stored as {other[0][1]}; kvserve reads weights "
+                              f"stored as {', '.join(SAFETENSORS_FLOAT_DTYPES)}")
+    return {SAFETENSORS_FLOAT_DTYPES[s.get_dtype()] for s in slices.values()}, rows
 
 
 def _read_safetensors(
@@ -247,7 +256,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(
         hf_config=config,
         tokenizer=index.tokenizer,
-        eos_token_ids=_eos_token_ids(None, config, index.tokenizer),
+        eos_token_ids=_eos_token_ids(None, config, index.tokenizer, path),
         max_model_len=_max_model_len(config, path),
         read_weights=partial(_read_gguf, path, index, dtype),
         is_gguf=True,
@@ -329,13 +338,22 @@ def _with_architectures(config: PretrainedConfig, source: Path) -> PretrainedCon
     return config
 
 
-def _eos_token_ids(
-    generation_eos: int | list[int] | None, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
-) -> frozenset[int]:
-    """The first source that names any: generation_config.json, then the model config, then the tokenizer."""
-    for eos in (generation_eos, getattr(config, "eos_token_id", None), tokenizer.eos_token_id):
-        if eos is not None:
-            return frozenset([eos] if isinstance(eos, int) else eos)
+def _eos_token_ids(generation_eos: Any, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
+                   source: Path) -> frozenset[int]:
+    """The first source that names any: generation_config.json, then the model config, then the tokenizer;
+    CheckpointError naming the source (``source``: the model's directory or file) where that is no token id of
+    the vocabulary, nor a list of them: a string was taken for its characters, an id past the vocabulary failed
+    every step that asked for min_tokens."""
+    vocab_size = config.get_text_config().vocab_size
+    for eos, where in ((generation_eos, "generation_config.json"), (getattr(config, "eos_token_id", None), "config"),
+                       (tokenizer.eos_token_id, "tokenizer")):
+        if eos is None:
+            continue
+        ids = [eos] if isinstance(eos, int) else eos
+        if not isinstance(ids, list) or not all(type(i) is int and 0 <= i < vocab_size for i in ids):
+            raise CheckpointError(f"{source}: the {where}'s eos_token_id must be a token id, or a list of them, in "
+                                  f"[0, {vocab_size}); got {eos!r}")
+        return frozenset(ids)
     return frozenset()
 
 

@@ -9,6 +9,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionInputs
 from kvserve.kv.storage import KVCacheStorage
+from kvserve.model.layers.rotary import rope_table_positions
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.cuda_graph import CudaStepGraphs
 
@@ -40,7 +41,7 @@ def step_graphs_for(model: torch.nn.Module, backend: AttentionBackend, kv: KVCac
         return None
     windows = group_windows or [model.sliding_windows()]
     if device.type == "cpu":
-        return CpuStepGraphs(model, backend, kv, windows, max_blocks, model.config.max_position_embeddings,
+        return CpuStepGraphs(model, backend, kv, windows, max_blocks, rope_table_positions(model.config),
                              layer_groups)
     if captures_cuda_graphs(model, backend, device, enforce_eager, max_num_seqs):
         return CudaStepGraphs(model, backend, kv, windows, layer_groups, max_blocks, max_num_seqs)

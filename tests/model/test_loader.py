@@ -142,6 +142,16 @@ def test_eos_ids_come_from_generation_config_first(tmp_path: Path, single_dir: P
     assert load_checkpoint(hf_location(directory), torch.float32).eos_token_ids == frozenset(expected)
 
 
+@pytest.mark.parametrize("eos", ["abc", 64, -5, [2, "x"], True])
+def test_eos_ids_that_are_no_token_ids_of_the_vocabulary_are_refused(tmp_path: Path, single_dir: Path, eos) -> None:
+    """A string was taken for its characters (the model never stopped at its EOS), an id past the vocabulary failed
+    every step that asked for min_tokens, a list of mixed kinds failed at load with a TypeError."""
+    directory = copy_dir(single_dir, tmp_path)
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    assert_load_fails(directory, str(directory), f"the generation_config.json's eos_token_id must be a token id, or "
+                                                 f"a list of them, in [0, 64); got {eos!r}")
+
+
 def test_eos_ids_fall_back_to_the_tokenizer(tmp_path: Path, single_dir: Path) -> None:
     directory = copy_dir(single_dir, tmp_path)
     config = json.loads((directory / "config.json").read_text())
@@ -170,6 +180,11 @@ def assert_load_fails(directory: Path, *fragments: str) -> None:
     ({"num_key_value_heads": 3}, "num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
     ({"num_key_value_heads": 0}, "num_key_value_heads (0)"),
     ({"hidden_size": "64"}, "transformers cannot build a config from it"),
+    ({"dtype": "banana"}, "transformers cannot build a config from it"),  # transformers' AttributeError
+    ({"head_dim": 2**31}, "num_attention_heads x head_dim is 8589934592, but model.layers.0.self_attn.q_proj.weight "
+                          "holds 64 rows"),
+    ({"hidden_size": 2**31}, "hidden_size is 2147483648, but model.layers.0.self_attn.o_proj.weight holds 64 rows"),
+    ({"head_dim": 8}, "num_attention_heads x head_dim is 32, but model.layers.0.self_attn.q_proj.weight holds 64"),
 ])
 def test_a_config_that_disagrees_with_the_tensors_fails_before_any_memory_is_spent(
         tmp_path: Path, single_dir: Path, change: dict, fragment: str) -> None:
@@ -209,6 +224,24 @@ def test_a_tied_checkpoint_that_stores_only_its_head_is_named_missing_its_embedd
     with pytest.raises(CheckpointError, match=r"missing 1 tensor.*model\.embed_tokens\.weight"):
         LLM(str(directory), dtype="float32", num_kv_blocks=16)
     assert "differs" not in caplog.text
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_a_weight_stored_as_integers_or_booleans_is_refused(tmp_path: Path, single_dir: Path, dtype) -> None:
+    """It was cast to values it never held and served."""
+    directory = copy_dir(single_dir, tmp_path)
+    tensors = load_file(directory / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = (tensors[name] * 1000).to(dtype)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    assert_load_fails(directory, f"tensor {name} is stored as {'I32' if dtype == torch.int32 else 'BOOL'}")
+
+
+def test_a_tensor_stored_in_two_files_is_refused(tmp_path: Path, single_dir: Path) -> None:
+    """The later file's copy silently won."""
+    directory = copy_dir(single_dir, tmp_path)
+    save_file({"model.norm.weight": torch.full((64,), 7.0)}, directory / "z.safetensors", metadata={"format": "pt"})
+    assert_load_fails(directory, "z.safetensors holds model.norm.weight, which model.safetensors holds too")
 
 
 def test_directory_without_config_json(tmp_path: Path, single_dir: Path) -> None:
@@ -381,6 +414,15 @@ def test_a_gguf_whose_block_count_disagrees_with_its_tensors(tmp_path: Path, ggu
     """Checked before the meta model is built: a million layers took minutes and gigabytes to fail, named as a
     truncated file; none dropped the file's layers and failed deep in the engine."""
     assert_gguf_fails(write_gguf(tmp_path / "blocks.gguf", gguf_model, block_count=block_count), fragment)
+
+
+def test_a_gguf_tensor_of_a_type_gguf_cannot_dequantize_is_refused_before_loading(
+        tmp_path: Path, gguf_model: LlamaForCausalLM) -> None:
+    """It failed after the model was built, with gguf's NotImplementedError naming no file or tensor."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    q8_1 = GGMLTensor(torch.zeros(64, 2 * 40, dtype=torch.uint8), gguf.GGMLQuantizationType.Q8_1, (64, 64))
+    path = write_gguf(tmp_path / "q8_1.gguf", gguf_model, blocks={name: q8_1})
+    assert_gguf_fails(path, "tensor blk.0.attn_q.weight is of ggml type Q8_1, which kvserve cannot read")
 
 
 def test_gguf_of_an_architecture_transformers_cannot_read(tmp_path: Path) -> None:

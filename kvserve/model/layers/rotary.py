@@ -14,7 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 # These rescale the frequencies from the longest sequence of each forward pass: a paged batch mixes
 # sequences, so one table cannot serve them.
 SEQUENCE_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
-
+MAX_ROPE_TABLE_POSITIONS = 2**17  # Llama 3.1's 128K: 64 MB of fp32 tables at head_dim 128
 
 def rope_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -42,8 +42,15 @@ def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tu
     return inv_freq, attention_factor
 
 
+def rope_table_positions(config: PretrainedConfig) -> int:
+    """The positions the rotary tables cover from the start: the model's context length, up to
+    ``MAX_ROPE_TABLE_POSITIONS`` (a config may claim 2^31, tables of tens of GB that no request reaches; a
+    longer context grows them as steps reach it, ``max_model_len`` bounding what they can)."""
+    return min(config.max_position_embeddings, MAX_ROPE_TABLE_POSITIONS)
+
+
 class RotaryEmbedding:
-    """cos/sin at any position, from tables covering ``max_position_embeddings`` (grown if a step needs more).
+    """cos/sin at any position, from tables covering ``rope_table_positions`` (grown if a step needs more).
 
     The tables are built on first use on the device and in the dtype of the step (HF casts cos/sin to the
     activation dtype before rotating), and rebuilt if either changes.
@@ -51,7 +58,7 @@ class RotaryEmbedding:
 
     def __init__(self, config: PretrainedConfig, layer_type: str | None = None) -> None:
         self.inv_freq, self.attention_scaling = rope_inv_freq(config, layer_type)
-        self.num_positions = config.max_position_embeddings
+        self.num_positions = rope_table_positions(config)
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
 
