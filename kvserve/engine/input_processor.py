@@ -97,10 +97,15 @@ class InputProcessor:
                 conversation, tools=template_tools, chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt,
             )
+        except jinja2.TemplateSyntaxError as e:  # the model's own template (one given was checked as it came)
+            raise ValueError(f"the model's chat template does not parse as Jinja: {e} (line {e.lineno}); give the "
+                             "server one that does (--chat-template)") from e
         except jinja2.TemplateError as e:  # raise_exception(...) of the template: its own words
             raise ValueError(str(e)) from e
         except Exception as e:  # the template failed on what this conversation holds: the request's fault
             raise ValueError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from e
+        if not text:  # refused later as an empty prompt_token_ids, which the client did not send
+            raise ValueError("the chat template rendered this conversation as no text at all")
         self._check_text_fits(text, "the rendered conversation")
         if not text.isascii():
             try:

@@ -105,18 +105,21 @@ class ChatServer(GenerationHandler):
             try:
                 checked_schema(tool["function"].get("parameters") or {})
             except ValueError as e:
-                raise bad_request(ValueError(f"tools[{i}].function.parameters: {e}"), param="tools") from e
+                raise bad_request(ValueError(f"tools[{i}].function.parameters: {e}"),
+                                  param=f"tools.{i}.function.parameters") from e
         constraint = tool_constraint(tools, self.tool_choice, self.body.parallel_tool_calls)
         if constraint is None:
             return
         try:
             await self.engine.compile_constraint(constraint)
         except ValueError as e:
-            raise bad_request(await self._tool_schema_error(tools, e), param="tools") from e
+            error, param = await self._tool_schema_error(tools, e)
+            raise bad_request(error, param=param) from e
 
-    async def _tool_schema_error(self, tools: list[dict[str, Any]], error: ValueError) -> ValueError:
+    async def _tool_schema_error(self, tools: list[dict[str, Any]], error: ValueError) -> tuple[ValueError, str]:
         """The error of the first tool the constraint holds calls to, placed in its parameters (``error`` placed it
-        in the array of calls that ``required`` compiles)."""
+        in the array of calls that ``required`` compiles), and the field it names, as the request's validation
+        names one (``tools.0.function.parameters``)."""
         named = self.tool_choice["function"]["name"] if isinstance(self.tool_choice, dict) else None
         for i, tool in enumerate(tools):
             if named not in (None, tool["function"]["name"]):
@@ -125,8 +128,8 @@ class ChatServer(GenerationHandler):
             try:
                 await self.engine.compile_constraint(own)
             except ValueError as e:
-                return ValueError(f"tools[{i}].function.parameters: {e}")
-        return ValueError(f"tools: {error}")
+                return ValueError(f"tools[{i}].function.parameters: {e}"), f"tools.{i}.function.parameters"
+        return ValueError(f"tools: {error}"), "tools"
 
     async def respond(self, stream: AsyncIterator[list[RequestOutput]]) -> ChatCompletionResponse:
         (out,) = await last_item(stream)

@@ -72,6 +72,16 @@ def test_a_template_that_fails_on_a_conversation_is_a_value_error(tokenizer) -> 
         render(processor_with(tokenizer, "{{ raise_exception('roles must alternate') }}"), PARTS)
 
 
+def test_a_models_template_that_does_not_parse_or_renders_nothing_is_named_as_the_templates_fault(tokenizer) -> None:
+    """Jinja's own words blamed the client's request; an empty rendering was refused as an empty
+    prompt_token_ids, which the client never sent."""
+    with pytest.raises(ValueError, match=r"the model's chat template does not parse as Jinja: .* \(line 1\); give "
+                                         r"the server one that does \(--chat-template\)"):
+        render(processor_with(tokenizer, "{% for x in %}"), PARTS)
+    with pytest.raises(ValueError, match="the chat template rendered this conversation as no text at all"):
+        render(processor_with(tokenizer, "{% if false %}x{% endif %}"), PARTS)
+
+
 @pytest.mark.parametrize("messages, tools", [
     ([{"role": "user", "content": "hi"}], [{**WEATHER, "function": {**WEATHER["function"], "description": "\ud800"}}]),
     ([{"role": "user", "content": "hi", "name": "b\ud800"}], None),

@@ -201,18 +201,20 @@ def test_a_tool_round_trip_renders_the_call_and_its_result(tool_client: openai.O
      "tool_choice 'allowed_tools' is not supported: kvserve takes 'none', 'auto', 'required' or", "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "any"}, "tool_choice 'any' is not supported", "tool_choice"),
     *(({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "foo"}}}}}], "tool_choice": choice}, fragment, "tools")
+        "type": "object", "properties": {"a": {"type": "foo"}}}}}], "tool_choice": choice}, fragment,
+       "tools.0.function.parameters")
       for choice, fragment in ((choice, "tools[0].function.parameters: no valid JSON schema") for choice in (
           "auto", "none", "required", {"type": "function", "function": {"name": "f"}}))),
     # every tool's schema is a JSON schema, whichever the named function is
     ({"tools": [*TOOLS, {"type": "function", "function": {"name": "g", "parameters": {
         "type": "object", "properties": {"a": {"type": "strin"}}}}}],
       "tool_choice": {"type": "function", "function": {"name": TOOLS[0]["function"]["name"]}}},
-     f"tools[{len(TOOLS)}].function.parameters: no valid JSON schema", "tools"),
+     f"tools[{len(TOOLS)}].function.parameters: no valid JSON schema", f"tools.{len(TOOLS)}.function.parameters"),
     # a keyword no grammar enforces is refused only where a grammar holds the calls, named in the tool's schema
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
-     "tools[0].function.parameters: the JSON schema uses 'uniqueItems' at #/properties/a", "tools"),
+     "tools[0].function.parameters: the JSON schema uses 'uniqueItems' at #/properties/a",
+     "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
      "must be a JSON schema of type object", "tools.0.function.parameters"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id", "messages.0"),
