@@ -62,6 +62,20 @@ def check_config(config: PretrainedConfig, tensor_rows: Mapping[str, int], sourc
         if rows is not None and getattr(text, field) > rows:
             raise CheckpointError(f"{source}: {field} is {getattr(text, field)}, but {name} holds {rows} rows")
     _check_attention_rows(text, heads, kv_heads, tensor_rows, source)
+    _check_positive_constants(text, source)
+
+
+def _check_positive_constants(text: PretrainedConfig, source: Path) -> None:
+    """A norm's epsilon and every rope's base frequency are positive numbers: a negative epsilon or a base of 0
+    loaded and served one token for ever (NaN everywhere)."""
+    constants = {"rms_norm_eps": getattr(text, "rms_norm_eps", None)}
+    rope = getattr(text, "rope_parameters", None) or {}
+    for key, params in ({"": rope} if "rope_theta" in rope else rope).items():  # Gemma 3's: one per layer type
+        if isinstance(params, Mapping):
+            constants[f"rope_parameters{'.' + key if key else ''}.rope_theta"] = params.get("rope_theta")
+    for field, value in constants.items():
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            raise CheckpointError(f"{source}: {field} must be a positive number, got {value!r}")
 
 
 def _check_attention_rows(text: PretrainedConfig, heads: int, kv_heads: int, tensor_rows: Mapping[str, int],
