@@ -6,13 +6,15 @@ seconds, and transformers parses the file again for the config, for the tokenize
 builds its tensor-name map once per submodule): about 30 s before the default model's first weight is read on
 2 cores. The tensor table is read by ``gguf_table`` (the metadata stepped over, not parsed); transformers still
 parses the file for the config (18 s for Gemma 3 on a slow CPU, Zen 3). The index is written by those readers
-on first use, atomically, under a key made of the file's path, size and modification time and the readers'
-versions, and read back in milliseconds afterwards; tensors then
-come straight from a memory map of the file. An index that cannot be read is rebuilt with a warning.
+on first use, atomically (synced before it is renamed into place), under a key made of the file's path, size,
+modification time, inode and change time and the readers' versions, and read back in milliseconds afterwards;
+tensors then come straight from a memory map of the file. An index that cannot be read is rebuilt with a warning;
+one no process has read for two weeks is removed when another is built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -22,12 +24,14 @@ import math
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import gguf
 import numpy as np
+import tokenizers
 import torch
 import transformers
 from transformers import PretrainedConfig, PreTrainedTokenizerBase, TokenizersBackend
@@ -42,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 # bump when the layout below changes (2: the config saved whole, read without its class; 3: with its architectures
 # and each tensor's processing; 4: the added tokens in the tokenizer's config)
-INDEX_VERSION = 4
+INDEX_VERSION = 5  # 5: the files an index holds listed in it
+UNUSED_INDEX_S = 14 * 24 * 3600
 TENSORS_FILE = "tensors.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
@@ -127,12 +132,15 @@ def load_gguf_index(path: Path) -> GGUFIndex:
     directory = _index_dir(path)
     if directory.is_dir():
         try:
-            return _read_index(directory)
-        except (OSError, ValueError, KeyError, TypeError) as error:
+            index = _read_index(directory)
+            os.utime(directory)  # in use: kept from ``_remove_unused_indexes``
+            return index
+        except Exception as error:  # whatever its readers raise (tokenizers' own parse errors are bare Exceptions)
             logger.warning("rebuilding the unreadable GGUF index %s: %s", directory, error)
             shutil.rmtree(directory, ignore_errors=True)
     index = _build_index(path)
     _write_index(index, directory)
+    _remove_unused_indexes(directory.parent)
     return index
 
 
@@ -142,10 +150,29 @@ def index_root() -> Path:
 
 
 def _index_dir(path: Path) -> Path:
+    """The index's folder, keyed by the file as the filesystem knows it (a file replaced in place with its size
+    and modification time kept, as ``cp -p`` and ``rsync -t`` leave it, is a new inode or a new change time) and
+    by the readers that built the index."""
     stat = path.stat()
-    key = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, INDEX_VERSION, transformers.__version__,
+    key = json.dumps([str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_ctime_ns,
+                      INDEX_VERSION, transformers.__version__, tokenizers.__version__,
                       getattr(gguf, "__version__", "")])
     return index_root() / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _remove_unused_indexes(root: Path) -> None:
+    """Remove the indexes no process has read for ``UNUSED_INDEX_S`` (each read sets its folder's modification
+    time): each re-pulled, moved or replaced file, and each upgrade of the readers, left one for good (Gemma 3's
+    holds 33 MB)."""
+    now = time.time()
+    try:
+        folders = list(root.iterdir())
+    except OSError:  # no folder to keep indexes in (``_write_index`` said why)
+        return
+    for folder in folders:
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and now - folder.stat().st_mtime > UNUSED_INDEX_S:
+                shutil.rmtree(folder)
 
 
 def _build_index(path: Path) -> GGUFIndex:
@@ -222,7 +249,10 @@ def _write_index(index: GGUFIndex, directory: Path) -> None:
         index.tokenizer.save_pretrained(staging)
         _keep_added_tokens(staging / TOKENIZER_CONFIG, index.tokenizer)
         entries = [dataclasses.asdict(entry) for entry in index.tensors]
-        (staging / TENSORS_FILE).write_text(json.dumps({"architecture": index.architecture, "tensors": entries}))
+        files = sorted(p.name for p in staging.iterdir())  # what a read must find (a chat template's file too)
+        (staging / TENSORS_FILE).write_text(json.dumps({"architecture": index.architecture, "tensors": entries,
+                                                        "files": files}))
+        _synced(staging)
         os.replace(staging, directory)
     except OSError as error:
         if staging is not None:
@@ -230,6 +260,19 @@ def _write_index(index: GGUFIndex, directory: Path) -> None:
         if not directory.is_dir():  # else another process has just written the same index
             logger.warning("could not keep the GGUF index in %s (%s); the next start parses the file again",
                            directory, error)
+
+
+def _synced(folder: Path) -> None:
+    """Every file of ``folder`` and the folder itself on the disk before it is renamed into place: after a crash a
+    renamed folder of empty files would be read as an index."""
+    for file in folder.iterdir():
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _keep_added_tokens(config_file: Path, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -244,6 +287,8 @@ def _keep_added_tokens(config_file: Path, tokenizer: PreTrainedTokenizerBase) ->
 
 def _read_index(directory: Path) -> GGUFIndex:
     listing = json.loads((directory / TENSORS_FILE).read_text())
+    if missing := sorted(set(listing["files"]) - {p.name for p in directory.iterdir()}):
+        raise FileNotFoundError(f"the index has lost {', '.join(missing)}")
     tensors = tuple(
         TensorEntry(e["name"], e["hf_name"], e["qtype"], tuple(e["dims"]), e["dtype"], e["offset"],
                     _read_processing(e["processing"]))

@@ -18,6 +18,7 @@ from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
 from kvserve.model.deferred_layout import DeferredLayouts
 from kvserve.model.identity import model_identity
+from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.ggml_qdot import QDotGemm
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
@@ -175,9 +176,11 @@ class ModelRunner:
 
     def model_identity(self) -> str:
         """A fingerprint of the loaded weights, the model's configuration and what shapes their KV (device, dtypes,
-        weight format, attention backend): KV tiers on disk use blocks written under the same fingerprint only."""
+        weight format, attention backend, fused ops: the C kernels' rounding is not their twin's): KV tiers on disk
+        use blocks written under the same fingerprint only."""
+        fused = next((type(m.ops).__name__ for m in self.model.modules() if isinstance(m, UsesFusedOps)), "none")
         extra = "|".join((type(self.model).__name__, self.device.type, str(self.dtype), self.weights_format(),
-                          type(self.backend).__name__))
+                          type(self.backend).__name__, fused))
         return model_identity(itertools.chain(self.model.named_parameters(), self.model.named_buffers()), extra,
                               self.model.config.to_dict())
 

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -68,6 +69,45 @@ def test_an_unreadable_index_is_rebuilt_with_a_warning(gguf_file: Path, caplog) 
         _, again = load(gguf_file)
     assert "rebuilding the unreadable GGUF index" in caplog.text
     assert all(torch.equal(again[n], weights[n]) for n in weights)
+
+
+@pytest.mark.parametrize("damage", ["tokenizer.json cut short", "chat template gone"])
+def test_an_index_with_a_damaged_or_lost_file_is_rebuilt(gguf_file: Path, caplog, damage: str) -> None:
+    """tokenizers' parse errors are bare Exceptions: a torn tokenizer.json failed every later load, named as a
+    damaged GGUF; a lost template file loaded the model without its chat template."""
+    checkpoint = load_checkpoint(gguf_location(gguf_file), torch.float32)
+    directory = gguf_index._index_dir(gguf_file)
+    if damage == "chat template gone":
+        (directory / "chat_template.jinja").unlink()
+    else:
+        (directory / "tokenizer.json").write_text((directory / "tokenizer.json").read_text()[:100])
+    with caplog.at_level(logging.WARNING):
+        again = load_checkpoint(gguf_location(gguf_file), torch.float32)
+    assert "rebuilding the unreadable GGUF index" in caplog.text
+    assert again.tokenizer.chat_template == checkpoint.tokenizer.chat_template is not None
+
+
+def test_a_file_replaced_with_its_size_and_time_kept_gets_an_index_of_its_own(gguf_file: Path, tmp_path: Path) -> None:
+    """As ``cp -p`` and ``rsync -t`` replace it: the old file's index (its config, its offsets) was served."""
+    load(gguf_file)
+    other = write_gguf(tmp_path / "other.gguf", tiny_llama(vocab_size=len(byte_level_tokens()[0]),
+                                                           max_position_embeddings=128),
+                       qtype=gguf.GGMLQuantizationType.Q8_0)
+    stat = gguf_file.stat()
+    assert other.stat().st_size == stat.st_size
+    os.replace(other, gguf_file)
+    os.utime(gguf_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    config, _ = load(gguf_file)
+    assert config["max_position_embeddings"] == 128
+
+
+def test_indexes_unread_for_two_weeks_are_removed_as_another_is_built(gguf_file: Path, tmp_path: Path) -> None:
+    load(gguf_file)
+    stale = gguf_index._index_dir(gguf_file)
+    weeks_ago = time.time() - gguf_index.UNUSED_INDEX_S - 60
+    os.utime(stale, (weeks_ago, weeks_ago))
+    load(write_gguf(tmp_path / "second.gguf", tiny_llama(vocab_size=len(byte_level_tokens()[0]))))
+    assert not stale.exists()
 
 
 def test_a_changed_file_gets_an_index_of_its_own(gguf_file: Path) -> None:

@@ -24,6 +24,9 @@ def test_the_model_identity_tells_a_changed_configuration_or_weight_apart() -> N
     assert _identity(edited) != base
     odd = {"w": torch.arange(7, dtype=torch.uint8)[1:]}  # 6 bytes at offset 1: summed byte by byte
     assert _identity(odd) == _identity({"w": odd["w"].clone()})
+    swapped = dict(weights, w=weights["w"].clone())
+    swapped["w"][[400, 600]] = swapped["w"][[600, 400]]  # the same words, moved: the plain sum alone is blind to it
+    assert _identity(swapped) != base
 
 
 def test_the_model_identity_does_not_depend_on_the_thread_count() -> None:
