@@ -47,7 +47,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize and /detokenize "
                              "(/health and /metrics stay open; default: $KVSERVE_API_KEY, which `ps` does not "
-                             "show, else no key)")
+                             "show, else vLLM's $VLLM_API_KEY, else no key)")
     parser.add_argument("--max-waiting", type=int, default=None,
                         help="answer 503 (Retry-After) while more requests than this wait (default: no limit)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,

@@ -188,9 +188,13 @@ class InputProcessor:
 
 
 def _checked_template(template: str) -> str:
-    """A chat template given in place of the model's, checked to parse (a typo fails here, not in every request)."""
+    """A chat template given in place of the model's, checked to parse (a typo fails here, not in every request)
+    as transformers compiles templates to render them: with its extensions (``{% break %}``, ``{% generation %}``),
+    which a plain Jinja environment refused."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
     try:
-        jinja2.Environment().parse(template)
+        _compile_jinja_template(template)
     except jinja2.TemplateSyntaxError as error:
         raise ValueError(f"chat_template does not parse as Jinja: {error} (line {error.lineno})") from None
     return template

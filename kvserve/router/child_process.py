@@ -1,4 +1,5 @@
-"""What a replica's server process runs before kvserve: it dies with the process that started it."""
+"""A replica's server process: its command, and what it runs before kvserve: it dies with the process that
+started it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def serve_command(argv: list[str], *flags: str) -> list[str]:
+    """``kvserve ARGV`` (``serve ...``) with the replica's own ``flags`` (its port, its host) right after the
+    subcommand, where no ``--`` among the user's words (``--served-model-name a b -- MODEL``) makes them
+    positional."""
+    return [sys.executable, "-m", "kvserve.cli", argv[0], *flags, *argv[1:]]
 
 
 def die_with_parent() -> None:

@@ -25,7 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
 from kvserve.router.app import Router, RouterApp
-from kvserve.router.child_process import die_with_parent
+from kvserve.router.child_process import die_with_parent, serve_command
 from kvserve.router.policy import POLICIES, make_policy
 from kvserve.extras import require_ray
 from kvserve.logs import add_log_arguments, configure_logging, uvicorn_logging
@@ -66,7 +66,7 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require 'Authorization: Bearer KEY' before a request's body is read, as the "
                              "replicas do (/health and /metrics stay open; the header goes on to the replicas, "
                              "which check their own; `serve --data-parallel-size N --api-key KEY` sets both; "
-                             "default: $KVSERVE_API_KEY, else no key)")
+                             "default: $KVSERVE_API_KEY, else vLLM's $VLLM_API_KEY, else no key)")
     add_policy_argument(parser)
     add_upstream_timeout_argument(parser)
     add_log_arguments(parser, access_log=False)
@@ -259,7 +259,7 @@ class LocalReplicas:
     def __init__(self, argv: list[str], sockets: list[socket.socket], env: dict[str, str]) -> None:
         ports = [sock.getsockname()[1] for sock in sockets]
         self.urls = [http_url(LOCAL_HOST, port) for port in ports]
-        self.processes = [subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--port", str(port)],
+        self.processes = [subprocess.Popen(serve_command(argv, "--port", str(port)),
                                            env={**os.environ, **env, LISTEN_FD_ENV: str(sock.fileno())},
                                            pass_fds=(sock.fileno(),), preexec_fn=die_with_parent)
                           for sock, port in zip(sockets, ports)]

@@ -16,11 +16,10 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import threading
 
 from kvserve.router.app import Router
-from kvserve.router.child_process import die_with_parent
+from kvserve.router.child_process import die_with_parent, serve_command
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +36,8 @@ class ReplicaServer:
 
         host = ray.util.get_node_ip_address()
         self.url = f"http://{host}:{port}"
-        self.process = subprocess.Popen([sys.executable, "-m", "kvserve.cli", *argv, "--host", host,
-                                         "--port", str(port)], env={**os.environ, **env}, preexec_fn=die_with_parent)
+        self.process = subprocess.Popen(serve_command(argv, "--host", host, "--port", str(port)),
+                                        env={**os.environ, **env}, preexec_fn=die_with_parent)
 
     def status(self) -> tuple[str, bool]:
         """Its URL, and whether its server process still runs."""

@@ -20,8 +20,6 @@ VLLM_COUNTERPARTS = {
     "VLLM_LOGGING_LEVEL": "--log-level",
     "VLLM_ATTENTION_BACKEND": "--attention-backend (or $KVSERVE_ATTENTION_BACKEND)",
     "VLLM_CPU_OMP_THREADS_BIND": "taskset or numactl around kvserve",
-    "VLLM_HOST_IP": "--host",
-    "VLLM_PORT": "--port",
 }
 
 

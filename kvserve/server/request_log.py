@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Sequence
 
 if TYPE_CHECKING:
@@ -43,16 +43,18 @@ class RequestLog:
         return cls(args.enable_log_requests, args.max_log_len)
 
     def queued(self, request_id: str, engine_id: str, prompts: Sequence[PromptInput], params: SamplingParams
-               ) -> None:
+               ) -> LoggedRequest | None:
         """One line for each prompt of the request (a batch's ``{request_id}-{i}``), naming the engine's id
-        where it is not the answer's (the engine's own lines name that one)."""
+        where it is not the answer's (the engine's own lines name that one); the request's record, which logs its
+        end (None: requests are not logged)."""
         if not self.enabled:
-            return
+            return None
         for i, prompt in enumerate(prompts):
             suffix = "" if len(prompts) == 1 else f"-{i}"
             engine = "" if engine_id == request_id else f" (engine id {engine_id}{suffix})"
             logger.info("request %s%s%s queued: %s, params: %s", request_id, suffix, engine, self._prompt(prompt),
                         params)
+        return LoggedRequest(request_id, len(prompts))
 
     def _prompt(self, prompt: PromptInput) -> str:
         text = prompt if isinstance(prompt, str) else prompt.get("prompt")
@@ -65,14 +67,26 @@ class RequestLog:
     def _cut(self, value: Any) -> Any:
         return value if self.max_log_len is None else value[:self.max_log_len]
 
-    def watched(self, request_id: str, stream: AsyncGenerator[list[RequestOutput], None]
-                ) -> AsyncGenerator[list[RequestOutput], None]:
-        """``stream``, logged if requests are: once it ends, a line for each of its requests."""
-        return self._watched(request_id, stream) if self.enabled else stream
 
-    async def _watched(self, request_id: str, stream: AsyncGenerator[list[RequestOutput], None]
-                       ) -> AsyncGenerator[list[RequestOutput], None]:
-        start = time.monotonic()
+@dataclass
+class LoggedRequest:
+    """A logged request, for the line that says how it ended."""
+
+    request_id: str
+    num_prompts: int
+    start: float = field(default_factory=time.monotonic)
+
+    def ended_early(self, error: BaseException) -> None:
+        """The line of a request that ended before any output: refused as it was queued, or its client gone."""
+        if not isinstance(error, Exception):  # cancelled: the client went away
+            how = "was aborted (its client went away)"
+        else:
+            how = f"{'was refused' if isinstance(error, ValueError) else 'failed'} ({type(error).__name__}: {error})"
+        self._log(how, [""] * self.num_prompts)
+
+    async def watched(self, stream: AsyncGenerator[list[RequestOutput], None]
+                      ) -> AsyncGenerator[list[RequestOutput], None]:
+        """``stream``; once it ends (finished, failed, or closed by a client gone) a line for each request."""
         outputs: list[RequestOutput] = []
         how = "was aborted (its client went away)"  # closed or cancelled before its end
         try:
@@ -84,9 +98,13 @@ class RequestLog:
             raise
         finally:
             await stream.aclose()
-            for i, out in enumerate(outputs):
-                named = request_id if len(outputs) == 1 else f"{request_id}-{i}"
-                logger.info("request %s %s after %.3f s: %s", named, how, time.monotonic() - start, _counts(out))
+            self._log(how, [_counts(out) for out in outputs])
+
+    def _log(self, how: str, details: list[str]) -> None:
+        seconds = time.monotonic() - self.start
+        for i, detail in enumerate(details):
+            named = self.request_id if len(details) == 1 else f"{self.request_id}-{i}"
+            logger.info("request %s %s after %.3f s%s", named, how, seconds, f": {detail}" if detail else "")
 
 
 def _counts(out: RequestOutput) -> str:

@@ -135,15 +135,20 @@ class GenerationHandler:
                 await self.engine.compile_constraint(self.params.structured_outputs)
             except ValueError as e:  # the constraint's own fault: named as the field that held it
                 raise bad_request(e, param=self.body.constraint_field) from e
-        self.request_log.queued(self.request_id, request_id, prompts, self.params)
+        logged = self.request_log.queued(self.request_id, request_id, prompts, self.params)
         try:
             stream = self.engine.generate_many(prompts, self.params, request_ids, self.admission)
             first = await anext(stream)
-        except ValueError as e:
-            raise bad_request(self.body.named_as_sent(e)) from e
-        except StopAsyncIteration:
-            raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output") from None
-        return self.request_log.watched(self.request_id, _prepend(first, stream))
+        except BaseException as error:  # refused, or its client gone before any output
+            if logged is not None:
+                logged.ended_early(error)
+            if isinstance(error, ValueError):
+                raise bad_request(self.body.named_as_sent(error)) from error
+            if isinstance(error, StopAsyncIteration):
+                raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output") from None
+            raise
+        outputs = _prepend(first, stream)
+        return outputs if logged is None else logged.watched(outputs)
 
 
 async def ending_on_failure(events: AsyncIterator[str], request_id: str | None = None) -> AsyncIterator[str]:

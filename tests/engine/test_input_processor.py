@@ -72,6 +72,14 @@ def test_a_template_that_fails_on_a_conversation_is_a_value_error(tokenizer) -> 
         render(processor_with(tokenizer, "{{ raise_exception('roles must alternate') }}"), PARTS)
 
 
+def test_a_template_given_parses_as_transformers_renders_it(tokenizer) -> None:
+    """With transformers' Jinja extensions: a plain environment refused ``{% break %}`` and ``{% generation %}``."""
+    template = ("{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{% generation %}{{ m.content }}"
+                "{% endgeneration %}{% endfor %}")
+    processor = InputProcessor(tokenizer, len(tokenizer), max_model_len=512, chat_template=template)
+    assert render(processor, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a"
+
+
 def test_a_models_template_that_does_not_parse_or_renders_nothing_is_named_as_the_templates_fault(tokenizer) -> None:
     """Jinja's own words blamed the client's request; an empty rendering was refused as an empty
     prompt_token_ids, which the client never sent."""

@@ -228,3 +228,14 @@ def test_a_replicas_port_in_use_stops_the_deployment_before_anything_starts(
     err = capsys.readouterr().err
     assert f"kvserve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in err
     assert "kvserve router on" not in err
+
+
+def test_a_replicas_own_flags_go_before_any_double_dash_of_the_users() -> None:
+    """`serve --served-model-name a b -- MODEL --data-parallel-size 2`: the replica's `--port N`, appended, was
+    taken for a second MODEL after the `--`, and every replica refused its arguments."""
+    from kvserve.cli import build_parser
+    from kvserve.router.child_process import serve_command
+
+    command = serve_command(["serve", "--served-model-name", "a", "b", "--", "/my/model"], "--port", "9001")
+    args = build_parser("serve").parse_args(command[3:])
+    assert (args.model, args.served_model_name, args.port) == ("/my/model", ["a", "b"], 9001)

@@ -79,6 +79,30 @@ def test_a_client_gone_midway_is_logged_as_aborted(logged: InProcessServer,
     logged.wait_idle()
 
 
+def test_a_request_refused_as_it_is_queued_is_logged_as_refused(logged: InProcessServer,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, LOGGER)
+    refused = httpx.post(f"{logged.url}/v1/completions", headers={"X-Request-Id": "big"},
+                         json={"model": MODEL, "prompt": "x", "max_tokens": 1000})
+    assert refused.status_code == 400
+    wait_until(lambda: len(lines(caplog)) == 2, "the refused request's two lines")
+    assert lines(caplog)[1].startswith("request cmpl-big was refused (ValueError: prompt + max_tokens is over")
+
+
+def test_a_client_gone_before_any_output_is_logged_as_aborted(caplog: pytest.LogCaptureFixture) -> None:
+    """The line was written only once a first output came: a request its client left before then had none."""
+    caplog.set_level(logging.INFO, LOGGER)
+    server = InProcessServer(step_seconds=1.0, request_log=RequestLog(enabled=True))
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", headers={"X-Request-Id": "left"}, timeout=0.3,
+                       json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        wait_until(lambda: len(lines(caplog)) == 2, "the request's end")
+    finally:
+        server.stop()
+    assert lines(caplog)[1].startswith("request cmpl-left was aborted (its client went away) after ")
+
+
 def test_requests_are_not_logged_by_default(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, LOGGER)
     server = InProcessServer()
