@@ -16,7 +16,8 @@ cache=${XDG_CACHE_HOME:-$HOME/.cache}/kvserve
 lib=$cache/avx2_only-$(sha256sum "$here/avx2_only.c" | cut -c1-16).so
 if [[ ! -f $lib ]]; then
   mkdir -p "$cache"
-  gcc -O2 -shared -fPIC -o "$lib.tmp" "$here/avx2_only.c" -ldl && mv "$lib.tmp" "$lib"
+  tmp=$(mktemp "$lib.XXXXXX")  # a build of its own: two runs at once each rename a whole library into place
+  gcc -O2 -shared -fPIC -o "$tmp" "$here/avx2_only.c" -ldl && chmod 755 "$tmp" && mv "$tmp" "$lib"
 fi
 exec env LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}" \
   GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD \

@@ -253,6 +253,7 @@ def _write_index(index: GGUFIndex, directory: Path) -> None:
         (staging / TENSORS_FILE).write_text(json.dumps({"architecture": index.architecture, "tensors": entries,
                                                         "files": files}))
         _synced(staging)
+        staging.chmod(0o755)  # readable by whoever shares the cache folder (mkdtemp's is the owner's alone)
         os.replace(staging, directory)
     except OSError as error:
         if staging is not None:

