@@ -40,6 +40,7 @@ def load(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def test_a_second_load_reads_the_index_without_parsing_the_file(gguf_file: Path, monkeypatch) -> None:
     config, weights = load(gguf_file)
+    assert gguf_index._index_dir(gguf_file).stat().st_mode & 0o777 == 0o755  # a cache folder users share
 
     def no_parse(*args, **kwargs):
         raise AssertionError("the GGUF file was parsed again")
