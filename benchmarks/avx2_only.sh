@@ -17,7 +17,8 @@ lib=$cache/avx2_only-$(sha256sum "$here/avx2_only.c" | cut -c1-16).so
 if [[ ! -f $lib ]]; then
   mkdir -p "$cache"
   tmp=$(mktemp "$lib.XXXXXX")  # a build of its own: two runs at once each rename a whole library into place
-  gcc -O2 -shared -fPIC -o "$tmp" "$here/avx2_only.c" -ldl && chmod 755 "$tmp" && mv "$tmp" "$lib"
+  gcc -O2 -shared -fPIC -o "$tmp" "$here/avx2_only.c" -ldl || { rm -f "$tmp"; exit 1; }
+  chmod 755 "$tmp" && mv "$tmp" "$lib"
 fi
 exec env LD_PRELOAD="$lib${LD_PRELOAD:+:$LD_PRELOAD}" \
   GLIBC_TUNABLES=glibc.cpu.hwcaps=-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import numbers
 from typing import Any, Iterator, Mapping, Sequence, Union
 
@@ -16,6 +17,7 @@ from kvserve.sampling_params import InvalidParameter, SamplingParams, Structured
 
 # A prompt is text, {"prompt": text} (vLLM's TextPrompt), or {"prompt_token_ids": [...]} (its TokensPrompt,
 # optionally with the "prompt" text it came from).
+logger = logging.getLogger(__name__)
 PromptInput = Union[str, Mapping[str, Any]]
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
 ChatMessages = Sequence[Mapping[str, Any]]
@@ -38,6 +40,8 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.structured = structured
         self._chat_template = _checked_template(chat_template) if chat_template is not None else None
+        if chat_template is None:
+            _warn_if_unparsable(getattr(tokenizer, "chat_template", None))
 
     def process(self, prompt: PromptInput, params: SamplingParams, cap_max_tokens: bool = False) -> ProcessedPrompt:
         """Tokenize (or check) the prompt and fit ``params`` to it; raise ValueError naming what is wrong (a
@@ -99,7 +103,7 @@ class InputProcessor:
             )
         except jinja2.TemplateSyntaxError as e:  # the model's own template (one given was checked as it came)
             raise ValueError(f"the model's chat template does not parse as Jinja: {e} (line {e.lineno}); give the "
-                             "server one that does (--chat-template)") from e
+                             "engine one that does (--chat-template, LLM(chat_template=...))") from e
         except jinja2.TemplateError as e:  # raise_exception(...) of the template: its own words
             raise ValueError(str(e)) from e
         except Exception as e:  # the template failed on what this conversation holds: the request's fault
@@ -198,6 +202,18 @@ def _checked_template(template: str) -> str:
     except jinja2.TemplateSyntaxError as error:
         raise ValueError(f"chat_template does not parse as Jinja: {error} (line {error.lineno})") from None
     return template
+
+
+def _warn_if_unparsable(template: str | Mapping[str, str] | None) -> None:
+    """A warning as the model loads if its own chat template (each of its named ones) does not parse: its chats are
+    then refused naming the template, its completions served."""
+    for text in template.values() if isinstance(template, Mapping) else [template]:
+        if text:
+            try:
+                _checked_template(text)
+            except ValueError as error:
+                logger.warning("the model's %s; chat requests will be refused until one that parses is given "
+                               "(--chat-template)", error)
 
 
 def _texts(conversation: list[dict[str, Any]]) -> Iterator[str]:

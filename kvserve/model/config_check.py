@@ -72,7 +72,7 @@ def _check_positive_constants(text: PretrainedConfig, source: Path) -> None:
     rope = getattr(text, "rope_parameters", None) or {}
     for key, params in ({"": rope} if "rope_theta" in rope else rope).items():  # Gemma 3's: one per layer type
         if isinstance(params, Mapping):
-            constants[f"rope_parameters{'.' + key if key else ''}.rope_theta"] = params.get("rope_theta")
+            constants[f"rope_theta{f' ({key})' if key else ''}"] = params.get("rope_theta")
     for field, value in constants.items():
         if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
             raise CheckpointError(f"{source}: {field} must be a positive number, got {value!r}")

@@ -133,11 +133,13 @@ def load_gguf_index(path: Path) -> GGUFIndex:
     if directory.is_dir():
         try:
             index = _read_index(directory)
-            os.utime(directory)  # in use: kept from ``_remove_unused_indexes``
-            return index
         except Exception as error:  # whatever its readers raise (tokenizers' own parse errors are bare Exceptions)
             logger.warning("rebuilding the unreadable GGUF index %s: %s", directory, error)
             shutil.rmtree(directory, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):  # another user's index in a shared cache: read, not marked
+                os.utime(directory)  # in use: kept from ``_remove_unused_indexes``
+            return index
     index = _build_index(path)
     _write_index(index, directory)
     _remove_unused_indexes(directory.parent)

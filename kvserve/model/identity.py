@@ -46,6 +46,6 @@ def _word_sums(flat: torch.Tensor) -> tuple[int, int]:
     weighted = 0
     for start in range(0, words.numel(), _CHUNK_WORDS):
         chunk = words[start:start + _CHUNK_WORDS].to(torch.int64)
-        positions = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64)
+        positions = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=chunk.device)
         weighted += int((chunk * positions).sum())
     return int(words.sum(dtype=torch.int64)), weighted

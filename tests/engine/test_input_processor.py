@@ -4,6 +4,7 @@ ValueError (a 400 on the server) for a conversation that cannot be rendered."""
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 
 import pytest
@@ -80,12 +81,16 @@ def test_a_template_given_parses_as_transformers_renders_it(tokenizer) -> None:
     assert render(processor, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "a"
 
 
-def test_a_models_template_that_does_not_parse_or_renders_nothing_is_named_as_the_templates_fault(tokenizer) -> None:
+def test_a_models_template_that_does_not_parse_or_renders_nothing_is_named_as_the_templates_fault(tokenizer,
+                                                                                                  caplog) -> None:
     """Jinja's own words blamed the client's request; an empty rendering was refused as an empty
-    prompt_token_ids, which the client never sent."""
+    prompt_token_ids, which the client never sent. A template that does not parse is said as the model loads."""
+    with caplog.at_level(logging.WARNING, "kvserve.engine.input_processor"):
+        broken = processor_with(tokenizer, "{% for x in %}")
+    assert "the model's chat_template does not parse as Jinja" in caplog.text
     with pytest.raises(ValueError, match=r"the model's chat template does not parse as Jinja: .* \(line 1\); give "
-                                         r"the server one that does \(--chat-template\)"):
-        render(processor_with(tokenizer, "{% for x in %}"), PARTS)
+                                         r"the engine one that does \(--chat-template, LLM\(chat_template=...\)\)"):
+        render(broken, PARTS)
     with pytest.raises(ValueError, match="the chat template rendered this conversation as no text at all"):
         render(processor_with(tokenizer, "{% if false %}x{% endif %}"), PARTS)
 

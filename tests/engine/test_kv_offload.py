@@ -264,3 +264,17 @@ def test_n_samples_and_preemption_over_the_tiers(tiny_checkpoints) -> None:
     assert greedy_token_ids(llm, prompts, MAX_NEW, n=2) == expected
     assert llm.stats()["num_preemptions"] > 0
     assert_all_blocks_free(llm)
+
+
+def test_the_model_identity_names_the_fused_ops(tiny_checkpoints) -> None:
+    """The C fused ops' rounding is not their twin's (half the K/V floats of a block differ): an engine whose C
+    kernels did not build must not read blocks written by one whose did."""
+    from kvserve.model.layers.fused_ops import TorchFusedOps, UsesFusedOps
+
+    runner = _llm(tiny_checkpoints["llama"], **SMALL_POOL).engine.core.runner
+    with_kernels = runner.model_identity()
+    assert any(type(m.ops) is not TorchFusedOps for m in runner.model.modules() if isinstance(m, UsesFusedOps))
+    for module in runner.model.modules():
+        if isinstance(module, UsesFusedOps):
+            module.ops = TorchFusedOps()
+    assert runner.model_identity() != with_kernels

@@ -107,6 +107,9 @@ def test_indexes_unread_for_two_weeks_are_removed_as_another_is_built(gguf_file:
     stale = gguf_index._index_dir(gguf_file)
     weeks_ago = time.time() - gguf_index.UNUSED_INDEX_S - 60
     os.utime(stale, (weeks_ago, weeks_ago))
+    load(gguf_file)  # read: in use again
+    assert time.time() - stale.stat().st_mtime < 60
+    os.utime(stale, (weeks_ago, weeks_ago))
     load(write_gguf(tmp_path / "second.gguf", tiny_llama(vocab_size=len(byte_level_tokens()[0]))))
     assert not stale.exists()
 

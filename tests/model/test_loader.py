@@ -187,7 +187,7 @@ def assert_load_fails(directory: Path, *fragments: str) -> None:
     ({"head_dim": 8}, "num_attention_heads x head_dim is 32, but model.layers.0.self_attn.q_proj.weight holds 64"),
     ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number, got -1.0"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
-     "rope_parameters.rope_theta must be a positive number, got 0.0"),
+     "rope_theta must be a positive number, got 0.0"),
 ])
 def test_a_config_that_disagrees_with_the_tensors_fails_before_any_memory_is_spent(
         tmp_path: Path, single_dir: Path, change: dict, fragment: str) -> None:

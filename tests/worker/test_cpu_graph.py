@@ -169,3 +169,17 @@ def test_sizes_past_the_memory_budget_stay_eager(tiny_checkpoints, monkeypatch) 
     graphs = graphs_of(llm)
     assert graphs.eager_sizes and graphs.num_bytes <= 3 * one_token_bytes
     assert max(graphs.graphs, default=0) <= 2
+
+
+def test_steps_past_the_rope_tables_first_reach_run_eagerly_and_exactly(tiny_checkpoints, monkeypatch) -> None:
+    """The rope tables cover ``MAX_ROPE_TABLE_POSITIONS`` at first and grow as steps reach further: a graph
+    recorded over the first tables, replayed past them, read out of bounds (tables capped at 16 here)."""
+    from kvserve.model.layers import rotary
+
+    path = str(tiny_checkpoints["llama"])
+    short = [[5, 6], [7, 8, 9], [10, 11, 12, 13]]  # decodes replayed below position 16, then past it
+    expected = greedy_token_ids(LLM(path, dtype="float32", num_kv_blocks=64, enforce_eager=True), short, 30)
+    monkeypatch.setattr(rotary, "MAX_ROPE_TABLE_POSITIONS", 16)
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    assert greedy_token_ids(llm, short, 30) == expected
+    assert graphs_of(llm).num_replays > 0

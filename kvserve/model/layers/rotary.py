@@ -16,6 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 SEQUENCE_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 MAX_ROPE_TABLE_POSITIONS = 2**17  # Llama 3.1's 128K: 64 MB of fp32 tables at head_dim 128
 
+
 def rope_head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
