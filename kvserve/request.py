@@ -46,6 +46,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     sample_index: int = 0  # which of the n samples of its group this request is
     parent_id: str | None = None  # the request this one was forked from (n > 1)
+    # its structured-output constraint compiled: held so that the compiler, which tracks compiled grammars weakly,
+    # finds it when the request is scheduled even if its cache has let it go meanwhile (``sample/grammar.py``)
+    grammar: object | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -28,6 +28,7 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams  # a per-request copy, with max_tokens filled in
+    grammar: object | None = None  # its constraint compiled (``Request.grammar``)
 
 
 class InputProcessor:
@@ -51,20 +52,19 @@ class InputProcessor:
         text, token_ids = self._tokenize(prompt)
         self.check_token_ids(token_ids, "prompt_token_ids")
         token_ids = [int(t) for t in token_ids]
-        if params.structured_outputs is not None:
-            self.check_constraint(params.structured_outputs)
-        return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids), cap_max_tokens))
+        grammar = None if params.structured_outputs is None else self.check_constraint(params.structured_outputs)
+        return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids), cap_max_tokens), grammar)
 
     def constraint_compiled(self, spec: StructuredOutputsParams) -> bool:
         """Whether ``spec`` is compiled already (in the compiler's cache); ValueError if it is no valid one."""
         return self.structured is not None and self.structured.is_cached(spec)
 
-    def check_constraint(self, spec: StructuredOutputsParams) -> None:
-        """ValueError naming the problem if ``spec`` does not compile (compiled now; later requests with the same
-        constraint find it in the compiler's cache)."""
+    def check_constraint(self, spec: StructuredOutputsParams) -> object:
+        """``spec`` compiled (later requests with the same constraint find it in the compiler's cache); ValueError
+        naming the problem if it does not compile."""
         if self.structured is None:
             raise ValueError("structured output is not available in this engine")
-        self.structured.compile(spec)
+        return self.structured.compile(spec)
 
     def chat_template(self, tools: Sequence[Any] | None = None) -> str | None:
         """The template a conversation renders with: the engine's ``chat_template``, else the tokenizer's; of named

@@ -308,7 +308,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad."""
         processed = self.input_processor.process(prompt, params)
-        request = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids)
+        request = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
+                          grammar=processed.grammar)
         # the frontend first: it still tracks an n > 1 request whose first sample the scheduler has finished
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, processed.params, self.eos_token_ids

@@ -6,7 +6,10 @@ regex, a choice among strings, an EBNF grammar) into xgrammar's compiled grammar
 compiled grammars are kept by their text, so a schema many requests share is compiled once, up to
 ``GRAMMAR_CACHE_BYTES`` as xgrammar counts them, least recently used out. The cache is ours: xgrammar's own,
 bounded the same way, grew the process by ~0.2 MB a new schema on the default model after it was full (its
-evictions gave nothing back), where compiled grammars that are dropped are freed. The
+evictions gave nothing back), where compiled grammars that are dropped are freed. A request holds its compiled
+grammar while it lives (``Request.grammar``) and the compiler tracks it weakly, so one evicted while its request
+waits (a queue of more distinct schemas than the cache holds) is found again, not compiled a second time on the
+engine thread when the request is scheduled. The
 frontend compiles each constrained request when it arrives, so a constraint that does not compile is the
 client's 400, never a failed step. ``GrammarProcessor`` keeps one matcher per sample (created from the
 sample's outputs so far, forked with n > 1, advanced past each drawn token, dropped when the request ends):
@@ -30,6 +33,7 @@ import json
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -102,16 +106,18 @@ class StructuredOutputCompiler:
         self._info: xgrammar.TokenizerInfo | None = None
         self._lock = threading.Lock()  # the frontend and the runner may compile at once
         self._cache: OrderedDict[tuple[str, str], xgrammar.CompiledGrammar] = OrderedDict()  # by (kind, text)
+        # every compiled grammar still held anywhere (the cache, a request): by (kind, text)
+        self._alive: weakref.WeakValueDictionary[tuple[str, str], xgrammar.CompiledGrammar] = \
+            weakref.WeakValueDictionary()
         self.cache_bytes = 0  # of the grammars in the cache, as xgrammar counts them
 
     def compile(self, spec: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
-        """The compiled grammar (from the cache where its text was compiled before); ValueError naming the problem
-        if the constraint does not compile."""
+        """The compiled grammar (the one compiled before from the same text, where the cache or a request still
+        holds it); ValueError naming the problem if the constraint does not compile."""
         key = self._key(spec)
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
+        held = self._held(key)
+        if held is not None:
+            return held
         compiler = self._get_compiler()
         kind, text = key
         try:
@@ -124,10 +130,23 @@ class StructuredOutputCompiler:
         return compiled
 
     def is_cached(self, spec: StructuredOutputsParams) -> bool:
-        """Whether ``spec``'s grammar is compiled and cached; ValueError if it is refused before compiling."""
+        """Whether ``spec``'s grammar is compiled and still held (by the cache or a request); ValueError if it is
+        refused before compiling."""
         key = self._key(spec)
         with self._lock:
-            return key in self._cache
+            return key in self._alive
+
+    def _held(self, key: tuple[str, str]) -> xgrammar.CompiledGrammar | None:
+        """The grammar compiled for ``key`` if anything holds it, made the cache's most recent (back in the cache
+        if it had been evicted); None if it must be compiled."""
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            held = self._alive.get(key)
+        if held is not None:
+            self._keep(key, held)
+        return held
 
     @staticmethod
     def _key(spec: StructuredOutputsParams) -> tuple[str, str]:
@@ -156,6 +175,7 @@ class StructuredOutputCompiler:
             if key in self._cache:  # compiled at once by two threads
                 return
             self._cache[key] = compiled
+            self._alive[key] = compiled
             self.cache_bytes += compiled.memory_size_bytes
             while self.cache_bytes > GRAMMAR_CACHE_BYTES and len(self._cache) > 1:
                 self.cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes

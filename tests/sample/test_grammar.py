@@ -335,14 +335,45 @@ def test_a_speculating_request_is_masked_at_each_draft_position_and_its_matcher_
     assert torch.equal(allowed([base]), expected[:1])  # the walk was rolled back
 
 
+def _field_schemas(count: int) -> list[StructuredOutputsParams]:
+    return [StructuredOutputsParams(json={"type": "object", "properties": {f"field_{i}": {"type": "string"}},
+                                          "required": [f"field_{i}"]}) for i in range(count)]
+
+
 def test_the_compiled_grammar_cache_is_bounded(monkeypatch) -> None:
     """Unbounded, a server whose clients each send their own schema grew by every schema it ever compiled (and
     xgrammar's own cache, bounded, still grew it: ours drops the grammars it evicts, which frees them)."""
     monkeypatch.setattr(grammar, "GRAMMAR_CACHE_BYTES", 64 * 2**10)
     compiler = StructuredOutputCompiler(byte_bpe_tokenizer(), 300, [1])
-    specs = [StructuredOutputsParams(json={"type": "object", "properties": {f"field_{i}": {"type": "string"}},
-                                           "required": [f"field_{i}"]}) for i in range(40)]
-    compiled = [compiler.compile(spec) for spec in specs]
+    specs = _field_schemas(40)
+    latest = [compiler.compile(spec) for spec in specs][-1]  # the others dropped, as by requests that ended
     assert 0 < compiler.cache_bytes <= 64 * 2**10 and len(compiler._cache) < 40
-    assert compiler.compile(specs[-1]) is compiled[-1]  # the latest kept
-    assert compiler.compile(specs[0]) is not compiled[0]  # the first evicted: compiled again
+    assert compiler.compile(specs[-1]) is latest  # the latest kept
+    assert not compiler.is_cached(specs[0])  # the first evicted and freed: compiled again if asked for
+
+
+def test_a_grammar_a_request_still_holds_is_found_after_its_eviction(monkeypatch) -> None:
+    """A queue of more distinct schemas than the cache holds evicted a waiting request's grammar, which the runner
+    then compiled again on the engine thread, stalling every stream, when the request was scheduled."""
+    monkeypatch.setattr(grammar, "GRAMMAR_CACHE_BYTES", 64 * 2**10)
+    compiler = StructuredOutputCompiler(byte_bpe_tokenizer(), 300, [1])
+    specs = _field_schemas(40)
+    held = compiler.compile(specs[0])
+    for spec in specs[1:]:
+        compiler.compile(spec)
+    assert ("json", json.dumps(specs[0].json, separators=(",", ":"))) not in compiler._cache  # evicted
+    assert compiler.is_cached(specs[0]) and compiler.compile(specs[0]) is held
+    assert next(reversed(compiler._cache.values())) is held  # back in the cache, as its most recent
+
+
+def test_an_engine_compiles_each_queued_constraint_once_whatever_the_cache_keeps(llm: LLM, monkeypatch) -> None:
+    monkeypatch.setattr(grammar, "GRAMMAR_CACHE_BYTES", 1)  # the cache keeps only its latest grammar
+    compiled = []
+    monkeypatch.setattr(grammar, "_json_schema_grammar", lambda text, compile=grammar._json_schema_grammar: (
+        compiled.append(text) or compile(text)))
+    specs = _field_schemas(6)
+    params = [SamplingParams(max_tokens=8, structured_outputs=spec) for spec in specs]
+    outputs = llm.generate(["q"] * len(specs), params)
+    assert len(compiled) == len(specs) == len(set(compiled))  # at admission only, none again when scheduled
+    for output, spec in zip(outputs, specs):
+        assert output.outputs[0].text.startswith('{"field_')
