@@ -16,7 +16,7 @@ from kvserve.config import DEFAULT_MODEL, EngineConfig
 from kvserve.engine_args import EngineArgs
 from kvserve.logs import add_log_arguments
 from kvserve.server.cors import CorsPolicy, add_cors_arguments
-from kvserve.server.environment import api_key
+from kvserve.server.environment import api_keys
 from kvserve.server.request_log import RequestLog, add_request_log_arguments
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings
 from kvserve.server.tools import TOOL_CALL_PARSERS
@@ -44,10 +44,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (default: %(default)s)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="the name(s) clients use in 'model' (default: MODEL as given)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize and /detokenize "
-                             "(/health and /metrics stay open; default: $KVSERVE_API_KEY, which `ps` does not "
-                             "show, else vLLM's $VLLM_API_KEY, else no key)")
+    parser.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY', one of the keys given, on the /v1 routes, "
+                             "/tokenize and /detokenize (/health and /metrics stay open; default: $KVSERVE_API_KEY's "
+                             "lines, which `ps` does not show, else vLLM's $VLLM_API_KEY, else no key)")
     parser.add_argument("--max-waiting", type=int, default=None,
                         help="answer 503 (Retry-After) while more requests than this wait (default: no limit)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -86,16 +86,20 @@ class _RefusedAsVllms(argparse.Action):
 
 def model_to_serve(args: argparse.Namespace) -> None:
     """Fill in MODEL: the packaged default model where none was given; refused where none was given and
-    ``--served-model-name`` took several words, the last of them likely meant as MODEL (the flag takes every
-    word after it)."""
+    ``--served-model-name`` or ``--api-key`` took several words, the last of them likely meant as MODEL (each
+    flag takes every word after it). The keys are secrets: counted, never shown."""
     if args.model is not None:
         return
-    names = args.served_model_name or []
+    names, keys = args.served_model_name or [], args.api_key or []
     if len(names) > 1:
         raise ValueError(f"no MODEL was given, and --served-model-name took {' '.join(names)}: give MODEL first "
                          f"(kvserve serve MODEL --served-model-name NAME...), or end the names with -- before "
                          f"MODEL; to serve the default model under several names, name it: kvserve serve "
                          f"{DEFAULT_MODEL} --served-model-name {' '.join(names)}")
+    if len(keys) > 1:
+        raise ValueError(f"no MODEL was given, and --api-key took {len(keys)} words: give MODEL first (kvserve "
+                         f"serve MODEL --api-key KEY...), or end the keys with -- before MODEL; to serve the "
+                         f"default model with several keys, name it: kvserve serve {DEFAULT_MODEL} --api-key KEY...")
     args.model = DEFAULT_MODEL
 
 
@@ -114,7 +118,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         served_model_names=tuple(args.served_model_name or [args.model]),
         model_root=args.model,
-        api_key=api_key(args.api_key),
+        api_keys=api_keys(args.api_key),
         max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,

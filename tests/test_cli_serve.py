@@ -41,6 +41,23 @@ def test_a_model_the_served_names_took_is_refused_and_none_given_is_the_default_
         assert (args.model, server_settings(args).served_model_names) == (model, names)
 
 
+def test_several_api_keys_are_taken_as_vllm_takes_them_and_a_model_they_took_is_refused_unshown() -> None:
+    """vLLM's `--api-key K1 K2` accepts either key (a rotation); the flag takes every word after it, so
+    `serve --api-key KEY MODEL` would serve the default model with MODEL for a key."""
+    args = parse("--api-key", "sekret", "/my/model")
+    with pytest.raises(ValueError, match="no MODEL was given, and --api-key took 2 words: give MODEL first") as error:
+        model_to_serve(args)
+    assert "sekret" not in str(error.value)
+    for argv, model, keys in [(["--api-key", "k"], DEFAULT_MODEL, ("k",)),
+                              (["--api-key", "old", "new", "--", "/my/model"], "/my/model", ("old", "new")),
+                              (["/my/model", "--api-key", "old", "new"], "/my/model", ("old", "new"))]:
+        args = parse(*argv)
+        model_to_serve(args)
+        assert (args.model, server_settings(args).api_keys) == (model, keys)
+    with pytest.raises(ValueError, match="--api-key must not be empty or hold a line break, got ''"):
+        server_settings(parse("m", "--api-key", "k", ""))
+
+
 def test_vllms_speculative_config_is_taken_as_json() -> None:
     config = engine_config(parse("m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'))
     assert (config.speculative.method, config.speculative.num_speculative_tokens) == ("ngram", 3)

@@ -24,7 +24,7 @@ import contextlib
 import functools
 import logging
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 from urllib.parse import quote, urlsplit
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -38,6 +38,7 @@ from kvserve.router.policy import Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
 from kvserve.router.prompts import prompt_text, request_payload
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
+from kvserve.server.environment import check_api_keys
 from kvserve.server.errors import (
     PROTECTED_PREFIXES,
     RETRY_LATER,
@@ -91,7 +92,7 @@ class Router:
 
     def __init__(self, urls: list[str], policy: RoutingPolicy, upstream: Upstream | None = None,
                  health_interval: float = 1.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 api_key: str | None = None) -> None:
+                 api_keys: Sequence[str] = ()) -> None:
         if not urls:
             raise ValueError("the router needs at least one replica URL")
         if max_body_bytes < 1:
@@ -102,7 +103,8 @@ class Router:
         self.policy = policy
         self.upstream = upstream or Upstream()
         self.max_body_bytes = max_body_bytes  # the replicas' limit by default: a larger body would get their 413
-        self.api_key = api_key  # checked before a body is read: a client without it costs the router nothing
+        check_api_keys(api_keys)
+        self.api_keys = tuple(api_keys)  # checked before a body is read: a client without one costs the router nothing
         self.metrics = RouterMetrics()
         self.health = HealthChecker(self.replicas, self.upstream, self.metrics, health_interval)
 
@@ -324,9 +326,8 @@ class RouterApp:
             return
         send = echoing_request_id(scope, send)  # on the router's own answers; a replica's carries it already
         path, method = scope["path"], scope["method"]
-        key = self.router.api_key
-        refused = unauthorized(scope["headers"], key) if key is not None and path.startswith(PROTECTED_PREFIXES) \
-            else None
+        keys = self.router.api_keys
+        refused = unauthorized(scope["headers"], keys) if keys and path.startswith(PROTECTED_PREFIXES) else None
         if refused is not None:
             return await error_response(refused.status, refused.message)(scope, receive, send)
         if path in PROXIED_PATHS and method == "POST":

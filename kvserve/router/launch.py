@@ -33,7 +33,7 @@ from kvserve.router.ray_replicas import RayReplicas
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
 from kvserve.server.cors import CorsPolicy, add_cors_arguments
 from kvserve.server.sockets import LISTEN_FD_ENV, MAX_PORT, http_url, listening_socket, raise_open_file_limit
-from kvserve.server.environment import API_KEY_ENV, api_key, warn_of_vllm_environment
+from kvserve.server.environment import api_keys, api_keys_variable, warn_of_vllm_environment
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
 
@@ -44,6 +44,7 @@ LOCAL_HOST = "127.0.0.1"  # where local replicas listen: only their router reach
 # after a replica's --shutdown-timeout: its uvicorn's close of the answers it aborted, and their way through the
 # router, which stops waiting for its connections after that
 REPLICA_CLOSE_SECONDS = 10.0
+MULTI_VALUE_FLAGS = ("--api-key",)  # of the router's flags, those that take every word up to the next flag
 
 
 def main(argv: list[str]) -> int:
@@ -62,11 +63,11 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="larger request bodies are answered 413, as by the replicas' own flag (default: "
                              "%(default)s, 4 MiB)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' before a request's body is read, as the "
-                             "replicas do (/health and /metrics stay open; the header goes on to the replicas, "
-                             "which check their own; `serve --data-parallel-size N --api-key KEY` sets both; "
-                             "default: $KVSERVE_API_KEY, else vLLM's $VLLM_API_KEY, else no key)")
+    parser.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY', one of the keys given, before a request's body "
+                             "is read, as the replicas do (/health and /metrics stay open; the header goes on to "
+                             "the replicas, which check their own; `serve --data-parallel-size N --api-key KEY` "
+                             "sets both; default: $KVSERVE_API_KEY's lines, else vLLM's $VLLM_API_KEY, else no key)")
     add_policy_argument(parser)
     add_upstream_timeout_argument(parser)
     add_log_arguments(parser, access_log=False)
@@ -101,7 +102,7 @@ def _positive_seconds(text: str) -> float:
 def build_router(urls: list[str], args: argparse.Namespace) -> Router:
     """The router the flags describe, in front of ``urls``."""
     return Router(urls, make_policy(args.routing_policy), Upstream(response_timeout=args.upstream_timeout),
-                  max_body_bytes=args.max_body_bytes, api_key=api_key(args.api_key))
+                  max_body_bytes=args.max_body_bytes, api_keys=api_keys(args.api_key))
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -244,12 +245,11 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
 
 def replica_command(args: argparse.Namespace, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """A replica's ``kvserve serve`` arguments (``argv`` without the router's flags) and the environment it
-    adds: the API key goes in ``$KVSERVE_API_KEY``, out of the replicas' command lines (which ``ps`` shows)."""
+    adds: the API keys go in ``$KVSERVE_API_KEY``, out of the replicas' command lines (which ``ps`` shows)."""
     replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
                                          "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host",
                                          "--upstream-timeout", "--api-key"))
-    key = api_key(args.api_key)
-    return replica_argv, {API_KEY_ENV: key} if key is not None else {}
+    return replica_argv, api_keys_variable(api_keys(args.api_key))
 
 
 class LocalReplicas:
@@ -283,15 +283,18 @@ class LocalReplicas:
 
 
 def _without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
-    """``argv`` without the given flags and their values (``--flag value`` or ``--flag=value``)."""
-    kept, skip = [], False
+    """``argv`` without the given flags and their values (``--flag value`` or ``--flag=value``; a
+    ``MULTI_VALUE_FLAGS`` flag's every value, up to the next flag or ``--``, as argparse reads them)."""
+    kept, skip_next, skip_words = [], False, False
     for arg in argv:
-        if skip:
-            skip = False
+        if skip_next or (skip_words and not arg.startswith("-")):
+            skip_next = False
             continue
-        name = arg.split("=", 1)[0]
+        skip_words = False
+        name, has_value = arg.split("=", 1)[0], "=" in arg
         if name in flags:
-            skip = "=" not in arg
+            skip_next = not has_value and name not in MULTI_VALUE_FLAGS
+            skip_words = not has_value and name in MULTI_VALUE_FLAGS
             continue
         kept.append(arg)
     return kept

@@ -225,10 +225,10 @@ class RequestGuard:
             await response(scope, receive, send)
 
     def _check_api_key(self, scope: Scope) -> None:
-        key = self.settings.api_key
-        if key is None or not scope["path"].startswith(PROTECTED_PREFIXES):
+        keys = self.settings.api_keys
+        if not keys or not scope["path"].startswith(PROTECTED_PREFIXES):
             return
-        error = unauthorized(scope["headers"], key)
+        error = unauthorized(scope["headers"], keys)
         if error is not None:
             raise error
 

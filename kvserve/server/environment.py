@@ -1,7 +1,7 @@
 """The environment variables a server reads, and vLLM's, which a deployment moved from vLLM may still set.
 
-The API key comes from ``--api-key``, else ``$KVSERVE_API_KEY``, else vLLM's ``$VLLM_API_KEY``, so that such a
-deployment does not start open; every other ``VLLM_*`` variable is read by nothing here, and a server says so as
+The API keys (any one of them is accepted, as vLLM's ``--api-key K1 K2`` does) come from ``--api-key``, else
+``$KVSERVE_API_KEY`` (keys a line each), else vLLM's ``$VLLM_API_KEY``, so that such a deployment does not start open; every other ``VLLM_*`` variable is read by nothing here, and a server says so as
 it starts, with what to use instead where kvserve has it. Standard library only: the router reads it too.
 """
 
@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "KVSERVE_API_KEY"  # the key where no --api-key is given: out of `ps`, and inherited by local replicas
+# the keys where no --api-key is given, a line each (no header holds a line break): out of `ps`, and inherited by
+# local replicas
+API_KEY_ENV = "KVSERVE_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 # vLLM's variables with a kvserve counterpart -> that counterpart
 VLLM_COUNTERPARTS = {
@@ -23,14 +26,25 @@ VLLM_COUNTERPARTS = {
 }
 
 
-def api_key(flag: str | None) -> str | None:
-    """The API key to require: ``--api-key``, else ``$KVSERVE_API_KEY`` (set empty: none), else
-    ``$VLLM_API_KEY``, else none."""
+def api_keys(flag: Sequence[str] | None) -> tuple[str, ...]:
+    """The API keys a request may bring, any one: ``--api-key``'s, else ``$KVSERVE_API_KEY``'s lines (set empty:
+    none), else ``$VLLM_API_KEY``; () requires none."""
     if flag is not None:
-        return flag
-    if API_KEY_ENV in os.environ:
-        return os.environ[API_KEY_ENV] or None
-    return os.environ.get(VLLM_API_KEY_ENV) or None
+        return tuple(flag)
+    value = os.environ[API_KEY_ENV] if API_KEY_ENV in os.environ else os.environ.get(VLLM_API_KEY_ENV, "")
+    return tuple(value.splitlines()) if value else ()
+
+
+def check_api_keys(keys: Sequence[str]) -> None:
+    """ValueError naming a key no client could send: an empty one, or one holding a line break."""
+    for key in keys:
+        if not key.strip() or "\n" in key or "\r" in key:  # "Bearer " reaches us stripped, if at all
+            raise ValueError(f"--api-key must not be empty or hold a line break, got {key!r}: no client could send it")
+
+
+def api_keys_variable(keys: Sequence[str]) -> dict[str, str]:
+    """The environment that hands ``keys`` to a replica: ``$KVSERVE_API_KEY`` (none where no key is required)."""
+    return {API_KEY_ENV: "\n".join(keys)} if keys else {}
 
 
 def warn_of_vllm_environment() -> None:

@@ -11,7 +11,7 @@ import hashlib
 import json
 import secrets
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
@@ -78,14 +78,15 @@ SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/toke
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
-def unauthorized(headers: Iterable[tuple[bytes, bytes]], key: str) -> APIError | None:
-    """The 401 for a request whose ``Authorization`` is not ``Bearer key`` (the scheme in any case, RFC 9110; the
-    key compared by its digest, in constant time and whatever its length), or None; the server and the router
-    answer alike."""
+def unauthorized(headers: Iterable[tuple[bytes, bytes]], keys: Sequence[str]) -> APIError | None:
+    """The 401 for a request whose ``Authorization`` is not ``Bearer`` and one of ``keys`` (the scheme in any case,
+    RFC 9110; each key compared by its digest, in constant time and whatever its length, and every key compared),
+    or None; the server and the router answer alike."""
     given = next((value for name, value in headers if name == b"authorization"), b"")
     scheme, _, token = given.partition(b" ")
     digest = hashlib.sha256(token.strip()).digest()
-    if scheme.lower() == b"bearer" and secrets.compare_digest(digest, hashlib.sha256(key.encode()).digest()):
+    matches = [secrets.compare_digest(digest, hashlib.sha256(key.encode()).digest()) for key in keys]
+    if scheme.lower() == b"bearer" and any(matches):
         return None
     return APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'")
 

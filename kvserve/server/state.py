@@ -8,6 +8,7 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Iterator
 
 from kvserve.server.cors import CorsPolicy
+from kvserve.server.environment import check_api_keys
 from kvserve.server.errors import RETRY_LATER, APIError, shortened
 from kvserve.server.request_log import RequestLog
 
@@ -24,7 +25,7 @@ class ServerSettings:
 
     served_model_names: tuple[str, ...]
     model_root: str  # what was loaded: a path or a packaged model's name
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # a request must bring one of them; () requires none
     max_waiting: int | None = None  # None: no limit on the waiting queue
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
@@ -35,8 +36,7 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
-        if self.api_key is not None and not self.api_key.strip():  # "Bearer " reaches us stripped, if at all
-            raise ValueError(f"--api-key must not be empty, got {self.api_key!r}: no client could send it")
+        check_api_keys(self.api_keys)
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_body_bytes < 1:

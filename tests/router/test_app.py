@@ -619,7 +619,7 @@ def test_with_a_key_the_router_refuses_a_request_without_it_before_reading_its_b
 
     async def scenario() -> list[httpx.Response]:
         async with fakes:
-            router = Router(fakes.urls, make_policy("cache_aware"), api_key="sekret")
+            router = Router(fakes.urls, make_policy("cache_aware"), api_keys=("sekret", "rotated"))
             client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
             return [await client.post("/v1/completions", json={"prompt": "p"}),
                     await client.get("/v1/models"),
@@ -627,13 +627,16 @@ def test_with_a_key_the_router_refuses_a_request_without_it_before_reading_its_b
                                       headers={"Authorization": "Bearer sekret"}),
                     await client.get("/health"),
                     await client.get("/v1/models/m"),
-                    await client.get("/v1/nope")]
+                    await client.get("/v1/nope"),
+                    await client.post("/v1/completions", json={"prompt": "q"},
+                                      headers={"Authorization": "Bearer rotated"})]
 
-    refused, models, served, health, model, unknown = run(scenario())
+    refused, models, served, health, model, unknown, rotated = run(scenario())
     assert refused.status_code == models.status_code == model.status_code == unknown.status_code == 401
     assert refused.json()["error"]["type"] == "authentication_error"
     assert served.status_code == 200 and served.json()["auth"] == "Bearer sekret" and health.status_code == 200
-    assert [payload for _, payload in fakes.seen] == [{"prompt": "p"}]  # the refused one never reached a replica
+    assert rotated.status_code == 200 and rotated.json()["auth"] == "Bearer rotated"  # either key
+    assert [payload for _, payload in fakes.seen] == [{"prompt": "p"}, {"prompt": "q"}]  # none refused reached one
 
 
 async def until(predicate: Callable[[], object], timeout: float = 5.0) -> None:

@@ -153,7 +153,7 @@ def test_the_body_limit_and_the_upstream_timeout_reach_the_router() -> None:
     given = router_args(add_router_arguments, "--worker", "http://a:1", "--max-body-bytes", "123",
                         "--upstream-timeout", "7.5", "--api-key", "sekret")
     router = build_router(given.worker, given)
-    assert (router.max_body_bytes, router.upstream.response_timeout, router.api_key) == (123, 7.5, "sekret")
+    assert (router.max_body_bytes, router.upstream.response_timeout, router.api_keys) == (123, 7.5, ("sekret",))
     default = router_args(add_router_arguments, "--worker", "http://a:1")
     router = build_router(default.worker, default)
     assert (router.max_body_bytes, router.upstream.response_timeout) == (DEFAULT_MAX_BODY_BYTES,
@@ -172,10 +172,16 @@ def test_an_upstream_timeout_that_is_no_positive_number_is_a_cli_error(seconds: 
 def test_the_api_key_reaches_the_replicas_in_their_environment_not_their_command_line(monkeypatch) -> None:
     """A command line is what `ps` shows every user of the machine."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", nargs="+", default=None)
     argv = ["serve", "m", "--api-key", "sekret", "--data-parallel-size", "2", "--max-num-seqs", "4"]
     args = parser.parse_known_args(argv)[0]
     assert replica_command(args, argv) == (["serve", "m", "--max-num-seqs", "4"], {"KVSERVE_API_KEY": "sekret"})
+    argv = ["serve", "--api-key=first", "--api-key", "old", "new", "--", "m"]  # every key, none in the command
+    args = parser.parse_known_args(argv)[0]
+    assert replica_command(args, argv) == (["serve", "--", "m"], {"KVSERVE_API_KEY": "old\nnew"})
+    argv = ["serve", "--api-key", "old", "new", "--max-num-seqs", "4", "m"]
+    args = parser.parse_known_args(argv)[0]
+    assert replica_command(args, argv) == (["serve", "--max-num-seqs", "4", "m"], {"KVSERVE_API_KEY": "old\nnew"})
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
     assert replica_command(parser.parse_known_args(["serve", "m"])[0], ["serve", "m"])[1] == {
         "KVSERVE_API_KEY": "from-env"}
@@ -201,7 +207,7 @@ def test_the_routers_cors_flags_are_vllms_and_a_preflight_needs_no_key() -> None
     args = parser.parse_args(["--worker", "http://127.0.0.1:9", "--allowed-origins", '["https://chat.example"]'])
     policy = CorsPolicy.from_cli_args(args)
     assert policy == CorsPolicy(allowed_origins=("https://chat.example",))
-    router = Router(["http://127.0.0.1:9"], make_policy("round_robin"), api_key="sesame")
+    router = Router(["http://127.0.0.1:9"], make_policy("round_robin"), api_keys=("sesame",))
     client = httpx.AsyncClient(transport=httpx.ASGITransport(router_app(router, policy)), base_url="http://r")
     preflight = asyncio.run(client.options("/v1/completions", headers={
         "Origin": "https://chat.example", "Access-Control-Request-Method": "POST"}))

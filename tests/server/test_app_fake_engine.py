@@ -191,7 +191,7 @@ def test_metrics_count_one_requests_tokens(srv: InProcessServer, client: openai.
 
 
 def test_api_key_and_waiting_limit() -> None:
-    server = InProcessServer(api_key="k", max_waiting=0)
+    server = InProcessServer(api_keys=("k",), max_waiting=0)
     try:
         url = f"{server.url}/v1/completions"
         assert httpx.post(url, json={"prompt": "a"}).status_code == 401
@@ -394,14 +394,16 @@ def test_a_value_echoed_in_an_error_is_cut_short(srv: InProcessServer) -> None:
 def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch) -> None:
     """On the command line a key is in `ps` for every local user (and in each replica's arguments); a
     deployment moved from vLLM with its $VLLM_API_KEY does not start open."""
-    from kvserve.server.environment import api_key
+    from kvserve.server.environment import api_keys
 
     monkeypatch.setenv("VLLM_API_KEY", "vllms")
-    assert api_key(None) == "vllms"
+    assert api_keys(None) == ("vllms",)
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
-    assert api_key(None) == "from-env" and api_key("flag") == "flag"
+    assert api_keys(None) == ("from-env",) and api_keys(["flag"]) == ("flag",)
+    monkeypatch.setenv("KVSERVE_API_KEY", "old\nnew")  # a line each, as a router hands several to its replicas
+    assert api_keys(None) == ("old", "new")
     monkeypatch.setenv("KVSERVE_API_KEY", "")  # set empty: no key, whatever vLLM's says
-    assert api_key(None) is None
+    assert api_keys(None) == ()
 
 
 def test_tokenize_and_detokenize_answer_and_name_the_field_as_sent(srv: InProcessServer, monkeypatch) -> None:
@@ -481,7 +483,7 @@ PREFLIGHT = {"Origin": "https://chat.example", "Access-Control-Request-Method": 
 
 def test_a_browsers_preflight_is_answered_before_the_api_key_as_vllm_allows_any_origin() -> None:
     """A web page's client got 405 for its preflight (401 with --api-key, which a preflight never carries)."""
-    server = InProcessServer(api_key="sesame")
+    server = InProcessServer(api_keys=("sesame",))
     try:
         preflight = httpx.options(f"{server.url}/v1/chat/completions", headers=PREFLIGHT)
         assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
