@@ -37,6 +37,7 @@ from kvserve.server.streaming import (
     SSE_DONE,
     BatchCursor,
     SampleDelta,
+    TextEvents,
     last_item,
     num_tokens_used,
     sse,
@@ -155,10 +156,15 @@ class ChatServer(GenerationHandler):
             ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(self.params.n)
         ]
         yield sse(self._chunk(roles), exclude)
+        contents = TextEvents(lambda i, text: self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=text))]),
+                              exclude)
         cursor = BatchCursor(self.params.n)
         outputs: list[RequestOutput] = []
         async for outputs in stream:
             for index, delta in cursor.advance(outputs):
+                if delta.finish_reason is None and not self.body.logprobs and self._parser(index) is None:
+                    yield contents.event(index, delta.text)  # content alone, as a parser-less _delta makes it
+                    continue
                 message, finish_reason = self._delta(index, delta.text, delta.finish_reason, delta.stop_reason)
                 logprobs = self._logprobs(delta)
                 if message.content is None and message.tool_calls is None and finish_reason is None \

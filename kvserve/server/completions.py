@@ -21,6 +21,7 @@ from kvserve.server.streaming import (
     SSE_DONE,
     BatchCursor,
     SampleDelta,
+    TextEvents,
     last_item,
     num_tokens_used,
     sse,
@@ -71,8 +72,13 @@ class CompletionServer(GenerationHandler):
         cursor = BatchCursor(self.params.n)
         exclude = None if self.body.include_usage else {"usage"}
         outputs: Sequence[RequestOutput] = []
+        texts = TextEvents(lambda i, text: self._chunk([CompletionChoice(index=i, text=text)]), exclude)
         async for outputs in stream:
             for index, delta in cursor.advance(outputs):
+                if delta.finish_reason is None and self.body.logprobs is None and not (
+                        self.body.echo and delta.is_first):
+                    yield texts.event(index, delta.text)  # text alone, as _choice makes it
+                    continue
                 choice = self._choice(index, outputs[index // self.params.n], delta)
                 yield sse(self._chunk([choice]), exclude)
         if self.body.include_usage:

@@ -1,8 +1,9 @@
 """The environment variables a server reads, and vLLM's, which a deployment moved from vLLM may still set.
 
 The API keys (any one of them is accepted, as vLLM's ``--api-key K1 K2`` does) come from ``--api-key``, else
-``$KVSERVE_API_KEY`` (keys a line each), else vLLM's ``$VLLM_API_KEY``, so that such a deployment does not start open; every other ``VLLM_*`` variable is read by nothing here, and a server says so as
-it starts, with what to use instead where kvserve has it. Standard library only: the router reads it too.
+``$KVSERVE_API_KEY`` (keys a line each), else vLLM's ``$VLLM_API_KEY``, so that such a deployment does not start
+open; every other ``VLLM_*`` variable is read by nothing here, and a server says so as it starts, with what to use
+instead where kvserve has it. Standard library only: the router reads it too.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ aborting on a client disconnect."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -34,7 +35,37 @@ _SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2
 
 
 def sse(body: BaseModel, exclude: set[str] | None = None) -> str:
-    return f"data: {body.model_dump_json(exclude=exclude).translate(_SPLITLINES_BREAKS)}\n\n"
+    return sse_event(body.model_dump_json(exclude=exclude))
+
+
+def sse_event(data: str) -> str:
+    """``data`` (JSON) as one event; translated only where it holds a break (the translation of a 300-character
+    chunk took 6 us, a twentieth of the event loop's time a streamed token)."""
+    if "\x85" in data or "\u2028" in data or "\u2029" in data:
+        data = data.translate(_SPLITLINES_BREAKS)
+    return f"data: {data}\n\n"
+
+
+class TextEvents:
+    """The events of a stream that differ only in one choice's next text (most of a stream's events): each
+    choice's event is rendered once, by its pydantic models, around a marker, and each event is then that JSON
+    with the text in the marker's place, escaped as pydantic escapes it. Built through the models, an event took
+    22 us, a fifth of the event loop's time a streamed token. ``render(index, text)``: the chunk of choice
+    ``index`` with ``text``."""
+
+    def __init__(self, render: Callable[[int, str], BaseModel], exclude: set[str] | None = None) -> None:
+        self._render = render
+        self._exclude = exclude
+        self._around: dict[int, tuple[str, str]] = {}  # choice index -> its chunk's JSON before and after the text
+
+    def event(self, index: int, text: str) -> str:
+        around = self._around.get(index)
+        if around is None:
+            marker = uuid.uuid4().hex  # no id or model name a client chooses can hold it
+            before, _, after = self._render(index, marker).model_dump_json(exclude=self._exclude).partition(
+                f'"{marker}"')
+            around = self._around[index] = (before, after)
+        return sse_event(f"{around[0]}{json.dumps(text, ensure_ascii=False)}{around[1]}")
 
 
 @dataclass
@@ -137,7 +168,8 @@ class GenerationHandler:
                 raise bad_request(e, param=self.body.constraint_field) from e
         logged = self.request_log.queued(self.request_id, request_id, prompts, self.params)
         try:
-            stream = self.engine.generate_many(prompts, self.params, request_ids, self.admission)
+            stream = self.engine.generate_many(prompts, self.params, request_ids, self.admission,
+                                               final_only=not self.body.stream)
             first = await anext(stream)
         except BaseException as error:  # refused, or its client gone before any output
             if logged is not None:

@@ -22,12 +22,14 @@ class RecordingObserver:
     def __init__(self) -> None:
         self.added: list[str] = []
         self.finished: list[str] = []
+        self.num_refreshes = 0
 
     def on_request_added(self, request_id: str, arrival_time: float) -> None:
         self.added.append(request_id)
 
     def on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], step_start: float) -> None:
         self.finished += [o.request_id for o in outputs if o.finished]
+        self.num_refreshes += 1
 
 
 def run_with_engine(test, fake: FakeEngine | None = None, **engine_kwargs: Any) -> tuple[FakeEngine, AsyncEngine]:
@@ -58,6 +60,20 @@ def test_generate_streams_cumulative_outputs_to_the_finished_one() -> None:
     fake, engine = run_with_engine(test)
     assert fake.threads_seen == {"kvserve-engine"}  # the engine is only ever touched by its own thread
     assert engine.observer.added == engine.observer.finished and len(engine.observer.added) == 1
+
+
+def test_a_final_only_batch_is_woken_once_by_its_finished_outputs_and_stats_refresh_once_a_step() -> None:
+    """A whole (non-streamed) answer reads only the final outputs: posting each step's woke its coroutines at
+    every step, half of the event loop's time under 128 such requests. And the stats were refreshed twice a step,
+    once more before it though no command had come."""
+    async def test(engine: AsyncEngine) -> None:
+        yielded = [outputs async for outputs in engine.generate_many(["a", "b"], SamplingParams(max_tokens=6),
+                                                                     final_only=True)]
+        assert all(out.finished for out in yielded[-1]) and len(yielded) <= 3  # the first output, then finishes
+        assert [out.outputs[0].text for out in yielded[-1]] == ["bcdefg", "cdefgh"]
+
+    fake, engine = run_with_engine(test)
+    assert engine.observer.num_refreshes == fake.num_steps + 1  # each step, and the add
 
 
 def test_bad_input_raises_value_error_and_queues_nothing() -> None:
