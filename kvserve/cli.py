@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import sys
 
 from kvserve import __version__
@@ -65,6 +66,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
     else:
         outputs = llm.generate([args.prompt], params)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # any Unicode (a partial character's U+FFFD): an ASCII stdout
+        sys.stdout.reconfigure(errors="backslashreplace")  # lost the whole answer to an encoding error
     print(outputs[0].outputs[0].text)
     return 0
 

@@ -28,6 +28,33 @@ def test_generate_prints_the_completion(tiny_checkpoints, capsys) -> None:
     assert printed == expected[0].outputs[0].text
 
 
+def test_generate_prints_what_an_ascii_stdout_cannot_show_escaped(monkeypatch) -> None:
+    """Model output is any Unicode (a partial character's U+FFFD): an ASCII stdout lost the whole answer to an
+    encoding error that did not name stdout."""
+    import io
+    import sys
+    import types
+
+    import kvserve
+
+    class FakeLLM:
+        def __init__(self, **kwargs: object) -> None:
+            pass
+
+        def get_default_sampling_params(self) -> kvserve.SamplingParams:
+            return kvserve.SamplingParams()
+
+        def generate(self, prompts: list[str], params: kvserve.SamplingParams) -> list:
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(text="Größe \ufffd")])]
+
+    out = io.BytesIO()
+    monkeypatch.setattr(kvserve, "LLM", FakeLLM)
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out, encoding="ascii"))
+    assert main(["generate", "hi", "--model", "/some/model"]) == 0
+    sys.stdout.flush()
+    assert out.getvalue() == b"Gr\\xf6\\xdfe \\ufffd\n"
+
+
 def test_models_lists_the_packaged_models(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
     assert main(["models"]) == 0

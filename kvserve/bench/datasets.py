@@ -329,8 +329,8 @@ def _sharegpt_pairs(path: Path | None) -> list[tuple[str, str]]:
         raise ValueError(f"the sharegpt workload needs --dataset-path FILE (ShareGPT JSON; a small synthetic "
                          f"one ships at {SHAREGPT_SAMPLE})")
     try:
-        data: Any = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as e:
+        data: Any = json.loads(Path(path).read_bytes())  # JSON is UTF-8 (RFC 8259), whatever the locale's encoding
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not JSON: {e}") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: a ShareGPT file is a list of {{'conversations': [...]}} entries")

@@ -93,7 +93,8 @@ def write_result_json(path: str | Path, result: dict[str, Any], args: argparse.N
     """``result`` with the command's configuration, the machine, the package versions and the git commit."""
     config = _redacted({key: value for key, value in vars(args).items() if key != "func"})
     document = {**result, "config": config, "machine": machine(), "versions": versions()}
-    Path(path).write_text(json.dumps(document, indent=1, default=str) + "\n")  # default: Paths in the config
+    # default: Paths in the config
+    Path(path).write_text(json.dumps(document, indent=1, default=str) + "\n", encoding="utf-8")
 
 
 def _redacted(config: dict[str, Any]) -> dict[str, Any]:
@@ -213,7 +214,7 @@ def _distinct_name(path: Path, others: list[Path]) -> str:
 
 def _columns(path: Path) -> list[tuple[str, dict[str, Any]]]:
     try:
-        document = json.loads(path.read_text())
+        document = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not a result JSON: {e}") from None
     if not isinstance(document, dict) or "kind" not in document:

@@ -246,9 +246,9 @@ def main(args: argparse.Namespace) -> int:
     size = model_size(args.model)
     result = measure_roofline(size, device, dtypes, args)
     label = args.label or f"roofline {args.model} {device.type}"
-    print(format_roofline(result, label))
-    if args.result_json:
+    if args.result_json:  # first: a reader of the report that has gone (a pager quit) loses no finished run
         write_result_json(args.result_json, {"kind": "roofline", "label": label, **result}, args)
+    print(format_roofline(result, label))
     return 0
 
 

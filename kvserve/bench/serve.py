@@ -378,14 +378,14 @@ def main(args: argparse.Namespace) -> int:
                     args.api_key, args.timeout)
     runs = asyncio.run(_measure(target, args, checkpoint, rates, slos))
     label = args.label or f"{args.backend} {args.dataset_name}"
+    result = {"kind": "serve", "label": label, "runs": runs}
+    if args.result_json:  # first: a reader of the report that has gone (a pager quit) loses no finished run
+        write_result_json(args.result_json, result, args)
     for run in runs:
         print(format_run(run, f"{label} | rate {run['request_rate']} | concurrency "
                               f"{args.max_concurrency or 'unlimited'}"))
     if len(runs) > 1:
         print(format_sweep(runs))
-    result = {"kind": "serve", "label": label, "runs": runs}
-    if args.result_json:
-        write_result_json(args.result_json, result, args)
     if args.plot:
         from kvserve.bench.plots import write_plots  # matplotlib only when asked for
 

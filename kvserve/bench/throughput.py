@@ -166,9 +166,9 @@ def main(args: argparse.Namespace) -> int:
     report = throughput_report(results, args, dtype, gemm)
     if args.profile:
         report["profile"] = profile_kvserve(bench, args)
-    print(format_report(report, results))
-    if args.result_json:
+    if args.result_json:  # first: a reader of the report that has gone (a pager quit) loses no finished run
         write_result_json(args.result_json, report, args)
+    print(format_report(report, results))
     return 0
 
 

@@ -220,9 +220,9 @@ class AsyncEngine:
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """Queue several requests with the same params, all or none (one bad prompt raises ValueError and
         queues nothing), and yield, each time any of them moves (with ``final_only``: the first time, then as
-        each finishes), the latest output of each request in input order; a request that has not produced anything yet appears as an output
-        with no samples. ``admission``: the one ``admit`` gave these requests, closed as their add takes over its
-        count."""
+        each finishes), the latest output of each request in input order; a request that has not produced
+        anything yet appears as an output with no samples. ``admission``: the one ``admit`` gave these requests,
+        closed as their add takes over its count."""
         ids = list(request_ids) if request_ids else [f"req-{next(self._request_counter)}" for _ in prompts]
         stream = _Stream(asyncio.get_running_loop(), _Mailbox(), final_only)
         mailbox = stream.mailbox

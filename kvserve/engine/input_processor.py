@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.engine.chat_messages import for_template, iterates_content, template_message
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
+from kvserve.utf8 import check_utf8
 
 # A prompt is text, {"prompt": text} (vLLM's TextPrompt), or {"prompt_token_ids": [...]} (its TokensPrompt,
 # optionally with the "prompt" text it came from).
@@ -111,12 +112,7 @@ class InputProcessor:
         if not text:  # refused later as an empty prompt_token_ids, which the client did not send
             raise ValueError("the chat template rendered this conversation as no text at all")
         self._check_text_fits(text, "the rendered conversation")
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # JSON's "\ud800" in a name, a tool or a call's arguments
-                raise ValueError("the conversation is not valid UTF-8: a message, tool or tool call holds a lone "
-                                 "surrogate") from None
+        check_utf8(text, "the conversation (a message, a tool or a tool call)")  # JSON's "\ud800" in any
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return {"prompt": text, "prompt_token_ids": token_ids}
 
@@ -125,7 +121,7 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("the prompt is empty")
             self._check_text_fits(prompt, "prompt")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(check_utf8(prompt, "the prompt"))
         if not isinstance(prompt, Mapping):
             raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt', got "
                              f"{type(prompt).__name__}")
@@ -145,7 +141,7 @@ class InputProcessor:
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (the server's /tokenize); ValueError for a text no context could hold."""
         self._check_text_fits(text, "prompt")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.tokenizer.encode(check_utf8(text, "the text"), add_special_tokens=add_special_tokens)
 
     def _check_text_fits(self, text: str, what: str) -> None:
         """Refuse, before tokenizing it, a text too long for any tokenization of it to fit: no token covers more

@@ -4,12 +4,16 @@ CUDA), never more than the running requests could fill when no prefix cache keep
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import torch
 
 from kvserve.config import CacheConfig
 
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
+# where a container's memory limit is read: cgroup v2's, then v1's (a huge number where there is none)
+CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 logger = logging.getLogger(__name__)
 
 
@@ -21,6 +25,8 @@ def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.de
     budget, which the prefix cache fills). ``num_kv_blocks`` counts blocks of every layer: with KV cache groups
     (``kv/groups.py``) a block holds 1 / ``block_scale`` of that, and the pool gets as many more."""
     if cache.num_kv_blocks is not None:
+        if device.type == "cpu":
+            check_fits_host_memory(cache.num_kv_blocks * bytes_per_block, "--num-kv-blocks")
         return cache.num_kv_blocks * block_scale
     if device.type == "cuda" and cache.kv_cache_memory is None:
         free_bytes, _ = torch.cuda.mem_get_info(device)
@@ -30,6 +36,8 @@ def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.de
             logger.warning("--gpu-memory-utilization is not used: the KV cache is sized by --kv-cache-memory "
                            "(default %s GiB off CUDA)", DEFAULT_CPU_KV_CACHE_GIB)
         budget = (cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_GIB) * 2**30
+        if device.type == "cpu":
+            check_fits_host_memory(budget, "--kv-cache-memory")
     num_blocks = int(budget // bytes_per_block)
     if max_blocks_needed is not None and num_blocks > max_blocks_needed:
         logger.info("the KV budget (%.3f GiB) holds more than the running requests could ever fill, with no "
@@ -41,3 +49,31 @@ def num_kv_blocks_for(cache: CacheConfig, bytes_per_block: int, device: torch.de
             f"({bytes_per_block} bytes); raise kv_cache_memory"
         )
     return num_blocks
+
+
+def check_fits_host_memory(pool_bytes: float, flag: str) -> None:
+    """ValueError, naming ``flag``, where a CPU pool is larger than this process's memory: the pool's pages are
+    mapped untouched and taken as blocks fill (the prefix cache keeps every block once used), so a pool larger
+    than the machine started fine and was killed for memory hours into serving."""
+    limit, where = host_memory_limit()
+    if limit is not None and pool_bytes > limit:
+        raise ValueError(f"the KV cache ({pool_bytes / 2**30:.1f} GiB) is larger than {where} "
+                         f"({limit / 2**30:.1f} GiB): it would be killed for memory as its blocks fill; lower {flag}")
+
+
+def host_memory_limit() -> tuple[int | None, str]:
+    """The most memory this process may take (bytes, or None where unknown) and what sets it: the machine's, or
+    its container's (a cgroup's limit) where lower."""
+    limit, where = None, "this machine's memory"
+    try:
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        pass
+    for path in CGROUP_MEMORY_LIMITS:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and (limit is None or int(text) < limit):
+            limit, where = int(text), f"this container's memory limit ({path})"
+    return limit, where

@@ -24,7 +24,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.device import parse_dtype, resolve_device
 from kvserve.engine.core import EngineCore, PendingStep
-from kvserve.engine.kv_budget import num_kv_blocks_for
+from kvserve.engine.kv_budget import check_fits_host_memory, num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.groups import KVCacheGroups
@@ -288,6 +288,7 @@ class LLMEngine:
         block_format = BlockFormat(runner.model_identity(), spec.kv_dtype.layout, spec.block_size, spec.bytes_per_block,
                                    runner.kv_groups.layout)
         host_gib = cache.kv_offload_memory if cache.kv_offload_memory is not None else DEFAULT_STAGING_GIB
+        check_fits_host_memory(host_gib * 2**30, "--kv-offload-memory")  # taken as it fills, as a CPU pool
         return TieredStore(block_format, host_gib * 2**30, host_is_tier=cache.kv_offload_memory is not None,
                            disk_dir=cache.kv_offload_dir, disk_bytes=cache.disk_tier_bytes,
                            pin_memory=self.device.type == "cuda")

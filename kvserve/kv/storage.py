@@ -116,7 +116,12 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     default 2 GB), and blocks never used take no memory."""
     if torch.device(device).type != "cpu" or not math.prod(shape):
         return torch.zeros(shape, dtype=dtype, device=device)
-    mapped = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)  # the tensor keeps the mapping alive
+    size = math.prod(shape) * dtype.itemsize
+    try:
+        mapped = mmap.mmap(-1, size)  # the tensor keeps the mapping alive
+    except OSError as error:  # ENOMEM: an address-space limit (ulimit -v) below the pool, which errno alone hid
+        raise ValueError(f"could not map {size / 2**30:.2f} GiB of the KV cache: {error.strerror}; lower "
+                         "--kv-cache-memory or --num-kv-blocks") from None
     return torch.frombuffer(mapped, dtype=torch.uint8).view(dtype).view(shape)
 
 

@@ -282,14 +282,14 @@ def _keep_added_tokens(config_file: Path, tokenizer: PreTrainedTokenizerBase) ->
     """Write the added tokens into the tokenizer's config as transformers reads them back there: without them,
     loading the tokenizer parses the whole tokenizer.json in Python only to take its added tokens (0.2 s of a
     start for the default model's 3.5 MB, 0.9 s for Gemma 3's 33 MB)."""
-    config = json.loads(config_file.read_text())
+    config = json.loads(config_file.read_bytes())
     added = tokenizer.added_tokens_decoder
     config["added_tokens_decoder"] = {str(i): token.__getstate__() for i, token in added.items()}
-    config_file.write_text(json.dumps(config, indent=2))
+    config_file.write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
 def _read_index(directory: Path) -> GGUFIndex:
-    listing = json.loads((directory / TENSORS_FILE).read_text())
+    listing = json.loads((directory / TENSORS_FILE).read_bytes())
     if missing := sorted(set(listing["files"]) - {p.name for p in directory.iterdir()}):
         raise FileNotFoundError(f"the index has lost {', '.join(missing)}")
     tensors = tuple(
@@ -318,7 +318,7 @@ class IndexedConfig(PretrainedConfig):
 
     @classmethod
     def read(cls, path: Path) -> IndexedConfig:
-        saved = json.loads(path.read_text())
+        saved = json.loads(path.read_bytes())
         config = cls.from_dict(saved)
         for key, value in saved.items():  # what the base class's constructor sets aside (use_cache)
             if key not in vars(config):

@@ -246,7 +246,7 @@ def _read_hf_tokenizer(directory: Path) -> PreTrainedTokenizerBase:
 def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     try:
         index = load_gguf_index(path)
-    except CheckpointError:
+    except (CheckpointError, PermissionError, IsADirectoryError):  # a file not ours to read is not a damaged one
         raise
     except Exception as error:  # the readers fail deep inside numpy or struct on a damaged file
         _check_gguf_architecture(path)  # the clearer error, where that is the cause
@@ -271,6 +271,8 @@ def _check_gguf_architecture(path: Path) -> None:
 
     try:
         metadata, _ = read_gguf_metadata(str(path))
+    except (PermissionError, IsADirectoryError):
+        raise
     except Exception as error:
         raise CheckpointError(_unreadable_gguf(path, error)) from None
     architecture = metadata["general.architecture"]

@@ -46,6 +46,7 @@ from kvserve.sample.metadata import SamplingRow
 from kvserve.sample.processor import LogitsProcessor
 from kvserve.sample.token_mask import apply_token_mask
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.utf8 import check_utf8
 
 if TYPE_CHECKING:
     import xgrammar
@@ -76,12 +77,7 @@ def _checked_text(spec: StructuredOutputsParams, text: str) -> str:
     if len(text) > MAX_CONSTRAINT_CHARS:
         raise ValueError(f"structured output: the {spec.kind} is {len(text):,} characters long; at most "
                          f"{MAX_CONSTRAINT_CHARS:,} are compiled")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"structured output: the {spec.kind} holds a lone surrogate (U+D800 to U+DFFF alone): no "
-                         "valid UTF-8") from None
-    return text
+    return check_utf8(text, f"structured output: the {spec.kind}")
 
 
 def _json_schema_grammar(schema: str) -> xgrammar.Grammar:

@@ -28,17 +28,13 @@ from pydantic import (
 )
 
 from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
+from kvserve.utf8 import check_utf8
 
 MAX_LOGIT_BIAS = 100.0
 
 
 def _check_utf8(text: str) -> str:
-    """JSON can carry a lone surrogate ("\\ud800"), which is no UTF-8 text and no tokenizer input."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("the text is not valid UTF-8 (it holds a lone surrogate)") from None
-    return text
+    return check_utf8(text, "the text")  # JSON can carry a lone surrogate ("\\ud800")
 
 
 Text = Annotated[str, AfterValidator(_check_utf8)]

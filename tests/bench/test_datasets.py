@@ -146,6 +146,25 @@ def test_grounded_prompts_hold_what_their_answers_quote(tokenizer) -> None:
     assert code.prompt == tokenizer.apply_chat_template(code.messages, tokenize=False, add_generation_prompt=True)
 
 
+def test_a_dataset_file_is_read_as_utf8_whatever_the_locale(tmp_path: Path) -> None:
+    """Read in the locale's encoding, one seeded workload was another under Latin-1 (80 prompt tokens, not 62)
+    and a codec error naming no file under ASCII."""
+    import subprocess
+    import sys
+
+    dataset = tmp_path / "sharegpt.json"
+    dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": "Größe von İstanbul, 東京?"},
+                                                      {"from": "gpt", "value": "Groß. 🙂"}]}], ensure_ascii=False),
+                       encoding="utf-8")
+    read = ("import sys; from kvserve.bench.datasets import _sharegpt_pairs; "
+            "print(ascii(_sharegpt_pairs(sys.argv[1])))")
+    ascii_locale = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    result = subprocess.run([sys.executable, "-c", read, str(dataset)], env=ascii_locale, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == ascii([("Größe von İstanbul, 東京?", "Groß. 🙂")])
+
+
 def test_sharegpt_takes_first_turns_and_reply_lengths_filtered_like_vllm(tokenizer) -> None:
     flags = ["--dataset-name", "sharegpt", "--dataset-path", str(SHAREGPT_SAMPLE), "--num-prompts", "20"]
     requests = build_dataset(args(*flags), tokenizer)

@@ -28,6 +28,23 @@ PROBE = ["--gemm-size", "32", "--gemm-tokens", "8", "--num-repeats", "1"]  # a c
 SYSTEMS = ["kvserve", "hf-single", "hf-static3", "hf-generate_batch"]
 
 
+def test_the_result_json_is_written_before_the_report_is_printed(tiny_checkpoint: Path, tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """A reader of the report that had gone (a pager quit, `| true`) lost a finished run's --result-json."""
+    import builtins
+
+    def gone(*args: object, **kwargs: object) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    result_json = tmp_path / "throughput.json"
+    monkeypatch.setattr(builtins, "print", gone)
+    with pytest.raises(BrokenPipeError):
+        main(["bench", "throughput", str(tiny_checkpoint), "--dataset-name", "random", "--num-prompts", "2",
+              "--random-input-len", "8", "--random-output-len", "2", *PROBE, "--backend", "kvserve", "--device", "cpu",
+              "--result-json", str(result_json)])
+    assert json.loads(result_json.read_text())["kind"] == "throughput"
+
+
 def test_every_system_counts_exactly_the_workloads_tokens_and_compare_reads_the_result(
     tiny_checkpoint: Path, tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -12,6 +12,7 @@ from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kvserve.engine.input_processor import InputProcessor
+from kvserve.sampling_params import SamplingParams
 
 # Gemma 3's way with content: a string as it is, a list of parts trimmed and joined
 PARTS_TEMPLATE = (
@@ -106,8 +107,20 @@ def test_a_lone_surrogate_anywhere_in_a_conversation_is_named(tokenizer, message
     was a 500."""
     template = ("{% for m in messages %}{{ m.name }}{{ m.content }}{{ (m.tool_calls or []) | tojson }}"
                 "{% endfor %}{{ (tools or []) | tojson }}")
-    with pytest.raises(ValueError, match="not valid UTF-8: a message, tool or tool call holds a lone surrogate"):
+    with pytest.raises(ValueError, match=r"the conversation \(a message, a tool or a tool call\) is not valid "
+                                         r"UTF-8: it holds a lone surrogate"):
         render(processor_with(tokenizer, template), messages, tools=tools)
+
+
+@pytest.mark.parametrize("prompt", ["H\udcc3\udca9llo", {"prompt": "\ud800"}])
+def test_a_lone_surrogate_in_a_text_prompt_is_named(tokenizer, prompt) -> None:
+    """A command line's bytes its locale does not decode reach `generate` as surrogates (surrogateescape), and
+    the tokenizer's TypeError named nothing ("TextEncodeInput must be Union[...]")."""
+    processor = InputProcessor(tokenizer, len(tokenizer), max_model_len=512)
+    with pytest.raises(ValueError, match="the prompt is not valid UTF-8: it holds a lone surrogate"):
+        processor.process(prompt, SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="the text is not valid UTF-8"):
+        processor.tokenize_text("\ud800")
 
 
 def test_add_special_tokens_adds_the_tokenizers_own_to_the_rendered_text(tokenizer) -> None:

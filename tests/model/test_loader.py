@@ -408,6 +408,20 @@ def test_corrupt_gguf(tmp_path: Path) -> None:
     assert_gguf_fails(corrupt, "truncated or corrupt")
 
 
+def test_a_gguf_this_user_may_not_read_is_named_so_not_called_corrupt(gguf_file: Path, monkeypatch) -> None:
+    """A second user of a cache someone else pulled into was told the file was "truncated or corrupt". (Tests
+    run as root, whom a file's mode does not stop: the refusal is the OS's error, raised as it would be.)"""
+    from kvserve.model import loader
+
+    def refused(path: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(loader, "load_gguf_index", refused)
+    monkeypatch.setattr("transformers.integrations.gguf.read_gguf_metadata", refused)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        load_checkpoint(gguf_location(gguf_file), torch.float32)
+
+
 @pytest.mark.parametrize("block_count, fragment", [
     (1_000_000, "llama.block_count says 1000000 layers, its tensors hold 2"),
     (0, "llama.block_count must be a positive number of layers, got 0"),

@@ -183,9 +183,9 @@ def test_an_aborted_constrained_request_leaves_no_matcher(llm: LLM) -> None:
     ({"json": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}, "JSON schema does not compile"),
     ({"regex": "(unclosed"}, "regex does not compile"),
     ({"grammar": "root ::= undefined_rule"}, "grammar does not compile"),
-    ({"choice": ["a\ud800"]}, "choice holds a lone surrogate"),
-    ({"json": {"enum": ["a\ud800"]}}, "JSON schema holds a lone surrogate"),
-    ({"regex": "a\ud800"}, "regex holds a lone surrogate"),
+    ({"choice": ["a\ud800"]}, "choice is not valid UTF-8: it holds a lone surrogate"),
+    ({"json": {"enum": ["a\ud800"]}}, "JSON schema is not valid UTF-8: it holds a lone surrogate"),
+    ({"regex": "a\ud800"}, "regex is not valid UTF-8: it holds a lone surrogate"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_by_name(llm: LLM, constraint: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment) as refused:

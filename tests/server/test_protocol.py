@@ -110,7 +110,8 @@ def test_best_of_is_honoured_only_as_n() -> None:
     ({"prompt": [True]}, "prompt.0: Input should be a valid integer"),
     ({"prompt": [1.5]}, "prompt.0: Input should be a valid integer"),
     ({"prompt": [[1, 2], [3.5]]}, "prompt.1.0: Input should be a valid integer"),
-    ({"prompt": ["ok", "a\ud800b"]}, "prompt.1: the text is not valid UTF-8 (it holds a lone surrogate)"),
+    ({"prompt": ["ok", "a\ud800b"]},
+     "prompt.1: the text is not valid UTF-8: it holds a lone surrogate (U+D800 to U+DFFF alone)"),
     ({"prompt": ["ok", 1]}, "prompt.1: Input should be a valid string"),
 ])
 def test_a_prompt_that_fits_no_form_is_told_about_the_form_it_has(body: dict, expected: str) -> None:
