@@ -50,6 +50,7 @@ from kvserve.worker.parallel import WorkerGroup, WorkerSpec, start_workers
 from kvserve.worker.ray_workers import start_ray_workers
 
 logger = logging.getLogger(__name__)
+WARM_UP_REQUEST_ID = "kvserve-warm-up"
 
 
 class LLMEngine:
@@ -305,6 +306,17 @@ class LLMEngine:
         if store is not None:
             self.core.offload_pending()
             store.flush(timeout)
+
+    def warm_up(self) -> None:
+        """Run one request of one token through a prefill and a decode step, leaving nothing behind (no block
+        cached, the pool empty): what a first step does once (a step graph recorded, kernels loaded, torch's lazy
+        imports) is done before a server says it is ready, not on its first clients' time (on CPU, recording
+        the first step graph imports torch._dynamo: 2 s of the first request) nor while a burst of them holds
+        every file descriptor (a step that cannot open a module fails the engine)."""
+        self.add_request(WARM_UP_REQUEST_ID, {"prompt_token_ids": [0]},
+                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while self.has_unfinished_requests():
+            self.step(final_only=True)
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad."""

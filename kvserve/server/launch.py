@@ -91,6 +91,7 @@ def load_engine(state: ServerState, config: EngineConfig, url: str) -> None:
     try:
         started = time.monotonic()
         engine = LLMEngine(config)
+        engine.warm_up()  # before the metrics' counters start: its step is not a client's
         stats = engine.stats()
         state.metrics = ServerMetrics(state.settings.model_name, stats, engine.max_model_len)
         state.max_model_len = engine.max_model_len

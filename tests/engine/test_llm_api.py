@@ -62,6 +62,22 @@ def test_chat_with_a_model_without_a_template_says_what_to_send(llm: LLM, monkey
     assert llm.stats()["num_waiting"] == 0
 
 
+def test_a_warm_up_does_the_first_steps_work_and_leaves_nothing_behind(tiny_checkpoints) -> None:
+    """A server warms its engine up before /health says it is ready: the first decode step's graph recorded
+    (on CPU its recording imported torch._dynamo, 2 s of the first client's time), no block held or cached, and
+    the tokens after it a fresh engine's."""
+    warmed, fresh = (LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64) for _ in range(2))
+    warmed.engine.warm_up()
+    stats = warmed.stats()
+    assert 1 in warmed.engine.core.runner.graphs.graphs  # a one-token decode step's
+    assert stats["num_blocks_used"] == stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["prefix_cache_queries"] == 1 and stats["prefix_cache_hits"] == 0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in warmed.generate(["abc", "x y"], params)] == \
+        [o.outputs[0].token_ids for o in fresh.generate(["abc", "x y"], params)]
+    assert warmed.stats()["prefix_cache_hits"] == 0  # the warm-up's token cached nothing to hit
+
+
 def test_stats_report_the_kv_cache(llm: LLM) -> None:
     stats = llm.stats()
     for key in ("block_size", "num_blocks_total", "num_blocks_used", "num_blocks_free", "kv_cache_dtype"):
