@@ -169,7 +169,8 @@ def library_path(source: Path, *, batch_invariant: bool = True) -> Path:
     try:
         text = source.read_bytes()
     except OSError as error:
-        raise KernelBuildError(f"the kernel source {source} is missing: {error}") from error
+        # its reason said: out of descriptors or memory, the source is there
+        raise KernelBuildError(f"could not read the kernel source {source}: {error.strerror or error}") from error
     flags = compile_flags(batch_invariant=batch_invariant)
     headers = [header.read_bytes() for header in included_headers(source)]
     key = hashlib.sha256(b"\0".join([text, *headers, " ".join(flags).encode(), _cpu_id().encode()])).hexdigest()
@@ -213,7 +214,8 @@ def included_headers(source: Path) -> list[Path]:
         try:
             text = including.read_text()
         except OSError as error:
-            raise KernelBuildError(f"the kernel header {including} is missing: {error}") from error
+            raise KernelBuildError(f"could not read the kernel header {including}: {error.strerror or error}") \
+                from error
         for name in _QUOTED_INCLUDE.findall(text):
             header = (including.parent / name).resolve()
             if header not in found:

@@ -81,7 +81,7 @@ def test_a_change_to_any_included_header_rebuilds(cache_dir: Path, tmp_path: Pat
     second = native.library_path(source)
     assert first != second and ctypes.CDLL(str(second)).f() == 2
     inner.unlink()
-    with pytest.raises(KernelBuildError, match="inner.h is missing"):
+    with pytest.raises(KernelBuildError, match="could not read the kernel header .*inner.h: No such file or directory"):
         native.library_path(source)
 
 
@@ -111,8 +111,20 @@ def test_a_failed_build_is_remembered_and_raised_again(cache_dir: Path, tmp_path
 
 
 def test_missing_source_is_a_build_error(tmp_path: Path) -> None:
-    with pytest.raises(KernelBuildError, match="absent.c is missing"):
+    with pytest.raises(KernelBuildError, match="could not read the kernel source .*absent.c: No such file"):
         native.library_path(tmp_path / "absent.c")
+
+
+def test_a_source_that_cannot_be_read_is_not_called_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of file descriptors (a burst of connections), the warning said the kernel's source was missing."""
+    import errno
+
+    def no_descriptor(self: Path) -> bytes:
+        raise OSError(errno.EMFILE, "Too many open files", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", no_descriptor)
+    with pytest.raises(KernelBuildError, match=r"could not read the kernel source .*: Too many open files$"):
+        native.library_path(KERNEL_SOURCE)
 
 
 def test_a_cached_library_cut_short_is_built_again(cache_dir: Path, answer_source: Path,
