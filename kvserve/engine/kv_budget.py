@@ -4,16 +4,13 @@ CUDA), never more than the running requests could fill when no prefix cache keep
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
 
 import torch
 
 from kvserve.config import CacheConfig
+from kvserve.host_limits import memory_limit
 
 DEFAULT_CPU_KV_CACHE_GIB = 2.0
-# where a container's memory limit is read: cgroup v2's, then v1's (a huge number where there is none)
-CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
 logger = logging.getLogger(__name__)
 
 
@@ -55,25 +52,7 @@ def check_fits_host_memory(pool_bytes: float, flag: str) -> None:
     """ValueError, naming ``flag``, where a CPU pool is larger than this process's memory: the pool's pages are
     mapped untouched and taken as blocks fill (the prefix cache keeps every block once used), so a pool larger
     than the machine started fine and was killed for memory hours into serving."""
-    limit, where = host_memory_limit()
+    limit, where = memory_limit()
     if limit is not None and pool_bytes > limit:
         raise ValueError(f"the KV cache ({pool_bytes / 2**30:.1f} GiB) is larger than {where} "
                          f"({limit / 2**30:.1f} GiB): it would be killed for memory as its blocks fill; lower {flag}")
-
-
-def host_memory_limit() -> tuple[int | None, str]:
-    """The most memory this process may take (bytes, or None where unknown) and what sets it: the machine's, or
-    its container's (a cgroup's limit) where lower."""
-    limit, where = None, "this machine's memory"
-    try:
-        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        pass
-    for path in CGROUP_MEMORY_LIMITS:
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and (limit is None or int(text) < limit):
-            limit, where = int(text), f"this container's memory limit ({path})"
-    return limit, where

@@ -26,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
+from kvserve.host_limits import fit_threads_to_cpu_quota
 from kvserve.logs import configure_logging, uvicorn_logging
 from kvserve.server.app import build_app
 from kvserve.server.environment import warn_of_vllm_environment
@@ -46,6 +47,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSettin
     SIGINT; 0 after a clean drain, 1 if the model failed to load."""
     configure_logging(args.log_level)
     warn_of_vllm_environment()
+    fit_threads_to_cpu_quota()
     state = ServerState(settings)
     sock = serving_socket(args.host, args.port)
     raise_open_file_limit()

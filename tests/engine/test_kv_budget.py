@@ -12,15 +12,15 @@ import torch
 
 from kvserve import LLM
 from kvserve.config import CacheConfig
-from kvserve.engine import kv_budget
-from kvserve.engine.kv_budget import host_memory_limit, num_kv_blocks_for
+from kvserve import host_limits
+from kvserve.engine.kv_budget import num_kv_blocks_for
 from kvserve.kv.storage import zeros
 
 
 def container_limit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str) -> Path:
     limit = tmp_path / "memory.max"
     limit.write_text(text)
-    monkeypatch.setattr(kv_budget, "CGROUP_MEMORY_LIMITS", (tmp_path / "absent", limit))
+    monkeypatch.setattr(host_limits, "CGROUP_MEMORY_LIMITS", (tmp_path / "absent", limit))
     return limit
 
 
@@ -39,7 +39,7 @@ def test_a_cpu_pool_larger_than_the_containers_memory_is_refused_naming_its_flag
 
 def test_no_container_limit_leaves_the_machines_memory(monkeypatch, tmp_path: Path) -> None:
     container_limit(monkeypatch, tmp_path, "max\n")  # cgroup v2's "no limit" (v1 writes a huge number)
-    limit, where = host_memory_limit()
+    limit, where = host_limits.memory_limit()
     assert where == "this machine's memory" and limit is not None and limit > 2**28
     with pytest.raises(ValueError, match=r"is larger than this machine's memory"):
         num_kv_blocks_for(CacheConfig(kv_cache_memory=limit / 2**30 + 1), 2**20, torch.device("cpu"), None)
