@@ -220,6 +220,7 @@ class LLMEngine:
             self.config.cache, runner.kv_bytes_per_block(), self.device, max_blocks_needed,
             block_scale=len(groups.layer_groups) // groups.group_size,
         )
+        self._check_host_kv_memory(runner)
         tiers = self._build_kv_tiers(runner)
         if tiers is not None:  # an engine dropped without close() (an LLM let go) stops the tiers' I/O threads
             weakref.finalize(self, tiers.close)  # at once: the KV manager's cycles would hold them to a collection
@@ -279,6 +280,15 @@ class LLMEngine:
         )
         return next((reason for on, reason in reasons if on), None)
 
+    def _check_host_kv_memory(self, runner: ModelRunner) -> None:
+        """ValueError where the KV cache held in host memory, the pool on CPU and the host tier together, is
+        larger than the memory this process may take."""
+        cache = self.config.cache
+        pool = self.num_kv_blocks * runner.kv_bytes_per_block() if self.device.type == "cpu" else 0
+        host_tier = (cache.kv_offload_memory if cache.kv_offload_memory is not None else
+                     DEFAULT_STAGING_GIB if cache.offloads_kv else 0) * 2**30
+        check_fits_host_memory(pool + host_tier, "--kv-cache-memory, --num-kv-blocks or --kv-offload-memory")
+
     def _build_kv_tiers(self, runner: ModelRunner) -> TieredStore | None:
         """The host and disk tiers under the device pool, if asked for. With a disk tier alone, a host slab of
         ``DEFAULT_STAGING_GIB`` stages its reads and writes."""
@@ -289,7 +299,6 @@ class LLMEngine:
         block_format = BlockFormat(runner.model_identity(), spec.kv_dtype.layout, spec.block_size, spec.bytes_per_block,
                                    runner.kv_groups.layout)
         host_gib = cache.kv_offload_memory if cache.kv_offload_memory is not None else DEFAULT_STAGING_GIB
-        check_fits_host_memory(host_gib * 2**30, "--kv-offload-memory")  # taken as it fills, as a CPU pool
         return TieredStore(block_format, host_gib * 2**30, host_is_tier=cache.kv_offload_memory is not None,
                            disk_dir=cache.kv_offload_dir, disk_bytes=cache.disk_tier_bytes,
                            pin_memory=self.device.type == "cuda")
@@ -308,13 +317,16 @@ class LLMEngine:
             store.flush(timeout)
 
     def warm_up(self) -> None:
-        """Run one request of one token through a prefill and a decode step, leaving nothing behind (no block
-        cached, the pool empty): what a first step does once (a step graph recorded, kernels loaded, torch's lazy
-        imports) is done before a server says it is ready, not on its first clients' time (on CPU, recording
-        the first step graph imports torch._dynamo: 2 s of the first request) nor while a burst of them holds
-        every file descriptor (a step that cannot open a module fails the engine)."""
+        """Run one request of one token through a prefill and a decode step, leaving the pool empty (and no block
+        cached at a block size over 2): what a first step does once (a step graph recorded, kernels loaded,
+        torch's lazy imports) is done before a server says it is ready, not on its first clients' time (on CPU,
+        recording the first step graph imports torch._dynamo: 2 s of the first request) nor while a burst of
+        them holds every file descriptor (a step that cannot open a module fails the engine)."""
+        max_tokens = min(2, self.max_model_len - 1)  # a context of 2 takes one token after the prompt's
+        if max_tokens < 1:
+            return
         self.add_request(WARM_UP_REQUEST_ID, {"prompt_token_ids": [0]},
-                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         while self.has_unfinished_requests():
             self.step(final_only=True)
 

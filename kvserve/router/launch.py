@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,6 +46,7 @@ LOCAL_HOST = "127.0.0.1"  # where local replicas listen: only their router reach
 # router, which stops waiting for its connections after that
 REPLICA_CLOSE_SECONDS = 10.0
 MULTI_VALUE_FLAGS = ("--api-key",)  # of the router's flags, those that take every word up to the next flag
+NEGATIVE_NUMBER = re.compile(r"-\d+|-\d*\.\d+")  # argparse's own test, for a parser without such flags
 
 
 def main(argv: list[str]) -> int:
@@ -282,12 +284,18 @@ class LocalReplicas:
         timer.cancel()
 
 
+def _is_value(arg: str) -> bool:
+    """Whether argparse reads ``arg`` as a value, not a flag: what does not start with '-', '-' alone, and a
+    negative number (the parsers have no flag that looks like one)."""
+    return not arg.startswith("-") or arg == "-" or NEGATIVE_NUMBER.fullmatch(arg) is not None
+
+
 def _without_flags(argv: list[str], flags: tuple[str, ...]) -> list[str]:
     """``argv`` without the given flags and their values (``--flag value`` or ``--flag=value``; a
     ``MULTI_VALUE_FLAGS`` flag's every value, up to the next flag or ``--``, as argparse reads them)."""
     kept, skip_next, skip_words = [], False, False
     for arg in argv:
-        if skip_next or (skip_words and not arg.startswith("-")):
+        if skip_next or (skip_words and _is_value(arg)):
             skip_next = False
             continue
         skip_words = False

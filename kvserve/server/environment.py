@@ -32,12 +32,17 @@ def api_keys(flag: Sequence[str] | None) -> tuple[str, ...]:
     none), else ``$VLLM_API_KEY``; () requires none."""
     if flag is not None:
         return tuple(flag)
-    value = os.environ[API_KEY_ENV] if API_KEY_ENV in os.environ else os.environ.get(VLLM_API_KEY_ENV, "")
-    return tuple(value.splitlines()) if value else ()
+    if API_KEY_ENV in os.environ:  # split at line feeds alone: a key may hold any other character
+        return tuple(key for key in os.environ[API_KEY_ENV].split("\n") if key)
+    vllms = os.environ.get(VLLM_API_KEY_ENV)
+    return (vllms,) if vllms else ()
 
 
 def check_api_keys(keys: Sequence[str]) -> None:
-    """ValueError naming a key no client could send: an empty one, or one holding a line break."""
+    """ValueError naming a key no client could send: an empty one, or one holding a line break; TypeError for
+    one string given as the keys (each of its characters would be a key)."""
+    if isinstance(keys, str):
+        raise TypeError("the API keys are a sequence of strings, got one string")
     for key in keys:
         if not key.strip() or "\n" in key or "\r" in key:  # "Bearer " reaches us stripped, if at all
             raise ValueError(f"--api-key must not be empty or hold a line break, got {key!r}: no client could send it")

@@ -1,5 +1,6 @@
-"""The KV pool's size: a CPU pool (or a host tier) larger than the memory the process may take is refused at
-start, naming the flag, since its pages are taken only as its blocks fill."""
+"""The KV pool's size: the KV cache held in host memory (a CPU pool, a host tier) larger than the memory the process
+may take is refused at start, naming the flags, since its pages are taken only as its blocks fill; the default
+budget fits a small container."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve import LLM
+from kvserve import LLM, host_limits
 from kvserve.config import CacheConfig
-from kvserve import host_limits
-from kvserve.engine.kv_budget import num_kv_blocks_for
+from kvserve.engine.kv_budget import DEFAULT_CPU_KV_CACHE_GIB, num_kv_blocks_for
 from kvserve.kv.storage import zeros
+
+FLAGS = "lower --kv-cache-memory, --num-kv-blocks or --kv-offload-memory"
 
 
 def container_limit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str) -> Path:
@@ -24,31 +26,39 @@ def container_limit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str) 
     return limit
 
 
-@pytest.mark.parametrize("cache, flag", [(CacheConfig(kv_cache_memory=2.0), "--kv-cache-memory"),
-                                         (CacheConfig(num_kv_blocks=2**16), "--num-kv-blocks")])
-def test_a_cpu_pool_larger_than_the_containers_memory_is_refused_naming_its_flag(
-        monkeypatch, tmp_path: Path, cache: CacheConfig, flag: str) -> None:
+@pytest.mark.parametrize("options", [{"kv_cache_memory": 0.75},  # the pool alone
+                                     {"kv_cache_memory": 0.3, "kv_offload_memory": 0.3}])  # the pool and the tier
+def test_host_kv_memory_larger_than_the_containers_is_refused_naming_the_flags(
+        monkeypatch, tmp_path: Path, tiny_checkpoints, options: dict) -> None:
     """A 64 GiB pool started on a 23 GiB machine: its pages, mapped untouched, would have been taken as the
-    prefix cache filled, and the process killed for memory hours later."""
-    limit = container_limit(monkeypatch, tmp_path, f"{2**30}\n")
-    with pytest.raises(ValueError, match=rf"the KV cache \(2\.0 GiB\) is larger than this container's memory limit "
-                                         rf"\({limit}\) \(1\.0 GiB\): .*; lower {flag}"):
-        num_kv_blocks_for(cache, 2**15, torch.device("cpu"), None)
-    assert num_kv_blocks_for(CacheConfig(kv_cache_memory=0.5), 2**15, torch.device("cpu"), None) == 2**14
+    prefix cache filled, and the process killed for memory hours later. A pool and a host tier are summed."""
+    limit = container_limit(monkeypatch, tmp_path, f"{2**29}\n")
+    with pytest.raises(ValueError, match=rf"the KV cache in host memory \(0\.[68] GiB\) is larger than this "
+                                         rf"container's memory limit \({limit}\) \(0\.5 GiB\): .*; {FLAGS}"):
+        LLM(str(tiny_checkpoints["llama"]), dtype="float32", **options)
+
+
+def test_a_pool_capped_to_what_its_requests_can_fill_is_what_is_checked(monkeypatch, tmp_path: Path,
+                                                                        tiny_checkpoints) -> None:
+    """Without a prefix cache the pool is cut to what the running requests could fill: that, not the budget
+    asked for, is what must fit."""
+    container_limit(monkeypatch, tmp_path, f"{2**29}\n")
+    llm = LLM(str(tiny_checkpoints["llama"]), dtype="float32", kv_cache_memory=4.0, enable_prefix_caching=False,
+              max_num_seqs=2)
+    assert llm.stats()["kv_cache_bytes"] < 2**29
+
+
+def test_the_default_budget_takes_half_a_small_containers_memory(monkeypatch, tmp_path: Path) -> None:
+    container_limit(monkeypatch, tmp_path, f"{2**30}")
+    assert num_kv_blocks_for(CacheConfig(), 2**20, torch.device("cpu"), None) == 512  # 0.5 GiB of 1 MiB blocks
+    container_limit(monkeypatch, tmp_path, "max\n")  # cgroup v2's "no limit" (v1 writes a huge number)
+    assert num_kv_blocks_for(CacheConfig(), 2**20, torch.device("cpu"), None) == DEFAULT_CPU_KV_CACHE_GIB * 1024
 
 
 def test_no_container_limit_leaves_the_machines_memory(monkeypatch, tmp_path: Path) -> None:
-    container_limit(monkeypatch, tmp_path, "max\n")  # cgroup v2's "no limit" (v1 writes a huge number)
+    container_limit(monkeypatch, tmp_path, "max\n")
     limit, where = host_limits.memory_limit()
     assert where == "this machine's memory" and limit is not None and limit > 2**28
-    with pytest.raises(ValueError, match=r"is larger than this machine's memory"):
-        num_kv_blocks_for(CacheConfig(kv_cache_memory=limit / 2**30 + 1), 2**20, torch.device("cpu"), None)
-
-
-def test_a_host_tier_larger_than_the_memory_is_refused(monkeypatch, tmp_path: Path, tiny_checkpoints) -> None:
-    container_limit(monkeypatch, tmp_path, f"{2**31}")
-    with pytest.raises(ValueError, match="lower --kv-offload-memory"):
-        LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, kv_offload_memory=4.0)
 
 
 def test_a_pool_the_address_space_cannot_map_is_named(monkeypatch) -> None:

@@ -76,6 +76,9 @@ def test_a_warm_up_does_the_first_steps_work_and_leaves_nothing_behind(tiny_chec
     assert [o.outputs[0].token_ids for o in warmed.generate(["abc", "x y"], params)] == \
         [o.outputs[0].token_ids for o in fresh.generate(["abc", "x y"], params)]
     assert warmed.stats()["prefix_cache_hits"] == 0  # the warm-up's token cached nothing to hit
+    tight = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=8, max_model_len=2)
+    tight.engine.warm_up()  # a context of 2 takes one token after the prompt's: it refused a server's start
+    assert tight.stats()["num_blocks_used"] == 0
 
 
 def test_stats_report_the_kv_cache(llm: LLM) -> None:

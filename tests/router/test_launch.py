@@ -182,6 +182,10 @@ def test_the_api_key_reaches_the_replicas_in_their_environment_not_their_command
     argv = ["serve", "--api-key", "old", "new", "--max-num-seqs", "4", "m"]
     args = parser.parse_known_args(argv)[0]
     assert replica_command(args, argv) == (["serve", "--max-num-seqs", "4", "m"], {"KVSERVE_API_KEY": "old\nnew"})
+    argv = ["serve", "m", "--api-key", "-12345", "-", "-1.5", "--max-num-seqs", "4"]  # argparse's values, all
+    args = parser.parse_known_args(argv)[0]
+    assert replica_command(args, argv) == (["serve", "m", "--max-num-seqs", "4"],
+                                           {"KVSERVE_API_KEY": "-12345\n-\n-1.5"})
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
     assert replica_command(parser.parse_known_args(["serve", "m"])[0], ["serve", "m"])[1] == {
         "KVSERVE_API_KEY": "from-env"}

@@ -400,10 +400,15 @@ def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch) -> No
     assert api_keys(None) == ("vllms",)
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
     assert api_keys(None) == ("from-env",) and api_keys(["flag"]) == ("flag",)
-    monkeypatch.setenv("KVSERVE_API_KEY", "old\nnew")  # a line each, as a router hands several to its replicas
-    assert api_keys(None) == ("old", "new")
+    monkeypatch.setenv("KVSERVE_API_KEY", "old\nnew\u2028\n")  # a line each, as a router hands several over
+    assert api_keys(None) == ("old", "new\u2028")  # split at line feeds alone, empty lines dropped
+    monkeypatch.setenv("VLLM_API_KEY", "a\u0085b")
+    monkeypatch.delenv("KVSERVE_API_KEY")
+    assert api_keys(None) == ("a\u0085b",)  # vLLM's one key, as it stands
     monkeypatch.setenv("KVSERVE_API_KEY", "")  # set empty: no key, whatever vLLM's says
     assert api_keys(None) == ()
+    with pytest.raises(TypeError, match="a sequence of strings, got one string"):  # each character a key
+        ServerSettings((MODEL,), "root", api_keys="secret")
 
 
 def test_tokenize_and_detokenize_answer_and_name_the_field_as_sent(srv: InProcessServer, monkeypatch) -> None:
