@@ -1,15 +1,13 @@
 """What the host lets this process take where a container allows less than the machine has: memory (its cgroup's
 limit) and CPU time (its cgroup's quota, which torch's thread count does not follow: torch counts the CPUs the
-process may run on, and a pod limited to 2 CPUs of a 64-core node ran 64 threads, throttled in turn)."""
+process may run on, and a pod limited to 2 CPUs of a 64-core node ran 64 threads, throttled in turn). Standard
+library at import (the data-parallel router reads the quota too); torch only when threads are set."""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from pathlib import Path
-
-import torch
 
 # where a container's limits are read: cgroup v2's file, then v1's (v1 writes a huge number, or -1, for none)
 CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
@@ -45,14 +43,22 @@ def cpu_quota() -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
-def fit_threads_to_cpu_quota() -> None:
-    """Run as many CPU threads as the container's CPU quota (rounded up) where it is below torch's count, unless
-    ``$OMP_NUM_THREADS`` chose: threads past the quota wait their turn, and a step waits on its slowest thread."""
+def quota_threads(num_processes: int = 1) -> int | None:
+    """How many CPU threads each of ``num_processes`` sharing the container gets: its CPU quota's whole CPUs, at
+    least one (threads past the quota wait their turn, and a step waits on its slowest thread); None where there
+    is no quota, or ``$OMP_NUM_THREADS`` chose a number."""
     quota = cpu_quota()
-    if quota is None or "OMP_NUM_THREADS" in os.environ:
-        return
-    threads = max(1, math.ceil(quota))
-    if threads < torch.get_num_threads():
+    if quota is None or os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+        return None
+    return max(1, int(quota / num_processes))
+
+
+def fit_threads_to_cpu_quota() -> None:
+    """Run ``quota_threads()`` CPU threads where that is below torch's count."""
+    import torch
+
+    threads, quota = quota_threads(), cpu_quota()
+    if threads is not None and threads < torch.get_num_threads():
         logger.info("a CPU quota of %.2f CPUs (cgroup): %d threads, not %d (OMP_NUM_THREADS sets another number)",
                     quota, threads, torch.get_num_threads())
         torch.set_num_threads(threads)

@@ -47,3 +47,35 @@ def test_a_server_runs_as_many_threads_as_its_quota_unless_omp_num_threads_chose
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("cpu_max, omp, processes, threads", [
+    ("150000 100000", None, 1, 1),  # whole CPUs only: a second thread would be throttled half the time
+    ("400000 100000", "", 2, 2),  # an empty OMP_NUM_THREADS chooses nothing (libgomp ignores it too)
+    ("400000 100000", "3", 1, None), ("50000 100000", None, 4, 1), ("max 100000", None, 1, None),
+])
+def test_each_process_gets_its_share_of_the_quotas_whole_cpus(monkeypatch, tmp_path: Path, cpu_max: str,
+                                                              omp: str | None, processes: int, threads) -> None:
+    cgroup(monkeypatch, tmp_path, v2=cpu_max)
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert host_limits.quota_threads(processes) == threads
+
+
+def test_local_replicas_share_the_quota_and_ray_replicas_do_not(monkeypatch, tmp_path: Path) -> None:
+    """Each local replica of `serve --data-parallel-size N` fitted itself to the whole quota: N times it."""
+    import argparse
+
+    from kvserve.router.launch import add_data_parallel_arguments, replica_command
+
+    cgroup(monkeypatch, tmp_path, v2="400000 100000")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api-key", nargs="+", default=None)
+    add_data_parallel_arguments(parser)
+    argv = ["serve", "m", "--data-parallel-size", "2"]
+    assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {"OMP_NUM_THREADS": "2"}
+    argv = [*argv, "--data-parallel-backend", "ray"]  # actors on other machines, under their own quotas
+    assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {}

@@ -29,11 +29,13 @@ from kvserve.router.app import Router, RouterApp
 from kvserve.router.child_process import die_with_parent, serve_command
 from kvserve.router.policy import POLICIES, make_policy
 from kvserve.extras import require_ray
+from kvserve.host_limits import quota_threads
 from kvserve.logs import add_log_arguments, configure_logging, uvicorn_logging
 from kvserve.router.ray_replicas import RayReplicas
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
 from kvserve.server.cors import CorsPolicy, add_cors_arguments
-from kvserve.server.sockets import LISTEN_FD_ENV, MAX_PORT, http_url, listening_socket, raise_open_file_limit
+from kvserve.server.sockets import (LISTEN_FD_ENV, MAX_PORT, UVICORN_PROTOCOLS, http_url, listening_socket,
+                                    raise_open_file_limit)
 from kvserve.server.environment import api_keys, api_keys_variable, warn_of_vllm_environment
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
@@ -148,7 +150,7 @@ def _run(router: Router, sock: socket.socket, args: argparse.Namespace,
                 args.routing_policy)
     app = router_app(router, CorsPolicy.from_cli_args(args))
     config = uvicorn.Config(app, timeout_graceful_shutdown=shutdown_seconds,
-                            **uvicorn_logging(args.log_level, access_log=False))
+                            **uvicorn_logging(args.log_level, access_log=False), **UVICORN_PROTOCOLS)
     server = RouterServer(config, should_stop, on_shutdown)
     server.run(sockets=[sock])
     return server.stopped_by_check
@@ -247,11 +249,14 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
 
 def replica_command(args: argparse.Namespace, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """A replica's ``kvserve serve`` arguments (``argv`` without the router's flags) and the environment it
-    adds: the API keys go in ``$KVSERVE_API_KEY``, out of the replicas' command lines (which ``ps`` shows)."""
+    adds: the API keys go in ``$KVSERVE_API_KEY``, out of the replicas' command lines (which ``ps`` shows); local
+    replicas share the container's CPU quota, a share each in ``$OMP_NUM_THREADS`` (each took all of it)."""
     replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
                                          "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host",
                                          "--upstream-timeout", "--api-key"))
-    return replica_argv, api_keys_variable(api_keys(args.api_key))
+    env = api_keys_variable(api_keys(args.api_key))
+    threads = quota_threads(args.data_parallel_size) if args.data_parallel_backend == "mp" else None
+    return replica_argv, env if threads is None else {**env, "OMP_NUM_THREADS": str(threads)}
 
 
 class LocalReplicas:

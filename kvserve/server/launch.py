@@ -30,7 +30,7 @@ from kvserve.host_limits import fit_threads_to_cpu_quota
 from kvserve.logs import configure_logging, uvicorn_logging
 from kvserve.server.app import build_app
 from kvserve.server.environment import warn_of_vllm_environment
-from kvserve.server.sockets import http_url, raise_open_file_limit, serving_socket
+from kvserve.server.sockets import UVICORN_PROTOCOLS, http_url, raise_open_file_limit, serving_socket
 from kvserve.server.state import ServerSettings, ServerState
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSettin
     logger.info("loading %s; listening on %s (/health answers 503 until it is loaded)", args.model, url)
     server = DrainingServer(state, uvicorn.Config(
         build_app(state, _lifespan(state, config, url)), timeout_graceful_shutdown=CONNECTION_CLOSE_SECONDS,
-        **uvicorn_logging(args.log_level, access_log=not args.disable_uvicorn_access_log),
+        **uvicorn_logging(args.log_level, access_log=not args.disable_uvicorn_access_log), **UVICORN_PROTOCOLS,
     ))
     server.run(sockets=[sock])
     if state.load_error is not None:

@@ -169,10 +169,16 @@ def test_an_upstream_timeout_that_is_no_positive_number_is_a_cli_error(seconds: 
     assert f"--upstream-timeout: must be a number of seconds > 0, got {seconds}" in capsys.readouterr().err
 
 
-def test_the_api_key_reaches_the_replicas_in_their_environment_not_their_command_line(monkeypatch) -> None:
+def test_the_api_key_reaches_the_replicas_in_their_environment_not_their_command_line(monkeypatch,
+                                                                                      tmp_path: Path) -> None:
     """A command line is what `ps` shows every user of the machine."""
+    from kvserve import host_limits
+
+    monkeypatch.setattr(host_limits, "CGROUP_V2_CPU_MAX", tmp_path / "none")  # no CPU quota to share out
+    monkeypatch.setattr(host_limits, "CGROUP_V1_CPU", tmp_path / "none")
     parser = argparse.ArgumentParser()
     parser.add_argument("--api-key", nargs="+", default=None)
+    add_data_parallel_arguments(parser)
     argv = ["serve", "m", "--api-key", "sekret", "--data-parallel-size", "2", "--max-num-seqs", "4"]
     args = parser.parse_known_args(argv)[0]
     assert replica_command(args, argv) == (["serve", "m", "--max-num-seqs", "4"], {"KVSERVE_API_KEY": "sekret"})

@@ -73,6 +73,20 @@ def test_the_access_log_is_on_by_default_and_off_alone(server: ServerProcess, gu
     assert '"GET /health' not in guarded.log() and ": serving " in guarded.log()
 
 
+def test_a_request_head_past_h11s_bound_is_refused_and_the_server_serves_on(server: ServerProcess) -> None:
+    """httptools, which uvicorn takes where it is installed, read a 200 MiB head into memory before any check (the
+    API key's too): the server speaks h11, which refuses a head past its bound."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as connection:
+        connection.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 2**20 + b"\r\n\r\n")
+        answer = connection.recv(1024)
+    assert answer.startswith(b"HTTP/1.1 400"), answer
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
 def test_the_api_key_is_required_when_set(guarded: ServerProcess) -> None:
     with pytest.raises(openai.AuthenticationError):
         guarded.openai(api_key="wrong").completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1)

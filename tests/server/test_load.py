@@ -66,8 +66,8 @@ def test_clients_that_disconnect_abort_their_requests_and_free_every_block(serve
 
     async def give_up_waiting(client: httpx.AsyncClient) -> None:
         """Four clients whose requests run, then leave without an answer. Each leaves once the engine runs all
-        four: a client that left after a fixed wait (50 ms) sometimes left before its request had reached the
-        engine on a loaded machine, which then had nothing to abort."""
+        four (and nothing else: they go first): a client that left after a fixed wait (50 ms) sometimes left
+        before its request had reached the engine on a loaded machine, which then had nothing to abort."""
         bodies = [{"model": MODEL_NAME, "prompt": f"Patient {i}", "max_tokens": 240, "ignore_eos": True}
                   for i in range(4)]
         posts = [asyncio.ensure_future(client.post(f"{server.url}/v1/completions", json=body)) for body in bodies]
@@ -81,8 +81,8 @@ def test_clients_that_disconnect_abort_their_requests_and_free_every_block(serve
 
     async def run() -> None:
         async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=64)) as client:
-            await asyncio.gather(*(read_one_chunk_and_leave(client, i) for i in range(NUM_DISCONNECTS - 4)),
-                                 give_up_waiting(client))
+            await give_up_waiting(client)
+            await asyncio.gather(*(read_one_chunk_and_leave(client, i) for i in range(NUM_DISCONNECTS - 4)))
 
     asyncio.run(run())
     wait_until_idle(server)
