@@ -15,7 +15,7 @@ BODY_SECONDS = 60.0  # a request body must have come whole within this long (a 4
 
 # uvicorn's protocols for the server and the router: h11, which bounds a request's head (httptools, which uvicorn
 # takes where it is installed, read 200 MiB of headers into memory before any check), and no WebSocket (kvserve
-# serves none; with the websockets package installed an upgrade got a bare 403). The loop is uvloop, a dependency.
+# serves none; with the websockets package installed an upgrade got a bare 403)
 UVICORN_PROTOCOLS = {"http": "h11", "ws": "none"}
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,7 @@
 #!/bin/bash
-# A/B of the server's CPU per token: the start tree without uvloop/httptools, this tree without them, this tree.
+# A/B of the server's CPU per token: the start tree without uvloop/httptools, this tree without them, this tree with
+# uvloop where installed (it speaks h11 either way). server-cpu-ab-httptools.txt: a first run, this tree then on
+# uvloop + httptools.
 set -u
 NOFAST='import sys; sys.modules["uvloop"] = None; sys.modules["httptools"] = None; '
 start() {  # tree port blocked
@@ -12,7 +14,7 @@ A=$(start ${START_TREE:?a worktree of 9f8f14f} 18941 "$NOFAST"); B=$(start ${TRE
 for p in 18941 18942 18943; do until curl -sf localhost:$p/health > /dev/null; do sleep 0.5; done; done
 for round in 1 2; do
   for mode in "" "--no-stream"; do
-    for pair in "start:$A:18941" "now-h11:$B:18942" "now:$C:18943"; do
+    for pair in "start:$A:18941" "now-asyncio:$B:18942" "now:$C:18943"; do
       IFS=: read name pid port <<< "$pair"
       echo "$name $(python3 ${TREE:-$(pwd)}/benchmarks/server_cpu.py --pid $pid --url http://127.0.0.1:$port --clients 32 --requests 2 $mode)"
     done
