@@ -319,9 +319,8 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run one request of one token through a prefill and a decode step, leaving the pool empty (and no block
         cached at a block size over 2): what a first step does once (a step graph recorded, kernels loaded,
-        torch's lazy imports) is done before a server says it is ready, not on its first clients' time (on CPU,
-        recording the first step graph imports torch._dynamo: 2 s of the first request) nor while a burst of
-        them holds every file descriptor (a step that cannot open a module fails the engine)."""
+        torch's lazy imports) is done before a server says it is ready, not on its first clients' time nor while
+        a burst of them holds every file descriptor (a step that cannot open a module fails the engine)."""
         max_tokens = min(2, self.max_model_len - 1)  # a context of 2 takes one token after the prompt's
         if max_tokens < 1:
             return

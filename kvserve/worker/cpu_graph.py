@@ -90,6 +90,13 @@ class _StepRecorder(TorchDispatchMode):
         self.tensors: list[Any] = []
         self.num_bytes = 0  # of the tensors the step allocated (views of weights or KV are not the graph's)
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch then leaves ``__torch_dispatch__`` as it is, not wrapped to keep torch.compile out of it
+        (which imports torch._dynamo at the first call: 2-3 s of the first step on a small CPU); no step is
+        compiled while one is recorded. torch's own opt-out (``TorchDispatchMode._should_skip_dynamo``)."""
+        return False
+
     def record_kernel(self, function: KernelFunction, args: tuple) -> None:
         self.calls.append(_KernelCall(function, function.converted(args)))
 

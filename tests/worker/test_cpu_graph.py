@@ -117,6 +117,22 @@ def test_kernel_calls_are_recorded_on_the_recording_thread_only() -> None:
     assert calls == ["kvserve_add_rms_norm_f32"]
 
 
+def test_recording_a_step_graph_imports_no_torch_dynamo(tiny_checkpoints) -> None:
+    """torch wraps a dispatch mode's ``__torch_dispatch__`` to keep torch.compile out of it, importing torch._dynamo
+    at its first call: 2-3 s of a process's first decode step on a small CPU (and of a server's warm-up)."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from kvserve import LLM, SamplingParams; "
+              "llm = LLM(sys.argv[1], dtype='float32', num_kv_blocks=16); "
+              "llm.generate(['ab'], SamplingParams(max_tokens=3, ignore_eos=True)); "
+              "print(bool(llm.engine.core.runner.graphs.graphs), 'torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script, str(tiny_checkpoints["llama"])], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]  # a step graph recorded; torch._dynamo never imported
+
+
 def test_reading_a_value_into_python_makes_a_step_unreplayable() -> None:
     x = torch.randn(4)
     with pytest.raises(UnreplayableStep, match="_local_scalar_dense"):
