@@ -7,24 +7,24 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
-# where a container's limits are read: cgroup v2's file, then v1's (v1 writes a huge number, or -1, for none)
-CGROUP_MEMORY_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
-CGROUP_V2_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # "QUOTA PERIOD", QUOTA "max" for none
-CGROUP_V1_CPU = Path("/sys/fs/cgroup/cpu")  # cpu.cfs_quota_us (-1 for none) and cpu.cfs_period_us
+# the process's cgroups (`cgroup`) and where their hierarchies are mounted (`mountinfo`)
+PROC_SELF = Path("/proc/self")
 logger = logging.getLogger(__name__)
 
 
 def memory_limit() -> tuple[int | None, str]:
     """The most memory this process may take (bytes, or None where unknown) and what sets it: the machine's, or
-    its container's (a cgroup's limit) where lower."""
+    a cgroup's limit where lower (its own or an ancestor's)."""
     limit, where = None, "this machine's memory"
     try:
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         pass
-    for path in CGROUP_MEMORY_LIMITS:
+    # v1 writes a huge number (or -1) for none, v2 "max"
+    for path in _cgroup_files("memory", v2="memory.max", v1="memory.limit_in_bytes"):
         text = _read(path)
         if text.isdigit() and (limit is None or int(text) < limit):
             limit, where = int(text), f"this container's memory limit ({path})"
@@ -32,15 +32,21 @@ def memory_limit() -> tuple[int | None, str]:
 
 
 def cpu_quota() -> float | None:
-    """How many CPUs' worth of time the container's cgroup allows (its quota over its period); None without one."""
-    fields = _read(CGROUP_V2_CPU_MAX).split()
-    if len(fields) != 2:
-        fields = [_read(CGROUP_V1_CPU / "cpu.cfs_quota_us"), _read(CGROUP_V1_CPU / "cpu.cfs_period_us")]
-    try:
-        quota, period = int(fields[0]), int(fields[1])
-    except ValueError:  # "max", a file absent
-        return None
-    return quota / period if quota > 0 and period > 0 else None
+    """How many CPUs' worth of time the process's cgroups allow (the least of their quotas over their periods);
+    None without one."""
+    quotas = []
+    for path in _cgroup_files("cpu", v2="cpu.max", v1="cpu.cfs_quota_us"):
+        if path.name == "cpu.max":  # "QUOTA PERIOD", QUOTA "max" for none
+            fields = _read(path).split()
+        else:  # -1 for none
+            fields = [_read(path), _read(path.with_name("cpu.cfs_period_us"))]
+        try:
+            quota, period = int(fields[0]), int(fields[1])
+        except (ValueError, IndexError):  # "max", a file absent
+            continue
+        if quota > 0 and period > 0:
+            quotas.append(quota / period)
+    return min(quotas, default=None)
 
 
 def quota_threads(num_processes: int = 1) -> int | None:
@@ -62,6 +68,52 @@ def fit_threads_to_cpu_quota() -> None:
         logger.info("a CPU quota of %.2f CPUs (cgroup): %d threads, not %d (OMP_NUM_THREADS sets another number)",
                     quota, threads, torch.get_num_threads())
         torch.set_num_threads(threads)
+
+
+def _cgroup_files(controller: str, v2: str, v1: str) -> list[Path]:
+    """The files named ``v2`` (cgroup v2) or ``v1`` (a v1 hierarchy with ``controller``) of the process's cgroup
+    and of each of its ancestors up to the hierarchy's mount: an ancestor's limit binds its descendants too, and a
+    service's limit (systemd's ``MemoryMax=``, ``CPUQuota=``) lies below the mount, not at it."""
+    own = {}  # a hierarchy's controllers -> the process's cgroup in it ("" for v2)
+    for line in _read(PROC_SELF / "cgroup").splitlines():
+        fields = line.split(":", 2)  # "ID:CONTROLLERS:PATH"
+        if len(fields) == 3:
+            own[fields[1]] = fields[2]
+    files = []
+    for mount_root, mount_point, fstype, options in _cgroup_mounts():
+        if fstype == "cgroup2":
+            path, name = own.get(""), v2
+        elif controller in options.split(","):
+            path, name = next((p for c, p in own.items() if controller in c.split(",")), None), v1
+        else:
+            continue
+        if path is None:
+            continue
+        inside = os.path.relpath(path, mount_root)
+        # a cgroup outside what the mount shows (a container's namespace) is read at the mount
+        folder = mount_point if inside == ".." or inside.startswith("../") else mount_point / inside
+        while folder != mount_point:
+            files.append(folder / name)
+            folder = folder.parent
+        files.append(mount_point / name)
+    return files
+
+
+def _cgroup_mounts() -> list[tuple[str, Path, str, str]]:
+    """Each cgroup hierarchy mounted: (the cgroup it shows, where it is mounted, "cgroup" or "cgroup2", its
+    options)."""
+    mounts = []
+    for line in _read(PROC_SELF / "mountinfo").splitlines():
+        fields, _, rest = line.partition(" - ")
+        fields, rest = fields.split(), rest.split()
+        if len(fields) >= 5 and len(rest) >= 3 and rest[0] in ("cgroup", "cgroup2"):
+            mounts.append((_unescape(fields[3]), Path(_unescape(fields[4])), rest[0], rest[2]))
+    return mounts
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path: the kernel writes space, tab, newline and backslash as octal escapes (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
 def _read(path: Path) -> str:

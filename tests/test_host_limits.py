@@ -10,16 +10,18 @@ import torch
 
 from kvserve import host_limits
 
+from tests.cgroups import fake_cgroups
 
-def cgroup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None = None, v1: tuple[str, str] | None = None):
-    monkeypatch.setattr(host_limits, "CGROUP_V2_CPU_MAX", tmp_path / "cpu.max")
-    monkeypatch.setattr(host_limits, "CGROUP_V1_CPU", tmp_path / "cpu")
+
+def cgroup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None = None,
+           v1: tuple[str, str] | None = None) -> None:
+    """The CPU quota files of the process's own cgroup, of version 2 unless ``v1``'s are given."""
+    write = fake_cgroups(monkeypatch, tmp_path, version=1 if v1 else 2)
     if v2 is not None:
-        (tmp_path / "cpu.max").write_text(v2)
+        write("cpu.max", v2)
     if v1 is not None:
-        (tmp_path / "cpu").mkdir()
-        (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text(v1[0])
-        (tmp_path / "cpu" / "cpu.cfs_period_us").write_text(v1[1])
+        write("cpu.cfs_quota_us", v1[0])
+        write("cpu.cfs_period_us", v1[1])
 
 
 @pytest.mark.parametrize("v2, v1, quota", [
@@ -29,6 +31,42 @@ def cgroup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v2: str | None = Non
 def test_the_cpu_quota_is_read_from_either_cgroup_version(monkeypatch, tmp_path: Path, v2, v1, quota) -> None:
     cgroup(monkeypatch, tmp_path, v2, v1)
     assert host_limits.cpu_quota() == quota
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_limit_of_the_processs_cgroup_or_an_ancestors_binds(monkeypatch, tmp_path: Path, version: int) -> None:
+    """A systemd service's `CPUQuota=` / `MemoryMax=` are its own cgroup's, below the hierarchy's mount: read at
+    the mount alone, the service's limits were missed. An ancestor's limit binds its descendants: the least."""
+    write = fake_cgroups(monkeypatch, tmp_path, own="/system.slice/kvserve.service", version=version)
+    if version == 2:
+        write("cpu.max", "300000 100000", at="/system.slice")
+        write("cpu.max", "max 100000")
+        write("memory.max", "max", at="/system.slice")
+        limit = write("memory.max", f"{2**30}\n")
+    else:
+        write("cpu.cfs_quota_us", "150000", at="/system.slice")
+        write("cpu.cfs_period_us", "100000", at="/system.slice")
+        write("cpu.cfs_quota_us", "-1")
+        write("memory.limit_in_bytes", f"{2**31}", at="/system.slice")
+        limit = write("memory.limit_in_bytes", f"{2**30}")
+    assert host_limits.cpu_quota() == (3.0 if version == 2 else 1.5)
+    assert host_limits.memory_limit() == (2**30, f"this container's memory limit ({limit})")
+
+
+@pytest.mark.parametrize("own, mount_root", [("/docker/c0ffee", "/docker/c0ffee"), ("/kubepods/pod1", "/other")])
+def test_a_containers_mount_shows_its_own_cgroup_at_the_mount(monkeypatch, tmp_path: Path, own: str,
+                                                               mount_root: str) -> None:
+    """Without a cgroup namespace, /proc/self/cgroup names the container's cgroup as the host sees it while the
+    container's mount shows only that cgroup (or a cgroup the process is outside of): its files are the mount's."""
+    write = fake_cgroups(monkeypatch, tmp_path, own=own, mount_root=mount_root)
+    write("cpu.max", "200000 100000", at=mount_root)
+    assert host_limits.cpu_quota() == 2.0
+
+
+def test_without_cgroups_there_are_no_limits_but_the_machines(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(host_limits, "PROC_SELF", tmp_path / "absent")  # not Linux
+    assert host_limits.cpu_quota() is None
+    assert host_limits.memory_limit()[1] == "this machine's memory"
 
 
 def test_a_server_runs_as_many_threads_as_its_quota_unless_omp_num_threads_chose(monkeypatch, tmp_path: Path) -> None:

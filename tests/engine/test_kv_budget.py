@@ -15,15 +15,13 @@ from kvserve import LLM, host_limits
 from kvserve.config import CacheConfig
 from kvserve.engine.kv_budget import DEFAULT_CPU_KV_CACHE_GIB, num_kv_blocks_for
 from kvserve.kv.storage import zeros
+from tests.cgroups import fake_cgroups
 
 FLAGS = "lower --kv-cache-memory, --num-kv-blocks or --kv-offload-memory"
 
 
 def container_limit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str) -> Path:
-    limit = tmp_path / "memory.max"
-    limit.write_text(text)
-    monkeypatch.setattr(host_limits, "CGROUP_MEMORY_LIMITS", (tmp_path / "absent", limit))
-    return limit
+    return fake_cgroups(monkeypatch, tmp_path)("memory.max", text)
 
 
 @pytest.mark.parametrize("options", [{"kv_cache_memory": 0.75},  # the pool alone

@@ -172,10 +172,9 @@ def test_an_upstream_timeout_that_is_no_positive_number_is_a_cli_error(seconds: 
 def test_the_api_key_reaches_the_replicas_in_their_environment_not_their_command_line(monkeypatch,
                                                                                       tmp_path: Path) -> None:
     """A command line is what `ps` shows every user of the machine."""
-    from kvserve import host_limits
+    from tests.cgroups import fake_cgroups
 
-    monkeypatch.setattr(host_limits, "CGROUP_V2_CPU_MAX", tmp_path / "none")  # no CPU quota to share out
-    monkeypatch.setattr(host_limits, "CGROUP_V1_CPU", tmp_path / "none")
+    fake_cgroups(monkeypatch, tmp_path)  # no CPU quota to share out
     parser = argparse.ArgumentParser()
     parser.add_argument("--api-key", nargs="+", default=None)
     add_data_parallel_arguments(parser)
