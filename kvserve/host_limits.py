@@ -12,12 +12,14 @@ from pathlib import Path
 
 # the process's cgroups (`cgroup`) and where their hierarchies are mounted (`mountinfo`)
 PROC_SELF = Path("/proc/self")
+# how many local data-parallel replicas share this machine's memory (set by their parent), so each takes its share
+SHARED_BY_ENV = "KVSERVE_LOCAL_REPLICAS"
 logger = logging.getLogger(__name__)
 
 
 def memory_limit() -> tuple[int | None, str]:
     """The most memory this process may take (bytes, or None where unknown) and what sets it: the machine's, or
-    a cgroup's limit where lower (its own or an ancestor's)."""
+    a cgroup's limit where lower (its own or an ancestor's); a local data-parallel replica's share of it."""
     limit, where = None, "this machine's memory"
     try:
         limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -28,6 +30,9 @@ def memory_limit() -> tuple[int | None, str]:
         text = _read(path)
         if text.isdigit() and (limit is None or int(text) < limit):
             limit, where = int(text), f"this container's memory limit ({path})"
+    sharers = os.environ.get(SHARED_BY_ENV, "")
+    if limit is not None and sharers.isdigit() and int(sharers) > 1:
+        limit, where = limit // int(sharers), f"a 1/{sharers} share of {where} (one of {sharers} local replicas)"
     return limit, where
 
 

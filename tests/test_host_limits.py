@@ -102,7 +102,7 @@ def test_each_process_gets_its_share_of_the_quotas_whole_cpus(monkeypatch, tmp_p
     assert host_limits.quota_threads(processes) == threads
 
 
-def test_local_replicas_share_the_quota_and_ray_replicas_do_not(monkeypatch, tmp_path: Path) -> None:
+def test_local_replicas_share_the_quota_and_memory_and_ray_replicas_do_not(monkeypatch, tmp_path: Path) -> None:
     """Each local replica of `serve --data-parallel-size N` fitted itself to the whole quota: N times it."""
     import argparse
 
@@ -114,6 +114,7 @@ def test_local_replicas_share_the_quota_and_ray_replicas_do_not(monkeypatch, tmp
     parser.add_argument("--api-key", nargs="+", default=None)
     add_data_parallel_arguments(parser)
     argv = ["serve", "m", "--data-parallel-size", "2"]
-    assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {"OMP_NUM_THREADS": "2"}
+    assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {"OMP_NUM_THREADS": "2",
+                                                                          "KVSERVE_LOCAL_REPLICAS": "2"}
     argv = [*argv, "--data-parallel-backend", "ray"]  # actors on other machines, under their own quotas
     assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {}

@@ -29,7 +29,7 @@ from kvserve.router.app import Router, RouterApp
 from kvserve.router.child_process import die_with_parent, serve_command
 from kvserve.router.policy import POLICIES, make_policy
 from kvserve.extras import require_ray
-from kvserve.host_limits import quota_threads
+from kvserve.host_limits import SHARED_BY_ENV, quota_threads
 from kvserve.logs import add_log_arguments, configure_logging, uvicorn_logging
 from kvserve.router.ray_replicas import RayReplicas
 from kvserve.router.upstream import DEFAULT_RESPONSE_TIMEOUT_S, Upstream
@@ -250,12 +250,17 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
 def replica_command(args: argparse.Namespace, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """A replica's ``kvserve serve`` arguments (``argv`` without the router's flags) and the environment it
     adds: the API keys go in ``$KVSERVE_API_KEY``, out of the replicas' command lines (which ``ps`` shows); local
-    replicas share the container's CPU quota, a share each in ``$OMP_NUM_THREADS`` (each took all of it)."""
+    replicas share the container's CPU quota, a share each in ``$OMP_NUM_THREADS`` (each took all of it), and its
+    memory (``SHARED_BY_ENV``: each replica's KV cache checked against, and its default budget taken from, its
+    share)."""
     replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
                                          "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host",
                                          "--upstream-timeout", "--api-key"))
     env = api_keys_variable(api_keys(args.api_key))
-    threads = quota_threads(args.data_parallel_size) if args.data_parallel_backend == "mp" else None
+    if args.data_parallel_backend != "mp":  # Ray's actors: on other machines, under their own limits
+        return replica_argv, env
+    threads = quota_threads(args.data_parallel_size)
+    env[SHARED_BY_ENV] = str(args.data_parallel_size)
     return replica_argv, env if threads is None else {**env, "OMP_NUM_THREADS": str(threads)}
 
 

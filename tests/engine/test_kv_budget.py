@@ -68,3 +68,14 @@ def test_a_pool_the_address_space_cannot_map_is_named(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"could not map 1\.00 GiB of the KV cache: Cannot allocate memory; lower "
                                          r"--kv-cache-memory or --num-kv-blocks"):
         zeros((2**28,), torch.float32, "cpu")
+
+
+def test_local_replicas_each_take_their_share_of_the_memory(monkeypatch, tmp_path: Path) -> None:
+    """`serve --data-parallel-size N`'s replicas each checked their KV cache against, and took half of, the whole
+    container's memory: N pools that fit one by one outgrew it together."""
+    container_limit(monkeypatch, tmp_path, f"{2**31}")
+    monkeypatch.setenv("KVSERVE_LOCAL_REPLICAS", "4")
+    limit, where = host_limits.memory_limit()
+    assert limit == 2**29 and where.startswith("a 1/4 share of this container's memory limit (")
+    assert where.endswith(") (one of 4 local replicas)")
+    assert num_kv_blocks_for(CacheConfig(), 2**20, torch.device("cpu"), None) == 256  # half the share

@@ -180,22 +180,26 @@ def test_the_api_key_reaches_the_replicas_in_their_environment_not_their_command
     add_data_parallel_arguments(parser)
     argv = ["serve", "m", "--api-key", "sekret", "--data-parallel-size", "2", "--max-num-seqs", "4"]
     args = parser.parse_known_args(argv)[0]
-    assert replica_command(args, argv) == (["serve", "m", "--max-num-seqs", "4"], {"KVSERVE_API_KEY": "sekret"})
+    assert replica_command(args, argv) == (["serve", "m", "--max-num-seqs", "4"],
+                                           {"KVSERVE_API_KEY": "sekret", "KVSERVE_LOCAL_REPLICAS": "2"})
     argv = ["serve", "--api-key=first", "--api-key", "old", "new", "--", "m"]  # every key, none in the command
     args = parser.parse_known_args(argv)[0]
-    assert replica_command(args, argv) == (["serve", "--", "m"], {"KVSERVE_API_KEY": "old\nnew"})
+    assert replica_command(args, argv)[0] == ["serve", "--", "m"]
+    assert replica_command(args, argv)[1]["KVSERVE_API_KEY"] == "old\nnew"
     argv = ["serve", "--api-key", "old", "new", "--max-num-seqs", "4", "m"]
     args = parser.parse_known_args(argv)[0]
-    assert replica_command(args, argv) == (["serve", "--max-num-seqs", "4", "m"], {"KVSERVE_API_KEY": "old\nnew"})
+    assert replica_command(args, argv)[0] == ["serve", "--max-num-seqs", "4", "m"]
+    assert replica_command(args, argv)[1]["KVSERVE_API_KEY"] == "old\nnew"
     argv = ["serve", "m", "--api-key", "-12345", "-", "-1.5", "--max-num-seqs", "4"]  # argparse's values, all
     args = parser.parse_known_args(argv)[0]
-    assert replica_command(args, argv) == (["serve", "m", "--max-num-seqs", "4"],
-                                           {"KVSERVE_API_KEY": "-12345\n-\n-1.5"})
+    assert replica_command(args, argv)[0] == ["serve", "m", "--max-num-seqs", "4"]
+    assert replica_command(args, argv)[1]["KVSERVE_API_KEY"] == "-12345\n-\n-1.5"
     monkeypatch.setenv("KVSERVE_API_KEY", "from-env")
     assert replica_command(parser.parse_known_args(["serve", "m"])[0], ["serve", "m"])[1] == {
-        "KVSERVE_API_KEY": "from-env"}
+        "KVSERVE_API_KEY": "from-env", "KVSERVE_LOCAL_REPLICAS": "1"}
     monkeypatch.delenv("KVSERVE_API_KEY")
-    assert replica_command(parser.parse_known_args(["serve", "m"])[0], ["serve", "m"])[1] == {}
+    assert replica_command(parser.parse_known_args(["serve", "m"])[0], ["serve", "m"])[1] == {
+        "KVSERVE_LOCAL_REPLICAS": "1"}
 
 
 def test_the_router_takes_a_log_level_as_serve_does(capsys: pytest.CaptureFixture[str]) -> None:
