@@ -42,14 +42,15 @@ from kvserve.server.environment import check_api_keys
 from kvserve.server.errors import (
     PROTECTED_PREFIXES,
     RETRY_LATER,
+    APIError,
     error_response,
     no_route,
     sse_failure,
     unauthorized,
     wrong_method,
 )
+from kvserve.server.request_body import CLOSE_CONNECTION, read_body
 from kvserve.server.request_ids import echoing_request_id
-from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
 if TYPE_CHECKING:
@@ -123,11 +124,12 @@ class Router:
         and forwarded as it came, the answer relayed as the replica writes it. The client is watched from the
         moment its body is in: one that leaves before the head of the answer (all of a non-streamed
         generation's time) or during its body closes the upstream connection, the replica's abort."""
-        body = await _read_body(scope, receive, self.max_body_bytes)
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except APIError as e:  # the replicas' answer, before the body was all read: the connection closes
+            return await error_response(e.status, e.message, headers=CLOSE_CONNECTION)(scope, receive, send)
         if body is None:  # the client left before its request was in
             return
-        if isinstance(body, Response):
-            return await body(scope, receive, send)
         left = asyncio.ensure_future(receive())  # http.disconnect: the client left, or its answer is over
         try:
             forwarding = self.forward(scope["path"], body, request_payload(body), forwarded_headers(scope["headers"]))
@@ -269,33 +271,6 @@ def _target(url: str) -> tuple[Origin, bytes]:
     return Origin.parse(url), urlsplit(url).path.rstrip("/").encode()
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | Response | None:
-    """The request body; the replicas' 413 for one over ``limit`` bytes, as soon as its declared length or what
-    has come of it is over (the rest is not read); None if the client disconnected before all of it came."""
-    declared = next((value for name, value in scope["headers"] if name == b"content-length"), None)
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        return _too_large(limit)
-    parts, size = [], 0
-    try:
-        async with asyncio.timeout(BODY_SECONDS):  # the replicas' deadline: a body a byte at a time held it forever
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return None
-                parts.append(message.get("body", b""))
-                size += len(parts[-1])
-                if size > limit:
-                    return _too_large(limit)
-                if not message.get("more_body", False):
-                    return parts[0] if len(parts) == 1 else b"".join(parts)
-    except TimeoutError:
-        return error_response(408, f"the request body did not come whole within {BODY_SECONDS:g} s")
-
-
-def _too_large(limit: int) -> Response:
-    return error_response(413, f"the request body is over the limit of {limit} bytes")  # the replicas' words
-
-
 def _failure(error: UpstreamLost) -> tuple[int, str]:
     """The status and message for a replica lost (502) or silent (504) with a request in flight."""
     if isinstance(error, UpstreamTimeout):
@@ -328,8 +303,9 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         keys = self.router.api_keys
         refused = unauthorized(scope["headers"], keys) if keys and path.startswith(PROTECTED_PREFIXES) else None
-        if refused is not None:
-            return await error_response(refused.status, refused.message)(scope, receive, send)
+        if refused is not None:  # before the body is read, as a replica's: the connection closes
+            refusal = error_response(refused.status, refused.message, headers=CLOSE_CONNECTION)
+            return await refusal(scope, receive, send)
         if path in PROXIED_PATHS and method == "POST":
             return await self.router.proxy(scope, receive, send)
         await (await self.answer(scope))(scope, receive, send)
@@ -340,7 +316,7 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         route = self.model if path.startswith(MODEL_PATH) else self.get_routes.get(path)
         if path in PROXIED_PATHS or (route is not None and method not in ("GET", "HEAD")):
-            allowed = "POST" if path in PROXIED_PATHS else "GET"
+            allowed = "POST" if path in PROXIED_PATHS else "GET, HEAD"
             return error_response(405, wrong_method(method, path, allowed), headers={"Allow": allowed})
         if route is not None:
             return await route(scope)

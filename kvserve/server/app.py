@@ -41,8 +41,8 @@ from kvserve.server.model_protocol import (
     TokenizeResponse,
 )
 from kvserve.server.protocol import SamplingRequest
+from kvserve.server.request_body import CLOSE_CONNECTION, read_body
 from kvserve.server.request_ids import client_request_id, echoing_request_id
-from kvserve.server.sockets import BODY_SECONDS
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ending_on_failure, until_disconnected
 
@@ -57,6 +57,10 @@ class _Generation(Protocol):
     async def respond(self, stream: AsyncIterator[Any]) -> Any: ...
 
     def stream(self, stream: AsyncIterator[Any]) -> AsyncIterator[str]: ...
+
+
+# the methods of the routes that read: HEAD too (RFC 9110 section 9.1; the router answered HEAD, a server 405)
+READ_METHODS = ["GET", "HEAD"]
 
 
 def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
@@ -77,18 +81,18 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
 def _add_health_routes(app: FastAPI, state: ServerState) -> None:
     """GET /health (200 once the model serves, else 503 saying why), GET /metrics and GET /version."""
 
-    @app.get("/health")
+    @app.api_route("/health", methods=READ_METHODS)
     async def health() -> Response:
         if state.is_ready:
             return Response(status_code=HTTPStatus.OK)
         return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"not ready: {state.why_not_ready}")
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def metrics() -> Response:
         body = state.metrics.render() if state.metrics else b""
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=READ_METHODS)
     async def version() -> dict[str, str]:
         return {"version": __version__}  # as vLLM answers it
 
@@ -96,11 +100,11 @@ def _add_health_routes(app: FastAPI, state: ServerState) -> None:
 def _add_model_routes(app: FastAPI, state: ServerState) -> None:
     """GET /v1/models and /v1/models/{model}: the cards of the served names."""
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> ModelList:
         return ModelList(data=[_model_card(state, name) for name in state.settings.served_model_names])
 
-    @app.get("/v1/models/{model:path}")
+    @app.api_route("/v1/models/{model:path}", methods=READ_METHODS)
     async def model(model: str) -> ModelCard | ModelList:
         if not model:  # /v1/models/: the list, as vLLM's redirect to it answers
             return await models()
@@ -181,8 +185,9 @@ async def _token_ids(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
 
 
 class RequestGuard:
-    """ASGI middleware: 413 for a body over ``max_body_bytes`` (read in full before the app sees it), 401 for
-    a missing or wrong bearer token on the protected routes when an API key is set. Every answer to a request
+    """ASGI middleware: the body read in full before the app sees it (``read_body``: 413 over ``max_body_bytes``,
+    408 too slow, 400 / 415 framed or coded as kvserve cannot read; 400 not UTF-8), 401 for a missing or wrong
+    bearer token on the protected routes when an API key is set. Every answer to a request
     that sent an ``X-Request-Id`` carries it back, errors included (a router or a client's logs match the two)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
@@ -196,9 +201,16 @@ class RequestGuard:
         send = echoing_request_id(scope, send)
         try:
             self._check_api_key(scope)
-            body = await self._read_body(scope, receive)
-        except APIError as e:
-            await error_response(e.status, e.message, e.param, e.headers)(scope, receive, send)
+            body = await read_body(scope, receive, self.settings.max_body_bytes)
+        except APIError as e:  # answered before the body was all read: the connection closes
+            headers = {**(e.headers or {}), **CLOSE_CONNECTION}
+            await error_response(e.status, e.message, e.param, headers)(scope, receive, send)
+            return
+        if body is None:  # the client left before its request was in
+            return
+        not_utf8 = _not_utf8(body)
+        if not_utf8 is not None:
+            await not_utf8(scope, receive, send)
             return
         await self._answer_or_fail(scope, _replay(body, receive), send)
 
@@ -232,36 +244,14 @@ class RequestGuard:
         if error is not None:
             raise error
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.settings.max_body_bytes
-        too_large = APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                             f"the request body is over the limit of {limit} bytes")
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise too_large
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(BODY_SECONDS):  # a body sent a byte at a time held its connection forever
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        break
-                    chunks.append(message.get("body", b""))
-                    size += len(chunks[-1])
-                    if size > limit:
-                        raise too_large
-                    if not message.get("more_body", False):
-                        break
-        except TimeoutError:
-            raise APIError(HTTPStatus.REQUEST_TIMEOUT, f"the request body did not come whole within "
-                                                        f"{BODY_SECONDS:g} s") from None
-        body = b"".join(chunks)
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as e:
-            message = f"the body is not valid UTF-8: {e.reason} at byte {e.start}"
-            raise APIError(HTTPStatus.BAD_REQUEST, message) from None
-        return body
+
+def _not_utf8(body: bytes) -> Response | None:
+    """The 400 for a body that is not UTF-8, naming where it breaks; None for one that is."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return error_response(HTTPStatus.BAD_REQUEST, f"the body is not valid UTF-8: {e.reason} at byte {e.start}")
+    return None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

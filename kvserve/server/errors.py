@@ -32,6 +32,7 @@ _ERROR_TYPES = {
     405: "invalid_request_error",
     408: "invalid_request_error",  # the client's body came too slowly
     413: "invalid_request_error",
+    415: "invalid_request_error",  # a body coded as kvserve cannot read
     503: "service_unavailable",
 }
 
@@ -162,7 +163,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(error.status_code, _routing_message(request, error), headers=error.headers)
+        headers = dict(error.headers or {})
+        if "Allow" in headers:  # Starlette lists a route's methods in a set's order, which varies by process
+            headers["Allow"] = ", ".join(sorted(headers["Allow"].split(", ")))
+        return error_response(error.status_code, _routing_message(request, error, headers), headers=headers)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_failed(_: Request, error: EngineDeadError) -> JSONResponse:
@@ -170,13 +174,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine failed: {error}")
 
 
-
-def _routing_message(request: Request, error: StarletteHTTPException) -> str:
+def _routing_message(request: Request, error: StarletteHTTPException, headers: dict[str, str]) -> str:
     """Routing's 404 and 405 as ``no_route`` and ``wrong_method`` word them; other HTTP errors as raised."""
     if error.status_code == HTTPStatus.NOT_FOUND:
         return no_route(request.method, request.url.path)
     if error.status_code == HTTPStatus.METHOD_NOT_ALLOWED:
-        return wrong_method(request.method, request.url.path, (error.headers or {}).get("Allow", "another method"))
+        return wrong_method(request.method, request.url.path, headers.get("Allow", "another method"))
     return str(error.detail)
 
 

@@ -11,7 +11,6 @@ MAX_PORT = 65535
 BACKLOG = 2048  # uvicorn's
 LISTEN_FD_ENV = "KVSERVE_LISTEN_FD"  # a socket a data-parallel replica's parent bound and listens on for it
 MAX_OPEN_FILES = 65535  # as vLLM and SGLang raise it: a connection is a file descriptor
-BODY_SECONDS = 60.0  # a request body must have come whole within this long (a 4 MiB body at 0.6 Mbit/s)
 
 # uvicorn's protocols for the server and the router: h11, which bounds a request's head (httptools, which uvicorn
 # takes where it is installed, read 200 MiB of headers into memory before any check), and no WebSocket (kvserve

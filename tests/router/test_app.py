@@ -597,19 +597,46 @@ def test_a_body_at_the_limit_is_forwarded() -> None:
         Router(fakes.urls, make_policy("cache_aware"), max_body_bytes=0)
 
 
-def test_a_body_that_does_not_come_whole_in_time_is_a_408(monkeypatch) -> None:
-    """As the replicas answer: a body sent a byte at a time held the router's connection forever."""
-    from kvserve.router import app
+def test_answers_given_before_the_body_is_read_close_the_connection(monkeypatch) -> None:
+    """As the replicas answer: a body sent a byte at a time held the router's connection forever, and after its
+    408 (or a 413, or a 401) uvicorn read and dropped the rest of the body for as long as it came."""
+    from kvserve.server import request_body
 
-    monkeypatch.setattr(app, "BODY_SECONDS", 0.1)
+    monkeypatch.setattr(request_body, "BODY_SECONDS", 0.1)
+    fakes = FakeReplicas(1)
 
     async def trickle() -> dict:
         await asyncio.sleep(1)
         return {"type": "http.request", "body": b"{", "more_body": True}
 
-    scope = {"type": "http", "headers": [(b"content-length", b"100")]}
-    response = run(app._read_body(scope, trickle, limit=1000))
-    assert response.status_code == 408 and b"did not come whole within 0.1 s" in response.body
+    async def scenario() -> list[tuple[int, list[tuple[bytes, bytes]], bytes]]:
+        async with fakes:
+            answers = []
+            for keys, headers, receive in [((), [(b"content-length", b"100")], trickle),
+                                           ((), [(b"content-length", b"99999999")], trickle),
+                                           ((), [(b"content-encoding", b"br")], trickle),
+                                           (("sekret",), [], trickle)]:
+                app = RouterApp(Router(fakes.urls, make_policy("cache_aware"), api_keys=keys))
+                scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}
+                answers.append(await _asgi_answer(app, scope, receive))
+            return answers
+
+    (timeout, too_large, coded, no_key) = run(scenario())
+    assert timeout[0] == 408 and b"did not come whole within 0.1 s" in timeout[2]
+    assert too_large[0] == 413 and coded[0] == 415 and no_key[0] == 401
+    assert all((b"connection", b"close") in answer[1] for answer in (timeout, too_large, coded, no_key))
+
+
+async def _asgi_answer(app: RouterApp, scope: dict, receive) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """``app``'s answer to ``scope``: its status, headers and body."""
+    messages = []
+
+    async def send(message: dict) -> None:
+        messages.append(message)
+
+    await app(scope, receive, send)
+    start = next(m for m in messages if m["type"] == "http.response.start")
+    return start["status"], start["headers"], b"".join(m.get("body", b"") for m in messages[1:])
 
 
 def test_with_a_key_the_router_refuses_a_request_without_it_before_reading_its_body() -> None:
@@ -821,7 +848,8 @@ def test_what_the_router_answers_in_a_replicas_place_is_worded_as_a_replica_word
     assert missing.json()["error"]["message"].startswith("kvserve serves no GET /nope (it serves /v1/completions")
     assert (get_a_post.status_code, get_a_post.json()["error"]["message"]) == (
         405, "GET /v1/completions: this route takes POST")
-    assert get_a_post.headers["allow"] == "POST" and post_a_get.headers["allow"] == "GET"
+    assert get_a_post.headers["allow"] == "POST" and post_a_get.headers["allow"] == "GET, HEAD"
+    assert post_a_get.json()["error"]["message"] == "POST /health: this route takes GET, HEAD"
     assert (slash.status_code, slash.headers["location"]) == (307, "http://router/v1/completions?a=1")
 
 

@@ -366,21 +366,63 @@ def test_an_answer_names_the_model_the_request_named_and_its_chunks_one_creation
         server.stop()
 
 
-def test_a_body_that_does_not_come_whole_in_time_is_a_408(srv: InProcessServer, monkeypatch) -> None:
-    """A body sent a byte every few seconds held its connection (and a file descriptor) forever."""
+def test_a_body_that_does_not_come_whole_in_time_is_a_408_that_closes_the_connection(srv: InProcessServer,
+                                                                                    monkeypatch) -> None:
+    """A body sent a byte every few seconds held its connection (and a file descriptor) forever; after the 408,
+    uvicorn read and dropped the rest for as long as it came, so the connection stayed: it closes now."""
+    from kvserve.server import request_body
+
+    monkeypatch.setattr(request_body, "BODY_SECONDS", 0.3)
+    with _raw_connection(srv) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n")
+        answer = _until_closed(conn, trickle=b"1\r\n \r\n")
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not come whole within 0.3 s" in answer
+    assert b"\r\nconnection: close\r\n" in answer.lower()
+
+
+@pytest.mark.parametrize("head, status, words", [
+    (b"Content-Length: 99999999\r\n", 413, b"over the limit of 10000 bytes"),  # the rest is never read
+    (b"Content-Length: 9\r\nTransfer-Encoding: chunked\r\n", 400, b"both Content-Length and Transfer-Encoding"),
+    (b"Content-Length: 9\r\nContent-Encoding: gzip\r\n", 415, b"Content-Encoding gzip is not supported"),
+])
+def test_an_answer_given_before_the_body_is_read_closes_the_connection(srv: InProcessServer, head: bytes,
+                                                                       status: int, words: bytes) -> None:
+    """A request pipelined behind a 413's unread body was read as that body and never answered; a request with two
+    framings would be split differently by a proxy in front; a compressed body was "not valid UTF-8"."""
+    with _raw_connection(srv) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head
+                     + b"\r\n2\r\n{}\r\n0\r\n\r\n")  # a chunked body, 9 bytes
+        answer = _until_closed(conn)
+    assert answer.startswith(b"HTTP/1.1 %d" % status) and words in answer
+    assert b"\r\nconnection: close\r\n" in answer.lower() and b'"type":"invalid_request_error"' in answer
+
+
+def _raw_connection(srv: InProcessServer):
     import socket
 
-    from kvserve.server import app
-
-    monkeypatch.setattr(app, "BODY_SECONDS", 0.3)
     host, port = srv.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=5) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{")
-        answer = b""
-        while b"did not come whole" not in answer and (part := conn.recv(65536)):  # the headers may come alone
-            answer += part
-    assert answer.startswith(b"HTTP/1.1 408") and b"did not come whole within 0.3 s" in answer
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def _until_closed(conn, trickle: bytes = b"") -> bytes:
+    """What the server sends until it closes the connection (``trickle`` sent meanwhile, every 0.1 s, as a slow
+    client's body goes on); a timeout if it keeps it open."""
+    import socket
+
+    conn.settimeout(0.1)
+    answer, deadline = b"", time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            part = conn.recv(65536)
+        except socket.timeout:
+            if trickle:
+                conn.sendall(trickle)
+            continue
+        if not part:
+            return answer
+        answer += part
+    raise AssertionError(f"the connection stayed open after {answer[:200]!r}")
 
 
 def test_a_value_echoed_in_an_error_is_cut_short(srv: InProcessServer) -> None:
@@ -469,6 +511,17 @@ def test_routing_errors_name_the_method_and_path(srv: InProcessServer) -> None:
                                                                    "serves /v1/completions, /v1/chat/completions")
     wrong = httpx.get(f"{srv.url}/v1/completions")
     assert wrong.status_code == 405 and wrong.json()["error"]["message"] == "GET /v1/completions: this route takes POST"
+    wrong = httpx.post(f"{srv.url}/health")  # as the router words it
+    assert wrong.headers["allow"] == "GET, HEAD"
+    assert wrong.json()["error"]["message"] == "POST /health: this route takes GET, HEAD"
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/version", "/v1/models", f"/v1/models/{MODEL}"])
+def test_the_routes_that_read_answer_head_as_get_without_the_body(srv: InProcessServer, path: str) -> None:
+    """A load balancer checking health with HEAD found a server down (405) and the router up (200)."""
+    get, head = httpx.get(f"{srv.url}{path}"), httpx.head(f"{srv.url}{path}")
+    assert head.status_code == get.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == get.headers["content-length"]
 
 
 def test_an_empty_model_name_is_the_served_model_as_in_vllm(srv: InProcessServer, monkeypatch) -> None:
