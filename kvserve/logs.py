@@ -12,6 +12,10 @@ from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+# uvicorn's two warnings for every request that asks to upgrade its connection: kvserve serves no WebSocket on
+# purpose (``server/sockets.py``), the request is answered as plain HTTP, and the advice to install a WebSocket
+# library is wrong here; two headers from any client, no key needed, wrote two lines a request
+UPGRADE_WARNINGS = ("Unsupported upgrade request.", "No supported WebSocket library detected.")
 
 
 def add_log_arguments(parser: argparse.ArgumentParser, access_log: bool = True) -> None:
@@ -25,8 +29,14 @@ def add_log_arguments(parser: argparse.ArgumentParser, access_log: bool = True) 
 
 
 def configure_logging(level: str) -> None:
-    """kvserve's loggers, and uvicorn's (``uvicorn_logging`` leaves them to propagate here), at ``level``."""
+    """kvserve's loggers, and uvicorn's (``uvicorn_logging`` leaves them to propagate here), at ``level``; uvicorn's
+    ``UPGRADE_WARNINGS`` dropped."""
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    logging.getLogger("uvicorn.error").addFilter(_not_an_upgrade_warning)
+
+
+def _not_an_upgrade_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(UPGRADE_WARNINGS)
 
 
 def uvicorn_logging(level: str, access_log: bool = True) -> dict[str, Any]:

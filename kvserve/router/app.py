@@ -67,10 +67,11 @@ MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answ
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "traceparent", "tracestate")
 _FORWARDED = frozenset(name.encode() for name in FORWARDED_HEADERS)  # ASGI header names: lower-case bytes
 # A replica's headers the client does not get: hop-by-hop ones (RFC 9110 section 7.6.1, and any that `connection`
-# names), and those the router's own server writes (content-length: the router frames the body anew)
+# names), and those the router's own server and CORS layer write (content-length: the router frames the body anew;
+# vary: its CORS layer, the replicas' policy, adds Origin to a relayed one, which said "Origin, Origin")
 UNRELAYED_HEADERS = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                                "upgrade", "proxy-authenticate", "proxy-authorization", "content-length", "date",
-                               "server"})
+                               "server", "vary"})
 T = TypeVar("T")
 
 

@@ -944,3 +944,23 @@ def test_a_round_that_fails_is_logged_and_the_next_comes(caplog, monkeypatch) ->
     with caplog.at_level("ERROR", logger="kvserve.router.health"):
         assert run(scenario()) > 2
     assert all("a round of health checks failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def test_a_relayed_answer_varies_by_origin_once() -> None:
+    """A replica's `Vary: Origin` was relayed and the router's CORS layer (the replicas' policy) added its own:
+    "Vary: Origin, Origin" on every answer."""
+    from kvserve.router.launch import router_app
+    from kvserve.server.cors import CorsPolicy
+
+    server = ByteServer(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nvary: Origin\r\ncontent-length: 2"
+                        b"\r\n\r\n{}")
+
+    async def scenario() -> httpx.Response:
+        async with server as origin:
+            router = Router([f"http://127.0.0.1:{origin.port}"], make_policy("cache_aware"))
+            app = router_app(router, CorsPolicy())
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://r")
+            return await client.post("/v1/completions", json={"prompt": "p"}, headers={"Origin": "https://a.example"})
+
+    reply = run(scenario())
+    assert reply.status_code == 200 and reply.headers.get_list("vary") == ["Origin"]

@@ -1,0 +1,25 @@
+"""How kvserve's processes log: uvicorn's warnings for a connection upgrade kvserve does not serve are dropped."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvserve import logs
+
+
+def test_uvicorns_upgrade_warnings_are_dropped_and_its_others_kept(caplog: pytest.LogCaptureFixture) -> None:
+    """Any client sending `Connection: Upgrade` wrote two WARNING lines a request, one telling the operator to
+    install a WebSocket library, which kvserve turns off on purpose (the request is answered as plain HTTP)."""
+    uvicorn_log = logging.getLogger("uvicorn.error")  # the logger uvicorn's protocols warn on
+    try:
+        logs.configure_logging("info")
+        with caplog.at_level(logging.WARNING):
+            uvicorn_log.warning("Unsupported upgrade request.")
+            uvicorn_log.warning("No supported WebSocket library detected. Please use \"pip install "
+                                "'uvicorn[standard]'\", or install 'websockets' or 'wsproto' manually.")
+            uvicorn_log.warning("Invalid HTTP request received.")
+        assert [record.getMessage() for record in caplog.records] == ["Invalid HTTP request received."]
+    finally:
+        uvicorn_log.removeFilter(logs._not_an_upgrade_warning)
