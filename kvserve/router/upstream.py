@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import re
 import ssl
 import time
 from collections import deque
@@ -43,6 +44,7 @@ from urllib.parse import urlsplit
 
 READ_SIZE = 1 << 16
 MAX_HEAD_BYTES = 1 << 16
+CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")  # a chunk's size: hex digits alone (RFC 9112 section 7.1)
 DEFAULT_RESPONSE_TIMEOUT_S = 600.0
 
 
@@ -148,8 +150,9 @@ class Upstream:
                     connection.close()
                     if not received:
                         raise _NothingReceived(repr(error)) from error
-                    raise UpstreamLost(f"{origin.host}:{origin.port} broke off before answering: {error!r}") \
-                        from error
+                    why = (f"answered what is not HTTP/1.1 ({error})" if isinstance(error, ValueError) else
+                           f"broke off before answering: {error!r}")
+                    raise UpstreamLost(f"{origin.host}:{origin.port} {why}") from error
                 except BaseException:  # cancelled (or timed out): the connection is mid-request, of no use
                     connection.close()
                     raise
@@ -258,13 +261,28 @@ async def _read_head(reader: asyncio.StreamReader, buffer: bytearray) -> tuple[i
         if not version.startswith("HTTP/1."):
             raise ValueError(f"not an HTTP/1.x status line: {status_line!r}")
         status, start = int(status_text), end + 4
+        if not 100 <= status <= 599:  # the router's own server has no words for it, and answered nothing
+            raise ValueError(f"a status out of range: {status_line!r}")
         if not 100 <= status < 200:
             break
     headers = []
     for line in lines:
         name, _, value = line.partition(":")
         headers.append((name.strip().lower(), value.strip()))
+    _check_framing(headers)
     return status, headers, start
+
+
+def _check_framing(headers: list[tuple[str, str]]) -> None:
+    """ValueError for an answer whose body's end the router cannot place for certain: a transfer coding other than
+    chunked alone (its body was read to the end of a kept-alive connection: the client waited for the timeout), or
+    Content-Length values that are not one plain number (the last of two was taken)."""
+    codings = [value.lower() for name, value in headers if name == "transfer-encoding"]
+    if codings and codings != ["chunked"]:
+        raise ValueError(f"a transfer coding the router cannot read: {', '.join(codings)}")
+    lengths = {value for name, value in headers if name == "content-length"}
+    if len(lengths) > 1 or not all(value.isascii() and value.isdigit() for value in lengths):
+        raise ValueError(f"a content-length that is not one number: {', '.join(sorted(lengths))}")
 
 
 class UpstreamResponse:
@@ -306,7 +324,7 @@ class UpstreamResponse:
             else:
                 try:
                     chunk = self._take_chunks()
-                except ValueError as error:  # a chunk size that is no hex number
+                except ValueError as error:  # a chunk's size no hex number, or its data longer than that
                     self.close()
                     raise UpstreamLost(f"{self._origin.host}:{self._origin.port} sent a bad chunk") from error
             if chunk or self._connection is None:
@@ -377,7 +395,10 @@ class UpstreamResponse:
         """
         buffer, pos, parts = self._buffer, 0, []
         while (eol := buffer.find(b"\r\n", pos)) >= 0:
-            size = int(buffer[pos:eol].split(b";", 1)[0], 16)
+            size_field = bytes(buffer[pos:eol].split(b";", 1)[0].rstrip(b" \t"))
+            if not CHUNK_SIZE.fullmatch(size_field):  # int() took "0x10", "1_0", "-1"
+                raise ValueError(f"a chunk size that is no hex number: {size_field[:20]!r}")
+            size = int(size_field, 16)
             if size == 0:
                 end = buffer.find(b"\r\n\r\n", eol)
                 if end < 0:
@@ -388,6 +409,8 @@ class UpstreamResponse:
                 return chunk
             if len(buffer) < eol + 4 + size:
                 break
+            if buffer[eol + 2 + size : eol + 4 + size] != b"\r\n":  # read on, its surplus was a next chunk's size
+                raise ValueError(f"a chunk longer than its size ({size} bytes)")
             parts.append(buffer[eol + 2 : eol + 2 + size])
             pos = eol + 4 + size
         del buffer[:pos]

@@ -313,3 +313,25 @@ def test_a_stream_that_goes_silent_is_given_up_on_after_the_timeout() -> None:
 def test_the_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="> 0"):
         Upstream(response_timeout=0)
+
+
+@pytest.mark.parametrize("answer, why", [
+    (CHUNKED_HEAD + b"2\r\nabcdef\r\n0\r\n\r\n", "sent a bad chunk"),  # its surplus was read as a size: a hang
+    (CHUNKED_HEAD + b"0x2\r\nab\r\n0\r\n\r\n", "sent a bad chunk"),  # int() took 0x, _ and a sign
+    (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+     "a transfer coding the router cannot read: gzip, chunked"),  # read to the end of a kept-alive connection
+    (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 4\r\n\r\n{}{}", "not one number: 2, 4"),
+    (b"HTTP/1.1 999 Odd\r\ncontent-length: 2\r\n\r\n{}", "a status out of range"),  # the client got no answer
+])
+def test_an_answer_framed_as_the_router_cannot_read_is_lost_not_relayed_wrong(answer: bytes, why: str) -> None:
+    """A replica (any server `--worker` names) whose answer's framing is malformed: the router relayed wrong bytes
+    and then waited for `--upstream-timeout`, or left its client without an answer."""
+    server = ByteServer(answer)
+
+    async def scenario() -> None:
+        async with server as origin:
+            response = await Upstream().request(b"POST", origin, b"/", b"")
+            await response.read()
+
+    with pytest.raises(UpstreamLost, match=re.escape(why)):
+        run(asyncio.wait_for(scenario(), 5))
