@@ -13,9 +13,9 @@ LISTEN_FD_ENV = "KVSERVE_LISTEN_FD"  # a socket a data-parallel replica's parent
 MAX_OPEN_FILES = 65535  # as vLLM and SGLang raise it: a connection is a file descriptor
 
 # uvicorn's protocols for the server and the router: h11, which bounds a request's head (httptools, which uvicorn
-# takes where it is installed, read 200 MiB of headers into memory before any check), and no WebSocket (kvserve
-# serves none; with the websockets package installed an upgrade got a bare 403)
-UVICORN_PROTOCOLS = {"http": "h11", "ws": "none"}
+# takes where it is installed, read 200 MiB of headers into memory before any check), its 400 in OpenAI's shape;
+# no WebSocket (kvserve serves none; with the websockets package installed an upgrade got a bare 403)
+UVICORN_PROTOCOLS = {"http": "kvserve.server.h11_protocol:JsonErrorH11Protocol", "ws": "none"}
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from kvserve.engine.async_engine import AsyncEngine
 from kvserve.server.app import build_app
 from kvserve.server.launch import DrainingServer
 from kvserve.server.metrics import ServerMetrics
+from kvserve.server.sockets import UVICORN_PROTOCOLS
 from kvserve.server.state import ServerSettings, ServerState
 from tests.engine.fake_engine import FakeEngine
 from tests.server.conftest import free_port, scrape
@@ -49,7 +50,8 @@ class InProcessServer:
         self.state.engine.start()
         self.url = f"http://127.0.0.1:{free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.state), port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(build_app(self.state), port=port, log_level="warning",
+                                                    **UVICORN_PROTOCOLS))  # as `kvserve serve` runs it
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started or not self.thread.is_alive(), "uvicorn to start")
@@ -396,6 +398,22 @@ def test_an_answer_given_before_the_body_is_read_closes_the_connection(srv: InPr
         answer = _until_closed(conn)
     assert answer.startswith(b"HTTP/1.1 %d" % status) and words in answer
     assert b"\r\nconnection: close\r\n" in answer.lower() and b'"type":"invalid_request_error"' in answer
+
+
+@pytest.mark.parametrize("request_head", [
+    b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\n\r\n{}",  # no Host
+    b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n{}",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",
+])
+def test_a_request_h11_cannot_parse_is_a_400_in_openais_shape(srv: InProcessServer, request_head: bytes) -> None:
+    """uvicorn answered these with the plain text "Invalid HTTP request received."."""
+    with _raw_connection(srv) as conn:
+        conn.sendall(request_head)
+        answer = _until_closed(conn)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == 400 and error["message"].startswith("the request is not valid HTTP/1.1")
 
 
 def _raw_connection(srv: InProcessServer):
