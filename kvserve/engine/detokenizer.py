@@ -13,7 +13,11 @@ After an emission the window restarts at the tokens just emitted, which become t
 tokens of a character the prompt leaves incomplete.)
 If the window's text ends in U+FFFD (the replacement character: an incomplete UTF-8 sequence), or its last token
 is a SentencePiece byte-fallback token (``<0xE2>``: such a run decodes whole, an invalid one to a U+FFFD a byte),
-nothing is emitted and the window grows until the character, or the run, ends. Special tokens that the decode
+nothing is emitted and the window grows until the character, or the run, ends. A U+FFFD may also stand for bytes
+that are never valid (a byte-level BPE model emitting lone continuation bytes, which a ``logit_bias`` can force):
+once the held tokens are more than a character's bytes could span, those whose bytes can no longer change (up to
+the last point where no character is left open) are emitted, so the window stays short (else every token decoded
+the whole run twice: quadratic). Special tokens that the decode
 skips are dropped before its decoder runs, so a run goes on across them: they are looked through. ``flush``
 emits whatever is still held at the end, so the concatenated deltas always equal decoding all the output tokens
 at once (but for a decoder that strips a text's first space, Llama 2's: the output's first word follows the
@@ -23,13 +27,16 @@ Decoding never cleans up tokenization spaces: that rewrites text across window b
 
 from __future__ import annotations
 
+import codecs
 import functools
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
+from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
 NUM_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output, as vLLM does
+MAX_CHAR_BYTES = 4  # a UTF-8 character's: more held tokens than this (a byte at least each) hold settled bytes
 REPLACEMENT_CHAR = "\ufffd"
 BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
@@ -67,9 +74,27 @@ class IncrementalDetokenizer:
         if self._last_kept_token() in self._byte_tokens:
             return ""  # a byte-fallback run decodes whole (an invalid one as a U+FFFD a byte): wait for its end
         prefix_text, full_text = self._window_texts()
-        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+        if len(full_text) <= len(prefix_text):
             return ""
+        if full_text.endswith(REPLACEMENT_CHAR):
+            return self._emit_settled(prefix_text, full_text)
         return self._emit(full_text[len(prefix_text):])
+
+    def _emit_settled(self, prefix_text: str, full_text: str) -> str:
+        """The text of the held tokens whose bytes no later token can change, where the held tokens are more than
+        one incomplete character could span; "" while they are not."""
+        held = self.window[self.read_offset:]
+        if len(held) <= MAX_CHAR_BYTES:
+            return ""
+        settled = _settled_tokens(held, self.tokenizer, self._skipped)
+        if settled == len(held):  # the U+FFFD is of bytes never valid: all of it is final
+            return self._emit(full_text[len(prefix_text):])
+        if settled == 0:
+            return ""
+        delta = self._decode(self.window[:self.read_offset + settled])[len(prefix_text):]
+        del self.window[:self.read_offset]  # the settled tokens are the next context; the rest stays held
+        self.read_offset = settled
+        return delta
 
     def _last_kept_token(self) -> int | None:
         return next((i for i in reversed(self.window) if i not in self._skipped), None)
@@ -93,6 +118,41 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(
             token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )
+
+
+def _settled_tokens(token_ids: list[int], tokenizer: Any, skipped: frozenset[int]) -> int:
+    """How many of ``token_ids`` (which start where a character may start) end where no character is left open:
+    their text is final whatever follows (Python's UTF-8 decoder holds back exactly an incomplete sequence, as the
+    tokenizers' lossy decode reads it: by maximal subparts)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    settled = 0
+    for count, token_id in enumerate(token_ids, 1):
+        if token_id not in skipped:  # a skipped token has no bytes: a run goes on across it
+            decoder.decode(bytes(token_bytes(token_id, tokenizer)))
+        if not decoder.getstate()[0]:
+            settled = count
+    return settled
+
+
+def token_bytes(token_id: int, tokenizer: Any) -> list[int]:
+    """A token's own bytes, what a client joins to rebuild text that tokens split inside a character (chat
+    logprobs' ``bytes``): a byte-level BPE token's characters each stand for a byte, a SentencePiece byte-fallback
+    token (``<0xE2>``) for its byte, and any other token for its text (``▁`` a space)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None), decoders.ByteLevel):
+        table = _unicode_to_byte()
+        if all(char in table for char in piece):
+            return [table[char] for char in piece]
+    if BYTE_TOKEN.fullmatch(piece):
+        return [int(piece[3:5], 16)]
+    return list(piece.replace("\u2581", " ").encode("utf-8"))
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's table of byte-level BPE
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 @functools.lru_cache(maxsize=8)

@@ -4,11 +4,10 @@ reply: content, or tool calls read out of the output by ``tools``' parser."""
 from __future__ import annotations
 
 import asyncio
-
 import dataclasses
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-
+from kvserve.engine.detokenizer import token_bytes
 from kvserve.outputs import PositionLogprobs, RequestOutput
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.server.errors import bad_request
@@ -31,7 +30,7 @@ from kvserve.server.chat_protocol import (
 )
 from kvserve.server.protocol import Usage
 from kvserve.server.request_log import RequestLog
-from kvserve.server.logprobs import entry_spelling, text_positions, token_bytes, top_entries
+from kvserve.server.logprobs import entry_spelling, text_positions, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,

@@ -3,37 +3,13 @@ sample get an entry, and a position's most likely tokens."""
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import decoders
-
-from kvserve.engine.detokenizer import BYTE_TOKEN, REPLACEMENT_CHAR
+from kvserve.engine.detokenizer import REPLACEMENT_CHAR, token_bytes
 from kvserve.outputs import Logprob, PositionLogprobs
 
 if TYPE_CHECKING:
     from kvserve.server.streaming import SampleDelta
-
-
-def token_bytes(token_id: int, tokenizer: Any) -> list[int]:
-    """A token's own bytes, what a client joins to rebuild text that tokens split inside a character (chat
-    logprobs' ``bytes``): a byte-level BPE token's characters each stand for a byte, a SentencePiece byte-fallback
-    token (``<0xE2>``) for its byte, and any other token for its text (``▁`` a space)."""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if isinstance(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None), decoders.ByteLevel):
-        table = _unicode_to_byte()
-        if all(char in table for char in piece):
-            return [table[char] for char in piece]
-    if BYTE_TOKEN.fullmatch(piece):
-        return [int(piece[3:5], 16)]
-    return list(piece.replace("\u2581", " ").encode("utf-8"))
-
-
-@functools.cache
-def _unicode_to_byte() -> dict[str, int]:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's table of byte-level BPE
-
-    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:

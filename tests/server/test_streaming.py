@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from kvserve.server.chat_protocol import ChatChunkChoice, ChatCompletionChunk, DeltaMessage
 from kvserve.server.completion_protocol import CompletionChoice, CompletionResponse
-from kvserve.server.logprobs import token_bytes
+from kvserve.engine.detokenizer import token_bytes
 from kvserve.server.streaming import TextEvents, sse
 from tests.engine.byte_bpe import byte_bpe_tokenizer, byte_fallback_tokenizer
 
