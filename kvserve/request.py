@@ -16,10 +16,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Sequence, overload
 
 from kvserve.outputs import FinishReason
 from kvserve.sampling_params import SamplingParams
+from kvserve.token_ids import TokenIds
 
 
 SAMPLE_ID_SEPARATOR = "#"  # reserved: a submitted request id never contains it, so sample ids never collide
@@ -94,38 +94,3 @@ class Request:
         """The output budget; the engine fills ``sampling_params.max_tokens`` from max_model_len if None."""
         assert self.sampling_params.max_tokens is not None
         return self.sampling_params.max_tokens
-
-
-class TokenIds(Sequence[int]):
-    """``prompt + outputs`` without concatenating them: a step reads a few tokens of a long history, and
-    copying the whole history each time would make the step's cost grow with context length."""
-
-    __slots__ = ("_prompt", "_outputs")
-
-    def __init__(self, prompt: list[int], outputs: list[int]) -> None:
-        self._prompt, self._outputs = prompt, outputs
-
-    def __len__(self) -> int:
-        return len(self._prompt) + len(self._outputs)
-
-    @overload
-    def __getitem__(self, index: int) -> int: ...
-    @overload
-    def __getitem__(self, index: slice) -> list[int]: ...
-
-    def __getitem__(self, index: int | slice) -> int | list[int]:
-        num_prompt = len(self._prompt)
-        if isinstance(index, int):
-            if index < 0:
-                index += len(self)
-            if not 0 <= index < len(self):
-                raise IndexError(f"token index {index} outside a history of {len(self)} tokens")
-            return self._prompt[index] if index < num_prompt else self._outputs[index - num_prompt]
-        start, stop, step = index.indices(len(self))
-        if step != 1:
-            return list(self)[index]
-        if stop <= num_prompt:
-            return self._prompt[start:stop]
-        if start >= num_prompt:
-            return self._outputs[start - num_prompt : stop - num_prompt]
-        return self._prompt[start:] + self._outputs[: stop - num_prompt]

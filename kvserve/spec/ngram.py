@@ -13,6 +13,8 @@ pass per n-gram position (``max_n`` of them), not a Python loop per token.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from kvserve.request import Request
@@ -24,19 +26,38 @@ class NgramProposer(Proposer):
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
-        self._prompts: dict[str, np.ndarray] = {}  # request id -> its prompt as an array, made once
+        self._histories: dict[str, _History] = {}  # request id -> its history as an array, grown as outputs come
 
     def propose(self, request: Request, k: int) -> tuple[int, ...]:
-        return tuple(propose_ngram(self._history(request), self.min_n, self.max_n, k).tolist())
+        history = self._histories.get(request.request_id)
+        if history is None:
+            history = self._histories[request.request_id] = _History(request.prompt_token_ids)
+        return tuple(propose_ngram(history.tokens(request.output_token_ids), self.min_n, self.max_n, k).tolist())
 
     def drop(self, request_id: str) -> None:
-        self._prompts.pop(request_id, None)
+        self._histories.pop(request_id, None)
 
-    def _history(self, request: Request) -> np.ndarray:
-        prompt = self._prompts.get(request.request_id)
-        if prompt is None:
-            prompt = self._prompts[request.request_id] = np.array(request.prompt_token_ids, dtype=np.int64)
-        return np.concatenate((prompt, np.array(request.output_token_ids, dtype=np.int64)))
+
+class _History:
+    """A request's prompt and outputs in one int64 array that grows as outputs come (its capacity doubling):
+    converting the whole output list at every step was three quarters of a proposal's cost at 16k outputs."""
+
+    def __init__(self, prompt: Sequence[int]) -> None:
+        self._tokens = np.empty(max(64, 2 * len(prompt)), dtype=np.int64)
+        self._tokens[: len(prompt)] = prompt
+        self._num_prompt = self._length = len(prompt)
+
+    def tokens(self, outputs: Sequence[int]) -> np.ndarray:
+        """The history with ``outputs`` (the request's, which only grow) as its outputs."""
+        new = outputs[self._length - self._num_prompt :]
+        end = self._length + len(new)
+        if end > len(self._tokens):
+            grown = np.empty(2 * end, dtype=np.int64)
+            grown[: self._length] = self._tokens[: self._length]
+            self._tokens = grown
+        self._tokens[self._length : end] = new
+        self._length = end
+        return self._tokens[:end]
 
 
 def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:

@@ -42,3 +42,21 @@ def test_a_match_of_exactly_max_n_tokens_counts_as_the_longest() -> None:
     # "1 2 3" (3 = max_n tokens) ends at index 2, followed by 9; "2 3" alone ends later, at index 6, followed by 8
     assert propose([1, 2, 3, 9, 5, 2, 3, 8, 7, 1, 2, 3], max_n=3, k=2) == [9, 5]
     assert propose([1, 2, 3, 9, 5, 2, 3, 8, 7, 1, 2, 3], max_n=2, k=2) == [8, 7]
+
+
+def test_the_proposer_follows_a_growing_history_as_proposing_on_it_whole_does() -> None:
+    """The proposer keeps each request's history as an array grown as outputs come (the whole output list was
+    converted at every step: 75% of a proposal at 16k outputs); its drafts are those of the whole history."""
+    from kvserve.request import Request
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.spec.ngram import NgramProposer
+
+    rng = np.random.default_rng(0)
+    request = Request("r", [int(t) for t in rng.integers(0, 4, 5)], SamplingParams(max_tokens=500))
+    proposer = NgramProposer(1, 3)
+    for _ in range(300):  # past the array's first capacity (64, twice the prompt) more than once
+        history = request.prompt_token_ids + request.output_token_ids
+        assert list(proposer.propose(request, 3)) == propose(history, 1, 3, 3)
+        request.output_token_ids.extend(int(t) for t in rng.integers(0, 4, int(rng.integers(1, 3))))
+    proposer.drop("r")
+    assert list(proposer.propose(request, 3)) == propose(request.prompt_token_ids + request.output_token_ids)
