@@ -14,6 +14,7 @@ from pathlib import Path
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)  # version 1 counted in 32 bits; no file in use still has it
 DEFAULT_ALIGNMENT = 32  # the data section's, where general.alignment is not given
+MAX_ARRAY_NESTING = 64  # arrays of arrays: gguf writes them (none deeper than two in any model)
 # metadata value types: the fixed-size ones' widths; 8 is a string, 9 an array
 _SCALAR_BYTES = {0: 1, 1: 1, 7: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 10: 8, 11: 8, 12: 8}
 _UINT32, _STRING, _ARRAY = 4, 8, 9
@@ -51,7 +52,7 @@ class _Cursor:
         self.pos = 4
         version, num_tensors, num_values = self.unpack("<IQQ")
         if version not in VERSIONS:
-            byte_swapped = version & 0xFFFF == 0  # a big-endian file's version read little-endian
+            byte_swapped = version and version & 0xFFFF == 0  # a big-endian file's version read little-endian
             raise ValueError(f"{self.path}: " + ("a big-endian GGUF (kvserve reads little-endian files)" if byte_swapped
                                                  else f"GGUF version {version} (kvserve reads versions 2 and 3)"))
         wanted = {"general.architecture": _STRING, "general.alignment": _UINT32}
@@ -86,16 +87,19 @@ class _Cursor:
         qtype, offset = self.unpack("<IQ")
         return name, qtype, tuple(reversed(dims)), offset  # ggml lists the fastest-moving dimension first
 
-    def skip_value(self, kind: int) -> None:
+    def skip_value(self, kind: int, depth: int = 0) -> None:
         if kind == _STRING:
             self.advance(self.unpack("<Q")[0])
         elif kind == _ARRAY:
+            if depth == MAX_ARRAY_NESTING:  # else a RecursionError, not naming the file
+                raise ValueError(f"{self.path}: metadata arrays nested over {MAX_ARRAY_NESTING} deep at byte "
+                                 f"{self.pos}")
             item_kind, count = self.unpack("<IQ")
             if item_kind in _SCALAR_BYTES:
                 self.advance(count * _SCALAR_BYTES[item_kind])
             else:
                 for _ in range(count):
-                    self.skip_value(item_kind)
+                    self.skip_value(item_kind, depth + 1)
         elif kind in _SCALAR_BYTES:
             self.advance(_SCALAR_BYTES[kind])
         else:
@@ -104,7 +108,10 @@ class _Cursor:
     def string(self) -> str:
         (length,) = self.unpack("<Q")
         start = self.advance(length)
-        return self.data[start:self.pos].decode("utf-8")
+        try:
+            return self.data[start:self.pos].decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{self.path}: a metadata string at byte {start} is not UTF-8") from None
 
     def unpack(self, layout: str) -> tuple:
         start = self.advance(struct.calcsize(layout))

@@ -149,10 +149,13 @@ class StructuredOutputCompiler:
         """What xgrammar compiles for ``spec``: ("json" | "regex" | "grammar", its text), checked for size (and a
         schema for keywords xgrammar would not enforce)."""
         if spec.json is not None:
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, ensure_ascii=False,
-                                                                                 separators=(",", ":"))
-            _checked_text(spec, schema)
-            check_enforceable(_schema_object(spec.json))
+            try:
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, ensure_ascii=False,
+                                                                                     separators=(",", ":"))
+                _checked_text(spec, schema)
+                check_enforceable(_schema_object(spec.json))
+            except RecursionError:  # offline: a server's body parser refuses such nesting first
+                raise ValueError("structured output: the JSON schema is nested too deeply to check") from None
             return "json", schema
         if spec.json_object:  # OpenAI's json_object: a JSON object (xgrammar's builtin takes any value)
             return "json", '{"type": "object"}'

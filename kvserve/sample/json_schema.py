@@ -113,7 +113,7 @@ def _is_of_type(value: Any, kind: Any) -> bool:
     if kind == "number":
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     kinds = {"string": str, "boolean": bool, "null": type(None), "array": list, "object": dict}
-    return kind in kinds and isinstance(value, kinds[kind])
+    return isinstance(kind, str) and kind in kinds and isinstance(value, kinds[kind])
 
 
 def _lookaround(schema: dict[str, Any]) -> list[str]:
@@ -130,31 +130,47 @@ def _overlapping_one_of(schema: dict[str, Any], root: Any) -> list[str]:
     branches = schema.get("oneOf")
     if not isinstance(branches, list) or len(branches) < 2:
         return []
-    leaves = [leaf for branch in branches for leaf in _union_leaves(branch, root)]
+    leaves = [leaf for branch in branches for leaf in _union_leaves(branch, root, frozenset())]
     if not all(isinstance(leaf, dict) for leaf in leaves):
         return ["'oneOf'"]
-    kinds = [leaf.get("type") for leaf in leaves]
-    numbers = {"number" if kind == "integer" else kind for kind in kinds}  # an integer is a number
-    if all(isinstance(kind, str) for kind in kinds) and len(numbers) == len(kinds):
+    kinds = [_type_names(leaf.get("type")) for leaf in leaves]
+    if all(kinds) and sum(map(len, kinds)) == len(set().union(*kinds)):  # no type in two branches
         return []
     return [] if _discriminated(leaves) else ["'oneOf' (its branches can match together)"]
 
 
-def _union_leaves(schema: Any, root: Any) -> list[Any]:
-    """``schema`` resolved, or the leaves of the union it is (a ``oneOf`` or ``anyOf`` and nothing else)."""
+def _type_names(kind: Any) -> set[str]:
+    """The types a ``type`` keyword names (a name, or a list of them; ``integer`` counted as ``number``, which
+    every integer also is); none where it is absent or malformed."""
+    names = [kind] if isinstance(kind, str) else kind if isinstance(kind, list) else []
+    if not names or not all(isinstance(name, str) for name in names):
+        return set()
+    return {"number" if name == "integer" else name for name in names}
+
+
+def _union_leaves(schema: Any, root: Any, followed: frozenset[str]) -> list[Any]:
+    """``schema`` resolved, or the leaves of the union it is (a ``oneOf`` or ``anyOf`` and nothing else);
+    ``followed``: the references resolved on the way, so that a union that refers back to itself ends there (a
+    leaf with no type: the union is then taken to overlap)."""
+    ref = schema.get("$ref") if isinstance(schema, dict) else None
+    if isinstance(ref, str) and ref in followed:
+        return [schema]
     resolved = _resolved(schema, root)
     if isinstance(resolved, dict):
         inner = resolved.get("oneOf", resolved.get("anyOf"))
         if isinstance(inner, list) and not _ASSERTIONS & resolved.keys() - {"oneOf", "anyOf"}:
-            return [leaf for branch in inner for leaf in _union_leaves(branch, root)]
+            followed = followed | {ref} if isinstance(ref, str) else followed
+            return [leaf for branch in inner for leaf in _union_leaves(branch, root, followed)]
     return [resolved]
 
 
 def _discriminated(branches: list[dict[str, Any]]) -> bool:
     """Whether one property, in every branch, has literals that no other branch's literals share."""
-    named = set.intersection(*(set(branch.get("properties") or {}) for branch in branches))
+    properties = [branch.get("properties") if isinstance(branch.get("properties"), dict) else {}
+                  for branch in branches]
+    named = set.intersection(*(set(listed) for listed in properties))
     for name in sorted(named):
-        literals = [_literals(branch["properties"][name]) for branch in branches]
+        literals = [_literals(listed[name]) for listed in properties]
         if all(literals) and sum(map(len, literals)) == len(set().union(*literals)):
             return True
     return False
@@ -184,7 +200,11 @@ def _resolved(schema: Any, root: Any) -> Any:
 
 def _check_required(schema: dict[str, Any], path: str) -> None:
     required, properties = schema.get("required"), schema.get("properties")
-    missing = [key for key in required if key not in (properties or {})] if isinstance(required, list) else []
+    if not isinstance(required, list):
+        return
+    if not all(isinstance(key, str) for key in required):
+        raise ValueError(f"the JSON schema's 'required' at {path} must list property names (strings)")
+    missing = [key for key in required if key not in (properties if isinstance(properties, dict) else {})]
     if missing:
         raise ValueError(f"the JSON schema requires {', '.join(map(repr, missing))} at {path} without listing "
                          "it under properties: structured output writes only the properties listed")

@@ -59,7 +59,8 @@ def test_a_file_that_is_not_gguf_or_is_cut_short_is_a_value_error_naming_it(tmp_
 
 
 def _text(value: str) -> bytes:
-    return struct.pack("<Q", len(value.encode())) + value.encode()
+    encoded = value.encode("utf-8", "surrogateescape")  # "\udcff": the byte 0xff, which is no UTF-8
+    return struct.pack("<Q", len(encoded)) + encoded
 
 
 ARCHITECTURE = ("general.architecture", 8, _text("llama"))
@@ -86,6 +87,10 @@ def _by_hand(path: Path, values: list[tuple[str, int, bytes]], tensor_names: tup
     ([ARCHITECTURE], ("a.weight", "a.weight"), "a tensor name is given twice"),
     ([("general.name", 8, _text("no architecture"))], ("a.weight",), "no general.architecture"),
     ([ARCHITECTURE, ("odd", 13, b"")], ("a.weight",), "unknown metadata value type 13"),
+    ([ARCHITECTURE, ("deep", 9, struct.pack("<IQ", 9, 1) * 5000 + struct.pack("<IQ", 0, 0))], ("a.weight",),
+     "metadata arrays nested over 64 deep at byte"),  # was a RecursionError
+    ([ARCHITECTURE, ("x", 4, bytes(4)), ("\udcff", 4, bytes(4))], ("a.weight",),
+     "a metadata string at byte [0-9]+ is not UTF-8"),
 ])
 def test_a_malformed_table_is_a_value_error_naming_the_problem(tmp_path: Path, values: list, names: tuple,
                                                               problem: str) -> None:
@@ -93,6 +98,13 @@ def test_a_malformed_table_is_a_value_error_naming_the_problem(tmp_path: Path, v
     with pytest.raises(ValueError, match=f"{path}: {problem}"):
         read_tensor_table(path)
     assert read_tensor_table(_by_hand(tmp_path / "good.gguf", [ARCHITECTURE])).tensors[0].shape == (1, 4)
+
+
+def test_version_0_is_an_unknown_version_not_a_big_endian_file(tmp_path: Path) -> None:
+    path = tmp_path / "zero.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 0, 0, 0))
+    with pytest.raises(ValueError, match="GGUF version 0 .kvserve reads versions 2 and 3."):
+        read_tensor_table(path)
 
 
 def test_a_big_endian_file_is_refused_as_one(tmp_path: Path) -> None:

@@ -47,6 +47,7 @@ SCHEMAS = [
     {"type": OBJ, "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]}},
      "required": ["v"]},
     {"type": OBJ, "properties": {"v": {"oneOf": [{"type": "boolean"}, {"type": "null"}]}}, "required": ["v"]},
+    {"oneOf": [{"type": ["string", "null"], "maxLength": 3}, {"type": "integer"}]},  # a 500 once (a type list)
     {"type": OBJ, "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer", "minimum": 1, "maximum": 3}},
      "required": ["kind", "n"]},
     {"type": OBJ, "properties": {"opt": {"type": "integer"}}},
@@ -191,6 +192,16 @@ def test_a_constraint_that_does_not_compile_is_refused_by_name(llm: LLM, constra
     with pytest.raises(ValueError, match=fragment) as refused:
         llm.generate(["x"], constrained(**constraint))
     assert ".cc:" not in str(refused.value) and not re.search(r"\[[0-9:]+\]", str(refused.value))  # xgrammar's log
+
+
+def test_a_schema_nested_past_what_can_be_checked_is_refused_by_name(llm: LLM) -> None:
+    """A RecursionError from the checks (offline: a server's body parser refuses such nesting first)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(5000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(ValueError, match="structured output: the JSON schema is nested too deeply to check"):
+        llm.generate(["x"], constrained(json=schema))
+    assert llm.stats()["num_waiting"] == 0
 
 
 LONG = "x" * (MAX_CONSTRAINT_CHARS + 1)

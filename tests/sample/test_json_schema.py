@@ -162,3 +162,25 @@ def test_pydantics_discriminated_unions_are_let_through() -> None:
     with pytest.raises(ValueError, match="'oneOf' \\(its branches can match together\\)"):
         check_enforceable({"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Kitten"}],
                            "$defs": {"Cat": Cat.model_json_schema(), "Kitten": Kitten.model_json_schema()}})
+
+
+def test_a_one_of_whose_branches_list_their_types_is_disjoint_when_no_type_is_in_two() -> None:
+    """A nullable string or an integer (a valid schema) was a TypeError: a 500 from the server."""
+    check_enforceable({"oneOf": [{"type": ["string", "null"]}, {"type": "integer"}]})
+    with pytest.raises(ValueError, match=r"'oneOf' \(its branches can match together\) at #"):
+        check_enforceable({"oneOf": [{"type": ["string", "integer"]}, {"type": "number"}]})
+
+
+@pytest.mark.parametrize(("schema", "words"), [
+    ({"$defs": {"a": {"oneOf": [{"$ref": "#/$defs/a"}, {"type": "string"}]}}, "$ref": "#/$defs/a"},
+     r"'oneOf' \(its branches can match together\) at #/\$defs/a"),  # was a RecursionError
+    ({"oneOf": [{"properties": [{}]}, {"type": "string"}]}, "'oneOf'"),
+    ({"oneOf": [{"properties": "ab"}, {"properties": "ab"}]}, "'oneOf'"),
+    ({"enum": ["a"], "type": {}}, "'type' beside 'enum'"),
+    ({"required": [{}]}, r"'required' at # must list property names \(strings\)"),
+    ({"required": ["a"], "properties": 5}, "requires 'a' at # without listing it under properties"),
+])
+def test_a_malformed_schema_is_a_value_error_naming_it_not_a_crash(schema: dict, words: str) -> None:
+    """Each was a TypeError or RecursionError inside the check, which the server answered with a 500."""
+    with pytest.raises(ValueError, match=words):
+        check_enforceable(schema)
