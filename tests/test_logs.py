@@ -13,9 +13,10 @@ def test_uvicorns_upgrade_warnings_are_dropped_and_its_others_kept(caplog: pytes
     """Any client sending `Connection: Upgrade` wrote two WARNING lines a request, one telling the operator to
     install a WebSocket library, which kvserve turns off on purpose (the request is answered as plain HTTP)."""
     uvicorn_log = logging.getLogger("uvicorn.error")  # the logger uvicorn's protocols warn on
+    uvicorn_log.addHandler(caplog.handler)  # an earlier uvicorn.Config may have stopped it propagating
     try:
         logs.configure_logging("info")
-        with caplog.at_level(logging.WARNING):
+        with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
             uvicorn_log.warning("Unsupported upgrade request.")
             uvicorn_log.warning("No supported WebSocket library detected. Please use \"pip install "
                                 "'uvicorn[standard]'\", or install 'websockets' or 'wsproto' manually.")
@@ -23,3 +24,4 @@ def test_uvicorns_upgrade_warnings_are_dropped_and_its_others_kept(caplog: pytes
         assert [record.getMessage() for record in caplog.records] == ["Invalid HTTP request received."]
     finally:
         uvicorn_log.removeFilter(logs._not_an_upgrade_warning)
+        uvicorn_log.removeHandler(caplog.handler)
