@@ -59,6 +59,10 @@ static inline float round_even(float x) { return x + ROUNDING - ROUNDING; } /* t
 
 static inline float clamp(float x, float low, float high) { return x < low ? low : x > high ? high : x; }
 
+/* A rounded value's integer code, clamped; a NaN's is 0: its group's parameters are NaN, so any code reads back
+ * as NaN, and a NaN cast to an integer is undefined in C (UBSan). */
+static inline int code_of(float x, float low, float high) { return x == x ? (int)clamp(x, low, high) : 0; }
+
 /* float -> float8 e4m3fn bits, rounded to nearest even (|x| <= 448 here: no overflow to NaN). */
 static inline uint8_t e4m3_bits(float x) {
     uint32_t bits;
@@ -93,7 +97,7 @@ static void quantize_int8(const float *x, int n, int8_t *codes, uint16_t *params
     for (int i = 0; i < n; i++) top = fabsf(x[i]) > top || isnan(x[i]) ? fabsf(x[i]) : top;
     params[0] = half_at_least(top / 127.0f);
     const float inverse = reciprocal(half_value(params[0]));
-    for (int i = 0; i < n; i++) codes[i] = (int8_t)clamp(round_even(x[i] * inverse), -127.0f, 127.0f);
+    for (int i = 0; i < n; i++) codes[i] = (int8_t)code_of(round_even(x[i] * inverse), -127.0f, 127.0f);
 }
 
 static void quantize_fp8(const float *x, int n, uint8_t *codes, uint16_t *params) {
@@ -117,8 +121,8 @@ static void quantize_int4(const float *x, int n, uint8_t *packed, uint16_t *para
     const float inverse = reciprocal(half_value(scale));
     const int half = n / 2;
     for (int i = 0; i < half; i++) {
-        const int first = (int)clamp(round_even((x[i] - zero) * inverse), 0.0f, 15.0f);
-        const int second = (int)clamp(round_even((x[i + half] - zero) * inverse), 0.0f, 15.0f);
+        const int first = code_of(round_even((x[i] - zero) * inverse), 0.0f, 15.0f);
+        const int second = code_of(round_even((x[i + half] - zero) * inverse), 0.0f, 15.0f);
         packed[i] = (uint8_t)(first | second << 4);
     }
     params[0] = scale, params[1] = half_bits(zero);

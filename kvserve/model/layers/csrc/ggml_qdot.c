@@ -43,6 +43,7 @@
  *
  * No torch headers: called through ctypes with raw pointers.
  */
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -115,7 +116,9 @@ static void quantize_row(const float *x, int k, int8_t *q, float *dx, float *sx)
 #else
         int sum = 0;
         for (int j = 0; j < GROUP; j++) {
-            const int code = (int)nearbyintf(xg[j] * inverse);
+            const float scaled = xg[j] * inverse; /* not finite only for an inf or NaN in x */
+            const int code = isfinite(scaled) ? (int)nearbyintf(scaled) : INT_MIN; /* as the vector conversion's
+                                                    "integer indefinite" (a C cast would be undefined) */
             q[g * GROUP + j] = (int8_t)code;
             sum += (int8_t)code;
         }
