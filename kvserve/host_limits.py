@@ -29,7 +29,7 @@ def memory_limit() -> tuple[int | None, str]:
     for path in _cgroup_files("memory", v2="memory.max", v1="memory.limit_in_bytes"):
         text = _read(path)
         if text.isdigit() and (limit is None or int(text) < limit):
-            limit, where = int(text), f"this container's memory limit ({path})"
+            limit, where = int(text), f"the memory limit of this container or service ({path})"
     sharers = os.environ.get(SHARED_BY_ENV, "")
     if limit is not None and sharers.isdigit() and int(sharers) > 1:
         limit, where = limit // int(sharers), f"a 1/{sharers} share of {where} (one of {sharers} local replicas)"
@@ -84,7 +84,7 @@ def _cgroup_files(controller: str, v2: str, v1: str) -> list[Path]:
         fields = line.split(":", 2)  # "ID:CONTROLLERS:PATH"
         if len(fields) == 3:
             own[fields[1]] = fields[2]
-    files = []
+    files, mounts_alone = [], []
     for mount_root, mount_point, fstype, options in _cgroup_mounts():
         if fstype == "cgroup2":
             path, name = own.get(""), v2
@@ -95,13 +95,16 @@ def _cgroup_files(controller: str, v2: str, v1: str) -> list[Path]:
         if path is None:
             continue
         inside = os.path.relpath(path, mount_root)
-        # a cgroup outside what the mount shows (a container's namespace) is read at the mount
-        folder = mount_point if inside == ".." or inside.startswith("../") else mount_point / inside
+        if inside == ".." or inside.startswith("../"):  # the mount shows another cgroup than the process's
+            mounts_alone.append(mount_point / name)
+            continue
+        folder = mount_point / inside
         while folder != mount_point:
             files.append(folder / name)
             folder = folder.parent
         files.append(mount_point / name)
-    return files
+    # where no mount shows the process's cgroup (a container's view of its own), the mount's is the container's
+    return files or mounts_alone
 
 
 def _cgroup_mounts() -> list[tuple[str, Path, str, str]]:

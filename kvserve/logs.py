@@ -1,5 +1,6 @@
 """How kvserve's processes log: one format for kvserve's loggers and uvicorn's (its access log included), with
-the time, and the process id, since a deployment's replicas write to one stream; at the level ``--log-level`` sets.
+the time, and the process id, since a deployment's replicas write to one stream; at the level ``--log-level`` sets;
+uvicorn's warnings for a connection upgrade kvserve does not serve dropped.
 
 Imports nothing but the standard library: ``kvserve serve --help`` and the router define their flags from it.
 """

@@ -50,17 +50,33 @@ def test_a_limit_of_the_processs_cgroup_or_an_ancestors_binds(monkeypatch, tmp_p
         write("memory.limit_in_bytes", f"{2**31}", at="/system.slice")
         limit = write("memory.limit_in_bytes", f"{2**30}")
     assert host_limits.cpu_quota() == (3.0 if version == 2 else 1.5)
-    assert host_limits.memory_limit() == (2**30, f"this container's memory limit ({limit})")
+    assert host_limits.memory_limit() == (2**30, f"the memory limit of this container or service ({limit})")
 
 
 @pytest.mark.parametrize("own, mount_root", [("/docker/c0ffee", "/docker/c0ffee"), ("/kubepods/pod1", "/other")])
 def test_a_containers_mount_shows_its_own_cgroup_at_the_mount(monkeypatch, tmp_path: Path, own: str,
                                                                mount_root: str) -> None:
     """Without a cgroup namespace, /proc/self/cgroup names the container's cgroup as the host sees it while the
-    container's mount shows only that cgroup (or a cgroup the process is outside of): its files are the mount's."""
+    container's mount shows only that cgroup (or, where no mount shows the process's, another): the mount's."""
     write = fake_cgroups(monkeypatch, tmp_path, own=own, mount_root=mount_root)
     write("cpu.max", "200000 100000", at=mount_root)
     assert host_limits.cpu_quota() == 2.0
+
+
+def test_a_second_mount_of_another_cgroup_is_not_read_where_one_shows_the_processs(monkeypatch,
+                                                                                     tmp_path: Path) -> None:
+    """A mount of another service's cgroup (its own limits) beside the hierarchy's: the process took them."""
+    write = fake_cgroups(monkeypatch, tmp_path, own="/user.slice/a")
+    write("memory.max", "max")
+    other = tmp_path / "db"
+    (other / "memory.max").parent.mkdir()
+    (other / "memory.max").write_text(f"{2**30}")
+    (other / "cpu.max").write_text("50000 100000")
+    mountinfo = host_limits.PROC_SELF / "mountinfo"
+    mount = f"42 31 0:38 /system.slice/db.service {other} rw - cgroup2 cgroup2 rw\n"
+    mountinfo.write_text(mountinfo.read_text() + mount)
+    assert host_limits.cpu_quota() is None
+    assert host_limits.memory_limit()[1] == "this machine's memory"
 
 
 def test_without_cgroups_there_are_no_limits_but_the_machines(monkeypatch, tmp_path: Path) -> None:
@@ -102,7 +118,7 @@ def test_each_process_gets_its_share_of_the_quotas_whole_cpus(monkeypatch, tmp_p
     assert host_limits.quota_threads(processes) == threads
 
 
-def test_local_replicas_share_the_quota_and_memory_and_ray_replicas_do_not(monkeypatch, tmp_path: Path) -> None:
+def test_replicas_on_this_machine_share_its_quota_and_memory(monkeypatch, tmp_path: Path) -> None:
     """Each local replica of `serve --data-parallel-size N` fitted itself to the whole quota: N times it."""
     import argparse
 
@@ -116,5 +132,7 @@ def test_local_replicas_share_the_quota_and_memory_and_ray_replicas_do_not(monke
     argv = ["serve", "m", "--data-parallel-size", "2"]
     assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {"OMP_NUM_THREADS": "2",
                                                                           "KVSERVE_LOCAL_REPLICAS": "2"}
-    argv = [*argv, "--data-parallel-backend", "ray"]  # actors on other machines, under their own quotas
+    argv = [*argv, "--data-parallel-backend", "ray"]  # Ray's local cluster: this machine's memory, Ray's threads
+    assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {"KVSERVE_LOCAL_REPLICAS": "2"}
+    argv = [*argv, "--ray-address", "head:6379"]  # actors on other machines, under their own limits
     assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {}

@@ -49,7 +49,7 @@ from kvserve.server.errors import (
     unauthorized,
     wrong_method,
 )
-from kvserve.server.request_body import CLOSE_CONNECTION, read_body
+from kvserve.server.request_body import read_body
 from kvserve.server.request_ids import echoing_request_id
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES
 
@@ -127,8 +127,8 @@ class Router:
         generation's time) or during its body closes the upstream connection, the replica's abort."""
         try:
             body = await read_body(scope, receive, self.max_body_bytes)
-        except APIError as e:  # the replicas' answer, before the body was all read: the connection closes
-            return await error_response(e.status, e.message, headers=CLOSE_CONNECTION)(scope, receive, send)
+        except APIError as e:  # the replicas' answer, before the body was all read: its headers close the connection
+            return await error_response(e.status, e.message, e.param, e.headers)(scope, receive, send)
         if body is None:  # the client left before its request was in
             return
         left = asyncio.ensure_future(receive())  # http.disconnect: the client left, or its answer is over
@@ -286,9 +286,9 @@ def _failure_response(error: UpstreamLost) -> Response:
 class RouterApp:
     """The router's ASGI app. The generation routes go to ``Router.proxy`` as plain ASGI messages (no Starlette
     request, response or task group on the path every token takes); ``/health``, ``/metrics``, ``/version``,
-    ``/v1/models`` and ``/v1/models/{model}`` answer from here; the lifespan runs the health checks. No FastAPI: the router
-    starts in well under a second. What it answers itself in a replica's place (404, 405, the redirect of a
-    trailing slash) it answers as a replica does."""
+    ``/v1/models`` and ``/v1/models/{model}`` answer from here; the lifespan runs the health checks. No FastAPI:
+    the router starts in well under a second. What it answers itself in a replica's place (404, 405, the redirect
+    of a trailing slash) it answers as a replica does."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -304,9 +304,8 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         keys = self.router.api_keys
         refused = unauthorized(scope["headers"], keys) if keys and path.startswith(PROTECTED_PREFIXES) else None
-        if refused is not None:  # before the body is read, as a replica's: the connection closes
-            refusal = error_response(refused.status, refused.message, headers=CLOSE_CONNECTION)
-            return await refusal(scope, receive, send)
+        if refused is not None:  # before the body is read, as a replica's: its headers close the connection
+            return await error_response(refused.status, refused.message, headers=refused.headers)(scope, receive, send)
         if path in PROXIED_PATHS and method == "POST":
             return await self.router.proxy(scope, receive, send)
         await (await self.answer(scope))(scope, receive, send)

@@ -250,17 +250,17 @@ def serve_data_parallel(args: argparse.Namespace, argv: list[str]) -> int:
 def replica_command(args: argparse.Namespace, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """A replica's ``kvserve serve`` arguments (``argv`` without the router's flags) and the environment it
     adds: the API keys go in ``$KVSERVE_API_KEY``, out of the replicas' command lines (which ``ps`` shows); local
-    replicas share the container's CPU quota, a share each in ``$OMP_NUM_THREADS`` (each took all of it), and its
+    replicas share the container's CPU quota, a share each in ``$OMP_NUM_THREADS`` (each took all of it), and
+    replicas on this machine (local ones, and Ray's on the local cluster it starts without ``--ray-address``) its
     memory (``SHARED_BY_ENV``: each replica's KV cache checked against, and its default budget taken from, its
-    share)."""
+    share). Ray sets its actors' threads from ``--replica-cpus``."""
     replica_argv = _without_flags(argv, ("--data-parallel-size", "--port", "--routing-policy",
                                          "--data-parallel-backend", "--ray-address", "--replica-cpus", "--host",
                                          "--upstream-timeout", "--api-key"))
     env = api_keys_variable(api_keys(args.api_key))
-    if args.data_parallel_backend != "mp":  # Ray's actors: on other machines, under their own limits
-        return replica_argv, env
-    threads = quota_threads(args.data_parallel_size)
-    env[SHARED_BY_ENV] = str(args.data_parallel_size)
+    if args.data_parallel_backend == "mp" or args.ray_address is None:  # all on this machine
+        env[SHARED_BY_ENV] = str(args.data_parallel_size)
+    threads = quota_threads(args.data_parallel_size) if args.data_parallel_backend == "mp" else None
     return replica_argv, env if threads is None else {**env, "OMP_NUM_THREADS": str(threads)}
 
 

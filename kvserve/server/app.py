@@ -41,7 +41,7 @@ from kvserve.server.model_protocol import (
     TokenizeResponse,
 )
 from kvserve.server.protocol import SamplingRequest
-from kvserve.server.request_body import CLOSE_CONNECTION, read_body
+from kvserve.server.request_body import read_body
 from kvserve.server.request_ids import client_request_id, echoing_request_id
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ending_on_failure, until_disconnected
@@ -202,9 +202,8 @@ class RequestGuard:
         try:
             self._check_api_key(scope)
             body = await read_body(scope, receive, self.settings.max_body_bytes)
-        except APIError as e:  # answered before the body was all read: the connection closes
-            headers = {**(e.headers or {}), **CLOSE_CONNECTION}
-            await error_response(e.status, e.message, e.param, headers)(scope, receive, send)
+        except APIError as e:  # answered before the body was all read: its headers close the connection
+            await error_response(e.status, e.message, e.param, e.headers)(scope, receive, send)
             return
         if body is None:  # the client left before its request was in
             return

@@ -37,6 +37,11 @@ _ERROR_TYPES = {
 }
 
 
+# on an answer given before the request's body was read: uvicorn otherwise reads and drops the rest of the body for
+# as long as it comes (``server/request_body.py``)
+CLOSE_CONNECTION = {"Connection": "close"}
+
+
 class APIError(Exception):
     """An error to answer with: raised anywhere in a handler, turned into an OpenAI-shaped JSON response."""
 
@@ -89,7 +94,8 @@ def unauthorized(headers: Iterable[tuple[bytes, bytes]], keys: Sequence[str]) ->
     matches = [secrets.compare_digest(digest, hashlib.sha256(key.encode()).digest()) for key in keys]
     if scheme.lower() == b"bearer" and any(matches):
         return None
-    return APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'")
+    return APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'",
+                    headers=CLOSE_CONNECTION)  # answered before the body is read
 
 
 def _validation_message(error: RequestValidationError, content_type: str | None = None) -> tuple[str, str | None]:

@@ -18,7 +18,7 @@ class JsonErrorH11Protocol(H11Protocol):
     """uvicorn's ``H11Protocol``; its 400 for a request h11 refuses carries OpenAI's error JSON."""
 
     def send_400_response(self, msg: str) -> None:
-        body = json.dumps(error_body(400, MALFORMED)).encode()
+        body = json.dumps(error_body(400, MALFORMED), separators=(",", ":")).encode()  # as the app's JSON
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
                    (b"connection", b"close")]
         for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),

@@ -31,8 +31,8 @@ def test_host_kv_memory_larger_than_the_containers_is_refused_naming_the_flags(
     """A 64 GiB pool started on a 23 GiB machine: its pages, mapped untouched, would have been taken as the
     prefix cache filled, and the process killed for memory hours later. A pool and a host tier are summed."""
     limit = container_limit(monkeypatch, tmp_path, f"{2**29}\n")
-    with pytest.raises(ValueError, match=rf"the KV cache in host memory \(0\.[68] GiB\) is larger than this "
-                                         rf"container's memory limit \({limit}\) \(0\.5 GiB\): .*; {FLAGS}"):
+    with pytest.raises(ValueError, match=rf"the KV cache in host memory \(0\.[68] GiB\) is larger than the memory "
+                                         rf"limit of this container or service \({limit}\) \(0\.5 GiB\): .*; {FLAGS}"):
         LLM(str(tiny_checkpoints["llama"]), dtype="float32", **options)
 
 
@@ -76,6 +76,6 @@ def test_local_replicas_each_take_their_share_of_the_memory(monkeypatch, tmp_pat
     container_limit(monkeypatch, tmp_path, f"{2**31}")
     monkeypatch.setenv("KVSERVE_LOCAL_REPLICAS", "4")
     limit, where = host_limits.memory_limit()
-    assert limit == 2**29 and where.startswith("a 1/4 share of this container's memory limit (")
+    assert limit == 2**29 and where.startswith("a 1/4 share of the memory limit of this container or service (")
     assert where.endswith(") (one of 4 local replicas)")
     assert num_kv_blocks_for(CacheConfig(), 2**20, torch.device("cpu"), None) == 256  # half the share

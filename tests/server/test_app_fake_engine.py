@@ -387,6 +387,8 @@ def test_a_body_that_does_not_come_whole_in_time_is_a_408_that_closes_the_connec
     (b"Content-Length: 99999999\r\n", 413, b"over the limit of 10000 bytes"),  # the rest is never read
     (b"Content-Length: 9\r\nTransfer-Encoding: chunked\r\n", 400, b"both Content-Length and Transfer-Encoding"),
     (b"Content-Length: 9\r\nContent-Encoding: gzip\r\n", 415, b"Content-Encoding gzip is not supported"),
+    (b"Content-Length: 9\r\nContent-Encoding: identity\r\nContent-Encoding: gzip\r\n", 415,
+     b"Content-Encoding gzip is not supported"),  # a repeated header is one list (RFC 9110 section 5.3)
 ])
 def test_an_answer_given_before_the_body_is_read_closes_the_connection(srv: InProcessServer, head: bytes,
                                                                        status: int, words: bytes) -> None:

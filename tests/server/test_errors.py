@@ -7,6 +7,7 @@ import json
 import httpx
 import pytest
 
+from kvserve.server.errors import install_error_handlers
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, ServerProcess
 
 GOOD_COMPLETION = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2}
@@ -168,3 +169,22 @@ def test_values_at_the_edges_are_served_as_their_limits(server: ServerProcess) -
     huge_k = complete(top_k=2**63, seed=3)
     assert huge_k.status_code == 200 and huge_k.json()["usage"]["completion_tokens"] == 6
     assert_still_serving(server)
+
+
+def test_a_405_lists_the_allowed_methods_in_one_order_whatever_the_hash_seed() -> None:
+    """Starlette lists a route's methods in a set's order, which changes with PYTHONHASHSEED: the server's 405
+    named "HEAD, GET" in one process and "GET, HEAD" in another (the router's is "GET, HEAD")."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from starlette.exceptions import HTTPException
+
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.get("/unordered")
+    async def unordered() -> None:
+        raise HTTPException(405, headers={"Allow": "HEAD, GET"})
+
+    answer = TestClient(app).get("/unordered")
+    assert answer.status_code == 405 and answer.headers["allow"] == "GET, HEAD"
+    assert answer.json()["error"]["message"] == "GET /unordered: this route takes GET, HEAD"
