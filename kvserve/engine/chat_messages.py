@@ -30,7 +30,7 @@ def template_message(message: Mapping[str, Any], index: int = 0, keep_parts: boo
     if developer_is_system and out["role"] == "developer":
         out["role"] = "system"
     out["content"] = _content(message.get("content"), index, keep_parts)
-    if message.get("tool_calls"):
+    if message.get("tool_calls") is not None:
         if not isinstance(message["tool_calls"], (list, tuple)):
             raise ValueError(f"messages[{index}].tool_calls must be a list of calls")
         out["tool_calls"] = [_call(call, index) for call in message["tool_calls"]]

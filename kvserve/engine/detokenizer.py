@@ -17,11 +17,11 @@ nothing is emitted and the window grows until the character, or the run, ends. A
 that are never valid (a byte-level BPE model emitting lone continuation bytes, which a ``logit_bias`` can force):
 once the held tokens are more than a character's bytes could span, those whose bytes can no longer change (up to
 the last point where no character is left open) are emitted, so the window stays short (else every token decoded
-the whole run twice: quadratic). Special tokens that the decode
-skips are dropped before its decoder runs, so a run goes on across them: they are looked through. ``flush``
-emits whatever is still held at the end, so the concatenated deltas always equal decoding all the output tokens
-at once (but for a decoder that strips a text's first space, Llama 2's: the output's first word follows the
-prompt's context, so it keeps its space, as in vLLM).
+the whole run twice: quadratic). Special tokens that the decode skips are left out of the window, as the decode
+drops them before its decoder runs, so a run goes on across them: they are looked through. ``flush`` emits
+whatever is still held at the end, so the concatenated deltas always equal decoding all the output tokens at once
+(but for a decoder that strips a text's first space, Llama 2's: the output's first word follows the prompt's
+context, so it keeps its space, as in vLLM).
 Decoding never cleans up tokenization spaces: that rewrites text across window boundaries.
 """
 
@@ -32,7 +32,6 @@ import functools
 import re
 from typing import Any, Sequence
 
-from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 
 NUM_CONTEXT_TOKENS = 5  # prompt tokens decoded before the first output, as vLLM does
@@ -70,8 +69,10 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they complete (empty while a character is still incomplete)."""
-        self.window.extend(new_token_ids)
-        if self._last_kept_token() in self._byte_tokens:
+        # a token the decode skips is dropped before its decoder runs: left out, it changes no text, and a run of
+        # them after an open character held the whole run (each token decoding it again)
+        self.window.extend(token for token in new_token_ids if token not in self._skipped)
+        if self.window and self.window[-1] in self._byte_tokens:
             return ""  # a byte-fallback run decodes whole (an invalid one as a U+FFFD a byte): wait for its end
         prefix_text, full_text = self._window_texts()
         if len(full_text) <= len(prefix_text):
@@ -84,9 +85,9 @@ class IncrementalDetokenizer:
         """The text of the held tokens whose bytes no later token can change, where the held tokens are more than
         one incomplete character could span; "" while they are not."""
         held = self.window[self.read_offset:]
-        if len(held) <= MAX_CHAR_BYTES:
+        if len(held) <= MAX_CHAR_BYTES or self._backend is None:  # a slow tokenizer's pieces: bytes not known
             return ""
-        settled = _settled_tokens(held, self.tokenizer, self._skipped)
+        settled = _settled_tokens(held, self.tokenizer)
         if settled == len(held):  # the U+FFFD is of bytes never valid: all of it is final
             return self._emit(full_text[len(prefix_text):])
         if settled == 0:
@@ -95,9 +96,6 @@ class IncrementalDetokenizer:
         del self.window[:self.read_offset]  # the settled tokens are the next context; the rest stays held
         self.read_offset = settled
         return delta
-
-    def _last_kept_token(self) -> int | None:
-        return next((i for i in reversed(self.window) if i not in self._skipped), None)
 
     def flush(self) -> str:
         """Return the text held back for an incomplete character (it stays incomplete: the sample ended)."""
@@ -120,15 +118,14 @@ class IncrementalDetokenizer:
         )
 
 
-def _settled_tokens(token_ids: list[int], tokenizer: Any, skipped: frozenset[int]) -> int:
+def _settled_tokens(token_ids: list[int], tokenizer: Any) -> int:
     """How many of ``token_ids`` (which start where a character may start) end where no character is left open:
     their text is final whatever follows (Python's UTF-8 decoder holds back exactly an incomplete sequence, as the
     tokenizers' lossy decode reads it: by maximal subparts)."""
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     settled = 0
     for count, token_id in enumerate(token_ids, 1):
-        if token_id not in skipped:  # a skipped token has no bytes: a run goes on across it
-            decoder.decode(bytes(token_bytes(token_id, tokenizer)))
+        decoder.decode(bytes(token_bytes(token_id, tokenizer)))
         if not decoder.getstate()[0]:
             settled = count
     return settled
@@ -139,13 +136,21 @@ def token_bytes(token_id: int, tokenizer: Any) -> list[int]:
     logprobs' ``bytes``): a byte-level BPE token's characters each stand for a byte, a SentencePiece byte-fallback
     token (``<0xE2>``) for its byte, and any other token for its text (``▁`` a space)."""
     piece = tokenizer.convert_ids_to_tokens(token_id)
-    if isinstance(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None), decoders.ByteLevel):
+    if decodes_byte_level(tokenizer):
         table = _unicode_to_byte()
         if all(char in table for char in piece):
             return [table[char] for char in piece]
     if BYTE_TOKEN.fullmatch(piece):
         return [int(piece[3:5], 16)]
     return list(piece.replace("\u2581", " ").encode("utf-8"))
+
+
+@functools.lru_cache(maxsize=8)
+def decodes_byte_level(tokenizer: Any) -> bool:
+    """Whether a fast tokenizer's decoder is byte-level BPE's, alone or inside a sequence of decoders: its pieces'
+    characters then stand for bytes (a wrapped one read as text split a character it held)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder is not None and '"type":"ByteLevel"' in decoder.__getstate__().decode()
 
 
 @functools.cache

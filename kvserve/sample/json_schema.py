@@ -19,9 +19,10 @@ is dropped (a ``regex`` constraint's is refused by xgrammar); a ``$ref`` outside
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
-from typing import Any
+from typing import Any, Iterator
 
 UNENFORCED_KEYWORDS = frozenset({
     "allOf", "not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
@@ -37,6 +38,7 @@ _CONSTRAINTS = frozenset({
 # title, description, default are no assertions)
 _ASSERTIONS = _CONSTRAINTS | {"type", "required", "enum", "const", "$ref", "anyOf", "oneOf"}
 _LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # (?= (?! (?<= (?<!, not escaped
+MAX_UNION_LEAVES = 256  # a oneOf's alternatives, its nested unions' flattened: past them it is refused
 # keywords whose values are names or literals, not schemas: never walked into
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required", "title", "description"})
 # keywords whose values map names (of properties, of definitions) to schemas
@@ -130,7 +132,10 @@ def _overlapping_one_of(schema: dict[str, Any], root: Any) -> list[str]:
     branches = schema.get("oneOf")
     if not isinstance(branches, list) or len(branches) < 2:
         return []
-    leaves = [leaf for branch in branches for leaf in _union_leaves(branch, root, frozenset())]
+    leaves = list(itertools.islice((leaf for branch in branches for leaf in _union_leaves(branch, root, frozenset())),
+                                   MAX_UNION_LEAVES + 1))  # lazily: references shared by branches multiply them
+    if len(leaves) > MAX_UNION_LEAVES:
+        return [f"'oneOf' (more than {MAX_UNION_LEAVES} alternatives)"]
     if not all(isinstance(leaf, dict) for leaf in leaves):
         return ["'oneOf'"]
     kinds = [_type_names(leaf.get("type")) for leaf in leaves]
@@ -148,20 +153,24 @@ def _type_names(kind: Any) -> set[str]:
     return {"number" if name == "integer" else name for name in names}
 
 
-def _union_leaves(schema: Any, root: Any, followed: frozenset[str]) -> list[Any]:
-    """``schema`` resolved, or the leaves of the union it is (a ``oneOf`` or ``anyOf`` and nothing else);
+def _union_leaves(schema: Any, root: Any, followed: frozenset[str]) -> Iterator[Any]:
+    """``schema`` resolved, or the leaves of the union it is (a ``oneOf`` or ``anyOf`` and nothing else), one at a
+    time (definitions that name one another twice over make 2^depth of them: a 1.6 KB schema took a minute);
     ``followed``: the references resolved on the way, so that a union that refers back to itself ends there (a
     leaf with no type: the union is then taken to overlap)."""
     ref = schema.get("$ref") if isinstance(schema, dict) else None
     if isinstance(ref, str) and ref in followed:
-        return [schema]
+        yield schema
+        return
     resolved = _resolved(schema, root)
     if isinstance(resolved, dict):
         inner = resolved.get("oneOf", resolved.get("anyOf"))
         if isinstance(inner, list) and not _ASSERTIONS & resolved.keys() - {"oneOf", "anyOf"}:
             followed = followed | {ref} if isinstance(ref, str) else followed
-            return [leaf for branch in inner for leaf in _union_leaves(branch, root, followed)]
-    return [resolved]
+            for branch in inner:
+                yield from _union_leaves(branch, root, followed)
+            return
+    yield resolved
 
 
 def _discriminated(branches: list[dict[str, Any]]) -> bool:

@@ -22,7 +22,7 @@ from kvserve.token_ids import TokenIds
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One row: its params, its history (for penalties and min_tokens; lists or integer arrays) and its key.
+    """One row: its params, its history (for penalties and min_tokens: a list, or a view of one) and its key.
     ``position`` is the output position the row draws (a seeded row's noise depends on it): its number of
     outputs, and the ``num_in_flight`` sampled by a step still running when this one was launched (the
     overlapped scheduler), which its history does not hold yet."""

@@ -36,6 +36,8 @@ def test_the_developer_role_is_the_system_prompt_for_a_template_that_knows_no_de
     ({"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}, "each call needs a function with a name"),
     ({"role": "assistant", "content": "x", "tool_calls": 1}, r"messages\[3\].tool_calls must be a list of calls"),
     ({"role": "assistant", "content": "x", "tool_calls": True}, r"messages\[3\].tool_calls must be a list"),
+    ({"role": "assistant", "content": "x", "tool_calls": 0}, r"messages\[3\].tool_calls must be a list"),
+    ({"role": "assistant", "content": "x", "tool_calls": {}}, r"messages\[3\].tool_calls must be a list"),
 ])
 def test_a_message_that_cannot_be_rendered_is_refused_by_position(message: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):

@@ -144,3 +144,30 @@ def test_a_run_of_never_valid_bytes_is_emitted_as_it_comes_not_held_to_its_end()
     assert emitted == REPLACEMENT_CHAR * len(emitted) and len(emitted) >= 1000 - 5
     assert len(detok.window) <= 2 * 5  # the context and the held tokens
     assert emitted + detok.flush() == REPLACEMENT_CHAR * 1000
+
+
+def test_a_byte_level_decoder_inside_a_sequence_is_read_as_bytes() -> None:
+    """A tokenizer whose ByteLevel decoder sits in a `decoders.Sequence` decodes alike, but its pieces were read as
+    text: 4 lone bytes then a euro sign streamed "\ufffd" * 5 and lost the euro."""
+    import copy
+
+    from tokenizers import decoders
+
+    tok = copy.deepcopy(byte_bpe_tokenizer())
+    tok.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel()])
+    ids = [_byte_tokens(byte_bpe_tokenizer())[byte] for byte in [0x80] * 4 + [0xE2, 0x82, 0xAC]]
+    detok = IncrementalDetokenizer(tok, [])
+    deltas = [detok.update([token]) for token in ids]
+    assert "".join([*deltas, detok.flush()]) == tok.decode(ids) == REPLACEMENT_CHAR * 4 + "€"
+
+
+def test_a_run_of_skipped_special_tokens_after_an_open_character_is_not_held() -> None:
+    """Each skipped special token stayed in the window behind an open byte: every token decoded the run again."""
+    tok = byte_bpe_tokenizer()
+    sep = tok.convert_tokens_to_ids(SEP)
+    ids = [_byte_tokens(tok)[0xE2]] + [sep] * 1000 + [_byte_tokens(tok)[0x82], _byte_tokens(tok)[0xAC]]
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    deltas = [detok.update([token]) for token in ids[:-2]]
+    assert len(detok.window) <= 2 and not any(deltas)
+    deltas += [detok.update([token]) for token in ids[-2:]]
+    assert "".join([*deltas, detok.flush()]) == tok.decode(ids, skip_special_tokens=True) == "€"
