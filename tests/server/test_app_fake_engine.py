@@ -427,7 +427,8 @@ def _raw_connection(srv: InProcessServer):
 
 def _until_closed(conn, trickle: bytes = b"") -> bytes:
     """What the server sends until it closes the connection (``trickle`` sent meanwhile, every 0.1 s, as a slow
-    client's body goes on); a timeout if it keeps it open."""
+    client's body goes on: the server's socket, closed with the trickle unread, may then reset the connection
+    rather than end it, after the answer); a timeout if it keeps it open."""
     import socket
 
     conn.settimeout(0.1)
@@ -436,9 +437,13 @@ def _until_closed(conn, trickle: bytes = b"") -> bytes:
         try:
             part = conn.recv(65536)
         except socket.timeout:
-            if trickle:
+            try:
                 conn.sendall(trickle)
+            except (BrokenPipeError, ConnectionResetError):  # closed: read what it sent before
+                trickle = b""
             continue
+        except ConnectionResetError:
+            return answer
         if not part:
             return answer
         answer += part
