@@ -6,7 +6,9 @@ script measures an older tree on PYTHONPATH):
   bytes of a byte-level BPE model (a `logit_bias` forces it), which the detokenizer held whole;
 - a step's sampling rows for 4 speculating requests (k = 4), at 256 / 4k / 16k / 64k outputs each;
 - the n-gram proposer a step (one new output), at the same histories;
-- the disk tier's index update for each block file written, at 10^3 / 10^4 / 3x10^4 files (no file I/O).
+- the disk tier's index update for each block file written, at 10^3 / 10^4 / 3x10^4 files (no file I/O);
+- (session 46) the output processor a token of a streamed request (its snapshot at every step), plain and with
+  20 top logprobs, at positions 256 / 4k / 16k.
 
 CPU time (`time.process_time`), so a busy machine shifts the figures little; run with OMP_NUM_THREADS=1:
 
@@ -51,6 +53,29 @@ def detokenizer(tokenizer_path: str) -> None:
             times.append(time.process_time() - start)
         marks = "  ".join(f"@{mark}: {1e6 * sum(times[mark - 128:mark]) / 128:8.1f}" for mark in OUTPUT_MARKS)
         print(f"detokenizer us/token, {name:<26} {marks}")
+
+
+def output_processor(tokenizer_path: str) -> None:
+    from transformers import AutoTokenizer
+
+    from kvserve.engine.output_processor import OutputProcessor
+    from kvserve.outputs import TokenLogprobs
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.sched.output import EngineOutput
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    text = tokenizer.encode("the quick brown fox jumps over the lazy dog. " * 4000, add_special_tokens=False)
+    for name, logprobs in (("plain", None), ("20 top logprobs", 20)):
+        processor, times = OutputProcessor(tokenizer), []
+        params = SamplingParams(max_tokens=OUTPUT_MARKS[-1] + 1, logprobs=logprobs)
+        processor.add_request("r", None, [5, 6], params, frozenset())
+        for token in text[: OUTPUT_MARKS[-1]]:
+            top = None if logprobs is None else [TokenLogprobs([token, *range(20)], [-1.0] * 21, list(range(1, 22)))]
+            start = time.process_time()
+            processor.process([EngineOutput("r", [token], logprobs=top)])
+            times.append(time.process_time() - start)
+        marks = "  ".join(f"@{mark}: {1e6 * sum(times[mark - 128:mark]) / 128:8.1f}" for mark in OUTPUT_MARKS)
+        print(f"output processor us/token, streamed, {name:<17} {marks}")
 
 
 def speculative_rows() -> None:
@@ -100,6 +125,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True, help="a checkpoint folder with a byte-level BPE tokenizer")
     args = parser.parse_args()
     detokenizer(args.tokenizer)
+    output_processor(args.tokenizer)
     speculative_rows()
     ngram_proposer()
     disk_tier_index()

@@ -1,10 +1,15 @@
-"""What the user gets back: RequestOutput holding one CompletionOutput per sample."""
+"""What the user gets back: RequestOutput holding one CompletionOutput per sample.
+
+A finished request's token ids and logprobs are lists; an unfinished request's (what a stream's outputs carry
+before its last) are read-only views of the engine's lists at the time of the output (``ListPrefix``: they
+index, slice, iterate and compare as lists), since copying them at every step makes a long generation's host
+work quadratic."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 
 class FinishReason(str, enum.Enum):
@@ -43,10 +48,10 @@ class TokenLogprobs(NamedTuple):
 class CompletionOutput:
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[PositionLogprobs] | None = None
+    logprobs: Sequence[PositionLogprobs] | None = None
 
     def finished(self) -> bool:
         """Whether this sample is done (a method, as vLLM's ``CompletionOutput.finished()``; ``RequestOutput``'s
@@ -69,6 +74,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs: Sequence[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when the engine first scheduled it

@@ -13,16 +13,19 @@ an unfinished sample hides the end of its text while it could still be the start
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from kvserve.engine.stop_strings import StopStringMatcher
+from kvserve.list_prefix import ListPrefix
 from kvserve.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, TokenLogprobs
 from kvserve.request import sample_request_id
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import EngineOutput
+
+T = TypeVar("T")
 
 
 class ProcessedOutputs(NamedTuple):
@@ -66,10 +69,11 @@ class OutputProcessor:
         appearance), or with ``final_only`` of each that finished, and the sample ids stopped by a stop
         string. Finished requests are forgotten; outputs for unknown (e.g. aborted) ids are ignored.
 
-        A snapshot copies everything a request has produced, so a consumer that reads only final outputs
-        (offline generation) asks for those alone: snapshotting every request at every step is quadratic in
-        the output length. Nor is the text of such a sample without stop strings made before it finishes: its
-        tokens are detokenized at once at the end (a fifth of the host's work in a 256-request step)."""
+        An unfinished request's snapshot reads its token ids and logprobs through views (``ListPrefix``), so
+        that snapshotting it at every step costs what the step added, not what the request has produced. A
+        consumer that reads only final outputs (offline generation) asks for those alone: then the text of a
+        sample without stop strings is not made before it finishes either, its tokens detokenized at once at
+        the end (a fifth of the host's work in a 256-request step)."""
         moved: dict[str, _RequestState] = {}
         stopped: list[str] = []
         for engine_output in engine_outputs:
@@ -197,10 +201,10 @@ class _SampleState:
             self._update_visible()
 
     def snapshot(self) -> CompletionOutput:
-        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        held = _held(self.is_finished)
         return CompletionOutput(
-            self.index, self.text[:self.num_visible_chars], list(self.token_ids),
-            self.finish_reason, self.stop_reason, logprobs,
+            self.index, self.text[:self.num_visible_chars], held(self.token_ids),
+            self.finish_reason, self.stop_reason, None if self.logprobs is None else held(self.logprobs),
         )
 
     def _text_token_ids(self, output: EngineOutput) -> list[int]:
@@ -299,10 +303,16 @@ class _RequestState:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[s.snapshot() for s in self.samples],
             finished=self.is_finished,
-            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            prompt_logprobs=None if self.prompt_logprobs is None else _held(self.is_finished)(self.prompt_logprobs),
             num_cached_tokens=self.num_cached_tokens,
             first_scheduled_time=self.first_scheduled_time,
         )
+
+
+def _held(finished: bool) -> Callable[[list[T]], Sequence[T]]:
+    """How a snapshot holds one of its request's lists: a finished request's as a copy of its own (a list);
+    an unfinished one's as a view, read to the list's present length, since the list is only appended to."""
+    return list if finished else ListPrefix
 
 
 def to_position_logprobs(entry: TokenLogprobs, token_texts: TokenTextCache) -> PositionLogprobs:
