@@ -2,15 +2,19 @@
 
 ::
 
-    asyncio (HTTP)                         engine thread
-    --------------                         -------------
-    generate() --call(add)--> commands --> drain commands (add / abort / tokenize ...)
-                                           step()  -> outputs
+    asyncio (HTTP)                         inputs thread          engine thread
+    --------------                         -------------          -------------
+    generate() --------------------------> tokenize, check ----> commands: drain those queued (add / abort ...)
+                                                                  step()  -> outputs
     await mailbox.take() <--call_soon_threadsafe-- each call's mailbox (one call a step for all of them)
 
-Everything that touches the engine or its tokenizer runs on the engine thread, between two steps, so the engine
-needs no locks and HTTP handling never stalls a step. When no request is unfinished and no command is queued the
-thread sleeps on a condition (no busy spin).
+Everything that touches the engine runs on the engine thread, between two steps, so the engine needs no locks;
+each drain runs only the commands queued when it began, so that callers who keep queueing cannot hold the next
+step back. What reads only the tokenizer and the model's limits (a prompt tokenized and checked, a chat rendered,
+/tokenize, /detokenize: a megabyte of text takes seconds) runs on an inputs thread of its own, beside the steps,
+as vLLM's and SGLang's servers tokenize outside their engine loop: the tokenizer's Rust encoder lets go of the GIL,
+and the engine thread only decodes. When no request is unfinished and no command is queued the engine thread
+sleeps on a condition (no busy spin).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
-    from kvserve.engine.input_processor import ChatMessages, PromptInput
+    from kvserve.engine.input_processor import ChatMessages, ProcessedPrompt, PromptInput
     from kvserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -135,6 +139,8 @@ class AsyncEngine:
         # constraints compile on threads of their own: a slow one (a regex of nested stars took minutes) then
         # delays only the constrained requests behind it, not the answers built on asyncio's default threads
         self._compiling = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kvserve-compile")
+        # one thread: requests are tokenized in the order they came, and a step's Python shares the GIL with one
+        self._inputs = ThreadPoolExecutor(1, thread_name_prefix="kvserve-inputs")
 
     # ---- lifecycle ----
 
@@ -148,6 +154,7 @@ class AsyncEngine:
             self._wakeup.notify()
         self._thread.join(timeout)
         self._compiling.shutdown(wait=False, cancel_futures=True)
+        self._inputs.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_running(self) -> bool:
@@ -168,25 +175,24 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """``text``'s token ids, tokenized on the engine thread (which owns the tokenizer); ValueError for a text
-        no context could hold."""
-        return await self.call(lambda e: e.input_processor.tokenize_text(text, add_special_tokens))
+        """``text``'s token ids, tokenized on the inputs thread; ValueError for a text no context could hold."""
+        return await self._on_inputs(lambda: self.engine.input_processor.tokenize_text(text, add_special_tokens))
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of ``token_ids``, decoded on the engine thread; InvalidParameter naming ``token_ids`` for an id
+        """The text of ``token_ids``, decoded on the inputs thread; InvalidParameter naming ``token_ids`` for an id
         that is none of this model's."""
-        def decode(engine: LLMEngine) -> str:
-            engine.input_processor.check_token_ids(token_ids, "token_ids")
-            return engine.tokenizer.decode(token_ids)
+        def decode() -> str:
+            self.engine.input_processor.check_token_ids(token_ids, "token_ids")
+            return self.engine.tokenizer.decode(token_ids)
 
-        return await self.call(decode)
+        return await self._on_inputs(decode)
 
     async def render_chat(self, messages: ChatMessages, add_generation_prompt: bool = True,
                           tools: Sequence[Mapping[str, Any]] | None = None,
                           add_special_tokens: bool = False) -> dict[str, Any]:
         """A conversation (and its tools) rendered with the model's chat template into a token-id prompt
-        (``InputProcessor.apply_chat_template``), on the engine thread; ValueError naming what is wrong."""
-        return await self.call(lambda e: e.input_processor.apply_chat_template(
+        (``InputProcessor.apply_chat_template``), on the inputs thread; ValueError naming what is wrong."""
+        return await self._on_inputs(lambda: self.engine.input_processor.apply_chat_template(
             messages, add_generation_prompt, tools, add_special_tokens))
 
     async def compile_constraint(self, spec: StructuredOutputsParams) -> None:
@@ -289,19 +295,26 @@ class AsyncEngine:
         with self._wakeup:
             return dict(self._stats)
 
+    async def _on_inputs(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the inputs thread (work that reads only the tokenizer and the model's limits);
+        EngineDeadError once the engine has stopped, as for a command."""
+        if self._stopped:
+            raise EngineDeadError("the engine is not running") from self._error
+        return await asyncio.get_running_loop().run_in_executor(self._inputs, fn)
+
     async def _add(
         self, ids: list[str], prompts: Sequence[PromptInput], params: SamplingParams, stream: _Stream,
         admission: Admission | None,
     ) -> None:
         arrival_time = time.monotonic()
 
-        def add(engine: LLMEngine) -> None:
+        def add(engine: LLMEngine, processed: list[ProcessedPrompt]) -> None:
             added: list[str] = []
             try:
-                for rid, prompt in zip(ids, prompts):
+                for rid, prompt in zip(ids, processed):
                     if rid in self._streams:
                         raise ValueError(f"request id {rid!r} is already in use")
-                    engine.add_request(rid, prompt, params)
+                    engine.add_processed(rid, prompt)
                     self._streams[rid] = stream
                     added.append(rid)
             except BaseException:
@@ -321,7 +334,9 @@ class AsyncEngine:
             if admission is not None:
                 admission.close_locked()
         try:
-            await self.call(add)
+            processor = self.engine.input_processor  # all prompts checked before any is queued
+            processed = await self._on_inputs(lambda: [processor.process(prompt, params) for prompt in prompts])
+            await self.call(lambda engine: add(engine, processed))
         finally:
             with self._wakeup:
                 self._num_pending_adds -= len(ids)
@@ -369,13 +384,13 @@ class AsyncEngine:
             return not self._stopped
 
     def _run_commands(self) -> None:
-        ran = False
-        while True:
+        """Run the commands queued now, not those queued meanwhile: callers who keep queueing commands (adds,
+        aborts) would otherwise hold every running request's next step back for as long as they keep at it."""
+        with self._wakeup:
+            num_queued = len(self._commands)
+        for _ in range(num_queued):
             with self._wakeup:
-                if not self._commands:
-                    break
                 fn, future = self._commands.popleft()
-            ran = True
             if future is not None and not future.set_running_or_notify_cancel():
                 continue  # its caller was cancelled before it ran
             try:
@@ -387,7 +402,7 @@ class AsyncEngine:
             else:
                 if future is not None:
                     future.set_result(result)
-        if ran:  # else the stats are the last step's, refreshed as it was delivered
+        if num_queued:  # else the stats are the last step's, refreshed as it was delivered
             self._refresh_stats([], time.monotonic())
 
     def _withdraw(self, request_ids: list[str]) -> None:

@@ -25,7 +25,7 @@ from kvserve.config import EngineConfig
 from kvserve.device import parse_dtype, resolve_device
 from kvserve.engine.core import EngineCore, PendingStep
 from kvserve.engine.kv_budget import check_fits_host_memory, num_kv_blocks_for
-from kvserve.engine.input_processor import InputProcessor, PromptInput
+from kvserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.manager import KVCacheManager
@@ -331,7 +331,11 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
         """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad."""
-        processed = self.input_processor.process(prompt, params)
+        self.add_processed(request_id, self.input_processor.process(prompt, params))
+
+    def add_processed(self, request_id: str, processed: ProcessedPrompt) -> None:
+        """Queue one request whose prompt ``input_processor.process`` has tokenized and checked (which reads only
+        the tokenizer and the model's limits, so a server runs it beside the steps, on a thread of its own)."""
         request = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                           grammar=processed.grammar)
         # the frontend first: it still tracks an n > 1 request whose first sample the scheduler has finished

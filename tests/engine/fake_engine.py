@@ -6,11 +6,13 @@ token, ``(last + 1) % 256``, until ``max_tokens``; the n samples of a request ar
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from kvserve.engine.input_processor import ProcessedPrompt
 from kvserve.outputs import CompletionOutput, FinishReason, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -27,10 +29,26 @@ class ByteTokenizer:
 
 
 class FakeInputProcessor:
+    """Tokenizes and checks prompts as the real one, on whichever thread calls it (the async engine's inputs
+    thread): the threads it ran on are noted."""
+
     vocab_size = 256
 
-    def __init__(self, tokenizer: ByteTokenizer) -> None:
+    def __init__(self, tokenizer: ByteTokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.threads_seen: set[str] = set()
+
+    def process(self, prompt: Any, params: SamplingParams) -> ProcessedPrompt:
+        self.threads_seen.add(threading.current_thread().name)
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt["prompt_token_ids"])
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ValueError("prompt + max_tokens is over max_model_len")
+        return ProcessedPrompt(text, token_ids, dataclasses.replace(params, max_tokens=max_tokens))
 
     def chat_template(self, tools: list[dict[str, Any]] | None = None) -> None:
         return None  # the fake renders chats itself
@@ -65,7 +83,7 @@ class FakeEngine:
     def __init__(self, max_num_seqs: int = 4, max_model_len: int = 64, step_seconds: float = 0.0) -> None:
         self.step_seconds = step_seconds
         self.tokenizer = ByteTokenizer()
-        self.input_processor = FakeInputProcessor(self.tokenizer)
+        self.input_processor = FakeInputProcessor(self.tokenizer, max_model_len)
         self.max_model_len = max_model_len
         self.default_sampling_params = SamplingParams()
         self.max_num_seqs = max_num_seqs
@@ -77,17 +95,15 @@ class FakeEngine:
         self.num_kv_flushes = 0
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        self.add_processed(request_id, self.input_processor.process(prompt, params))
+
+    def add_processed(self, request_id: str, processed: ProcessedPrompt) -> None:
         self._note_thread()
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt")
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt["prompt_token_ids"])
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
-        if len(token_ids) + max_tokens > self.max_model_len:
-            raise ValueError("prompt + max_tokens is over max_model_len")
-        self.requests[request_id] = _FakeRequest(request_id, text, token_ids, max_tokens, params.n)
+        params = processed.params
+        self.requests[request_id] = _FakeRequest(
+            request_id, processed.prompt, processed.prompt_token_ids, params.max_tokens, params.n)
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         self._note_thread()

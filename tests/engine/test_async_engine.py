@@ -59,6 +59,7 @@ def test_generate_streams_cumulative_outputs_to_the_finished_one() -> None:
 
     fake, engine = run_with_engine(test)
     assert fake.threads_seen == {"kvserve-engine"}  # the engine is only ever touched by its own thread
+    assert fake.input_processor.threads_seen == {"kvserve-inputs_0"}  # prompts are tokenized beside the steps
     assert engine.observer.added == engine.observer.finished and len(engine.observer.added) == 1
 
 
@@ -330,8 +331,9 @@ class ThreadRecordingProcessor(InputProcessor):
         return super().tokenize_text(text, add_special_tokens)
 
 
-def test_tokenize_detokenize_and_render_chat_run_on_the_engine_thread(monkeypatch) -> None:
-    """The server's way to the tokenizer: typed calls, no reach into the engine's input processor."""
+def test_tokenize_detokenize_and_render_chat_run_on_the_inputs_thread(monkeypatch) -> None:
+    """The server's way to the tokenizer: typed calls, no reach into the engine's input processor; they run beside
+    the steps (a 650 KB prompt tokenized on the engine thread held every stream for 1.7 s)."""
     fake = FakeEngine()
     processor = ThreadRecordingProcessor(fake.tokenizer, vocab_size=256, max_model_len=64)
     monkeypatch.setattr(fake, "input_processor", processor)
@@ -346,4 +348,55 @@ def test_tokenize_detokenize_and_render_chat_run_on_the_engine_thread(monkeypatc
             await engine.render_chat([{"role": "user", "content": "hi"}])
 
     run_with_engine(test, fake)
-    assert processor.threads == ["kvserve-engine"]
+    assert processor.threads == ["kvserve-inputs_0"]
+
+
+def test_a_slow_tokenization_holds_no_step_back(monkeypatch) -> None:
+    """A prompt is tokenized and checked on the inputs thread while the steps go on: on the engine thread, one
+    650 KB prompt held every stream still for 1.7 s (and was then refused)."""
+    fake = FakeEngine(max_model_len=256)
+    steps_while_tokenizing: list[int] = []
+    process = fake.input_processor.process
+
+    def slow_process(prompt: Any, params: SamplingParams) -> Any:
+        if prompt == "slow":
+            before = fake.num_steps
+            time.sleep(0.5)
+            steps_while_tokenizing.append(fake.num_steps - before)
+        return process(prompt, params)
+
+    monkeypatch.setattr(fake.input_processor, "process", slow_process)
+
+    async def test(engine: AsyncEngine) -> None:
+        running = asyncio.ensure_future(collect(engine, "a", 200))
+        while fake.num_steps < 2:
+            await asyncio.sleep(0.01)
+        assert (await collect(engine, "slow", 3))[-1].finished
+        assert (await running)[-1].finished
+
+    run_with_engine(test, fake)
+    (num_steps,) = steps_while_tokenizing
+    assert num_steps > 0  # every step, unless the machine is very busy: one is enough to show it was not held
+
+
+def test_commands_that_keep_coming_wait_for_the_next_step() -> None:
+    """A drain runs the commands queued when it began: run until none was queued, callers who kept queueing
+    (16 clients looping /tokenize) held every stream still for as long as they kept at it."""
+    fake = FakeEngine()
+    num_commands = 0
+
+    async def test(engine: AsyncEngine) -> None:
+        start = fake.num_steps
+
+        def queue_another(_: Any) -> None:  # a caller always queueing one more, until three steps have run
+            nonlocal num_commands
+            num_commands += 1
+            if fake.num_steps < start + 3:
+                engine._submit(queue_another, None)
+
+        engine._submit(queue_another, None)
+        outputs = await collect(engine, "a", 5)
+        assert outputs[-1].finished and [len(o.outputs[0].token_ids) for o in outputs][-1] == 5
+
+    run_with_engine(test, fake)
+    assert num_commands >= 4  # one drained before each step
