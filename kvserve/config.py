@@ -185,6 +185,14 @@ class SchedulerConfig:
     # from that step's sampled tokens on the device (``Scheduler.schedule_continuation``); off: after it.
     overlap_scheduling: bool = True
 
+    @property
+    def max_running(self) -> int:
+        """Requests running at once: ``max_num_seqs``, but no more than a step's token budget, as each running
+        request takes a token a step (past the budget the last ones got none for as long as those ahead of them
+        ran: an n = 64 request under a 32-token budget left half its samples holding their KV, idle, for their
+        whole generation; vLLM refuses such a pair, kvserve runs it with as many seats as the budget)."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
     def __post_init__(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(

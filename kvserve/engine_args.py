@@ -161,7 +161,8 @@ class EngineArgs:
                                                 "rank, all on this node; needs pip install 'kvserve[ray]'; "
                                                 "joins RAY_ADDRESS's cluster or starts a local one)", str,
                                                 DISTRIBUTED_EXECUTOR_BACKENDS)
-    max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "requests running at once", int)
+    max_num_seqs: int = _option(SchedulerConfig.max_num_seqs, "requests running at once (at most "
+                                "--max-num-batched-tokens: each takes a token a step)", int)
     max_num_batched_tokens: int = _option(SchedulerConfig.max_num_batched_tokens,
                                           "tokens per step; longer prompts are prefilled in chunks", int)
     scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,

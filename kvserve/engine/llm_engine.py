@@ -141,7 +141,7 @@ class LLMEngine:
             settings.append(f"disk KV tier {cache.kv_offload_dir} (up to {cache.disk_tier_bytes / 2**30:g} GiB)")
         if spec.method is not None:
             settings.append(f"{spec.method} speculation of up to {spec.num_speculative_tokens} tokens")
-        settings.append(f"steps of up to {sched.max_num_seqs} sequences and {sched.max_num_batched_tokens} tokens, "
+        settings.append(f"steps of up to {sched.max_running} sequences and {sched.max_num_batched_tokens} tokens, "
                         f"{sched.scheduling_policy} scheduling, preemption by {sched.preemption_mode}")
         return settings
 
@@ -215,7 +215,7 @@ class LLMEngine:
         runner.use_kv_groups(groups)
         # with the prefix cache on, blocks no running request holds keep prefixes: the whole budget is used
         max_blocks_needed = None if self.config.cache.enable_prefix_caching else (
-            sched_config.max_num_seqs * -(-self.max_model_len // block_size) * groups.num_groups)
+            sched_config.max_running * -(-self.max_model_len // block_size) * groups.num_groups)
         self.num_kv_blocks = num_kv_blocks_for(
             self.config.cache, runner.kv_bytes_per_block(), self.device, max_blocks_needed,
             block_scale=len(groups.layer_groups) // groups.group_size,
@@ -229,7 +229,7 @@ class LLMEngine:
         self._fit_max_model_len(kv_manager, sched_config.max_num_batched_tokens)
         sched_config = dataclasses.replace(sched_config, max_model_len=self.max_model_len)
         host_copies = HostCopies(tiers.host_slab, tiers.publish_offloads) if tiers is not None else None
-        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, host_copies, sched_config.max_num_seqs)
+        runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, host_copies, sched_config.max_running)
         speculative = self.config.speculative
         speculation = SpeculationPolicy(speculative) if speculative.enabled else None
         return EngineCore(runner, Scheduler(sched_config, kv_manager, speculation), kv_manager)

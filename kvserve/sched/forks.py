@@ -3,7 +3,7 @@ are computed, and the copy-on-write copies of their partial blocks, pending unti
 
 A sample shares its parent's full blocks and gets a copy of the partial one (``KVCacheManager.fork``); then it
 runs the last prompt token itself and samples its own first token, so that below the scheduler and the KV
-manager it is an ordinary request. Where a sample runs or waits (a seat under ``max_num_seqs``, a block for its
+manager it is an ordinary request. Where a sample runs or waits (a seat under ``max_running``, a block for its
 copy) is the scheduler's to decide: it owns the queues.
 """
 

@@ -198,7 +198,7 @@ class Scheduler:
         recompute (a sample that waits for a seat or a block included). ``update_from_output`` is the only place
         it advances by computed tokens."""
         self._batch_mirror.step_sent()
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_running)
         scheduled: list[tuple[Request, int]] = []
         drafts: dict[str, tuple[int, ...]] = {}
         num_preempted = self._schedule_running(budget, scheduled, drafts)
@@ -250,7 +250,7 @@ class Scheduler:
     def _could_admit(self) -> bool:
         """Whether ``schedule`` could admit a waiting request now: room in the batch, and free blocks for the
         first chunk of the request first in the queue beyond its cached prefix."""
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or len(self.running) >= self.config.max_running:
             return False
         first = self.waiting[0]
         num_new = min(first.num_tokens - self._match_prefix(first).num_tokens, self.config.max_num_batched_tokens)
@@ -289,7 +289,7 @@ class Scheduler:
         taken in admission order, they starved the others of a small budget for many steps."""
         if self.speculation is None or request.num_computed_tokens != request.num_tokens - 1:
             return ()
-        seat_free = self.waiting and len(self.running) < self.config.max_num_seqs
+        seat_free = self.waiting and len(self.running) < self.config.max_running
         left = budget.num_tokens - num_running_behind - (1 if seat_free else 0)
         room = min(left, self.config.max_model_len - request.num_tokens)
         max_tokens = request.sampling_params.max_tokens
@@ -300,12 +300,12 @@ class Scheduler:
     def _schedule_waiting(self, budget: _Budget, scheduled: list[tuple[Request, int]]) -> None:
         """Admit waiting requests in policy order while their chunk's blocks fit; never preempts to make
         room. One whose prefix a running request is still computing is passed over this step."""
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or len(self.running) >= self.config.max_running:
             return  # before ordering the queue: under lpm that matches every waiting request's prefix
         admitted: set[Request] = set()
         try:
             for request in self._waiting_in_policy_order():
-                if not budget.has_room() or len(self.running) >= self.config.max_num_seqs:
+                if not budget.has_room() or len(self.running) >= self.config.max_running:
                     break
                 start = self._match_prefix(request)
                 if start.must_wait:
@@ -436,13 +436,13 @@ class Scheduler:
 
     def _fork(self, parent: Request) -> None:
         """Make samples 1..n-1 of ``parent``, whose computed tokens are all but its last prompt token: each runs
-        on the parent's KV and runs the last prompt token itself. With no seat left under ``max_num_seqs``, or
+        on the parent's KV and runs the last prompt token itself. With no seat left (``max_running``), or
         no block free for its partial-block copy, a sample waits at the head of the queue (``_park_sample``)."""
         parent.has_forked = True
         for index in range(1, parent.sampling_params.n):
             sample = new_sample(parent, index)
             self.requests[sample.request_id] = sample
-            if len(self.running) >= self.config.max_num_seqs:
+            if len(self.running) >= self.config.max_running:
                 self._park_sample(parent, sample)
             elif self._fork_copies.share_kv(parent, sample):
                 self.running.append(sample)

@@ -115,3 +115,20 @@ def test_a_preempted_parent_does_not_fork_again() -> None:
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert parent.num_preemptions == 1 and len(children) == 1  # it forked on its first prompt pass only
     assert outputs == {rid: expected_tokens(rid, n) for rid, n in [("old", 12), ("p", 6), ("p#1", 6)]}
+
+
+def test_no_more_samples_run_than_a_step_has_tokens_for() -> None:
+    """Seats are ``max_num_seqs`` but no more than the step's token budget (``SchedulerConfig.max_running``): an
+    n = 64 request under a 32-token budget ran 64 samples, and the last 32 held their KV, idle, for as long as
+    the first 32 ran (their whole generation). Each running sample now gets its token every step."""
+    scheduler = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=8, max_num_seqs=16)
+    runner = runner_for(scheduler)
+    scheduler.add_request(make_request("p", 3, n=12, max_tokens=6))
+    num_steps = 0
+    while scheduler.has_unfinished_requests():
+        running = [r.request_id for r in scheduler.running]
+        sched_out, _ = step(scheduler, runner)
+        num_steps += 1
+        assert len(running) <= 8 and set(running) <= {r.request_id for r in sched_out.requests}
+    assert num_steps < 40
+    assert_all_blocks_free(scheduler)
