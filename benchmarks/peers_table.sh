@@ -2,7 +2,8 @@
 # Issue 8's served table: kvserve, llama.cpp's llama-server on the shipped Q4_1 GGUF and on the F32 GGUF of the
 # same weights, each a fresh server with 16 slots / sequences, driven by `kvserve bench serve` over the same
 # seeded `random` workload at concurrency 1, 4 and 16, then the `prefix` workload. One JSON per pass in $OUT
-# (default docs/results/peers-<date>), then `kvserve bench compare` tables per load.
+# (default docs/results/peers-<date>), with the machine's load average around it (.load), then `kvserve bench
+# compare` tables per load.
 #
 #   LLAMA_SERVER=$PEERS_DIR/llamacpp/build/bin/llama-server LLAMA_F32=$PEERS_DIR/smollm2-f32.gguf \
 #       benchmarks/peers_table.sh
@@ -72,15 +73,27 @@ server_command() {
 # shellcheck source=wait_healthy.sh
 source "benchmarks/wait_healthy.sh"
 
+# Wall-clock figures mean nothing on a machine something else keeps busy: each pass records the load average
+# before and after it, and says so where the load before it was above the machine's cores.
+note_load() {
+  local load; load=$(cut -d' ' -f1-3 /proc/loadavg)
+  echo "load average $1: $load (cores: $(nproc))" >> "$2"
+  if [ "$1" = before ] && awk -v l="${load%% *}" -v n="$(nproc)" 'BEGIN {exit !(l > n)}'; then
+    echo "warning: load average $load is above the $(nproc) cores: this pass's figures are unreliable" >&2
+  fi
+}
+
 for system in $SYSTEMS; do
   backend=llamacpp; [ "${system#kvserve}" = "$system" ] || backend=kvserve
   for load in $LOADS; do  # a fresh server per pass: no pass finds another's prompts cached
     # shellcheck disable=SC2046
     start_server "$OUT/$system-$load.server.log" $(server_command "$system")
     wait_healthy
+    note_load before "$OUT/$system-$load.load"
     # shellcheck disable=SC2046
     kvserve bench serve --base-url "http://127.0.0.1:$PORT" --model "$MODEL" --label "$system" --backend "$backend" \
       --warmup 2 --result-json "$OUT/$system-$load.json" $(load_flags "$load") 2>/dev/null | tee "$OUT/$system-$load.txt"
+    note_load after "$OUT/$system-$load.load"
     stop_server
   done
 done
