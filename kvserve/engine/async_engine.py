@@ -154,7 +154,9 @@ class AsyncEngine:
             self._wakeup.notify()
         self._thread.join(timeout)
         self._compiling.shutdown(wait=False, cancel_futures=True)
-        self._inputs.shutdown(wait=False, cancel_futures=True)
+        # work queued there finishes (bounded: no text longer than a context could hold is tokenized); its add then
+        # finds the engine stopped and says so, where a cancelled future would drop its caller's answer unsaid
+        self._inputs.shutdown(wait=False)
 
     @property
     def is_running(self) -> bool:
@@ -298,9 +300,13 @@ class AsyncEngine:
     async def _on_inputs(self, fn: Callable[[], T]) -> T:
         """``fn()`` run on the inputs thread (work that reads only the tokenizer and the model's limits);
         EngineDeadError once the engine has stopped, as for a command."""
-        if self._stopped:
+        try:
+            future = None if self._stopped else self._inputs.submit(fn)
+        except RuntimeError:  # shut down meanwhile: the executor takes no more work
+            future = None
+        if future is None:
             raise EngineDeadError("the engine is not running") from self._error
-        return await asyncio.get_running_loop().run_in_executor(self._inputs, fn)
+        return await asyncio.wrap_future(future)
 
     async def _add(
         self, ids: list[str], prompts: Sequence[PromptInput], params: SamplingParams, stream: _Stream,

@@ -400,3 +400,31 @@ def test_commands_that_keep_coming_wait_for_the_next_step() -> None:
 
     run_with_engine(test, fake)
     assert num_commands >= 4  # one drained before each step
+
+
+def test_input_work_in_flight_or_queued_at_shutdown_ends_in_engine_dead_errors(monkeypatch) -> None:
+    """A request being tokenized, or queued behind one, when the engine shuts down is told the engine stopped, as
+    one that comes after; none is left waiting, nor cancelled without a word."""
+    fake = FakeEngine()
+    process = fake.input_processor.process
+
+    def slow_process(prompt: Any, params: SamplingParams) -> Any:
+        time.sleep(0.3)
+        return process(prompt, params)
+
+    monkeypatch.setattr(fake.input_processor, "process", slow_process)
+    engine = AsyncEngine(fake)
+    engine.start()
+
+    async def test() -> None:
+        calls = [asyncio.ensure_future(collect(engine, prompt, 3)) for prompt in ("a", "b")]
+        await asyncio.sleep(0.1)  # "a" on the inputs thread, "b" queued behind it
+        await asyncio.to_thread(engine.shutdown)
+        for call in calls:
+            with pytest.raises(EngineDeadError):
+                await call
+        with pytest.raises(EngineDeadError):
+            await engine.tokenize("c")
+
+    asyncio.run(asyncio.wait_for(test(), timeout=10))
+    assert not fake.requests
