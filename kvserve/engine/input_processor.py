@@ -38,6 +38,7 @@ class InputProcessor:
         """``chat_template``: a template in place of the tokenizer's (``--chat-template``); ValueError if it does
         not parse."""
         self.tokenizer = tokenizer
+        _no_truncation_or_padding(tokenizer)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.structured = structured
@@ -185,6 +186,17 @@ class InputProcessor:
         self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def _no_truncation_or_padding(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Turn off the truncation and padding a fast tokenizer's file may turn on (kvserve asks for neither), here,
+    before any thread uses it: transformers turns them off at the first encode otherwise, a write to the Rust
+    tokenizer that the engine thread's decode, running beside the inputs thread's encode, meets as "Already
+    borrowed"."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
 
 
 def _checked_template(template: str) -> str:

@@ -98,6 +98,7 @@ def load_engine(state: ServerState, config: EngineConfig, url: str) -> None:
         state.metrics = ServerMetrics(state.settings.model_name, stats, engine.max_model_len)
         state.max_model_len = engine.max_model_len
         async_engine = AsyncEngine(engine, observer=state.metrics)
+        state.metrics.count_waiting(async_engine.num_waiting)
         async_engine.start()
         state.engine = async_engine
     except Exception as e:  # reported by serve(), which exits 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -214,9 +214,16 @@ class ServerMetrics:
             if times is not None:
                 self._observe_request(out, times, step_start, now)
 
+    def count_waiting(self, num_waiting: Callable[[], int]) -> None:
+        """Read the waiting gauge from ``num_waiting`` whenever it is scraped, in place of the last step's stats
+        (which know the scheduler's queue alone): the server's count, as ``--max-waiting`` admits by, includes the
+        requests still being tokenized or added, so that a replica tokenizing a burst does not look idle to the
+        router's balancing."""
+        self.num_requests_waiting.set_function(num_waiting)
+
     def _set_gauges(self, stats: dict[str, Any]) -> None:
         self.num_requests_running.set(stats["num_running"])
-        self.num_requests_waiting.set(stats["num_waiting"])
+        self.num_requests_waiting.set(stats["num_waiting"])  # unless ``count_waiting`` gave it its count
         total = stats["num_blocks_total"]
         self.kv_cache_usage.set(stats["num_blocks_used"] / total if total else 0.0)
         self.prefix_cache_blocks.set(stats.get("prefix_cache_blocks", 0))

@@ -35,12 +35,12 @@ logger = logging.getLogger(__name__)
 MAX_CAPTURE_SIZE = 512
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
+def capture_sizes(max_running: int) -> list[int]:
     """The batch sizes captured: 1, 2, 4, 8, then every 8 up to 64, every 16 up to 128 and every 32 up to 512,
-    up to the first that holds ``max_num_seqs``: a step pads at most 7 rows up to 64 and under 20% above (a
+    up to the first that holds ``max_running``: a step pads at most 7 rows up to 64 and under 20% above (a
     decode step's time grows little with its rows while it reads more weight bytes than it computes with)."""
     ladder = [1, 2, 4, *range(8, 64, 8), *range(64, 128, 16), *range(128, MAX_CAPTURE_SIZE + 1, 32)]
-    limit = min(max(max_num_seqs, 1), MAX_CAPTURE_SIZE)
+    limit = min(max(max_running, 1), MAX_CAPTURE_SIZE)
     return ladder[: bisect.bisect_left(ladder, limit) + 1]
 
 
@@ -53,14 +53,14 @@ class _CapturedStep:
 
 
 class CudaStepGraphs:
-    """Decode steps of up to ``max_num_seqs`` sequences (capped at ``MAX_CAPTURE_SIZE``) through CUDA graphs
+    """Decode steps of up to ``max_running`` sequences (capped at ``MAX_CAPTURE_SIZE``) through CUDA graphs
     captured at construction; ``forward`` returns None for a step that must run eagerly."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv: KVCacheStorage,
                  group_windows: list[set[int | None]], layer_groups: tuple[int, ...], max_blocks: int,
-                 max_num_seqs: int) -> None:
+                 max_running: int) -> None:
         self.model, self.backend, self.kv = model, backend, kv
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = capture_sizes(max_running)
         self.max_seq_len = max_blocks * kv.spec.block_size
         device = kv.layer(0).k.device
         self.inputs = StaticStepInputs.allocate(self.sizes[-1], max_blocks, kv.spec.block_size, device,

@@ -200,7 +200,7 @@ class PersistentBatch:
         self.num_blocks[row] = end
 
     def _grow(self) -> None:
-        """Double the rows (the batch may briefly hold more requests than max_num_seqs: n > 1 forks)."""
+        """Double the rows (the batch may briefly hold more requests than max_running: n > 1 forks)."""
         capacity = len(self._rows)
         self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)], axis=1)
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])

@@ -185,15 +185,15 @@ class ModelRunner:
                               self.model.config.to_dict())
 
     def init_kv_cache(self, num_blocks: int, max_model_len: int, host_copies: HostCopies | None = None,
-                      max_num_seqs: int = 0) -> None:
+                      max_running: int = 0) -> None:
         """Allocate the paged KV tensors and the persistent batch (block tables sized for ``max_model_len``);
         ``host_copies`` copies the steps' transfers into and out of the KV tiers' host rows. Rank
-        0's has the workers allocate theirs. On CUDA, decode steps of up to ``max_num_seqs`` sequences are
+        0's has the workers allocate theirs. On CUDA, decode steps of up to ``max_running`` sequences are
         captured as CUDA graphs (0: none)."""
         self.peers.init_kv_cache(num_blocks, max_model_len, self.kv_groups)
         if self.tp.size > 1:
-            max_num_seqs = 0  # no graphs under tensor parallelism (below)
-        cuda_graphs = captures_cuda_graphs(self.model, self.backend, self.device, self.enforce_eager, max_num_seqs)
+            max_running = 0  # no graphs under tensor parallelism (below)
+        cuda_graphs = captures_cuda_graphs(self.model, self.backend, self.device, self.enforce_eager, max_running)
         if self.device.type == "cuda" and self.model.weight_streamer is not None and not self.enforce_eager:
             logger.info("--cpu-offload-gb: decode steps run eagerly (streamed weights are not captured in CUDA graphs)")
         self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device, scratch_block=cuda_graphs)
@@ -208,7 +208,7 @@ class ModelRunner:
                 logger.info("tensor parallel: every step runs eagerly (CPU step graphs do not record collectives)")
         else:
             self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, max_blocks, self.enforce_eager,
-                                          self._group_windows, self.kv_groups.layer_groups, max_num_seqs)
+                                          self._group_windows, self.kv_groups.layer_groups, max_running)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:

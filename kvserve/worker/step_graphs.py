@@ -22,17 +22,17 @@ class StepGraphs(Protocol):
 
 
 def captures_cuda_graphs(model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
-                         enforce_eager: bool, max_num_seqs: int) -> bool:
+                         enforce_eager: bool, max_running: int) -> bool:
     """Whether ``step_graphs_for`` captures CUDA graphs for this model: its KV cache then needs a scratch block
     for padding rows (``KVCacheStorage(scratch_block=True)``). Not for weights streamed from host memory
     (``model.weight_streamer``): their copies wait on events across streams, which no graph captures."""
     return (device.type == "cuda" and device.type in backend.graph_devices and not enforce_eager
-            and max_num_seqs > 0 and model.weight_streamer is None)
+            and max_running > 0 and model.weight_streamer is None)
 
 
 def step_graphs_for(model: torch.nn.Module, backend: AttentionBackend, kv: KVCacheStorage, device: torch.device,
                     max_blocks: int, enforce_eager: bool, group_windows: list[set[int | None]] | None = None,
-                    layer_groups: tuple[int, ...] = (), max_num_seqs: int = 0) -> StepGraphs | None:
+                    layer_groups: tuple[int, ...] = (), max_running: int = 0) -> StepGraphs | None:
     """Step graphs for ``model``'s decode steps where they can serve, unless ``--enforce-eager``: over a backend
     whose steps that device's graphs replay (``AttentionBackend.graph_devices``), on CPU, or on CUDA where
     ``captures_cuda_graphs`` (``kv`` then has its scratch block). ``group_windows`` and ``layer_groups``
@@ -43,6 +43,6 @@ def step_graphs_for(model: torch.nn.Module, backend: AttentionBackend, kv: KVCac
     if device.type == "cpu":
         return CpuStepGraphs(model, backend, kv, windows, max_blocks, rope_table_positions(model.config),
                              layer_groups)
-    if captures_cuda_graphs(model, backend, device, enforce_eager, max_num_seqs):
-        return CudaStepGraphs(model, backend, kv, windows, layer_groups, max_blocks, max_num_seqs)
+    if captures_cuda_graphs(model, backend, device, enforce_eager, max_running):
+        return CudaStepGraphs(model, backend, kv, windows, layer_groups, max_blocks, max_running)
     return None

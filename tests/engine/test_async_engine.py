@@ -428,3 +428,27 @@ def test_input_work_in_flight_or_queued_at_shutdown_ends_in_engine_dead_errors(m
 
     asyncio.run(asyncio.wait_for(test(), timeout=10))
     assert not fake.requests
+
+
+def test_abort_all_aborts_a_request_still_being_tokenized(monkeypatch) -> None:
+    """The server's shutdown aborts every request once its grace is over: one still on the inputs thread was added
+    after the abort and ran to its max_tokens, the shutdown waiting for it."""
+    fake = FakeEngine(step_seconds=0.01)
+    process = fake.input_processor.process
+
+    def slow_process(prompt: Any, params: SamplingParams) -> Any:
+        time.sleep(0.3)
+        return process(prompt, params)
+
+    monkeypatch.setattr(fake.input_processor, "process", slow_process)
+
+    async def test(engine: AsyncEngine) -> None:
+        call = asyncio.ensure_future(collect(engine, "a", 50))
+        await asyncio.sleep(0.1)  # on the inputs thread
+        engine.abort_all()
+        final = (await call)[-1]
+        assert final.finished and final.outputs[0].finish_reason is FinishReason.ABORT
+        assert len(final.outputs[0].token_ids) < 50
+
+    run_with_engine(test, fake)
+    assert not fake.requests

@@ -170,3 +170,16 @@ def test_a_conversation_no_context_could_hold_is_refused_before_it_renders(token
     parts = [{"role": "user", "content": [{"type": "text", "text": "a" * 200_000}]}]
     with pytest.raises(ValueError, match="the conversation's messages has 200000 characters"):
         processor.apply_chat_template(parts)
+
+
+def test_a_tokenizer_file_s_truncation_and_padding_are_off_before_any_encode(tokenizer) -> None:
+    """An encode turned them off (kvserve asks for neither) by writing to the Rust tokenizer, which a decode on the
+    engine thread, beside the inputs thread's encode, met as "Already borrowed": off once, up front, encodes read
+    it only."""
+    backend = tokenizer.backend_tokenizer
+    backend.enable_truncation(max_length=4)
+    backend.enable_padding(length=16)
+    processor = InputProcessor(tokenizer, len(tokenizer), max_model_len=512)
+    assert backend.truncation is None and backend.padding is None
+    text = "a text of more than four tokens, not padded to sixteen"
+    assert processor.tokenize_text(text) == tokenizer.encode(text) and len(tokenizer.encode(text)) > 4

@@ -189,3 +189,17 @@ def test_every_engine_counter_the_server_mirrors_is_one_that_counts_since_start(
     stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
              "num_running": 0, "num_waiting": 0}
     assert set(ServerMetrics("m", stats, 64)._engine_counters) <= COUNTER_STATS
+
+
+def test_the_waiting_gauge_counts_as_admission_does_when_given_its_count() -> None:
+    """A request still being tokenized counts as waiting for ``--max-waiting`` (the async engine's count): the gauge
+    read 0 meanwhile, from the last step's queue, and the router balanced toward the busy replica."""
+    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
+             "num_running": 1, "num_waiting": 0}
+    metrics = ServerMetrics("m", stats, 64)
+    waiting = [3]
+    metrics.count_waiting(lambda: waiting[0])
+    metrics.on_step([], stats, time.monotonic())
+    assert metrics.registry.get_sample_value("kvserve:num_requests_waiting", {"model_name": "m"}) == 3
+    waiting[0] = 5  # read when scraped, not at the last step
+    assert metrics.registry.get_sample_value("kvserve:num_requests_waiting", {"model_name": "m"}) == 5
