@@ -13,7 +13,10 @@ def test_uvicorns_upgrade_warnings_are_dropped_and_its_others_kept(caplog: pytes
     """Any client sending `Connection: Upgrade` wrote two WARNING lines a request, one telling the operator to
     install a WebSocket library, which kvserve turns off on purpose (the request is answered as plain HTTP)."""
     uvicorn_log = logging.getLogger("uvicorn.error")  # the logger uvicorn's protocols warn on
-    uvicorn_log.addHandler(caplog.handler)  # an earlier uvicorn.Config may have stopped it propagating
+    # caught by a handler of its own, whether or not an earlier uvicorn.Config stopped it propagating to the root,
+    # where caplog's handler would catch each record a second time
+    propagates, uvicorn_log.propagate = uvicorn_log.propagate, False
+    uvicorn_log.addHandler(caplog.handler)
     try:
         logs.configure_logging("info")
         with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
@@ -25,3 +28,4 @@ def test_uvicorns_upgrade_warnings_are_dropped_and_its_others_kept(caplog: pytes
     finally:
         uvicorn_log.removeFilter(logs._not_an_upgrade_warning)
         uvicorn_log.removeHandler(caplog.handler)
+        uvicorn_log.propagate = propagates
