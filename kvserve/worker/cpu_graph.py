@@ -157,6 +157,7 @@ class CpuStepGraphs:
         self.eager_sizes: set[int] = set()
         self.num_bytes = 0
         self.num_replays = 0
+        self._num_threads = torch.get_num_threads()  # what the recorded kernel calls ask for
 
     def clear(self) -> None:
         """Drop every recorded step (the model's layers changed what they run): each size is recorded again at
@@ -167,6 +168,9 @@ class CpuStepGraphs:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
         """The hidden states of a forward pass over these inputs, or None where the step must run eagerly."""
+        if torch.get_num_threads() != self._num_threads:  # a kernel call's recorded thread count was the old one
+            self.clear()
+            self._num_threads = torch.get_num_threads()
         num_tokens = attn.num_tokens
         if (num_tokens > MAX_GRAPH_TOKENS or attn.num_decodes != num_tokens or attn.num_seqs != num_tokens
                 or num_tokens in self.eager_sizes or max(attn.seq_lens_list) > self.max_positions):

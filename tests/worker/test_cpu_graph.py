@@ -199,3 +199,28 @@ def test_steps_past_the_rope_tables_first_reach_run_eagerly_and_exactly(tiny_che
     llm = LLM(path, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
     assert greedy_token_ids(llm, short, 30) == expected
     assert graphs_of(llm).num_replays > 0
+
+
+def test_graphs_are_recorded_anew_when_torch_s_thread_count_changes(tiny_checkpoints) -> None:
+    """A kernel call is recorded with the thread count it ran with: replayed after ``torch.set_num_threads``
+    changed it, a step's 41 kernel calls kept asking for the old count (the cores oversubscribed)."""
+    path = str(tiny_checkpoints["llama"])
+    llm = LLM(path, dtype="float32", num_kv_blocks=64)
+    threads = torch.get_num_threads()
+    greedy_token_ids(llm, prompts()[:1], 4)
+    graphs = graphs_of(llm)
+    recorded = graphs.graphs[1]
+    odd_count = 7  # no kernel's last argument but a thread count is likely to be 7
+    assert threads in last_kernel_args(recorded) and odd_count not in last_kernel_args(recorded)
+    try:
+        torch.set_num_threads(odd_count)
+        greedy_token_ids(llm, prompts()[:1], 4)
+        rerecorded = graphs.graphs[1]
+        assert rerecorded is not recorded and odd_count in last_kernel_args(rerecorded)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def last_kernel_args(graph) -> set[int]:
+    """The last arguments of a graph's kernel calls: most kernels take their thread count there."""
+    return {call.args[-1].value for call in graph.calls if isinstance(call, cpu_graph._KernelCall)}
