@@ -80,7 +80,8 @@ async def main() -> None:
                                                 *[tokenize_loop(client, args.url, text, until)
                                                   for _ in range(args.clients)])
             print(f"{args.clients} clients looping /tokenize ({len(text)} characters) for {args.seconds:g} s: "
-                  f"{sum(calls)} calls; stream tokens meanwhile: {sum(1 for _, at in gaps if at < until)}")
+                  f"{sum(calls)} calls; stream tokens meanwhile: "
+                  f"{sum(1 for _, at in gaps if start + HEAD_START_S <= at < until)}")
         else:
             gaps, line = await asyncio.gather(stream_gaps(client, args.url, args.max_tokens),
                                               refused_batch(client, args.url, args.prompts, rng))

@@ -131,7 +131,7 @@ class AsyncEngine:
         self._stats: dict[str, Any] = engine.stats()
         self._num_pending_adds = 0
         self._num_admitted = 0  # admissions still open (``admit``)
-        self._num_abort_alls = 0  # ``abort_all`` calls so far: an add begun before one is aborted as it lands
+        self._aborting_all = False  # ``abort_all`` was called: every add is aborted as it lands
         self._request_counter = itertools.count()
         self._stopped = False
         self._error: BaseException | None = None
@@ -264,10 +264,10 @@ class AsyncEngine:
             pass
 
     def abort_all(self) -> None:
-        """Abort every unfinished request (the server's shutdown, once its grace period is over), those still
-        being tokenized too: each is aborted as its add lands."""
+        """Abort every unfinished request, and every one added from now on (the server's shutdown, once its grace
+        period is over: a request still being rendered, compiled or tokenized then is aborted as its add lands)."""
         with self._wakeup:
-            self._num_abort_alls += 1
+            self._aborting_all = True
         try:
             self._submit(lambda _: self._abort_now(list(self._streams)), None)
         except EngineDeadError:
@@ -317,7 +317,6 @@ class AsyncEngine:
         admission: Admission | None,
     ) -> None:
         arrival_time = time.monotonic()
-        num_abort_alls = self._num_abort_alls
 
         def add(engine: LLMEngine, processed: list[ProcessedPrompt]) -> None:
             added: list[str] = []
@@ -337,7 +336,7 @@ class AsyncEngine:
             stats = engine.stats()  # counting them before the caller resumes and drops them from the pending adds
             with self._wakeup:
                 self._stats = stats
-            if self._num_abort_alls != num_abort_alls:  # it was being tokenized when every request was aborted
+            if self._aborting_all:  # it was on its way when every request was aborted
                 self._abort_now(ids)
 
         # Counted as waiting until the caller hears back: briefly counted twice (here and in the engine's

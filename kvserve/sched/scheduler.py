@@ -249,17 +249,14 @@ class Scheduler:
 
     def _could_admit(self) -> bool:
         """Whether ``schedule`` could admit a waiting request now: room in the batch, and free blocks for the
-        first chunk, beyond its cached prefix, of the request ``_schedule_waiting`` would try first (in policy
-        order, passing over those that must wait for a prefix): the head of the queue alone held back, under
-        lpm, a request whose prefix is cached while the head did not fit."""
+        first chunk of the request first in the queue beyond its cached prefix. The head alone, not the one lpm
+        would try first: ordering the queue here cost 6-11 ms a continued step (a prefix match for each of the
+        first 128 waiting), where a request whose prefix is cached waits at most until the head fits."""
         if not self.waiting or len(self.running) >= self.config.max_running:
             return False
-        for request in self._waiting_in_policy_order():
-            start = self._match_prefix(request)
-            if not start.must_wait:
-                num_new = min(request.num_tokens - start.num_tokens, self.config.max_num_batched_tokens)
-                return self.kv.max_blocks_for(num_new, num_new) <= self.kv.num_free_blocks()
-        return False
+        first = self.waiting[0]
+        num_new = min(first.num_tokens - self._match_prefix(first).num_tokens, self.config.max_num_batched_tokens)
+        return self.kv.max_blocks_for(num_new, num_new) <= self.kv.num_free_blocks()
 
     def _schedule_running(
         self, budget: _Budget, scheduled: list[tuple[Request, int]], drafts: dict[str, tuple[int, ...]]

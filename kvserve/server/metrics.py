@@ -109,6 +109,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._labels = {"model_name": model_name}
         self._requests: dict[str, _RequestTimes] = {}
+        self._counts_waiting = False  # the waiting gauge reads the server's count (``count_waiting``), not stats
         self._make_gauges(stats)
         self._make_counters()
         # Engine counters mirrored as Prometheus counters: stats key -> (counter, value already counted).
@@ -219,11 +220,13 @@ class ServerMetrics:
         (which know the scheduler's queue alone): the server's count, as ``--max-waiting`` admits by, includes the
         requests still being tokenized or added, so that a replica tokenizing a burst does not look idle to the
         router's balancing."""
+        self._counts_waiting = True
         self.num_requests_waiting.set_function(num_waiting)
 
     def _set_gauges(self, stats: dict[str, Any]) -> None:
         self.num_requests_running.set(stats["num_running"])
-        self.num_requests_waiting.set(stats["num_waiting"])  # unless ``count_waiting`` gave it its count
+        if not self._counts_waiting:
+            self.num_requests_waiting.set(stats["num_waiting"])
         total = stats["num_blocks_total"]
         self.kv_cache_usage.set(stats["num_blocks_used"] / total if total else 0.0)
         self.prefix_cache_blocks.set(stats.get("prefix_cache_blocks", 0))

@@ -407,8 +407,10 @@ def test_input_work_in_flight_or_queued_at_shutdown_ends_in_engine_dead_errors(m
     one that comes after; none is left waiting, nor cancelled without a word."""
     fake = FakeEngine()
     process = fake.input_processor.process
+    started = threading.Event()
 
     def slow_process(prompt: Any, params: SamplingParams) -> Any:
+        started.set()
         time.sleep(0.3)
         return process(prompt, params)
 
@@ -418,7 +420,7 @@ def test_input_work_in_flight_or_queued_at_shutdown_ends_in_engine_dead_errors(m
 
     async def test() -> None:
         calls = [asyncio.ensure_future(collect(engine, prompt, 3)) for prompt in ("a", "b")]
-        await asyncio.sleep(0.1)  # "a" on the inputs thread, "b" queued behind it
+        await asyncio.to_thread(started.wait)  # "a" on the inputs thread, "b" queued behind it
         await asyncio.to_thread(engine.shutdown)
         for call in calls:
             with pytest.raises(EngineDeadError):
@@ -431,12 +433,15 @@ def test_input_work_in_flight_or_queued_at_shutdown_ends_in_engine_dead_errors(m
 
 
 def test_abort_all_aborts_a_request_still_being_tokenized(monkeypatch) -> None:
-    """The server's shutdown aborts every request once its grace is over: one still on the inputs thread was added
-    after the abort and ran to its max_tokens, the shutdown waiting for it."""
+    """The server's shutdown aborts every request once its grace is over: one still on the inputs thread (or
+    being rendered, or its constraint compiled) was added after the abort and ran to its max_tokens, the shutdown
+    waiting for it. Every add after an abort_all is aborted as it lands."""
     fake = FakeEngine(step_seconds=0.01)
     process = fake.input_processor.process
+    started = threading.Event()
 
     def slow_process(prompt: Any, params: SamplingParams) -> Any:
+        started.set()
         time.sleep(0.3)
         return process(prompt, params)
 
@@ -444,11 +449,13 @@ def test_abort_all_aborts_a_request_still_being_tokenized(monkeypatch) -> None:
 
     async def test(engine: AsyncEngine) -> None:
         call = asyncio.ensure_future(collect(engine, "a", 50))
-        await asyncio.sleep(0.1)  # on the inputs thread
+        await asyncio.to_thread(started.wait)  # on the inputs thread
         engine.abort_all()
         final = (await call)[-1]
         assert final.finished and final.outputs[0].finish_reason is FinishReason.ABORT
         assert len(final.outputs[0].token_ids) < 50
+        later = (await collect(engine, "b", 50))[-1]  # the server is shutting down: one added after is aborted too
+        assert later.outputs[0].finish_reason is FinishReason.ABORT and len(later.outputs[0].token_ids) < 50
 
     run_with_engine(test, fake)
     assert not fake.requests

@@ -170,19 +170,3 @@ def test_decodes_keep_flowing_while_a_max_model_len_prompt_is_prefilled() -> Non
         steps_with_long += "long" in ids
     assert steps_with_long == -(-255 // 15)  # the prompt in chunks of the budget left after the decode
 
-
-def test_the_overlapped_loop_sees_the_admission_schedule_would_make() -> None:
-    """``_could_admit`` (whether a step may be scheduled ahead, CUDA's overlapped loop, or must wait for the update
-    so that ``schedule`` admits someone) asks what ``schedule`` answers: under lpm a request whose prefix a running
-    request holds is admitted first, though the head of the queue does not fit; asking the head alone held it."""
-    scheduler = cached_scheduler(num_blocks=12, max_num_batched_tokens=32, max_num_seqs=8)
-    runner = runner_for(scheduler)
-    prefix = shared_prefix(0, 8)
-    scheduler.add_request(make_request("running", 28, prefix=prefix, max_tokens=16))  # 7 of the 12 blocks
-    while scheduler.requests["running"].num_computed_tokens < 28:
-        step(scheduler, runner)
-    scheduler.add_request(make_request("big", 40, max_tokens=4))  # its first chunk needs 8 blocks: 5 are free
-    scheduler.add_request(make_request("hit", 10, prefix=prefix, max_tokens=4))  # 2 blocks cached, 1 to take
-    assert scheduler._could_admit()
-    sched_out, _ = step(scheduler, runner)
-    assert "hit" in {r.request_id for r in sched_out.requests} and [r.request_id for r in scheduler.waiting] == ["big"]
