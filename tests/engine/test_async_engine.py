@@ -406,15 +406,7 @@ def test_input_work_in_flight_or_queued_at_shutdown_ends_in_engine_dead_errors(m
     """A request being tokenized, or queued behind one, when the engine shuts down is told the engine stopped, as
     one that comes after; none is left waiting, nor cancelled without a word."""
     fake = FakeEngine()
-    process = fake.input_processor.process
-    started = threading.Event()
-
-    def slow_process(prompt: Any, params: SamplingParams) -> Any:
-        started.set()
-        time.sleep(0.3)
-        return process(prompt, params)
-
-    monkeypatch.setattr(fake.input_processor, "process", slow_process)
+    started = slow_prompt_processing(fake, monkeypatch)
     engine = AsyncEngine(fake)
     engine.start()
 
@@ -437,15 +429,7 @@ def test_abort_all_aborts_a_request_still_being_tokenized(monkeypatch) -> None:
     being rendered, or its constraint compiled) was added after the abort and ran to its max_tokens, the shutdown
     waiting for it. Every add after an abort_all is aborted as it lands."""
     fake = FakeEngine(step_seconds=0.01)
-    process = fake.input_processor.process
-    started = threading.Event()
-
-    def slow_process(prompt: Any, params: SamplingParams) -> Any:
-        started.set()
-        time.sleep(0.3)
-        return process(prompt, params)
-
-    monkeypatch.setattr(fake.input_processor, "process", slow_process)
+    started = slow_prompt_processing(fake, monkeypatch)
 
     async def test(engine: AsyncEngine) -> None:
         call = asyncio.ensure_future(collect(engine, "a", 50))
@@ -459,3 +443,16 @@ def test_abort_all_aborts_a_request_still_being_tokenized(monkeypatch) -> None:
 
     run_with_engine(test, fake)
     assert not fake.requests
+
+
+def slow_prompt_processing(fake: FakeEngine, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Each prompt takes 0.3 s on the inputs thread; the event is set as the first one starts."""
+    process, started = fake.input_processor.process, threading.Event()
+
+    def slow_process(prompt: Any, params: SamplingParams) -> Any:
+        started.set()
+        time.sleep(0.3)
+        return process(prompt, params)
+
+    monkeypatch.setattr(fake.input_processor, "process", slow_process)
+    return started
