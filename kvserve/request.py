@@ -49,6 +49,7 @@ class Request:
     # its structured-output constraint compiled: held so that the compiler, which tracks compiled grammars weakly,
     # finds it when the request is scheduled even if its cache has let it go meanwhile (``sample/grammar.py``)
     grammar: object | None = None
+    cache_salt: str | None = None  # shares cached KV blocks only with requests sent with the same salt
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -17,10 +17,10 @@ from kvserve.sampling_params import InvalidParameter, SamplingParams, Structured
 from kvserve.utf8 import check_utf8
 
 # A prompt is text, {"prompt": text} (vLLM's TextPrompt), or {"prompt_token_ids": [...]} (its TokensPrompt,
-# optionally with the "prompt" text it came from).
+# optionally with the "prompt" text it came from); either dict may carry a "cache_salt", as vLLM's do.
 logger = logging.getLogger(__name__)
 PromptInput = Union[str, Mapping[str, Any]]
-PROMPT_KEYS = ("prompt", "prompt_token_ids")
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 ChatMessages = Sequence[Mapping[str, Any]]
 
 
@@ -30,6 +30,7 @@ class ProcessedPrompt:
     prompt_token_ids: list[int]
     params: SamplingParams  # a per-request copy, with max_tokens filled in
     grammar: object | None = None  # its constraint compiled (``Request.grammar``)
+    cache_salt: str | None = None  # ``Request.cache_salt``
 
 
 class InputProcessor:
@@ -54,8 +55,10 @@ class InputProcessor:
         text, token_ids = self._tokenize(prompt)
         self.check_token_ids(token_ids, "prompt_token_ids")
         token_ids = [int(t) for t in token_ids]
+        salt = _cache_salt(prompt)
         grammar = None if params.structured_outputs is None else self.check_constraint(params.structured_outputs)
-        return ProcessedPrompt(text, token_ids, self._fit_params(params, len(token_ids), cap_max_tokens), grammar)
+        fitted = self._fit_params(params, len(token_ids), cap_max_tokens)
+        return ProcessedPrompt(text, token_ids, fitted, grammar, salt)
 
     def constraint_compiled(self, spec: StructuredOutputsParams) -> bool:
         """Whether ``spec`` is compiled already (in the compiler's cache); ValueError if it is no valid one."""
@@ -127,8 +130,8 @@ class InputProcessor:
             raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt', got "
                              f"{type(prompt).__name__}")
         unknown = [key for key in prompt if key not in PROMPT_KEYS]
-        if unknown:  # vLLM's multi_modal_data, cache_salt, ...: dropped, they would change the answer unseen
-            raise ValueError(f"a prompt dict takes {' and '.join(map(repr, PROMPT_KEYS))} only; kvserve does not "
+        if unknown:  # vLLM's multi_modal_data, ...: dropped, they would change the answer unseen
+            raise ValueError(f"a prompt dict takes {', '.join(map(repr, PROMPT_KEYS))} only; kvserve does not "
                              f"implement {', '.join(map(repr, unknown))}")
         if "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
@@ -186,6 +189,15 @@ class InputProcessor:
         self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def _cache_salt(prompt: PromptInput) -> str | None:
+    """A prompt dict's ``cache_salt``: a non-empty string (as vLLM asks), else ValueError."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        got = "an empty one" if salt == "" else f"a {type(salt).__name__}"
+        raise InvalidParameter("cache_salt", f"cache_salt must be a non-empty string, got {got}")
+    return None if salt is None else check_utf8(salt, "cache_salt")
 
 
 def _no_truncation_or_padding(tokenizer: PreTrainedTokenizerBase) -> None:

@@ -87,8 +87,7 @@ class LLM:
             request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
             try:
                 for rid, p in zip(request_ids, processed):
-                    self.engine.add_request(rid, {"prompt": p.prompt, "prompt_token_ids": p.prompt_token_ids},
-                                            p.params)
+                    self.engine.add_processed(rid, p)
             except BaseException:  # e.g. a request larger than the whole KV cache: leave nothing queued
                 self.engine.abort_request(request_ids)
                 raise

@@ -337,7 +337,7 @@ class LLMEngine:
         """Queue one request whose prompt ``input_processor.process`` has tokenized and checked (which reads only
         the tokenizer and the model's limits, so a server runs it beside the steps, on a thread of its own)."""
         request = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
-                          grammar=processed.grammar)
+                          grammar=processed.grammar, cache_salt=processed.cache_salt)
         # the frontend first: it still tracks an n > 1 request whose first sample the scheduler has finished
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, processed.params, self.eos_token_ids

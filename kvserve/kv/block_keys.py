@@ -4,12 +4,15 @@ A block's key names everything its KV depends on: the model and how its KV is st
 token of the prefix up to the block's end, chained through its parent's key::
 
     root   = H("kvserve-kv-block/1" | model identity | KV dtype | block size [| KV layout])
+    root of requests with a cache_salt = H(root | "salt" | the salt as UTF-8)
     key(b) = H(key(parent of b) | b's token ids as little-endian int32)
     key of KV cache group g's block of b's tokens (g >= 1) = H(key(b) | "group" | g)
 
 With KV cache groups (``kv/groups.py``) a block id holds one group's layers, not every layer: the layout (which
 layers each group's blocks hold) joins the root, so a block of one layout is never found under another's keys,
 and each group's block of the same tokens has a key of its own, chained from group 0's (the prefix tree's).
+Requests with a ``cache_salt`` (vLLM's field) chain from a root of their salt's: their blocks, in the tiers as in
+the prefix tree, are shared only with requests that send the same salt.
 
 H is BLAKE2b with a 16-byte digest, never Python's ``hash`` (salted per process), so a block written by one
 server is found under the same key by a restarted one or by a second server on the same directory, and
@@ -36,6 +39,11 @@ def root_key(model_identity: str, kv_dtype: str, block_size: int, kv_layout: str
     layout, every layer in each block, whose keys stay what they were before groups existed."""
     parts = [_NAMESPACE, model_identity.encode(), kv_dtype.encode(), str(block_size).encode()]
     return _digest(b"|".join(parts + [kv_layout.encode()] * bool(kv_layout)))
+
+
+def salted_root_key(root: bytes, salt: str) -> bytes:
+    """The root of the blocks of requests sent with ``cache_salt=salt``, chained from the engine's ``root``."""
+    return _digest(root + b"|salt|" + salt.encode())
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:

@@ -7,6 +7,10 @@ paged cache must reuse whole blocks), and every node names the block holding tha
                          │                └[u32..u47]─ b12      (a second conversation on it)
                          └[v16..v31]─ b7 (pending)              (being computed by a running request)
 
+Requests sent with a ``cache_salt`` walk a tree of their salt's, under a root of its own, so that only requests
+with the same salt share blocks (one tenant cannot learn from the cache's speed what another's prompts were). A
+salt's root is kept while blocks hang under it: one per tenant with blocks cached, not one per salt ever sent.
+
 A node is *pending* while the request that allocated its block has not yet computed it: a request that
 arrives with the same prefix sees the pending node and waits for it instead of computing the prefix again.
 
@@ -21,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
+from kvserve.kv.block_keys import salted_root_key
+
 
 @dataclass(eq=False)
 class PrefixNode:
@@ -34,6 +40,7 @@ class PrefixNode:
     # group. They are cached beside the node, not part of the tree's structure: one may be evicted while the
     # node stays, and a match then stops where a group lacks a block its next query would see.
     group_block_ids: list[int] = field(default_factory=list)
+    salt: str | None = None  # a root's: the cache_salt of the requests whose blocks hang under it
 
     @property
     def is_root(self) -> bool:
@@ -70,7 +77,8 @@ class PrefixMatch:
 class PrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.root = PrefixNode(key=(), block_id=-1, parent=None)
+        self.root = PrefixNode(key=(), block_id=-1, parent=None)  # of requests without a cache_salt
+        self._salted_roots: dict[str, PrefixNode] = {}  # those with blocks under them
         self._by_block: dict[int, PrefixNode] = {}
 
     @property
@@ -80,15 +88,34 @@ class PrefixCache:
     def node_of(self, block_id: int) -> PrefixNode | None:
         return self._by_block.get(block_id)
 
-    def match(self, token_ids: Sequence[int], max_blocks: int, start: PrefixMatch | None = None) -> PrefixMatch:
-        """Walk the tree along ``token_ids``, at most ``max_blocks`` blocks, through computed nodes.
+    def root_of(self, salt: str | None) -> PrefixNode:
+        """The root a request sent with ``cache_salt=salt`` (None: without one) walks from. A salt's root is new
+        until a block hangs under it (``add``)."""
+        if salt is None:
+            return self.root
+        root = self._salted_roots.get(salt)
+        if root is None:
+            root = PrefixNode(key=(), block_id=-1, parent=None, salt=salt)
+            root.content_key = self.content_root(salt)
+        return root
+
+    def content_root(self, salt: str | None) -> bytes | None:
+        """The content key (``block_keys``) the blocks of requests with ``cache_salt=salt`` chain from; None
+        without tiers."""
+        root = self.root.content_key
+        return root if salt is None or root is None else salted_root_key(root, salt)
+
+    def match(self, token_ids: Sequence[int], max_blocks: int, start: PrefixMatch | None = None,
+              salt: str | None = None) -> PrefixMatch:
+        """Walk the tree of ``salt`` (the requests' ``cache_salt``) along ``token_ids``, at most ``max_blocks``
+        blocks, through computed nodes.
 
         ``start``, an earlier match of the same tokens, is reused while its last node is still in the tree
         (nodes leave only as leaves, so then all of them are): the walk goes on from there, and a request
         re-matched every step while it waits costs one block's key, not its whole prefix."""
         max_blocks = min(max_blocks, len(token_ids) // self.block_size)
         nodes = list(start.nodes[:max_blocks]) if start is not None and self._is_live(start) else []
-        node = nodes[-1] if nodes else self.root
+        node = nodes[-1] if nodes else self.root_of(salt)
         for key in self.keys(token_ids, len(nodes), max_blocks - len(nodes)):
             child = node.children.get(key)
             if child is None:
@@ -101,11 +128,15 @@ class PrefixCache:
 
     def add(self, parent: PrefixNode, key: tuple[int, ...], block_id: int, computed: bool) -> PrefixNode | None:
         """Hang ``block_id`` under ``parent`` as ``key``; returns None, adding nothing, if ``parent`` already
-        has that key (another request computed the same tokens into another block)."""
+        has that key (another request computed the same tokens into another block). A salt's root that ``parent``
+        names is its salt's root now (kept from here on), or the one kept meanwhile (a path may name a root
+        let go, or not yet kept, when its request took no block under it)."""
         if len(key) != self.block_size:
             raise ValueError(f"a key is one block of {self.block_size} tokens, got {len(key)}")
         if block_id in self._by_block:
             raise ValueError(f"block {block_id} is already in the prefix cache")
+        if parent.salt is not None:
+            parent = self._salted_roots.setdefault(parent.salt, parent)
         if key in parent.children:
             return None
         node = PrefixNode(key, block_id, parent, computed)
@@ -120,9 +151,19 @@ class PrefixCache:
         """Drop the node of ``block_id``, which must be a leaf (eviction, or an uncomputed block let go)."""
         node = self._by_block[block_id]
         assert not node.children, f"block {block_id} is not a leaf of the prefix cache; it cannot be removed"
-        assert node.parent is not None
-        del node.parent.children[node.key]
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key]
         del self._by_block[block_id]
+        if parent.salt is not None and not parent.children:  # salts come and go: a root per salt ever sent leaks
+            del self._salted_roots[parent.salt]
+
+    def check_roots(self) -> None:
+        """Every salt's root kept has blocks under it and is the root its nodes hang from. Raises
+        AssertionError."""
+        for salt, root in self._salted_roots.items():
+            assert root.salt == salt and root.children, f"the root of cache_salt {salt!r} is kept with no block"
+            assert all(child.parent is root for child in root.children.values()), f"a root of {salt!r} is stale"
 
     def keys(self, token_ids: Sequence[int], first_block: int, num_blocks: int) -> Iterator[tuple[int, ...]]:
         """The keys of blocks ``first_block .. first_block + num_blocks - 1`` of ``token_ids``."""
@@ -131,8 +172,8 @@ class PrefixCache:
             yield tuple(token_ids[index * size : (index + 1) * size])
 
     def nodes(self) -> Iterator[PrefixNode]:
-        """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
+        """Every node but the roots, parents before children."""
+        stack = [node for root in (self.root, *self._salted_roots.values()) for node in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

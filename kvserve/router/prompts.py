@@ -26,8 +26,14 @@ def request_payload(body: bytes) -> dict[str, Any]:
 
 def prompt_text(payload: dict[str, Any]) -> str:
     """The text a request's KV prefix comes from, its first ``MAX_KEYED_CHARS`` characters (all that is keyed):
-    the completion prompt, or the chat messages in order. Fields of the wrong type count as no text: the replica
-    refuses them with its own 400."""
+    the completion prompt, or the chat messages in order, after its ``cache_salt`` (a replica shares blocks
+    only between requests of one salt). Fields of the wrong type count as no text: the replica refuses them with
+    its own 400."""
+    salt = _text(payload.get("cache_salt"))
+    return ((f"cache_salt:{salt}\n" if salt else "") + _unsalted_text(payload))[:MAX_KEYED_CHARS]
+
+
+def _unsalted_text(payload: dict[str, Any]) -> str:
     messages = payload.get("messages")
     if isinstance(messages, list):
         return _leading_lines(f"{_text(m.get('role'))}:{_content_text(m.get('content'))}" for m in messages

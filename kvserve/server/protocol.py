@@ -161,6 +161,9 @@ class SamplingRequest(RequestBody):
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
+    # vLLM's: the prefix cache shares this request's blocks only with requests sent with the same salt (checked,
+    # a non-empty string, with the prompt: ``input_processor``)
+    cache_salt: Text | None = None
     service_tier: Literal["auto", "default"] | None = None
     # OpenAI fields kvserve does not implement: refused by name rather than ignored
     store: StrictBool | None = None

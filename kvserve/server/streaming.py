@@ -161,6 +161,7 @@ class GenerationHandler:
         constraint is compiled first, off the engine thread."""
         request_id = self._engine_id
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        prompts = _salted(prompts, self.body.cache_salt)
         if self.params.structured_outputs is not None:
             try:
                 await self.engine.compile_constraint(self.params.structured_outputs)
@@ -181,6 +182,13 @@ class GenerationHandler:
             raise
         outputs = _prepend(first, stream)
         return outputs if logged is None else logged.watched(outputs)
+
+
+def _salted(prompts: Sequence[PromptInput], salt: str | None) -> Sequence[PromptInput]:
+    """The prompts carrying the request's ``cache_salt``, as vLLM's server hands it to its engine."""
+    if salt is None:
+        return prompts
+    return [{"prompt": p, "cache_salt": salt} if isinstance(p, str) else {**p, "cache_salt": salt} for p in prompts]
 
 
 async def ending_on_failure(events: AsyncIterator[str], request_id: str | None = None) -> AsyncIterator[str]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.kv import disk_tier
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
 
@@ -103,6 +103,27 @@ def test_two_engines_share_one_directory(tiny_checkpoints, tmp_path) -> None:
     a.engine.flush_kv_offload()
     assert _run(b, prompts[:3]) == expected
     assert b.stats()["kv_offload_disk_hit_tokens"] >= 32
+
+
+def test_blocks_on_disk_are_found_only_under_the_cache_salt_they_were_written_with(tiny_checkpoints,
+                                                                                  tmp_path) -> None:
+    """A salt's blocks chain from a root of its own (``block_keys.salted_root_key``): a second engine on the
+    directory finds them under that salt only."""
+    path = tiny_checkpoints["llama"]
+    prompts = _prompts(200, seed=2)[:3]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+
+    def run(llm: LLM, salt: str) -> list[list[int]]:
+        outs = [llm.generate({"prompt_token_ids": p, "cache_salt": salt}, params, use_tqdm=False)[0] for p in prompts]
+        return [out.outputs[0].token_ids for out in outs]
+
+    writer = _llm(path, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    expected = run(writer, "tenant-1")
+    writer.engine.flush_kv_offload()
+    reader = _llm(path, kv_offload_dir=str(tmp_path), **SMALL_POOL)
+    assert run(reader, "tenant-2") == expected and reader.stats()["kv_offload_disk_hit_tokens"] == 0
+    assert run(reader, "tenant-1") == expected and reader.stats()["kv_offload_disk_hit_tokens"] >= 32
+    assert_all_blocks_free(reader)
 
 
 def test_a_checkpoint_with_another_configuration_never_uses_the_blocks_on_disk(tiny_checkpoints, tmp_path) -> None:

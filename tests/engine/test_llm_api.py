@@ -119,7 +119,10 @@ def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
          "token id: token ids are ints"),
         (12, SamplingParams(), "must be a string"),
         ("hi", SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
-        ({"prompt_token_ids": [5, 6], "cache_salt": "s"}, SamplingParams(), "does not implement 'cache_salt'"),
+        ({"prompt_token_ids": [5, 6], "cache_salt": ""}, SamplingParams(), "cache_salt must be a non-empty string, "
+         "got an empty one"),
+        ({"prompt": "hi", "cache_salt": ["s"]}, SamplingParams(), "cache_salt must be a non-empty string, got a list"),
+        ({"prompt": "hi", "cache_salt": "\ud800"}, SamplingParams(), "cache_salt"),
         ({"prompt": "hi", "multi_modal_data": {"image": 1}}, SamplingParams(), "'multi_modal_data'"),
         ({"prompt": 5}, SamplingParams(), "'prompt' with the text"),
         ("hi", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
@@ -290,7 +293,7 @@ def test_arguments_of_the_wrong_type_say_what_they_must_be(llm: LLM, prompts, sa
 
 
 def test_any_failure_while_queueing_leaves_nothing_queued(llm: LLM, monkeypatch) -> None:
-    add, calls = llm.engine.add_request, []
+    add, calls = llm.engine.add_processed, []
 
     def add_then_fail(*args, **kwargs) -> None:
         calls.append(args)
@@ -298,7 +301,7 @@ def test_any_failure_while_queueing_leaves_nothing_queued(llm: LLM, monkeypatch)
             raise RuntimeError("interrupted")
         add(*args, **kwargs)
 
-    monkeypatch.setattr(llm.engine, "add_request", add_then_fail)
+    monkeypatch.setattr(llm.engine, "add_processed", add_then_fail)
     with pytest.raises(RuntimeError, match="interrupted"):
         llm.generate(["a", "b", "c"], SamplingParams(max_tokens=2))
     monkeypatch.undo()

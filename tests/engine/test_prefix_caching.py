@@ -139,3 +139,22 @@ def test_random_interleavings_and_aborts(llama, arrivals: list[int], aborts: lis
             assert tokens == reference[i]
     assert_all_blocks_free(llm)
     engine.core.kv_manager.check_integrity([])
+
+
+def test_a_cache_salt_keeps_requests_of_other_salts_from_its_blocks(family) -> None:
+    """vLLM's ``cache_salt``: the same prompt under another salt (or none) computes its prefix again, under the
+    same salt it hits; the answers are the same either way."""
+    path, hf, prompts = family
+    on = _llm(path, True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+
+    def cached(salt: str | None) -> tuple[int, list[int]]:
+        prompt = {"prompt_token_ids": prompts[0]} | ({"cache_salt": salt} if salt else {})
+        out = on.generate([prompt], params, use_tqdm=False)[0]
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    want = hf_greedy(hf, prompts[0], MAX_NEW)
+    hit = (len(prompts[0]) - 1) // 4 * 4
+    assert [cached(salt) for salt in ["tenant-1", "tenant-1", "tenant-2", None, None, "tenant-2"]] == [
+        (0, want), (hit, want), (0, want), (0, want), (hit, want), (hit, want)]
+    assert_all_blocks_free(on)

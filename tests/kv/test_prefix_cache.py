@@ -248,3 +248,52 @@ def test_a_waiting_request_rematched_after_its_prefix_was_evicted_starts_from_wh
     kv.free(x)
     assert kv.allocate_slots(waiting, waiting.num_tokens, match)
     kv.check_integrity([waiting])
+
+
+# ---------------------------------------------------------------------------------------------- cache_salt
+
+
+def salted(request_id: str, prompt: list[int], salt: str | None) -> Request:
+    r = request(request_id, prompt)
+    r.cache_salt = salt
+    return r
+
+
+def test_a_cache_salt_shares_blocks_only_with_requests_of_the_same_salt() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True)
+    prompt = list(range(1, 11))  # 2 full blocks
+    first = salted("a", prompt, "tenant-1")
+    compute(kv, first, 10)
+    assert kv.match_prefix(salted("b", prompt, "tenant-1")).num_tokens == 8
+    assert kv.match_prefix(salted("c", prompt, "tenant-2")).num_tokens == 0
+    assert kv.match_prefix(salted("d", prompt, None)).num_tokens == 0
+    unsalted = salted("e", prompt, None)
+    compute(kv, unsalted, 10)  # its own blocks, under the unsalted root: no duplicate of a's
+    assert kv.num_cached_blocks == 4 and kv.match_prefix(salted("f", prompt, None)).num_tokens == 8
+    assert kv.match_prefix(salted("g", prompt, "tenant-1")).block_ids == first.block_ids[:2]
+    kv.check_integrity([first, unsalted])
+
+
+def test_a_salts_root_is_kept_only_while_blocks_hang_under_it() -> None:
+    """A root per salt ever sent would grow without bound: a salt's root is kept while blocks hang under it,
+    and a request whose path names a root not kept adds its blocks under the one kept by then."""
+    kv = KVCacheManager(num_blocks=6, block_size=BLOCK, enable_prefix_caching=True)
+    cache = kv.prefix_cache
+    early = salted("early", [7, 7], "s")  # no full block yet: its path names a root nobody keeps
+    compute(kv, early, 2)
+    assert cache._salted_roots == {}
+    later = salted("later", [1, 2, 3, 4, 5], "s")
+    compute(kv, later, 5)
+    kept = cache._salted_roots["s"]
+    early.output_token_ids += [8, 8]  # early's first block fills: it hangs under the root kept now
+    compute(kv, early, 1)
+    compute(kv, early, 1)
+    assert set(kept.children) == {(1, 2, 3, 4), (7, 7, 8, 8)}
+    assert kv.match_prefix(salted("again", [7, 7, 8, 8, 9], "s")).block_ids == early.block_ids[:1]
+    kv.check_integrity([early, later])
+    kv.free(early)
+    kv.free(later)
+    other = salted("other", list(range(20, 44)), None)
+    compute(kv, other, 24)  # takes every block: the salt's blocks are evicted, and its root goes with them
+    assert cache._salted_roots == {} and kv.match_prefix(salted("again", [1, 2, 3, 4, 5], "s")).num_tokens == 0
+    kv.check_integrity([other])

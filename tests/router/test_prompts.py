@@ -16,6 +16,11 @@ from kvserve.router.prompts import prompt_text, request_payload
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "user:hi"),
     ({"messages": [{"role": 5, "content": [{"type": "text", "text": None}, {"text": 5}, "x"]}]}, ":"),
     ({"prompt": {"not": "a prompt"}}, ""),
+    # a replica shares blocks only between requests of one cache_salt: the salt leads the key
+    ({"prompt": "abc", "cache_salt": "t1"}, "cache_salt:t1\nabc"),
+    ({"messages": [{"role": "user", "content": "hi"}], "cache_salt": "t1"}, "cache_salt:t1\nuser:hi"),
+    ({"prompt": "abc", "cache_salt": ""}, "abc"),
+    ({"prompt": "abc", "cache_salt": 5}, "abc"),
 ])
 def test_prompt_text(payload: dict, text: str) -> None:
     assert prompt_text(payload) == text

@@ -42,6 +42,7 @@ class Spec:
     abort_mid_step: bool  # abort between schedule() and update_from_output()
     prefix_group: int  # requests of a group share the first prefix_len tokens of their prompts
     prefix_len: int
+    cache_salt: str | None  # shares blocks only with its salt's requests (KV integrity checks each path's root)
 
     @property
     def sample_ids(self) -> list[str]:
@@ -63,6 +64,7 @@ def specs(draw: st.DrawFn, max_tokens: int = 10) -> list[Spec]:
             abort_mid_step=draw(st.booleans()),
             prefix_group=draw(st.integers(0, 2)),
             prefix_len=draw(st.integers(0, 24)),
+            cache_salt=draw(st.sampled_from([None, None, "a", "b"])),
         )
         for i in range(num_requests)
     ]
@@ -79,10 +81,10 @@ def run_workload(scheduler: Scheduler, runner: FakeRunner, workload: list[Spec])
         for spec in workload:
             if spec.arrival_step == step_index:
                 prefix = shared_prefix(spec.prefix_group, min(spec.prefix_len, spec.num_prompt))
-                scheduler.add_request(
-                    make_request(spec.request_id, spec.num_prompt, prefix=prefix, max_tokens=spec.max_tokens,
-                                 n=spec.n, prompt_logprobs=0 if spec.prompt_logprobs else None)
-                )
+                request = make_request(spec.request_id, spec.num_prompt, prefix=prefix, max_tokens=spec.max_tokens,
+                                       n=spec.n, prompt_logprobs=0 if spec.prompt_logprobs else None)
+                request.cache_salt = spec.cache_salt
+                scheduler.add_request(request)
         abort_now = [s for s in workload if s.abort_step == step_index]
         abort(scheduler, [s for s in abort_now if not s.abort_mid_step])
         if step_index > max(s.arrival_step for s in workload) and not scheduler.has_unfinished_requests():

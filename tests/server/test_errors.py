@@ -56,6 +56,7 @@ BAD_COMPLETIONS = {
     "structured_outputs regex not a string": completion(structured_outputs={"regex": 5}),
     "logit_bias key a non-ASCII digit": completion(logit_bias={"\u00b2": 1.0}),
     "repetition_penalty that fp32 cannot hold": completion(repetition_penalty=1e-300),
+    "an empty cache_salt": completion(cache_salt=""),
 }
 
 BAD_CHATS = {
@@ -75,6 +76,7 @@ BAD_CHATS = {
     "negative frequency_penalty": chat(frequency_penalty=-5),
     "max_completion_tokens zero": chat(max_completion_tokens=0),
     "a user message without content": chat(messages=[{"role": "user"}]),
+    "cache_salt not a string": chat(cache_salt=5),
 }
 
 

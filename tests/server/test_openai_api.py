@@ -299,3 +299,27 @@ def test_echo_with_no_tokens_scores_the_prompt(client: openai.OpenAI) -> None:
     assert "".join(c.text for c in chunks) == PROMPT and chunks[-1].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=0)
+
+
+def test_a_cache_salt_shares_cached_prefixes_only_within_its_salt(client: openai.OpenAI,
+                                                                   server: ServerProcess) -> None:
+    """vLLM's ``cache_salt`` (completions and chat): a prompt sent under one salt is found cached only by
+    requests sent with that salt; a salt that is no non-empty string is a 400 naming it."""
+    prompt = "Only the tenants of this test send this prompt, long enough to fill a few blocks. " * 3
+
+    def cached(salt: str | None, chat: bool = False) -> int:
+        extra = {"extra_body": {"cache_salt": salt}} if salt else {}
+        if chat:
+            answer = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                                    max_tokens=1, temperature=0, **extra)
+        else:
+            answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0, **extra)
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    sent = [("tenant-1", False), ("tenant-1", False), ("tenant-2", False), (None, False), (None, False),
+            ("tenant-1", True), ("tenant-1", True), ("tenant-3", True)]
+    got = [cached(salt, chat) for salt, chat in sent]
+    assert got[0] == got[2] == got[3] == got[5] == got[7] == 0 and min(got[1], got[4], got[6]) >= 16, got
+    for body in ({"cache_salt": ""}, {"cache_salt": ["tenant-1"]}):
+        response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
