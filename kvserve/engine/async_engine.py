@@ -190,13 +190,13 @@ class AsyncEngine:
 
         return await self._on_inputs(decode)
 
-    async def render_chat(self, messages: ChatMessages, add_generation_prompt: bool = True,
-                          tools: Sequence[Mapping[str, Any]] | None = None,
-                          add_special_tokens: bool = False) -> dict[str, Any]:
+    async def render_chat(self, messages: ChatMessages, tools: Sequence[Mapping[str, Any]] | None = None,
+                          **options: Any) -> dict[str, Any]:
         """A conversation (and its tools) rendered with the model's chat template into a token-id prompt
-        (``InputProcessor.apply_chat_template``), on the inputs thread; ValueError naming what is wrong."""
+        (``InputProcessor.apply_chat_template``, which takes ``options`` as keywords: ``add_generation_prompt``,
+        ``continue_final_message``, ...), on the inputs thread; ValueError naming what is wrong."""
         return await self._on_inputs(lambda: self.engine.input_processor.apply_chat_template(
-            messages, add_generation_prompt, tools, add_special_tokens))
+            messages, tools=tools, **options))
 
     async def compile_constraint(self, spec: StructuredOutputsParams) -> None:
         """Compile a structured-output constraint on a compile thread (xgrammar lets go of the GIL while it

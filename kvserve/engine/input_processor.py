@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import numbers
 from typing import Any, Iterator, Mapping, Sequence, Union
@@ -82,14 +83,23 @@ class InputProcessor:
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True,
                             tools: Sequence[Mapping[str, Any]] | None = None,
-                            add_special_tokens: bool = False, chat_template: str | None = None) -> dict[str, Any]:
+                            add_special_tokens: bool = False, chat_template: str | None = None,
+                            continue_final_message: bool = False,
+                            template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Render a conversation in OpenAI's shape (and the tools it may call, as JSON schemas in OpenAI's shape)
         with the model's chat template into a token-id prompt: the messages normalised and the tools described
         where the template takes none (``chat_messages``). ``add_special_tokens``: the tokenizer's special tokens
-        (BOS) added to the rendered text as well (the template already holds those it wants). ValueError naming
-        what is wrong: a message, a template that fails on this conversation, text that is no valid UTF-8."""
+        (BOS) added to the rendered text as well (the template already holds those it wants).
+        ``continue_final_message``: the last message left open, for the model to go on with (a "prefill" of its
+        answer; vLLM's option, which excludes ``add_generation_prompt``). ``template_kwargs``: more variables for
+        the template (vLLM's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``). ValueError naming what is
+        wrong: a message, an option, a template that fails on this conversation, text that is no valid UTF-8."""
         if not messages:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidParameter("continue_final_message", "continue_final_message leaves the last message open "
+                                   "for the model to go on with: set add_generation_prompt to false with it")
+        template_kwargs = _checked_template_kwargs(template_kwargs)
         template = _checked_template(chat_template) if chat_template is not None else self.chat_template(tools)
         if template is None:
             raise ValueError("this model has no chat template: send it a plain prompt (/v1/completions, "
@@ -101,24 +111,31 @@ class InputProcessor:
             template)
         # before rendering it: 100,000 messages of 4 MB rendered in 1.75 s on the engine thread, then refused
         self._check_text_fits("".join(_texts(conversation)), "the conversation's messages")
+        text = self._render(conversation, template, template_tools, add_generation_prompt=add_generation_prompt,
+                            continue_final_message=continue_final_message, **template_kwargs)
+        self._check_text_fits(text, "the rendered conversation")
+        check_utf8(text, "the conversation (a message, a tool or a tool call)")  # JSON's "\ud800" in any
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def _render(self, conversation: list[dict[str, Any]], template: str, tools: list[dict[str, Any]] | None,
+                **options: Any) -> str:
+        """The conversation's text: transformers renders it; how a template fails, worded for the client."""
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tools=template_tools, chat_template=template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )
+            text = self.tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template,
+                                                      tokenize=False, **options)
         except jinja2.TemplateSyntaxError as e:  # the model's own template (one given was checked as it came)
             raise ValueError(f"the model's chat template does not parse as Jinja: {e} (line {e.lineno}); give the "
                              "engine one that does (--chat-template, LLM(chat_template=...))") from e
         except jinja2.TemplateError as e:  # raise_exception(...) of the template: its own words
             raise ValueError(str(e)) from e
         except Exception as e:  # the template failed on what this conversation holds: the request's fault
+            if options["continue_final_message"] and "continue_final_message" in str(e):  # transformers' words
+                raise InvalidParameter("continue_final_message", _NOTHING_TO_CONTINUE) from e  # quote the chat
             raise ValueError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from e
         if not text:  # refused later as an empty prompt_token_ids, which the client did not send
             raise ValueError("the chat template rendered this conversation as no text at all")
-        self._check_text_fits(text, "the rendered conversation")
-        check_utf8(text, "the conversation (a message, a tool or a tool call)")  # JSON's "\ud800" in any
-        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return {"prompt": text, "prompt_token_ids": token_ids}
+        return text
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -189,6 +206,37 @@ class InputProcessor:
         self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+_NOTHING_TO_CONTINUE = (
+    "continue_final_message: the chat template does not render the last message's text as sent (it has none, or "
+    "the template leaves it out or changes it), so there is no end of it to go on from")
+
+
+@functools.cache
+def _template_call_names() -> frozenset[str]:
+    """The names a template's variables may not take: ``apply_chat_template``'s own parameters (how it renders,
+    whether it tokenizes, which template) and the messages."""
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return frozenset(name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD) | {"messages"}
+
+
+def _checked_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` as variables for the template; InvalidParameter for one that is no dict of names,
+    or that names an option of the rendering itself (vLLM drops those silently: a client meaning to set one would
+    never learn it did nothing). A name the template does not read changes nothing, as in vLLM and
+    transformers."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(name, str) for name in kwargs):
+        raise InvalidParameter("chat_template_kwargs", "chat_template_kwargs must be a dict of variable names to "
+                               "values")
+    reserved = sorted(_template_call_names() & kwargs.keys())
+    if reserved:
+        raise InvalidParameter("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                               "those are options of the rendering (give add_generation_prompt, "
+                               "continue_final_message and tools as fields of their own)")
+    return dict(kwargs)
 
 
 def _cache_salt(prompt: PromptInput) -> str | None:

@@ -97,15 +97,17 @@ class LLM:
     @overload
     def chat(self, messages: ChatMessages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True, *, add_generation_prompt: bool = True,
-             tools: Sequence[dict[str, Any]] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]: ...
+             tools: Sequence[dict[str, Any]] | None = None, chat_template: str | None = None,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]: ...
 
     @overload  # apart, so that a type checker infers a conversation of messages in several shapes as one
     def chat(self, messages: Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool | Callable[..., Any] = True, *, add_generation_prompt: bool = True,
-             tools: Sequence[dict[str, Any]] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]: ...
+             tools: Sequence[dict[str, Any]] | None = None, chat_template: str | None = None,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]: ...
 
     def chat(
         self,
@@ -116,15 +118,22 @@ class LLM:
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {'role', 'content'} in OpenAI's shape: text parts,
         assistant ``tool_calls`` and ``tool`` results included) or a list of conversations. ``tools`` (OpenAI's
         ``{"type": "function", "function": {...}}``) go to the template as the server sends them; the replies are
         the model's text, in whatever format it writes calls. ``chat_template``: a Jinja template for this call in
-        place of the engine's (as vLLM's ``LLM.chat`` takes one). The options after ``use_tqdm`` are keywords
-        only: vLLM's ``chat`` takes others in their places (``lora_request`` fourth)."""
-        if not isinstance(add_generation_prompt, bool):
-            raise TypeError(f"add_generation_prompt must be a bool, got {type(add_generation_prompt).__name__}")
+        place of the engine's (as vLLM's ``LLM.chat`` takes one). ``continue_final_message`` (with
+        ``add_generation_prompt=False``): the replies go on from the last message's text, left open (a prefill);
+        ``chat_template_kwargs``: more variables for the template (Qwen3's ``enable_thinking``...), as vLLM's. The
+        options after ``use_tqdm`` are keywords only: vLLM's ``chat`` takes others in their places
+        (``lora_request`` fourth)."""
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)
                                   or not all(isinstance(tool, Mapping) for tool in tools)):
             raise TypeError("tools must be a list of tools in OpenAI's shape ({'type': 'function', 'function': "
@@ -136,7 +145,9 @@ class LLM:
             raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
         processor = self.engine.input_processor
         prompts = [processor.apply_chat_template(conversation, add_generation_prompt, tools,
-                                                 chat_template=chat_template)
+                                                 chat_template=chat_template,
+                                                 continue_final_message=continue_final_message,
+                                                 template_kwargs=chat_template_kwargs)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

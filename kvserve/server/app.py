@@ -175,8 +175,7 @@ async def _token_ids(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
     """The token ids of the request's messages or prompt. Special tokens (BOS) are added, by vLLM's defaults, to
     a prompt and not to messages, whose template holds those it wants; ``add_special_tokens`` overrides that."""
     if body.messages is not None:
-        prompt = await render_chat(engine, body.messages, body.add_generation_prompt is not False,
-                                   add_special_tokens=bool(body.add_special_tokens))
+        prompt = await render_chat(engine, body.messages, **body.template_options)
         return prompt["prompt_token_ids"]
     try:
         return await engine.tokenize(body.prompt, body.add_special_tokens is not False)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kvserve.engine.detokenizer import token_bytes
 from kvserve.outputs import PositionLogprobs, RequestOutput
-from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.sampling_params import InvalidParameter, StructuredOutputsParams
 from kvserve.server.errors import bad_request
 from kvserve.server.chat_protocol import (
     AssistantMessage,
@@ -55,13 +55,16 @@ if TYPE_CHECKING:
     from kvserve.engine.async_engine import Admission, AsyncEngine
 
 
-async def render_chat(engine: AsyncEngine, messages: list[ChatMessage], add_generation_prompt: bool,
-                      tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False) -> dict[str, Any]:
-    """The conversation (and tools) as a token-id prompt, rendered on the engine thread (which owns the
-    tokenizer); a conversation the template cannot render (e.g. roles that do not alternate) is a 400."""
+async def render_chat(engine: AsyncEngine, messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                      **options: Any) -> dict[str, Any]:
+    """The conversation (and tools) as a token-id prompt, rendered on the inputs thread (``options``:
+    ``AsyncEngine.render_chat``'s); a conversation the template cannot render (e.g. roles that do not alternate)
+    is a 400 about the messages, an option it cannot render with a 400 naming that option."""
     conversation = [m.model_dump(exclude_none=True) for m in messages]
     try:
-        return await engine.render_chat(conversation, add_generation_prompt, tools, add_special_tokens)
+        return await engine.render_chat(conversation, tools, **options)
+    except InvalidParameter as e:  # an option: continue_final_message, chat_template_kwargs
+        raise bad_request(e) from e
     except ValueError as e:
         raise bad_request(ValueError(f"messages: {e}"), param="messages") from e
 
@@ -92,7 +95,7 @@ class ChatServer(GenerationHandler):
                 self._declared = DeclaredTools(body.tool_dicts or [])
             except ValueError as e:
                 raise bad_request(ValueError(f"tools: {e}"), param="tools") from e
-        prompt = await render_chat(self.engine, body.messages, body.add_generation_prompt, body.tool_dicts)
+        prompt = await render_chat(self.engine, body.messages, body.tool_dicts, **body.template_options)
         return await self._generate([prompt])
 
     async def _check_tool_schemas(self) -> None:

@@ -114,6 +114,11 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool = True
+    # vLLM's: the last message left open for the model to go on with (with add_generation_prompt false), more
+    # variables for the template, the tokenizer's special tokens (BOS) added to what the template renders
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: StrictBool = False
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # OpenAI's default: auto with tools, none without
     parallel_tool_calls: StrictBool = True
@@ -145,6 +150,12 @@ class ChatCompletionRequest(SamplingRequest):
                                        f"{self.tool_choice.function.name!r}, which is not among the tools "
                                        f"({', '.join(names)})")
         return self
+
+    @property
+    def template_options(self) -> dict[str, Any]:
+        """How the conversation renders (``InputProcessor.apply_chat_template``'s keywords)."""
+        return {"add_generation_prompt": self.add_generation_prompt, "add_special_tokens": self.add_special_tokens,
+                "continue_final_message": self.continue_final_message, "template_kwargs": self.chat_template_kwargs}
 
     @property
     def tool_dicts(self) -> list[dict[str, Any]] | None:

@@ -4,7 +4,7 @@ tokenizer)."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, StrictBool, model_validator
 
@@ -37,6 +37,8 @@ class TokenizeRequest(RequestBody):
     # those it wants (vLLM's defaults)
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool | None = None  # messages only; default true
+    continue_final_message: StrictBool = False  # messages only, as a chat request renders them
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -44,10 +46,21 @@ class TokenizeRequest(RequestBody):
             raise InvalidParameter("prompt", "give exactly one of prompt or messages")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
-        if self.prompt is not None and self.add_generation_prompt is not None:
-            raise InvalidParameter("add_generation_prompt", "add_generation_prompt applies to messages, not to a "
-                                                            "prompt")
+        if self.prompt is not None:
+            given = {"add_generation_prompt": self.add_generation_prompt is not None,
+                     "continue_final_message": self.continue_final_message,
+                     "chat_template_kwargs": self.chat_template_kwargs is not None}
+            misplaced = next((name for name, is_given in given.items() if is_given), None)
+            if misplaced is not None:
+                raise InvalidParameter(misplaced, f"{misplaced} applies to messages, not to a prompt")
         return self
+
+    @property
+    def template_options(self) -> dict[str, Any]:
+        """How the messages render: as a chat request with the same fields renders them."""
+        return {"add_generation_prompt": self.add_generation_prompt is not False,
+                "add_special_tokens": bool(self.add_special_tokens),
+                "continue_final_message": self.continue_final_message, "template_kwargs": self.chat_template_kwargs}
 
 
 class TokenizeResponse(BaseModel):

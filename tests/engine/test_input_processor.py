@@ -183,3 +183,60 @@ def test_a_tokenizer_file_s_truncation_and_padding_are_off_before_any_encode(tok
     assert backend.truncation is None and backend.padding is None
     text = "a text of more than four tokens, not padded to sixteen"
     assert processor.tokenize_text(text) == tokenizer.encode(text) and len(tokenizer.encode(text)) > 4
+
+
+# a ChatML-like template that closes each message and opens the assistant's turn on add_generation_prompt
+TURN_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is false %}<think></think>{% endif %}"
+    "{% endif %}"
+)
+PREFILLED = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+
+
+def test_continue_final_message_leaves_the_last_message_open(tokenizer) -> None:
+    """vLLM's prefill: the reply goes on from the assistant's text; rendered as transformers renders it."""
+    processor = processor_with(tokenizer, TURN_TEMPLATE)
+    text = render(processor, PREFILLED, continue_final_message=True)
+    assert text == "<|user|>Name a colour.<|end|>\n<|assistant|>The colour is"
+    assert text == tokenizer.apply_chat_template(PREFILLED, tokenize=False, continue_final_message=True)
+    assert render(processor, PREFILLED).endswith("The colour is<|end|>\n")
+
+
+@pytest.mark.parametrize("template, add_generation_prompt, message", [
+    (TURN_TEMPLATE, True, "set add_generation_prompt to false"),
+    ("{% for m in messages %}{{ m.content | upper }}{% endfor %}", False, "no end of it to go on from"),
+])
+def test_a_final_message_that_cannot_be_continued_is_refused_naming_the_option(tokenizer, template,
+                                                                               add_generation_prompt, message) -> None:
+    """Where the template changes the last message's text, transformers' error quoted the whole rendered chat."""
+    processor = processor_with(tokenizer, template)
+    with pytest.raises(ValueError, match=message) as refused:
+        processor.apply_chat_template(PREFILLED, add_generation_prompt, continue_final_message=True)
+    assert refused.value.param == "continue_final_message"
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer) -> None:
+    """Qwen3's ``enable_thinking``: a variable the template reads; one it does not read changes nothing."""
+    processor = processor_with(tokenizer, TURN_TEMPLATE)
+    messages = PREFILLED[:1]
+    plain = processor.apply_chat_template(messages)["prompt"]
+    assert plain.endswith("<|assistant|>")
+    off = processor.apply_chat_template(messages, template_kwargs={"enable_thinking": False})["prompt"]
+    assert off == plain + "<think></think>"
+    assert processor.apply_chat_template(messages, template_kwargs={"unread": 1})["prompt"] == plain
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tokenize": True}, "may not set tokenize"),
+    ({"chat_template": "{{ 7 }}", "messages": []}, "may not set chat_template, messages"),
+    ({"continue_final_message": True}, "may not set continue_final_message"),
+    ([("enable_thinking", False)], "must be a dict"),
+    ({1: True}, "must be a dict of variable names"),
+])
+def test_chat_template_kwargs_may_not_set_the_renderings_own_options(tokenizer, kwargs, message) -> None:
+    """vLLM drops such names silently; a client meaning to set one is told."""
+    processor = processor_with(tokenizer, TURN_TEMPLATE)
+    with pytest.raises(ValueError, match=message) as refused:
+        processor.apply_chat_template(PREFILLED[:1], template_kwargs=kwargs)
+    assert refused.value.param == "chat_template_kwargs"

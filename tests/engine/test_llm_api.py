@@ -333,6 +333,23 @@ def test_chat_takes_openai_shaped_conversations_and_tools(llm: LLM) -> None:
             {"function": {"name": "f", "arguments": "{x"}}]}], params)
 
 
+def test_chat_continues_the_final_message_and_passes_template_kwargs(llm: LLM) -> None:
+    """vLLM's ``continue_final_message`` and ``chat_template_kwargs`` (as the server takes them)."""
+    conversation = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    (out,) = llm.chat(conversation, params, add_generation_prompt=False, continue_final_message=True,
+                      chat_template_kwargs={"enable_thinking": False})
+    assert llm.get_tokenizer().decode(out.prompt_token_ids).endswith("The colour is")
+    (closed,) = llm.chat(conversation, params, add_generation_prompt=False)
+    assert len(closed.prompt_token_ids) > len(out.prompt_token_ids)
+    with pytest.raises(ValueError, match="set add_generation_prompt to false"):
+        llm.chat(conversation, params, continue_final_message=True)
+    with pytest.raises(TypeError, match="continue_final_message must be a bool"):
+        llm.chat(conversation, params, add_generation_prompt=False, continue_final_message="yes")
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set tools"):
+        llm.chat(conversation, params, chat_template_kwargs={"tools": []})
+
+
 def test_speculative_config_given_twice_or_not_as_a_dict_is_refused(tiny_checkpoints) -> None:
     path = str(tiny_checkpoints["llama"])
     with pytest.raises(ValueError, match="speculative_method='draft' and speculative_config's 'ngram' disagree"):

@@ -323,3 +323,34 @@ def test_a_cache_salt_shares_cached_prefixes_only_within_its_salt(client: openai
     for body in ({"cache_salt": ""}, {"cache_salt": ["tenant-1"]}):
         response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", **body})
         assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
+
+
+def test_continue_final_message_goes_on_from_the_assistants_text(client: openai.OpenAI, server: ServerProcess) -> None:
+    """vLLM's prefill: the reply continues the last message, as a completion of the open rendering (which
+    /tokenize gives with the same fields) does; with add_generation_prompt left true it is a 400 naming it."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5, temperature=0,
+                                          extra_body={**options, "ignore_eos": True})
+    rendered = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **options}).json()["tokens"]
+    closed = httpx.post(f"{server.url}/tokenize", json={"messages": messages, "add_generation_prompt": False})
+    assert len(closed.json()["tokens"]) > len(rendered)  # the template's end of the message is left out
+    completion = client.completions.create(model=MODEL_NAME, prompt=rendered, max_tokens=5, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == completion.choices[0].text
+    assert chat.usage.prompt_tokens == len(rendered)
+    both = httpx.post(f"{server.url}/v1/chat/completions",
+                      json={"model": MODEL_NAME, "messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", both.text
+
+
+def test_chat_template_kwargs_reach_the_template_and_may_not_set_its_options(server: ServerProcess) -> None:
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 1}
+    fine = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "chat_template_kwargs": {"enable_thinking":
+                                                                                                   False}})
+    assert fine.status_code == 200, fine.text
+    for kwargs in ({"tokenize": True}, ["enable_thinking"]):
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json={**body, "chat_template_kwargs": kwargs})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs", refused.text
+    prompt = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi", "continue_final_message": True})
+    assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "continue_final_message", prompt.text
