@@ -120,6 +120,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None  # only these may be drawn (a list once built)
+    # the outputs never end with one of these words: a word's last token is banned where the outputs end with the
+    # tokens before it (vLLM's); the engine fills ``bad_words_token_ids`` from them with the model's tokenizer
+    bad_words: str | list[str] | tuple[str, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: its last max_model_len
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     MAX_N = 64
@@ -129,6 +135,8 @@ class SamplingParams:
     # so that one request cannot slow every step (2 M stop ids took 10 ms a token; 100,000-character strings 0.1 s)
     MAX_STOP_STRING_CHARS = 1024
     MAX_STOP_TOKEN_IDS = 1024
+    # each step compares every bad word's tokens with the end of its row's outputs
+    MAX_BAD_WORDS = 1024
     GREEDY_BELOW = 1e-5
     # Penalized fp32 logits (|logit| <~ 1e2) divided or multiplied by these, then by a temperature of at least
     # GREEDY_BELOW, stay far from fp32's overflow; a penalty of 1e-300 would be 0 in fp32 (inf logits, NaN draws).
@@ -156,6 +164,31 @@ class SamplingParams:
                                                      f"distinct ids, got {len(self.stop_token_ids)}")
         if self.logit_bias is not None:
             self.logit_bias = _token_biases(self.logit_bias)
+        self._check_token_restrictions()
+
+    def _check_token_restrictions(self) -> None:
+        """``allowed_token_ids``, ``bad_words`` and their token ids: non-empty, ids non-negative, each kept once."""
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids or any(not _is_integer(t) or t < 0 for t in self.allowed_token_ids):
+                raise InvalidParameter("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids")
+            self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))
+        words = [self.bad_words] if isinstance(self.bad_words, str) else self.bad_words
+        if words is not None:
+            if len(words) > self.MAX_BAD_WORDS:
+                raise InvalidParameter("bad_words", f"bad_words takes at most {self.MAX_BAD_WORDS} words, got "
+                                                    f"{len(words)}")
+            if any(not isinstance(w, str) or not w.strip() or len(w) > self.MAX_STOP_STRING_CHARS for w in words):
+                raise InvalidParameter("bad_words", "bad_words must hold words of 1 to "
+                                                    f"{self.MAX_STOP_STRING_CHARS} characters, not only spaces")
+            self.bad_words = list(words)
+        if self.bad_words_token_ids is not None:
+            sequences = self.bad_words_token_ids
+            if (not isinstance(sequences, (list, tuple)) or len(sequences) > 2 * self.MAX_BAD_WORDS
+                    or any(not isinstance(s, (list, tuple)) or not s or not all(_is_integer(t) and t >= 0 for t in s)
+                           for s in sequences)):
+                raise InvalidParameter("bad_words_token_ids", "bad_words_token_ids must be a list of non-empty "
+                                                              "lists of token ids")
+            self.bad_words_token_ids = tuple(dict.fromkeys(tuple(int(t) for t in s) for s in sequences))
 
     def _check_ranges(self) -> None:
         low, high = self.REPETITION_PENALTY_RANGE
@@ -179,6 +212,8 @@ class SamplingParams:
              f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
             ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
              f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+             f"must be -1 (the last max_model_len tokens) or >= 1, got {self.truncate_prompt_tokens}"),
         ]
         for param, ok, problem in checks:
             if not ok:
@@ -194,13 +229,14 @@ class SamplingParams:
 _FIELD_KINDS: dict[str, tuple[str, bool]] = {
     "n": ("integer", False), "top_k": ("integer", False), "min_tokens": ("integer", False),
     "max_tokens": ("integer", True), "seed": ("integer", True), "logprobs": ("integer", True),
-    "prompt_logprobs": ("integer", True),
+    "prompt_logprobs": ("integer", True), "truncate_prompt_tokens": ("integer", True),
     "temperature": ("number", False), "top_p": ("number", False), "min_p": ("number", False),
     "repetition_penalty": ("number", False), "presence_penalty": ("number", False),
     "frequency_penalty": ("number", False),
     "ignore_eos": ("bool", False), "include_stop_str_in_output": ("bool", False),
     "skip_special_tokens": ("bool", False),
     "stop": ("strings", True), "stop_token_ids": ("ids", True), "structured_outputs": ("constraint", True),
+    "allowed_token_ids": ("ids", True), "bad_words": ("strings", True),
 }
 _CONSTRAINT_KINDS: dict[str, tuple[str, bool]] = {
     "json": ("schema", True), "json_object": ("bool", False), "regex": ("text", True), "choice": ("choices", True),

@@ -56,6 +56,8 @@ class InputProcessor:
         text, token_ids = self._tokenize(prompt)
         self.check_token_ids(token_ids, "prompt_token_ids")
         token_ids = [int(t) for t in token_ids]
+        if params.truncate_prompt_tokens is not None:
+            text, token_ids = self._truncated(text, token_ids, params.truncate_prompt_tokens)
         salt = _cache_salt(prompt)
         grammar = None if params.structured_outputs is None else self.check_constraint(params.structured_outputs)
         fitted = self._fit_params(params, len(token_ids), cap_max_tokens)
@@ -159,6 +161,12 @@ class InputProcessor:
             raise ValueError("a prompt dict needs 'prompt_token_ids', or 'prompt' with the text to tokenize")
         return self._tokenize(prompt["prompt"])
 
+    def _truncated(self, text: str | None, token_ids: list[int], keep: int) -> tuple[str | None, list[int]]:
+        """The prompt's last ``keep`` tokens (-1: ``max_model_len``), as vLLM's ``truncate_prompt_tokens`` keeps
+        them; a prompt cut short has no text of its own (an echo spells its tokens)."""
+        keep = self.max_model_len if keep == -1 else keep
+        return (text, token_ids) if len(token_ids) <= keep else (None, token_ids[-keep:])
+
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (the server's /tokenize); ValueError for a text no context could hold."""
         self._check_text_fits(text, "prompt")
@@ -205,7 +213,23 @@ class InputProcessor:
             )
         self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
-        return dataclasses.replace(params, max_tokens=max_tokens)
+        self.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
+        bad_words_token_ids = params.bad_words_token_ids
+        if bad_words_token_ids is None and params.bad_words:
+            bad_words_token_ids = tuple(self._bad_word_tokens(params.bad_words))
+        for sequence in bad_words_token_ids or ():
+            self.check_token_ids(sequence, "bad_words_token_ids")
+        return dataclasses.replace(params, max_tokens=max_tokens, bad_words_token_ids=bad_words_token_ids)
+
+    def _bad_word_tokens(self, words: Sequence[str]) -> Iterator[tuple[int, ...]]:
+        """Each word's tokens as it starts a text, and, where the tokenizer spells it otherwise after a space (a
+        word token of its own, as many tokens), as it follows a space (vLLM's two spellings of a bad word)."""
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            yield from [alone] if alone else []
+            if alone and spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                yield spaced
 
 
 _NOTHING_TO_CONTINUE = (

@@ -147,6 +147,9 @@ class SamplingRequest(RequestBody):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     stop_token_ids: TokenIds | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[Text] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     # structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs
@@ -268,6 +271,9 @@ class SamplingRequest(RequestBody):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             **extra,
         )
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.sample.logits_processors import LogitBias, MinTokensBan, default_processors
+from kvserve.sample.logits_processors import AllowedTokens, BadWords, LogitBias, MinTokensBan, default_processors
 from kvserve.sample.metadata import SamplingRow
 from kvserve.sample.penalties import Penalties
 from kvserve.sample.processor import LogitsProcessor, token_counts
@@ -87,7 +87,7 @@ def test_history_processors_run_in_vllm_order():
     r = row(prompt=[0], outputs=[2], eos={3}, min_tokens=5, logit_bias={0: -3.0, 2: 1.0},
             repetition_penalty=2.0, presence_penalty=0.5)
     processors = default_processors()
-    assert [type(p) for p in processors] == [LogitBias, MinTokensBan, Penalties]
+    assert [type(p) for p in processors] == [AllowedTokens, LogitBias, BadWords, MinTokensBan, Penalties]
     for processor in processors:
         run(processor, logits, [r])
     # bias: [-2, 1, 2, 1]; min_tokens bans 3; repetition over {0, 2}: [-4, 1, 1, -inf]; presence on 2: 0.5
@@ -110,6 +110,8 @@ def random_rows(draw) -> list[SamplingRow]:
             repetition_penalty=draw(st.sampled_from([1.0, 0.7, 1.3, 2.0])),
             presence_penalty=draw(st.sampled_from([0.0, 0.5, -1.0])),
             frequency_penalty=draw(st.sampled_from([0.0, 0.25, -0.5])),
+            allowed_token_ids=draw(st.none() | st.lists(tokens, min_size=1, max_size=4)),
+            bad_words_token_ids=draw(st.none() | st.lists(st.lists(tokens, min_size=1, max_size=3), max_size=3)),
         )
         prompt, outputs = draw(st.lists(tokens, max_size=6)), draw(st.lists(tokens, max_size=5))
         if draw(st.booleans()):
@@ -124,6 +126,13 @@ def reference_row(processor: type, logits: list[float], r: SamplingRow) -> list[
     p, out = r.params, list(r.output_token_ids)
     if processor is LogitBias:
         return [x + (p.logit_bias or {}).get(t, 0.0) for t, x in enumerate(logits)]
+    if processor is AllowedTokens:
+        allowed = range(VOCAB) if p.allowed_token_ids is None else p.allowed_token_ids
+        return [x if t in allowed else -INF for t, x in enumerate(logits)]
+    if processor is BadWords:
+        banned = {word[-1] for word in p.bad_words_token_ids or () if len(word) == 1 or
+                  out[-(len(word) - 1):] == list(word[:-1])}
+        return [-INF if t in banned else x for t, x in enumerate(logits)]
     if processor is MinTokensBan:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
         return [-INF if len(out) < p.min_tokens and t in banned else x for t, x in enumerate(logits)]
@@ -133,7 +142,7 @@ def reference_row(processor: type, logits: list[float], r: SamplingRow) -> list[
     return [x - p.frequency_penalty * out.count(t) - p.presence_penalty * (t in out) for t, x in enumerate(logits)]
 
 
-@pytest.mark.parametrize("processor", [LogitBias, MinTokensBan, Penalties])
+@pytest.mark.parametrize("processor", [AllowedTokens, LogitBias, BadWords, MinTokensBan, Penalties])
 @settings(max_examples=50, deadline=None)
 @given(rows=random_rows(), seed=st.integers(0, 2**16))
 def test_processor_matches_a_per_row_reference(processor: type, rows: list[SamplingRow], seed: int) -> None:

@@ -354,3 +354,24 @@ def test_chat_template_kwargs_reach_the_template_and_may_not_set_its_options(ser
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs", refused.text
     prompt = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi", "continue_final_message": True})
     assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "continue_final_message", prompt.text
+
+
+def test_token_restrictions_over_http(client: openai.OpenAI, server: ServerProcess) -> None:
+    """vLLM's ``allowed_token_ids``, ``bad_words`` and ``truncate_prompt_tokens`` (``tests/engine/
+    test_token_restrictions.py`` holds them to transformers); a bad one is a 400 naming it."""
+    allowed = tokenize(server, " yes no")
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=3,
+                                       logprobs=0, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert set(tokenize(server, answer.choices[0].text)) <= set(allowed)
+    free = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, **GREEDY).choices[0].text
+    word = free.split()[0]
+    banned = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=6, temperature=0.0,
+                                       extra_body={"bad_words": [word], "ignore_eos": True}).choices[0].text
+    assert not banned.startswith(word) and not banned.startswith(" " + word)
+    cut = client.completions.create(model=MODEL_NAME, prompt="Some words before. " + PROMPT, max_tokens=1,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3
+    for body in ({"allowed_token_ids": []}, {"bad_words": [" "]}, {"truncate_prompt_tokens": 0},
+                 {"allowed_token_ids": [10**9]}):
+        response = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == next(iter(body)), response.text

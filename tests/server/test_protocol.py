@@ -16,7 +16,7 @@ from kvserve.server.model_protocol import TokenizeRequest
 
 @pytest.mark.parametrize("body", [
     {"messages": [{"role": "user", "content": "hi"}], "temprature": 0.5},
-    {"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [1]},
+    {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True},
     {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"continuous_usage_stats": True}},
     {"messages": [{"role": "user", "content": "hi", "cache_control": {}}]},
 ])
