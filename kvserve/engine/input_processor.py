@@ -219,6 +219,10 @@ class InputProcessor:
             bad_words_token_ids = tuple(self._bad_word_tokens(params.bad_words))
         for sequence in bad_words_token_ids or ():
             self.check_token_ids(sequence, "bad_words_token_ids")
+        always_banned = {word[0] for word in bad_words_token_ids or () if len(word) == 1}
+        if params.allowed_token_ids is not None and always_banned.issuperset(params.allowed_token_ids):
+            raise InvalidParameter("bad_words", "bad_words ban every token of allowed_token_ids: nothing is left "
+                                                "to draw")
         return dataclasses.replace(params, max_tokens=max_tokens, bad_words_token_ids=bad_words_token_ids)
 
     def _bad_word_tokens(self, words: Sequence[str]) -> Iterator[tuple[int, ...]]:

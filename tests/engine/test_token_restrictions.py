@@ -107,6 +107,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm: LLM) -> None:
     ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
     ({"bad_words_token_ids": [[1, 10**9]]}, "bad_words_token_ids"),
     ({"truncate_prompt_tokens": -1, "max_tokens": 1}, "leaves no room"),
+    ({"allowed_token_ids": [5, 6], "bad_words_token_ids": [[6], [5], [7, 5]]}, "nothing is left to draw"),
 ])
 def test_restrictions_outside_the_model_are_refused(llm: LLM, params: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
