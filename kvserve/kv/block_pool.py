@@ -4,8 +4,13 @@ A block is held by one or more requests (reference count >= 1) or free (unheld, 
 take it. A free block waits in one of two queues, each in the order blocks were released (head = released
 longest ago)::
 
-    worthless:  | free, content worthless |  -> allocation takes these first
-    evictable:  | free, content kept by the prefix cache (LRU) |  -> then these, evicting each
+    worthless:  | free, content worthless |  -> allocation takes these first, the last released first
+    evictable:  | free, content kept by the prefix cache (LRU) |  -> then these, evicting each, oldest first
+
+Worthless blocks are a stack: the one released last is reused first, its pages resident and warm in the caches,
+and a block no request ever needed is never touched, so that a lazily mapped pool (``KVCacheStorage``) takes
+memory for the blocks a server's peak load held, not for all of them: taken oldest first, a trickle of short
+requests walked through the whole pool (600 one-block requests made 163 MiB of SmolLM2's 2 GiB resident).
 
 A block is *cached* while the prefix cache's tree names it (``mark_cached``); a cached block that loses its
 last holder becomes evictable instead of worthless. Allocation never evicts while a worthless block is left, and
@@ -53,8 +58,8 @@ class BlockPool:
         return self._cached[block_id]
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks (reference count 1 each), worthless ones first, then evicting the least
-        recently released cached ones; raises NoFreeBlocksError, taking none, when too few are unheld."""
+        """Take ``num_blocks`` blocks (reference count 1 each), worthless ones first (the last released first),
+        then evicting the least recently released cached ones; raises NoFreeBlocksError, taking none, when too few are unheld."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if num_blocks > self.num_free_blocks:
@@ -62,7 +67,7 @@ class BlockPool:
         block_ids = []
         for _ in range(num_blocks):
             if self._worthless:
-                block_id, _ = self._worthless.popitem(last=False)
+                block_id, _ = self._worthless.popitem()
             else:
                 block_id, _ = self._evictable.popitem(last=False)
                 self._evict(block_id)

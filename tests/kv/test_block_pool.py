@@ -34,12 +34,17 @@ def test_a_shared_block_returns_to_the_free_queue_only_at_zero() -> None:
     assert pool.ref_count(block) == 0 and pool.num_free_blocks == 2
 
 
-def test_freed_blocks_are_reused_last() -> None:
-    pool = BlockPool(3)
-    first = pool.allocate(1)
-    pool.free(first)
-    assert pool.allocate(2) == [1, 2]
-    assert pool.allocate(1) == first
+def test_the_last_freed_block_is_reused_first_and_untouched_ones_stay_untouched() -> None:
+    """A lazily mapped pool takes memory for the blocks ever used: a trickle of one-block requests reuses one."""
+    pool = BlockPool(4)
+    for _ in range(5):
+        (block,) = pool.allocate(1)
+        pool.free([block])
+    assert pool.allocate(1) == [block]
+    second, third = pool.allocate(2)
+    pool.free([third])
+    pool.free([second])
+    assert pool.allocate(2) == [second, third] and pool.allocate(1) not in ([block], [second], [third])
 
 
 @pytest.mark.parametrize("action", ["free", "incref"])
@@ -61,9 +66,9 @@ def test_bad_ids_and_sizes_are_refused() -> None:
 
 def test_check_integrity_catches_a_corrupted_worthless_queue() -> None:
     pool = BlockPool(3)
-    pool.allocate(1)
+    (held,) = pool.allocate(1)
     pool.check_integrity()
-    pool._worthless[0] = None  # a held block in the queue of unheld worthless blocks
+    pool._worthless[held] = None  # a held block in the queue of unheld worthless blocks
     with pytest.raises(AssertionError, match="still held"):
         pool.check_integrity()
 
