@@ -21,6 +21,10 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("ngram", "draft")
 PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_DISK_TIER_GIB = 16.0
+# the shortest context that serves a request: a prompt token and the token every request draws (shorter, a server
+# said it was healthy and refused every request)
+MIN_MODEL_LEN = 2
+_MIN_MODEL_LEN_WHY = "max_model_len must be >= 2 (a prompt token and the token a request draws), got {}"
 
 # --dtype's names -> the torch dtype each means (``torch.<name>``, ``kvserve.device.parse_dtype``): names, not
 # dtypes, so that the configuration and the command line import no torch
@@ -101,8 +105,8 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"unknown quantization {self.quantization!r}; expected one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len < MIN_MODEL_LEN:
+            raise ValueError(_MIN_MODEL_LEN_WHY.format(self.max_model_len))
         if not is_seed(self.seed):
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
@@ -208,8 +212,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len < MIN_MODEL_LEN:
+            raise ValueError(_MIN_MODEL_LEN_WHY.format(self.max_model_len))
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ def test_auto_tool_choice_is_always_on() -> None:
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--max-model-len", "0"], "max_model_len must be >= 1"),
+    (["--max-model-len", "0"], "max_model_len must be >= 2"),
+    (["--max-model-len", "1"], "max_model_len must be >= 2 (a prompt token and the token a request draws)"),
     (["--api-key", ""], "--api-key must not be empty"),
     (["--max-log-len", "-1"], "--max-log-len must be >= 0"),
 ])

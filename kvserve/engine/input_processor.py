@@ -112,10 +112,10 @@ class InputProcessor:
             [template_message(m, i, keep_parts, developer_is_system) for i, m in enumerate(messages)], tools,
             template)
         # before rendering it: 100,000 messages of 4 MB rendered in 1.75 s on the engine thread, then refused
-        self._check_text_fits("".join(_texts(conversation)), "the conversation's messages")
+        self._check_text_fits("".join(_texts(conversation)), "the conversation's messages", "messages")
         text = self._render(conversation, template, template_tools, add_generation_prompt=add_generation_prompt,
                             continue_final_message=continue_final_message, **template_kwargs)
-        self._check_text_fits(text, "the rendered conversation")
+        self._check_text_fits(text, "the rendered conversation", "messages")
         check_utf8(text, "the conversation (a message, a tool or a tool call)")  # JSON's "\ud800" in any
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return {"prompt": text, "prompt_token_ids": token_ids}
@@ -143,7 +143,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            self._check_text_fits(prompt, "prompt")
+            self._check_text_fits(prompt, "prompt", "prompt")
             return prompt, self.tokenizer.encode(check_utf8(prompt, "the prompt"))
         if not isinstance(prompt, Mapping):
             raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt', got "
@@ -169,16 +169,17 @@ class InputProcessor:
 
     def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids (the server's /tokenize); ValueError for a text no context could hold."""
-        self._check_text_fits(text, "prompt")
+        self._check_text_fits(text, "prompt", "prompt")
         return self.tokenizer.encode(check_utf8(text, "the text"), add_special_tokens=add_special_tokens)
 
-    def _check_text_fits(self, text: str, what: str) -> None:
+    def _check_text_fits(self, text: str, what: str, param: str) -> None:
         """Refuse, before tokenizing it, a text too long for any tokenization of it to fit: no token covers more
         characters than its own string in the vocabulary has (a byte-level token's characters stand one for a
         byte; a SentencePiece token's one for a character), so such a text has more than max_model_len tokens.
-        Tokenizing megabytes that are refused anyway held every stream still for seconds."""
+        Tokenizing megabytes that are refused anyway held every stream still for seconds. InvalidParameter naming
+        ``param``, the request's field that holds the text."""
         if len(text) > self.max_model_len and len(text) > self.max_model_len * self._longest_token_chars:
-            raise ValueError(f"{what} has {len(text)} characters: more tokens than max_model_len="
+            raise InvalidParameter(param, f"{what} has {len(text)} characters: more tokens than max_model_len="
                              f"{self.max_model_len}, whatever its tokenization")
 
     @functools.cached_property

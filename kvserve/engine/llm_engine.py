@@ -321,9 +321,7 @@ class LLMEngine:
         cached at a block size over 2): what a first step does once (a step graph recorded, kernels loaded,
         torch's lazy imports) is done before a server says it is ready, not on its first clients' time nor while
         a burst of them holds every file descriptor (a step that cannot open a module fails the engine)."""
-        max_tokens = min(2, self.max_model_len - 1)  # a context of 2 takes one token after the prompt's
-        if max_tokens < 1:
-            return
+        max_tokens = min(2, self.max_model_len - 1)  # a context of 2 (the shortest) takes one after the prompt's
         self.add_request(WARM_UP_REQUEST_ID, {"prompt_token_ids": [0]},
                          SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         while self.has_unfinished_requests():

@@ -12,7 +12,8 @@ waits (a queue of more distinct schemas than the cache holds) is found again, no
 engine thread when the request is scheduled. The
 frontend compiles each constrained request when it arrives, so a constraint that does not compile is the
 client's 400, never a failed step. ``GrammarProcessor`` keeps one matcher per sample (created from the
-sample's outputs so far, forked with n > 1, advanced past each drawn token, dropped when the request ends):
+sample's outputs so far, advanced past each drawn token, dropped when the request ends; an n > 1 request's
+samples are made before its first draw, so each makes its own):
 a recompute preemption keeps the outputs, so the matcher stays where it was. Once a matcher has accepted a
 complete match it allows only the stop tokens, so the request ends with EOS.
 
@@ -240,11 +241,6 @@ class GrammarProcessor(LogitsProcessor):
             matcher.accept_token(int(token_id))
         self._matchers[key] = matcher
 
-    def fork(self, parent_key: str, child_key: str) -> None:
-        matcher = self._matchers.get(parent_key)
-        if matcher is not None:
-            self._matchers[child_key] = matcher.fork()
-
     def accept(self, key: str, token_ids: Sequence[int]) -> None:
         matcher = self._matchers.get(key)
         if matcher is not None:
@@ -280,7 +276,7 @@ class GrammarProcessor(LogitsProcessor):
 
     def _fill(self, rows: Sequence[SamplingRow]) -> _Masks:
         """The masks of the constrained rows. Runs on the worker thread while the model runs: matchers only
-        change in ``accept``, ``fork``, ``add`` and ``drop``, which the runner calls outside that window."""
+        change in ``accept``, ``add`` and ``drop``, which the runner calls outside that window."""
         import xgrammar
 
         start = time.perf_counter()

@@ -58,20 +58,6 @@ class Penalties(LogitsProcessor):
             self._counted[key] = self._known[key] = len(row.output_token_ids)
             self._unfilled[key] = row
 
-    def fork(self, parent_key: str, child_key: str) -> None:
-        if parent_key not in self._slot:
-            return
-        parent, child = self._slot[parent_key], self._take_slot()
-        self._slot[child_key] = child
-        self._counted[child_key], self._known[child_key] = self._counted[parent_key], self._known[parent_key]
-        if parent_key in self._unfilled:
-            self._unfilled[child_key] = self._unfilled[parent_key]
-            return
-        self._flush()
-        assert self.counts is not None and self.in_prompt is not None
-        self.counts[child] = self.counts[parent]
-        self.in_prompt[child] = self.in_prompt[parent]
-
     def accept_launched(self, rows: Sequence[SamplingRow], token_ids: torch.Tensor) -> None:
         """Each row's token, just sampled and still on the device, added to its slot."""
         entries = [(i, self._slot[r.generator_key]) for i, r in enumerate(rows) if r.generator_key in self._slot]

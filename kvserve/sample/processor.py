@@ -24,7 +24,6 @@ class LogitsProcessor(ABC):
         add(key, row)           once, the first time ``key`` appears in a batch, before ``apply``
         prepare(rows)           before the forward pass whose logits ``rows`` will sample: work that needs
                                 no logits may start here and overlap the model (the grammar masks)
-        fork(parent, child)     when a sample forks into n, before the child's first row is sampled
         accept_launched(rows, token_ids)
                                 right after a draw without speculation, with its tokens still on the device
                                 (one per row): state kept on the device may take them before they are read
@@ -55,10 +54,6 @@ class LogitsProcessor(ABC):
 
     def prepare(self, rows: Sequence[SamplingRow]) -> None:
         """Start what ``apply(logits, rows)`` will need that does not depend on the logits."""
-
-    def fork(self, parent_key: str, child_key: str) -> None:
-        """Give ``child_key`` (which holds no state) a copy of ``parent_key``'s state, if it has any; later
-        ``accept`` calls on either leave the other unchanged."""
 
     def accept_launched(self, rows: Sequence[SamplingRow], token_ids: torch.Tensor) -> None:
         """The tokens just drawn for ``rows`` (int64 [len(rows)], on the device, not read back yet)."""

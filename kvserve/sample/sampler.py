@@ -61,9 +61,9 @@ class Sampler:
     state, keyed by each sample's engine-side id (``SamplingRow.generator_key``) and kept across steps until
     ``drop``: the processors' state.
 
-    What the caller owes it, per key: nothing when it first appears (state is created from its first row);
-    ``fork(parent, child)`` before a child sample's first row, when the child starts from a parent that was
-    already sampled; ``drop`` once the request finished or was aborted. The sampler advances the processors'
+    What the caller owes it, per key: nothing when it first appears (state is created from its first row: an
+    n > 1 request forks its samples before its first draw, so each sample's state starts from its own row);
+    ``drop`` once the request finished or was aborted. The sampler advances the processors'
     state past each token a request appends by itself."""
 
     def __init__(self, seed: int = 0, processors: Sequence[LogitsProcessor] | None = None) -> None:
@@ -122,18 +122,6 @@ class Sampler:
             self._add_new_keys(batch.rows)
         for processor in self._processors:
             processor.prepare(batch.rows)
-
-    def fork(self, parent_key: str, child_key: str) -> None:
-        """Start sample ``child_key`` with a copy of ``parent_key``'s processor state; call it before the
-        child's first row. A parent never sampled yet has nothing to copy: the child's state is then created
-        from its own first row, as the parent's will be. A seeded child draws by its own sample index."""
-        if child_key in self._keys:
-            raise ValueError(f"cannot fork into {child_key!r}: it already holds sampler state")
-        if parent_key not in self._keys:
-            return
-        self._keys.add(child_key)
-        for processor in self._stateful:
-            processor.fork(parent_key, child_key)
 
     def drop(self, keys: Iterable[str]) -> None:
         """Free all state of finished or aborted samples (engine-side ids; unknown ids are ignored)."""

@@ -12,8 +12,6 @@ not to be reused until they are back.
 
 from __future__ import annotations
 
-from typing import Mapping
-
 from kvserve.kv.manager import KVCacheManager
 from kvserve.request import Request
 from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -24,10 +22,9 @@ class RunnerBatchMirror:
     """Which requests the runner's batch holds and how many blocks of each it knows; the finished and
     preempted ids the next diff drops; the finished ids that steps in flight still name."""
 
-    def __init__(self, kv: KVCacheManager, requests: Mapping[str, Request]) -> None:
+    def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
         self._has_group_tables = kv.groups.frees_blocks  # tables per KV cache group: rows carry every group's blocks
-        self._requests = requests  # the scheduler's unfinished requests, where a new sample finds its parent
         self._num_blocks_sent: dict[str, int] = {}  # requests in the runner's batch -> blocks of theirs it knows
         self._finished_ids: set[str] = set()
         self._preempted_ids: set[str] = set()
@@ -114,7 +111,7 @@ class RunnerBatchMirror:
         """The request's row of this step; a request not in the runner's batch yet is named in full."""
         num_sent = self._num_blocks_sent.get(request.request_id)
         if num_sent is None:
-            new_requests.append(_new_request_data(request, self._fork_source(request), self.kv.tables(request)))
+            new_requests.append(_new_request_data(request, self.kv.tables(request)))
             self._num_blocks_sent[request.request_id] = len(request.block_ids)
         end = request.num_computed_tokens + num_new - len(draft)  # drafts are not the request's tokens yet
         return ScheduledRequest(
@@ -139,17 +136,8 @@ class RunnerBatchMirror:
             return tuple(b for table in self.kv.tables(request) for b in table[num_sent:])
         return tuple(request.block_ids[num_sent:])
 
-    def _fork_source(self, request: Request) -> str | None:
-        """The parent whose per-request sampling state a sample entering the batch copies: only while the
-        parent has sampled nothing, so that what is copied is the state at the fork. Otherwise (a sample
-        that waited for a block, or a resumed one) the runner creates its state afresh or keeps its own."""
-        parent = self._requests.get(request.parent_id) if request.parent_id is not None else None
-        if parent is None or parent.output_token_ids or request.output_token_ids:
-            return None
-        return parent.request_id
 
-
-def _new_request_data(request: Request, forked_from: str | None, tables: list[list[int]]) -> NewRequestData:
+def _new_request_data(request: Request, tables: list[list[int]]) -> NewRequestData:
     return NewRequestData(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
@@ -158,5 +146,4 @@ def _new_request_data(request: Request, forked_from: str | None, tables: list[li
         block_ids=[b for table in tables for b in table],
         sample_index=request.sample_index,
         eos_token_ids=request.eos_token_ids,
-        forked_from=forked_from,
     )

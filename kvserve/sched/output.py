@@ -21,8 +21,8 @@ from kvserve.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class NewRequestData:
     """A request entering the runner's batch, named in full once: at admission, when it resumes after a
-    preemption (with its outputs so far, to recompute), or when it is forked from an n > 1 request
-    (``forked_from``: the runner's sampler copies the parent's per-request state). From then on each step
+    preemption (with its outputs so far, to recompute), or when it is forked from an n > 1 request (before its
+    parent's first draw: the sample's sampling state starts from its own first row). From then on each step
     names only what changed (``ScheduledRequest``), so a step's size does not grow with context length."""
 
     request_id: str
@@ -34,7 +34,6 @@ class NewRequestData:
     block_ids: list[int]
     sample_index: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # masked by the sampler while min_tokens is not reached
-    forked_from: str | None = None
 
 
 class ScheduledRequest(NamedTuple):

@@ -81,7 +81,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the newest
-        self._batch_mirror = RunnerBatchMirror(kv, self.requests)
+        self._batch_mirror = RunnerBatchMirror(kv)
         self._fork_copies = ForkCopies(kv)
         self.num_preemptions = 0  # running requests preempted, since start
         self.num_tokens_computed = 0  # tokens run through the model, recomputed ones included

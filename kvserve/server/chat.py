@@ -90,11 +90,8 @@ class ChatServer(GenerationHandler):
         """Render and queue the conversation (raising APIError 400 for bad input); return the output stream."""
         body = self.body
         if body.tools:
-            await self._check_tool_schemas()
-            try:
-                self._declared = DeclaredTools(body.tool_dicts or [])
-            except ValueError as e:
-                raise bad_request(ValueError(f"tools: {e}"), param="tools") from e
+            await self._check_tool_schemas()  # each a 400 naming the tool: DeclaredTools takes them as they are
+            self._declared = DeclaredTools(body.tool_dicts or [])
         prompt = await render_chat(self.engine, body.messages, body.tool_dicts, **body.template_options)
         return await self._generate([prompt])
 

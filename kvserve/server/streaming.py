@@ -177,8 +177,6 @@ class GenerationHandler:
                 logged.ended_early(error)
             if isinstance(error, ValueError):
                 raise bad_request(self.body.named_as_sent(error)) from error
-            if isinstance(error, StopAsyncIteration):
-                raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the engine returned no output") from None
             raise
         outputs = _prepend(first, stream)
         return outputs if logged is None else logged.watched(outputs)

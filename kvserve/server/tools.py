@@ -169,7 +169,5 @@ def _dropped_by_decoding(tokenizer: Any, marker: str) -> bool:
 
 
 def _function(tools: Sequence[dict[str, Any]], name: str) -> dict[str, Any]:
-    for tool in tools:
-        if tool["function"]["name"] == name:
-            return tool["function"]
-    raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
+    """The function ``name`` of ``tools`` (the request's validation refused a tool_choice naming another)."""
+    return next(tool["function"] for tool in tools if tool["function"]["name"] == name)

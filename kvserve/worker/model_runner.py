@@ -307,9 +307,6 @@ class ModelRunner:
 
     def _update_sampler(self, sched_out: SchedulerOutput) -> None:
         self.sampler.drop(sched_out.finished_request_ids)
-        for new in sched_out.new_requests:
-            if new.forked_from is not None:
-                self.sampler.fork(new.forked_from, new.request_id)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and the dense layouts still under way."""

@@ -1,6 +1,6 @@
 """The penalties' counts on the device through the lifecycle the sampler drives: tokens taken at launch, steps
-launched before the last one's tokens are read back, speculating steps whose tokens come back late, forks,
-drops and slots reused, more samples than the first storage holds. Every ``apply`` must equal the per-row
+launched before the last one's tokens are read back, speculating steps whose tokens come back late, drops
+and slots reused, more samples than the first storage holds. Every ``apply`` must equal the per-row
 reference over each sample's full history."""
 
 from __future__ import annotations
@@ -54,13 +54,6 @@ def test_counts_follow_every_step_of_a_random_workload(seed: int) -> None:
             key = f"s{step}"
             samples[key] = Sample(params(rng), [rng.randrange(VOCAB) for _ in range(rng.randrange(6))],
                                   [rng.randrange(VOCAB) for _ in range(rng.randrange(3))])
-        if samples and rng.random() < 0.1:  # n > 1: a child forked from a sample with nothing in flight
-            parent = rng.choice([k for k in samples if not samples[k].in_flight] or [None])
-            if parent is not None and parent in added:
-                child = f"{parent}/{step}"
-                samples[child] = Sample(samples[parent].params, samples[parent].prompt, list(samples[parent].outputs))
-                penalties.fork(parent, child)
-                added.add(child)
         if samples and rng.random() < 0.1:  # finished or aborted, with or without a token in flight
             del samples[key := rng.choice(list(samples))]
             penalties.drop(key)

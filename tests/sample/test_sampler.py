@@ -1,5 +1,5 @@
 """Sampler: exact greedy, truncation never picks excluded tokens, seeds independent of the batch, the engine
-seed for unseeded rows, per-request state forked and dropped, logprobs."""
+seed for unseeded rows, per-request state made and dropped, logprobs."""
 
 from __future__ import annotations
 
@@ -263,9 +263,6 @@ class BanAccepted(LogitsProcessor):
     def add(self, key: str, row: SamplingRow) -> None:
         self.produced[key] = list(row.output_token_ids)
 
-    def fork(self, parent_key: str, child_key: str) -> None:
-        self.produced[child_key] = list(self.produced[parent_key])
-
     def accept(self, key: str, token_ids: Sequence[int]) -> None:
         self.produced[key].extend(token_ids)
 
@@ -291,43 +288,6 @@ def test_state_is_created_from_the_first_row_and_advanced_by_each_draw():
     assert greedy_step(sampler, "a") == [3]
 
 
-def test_fork_gives_the_child_a_copy_that_evolves_on_its_own():
-    processor = BanAccepted()
-    sampler = Sampler(processors=[processor])
-    assert [greedy_step(sampler, "p") for _ in range(2)] == [[0], [1]]
-    sampler.fork("p", "p#1")
-    sampler.fork("p", "p#2")
-    assert sampler.num_states == 3
-    assert processor.produced["p#1"] == [0, 1]
-    assert greedy_step(sampler, "p#1") == [2]
-    assert greedy_step(sampler, "p#1") == [3]
-    assert greedy_step(sampler, "p", "p#2") == [2, 2]  # neither saw the first child's tokens
-    assert processor.produced == {"p": [0, 1, 2], "p#1": [0, 1, 2, 3], "p#2": [0, 1, 2]}
-    with pytest.raises(ValueError, match="already holds"):
-        sampler.fork("p", "p#1")
-
-
-def test_fork_of_a_parent_not_sampled_yet_starts_the_children_from_their_rows():
-    processor = BanAccepted()
-    sampler = Sampler(processors=[processor])
-    sampler.fork("q", "q#1")
-    assert sampler.num_states == 0
-    assert greedy_step(sampler, "q", "q#1") == [0, 0]  # the n first tokens, drawn in one step from one history
-
-
-def test_forked_seeded_child_draws_from_its_own_sample_index_not_a_copy():
-    logits = torch.zeros(1, VOCAB)
-    sampler = Sampler()
-    for _ in range(3):
-        sampler(logits.clone(), batch(row(key="p", index=0, seed=7)))
-    sampler.fork("p", "p#1")
-    child = [tokens(sampler(logits.clone(), batch(row(key="p#1", index=1, seed=7, outputs=[0] * p))))[0]
-             for p in range(5)]
-    fresh = Sampler()
-    assert child == [tokens(fresh(logits.clone(), batch(row(key="x", index=1, seed=7, outputs=[0] * p))))[0]
-                     for p in range(5)]
-
-
 def test_drop_frees_every_piece_of_state():
     processor = BanAccepted()
     sampler = Sampler(processors=[processor])
@@ -335,12 +295,11 @@ def test_drop_frees_every_piece_of_state():
     rows = [row(key=k, index=i, seed=None if k == "u" else 5) for i, k in enumerate(keys)]
     for _ in range(3):
         sampler(torch.zeros(4, VOCAB), batch(*rows))
-    sampler.fork("u", "u#1")
-    assert (sampler.num_states, processor.num_states) == (5, 5)
-    sampler.drop(["r#1", "unknown"])  # an abort of one sample leaves the others alone
     assert (sampler.num_states, processor.num_states) == (4, 4)
+    sampler.drop(["r#1", "unknown"])  # an abort of one sample leaves the others alone
+    assert (sampler.num_states, processor.num_states) == (3, 3)
     assert len(processor.produced["r"]) == 3
-    sampler.drop(["r", "r#2", "u", "u#1"])
+    sampler.drop(["r", "r#2", "u"])
     assert (sampler.num_states, processor.num_states) == (0, 0)
 
 

@@ -35,7 +35,7 @@ def test_n_samples_fork_sharing_full_blocks_and_copying_the_partial_one() -> Non
     sched_out, outputs = step(scheduler, runner)  # each sample runs the last prompt token and samples
     src = parent.block_ids[1]
     assert sched_out.kv_transfers.copies == ((src, c1.block_ids[1]), (src, c2.block_ids[1]))
-    assert [(n.request_id, n.forked_from) for n in sched_out.new_requests] == [("p#1", "p"), ("p#2", "p")]
+    assert [n.request_id for n in sched_out.new_requests] == ["p#1", "p#2"]
     assert [(r.request_id, r.start_pos, r.num_tokens, r.sample) for r in sched_out.requests] == [
         ("p", 5, 1, True), ("p#1", 5, 1, True), ("p#2", 5, 1, True),
     ]

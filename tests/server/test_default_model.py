@@ -19,7 +19,7 @@ def default_server(tmp_path_factory: pytest.TempPathFactory):
         server.wait_ready()
         yield server
     finally:
-        server.kill()
+        server.stop()
 
 
 def test_the_default_model_answers_a_chat_over_http(default_server: ServerProcess) -> None:

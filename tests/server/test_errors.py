@@ -190,3 +190,15 @@ def test_a_405_lists_the_allowed_methods_in_one_order_whatever_the_hash_seed() -
     answer = TestClient(app).get("/unordered")
     assert answer.status_code == 405 and answer.headers["allow"] == "GET, HEAD"
     assert answer.json()["error"]["message"] == "GET /unordered: this route takes GET, HEAD"
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_naming_its_field(server: ServerProcess) -> None:
+    """Refused before it is tokenized (its characters outnumber any tokenization's room); it was a 400 with no
+    ``param`` on /v1/completions, where the same refusal on /tokenize named the prompt."""
+    long_text = "hi " * 200_000
+    for route, body, param in [("/v1/completions", completion(prompt=long_text), "prompt"),
+                               ("/v1/chat/completions", chat(messages=[{"role": "user", "content": long_text}]),
+                                "messages")]:
+        response = httpx.post(f"{server.url}{route}", content=body, headers={"content-type": "application/json"})
+        assert assert_openai_error(response, 400)["param"] == param
+    assert_still_serving(server)

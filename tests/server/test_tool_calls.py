@@ -42,7 +42,7 @@ def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
         server.wait_ready()
         yield server
     finally:
-        server.kill()
+        server.stop()
 
 
 @pytest.fixture(scope="module")
