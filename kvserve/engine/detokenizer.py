@@ -134,8 +134,11 @@ def _settled_tokens(token_ids: list[int], tokenizer: Any) -> int:
 def token_bytes(token_id: int, tokenizer: Any) -> list[int]:
     """A token's own bytes, what a client joins to rebuild text that tokens split inside a character (chat
     logprobs' ``bytes``): a byte-level BPE token's characters each stand for a byte, a SentencePiece byte-fallback
-    token (``<0xE2>``) for its byte, and any other token for its text (``▁`` a space)."""
+    token (``<0xE2>``) for its byte, and any other token for its text (``▁`` a space). An id past the tokenizer (a
+    vocabulary padded past it, as Qwen2.5's 152,064 rows for ~151.7k tokens) has none, as its decode gives ''."""
     piece = tokenizer.convert_ids_to_tokens(token_id)
+    if piece is None:
+        return []
     if decodes_byte_level(tokenizer):
         table = _unicode_to_byte()
         if all(char in table for char in piece):

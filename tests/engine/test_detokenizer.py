@@ -171,3 +171,17 @@ def test_a_run_of_skipped_special_tokens_after_an_open_character_is_not_held() -
     assert len(detok.window) <= 2 and not any(deltas)
     deltas += [detok.update([token]) for token in ids[-2:]]
     assert "".join([*deltas, detok.flush()]) == tok.decode(ids, skip_special_tokens=True) == "€"
+
+
+def test_ids_past_the_tokenizer_decode_to_nothing_as_the_tokenizer_decodes_them() -> None:
+    """A model's vocabulary padded past its tokenizer (Qwen2.5: 152,064 rows, ~151.7k tokens) may sample an id the
+    tokenizer lacks: ``token_bytes`` iterated None, and the step failed every request in it."""
+    from kvserve.engine.detokenizer import token_bytes
+
+    tok = byte_bpe_tokenizer()
+    padded = len(tok) + 7
+    assert token_bytes(padded, tok) == [] and tok.decode([padded]) == ""
+    ids = [_byte_tokens(tok)[0xE2]] + [padded] * 12 + [_byte_tokens(tok)[0x82], _byte_tokens(tok)[0xAC]]
+    detok = IncrementalDetokenizer(tok, [])
+    deltas = [detok.update([token]) for token in ids]
+    assert "".join([*deltas, detok.flush()]) == tok.decode(ids)
