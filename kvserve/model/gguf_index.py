@@ -39,14 +39,15 @@ from transformers.utils import CONFIG_NAME
 
 from kvserve.model.base import CheckpointError
 from kvserve.model.config_check import check_layer_count, num_gguf_blocks
-from kvserve.model.gguf_table import GGUFTensor, read_tensor_table
+from kvserve.model.gguf_metadata import ROPE_FREQS_TENSOR, apply_gguf_settings
+from kvserve.model.gguf_table import GGUFTable, GGUFTensor, read_tensor_table
 from kvserve.model.packaged import cache_dir
 
 logger = logging.getLogger(__name__)
 
 # bump when the layout below changes (2: the config saved whole, read without its class; 3: with its architectures
 # and each tensor's processing; 4: the added tokens in the tokenizer's config)
-INDEX_VERSION = 5  # 5: the files an index holds listed in it
+INDEX_VERSION = 6  # 5: the files an index holds listed in it; 6: the settings transformers leaves out applied
 UNUSED_INDEX_S = 14 * 24 * 3600
 TENSORS_FILE = "tensors.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -190,6 +191,10 @@ def _build_index(path: Path) -> GGUFIndex:
     # before the meta model, which has as many layers as the metadata says (a million took minutes)
     check_layer_count(config.num_hidden_layers, num_gguf_blocks(t.name for t in table.tensors), path,
                       f"{table.architecture}.block_count")
+    try:
+        apply_gguf_settings(config, table.architecture, table.scalars, _rope_factors(table, path))
+    except CheckpointError as error:
+        raise CheckpointError(f"{path}: {error}") from None
     processor = TENSOR_PROCESSORS.get(table.architecture, TensorProcessor)(config=config.to_dict())
     with torch.device("meta"):  # the name map comes from a model that costs no memory
         model = AutoModelForCausalLM.from_config(config)
@@ -198,8 +203,27 @@ def _build_index(path: Path) -> GGUFIndex:
     # names none)
     config.architectures = config.architectures or [type(model).__name__]
     size = path.stat().st_size
+    unnamed = [t.name for t in table.tensors if t.name not in names and t.name != ROPE_FREQS_TENSOR]
+    if unnamed:  # a tensor the model would not read changes what it computes: never dropped unsaid
+        raise CheckpointError(f"{path}: tensors no {table.architecture} model of transformers' reads: "
+                              f"{', '.join(unnamed[:8])}{' ...' if len(unnamed) > 8 else ''}")
     tensors = tuple(_entry(t, names[t.name], processor, path, size) for t in table.tensors if t.name in names)
     return GGUFIndex(table.architecture, config, tokenizer, tensors)
+
+
+def _rope_factors(table: GGUFTable, path: Path) -> list[float] | None:
+    """The values of the file's ``rope_freqs.weight`` (one F32 factor per rope frequency), if it has one."""
+    tensor = next((t for t in table.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    if tensor is None:
+        return None
+    if tensor.qtype != 0 or len(tensor.shape) != 1:
+        raise CheckpointError(f"{path}: {ROPE_FREQS_TENSOR} is not a vector of F32 factors")
+    with open(path, "rb") as file:
+        file.seek(tensor.offset)
+        data = file.read(4 * tensor.shape[0])
+    if len(data) != 4 * tensor.shape[0]:
+        raise CheckpointError(f"{path}: {ROPE_FREQS_TENSOR} runs past the end of the file")
+    return np.frombuffer(data, dtype="<f4").tolist()
 
 
 # ggml types held as values, as numpy reads them; every other type is rows of blocks, read as bytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import gguf
@@ -310,11 +310,12 @@ def byte_level_tokens() -> tuple[list[str], list[str]]:
 def write_gguf(
     path: Path, model: LlamaForCausalLM, arch: str = "llama", qtype: gguf.GGMLQuantizationType | None = None,
     blocks: Mapping[str, GGMLTensor] | None = None, block_count: int | None = None,
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> Path:
     """Write ``model`` as llama.cpp's converter would (GGUF names, permuted Q/K): F32 tensors, or its 2-D ones
     quantized to ``qtype`` by gguf's reference quantizer; the tensors ``blocks`` names (by their Hugging Face
     names) as those blocks instead, written as they are (rows in the file's order). ``block_count``: metadata
-    that says another number of layers than the tensors hold."""
+    that says another number of layers than the tensors hold. ``extra`` writes more metadata and tensors."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -346,6 +347,8 @@ def write_gguf(
             writer.add_tensor(name, gguf.quants.quantize(tensor.numpy(), qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, tensor.numpy())
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -31,7 +31,8 @@ def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tu
     with torch.device("cpu"):  # also when the model is being built on the meta device
         if rope_type == "default":  # not in ROPE_INIT_FUNCTIONS: each HF model class carries this formula
             dim = rope_head_dim(config)
-            return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            return _divided_by_factors(inv_freq, getattr(config, "rope_frequency_factors", None)), 1.0
         if rope_type in SEQUENCE_DEPENDENT_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
             static = ["default", *sorted(set(ROPE_INIT_FUNCTIONS) - set(SEQUENCE_DEPENDENT_ROPE_TYPES))]
             raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(static)}")
@@ -41,6 +42,16 @@ def rope_inv_freq(config: PretrainedConfig, layer_type: str | None = None) -> tu
         raise ValueError(f"partial_rotary_factor={factor} (rotary embeddings over part of each head) with rope_type "
                          f"{rope_type!r} is not supported")
     return inv_freq, attention_factor
+
+
+def _divided_by_factors(inv_freq: torch.Tensor, factors: list[float] | None) -> torch.Tensor:
+    """A GGUF's per-frequency rope divisors (``model/gguf_metadata.py``: Llama 3.1's scaling as llama.cpp stores
+    it) applied; ValueError for a list that is not one factor per frequency."""
+    if factors is None:
+        return inv_freq
+    if len(factors) != inv_freq.numel():
+        raise ValueError(f"rope_frequency_factors has {len(factors)} factors for {inv_freq.numel()} frequencies")
+    return inv_freq / torch.tensor(factors, dtype=torch.float)
 
 
 def rope_table_positions(config: PretrainedConfig) -> int:
