@@ -1,4 +1,5 @@
-"""How kvserve's processes log: uvicorn's warnings for a connection upgrade kvserve does not serve are dropped."""
+"""How kvserve's processes log: uvicorn's warnings for a connection upgrade kvserve does not serve are dropped, and
+so are the access lines of probes answered 200."""
 
 from __future__ import annotations
 
@@ -29,3 +30,25 @@ def test_uvicorns_upgrade_warnings_are_dropped_and_its_others_kept(caplog: pytes
         uvicorn_log.removeFilter(logs._not_an_upgrade_warning)
         uvicorn_log.removeHandler(caplog.handler)
         uvicorn_log.propagate = propagates
+
+
+def test_answered_probes_leave_no_access_line_and_requests_and_failed_probes_do(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A router asks each replica's /health and /metrics every second: two access lines a second at rest."""
+    access_log = logging.getLogger("uvicorn.access")
+    propagates, access_log.propagate = access_log.propagate, False
+    access_log.addHandler(caplog.handler)
+    try:
+        logs.configure_logging("info")
+        with caplog.at_level(logging.INFO, logger="uvicorn.access"):
+            for method, path, status in [("GET", "/health", 200), ("GET", "/metrics", 200), ("HEAD", "/health", 200),
+                                         ("GET", "/health", 503), ("POST", "/v1/completions", 200),
+                                         ("GET", "/health?verbose=1", 200)]:
+                access_log.info('%s - "%s %s HTTP/%s" %d', "127.0.0.1:5000", method, path, "1.1", status)
+        assert [record.getMessage() for record in caplog.records] == [
+            '127.0.0.1:5000 - "GET /health HTTP/1.1" 503', '127.0.0.1:5000 - "POST /v1/completions HTTP/1.1" 200',
+            '127.0.0.1:5000 - "GET /health?verbose=1 HTTP/1.1" 200']
+    finally:
+        access_log.removeFilter(logs._not_an_answered_probe)
+        access_log.removeHandler(caplog.handler)
+        access_log.propagate = propagates

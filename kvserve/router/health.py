@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvserve.router.metrics import RouterMetrics, queue_length
 from kvserve.router.policy import Replica
 from kvserve.router.upstream import ConnectFailed, Upstream, UpstreamLost
@@ -66,15 +64,15 @@ class HealthChecker:
         self._set_health(replica, healthy)
 
     async def _read_load(self, replica: Replica) -> None:
-        """The replica's page and queue from its /metrics; a page that is not Prometheus' (a proxy's error page)
+        """The replica's page and queue from its /metrics; a page that holds no queue (a proxy's error page)
         leaves its load unknown (0: the router's own count of what it sent stands), said once until it reads."""
-        status, _, page = await self.upstream.get(replica.url + "/metrics", GET_TIMEOUT_S)
+        status, _, body = await self.upstream.get(replica.url + "/metrics", GET_TIMEOUT_S)
         try:
             if status != 200:
                 raise ValueError(f"status {status}")
-            families = list(text_string_to_metric_families(page.decode()))
-            load = queue_length(families)
-        except (ValueError, OverflowError) as e:  # UnicodeDecodeError is one; a NaN or infinite queue too
+            page = body.decode()
+            load = queue_length(page)
+        except ValueError as e:  # UnicodeDecodeError is one
             if replica.url not in self.unreadable:
                 logger.warning("replica %s: its /metrics page does not read (%s); its load is taken as unknown",
                                replica.url, str(e)[:200])
@@ -83,7 +81,7 @@ class HealthChecker:
             replica.reported_load = 0
             return
         self.unreadable.discard(replica.url)
-        self.metrics.replica_pages.pages[replica.url] = families
+        self.metrics.replica_pages.pages[replica.url] = page
         replica.reported_load = load
 
     def _log_change(self, replica: Replica, healthy: bool) -> None:

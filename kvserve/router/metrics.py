@@ -4,14 +4,23 @@ prefix hits per replica, decisions by reason, retries, replica health), and each
 
 from __future__ import annotations
 
+import logging
+import math
+import re
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.router.policy import Decision
 
+logger = logging.getLogger(__name__)
+
 QUEUE_METRICS = ("kvserve:num_requests_running", "kvserve:num_requests_waiting")
+# a queue gauge's samples: its name, its labels, its value (Prometheus' text format)
+_QUEUE_SAMPLE = re.compile(rf"^(?:{'|'.join(map(re.escape, QUEUE_METRICS))})(?:{{[^\n]*}})?[ \t]+(\S+)",
+                           re.MULTILINE)
 
 
 class RouterMetrics:
@@ -48,24 +57,34 @@ class RouterMetrics:
 class ReplicaPages:
     """The replicas' own metrics (``kvserve:*``, from the page each health check reads), each sample labelled
     with its ``replica``: the router's port shows what one server's would (vLLM's data-parallel server shows
-    each engine's alike), so dashboards survive scaling from one replica to N. A replica down has none."""
+    each engine's alike), so dashboards survive scaling from one replica to N. A replica down has none. Pages are
+    kept as text and parsed when the router's /metrics is read: parsing each replica's 23 KB page every second
+    was three quarters of an idle router's CPU."""
 
     def __init__(self) -> None:
-        self.pages: dict[str, list[Metric]] = {}  # by replica URL: its families, as last read
+        self.pages: dict[str, str] = {}  # by replica URL: its page, as last read
 
     def collect(self) -> Iterator[Metric]:
         merged: dict[str, Metric] = {}  # one family (one HELP and TYPE) over every replica
-        for url, families in self.pages.items():
+        for url, page in self.pages.items():
+            try:
+                families = list(text_string_to_metric_families(page))
+            except ValueError as e:  # its queue read, the rest of it not: shown without it
+                logger.debug("replica %s: its /metrics page does not parse (%s)", url, e)
+                continue
             for family in families:
                 into = merged.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 into.samples += [sample._replace(labels={**sample.labels, "replica": url}) for sample in family.samples]
         return iter(merged.values())
 
 
-def queue_length(families: list[Metric]) -> int:
-    """A replica's requests running and waiting, from the families of its /metrics page."""
-    total = 0.0
-    for family in families:
-        if family.name in QUEUE_METRICS:
-            total += sum(sample.value for sample in family.samples)
-    return int(total)
+def queue_length(page: str) -> int:
+    """A replica's requests running and waiting, read off the lines of its /metrics page that hold them;
+    ValueError for a page that holds none (not a kvserve server's: a proxy's error page) or a value that is not a
+    finite number."""
+    values = [float(value) for value in _QUEUE_SAMPLE.findall(page)]
+    if not values:
+        raise ValueError(f"no {' or '.join(QUEUE_METRICS)} on it")
+    if not all(map(math.isfinite, values)):
+        raise ValueError(f"a queue of {values}")
+    return int(sum(values))

@@ -5,10 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.router.metrics import RouterMetrics, queue_length
+from kvserve.router.metrics import QUEUE_METRICS, RouterMetrics, queue_length
 from kvserve.router.policy import Decision, Replica
 
 PAGE = """# TYPE kvserve:num_requests_running gauge
@@ -21,8 +22,17 @@ kvserve:prompt_tokens_total{model_name="m"} 7.0
 
 
 def test_a_replicas_queue_is_its_requests_running_and_waiting() -> None:
-    assert queue_length(list(text_string_to_metric_families(PAGE))) == 5
-    assert queue_length([]) == 0
+    """Read off the page's lines, not its parse (three quarters of an idle router's CPU); the same number."""
+    families = {f.name: f for f in text_string_to_metric_families(PAGE)}
+    assert queue_length(PAGE) == 5 == sum(families[name].samples[0].value for name in QUEUE_METRICS)
+    assert queue_length(PAGE.replace("{model_name=\"m\"}", "") + "kvserve:num_requests_running_x 9\n") == 5
+
+
+@pytest.mark.parametrize("page", ["<html>502 Bad Gateway</html>", PAGE.replace(" 3.0", " NaN"),
+                                  PAGE.replace(" 2.0", " +Inf"), PAGE.replace(" 2.0", " two")])
+def test_a_page_without_a_readable_queue_is_refused(page: str) -> None:
+    with pytest.raises(ValueError):
+        queue_length(page)
 
 
 def test_a_decision_counts_its_request_prefix_hits_and_reason() -> None:
