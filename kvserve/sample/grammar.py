@@ -262,6 +262,12 @@ class GrammarProcessor(LogitsProcessor):
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvserve-grammar")
             self._pending = (rows, self._worker.submit(self._fill, rows))
 
+    def close(self) -> None:
+        """Stop the mask thread (a closed engine steps no more); a later constrained step starts another."""
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
     def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         pending, self._pending = self._pending, None
         start = time.perf_counter()

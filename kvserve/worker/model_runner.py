@@ -309,9 +309,12 @@ class ModelRunner:
         self.sampler.drop(sched_out.finished_request_ids)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any, and the dense layouts still under way."""
+        """Stop the tensor-parallel workers, if any, the dense layouts still under way and the grammar masks'
+        thread."""
         if self.layouts is not None:
             self.layouts.stop()
+        if self.grammar is not None:
+            self.grammar.close()
         self.peers.close()
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from tqdm.auto import tqdm
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.outputs import FinishReason
 
 
@@ -467,6 +467,18 @@ def test_a_dropped_or_closed_llm_stops_its_disk_tiers_threads(tiny_checkpoints, 
     with LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=16, kv_offload_dir=str(tmp_path)):
         assert tier_threads() == before + 2
     assert tier_threads() == before
+
+
+def test_a_closed_llm_stops_its_grammar_masks_thread(tiny_checkpoints) -> None:
+    """The masks' worker thread, started by the first constrained step, outlived ``close``."""
+    def mask_threads() -> int:
+        return sum(t.name.startswith("kvserve-grammar") and t.is_alive() for t in threading.enumerate())
+
+    before = mask_threads()
+    with LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=16) as llm:
+        llm.generate("hello", SamplingParams(max_tokens=3, structured_outputs=StructuredOutputsParams(regex="[ab]+")))
+        assert mask_threads() == before + 1
+    assert mask_threads() == before
 
 
 def test_ctrl_c_lands_between_engine_steps(llm: LLM, monkeypatch) -> None:
