@@ -122,7 +122,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     allowed_token_ids: list[int] | tuple[int, ...] | None = None  # only these may be drawn (a list once built)
     # the outputs never end with one of these words: a word's last token is banned where the outputs end with the
-    # tokens before it (vLLM's); the engine fills ``bad_words_token_ids`` from them with the model's tokenizer
+    # tokens before it (vLLM's); the engine adds their tokens (the model's tokenizer's) to ``bad_words_token_ids``
     bad_words: str | list[str] | tuple[str, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: its last max_model_len

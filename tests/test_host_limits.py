@@ -3,6 +3,9 @@ its memory limit is tested with the KV budget that uses it (tests/engine/test_kv
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,3 +139,32 @@ def test_replicas_on_this_machine_share_its_quota_and_memory(monkeypatch, tmp_pa
     assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {"KVSERVE_LOCAL_REPLICAS": "2"}
     argv = [*argv, "--ray-address", "head:6379"]  # actors on other machines, under their own limits
     assert replica_command(parser.parse_known_args(argv)[0], argv)[1] == {}
+
+
+@pytest.mark.parametrize("environment, spin_count", [
+    ({}, str(host_limits.OPENMP_SPIN_COUNT)),
+    ({"GOMP_SPINCOUNT": "300000"}, "300000"),
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, None),
+])
+def test_openmp_spins_a_bounded_while_unless_the_environment_says(monkeypatch, environment: dict,
+                                                                   spin_count: str | None) -> None:
+    """libgomp's default spin (~7 ms at each barrier) took the engine thread's turns wherever another process
+    wanted the cores: steps 5-19x slower."""
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    host_limits.bound_openmp_spin()
+    assert os.environ.get("GOMP_SPINCOUNT") == spin_count
+
+
+def test_the_command_bounds_the_spin_before_torch_loads_libgomp() -> None:
+    code = ("import contextlib, os, sys, kvserve.cli\n"
+            "loaded = 'torch' in sys.modules\n"
+            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(None):\n"
+            "    kvserve.cli.main(['--help'])\n"
+            "print(os.environ['GOMP_SPINCOUNT'], loaded)")
+    environment = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.split() == [str(host_limits.OPENMP_SPIN_COUNT), "False"], done.stderr

@@ -53,7 +53,8 @@ class InputProcessor:
         constraint that does not compile included: compiled here, the runner finds it in the compiler's cache).
         A ``max_tokens`` past the room ``max_model_len`` leaves is refused, as vLLM's server answers a 400, or with
         ``cap_max_tokens`` lowered to that room, as vLLM's offline ``LLM`` does (the sample ends with "length")."""
-        text, token_ids = self._tokenize(prompt)
+        # a text to be cut to its last tokens may be longer than any context (the body's limit bounds it)
+        text, token_ids = self._tokenize(prompt, check_fits=params.truncate_prompt_tokens is None)
         self.check_token_ids(token_ids, "prompt_token_ids")
         token_ids = [int(t) for t in token_ids]
         if params.truncate_prompt_tokens is not None:
@@ -139,11 +140,12 @@ class InputProcessor:
             raise ValueError("the chat template rendered this conversation as no text at all")
         return text
 
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptInput, check_fits: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            self._check_text_fits(prompt, "prompt", "prompt")
+            if check_fits:
+                self._check_text_fits(prompt, "prompt", "prompt")
             return prompt, self.tokenizer.encode(check_utf8(prompt, "the prompt"))
         if not isinstance(prompt, Mapping):
             raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt', got "
@@ -159,7 +161,7 @@ class InputProcessor:
             return prompt.get("prompt"), list(token_ids)
         if not isinstance(prompt.get("prompt"), str):
             raise ValueError("a prompt dict needs 'prompt_token_ids', or 'prompt' with the text to tokenize")
-        return self._tokenize(prompt["prompt"])
+        return self._tokenize(prompt["prompt"], check_fits)
 
     def _truncated(self, text: str | None, token_ids: list[int], keep: int) -> tuple[str | None, list[int]]:
         """The prompt's last ``keep`` tokens (-1: ``max_model_len``), as vLLM's ``truncate_prompt_tokens`` keeps
@@ -216,8 +218,8 @@ class InputProcessor:
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         self.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
         bad_words_token_ids = params.bad_words_token_ids
-        if bad_words_token_ids is None and params.bad_words:
-            bad_words_token_ids = tuple(self._bad_word_tokens(params.bad_words))
+        if params.bad_words:  # beside any token sequences given as they are
+            bad_words_token_ids = (*(bad_words_token_ids or ()), *self._bad_word_tokens(params.bad_words))
         for sequence in bad_words_token_ids or ():
             self.check_token_ids(sequence, "bad_words_token_ids")
         always_banned = {word[0] for word in bad_words_token_ids or () if len(word) == 1}

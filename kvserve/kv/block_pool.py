@@ -2,7 +2,7 @@
 
 A block is held by one or more requests (reference count >= 1) or free (unheld, count 0): an allocation can
 take it. A free block waits in one of two queues, each in the order blocks were released (head = released
-longest ago)::
+longest ago), the worthless one taken from its tail (a stack), the evictable one from its head::
 
     worthless:  | free, content worthless |  -> allocation takes these first, the last released first
     evictable:  | free, content kept by the prefix cache (LRU) |  -> then these, evicting each, oldest first

@@ -17,7 +17,8 @@ import torch
 from kvserve.device_copy import to_device
 from kvserve.sample.metadata import SamplingRow
 from kvserve.sample.penalties import Penalties
-from kvserve.sample.processor import LogitsProcessor, check_token_ids
+from kvserve.sample.processor import LogitsProcessor, ban_where_something_is_left, check_token_ids
+from kvserve.sample.restrictions import AllowedTokens, BadWords
 
 
 def default_processors(grammar: LogitsProcessor | None = None) -> list[LogitsProcessor]:
@@ -33,77 +34,6 @@ def default_processors(grammar: LogitsProcessor | None = None) -> list[LogitsPro
         MinTokensBan(),
         Penalties(),
     ]
-
-
-class AllowedTokens(LogitsProcessor):
-    """Every token but a row's ``allowed_token_ids`` to -inf. A request's ids go to the device once, at its first
-    row (a list of tens of thousands, made into a tensor every step, cost a millisecond a row)."""
-
-    is_stateful = True
-
-    def __init__(self) -> None:
-        self._ids: dict[str, torch.Tensor] = {}  # sample key -> its allowed ids, on the logits' device
-
-    def is_needed(self, row: SamplingRow) -> bool:
-        return row.params.allowed_token_ids is not None
-
-    def reads_history(self, row: SamplingRow) -> bool:
-        return False
-
-    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-        needed = [i for i, row in enumerate(rows) if self.is_needed(row)]
-        if not needed:
-            return
-        ids = [self._device_ids(rows[i], logits) for i in needed]
-        lengths = [len(row_ids) for row_ids in ids]
-        row_index = torch.repeat_interleave(_long(needed, logits.device), _long(lengths, logits.device),
-                                            output_size=sum(lengths))  # no sync for the size
-        index = (row_index, torch.cat(ids))
-        kept = logits[index]
-        logits[_long(needed, logits.device)] = -float("inf")
-        logits[index] = kept
-
-    def _device_ids(self, row: SamplingRow, logits: torch.Tensor) -> torch.Tensor:
-        ids = self._ids.get(row.generator_key)
-        if ids is None:
-            allowed = row.params.allowed_token_ids
-            assert allowed is not None
-            check_token_ids(allowed, logits.shape[1], "allowed_token_ids")
-            ids = self._ids[row.generator_key] = _long(allowed, logits.device)
-        return ids
-
-    def drop(self, key: str) -> None:
-        self._ids.pop(key, None)
-
-    @property
-    def num_states(self) -> int:
-        return len(self._ids)
-
-
-class BadWords(LogitsProcessor):
-    """A bad word's last token to -inf in rows whose outputs end with the tokens before it (a one-token word: in
-    every row), so that no output ends with the word (vLLM's ``bad_words``; the prompt is not looked at)."""
-
-    def is_needed(self, row: SamplingRow) -> bool:
-        return bool(row.params.bad_words_token_ids)
-
-    def reads_history(self, row: SamplingRow) -> bool:
-        return any(len(word) > 1 for word in row.params.bad_words_token_ids or ())
-
-    def apply(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-        entries = [(i, word[-1]) for i, r in enumerate(rows) for word in r.params.bad_words_token_ids or ()
-                   if _ends_with(r.output_token_ids, word[:-1])]
-        if not entries:
-            return
-        row_ids, token_ids = zip(*entries)
-        check_token_ids(token_ids, logits.shape[1], "bad_words")
-        logits[_long(row_ids, logits.device), _long(token_ids, logits.device)] = -float("inf")
-
-
-def _ends_with(history: Sequence[int], tokens: tuple[int, ...]) -> bool:
-    if not tokens:
-        return True
-    return len(history) >= len(tokens) and tuple(history[len(history) - len(tokens):]) == tokens
 
 
 class LogitBias(LogitsProcessor):
@@ -146,14 +76,7 @@ class MinTokensBan(LogitsProcessor):
             return
         row_ids, token_ids = zip(*entries)
         check_token_ids(token_ids, logits.shape[1], "eos / stop_token_ids")
-        index = (_long(row_ids, logits.device), _long(token_ids, logits.device))
-        kept = logits[index]
-        logits[index] = -float("inf")
-        rows = sorted(set(row_ids))  # each banned row read once, whatever it bans
-        alive = torch.isfinite(logits[_long(rows, logits.device)]).any(dim=1)  # no host sync
-        where = {row: i for i, row in enumerate(rows)}
-        stuck = ~alive[_long([where[row] for row in row_ids], logits.device)]  # per entry: its row has nothing left
-        logits[index] = torch.where(stuck, kept, logits[index])
+        ban_where_something_is_left(logits, row_ids, token_ids)
 
 
 def _banned_token_ids(row: SamplingRow) -> list[int]:

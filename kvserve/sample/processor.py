@@ -90,3 +90,17 @@ def check_token_ids(token_ids: Sequence[int] | np.ndarray, vocab_size: int, what
     if bad.size:
         shown = sorted(set(bad.tolist()))[:8]
         raise ValueError(f"{what}: token ids {shown} are outside the vocabulary [0, {vocab_size})")
+
+
+def ban_where_something_is_left(logits: torch.Tensor, row_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+    """``logits[row_ids[i], token_ids[i]]`` to -inf, except in a row the bans would leave with no token to draw
+    (another restriction took the rest: a grammar, ``allowed_token_ids``), which keeps its banned tokens: a row of
+    -inf drew token 0, outside every restriction. No host sync."""
+    index = (to_device(row_ids, torch.long, logits.device), to_device(token_ids, torch.long, logits.device))
+    kept = logits[index]
+    logits[index] = -float("inf")
+    rows = sorted(set(row_ids))  # each banned row read once, whatever it bans
+    alive = torch.isfinite(logits[to_device(rows, torch.long, logits.device)]).any(dim=1)
+    where = {row: i for i, row in enumerate(rows)}
+    stuck = ~alive[to_device([where[row] for row in row_ids], torch.long, logits.device)]  # per entry
+    logits[index] = torch.where(stuck, kept, logits[index])

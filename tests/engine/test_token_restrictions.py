@@ -101,6 +101,23 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm: LLM) -> None:
     assert truncated.outputs[0].token_ids == generate(llm, [long[-12:]])[0]
     (text,) = llm.generate("a prompt " * 10, SamplingParams(max_tokens=1, truncate_prompt_tokens=4), use_tqdm=False)
     assert len(text.prompt_token_ids) == 4 and text.prompt is None  # its text is no longer what was tokenized
+    # longer than any context could hold: refused before it is tokenized, unless it is to be cut
+    huge = "a prompt " * (10 * llm.engine.max_model_len)
+    with pytest.raises(ValueError, match="more tokens than max_model_len"):
+        llm.generate(huge, SamplingParams(max_tokens=1), use_tqdm=False)
+    (cut,) = llm.generate(huge, SamplingParams(max_tokens=1, truncate_prompt_tokens=8), use_tqdm=False)
+    assert cut.prompt_token_ids == llm.get_tokenizer().encode(huge)[-8:]
+
+
+def test_bad_words_and_their_token_ids_are_both_banned_and_a_contradiction_gives_way(llm: LLM) -> None:
+    free = generate(llm, PROMPTS[:1])[0]
+    word = llm.get_tokenizer().decode(free[:1]).strip()
+    both = generate(llm, PROMPTS[:1], bad_words=[word], bad_words_token_ids=[free[1:3]])[0]
+    spelled = llm.get_tokenizer().encode(word, add_special_tokens=False)
+    assert not any(both[i:i + len(spelled)] == spelled for i in range(len(both)))
+    assert not any(both[i:i + 2] == free[1:3] for i in range(len(both)))
+    # a two-token word ending on the one allowed token: its ban gives way (it drew token 0, outside both)
+    assert generate(llm, PROMPTS[:1], allowed_token_ids=[9], bad_words_token_ids=[[9, 9]])[0] == [9] * MAX_NEW
 
 
 @pytest.mark.parametrize("params, message", [

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.sample.logits_processors import AllowedTokens, BadWords, LogitBias, MinTokensBan, default_processors
+from kvserve.sample.logits_processors import LogitBias, MinTokensBan, default_processors
+from kvserve.sample.restrictions import AllowedTokens, BadWords
 from kvserve.sample.metadata import SamplingRow
 from kvserve.sample.penalties import Penalties
 from kvserve.sample.processor import LogitsProcessor, token_counts
@@ -80,6 +81,22 @@ def test_presence_and_frequency_penalties_count_outputs_only():
     logits = torch.zeros(1, 4)
     run(Penalties(), logits, [row(prompt=[3, 3], outputs=[1, 1, 1, 2], presence_penalty=0.5, frequency_penalty=0.25)])
     assert logits[0].tolist() == pytest.approx([0.0, -(0.5 + 3 * 0.25), -(0.5 + 0.25), 0.0])
+
+
+@pytest.mark.parametrize("processor, params", [
+    (AllowedTokens, [{"allowed_token_ids": [5]}, {"allowed_token_ids": [5, 6]}]),
+    (BadWords, [{"bad_words_token_ids": [[3], [1, 2, 3]]}] * 2),
+])
+def test_a_restriction_gives_way_where_it_would_leave_nothing_to_draw(processor, params) -> None:
+    """Another restriction (a grammar, here by hand) left token 3 alone in the first row: restricting it away too
+    drew token 0, outside both. The second row keeps token 6 as well: the restriction holds there."""
+    logits = torch.full((2, VOCAB), -INF)
+    logits[:, 3] = 1.0
+    logits[1, 6] = 2.0
+    before = logits.clone()
+    run(processor(), logits, [row(outputs=[1, 2], key=f"r{i}", **p) for i, p in enumerate(params)])
+    assert torch.equal(logits[0], before[0])
+    assert [t for t in range(VOCAB) if logits[1, t] > -INF] == [6] and logits[1, 6] == 2.0
 
 
 def test_history_processors_run_in_vllm_order():

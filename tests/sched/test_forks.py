@@ -132,3 +132,21 @@ def test_no_more_samples_run_than_a_step_has_tokens_for() -> None:
         assert len(running) <= 8 and set(running) <= {r.request_id for r in sched_out.requests}
     assert num_steps < 40
     assert_all_blocks_free(scheduler)
+
+
+def test_samples_keep_their_parents_cache_salt() -> None:
+    """A sample's blocks hang under its salt's root, as its parent's: made without the salt, its path ended under
+    another salt's root (a KV-integrity failure), and its blocks would be found by requests of no salt."""
+    scheduler = make_scheduler(block_size=4, prefix_caching=True)
+    runner = runner_for(scheduler)
+    parent = make_request("p", 9, n=3, max_tokens=8)
+    parent.cache_salt = "tenant"
+    scheduler.add_request(parent)
+    step(scheduler, runner)
+    assert [scheduler.requests[rid].cache_salt for rid in ("p", "p#1", "p#2")] == ["tenant"] * 3
+    outputs = run_to_completion(scheduler, runner)  # checks KV integrity after every step
+    assert all(tokens_of(outputs[rid]) == expected_tokens(rid, 8) for rid in ("p", "p#1", "p#2"))
+    unsalted = make_request("q", 9, max_tokens=1)
+    unsalted.prompt_token_ids = parent.prompt_token_ids
+    assert scheduler.kv.match_prefix(unsalted).num_tokens == 0
+    assert_all_blocks_free(scheduler)
