@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kvserve.config import EngineConfig
+from kvserve.config import MIN_MODEL_LEN, EngineConfig
 from kvserve.device import parse_dtype, resolve_device
 from kvserve.engine.core import EngineCore, PendingStep
 from kvserve.engine.kv_budget import check_fits_host_memory, num_kv_blocks_for
@@ -181,6 +181,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len={asked} is over the model's context length ({model_limit}, its "
                              "max_position_embeddings; a rope scaling does not raise it here: set that to serve "
                              "longer)")
+        if asked is None and model_limit < MIN_MODEL_LEN:
+            raise ValueError(f"the model's context length (its max_position_embeddings) is {model_limit}: it holds "
+                             "no request of a prompt token and the token a request draws")
         return asked or model_limit
 
     def _draft_model(self, vocab_size: int) -> DraftModel | None:

@@ -5,6 +5,7 @@ answer carries, so that an operator can follow a request a client reports."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ class RequestLog:
             suffix = "" if len(prompts) == 1 else f"-{i}"
             engine = "" if engine_id == request_id else f" (engine id {engine_id}{suffix})"
             logger.info("request %s%s%s queued: %s, params: %s", request_id, suffix, engine, self._prompt(prompt),
-                        params)
+                        self._params(params))
         return LoggedRequest(request_id, len(prompts))
 
     def _prompt(self, prompt: PromptInput) -> str:
@@ -63,6 +64,24 @@ class RequestLog:
         if ids is not None:
             shown.append(f"prompt_token_ids: {self._cut(list(ids))} ({len(ids)} tokens)")
         return ", ".join(shown)
+
+    def _params(self, params: SamplingParams) -> str:
+        """``params`` as their repr shows them, each list, string or dict cut to ``max_log_len`` items (an
+        ``allowed_token_ids`` of the whole vocabulary, a thousand ``bad_words``: a line of megabytes)."""
+        if self.max_log_len is None:
+            return repr(params)
+        shown = [f"{f.name}={self._cut_field(getattr(params, f.name))}" for f in dataclasses.fields(params) if f.repr]
+        return f"{type(params).__name__}({', '.join(shown)})"
+
+    def _cut_field(self, value: Any) -> str:
+        limit = self.max_log_len or 0
+        if not isinstance(value, (list, tuple, str, dict)):  # a constraint: its repr cut (a schema of 64K)
+            shown = repr(value)
+            return shown if len(shown) <= limit else f"{shown[:limit]}... ({len(shown)} characters)"
+        if len(value) <= limit:
+            return repr(value)
+        cut = dict(list(value.items())[:limit]) if isinstance(value, dict) else value[:limit]
+        return f"{cut!r} ({len(value)} {'characters' if isinstance(value, str) else 'items'})"
 
     def _cut(self, value: Any) -> Any:
         return value if self.max_log_len is None else value[:self.max_log_len]

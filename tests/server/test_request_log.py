@@ -10,6 +10,7 @@ import pytest
 
 from kvserve.cli import build_parser
 from kvserve.cli_serve import server_settings
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.server.request_log import RequestLog
 from tests.server.test_app_fake_engine import MODEL, InProcessServer, wait_until
 
@@ -139,3 +140,17 @@ def test_a_request_the_engine_failed_is_logged_as_failed(caplog: pytest.LogCaptu
         server.stop()
     (ended,) = [line for line in lines(caplog) if " queued: " not in line]
     assert ended.startswith("request cmpl-dies failed (EngineDeadError: ") and "device lost" in ended
+
+
+def test_the_params_lists_and_texts_are_cut_to_max_log_len(caplog: pytest.LogCaptureFixture) -> None:
+    """An allowed_token_ids of the whole vocabulary and a thousand bad words wrote a 1.4 MB line for one request."""
+    caplog.set_level(logging.INFO, LOGGER)
+    params = SamplingParams(allowed_token_ids=list(range(40_000)), bad_words=["word"] * 1000, stop="s" * 500,
+                            structured_outputs=StructuredOutputsParams(regex="a" * 10_000))
+    RequestLog(enabled=True, max_log_len=6).queued("r", "r", ["hello world"], params)
+    (line,) = lines(caplog)
+    assert "allowed_token_ids=[0, 1, 2, 3, 4, 5] (40000 items)" in line and "(1000 items)" in line
+    assert "stop='ssssss' (500 characters)" in line
+    assert f"structured_outputs=Struct... ({len(repr(params.structured_outputs))} characters)" in line
+    assert len(line) < 1000
+    assert "allowed_token_ids=None" in RequestLog(enabled=True, max_log_len=None)._params(SamplingParams())
