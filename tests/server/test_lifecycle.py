@@ -65,12 +65,13 @@ def guarded(start_server) -> ServerProcess:
 
 
 def test_the_access_log_is_on_by_default_and_off_alone(server: ServerProcess, guarded: ServerProcess) -> None:
-    """A router polls each replica's /health and /metrics every second; --log-level warning hid kvserve's own
-    INFO lines with them."""
+    """A router polls each replica's /health and /metrics every second: those probes, answered, leave no line
+    (--log-level warning hid kvserve's own INFO lines with them)."""
     for each in (server, guarded):
         assert httpx.get(f"{each.url}/health").status_code == 200
-    assert '"GET /health HTTP/1.1" 200' in server.log()
-    assert '"GET /health' not in guarded.log() and ": serving " in guarded.log()
+        httpx.get(f"{each.url}/v1/models")
+    assert '"GET /v1/models HTTP/1.1" 200' in server.log() and '"GET /health HTTP/1.1" 200' not in server.log()
+    assert '"GET /v1/models' not in guarded.log() and ": serving " in guarded.log()
 
 
 def test_a_request_head_past_h11s_bound_is_refused_and_the_server_serves_on(server: ServerProcess) -> None:
