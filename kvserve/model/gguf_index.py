@@ -192,7 +192,7 @@ def _build_index(path: Path) -> GGUFIndex:
     check_layer_count(config.num_hidden_layers, num_gguf_blocks(t.name for t in table.tensors), path,
                       f"{table.architecture}.block_count")
     try:
-        apply_gguf_settings(config, table.architecture, table.scalars, _rope_factors(table, path))
+        apply_gguf_settings(config, table, _rope_factors(table, path))
     except CheckpointError as error:
         raise CheckpointError(f"{path}: {error}") from None
     processor = TENSOR_PROCESSORS.get(table.architecture, TensorProcessor)(config=config.to_dict())

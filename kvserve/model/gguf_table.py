@@ -37,6 +37,7 @@ class GGUFTable:
     architecture: str
     tensors: tuple[GGUFTensor, ...]
     scalars: dict[str, Scalar]  # every metadata value that is no array, by key
+    array_keys: frozenset[str] = frozenset()  # the keys of the arrays (stepped over, not read)
 
 
 def read_tensor_table(path: Path) -> GGUFTable:
@@ -84,7 +85,7 @@ class _Cursor:
             raise ValueError(f"{self.path}: general.alignment is {alignment}, not a power of two")
         start = -(-self.pos // alignment) * alignment
         tensors = tuple(GGUFTensor(name, qtype, shape, start + offset) for name, qtype, shape, offset in entries)
-        return GGUFTable(str(found["general.architecture"]), tensors, found)
+        return GGUFTable(str(found["general.architecture"]), tensors, found, frozenset(seen_arrays))
 
     def tensor_entry(self) -> tuple[str, int, tuple[int, ...], int]:
         name = self.string()

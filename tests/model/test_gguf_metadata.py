@@ -17,6 +17,7 @@ from transformers import Gemma3TextConfig
 from kvserve import LLM, SamplingParams
 from kvserve.model.base import CheckpointError
 from kvserve.model.gguf_metadata import apply_gguf_settings
+from kvserve.model.gguf_table import GGUFTable
 from kvserve.model.loader import load_checkpoint
 from tests.conftest import hf_greedy
 from tests.model.test_loader import byte_level_tokens, gguf_location, tiny_llama, write_gguf
@@ -74,7 +75,10 @@ def scaled_file(tmp_path: Path, extra: Callable[[gguf.GGUFWriter], None]) -> Pat
      {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
       "beta_fast": 16.0}),
     (lambda w: w.add_tensor("rope_freqs.weight", llama3_factors(LLAMA3, 16)), LLAMA3),
-], ids=["linear", "yarn", "llama3 as rope_freqs"])
+    (lambda w: w.add_float32("llama.rope.scale_linear", 4.0), {"rope_type": "linear", "rope_theta": 10000.0,
+                                                              "factor": 4.0}),
+    (lambda w: w.add_rope_scaling_factor(4.0), {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+], ids=["linear", "yarn", "llama3 as rope_freqs", "the old linear key", "a factor with no type: linear"])
 def test_a_rope_scaling_in_the_metadata_is_applied_as_transformers_applies_it(tmp_path, write, rope_parameters):
     """transformers' own GGUF reader builds these files unscaled (the GGUF here: head_dim 16, as ``tiny_llama``)."""
     path = scaled_file(tmp_path, write)
@@ -88,29 +92,60 @@ def test_a_rope_scaling_in_the_metadata_is_applied_as_transformers_applies_it(tm
      "llama.rope.scaling.type is 'longrope'"),
     (lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)),
      "no llama.rope.scaling.original_context_length"),
-    (lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), "with no rope.scaling.factor"),
     (lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(2.0),
                 w.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))), "rope_freqs.weight with a"),
-    (lambda w: w.add_float32("llama.attn_logit_softcapping", 30.0), "sets llama.attn_logit_softcapping"),
-    (lambda w: w.add_sliding_window(16), "sets llama.attention.sliding_window"),
+    (lambda w: w.add_float32("llama.rope.scaling.attn_factor", 2.0), "attn_factor is 2.0"),
+    (lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0),
+                w.add_rope_scaling_orig_ctx_len(32), w.add_float32("llama.rope.scaling.yarn_log_multiplier", 0.1)),
+     "yarn_log_multiplier is 0.1"),
     (lambda w: w.add_tensor("blk.0.attn_sinks.weight", np.ones(4, dtype=np.float32)),
      "tensors no llama model of transformers' reads: blk.0.attn_sinks.weight"),
-], ids=["longrope", "yarn without its context", "a type without a factor", "two scalings", "attention softcap",
-        "a sliding window", "a tensor no layer reads"])
+], ids=["longrope", "yarn without its context", "two scalings", "a cos and sin scale", "a yarn log multiplier",
+        "a tensor no layer reads"])
 def test_a_setting_kvserve_does_not_apply_is_refused_naming_it(tmp_path, write, message) -> None:
     path = scaled_file(tmp_path, write)
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(gguf_location(path), torch.float32)
 
 
-def test_gemma3s_local_rope_base_final_softcapping_and_scaling_go_where_transformers_reads_them() -> None:
-    """Gemma 3's scaling applies to its full-attention layers (its local ones keep theirs, as in llama.cpp)."""
-    config = Gemma3TextConfig(num_hidden_layers=2)
-    local = dict(config.rope_parameters["sliding_attention"])
+def test_the_keys_llama_cpps_saver_writes_for_every_model_change_nothing_they_do_not_change(tmp_path) -> None:
+    """``llama_model_save_to_file`` (llama-finetune's output) writes every hyperparameter: for a Llama, softcappings
+    its graph never reads, a window of 0, scalings of 1. Refused for being there, such a file loaded before."""
+    def saver_keys(writer: gguf.GGUFWriter) -> None:
+        writer.add_float32("llama.attn_logit_softcapping", 50.0)
+        writer.add_float32("llama.final_logit_softcapping", 30.0)
+        writer.add_uint32("llama.attention.sliding_window", 0)
+        writer.add_float32("llama.rope.freq_base_swa", 10000.0)
+        writer.add_float32("llama.rope.scaling.attn_factor", 1.0)
+        writer.add_float32("llama.rope.scaling.yarn_ext_factor", -1.0)
+        writer.add_float32("llama.rope.scaling.yarn_log_multiplier", 0.0)
+        writer.add_float32("llama.rope.scaling.factor", 0.0)
+
+    assert gguf_greedy(scaled_file(tmp_path, saver_keys)) == hf_greedy(sharp_llama(), PROMPT, MAX_NEW)
+
+
+def gemma3(num_layers: int, settings: dict) -> Gemma3TextConfig:
+    config = Gemma3TextConfig(num_hidden_layers=num_layers, hidden_size=5376 if num_layers == 62 else 640,
+                              num_attention_heads=32 if num_layers == 62 else 4,
+                              head_dim=128 if num_layers == 62 else 256, query_pre_attn_scalar=256)
+    apply_gguf_settings(config, GGUFTable("gemma3", (), settings), None)
+    return config
+
+
+def test_gemma3s_settings_go_where_transformers_reads_them_as_llama_cpp_reads_them() -> None:
+    """The scaling applies to its full-attention layers (its local ones keep theirs, as in llama.cpp), the local
+    rope base and pattern where it has a window, the final softcapping where not 0; the attention scale is
+    llama.cpp's: 27B's width per head (168), others' head_dim, where transformers' GGUF reader left 256."""
     settings = {"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0,
-                "gemma3.rope.freq_base_swa": 20000.0, "gemma3.final_logit_softcapping": 30.0}
-    apply_gguf_settings(config, "gemma3", settings, None)
+                "gemma3.attention.sliding_window": 512, "gemma3.rope.freq_base_swa": 20000.0,
+                "gemma3.attention.sliding_window_pattern": 3, "gemma3.final_logit_softcapping": 30.0}
+    local = dict(Gemma3TextConfig().rope_parameters["sliding_attention"])
+    config = gemma3(6, settings)
     assert config.rope_parameters["full_attention"]["rope_type"] == "linear"
     assert config.rope_parameters["full_attention"]["factor"] == 8.0
     assert config.rope_parameters["sliding_attention"] == {**local, "rope_theta": 20000.0}
-    assert config.final_logit_softcapping == 30.0
+    assert config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    assert config.final_logit_softcapping == 30.0 and config.query_pre_attn_scalar == 256
+    assert gemma3(62, {}).query_pre_attn_scalar == 168
+    unwindowed = gemma3(6, {"gemma3.rope.freq_base_swa": 20000.0, "gemma3.final_logit_softcapping": 0.0})
+    assert unwindowed.rope_parameters["sliding_attention"] == local and unwindowed.final_logit_softcapping is None
