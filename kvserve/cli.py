@@ -15,7 +15,6 @@ import io
 import sys
 
 from kvserve import __version__
-from kvserve.host_limits import bound_openmp_spin
 from kvserve.router.launch import ROUTER_HELP  # light: the router imports no engine code
 
 DEFAULT_CHECKPOINT_SIZE = "tiny"
@@ -186,7 +185,6 @@ def build_parser(command: str | None = None, bench_command: str | None = None) -
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    bound_openmp_spin()  # before anything imports torch
     try:
         # The router imports no engine code, but the other subcommands' flags pull in torch and transformers
         # (about 7 s): `kvserve router ...` is handed over before that parser is built.

@@ -14,21 +14,20 @@ from pathlib import Path
 PROC_SELF = Path("/proc/self")
 # how many local data-parallel replicas share this machine's memory (set by their parent), so each takes its share
 SHARED_BY_ENV = "KVSERVE_LOCAL_REPLICAS"
-# How many times an OpenMP thread (libgomp's: torch's and the C kernels') spins at a barrier before it sleeps:
-# about 65 us on a Zen 3, long enough to span the gaps between a step's ~300 parallel regions, short of the host
-# work between steps. libgomp's own 300,000 (some 7 ms) spins through all of it: with another process wanting the
-# cores, the spinning thread took the engine thread's turns and steps ran 5-19x slower; sleeping at once
-# (OMP_WAIT_POLICY=PASSIVE) pays a wake-up at every region, 0.6-0.8x at one stream on a quiet host.
-OPENMP_SPIN_COUNT = 3000
 logger = logging.getLogger(__name__)
 
 
-def bound_openmp_spin() -> None:
-    """Have OpenMP's threads spin ``OPENMP_SPIN_COUNT`` times before sleeping, unless ``OMP_WAIT_POLICY`` or
-    ``GOMP_SPINCOUNT`` says otherwise; for the processes kvserve's command starts, before torch loads libgomp
-    (which reads them once, as it loads: a library user sets them before importing torch)."""
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = str(OPENMP_SPIN_COUNT)
+def warn_if_cpus_are_busy() -> None:
+    """A warning where other processes already keep this process's CPUs busy and OpenMP's threads (torch's and the
+    kernels') spin between parallel regions as libgomp's default has them: each spinning thread then takes the
+    engine thread's turns (steps 2-19x slower on a 2-core Zen 3 beside one busy process or a test run), which
+    ``OMP_WAIT_POLICY=PASSIVE`` avoids at 0.8-0.9x on a quiet host (docs/results/session47-zen3/omp-spin.txt)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    load, cpus = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    if load > cpus:
+        logger.warning("the load average (%.1f) is over this process's %d CPUs: OpenMP's spinning threads will take "
+                       "turns from the steps; OMP_WAIT_POLICY=PASSIVE serves faster on a shared host", load, cpus)
 
 
 def memory_limit() -> tuple[int | None, str]:

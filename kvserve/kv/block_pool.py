@@ -59,7 +59,8 @@ class BlockPool:
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` blocks (reference count 1 each), worthless ones first (the last released first),
-        then evicting the least recently released cached ones; raises NoFreeBlocksError, taking none, when too few are unheld."""
+        then evicting the least recently released cached ones; raises NoFreeBlocksError, taking none, when too
+        few are unheld."""
         if num_blocks < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if num_blocks > self.num_free_blocks:

@@ -26,7 +26,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvserve.config import EngineConfig
-from kvserve.host_limits import fit_threads_to_cpu_quota
+from kvserve.host_limits import fit_threads_to_cpu_quota, warn_if_cpus_are_busy
 from kvserve.logs import configure_logging, uvicorn_logging
 from kvserve.server.app import build_app
 from kvserve.server.environment import warn_of_vllm_environment
@@ -48,6 +48,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServerSettin
     configure_logging(args.log_level)
     warn_of_vllm_environment()
     fit_threads_to_cpu_quota()
+    warn_if_cpus_are_busy()
     state = ServerState(settings)
     sock = serving_socket(args.host, args.port)
     raise_open_file_limit()

@@ -58,7 +58,8 @@ class FakeInputProcessor:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, add_special_tokens: bool = False,
-                            continue_final_message: bool = False, template_kwargs: dict[str, Any] | None = None) -> dict:
+                            continue_final_message: bool = False,
+                            template_kwargs: dict[str, Any] | None = None) -> dict:
         # a template that closes no message: continuing the last one is rendering it as it is
         text = "".join(f"<{m['role']}>{m.get('content', '')}" for m in messages) + ("<assistant>" * add_generation_prompt)
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
