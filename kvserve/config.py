@@ -15,7 +15,7 @@ from kvserve.kv.encodings import KV_ENCODING_NAMES
 from kvserve.sampling_params import is_seed
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SCHEDULING_POLICIES = ("fcfs", "lpm")
+SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -179,7 +179,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     # Waiting requests: "fcfs" in arrival order, or "lpm" (longest cached prefix first, SGLang's policy)
-    # with requests waiting over ``lpm_aging_steps`` steps served first, in arrival order, so none starves.
+    # with requests waiting over ``lpm_aging_steps`` steps served first, in arrival order, so none starves; or
+    # "priority" (vLLM's): by each request's priority, the lowest value first, then arrival, a request of a lower
+    # value displacing running ones of higher values (``Scheduler``'s docstring). Only "priority" takes a request
+    # priority other than 0.
     scheduling_policy: str = "lpm"
     lpm_aging_steps: int = 64
     # A running request preempted for lack of KV blocks: "recompute" drops its KV and runs its tokens again;

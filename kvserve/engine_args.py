@@ -166,8 +166,9 @@ class EngineArgs:
     max_num_batched_tokens: int = _option(SchedulerConfig.max_num_batched_tokens,
                                           "tokens per step; longer prompts are prefilled in chunks", int)
     scheduling_policy: str = _option(SchedulerConfig.scheduling_policy,
-                                     "order of waiting requests: arrival (fcfs) or longest cached prefix first "
-                                     "(lpm)", str, SCHEDULING_POLICIES)
+                                     "order of waiting requests: arrival (fcfs), longest cached prefix first "
+                                     "(lpm), or each request's priority, the lowest value first and displacing "
+                                     "running requests of higher values (priority)", str, SCHEDULING_POLICIES)
     lpm_aging_steps: int | None = _option(None, f"lpm: requests waiting longer than this many steps go first, in "
                                           f"arrival order (default {SchedulerConfig.lpm_aging_steps})", int)
     preemption_mode: str = _option(SchedulerConfig.preemption_mode,

@@ -50,6 +50,7 @@ class Request:
     # finds it when the request is scheduled even if its cache has let it go meanwhile (``sample/grammar.py``)
     grammar: object | None = None
     cache_salt: str | None = None  # shares cached KV blocks only with requests sent with the same salt
+    priority: int = 0  # scheduling_policy "priority": the lower, the sooner (ties go by arrival_time)
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -209,34 +209,34 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(self._compiling, processor.check_constraint, spec)
 
     async def generate(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None
+        self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None, priority: int = 0
     ) -> AsyncGenerator[RequestOutput, None]:
         """Queue one request and yield its cumulative outputs until the finished one.
 
         Outputs may be coalesced: when the consumer falls behind, only the latest output is yielded (each is
         cumulative, so nothing is lost). Bad input raises ValueError before anything is yielded. If the
         consumer stops early (cancelled, closed, disconnected client), the request is aborted and its KV
-        blocks are freed.
+        blocks are freed. ``priority``: ``LLMEngine.add_request``'s.
         """
-        stream = self.generate_many([prompt], params, [request_id] if request_id else None)
+        stream = self.generate_many([prompt], params, [request_id] if request_id else None, priority=priority)
         async with contextlib.aclosing(stream):
             async for outputs in stream:
                 yield outputs[0]
 
     async def generate_many(
         self, prompts: Sequence[PromptInput], params: SamplingParams, request_ids: Sequence[str] | None = None,
-        admission: Admission | None = None, final_only: bool = False,
+        admission: Admission | None = None, final_only: bool = False, priority: int = 0,
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """Queue several requests with the same params, all or none (one bad prompt raises ValueError and
         queues nothing), and yield, each time any of them moves (with ``final_only``: the first time, then as
         each finishes), the latest output of each request in input order; a request that has not produced
         anything yet appears as an output with no samples. ``admission``: the one ``admit`` gave these requests,
-        closed as their add takes over its count."""
+        closed as their add takes over its count. ``priority``: each request's (``LLMEngine.add_request``)."""
         ids = list(request_ids) if request_ids else [f"req-{next(self._request_counter)}" for _ in prompts]
         stream = _Stream(asyncio.get_running_loop(), _Mailbox(), final_only)
         mailbox = stream.mailbox
         try:
-            await self._add(ids, prompts, params, stream, admission)
+            await self._add(ids, prompts, params, stream, admission, priority)
         except asyncio.CancelledError:  # the add may have run before the cancellation reached it
             self.abort(ids)
             raise
@@ -314,7 +314,7 @@ class AsyncEngine:
 
     async def _add(
         self, ids: list[str], prompts: Sequence[PromptInput], params: SamplingParams, stream: _Stream,
-        admission: Admission | None,
+        admission: Admission | None, priority: int,
     ) -> None:
         arrival_time = time.monotonic()
 
@@ -324,7 +324,7 @@ class AsyncEngine:
                 for rid, prompt in zip(ids, processed):
                     if rid in self._streams:
                         raise ValueError(f"request id {rid!r} is already in use")
-                    engine.add_processed(rid, prompt)
+                    engine.add_processed(rid, prompt, priority)
                     self._streams[rid] = stream
                     added.append(rid)
             except BaseException:

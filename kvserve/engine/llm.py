@@ -63,6 +63,8 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        *,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
@@ -72,7 +74,8 @@ class LLM:
         the model's generation_config.json's). Every prompt is
         validated before any runs: a bad one raises ValueError and nothing is left queued. Calls from several
         threads run one after the other. ``use_tqdm``: a progress bar (for 8 prompts or more), or, as in vLLM, the
-        tqdm-like class to make it with.
+        tqdm-like class to make it with. ``priority``: one per prompt, as vLLM's (the lower, the sooner; needs
+        ``scheduling_policy="priority"`` for any but 0).
         """
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
@@ -80,14 +83,19 @@ class LLM:
             raise TypeError("prompts must be a string, a dict with 'prompt_token_ids' or 'prompt', or a list of "
                             f"them; got {type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts), self.get_default_sampling_params())
+        if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence)):
+            raise TypeError(f"priority must be a list with one int per prompt, got {type(priority).__name__}")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} values for {len(prompts)} prompts: give one per prompt")
         self._check_process()
         with self._running:
             process = self.engine.input_processor.process
             processed = [process(p, sp, cap_max_tokens=True) for p, sp in zip(prompts, params)]
             request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
             try:
-                for rid, p in zip(request_ids, processed):
-                    self.engine.add_processed(rid, p)
+                for rid, p, rank in zip(request_ids, processed, priorities):
+                    self.engine.add_processed(rid, p, rank)
             except BaseException:  # e.g. a request larger than the whole KV cache: leave nothing queued
                 self.engine.abort_request(request_ids)
                 raise

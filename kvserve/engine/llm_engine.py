@@ -39,7 +39,7 @@ from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.model.sources import resolve_model
 from kvserve.outputs import FinishReason, RequestOutput
 from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import InvalidParameter, SamplingParams
 from kvserve.sched.output import EngineOutput, SchedulerOutput
 from kvserve.sched.scheduler import Scheduler
 from kvserve.worker.draft_model import DraftModel
@@ -330,15 +330,18 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step(final_only=True)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams) -> None:
-        """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad."""
-        self.add_processed(request_id, self.input_processor.process(prompt, params))
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0) -> None:
+        """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad.
+        ``priority``: under the priority scheduling policy, the lower the sooner (vLLM's); 0 under the others."""
+        self.add_processed(request_id, self.input_processor.process(prompt, params), priority)
 
-    def add_processed(self, request_id: str, processed: ProcessedPrompt) -> None:
+    def add_processed(self, request_id: str, processed: ProcessedPrompt, priority: int = 0) -> None:
         """Queue one request whose prompt ``input_processor.process`` has tokenized and checked (which reads only
         the tokenizer and the model's limits, so a server runs it beside the steps, on a thread of its own)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidParameter("priority", f"priority must be an integer, got {priority!r}")
         request = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
-                          grammar=processed.grammar, cache_salt=processed.cache_salt)
+                          grammar=processed.grammar, cache_salt=processed.cache_salt, priority=priority)
         # the frontend first: it still tracks an n > 1 request whose first sample the scheduler has finished
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, processed.params, self.eos_token_ids

@@ -11,6 +11,14 @@ again. By swap (``"swap"``), the KV manager copies its KV to the host tier and f
 ``num_computed_tokens``, and when it is admitted again its prefix match is that KV, which the manager loads
 into fresh blocks, so it computes nothing again. A swap the host tier cannot take falls back to recompute.
 
+Under ``priority`` (vLLM's policy) each request has a rank, its priority then its arrival (the lower, the
+sooner), and both queues are kept in rank order: the waiting queue's head is the first to admit, and the last
+running request, the one preempted when KV runs out, is the lowest ranked. The head of the waiting queue also
+displaces running requests of a higher priority value (the lowest ranked first) until it has a seat and the
+blocks for its first chunk, as vLLM's v0 priority scheduler did (its v1 preempts only for a running request's
+blocks, so a queue of urgent requests waited out every long low-priority one holding a seat). Requests of equal
+priority never displace each other, so the policy cannot thrash among them.
+
 A step's ``SchedulerOutput`` is a diff of the runner's batch (``batch_diff.py``). A request with n > 1 forks
 once, when all but its last prompt token are computed, into samples that share its KV (``forks.py``); where a
 request's tokens end, and which prompt logprobs it still owes, are rules of the request alone (``stopping.py``).
@@ -26,6 +34,7 @@ always make progress and the loop never deadlocks.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from collections import deque
@@ -38,6 +47,7 @@ from kvserve.kv.prefix_cache import PrefixMatch
 from kvserve.kv.swap import SwapCounters, SwappedKV
 from kvserve.outputs import FinishReason
 from kvserve.request import SAMPLE_ID_SEPARATOR, Request, RequestStatus
+from kvserve.sampling_params import InvalidParameter
 from kvserve.sched.batch_diff import RunnerBatchMirror
 from kvserve.sched.forks import ForkCopies, is_ready_to_fork, new_sample
 from kvserve.sched.output import (
@@ -80,7 +90,7 @@ class Scheduler:
         self.speculation = speculation
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: the last one is the newest
+        self.running: list[Request] = []  # admission order (the last one is the newest); rank order under priority
         self._batch_mirror = RunnerBatchMirror(kv)
         self._fork_copies = ForkCopies(kv)
         self.num_preemptions = 0  # running requests preempted, since start
@@ -143,11 +153,15 @@ class Scheduler:
             )
         if not request.prompt_token_ids:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidParameter("priority", f"priority {request.priority} needs the priority scheduling policy "
+                                   f"(--scheduling-policy priority); this engine schedules by "
+                                   f"{self.config.scheduling_policy}")
         self._check_fits(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self._arrival_step[request.request_id] = self._batch_mirror.num_steps_sent
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def _check_fits(self, request: Request) -> None:
         """Refuse what could never run, so that no admitted request can deadlock the loop."""
@@ -201,6 +215,8 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_running)
         scheduled: list[tuple[Request, int]] = []
         drafts: dict[str, tuple[int, ...]] = {}
+        if self.config.scheduling_policy == "priority":
+            self._displace_for_waiting()
         num_preempted = self._schedule_running(budget, scheduled, drafts)
         if not num_preempted:  # memory is tight when preempting: admitting now would only thrash
             self._schedule_waiting(budget, scheduled)
@@ -248,22 +264,39 @@ class Scheduler:
         return SchedulerOutput(self._batch_mirror.continued_rows(continuing), len(continuing))
 
     def _could_admit(self) -> bool:
-        """Whether ``schedule`` could admit a waiting request now: room in the batch, and free blocks for the
-        first chunk of the request first in the queue beyond its cached prefix. The head alone, not the one lpm
-        would try first: ordering the queue here cost 6-11 ms a continued step (a prefix match for each of the
-        first 128 waiting), where a request whose prefix is cached waits at most until the head fits."""
-        if not self.waiting or len(self.running) >= self.config.max_running:
+        """Whether ``schedule`` could admit a waiting request now: the request first in the queue fits
+        (``_fits_now``), or (``priority``) it would displace running ones. The head alone, not the one lpm would
+        try first: ordering the queue here cost 6-11 ms a continued step (a prefix match for each of the first 128
+        waiting), where a request whose prefix is cached waits at most until the head fits."""
+        return bool(self.waiting) and (
+            self._outranks_last_running(self.waiting[0]) or self._fits_now(self.waiting[0]))
+
+    def _fits_now(self, request: Request) -> bool:
+        """A seat in the batch, and free blocks for the request's first chunk beyond its cached prefix."""
+        if len(self.running) >= self.config.max_running:
             return False
-        first = self.waiting[0]
-        num_new = min(first.num_tokens - self._match_prefix(first).num_tokens, self.config.max_num_batched_tokens)
+        num_new = min(request.num_tokens - self._match_prefix(request).num_tokens, self.config.max_num_batched_tokens)
         return self.kv.max_blocks_for(num_new, num_new) <= self.kv.num_free_blocks()
+
+    def _outranks_last_running(self, request: Request) -> bool:
+        """``priority``: the request's priority value is lower than the last running request's."""
+        return (self.config.scheduling_policy == "priority" and bool(self.running)
+                and request.priority < self.running[-1].priority)
+
+    def _displace_for_waiting(self) -> None:
+        """``priority``: preempt running requests of a higher priority value than the head of the waiting queue,
+        the lowest ranked first, until the head fits (it is admitted by ``_schedule_waiting``, unless running
+        requests' own blocks preempt more first). One head a step: the next waits for the next step."""
+        while self.waiting and self._outranks_last_running(self.waiting[0]) and not self._fits_now(self.waiting[0]):
+            self._preempt_last()
 
     def _schedule_running(
         self, budget: _Budget, scheduled: list[tuple[Request, int]], drafts: dict[str, tuple[int, ...]]
     ) -> int:
-        """Give each running request its next tokens (plus a draft, if it speculates), preempting the newest
-        when KV runs out; returns the number preempted. Victims come from the tail, which this loop has not
-        reached yet. A draft never preempts: without the blocks for it, the request decodes one token."""
+        """Give each running request its next tokens (plus a draft, if it speculates), preempting the last (the
+        newest; the lowest ranked under ``priority``) when KV runs out; returns the number preempted. Victims come
+        from the tail, which this loop has not reached yet. A draft never preempts: without the blocks for it, the
+        request decodes one token."""
         num_preempted = 0
         index = 0
         while index < len(self.running) and budget.has_room():
@@ -276,7 +309,7 @@ class Scheduler:
             else:
                 while not self.kv.allocate_slots(request, num_new):
                     num_preempted += 1
-                    if self._preempt_newest() is request:
+                    if self._preempt_last() is request:
                         return num_preempted
             scheduled.append((request, num_new))
             budget.take(num_new)
@@ -338,12 +371,12 @@ class Scheduler:
 
     def _waiting_in_policy_order(self) -> list[Request]:
         """The first ``WAITING_SCAN`` requests of the queue, in the order to admit them. fcfs: queue order
-        (preempted requests first). lpm: among the first ``LPM_WINDOW``, preempted and aged requests in queue
-        order, then the rest by longest cached prefix (the sort is stable, so ties keep arrival order); then the
-        others in queue order. Ordering the whole queue matched every waiting request's prefix every step: with
+        (preempted requests first); priority: queue order (rank order). lpm: among the first ``LPM_WINDOW``,
+        preempted and aged requests in queue order, then the rest by longest cached prefix (the sort is stable, so
+        ties keep arrival order); then the others in queue order. Ordering the whole queue matched every waiting request's prefix every step: with
         100,000 queued that was most of each step. A list, not a view: admitting a request may queue its fork."""
         candidates = list(itertools.islice(self.waiting, WAITING_SCAN))
-        if self.config.scheduling_policy == "fcfs" or self.kv.prefix_cache is None or len(candidates) < 2:
+        if self.config.scheduling_policy != "lpm" or self.kv.prefix_cache is None or len(candidates) < 2:
             return candidates
         oldest_fresh_step = self._batch_mirror.num_steps_sent - self.config.lpm_aging_steps
 
@@ -365,7 +398,7 @@ class Scheduler:
                 self.num_prefix_hit_tokens += start.num_tokens
         request.num_computed_tokens = start.num_tokens
         request.status = RequestStatus.RUNNING
-        self.running.append(request)
+        self._add_running(request)
         if is_ready_to_fork(request):  # all but its last prompt token were cached (or it has only one)
             self._fork(request)
 
@@ -376,10 +409,32 @@ class Scheduler:
         wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
         return self.kv.match_prefix(request, request.num_prompt_logprobs_sent if wants_prompt_logprobs else None)
 
-    def _preempt_newest(self) -> Request:
-        """Preempt the newest running request and queue it at the front of the waiting queue: by swap, its KV
-        kept in the host tier to resume from; by recompute (or when the host tier cannot take it), its KV
-        dropped, to run all its tokens again. Returns it."""
+    def _add_running(self, request: Request) -> None:
+        """Last in the running list (admission order), or under ``priority`` in its rank's place."""
+        if self.config.scheduling_policy == "priority" and self.running and _rank(request) < _rank(self.running[-1]):
+            bisect.insort_right(self.running, request, key=_rank)
+        else:
+            self.running.append(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at the back as it arrives, at the front (``front``) as it is preempted or
+        parked; under ``priority`` in its rank's place, after those of its rank (a deque's insert in the middle
+        moves at most half the queue, and only a request that outranks the last waiting one needs it)."""
+        if self.config.scheduling_policy == "priority":
+            if self.waiting and _rank(request) < _rank(self.waiting[-1]):
+                self.waiting.insert(bisect.bisect_right(self.waiting, _rank(request), key=_rank), request)
+            else:
+                self.waiting.append(request)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _preempt_last(self) -> Request:
+        """Preempt the last running request (the newest; the lowest ranked under ``priority``) and queue it at the
+        front of the waiting queue (in its rank's place): by swap, its KV kept in the host tier to resume from; by
+        recompute (or when the host tier cannot take it), its KV dropped, to run all its tokens again. Returns
+        it."""
         request = self.running.pop()
         if not (self.config.preemption_mode == "swap" and self.kv.swap_out(request)):
             self.kv.free(request)
@@ -388,7 +443,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
         return request
 
     def _take_kv_transfers(self) -> KVTransferPlan:
@@ -447,7 +502,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_running:
                 self._park_sample(parent, sample)
             elif self._fork_copies.share_kv(parent, sample):
-                self.running.append(sample)
+                self._add_running(sample)
             else:  # no block for its copy: counted as a preemption, as the swap counters count it among theirs
                 self.num_preemptions += 1
                 self._park_sample(parent, sample)
@@ -459,7 +514,7 @@ class Scheduler:
         if not (self.config.preemption_mode == "swap" and self.kv.fork_swapped(parent, sample)):
             sample.num_computed_tokens = 0
         sample.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(sample)
+        self._enqueue(sample, front=True)
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> list[int]:
         """Append sampled tokens until one stops the request; returns those appended."""
@@ -504,6 +559,12 @@ class Scheduler:
         self._batch_mirror.mark_finished(request.request_id)
         if self.speculation is not None:
             self.speculation.drop(request.request_id)
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """A request's place under ``priority``: its priority, then its arrival (an n > 1 request's samples share
+    their parent's)."""
+    return request.priority, request.arrival_time
 
 
 def _engine_output(

@@ -167,6 +167,8 @@ class SamplingRequest(RequestBody):
     # vLLM's: the prefix cache shares this request's blocks only with requests sent with the same salt (checked,
     # a non-empty string, with the prompt: ``input_processor``)
     cache_salt: Text | None = None
+    # vLLM's: the lower, the sooner, under --scheduling-policy priority (any other value is a 400 without it)
+    priority: StrictInt = 0
     service_tier: Literal["auto", "default"] | None = None
     # OpenAI fields kvserve does not implement: refused by name rather than ignored
     store: StrictBool | None = None

@@ -170,7 +170,7 @@ class GenerationHandler:
         logged = self.request_log.queued(self.request_id, request_id, prompts, self.params)
         try:
             stream = self.engine.generate_many(prompts, self.params, request_ids, self.admission,
-                                               final_only=not self.body.stream)
+                                               final_only=not self.body.stream, priority=self.body.priority)
             first = await anext(stream)
         except BaseException as error:  # refused, or its client gone before any output
             if logged is not None:

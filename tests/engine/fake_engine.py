@@ -91,19 +91,21 @@ class FakeEngine:
         self.default_sampling_params = SamplingParams()
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, _FakeRequest] = {}
+        self.priorities: dict[str, int] = {}  # each request's priority as added (the server passes the body's)
         self.num_steps = 0
         self.step_error: BaseException | None = None
         self.worker_failure: BaseException | None = None  # what check_workers raises, once set
         self.threads_seen: set[str] = set()
         self.num_kv_flushes = 0
 
-    def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
-        self.add_processed(request_id, self.input_processor.process(prompt, params))
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0) -> None:
+        self.add_processed(request_id, self.input_processor.process(prompt, params), priority)
 
-    def add_processed(self, request_id: str, processed: ProcessedPrompt) -> None:
+    def add_processed(self, request_id: str, processed: ProcessedPrompt, priority: int = 0) -> None:
         self._note_thread()
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
+        self.priorities[request_id] = priority
         params = processed.params
         self.requests[request_id] = _FakeRequest(
             request_id, processed.prompt, processed.prompt_token_ids, params.max_tokens, params.n)

@@ -19,6 +19,8 @@ from tqdm.auto import tqdm
 
 from kvserve import LLM, SamplingParams, StructuredOutputsParams
 from kvserve.outputs import FinishReason
+from kvserve.sampling_params import InvalidParameter
+from tests.conftest import assert_all_blocks_free
 
 
 @pytest.fixture(scope="module")
@@ -595,3 +597,59 @@ def test_an_llm_dropped_with_a_disk_tier_stops_its_threads_at_once(tiny_checkpoi
         assert tier_threads() == []
     finally:
         gc.enable()
+
+
+def _finish_order(llm: LLM, prompts: list, params: SamplingParams, priorities: list[int],
+                  steps_between: int = 0) -> list:
+    """Add the prompts one by one (``steps_between`` steps after each) and step to the end: the finished outputs
+    in the order they finished."""
+    engine, finished = llm.engine, []
+    for i, (prompt, priority) in enumerate(zip(prompts, priorities)):
+        engine.add_request(f"r{i}", prompt, params, priority=priority)
+        for _ in range(steps_between):
+            finished += [out for out in engine.step() if out.finished]
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+    return finished
+
+
+def test_the_priority_policy_serves_the_lowest_value_first_and_displaces_with_the_same_tokens(
+        llm: LLM, tiny_checkpoints) -> None:
+    prompts = [{"prompt_token_ids": [5 + i, 6, 7 + 2 * i]} for i in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = {f"r{i}": out.outputs[0].token_ids for i, out in enumerate(llm.generate(prompts, params))}
+    with LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=128, max_num_seqs=1,
+             scheduling_policy="priority") as ranked:
+        queued = _finish_order(ranked, prompts, params, [3, 1, 2, 0, 1])
+        assert [out.request_id for out in queued] == ["r3", "r1", "r4", "r2", "r0"]
+        # each arrives while the one before runs, and every one of a lower value takes its seat
+        displacing = _finish_order(ranked, prompts, params, [4, 3, 2, 1, 0], steps_between=3)
+        assert [out.request_id for out in displacing] == ["r4", "r3", "r2", "r1", "r0"]
+        assert ranked.engine.core.scheduler.num_preemptions == 4
+        for finished in (queued, displacing):
+            assert {out.request_id: out.outputs[0].token_ids for out in finished} == expected
+        assert_all_blocks_free(ranked)
+
+
+def test_generate_takes_a_priority_per_prompt_under_the_priority_policy_only(llm: LLM, tiny_checkpoints) -> None:
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    with pytest.raises(InvalidParameter, match="--scheduling-policy priority") as refused:
+        llm.generate(["a", "b"], params, priority=[0, 1])
+    assert refused.value.param == "priority"
+    assert _nothing_queued(llm)  # the first prompt, queued with priority 0, was taken back
+    with LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=128,
+             scheduling_policy="priority") as ranked:
+        outs = ranked.generate(["a", "b"], params, priority=[5, -2])
+        assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+        with pytest.raises(ValueError, match="2 values for 3 prompts"):
+            ranked.generate(["a", "b", "c"], params, priority=[0, 1])
+        with pytest.raises(TypeError, match="one int per prompt"):
+            ranked.generate("a", params, priority=1)
+        with pytest.raises(InvalidParameter, match="must be an integer"):
+            ranked.generate(["a"], params, priority=[True])
+        assert _nothing_queued(ranked)
+
+
+def _nothing_queued(llm: LLM) -> bool:
+    stats = llm.stats()
+    return (stats["num_waiting"], stats["num_running"], stats["num_blocks_used"]) == (0, 0, 0)

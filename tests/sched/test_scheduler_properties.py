@@ -43,6 +43,7 @@ class Spec:
     prefix_group: int  # requests of a group share the first prefix_len tokens of their prompts
     prefix_len: int
     cache_salt: str | None  # shares blocks only with its salt's requests (KV integrity checks each path's root)
+    priority: int  # taken under the priority policy only (the others refuse any but 0)
 
     @property
     def sample_ids(self) -> list[str]:
@@ -65,6 +66,7 @@ def specs(draw: st.DrawFn, max_tokens: int = 10) -> list[Spec]:
             prefix_group=draw(st.integers(0, 2)),
             prefix_len=draw(st.integers(0, 24)),
             cache_salt=draw(st.sampled_from([None, None, "a", "b"])),
+            priority=draw(st.sampled_from([0, 0, 1, 2, -1])),
         )
         for i in range(num_requests)
     ]
@@ -84,6 +86,8 @@ def run_workload(scheduler: Scheduler, runner: FakeRunner, workload: list[Spec])
                 request = make_request(spec.request_id, spec.num_prompt, prefix=prefix, max_tokens=spec.max_tokens,
                                        n=spec.n, prompt_logprobs=0 if spec.prompt_logprobs else None)
                 request.cache_salt = spec.cache_salt
+                if scheduler.config.scheduling_policy == "priority":
+                    request.priority = spec.priority
                 scheduler.add_request(request)
         abort_now = [s for s in workload if s.abort_step == step_index]
         abort(scheduler, [s for s in abort_now if not s.abort_mid_step])
@@ -123,7 +127,7 @@ def check_results(spec: Spec, outputs: dict[str, list[EngineOutput]], token_fn: 
     budget=st.integers(1, 32),
     max_num_seqs=st.integers(1, 6),
     prefix_caching=st.booleans(),
-    policy=st.sampled_from(["fcfs", "lpm"]),
+    policy=st.sampled_from(["fcfs", "lpm", "priority"]),
 )
 def test_random_workloads_finish_cleanly(
     workload: list[Spec], block_size: int, num_blocks: int, budget: int, max_num_seqs: int, prefix_caching: bool,
@@ -161,7 +165,7 @@ def test_random_workloads_finish_cleanly(
     max_num_seqs=st.integers(1, 6),
     host_blocks=st.integers(1, 24),
     with_disk=st.booleans(),
-    policy=st.sampled_from(["fcfs", "lpm"]),
+    policy=st.sampled_from(["fcfs", "lpm", "priority"]),
     preemption_mode=st.sampled_from(["recompute", "swap"]),
     prefix_caching=st.booleans(),
 )

@@ -107,6 +107,17 @@ def test_echo_and_chat_shapes(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].delta.content for c in chunks) == whole.choices[0].message.content
 
 
+def test_a_requests_priority_reaches_the_engine_from_both_endpoints(srv: InProcessServer,
+                                                                   client: openai.OpenAI) -> None:
+    before = set(srv.fake.priorities)
+    client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=1, extra_body={"priority": -3})
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                   extra_body={"priority": 7})
+    client.completions.create(model=MODEL, prompt="ab", max_tokens=1)
+    added = [srv.fake.priorities[rid] for rid in srv.fake.priorities if rid not in before]
+    assert added == [-3, -3, 7, 0]
+
+
 def test_a_chat_answer_has_every_field_openais_has(srv: InProcessServer) -> None:
     """Raw JSON, as a client without the SDK (which fills missing fields with None) reads it."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}

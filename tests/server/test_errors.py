@@ -57,6 +57,7 @@ BAD_COMPLETIONS = {
     "logit_bias key a non-ASCII digit": completion(logit_bias={"\u00b2": 1.0}),
     "repetition_penalty that fp32 cannot hold": completion(repetition_penalty=1e-300),
     "an empty cache_salt": completion(cache_salt=""),
+    "priority not an integer": completion(priority="high"),
 }
 
 BAD_CHATS = {
@@ -149,6 +150,9 @@ def test_an_error_names_the_field_as_the_request_sent_it(server: ServerProcess) 
              (completion(best_of=3), "/v1/completions", "best_of"),
              (completion(tools=[]), "/v1/completions", "tools"),
              (completion(prompt=""), "/v1/completions", "prompt"),
+             # vLLM's priority needs --scheduling-policy priority (this server's policy is lpm)
+             (completion(priority=1), "/v1/completions", "priority"),
+             (chat(priority=-1), "/v1/chat/completions", "priority"),
              # a batch is queued at once, ahead of every later request: at most 2,048 samples
              (completion(prompt=[[5]] * 2049), "/v1/completions", "prompt"),
              (completion(prompt=["a"] * 33, n=64), "/v1/completions", "prompt")]
