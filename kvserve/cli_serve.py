@@ -17,6 +17,7 @@ from kvserve.engine_args import EngineArgs
 from kvserve.logs import add_log_arguments
 from kvserve.server.cors import CorsPolicy, add_cors_arguments
 from kvserve.server.environment import api_keys
+from kvserve.server.reasoning_parsers import REASONING_PARSERS
 from kvserve.server.request_log import RequestLog, add_request_log_arguments
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings
 from kvserve.server.tools import TOOL_CALL_PARSERS
@@ -62,6 +63,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the format of the model's own tool calls, read under tool_choice auto (auto: the one "
                              "the chat template uses; hermes where the template takes no tools; default: "
                              "%(default)s)")
+    parser.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                        help="split a chat answer's thinking (<think>...</think>) into the message's 'reasoning', "
+                             "'content' holding the answer alone, as vLLM's parsers of those names do (qwen3: "
+                             "chat_template_kwargs enable_thinking false makes it all answer; default: none, the "
+                             "thinking stays in 'content')")
     parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                         help="vLLM's, taken for its tool-calling recipes: kvserve always serves tool_choice 'auto' "
                              "(default: on; off is refused)")
@@ -123,6 +129,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         cors=CorsPolicy.from_cli_args(args),
         request_log=RequestLog.from_cli_args(args),
     )

@@ -125,7 +125,8 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _serve(state, ChatServer, body, request, tool_call_parser=state.settings.tool_call_parser)
+        return await _serve(state, ChatServer, body, request, tool_call_parser=state.settings.tool_call_parser,
+                            reasoning_parser=state.settings.reasoning_parser)
 
 
 async def _serve(state: ServerState, handler: Callable[..., _Generation], body: SamplingRequest, request: Request,

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages (and tools) rendered with the model's chat template -> an assistant
-reply: content, or tool calls read out of the output by ``tools``' parser."""
+reply: content, or tool calls read out of the output by ``tools``' parser; with ``--reasoning-parser``, the
+thinking split off first (``reasoning_parsers``), the calls read out of the answer alone."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ from kvserve.server.chat_protocol import (
     TopLogprob,
 )
 from kvserve.server.protocol import Usage
+from kvserve.server.reasoning_parsers import (
+    THINK_END,
+    THINK_START,
+    ReasoningDelta,
+    ReasoningSplitter,
+    split_reasoning,
+    starts_in_reasoning,
+)
 from kvserve.server.request_log import RequestLog
 from kvserve.server.logprobs import entry_spelling, text_positions, top_entries
 from kvserve.server.streaming import (
@@ -45,6 +54,7 @@ from kvserve.server.tool_parsers import NamedToolCallParser, ParsedDelta, ToolCa
 from kvserve.server.tools import (
     DeclaredTools,
     checked_schema,
+    dropped_by_decoding,
     needs_special_tokens,
     output_parser,
     tool_call_format,
@@ -77,14 +87,19 @@ class ChatServer(GenerationHandler):
 
     def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest, model_name: str,
                  tool_call_parser: str = "auto", client_request_id: str | None = None,
-                 admission: Admission | None = None, request_log: RequestLog = RequestLog()) -> None:
+                 admission: Admission | None = None, request_log: RequestLog = RequestLog(),
+                 reasoning_parser: str | None = None) -> None:
         super().__init__(engine, body, model_name, client_request_id, admission, request_log)
         self.tool_choice = body.effective_tool_choice
         self.tool_format = tool_call_format(tool_call_parser, engine.engine.input_processor.chat_template(body.tools))
-        if self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer):
+        self.reasoning_parser = reasoning_parser
+        if (self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer)
+                or reasoning_parser and any(dropped_by_decoding(self.tokenizer, t) for t in (THINK_START, THINK_END))):
             self.params = dataclasses.replace(self.params, skip_special_tokens=False)
         self._parsers: dict[int, ToolCallParser | NamedToolCallParser | None] = {}
         self._declared: DeclaredTools | None = None
+        self._in_reasoning = False  # whether the output starts in the thinking (known once rendered)
+        self._splitters: dict[int, ReasoningSplitter] = {}
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:
         """Render and queue the conversation (raising APIError 400 for bad input); return the output stream."""
@@ -93,7 +108,23 @@ class ChatServer(GenerationHandler):
             await self._check_tool_schemas()  # each a 400 naming the tool: DeclaredTools takes them as they are
             self._declared = DeclaredTools(body.tool_dicts or [])
         prompt = await render_chat(self.engine, body.messages, body.tool_dicts, **body.template_options)
+        if self.reasoning_parser is not None:
+            self._in_reasoning = starts_in_reasoning(self.reasoning_parser, prompt["prompt"],
+                                                     body.chat_template_kwargs)
+            self._check_no_constraint_on_reasoning()
         return await self._generate([prompt])
+
+    def _check_no_constraint_on_reasoning(self) -> None:
+        """A 400 naming the constraint (``response_format``, a ``guided_*`` field, ``structured_outputs``, or a
+        ``tool_choice`` that forces calls) of an output that starts in its thinking: kvserve's grammar would hold
+        the thinking to it too, where vLLM's starts at the thinking's end, which kvserve does not do yet. Where the
+        prompt closed the thinking (``enable_thinking: false``), the whole output is the answer, and is held."""
+        field = self.body.constraint_field
+        if field is not None and self._in_reasoning:
+            raise bad_request(InvalidParameter(field, f"{field} with --reasoning-parser {self.reasoning_parser}: "
+                                               "kvserve cannot yet start a constraint where the thinking ends; "
+                                               "turn the thinking off (chat_template_kwargs enable_thinking: false "
+                                               "on Qwen3) or send no constraint"))
 
     async def _check_tool_schemas(self) -> None:
         """A 400 naming the tool, and where in its parameters, whose schema is no JSON schema (as OpenAI checks,
@@ -139,7 +170,13 @@ class ChatServer(GenerationHandler):
     def _response(self, out: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for s in out.outputs:
-            message, finish_reason = self._message(s.text, str(s.finish_reason), s.stop_reason)
+            if self.reasoning_parser is None:
+                message, finish_reason = self._message(s.text, str(s.finish_reason), s.stop_reason)
+            else:
+                split = split_reasoning(s.text, self._in_reasoning)
+                message, finish_reason = self._message(split.content, str(s.finish_reason), s.stop_reason)
+                message.content = message.content or None
+                message.reasoning = self._reasoning(split)
             choices.append(ChatChoice(index=s.index, message=message, finish_reason=finish_reason,
                                       stop_reason=s.stop_reason, logprobs=self._logprobs(SampleDelta.whole(s))))
         return ChatCompletionResponse(
@@ -161,14 +198,16 @@ class ChatServer(GenerationHandler):
         outputs: list[RequestOutput] = []
         async for outputs in stream:
             for index, delta in cursor.advance(outputs):
-                if delta.finish_reason is None and not self.body.logprobs and self._parser(index) is None:
+                if (delta.finish_reason is None and not self.body.logprobs and self._parser(index) is None
+                        and self.reasoning_parser is None):
                     yield contents.event(index, delta.text)  # content alone, as a parser-less _delta makes it
                     continue
-                message, finish_reason = self._delta(index, delta.text, delta.finish_reason, delta.stop_reason)
+                message, finish_reason = self._reasoning_delta(index, delta.text, delta.finish_reason,
+                                                               delta.stop_reason)
                 logprobs = self._logprobs(delta)
-                if message.content is None and message.tool_calls is None and finish_reason is None \
-                        and logprobs is None:
-                    continue  # text a tool-call parser holds back: nothing to send yet
+                if message.content is None and message.tool_calls is None and message.reasoning is None \
+                        and finish_reason is None and logprobs is None:
+                    continue  # text a parser holds back: nothing to send yet
                 choice = ChatChunkChoice(index=index, delta=message, finish_reason=finish_reason,
                                          stop_reason=delta.stop_reason, logprobs=logprobs)
                 yield sse(self._chunk([choice]), exclude)
@@ -198,6 +237,26 @@ class ChatServer(GenerationHandler):
             return AssistantMessage(content=content if not calls else text), finish_reason
         tool_calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
         return AssistantMessage(content=content or None, tool_calls=tool_calls), finished
+
+    def _reasoning_delta(self, index: int, text: str, finish_reason: str | None,
+                         stop_reason: int | str | None) -> tuple[DeltaMessage, str | None]:
+        """A streamed piece of choice ``index``, its thinking split off first where a reasoning parser runs."""
+        if self.reasoning_parser is None:
+            return self._delta(index, text, finish_reason, stop_reason)
+        splitter = self._splitters.setdefault(index, ReasoningSplitter(self._in_reasoning))
+        split = splitter.feed(text)
+        if finish_reason is not None:
+            split += splitter.finish()
+        message, finish_reason = self._delta(index, split.content, finish_reason, stop_reason)
+        message.content = message.content or None
+        reasoning = self._reasoning(split)
+        if reasoning is not None:
+            message.reasoning = reasoning
+        return message, finish_reason
+
+    def _reasoning(self, split: ReasoningDelta) -> str | None:
+        """The thinking an answer carries: none where it is empty or the request left it out."""
+        return split.reasoning or None if self.body.include_reasoning else None
 
     def _delta(self, index: int, text: str, finish_reason: str | None,
                stop_reason: int | str | None) -> tuple[DeltaMessage, str | None]:

@@ -122,6 +122,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # OpenAI's default: auto with tools, none without
     parallel_tool_calls: StrictBool = True
+    # vLLM's: false leaves the thinking a --reasoning-parser splits off out of the answer
+    include_reasoning: StrictBool = True
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -201,7 +203,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
-class AssistantMessage(BaseModel):
+class WithReasoning(BaseModel):
+    """A message whose ``reasoning`` (vLLM's field: the thinking ``--reasoning-parser`` split off) is sent only
+    where it was set: a server without a parser answers as before, field for field."""
+
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _reasoning_where_set(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if "reasoning" not in self.model_fields_set:
+            data.pop("reasoning", None)
+        return data
+
+
+class AssistantMessage(WithReasoning):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: None = None  # OpenAI's field for a model that refuses: always there, and null here
@@ -247,7 +263,7 @@ class DeltaToolCall(BaseModel):
         return {k: v for k, v in data.items() if v is not None}
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(WithReasoning):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None

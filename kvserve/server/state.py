@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from kvserve.server.cors import CorsPolicy
 from kvserve.server.environment import check_api_keys
+from kvserve.server.reasoning_parsers import REASONING_PARSERS
 from kvserve.server.errors import RETRY_LATER, APIError, shortened
 from kvserve.server.request_log import RequestLog
 
@@ -30,6 +31,7 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0
     tool_call_parser: str = "auto"  # the format of the model's own tool calls (``tools.TOOL_CALL_PARSERS``)
+    reasoning_parser: str | None = None  # splits a chat answer's thinking off (``reasoning_parsers``); None: not
     cors: CorsPolicy = CorsPolicy()
     request_log: RequestLog = RequestLog()
 
@@ -41,6 +43,9 @@ class ServerSettings:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
         if not self.shutdown_timeout >= 0:  # NaN too: it drained nothing
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 

@@ -160,10 +160,11 @@ def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Any) -> bool:
     ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``: special added tokens). Tried on the marker itself: transformers
     5 lists only the named special tokens (BOS, EOS...) in ``all_special_tokens``, not every added token flagged
     special, which the decoder drops all the same."""
-    return any(_dropped_by_decoding(tokenizer, marker) for marker in fmt.markers)
+    return any(dropped_by_decoding(tokenizer, marker) for marker in fmt.markers)
 
 
-def _dropped_by_decoding(tokenizer: Any, marker: str) -> bool:
+def dropped_by_decoding(tokenizer: Any, marker: str) -> bool:
+    """Whether decoding with special tokens skipped drops ``marker`` (a special added token's text)."""
     token_ids = tokenizer.encode(marker, add_special_tokens=False)
     return tokenizer.decode(token_ids, skip_special_tokens=True) != tokenizer.decode(token_ids)
 
