@@ -24,8 +24,8 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, token_ids: list[int]) -> str:
-        return bytes(token_ids).decode("utf-8", errors="replace")
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")  # bytes: no special token to skip
 
 
 class FakeInputProcessor:

@@ -42,8 +42,9 @@ def wait_until(condition, what: str, timeout: float = 10.0) -> None:
 
 
 class InProcessServer:
-    def __init__(self, names: tuple[str, ...] = (MODEL,), step_seconds: float = 0.002, **settings) -> None:
-        self.fake = FakeEngine(max_num_seqs=2, max_model_len=256, step_seconds=step_seconds)
+    def __init__(self, names: tuple[str, ...] = (MODEL,), step_seconds: float = 0.002, fake: FakeEngine | None = None,
+                 **settings) -> None:
+        self.fake = fake or FakeEngine(max_num_seqs=2, max_model_len=256, step_seconds=step_seconds)
         self.state = ServerState(ServerSettings(names, "fake-root", **settings), max_model_len=256)
         self.state.metrics = ServerMetrics(MODEL, self.fake.stats(), 256)
         self.state.engine = AsyncEngine(self.fake, observer=self.state.metrics)
