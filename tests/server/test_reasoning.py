@@ -154,7 +154,8 @@ def test_without_a_parser_nothing_changes_and_completions_parse_nothing(scripted
         assert "reasoning" not in json.dumps(streamed_deltas(plain))
     finally:
         plain.stop()
-    completion = httpx.post(f"{scripted.url}/v1/completions", json={"model": MODEL, "prompt": "q", "max_tokens": 200}).json()
+    completion = httpx.post(f"{scripted.url}/v1/completions",
+                            json={"model": MODEL, "prompt": "q", "max_tokens": 200}).json()
     assert completion["choices"][0]["text"] == SCRIPT  # vLLM parses the thinking of chat answers only
     refused = httpx.post(f"{scripted.url}/v1/completions", json={"model": MODEL, "prompt": "q",
                                                                   "include_reasoning": False})
