@@ -26,13 +26,19 @@ class InvalidParameter(ValueError):
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """One constraint on a request's output (vLLM's offline shape): a JSON schema (a dict or its text), any
-    JSON object, a regex, a choice among strings, or an EBNF grammar. Exactly one must be given."""
+    JSON object, a regex, a choice among strings, or an EBNF grammar. Exactly one must be given.
+
+    ``begins_after_token_id`` (kvserve's): the constraint holds only the output after the first time this token
+    is sampled, and none before it: a reasoning model's end of thinking (Qwen3's or DeepSeek R1's ``</think>``),
+    so that its thinking is free and its answer constrained, as vLLM's structured output is under
+    ``--reasoning-parser`` (kvserve's server sets it there)."""
 
     json: dict[str, Any] | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    begins_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -240,7 +246,7 @@ _FIELD_KINDS: dict[str, tuple[str, bool]] = {
 }
 _CONSTRAINT_KINDS: dict[str, tuple[str, bool]] = {
     "json": ("schema", True), "json_object": ("bool", False), "regex": ("text", True), "choice": ("choices", True),
-    "grammar": ("text", True),
+    "grammar": ("text", True), "begins_after_token_id": ("integer", True),
 }
 # kind -> (accepts a value, what it must be, how it is kept)
 _KINDS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {

@@ -21,6 +21,7 @@ def test_repetition_penalty_outside_its_range_is_refused(penalty: float) -> None
     (dict(json_object="yes"), "json_object must be true or false"),
     (dict(choice="ab"), "choice must be a list of strings, got str"),
     (dict(choice=["a", 1]), "choice must be a non-empty list of non-empty strings"),
+    (dict(regex="a", begins_after_token_id="</think>"), "begins_after_token_id must be an integer, got str"),
 ])
 def test_a_constraint_of_the_wrong_type_is_refused_by_name(fields: dict, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):

@@ -217,6 +217,8 @@ class InputProcessor:
         self.check_token_ids(params.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(list(params.logit_bias or {}), "logit_bias")
         self.check_token_ids(params.allowed_token_ids or [], "allowed_token_ids")
+        if params.structured_outputs is not None and params.structured_outputs.begins_after_token_id is not None:
+            self.check_token_ids([params.structured_outputs.begins_after_token_id], "begins_after_token_id")
         bad_words_token_ids = params.bad_words_token_ids
         if params.bad_words:  # beside any token sequences given as they are
             bad_words_token_ids = (*(bad_words_token_ids or ()), *self._bad_word_tokens(params.bad_words))

@@ -216,7 +216,9 @@ class _Masks(NamedTuple):
 
 
 class GrammarProcessor(LogitsProcessor):
-    """Sets to -inf the logits of every token the row's constraint forbids next."""
+    """Sets to -inf the logits of every token the row's constraint forbids next. A constraint with a
+    ``begins_after_token_id`` (a reasoning model's end of thinking) waits, its row free, until that token is
+    sampled: its matcher starts with the tokens after it."""
 
     is_stateful: ClassVar[bool] = True
 
@@ -224,6 +226,7 @@ class GrammarProcessor(LogitsProcessor):
         self.compiler = compiler
         self.stats = MaskStats()
         self._matchers: dict[str, Any] = {}
+        self._gates: dict[str, int] = {}  # matchers still waiting for their begins_after_token_id
         self._worker: ThreadPoolExecutor | None = None  # started by the first constrained step
         self._pending: tuple[Sequence[SamplingRow], Future[_Masks]] | None = None
         self._stop_only: torch.Tensor | None = None  # the mask row of a finished document
@@ -237,19 +240,30 @@ class GrammarProcessor(LogitsProcessor):
         import xgrammar
 
         matcher = xgrammar.GrammarMatcher(self.compiler.compile(row.params.structured_outputs))
-        for token_id in row.output_token_ids:  # a sample that already has outputs (a resumed request)
-            matcher.accept_token(int(token_id))
         self._matchers[key] = matcher
+        gate = row.params.structured_outputs.begins_after_token_id
+        if gate is not None:
+            self._gates[key] = gate
+        self.accept(key, row.output_token_ids)  # a sample that already has outputs (a resumed request)
 
     def accept(self, key: str, token_ids: Sequence[int]) -> None:
         matcher = self._matchers.get(key)
-        if matcher is not None:
-            for token_id in token_ids:
-                if not matcher.is_terminated():
-                    matcher.accept_token(int(token_id))
+        if matcher is None:
+            return
+        gate = self._gates.get(key)
+        if gate is not None:
+            begin = _after(token_ids, gate)
+            if begin is None:
+                return
+            del self._gates[key]
+            token_ids = token_ids[begin:]
+        for token_id in token_ids:
+            if not matcher.is_terminated():
+                matcher.accept_token(int(token_id))
 
     def drop(self, key: str) -> None:
         self._matchers.pop(key, None)
+        self._gates.pop(key, None)
 
     @property
     def num_states(self) -> int:
@@ -286,16 +300,21 @@ class GrammarProcessor(LogitsProcessor):
         import xgrammar
 
         start = time.perf_counter()
-        selected = [i for i, row in enumerate(rows) if row.generator_key in self._matchers]
         bitmask = xgrammar.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
+        selected = []
         walks: dict[str, _DraftWalk] = {}
-        for i in selected:
-            row = rows[i]
-            walk = walks.get(row.generator_key)
+        for i, row in enumerate(rows):
+            key = row.generator_key
+            if key not in self._matchers:
+                continue
+            walk = walks.get(key)
             if walk is None:  # the request's first row: its matcher is where its outputs end
-                walk = walks[row.generator_key] = _DraftWalk(self._matchers[row.generator_key], row)
+                walk = walks[key] = _DraftWalk(self._matchers[key], row, self._gates.get(key))
             elif not walk.advance_to(row):
                 continue  # past a draft token the grammar refuses: masked out, so this row is never emitted
+            if walk.gate is not None:
+                continue  # still thinking: the row is free
+            selected.append(i)
             if walk.matcher.is_terminated():  # its document ended with a stop token that ignore_eos kept going
                 bitmask[i] = self._stop_only_row()
             else:
@@ -319,10 +338,12 @@ class GrammarProcessor(LogitsProcessor):
 class _DraftWalk:
     """A matcher walked along a speculating request's draft tokens, one row (one more token) at a time, to
     mask each verified position, then rolled back. Tokens after the document's end are skipped, as
-    ``GrammarProcessor.accept`` skips them."""
+    ``GrammarProcessor.accept`` skips them; so are those up to the token the constraint waits for (``gate``,
+    None once a draft holds it: the walk's own, the processor's wait is left as it was)."""
 
-    def __init__(self, matcher: Any, first_row: SamplingRow) -> None:
+    def __init__(self, matcher: Any, first_row: SamplingRow, gate: int | None) -> None:
         self.matcher = matcher
+        self.gate = gate
         self._num_outputs = len(first_row.output_token_ids)  # the outputs the matcher has accepted
         self._num_accepted = 0  # by the walk, to roll back
         self._refused = False
@@ -331,6 +352,10 @@ class _DraftWalk:
         """Accept the row's outputs past those already walked; False once the grammar refused one."""
         for token_id in row.output_token_ids[self._num_outputs :]:
             self._num_outputs += 1
+            if self.gate is not None:
+                if token_id == self.gate:
+                    self.gate = None
+                continue
             if self._refused or self.matcher.is_terminated():
                 continue
             if not self.matcher.accept_token(int(token_id)):
@@ -342,6 +367,14 @@ class _DraftWalk:
     def rewind(self) -> None:
         if self._num_accepted:
             self.matcher.rollback(self._num_accepted)
+
+
+def _after(token_ids: Sequence[int], token_id: int) -> int | None:
+    """The index just past the first ``token_id`` in ``token_ids``, or None where it is not there."""
+    for index, candidate in enumerate(token_ids):
+        if candidate == token_id:
+            return index + 1
+    return None
 
 
 def _xgrammar_message(error: RuntimeError) -> str:

@@ -111,20 +111,26 @@ class ChatServer(GenerationHandler):
         if self.reasoning_parser is not None:
             self._in_reasoning = starts_in_reasoning(self.reasoning_parser, prompt["prompt"],
                                                      body.chat_template_kwargs)
-            self._check_no_constraint_on_reasoning()
+            self._constrain_the_answer_only()
         return await self._generate([prompt])
 
-    def _check_no_constraint_on_reasoning(self) -> None:
-        """A 400 naming the constraint (``response_format``, a ``guided_*`` field, ``structured_outputs``, or a
-        ``tool_choice`` that forces calls) of an output that starts in its thinking: kvserve's grammar would hold
-        the thinking to it too, where vLLM's starts at the thinking's end, which kvserve does not do yet. Where the
-        prompt closed the thinking (``enable_thinking: false``), the whole output is the answer, and is held."""
-        field = self.body.constraint_field
-        if field is not None and self._in_reasoning:
+    def _constrain_the_answer_only(self) -> None:
+        """The constraint (``response_format``, a ``guided_*`` field, ``structured_outputs``, or a ``tool_choice``
+        that forces calls) of an output that starts in its thinking begins after the thinking's end token, as
+        vLLM's does; a 400 naming it where the tokenizer spells ``</think>`` in several tokens (no token to wait
+        for). Where the prompt closed the thinking (``enable_thinking: false``), the whole output is held."""
+        constraint, field = self.params.structured_outputs, self.body.constraint_field
+        if constraint is None or field is None or not self._in_reasoning:
+            return
+        end = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+        if len(end) != 1:
             raise bad_request(InvalidParameter(field, f"{field} with --reasoning-parser {self.reasoning_parser}: "
-                                               "kvserve cannot yet start a constraint where the thinking ends; "
-                                               "turn the thinking off (chat_template_kwargs enable_thinking: false "
-                                               "on Qwen3) or send no constraint"))
+                                               f"this tokenizer spells {THINK_END} in {len(end)} tokens, and a "
+                                               "constraint can only begin after one; turn the thinking off "
+                                               "(chat_template_kwargs enable_thinking: false on Qwen3) or send no "
+                                               "constraint"))
+        gated = dataclasses.replace(constraint, begins_after_token_id=end[0])
+        self.params = dataclasses.replace(self.params, structured_outputs=gated)
 
     async def _check_tool_schemas(self) -> None:
         """A 400 naming the tool, and where in its parameters, whose schema is no JSON schema (as OpenAI checks,

@@ -128,6 +128,8 @@ def test_stop_string_is_cut_from_the_text(llm: LLM) -> None:
         ({"prompt": "hi", "multi_modal_data": {"image": 1}}, SamplingParams(), "'multi_modal_data'"),
         ({"prompt": 5}, SamplingParams(), "'prompt' with the text"),
         ("hi", SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
+        ("hi", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", begins_after_token_id=10**9)),
+         "begins_after_token_id: 1000000000 is not a token id"),
     ],
 )
 def test_bad_input_is_refused_and_leaves_nothing_queued(llm: LLM, prompt, params, message) -> None:

@@ -5,6 +5,7 @@ hits, masks are filled on the worker thread, and no matcher outlives its request
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -388,3 +389,83 @@ def test_an_engine_compiles_each_queued_constraint_once_whatever_the_cache_keeps
     assert len(compiled) == len(specs) == len(set(compiled))  # at admission only, none again when scheduled
     for output, spec in zip(outputs, specs):
         assert output.outputs[0].text.startswith('{"field_')
+
+
+def test_a_constraint_that_begins_after_a_token_leaves_the_output_free_until_it(llm: LLM) -> None:
+    """Greedy without a constraint writes some token ``gate`` at position k: with a choice that begins after
+    ``gate``, the first k + 1 tokens are the free ones and the rest is the choice (each of an n = 2 request's
+    samples too)."""
+    prompt = "a prompt whose free answer goes on for a while"
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    k = next(i for i in range(2, 12) if free.token_ids[i] not in free.token_ids[:i])
+    gate = free.token_ids[k]
+    params = constrained(choice=["yes", "no way"], begins_after_token_id=gate)
+    outs = llm.generate([prompt] * 2, [params, dataclasses.replace(params, n=2)])
+    for completion in (*outs[0].outputs, *outs[1].outputs):
+        assert completion.token_ids[:k + 1] == free.token_ids[:k + 1]
+        answer = llm.get_tokenizer().decode(completion.token_ids[k + 1:], skip_special_tokens=True)
+        assert answer in ("yes", "no way") and completion.finish_reason.value == "stop"
+    assert llm.engine.core.runner.sampler.num_states == 0
+    # a gate never sampled leaves the whole output free
+    unseen = next(t for t in range(100) if t not in free.token_ids)
+    never = constrained(choice=["yes"], begins_after_token_id=unseen, max_tokens=12)
+    assert llm.generate(prompt, dataclasses.replace(never, ignore_eos=True))[0].outputs[0].token_ids == free.token_ids
+
+
+def test_a_gated_matcher_starts_after_the_gate_in_resumed_outputs_and_in_drafts(llm: LLM) -> None:
+    """A resumed request whose outputs hold the gate starts its matcher after it; a speculating row walks its
+    drafts free up to the gate and masked after it, and the processor's wait is left as it was."""
+    import torch
+
+    from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
+    from kvserve.sample.metadata import SamplingBatch, SamplingRow
+
+    tokenizer = llm.get_tokenizer()
+    compiler = StructuredOutputCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    processor = GrammarProcessor(compiler)
+    one, letter, gate = (tokenizer.encode(t, add_special_tokens=False)[0] for t in ("1", "a", "|"))
+    params = constrained(regex="[0-9]+", begins_after_token_id=gate)
+
+    def allowed(rows: list[SamplingRow]) -> torch.Tensor:
+        logits = torch.zeros(len(rows), compiler.vocab_size)
+        processor.prepare(rows)
+        processor.apply(logits, rows)
+        return logits > -torch.inf
+
+    waiting = SamplingRow(params, 0, "w", [5], [letter])
+    processor.add("w", waiting)
+    assert allowed([waiting]).all()  # free until the gate
+    got = allowed(SamplingBatch.of_requests([waiting], [(letter, gate, one)]).rows)
+    assert got[0].all() and got[1].all()  # a letter, then the gate: both free
+    assert got[2, one] and not got[2, letter] and got[3, one] and not got[3, letter]  # digits after it
+    assert allowed([waiting]).all()  # the drafts were not the request's: it still waits
+    processor.accept("w", [letter, gate, one])
+    assert allowed([waiting]).sum() < compiler.vocab_size
+    resumed = SamplingRow(params, 0, "r", [5], [letter, gate, one])
+    processor.add("r", resumed)
+    mask = allowed([resumed])[0]
+    assert mask[one] and not mask[letter]
+    processor.drop("w")
+    processor.drop("r")
+    assert processor.num_states == 0
+
+
+def test_a_gated_constraint_under_speculation_and_preemption_gives_the_plain_runs_tokens(llm: LLM,
+                                                                                         tiny_checkpoints) -> None:
+    """n-gram drafts (walked free up to the gate and masked past it) and a pool small enough to preempt: the same
+    tokens as the plain engine's, the choice after the gate."""
+    prompts = ["one two three one two three one two three"] * 4
+    free = llm.generate(prompts[0], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].outputs[0]
+    gate = next(t for i, t in enumerate(free.token_ids) if i >= 4 and t not in free.token_ids[:i])
+    params = [constrained(choice=["yes", "no way"], begins_after_token_id=gate, max_tokens=40)] * 4
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    busy = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=12, block_size=4,
+               max_num_batched_tokens=16, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                              "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+    outs = busy.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(gate in tokens for tokens in expected)
+    stats = busy.stats()
+    assert stats["num_preemptions"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
+    assert busy.engine.core.runner.sampler.num_states == 0
+    busy.close()

@@ -119,8 +119,9 @@ def test_the_openai_sdk_reads_reasoning(scripted: InProcessServer) -> None:
     ("structured_outputs", {"choice": ["Paris"]}),
     ("tool_choice", "required"),
 ])
-def test_a_constraint_on_an_output_that_starts_thinking_is_a_400_naming_it(scripted: InProcessServer, field: str,
-                                                                           value: Any) -> None:
+def test_a_constraint_where_the_end_tag_is_several_tokens_is_a_400_naming_it(scripted: InProcessServer, field: str,
+                                                                             value: Any) -> None:
+    """The scripted engine's tokens are bytes: no one token ends the thinking for the constraint to begin after."""
     # the fake compiles nothing: every constraint compiles here
     scripted.fake.input_processor.check_constraint = lambda spec: None
     body = {"model": MODEL, "messages": USER, field: value, **({"tools": TOOLS} if field == "tool_choice" else {})}
@@ -239,3 +240,17 @@ def test_with_thinking_off_the_answer_is_the_parserless_one(qwen3_apps) -> None:
     # the prompt closed the thinking: a constraint holds the whole answer
     constrained = parsed.post("/v1/chat/completions", json={**body, "guided_choice": ["Paris", "Oslo"]}).json()
     assert constrained["choices"][0]["message"]["content"] in ("Paris", "Oslo")
+
+
+def test_a_constraint_begins_where_the_thinking_ends(qwen3_apps) -> None:
+    """vLLM's rule: the thinking is free (here it ends at once, its end token biased), the answer held to the
+    constraint (which, from the start, would have refused that token and left the whole output thinking)."""
+    parsed, _, end_id = qwen3_apps
+    body = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 20,
+            "logit_bias": {str(end_id): 100}, "guided_choice": ["Paris", "Oslo"]}
+    whole = parsed.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert whole["message"]["reasoning"] is None and whole["message"]["content"] in ("Paris", "Oslo")
+    assert whole["finish_reason"] == "stop"
+    with parsed.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as answer:
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: {")]
+    assert joined([e["choices"][0]["delta"] for e in events], "content") == whole["message"]["content"]
