@@ -133,23 +133,25 @@ async def _serve(state: ServerState, handler: Callable[..., _Generation], body: 
                  **options: Any) -> Response:
     """Admit the request (an error answer when the server cannot take it now), make its ``handler`` (400 for
     bad input, naming the field as the request sent it), queue it (400 on bad input), then answer it. A client
-    that disconnects, streaming or not, aborts its requests."""
+    that disconnects, streaming or not, aborts its requests. The client's id for it is its ``X-Request-Id``, else
+    its body's ``request_id`` (vLLM's order)."""
+    request_id = client_request_id(request.scope) or body.request_id
     with state.admission(body.model) as (engine, admission):
         try:
             generation = handler(engine, body, body.model or state.settings.model_name,
-                                 client_request_id=client_request_id(request.scope), admission=admission,
+                                 client_request_id=request_id, admission=admission,
                                  request_log=state.settings.request_log, **options)
         except ValueError as e:
             raise bad_request(body.named_as_sent(e)) from e
         outputs = await until_disconnected(request, generation.start())
-    return await _answer(request, generation, outputs, body.stream)
+    return await _answer(request, generation, outputs, body.stream, request_id)
 
 
 async def _answer(request: Request, generation: _Generation, outputs: AsyncIterator[Any],
-                  stream: bool) -> Response:
+                  stream: bool, request_id: str | None) -> Response:
     """Stream the queued generation's ``outputs``, or answer once it is done."""
     if stream:
-        return StreamingResponse(ending_on_failure(generation.stream(outputs), client_request_id(request.scope)),
+        return StreamingResponse(ending_on_failure(generation.stream(outputs), request_id),
                                  media_type="text/event-stream")
     body = await until_disconnected(request, generation.respond(outputs))
     return Response(await asyncio.to_thread(body.model_dump_json), media_type="application/json")

@@ -183,21 +183,24 @@ class ChatServer(GenerationHandler):
                 message, finish_reason = self._message(split.content, str(s.finish_reason), s.stop_reason)
                 message.content = message.content or None
                 message.reasoning = self._reasoning(split)
+            if self.body.echoed_text:
+                message.content = self.body.echoed_text + (message.content or "")
+            whole = SampleDelta.whole(s)
             choices.append(ChatChoice(index=s.index, message=message, finish_reason=finish_reason,
-                                      stop_reason=s.stop_reason, logprobs=self._logprobs(SampleDelta.whole(s))))
+                                      stop_reason=s.stop_reason, logprobs=self._logprobs(whole),
+                                      token_ids=self.extras.token_ids(whole)))
         return ChatCompletionResponse(
             id=self.request_id, created=self.created, model=self.model_name, choices=choices,
-            usage=Usage.of(*num_tokens_used([out]))
+            usage=Usage.of(*num_tokens_used([out])), prompt_logprobs=self.extras.prompt_logprobs(out),
+            prompt_token_ids=self.extras.prompt_token_ids(out),
         )
 
     async def stream(self, stream: AsyncIterator[list[RequestOutput]]) -> AsyncIterator[str]:
-        """Server-sent events: the role first for every choice, then content deltas, the finish reason with the
-        last one, usage last if asked, then ``[DONE]``."""
+        """Server-sent events: the role first for every choice (and what ``echo`` puts first), then content
+        deltas, the finish reason with the last one, usage last if asked, then ``[DONE]``."""
         exclude = None if self.body.include_usage else {"usage"}
-        roles = [
-            ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(self.params.n)
-        ]
-        yield sse(self._chunk(roles), exclude)
+        for event in self._opening_events(exclude):
+            yield event
         contents = TextEvents(lambda i, text: self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(content=text))]),
                               exclude)
         cursor = BatchCursor(self.params.n)
@@ -205,21 +208,36 @@ class ChatServer(GenerationHandler):
         async for outputs in stream:
             for index, delta in cursor.advance(outputs):
                 if (delta.finish_reason is None and not self.body.logprobs and self._parser(index) is None
-                        and self.reasoning_parser is None):
+                        and self.reasoning_parser is None and not self.extras.vary_by_chunk):
                     yield contents.event(index, delta.text)  # content alone, as a parser-less _delta makes it
                     continue
                 message, finish_reason = self._reasoning_delta(index, delta.text, delta.finish_reason,
                                                                delta.stop_reason)
                 logprobs = self._logprobs(delta)
+                token_ids = self.extras.token_ids(delta)
                 if message.content is None and message.tool_calls is None and message.reasoning is None \
-                        and finish_reason is None and logprobs is None:
+                        and finish_reason is None and logprobs is None and not token_ids:
                     continue  # text a parser holds back: nothing to send yet
                 choice = ChatChunkChoice(index=index, delta=message, finish_reason=finish_reason,
-                                         stop_reason=delta.stop_reason, logprobs=logprobs)
-                yield sse(self._chunk([choice]), exclude)
+                                         stop_reason=delta.stop_reason, logprobs=logprobs, token_ids=token_ids)
+                yield sse(self._chunk([choice], self.extras.chunk_usage(outputs[0], index)), exclude)
         if self.body.include_usage:
             yield sse(self._chunk([], Usage.of(*num_tokens_used(outputs))))
         yield SSE_DONE
+
+    def _opening_events(self, exclude: set[str] | None) -> list[str]:
+        """The role of every choice (with vLLM's extras: the prompt's tokens, the usage before any output), then
+        what ``echo`` puts before every reply."""
+        (first,) = self.first_outputs
+        usage = self.extras.chunk_usage(first, None)
+        events = [sse(self._chunk(self._choices(DeltaMessage(role="assistant", content="")), usage,
+                                  self.extras.prompt_token_ids(first)), exclude)]
+        if self.body.echoed_text:
+            events.append(sse(self._chunk(self._choices(DeltaMessage(content=self.body.echoed_text)), usage), exclude))
+        return events
+
+    def _choices(self, delta: DeltaMessage) -> list[ChatChunkChoice]:
+        return [ChatChunkChoice(index=i, delta=delta) for i in range(self.params.n)]
 
     def _new_parser(self) -> ToolCallParser | NamedToolCallParser | None:
         """A parser for one sample's output; None when the output is only content."""
@@ -286,9 +304,10 @@ class ChatServer(GenerationHandler):
             return finish_reason
         return "tool_calls" if finish_reason == "stop" and stop_reason is None else finish_reason
 
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None,
+               prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model_name,
-                                   choices=choices, usage=usage)
+                                   choices=choices, usage=usage, prompt_token_ids=prompt_token_ids)
 
     def _logprobs(self, delta: SampleDelta) -> ChatLogprobs | None:
         if not self.body.logprobs or delta.logprobs is None:
@@ -303,7 +322,7 @@ class ChatServer(GenerationHandler):
 
     def _top(self, token_id: int, position: PositionLogprobs) -> TopLogprob:
         """A token (``token_spelling``), its log probability and its own bytes."""
-        token = entry_spelling(token_id, position[token_id], self.tokenizer)
+        token = entry_spelling(token_id, position[token_id], self.tokenizer, self.body.return_tokens_as_token_ids)
         return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=token_bytes(token_id, self.tokenizer))
 
 

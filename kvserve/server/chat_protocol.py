@@ -18,8 +18,10 @@ from pydantic import (
     model_validator,
 )
 
+from kvserve.engine.chat_messages import joined
 from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
-from kvserve.server.protocol import RequestBody, SamplingRequest, Text, Usage
+from kvserve.server.protocol import RequestBody, SamplingRequest, Text, Usage, WithExtras
+from kvserve.server.response_extras import PromptLogprobs
 from kvserve.server.tools import tool_constraint
 
 
@@ -119,6 +121,8 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: StrictBool = False
+    # vLLM's: the last message's text before the reply, where it is the reply's role (an assistant's prefill)
+    echo: StrictBool = False
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # OpenAI's default: auto with tools, none without
     parallel_tool_calls: StrictBool = True
@@ -160,6 +164,15 @@ class ChatCompletionRequest(SamplingRequest):
                 "continue_final_message": self.continue_final_message, "template_kwargs": self.chat_template_kwargs}
 
     @property
+    def echoed_text(self) -> str:
+        """What ``echo`` puts before each reply: the last message's text where it is the assistant's, whose role
+        the reply has (a prefill that ``continue_final_message`` goes on from), as vLLM echoes; else nothing."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        return joined(last.model_dump()["content"])
+
+    @property
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template and the constraint take them."""
         return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
@@ -186,7 +199,7 @@ class ChatCompletionRequest(SamplingRequest):
         """The engine's SamplingParams; ``defaults`` (the model's) fill the fields left out."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs, defaults)
+        return self.sampling_params(max_tokens, logprobs, defaults, prompt_logprobs=self.prompt_logprobs)
 
 
 class TopLogprob(BaseModel):
@@ -224,15 +237,20 @@ class AssistantMessage(WithReasoning):
     tool_calls: list[ToolCall] | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(WithExtras):
+    EXTRAS = ("token_ids",)
+
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(WithExtras):
+    EXTRAS = ("prompt_logprobs", "prompt_token_ids")
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -241,6 +259,8 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     service_tier: Literal["default"] = "default"  # the one tier kvserve serves in
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -269,15 +289,20 @@ class DeltaMessage(WithReasoning):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(WithExtras):
+    EXTRAS = ("token_ids",)
+
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: the chunk's tokens
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(WithExtras):
+    EXTRAS = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -286,4 +311,5 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     service_tier: Literal["default"] = "default"
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: in the role chunks
 

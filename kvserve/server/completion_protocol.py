@@ -8,7 +8,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, Tag, model_validator
 
 from kvserve.sampling_params import InvalidParameter, SamplingParams
-from kvserve.server.protocol import SamplingRequest, Text, TokenIds, Usage
+from kvserve.server.protocol import SamplingRequest, Text, TokenIds, Usage, WithExtras
+from kvserve.server.response_extras import PromptLogprobs
 
 
 def _shape(value: Any) -> str:
@@ -76,7 +77,9 @@ class CompletionRequest(SamplingRequest):
 
     def to_sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """The engine's SamplingParams; ``defaults`` (the model's) fill the fields left out."""
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:  # as vLLM: the echoed prompt's entries come with the answer's
+            prompt_logprobs = self.logprobs
         # scoring runs one step, whose token the answer leaves out: the prompt's logprobs come with the first
         max_tokens = 1 if self.scores_prompt else self.max_tokens
         return self.sampling_params(max_tokens, self.logprobs, defaults, prompt_logprobs=prompt_logprobs)
@@ -89,12 +92,19 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(WithExtras):
+    EXTRAS = ("token_ids", "prompt_logprobs", "prompt_token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's extras, as the request asks: its sample's tokens (a stream's: the chunk's), the prompt's logprobs and
+    # the prompt's tokens (a stream's: in the choice's first chunk)
+    token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -76,11 +76,12 @@ class CompletionServer(GenerationHandler):
         async for outputs in stream:
             for index, delta in cursor.advance(outputs):
                 if delta.finish_reason is None and self.body.logprobs is None and not (
-                        self.body.echo and delta.is_first):
+                        self.body.echo and delta.is_first) and not self.extras.vary_by_chunk:
                     yield texts.event(index, delta.text)  # text alone, as _choice makes it
                     continue
-                choice = self._choice(index, outputs[index // self.params.n], delta)
-                yield sse(self._chunk([choice]), exclude)
+                out = outputs[index // self.params.n]
+                choice = self._choice(index, out, delta)
+                yield sse(self._chunk([choice], self.extras.chunk_usage(out, index % self.params.n)), exclude)
         if self.body.include_usage:
             yield sse(self._chunk([], Usage.of(*num_tokens_used(outputs))))
         yield SSE_DONE
@@ -90,12 +91,16 @@ class CompletionServer(GenerationHandler):
                                   choices=choices, usage=usage)
 
     def _choice(self, index: int, out: RequestOutput, delta: SampleDelta) -> CompletionChoice:
-        """With echo, the prompt goes before the sample's first text."""
+        """With echo, the prompt goes before the sample's first text; the prompt's extras (its tokens, its
+        logprobs) come with it too."""
         with_prompt = self.body.echo and delta.is_first
+        extras = self.extras
         return CompletionChoice(
             index=index, text=self._prompt_text(out) + delta.text if with_prompt else delta.text,
             finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
-            logprobs=self._logprobs(index, out, delta, with_prompt),
+            logprobs=self._logprobs(index, out, delta, with_prompt), token_ids=extras.token_ids(delta),
+            prompt_logprobs=extras.prompt_logprobs(out) if delta.is_first else None,
+            prompt_token_ids=extras.prompt_token_ids(out) if delta.is_first else None,
         )
 
     def _prompt_text(self, out: RequestOutput) -> str:
@@ -131,9 +136,11 @@ class CompletionServer(GenerationHandler):
     def _format_logprobs(self, positions: list[tuple[int, PositionLogprobs | None]], offset: int,
                          unseen: set[int]) -> tuple[CompletionLogprobs, int]:
         """The entries, their text offsets from ``offset`` (the positions in ``unseen`` take no room in the text),
-        and the offset after them."""
+        and the offset after them. Tokens spelled by their ids (``return_tokens_as_token_ids``) keep the offsets
+        of their text, where vLLM's count the spellings' lengths, which are no place in the text."""
         result = CompletionLogprobs()
         k = self.body.logprobs or 0
+        as_id = self.body.return_tokens_as_token_ids
         for token_id, position in positions:
             if position is None:  # the first prompt token has no logprob
                 token = self.tokenizer.decode([token_id])
@@ -146,9 +153,9 @@ class CompletionServer(GenerationHandler):
                 # most likely first, so a spelling two tokens share keeps the higher logprob
                 top: dict[str, float] = {}
                 for t, lp in [*top_entries(position, k), (token_id, position[token_id])]:
-                    top.setdefault(entry_spelling(t, lp, self.tokenizer), lp.logprob)
+                    top.setdefault(entry_spelling(t, lp, self.tokenizer, as_id), lp.logprob)
                 result.top_logprobs.append(top)
-            result.tokens.append(token_spelling(token_id, token, self.tokenizer))
+            result.tokens.append(token_spelling(token_id, token, self.tokenizer, as_id))
             result.text_offset.append(offset)
             offset += 0 if len(result.tokens) - 1 in unseen else len(token)  # the token decoded alone
         return result, offset

@@ -19,18 +19,22 @@ def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
     return tokenizer.decode([token_id])
 
 
-def token_spelling(token_id: int, text: str, tokenizer: Any) -> str:
+def token_spelling(token_id: int, text: str, tokenizer: Any, as_token_id: bool = False) -> str:
     """A logprob entry's token as a client reads it: its ``text``, or, where it holds part of a character (its
     text a U+FFFD), its bytes escaped (``"\\xe2\\x82"``), as OpenAI spells such tokens: the partial tokens of a
-    character are told apart, where as text they were all one "\ufffd"."""
+    character are told apart, where as text they were all one "\ufffd". ``as_token_id`` (vLLM's
+    ``return_tokens_as_token_ids``): ``"token_id:<id>"`` for every token, which names it whatever its text."""
+    if as_token_id:
+        return f"token_id:{token_id}"
     if REPLACEMENT_CHAR in text:
         return bytes(token_bytes(token_id, tokenizer)).decode("utf-8", errors="backslashreplace")
     return text
 
 
-def entry_spelling(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
+def entry_spelling(token_id: int, logprob: Logprob, tokenizer: Any, as_token_id: bool = False) -> str:
     """A logprob entry's token (``token_text``) as a client reads it (``token_spelling``)."""
-    return token_spelling(token_id, token_text(token_id, logprob, tokenizer), tokenizer)
+    text = "" if as_token_id else token_text(token_id, logprob, tokenizer)  # spelled by its id: no decode needed
+    return token_spelling(token_id, text, tokenizer, as_token_id)
 
 
 def text_positions(delta: SampleDelta, include_stop_str_in_output: bool) -> list[tuple[int, PositionLogprobs]]:

@@ -14,8 +14,9 @@ unimplemented field never silently does nothing. A field sent as null asks for i
 from __future__ import annotations
 
 import functools
+import re
 import typing
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -24,6 +25,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    model_serializer,
     model_validator,
 )
 
@@ -31,6 +33,7 @@ from kvserve.sampling_params import InvalidParameter, SamplingParams, Structured
 from kvserve.utf8 import check_utf8
 
 MAX_LOGIT_BIAS = 100.0
+_CLIENT_ID = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
 def _check_utf8(text: str) -> str:
@@ -69,6 +72,8 @@ def _nullable_fields(model: type[BaseModel]) -> frozenset[str]:
 
 class StreamOptions(RequestBody):
     include_usage: StrictBool = False
+    # vLLM's: every chunk carries its choice's usage so far, besides the last chunk's total
+    continuous_usage_stats: StrictBool = False
     # OpenAI pads stream deltas with random text unless this is false; kvserve never does
     include_obfuscation: StrictBool | None = None
 
@@ -77,6 +82,14 @@ class StreamOptions(RequestBody):
         if self.include_obfuscation:
             raise InvalidParameter("stream_options.include_obfuscation", "stream_options.include_obfuscation: "
                                    "kvserve does not pad stream deltas; leave it out or set it to false")
+        return self
+
+    @model_validator(mode="after")
+    def _continuous_usage_with_usage(self) -> StreamOptions:
+        # vLLM ignores it without include_usage: refused here rather than doing nothing
+        if self.continuous_usage_stats and not self.include_usage:
+            raise InvalidParameter("stream_options.continuous_usage_stats",
+                                   "stream_options.continuous_usage_stats needs stream_options.include_usage true")
         return self
 
 
@@ -152,6 +165,14 @@ class SamplingRequest(RequestBody):
     truncate_prompt_tokens: StrictInt | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # true (vLLM's default) is how the tokenizer's own decoder joins special tokens, which kvserve's detokenizer runs
+    spaces_between_special_tokens: StrictBool = True
+    prompt_logprobs: StrictInt | None = None
+    # vLLM's answer extras: logprob entries spelled "token_id:<id>", the prompt's and each choice's token ids
+    return_tokens_as_token_ids: StrictBool = False
+    return_token_ids: StrictBool = False
+    # vLLM's: names the answer (its id) and the log lines, as X-Request-Id does; the header wins where both come
+    request_id: Text | None = None
     # structured output: OpenAI's response_format, vLLM's guided_* extras and its newer structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -185,6 +206,20 @@ class SamplingRequest(RequestBody):
     def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_vllm_extras(self) -> SamplingRequest:
+        # as X-Request-Id's, which a header holds: a line break in a log line's id would forge a line
+        if self.request_id is not None and not _CLIENT_ID.fullmatch(self.request_id):
+            raise InvalidParameter("request_id", "request_id must be non-empty and hold no control characters")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: a stream's chunks have no place for them
+            raise InvalidParameter("prompt_logprobs", "prompt_logprobs are not available when stream is true")
+        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
+            # with skip_special_tokens no special token is text, so false changes nothing there (as in vLLM)
+            raise InvalidParameter("spaces_between_special_tokens", "spaces_between_special_tokens false is not "
+                                   "supported: kvserve joins special tokens as the tokenizer's own decoder does "
+                                   "(vLLM's default, true)")
         return self
 
     @model_validator(mode="after")
@@ -238,6 +273,10 @@ class SamplingRequest(RequestBody):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
     def named_as_sent(self, error: ValueError) -> ValueError:
         """``error`` told of the parameter by the name this request sent it as, where the engine's differs."""
         if isinstance(error, InvalidParameter) and error.param in self._sent_names():
@@ -286,6 +325,21 @@ def _token_bias(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise InvalidParameter("logit_bias", f"logit_bias: value {value} for token {key} is outside [-100, 100]")
     return logit_bias
+
+
+class WithExtras(BaseModel):
+    """An answer, or a part of one, holding vLLM's extras (``EXTRAS``: token ids, prompt logprobs), which it
+    carries only where the request asked for them (None: not asked), as OpenAI's clients know none of them."""
+
+    EXTRAS: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _extras_asked_for(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for name in self.EXTRAS:
+            if name in data and data[name] is None:
+                del data[name]
+        return data
 
 
 class PromptTokensDetails(BaseModel):

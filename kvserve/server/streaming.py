@@ -19,6 +19,7 @@ from kvserve.engine.async_engine import EngineDeadError
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kvserve.server.errors import APIError, bad_request, sse_failure
 from kvserve.server.request_log import RequestLog
+from kvserve.server.response_extras import ResponseExtras
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import Admission, AsyncEngine
@@ -137,7 +138,8 @@ class GenerationHandler:
     """What both generation endpoints hold: the engine, the request body, the model name its answer says (the one
     the request used), the answer's id (``{id_prefix}-{the client's X-Request-Id}``, as vLLM's, or
     ``{id_prefix}-{fresh hex}``) and when it was made (every chunk's ``created``, as OpenAI's and vLLM's), the
-    sampling params and the tokenizer."""
+    sampling params, the tokenizer, the vLLM extras the answer carries, and the first outputs (a stream's first
+    chunks name the prompt's tokens before any sample's)."""
 
     id_prefix = "req"
 
@@ -155,6 +157,8 @@ class GenerationHandler:
         self.created = int(time.time())
         self.params = body.to_sampling_params(engine.engine.default_sampling_params)
         self.tokenizer = engine.engine.tokenizer
+        self.extras = ResponseExtras.of(body, self.tokenizer)
+        self.first_outputs: list[RequestOutput] = []
 
     async def _generate(self, prompts: Sequence[PromptInput]) -> AsyncGenerator[list[RequestOutput], None]:
         """Queue the batch and wait until it is accepted, so bad input is a 400 before any byte is streamed. A
@@ -178,6 +182,7 @@ class GenerationHandler:
             if isinstance(error, ValueError):
                 raise bad_request(self.body.named_as_sent(error)) from error
             raise
+        self.first_outputs = first
         outputs = _prepend(first, stream)
         return outputs if logged is None else logged.watched(outputs)
 
