@@ -17,7 +17,7 @@ from kvserve.server.model_protocol import TokenizeRequest
 @pytest.mark.parametrize("body", [
     {"messages": [{"role": "user", "content": "hi"}], "temprature": 0.5},
     {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True},
-    {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"continuous_usage_stats": True}},
+    {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True, "usage_per_chunk": True}},
     {"messages": [{"role": "user", "content": "hi", "cache_control": {}}]},
 ])
 def test_an_unknown_field_is_refused_by_name(body: dict) -> None:
