@@ -221,14 +221,15 @@ def test_chat_logprobs_without_top_logprobs_asks_for_the_chosen_tokens_alone() -
 
 def test_structured_outputs_takes_the_engines_fields_and_no_other() -> None:
     """The wire model and the engine's dataclass list the same constraints (a field added to one alone would be
-    refused by name, or never reach the engine)."""
+    refused by name, or never reach the engine), but for where a constraint begins, which the chat server sets
+    itself under --reasoning-parser (the thinking's end token)."""
     import dataclasses
 
     from kvserve.sampling_params import StructuredOutputsParams
     from kvserve.server.protocol import StructuredOutputsBody
 
     wire = {info.alias or name for name, info in StructuredOutputsBody.model_fields.items()}
-    assert wire == {field.name for field in dataclasses.fields(StructuredOutputsParams)}
+    assert wire | {"begins_after_token_id"} == {field.name for field in dataclasses.fields(StructuredOutputsParams)}
 
 
 @pytest.mark.parametrize("cls, body", [(CompletionRequest, {"prompt": "x"}),
