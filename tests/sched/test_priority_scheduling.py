@@ -31,6 +31,15 @@ def ids(requests) -> list[str]:
     return [r.request_id for r in requests]
 
 
+def admission_order(scheduler, runner) -> list[str]:
+    """Step to the end: the requests in the order they were first scheduled."""
+    order: list[str] = []
+    while scheduler.has_unfinished_requests():
+        sched_out, _ = step(scheduler, runner)
+        order += [rid for rid in ids(sched_out.requests) if rid not in order]
+    return order
+
+
 def tokens_by_request(*step_outputs) -> dict[str, list[int]]:
     """Each request's tokens over steps' outputs (lists from ``step``, dicts from ``run_to_completion``)."""
     tokens: dict[str, list[int]] = {}
@@ -46,11 +55,7 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
     for rid, priority in [("late", 5), ("b", 1), ("urgent", -1), ("c", 1), ("a", 0)]:
         scheduler.add_request(ranked(rid, 3, priority, max_tokens=2))
     assert ids(scheduler.waiting) == ["urgent", "a", "b", "c", "late"]
-    admitted = []
-    while scheduler.has_unfinished_requests():
-        sched_out, _ = step(scheduler, runner)
-        admitted += [rid for rid in ids(sched_out.requests) if rid not in admitted]
-    assert admitted == ["urgent", "a", "b", "c", "late"]
+    assert admission_order(scheduler, runner) == ["urgent", "a", "b", "c", "late"]
     assert scheduler.num_preemptions == 0
 
 
@@ -91,7 +96,6 @@ def test_a_request_of_a_lower_value_takes_the_blocks_of_running_ones_the_lowest_
     run_to_completion(scheduler, runner)
     assert scheduler.num_preemptions == 1
     assert_all_blocks_free(scheduler)
-    assert_all_blocks_free(scheduler)
 
 
 def test_requests_of_equal_priority_never_displace_each_other() -> None:
@@ -101,11 +105,7 @@ def test_requests_of_equal_priority_never_displace_each_other() -> None:
     step(scheduler, runner)
     scheduler.add_request(ranked("second", 4, 1, max_tokens=2))
     scheduler.add_request(ranked("lower", 4, 2, max_tokens=2))
-    order = []
-    while scheduler.has_unfinished_requests():
-        sched_out, _ = step(scheduler, runner)
-        order += [rid for rid in ids(sched_out.requests) if rid not in order]
-    assert order == ["first", "second", "lower"]
+    assert admission_order(scheduler, runner) == ["first", "second", "lower"]
     assert scheduler.num_preemptions == 0
 
 
