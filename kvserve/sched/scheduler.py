@@ -12,12 +12,14 @@ again. By swap (``"swap"``), the KV manager copies its KV to the host tier and f
 into fresh blocks, so it computes nothing again. A swap the host tier cannot take falls back to recompute.
 
 Under ``priority`` (vLLM's policy) each request has a rank, its priority then its arrival (the lower, the
-sooner), and both queues are kept in rank order: the waiting queue's head is the first to admit, and the last
-running request, the one preempted when KV runs out, is the lowest ranked. The head of the waiting queue also
-displaces running requests of a higher priority value (the lowest ranked first) until it has a seat and the
-blocks for its first chunk, as vLLM's v0 priority scheduler did (its v1 preempts only for a running request's
-blocks, so a queue of urgent requests waited out every long low-priority one holding a seat). Requests of equal
-priority never displace each other, so the policy cannot thrash among them.
+sooner). The waiting queue is kept in rank order, its head the first to admit; running requests keep admission
+order (each running decode still gets its token before a newer request's prompt chunk) and the one preempted
+when KV runs out is the lowest ranked, as in vLLM's v1: if the loop had already given it tokens this step, they
+go back to the budget. The head of the waiting queue also displaces running requests of a higher priority value
+(the lowest ranked first) until it has a seat and the blocks for its first chunk, as vLLM's v0 priority
+scheduler did (its v1 preempts only for a running request's blocks, so a queue of urgent requests waited out
+every long low-priority one holding a seat). Requests of equal priority never displace each other, so the
+policy cannot thrash among them.
 
 A step's ``SchedulerOutput`` is a diff of the runner's batch (``batch_diff.py``). A request with n > 1 forks
 once, when all but its last prompt token are computed, into samples that share its KV (``forks.py``); where a
@@ -80,6 +82,10 @@ class _Budget:
         self.num_tokens -= num_tokens
         self.num_seqs -= 1
 
+    def give_back(self, num_tokens: int) -> None:
+        self.num_tokens += num_tokens
+        self.num_seqs += 1
+
 
 class Scheduler:
     def __init__(
@@ -90,7 +96,7 @@ class Scheduler:
         self.speculation = speculation
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order (the last one is the newest); rank order under priority
+        self.running: list[Request] = []  # admission order: the last one is the newest
         self._batch_mirror = RunnerBatchMirror(kv)
         self._fork_copies = ForkCopies(kv)
         self.num_preemptions = 0  # running requests preempted, since start
@@ -269,7 +275,7 @@ class Scheduler:
         try first: ordering the queue here cost 6-11 ms a continued step (a prefix match for each of the first 128
         waiting), where a request whose prefix is cached waits at most until the head fits."""
         return bool(self.waiting) and (
-            self._outranks_last_running(self.waiting[0]) or self._fits_now(self.waiting[0]))
+            self._outranks_a_running_request(self.waiting[0]) or self._fits_now(self.waiting[0]))
 
     def _fits_now(self, request: Request) -> bool:
         """A seat in the batch, and free blocks for the request's first chunk beyond its cached prefix."""
@@ -278,24 +284,28 @@ class Scheduler:
         num_new = min(request.num_tokens - self._match_prefix(request).num_tokens, self.config.max_num_batched_tokens)
         return self.kv.max_blocks_for(num_new, num_new) <= self.kv.num_free_blocks()
 
-    def _outranks_last_running(self, request: Request) -> bool:
-        """``priority``: the request's priority value is lower than the last running request's."""
+    def _outranks_a_running_request(self, request: Request) -> bool:
+        """``priority``: the request's priority value is lower than the lowest ranked running request's."""
         return (self.config.scheduling_policy == "priority" and bool(self.running)
-                and request.priority < self.running[-1].priority)
+                and request.priority < self._victim().priority)
 
     def _displace_for_waiting(self) -> None:
         """``priority``: preempt running requests of a higher priority value than the head of the waiting queue,
         the lowest ranked first, until the head fits (it is admitted by ``_schedule_waiting``, unless running
-        requests' own blocks preempt more first). One head a step: the next waits for the next step."""
-        while self.waiting and self._outranks_last_running(self.waiting[0]) and not self._fits_now(self.waiting[0]):
-            self._preempt_last()
+        requests' own blocks preempt more first). One head a step: the next waits for the next step. Not for a
+        head that waits for a running request to compute its prefix: it would not be admitted this step."""
+        if not self.waiting or self._match_prefix(self.waiting[0]).must_wait:
+            return
+        while self._outranks_a_running_request(self.waiting[0]) and not self._fits_now(self.waiting[0]):
+            self._preempt(self._victim())
 
     def _schedule_running(
         self, budget: _Budget, scheduled: list[tuple[Request, int]], drafts: dict[str, tuple[int, ...]]
     ) -> int:
-        """Give each running request its next tokens (plus a draft, if it speculates), preempting the last (the
-        newest; the lowest ranked under ``priority``) when KV runs out; returns the number preempted. Victims come
-        from the tail, which this loop has not reached yet. A draft never preempts: without the blocks for it, the
+        """Give each running request its next tokens (plus a draft, if it speculates), preempting one (``_victim``:
+        the newest; the lowest ranked under ``priority``) when KV runs out; returns the number preempted. The newest
+        comes from the tail, which this loop has not reached yet; the lowest ranked may have had its tokens this
+        step already, and they go back to the budget. A draft never preempts: without the blocks for it, the
         request decodes one token."""
         num_preempted = 0
         index = 0
@@ -309,12 +319,25 @@ class Scheduler:
             else:
                 while not self.kv.allocate_slots(request, num_new):
                     num_preempted += 1
-                    if self._preempt_last() is request:
+                    victim = self._victim()
+                    if self.running.index(victim) < index:  # scheduled already this step: undo it
+                        index -= 1
+                        self._unschedule(victim, budget, scheduled, drafts)
+                    self._preempt(victim)
+                    if victim is request:
                         return num_preempted
             scheduled.append((request, num_new))
             budget.take(num_new)
             index += 1
         return num_preempted
+
+    @staticmethod
+    def _unschedule(request: Request, budget: _Budget, scheduled: list[tuple[Request, int]],
+                    drafts: dict[str, tuple[int, ...]]) -> None:
+        """Take back the tokens (and draft) this step gave ``request``, which is about to be preempted."""
+        position = next(i for i, (r, _) in enumerate(scheduled) if r is request)
+        budget.give_back(scheduled.pop(position)[1])
+        drafts.pop(request.request_id, None)
 
     def _draft(self, request: Request, budget: _Budget, num_running_behind: int) -> tuple[int, ...]:
         """The request's draft tokens this step: only for a decode (all but its last token computed), and no
@@ -398,7 +421,7 @@ class Scheduler:
                 self.num_prefix_hit_tokens += start.num_tokens
         request.num_computed_tokens = start.num_tokens
         request.status = RequestStatus.RUNNING
-        self._add_running(request)
+        self.running.append(request)
         if is_ready_to_fork(request):  # all but its last prompt token were cached (or it has only one)
             self._fork(request)
 
@@ -408,13 +431,6 @@ class Scheduler:
         must be computed."""
         wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
         return self.kv.match_prefix(request, request.num_prompt_logprobs_sent if wants_prompt_logprobs else None)
-
-    def _add_running(self, request: Request) -> None:
-        """Last in the running list (admission order), or under ``priority`` in its rank's place."""
-        if self.config.scheduling_policy == "priority" and self.running and _rank(request) < _rank(self.running[-1]):
-            bisect.insort_right(self.running, request, key=_rank)
-        else:
-            self.running.append(request)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Into the waiting queue: at the back as it arrives, at the front (``front``) as it is preempted or
@@ -430,12 +446,21 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    def _preempt_last(self) -> Request:
-        """Preempt the last running request (the newest; the lowest ranked under ``priority``) and queue it at the
-        front of the waiting queue (in its rank's place): by swap, its KV kept in the host tier to resume from; by
-        recompute (or when the host tier cannot take it), its KV dropped, to run all its tokens again. Returns
-        it."""
-        request = self.running.pop()
+    def _victim(self) -> Request:
+        """The running request to preempt: the newest, or under ``priority`` the lowest ranked (of equal ranks, an
+        n > 1 request's samples, the newest), as vLLM's v1 chooses."""
+        if self.config.scheduling_policy == "priority":
+            return max(reversed(self.running), key=_rank)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt a running request and queue it at the front of the waiting queue (in its rank's place under
+        ``priority``): by swap, its KV kept in the host tier to resume from; by recompute (or when the host tier
+        cannot take it), its KV dropped, to run all its tokens again."""
+        if request is self.running[-1]:
+            self.running.pop()
+        else:
+            self.running.remove(request)
         if not (self.config.preemption_mode == "swap" and self.kv.swap_out(request)):
             self.kv.free(request)
             request.num_computed_tokens = 0
@@ -444,7 +469,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request, front=True)
-        return request
 
     def _take_kv_transfers(self) -> KVTransferPlan:
         return KVTransferPlan(self._fork_copies.take(), *self.kv.take_tier_transfers())
@@ -502,7 +526,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_running:
                 self._park_sample(parent, sample)
             elif self._fork_copies.share_kv(parent, sample):
-                self._add_running(sample)
+                self.running.append(sample)
             else:  # no block for its copy: counted as a preemption, as the swap counters count it among theirs
                 self.num_preemptions += 1
                 self._park_sample(parent, sample)

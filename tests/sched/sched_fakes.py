@@ -287,10 +287,9 @@ def check_step(scheduler: Scheduler, sched_out: SchedulerOutput) -> None:
     assert len({r.request_id for r in sched_out.requests}) == len(sched_out.requests)
     assert all(n >= 1 for n in lengths)
     assert lengths == sorted(lengths, key=lambda n: n > 1), f"one-token rows must come first: {lengths}"
-    if config.scheduling_policy == "priority":  # both queues in rank order, the waiting head the first to admit
-        for queue in (scheduler.waiting, scheduler.running):
-            ranks = [(r.priority, r.arrival_time) for r in queue]
-            assert ranks == sorted(ranks), f"out of rank order: {ranks}"
+    if config.scheduling_policy == "priority":  # the waiting queue in rank order, its head the first to admit
+        ranks = [(r.priority, r.arrival_time) for r in scheduler.waiting]
+        assert ranks == sorted(ranks), f"out of rank order: {ranks}"
     scheduler.kv.check_integrity(scheduler.requests.values())
 
 

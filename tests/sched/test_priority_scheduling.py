@@ -1,5 +1,6 @@
-"""The ``priority`` policy: both queues in rank order (priority, then arrival), the lowest ranked preempted when
-KV runs out, a waiting request displacing running ones of a higher priority value, and never one of its own."""
+"""The ``priority`` policy: the waiting queue in rank order (priority, then arrival), the lowest ranked running
+request preempted when KV runs out (its tokens of the step given back), a waiting request displacing running ones
+of a higher priority value, and never one of its own; running decodes keep their token each step."""
 
 from __future__ import annotations
 
@@ -116,7 +117,7 @@ def test_kv_running_out_preempts_the_lowest_ranked_not_the_newest() -> None:
     steps = [step(scheduler, runner)[1]]
     scheduler.add_request(ranked("high", 4, 0, max_tokens=8))  # newer, but ranked first
     steps.append(step(scheduler, runner)[1])
-    assert ids(scheduler.running) == ["high", "low"]
+    assert ids(scheduler.running) == ["low", "high"]  # admission order: "low" is scheduled first each step
     while scheduler.num_preemptions == 0:
         steps.append(step(scheduler, runner)[1])
     assert scheduler.requests["low"].status is RequestStatus.PREEMPTED
@@ -133,8 +134,9 @@ def test_samples_of_an_n_request_keep_its_rank() -> None:
     step(scheduler, runner)
     scheduler.add_request(ranked("pair", 3, 1, max_tokens=4, n=2))
     step(scheduler, runner)
-    assert ids(scheduler.running) == ["pair", "pair#1", "low"]
+    assert ids(scheduler.running) == ["low", "pair", "pair#1"]
     assert scheduler.requests["pair#1"].priority == 1
+    assert scheduler._victim().request_id == "low"  # the samples outrank it
     outputs = run_to_completion(scheduler, runner)
     assert tokens_of(outputs["pair#1"]) == expected_tokens("pair#1", 4)
     assert_all_blocks_free(scheduler)
@@ -174,9 +176,39 @@ def test_a_long_queue_keeps_rank_order_as_requests_arrive_and_are_preempted() ->
         steps.append(step(scheduler, runner)[1])
         ranks = [(r.priority, r.arrival_time) for r in scheduler.waiting]
         assert ranks == sorted(ranks)
-        ranks = [(r.priority, r.arrival_time) for r in scheduler.running]
-        assert ranks == sorted(ranks)
     tokens = tokens_by_request(*steps, run_to_completion(scheduler, runner))
     assert scheduler.num_preemptions > 0  # the queue was reordered by preemptions as well as arrivals
     assert tokens == {f"r{i}": expected_tokens(f"r{i}", 1 + i % 6) for i in range(24)}
+    assert_all_blocks_free(scheduler)
+
+
+def test_a_running_decode_keeps_its_token_while_a_newer_urgent_prompt_fills_in_chunks() -> None:
+    """Running requests keep admission order: the low-priority stream decodes every step, the urgent prompt taking
+    what is left of the budget (ranking the running list put its chunks first and starved the stream)."""
+    scheduler = make_scheduler(max_num_batched_tokens=8, max_num_seqs=4, policy="priority")
+    runner = runner_for(scheduler)
+    scheduler.add_request(ranked("stream", 3, 5, max_tokens=30))
+    step(scheduler, runner)
+    scheduler.add_request(ranked("urgent", 64, 0, max_tokens=2))
+    rows = [dict((r.request_id, r.num_tokens) for r in step(scheduler, runner)[0].requests) for _ in range(6)]
+    assert all(row.get("stream") == 1 for row in rows), rows
+    assert all(row.get("urgent") == 7 for row in rows), rows
+
+
+def test_kv_running_out_preempts_the_lowest_ranked_even_when_it_was_scheduled_this_step() -> None:
+    """The victim was already given its token this step: the token goes back to the budget and it is not run."""
+    scheduler = make_scheduler(num_blocks=5, block_size=4, max_num_seqs=3, policy="priority")
+    runner = runner_for(scheduler)
+    scheduler.add_request(ranked("low", 4, 3, max_tokens=12))
+    steps = [step(scheduler, runner)[1]]
+    scheduler.add_request(ranked("high", 4, 0, max_tokens=12))
+    assert ids(scheduler.running) == ["low"]
+    while scheduler.num_preemptions == 0:
+        sched_out, outputs = step(scheduler, runner)
+        steps.append(outputs)
+    assert ids(sched_out.requests) == ["high"]  # "low", first in admission order, was taken back
+    assert scheduler.requests["low"].status is RequestStatus.PREEMPTED
+    assert sched_out.num_tokens == 1
+    tokens = tokens_by_request(*steps, run_to_completion(scheduler, runner))
+    assert tokens == {rid: expected_tokens(rid, 12) for rid in ("low", "high")}
     assert_all_blocks_free(scheduler)
