@@ -7,7 +7,7 @@ import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 
 class InvalidParameter(ValueError):
@@ -230,6 +230,42 @@ class SamplingParams:
         return self.temperature < self.GREEDY_BELOW
 
 
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's beam search parameters (``LLM.beam_search``; the server's ``use_beam_search``): ``beam_width`` beams
+    of up to ``max_tokens`` tokens each (required: a beam search has no natural end), ranked by cumulative logprob
+    over length ** ``length_penalty`` (the prompt counted, an ending EOS not, as vLLM counts them). ``temperature``
+    only chooses the one token each step draws beside the ``2 * beam_width`` most likely (the candidates, whose
+    logprobs are the model's own), as in vLLM; 0 draws the most likely, adding nothing. ``ignore_eos``: an EOS goes
+    on as any token; ``include_stop_str_in_output``: the EOS that ended a sequence is in its text."""
+
+    beam_width: int
+    max_tokens: int | None = None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    # each step asks for the 2 * beam_width most likely tokens of every beam: at most SamplingParams' logprobs
+    MAX_BEAM_WIDTH: ClassVar[int] = SamplingParams.MAX_LOGPROBS // 2
+
+    def __post_init__(self) -> None:
+        _check_kinds(self, _BEAM_SEARCH_KINDS)
+        if self.max_tokens is None:
+            raise InvalidParameter("max_tokens", "max_tokens is required for beam search")
+        checks = [
+            ("beam_width", 1 <= self.beam_width <= self.MAX_BEAM_WIDTH,
+             f"must be in [1, {self.MAX_BEAM_WIDTH}], got {self.beam_width}"),
+            ("max_tokens", self.max_tokens >= 1, f"must be >= 1, got {self.max_tokens}"),
+            ("temperature", 0 <= self.temperature < math.inf, f"must be a finite number >= 0, got {self.temperature}"),
+            ("length_penalty", math.isfinite(self.length_penalty), f"must be finite, got {self.length_penalty}"),
+        ]
+        for param, ok, problem in checks:
+            if not ok:
+                raise InvalidParameter(param, f"{param} {problem}")
+
+
 # Each field's kind, and whether it may be None, in SamplingParams and then in StructuredOutputsParams: checked
 # once, at construction (``_check_kinds``)
 _FIELD_KINDS: dict[str, tuple[str, bool]] = {
@@ -243,6 +279,11 @@ _FIELD_KINDS: dict[str, tuple[str, bool]] = {
     "skip_special_tokens": ("bool", False),
     "stop": ("strings", True), "stop_token_ids": ("ids", True), "structured_outputs": ("constraint", True),
     "allowed_token_ids": ("ids", True), "bad_words": ("strings", True),
+}
+_BEAM_SEARCH_KINDS: dict[str, tuple[str, bool]] = {
+    "beam_width": ("integer", False), "max_tokens": ("integer", True), "ignore_eos": ("bool", False),
+    "temperature": ("number", False), "length_penalty": ("number", False),
+    "include_stop_str_in_output": ("bool", False),
 }
 _CONSTRAINT_KINDS: dict[str, tuple[str, bool]] = {
     "json": ("schema", True), "json_object": ("bool", False), "regex": ("text", True), "choice": ("choices", True),

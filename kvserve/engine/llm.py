@@ -13,12 +13,13 @@ from typing import Any, Callable, Iterator, overload
 from tqdm.auto import tqdm
 
 from kvserve.config import DEFAULT_MODEL
+from kvserve.engine.beam_search import BeamBatch, BeamSearchOutput, step_params
 from kvserve.engine.gc_freeze import heap_frozen
-from kvserve.engine.input_processor import ChatMessages, PromptInput
+from kvserve.engine.input_processor import ChatMessages, ProcessedPrompt, PromptInput
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_args import EngineArgs
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 PROGRESS_BAR_MIN_PROMPTS = 8
 
@@ -77,11 +78,7 @@ class LLM:
         tqdm-like class to make it with. ``priority``: one per prompt, as vLLM's (the lower, the sooner; needs
         ``scheduling_policy="priority"`` for any but 0).
         """
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
-        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):  # bytes: no text
-            raise TypeError("prompts must be a string, a dict with 'prompt_token_ids' or 'prompt', or a list of "
-                            f"them; got {type(prompts).__name__}")
+        prompts = _prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts), self.get_default_sampling_params())
         if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence)):
             raise TypeError(f"priority must be a list with one int per prompt, got {type(priority).__name__}")
@@ -91,16 +88,44 @@ class LLM:
         self._check_process()
         with self._running:
             process = self.engine.input_processor.process
-            processed = [process(p, sp, cap_max_tokens=True) for p, sp in zip(prompts, params)]
-            request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
-            try:
-                for rid, p, rank in zip(request_ids, processed, priorities):
-                    self.engine.add_processed(rid, p, rank)
-            except BaseException:  # e.g. a request larger than the whole KV cache: leave nothing queued
-                self.engine.abort_request(request_ids)
-                raise
+            request_ids = self._queue([process(p, sp, cap_max_tokens=True) for p, sp in zip(prompts, params)],
+                                      priorities)
             bar = use_tqdm if callable(use_tqdm) else tqdm
             return self._run(request_ids, bool(use_tqdm) and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS, bar)
+
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (``kvserve/engine/beam_search.py``): the best ``params.beam_width`` sequences of each
+        prompt, in input order, best first. The prompts are ``generate``'s, all searched in one batch; every
+        prompt is checked first (ValueError naming the field: ``max_tokens`` over the room ``max_model_len``
+        leaves), and an exception meanwhile leaves no request queued. ``use_tqdm``: a bar over the steps."""
+        prompts = _prompt_list(prompts)
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        self._check_process()
+        with self._running:
+            engine = self.engine
+            process = engine.input_processor.process
+            batch = BeamBatch([process(p, step_params(params)) for p in prompts], params, engine.eos_token_ids,
+                              engine.max_model_len)
+            with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm) as bar:
+                while not batch.done:
+                    processed = [process(p, batch.step_params) for p in batch.step_prompts()]
+                    batch.advance(self._run(self._queue(processed), show_progress=False))
+                    bar.update(1)
+            return batch.outputs(engine.tokenizer)
+
+    def _queue(self, processed: list[ProcessedPrompt], priorities: Sequence[int] | None = None) -> list[str]:
+        """Add the requests, all or none (e.g. one larger than the whole KV cache: nothing is left queued); their
+        ids."""
+        request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
+        try:
+            for rid, p, rank in zip(request_ids, processed, priorities or [0] * len(processed)):
+                self.engine.add_processed(rid, p, rank)
+        except BaseException:
+            self.engine.abort_request(request_ids)
+            raise
+        return request_ids
 
     @overload
     def chat(self, messages: ChatMessages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -209,6 +234,16 @@ class LLM:
             self.engine.abort_request(rid for rid in request_ids if rid not in finished)
             raise
         return [finished[rid] for rid in request_ids]
+
+
+def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> Sequence[PromptInput]:
+    """One prompt or a list of them, as a list; TypeError for anything else."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):  # bytes: no text
+        raise TypeError("prompts must be a string, a dict with 'prompt_token_ids' or 'prompt', or a list of "
+                        f"them; got {type(prompts).__name__}")
+    return prompts
 
 
 @contextmanager
