@@ -4,7 +4,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from kvserve.outputs import CompletionOutput, FinishReason, RequestOutput
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # type checkers see LLM's own type; at run time it is imported when first asked for
     from kvserve.engine.llm import LLM
@@ -14,7 +14,7 @@ try:
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "unknown"
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "FinishReason"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "FinishReason"]
 
 
 def __getattr__(name: str) -> Any:

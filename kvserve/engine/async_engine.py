@@ -190,6 +190,12 @@ class AsyncEngine:
 
         return await self._on_inputs(decode)
 
+    async def process(self, prompt: PromptInput, params: SamplingParams) -> ProcessedPrompt:
+        """``prompt`` tokenized and checked with ``params`` (``InputProcessor.process``) on the inputs thread,
+        nothing queued: what a driver above the engine (beam search) reads before it queues requests; ValueError
+        naming what is wrong."""
+        return await self._on_inputs(lambda: self.engine.input_processor.process(prompt, params))
+
     async def render_chat(self, messages: ChatMessages, tools: Sequence[Mapping[str, Any]] | None = None,
                           **options: Any) -> dict[str, Any]:
         """A conversation (and its tools) rendered with the model's chat template into a token-id prompt

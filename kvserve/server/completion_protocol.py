@@ -35,6 +35,9 @@ MAX_BATCH_SAMPLES = 2048  # prompts x n of one /v1/completions request (OpenAI t
 
 
 class CompletionRequest(SamplingRequest):
+    # an echo's prompt logprobs come from the request itself, which a beam search never is
+    BEAM_SEARCH_REFUSES = (*SamplingRequest.BEAM_SEARCH_REFUSES, "echo")
+
     prompt: Prompt
     max_tokens: StrictInt | None = 16
     logprobs: StrictInt | None = None

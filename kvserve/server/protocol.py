@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import BeamSearchParams, InvalidParameter, SamplingParams, StructuredOutputsParams
 from kvserve.utf8 import check_utf8
 
 MAX_LOGIT_BIAS = 100.0
@@ -190,6 +190,9 @@ class SamplingRequest(RequestBody):
     cache_salt: Text | None = None
     # vLLM's: the lower, the sooner, under --scheduling-policy priority (any other value is a 400 without it)
     priority: StrictInt = 0
+    # vLLM's beam search: n beams, ranked by cumulative logprob over length ** length_penalty
+    use_beam_search: StrictBool = False
+    length_penalty: float = 1.0
     service_tier: Literal["auto", "default"] | None = None
     # OpenAI fields kvserve does not implement: refused by name rather than ignored
     store: StrictBool | None = None
@@ -236,6 +239,40 @@ class SamplingRequest(RequestBody):
                 hint = " (OpenAI deprecated it: use tools)" if name.startswith("function") else ""
                 raise InvalidParameter(name, f"{name} is not supported by kvserve yet{hint}")
         return self
+
+    # what beam search takes no part in (it draws each token with its own params): refused by name where sent
+    BEAM_SEARCH_REFUSES: ClassVar[tuple[str, ...]] = (
+        "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+        "seed", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+        "prompt_logprobs",
+    )
+
+    @model_validator(mode="after")
+    def _check_beam_search(self) -> SamplingRequest:
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:  # vLLM ignores it without beam search
+                raise InvalidParameter("length_penalty", "length_penalty is only used with use_beam_search true")
+            return self
+        if self.stream:
+            raise InvalidParameter("stream", "use_beam_search does not stream (as in vLLM): send stream false")
+        defaults = type(self).model_fields
+        refused = [name for name in self.BEAM_SEARCH_REFUSES if getattr(self, name) != defaults[name].default]
+        refused += list(self._constraints())
+        if refused:
+            raise InvalidParameter(refused[0], f"{refused[0]} is not supported with use_beam_search (which ranks "
+                                   "the model's own logprobs and stops only at EOS or max_tokens)")
+        return self
+
+    def beam_search_params(self, max_tokens: int, defaults: SamplingParams) -> BeamSearchParams:
+        """vLLM's: ``n`` beams of ``max_tokens``; ValueError naming the field as the request sent it."""
+        try:
+            return BeamSearchParams(
+                beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                temperature=defaults.temperature if self.temperature is None else self.temperature,
+                length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except InvalidParameter as error:
+            raise error.renamed("n") if error.param == "beam_width" else self.named_as_sent(error) from None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint the request asks for, from whichever field names it; InvalidParameter for

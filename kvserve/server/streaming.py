@@ -16,7 +16,9 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from kvserve.engine.async_engine import EngineDeadError
+from kvserve.engine.beam_search import BeamBatch, beam_search_async
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kvserve.sampling_params import SamplingParams
 from kvserve.server.errors import APIError, bad_request, sse_failure
 from kvserve.server.request_log import RequestLog
 from kvserve.server.response_extras import ResponseExtras
@@ -166,6 +168,8 @@ class GenerationHandler:
         request_id = self._engine_id
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         prompts = _salted(prompts, self.body.cache_salt)
+        if self.body.use_beam_search:
+            return await self._beam_search(prompts, request_ids)
         if self.params.structured_outputs is not None:
             try:
                 await self.engine.compile_constraint(self.params.structured_outputs)
@@ -185,6 +189,42 @@ class GenerationHandler:
         self.first_outputs = first
         outputs = _prepend(first, stream)
         return outputs if logged is None else logged.watched(outputs)
+
+    async def _beam_search(self, prompts: Sequence[PromptInput], request_ids: list[str]
+                           ) -> AsyncGenerator[list[RequestOutput], None]:
+        """vLLM's beam search of each prompt (``engine/beam_search.py``): the prompts checked now (a 400 for bad
+        input, naming the field as sent), the searches run, side by side, as the answer is awaited. A prompt's
+        ``max_tokens`` left out is the room ``max_model_len`` leaves it, as in vLLM."""
+        engine = self.engine.engine
+        batches = []
+        try:
+            for prompt in prompts:
+                processed = await self.engine.process(prompt, SamplingParams(max_tokens=1))
+                max_tokens = self.params.max_tokens or engine.max_model_len - len(processed.prompt_token_ids)
+                params = self.body.beam_search_params(max_tokens, engine.default_sampling_params)
+                batches.append(BeamBatch([processed], params, engine.eos_token_ids, engine.max_model_len,
+                                         self.params.logprobs or 0))
+        except ValueError as error:
+            raise bad_request(self.body.named_as_sent(error)) from error
+        finally:
+            if self.admission is not None:  # from here on its steps' requests count as waiting, as they queue
+                self.admission.close()
+        logged = self.request_log.queued(self.request_id, self._engine_id, prompts, self.params)
+        outputs = self._searched(batches, request_ids)
+        return outputs if logged is None else logged.watched(outputs)
+
+    async def _searched(self, batches: list[BeamBatch], request_ids: list[str]
+                        ) -> AsyncGenerator[list[RequestOutput], None]:
+        """The finished outputs of the searches, once all have run; one that fails (or a client gone) cancels the
+        others, whose requests are aborted."""
+        try:
+            async with asyncio.TaskGroup() as searches:
+                for batch, request_id in zip(batches, request_ids):
+                    searches.create_task(beam_search_async(self.engine, batch, request_id, self.body.priority))
+        except ExceptionGroup as failed:  # the first failure, as the engine raised it (a dead engine: 503)
+            raise failed.exceptions[0] from None
+        yield [batch.request_outputs([request_id], self.tokenizer, self.params.skip_special_tokens)[0]
+               for batch, request_id in zip(batches, request_ids)]
 
 
 def _salted(prompts: Sequence[PromptInput], salt: str | None) -> Sequence[PromptInput]:

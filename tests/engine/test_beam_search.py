@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from kvserve import LLM
 from kvserve.outputs import FinishReason
-from kvserve.sampling_params import BeamSearchParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
 
 MAX_TOKENS = 10
@@ -147,6 +147,31 @@ def test_the_beams_share_their_kv_through_the_prefix_cache(tiny_checkpoints) -> 
     assert stats["prefix_cache_hit_rate"] > 0.9, stats
     assert stats["num_tokens_computed"] < 0.1 * stats["prefix_cache_queries"], stats
     assert_all_blocks_free(llm)
+
+
+def test_the_score_counts_the_prompt_and_not_an_ending_eos() -> None:
+    from kvserve.engine.beam_search import BeamSearch, BeamSearchSequence
+    from kvserve.engine.input_processor import ProcessedPrompt
+
+    params = BeamSearchParams(2, 4, length_penalty=2.0)
+    search = BeamSearch(ProcessedPrompt(None, [5, 6, 7], SamplingParams(max_tokens=1)), params, {3})
+    assert search.score(BeamSearchSequence([5, 6, 7, 9, 3], [], -6.0, finish_reason=FinishReason.STOP)) == -6 / 4**2
+    assert search.score(BeamSearchSequence([5, 6, 7, 9, 3], [], -6.0)) == -6 / 5**2  # EOS as a token (ignore_eos)
+
+
+def test_only_the_2_x_width_most_likely_and_the_drawn_token_are_candidates() -> None:
+    """Where an answer asks for more logprobs than the search needs, the others are shown, not searched."""
+    from kvserve.engine.beam_search import BeamSearch
+    from kvserve.engine.input_processor import ProcessedPrompt
+    from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+
+    search = BeamSearch(ProcessedPrompt(None, [5, 6], SamplingParams(max_tokens=1)), BeamSearchParams(1, 4), {3})
+    position = {token: Logprob(-float(rank), rank) for rank, token in enumerate([10, 11, 3, 12, 13, 40], start=1)}
+    drawn = 40  # a temperature's draw, ranked last: a candidate too, as in vLLM
+    sample = CompletionOutput(0, "", [drawn], FinishReason.LENGTH, None, [position])
+    search.advance([RequestOutput("r", None, [5, 6], [sample], finished=True)], first_step=True)
+    assert [beam.tokens for beam in search.live] == [[5, 6, 10]]
+    assert search.completed == []  # EOS ranked 3rd is no candidate of a width-1 search
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -51,7 +51,7 @@ BAD_COMPLETIONS = {
     "stream_options without stream": completion(stream_options={"include_usage": True}),
     "min_tokens above max_tokens": completion(min_tokens=5, max_tokens=2),
     "an unknown field": completion(temprature=0.5),
-    "a vLLM field kvserve does not implement": completion(use_beam_search=True),
+    "a vLLM field kvserve does not implement": completion(kv_transfer_params={}),
     "stream not a boolean": completion(stream="yes"),
     "structured_outputs regex not a string": completion(structured_outputs={"regex": 5}),
     "logit_bias key a non-ASCII digit": completion(logit_bias={"\u00b2": 1.0}),

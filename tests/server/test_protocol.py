@@ -16,7 +16,7 @@ from kvserve.server.model_protocol import TokenizeRequest
 
 @pytest.mark.parametrize("body", [
     {"messages": [{"role": "user", "content": "hi"}], "temprature": 0.5},
-    {"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True},
+    {"messages": [{"role": "user", "content": "hi"}], "kv_transfer_params": {}},
     {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True, "usage_per_chunk": True}},
     {"messages": [{"role": "user", "content": "hi", "cache_control": {}}]},
 ])
