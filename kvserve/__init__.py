@@ -14,7 +14,8 @@ try:
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "unknown"
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "FinishReason"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "FinishReason"]
 
 
 def __getattr__(name: str) -> Any:
