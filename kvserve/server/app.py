@@ -43,6 +43,8 @@ from kvserve.server.model_protocol import (
 from kvserve.server.protocol import SamplingRequest
 from kvserve.server.request_body import read_body
 from kvserve.server.request_ids import client_request_id, echoing_request_id
+from kvserve.server.responses import ResponsesServer
+from kvserve.server.responses_protocol import ResponsesRequest
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ending_on_failure, until_disconnected
 
@@ -117,7 +119,7 @@ def _model_card(state: ServerState, name: str) -> ModelCard:
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    """POST /v1/completions and /v1/chat/completions."""
+    """POST /v1/completions, /v1/chat/completions and /v1/responses (served as the chat request it stands for)."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -126,6 +128,12 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _serve(state, ChatServer, body, request, tool_call_parser=state.settings.tool_call_parser,
+                            reasoning_parser=state.settings.reasoning_parser)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await _serve(state, ResponsesServer, body.chat_request, request, responses=body,
+                            tool_call_parser=state.settings.tool_call_parser,
                             reasoning_parser=state.settings.reasoning_parser)
 
 

@@ -78,8 +78,8 @@ def bad_request(error: ValueError, param: str | None = None) -> APIError:
 
 
 # what a 404 lists: the OpenAI routes and vLLM's kvserve answers
-SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
-                 "/metrics", "/version")
+SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize",
+                 "/detokenize", "/health", "/metrics", "/version")
 # the paths ``--api-key`` guards, on a server and on the router alike (/health and /metrics stay open)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 

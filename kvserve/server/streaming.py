@@ -139,11 +139,12 @@ class BatchCursor:
 class GenerationHandler:
     """What both generation endpoints hold: the engine, the request body, the model name its answer says (the one
     the request used), the answer's id (``{id_prefix}-{the client's X-Request-Id}``, as vLLM's, or
-    ``{id_prefix}-{fresh hex}``) and when it was made (every chunk's ``created``, as OpenAI's and vLLM's), the
+    ``{id_prefix}-{fresh hex}``; ``id_separator`` in place of the dash) and when it was made (every chunk's ``created``, as OpenAI's and vLLM's), the
     sampling params, the tokenizer, the vLLM extras the answer carries, and the first outputs (a stream's first
     chunks name the prompt's tokens before any sample's)."""
 
     id_prefix = "req"
+    id_separator = "-"  # OpenAI's ids: chatcmpl-..., resp_...
 
     def __init__(self, engine: AsyncEngine, body: Any, model_name: str, client_request_id: str | None = None,
                  admission: Admission | None = None, request_log: RequestLog = RequestLog()) -> None:
@@ -154,8 +155,9 @@ class GenerationHandler:
         self.model_name = model_name
         # the engine's ids are always fresh: a client may send one X-Request-Id twice at once, or one with a
         # character the engine keeps for its samples' ids ('#')
-        self._engine_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
-        self.request_id = self._engine_id if client_request_id is None else f"{self.id_prefix}-{client_request_id}"
+        self._engine_id = f"{self.id_prefix}{self.id_separator}{uuid.uuid4().hex}"
+        self.request_id = (self._engine_id if client_request_id is None
+                           else f"{self.id_prefix}{self.id_separator}{client_request_id}")
         self.created = int(time.time())
         self.params = body.to_sampling_params(engine.engine.default_sampling_params)
         self.tokenizer = engine.engine.tokenizer
