@@ -27,7 +27,8 @@ USER = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 class ScriptedEngine(FakeEngine):
-    """Every request's output spells ``script``, a byte a step, then ends with ``stop``."""
+    """Every request's output spells ``script``, a byte a step, then ends with ``stop`` (with ``length`` where its
+    ``max_tokens`` cut it first)."""
 
     def __init__(self, script: str) -> None:
         super().__init__(max_num_seqs=2, max_model_len=512, step_seconds=0.001)
@@ -38,10 +39,12 @@ class ScriptedEngine(FakeEngine):
         outputs = []
         for request in list(self.requests.values())[: self.max_num_seqs]:
             request.output_token_ids.append(self.script[len(request.output_token_ids)])
-            done = len(request.output_token_ids) >= min(request.max_tokens, len(self.script))
-            if done:
+            num_tokens = len(request.output_token_ids)
+            finish = (FinishReason.STOP if num_tokens == len(self.script)
+                      else FinishReason.LENGTH if num_tokens == request.max_tokens else None)
+            if finish is not None:
                 del self.requests[request.request_id]
-            outputs.append(request.output(FinishReason.STOP if done else None))
+            outputs.append(request.output(finish))
         return outputs
 
 
