@@ -137,11 +137,11 @@ class BatchCursor:
 
 
 class GenerationHandler:
-    """What both generation endpoints hold: the engine, the request body, the model name its answer says (the one
+    """What every generation endpoint holds: the engine, the request body, the model name its answer says (the one
     the request used), the answer's id (``{id_prefix}-{the client's X-Request-Id}``, as vLLM's, or
-    ``{id_prefix}-{fresh hex}``; ``id_separator`` in place of the dash) and when it was made (every chunk's ``created``, as OpenAI's and vLLM's), the
-    sampling params, the tokenizer, the vLLM extras the answer carries, and the first outputs (a stream's first
-    chunks name the prompt's tokens before any sample's)."""
+    ``{id_prefix}-{fresh hex}``; ``id_separator`` in place of the dash) and when it was made (every chunk's
+    ``created``, as OpenAI's and vLLM's), the sampling params, the tokenizer, the vLLM extras the answer carries,
+    and the first outputs (a stream's first chunks name the prompt's tokens before any sample's)."""
 
     id_prefix = "req"
     id_separator = "-"  # OpenAI's ids: chatcmpl-..., resp_...
