@@ -51,11 +51,10 @@ def _only_types(values: Any, allowed: tuple[str, ...], what: str, default: str |
     return values
 
 
-def _text_or(items: Any) -> Any:
-    """A field that is text or a list of ``items``, told apart by its JSON kind (so that an error is about the
-    kind sent)."""
-    return Annotated[Union[Annotated[Text, Tag("str")], Annotated[items, Tag("list")]],
-                     Discriminator(lambda v: "list" if isinstance(v, list) else "str")]
+def _json_kind(value: Any) -> str:
+    """Which member of a text-or-list field ``value`` is, told apart by its JSON kind (so that an error is about the
+    kind sent, not about every member)."""
+    return "list" if isinstance(value, list) else "str"
 
 
 class InputText(RequestBody):
@@ -73,6 +72,10 @@ class OutputTextPart(RequestBody):
 
 
 ContentPart = Annotated[Union[InputText, OutputTextPart], Field(discriminator="type")]
+MessageContent = Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[ContentPart], Tag("list")]],
+                           Discriminator(_json_kind)]
+CallOutput = Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[InputText], Tag("list")]],
+                       Discriminator(_json_kind)]
 
 
 class MessageItem(RequestBody):
@@ -80,7 +83,7 @@ class MessageItem(RequestBody):
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: _text_or(list[ContentPart])
+    content: MessageContent
     id: str | None = None
     status: ItemStatus | None = None
 
@@ -111,7 +114,7 @@ class FunctionCallOutputItem(RequestBody):
 
     type: Literal["function_call_output"]
     call_id: str
-    output: _text_or(list[InputText])
+    output: CallOutput
     id: str | None = None
     status: ItemStatus | None = None
 
@@ -140,6 +143,8 @@ InputItem = Annotated[
           Annotated[ReasoningItem, Tag("type[reasoning]")]],
     Discriminator(lambda v: f"type[{v.get('type', 'message') if isinstance(v, dict) else v.type}]"),
 ]
+Input = Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[InputItem], Field(min_length=1), Tag("list")]],
+                  Discriminator(_json_kind)]
 
 
 class FunctionTool(FunctionDefinition):
@@ -194,7 +199,7 @@ class ReasoningConfig(RequestBody):
 
 class ResponsesRequest(RequestBody):
     model: str | None = None
-    input: _text_or(Annotated[list[InputItem], Field(min_length=1)])
+    input: Input
     instructions: Text | None = None
     max_output_tokens: StrictInt | None = None
     temperature: float | None = None
