@@ -109,6 +109,20 @@ TOOL_CHOICES = ("none", "auto", "required")
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 
+def known_tool_choice(value: Any, named_shape: str) -> Any:
+    """``value`` if it is a tool choice kvserve takes (one of ``TOOL_CHOICES`` or a named function, whose shape
+    the body's type checks), else InvalidParameter naming OpenAI's other forms (``allowed_tools``, a custom or
+    built-in tool), where a union's error said only "Input should be 'none', 'auto' or 'required'", as if a named
+    function were not taken either; ``named_shape``: how the endpoint spells a named function."""
+    if value is None or isinstance(value, str) and value in TOOL_CHOICES:
+        return value
+    if isinstance(value, dict) and value.get("type") == "function":
+        return value
+    kind = value.get("type") if isinstance(value, dict) else value
+    raise InvalidParameter("tool_choice", f"tool_choice {str(kind)[:100]!r} is not supported: kvserve takes "
+                           f"{', '.join(map(repr, TOOL_CHOICES))} or {named_shape}")
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: StrictInt | None = None
@@ -132,16 +146,7 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _known_tool_choice(cls, value: Any) -> Any:
-        """OpenAI's other forms (``allowed_tools``, a custom tool) refused by name, where the union's error said
-        only "Input should be 'none', 'auto' or 'required'", as if a named function were not taken either."""
-        if value is None or isinstance(value, str) and value in TOOL_CHOICES:
-            return value
-        if isinstance(value, dict) and value.get("type") == "function":
-            return value
-        kind = value.get("type") if isinstance(value, dict) else value
-        raise InvalidParameter("tool_choice", f"tool_choice {str(kind)[:100]!r} is not supported: kvserve takes "
-                               f"{', '.join(map(repr, TOOL_CHOICES))} or "
-                               "{'type': 'function', 'function': {'name': ...}}")
+        return known_tool_choice(value, "{'type': 'function', 'function': {'name': ...}}")
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

@@ -27,11 +27,11 @@ from pydantic import (
 
 from kvserve.sampling_params import InvalidParameter
 from kvserve.server.chat_protocol import (
-    TOOL_CHOICES,
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
     FunctionDefinition,
+    known_tool_choice,
 )
 from kvserve.server.protocol import JSONSchemaFormat, RequestBody, ResponseFormat, Text
 
@@ -241,13 +241,7 @@ class ResponsesRequest(RequestBody):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _known_tool_choice(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str) and value in TOOL_CHOICES:
-            return value
-        if isinstance(value, dict) and value.get("type") == "function":
-            return value
-        kind = value.get("type") if isinstance(value, dict) else value
-        raise InvalidParameter("tool_choice", f"tool_choice {str(kind)[:100]!r} is not supported: kvserve takes "
-                               f"{', '.join(map(repr, TOOL_CHOICES))} or {{'type': 'function', 'name': ...}}")
+        return known_tool_choice(value, "{'type': 'function', 'name': ...}")
 
     @model_validator(mode="after")
     def _refuse_what_is_not_implemented(self) -> ResponsesRequest:
