@@ -5,6 +5,7 @@ bytes, so every tag is split over several tokens) and over a Qwen3 checkpoint wh
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -36,6 +37,7 @@ class ScriptedEngine(FakeEngine):
 
     def step(self) -> list:
         self.num_steps += 1
+        time.sleep(self.step_seconds)  # as FakeEngine's steps: a client has time to act mid-answer
         outputs = []
         for request in list(self.requests.values())[: self.max_num_seqs]:
             request.output_token_ids.append(self.script[len(request.output_token_ids)])

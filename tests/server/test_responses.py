@@ -216,7 +216,8 @@ def test_what_kvserve_does_not_implement_is_a_400_naming_it(talker: InProcessSer
 
 def test_a_client_gone_mid_stream_aborts_its_request(talker: InProcessServer) -> None:
     aborted_before = talker.metric("kvserve:request_success_total", finished_reason="abort")
-    talker.fake.script = b"x" * 200  # long enough to be left mid-way
+    talker.fake.script = b"x" * 200  # long enough to be left mid-way, at 50 ms a step however slow the client
+    talker.fake.step_seconds = 0.05
 
     async def leave_mid_stream() -> None:
         async with httpx.AsyncClient(timeout=30) as client:
@@ -231,6 +232,7 @@ def test_a_client_gone_mid_stream_aborts_its_request(talker: InProcessServer) ->
         talker.wait_idle()
     finally:
         talker.fake.script = ANSWER.encode()
+        talker.fake.step_seconds = 0.001
     assert talker.metric("kvserve:request_success_total", finished_reason="abort") - aborted_before == 1
     assert talker.metric("kvserve:kv_cache_usage_perc") == 0
 
