@@ -102,8 +102,8 @@ class BeamSearch:
 
     def score(self, sequence: BeamSearchSequence) -> float:
         """vLLM's (after transformers'): the cumulative logprob over the length, prompt included and an ending EOS
-        not, to the power ``length_penalty``."""
-        length = len(sequence.tokens) - (sequence.finish_reason is FinishReason.STOP)
+        not (even one ``ignore_eos`` kept going, as vLLM counts), to the power ``length_penalty``."""
+        length = len(sequence.tokens) - (sequence.tokens[-1] in self.eos_token_ids)
         return sequence.cum_logprob / length ** self.params.length_penalty
 
     def best(self) -> list[BeamSearchSequence]:

@@ -208,13 +208,19 @@ class ResponseEvents:
         return f"event: {kind}\n" + sse_event(json.dumps(data, ensure_ascii=False))
 
     def pieces(self, reasoning: str | None, content: str | None, calls: list[DeltaToolCall]) -> Iterator[str]:
-        """The events of a piece of the output: thinking, then text, then pieces of calls."""
+        """The events of a piece of the output: thinking, then the rest of a call already open (the tail of its
+        arguments, which the parser holds back until the call closes, may come beside the text written after
+        it), then text, then new calls."""
         if reasoning:
             yield from self._text("reasoning", reasoning)
+        for call in calls:
+            if call.id is None:
+                yield from self._call(call)
         if content:
             yield from self._text("message", content)
         for call in calls:
-            yield from self._call(call)
+            if call.id is not None:
+                yield from self._call(call)
 
     def finish(self, status: ResponseStatus) -> Iterator[str]:
         """The last item closed (``incomplete`` where the output was cut); an empty message where there was none."""

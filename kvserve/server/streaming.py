@@ -218,13 +218,18 @@ class GenerationHandler:
     async def _searched(self, batches: list[BeamBatch], request_ids: list[str]
                         ) -> AsyncGenerator[list[RequestOutput], None]:
         """The finished outputs of the searches, once all have run; one that fails (or a client gone) cancels the
-        others, whose requests are aborted."""
+        others, whose requests are aborted. A search's requests are queued only as it runs: one the engine refuses
+        (a ``priority`` the policy does not take, a beam past the KV cache) is a 400 naming it, as its answer is
+        not streamed and nothing is sent before it."""
         try:
             async with asyncio.TaskGroup() as searches:
                 for batch, request_id in zip(batches, request_ids):
                     searches.create_task(beam_search_async(self.engine, batch, request_id, self.body.priority))
         except ExceptionGroup as failed:  # the first failure, as the engine raised it (a dead engine: 503)
-            raise failed.exceptions[0] from None
+            first = failed.exceptions[0]
+            if isinstance(first, ValueError):
+                raise bad_request(self.body.named_as_sent(first)) from first
+            raise first from None
         yield [batch.request_outputs([request_id], self.tokenizer, self.params.skip_special_tokens)[0]
                for batch, request_id in zip(batches, request_ids)]
 

@@ -30,9 +30,10 @@ def reference_beam_search(hf: torch.nn.Module, prompt: list[int], width: int, ma
                           ignore_eos: bool = False, length_penalty: float = 1.0) -> list[Reference]:
     """vLLM's beam search, whole sequences through the model each step: every live beam extended by its 2 *
     width most likely tokens; those ending in EOS complete, the best width others live on; the answer is the best
-    width of all by cumulative logprob over length ** length_penalty (the prompt counted, an ending EOS not)."""
+    width of all by cumulative logprob over length ** length_penalty (the prompt counted, an ending EOS not, even
+    under ignore_eos: vLLM's get_beam_search_score)."""
     def score(ref: Reference) -> float:
-        return ref.cum_logprob / (len(ref.tokens) - ref.ended_by_eos) ** length_penalty
+        return ref.cum_logprob / (len(ref.tokens) - (ref.tokens[-1] == eos)) ** length_penalty
 
     live, completed = [Reference(list(prompt), 0.0, False)], []
     for _ in range(max_tokens):
@@ -156,7 +157,9 @@ def test_the_score_counts_the_prompt_and_not_an_ending_eos() -> None:
     params = BeamSearchParams(2, 4, length_penalty=2.0)
     search = BeamSearch(ProcessedPrompt(None, [5, 6, 7], SamplingParams(max_tokens=1)), params, {3})
     assert search.score(BeamSearchSequence([5, 6, 7, 9, 3], [], -6.0, finish_reason=FinishReason.STOP)) == -6 / 4**2
-    assert search.score(BeamSearchSequence([5, 6, 7, 9, 3], [], -6.0)) == -6 / 5**2  # EOS as a token (ignore_eos)
+    # a live sequence ending in EOS (ignore_eos kept it going) is scored as vLLM scores it: the EOS not counted
+    assert search.score(BeamSearchSequence([5, 6, 7, 9, 3], [], -6.0)) == -6 / 4**2
+    assert search.score(BeamSearchSequence([5, 6, 7, 9, 8], [], -6.0)) == -6 / 5**2
 
 
 def test_only_the_2_x_width_most_likely_and_the_drawn_token_are_candidates() -> None:

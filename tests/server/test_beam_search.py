@@ -111,6 +111,8 @@ def test_a_sequence_eos_ends_has_its_eos_in_the_token_ids_not_the_text(served) -
     ({"n": BeamSearchParams.MAX_BEAM_WIDTH + 1}, "n"),
     ({"max_tokens": 64}, "max_tokens"),
     ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
+    # refused by the engine as the search's first requests are queued, after the body's checks
+    ({"priority": 1}, "priority"),
 ])
 def test_what_beam_search_does_not_take_is_a_400_naming_it(served, fields: dict, param: str) -> None:
     client, llm = served
