@@ -107,8 +107,13 @@ class SwapSpace:
         if len(block_ids) != len(swapped.rows):
             raise ValueError(f"{len(block_ids)} blocks for the {len(swapped.rows)} rows of request {request_id}")
         ins = [(row, block_id) for row, block_id in zip(swapped.rows, block_ids) if block_id is not None]
-        # rows found on the device: their swap-out's plan is applied already
-        self._dropped.extend(row for row, block_id in zip(swapped.rows, block_ids) if block_id is None)
+        # rows found on the device are only given back (at the next take), and a swap-out into them not handed over
+        # yet (a sample parked by ``fork_swapped`` in the update just before) is not copied at all: that take
+        # releases the rows before its plan's offloads reserve theirs, so the copy would overwrite an offload's row
+        found = {row for row, block_id in zip(swapped.rows, block_ids) if block_id is None}
+        if found:
+            self._outs = [(block_id, row) for block_id, row in self._outs if row not in found]
+            self._dropped.extend(found)
         self._ins.extend(ins)
         self.counters.num_swapped_in += 1
         self.counters.num_blocks_swapped_in += len(ins)
@@ -135,7 +140,9 @@ class SwapSpace:
         """The swap-outs and swap-ins planned since the last call, for the runner to apply before the next
         forward pass. Rows whose last copy was in a plan taken before now go back to the host tier: the
         engine has applied that plan (it executes a step before it schedules the next)."""
-        self.store.release_rows(self._dropped + self._copied_in)
+        released = self._dropped + self._copied_in
+        assert not set(released) & {row for _, row in self._outs}, "a host row released while a swap-out copies into it"
+        self.store.release_rows(released)
         outs, ins = tuple(self._outs), tuple(self._ins)
         self._dropped, self._copied_in = [], [row for row, _ in ins]
         self._outs, self._ins = [], []

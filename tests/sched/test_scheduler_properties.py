@@ -187,8 +187,10 @@ def test_random_workloads_over_kv_tiers_finish_cleanly(
         if not accepted:
             return
         runner = FakeRunner(num_blocks, block_size, ref_count=scheduler.kv.pool.ref_count, tiers=tiers)
-        outputs = run_workload(scheduler, runner, accepted)
-        tiers.close()
+        try:
+            outputs = run_workload(scheduler, runner, accepted)
+        finally:  # a failure too: a writer still writing into disk_dir made its removal raise over the failure
+            tiers.close()
     for spec in accepted:
         check_results(spec, outputs)
     assert scheduler.kv.num_free_blocks() == num_blocks

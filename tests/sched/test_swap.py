@@ -205,3 +205,43 @@ def test_a_fork_that_finds_no_block_counts_as_a_preemption(host_blocks: int) -> 
     stats = scheduler.preemption_stats()
     assert stats["num_preemptions"] == 1
     assert (stats["num_swapped_out"], stats["num_swap_fallbacks"]) == ((1, 0) if host_blocks == 8 else (0, 1))
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_parked_sample_resumed_at_once_leaves_its_rows_to_the_offloads_of_that_plan_untouched(
+    policy: str, tmp_path
+) -> None:
+    """A sample parked through the host tier (``fork_swapped``: no seat) and admitted at the very next schedule (a
+    seat freed by an abort, or under priority by displacing a lower-ranked request) finds its parent's blocks on
+    the device: its rows go back with that plan's take, before the plan's offloads (the parent's blocks written
+    through) reserve rows. Its swap-out copies, planned in the update before, must not be made into them: they
+    overwrote the offloads' rows, and a later hit on the prefix loaded another block's KV (stale)."""
+    tiers = fake_tiers(4, 8, str(tmp_path))
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=2, prefix_caching=True, policy=policy,
+                               tiers=tiers, preemption_mode="swap")
+    runner = FakeRunner(16, 4, ref_count=scheduler.kv.pool.ref_count, tiers=tiers)
+    low = make_request("low", 8, max_tokens=20)
+    low.priority = 2 if policy == "priority" else 0
+    scheduler.add_request(low)
+    step(scheduler, runner)
+    parent = make_request("par", 9, max_tokens=3, n=2)
+    parent.priority = 1 if policy == "priority" else 0
+    scheduler.add_request(parent)
+    step(scheduler, runner)  # the parent computes 8 tokens and forks; no seat: its sample is parked, swapped out
+    assert scheduler.kv.is_swapped_out(scheduler.requests["par#1"])
+    if policy == "fcfs":
+        scheduler.finish_requests(["low"], FinishReason.ABORT)
+    sched_out, _ = step(scheduler, runner)  # the sample is admitted on the parent's blocks, still on the device
+    assert "par#1" in {r.request_id for r in sched_out.requests}
+    assert sched_out.kv_transfers.offloads, "the parent's blocks written through in the same plan"
+    transfers = sched_out.kv_transfers
+    assert not {row for _, row in transfers.offloads} & {row for _, row in transfers.swap_outs}
+    run_to_completion(scheduler, runner)
+    pool = scheduler.kv.pool
+    pool.free(pool.allocate(pool.num_free_blocks))  # every cached block leaves the device
+    again = make_request("again", 10, prefix=parent.prompt_token_ids[:8], max_tokens=1)
+    scheduler.add_request(again)
+    sched_out, _ = step(scheduler, runner)  # the fake runner checks the KV loaded from the host tier
+    assert len(sched_out.kv_transfers.loads) == 2
+    run_to_completion(scheduler, runner)
+    tiers.close()
