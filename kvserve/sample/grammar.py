@@ -74,7 +74,7 @@ def _schema_object(schema: dict[str, Any] | str) -> Any:
 
 def _checked_text(spec: StructuredOutputsParams, text: str) -> str:
     """``text`` (the constraint as compiled), or ValueError if it is longer than ``MAX_CONSTRAINT_CHARS`` or is
-    no valid UTF-8 (a lone surrogate: JSON's "\ud800", which xgrammar's C++ cannot take)."""
+    no valid UTF-8 (a lone surrogate: JSON's "\\ud800", which xgrammar's C++ cannot take)."""
     if len(text) > MAX_CONSTRAINT_CHARS:
         raise ValueError(f"structured output: the {spec.kind} is {len(text):,} characters long; at most "
                          f"{MAX_CONSTRAINT_CHARS:,} are compiled")
