@@ -59,8 +59,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
-PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})  # the requests that leave KV behind
+PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
+# the requests that leave KV behind
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answers
 # The client's headers a replica gets: its key and formats, and what names the request to proxies and tracing in
 # between (kvserve's replicas do not read those yet); the rest are the client's business, or hop-by-hop

@@ -9,7 +9,7 @@ request is forwarded all the same, so that the replica refuses it in its own wor
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from kvserve.router.prefix_index import MAX_KEYED_CHARS
 
@@ -26,7 +26,8 @@ def request_payload(body: bytes) -> dict[str, Any]:
 
 def prompt_text(payload: dict[str, Any]) -> str:
     """The text a request's KV prefix comes from, its first ``MAX_KEYED_CHARS`` characters (all that is keyed):
-    the completion prompt, or the chat messages in order, after its ``cache_salt`` (a replica shares blocks
+    the completion prompt, the chat messages in order, or a Responses request's instructions and input items,
+    after its ``cache_salt`` (a replica shares blocks
     only between requests of one salt). Fields of the wrong type count as no text: the replica refuses them with
     its own 400."""
     salt = _text(payload.get("cache_salt"))
@@ -38,6 +39,8 @@ def _unsalted_text(payload: dict[str, Any]) -> str:
     if isinstance(messages, list):
         return _leading_lines(f"{_text(m.get('role'))}:{_content_text(m.get('content'))}" for m in messages
                               if isinstance(m, dict))
+    if "input" in payload:
+        return _leading_lines(_responses_lines(payload))
     prompt = payload.get("prompt", "")
     if isinstance(prompt, list):  # token ids or several prompts; each item is at least a character of the JSON
         try:
@@ -45,6 +48,23 @@ def _unsalted_text(payload: dict[str, Any]) -> str:
         except RecursionError:  # nested too deep to print again (the replica refuses it): keyed as no prefix
             return ""
     return _text(prompt)[:MAX_KEYED_CHARS]
+
+
+def _responses_lines(payload: dict[str, Any]) -> Iterator[str]:
+    """A Responses request as lines, as its chat request renders it: the instructions (its system message), then
+    each input item (a message's role and text; a call's arguments, a call's output)."""
+    instructions = _text(payload.get("instructions"))
+    if instructions:
+        yield f"system:{instructions}"
+    items = payload.get("input")
+    if isinstance(items, str):
+        yield f"user:{items}"
+        return
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, dict):
+            kind = _text(item.get("role")) or _text(item.get("type"))
+            text = _content_text(item.get("content")) or _text(item.get("arguments")) or _text(item.get("output"))
+            yield f"{kind}:{text}"
 
 
 def _text(value: Any) -> str:

@@ -114,6 +114,7 @@ class FakeReplicas:
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
+        @app.post("/v1/responses")
         @app.post("/tokenize")
         async def completions(request: Request) -> Response:
             payload = json.loads(await request.body())
@@ -169,6 +170,28 @@ def test_requests_with_one_prefix_land_on_one_replica() -> None:
     answers = run(scenario())
     assert len({a["replica"] for a in answers}) == 1 and all(a["auth"] == "Bearer k" for a in answers)
     assert [payload["prompt"][-1] for _, payload in fakes.seen] == list("abcd")  # forwarded as sent
+
+
+def test_responses_requests_are_forwarded_and_keyed_by_their_conversation() -> None:
+    """/v1/responses is a generation as chat is: forwarded, streamed, and a conversation's turns go where its
+    prefix is cached."""
+    fakes = FakeReplicas(2)
+
+    async def scenario() -> tuple[list[dict], str]:
+        async with fakes:
+            router, client = router_client(fakes)
+            await router.health.check_all()
+            answers = []
+            for question in "abcd":
+                reply = await client.post("/v1/responses", json={"instructions": LONG, "input": question})
+                answers.append(reply.json())
+            streamed = await client.post("/v1/responses", json={"input": "hi", "stream": True})
+            return answers, streamed.text
+
+    answers, streamed = run(scenario())
+    assert len({a["replica"] for a in answers}) == 1
+    assert [payload["input"] for _, payload in fakes.seen[:4]] == list("abcd")  # forwarded as sent
+    assert streamed.count("data: ") == 4 and streamed.endswith("data: [DONE]\n\n")
 
 
 def test_round_robin_spreads_them() -> None:

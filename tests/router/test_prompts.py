@@ -21,6 +21,13 @@ from kvserve.router.prompts import prompt_text, request_payload
     ({"messages": [{"role": "user", "content": "hi"}], "cache_salt": "t1"}, "cache_salt:t1\nuser:hi"),
     ({"prompt": "abc", "cache_salt": ""}, "abc"),
     ({"prompt": "abc", "cache_salt": 5}, "abc"),
+    # the Responses API: its instructions (the system message), then its input items
+    ({"input": "hi", "instructions": "be brief"}, "system:be brief\nuser:hi"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+                {"type": "function_call", "call_id": "c", "name": "w", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "sunny"}, 7]},
+     "user:weather?\nfunction_call:{}\nfunction_call_output:sunny"),
+    ({"input": {"not": "items"}}, ""),
 ])
 def test_prompt_text(payload: dict, text: str) -> None:
     assert prompt_text(payload) == text
