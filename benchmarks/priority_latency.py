@@ -6,9 +6,9 @@ where every request has priority 0) in the same process, taking turns.
 
 Each round and policy: ``--background`` requests (priority 1 under ``priority``) of ``--background-len`` output
 tokens fill every seat (``--max-num-seqs`` of them); once they all decode, an urgent request (priority 0) of
-``--urgent-len`` tokens arrives every ``--every`` steps, ``--urgent`` of them (an engine per policy, the same weights). Under lpm an urgent request waits for
-a seat; under priority it takes the seat of the last background request, which resumes later (by recompute: its
-prefix is cached). Greedy, fixed lengths (``ignore_eos``); wall-clock seconds on this machine's CPU.
+``--urgent-len`` tokens arrives every ``--every`` steps, ``--urgent`` of them (an engine per policy, the same
+weights). Under lpm an urgent request waits for a seat; under priority it takes the seat of the lowest ranked
+background request (the newest), which resumes later (by recompute: its prefix is cached). Greedy, fixed lengths (``ignore_eos``); wall-clock seconds on this machine's CPU.
 """
 
 from __future__ import annotations

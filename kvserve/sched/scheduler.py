@@ -396,8 +396,8 @@ class Scheduler:
         """The first ``WAITING_SCAN`` requests of the queue, in the order to admit them. fcfs: queue order
         (preempted requests first); priority: queue order (rank order). lpm: among the first ``LPM_WINDOW``,
         preempted and aged requests in queue order, then the rest by longest cached prefix (the sort is stable, so
-        ties keep arrival order); then the others in queue order. Ordering the whole queue matched every waiting request's prefix every step: with
-        100,000 queued that was most of each step. A list, not a view: admitting a request may queue its fork."""
+        ties keep arrival order); then the others in queue order. Ordering the whole queue matched every waiting
+        request's prefix every step: with 100,000 queued that was most of each step. A list, not a view: admitting a request may queue its fork."""
         candidates = list(itertools.islice(self.waiting, WAITING_SCAN))
         if self.config.scheduling_policy != "lpm" or self.kv.prefix_cache is None or len(candidates) < 2:
             return candidates
