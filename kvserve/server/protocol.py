@@ -255,6 +255,9 @@ class SamplingRequest(RequestBody):
             return self
         if self.stream:
             raise InvalidParameter("stream", "use_beam_search does not stream (as in vLLM): send stream false")
+        if not 1 <= self.n <= BeamSearchParams.MAX_BEAM_WIDTH:  # the beam width's range, not sampling's
+            raise InvalidParameter("n", f"n (the beam width) must be in [1, {BeamSearchParams.MAX_BEAM_WIDTH}] with "
+                                   f"use_beam_search, got {self.n}")
         defaults = type(self).model_fields
         refused = [name for name in self.BEAM_SEARCH_REFUSES if getattr(self, name) != defaults[name].default]
         refused += list(self._constraints())

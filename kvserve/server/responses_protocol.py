@@ -215,8 +215,11 @@ class ResponsesRequest(RequestBody):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     service_tier: Literal["auto", "default"] | None = None
-    # vLLM's: names the answer as X-Request-Id does
+    # vLLM's, as on chat: names the answer as X-Request-Id does; a priority (--scheduling-policy priority); a salt
+    # that shares this request's cached blocks only with requests of the same salt
     request_id: Text | None = None
+    priority: StrictInt = 0
+    cache_salt: Text | None = None
     # taken in the one value kvserve implements, refused otherwise
     store: StrictBool = False
     background: StrictBool = False
@@ -269,7 +272,8 @@ class ResponsesRequest(RequestBody):
                 tool_choice=self._chat_tool_choice(), stream=self.stream, metadata=self.metadata, user=self.user,
                 response_format=self.text.format.response_format() if self.text and self.text.format else None,
                 safety_identifier=self.safety_identifier, prompt_cache_key=self.prompt_cache_key,
-                service_tier=self.service_tier, request_id=self.request_id)
+                service_tier=self.service_tier, request_id=self.request_id, priority=self.priority,
+                cache_salt=self.cache_salt)
         except ValidationError as error:
             first = error.errors()[0]
             cause = first.get("ctx", {}).get("error")

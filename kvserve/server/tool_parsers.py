@@ -395,12 +395,15 @@ class NamedToolCallParser:
         return int(self._started)
 
     def feed(self, text: str) -> ParsedDelta:
+        """The call opened by its first text: an output cut before any (in its thinking) made no call, as under
+        ``required``."""
         out = ParsedDelta()
+        if not text:
+            return out
         if not self._started:
             out.tool_calls.append(ToolCallDelta(0, new_call_id(), self.name))
             self._started = True
-        if text:
-            out.tool_calls.append(ToolCallDelta(0, arguments=text))
+        out.tool_calls.append(ToolCallDelta(0, arguments=text))
         return out
 
     def finish(self) -> ParsedDelta:

@@ -109,6 +109,7 @@ def test_a_sequence_eos_ends_has_its_eos_in_the_token_ids_not_the_text(served) -
     ({"echo": True}, "echo"),
     ({"guided_regex": "[a-z]+"}, "guided_regex"),
     ({"n": BeamSearchParams.MAX_BEAM_WIDTH + 1}, "n"),
+    ({"n": 0}, "n"),
     ({"max_tokens": 64}, "max_tokens"),
     ({"use_beam_search": False, "length_penalty": 0.5}, "length_penalty"),
     # refused by the engine as the search's first requests are queued, after the body's checks
@@ -120,6 +121,8 @@ def test_what_beam_search_does_not_take_is_a_400_naming_it(served, fields: dict,
                                                   "max_tokens": 4, **fields})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
+    if param == "n":  # the beam width's range, not sampling's n
+        assert f"[1, {BeamSearchParams.MAX_BEAM_WIDTH}]" in answer.json()["error"]["message"]
 
 
 def test_a_search_whose_client_leaves_leaves_nothing_behind(served) -> None:

@@ -88,3 +88,15 @@ def test_a_piece_that_straddles_the_end_splits_there() -> None:
 def test_where_the_output_starts_follows_the_prompts_end_and_the_parser(parser: str, prompt: str, kwargs,
                                                                          expected: bool) -> None:
     assert starts_in_reasoning(parser, prompt, kwargs) is expected
+
+
+@pytest.mark.parametrize("prefill, expected", [
+    ("<think>\nshort.</think>\n\nThe capital is", False),  # the block closed: the answer goes on
+    ("<think>\nlet me see, ", True),  # the block open: the thinking goes on
+    ("<think>a</think> b <think>again", True),
+    ("The capital is", True),  # no tag of its own: the prompt's end and the parser decide, as without a prefill
+])
+def test_a_continued_final_message_starts_where_its_own_last_tag_leaves_it(prefill: str, expected: bool) -> None:
+    """A prefill's think block, closed or open, decides (the prompt then ends with the prefill's text, no tag)."""
+    prompt = f"<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n{prefill}"
+    assert starts_in_reasoning("qwen3", prompt, None, prefill) is expected

@@ -196,6 +196,13 @@ def test_thinking_is_a_reasoning_item_before_the_message(thinker: InProcessServe
     assert with_it.usage.input_tokens == without.usage.input_tokens
 
 
+def test_priority_and_cache_salt_are_taken_as_on_chat(talker: InProcessServer) -> None:
+    before = set(talker.fake.priorities)
+    answer = httpx.post(f"{talker.url}/v1/responses", json={"input": "hi", "priority": -2, "cache_salt": "tenant-1"})
+    assert answer.status_code == 200, answer.text
+    assert [talker.fake.priorities[rid] for rid in talker.fake.priorities if rid not in before] == [-2]
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"store": True}, "store"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),

@@ -151,6 +151,13 @@ def test_the_required_array_and_a_named_function() -> None:
     assert calls_of(parse_tool_calls(NamedToolCallParser("f"), '{"a": 1}')) == [("f", {"a": 1})]
 
 
+def test_a_named_function_with_no_output_made_no_call() -> None:
+    """An output cut before its answer (in its thinking) reports no call with empty arguments, as required's."""
+    assert parse_tool_calls(NamedToolCallParser("f"), "") == ("", [])
+    parser = NamedToolCallParser("f")
+    assert not parser.feed("").tool_calls and not parser.finish().tool_calls and parser.num_calls == 0
+
+
 @pytest.mark.parametrize("call", [
     '{"name": "f", "arguments": "x"}',  # arguments that are no object
     '{"name": "f", "arguments": {"a": }',  # no JSON, and never closed
