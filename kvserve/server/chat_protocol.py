@@ -4,7 +4,7 @@ its streamed deltas, out."""
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -13,6 +13,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     Tag,
+    ValidationError,
     field_validator,
     model_serializer,
     model_validator,
@@ -213,6 +214,32 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs, defaults, prompt_logprobs=self.prompt_logprobs)
+
+
+class StandInChatRequest(ChatCompletionRequest):
+    """The chat request another endpoint's request stands for (Responses', Messages'): an error about one of its
+    fields names the field it came from (``SENT_NAMES``: the chat field's name -> the request's)."""
+
+    SENT_NAMES: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def made(cls, **fields: Any) -> StandInChatRequest:
+        """The chat request of ``fields``, made as the other request is validated: what it refuses raised as the
+        InvalidParameter that names the field, else a ValueError, so that it is that request's 400."""
+        try:
+            return cls(**fields)
+        except ValidationError as error:
+            first = error.errors()[0]
+            cause = first.get("ctx", {}).get("error")
+            raise cause if isinstance(cause, InvalidParameter) else ValueError(first["msg"]) from None
+
+    def _sent_names(self) -> dict[str, str]:
+        return self.SENT_NAMES
+
+    @property
+    def constraint_field(self) -> str | None:
+        field = super().constraint_field
+        return None if field is None else self.SENT_NAMES.get(field, field)
 
 
 class TopLogprob(BaseModel):

@@ -44,6 +44,25 @@ Text = Annotated[str, AfterValidator(_check_utf8)]
 TokenIds = list[StrictInt]
 
 
+def only_types(values: Any, allowed: tuple[str, ...], what: str, default: str | None = None) -> Any:
+    """``values`` (a list of dicts with a ``type``) as sent, or ValueError naming the first whose type kvserve does
+    not take (pydantic's own union error listed tags, not what to send); the error's place is the field's."""
+    if not isinstance(values, list):
+        return values
+    for i, value in enumerate(values):
+        kind = value.get("type", default) if isinstance(value, dict) else None
+        if isinstance(value, dict) and kind not in allowed:
+            raise ValueError(f"{what} {i} is of type {str(kind)[:100]!r}, which kvserve does not take (it takes "
+                             f"{', '.join(allowed)})")
+    return values
+
+
+def json_kind(value: Any) -> str:
+    """Which member of a text-or-list field ``value`` is, told apart by its JSON kind (so that an error is about the
+    kind sent, not about every member)."""
+    return "list" if isinstance(value, list) else "str"
+
+
 class RequestBody(BaseModel):
     """A request body: unknown fields are refused by name (pydantic's ``extra_forbidden``, which the error
     handler words), and a field sent as null takes its default, as OpenAI's nullable fields do."""

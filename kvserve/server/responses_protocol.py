@@ -20,7 +20,6 @@ from pydantic import (
     StrictBool,
     StrictInt,
     Tag,
-    ValidationError,
     field_validator,
     model_validator,
 )
@@ -28,33 +27,14 @@ from pydantic import (
 from kvserve.sampling_params import InvalidParameter
 from kvserve.server.chat_protocol import (
     ChatCompletionRequest,
-    ChatMessage,
     ChatTool,
     FunctionDefinition,
+    StandInChatRequest,
     known_tool_choice,
 )
-from kvserve.server.protocol import JSONSchemaFormat, RequestBody, ResponseFormat, Text
+from kvserve.server.protocol import JSONSchemaFormat, RequestBody, ResponseFormat, Text, json_kind, only_types
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
-
-
-def _only_types(values: Any, allowed: tuple[str, ...], what: str, default: str | None = None) -> Any:
-    """``values`` (a list of dicts with a ``type``) as sent, or ValueError naming the first whose type kvserve does
-    not take (pydantic's own union error listed tags, not what to send); the error's place is the field's."""
-    if not isinstance(values, list):
-        return values
-    for i, value in enumerate(values):
-        kind = value.get("type", default) if isinstance(value, dict) else None
-        if isinstance(value, dict) and kind not in allowed:
-            raise ValueError(f"{what} {i} is of type {str(kind)[:100]!r}, which kvserve does not take (it takes "
-                             f"{', '.join(allowed)})")
-    return values
-
-
-def _json_kind(value: Any) -> str:
-    """Which member of a text-or-list field ``value`` is, told apart by its JSON kind (so that an error is about the
-    kind sent, not about every member)."""
-    return "list" if isinstance(value, list) else "str"
 
 
 class InputText(RequestBody):
@@ -73,9 +53,9 @@ class OutputTextPart(RequestBody):
 
 ContentPart = Annotated[Union[InputText, OutputTextPart], Field(discriminator="type")]
 MessageContent = Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[ContentPart], Tag("list")]],
-                           Discriminator(_json_kind)]
+                           Discriminator(json_kind)]
 CallOutput = Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[InputText], Tag("list")]],
-                       Discriminator(_json_kind)]
+                       Discriminator(json_kind)]
 
 
 class MessageItem(RequestBody):
@@ -90,7 +70,7 @@ class MessageItem(RequestBody):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, content: Any) -> Any:
-        return _only_types(content, ("input_text", "output_text"), "part")
+        return only_types(content, ("input_text", "output_text"), "part")
 
     def chat_message(self) -> dict[str, Any]:
         content = self.content if isinstance(self.content, str) else [
@@ -121,7 +101,7 @@ class FunctionCallOutputItem(RequestBody):
     @field_validator("output", mode="before")
     @classmethod
     def _text_parts_only(cls, output: Any) -> Any:
-        return _only_types(output, ("input_text",), "part")
+        return only_types(output, ("input_text",), "part")
 
 
 class ReasoningItem(RequestBody):
@@ -144,7 +124,7 @@ InputItem = Annotated[
     Discriminator(lambda v: f"type[{v.get('type', 'message') if isinstance(v, dict) else v.type}]"),
 ]
 Input = Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[InputItem], Field(min_length=1), Tag("list")]],
-                  Discriminator(_json_kind)]
+                  Discriminator(json_kind)]
 
 
 class FunctionTool(FunctionDefinition):
@@ -233,13 +213,13 @@ class ResponsesRequest(RequestBody):
     @field_validator("input", mode="before")
     @classmethod
     def _known_items(cls, items: Any) -> Any:
-        return _only_types(items, INPUT_ITEM_TYPES, "item", default="message")
+        return only_types(items, INPUT_ITEM_TYPES, "item", default="message")
 
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools_only(cls, tools: Any) -> Any:
         # OpenAI's built-in tools (web_search, file_search, code_interpreter, mcp, ...) run on OpenAI's side
-        return _only_types(tools, ("function",), "tool")
+        return only_types(tools, ("function",), "tool")
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -264,27 +244,22 @@ class ResponsesRequest(RequestBody):
     @model_validator(mode="after")
     def _as_chat(self) -> ResponsesRequest:
         """The chat request this stands for, made once here, so that what it refuses is this body's 400."""
-        try:
-            self._chat = ResponsesChatRequest(
-                model=self.model, messages=self._messages(), max_completion_tokens=self.max_output_tokens,
-                temperature=self.temperature, top_p=self.top_p, parallel_tool_calls=self.parallel_tool_calls,
-                tools=None if self.tools is None else [tool.chat_tool() for tool in self.tools],
-                tool_choice=self._chat_tool_choice(), stream=self.stream, metadata=self.metadata, user=self.user,
-                response_format=self.text.format.response_format() if self.text and self.text.format else None,
-                safety_identifier=self.safety_identifier, prompt_cache_key=self.prompt_cache_key,
-                service_tier=self.service_tier, request_id=self.request_id, priority=self.priority,
-                cache_salt=self.cache_salt)
-        except ValidationError as error:
-            first = error.errors()[0]
-            cause = first.get("ctx", {}).get("error")
-            raise cause if isinstance(cause, InvalidParameter) else ValueError(first["msg"]) from None
+        self._chat = ResponsesChatRequest.made(
+            model=self.model, messages=self._messages(), max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p, parallel_tool_calls=self.parallel_tool_calls,
+            tools=None if self.tools is None else [tool.chat_tool() for tool in self.tools],
+            tool_choice=self._chat_tool_choice(), stream=self.stream, metadata=self.metadata, user=self.user,
+            response_format=self.text.format.response_format() if self.text and self.text.format else None,
+            safety_identifier=self.safety_identifier, prompt_cache_key=self.prompt_cache_key,
+            service_tier=self.service_tier, request_id=self.request_id, priority=self.priority,
+            cache_salt=self.cache_salt)
         return self
 
     @property
     def chat_request(self) -> ChatCompletionRequest:
         return self._chat
 
-    def _messages(self) -> list[ChatMessage]:
+    def _messages(self) -> list[dict[str, Any]]:
         """The instructions as the system message, then the input items as chat messages: a run of function calls
         joins the assistant message before it (or makes one), each call's output is a tool message."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -300,7 +275,7 @@ class ResponsesRequest(RequestBody):
             elif isinstance(item, FunctionCallOutputItem):
                 output = item.output if isinstance(item.output, str) else "\n".join(p.text for p in item.output)
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
-        return [ChatMessage.model_validate(message) for message in messages]
+        return messages  # validated as the chat request's
 
     def _chat_tool_choice(self) -> str | dict[str, Any] | None:
         if isinstance(self.tool_choice, FunctionChoice):
@@ -321,20 +296,11 @@ class ResponsesRequest(RequestBody):
         return {"format": self.text.format.model_dump(by_alias=True, exclude_none=True)}
 
 
-class ResponsesChatRequest(ChatCompletionRequest):
-    """The chat request a Responses request stands for: an error about one of its fields names the Responses
-    field it came from."""
+class ResponsesChatRequest(StandInChatRequest):
+    """The chat request a Responses request stands for."""
 
     SENT_NAMES: ClassVar[dict[str, str]] = {"max_tokens": "max_output_tokens", "prompt": "input", "messages": "input",
-                  "response_format": "text.format"}
-
-    def _sent_names(self) -> dict[str, str]:
-        return self.SENT_NAMES
-
-    @property
-    def constraint_field(self) -> str | None:
-        field = super().constraint_field
-        return None if field is None else self.SENT_NAMES.get(field, field)
+                                            "response_format": "text.format"}
 
 
 class OutputText(BaseModel):
