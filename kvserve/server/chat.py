@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal
 
 from kvserve.engine.detokenizer import token_bytes
 from kvserve.outputs import PositionLogprobs, RequestOutput
@@ -324,6 +324,27 @@ class ChatServer(GenerationHandler):
         """A token (``token_spelling``), its log probability and its own bytes."""
         token = entry_spelling(token_id, position[token_id], self.tokenizer, self.body.return_tokens_as_token_ids)
         return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=token_bytes(token_id, self.tokenizer))
+
+
+PieceKind = Literal["reasoning", "content", "call"]
+
+
+def delta_pieces(message: DeltaMessage) -> Iterator[tuple[PieceKind, str | DeltaToolCall]]:
+    """A streamed delta's pieces in the order they were written, for endpoints that tell a message as a sequence
+    of parts (Responses' items, Messages' content blocks): thinking, then the rest of a call already open (the
+    tail of its arguments, which the parser holds back until the call closes, may come beside the text written
+    after it), then text, then new calls."""
+    if message.reasoning:
+        yield "reasoning", message.reasoning
+    calls = message.tool_calls or []
+    for call in calls:
+        if call.id is None:
+            yield "call", call
+    if message.content:
+        yield "content", message.content
+    for call in calls:
+        if call.id is not None:
+            yield "call", call
 
 
 def _merged(parsed: ParsedDelta) -> list[ToolCallDelta]:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal
 
 from kvserve.outputs import RequestOutput
-from kvserve.server.chat import ChatServer
-from kvserve.server.chat_protocol import ChatCompletionRequest, DeltaToolCall
+from kvserve.server.chat import ChatServer, delta_pieces
+from kvserve.server.chat_protocol import ChatCompletionRequest, DeltaMessage, DeltaToolCall
 from kvserve.server.errors import APIError
 from kvserve.server.reasoning_parsers import THINK_END
 from kvserve.server.responses_protocol import (
@@ -103,7 +103,7 @@ class ResponsesServer(ChatServer):
             for index, delta in cursor.advance(outputs):
                 message, finished = self._reasoning_delta(index, delta.text, delta.finish_reason, delta.stop_reason)
                 finish_reason = finished or finish_reason
-                for event in events.pieces(message.reasoning, message.content, message.tool_calls or []):
+                for event in events.pieces(message):
                     yield event
         status: ResponseStatus = "incomplete" if finish_reason == "length" else "completed"
         for event in events.finish(status):
@@ -207,20 +207,13 @@ class ResponseEvents:
         self.sequence_number += 1
         return f"event: {kind}\n" + sse_event(json.dumps(data, ensure_ascii=False))
 
-    def pieces(self, reasoning: str | None, content: str | None, calls: list[DeltaToolCall]) -> Iterator[str]:
-        """The events of a piece of the output: thinking, then the rest of a call already open (the tail of its
-        arguments, which the parser holds back until the call closes, may come beside the text written after
-        it), then text, then new calls."""
-        if reasoning:
-            yield from self._text("reasoning", reasoning)
-        for call in calls:
-            if call.id is None:
-                yield from self._call(call)
-        if content:
-            yield from self._text("message", content)
-        for call in calls:
-            if call.id is not None:
-                yield from self._call(call)
+    def pieces(self, message: DeltaMessage) -> Iterator[str]:
+        """The events of a piece of the output, in the order ``delta_pieces`` gives its parts."""
+        for kind, piece in delta_pieces(message):
+            if isinstance(piece, DeltaToolCall):
+                yield from self._call(piece)
+            else:
+                yield from self._text("reasoning" if kind == "reasoning" else "message", piece)
 
     def finish(self, status: ResponseStatus) -> Iterator[str]:
         """The last item closed (``incomplete`` where the output was cut); an empty message where there was none."""

@@ -145,7 +145,7 @@ def test_a_tool_call_is_a_function_call_item_and_goes_back_round(caller: InProce
 def test_the_tail_of_a_calls_arguments_beside_the_text_after_it_stays_the_calls() -> None:
     """The parser holds a call's last arguments back until the call closes: they may come in one delta with the
     text written after the call, and belong to the call, not to a message that text opens."""
-    from kvserve.server.chat_protocol import DeltaFunctionCall, DeltaToolCall
+    from kvserve.server.chat_protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
     from kvserve.server.responses import ResponseEvents
 
     events = ResponseEvents()
@@ -154,8 +154,8 @@ def test_the_tail_of_a_calls_arguments_beside_the_text_after_it_stays_the_calls(
     tail = DeltaToolCall(index=0, function=DeltaFunctionCall(arguments='y": "Oslo"}'))
     then = DeltaToolCall(index=1, id="call_2", type="function",
                          function=DeltaFunctionCall(name="get_time", arguments="{}"))
-    list(events.pieces(None, "Checking.\n", [opening]))
-    list(events.pieces(None, "\nAnd the time:", [tail, then]))
+    list(events.pieces(DeltaMessage(content="Checking.\n", tool_calls=[opening])))
+    list(events.pieces(DeltaMessage(content="\nAnd the time:", tool_calls=[tail, then])))
     list(events.finish("completed"))
     shape = [(item.type, getattr(item, "arguments", None)) for item in events.items]
     assert shape == [("message", None), ("function_call", '{"city": "Oslo"}'), ("message", None),
