@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI's routes, /health, /metrics, /tokenize, /detokenize, and the request guards.
+"""The FastAPI app: OpenAI's routes (and Anthropic's /v1/messages), /health, /metrics, /tokenize, /detokenize,
+and the request guards.
 
 Guards (one ASGI middleware, before any routing): the body-size limit (413) and the API key (401) on the
 OpenAI and tokenizer routes. The model's lifecycle (loading, draining) belongs to ``launch``; the routes read it
@@ -31,6 +32,8 @@ from kvserve.server.errors import (
     install_error_handlers,
     unauthorized,
 )
+from kvserve.server.messages import MessagesServer
+from kvserve.server.messages_protocol import MessagesRequest
 from kvserve.server.metrics import CONTENT_TYPE
 from kvserve.server.model_protocol import (
     DetokenizeRequest,
@@ -119,7 +122,8 @@ def _model_card(state: ServerState, name: str) -> ModelCard:
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    """POST /v1/completions, /v1/chat/completions and /v1/responses (served as the chat request it stands for)."""
+    """POST /v1/completions, /v1/chat/completions, /v1/responses and Anthropic's /v1/messages (each of the last two
+    served as the chat request it stands for)."""
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -133,6 +137,12 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await _serve(state, ResponsesServer, body.chat_request, request, responses=body,
+                            tool_call_parser=state.settings.tool_call_parser,
+                            reasoning_parser=state.settings.reasoning_parser)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await _serve(state, MessagesServer, body.chat_request, request, messages=body,
                             tool_call_parser=state.settings.tool_call_parser,
                             reasoning_parser=state.settings.reasoning_parser)
 
@@ -159,7 +169,7 @@ async def _answer(request: Request, generation: _Generation, outputs: AsyncItera
                   stream: bool, request_id: str | None) -> Response:
     """Stream the queued generation's ``outputs``, or answer once it is done."""
     if stream:
-        return StreamingResponse(ending_on_failure(generation.stream(outputs), request_id),
+        return StreamingResponse(ending_on_failure(generation.stream(outputs), request_id, request.url.path),
                                  media_type="text/event-stream")
     body = await until_disconnected(request, generation.respond(outputs))
     return Response(await asyncio.to_thread(body.model_dump_json), media_type="application/json")
@@ -213,11 +223,11 @@ class RequestGuard:
             self._check_api_key(scope)
             body = await read_body(scope, receive, self.settings.max_body_bytes)
         except APIError as e:  # answered before the body was all read: its headers close the connection
-            await error_response(e.status, e.message, e.param, e.headers)(scope, receive, send)
+            await error_response(e.status, e.message, e.param, e.headers, scope["path"])(scope, receive, send)
             return
         if body is None:  # the client left before its request was in
             return
-        not_utf8 = _not_utf8(body)
+        not_utf8 = _not_utf8(body, scope["path"])
         if not_utf8 is not None:
             await not_utf8(scope, receive, send)
             return
@@ -242,7 +252,8 @@ class RequestGuard:
             request_id = client_request_id(scope)
             logger.exception("unhandled error in %s %s (%s)", scope["method"], scope["path"],
                              f"X-Request-Id {request_id}" if request_id else "no X-Request-Id")
-            response = error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(error).__name__}")
+            response = error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(error).__name__}",
+                                      path=scope["path"])
             await response(scope, receive, send)
 
     def _check_api_key(self, scope: Scope) -> None:
@@ -254,12 +265,13 @@ class RequestGuard:
             raise error
 
 
-def _not_utf8(body: bytes) -> Response | None:
+def _not_utf8(body: bytes, path: str) -> Response | None:
     """The 400 for a body that is not UTF-8, naming where it breaks; None for one that is."""
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as e:
-        return error_response(HTTPStatus.BAD_REQUEST, f"the body is not valid UTF-8: {e.reason} at byte {e.start}")
+        return error_response(HTTPStatus.BAD_REQUEST, f"the body is not valid UTF-8: {e.reason} at byte {e.start}",
+                              path=path)
     return None
 
 

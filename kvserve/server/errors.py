@@ -1,4 +1,6 @@
-"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``, or on the routes of
+Anthropic's API (``ANTHROPIC_PATHS``) in Anthropic's: ``{"type": "error", "error": {"type", "message"}}``, which
+its SDK reads.
 
 Every invalid request is a 400 (FastAPI's 422 validation errors included); nothing about bad input is a 500.
 The router imports this module for the shape alone, so FastAPI is imported only where the handlers are
@@ -37,6 +39,23 @@ _ERROR_TYPES = {
 }
 
 
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors); any other status is an api_error
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+# the routes that speak Anthropic's API: their errors, the server's and the router's alike, take its shape
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+
+
 # on an answer given before the request's body was read: uvicorn otherwise reads and drops the rest of the body for
 # as long as it comes (``server/request_body.py``)
 CLOSE_CONNECTION = {"Connection": "close"}
@@ -55,21 +74,29 @@ class APIError(Exception):
         self.headers = headers
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None, path: str = "") -> dict[str, Any]:
+    """An error's JSON in the shape of the API ``path`` belongs to (Anthropic's names no parameter: its messages
+    do)."""
+    if path in ANTHROPIC_PATHS:
+        return {"type": "error", "error": {"type": _ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
                       "code": status}}
 
 
-def sse_failure(status: int, message: str) -> str:
-    """The events that end a stream which failed midway: an error in OpenAI's shape, then ``[DONE]``. The
-    status went out as 200 with the first event, so this is how a client reading the stream learns why it
-    ended there (as vLLM's streams do)."""
-    return f"data: {json.dumps(error_body(status, message))}\n\ndata: [DONE]\n\n"
+def sse_failure(status: int, message: str, path: str = "") -> str:
+    """The events that end a stream which failed midway: an error in OpenAI's shape, then ``[DONE]``; on
+    Anthropic's routes its ``error`` event (its streams end with no ``[DONE]``). The status went out as 200 with
+    the first event, so this is how a client reading the stream learns why it ended there (as vLLM's streams do)."""
+    data = json.dumps(error_body(status, message, path=path))
+    if path in ANTHROPIC_PATHS:
+        return f"event: error\ndata: {data}\n\n"
+    return f"data: {data}\n\ndata: [DONE]\n\n"
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+                   headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The error's answer, in the shape of the API ``path`` (the request's) belongs to."""
+    return JSONResponse(error_body(status, message, param, path), status_code=status, headers=headers)
 
 
 def bad_request(error: ValueError, param: str | None = None) -> APIError:
@@ -78,24 +105,30 @@ def bad_request(error: ValueError, param: str | None = None) -> APIError:
 
 
 # what a 404 lists: the OpenAI routes and vLLM's kvserve answers
-SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize",
+SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/tokenize",
                  "/detokenize", "/health", "/metrics", "/version")
 # the paths ``--api-key`` guards, on a server and on the router alike (/health and /metrics stay open)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 def unauthorized(headers: Iterable[tuple[bytes, bytes]], keys: Sequence[str]) -> APIError | None:
-    """The 401 for a request whose ``Authorization`` is not ``Bearer`` and one of ``keys`` (the scheme in any case,
-    RFC 9110; each key compared by its digest, in constant time and whatever its length, and every key compared),
-    or None; the server and the router answer alike."""
-    given = next((value for name, value in headers if name == b"authorization"), b"")
-    scheme, _, token = given.partition(b" ")
-    digest = hashlib.sha256(token.strip()).digest()
-    matches = [secrets.compare_digest(digest, hashlib.sha256(key.encode()).digest()) for key in keys]
-    if scheme.lower() == b"bearer" and any(matches):
+    """The 401 for a request that brings none of ``keys``, neither as ``Authorization: Bearer`` (the scheme in any
+    case, RFC 9110) nor as ``X-Api-Key`` (Anthropic's clients send it there), or None; each key the request
+    brings compared with each of ``keys`` by its digest, in constant time and whatever its length, every pair
+    compared. The server and the router answer alike."""
+    headers = list(headers)
+    authorization = next((value for name, value in headers if name == b"authorization"), b"")
+    scheme, _, token = authorization.partition(b" ")
+    brought = [token.strip() if scheme.lower() == b"bearer" else b"",
+               next((value for name, value in headers if name == b"x-api-key"), b"").strip()]
+    digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+    # no key is empty (``environment.check_api_keys``), so a header not sent matches none
+    matches = [secrets.compare_digest(hashlib.sha256(given).digest(), digest)
+               for given in brought for digest in digests]
+    if any(matches):
         return None
-    return APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>'",
-                    headers=CLOSE_CONNECTION)  # answered before the body is read
+    return APIError(HTTPStatus.UNAUTHORIZED, "a missing or invalid API key: send 'Authorization: Bearer <key>' "
+                    "(or, as Anthropic's clients do, 'X-Api-Key: <key>')", headers=CLOSE_CONNECTION)
 
 
 def _validation_message(error: RequestValidationError, content_type: str | None = None) -> tuple[str, str | None]:
@@ -152,32 +185,34 @@ def _is_type_tag(part: str) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer APIError, validation errors and HTTP errors (404 route, 405 method) in OpenAI's shape (an
+    """Answer APIError, validation errors and HTTP errors (404 route, 405 method) in OpenAI's shape, or
+    Anthropic's on its routes (an
     exception none of them answers is the request guard's 500: ``server/app.py``)."""
     from fastapi.exceptions import RequestValidationError
 
     from kvserve.engine.async_engine import EngineDeadError
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, error: APIError) -> JSONResponse:
-        return error_response(error.status, error.message, error.param, error.headers)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error_response(error.status, error.message, error.param, error.headers, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(error, request.headers.get("content-type"))
-        return error_response(HTTPStatus.BAD_REQUEST, message, param)
+        return error_response(HTTPStatus.BAD_REQUEST, message, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         headers = dict(error.headers or {})
         if "Allow" in headers:  # Starlette lists a route's methods in a set's order, which varies by process
             headers["Allow"] = ", ".join(sorted(headers["Allow"].split(", ")))
-        return error_response(error.status_code, _routing_message(request, error, headers), headers=headers)
+        return error_response(error.status_code, _routing_message(request, error, headers), headers=headers,
+                              path=request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def _engine_failed(_: Request, error: EngineDeadError) -> JSONResponse:
+    async def _engine_failed(request: Request, error: EngineDeadError) -> JSONResponse:
         # a request in flight when the engine failed (later ones get the state's 503 before they start)
-        return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine failed: {error}")
+        return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine failed: {error}", path=request.url.path)
 
 
 def _routing_message(request: Request, error: StarletteHTTPException, headers: dict[str, str]) -> str:

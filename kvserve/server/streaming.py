@@ -241,10 +241,11 @@ def _salted(prompts: Sequence[PromptInput], salt: str | None) -> Sequence[Prompt
     return [{"prompt": p, "cache_salt": salt} if isinstance(p, str) else {**p, "cache_salt": salt} for p in prompts]
 
 
-async def ending_on_failure(events: AsyncIterator[str], request_id: str | None = None) -> AsyncIterator[str]:
-    """``events``; should they fail midway (the engine died), an error event in OpenAI's shape and ``[DONE]``:
-    the headers went out with the first event, so a client reading the stream learns why it ended there.
-    ``request_id``: the client's, which the log line names."""
+async def ending_on_failure(events: AsyncIterator[str], request_id: str | None = None,
+                            path: str = "") -> AsyncIterator[str]:
+    """``events``; should they fail midway (the engine died), an error event in the shape of ``path``'s API
+    (``sse_failure``): the headers went out with the first event, so a client reading the stream learns why it
+    ended there. ``request_id``: the client's, which the log line names."""
     try:
         async for event in events:
             yield event
@@ -256,7 +257,7 @@ async def ending_on_failure(events: AsyncIterator[str], request_id: str | None =
         else:
             logger.exception("%s failed midway", named)
             message = f"internal error: {type(error).__name__}"
-        yield sse_failure(HTTPStatus.INTERNAL_SERVER_ERROR, message)
+        yield sse_failure(HTTPStatus.INTERNAL_SERVER_ERROR, message, path)
 
 
 def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:
