@@ -59,13 +59,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
-PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"})
+PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize",
+                           "/detokenize"})
 # the requests that leave KV behind
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answers
 # The client's headers a replica gets: its key and formats, and what names the request to proxies and tracing in
 # between (kvserve's replicas do not read those yet); the rest are the client's business, or hop-by-hop
-FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id", "traceparent", "tracestate")
+FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "traceparent",
+                     "tracestate")
 _FORWARDED = frozenset(name.encode() for name in FORWARDED_HEADERS)  # ASGI header names: lower-case bytes
 # A replica's headers the client does not get: hop-by-hop ones (RFC 9110 section 7.6.1, and any that `connection`
 # names), and those the router's own server and CORS layer write (content-length: the router frames the body anew;
@@ -129,7 +131,7 @@ class Router:
         try:
             body = await read_body(scope, receive, self.max_body_bytes)
         except APIError as e:  # the replicas' answer, before the body was all read: its headers close the connection
-            return await error_response(e.status, e.message, e.param, e.headers)(scope, receive, send)
+            return await error_response(e.status, e.message, e.param, e.headers, scope["path"])(scope, receive, send)
         if body is None:  # the client left before its request was in
             return
         left = asyncio.ensure_future(receive())  # http.disconnect: the client left, or its answer is over
@@ -159,7 +161,7 @@ class Router:
             candidates = [r for r in self.replicas if r.healthy and r not in tried]
             if not candidates:
                 return error_response(503, "no kvserve replica is available; try again shortly",
-                                      headers=RETRY_LATER)
+                                      headers=RETRY_LATER, path=path)
             decision = self.policy.choose(candidates, keys)
             replica = decision.replica
             # Counted before the send, which waits for the replica's headers: requests arriving meanwhile must
@@ -204,7 +206,7 @@ class Router:
         except UpstreamLost as error:  # sent, perhaps started, and the replica went away or went silent
             if not isinstance(error, UpstreamTimeout):
                 self.health.mark_down(replica)
-            return _failure_response(error)
+            return _failure_response(error, path)
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send, replica: Replica,
                      upstream: UpstreamResponse, left: asyncio.Future) -> None:
@@ -218,7 +220,7 @@ class Router:
             try:
                 content = await upstream.read()
             except UpstreamLost as error:  # the replica died (or went silent) with the request in flight
-                return await _failure_response(error)(scope, receive, send)
+                return await _failure_response(error, scope["path"])(scope, receive, send)
             start["headers"].append((b"content-length", b"%d" % len(content)))
             await send(start)
             return await send({"type": "http.response.body", "body": content})
@@ -230,7 +232,7 @@ class Router:
             logger.warning("replica %s broke off a stream: %s", replica.url, error)
             if not isinstance(error, UpstreamTimeout):  # a silent one is left to the health checks
                 self.health.mark_down(replica)
-            failure = sse_failure(*_failure(error))
+            failure = sse_failure(*_failure(error), scope["path"])
             await send({"type": "http.response.body", "body": failure.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -280,8 +282,8 @@ def _failure(error: UpstreamLost) -> tuple[int, str]:
     return 502, f"the replica serving this request failed: {error}"
 
 
-def _failure_response(error: UpstreamLost) -> Response:
-    return error_response(*_failure(error))
+def _failure_response(error: UpstreamLost, path: str) -> Response:
+    return error_response(*_failure(error), path=path)
 
 
 class RouterApp:
@@ -306,7 +308,8 @@ class RouterApp:
         keys = self.router.api_keys
         refused = unauthorized(scope["headers"], keys) if keys and path.startswith(PROTECTED_PREFIXES) else None
         if refused is not None:  # before the body is read, as a replica's: its headers close the connection
-            return await error_response(refused.status, refused.message, headers=refused.headers)(scope, receive, send)
+            return await error_response(refused.status, refused.message, headers=refused.headers,
+                                        path=path)(scope, receive, send)
         if path in PROXIED_PATHS and method == "POST":
             return await self.router.proxy(scope, receive, send)
         await (await self.answer(scope))(scope, receive, send)
@@ -318,7 +321,7 @@ class RouterApp:
         route = self.model if path.startswith(MODEL_PATH) else self.get_routes.get(path)
         if path in PROXIED_PATHS or (route is not None and method not in ("GET", "HEAD")):
             allowed = "POST" if path in PROXIED_PATHS else "GET, HEAD"
-            return error_response(405, wrong_method(method, path, allowed), headers={"Allow": allowed})
+            return error_response(405, wrong_method(method, path, allowed), headers={"Allow": allowed}, path=path)
         if route is not None:
             return await route(scope)
         stripped = path.rstrip("/")

@@ -26,8 +26,8 @@ def request_payload(body: bytes) -> dict[str, Any]:
 
 def prompt_text(payload: dict[str, Any]) -> str:
     """The text a request's KV prefix comes from, its first ``MAX_KEYED_CHARS`` characters (all that is keyed):
-    the completion prompt, the chat messages in order, or a Responses request's instructions and input items,
-    after its ``cache_salt`` (a replica shares blocks
+    the completion prompt, the chat messages in order (after an Anthropic Messages request's ``system``), or a
+    Responses request's instructions and input items, after its ``cache_salt`` (a replica shares blocks
     only between requests of one salt). Fields of the wrong type count as no text: the replica refuses them with
     its own 400."""
     salt = _text(payload.get("cache_salt"))
@@ -37,8 +37,7 @@ def prompt_text(payload: dict[str, Any]) -> str:
 def _unsalted_text(payload: dict[str, Any]) -> str:
     messages = payload.get("messages")
     if isinstance(messages, list):
-        return _leading_lines(f"{_text(m.get('role'))}:{_content_text(m.get('content'))}" for m in messages
-                              if isinstance(m, dict))
+        return _leading_lines(_messages_lines(payload.get("system"), messages))
     if "input" in payload:
         return _leading_lines(_responses_lines(payload))
     prompt = payload.get("prompt", "")
@@ -48,6 +47,15 @@ def _unsalted_text(payload: dict[str, Any]) -> str:
         except RecursionError:  # nested too deep to print again (the replica refuses it): keyed as no prefix
             return ""
     return _text(prompt)[:MAX_KEYED_CHARS]
+
+
+def _messages_lines(system: Any, messages: list[Any]) -> Iterator[str]:
+    """Chat messages as lines, each its role and text; an Anthropic request's ``system`` (its system message) first."""
+    if _content_text(system):
+        yield f"system:{_content_text(system)}"
+    for message in messages:
+        if isinstance(message, dict):
+            yield f"{_text(message.get('role'))}:{_content_text(message.get('content'))}"
 
 
 def _responses_lines(payload: dict[str, Any]) -> Iterator[str]:
@@ -72,8 +80,9 @@ def _text(value: Any) -> str:
 
 
 def _content_text(content: Any) -> str:
-    if isinstance(content, list):  # content parts
-        return "".join(_text(part.get("text")) for part in content if isinstance(part, dict))
+    if isinstance(content, list):  # content parts, or Anthropic's blocks: a call's name, a call's result
+        return "".join(_text(part.get("text")) or _text(part.get("name")) or _content_text(part.get("content"))
+                       for part in content if isinstance(part, dict))
     return _text(content)
 
 
