@@ -115,6 +115,7 @@ class FakeReplicas:
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
         @app.post("/v1/responses")
+        @app.post("/v1/messages")
         @app.post("/tokenize")
         async def completions(request: Request) -> Response:
             payload = json.loads(await request.body())
@@ -128,7 +129,8 @@ class FakeReplicas:
             if payload.get("stream"):
                 body = "".join(f"data: {json.dumps({'replica': url, 'i': i})}\n\n" for i in range(3))
                 return StreamingResponse(iter([body, "data: [DONE]\n\n"]), media_type="text/event-stream")
-            return JSONResponse({"replica": url, "auth": request.headers.get("authorization")})
+            return JSONResponse({"replica": url, "auth": request.headers.get("authorization"),
+                                 "api_key": request.headers.get("x-api-key")})
 
         return app
 
@@ -192,6 +194,35 @@ def test_responses_requests_are_forwarded_and_keyed_by_their_conversation() -> N
     assert len({a["replica"] for a in answers}) == 1
     assert [payload["input"] for _, payload in fakes.seen[:4]] == list("abcd")  # forwarded as sent
     assert streamed.count("data: ") == 4 and streamed.endswith("data: [DONE]\n\n")
+
+
+def test_messages_requests_are_forwarded_with_their_key_and_keyed_by_their_conversation() -> None:
+    """Anthropic's /v1/messages is a generation as chat is: forwarded with the X-Api-Key its clients send (checked
+    by the router as a bearer token is), a conversation's turns sent where its prefix is cached, and what the
+    router answers itself there in Anthropic's error shape."""
+    fakes = FakeReplicas(2)
+    keyed = {"X-Api-Key": "sekret"}
+
+    async def scenario() -> tuple[list[dict], httpx.Response, httpx.Response]:
+        async with fakes:
+            router = Router(fakes.urls, make_policy("cache_aware"), api_keys=("sekret",))
+            client = httpx.AsyncClient(transport=httpx.ASGITransport(RouterApp(router)), base_url="http://r")
+            await router.health.check_all()
+            answers = []
+            for question in "abcd":
+                body = {"system": LONG, "max_tokens": 4, "messages": [{"role": "user", "content": question}]}
+                answers.append((await client.post("/v1/messages", json=body, headers=keyed)).json())
+            refused = await client.post("/v1/messages", json={}, headers={"X-Api-Key": "wrong"})
+            method = await client.get("/v1/messages", headers=keyed)
+            return answers, refused, method
+
+    answers, refused, method = run(scenario())
+    assert len({a["replica"] for a in answers}) == 1 and {a["api_key"] for a in answers} == {"sekret"}
+    assert [payload["messages"][0]["content"] for _, payload in fakes.seen] == list("abcd")  # forwarded as sent
+    assert refused.status_code == 401 and refused.json()["type"] == "error"
+    error = refused.json()["error"]
+    assert error["type"] == "authentication_error" and "X-Api-Key" in error["message"]
+    assert method.status_code == 405 and method.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_round_robin_spreads_them() -> None:

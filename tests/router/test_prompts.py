@@ -28,6 +28,14 @@ from kvserve.router.prompts import prompt_text, request_payload
                 {"type": "function_call_output", "call_id": "c", "output": "sunny"}, 7]},
      "user:weather?\nfunction_call:{}\nfunction_call_output:sunny"),
     ({"input": {"not": "items"}}, ""),
+    # Anthropic's Messages API: its system prompt (a string or text blocks), then its turns' text, calls and results
+    ({"system": [{"type": "text", "text": "be brief"}], "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "w", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "text", "text": "sunny"}]}]}]},
+     "system:be brief\nuser:weather?\nassistant:w\nuser:sunny"),
+    ({"system": 5, "messages": [{"role": "user", "content": "hi"}]}, "user:hi"),
 ])
 def test_prompt_text(payload: dict, text: str) -> None:
     assert prompt_text(payload) == text
