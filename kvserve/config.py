@@ -41,6 +41,9 @@ DTYPE_CHOICES = ("auto", *TORCH_DTYPE_NAMES)
 LOAD_FORMAT_CHOICES = ("auto", "mmap", "dummy")
 # where the sampling defaults come from (vLLM's --generation-config): the model's generation_config.json, or none
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
+# what logprob entries hold (vLLM's --logprobs-mode): the model's own distribution (raw) or the one the request's
+# processing leaves (processed), as log probabilities or as the logits themselves; the first is the default
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # attention backends a run may force (kvserve/attention/selector.py); by default the device's best is picked.
 # ``EngineArgs`` reads the environment variable where no backend is given (tests and benchmarks set it per run)
 ATTENTION_BACKENDS = ("cpu_paged", "torch_ref", "triton")
@@ -91,6 +94,9 @@ class ModelConfig:
     attention_backend: str | None = None  # one of ATTENTION_BACKENDS, forced; None: the device's best
     chat_template: str | None = None  # a Jinja chat template in place of the tokenizer's; None: the tokenizer's
     generation_config: str = "auto"  # one of GENERATION_CONFIG_CHOICES
+    # the most alternatives a request's logprobs and prompt_logprobs may ask for at a position; -1: the vocabulary's
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
 
     def __post_init__(self) -> None:
         if not (self.cpu_offload_gb >= 0 and math.isfinite(self.cpu_offload_gb * 2**30)):
@@ -112,6 +118,11 @@ class ModelConfig:
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r}; expected one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or >= 0, got {self.max_logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"unknown logprobs_mode {self.logprobs_mode!r}; expected one of "
+                             f"{', '.join(LOGPROBS_MODES)}")
 
 
 def _check_gib(name: str, gib: float | None) -> None:

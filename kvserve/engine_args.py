@@ -26,6 +26,7 @@ from kvserve.config import (
     DTYPE_CHOICES,
     GENERATION_CONFIG_CHOICES,
     LOAD_FORMAT_CHOICES,
+    LOGPROBS_MODES,
     QUANTIZATION_CHOICES,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
@@ -94,6 +95,18 @@ class EngineArgs:
                                      "repetition_penalty) are the defaults of requests that leave them out and "
                                      "of LLM.generate without sampling params, as in vLLM; 'vllm': "
                                      "SamplingParams' own defaults", str, GENERATION_CONFIG_CHOICES)
+    max_logprobs: int = _option(ModelConfig.max_logprobs, "the most alternatives a request may ask for at each "
+                                "position (logprobs, top_logprobs, prompt_logprobs; a larger request is a 400 "
+                                "naming the field); -1: the whole vocabulary, which a request then asks for with "
+                                "-1 (each position's answer holds every token: megabytes of JSON a token on a "
+                                "large vocabulary)", int)
+    logprobs_mode: str = _option(ModelConfig.logprobs_mode, "what logprob entries hold: 'raw_logprobs' the model's "
+                                 "own log probabilities, 'raw_logits' its logits; 'processed_logprobs' / "
+                                 "'processed_logits' those after the request's processing, the draw's "
+                                 "distribution (allowed tokens, logit_bias, bad_words, min_tokens, penalties, a "
+                                 "grammar's mask; then temperature, min_p, top_k, top_p where it samples, not "
+                                 "greedily); prompt_logprobs are always the model's own (logits in the logits "
+                                 "modes)", str, LOGPROBS_MODES)
     load_format: str = _option(ModelConfig.load_format, "'mmap' (CPU): the weights are used where the file is "
                                "mapped (start-up reads nothing ahead; the pages are shared with other processes "
                                "serving the file; memory about the file's size): a safetensors checkpoint's "
@@ -232,7 +245,8 @@ class EngineArgs:
                               cpu_offload_gb=self.cpu_offload_gb,
                               attention_backend=self.attention_backend or _attention_backend_from_environment(),
                               chat_template=_chat_template_text(self.chat_template),
-                              generation_config=self.generation_config),
+                              generation_config=self.generation_config, max_logprobs=self.max_logprobs,
+                              logprobs_mode=self.logprobs_mode),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,

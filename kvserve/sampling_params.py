@@ -103,7 +103,8 @@ class SamplingParams:
     vLLM does (dividing fp32 logits by less would overflow them to inf). ``seed`` makes a request's
     samples reproducible whatever else shares its batch. ``logprobs=k`` returns the sampled token's log
     probability and the top-k alternatives per generated token; ``prompt_logprobs=k`` the same for prompt
-    tokens (the first prompt token has none).
+    tokens (the first prompt token has none); -1 asks for the whole vocabulary. The engine bounds k
+    (``max_logprobs``) and decides what the values are (``logprobs_mode``).
     """
 
     n: int = 1
@@ -135,7 +136,6 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     MAX_N = 64
-    MAX_LOGPROBS = 20
     MAX_STOP_STRINGS = 16
     # Stop strings and token ids are checked against every token of every sample on the engine thread: bounded,
     # so that one request cannot slow every step (2 M stop ids took 10 ms a token; 100,000-character strings 0.1 s)
@@ -214,10 +214,11 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0, f"must be >= 0, got {self.min_tokens}"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= self.MAX_LOGPROBS,
-             f"must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs}"),
-            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= self.MAX_LOGPROBS,
-             f"must be in [0, {self.MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            # their bound is the engine's (its max_logprobs, checked as a request is added)
+            ("logprobs", self.logprobs is None or self.logprobs >= -1,
+             f"must be -1 (the whole vocabulary) or >= 0, got {self.logprobs}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= -1,
+             f"must be -1 (the whole vocabulary) or >= 0, got {self.prompt_logprobs}"),
             ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
              f"must be -1 (the last max_model_len tokens) or >= 1, got {self.truncate_prompt_tokens}"),
         ]
@@ -247,8 +248,9 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
 
-    # each step asks for the 2 * beam_width most likely tokens of every beam: at most SamplingParams' logprobs
-    MAX_BEAM_WIDTH: ClassVar[int] = SamplingParams.MAX_LOGPROBS // 2
+    # each step asks for the 2 * beam_width most likely tokens of every beam: within the engine's default
+    # max_logprobs (20), as vLLM's beam search asks its engine for them
+    MAX_BEAM_WIDTH: ClassVar[int] = 10
 
     def __post_init__(self) -> None:
         _check_kinds(self, _BEAM_SEARCH_KINDS)

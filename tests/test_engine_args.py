@@ -35,6 +35,8 @@ CHANGED = {
     "attention_backend": "torch_ref",
     "chat_template": "{{ messages[0].content }}",
     "generation_config": "vllm",
+    "max_logprobs": 5,
+    "logprobs_mode": "processed_logprobs",
     "load_format": "mmap",
     "cpu_offload_gb": 2.5,
     "max_model_len": 512,
@@ -110,7 +112,8 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
                            "draft_model": None, "lpm_aging_steps": None}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5,
                                        attention_backend="torch_ref", chat_template="{{ messages[0].content }}",
-                                       generation_config="vllm")
+                                       generation_config="vllm", max_logprobs=5,
+                                       logprobs_mode="processed_logprobs")
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs",
                                                SchedulerConfig.lpm_aging_steps, "swap", False)
@@ -219,6 +222,8 @@ def test_configs_are_frozen(config) -> None:
         ({"scheduling_policy": "random"}, "scheduling_policy"),
         ({"lpm_aging_steps": 0}, "lpm_aging_steps"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"max_logprobs": -2}, "max_logprobs must be -1 .the whole vocabulary. or >= 0"),
+        ({"logprobs_mode": "logprobs"}, "unknown logprobs_mode 'logprobs'"),
     ],
 )
 def test_a_bad_value_is_refused_before_anything_loads(options, message) -> None:

@@ -44,6 +44,8 @@ def test_a_choice_list_becomes_a_tuple() -> None:
     (dict(stop_token_ids=list(range(1025))), "stop_token_ids takes at most 1024 distinct ids, got 1025"),
     (dict(seed=-(2**63) - 1), "seed must be a 64-bit signed integer"),
     (dict(logprobs=True), "logprobs must be an integer, got bool"),
+    (dict(logprobs=-2), r"logprobs must be -1 \(the whole vocabulary\) or >= 0, got -2"),
+    (dict(prompt_logprobs=-5), r"prompt_logprobs must be -1 \(the whole vocabulary\) or >= 0, got -5"),
     (dict(ignore_eos="no"), "ignore_eos must be true or false, got str"),
     (dict(stop=5), "stop must be a string or a list of strings, got int"),
     (dict(stop_token_ids=5), "stop_token_ids must be a list of token ids, got int"),

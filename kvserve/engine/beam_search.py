@@ -48,9 +48,9 @@ class BeamSearchOutput:
 
 def step_params(params: BeamSearchParams, num_logprobs: int = 0) -> SamplingParams:
     """The params of each beam's one-token request: the candidates' logprobs (``num_logprobs`` if more: what an
-    answer's logprobs show), drawn at the search's temperature."""
-    return SamplingParams(max_tokens=1, temperature=params.temperature,
-                          logprobs=max(2 * params.beam_width, num_logprobs))
+    answer's logprobs show; -1, the whole vocabulary), drawn at the search's temperature."""
+    logprobs = -1 if num_logprobs == -1 else max(2 * params.beam_width, num_logprobs)
+    return SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=logprobs)
 
 
 class BeamSearch:

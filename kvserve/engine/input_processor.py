@@ -12,6 +12,7 @@ from typing import Any, Iterator, Mapping, Sequence, Union
 import jinja2
 from transformers import PreTrainedTokenizerBase
 
+from kvserve.config import ModelConfig
 from kvserve.engine.chat_messages import for_template, iterates_content, template_message
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
@@ -36,13 +37,16 @@ class ProcessedPrompt:
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
-                 structured: StructuredOutputCompiler | None = None, chat_template: str | None = None) -> None:
+                 structured: StructuredOutputCompiler | None = None, chat_template: str | None = None,
+                 max_logprobs: int = ModelConfig.max_logprobs) -> None:
         """``chat_template``: a template in place of the tokenizer's (``--chat-template``); ValueError if it does
-        not parse."""
+        not parse. ``max_logprobs``: the most alternatives a request's logprobs may ask for at a position (-1: the
+        vocabulary's)."""
         self.tokenizer = tokenizer
         _no_truncation_or_padding(tokenizer)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.structured = structured
         self._chat_template = _checked_template(chat_template) if chat_template is not None else None
         if chat_template is None:
@@ -228,7 +232,21 @@ class InputProcessor:
         if params.allowed_token_ids is not None and always_banned.issuperset(params.allowed_token_ids):
             raise InvalidParameter("bad_words", "bad_words ban every token of allowed_token_ids: nothing is left "
                                                 "to draw")
-        return dataclasses.replace(params, max_tokens=max_tokens, bad_words_token_ids=bad_words_token_ids)
+        return dataclasses.replace(params, max_tokens=max_tokens, bad_words_token_ids=bad_words_token_ids,
+                                   logprobs=self._num_logprobs(params.logprobs, "logprobs"),
+                                   prompt_logprobs=self._num_logprobs(params.prompt_logprobs, "prompt_logprobs"))
+
+    def _num_logprobs(self, asked: int | None, param: str) -> int | None:
+        """How many alternatives a position's entry holds (-1: the whole vocabulary); InvalidParameter naming
+        ``param`` past ``max_logprobs``, as vLLM refuses them."""
+        if asked is None:
+            return None
+        num = self.vocab_size if asked == -1 else asked
+        if num > self.max_logprobs:
+            raise InvalidParameter(param, f"{param} asks for {num} alternatives a position, more than the "
+                                          f"{self.max_logprobs} that max_logprobs allows (--max-logprobs; -1 in it "
+                                          "allows the whole vocabulary)")
+        return num
 
     def _bad_word_tokens(self, words: Sequence[str]) -> Iterator[tuple[int, ...]]:
         """Each word's tokens as it starts a text, and, where the tokenizer spells it otherwise after a space (a

@@ -84,7 +84,7 @@ class LLMEngine:
                 workers.close()
             raise
         self.input_processor = InputProcessor(self.tokenizer, vocab_size, self.max_model_len, structured,
-                                              config.model.chat_template)
+                                              config.model.chat_template, config.model.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         # On CUDA a step's outputs are processed while the device runs the next step (see ``step``)
         self.overlap_outputs = self.device.type == "cuda" and tp_size == 1
@@ -100,7 +100,7 @@ class LLMEngine:
         return RunnerOptions(
             cache.block_size, model.seed, self.weight_format, cache.kv_cache_dtype, model.quantize_activations,
             model.enforce_eager, int(model.cpu_offload_gb * 2**30), model.dense_layouts_in_background,
-            model.attention_backend,
+            model.attention_backend, model.logprobs_mode,
         )
 
     def _default_sampling_params(self, checkpoint: Checkpoint) -> SamplingParams:

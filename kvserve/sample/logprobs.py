@@ -10,6 +10,12 @@ from kvserve.device_copy import HostCopy
 from kvserve.outputs import TokenLogprobs
 
 
+def logprob_values(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """What logprob entries hold of fp32 ``logits`` [R, V] under ``mode`` (``config.LOGPROBS_MODES``; raw or
+    processed is the caller's choice of logits): log probabilities, or the logits themselves (not copied)."""
+    return torch.log_softmax(logits, dim=-1) if mode.endswith("_logprobs") else logits
+
+
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]) -> list[TokenLogprobs]:
     """Per row of ``logprobs`` [R, V]: the logprob and rank (1 + the number of strictly more likely tokens) of
     ``token_ids[r]``, followed by the row's ``num_top[r]`` most likely tokens with ranks 1..num_top[r].

@@ -87,5 +87,10 @@ class SamplingBatch:
         return all(r.params.is_greedy for r in self.rows)
 
     @cached_property
+    def logprob_rows(self) -> list[int]:
+        """The rows that want logprob entries."""
+        return [i for i, r in enumerate(self.rows) if r.params.logprobs is not None]
+
+    @cached_property
     def needs_logprobs(self) -> bool:
-        return any(r.params.logprobs is not None for r in self.rows)
+        return bool(self.logprob_rows)

@@ -2,10 +2,16 @@
 one per row, or for a speculating request (one row per verified position) its accepted draft tokens and the
 target's next token (``sample/rejection.py``).
 
-    logits ─┬─> log_softmax ────────────────────────────────────────────> logprobs (raw, as vLLM v1)
+    logits ─┬─> log_softmax (or a copy) ────────────────────────────────> logprobs (raw modes, the default)
             └─> logits processors, in order (in place, rows that need them)
                   ├─ greedy rows: argmax
                   └─ random rows: / temperature -> min-p -> top-k, top-p (one sort) -> softmax -> draw
+                  └─ each row's logits as its draw took them ─> log_softmax (or a copy) ─> logprobs (processed)
+
+The engine's ``logprobs_mode`` (``config.LOGPROBS_MODES``, vLLM's) says which: the model's own logits (raw) or
+those the draw took, after the processors and, for a random row, its temperature and truncation (processed, a
+masked token's entry -inf), as log probabilities or as the logits themselves. A greedy row's processed values
+are its logits after the processors alone (vLLM's, in a batch of greedy rows), whatever else shares its batch.
 
 An all-greedy batch that no processor touches and that wants no logprobs is one max (the hot path). The draw
 is an exponential race, ``argmax(p / q)`` with ``q ~ Exp(1)`` (equivalent to sampling from p): unseeded rows
@@ -22,11 +28,12 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 import torch
 
+from kvserve.config import ModelConfig
 from kvserve.device_copy import HostCopy, to_device
 from kvserve.sample.argmax import first_max
 from kvserve.sample.counter_noise import draw_seed, seeded_exponentials
 from kvserve.sample.logits_processors import default_processors
-from kvserve.sample.logprobs import gather_logprobs, launch_gather_logprobs
+from kvserve.sample.logprobs import gather_logprobs, launch_gather_logprobs, logprob_values
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sample.processor import LogitsProcessor
 from kvserve.sample.rejection import accept_draft
@@ -66,8 +73,11 @@ class Sampler:
     ``drop`` once the request finished or was aborted. The sampler advances the processors'
     state past each token a request appends by itself."""
 
-    def __init__(self, seed: int = 0, processors: Sequence[LogitsProcessor] | None = None) -> None:
+    def __init__(self, seed: int = 0, processors: Sequence[LogitsProcessor] | None = None,
+                 logprobs_mode: str = ModelConfig.logprobs_mode) -> None:
         self.seed = int(seed)  # a numpy integer's & with the 64-bit mask below would overflow
+        self.logprobs_mode = logprobs_mode
+        self._processed_logprobs = logprobs_mode.startswith("processed_")
         self._processors = default_processors() if processors is None else list(processors)
         self._stateful = [p for p in self._processors if p.is_stateful]
         self._keys: set[str] = set()  # keys whose processor state exists (tracked only with stateful processors)
@@ -76,8 +86,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Sample row i of ``logits`` (fp32 [N, V], modified in place) with ``batch.rows[i]``, then keep each
         speculating request's draft tokens up to the first the target disagrees with. Greedy (temperature 0)
-        is the exact argmax of the processed logits. Logprobs are those of the raw logits. The token ids' host
-        copy is the call's only sync when no row wants logprobs."""
+        is the exact argmax of the processed logits. Logprobs are the values ``logprobs_mode`` names. The token
+        ids' host copy is the call's only sync when no row wants logprobs."""
         return self.launch(logits, batch)()
 
     def launch(self, logits: torch.Tensor, batch: SamplingBatch) -> PendingSamples:
@@ -89,12 +99,12 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[0]} rows but the sampling batch has {len(batch)}")
         if self._stateful:
             self._add_new_keys(batch.rows)
-        token_ids, raw_logprobs = self._sample(logits, batch)
+        token_ids, logprob_values = self._sample(logits, batch)
         if self._stateful and batch.draft_token_ids is None:  # a token per row: state on the device takes it now
             for processor in self._stateful:
                 processor.accept_launched(batch.rows, token_ids)
         host_token_ids = HostCopy(token_ids)  # read back without waiting for a step queued after this one
-        token_logprobs = None if raw_logprobs is None else self._token_logprobs(raw_logprobs, token_ids, batch)
+        token_logprobs = None if logprob_values is None else self._token_logprobs(logprob_values, token_ids, batch)
 
         def finish() -> SamplerOutput:
             logprobs = None if token_logprobs is None else token_logprobs()
@@ -149,16 +159,20 @@ class Sampler:
                 processor.accept(row.generator_key, appended)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The target's token at each row, and the raw logprobs where a row asks for them (None if none does),
-        on the logits' device."""
+        """The target's token at each row, and the values of the logprob entries of the rows that ask for them
+        (``batch.logprob_rows``; None if none does), on the logits' device."""
         needs_processing = self._needs_processing(batch.rows)
         if batch.is_all_greedy and not needs_processing and not batch.needs_logprobs:
             return first_max(logits), None
-        raw_logprobs = self._raw_logprobs(logits, batch)
+        wants_raw = batch.needs_logprobs and not self._processed_logprobs
+        values = self._logprob_values(logits, batch) if wants_raw else None
         if needs_processing:
             for processor in self._processors:
                 processor.apply(logits, batch.rows)
-        return self._choose(logits, batch), raw_logprobs
+        token_ids = self._choose(logits, batch)
+        if batch.needs_logprobs and self._processed_logprobs:  # ``logits`` hold what each row's draw took
+            values = self._logprob_values(logits, batch)
+        return token_ids, values
 
     def _needs_processing(self, rows: Sequence[SamplingRow]) -> bool:
         return any(any(map(p.is_needed, rows)) for p in self._processors)
@@ -171,11 +185,15 @@ class Sampler:
             return self._draw(logits, batch.rows)
         token_ids = first_max(logits)
         index = to_device(random_rows, torch.long, logits.device)
-        token_ids[index] = self._draw(logits[index], [batch.rows[i] for i in random_rows])
+        random_logits = logits[index]
+        token_ids[index] = self._draw(random_logits, [batch.rows[i] for i in random_rows])
+        if self._processed_logprobs and batch.needs_logprobs:  # the random rows' truncated logits, for logprobs
+            logits[index] = random_logits
         return token_ids
 
     def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Temperature, truncation and a draw for rows that all have temperature > 0 (``logits`` modified)."""
+        """Temperature, truncation and a draw for rows that all have temperature > 0 (``logits`` left as the draw
+        took them: divided, and -inf where truncated)."""
         probs = self._probs(logits, rows)
         return first_max(probs.div_(self._exponentials(probs, rows)))
 
@@ -220,21 +238,35 @@ class Sampler:
             self._unseeded.manual_seed(self.seed & _SEED_MASK)
         return self._unseeded
 
-    @staticmethod
-    def _raw_logprobs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
-        if not batch.needs_logprobs:
-            return None
-        return torch.log_softmax(logits, dim=-1)
+    def _logprob_values(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The logprob entries' values (``logprobs_mode``) of the rows that want them, in a tensor of their own:
+        the sampler goes on to change ``logits`` in place."""
+        wanted = batch.logprob_rows
+        if len(wanted) == len(batch):
+            rows = logits if self.logprobs_mode.endswith("_logprobs") else logits.clone()
+        else:
+            rows = logits[to_device(wanted, torch.long, logits.device)]
+        return logprob_values(rows, self.logprobs_mode)
+
+    def prompt_logprobs(self, logits: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+        """Logprobs of prompt tokens: row j of ``logits`` [L, V] predicts ``target_ids[j]``; each entry holds that
+        token's value and rank, then the ``num_top`` most likely tokens. The model's own values in every mode
+        (logits in the logits modes): no processor takes part in a prompt, as in vLLM."""
+        if logits.shape[0] != target_ids.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logit rows for {target_ids.shape[0]} prompt tokens")
+        values = logprob_values(logits.float(), self.logprobs_mode.replace("processed_", "raw_"))
+        return gather_logprobs(values, target_ids, [num_top] * logits.shape[0])
 
     @staticmethod
     def _token_logprobs(
-        raw_logprobs: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
+        values: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
     ) -> Callable[[], list[TokenLogprobs | None]]:
-        """The logprob entries of the rows that want them, queued now; the call returned reads them back."""
-        wanted = [i for i, r in enumerate(batch.rows) if r.params.logprobs is not None]
+        """The logprob entries of the rows that want them (``values``: theirs alone), queued now; the call returned
+        reads them back."""
+        wanted = batch.logprob_rows
         index = to_device(wanted, torch.long, token_ids.device)
         num_top = [batch.rows[i].params.logprobs or 0 for i in wanted]
-        entries = launch_gather_logprobs(raw_logprobs[index], token_ids[index], num_top)
+        entries = launch_gather_logprobs(values, token_ids[index], num_top)
 
         def by_row() -> list[TokenLogprobs | None]:
             out: list[TokenLogprobs | None] = [None] * len(batch)
@@ -243,14 +275,6 @@ class Sampler:
             return out
 
         return by_row
-
-
-def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
-    """Logprobs of prompt tokens: row j of ``logits`` [L, V] predicts ``target_ids[j]``; each entry holds that
-    token's logprob and rank, then the ``num_top`` most likely tokens."""
-    if logits.shape[0] != target_ids.shape[0]:
-        raise ValueError(f"{logits.shape[0]} logit rows for {target_ids.shape[0]} prompt tokens")
-    return gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, [num_top] * logits.shape[0])
 
 
 def _per_request(

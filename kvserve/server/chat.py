@@ -39,7 +39,7 @@ from kvserve.server.reasoning_parsers import (
     starts_in_reasoning,
 )
 from kvserve.server.request_log import RequestLog
-from kvserve.server.logprobs import entry_spelling, text_positions, top_entries
+from kvserve.server.logprobs import entry_spelling, json_logprob, text_positions, top_entries
 from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,
@@ -323,7 +323,8 @@ class ChatServer(GenerationHandler):
     def _top(self, token_id: int, position: PositionLogprobs) -> TopLogprob:
         """A token (``token_spelling``), its log probability and its own bytes."""
         token = entry_spelling(token_id, position[token_id], self.tokenizer, self.body.return_tokens_as_token_ids)
-        return TopLogprob(token=token, logprob=position[token_id].logprob, bytes=token_bytes(token_id, self.tokenizer))
+        return TopLogprob(token=token, logprob=json_logprob(position[token_id].logprob),
+                          bytes=token_bytes(token_id, self.tokenizer))
 
 
 PieceKind = Literal["reasoning", "content", "call"]

@@ -15,7 +15,14 @@ from kvserve.server.completion_protocol import (
 )
 from kvserve.server.protocol import Usage
 from kvserve.server.request_log import RequestLog
-from kvserve.server.logprobs import entry_spelling, text_positions, token_spelling, token_text, top_entries
+from kvserve.server.logprobs import (
+    entry_spelling,
+    json_logprob,
+    text_positions,
+    token_spelling,
+    token_text,
+    top_entries,
+)
 from kvserve.server.streaming import (
     GenerationHandler,
     SSE_DONE,
@@ -148,12 +155,12 @@ class CompletionServer(GenerationHandler):
                 result.top_logprobs.append(None)
             else:
                 token = token_text(token_id, position[token_id], self.tokenizer)
-                result.token_logprobs.append(position[token_id].logprob)
+                result.token_logprobs.append(json_logprob(position[token_id].logprob))
                 # the token itself beside the k most likely, as OpenAI's and vLLM's legacy completions give it;
                 # most likely first, so a spelling two tokens share keeps the higher logprob
                 top: dict[str, float] = {}
                 for t, lp in [*top_entries(position, k), (token_id, position[token_id])]:
-                    top.setdefault(entry_spelling(t, lp, self.tokenizer, as_id), lp.logprob)
+                    top.setdefault(entry_spelling(t, lp, self.tokenizer, as_id), json_logprob(lp.logprob))
                 result.top_logprobs.append(top)
             result.tokens.append(token_spelling(token_id, token, self.tokenizer, as_id))
             result.text_offset.append(offset)

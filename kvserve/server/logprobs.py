@@ -1,5 +1,5 @@
 """The text of logprob entries, for completions and chat alike: a token's text and bytes, which positions of a
-sample get an entry, and a position's most likely tokens."""
+sample get an entry, a position's most likely tokens, and their values as JSON carries them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from kvserve.outputs import Logprob, PositionLogprobs
 
 if TYPE_CHECKING:
     from kvserve.server.streaming import SampleDelta
+
+# JSON has no -inf: vLLM's stand-in for it, the value of a token the request's processing masked
+# (--logprobs-mode processed_*: top_k, a grammar, allowed_token_ids, ...)
+MASKED_LOGPROB = -9999.0
 
 
 def token_text(token_id: int, logprob: Logprob, tokenizer: Any) -> str:
@@ -49,6 +53,12 @@ def text_positions(delta: SampleDelta, include_stop_str_in_output: bool) -> list
 
 
 def top_entries(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
-    """The k most likely tokens at a position, most likely first."""
+    """The k most likely tokens at a position, most likely first (-1: all it holds, the whole vocabulary)."""
     ranked = sorted(position.items(), key=lambda item: item[1].rank)
+    k = len(ranked) if k == -1 else k
     return [(token_id, lp) for token_id, lp in ranked if lp.rank <= k][:k]
+
+
+def json_logprob(value: float) -> float:
+    """A logprob entry's value as JSON carries it: -inf (a masked token) as ``MASKED_LOGPROB``, as vLLM does."""
+    return max(value, MASKED_LOGPROB)

@@ -13,6 +13,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, build_step_metadata
 from kvserve.attention.selector import select_backend
+from kvserve.config import ModelConfig
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
@@ -26,7 +27,7 @@ from kvserve.outputs import TokenLogprobs
 from kvserve.sample.grammar import GrammarProcessor, StructuredOutputCompiler
 from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.metadata import SamplingBatch
-from kvserve.sample.sampler import Sampler, prompt_logprobs
+from kvserve.sample.sampler import Sampler
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput
 from kvserve.worker.draft_model import DraftModel
 from kvserve.worker.cpu_graph import CpuStepGraphs
@@ -63,6 +64,7 @@ class RunnerOptions:
     cpu_offload_bytes: int = 0
     dense_layouts_in_background: bool = False
     attention_backend: str | None = None  # forced (config.ATTENTION_BACKENDS); None: the device's best
+    logprobs_mode: str = ModelConfig.logprobs_mode  # what logprob entries hold (config.LOGPROBS_MODES)
 
 
 class ModelRunner:
@@ -100,7 +102,7 @@ class ModelRunner:
             keep_large_blocks()  # a large batch's logits and the sampler's temporaries are not mapped anew a step
         self.layouts = DeferredLayouts.start(self.model)  # None unless some are left for after start-up
         self.grammar = GrammarProcessor(structured) if structured is not None else None
-        self.sampler = Sampler(options.seed, default_processors(self.grammar))
+        self.sampler = Sampler(options.seed, default_processors(self.grammar), options.logprobs_mode)
         self.kv: KVCacheStorage | None = None
         self.host_copies: HostCopies | None = None  # with KV tiers: copies to and from their host slab
         self.batch: PersistentBatch | None = None
@@ -388,5 +390,5 @@ class ModelRunner:
         for rows in batch.prompt_logprobs:
             logits = self.model.compute_logits(hidden[rows.rows])  # under TP every rank joins the head
             if self.peers.is_driver:
-                logprobs[rows.request_id] = prompt_logprobs(logits, rows.target_ids, rows.num_top)
+                logprobs[rows.request_id] = self.sampler.prompt_logprobs(logits, rows.target_ids, rows.num_top)
         return logprobs

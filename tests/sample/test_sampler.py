@@ -12,7 +12,7 @@ import torch
 from kvserve.sample.counter_noise import draw_seed
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sample.processor import LogitsProcessor
-from kvserve.sample.sampler import Sampler, SamplerOutput, prompt_logprobs
+from kvserve.sample.sampler import Sampler, SamplerOutput
 from kvserve.sampling_params import SamplingParams
 
 VOCAB = 32
@@ -339,7 +339,7 @@ def test_a_tied_tokens_rank_counts_only_the_strictly_more_likely() -> None:
 
 def test_prompt_logprobs():
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
-    entries = prompt_logprobs(logits, torch.tensor([2, 0]), 1)
+    entries = Sampler().prompt_logprobs(logits, torch.tensor([2, 0]), 1)
     raw = torch.log_softmax(logits, -1)
     assert entries[0].token_ids == [2, 1] and entries[0].ranks == [2, 1]
     assert entries[0].logprobs == pytest.approx([raw[0, 2].item(), raw[0, 1].item()])

@@ -42,7 +42,7 @@ def test_booleans_are_strict() -> None:
 
 
 @pytest.mark.parametrize("fields, param, starts", [
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs must be in [0, 20]"),
+    ({"logprobs": True, "top_logprobs": -2}, "top_logprobs", "top_logprobs must be -1 (the whole vocabulary) or >= 0"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens must be >= 1"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
     ({"temperature": -1.0}, "temperature", "temperature must be a finite number >= 0"),
