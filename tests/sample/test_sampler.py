@@ -316,6 +316,61 @@ def test_logprobs_are_of_the_raw_logits_with_ranks_and_top_k():
     assert out.logprobs[1] is None
 
 
+def _hand_processed(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
+    """One row's logits as its draw takes them, processed by hand: bias, repetition penalty over prompt and
+    outputs, then (a random row) temperature and top-k."""
+    p, out = r.params, logits.clone()
+    for token, bias in (p.logit_bias or {}).items():
+        out[token] += bias
+    seen = sorted(set(r.prompt_token_ids) | set(r.output_token_ids))
+    out[seen] = torch.where(out[seen] > 0, out[seen] / p.repetition_penalty, out[seen] * p.repetition_penalty)
+    if p.is_greedy:
+        return out
+    out /= p.temperature
+    if p.top_k:
+        out[out < out.topk(p.top_k).values[-1]] = -float("inf")
+    return out
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_each_logprobs_mode_gives_the_values_it_names(mode: str) -> None:
+    """Raw: the model's own logits; processed: those the draw took (a greedy row's after the processors, a random
+    row's after its temperature and top-k too, its masked tokens -inf), as log probabilities or as logits. The
+    row that wants none is left out; the others are batched with greedy and random rows beside them."""
+    logits = random_logits(4, seed=11)
+    rows = [row("g", prompt=[1, 2], outputs=[5], temperature=0.0, logit_bias={7: 2.5}, repetition_penalty=1.4,
+                logprobs=3),
+            row("r", prompt=[3], outputs=[4, 4], temperature=0.7, top_k=4, logit_bias={9: -1.0},
+                repetition_penalty=1.2, seed=3, logprobs=5),
+            row("n", temperature=0.5),
+            row("p", temperature=1.3, seed=4, logprobs=2)]
+    out = Sampler(logprobs_mode=mode)(logits.clone(), batch(*rows))
+    assert out.logprobs[2] is None
+    for i in (0, 1, 3):
+        values = logits[i] if mode.startswith("raw") else _hand_processed(logits[i], rows[i])
+        values = torch.log_softmax(values, -1) if mode.endswith("logprobs") else values
+        (entry,) = out.logprobs[i]
+        assert entry.token_ids[0] == tokens(out)[i]
+        assert entry.token_ids[1:] == values.topk(rows[i].params.logprobs).indices.tolist()
+        assert entry.logprobs == pytest.approx(values[entry.token_ids].tolist())
+        assert entry.ranks[0] == int((values > values[tokens(out)[i]]).sum()) + 1
+    if mode.startswith("processed"):  # top_k=4 of row "r" leaves its fifth most likely masked
+        assert out.logprobs[1][0].logprobs[-1] == -float("inf")
+
+
+def test_the_mode_changes_no_draw() -> None:
+    """Every row wants logprobs (their values taken from the whole batch, not a copy of some rows): the draws
+    are the same in every mode, and the raw logits those before the bias."""
+    logits = random_logits(6, seed=12)
+    rows = [row(f"k{i}", temperature=0.0 if i % 3 == 0 else 0.8, top_k=5, seed=i, logprobs=2, logit_bias={i: 3.0})
+            for i in range(6)]
+    outs = {mode: Sampler(logprobs_mode=mode)(logits.clone(), batch(*rows))
+            for mode in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")}
+    assert len({tuple(tokens(out)) for out in outs.values()}) == 1
+    for i, ((entry,),) in enumerate(zip(outs["raw_logits"].logprobs)):
+        assert entry.logprobs == logits[i, entry.token_ids].tolist()
+
+
 def test_logprobs_zero_returns_only_the_sampled_token():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     out = Sampler()(logits.clone(), batch(row(temperature=0.0, logprobs=0)))
@@ -337,13 +392,23 @@ def test_a_tied_tokens_rank_counts_only_the_strictly_more_likely() -> None:
     assert out.logprobs[0][0].ranks == [1, 1, 2]
     assert out.logprobs[1][0].ranks == [4]  # below the three tied tokens
 
-def test_prompt_logprobs():
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_prompt_logprobs(mode: str):
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
-    entries = Sampler().prompt_logprobs(logits, torch.tensor([2, 0]), 1)
+    entries = Sampler(logprobs_mode=mode).prompt_logprobs(logits, torch.tensor([2, 0]), 1)
     raw = torch.log_softmax(logits, -1)
     assert entries[0].token_ids == [2, 1] and entries[0].ranks == [2, 1]
     assert entries[0].logprobs == pytest.approx([raw[0, 2].item(), raw[0, 1].item()])
     assert entries[1].token_ids == [0, 0] and entries[1].ranks == [1, 1]
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logits"])
+def test_prompt_logprobs_in_a_logits_mode_are_the_models_logits(mode: str):
+    """No processor takes part in a prompt: both logits modes give the model's own logits, as vLLM's."""
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.5]])
+    entries = Sampler(logprobs_mode=mode).prompt_logprobs(logits, torch.tensor([2, 0]), 2)
+    assert [e.logprobs for e in entries] == [[1.0, 2.0, 1.0], [3.0, 3.0, 0.5]]
+    assert [e.ranks for e in entries] == [[2, 1, 2], [1, 1, 2]]
 
 
 def test_row_count_mismatch_is_rejected():
