@@ -23,7 +23,8 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Logprob:
-    """One token's log probability (under the model's raw distribution) and its rank (1 = most likely)."""
+    """One token's log probability (under the model's raw distribution, or what the engine's ``logprobs_mode``
+    names) and its rank (1 = most likely)."""
 
     logprob: float
     rank: int

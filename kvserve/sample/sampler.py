@@ -2,11 +2,11 @@
 one per row, or for a speculating request (one row per verified position) its accepted draft tokens and the
 target's next token (``sample/rejection.py``).
 
-    logits ─┬─> log_softmax (or a copy) ────────────────────────────────> logprobs (raw modes, the default)
+    logits ─┬─> log_softmax (or a copy) ──────────────────────────────> logprobs (raw modes, the default)
             └─> logits processors, in order (in place, rows that need them)
                   ├─ greedy rows: argmax
-                  └─ random rows: / temperature -> min-p -> top-k, top-p (one sort) -> softmax -> draw
-                  └─ each row's logits as its draw took them ─> log_softmax (or a copy) ─> logprobs (processed)
+                  ├─ random rows: / temperature -> min-p -> top-k, top-p (one sort) -> softmax -> draw
+                  └─ the logits each row's draw took ─> log_softmax (or a copy) ─> logprobs (processed modes)
 
 The engine's ``logprobs_mode`` (``config.LOGPROBS_MODES``, vLLM's) says which: the model's own logits (raw) or
 those the draw took, after the processors and, for a random row, its temperature and truncation (processed, a
