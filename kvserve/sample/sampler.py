@@ -99,12 +99,12 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[0]} rows but the sampling batch has {len(batch)}")
         if self._stateful:
             self._add_new_keys(batch.rows)
-        token_ids, logprob_values = self._sample(logits, batch)
+        token_ids, values = self._sample(logits, batch)
         if self._stateful and batch.draft_token_ids is None:  # a token per row: state on the device takes it now
             for processor in self._stateful:
                 processor.accept_launched(batch.rows, token_ids)
         host_token_ids = HostCopy(token_ids)  # read back without waiting for a step queued after this one
-        token_logprobs = None if logprob_values is None else self._token_logprobs(logprob_values, token_ids, batch)
+        token_logprobs = None if values is None else self._token_logprobs(values, token_ids, batch)
 
         def finish() -> SamplerOutput:
             logprobs = None if token_logprobs is None else token_logprobs()
