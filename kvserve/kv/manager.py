@@ -339,11 +339,20 @@ class KVCacheManager:
     def fork_swapped(self, parent: Request, child: Request) -> bool:
         """``fork`` through the host tier, for when no block is free for its copy: ``child`` (holding no
         blocks) becomes swapped out with a copy of the parent's computed KV, loaded when it is admitted.
-        False, changing nothing, if there is no host tier with room."""
+        False, changing nothing, if there is no host tier with room, or the parent's KV is still to be loaded
+        into its blocks this step."""
         if self.swap is None:
             return False
         num_computed = parent.num_computed_tokens
-        return self.swap.swap_out(child.request_id, self._live_blocks(parent, num_computed), num_computed)
+        blocks = self._live_blocks(parent, num_computed)
+        if not self._filled_by_plan().isdisjoint(blocks):  # a parent admitted this step on loaded or swapped-in KV:
+            return False  # a swap-out reads its blocks before the plan's loads fill them (KVTransferPlan's order)
+        return self.swap.swap_out(child.request_id, blocks, num_computed)
+
+    def _filled_by_plan(self) -> set[int]:
+        """The blocks the plan being made copies KV into from the host tier (loads, swap-ins)."""
+        filled = self.tier_plan.loaded_blocks() if self.tier_plan is not None else set()
+        return filled | (self.swap.swapped_in_blocks() if self.swap is not None else set())
 
     def is_swapped_out(self, request: Request) -> bool:
         return self.swap is not None and request.request_id in self.swap

@@ -136,6 +136,10 @@ class SwapSpace:
         self._dropped.extend(row for row, _ in self._ins)
         self._ins.clear()
 
+    def swapped_in_blocks(self) -> set[int]:
+        """The blocks the swap-ins planned since the last take copy KV into."""
+        return {block_id for _, block_id in self._ins}
+
     def take_transfers(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
         """The swap-outs and swap-ins planned since the last call, for the runner to apply before the next
         forward pass. Rows whose last copy was in a plan taken before now go back to the host tier: the

@@ -48,6 +48,10 @@ class TierPlan:
         """Plan copies of host-tier blocks ((content key, block_id)) into fresh device blocks."""
         self._loads.extend(loads)
 
+    def loaded_blocks(self) -> set[int]:
+        """The blocks the loads planned since the last take copy KV into."""
+        return {block_id for _, block_id in self._loads}
+
     def abandon(self) -> None:
         """Forget the offloads and loads planned since the last ``take`` (a step raised before it was taken): the
         loads' host blocks are unpinned."""

@@ -79,9 +79,12 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _content_text(content: Any) -> str:
-    if isinstance(content, list):  # content parts, or Anthropic's blocks: a call's name, a call's result
-        return "".join(_text(part.get("text")) or _text(part.get("name")) or _content_text(part.get("content"))
+def _content_text(content: Any, nested: bool = True) -> str:
+    """Content parts' text, or Anthropic's blocks': a call's name, a call's result (whose own blocks are read one
+    level down, no further: a body nested thousands deep is the replica's to refuse, not a recursion here)."""
+    if isinstance(content, list):
+        return "".join(_text(part.get("text")) or _text(part.get("name"))
+                       or (_content_text(part.get("content"), nested=False) if nested else "")
                        for part in content if isinstance(part, dict))
     return _text(content)
 

@@ -110,7 +110,7 @@ class ChatServer(GenerationHandler):
         prompt = await render_chat(self.engine, body.messages, body.tool_dicts, **body.template_options)
         if self.reasoning_parser is not None:
             self._in_reasoning = starts_in_reasoning(self.reasoning_parser, prompt["prompt"],
-                                                     body.chat_template_kwargs, body.prefill)
+                                                     body.chat_template_kwargs, body.continue_final_message)
             self._constrain_the_answer_only()
         return await self._generate([prompt])
 

@@ -179,14 +179,6 @@ class ChatCompletionRequest(SamplingRequest):
         return joined(last.model_dump()["content"])
 
     @property
-    def prefill(self) -> str | None:
-        """The text of the final message the reply goes on from (``continue_final_message``), else None."""
-        last = self.messages[-1]
-        if not self.continue_final_message or last.content is None:
-            return None
-        return joined(last.model_dump()["content"])
-
-    @property
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template and the constraint take them."""
         return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]

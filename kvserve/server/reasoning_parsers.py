@@ -86,13 +86,14 @@ def split_reasoning(text: str, in_reasoning: bool) -> ReasoningDelta:
 
 
 def starts_in_reasoning(parser: str, prompt: str, template_kwargs: dict[str, Any] | None,
-                        prefill: str | None = None) -> bool:
-    """Whether the output of ``prompt`` (as the chat template rendered it) starts inside the thinking. Only this
-    turn's tags count, an earlier turn's think block (a tool conversation's) saying nothing of this one: the last
-    tag of ``prefill`` (the final message a ``continue_final_message`` request goes on from: a block it closed
-    leaves the answer to write, one it opened the thinking), else a tag that ends the prompt."""
-    if prefill is not None:
-        last_start, last_end = prefill.rfind(THINK_START), prefill.rfind(THINK_END)
+                        continues_final_message: bool = False) -> bool:
+    """Whether the output of ``prompt`` (as the chat template rendered it) starts inside the thinking. A request
+    that continues its final message goes on from the prompt's last tag (a block closed, by the message or by the
+    template before it, as Qwen3's writes an empty one: the answer; one opened: the thinking). Otherwise only a
+    tag that ends the prompt counts: an earlier turn's think block (a tool conversation's) says nothing of the
+    turn the generation prompt opens."""
+    if continues_final_message:
+        last_start, last_end = prompt.rfind(THINK_START), prompt.rfind(THINK_END)
         if last_start != last_end:  # not both -1: a tag is there
             return last_start > last_end
     ending = prompt.rstrip()

@@ -55,3 +55,14 @@ def test_only_a_long_prompts_leading_characters_are_keyed() -> None:
 ])
 def test_a_body_that_is_no_json_object_is_read_as_no_prompt(body: bytes, payload: dict) -> None:
     assert request_payload(body) == payload
+
+
+def test_a_body_nested_past_the_recursion_limit_is_keyed_without_recursing() -> None:
+    """Anthropic's tool results hold blocks: read one level down, so a body nested thousands deep (which JSON
+    parsing takes) is keyed, not a RecursionError the router answered with a 500."""
+    inner: dict = {"type": "text", "text": "x"}
+    for _ in range(5000):
+        inner = {"type": "tool_result", "tool_use_id": "t", "content": [inner]}
+    assert prompt_text({"messages": [{"role": "user", "content": [inner]}]}) == "user:"
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "sunny"}]}
+    assert prompt_text({"messages": [{"role": "user", "content": [result]}]}) == "user:sunny"

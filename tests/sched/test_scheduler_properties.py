@@ -237,3 +237,19 @@ def test_random_workloads_with_speculation_finish_cleanly(
         check_results(spec, outputs, looping_token)
     assert scheduler.kv.num_free_blocks() == num_blocks
     assert not scheduler.running and not scheduler.waiting
+
+
+def test_a_sample_parked_as_its_parent_loads_its_prefix_swaps_out_no_stale_kv() -> None:
+    """An n = 2 request admitted on a prefix found in the host tier forks in that schedule with no seat free: its
+    sample, parked through the host tier, would have copied the parent's blocks before the plan's loads filled
+    them (swap-outs go before loads), and resumed on stale KV; it is parked to recompute instead. Found by this
+    file's tier test at 8,000 examples (priority, swap)."""
+    def spec(rid: str, num_prompt: int, max_tokens: int, n: int = 1, prefix_len: int = 0, priority: int = 0) -> Spec:
+        return Spec(rid, 0, num_prompt, max_tokens, n, False, None, False, 2, prefix_len, None, priority)
+
+    workload = [spec("r0", 1, 1), spec("r1", 4, 1, prefix_len=4), spec("r2", 3, 4), spec("r3", 1, 1),
+                spec("r4", 5, 1, n=2, prefix_len=4, priority=1), spec("r5", 1, 1), spec("r6", 3, 3, n=3),
+                spec("r7", 1, 1)]
+    test_random_workloads_over_kv_tiers_finish_cleanly.hypothesis.inner_test(
+        workload=workload, block_size=4, num_blocks=5, budget=4, max_num_seqs=4, host_blocks=3, with_disk=False,
+        policy="priority", preemption_mode="swap", prefix_caching=True)

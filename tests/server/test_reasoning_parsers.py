@@ -94,9 +94,14 @@ def test_where_the_output_starts_follows_the_prompts_end_and_the_parser(parser: 
     ("<think>\nshort.</think>\n\nThe capital is", False),  # the block closed: the answer goes on
     ("<think>\nlet me see, ", True),  # the block open: the thinking goes on
     ("<think>a</think> b <think>again", True),
-    ("The capital is", True),  # no tag of its own: the prompt's end and the parser decide, as without a prefill
+    # Qwen3's template writes an empty block before the final assistant turn's text: the answer goes on
+    ("<think>\n\n</think>\n\nThe capital is", False),
+    ("The capital is", True),  # no tag at all: the parser decides, as for a generation prompt
 ])
-def test_a_continued_final_message_starts_where_its_own_last_tag_leaves_it(prefill: str, expected: bool) -> None:
-    """A prefill's think block, closed or open, decides (the prompt then ends with the prefill's text, no tag)."""
+def test_a_continued_final_message_starts_where_the_prompts_last_tag_leaves_it(prefill: str, expected: bool) -> None:
+    """A prefill that ends the prompt has no tag at its very end: its block (or the template's), closed or open,
+    decides."""
     prompt = f"<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n{prefill}"
-    assert starts_in_reasoning("qwen3", prompt, None, prefill) is expected
+    assert starts_in_reasoning("qwen3", prompt, None, continues_final_message=True) is expected
+    if prefill.rstrip().endswith(("</think>", "<think>")) is False and expected is False:
+        assert starts_in_reasoning("qwen3", prompt, None) is True  # a generation prompt's rule would miss it
