@@ -233,7 +233,8 @@ def _prefix_keys(pending_request: PendingRequest | None) -> list[bytes]:
 # ---- the ingress -------------------------------------------------------------------------------------------------
 
 # requests with a prompt, relayed with it for the router: generations, and (any replica answers alike) tokenizing
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize",
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                  "/v1/messages/count_tokens", "/tokenize",
                   "/detokenize")
 READ_PATHS = ("/v1/models", "/health")
 

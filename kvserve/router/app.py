@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize",
-                           "/detokenize"})
+                           "/detokenize", "/v1/messages/count_tokens"})
 # the requests that leave KV behind
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answers

@@ -33,7 +33,7 @@ from kvserve.server.errors import (
     unauthorized,
 )
 from kvserve.server.messages import MessagesServer
-from kvserve.server.messages_protocol import MessagesRequest
+from kvserve.server.messages_protocol import CountTokensRequest, MessagesRequest, TokenCount
 from kvserve.server.metrics import CONTENT_TYPE
 from kvserve.server.model_protocol import (
     DetokenizeRequest,
@@ -145,6 +145,15 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         return await _serve(state, MessagesServer, body.chat_request, request, messages=body,
                             tool_call_parser=state.settings.tool_call_parser,
                             reasoning_parser=state.settings.reasoning_parser)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> TokenCount:
+        """Anthropic's count of a Messages request's prompt: the tokens the chat template renders it in (the
+        anthropic SDK's ``messages.count_tokens``)."""
+        chat = body.chat_request
+        prompt = await render_chat(state.engine_for(chat.model), chat.messages, chat.tool_dicts,
+                                   **chat.template_options)
+        return TokenCount(input_tokens=len(prompt["prompt_token_ids"]))
 
 
 async def _serve(state: ServerState, handler: Callable[..., _Generation], body: SamplingRequest, request: Request,

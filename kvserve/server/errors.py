@@ -53,7 +53,7 @@ _ANTHROPIC_ERROR_TYPES = {
     503: "overloaded_error",
 }
 # the routes that speak Anthropic's API: their errors, the server's and the router's alike, take its shape
-ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 
 # on an answer given before the request's body was read: uvicorn otherwise reads and drops the rest of the body for
@@ -105,8 +105,9 @@ def bad_request(error: ValueError, param: str | None = None) -> APIError:
 
 
 # what a 404 lists: the OpenAI routes and vLLM's kvserve answers
-SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/tokenize",
-                 "/detokenize", "/health", "/metrics", "/version")
+SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                 "/v1/messages/count_tokens", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
+                 "/version")
 # the paths ``--api-key`` guards, on a server and on the router alike (/health and /metrics stay open)
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 

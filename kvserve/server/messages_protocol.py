@@ -217,6 +217,17 @@ class MessagesRequest(RequestBody):
         return messages + [message for turn in self.messages for message in turn.chat_messages()]
 
 
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a Messages request's conversation, tools and system prompt, whose
+    prompt is counted and not run (Anthropic's takes no ``max_tokens``)."""
+
+    max_tokens: StrictInt = 1
+
+
+class TokenCount(BaseModel):
+    input_tokens: int  # the prompt's tokens as the chat template renders the conversation
+
+
 class MessagesChatRequest(StandInChatRequest):
     """The chat request a Messages request stands for."""
 

@@ -329,3 +329,21 @@ def test_a_message_is_token_for_token_the_chat_answer(server, client: openai.Ope
     with messages_client.messages.stream(**body, stop_sequences=[stop]) as stream:
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_count_tokens_counts_the_prompt_a_message_would_run(server, client: openai.OpenAI) -> None:
+    """The anthropic SDK's messages.count_tokens: the chat template's rendering of the conversation, its system
+    prompt and tools (the prompt tokens the chat answer to it reports); errors in Anthropic's shape."""
+    messages_client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=1,
+                                          messages=[{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "Weather in Oslo?"}])
+    conversation = {"model": MODEL_NAME, "system": "Be brief.",
+                    "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+    assert messages_client.messages.count_tokens(**conversation).input_tokens == chat.usage.prompt_tokens
+    # the tools' schemas join the prompt (past this test server's context: counted all the same)
+    with_tools = messages_client.messages.count_tokens(**conversation, tools=[WEATHER]).input_tokens
+    assert with_tools > chat.usage.prompt_tokens + 50
+    refused = httpx.post(f"{server.url}/v1/messages/count_tokens", json={"model": MODEL_NAME, "messages": []})
+    assert refused.status_code == 400 and refused.json()["type"] == "error"
+    assert refused.json()["error"]["type"] == "invalid_request_error"
