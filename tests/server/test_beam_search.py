@@ -93,8 +93,8 @@ def test_a_sequence_eos_ends_has_its_eos_in_the_token_ids_not_the_text(served) -
         (output,) = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(4, 4))
         if output.sequences[0].finish_reason is FinishReason.STOP:
             break
-    else:
-        pytest.skip("no prompt reaches EOS")
+    else:  # the seeded checkpoint is fixed: a prompt among these reaches EOS, or the search lost its EOS handling
+        raise AssertionError("no prompt of 196 reaches EOS")
     choice = _complete(client, prompt=prompt, n=4, max_tokens=4, temperature=0, return_token_ids=True)["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["token_ids"][-1] == eos
     assert choice["token_ids"] == output.sequences[0].tokens[len(prompt):]
