@@ -4,6 +4,7 @@ store that puts blocks there and takes them back)."""
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from typing import Collection
 
 import torch
 
@@ -39,11 +40,12 @@ class HostTier:
         self._rows.move_to_end(key)
         return self._rows[key]
 
-    def reserve(self) -> int | None:
-        """A row to fill: a free one, else the least recently used unpinned block's. None if all are pinned."""
+    def reserve(self, keep: Collection[bytes] = ()) -> int | None:
+        """A row to fill: a free one, else the least recently used unpinned block's but those in ``keep`` (reads
+        staged for waiting requests). None if all others are pinned."""
         if self._free:
             return self._free.pop()
-        victim = next((key for key in self._rows if not self._pins[key]), None)
+        victim = next((key for key in self._rows if not self._pins[key] and key not in keep), None)
         if victim is None:
             return None
         self.from_disk.discard(victim)

@@ -41,7 +41,8 @@ class TierMatcher:
         """The request took its blocks or left: its waits start again from nothing, its staged blocks are no
         longer kept from others' reads."""
         self._load_waits.pop(request_id, None)
-        self._staging.pop(request_id, None)
+        if self._staging.pop(request_id, None) is not None:
+            self.store.keep_staged(frozenset().union(*self._staging.values()))
 
     def _staging_room(self, request_id: str, wanted: list[KeyedBlock]) -> int:
         """The blocks (of every group) this request may have staged at once: the host tier's staging rows less
@@ -107,6 +108,7 @@ class TierMatcher:
             self._staging[request_id] = frozenset(block.key for block in staged)
         else:
             self._staging.pop(request_id, None)
+        self.store.keep_staged(frozenset().union(*self._staging.values()))
 
     def _blocks_beyond(self, request: Request, match: PrefixMatch, max_blocks: int) -> tuple[list[KeyedBlock], int]:
         """Group 0's blocks after a device match that the tiers hold, in order, and how many lead in the host

@@ -119,6 +119,8 @@ class TieredStore:
         self._reading: set[bytes] = set()
         self._writing: set[bytes] = set()  # being written to the disk
         self._reserved: list[tuple[KeyedBlock, int]] = []  # offloads taken, not yet copied into their rows
+        # blocks waiting requests will load: no offload or read evicts them (``keep_staged``)
+        self._staged: frozenset[bytes] = frozenset()
         self._reader = IOThread("kvserve-kv-read") if self.disk else None
         self._writer = IOThread("kvserve-kv-write") if self.disk else None
         # a store dropped without close() (an LLM let go) stops its threads, which would live on with nothing to do
@@ -147,13 +149,19 @@ class TieredStore:
         for block in blocks:
             with self._lock:
                 if block.key not in self._reading:
-                    row = self.host.reserve()
+                    row = self.host.reserve(keep=self._staged)
                     if row is None:
                         break
                     self._reading.add(block.key)
                     self._reader.submit(self._read, block, row)
             num_started += 1
         return num_started
+
+    def keep_staged(self, keys: frozenset[bytes]) -> None:
+        """The blocks waiting requests' matches found staged (or being read) in the host tier, until they load them:
+        neither offloads nor reads take their rows (``TierMatcher``)."""
+        with self._lock:
+            self._staged = keys
 
     def staging_rows(self) -> int:
         """How many blocks the host tier can hold for loads at once: its rows free, holding unpinned blocks, or being
@@ -237,7 +245,7 @@ class TieredStore:
         out of the index until the copy (``publish_offloads``). A block finds no row when every row is pinned or
         held: it is dropped, counted."""
         with self._lock:
-            rows = [self.host.reserve() for _ in blocks]
+            rows = [self.host.reserve(keep=self._staged) for _ in blocks]
             kept = [(block_id, block, row) for (block_id, block), row in zip(blocks, rows) if row is not None]
             self._reserved.extend((block, row) for _, block, row in kept)
             self.counters.blocks_dropped += len(blocks) - len(kept)

@@ -440,3 +440,22 @@ def test_a_disk_tier_smaller_than_one_block_is_refused(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="the disk KV tier .* is smaller than one block .* raise kv_offload_disk"):
             _store(disk_dir=tmp_path, disk_blocks=disk_blocks)
     assert _store(disk_dir=tmp_path, disk_blocks=1).disk.capacity_bytes == SPEC.bytes_per_block + 400
+
+
+def test_rows_staged_for_waiting_requests_are_taken_by_no_offload_or_read(tmp_path: Path) -> None:
+    """A read staged for a waiting request, not yet loaded, was the least recently used row: the next plan's
+    offloads (or another request's reads) evicted it, and the request read it again (wasted reads, varying with
+    when the reader thread finished)."""
+    first, kv = _store(disk_dir=tmp_path), _storage(0)
+    blocks = _chain(first, 3)
+    _write_through(first, kv, blocks)
+    first.close()
+    store = _store(host_blocks=2, disk_dir=tmp_path)
+    assert _prefetched(store, blocks[:2]) == [Tier.HOST] * 2
+    store.keep_staged(frozenset(b.key for b in blocks[:2]))
+    others = _chain(_store(identity="model-b"), 2)
+    assert store.reserve_offload_rows([(5, others[0])]) == ()  # dropped: every unpinned row is staged
+    assert store.prefetch(blocks[2:]) == 0
+    assert [store.locate(b.key) for b in blocks[:2]] == [Tier.HOST] * 2
+    store.keep_staged(frozenset())  # the request loaded them, or left
+    assert len(store.reserve_offload_rows([(5, others[0])])) == 1
