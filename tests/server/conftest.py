@@ -131,3 +131,27 @@ def server(start_server) -> ServerProcess:
 @pytest.fixture(scope="session")
 def client(server: ServerProcess) -> openai.OpenAI:
     return server.openai()
+
+
+# The scripted model-free servers the Responses and Messages tests share (each module gets its own): a text answer,
+# a Hermes tool call, a Qwen3 thinking; imported as used, the scripts living beside the engine that spells them.
+@pytest.fixture(scope="module")
+def talker() -> Iterator:
+    from tests.server.test_responses import ANSWER, scripted_server
+
+    yield from scripted_server(ANSWER)
+
+
+@pytest.fixture(scope="module")
+def caller() -> Iterator:
+    from tests.server.test_responses import CALL, scripted_server
+
+    yield from scripted_server(f"Checking.\n{CALL}")
+
+
+@pytest.fixture(scope="module")
+def thinker() -> Iterator:
+    from tests.server.test_reasoning import SCRIPT
+    from tests.server.test_responses import scripted_server
+
+    yield from scripted_server(SCRIPT, reasoning_parser="qwen3")

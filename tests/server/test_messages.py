@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -19,8 +19,8 @@ from kvserve.server.errors import sse_failure
 from kvserve.server.messages_protocol import MessagesRequest
 from tests.server.conftest import MODEL_NAME
 from tests.server.test_app_fake_engine import MODEL, InProcessServer
-from tests.server.test_reasoning import SCRIPT, THOUGHT
-from tests.server.test_responses import ANSWER, CALL, kinds, scripted_server
+from tests.server.test_reasoning import THOUGHT
+from tests.server.test_responses import ANSWER, kinds
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -29,21 +29,6 @@ CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "descrip
 USER = [{"role": "user", "content": "hi"}]
 TEXT_EVENTS = ["message_start", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
                "message_stop"]
-
-
-@pytest.fixture(scope="module")
-def talker() -> Iterator[InProcessServer]:
-    yield from scripted_server(ANSWER)
-
-
-@pytest.fixture(scope="module")
-def caller() -> Iterator[InProcessServer]:
-    yield from scripted_server(f"Checking.\n{CALL}")
-
-
-@pytest.fixture(scope="module")
-def thinker() -> Iterator[InProcessServer]:
-    yield from scripted_server(SCRIPT, reasoning_parser="qwen3")
 
 
 def sdk(srv: InProcessServer, **options: Any) -> anthropic.Anthropic:

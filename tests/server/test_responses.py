@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from tests.server.conftest import MODEL_NAME
 from tests.server.test_app_fake_engine import MODEL, InProcessServer
-from tests.server.test_reasoning import SCRIPT, THOUGHT, ScriptedEngine
+from tests.server.test_reasoning import THOUGHT, ScriptedEngine
 
 ANSWER = "Hello there."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -37,21 +37,6 @@ def scripted_server(script: str, **settings: Any) -> Iterator[InProcessServer]:
     server = InProcessServer(fake=ScriptedEngine(script), **settings)
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def talker() -> Iterator[InProcessServer]:
-    yield from scripted_server(ANSWER)
-
-
-@pytest.fixture(scope="module")
-def caller() -> Iterator[InProcessServer]:
-    yield from scripted_server(f"Checking.\n{CALL}")
-
-
-@pytest.fixture(scope="module")
-def thinker() -> Iterator[InProcessServer]:
-    yield from scripted_server(SCRIPT, reasoning_parser="qwen3")
 
 
 def sdk(srv: InProcessServer) -> openai.OpenAI:
