@@ -7,11 +7,17 @@ What kvserve does not implement is refused by name: a field it does not know (``
 (``web_search_...``, ``bash_...``, ...) and a block that is neither text nor part of a tool round trip (``image``,
 ``document``, ``search_result``, ``redacted_thinking``, ...). ``cache_control`` is taken wherever Anthropic takes it
 and asks for nothing more: kvserve's prefix cache keeps every prefix unasked.
+
+Two things Claude Code sends are taken as vLLM takes them: ``system`` turns inside ``messages`` (newer releases send
+them) join the top-level system prompt, as the one system message chat templates take, at the start; and its
+``x-anthropic-billing-header: ...`` line, which carries a hash that changes with every request, is left out of the
+system prompt, so that a conversation's next request finds its prefix in the cache past the first few tokens.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
@@ -92,13 +98,23 @@ class ThinkingBlock(RequestBody):
 
 Block = Annotated[Union[TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock], Field(discriminator="type")]
 # the blocks each role's turn may hold
-ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking")}
+ROLE_BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking"), "system": ("text",)}
+# Claude Code's per-request billing line in the system prompt: ``x-anthropic-billing-header: cc_version=...; cch=...;``
+_BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE)
+
+
+def _system_parts(system: str | list[TextBlock] | None) -> list[dict[str, str]]:
+    """A system prompt's text parts, without Claude Code's billing line; empty parts (one that held only that line)
+    are dropped."""
+    texts = [system] if isinstance(system, str) else [block.text for block in system or []]
+    return [{"type": "text", "text": text} for text in (_BILLING_LINE.sub("", text) for text in texts) if text]
 
 
 class InputMessage(RequestBody):
-    """A turn: the user's (text, the results of the assistant's calls) or the assistant's (text, calls, thinking)."""
+    """A turn: the user's (text, the results of the assistant's calls), the assistant's (text, calls, thinking), or
+    a system turn (text), which joins the system prompt (``MessagesRequest``)."""
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: Annotated[Union[Annotated[Text, Tag("str")], Annotated[list[Block], Field(min_length=1), Tag("list")]],
                        Discriminator(json_kind)]
 
@@ -195,6 +211,9 @@ class MessagesRequest(RequestBody):
     @model_validator(mode="after")
     def _as_chat(self) -> MessagesRequest:
         """The chat request this stands for, made once here, so that what it refuses is this body's 400."""
+        if all(turn.role == "system" for turn in self.messages):
+            raise InvalidParameter("messages", "messages holds no user or assistant turn (system turns join the "
+                                   "system prompt)")
         choice = self.tool_choice
         self._chat = MessagesChatRequest.made(
             model=self.model, messages=self._chat_messages(), max_tokens=self.max_tokens,
@@ -210,11 +229,15 @@ class MessagesRequest(RequestBody):
         return self._chat
 
     def _chat_messages(self) -> list[dict[str, Any]]:
-        """The system prompt as the system message (its blocks as text parts), then each turn's messages."""
-        system = self.system if isinstance(self.system, str) else [
-            {"type": "text", "text": block.text} for block in self.system or []]
+        """The system prompt, then the system turns' text, as the one system message (text parts; a system prompt
+        sent as a string, alone, stays one); then the other turns' messages."""
+        system: str | list[dict[str, str]] = _system_parts(self.system) + [
+            part for turn in self.messages if turn.role == "system" for part in _system_parts(turn.content)]
+        if isinstance(self.system, str) and len(system) == 1:
+            system = system[0]["text"]
         messages = [{"role": "system", "content": system}] if system else []
-        return messages + [message for turn in self.messages for message in turn.chat_messages()]
+        return messages + [message for turn in self.messages if turn.role != "system"
+                           for message in turn.chat_messages()]
 
 
 class CountTokensRequest(MessagesRequest):

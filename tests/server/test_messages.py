@@ -145,6 +145,41 @@ def test_a_tool_choice_is_chats(choice: dict, chat_choice: Any, parallel: bool) 
     assert chat.tool_dicts == [CHAT_WEATHER]
 
 
+BILLING = "x-anthropic-billing-header: cc_version=2.1.160.a1b; cc_entrypoint=cli; cch=3f9c2;"
+
+
+def chat_messages_of(**body: Any) -> list[dict]:
+    request = MessagesRequest.model_validate({"model": "", "max_tokens": 1, **body})
+    return [message.model_dump(exclude_none=True) for message in request.chat_request.messages]
+
+
+@pytest.mark.parametrize("system, turns, chat_system", [
+    # Claude Code's billing line left out, as its own block and as a string's first line
+    ([{"type": "text", "text": BILLING}, {"type": "text", "text": "You are a CLI."}], [],
+     [{"type": "text", "text": "You are a CLI."}]),
+    (f"{BILLING}\nYou are a CLI.", [], "You are a CLI."),
+    (BILLING, [], None),
+    # a system turn (newer Claude Code releases send them) joins the system prompt, at the start
+    ("You are a CLI.", [{"role": "system", "content": f"{BILLING}\nRemember the date."}],
+     [{"type": "text", "text": "You are a CLI."}, {"type": "text", "text": "Remember the date."}]),
+    (None, [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}],
+     [{"type": "text", "text": "Be brief."}]),
+    # only a line that starts with it: one that quotes it is the prompt's text
+    ("Never print x-anthropic-billing-header: lines.", [], "Never print x-anthropic-billing-header: lines."),
+])
+def test_claude_codes_system_turns_join_the_system_prompt_without_its_billing_line(
+        system: Any, turns: list, chat_system: Any) -> None:
+    messages = chat_messages_of(messages=[*USER[:1], *turns, {"role": "assistant", "content": "ok"}, *USER],
+                                **({"system": system} if system is not None else {}))
+    if chat_system is None:
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    else:
+        assert messages[0] == {"role": "system", "content": chat_system}
+        assert [m["role"] for m in messages[1:]] == ["user", "assistant", "user"]
+    # the user's own text is theirs, billing line or not
+    assert chat_messages_of(messages=[{"role": "user", "content": BILLING}])[0]["content"] == BILLING
+
+
 def test_thinking_is_a_thinking_block_before_the_text(thinker: InProcessServer) -> None:
     client = sdk(thinker)
     question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -185,7 +220,10 @@ def test_thinking_is_a_thinking_block_before_the_text(thinker: InProcessServer) 
      "'tool_use'"),
     ({"messages": [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
      "'redacted_thinking'"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "no user or assistant turn"),
+    ({"messages": [{"role": "system", "content": [{"type": "tool_result", "tool_use_id": "t"}]}, *USER]},
+     "'tool_result'"),
+    ({"messages": [{"role": "developer", "content": "x"}, *USER]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{}]}]}]}, "citations"),
     ({"messages": []}, "messages"),
     ({"max_tokens": None}, "max_tokens"),
@@ -314,6 +352,27 @@ def test_a_message_is_token_for_token_the_chat_answer(server, client: openai.Ope
     with messages_client.messages.stream(**body, stop_sequences=[stop]) as stream:
         final = stream.get_final_message()
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
+
+
+def test_claude_codes_next_request_finds_its_prompt_in_the_cache(server) -> None:
+    """Two requests whose billing lines differ (its hash changes with every request): the second finds the whole
+    prompt but the last block's tokens in the prefix cache, and both answer as the prompt without the line."""
+    messages_client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    system = ("You are a command line coding assistant. Answer in one short sentence, and never use more words than "
+              "the question needs. ") * 2
+    turns = [{"role": "user", "content": "What does ls do?"}]
+
+    def answer(billing: str | None) -> anthropic.types.Message:
+        blocks = [{"type": "text", "text": billing}] if billing else []
+        return messages_client.messages.create(model=MODEL_NAME, max_tokens=6, messages=turns, extra_body={
+            "temperature": 0}, system=[*blocks, {"type": "text", "text": system}])
+
+    plain = answer(None)
+    first, second = answer(BILLING), answer(BILLING.replace("3f9c2", "77e01"))
+    assert first.content[0].text == second.content[0].text == plain.content[0].text
+    prompt = plain.usage.input_tokens + plain.usage.cache_read_input_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == prompt
+    assert second.usage.cache_read_input_tokens >= prompt - 16  # all but the last, partly filled, block
 
 
 def test_count_tokens_counts_the_prompt_a_message_would_run(server, client: openai.OpenAI) -> None:
