@@ -347,6 +347,7 @@ OutputItem = Union[OutputMessage, OutputFunctionCall, OutputReasoning]
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    cache_write_tokens: int = 0  # OpenAI's (a required field of the SDK's usage): no cache write is charged here
 
 
 class OutputTokensDetails(BaseModel):
