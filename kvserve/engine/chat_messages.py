@@ -22,7 +22,8 @@ def template_message(message: Mapping[str, Any], index: int = 0, keep_parts: boo
     "text": ...}`` for a template that iterates over them (``keep_parts``, see ``iterates_content``), else joined
     with newlines, as vLLM does; no content as ""; a call's arguments as a dict, as transformers' templates take
     them; OpenAI's ``developer`` role as ``system`` for a template that knows no such role
-    (``developer_is_system``): OpenAI's newer name for the system prompt. ValueError naming ``messages[index]``
+    (``developer_is_system``): OpenAI's newer name for the system prompt; an assistant's ``reasoning`` also as
+    ``reasoning_content``, as vLLM passes it. ValueError naming ``messages[index]``
     where it cannot be rendered."""
     if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
         raise ValueError(f"messages[{index}] must be a dict with a 'role' and a 'content'")
@@ -30,6 +31,8 @@ def template_message(message: Mapping[str, Any], index: int = 0, keep_parts: boo
     if developer_is_system and out["role"] == "developer":
         out["role"] = "system"
     out["content"] = _content(message.get("content"), index, keep_parts)
+    if isinstance(message.get("reasoning"), str):  # vLLM's name; the templates that render it (Qwen3's) read this one
+        out.setdefault("reasoning_content", message["reasoning"])
     if message.get("tool_calls") is not None:
         if not isinstance(message["tool_calls"], (list, tuple)):
             raise ValueError(f"messages[{index}].tool_calls must be a list of calls")

@@ -37,6 +37,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 class FunctionCall(RequestBody):
     name: str
     arguments: str  # JSON text of an object
+    # the openai SDK's parse of the arguments (chat.completions.parse with strict tools), which it sends back with
+    # the message: a copy of ``arguments``, left out of what the template renders
+    parsed_arguments: Any = Field(default=None, exclude=True)
 
 
 class ToolCall(RequestBody):
@@ -52,6 +55,12 @@ class ChatMessage(RequestBody):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
+    # an assistant's thinking as kvserve answers it (vLLM's field, split off by --reasoning-parser): handed to the
+    # template, which decides whether to render it (Qwen3's keeps it within a tool-call chain), as vLLM does
+    reasoning: Text | None = None
+    # the openai SDK's parse of the content (chat.completions.parse with a response_format), which it sends back
+    # with the message: a copy of ``content``, left out of what the template renders
+    parsed: Any = Field(default=None, exclude=True)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -70,6 +79,8 @@ class ChatMessage(RequestBody):
                              "may leave it out)")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self

@@ -19,6 +19,13 @@ def test_a_message_is_normalised_as_templates_take_it() -> None:
     assert template_message({"role": "assistant", "content": None})["content"] == ""
 
 
+def test_an_assistants_reasoning_reaches_the_template_under_both_names() -> None:
+    """vLLM's ``reasoning``, and ``reasoning_content``, the name the templates that render it (Qwen3's) read."""
+    message = template_message({"role": "assistant", "content": "Paris.", "reasoning": "France's capital."})
+    assert message["reasoning"] == message["reasoning_content"] == "France's capital."
+    assert "reasoning_content" not in template_message({"role": "assistant", "content": "Paris."})
+
+
 def test_the_developer_role_is_the_system_prompt_for_a_template_that_knows_no_developer() -> None:
     """OpenAI's newer name for the system prompt; a template that names the role gets it as sent."""
     developer = {"role": "developer", "content": "Answer in French."}
