@@ -6,7 +6,9 @@ A stream is OpenAI's semantic events, each numbered (``sequence_number``): ``res
 ``response.in_progress``, then for each output item ``response.output_item.added``, its content part's
 ``added``, text deltas (``output_text`` / ``reasoning_text``) or ``function_call_arguments`` deltas, their
 ``done``, ``response.output_item.done``; last ``response.completed``, or ``response.incomplete`` where
-``max_output_tokens`` cut the output (as OpenAI ends it; vLLM's last event is always ``response.completed``).
+``max_output_tokens`` cut the output (as OpenAI ends it; vLLM's last event is always ``response.completed``), or
+``response.failed`` where the engine failed midway (its ``error`` says why; its output what was written, the last
+item closed ``incomplete``).
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from kvserve.server.responses_protocol import (
     OutputText,
     OutputTokensDetails,
     ReasoningText,
+    ResponseError,
     ResponseObject,
     ResponsesRequest,
     ResponseStatus,
     ResponseUsage,
 )
-from kvserve.server.streaming import BatchCursor, last_item, num_tokens_used, sse_event
+from kvserve.server.streaming import BatchCursor, failure_message, last_item, num_tokens_used, sse_event
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import AsyncEngine
@@ -99,12 +102,22 @@ class ResponsesServer(ChatServer):
         cursor = BatchCursor(1)
         outputs: list[RequestOutput] = []
         finish_reason: str | None = None
-        async for outputs in stream:
-            for index, delta in cursor.advance(outputs):
-                message, finished = self._reasoning_delta(index, delta.text, delta.finish_reason, delta.stop_reason)
-                finish_reason = finished or finish_reason
-                for event in events.pieces(message):
-                    yield event
+        try:
+            async for outputs in stream:
+                for index, delta in cursor.advance(outputs):
+                    message, finished = self._reasoning_delta(index, delta.text, delta.finish_reason,
+                                                              delta.stop_reason)
+                    finish_reason = finished or finish_reason
+                    for event in events.pieces(message):
+                        yield event
+        except Exception as error:  # the engine failed midway: OpenAI's last event then, with what was written
+            message = failure_message(error, self.request_id)
+            for event in events.finish("incomplete"):
+                yield event
+            failed = self._response_object("failed", events.items, None)
+            failed.error = ResponseError(message=message)
+            yield events.event("response.failed", response=failed.model_dump())
+            return
         status: ResponseStatus = "incomplete" if finish_reason == "length" else "completed"
         for event in events.finish(status):
             yield event

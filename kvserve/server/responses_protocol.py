@@ -366,7 +366,14 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
-ResponseStatus = Literal["in_progress", "completed", "incomplete"]
+ResponseStatus = Literal["in_progress", "completed", "incomplete", "failed"]
+
+
+class ResponseError(BaseModel):
+    """Why a response failed (a stream's ``response.failed``: the engine failed midway)."""
+
+    code: Literal["server_error"] = "server_error"
+    message: str
 
 
 class ResponseObject(BaseModel):
@@ -376,7 +383,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: ResponseStatus
-    error: None = None
+    error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None
     max_output_tokens: int | None

@@ -250,14 +250,18 @@ async def ending_on_failure(events: AsyncIterator[str], request_id: str | None =
         async for event in events:
             yield event
     except Exception as error:  # whatever failed, the client is told; a disconnect's cancellation passes
-        named = f"the stream of request {request_id}" if request_id else "a stream"
-        if isinstance(error, EngineDeadError):  # its cause is logged once, by the engine thread
-            logger.warning("%s ended: the engine failed (%s)", named, error)
-            message = f"the engine failed: {error}"
-        else:
-            logger.exception("%s failed midway", named)
-            message = f"internal error: {type(error).__name__}"
-        yield sse_failure(HTTPStatus.INTERNAL_SERVER_ERROR, message, path)
+        yield sse_failure(HTTPStatus.INTERNAL_SERVER_ERROR, failure_message(error, request_id), path)
+
+
+def failure_message(error: Exception, request_id: str | None) -> str:
+    """What a client is told of a stream that failed midway with ``error``, logged once (naming the client's
+    ``request_id``)."""
+    named = f"the stream of request {request_id}" if request_id else "a stream"
+    if isinstance(error, EngineDeadError):  # its cause is logged once, by the engine thread
+        logger.warning("%s ended: the engine failed (%s)", named, error)
+        return f"the engine failed: {error}"
+    logger.exception("%s failed midway", named)
+    return f"internal error: {type(error).__name__}"
 
 
 def num_tokens_used(outputs: Sequence[RequestOutput]) -> tuple[int, int, int]:

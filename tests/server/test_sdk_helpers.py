@@ -124,6 +124,32 @@ def test_a_response_and_its_events_are_the_sdks_types_and_agree(scripted: str, b
             assert stream.get_final_response().output_text == Response.model_validate(whole).output_text
 
 
+def test_a_response_stream_the_engine_fails_midway_ends_with_response_failed() -> None:
+    """OpenAI's last event for a failure: ``response.failed``, numbered as the rest, its response's ``error`` saying
+    why and its output what was written, cut (chat's error object and ``[DONE]`` had no type or number, so a client
+    that reads each event's type skipped it)."""
+    server = InProcessServer()
+    try:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 40, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=30) as answer:
+            lines = answer.iter_lines()
+            first = [json.loads(next(line for line in lines if line.startswith("data: {"))[6:]) for _ in range(5)]
+            assert first[-1]["type"] == "response.output_text.delta"
+            server.fake.step_error = RuntimeError("device lost")
+            events = first + [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        check_response_events(events)
+        failed = events[-1]
+        assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+        error = failed["response"]["error"]
+        assert error["code"] == "server_error" and "the engine failed: device lost" in error["message"]
+        (message,) = failed["response"]["output"]  # what was written, cut
+        assert message["status"] == "incomplete" and message["content"][0]["text"] == "".join(
+            event["delta"] for event in events if event["type"] == "response.output_text.delta")
+        assert failed["response"]["usage"] is None
+    finally:
+        server.stop()
+
+
 def test_responses_parse_reads_its_text_format_and_strict_tools(jsoner: InProcessServer,
                                                                strict_caller: InProcessServer) -> None:
     client = openai_sdk(jsoner)
