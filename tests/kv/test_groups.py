@@ -477,6 +477,37 @@ def test_a_restarted_manager_restores_a_prefix_with_its_window_blocks_from_disk(
     assert restarted.store.counters.corrupt_blocks == 0
 
 
+def test_window_blocks_read_for_a_waiting_request_are_kept_from_other_requests_offloads(tmp_path) -> None:
+    """A prefix on disk read into a host tier of 12 rows for a waiting request: group 0's six blocks and the window
+    group's blocks 4 and 5. Another request's write-through offloads took the least recently used rows not kept:
+    the window blocks (only group 0's were kept), which cut the match to nothing, and were read again."""
+    first = tiered_hybrid(disk_dir=str(tmp_path))
+    cache, a = fake_cache(first), request("a", num_prompt=24)
+    compute_to(first, cache, a, 26)
+    first.free(a)
+    apply_plan(first, cache)
+    first.store.flush()
+    groups = KVCacheGroups.of_layers([6, None])
+    kv = KVCacheManager(40, 4, True, fake_tiers(4, 12, str(tmp_path), groups.layout), groups)
+    cache = fake_cache(kv)
+    b = request("b", num_prompt=26)
+    b.prompt_token_ids[:24] = a.prompt_token_ids
+    assert kv.match_prefix(b).loading
+    kv.store.flush()
+    assert kv.store.counters.disk_reads == 6 + 2
+    c = Request("c", list(range(1000, 1012)), SamplingParams())  # runs while b waits: six blocks written through
+    compute_to(kv, cache, c, 12)
+    apply_plan(kv, cache)
+    match = kv.match_prefix(b)
+    assert len(match.tiered) == 6 and not match.loading and kv.store.counters.disk_reads == 6 + 2
+    assert kv.store.counters.blocks_offloaded == 4 and kv.store.counters.blocks_dropped == 2  # 4 rows were free
+    assert kv.allocate_slots(b, 2, match)
+    b.num_computed_tokens = 24
+    assert len(apply_plan(kv, cache).loads) == 6 + 2
+    assert_sees_its_kv(kv, cache, b)
+    kv.check_integrity([b, c])
+
+
 def test_the_tiers_must_keep_blocks_of_the_caches_layout() -> None:
     with pytest.raises(ValueError, match="layout"):
         KVCacheManager(8, 4, True, fake_tiers(4, 8), KVCacheGroups.of_layers([6, None]))
