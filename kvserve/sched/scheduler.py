@@ -36,10 +36,7 @@ always make progress and the loop never deadlocks.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -61,6 +58,7 @@ from kvserve.sched.output import (
     TokenLogprobs,
 )
 from kvserve.sched.stopping import new_prompt_logprobs, num_tokens_left, stop_reason, stops_after_next_token
+from kvserve.sched.waiting_queue import WaitingQueue
 from kvserve.spec.policy import SpeculationPolicy
 
 
@@ -95,7 +93,7 @@ class Scheduler:
         self.kv = kv
         self.speculation = speculation
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._batch_mirror = RunnerBatchMirror(kv)
         self._fork_copies = ForkCopies(kv)
@@ -275,7 +273,7 @@ class Scheduler:
         try first: ordering the queue here cost 6-11 ms a continued step (a prefix match for each of the first 128
         waiting), where a request whose prefix is cached waits at most until the head fits."""
         return bool(self.waiting) and (
-            self._outranks_a_running_request(self.waiting[0]) or self._fits_now(self.waiting[0]))
+            self._outranks_a_running_request(self.waiting.head) or self._fits_now(self.waiting.head))
 
     def _fits_now(self, request: Request) -> bool:
         """A seat in the batch, and free blocks for the request's first chunk beyond its cached prefix."""
@@ -294,9 +292,9 @@ class Scheduler:
         the lowest ranked first, until the head fits (it is admitted by ``_schedule_waiting``, unless running
         requests' own blocks preempt more first). One head a step: the next waits for the next step. Not for a
         head that waits for a running request to compute its prefix: it would not be admitted this step."""
-        if not self.waiting or self._match_prefix(self.waiting[0]).must_wait:
+        if not self.waiting or self._match_prefix(self.waiting.head).must_wait:
             return
-        while self._outranks_a_running_request(self.waiting[0]) and not self._fits_now(self.waiting[0]):
+        while self._outranks_a_running_request(self.waiting.head) and not self._fits_now(self.waiting.head):
             self._preempt(self._victim())
 
     def _schedule_running(
@@ -347,7 +345,7 @@ class Scheduler:
         taken in admission order, they starved the others of a small budget for many steps."""
         if self.speculation is None or request.num_computed_tokens != request.num_tokens - 1:
             return ()
-        seat_free = self.waiting and len(self.running) < self.config.max_running
+        seat_free = bool(self.waiting) and len(self.running) < self.config.max_running
         left = budget.num_tokens - num_running_behind - (1 if seat_free else 0)
         room = min(left, self.config.max_model_len - request.num_tokens)
         max_tokens = request.sampling_params.max_tokens
@@ -378,27 +376,16 @@ class Scheduler:
         finally:  # even when interrupted (a SIGINT handler of the caller's that raises; LLM.generate itself holds
             # Ctrl-C until the step is done), a request admitted so far is in one queue
             if admitted:
-                self._remove_waiting(admitted & set(self.running))
-
-    def _remove_waiting(self, admitted: set[Request]) -> None:
-        """Take ``admitted`` out of the waiting queue, reading it only as far as the last of them: they come from
-        its head, so a step costs nothing more with thousands waiting."""
-        kept = []
-        while admitted and self.waiting:
-            request = self.waiting.popleft()
-            if request in admitted:
-                admitted.discard(request)
-            else:
-                kept.append(request)
-        self.waiting.extendleft(reversed(kept))
+                self.waiting.remove_admitted(admitted & set(self.running))
 
     def _waiting_in_policy_order(self) -> list[Request]:
         """The first ``WAITING_SCAN`` requests of the queue, in the order to admit them. fcfs: queue order
         (preempted requests first); priority: queue order (rank order). lpm: among the first ``LPM_WINDOW``,
         preempted and aged requests in queue order, then the rest by longest cached prefix (the sort is stable, so
         ties keep arrival order); then the others in queue order. Ordering the whole queue matched every waiting
-        request's prefix every step: with 100,000 queued that was most of each step. A list, not a view: admitting a request may queue its fork."""
-        candidates = list(itertools.islice(self.waiting, WAITING_SCAN))
+        request's prefix every step: with 100,000 queued that was most of each step. A list, not a view: admitting a
+        request may queue its fork."""
+        candidates = self.waiting.first(WAITING_SCAN)
         if self.config.scheduling_policy != "lpm" or self.kv.prefix_cache is None or len(candidates) < 2:
             return candidates
         oldest_fresh_step = self._batch_mirror.num_steps_sent - self.config.lpm_aging_steps
@@ -434,13 +421,9 @@ class Scheduler:
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Into the waiting queue: at the back as it arrives, at the front (``front``) as it is preempted or
-        parked; under ``priority`` in its rank's place, after those of its rank (a deque's insert in the middle
-        moves at most half the queue, and only a request that outranks the last waiting one needs it)."""
+        parked; under ``priority`` in its rank's place, after those of its rank."""
         if self.config.scheduling_policy == "priority":
-            if self.waiting and _rank(request) < _rank(self.waiting[-1]):
-                self.waiting.insert(bisect.bisect_right(self.waiting, _rank(request), key=_rank), request)
-            else:
-                self.waiting.append(request)
+            self.waiting.insert_in_order(request, _rank)
         elif front:
             self.waiting.appendleft(request)
         else:
@@ -553,16 +536,11 @@ class Scheduler:
         return appended
 
     def _dequeue(self, request: Request) -> None:
-        """Take the request out of the queue its status names; should an interrupt (a SIGINT handler that raises
-        inside a step) have come between a queue change and its status, out of the other one, or of neither (it
-        was between them)."""
-        running = request.status is RequestStatus.RUNNING
-        for queue in (self.running, self.waiting) if running else (self.waiting, self.running):
-            try:
-                queue.remove(request)
-                return
-            except ValueError:
-                continue
+        """Take the request out of the queue it is in, whatever its status says (an interrupt, a SIGINT handler
+        that raises inside a step, may have come between a queue change and its status), or of neither (it was
+        between them). The waiting queue knows its own in O(1): aborting thousands waiting is not quadratic."""
+        if not self.waiting.remove(request) and request in self.running:
+            self.running.remove(request)
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | str | None = None,
                 commit: bool = True) -> None:
