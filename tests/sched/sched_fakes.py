@@ -287,9 +287,15 @@ def check_step(scheduler: Scheduler, sched_out: SchedulerOutput) -> None:
     assert len({r.request_id for r in sched_out.requests}) == len(sched_out.requests)
     assert all(n >= 1 for n in lengths)
     assert lengths == sorted(lengths, key=lambda n: n > 1), f"one-token rows must come first: {lengths}"
+    waiting = list(scheduler.waiting)
+    assert scheduler.num_waiting == len(waiting) and not set(waiting) & set(scheduler.running)
+    assert set(waiting) | set(scheduler.running) == set(scheduler.requests.values()), "a request in no queue"
     if config.scheduling_policy == "priority":  # the waiting queue in rank order, its head the first to admit
-        ranks = [(r.priority, r.arrival_time) for r in scheduler.waiting]
+        ranks = [(r.priority, r.arrival_time) for r in waiting]
         assert ranks == sorted(ranks), f"out of rank order: {ranks}"
+    else:  # requests never admitted in arrival order, behind or among those preempted (at the front as they were)
+        arrivals = [r.arrival_time for r in waiting if r.status is RequestStatus.WAITING]
+        assert arrivals == sorted(arrivals), "requests never admitted out of arrival order"
     scheduler.kv.check_integrity(scheduler.requests.values())
 
 

@@ -51,8 +51,8 @@ class Spec:
 
 
 @st.composite
-def specs(draw: st.DrawFn, max_tokens: int = 10) -> list[Spec]:
-    num_requests = draw(st.integers(1, 8))
+def specs(draw: st.DrawFn, max_tokens: int = 10, max_requests: int = 8, max_abort_step: int = 40) -> list[Spec]:
+    num_requests = draw(st.integers(1, max_requests))
     return [
         Spec(
             request_id=f"r{i}",
@@ -61,7 +61,7 @@ def specs(draw: st.DrawFn, max_tokens: int = 10) -> list[Spec]:
             max_tokens=draw(st.integers(1, max_tokens)),
             n=draw(st.sampled_from([1, 1, 1, 2, 3])),
             prompt_logprobs=draw(st.booleans()),
-            abort_step=draw(st.none() | st.integers(0, 40)),
+            abort_step=draw(st.none() | st.integers(0, max_abort_step)),
             abort_mid_step=draw(st.booleans()),
             prefix_group=draw(st.integers(0, 2)),
             prefix_len=draw(st.integers(0, 24)),
@@ -149,6 +149,34 @@ def test_random_workloads_finish_cleanly(
     if not accepted:
         return
     runner = FakeRunner(num_blocks, block_size, ref_count=scheduler.kv.pool.ref_count)
+    outputs = run_workload(scheduler, runner, accepted)
+    for spec in accepted:
+        check_results(spec, outputs)
+    assert scheduler.kv.num_free_blocks() == num_blocks
+    assert not scheduler.running and not scheduler.waiting
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    workload=specs(max_requests=24, max_abort_step=8),
+    num_blocks=st.integers(4, 16),
+    max_num_seqs=st.integers(1, 3),
+    prefix_caching=st.booleans(),
+    policy=st.sampled_from(["fcfs", "lpm", "priority"]),
+)
+def test_random_workloads_aborting_waiting_requests_finish_cleanly(
+    workload: list[Spec], num_blocks: int, max_num_seqs: int, prefix_caching: bool, policy: str,
+) -> None:
+    """Many requests arriving together to few seats, many aborted early: most aborts take a request from the
+    waiting queue, from its middle too (where it is only marked gone, ``sched/waiting_queue.py``); every step the
+    queue holds exactly the requests not running, in rank order (priority) or with those never admitted in
+    arrival order (``check_step``), and the rest finish with exactly their tokens."""
+    scheduler = make_scheduler(num_blocks, 4, 16, max_num_seqs, max_model_len=64, prefix_caching=prefix_caching,
+                               policy=policy)
+    accepted = [s for s in workload if s.num_prompt + s.max_tokens <= num_blocks * 4]
+    if not accepted:
+        return
+    runner = FakeRunner(num_blocks, 4, ref_count=scheduler.kv.pool.ref_count)
     outputs = run_workload(scheduler, runner, accepted)
     for spec in accepted:
         check_results(spec, outputs)
