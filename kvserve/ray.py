@@ -251,7 +251,7 @@ class Ingress:
             return await self._generate(request)
         if request.method == "GET" and path in READ_PATHS:
             return await self._relay(request, b"", "")
-        return error_response(404, f"no route {request.method} {path}")
+        return error_response(404, f"no route {request.method} {path}", path=path)
 
     async def _generate(self, request: Request) -> Response:
         body = await request.body()  # a body that is no JSON object goes on, for the replica's own 400

@@ -58,6 +58,23 @@ def test_the_openai_sdk_gets_the_engines_own_text(deployment: str, checkpoint: P
     assert chat.choices[0].finish_reason in ("length", "stop")
 
 
+def test_responses_and_messages_reach_an_engine_with_the_chat_answer(deployment: str) -> None:
+    """The two APIs served as the chat request they stand for, through the ingress: the chat answer's text; an
+    error on Anthropic's route (the ingress's own 404 included) in Anthropic's shape."""
+    client = OpenAI(base_url=f"{deployment}/v1", api_key="unused")
+    user = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=user, max_tokens=4, temperature=0)
+    response = client.responses.create(model=MODEL_NAME, input=user, max_output_tokens=4, temperature=0)
+    assert response.output_text == chat.choices[0].message.content
+    messages = httpx.post(f"{deployment}/v1/messages", timeout=120, json={
+        "model": MODEL_NAME, "messages": user, "max_tokens": 4, "temperature": 0})
+    assert messages.status_code == 200, messages.text
+    assert messages.json()["content"][0]["text"] == chat.choices[0].message.content
+    for refused in (httpx.post(f"{deployment}/v1/messages", json={"model": MODEL_NAME, "messages": user}, timeout=60),
+                    httpx.get(f"{deployment}/v1/messages", timeout=60)):
+        assert refused.status_code in (400, 404) and refused.json()["type"] == "error", refused.text
+
+
 def test_a_shared_prefix_stays_on_one_replica(deployment: str) -> None:
     body = {"model": MODEL_NAME, "max_tokens": 2, "temperature": 0}
     replicas = []
