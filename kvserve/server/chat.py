@@ -50,7 +50,7 @@ from kvserve.server.streaming import (
     num_tokens_used,
     sse,
 )
-from kvserve.server.tool_parsers import NamedToolCallParser, ParsedDelta, ToolCallDelta, ToolCallParser, parse_tool_calls
+from kvserve.server.tool_parsers import OutputParser, ParsedDelta, ToolCallDelta, parse_tool_calls
 from kvserve.server.tools import (
     DeclaredTools,
     checked_schema,
@@ -96,7 +96,7 @@ class ChatServer(GenerationHandler):
         if (self.tool_choice == "auto" and needs_special_tokens(self.tool_format, self.tokenizer)
                 or reasoning_parser and any(dropped_by_decoding(self.tokenizer, t) for t in (THINK_START, THINK_END))):
             self.params = dataclasses.replace(self.params, skip_special_tokens=False)
-        self._parsers: dict[int, ToolCallParser | NamedToolCallParser | None] = {}
+        self._parsers: dict[int, OutputParser | None] = {}
         self._declared: DeclaredTools | None = None
         self._in_reasoning = False  # whether the output starts in the thinking (known once rendered)
         self._splitters: dict[int, ReasoningSplitter] = {}
@@ -239,11 +239,11 @@ class ChatServer(GenerationHandler):
     def _choices(self, delta: DeltaMessage) -> list[ChatChunkChoice]:
         return [ChatChunkChoice(index=i, delta=delta) for i in range(self.params.n)]
 
-    def _new_parser(self) -> ToolCallParser | NamedToolCallParser | None:
+    def _new_parser(self) -> OutputParser | None:
         """A parser for one sample's output; None when the output is only content."""
         return output_parser(self.tool_choice, self.body.parallel_tool_calls, self.tool_format, self._declared)
 
-    def _parser(self, index: int) -> ToolCallParser | NamedToolCallParser | None:
+    def _parser(self, index: int) -> OutputParser | None:
         if index not in self._parsers:
             self._parsers[index] = self._new_parser()
         return self._parsers[index]

@@ -1,7 +1,7 @@
 """Tool calls read out of a model's text as it streams: Hermes / Qwen ``<tool_call>{...}</tool_call>``, Llama 3's
 bare JSON (``{"name": ..., "parameters": {...}}``, after ``<|python_tag|>`` or at the start of the output),
 Mistral's ``[TOOL_CALLS][{...}, ...]``, and the JSON array that ``tool_choice: required`` constrains the
-output to.
+output to. The ``pythonic`` format (``[get_weather(city="Oslo")]``) is ``pythonic_tool_parser``'s.
 
 One parser serves both the streamed and the whole answer: ``feed`` takes each new piece of text and returns
 what can be said of it now (content, a call's id and name, pieces of its arguments), ``finish`` flushes what
@@ -15,6 +15,7 @@ as it grows; text that only might start a marker (``<tool_`` at the end of a del
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,15 +33,45 @@ class ToolCallFormat:
     end_marker: str | None = None  # text that may close one call (Hermes)
     markers_anywhere: bool = True  # False: calls open only at the start of the output (Llama 3)
     bare_json_start: bool = False  # a "{" or "[" at the start of the output opens calls
+    # what in a chat template's text shows it writes this format, where a marker does not (None: a marker)
+    template_evidence: re.Pattern[str] | None = None
+
+    def written_by(self, chat_template: str) -> bool:
+        """Whether ``chat_template``'s own text shows that its model writes calls in this format."""
+        if self.template_evidence is not None:
+            return self.template_evidence.search(chat_template) is not None
+        return any(marker in chat_template for marker in self.markers)
 
 
 FORMATS = {
     "hermes": ToolCallFormat("hermes", ("<tool_call>",), end_marker="</tool_call>"),
     "llama3_json": ToolCallFormat("llama3_json", ("<|python_tag|>",), markers_anywhere=False, bare_json_start=True),
     "mistral": ToolCallFormat("mistral", ("[TOOL_CALLS]",)),
+    # read by pythonic_tool_parser; Llama 4's wrapper is no evidence (the token marks plain code too, nanochat's):
+    # Meta's pythonic instruction "[func_name1(params_name1=..." or a template writing an earlier call as name(
+    "pythonic": ToolCallFormat("pythonic", ("<|python_start|>",), end_marker="<|python_end|>", markers_anywhere=False,
+                               template_evidence=re.compile(r"\[func_name1\(|\.name\s*[+~]\s*['\"]\(['\"]")),
 }
 # What ``tool_choice: required`` constrains the output to: a JSON array of {"name", "parameters"} objects.
 REQUIRED_FORMAT = ToolCallFormat("required", (), markers_anywhere=False, bare_json_start=True)
+
+
+class OutputParser(Protocol):
+    """What the chat server reads one sample's output with: content and calls, fed a piece at a time."""
+
+    @property
+    def num_calls(self) -> int:
+        """The calls said so far."""
+
+    @property
+    def num_invalid(self) -> int:
+        """Calls (or their list's elements) that turned out to be none: the whole answer is then the text."""
+
+    def feed(self, text: str) -> ParsedDelta:
+        """What can be said of the output with ``text`` added."""
+
+    def finish(self) -> ParsedDelta:
+        """What was held back, at the output's end."""
 
 
 class CallCheck(Protocol):
@@ -410,7 +441,7 @@ class NamedToolCallParser:
         return self.feed("")
 
 
-def parse_tool_calls(parser: ToolCallParser | NamedToolCallParser, text: str) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(parser: OutputParser, text: str) -> tuple[str, list[ToolCall]]:
     """A whole output's content and calls (the same deltas a stream of it gives, folded)."""
     deltas = parser.feed(text)
     deltas.extend(parser.finish())

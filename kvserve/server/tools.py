@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from kvserve.engine.chat_messages import takes_tools
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.server.pythonic_tool_parser import PythonicToolCallParser
 from kvserve.server.tool_parsers import (
     FORMATS,
     REQUIRED_FORMAT,
     NamedToolCallParser,
+    OutputParser,
     ToolCallFormat,
     ToolCallParser,
 )
@@ -94,14 +96,15 @@ def _nested(parameters: dict[str, Any], index: int) -> tuple[dict[str, Any], dic
 
 def tool_call_format(parser: str, chat_template: str | None) -> ToolCallFormat:
     """The format the model writes calls in: Hermes for a template that takes no tools (kvserve describes them
-    in that format), else the one ``--tool-call-parser`` names; ``auto`` reads it off the template's own
-    markers, and falls back to Hermes, the most common."""
+    in that format), else the one ``--tool-call-parser`` names; ``auto`` reads it off the template's own text
+    (``ToolCallFormat.written_by``: its markers; for ``pythonic``, Meta's ``[func_name1(...`` instruction or an
+    earlier call written back as ``name(``), and falls back to Hermes, the most common."""
     if not takes_tools(chat_template):
         return FORMATS["hermes"]
     if parser != "auto":
         return FORMATS[parser]
     assert chat_template is not None
-    return next((fmt for fmt in FORMATS.values() if any(m in chat_template for m in fmt.markers)), FORMATS["hermes"])
+    return next((fmt for fmt in FORMATS.values() if fmt.written_by(chat_template)), FORMATS["hermes"])
 
 
 class DeclaredTools:
@@ -144,7 +147,7 @@ def checked_schema(schema: dict[str, Any]) -> type[jsonschema.protocols.Validato
 
 
 def output_parser(tool_choice: str | dict[str, Any], parallel_tool_calls: bool, fmt: ToolCallFormat,
-                  declared: DeclaredTools | None = None) -> ToolCallParser | NamedToolCallParser | None:
+                  declared: DeclaredTools | None = None) -> OutputParser | None:
     """A fresh parser for one sample's output, or None when the output is plain content. ``declared``: the
     request's tools, which ``auto``'s calls are checked against."""
     if isinstance(tool_choice, dict):
@@ -152,12 +155,16 @@ def output_parser(tool_choice: str | dict[str, Any], parallel_tool_calls: bool, 
     max_calls = None if parallel_tool_calls else 1
     if tool_choice == "required":
         return ToolCallParser(REQUIRED_FORMAT, max_calls)
-    return ToolCallParser(fmt, max_calls, declared) if tool_choice == "auto" else None
+    if tool_choice != "auto":
+        return None
+    if fmt is FORMATS["pythonic"]:
+        return PythonicToolCallParser(max_calls, declared)
+    return ToolCallParser(fmt, max_calls, declared)
 
 
 def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Any) -> bool:
     """Whether decoding with special tokens skipped drops one of the format's markers (Mistral's
-    ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``: special added tokens). Tried on the marker itself: transformers
+    ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``, Llama 4's ``<|python_start|>``: special added tokens). Tried on the marker itself: transformers
     5 lists only the named special tokens (BOS, EOS...) in ``all_special_tokens``, not every added token flagged
     special, which the decoder drops all the same."""
     return any(dropped_by_decoding(tokenizer, marker) for marker in fmt.markers)
