@@ -164,9 +164,9 @@ def output_parser(tool_choice: str | dict[str, Any], parallel_tool_calls: bool, 
 
 def needs_special_tokens(fmt: ToolCallFormat, tokenizer: Any) -> bool:
     """Whether decoding with special tokens skipped drops one of the format's markers (Mistral's
-    ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``, Llama 4's ``<|python_start|>``: special added tokens). Tried on the marker itself: transformers
-    5 lists only the named special tokens (BOS, EOS...) in ``all_special_tokens``, not every added token flagged
-    special, which the decoder drops all the same."""
+    ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``, Llama 4's ``<|python_start|>``: special added tokens). Tried
+    on the marker itself: transformers 5 lists only the named special tokens (BOS, EOS...) in
+    ``all_special_tokens``, not every added token flagged special, which the decoder drops all the same."""
     return any(dropped_by_decoding(tokenizer, marker) for marker in fmt.markers)
 
 

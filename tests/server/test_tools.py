@@ -73,6 +73,35 @@ def test_the_call_format_follows_the_template() -> None:
     assert tool_call_format("auto", "{{ tools }} [TOOL_CALLS]") is FORMATS["mistral"]
     assert tool_call_format("auto", "{{ tools }} <|python_tag|>") is FORMATS["llama3_json"]
     assert tool_call_format("llama3_json", "{{ tools }}") is FORMATS["llama3_json"]
+    assert tool_call_format("pythonic", "{{ tools }}") is FORMATS["pythonic"]
+
+
+# How templates write an earlier call back, and what they tell the model: the pythonic ones (vLLM's Llama 3.2, Llama 4
+# and ToolACE templates, Meta's Llama 4 prompt format) and the JSON ones (Llama 3.1 / 3.2 / 4, Hermes / Qwen, Mistral).
+PYTHONIC_TEMPLATE_LINES = [
+    "{{- tool_call.name + '(' -}}",
+    "{{- tool_call.function.name ~ \"(\" -}}",
+    "'Respond in the format [func_name1(params_name1=params_value1, params_name2=params_value2...), '",
+]
+JSON_TEMPLATE_LINES = [
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}",
+    "{{- '{\"name\": \"' + tool_call.function.name + '\", ' }} <|python_start|>",
+    "{{- '<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}",
+    "'Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}.'",
+    "{{- \"[TOOL_CALLS][\" }}{{- tool_call.function.name|tojson }}",
+    "{%- for tool in tools %}{{ tool.function.name }}({{ tool.function.parameters | tojson }}){% endfor %}",
+]
+
+
+@pytest.mark.parametrize("line", PYTHONIC_TEMPLATE_LINES)
+def test_auto_reads_the_pythonic_format_off_the_templates_own_text(line: str) -> None:
+    assert tool_call_format("auto", "{% if tools %}" + line) is FORMATS["pythonic"]
+
+
+@pytest.mark.parametrize("line", JSON_TEMPLATE_LINES)
+def test_auto_takes_no_json_template_for_pythonic(line: str) -> None:
+    """Llama 4's <|python_start|> is no evidence: the token wraps plain code too, whatever the call format."""
+    assert tool_call_format("auto", "{% if tools %}" + line) is not FORMATS["pythonic"]
 
 
 def test_a_template_that_takes_tools_receives_them(tokenizer) -> None:
