@@ -76,6 +76,12 @@ def test_auto_tool_choice_is_always_on() -> None:
         server_settings(parse("m", "--no-enable-auto-tool-choice"))
 
 
+def test_the_pythonic_tool_call_parser_is_taken() -> None:
+    """vLLM's recipe for Llama 3.2 and Llama 4: --enable-auto-tool-choice --tool-call-parser pythonic."""
+    settings = server_settings(parse("m", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"))
+    assert settings.tool_call_parser == "pythonic"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--max-model-len", "0"], "max_model_len must be >= 2"),
     (["--max-model-len", "1"], "max_model_len must be >= 2 (a prompt token and the token a request draws)"),

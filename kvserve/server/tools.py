@@ -4,8 +4,9 @@ template.
 - ``required`` and a named function are enforced by a grammar: the output is constrained to a JSON array of
   ``{"name", "parameters"}`` calls of the given functions (one at most without ``parallel_tool_calls``), or to
   the named function's parameters object; ``auto`` lets the model write its own call format, which a
-  ``tool_parsers`` parser reads out of the text (``--tool-call-parser``, or the format the chat template
-  names). ``none`` shows the tools to the template and reads nothing.
+  ``tool_parsers`` parser (``pythonic_tool_parser``'s for the pythonic list) reads out of the text
+  (``--tool-call-parser``, or the format the chat template shows). ``none`` shows the tools to the template and
+  reads nothing.
 - How a conversation with tools reaches a chat template (described in the Hermes format where the template
   takes none) is ``engine/chat_messages.py``'s, which the offline ``LLM.chat`` shares.
 """
