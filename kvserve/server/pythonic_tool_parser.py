@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import warnings
 from typing import Any
 
@@ -31,6 +32,7 @@ from kvserve.server.tool_parsers import CallCheck, ParsedDelta, ToolCallDelta, n
 START = "<|python_start|>"
 END = "<|python_end|>"
 _OPENERS, _CLOSERS, _QUOTES = "([{", ")]}", "'\""
+_NON_BLANK = re.compile(r"\S")
 
 
 class _ElementScan:
@@ -106,6 +108,7 @@ class PythonicToolCallParser:
         self._num_calls = 0
         self.num_invalid = 0  # elements that were no call
         self._said_text = False  # content after the calls was said
+        self._blank_to = 0  # the text from _pos to here is whitespace (read once however long it grows)
         self._handlers = {"start": self._in_start, "wrapper": self._in_wrapper, "list": self._in_list,
                           "after": self._in_after, "text": self._in_text}
 
@@ -131,31 +134,38 @@ class PythonicToolCallParser:
             self.num_invalid += 1
         elif self._state in ("wrapper", "list"):
             out.content += self._text
-        else:
-            out.content += self._after_calls(self._text[self._pos:])
+        elif not self._num_calls or self._said_text or self._first_non_blank() is not None:
+            out.content += self._text[self._pos:]  # whitespace after the calls is none (OpenAI's calls come without)
         self._pos = len(self._text)
         return out
 
     # ---- states: start (nothing but whitespace yet), wrapper (after <|python_start|>), list, after (the list
     # closed), text (the rest is content) ----
 
+    def _first_non_blank(self) -> int | None:
+        """Where the text from ``_pos`` stops being whitespace; None while it is all whitespace."""
+        found = _NON_BLANK.search(self._text, max(self._pos, self._blank_to))
+        if found is None:
+            self._blank_to = len(self._text)
+            return None
+        return found.start()
+
     def _in_start(self, out: ParsedDelta) -> None:
-        rest = self._text[self._pos:].lstrip()
-        if not rest:
+        at = self._first_non_blank()
+        if at is None:
             return
-        at = len(self._text) - len(rest)
-        if rest[0] == "[":
+        if self._text.startswith("[", at):
             self._open_list(at)
-        elif rest.startswith(START):
+        elif self._text.startswith(START, at):
             self._pos, self._state = at + len(START), "wrapper"
-        elif not START.startswith(rest):
+        elif not START.startswith(self._text[at:at + len(START)]):
             self._state = "text"
 
     def _in_wrapper(self, out: ParsedDelta) -> None:
-        rest = self._text[self._pos:].lstrip()
-        if rest.startswith("["):
-            self._open_list(len(self._text) - len(rest))
-        elif rest:  # Llama 4's wrapper around no list: the model's text
+        at = self._first_non_blank()
+        if at is not None and self._text.startswith("[", at):
+            self._open_list(at)
+        elif at is not None:  # Llama 4's wrapper around no list: the model's text
             self._pos, self._state = 0, "text"
 
     def _open_list(self, at: int) -> None:
@@ -178,12 +188,11 @@ class PythonicToolCallParser:
         call = self._call(text)
         if call is not None:
             self._say(call, out)
-        elif self._run_has_call:
+        else:
             self.num_invalid += 1
-        else:  # the list opened with no call: it was the model's text
-            self.num_invalid += 1
-            self._pos, self._state = 0, "text"
-            return
+            if not self._run_has_call:  # the list opened with no call: it was the model's text
+                self._pos, self._state = 0, "text"
+                return
         if closes:
             self._state = "after"
 
@@ -204,23 +213,21 @@ class PythonicToolCallParser:
             self._num_calls += 1
 
     def _in_after(self, out: ParsedDelta) -> None:
-        rest = self._text[self._pos:].lstrip()
-        if rest.startswith(END):
-            self._pos, self._state = len(self._text) - len(rest) + len(END), "text"
-        elif rest and not END.startswith(rest):
+        at = self._first_non_blank()
+        if at is None:
+            return
+        if self._text.startswith(END, at):
+            self._pos, self._state = at + len(END), "text"
+        elif not END.startswith(self._text[at:at + len(END)]):
             self._state = "text"
 
     def _in_text(self, out: ParsedDelta) -> None:
-        content = self._after_calls(self._text[self._pos:])
-        if content:
-            out.content += content
-            self._pos = len(self._text)
-            self._said_text = True
-
-    def _after_calls(self, text: str) -> str:
-        """``text`` as content: none where it is only whitespace after the calls (OpenAI's calls come without it),
-        until some text after them was said."""
-        return "" if self._num_calls and not self._said_text and not text.strip() else text
+        """The rest is content; whitespace right after the calls only once text follows it."""
+        if self._num_calls and not self._said_text and self._first_non_blank() is None:
+            return
+        out.content += self._text[self._pos:]
+        self._pos = len(self._text)
+        self._said_text = True
 
 
 def read_call(text: str) -> tuple[str, str] | None:
