@@ -230,13 +230,18 @@ class PythonicToolCallParser:
         self._said_text = True
 
 
+# the file name a model's text is parsed under: its warnings (an invalid escape, "C:\d", which Python reads as
+# written) are filtered out by it, once, where ``catch_warnings`` around each parse would swap the process's filters
+# under other threads
+_SOURCE_NAME = "<kvserve tool call>"
+warnings.filterwarnings("ignore", module=re.escape(_SOURCE_NAME))
+
+
 def read_call(text: str) -> tuple[str, str] | None:
     """``text`` as a pythonic call, ``name(keyword=literal, ...)``: its name and its arguments as JSON text; None
     where it is none (see the module's docstring)."""
     try:
-        with warnings.catch_warnings():  # an invalid escape ("C:\d") is read as Python reads it, without a warning
-            warnings.simplefilter("ignore")
-            node = ast.parse(text.strip(), mode="eval").body
+        node = ast.parse(text.strip(), filename=_SOURCE_NAME, mode="eval").body
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
         names = [keyword.arg for keyword in node.keywords]

@@ -3,13 +3,21 @@ streamed in any pieces as whole, text that is no list of calls kept as content, 
 
 from __future__ import annotations
 
+import ast
 import json
+import os
+import subprocess
+import sys
 import time
+import warnings
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvserve
 from kvserve.server.pythonic_tool_parser import PythonicToolCallParser, read_call
 from kvserve.server.tool_parsers import ParsedDelta, fold, parse_tool_calls
 
@@ -307,14 +315,29 @@ def test_a_list_that_is_no_call_is_the_answers_content_whole_and_streamed(python
     assert not any(c["delta"].get("tool_calls") for c in chunks) and chunks[-1]["finish_reason"] == "stop"
 
 
-def test_an_invalid_escape_is_read_as_python_reads_it_whatever_the_warning_filters() -> None:
-    """Python warns of "\\d" (a DeprecationWarning, a SyntaxWarning from 3.12): a filter that makes warnings errors
-    (``-W error``) must not make a Windows path no call."""
-    import warnings
+def test_an_invalid_escape_is_read_as_python_reads_it_under_w_error() -> None:
+    """Python warns of "\\d" (a DeprecationWarning, a SyntaxWarning from 3.12): a process run with warnings made
+    errors (``-W error``) must not make a Windows path no call."""
+    script = "from kvserve.server.pythonic_tool_parser import read_call; print(read_call(r\"f(path='C:\\dir')\"))"
+    run = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(kvserve.__file__).parents[1])})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == repr(("f", r'{"path": "C:\\dir"}'))
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert read_call(r"f(path='C:\dir')") == ("f", r'{"path": "C:\\dir"}')
+
+def test_a_parse_leaves_the_processs_warning_filters_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Swapped for the parse (``catch_warnings``), they would be swapped under other threads too: two parses at
+    once, in the event loop and a worker thread, could leave every warning of the process ignored."""
+    seen = []
+
+    def parse(*args: Any, **kwargs: Any) -> ast.AST:
+        seen.append(list(warnings.filters))
+        return real_parse(*args, **kwargs)
+
+    real_parse = ast.parse
+    monkeypatch.setattr(ast, "parse", parse)
+    assert read_call("f(a=1)") == ("f", '{"a": 1}')
+    assert seen == [list(warnings.filters)]
 
 
 @pytest.mark.parametrize("before, after", [("", "[f()]"), ("[f()]", ""), ("<|python_start|>[f()]", "<|python_end|>")])
