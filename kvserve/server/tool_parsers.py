@@ -231,6 +231,7 @@ class ToolCallParser:
         self._state = "start" if fmt.bare_json_start or not fmt.markers_anywhere else "content"
         self._run_start = 0  # where the current run of calls began (its marker), while no call of it finished
         self._run_has_call = False
+        self._content_after_run = False  # content was said since the last run of calls closed
         self._scan: _ObjectScan | None = None
         self._num_calls = 0
         # calls that were none: said ones (their name at least) whose whole text was no call (JSON, arguments an
@@ -304,11 +305,13 @@ class ToolCallParser:
         if not self._between_calls(self._text[self._pos:end]):
             return  # whitespace after a call: content only if more content follows
         out.content += self._text[self._pos:end]
+        self._content_after_run = self._content_after_run or end > self._pos
         self._pos = end
 
     def _between_calls(self, text: str) -> str:
-        """``text`` as content: none where it is only whitespace after a call (OpenAI's calls come without it)."""
-        return "" if self.num_calls and not text.strip() else text
+        """``text`` as content: none where it is only whitespace right after a call (OpenAI's calls come without
+        it); whitespace after content that followed the calls is that content's, as a whole answer reads it."""
+        return "" if self.num_calls and not self._content_after_run and not text.strip() else text
 
     def _in_calls(self, out: ParsedDelta) -> None:
         text, i = self._text, self._pos
@@ -347,6 +350,7 @@ class ToolCallParser:
     def _open_run(self, start: int, marker_length: int) -> None:
         self._run_start = start
         self._run_has_call = False
+        self._content_after_run = False
         self._pos = start + marker_length
         self._state = "calls"
 

@@ -79,6 +79,22 @@ def test_streaming_in_any_pieces_gives_the_whole_texts_calls(name: str, cuts: li
     assert pieces[0] == whole[0]
 
 
+@pytest.mark.parametrize("name, text", [
+    ("hermes", hermes([("get", {})]) + " Done.\n"),
+    ("hermes", hermes([("get", {})]) + "\n\nDone.\n\n" + hermes([("get", {"a": 1})]) + "\n"),
+    ("mistral", '[TOOL_CALLS][{"name": "get", "arguments": {}}] Done.\n \n'),
+    ("llama3_json", '{"name": "get", "parameters": {}} Done.\n'),
+])
+def test_whitespace_after_the_text_that_follows_calls_is_content_streamed_as_whole(name: str, text: str) -> None:
+    """Whitespace right after a call is no content; after text that follows the calls it is that text's: held at
+    each delta (more text might follow) and dropped at the end, a stream lost it where the whole answer kept it."""
+    content, calls = parse_tool_calls(ToolCallParser(FORMATS[name]), text)
+    assert content.rstrip(" \n").endswith("Done.") and content.endswith("\n")
+    for cuts in ([], list(range(1, len(text))), [len(text) - 1]):
+        pieces = streamed(FORMATS[name], text, cuts)
+        assert (pieces[0], calls_of(pieces)) == (content, calls_of((content, calls))), cuts
+
+
 @pytest.mark.parametrize("text", [
     '<tool_call>{"name": "get", "arguments": {"city": "x"}, "name": "other"}</tool_call>',
     '<tool_call>{"name": "get", "arguments": {"city": "x"}, "arguments": {"city": 2}}</tool_call>',
