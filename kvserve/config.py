@@ -202,6 +202,9 @@ class SchedulerConfig:
     # On CUDA (one rank), a decode step scheduled and queued while the one before it runs, its input ids taken
     # from that step's sampled tokens on the device (``Scheduler.schedule_continuation``); off: after it.
     overlap_scheduling: bool = True
+    # With LoRA adapters (``LoRAConfig.max_loras``): the most distinct adapters among the running requests; None:
+    # LoRA is off
+    max_loras: int | None = None
 
     @property
     def max_running(self) -> int:
@@ -285,18 +288,37 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters over the base model (vLLM's options): off unless ``enable_lora``. ``max_loras``: the most
+    distinct adapters in one step (the scheduler holds back a request whose adapter would pass it);
+    ``max_lora_rank``: the highest rank an adapter may have (a higher one is refused as it loads)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     device: str = "auto"
 
     def __post_init__(self) -> None:
         check_device_name(self.device)
         self._check_host_tier()
         self._check_tensor_parallel()
+        self._check_lora()
         if self.speculative.method == "draft" and self.cache.offloads_kv:
             raise ValueError("speculative_method='draft' does not combine with kv_offload_memory / kv_offload_dir: "
                              "the KV tiers move the target's blocks only, not the draft model's")
@@ -312,6 +334,19 @@ class EngineConfig:
             raise ValueError("kv_offload_memory keeps prefix-cache blocks, or with --preemption-mode swap preempted "
                              "requests' KV: without prefix caching it needs preemption_mode='swap' (or drop "
                              "--no-enable-prefix-caching)")
+
+    def _check_lora(self) -> None:
+        """What LoRA adapters do not combine with yet: tensor parallelism (an adapter's A and B are not split over
+        the ranks) and a draft model (it has no adapter: its drafts would be the base model's, verified by the
+        adapted one, right but mostly rejected)."""
+        if not self.lora.enable_lora:
+            return
+        if self.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora with tensor_parallel_size={self.parallel.tensor_parallel_size} is not "
+                             "supported yet: adapters' weights are not split over the ranks")
+        if self.speculative.method == "draft":
+            raise ValueError("enable_lora with speculative_method='draft' is not supported: the draft model runs "
+                             "without the requests' adapters (speculative_method='ngram' works)")
 
     def _check_tensor_parallel(self) -> None:
         """What tensor parallelism does not combine with yet: quantized weights (GGUF's blocks, int8 / int4, fp8),

@@ -34,6 +34,7 @@ from kvserve.config import (
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -203,6 +204,13 @@ class EngineArgs:
                                     f"{SpeculativeConfig.prompt_lookup_min})", int)
     ngram_max: int | None = _option(None, f"ngram speculation: longest n-gram matched (default "
                                     f"{SpeculativeConfig.prompt_lookup_max})", int)
+    enable_lora: bool = _option(LoRAConfig.enable_lora, "serve LoRA adapters (PEFT's format) over the base "
+                                "model: a request names one (offline: lora_request; the server: --lora-modules, "
+                                "then the request's model)")
+    max_loras: int = _option(LoRAConfig.max_loras, "LoRA: the most distinct adapters in one step (a request whose "
+                             "adapter would pass it waits)", int)
+    max_lora_rank: int = _option(LoRAConfig.max_lora_rank, "LoRA: the highest adapter rank served (a higher one is "
+                                 "refused as it loads)", int)
 
     def __post_init__(self) -> None:
         for option in dataclasses.fields(self):
@@ -262,8 +270,17 @@ class EngineArgs:
             speculative=self._speculative_config(),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend),
+            lora=self._lora_config(),
             device=self.device,
         )
+
+    def _lora_config(self) -> LoRAConfig:
+        """The LoRA options, refused by name where LoRA is off (they would be silently ignored)."""
+        tuned = [name for name in ("max_loras", "max_lora_rank")
+                 if getattr(self, name) != getattr(LoRAConfig, name)]
+        if tuned and not self.enable_lora:
+            raise ValueError(f"{', '.join(tuned)} tune LoRA, which is off: give enable_lora too (--enable-lora)")
+        return LoRAConfig(self.enable_lora, self.max_loras, self.max_lora_rank)
 
     def _scheduler_config(self) -> SchedulerConfig:
         """The scheduling options; lpm's aging refused by name under fcfs, where it would be silently ignored."""

@@ -17,6 +17,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvserve.kv.block_keys import CacheNamespace
 from kvserve.outputs import FinishReason
 from kvserve.sampling_params import SamplingParams
 from kvserve.token_ids import TokenIds
@@ -50,6 +51,8 @@ class Request:
     # finds it when the request is scheduled even if its cache has let it go meanwhile (``sample/grammar.py``)
     grammar: object | None = None
     cache_salt: str | None = None  # shares cached KV blocks only with requests sent with the same salt
+    lora_id: int = 0  # the LoRA adapter its tokens run with (``LoRARequest.lora_int_id``); 0: the base model
+    lora_digest: str | None = None  # that adapter's content (``LoRAAdapter.digest``), which its KV differs by
     priority: int = 0  # scheduling_policy "priority": the lower, the sooner (ties go by arrival_time)
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -64,6 +67,14 @@ class Request:
     num_preemptions: int = 0
     num_prompt_logprobs_sent: int = 0  # prompt tokens 1..k had their logprobs returned (kept across preemption)
     has_forked: bool = False  # an n > 1 request has made its samples 1..n-1 (it forks once, before its last prompt token)
+
+    @property
+    def cache_namespace(self) -> CacheNamespace | None:
+        """Whose cached KV blocks it may share: requests of the same cache_salt and LoRA adapter (None: those of
+        neither)."""
+        if self.cache_salt is None and self.lora_digest is None:
+            return None
+        return CacheNamespace(self.cache_salt, self.lora_digest)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,7 @@ from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.input_processor import ChatMessages, ProcessedPrompt, PromptInput
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_args import EngineArgs
+from kvserve.lora_request import LoRARequest
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -64,6 +65,7 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
@@ -75,8 +77,9 @@ class LLM:
         the model's generation_config.json's). Every prompt is
         validated before any runs: a bad one raises ValueError and nothing is left queued. Calls from several
         threads run one after the other. ``use_tqdm``: a progress bar (for 8 prompts or more), or, as in vLLM, the
-        tqdm-like class to make it with. ``priority``: one per prompt, as vLLM's (the lower, the sooner; needs
-        ``scheduling_policy="priority"`` for any but 0).
+        tqdm-like class to make it with. ``lora_request``: the LoRA adapter every prompt runs with, or a list with
+        one per prompt (None: the base model; needs ``enable_lora=True``), as vLLM's. ``priority``: one per prompt,
+        as vLLM's (the lower, the sooner; needs ``scheduling_policy="priority"`` for any but 0).
         """
         prompts = _prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts), self.get_default_sampling_params())
@@ -85,11 +88,12 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} values for {len(prompts)} prompts: give one per prompt")
+        adapters = _adapter_per_prompt(lora_request, len(prompts))
         self._check_process()
         with self._running:
             process = self.engine.input_processor.process
             request_ids = self._queue([process(p, sp, cap_max_tokens=True) for p, sp in zip(prompts, params)],
-                                      priorities)
+                                      priorities, adapters)
             bar = use_tqdm if callable(use_tqdm) else tqdm
             return self._run(request_ids, bool(use_tqdm) and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS, bar)
 
@@ -115,13 +119,15 @@ class LLM:
                     bar.update(1)
             return batch.outputs(engine.tokenizer)
 
-    def _queue(self, processed: list[ProcessedPrompt], priorities: Sequence[int] | None = None) -> list[str]:
+    def _queue(self, processed: list[ProcessedPrompt], priorities: Sequence[int] | None = None,
+               adapters: Sequence[LoRARequest | None] | None = None) -> list[str]:
         """Add the requests, all or none (e.g. one larger than the whole KV cache: nothing is left queued); their
         ids."""
         request_ids = [f"offline-{next(self._request_ids)}" for _ in processed]
         try:
-            for rid, p, rank in zip(request_ids, processed, priorities or [0] * len(processed)):
-                self.engine.add_processed(rid, p, rank)
+            for rid, p, rank, adapter in zip(request_ids, processed, priorities or [0] * len(processed),
+                                             adapters or [None] * len(processed)):
+                self.engine.add_processed(rid, p, rank, adapter)
         except BaseException:
             self.engine.abort_request(request_ids)
             raise
@@ -129,7 +135,9 @@ class LLM:
 
     @overload
     def chat(self, messages: ChatMessages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., Any] = True, *, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., Any] = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+             add_generation_prompt: bool = True,
              tools: Sequence[dict[str, Any]] | None = None, chat_template: str | None = None,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]: ...
@@ -137,7 +145,9 @@ class LLM:
     @overload  # apart, so that a type checker infers a conversation of messages in several shapes as one
     def chat(self, messages: Sequence[ChatMessages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., Any] = True, *, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., Any] = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+             add_generation_prompt: bool = True,
              tools: Sequence[dict[str, Any]] | None = None, chat_template: str | None = None,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]: ...
@@ -147,6 +157,7 @@ class LLM:
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[dict[str, Any]] | None = None,
@@ -160,9 +171,9 @@ class LLM:
         the model's text, in whatever format it writes calls. ``chat_template``: a Jinja template for this call in
         place of the engine's (as vLLM's ``LLM.chat`` takes one). ``continue_final_message`` (with
         ``add_generation_prompt=False``): the replies go on from the last message's text, left open (a prefill);
-        ``chat_template_kwargs``: more variables for the template (Qwen3's ``enable_thinking``...), as vLLM's. The
-        options after ``use_tqdm`` are keywords only: vLLM's ``chat`` takes others in their places
-        (``lora_request`` fourth)."""
+        ``chat_template_kwargs``: more variables for the template (Qwen3's ``enable_thinking``...), as vLLM's.
+        ``lora_request``: ``generate``'s. The options after it are keywords only: vLLM's ``chat`` takes others in
+        their places."""
         for name, flag in (("add_generation_prompt", add_generation_prompt),
                            ("continue_final_message", continue_final_message)):
             if not isinstance(flag, bool):
@@ -182,7 +193,7 @@ class LLM:
                                                  continue_final_message=continue_final_message,
                                                  template_kwargs=chat_template_kwargs)
                    for conversation in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stats(self) -> dict[str, Any]:
         """KV cache and scheduler state: block counts, KV dtype, peak usage and waste, preemptions."""
@@ -234,6 +245,20 @@ class LLM:
             self.engine.abort_request(rid for rid in request_ids if rid not in finished)
             raise
         return [finished[rid] for rid in request_ids]
+
+
+def _adapter_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                        num_prompts: int) -> list[LoRARequest | None]:
+    """One LoRA request (or None) for all prompts, or a list with one per prompt; TypeError or ValueError else."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if not isinstance(lora_request, Sequence) or \
+            not all(r is None or isinstance(r, LoRARequest) for r in lora_request):
+        raise TypeError("lora_request must be a LoRARequest or a list of them (None for the base model), one per "
+                        f"prompt; got {type(lora_request).__name__}")
+    if len(lora_request) != num_prompts:
+        raise ValueError(f"got {len(lora_request)} lora_requests for {num_prompts} prompts: give one per prompt")
+    return list(lora_request)
 
 
 def _prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> Sequence[PromptInput]:

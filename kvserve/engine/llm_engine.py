@@ -26,12 +26,14 @@ from kvserve.device import parse_dtype, resolve_device
 from kvserve.engine.core import EngineCore, PendingStep
 from kvserve.engine.kv_budget import check_fits_host_memory, num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptInput
+from kvserve.engine.lora_adapters import LoRAAdapters
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.disk_tier import BlockFormat
 from kvserve.kv.tiers import DEFAULT_STAGING_GIB, TieredStore
+from kvserve.lora_request import LoRARequest
 from kvserve.model.loader import Checkpoint, load_checkpoint
 from kvserve.model.registry import check_shardable
 from kvserve.model.weight_format import check_quantize_activations, weight_format
@@ -79,6 +81,7 @@ class LLMEngine:
             runner = ModelRunner(checkpoint, self.dtype, self.device, self.runner_options, structured=structured,
                                  draft=self._draft_model(vocab_size), peers=workers)
             self.core = self._build_core(runner)
+            self.lora_adapters = LoRAAdapters(config.lora, runner)
         except BaseException:
             if workers is not None:
                 workers.close()
@@ -141,6 +144,9 @@ class LLMEngine:
             settings.append(f"disk KV tier {cache.kv_offload_dir} (up to {cache.disk_tier_bytes / 2**30:g} GiB)")
         if spec.method is not None:
             settings.append(f"{spec.method} speculation of up to {spec.num_speculative_tokens} tokens")
+        if self.config.lora.enable_lora:
+            settings.append(f"LoRA adapters of rank up to {self.config.lora.max_lora_rank}, "
+                            f"{self.config.lora.max_loras} a step (steps with adapters run eagerly)")
         settings.append(f"steps of up to {sched.max_running} sequences and {sched.max_num_batched_tokens} tokens, "
                         f"{sched.scheduling_policy} scheduling, preemption by {sched.preemption_mode}")
         return settings
@@ -212,7 +218,9 @@ class LLMEngine:
                           config.model.attention_backend)
 
     def _build_core(self, runner: ModelRunner) -> EngineCore:
-        sched_config = dataclasses.replace(self.config.scheduler, max_model_len=self.max_model_len)
+        lora = self.config.lora
+        sched_config = dataclasses.replace(self.config.scheduler, max_model_len=self.max_model_len,
+                                           max_loras=lora.max_loras if lora.enable_lora else None)
         block_size = self.config.cache.block_size
         groups = self._kv_groups(runner)
         runner.use_kv_groups(groups)
@@ -330,18 +338,25 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step(final_only=True)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad.
-        ``priority``: under the priority scheduling policy, the lower the sooner (vLLM's); 0 under the others."""
-        self.add_processed(request_id, self.input_processor.process(prompt, params), priority)
+        ``priority``: under the priority scheduling policy, the lower the sooner (vLLM's); 0 under the others.
+        ``lora_request``: the LoRA adapter it runs with (None: the base model)."""
+        self.add_processed(request_id, self.input_processor.process(prompt, params), priority, lora_request)
 
-    def add_processed(self, request_id: str, processed: ProcessedPrompt, priority: int = 0) -> None:
+    def add_processed(self, request_id: str, processed: ProcessedPrompt, priority: int = 0,
+                      lora_request: LoRARequest | None = None) -> None:
         """Queue one request whose prompt ``input_processor.process`` has tokenized and checked (which reads only
-        the tokenizer and the model's limits, so a server runs it beside the steps, on a thread of its own)."""
+        the tokenizer and the model's limits, so a server runs it beside the steps, on a thread of its own). An
+        adapter named for the first time is read and installed here, on the thread that steps the engine."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidParameter("priority", f"priority must be an integer, got {priority!r}")
+        adapter = self.lora_adapters.resolve(lora_request)
         request = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
-                          grammar=processed.grammar, cache_salt=processed.cache_salt, priority=priority)
+                          grammar=processed.grammar, cache_salt=processed.cache_salt, priority=priority,
+                          lora_id=0 if adapter is None else adapter.request.lora_int_id,
+                          lora_digest=None if adapter is None else adapter.digest)
         # the frontend first: it still tracks an n > 1 request whose first sample the scheduler has finished
         self.output_processor.add_request(
             request_id, processed.prompt, processed.prompt_token_ids, processed.params, self.eos_token_ids

@@ -98,7 +98,7 @@ class CachePaths:
         if self.prefix_cache is None or (path is not None and (path.detached or path.num_blocks >= num_known)):
             return  # the common decode step ends here: no block newly filled with known tokens
         if path is None:
-            path = self._paths[request.request_id] = _CachePath(self.prefix_cache.root_of(request.cache_salt), 0)
+            path = self._paths[request.request_id] = _CachePath(self.prefix_cache.root_of(request.cache_namespace), 0)
         if path.num_blocks >= num_known:
             return
         keys = self.prefix_cache.keys(request.token_ids, path.num_blocks, num_known - path.num_blocks)
@@ -248,4 +248,5 @@ class CachePaths:
                 assert node.parent is not None
                 node = node.parent
             assert node.is_root, f"request {request_id}'s tree path is deeper than it says"
-            assert node.salt == request.cache_salt, f"request {request_id}'s tree path is under another salt's root"
+            assert node.namespace == request.cache_namespace, \
+                f"request {request_id}'s tree path is under another namespace's root (salt or adapter)"

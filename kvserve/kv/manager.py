@@ -142,7 +142,7 @@ class KVCacheManager:
             max_tokens = min(max_tokens, max_cached_tokens)
         earlier = self._matches.get(request.request_id)
         max_blocks = max_tokens // self.block_size
-        match = self.prefix_cache.match(request.token_ids, max_blocks, earlier, request.cache_salt)
+        match = self.prefix_cache.match(request.token_ids, max_blocks, earlier, request.cache_namespace)
         self._matches[request.request_id] = match
         if (self._tier_matcher is not None and not match.sibling_computing
                 and (self._has_group_tables or len(match.nodes) < max_blocks)):
@@ -381,7 +381,7 @@ class KVCacheManager:
         nodes: tuple[PrefixNode, ...] = ()
         if self.prefix_cache is not None:
             nodes = self.prefix_cache.match(request.token_ids, num_swapped // self.block_size,
-                                           salt=request.cache_salt).nodes
+                                           namespace=request.cache_namespace).nodes
         num_blocks = self.num_blocks_for(num_swapped)
         unmatched = [NULL_BLOCK] * (num_blocks - len(nodes))
         tables = [[node.block_id for node in nodes] + unmatched]

@@ -8,8 +8,10 @@ paged cache must reuse whole blocks), and every node names the block holding tha
                          └[v16..v31]─ b7 (pending)              (being computed by a running request)
 
 Requests sent with a ``cache_salt`` walk a tree of their salt's, under a root of its own, so that only requests
-with the same salt share blocks (one tenant cannot learn from the cache's speed what another's prompts were). A
-salt's root is kept while blocks hang under it: one per tenant with blocks cached, not one per salt ever sent.
+with the same salt share blocks (one tenant cannot learn from the cache's speed what another's prompts were); so
+do requests with a LoRA adapter, whose KV differs from the base model's: a root per ``CacheNamespace`` (salt and
+adapter). A namespace's root is kept while blocks hang under it: one per tenant or adapter with blocks cached,
+not one per salt ever sent.
 
 A node is *pending* while the request that allocated its block has not yet computed it: a request that
 arrives with the same prefix sees the pending node and waits for it instead of computing the prefix again.
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from kvserve.kv.block_keys import salted_root_key
+from kvserve.kv.block_keys import CacheNamespace, namespace_root_key
 
 
 @dataclass(eq=False)
@@ -40,7 +42,7 @@ class PrefixNode:
     # group. They are cached beside the node, not part of the tree's structure: one may be evicted while the
     # node stays, and a match then stops where a group lacks a block its next query would see.
     group_block_ids: list[int] = field(default_factory=list)
-    salt: str | None = None  # a root's: the cache_salt of the requests whose blocks hang under it
+    namespace: CacheNamespace | None = None  # a root's: that of the requests whose blocks hang under it
 
     @property
     def is_root(self) -> bool:
@@ -77,8 +79,8 @@ class PrefixMatch:
 class PrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.root = PrefixNode(key=(), block_id=-1, parent=None)  # of requests without a cache_salt
-        self._salted_roots: dict[str, PrefixNode] = {}  # those with blocks under them
+        self.root = PrefixNode(key=(), block_id=-1, parent=None)  # of requests without a cache_salt or adapter
+        self._namespace_roots: dict[CacheNamespace, PrefixNode] = {}  # those with blocks under them
         self._by_block: dict[int, PrefixNode] = {}
 
     @property
@@ -88,26 +90,26 @@ class PrefixCache:
     def node_of(self, block_id: int) -> PrefixNode | None:
         return self._by_block.get(block_id)
 
-    def root_of(self, salt: str | None) -> PrefixNode:
-        """The root a request sent with ``cache_salt=salt`` (None: without one) walks from. A salt's root is new
-        until a block hangs under it (``add``)."""
-        if salt is None:
+    def root_of(self, namespace: CacheNamespace | None) -> PrefixNode:
+        """The root a request of ``namespace`` (``Request.cache_namespace``; None: no salt, no adapter) walks from.
+        A namespace's root is new until a block hangs under it (``add``)."""
+        if namespace is None:
             return self.root
-        root = self._salted_roots.get(salt)
+        root = self._namespace_roots.get(namespace)
         if root is None:
-            root = PrefixNode(key=(), block_id=-1, parent=None, salt=salt)
-            root.content_key = self.content_root(salt)
+            root = PrefixNode(key=(), block_id=-1, parent=None, namespace=namespace)
+            root.content_key = self.content_root(namespace)
         return root
 
-    def content_root(self, salt: str | None) -> bytes | None:
-        """The content key (``block_keys``) the blocks of requests with ``cache_salt=salt`` chain from; None
-        without tiers."""
+    def content_root(self, namespace: CacheNamespace | None) -> bytes | None:
+        """The content key (``block_keys``) the blocks of requests of ``namespace`` chain from; None without
+        tiers."""
         root = self.root.content_key
-        return root if salt is None or root is None else salted_root_key(root, salt)
+        return root if namespace is None or root is None else namespace_root_key(root, namespace)
 
     def match(self, token_ids: Sequence[int], max_blocks: int, start: PrefixMatch | None = None,
-              salt: str | None = None) -> PrefixMatch:
-        """Walk the tree of ``salt`` (the requests' ``cache_salt``) along ``token_ids``, at most ``max_blocks``
+              namespace: CacheNamespace | None = None) -> PrefixMatch:
+        """Walk the tree of ``namespace`` (the requests' salt and adapter) along ``token_ids``, at most ``max_blocks``
         blocks, through computed nodes.
 
         ``start``, an earlier match of the same tokens, is reused while its last node is still in the tree
@@ -115,7 +117,7 @@ class PrefixCache:
         re-matched every step while it waits costs one block's key, not its whole prefix."""
         max_blocks = min(max_blocks, len(token_ids) // self.block_size)
         nodes = list(start.nodes[:max_blocks]) if start is not None and self._is_live(start) else []
-        node = nodes[-1] if nodes else self.root_of(salt)
+        node = nodes[-1] if nodes else self.root_of(namespace)
         for key in self.keys(token_ids, len(nodes), max_blocks - len(nodes)):
             child = node.children.get(key)
             if child is None:
@@ -128,15 +130,15 @@ class PrefixCache:
 
     def add(self, parent: PrefixNode, key: tuple[int, ...], block_id: int, computed: bool) -> PrefixNode | None:
         """Hang ``block_id`` under ``parent`` as ``key``; returns None, adding nothing, if ``parent`` already
-        has that key (another request computed the same tokens into another block). A salt's root that ``parent``
-        names is its salt's root now (kept from here on), or the one kept meanwhile (a path may name a root
-        let go, or not yet kept, when its request took no block under it)."""
+        has that key (another request computed the same tokens into another block). A namespace's root that
+        ``parent`` names is its namespace's root now (kept from here on), or the one kept meanwhile (a path may name
+        a root let go, or not yet kept, when its request took no block under it)."""
         if len(key) != self.block_size:
             raise ValueError(f"a key is one block of {self.block_size} tokens, got {len(key)}")
         if block_id in self._by_block:
             raise ValueError(f"block {block_id} is already in the prefix cache")
-        if parent.salt is not None:
-            parent = self._salted_roots.setdefault(parent.salt, parent)
+        if parent.namespace is not None:
+            parent = self._namespace_roots.setdefault(parent.namespace, parent)
         if key in parent.children:
             return None
         node = PrefixNode(key, block_id, parent, computed)
@@ -155,15 +157,15 @@ class PrefixCache:
         assert parent is not None
         del parent.children[node.key]
         del self._by_block[block_id]
-        if parent.salt is not None and not parent.children:  # salts come and go: a root per salt ever sent leaks
-            del self._salted_roots[parent.salt]
+        if parent.namespace is not None and not parent.children:  # salts come and go: a root per salt ever sent
+            del self._namespace_roots[parent.namespace]  # would leak
 
     def check_roots(self) -> None:
-        """Every salt's root kept has blocks under it and is the root its nodes hang from. Raises
+        """Every namespace's root kept has blocks under it and is the root its nodes hang from. Raises
         AssertionError."""
-        for salt, root in self._salted_roots.items():
-            assert root.salt == salt and root.children, f"the root of cache_salt {salt!r} is kept with no block"
-            assert all(child.parent is root for child in root.children.values()), f"a root of {salt!r} is stale"
+        for namespace, root in self._namespace_roots.items():
+            assert root.namespace == namespace and root.children, f"the root of {namespace} is kept with no block"
+            assert all(child.parent is root for child in root.children.values()), f"a root of {namespace} is stale"
 
     def keys(self, token_ids: Sequence[int], first_block: int, num_blocks: int) -> Iterator[tuple[int, ...]]:
         """The keys of blocks ``first_block .. first_block + num_blocks - 1`` of ``token_ids``."""
@@ -173,7 +175,7 @@ class PrefixCache:
 
     def nodes(self) -> Iterator[PrefixNode]:
         """Every node but the roots, parents before children."""
-        stack = [node for root in (self.root, *self._salted_roots.values()) for node in root.children.values()]
+        stack = [node for root in (self.root, *self._namespace_roots.values()) for node in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

@@ -127,7 +127,7 @@ class TierMatcher:
     def _blocks_beyond(self, request: Request, match: PrefixMatch, max_blocks: int) -> tuple[list[KeyedBlock], int]:
         """Group 0's blocks after a device match that the tiers hold, in order, and how many lead in the host
         tier (the rest are on the disk or being read from it, or follow one that is)."""
-        parent = match.nodes[-1].content_key if match.nodes else self.prefix_cache.content_root(request.cache_salt)
+        parent = match.nodes[-1].content_key if match.nodes else self.prefix_cache.content_root(request.cache_namespace)
         assert parent is not None
         beyond: list[KeyedBlock] = []
         num_host = 0

@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.quant import KVCacheDtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from kvserve.model.layers.lora import LoRAMapping, Projections
 from kvserve.model.offload import WeightStreamer
 
 
@@ -20,7 +21,9 @@ class CausalLM(nn.Module, ABC):
     """A decoder-only LM over paged KV.
 
     ``forward`` maps the step's flat token batch ([T] ids and positions) to final hidden states [T, hidden];
-    ``compute_logits`` applies the LM head (fp32 logits) to the rows the runner selects.
+    ``compute_logits`` applies the LM head (fp32 logits) to the rows the runner selects. ``lora``, the step's
+    tokens grouped by LoRA adapter (``layers/lora.py``), adds the adapters' terms to the projections
+    (``lora_projections``) of the rows that have one; None (no row has one) runs the base model alone.
     """
 
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend) -> None:
@@ -33,8 +36,14 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv: KVCacheStorage
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv: KVCacheStorage,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor: ...
+
+    @abstractmethod
+    def lora_projections(self) -> Projections:
+        """The linear projections a LoRA adapter may target, by the base model's module names
+        (``model.layers.0.self_attn.q_proj``): each one's layer and, in a packed layer, its projection."""
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...

@@ -19,6 +19,7 @@ from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.model.layers.activation import GatedMLP
 from kvserve.model.layers.attention import Attention
+from kvserve.model.layers.lora import LoRAMapping
 from kvserve.model.layers.norm import GemmaRMSNorm
 from kvserve.model.llama import DecoderLM, input_norm, layer_type_window
 
@@ -43,11 +44,12 @@ class Gemma3DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
         kv: KVCacheStorage,
+        lora: LoRAMapping | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = input_norm(self.input_layernorm, hidden, residual)
-        attn_out = self.self_attn(hidden, rope, attn, kv)
+        attn_out = self.self_attn(hidden, rope, attn, kv, lora)
         hidden = self.pre_feedforward_layernorm(attn_out, residual, x_norm=self.post_attention_layernorm)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        return self.post_feedforward_layernorm(self.mlp(hidden, lora)), residual
 
 
 class Gemma3ForCausalLM(DecoderLM):

@@ -23,6 +23,7 @@ from kvserve.model.layers.activation import GatedMLP
 from kvserve.model.layers.attention import Attention
 from kvserve.model.layers.embedding import VocabEmbedding
 from kvserve.model.layers.linear import Linear, PackedLinear, WeightShapeError, copy_weight
+from kvserve.model.layers.lora import LoRAMapping, Projections
 from kvserve.model.layers.norm import RMSNorm
 from kvserve.model.layers.rotary import RotaryEmbedding, rope_head_dim
 
@@ -55,13 +56,14 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
         kv: KVCacheStorage,
+        lora: LoRAMapping | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden``: the previous layer's output, still to be added to the ``residual`` stream (before the
         first layer, the embeddings and no residual). Returns this layer's output and the residual stream,
         which it updates in place."""
         hidden, residual = input_norm(self.input_layernorm, hidden, residual)
-        hidden = self.post_attention_layernorm(self.self_attn(hidden, rope, attn, kv), residual)
-        return self.mlp(hidden), residual
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, rope, attn, kv, lora), residual)
+        return self.mlp(hidden, lora), residual
 
 
 def input_norm(
@@ -147,15 +149,26 @@ class DecoderLM(CausalLM):
     # ---- CausalLM ----------------------------------------------------------------------------------------
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv: KVCacheStorage
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv: KVCacheStorage,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         hidden, residual = self._embed(input_ids), None
         max_position = max(attn.inputs.seq_lens_list) - 1
         # cos / sin gathered once per step for each rope kind, shared by the layers
         ropes = {key: rotary(positions, max_position, hidden.dtype) for key, rotary in self.rotaries.items()}
         for layer, rope_key in zip(self.layers, self.rope_keys):
-            hidden, residual = layer(hidden, residual, ropes[rope_key], attn, kv)
+            hidden, residual = layer(hidden, residual, ropes[rope_key], attn, kv, lora)
         return self.norm(hidden, residual)
+
+    def lora_projections(self) -> Projections:
+        projections: Projections = {}
+        for module_name, module in self.layers.named_modules(prefix="layers"):
+            if isinstance(module, PackedLinear):
+                parent = module_name.rpartition(".")[0]
+                projections.update({_hf_name(f"{parent}.{shard}"): (module, shard) for shard in module.shards})
+            elif isinstance(module, Linear):
+                projections[_hf_name(module_name)] = (module, None)
+        return projections
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

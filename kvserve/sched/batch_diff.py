@@ -146,4 +146,5 @@ def _new_request_data(request: Request, tables: list[list[int]]) -> NewRequestDa
         block_ids=[b for table in tables for b in table],
         sample_index=request.sample_index,
         eos_token_ids=request.eos_token_ids,
+        lora_id=request.lora_id,
     )

@@ -34,6 +34,8 @@ def new_sample(parent: Request, index: int) -> Request:
         parent_id=parent.request_id,
         grammar=parent.grammar,
         cache_salt=parent.cache_salt,
+        lora_id=parent.lora_id,
+        lora_digest=parent.lora_digest,
         priority=parent.priority,
         num_computed_tokens=parent.num_computed_tokens,
         num_cached_tokens=parent.num_cached_tokens,

@@ -34,6 +34,7 @@ class NewRequestData:
     block_ids: list[int]
     sample_index: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # masked by the sampler while min_tokens is not reached
+    lora_id: int = 0  # the LoRA adapter its tokens run with (``Request.lora_id``); 0: the base model
 
 
 class ScheduledRequest(NamedTuple):

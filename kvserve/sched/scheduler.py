@@ -276,8 +276,11 @@ class Scheduler:
             self._outranks_a_running_request(self.waiting.head) or self._fits_now(self.waiting.head))
 
     def _fits_now(self, request: Request) -> bool:
-        """A seat in the batch, and free blocks for the request's first chunk beyond its cached prefix."""
+        """A seat in the batch, room for its LoRA adapter, and free blocks for the request's first chunk beyond its
+        cached prefix."""
         if len(self.running) >= self.config.max_running:
+            return False
+        if request.lora_id and not self._adapter_fits(request, self._running_adapters()):
             return False
         num_new = min(request.num_tokens - self._match_prefix(request).num_tokens, self.config.max_num_batched_tokens)
         return self.kv.max_blocks_for(num_new, num_new) <= self.kv.num_free_blocks()
@@ -359,10 +362,13 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_running:
             return  # before ordering the queue: under lpm that matches every waiting request's prefix
         admitted: set[Request] = set()
+        adapters = self._running_adapters()
         try:
             for request in self._waiting_in_policy_order():
                 if not budget.has_room() or len(self.running) >= self.config.max_running:
                     break
+                if not self._adapter_fits(request, adapters):
+                    continue  # its adapter would be one too many in the step: it waits for one to leave
                 start = self._match_prefix(request)
                 if start.must_wait:
                     continue
@@ -370,6 +376,7 @@ class Scheduler:
                 if not self.kv.allocate_slots(request, num_new, start):
                     break
                 admitted.add(request)
+                adapters.add(request.lora_id)
                 self._admit(request, start)
                 scheduled.append((request, num_new))
                 budget.take(num_new)
@@ -377,6 +384,16 @@ class Scheduler:
             # Ctrl-C until the step is done), a request admitted so far is in one queue
             if admitted:
                 self.waiting.remove_admitted(admitted & set(self.running))
+
+    def _running_adapters(self) -> set[int]:
+        """The LoRA adapters of the running requests (0, the base model, among them where one has none)."""
+        return {request.lora_id for request in self.running}
+
+    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
+        """Whether the request's LoRA adapter joins ``adapters`` (the running ones) within ``max_loras``."""
+        if request.lora_id == 0 or request.lora_id in adapters or self.config.max_loras is None:
+            return True
+        return len(adapters - {0}) < self.config.max_loras
 
     def _waiting_in_policy_order(self) -> list[Request]:
         """The first ``WAITING_SCAN`` requests of the queue, in the order to admit them. fcfs: queue order

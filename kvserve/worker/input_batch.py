@@ -28,6 +28,7 @@ import torch
 from kvserve.attention.backend import AttentionInputs, shared_prefixes
 from kvserve.device_copy import to_device
 from kvserve.kv.groups import NULL_BLOCK
+from kvserve.model.layers.lora import LoRAGroup, LoRAMapping
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from kvserve.worker.staging import PinnedStaging
@@ -48,6 +49,7 @@ class InputBatch:
     # [S]: a speculating request's drafts (it reads 1 + len(drafts) consecutive sample rows), else ()
     draft_token_ids: list[tuple[int, ...]]
     prompt_logprobs: list[PromptLogprobRows]
+    lora: LoRAMapping | None = None  # the step's tokens by LoRA adapter; None: no row has one
 
 
 class StepLayout(NamedTuple):
@@ -91,6 +93,7 @@ class _Row:
     output_token_ids: list[int]
     sampling: SamplingRow
     sampling_ahead: SamplingRow
+    lora_id: int = 0
 
 
 class PersistentBatch:
@@ -165,7 +168,7 @@ class PersistentBatch:
         sampling = SamplingRow(new.sampling_params, new.sample_index, new.request_id, new.prompt_token_ids,
                                output_token_ids, new.eos_token_ids)
         self._rows[row] = _Row(new.request_id, new.prompt_token_ids, output_token_ids, sampling,
-                               dataclasses.replace(sampling, num_in_flight=1))
+                               dataclasses.replace(sampling, num_in_flight=1), new.lora_id)
         self._index[new.request_id] = row
         self.block_table[:, row] = 0  # a row's table is padded with 0, whatever its last holder left there
         self.num_blocks[row] = 0
@@ -248,7 +251,21 @@ class PersistentBatch:
                 logprob_rows for i, r in enumerate(scheduled) if r.prompt_logprobs
                 if (logprob_rows := self._prompt_logprob_rows(r, int(query_start[i]))) is not None
             ],
+            lora=self._lora_mapping(rows, query_lens),
         )
+
+    def _lora_mapping(self, rows: np.ndarray, query_lens: np.ndarray) -> LoRAMapping | None:
+        """The step's token rows grouped by the LoRA adapter of their request (None where no request has one)."""
+        adapters = np.fromiter((self._rows[row].lora_id for row in rows), np.int64, len(rows))
+        if not adapters.any():
+            return None
+        adapter_of_token = np.repeat(adapters, query_lens)
+        groups = []
+        for adapter_id in np.unique(adapters[adapters != 0]).tolist():
+            token_rows = np.flatnonzero(adapter_of_token == adapter_id)
+            every_row = len(token_rows) == len(adapter_of_token)  # no gather and scatter for a step of one adapter
+            groups.append(LoRAGroup(adapter_id, None if every_row else to_device(token_rows, torch.int64, self.device)))
+        return LoRAMapping(tuple(groups))
 
     def _sampling_row(self, request_id: str, row: int, in_flight: InFlightTokens | None) -> SamplingRow:
         """The row's sampling state; a request whose last token is still in flight draws one position on."""

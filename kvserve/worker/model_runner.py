@@ -21,6 +21,8 @@ from kvserve.model.deferred_layout import DeferredLayouts
 from kvserve.model.identity import model_identity
 from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.ggml_qdot import QDotGemm
+from kvserve.model.layers.lora import Projections, install_adapter, remove_adapter
+from kvserve.model.lora_adapter import LoRAAdapter
 from kvserve.model.loader import Checkpoint
 from kvserve.model.registry import load_model
 from kvserve.outputs import TokenLogprobs
@@ -113,6 +115,7 @@ class ModelRunner:
         self._in_flight: InFlightTokens | None = None  # the last launched step's tokens until it is finished
         self._deferred: DeferredDraw | None = None  # a continued step's draw, until the step before is read back
         self.draft = draft
+        self._lora_projections: Projections | None = None  # the model's, once an adapter is installed
 
     @property
     def num_graph_replays(self) -> int:
@@ -149,6 +152,17 @@ class ModelRunner:
 
     def layer_windows(self) -> list[int | None]:
         return self.model.layer_windows()
+
+    def add_lora(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        """Install ``adapter`` on the model's layers under ``adapter_id`` (``NewRequestData.lora_id``);
+        ``LoRAAdapterError`` where it does not fit the model, nothing installed."""
+        if self._lora_projections is None:
+            self._lora_projections = self.model.lora_projections()
+        install_adapter(self._lora_projections, adapter_id, adapter, self.dtype, self.device)
+
+    def remove_lora(self, adapter_id: int) -> None:
+        if self._lora_projections is not None:
+            remove_adapter(self._lora_projections, adapter_id)
 
     def use_kv_groups(self, groups: KVCacheGroups) -> None:
         """Lay the KV cache out in these groups (``kv/groups.py``; one group, the plain layout, until called):
@@ -320,13 +334,14 @@ class ModelRunner:
         self.peers.close()
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
-        """The model's hidden states for the step: replayed from a CPU step graph where one serves it."""
+        """The model's hidden states for the step: replayed from a step graph (CPU or CUDA) where one serves it.
+        A step with LoRA adapters runs eagerly: a graph holds no adapter terms, whose rows change every step."""
         if self.layouts is not None and self.layouts.done:
             self._layouts_landed()
-        graphs = self.graphs
+        graphs = self.graphs if batch.lora is None else None
         if graphs is not None and (hidden := graphs.forward(batch.input_ids, batch.positions, batch.attn)) is not None:
             return hidden
-        return self.model(batch.input_ids, batch.positions, self.step_metadata(batch.attn), self.kv)
+        return self.model(batch.input_ids, batch.positions, self.step_metadata(batch.attn), self.kv, batch.lora)
 
     def _layouts_landed(self) -> None:
         """The deferred dense layouts are done: graphs recorded before them replay the blocks' kernels, so

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvserve.kv.block_keys import CacheNamespace
 from kvserve.kv.block_pool import BlockPool
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_cache import PrefixCache
@@ -282,10 +283,10 @@ def test_a_salts_root_is_kept_only_while_blocks_hang_under_it() -> None:
     cache = kv.prefix_cache
     early = salted("early", [7, 7], "s")  # no full block yet: its path names a root nobody keeps
     compute(kv, early, 2)
-    assert cache._salted_roots == {}
+    assert cache._namespace_roots == {}
     later = salted("later", [1, 2, 3, 4, 5], "s")
     compute(kv, later, 5)
-    kept = cache._salted_roots["s"]
+    kept = cache._namespace_roots[CacheNamespace("s")]
     early.output_token_ids += [8, 8]  # early's first block fills: it hangs under the root kept now
     compute(kv, early, 1)
     compute(kv, early, 1)
@@ -296,5 +297,5 @@ def test_a_salts_root_is_kept_only_while_blocks_hang_under_it() -> None:
     kv.free(later)
     other = salted("other", list(range(20, 44)), None)
     compute(kv, other, 24)  # takes every block: the salt's blocks are evicted, and its root goes with them
-    assert cache._salted_roots == {} and kv.match_prefix(salted("again", [1, 2, 3, 4, 5], "s")).num_tokens == 0
+    assert cache._namespace_roots == {} and kv.match_prefix(salted("again", [1, 2, 3, 4, 5], "s")).num_tokens == 0
     kv.check_integrity([other])

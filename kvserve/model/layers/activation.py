@@ -11,6 +11,7 @@ from torch import nn
 
 from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.linear import Linear, PackedLinear
+from kvserve.model.layers.lora import LoRAMapping
 from kvserve.model.layers.tensor_parallel import Shardable, TensorParallel, column_parallel, row_parallel
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -45,8 +46,13 @@ class GatedMLP(UsesFusedOps, Shardable, nn.Module):
         column_parallel(self.gate_up_proj, tp, {"gate_proj": columns, "up_proj": columns})
         row_parallel(self.down_proj, tp, columns)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_gated(self.gate_up_proj(x), self.activation, self._act_and_mul)
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, lora)
+        if lora is None or not lora.touches(self.down_proj):
+            return self.down_proj.forward_gated(gate_up, self.activation, self._act_and_mul)
+        # the LoRA term of down needs its input, which a method's gated kernel never writes out: the product
+        # is made apart for a step whose adapters target down
+        return self.down_proj(self._act_and_mul(gate_up), lora)
 
     def _act_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ops.act_and_mul(self, gate_up)

@@ -12,6 +12,7 @@ from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.storage import KVCacheStorage
 from kvserve.model.layers.fused_ops import UsesFusedOps
 from kvserve.model.layers.linear import Linear, PackedLinear
+from kvserve.model.layers.lora import LoRAMapping
 from kvserve.model.layers.tensor_parallel import Shardable, TensorParallel, column_parallel, row_parallel
 
 
@@ -65,9 +66,10 @@ class Attention(UsesFusedOps, Shardable, nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
         kv: KVCacheStorage,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, num_kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
-        heads = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        heads = self.qkv_proj(hidden, lora).view(num_tokens, -1, self.head_dim)
         qk = heads[:, : num_heads + num_kv_heads]  # q and k together, so RoPE runs once for both, in place
         q, k, v = heads.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
         if self.q_norm is not None:  # in place, as RoPE after it
@@ -80,4 +82,4 @@ class Attention(UsesFusedOps, Shardable, nn.Module):
             q, k, v, self.layer_idx, kv, attn.for_layer(self.layer_idx), scale=self.scale,
             sliding_window=self.sliding_window, rope=rope if backend_rotates else None,
         )
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.o_proj(out.reshape(num_tokens, -1), lora)

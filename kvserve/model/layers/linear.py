@@ -8,7 +8,8 @@ A layer's life, driven by ``model/registry.py``; the model files only construct 
     load_weight(name, tensor)    each checkpoint tensor, through the method (this rank's slice of it under
                                  tensor parallelism: ``tp_shard``, set before ``bind`` by ``tensor_parallel.py``)
     process_weights_after_loading()   the method may re-lay the weights out for its kernels
-    forward(x)                   method.apply(layer, x), then the ranks' outputs joined (``tp_shard.join``)
+    forward(x, lora)             method.apply(layer, x), the step's LoRA terms added (``layers/lora.py``), then
+                                 the ranks' outputs joined (``tp_shard.join``)
 
 ``PackedLinear`` stores several Hugging Face projections of the same input as one weight, so they cost one GEMM.
 """
@@ -24,6 +25,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from kvserve.model.layers.ggml import GGMLTensor
+    from kvserve.model.layers.lora import LoRAMapping
     from kvserve.model.layers.tensor_parallel import LinearShard
 
 # ``multiply(x [M, K], part, bias, out)``: one kept part's product, into ``out`` (a column range) when given
@@ -169,6 +171,8 @@ class Linear(nn.Module):
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
         self.method: LinearMethod | None = None
         self.tp_shard: LinearShard | None = None  # this rank's part under tensor parallelism (shapes above are its)
+        # LoRA adapters installed on the layer: adapter id -> (A [r, in], B [out, r] scaled), ``layers/lora.py``
+        self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bind(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Give the layer its method, which creates its parameters (on the current default device)."""
@@ -187,8 +191,9 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._joined(self.method.apply(self, x))
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        y = self.method.apply(self, x)
+        return self._joined(y if lora is None else lora.add(self, x, y))
 
     def forward_gated(self, gate_up: torch.Tensor, activation: str,
                       act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
