@@ -15,6 +15,7 @@ from typing import Any, Sequence
 from kvserve.config import DEFAULT_MODEL, EngineConfig
 from kvserve.engine_args import EngineArgs
 from kvserve.logs import add_log_arguments
+from kvserve.lora_request import LoRARequest
 from kvserve.server.cors import CorsPolicy, add_cors_arguments
 from kvserve.server.environment import api_keys
 from kvserve.server.reasoning_parsers import REASONING_PARSERS
@@ -30,8 +31,6 @@ VLLM_ONLY_FLAGS = {
     "--uvicorn-log-level": "--log-level sets kvserve's and uvicorn's logs",
     "--trust-remote-code": "kvserve runs no code of a checkpoint's own (`kvserve models` and the README list the "
                            "model families it runs); drop the flag",
-    "--enable-lora": "kvserve serves no LoRA adapters",
-    "--lora-modules": "kvserve serves no LoRA adapters",
     "--disable-log-requests": "requests are logged only with --enable-log-requests; drop the flag",
     "--pipeline-parallel-size": "kvserve splits a model over processes with --tensor-parallel-size, and runs "
                                 "replicas with --data-parallel-size",
@@ -68,6 +67,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "'content' holding the answer alone, as vLLM's parsers of those names do (qwen3: "
                              "chat_template_kwargs enable_thinking false makes it all answer; default: none, the "
                              "thinking stays in 'content')")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) to serve beside the model, with --enable-lora: a "
+                             "request whose 'model' is NAME runs with the adapter at PATH")
     parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                         help="vLLM's, taken for its tool-calling recipes: kvserve always serves tool_choice 'auto' "
                              "(default: on; off is refused)")
@@ -132,4 +134,19 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         reasoning_parser=args.reasoning_parser,
         cors=CorsPolicy.from_cli_args(args),
         request_log=RequestLog.from_cli_args(args),
+        lora_modules=lora_modules(args.lora_modules or [], args.enable_lora),
     )
+
+
+def lora_modules(specs: Sequence[str], enable_lora: bool) -> tuple[LoRARequest, ...]:
+    """``--lora-modules NAME=PATH ...`` as the adapters' requests, ids 1, 2, ... in order; ValueError naming a bad
+    one (vLLM's JSON form is not taken)."""
+    if specs and not enable_lora:
+        raise ValueError("--lora-modules serves LoRA adapters, which --enable-lora turns on: give it too")
+    adapters = []
+    for int_id, spec in enumerate(specs, start=1):
+        name, equals, path = spec.partition("=")
+        if not (name and equals and path):
+            raise ValueError(f"--lora-modules {spec!r}: give each adapter as NAME=PATH")
+        adapters.append(LoRARequest(name, int_id, path))
+    return tuple(adapters)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Mapping, Protoc
 
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.outputs import RequestOutput
+from kvserve.lora_request import LoRARequest
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -232,17 +233,19 @@ class AsyncEngine:
     async def generate_many(
         self, prompts: Sequence[PromptInput], params: SamplingParams, request_ids: Sequence[str] | None = None,
         admission: Admission | None = None, final_only: bool = False, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[list[RequestOutput], None]:
         """Queue several requests with the same params, all or none (one bad prompt raises ValueError and
         queues nothing), and yield, each time any of them moves (with ``final_only``: the first time, then as
         each finishes), the latest output of each request in input order; a request that has not produced
         anything yet appears as an output with no samples. ``admission``: the one ``admit`` gave these requests,
-        closed as their add takes over its count. ``priority``: each request's (``LLMEngine.add_request``)."""
+        closed as their add takes over its count. ``priority`` and ``lora_request``: each request's
+        (``LLMEngine.add_request``)."""
         ids = list(request_ids) if request_ids else [f"req-{next(self._request_counter)}" for _ in prompts]
         stream = _Stream(asyncio.get_running_loop(), _Mailbox(), final_only)
         mailbox = stream.mailbox
         try:
-            await self._add(ids, prompts, params, stream, admission, priority)
+            await self._add(ids, prompts, params, stream, admission, priority, lora_request)
         except asyncio.CancelledError:  # the add may have run before the cancellation reached it
             self.abort(ids)
             raise
@@ -320,7 +323,7 @@ class AsyncEngine:
 
     async def _add(
         self, ids: list[str], prompts: Sequence[PromptInput], params: SamplingParams, stream: _Stream,
-        admission: Admission | None, priority: int,
+        admission: Admission | None, priority: int, lora_request: LoRARequest | None,
     ) -> None:
         arrival_time = time.monotonic()
 
@@ -330,7 +333,7 @@ class AsyncEngine:
                 for rid, prompt in zip(ids, processed):
                     if rid in self._streams:
                         raise ValueError(f"request id {rid!r} is already in use")
-                    engine.add_processed(rid, prompt, priority)
+                    engine.add_processed(rid, prompt, priority, lora_request)
                     self._streams[rid] = stream
                     added.append(rid)
             except BaseException:

@@ -107,7 +107,8 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> ModelList:
-        return ModelList(data=[_model_card(state, name) for name in state.settings.served_model_names])
+        names = state.settings.served_model_names + tuple(a.lora_name for a in state.settings.lora_modules)
+        return ModelList(data=[_model_card(state, name) for name in names])
 
     @app.api_route("/v1/models/{model:path}", methods=READ_METHODS)
     async def model(model: str) -> ModelCard | ModelList:
@@ -118,7 +119,12 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
-    return ModelCard(id=name, root=state.settings.model_root, max_model_len=state.max_model_len)
+    """A served name's card, or a LoRA adapter's: its directory as root and the base model as parent (vLLM's)."""
+    adapter = state.settings.lora_request(name)
+    if adapter is None:
+        return ModelCard(id=name, root=state.settings.model_root, max_model_len=state.max_model_len)
+    return ModelCard(id=name, root=adapter.lora_path, parent=state.settings.model_name,
+                     max_model_len=state.max_model_len)
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
@@ -167,7 +173,8 @@ async def _serve(state: ServerState, handler: Callable[..., _Generation], body: 
         try:
             generation = handler(engine, body, body.model or state.settings.model_name,
                                  client_request_id=request_id, admission=admission,
-                                 request_log=state.settings.request_log, **options)
+                                 request_log=state.settings.request_log,
+                                 lora_request=state.settings.lora_request(body.model), **options)
         except ValueError as e:
             raise bad_request(body.named_as_sent(e)) from e
         outputs = await until_disconnected(request, generation.start())

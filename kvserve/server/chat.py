@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal
 
 from kvserve.engine.detokenizer import token_bytes
 from kvserve.outputs import PositionLogprobs, RequestOutput
+from kvserve.lora_request import LoRARequest
 from kvserve.sampling_params import InvalidParameter, StructuredOutputsParams
 from kvserve.server.errors import bad_request
 from kvserve.server.chat_protocol import (
@@ -88,8 +89,8 @@ class ChatServer(GenerationHandler):
     def __init__(self, engine: AsyncEngine, body: ChatCompletionRequest, model_name: str,
                  tool_call_parser: str = "auto", client_request_id: str | None = None,
                  admission: Admission | None = None, request_log: RequestLog = RequestLog(),
-                 reasoning_parser: str | None = None) -> None:
-        super().__init__(engine, body, model_name, client_request_id, admission, request_log)
+                 reasoning_parser: str | None = None, lora_request: LoRARequest | None = None) -> None:
+        super().__init__(engine, body, model_name, client_request_id, admission, request_log, lora_request)
         self.tool_choice = body.effective_tool_choice
         self.tool_format = tool_call_format(tool_call_parser, engine.engine.input_processor.chat_template(body.tools))
         self.reasoning_parser = reasoning_parser

@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
+from kvserve.lora_request import LoRARequest
 from kvserve.outputs import CompletionOutput, FinishReason, PositionLogprobs, RequestOutput
 from kvserve.server.completion_protocol import (
     CompletionChoice,
@@ -51,8 +52,8 @@ class CompletionServer(GenerationHandler):
 
     def __init__(self, engine: AsyncEngine, body: CompletionRequest, model_name: str,
                  client_request_id: str | None = None, admission: Admission | None = None,
-                 request_log: RequestLog = RequestLog()) -> None:
-        super().__init__(engine, body, model_name, client_request_id, admission, request_log)
+                 request_log: RequestLog = RequestLog(), lora_request: LoRARequest | None = None) -> None:
+        super().__init__(engine, body, model_name, client_request_id, admission, request_log, lora_request)
         self._token_offsets: dict[int, int] = {}  # choice index -> the text offset after its tokens sent so far
 
     async def start(self) -> AsyncIterator[list[RequestOutput]]:

@@ -94,6 +94,8 @@ def load_engine(state: ServerState, config: EngineConfig, url: str) -> None:
     try:
         started = time.monotonic()
         engine = LLMEngine(config)
+        for adapter in state.settings.lora_modules:  # each read and checked now: a bad one stops the start-up
+            engine.lora_adapters.resolve(adapter)
         engine.warm_up()  # before the metrics' counters start: its step is not a client's
         stats = engine.stats()
         state.metrics = ServerMetrics(state.settings.model_name, stats, engine.max_model_len)

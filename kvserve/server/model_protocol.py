@@ -19,6 +19,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvserve"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (its served name), as vLLM's card says
     max_model_len: int | None  # None while the model loads
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Iterator
 
+from kvserve.lora_request import LoRARequest
 from kvserve.server.cors import CorsPolicy
 from kvserve.server.environment import check_api_keys
 from kvserve.server.reasoning_parsers import REASONING_PARSERS
@@ -34,10 +35,18 @@ class ServerSettings:
     reasoning_parser: str | None = None  # splits a chat answer's thinking off (``reasoning_parsers``); None: not
     cors: CorsPolicy = CorsPolicy()
     request_log: RequestLog = RequestLog()
+    # LoRA adapters (--lora-modules) a request selects by naming one in ``model``; loaded as the engine starts
+    lora_modules: tuple[LoRARequest, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
+        adapter_names = [adapter.lora_name for adapter in self.lora_modules]
+        if clash := set(adapter_names) & set(self.served_model_names):
+            raise ValueError(f"--lora-modules: {', '.join(sorted(clash))} is a served model name too: name the "
+                             "adapter otherwise")
+        if len(set(adapter_names)) < len(adapter_names):
+            raise ValueError("--lora-modules: two adapters of one name: name each once")
         check_api_keys(self.api_keys)
         if self.max_waiting is not None and self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
@@ -53,6 +62,10 @@ class ServerSettings:
     def model_name(self) -> str:
         """The name answers carry in their ``model`` field."""
         return self.served_model_names[0]
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names, None for a served model's name (or none)."""
+        return next((adapter for adapter in self.lora_modules if adapter.lora_name == model), None)
 
 
 @dataclass
@@ -73,9 +86,10 @@ class ServerState:
     def engine_for(self, model: str | None) -> AsyncEngine:
         """The engine to run a request for ``model`` on (None or empty: the served model, as vLLM takes them),
         or the APIError that says why there is none."""
-        if model and model not in self.settings.served_model_names:
+        served = self.settings.served_model_names + tuple(a.lora_name for a in self.settings.lora_modules)
+        if model and model not in served:
             raise APIError(HTTPStatus.NOT_FOUND, f"the model {shortened(model)!r} does not exist; this server serves "
-                                                 f"{', '.join(self.settings.served_model_names)}", param="model")
+                                                 f"{', '.join(served)}", param="model")
         if not self.is_ready:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, self.why_not_ready,
                            headers=RETRY_LATER)

@@ -18,7 +18,8 @@ from pydantic import BaseModel
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.beam_search import BeamBatch, beam_search_async
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.lora_request import LoRARequest
+from kvserve.sampling_params import InvalidParameter, SamplingParams
 from kvserve.server.errors import APIError, bad_request, sse_failure
 from kvserve.server.request_log import RequestLog
 from kvserve.server.response_extras import ResponseExtras
@@ -147,8 +148,10 @@ class GenerationHandler:
     id_separator = "-"  # OpenAI's ids: chatcmpl-..., resp_...
 
     def __init__(self, engine: AsyncEngine, body: Any, model_name: str, client_request_id: str | None = None,
-                 admission: Admission | None = None, request_log: RequestLog = RequestLog()) -> None:
+                 admission: Admission | None = None, request_log: RequestLog = RequestLog(),
+                 lora_request: LoRARequest | None = None) -> None:
         self.engine = engine
+        self.lora_request = lora_request  # the LoRA adapter ``model`` named (None: the base model)
         self.request_log = request_log
         self.admission = admission  # counted as waiting until queued (``AsyncEngine.admit``)
         self.body = body
@@ -171,6 +174,9 @@ class GenerationHandler:
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         prompts = _salted(prompts, self.body.cache_salt)
         if self.body.use_beam_search:
+            if self.lora_request is not None:
+                raise bad_request(InvalidParameter("use_beam_search", "use_beam_search with a LoRA adapter is not "
+                                                                      "supported: its beams run the base model"))
             return await self._beam_search(prompts, request_ids)
         if self.params.structured_outputs is not None:
             try:
@@ -180,7 +186,8 @@ class GenerationHandler:
         logged = self.request_log.queued(self.request_id, request_id, prompts, self.params)
         try:
             stream = self.engine.generate_many(prompts, self.params, request_ids, self.admission,
-                                               final_only=not self.body.stream, priority=self.body.priority)
+                                               final_only=not self.body.stream, priority=self.body.priority,
+                                               lora_request=self.lora_request)
             first = await anext(stream)
         except BaseException as error:  # refused, or its client gone before any output
             if logged is not None:
