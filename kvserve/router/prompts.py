@@ -27,11 +27,12 @@ def request_payload(body: bytes) -> dict[str, Any]:
 def prompt_text(payload: dict[str, Any]) -> str:
     """The text a request's KV prefix comes from, its first ``MAX_KEYED_CHARS`` characters (all that is keyed):
     the completion prompt, the chat messages in order (after an Anthropic Messages request's ``system``), or a
-    Responses request's instructions and input items, after its ``cache_salt`` (a replica shares blocks
-    only between requests of one salt). Fields of the wrong type count as no text: the replica refuses them with
-    its own 400."""
-    salt = _text(payload.get("cache_salt"))
-    return ((f"cache_salt:{salt}\n" if salt else "") + _unsalted_text(payload))[:MAX_KEYED_CHARS]
+    Responses request's instructions and input items, after its ``model`` and ``cache_salt`` (a replica shares
+    blocks only between requests of one salt, and of one LoRA adapter, which ``model`` names). Fields of the wrong
+    type count as no text: the replica refuses them with its own 400."""
+    model, salt = _text(payload.get("model")), _text(payload.get("cache_salt"))
+    namespace = (f"model:{model}\n" if model else "") + (f"cache_salt:{salt}\n" if salt else "")
+    return (namespace + _unsalted_text(payload))[:MAX_KEYED_CHARS]
 
 
 def _unsalted_text(payload: dict[str, Any]) -> str:

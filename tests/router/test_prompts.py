@@ -21,6 +21,9 @@ from kvserve.router.prompts import prompt_text, request_payload
     ({"messages": [{"role": "user", "content": "hi"}], "cache_salt": "t1"}, "cache_salt:t1\nuser:hi"),
     ({"prompt": "abc", "cache_salt": ""}, "abc"),
     ({"prompt": "abc", "cache_salt": 5}, "abc"),
+    # and of one LoRA adapter, which the model names: the model leads it
+    ({"prompt": "abc", "model": "tuned", "cache_salt": "t1"}, "model:tuned\ncache_salt:t1\nabc"),
+    ({"prompt": "abc", "model": ""}, "abc"),
     # the Responses API: its instructions (the system message), then its input items
     ({"input": "hi", "instructions": "be brief"}, "system:be brief\nuser:hi"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
