@@ -110,6 +110,7 @@ class PersistentBatch:
         self._rows: list[_Row | None] = [None] * capacity
         self._index: dict[str, int] = {}  # request id -> row
         self._free_rows = list(reversed(range(capacity)))
+        self._num_adapter_rows = 0  # requests with a LoRA adapter: without any, a step builds no mapping
         self._staging = staging or (PinnedStaging(device) if device.type == "cuda" else None)
 
     @property
@@ -170,6 +171,7 @@ class PersistentBatch:
         self._rows[row] = _Row(new.request_id, new.prompt_token_ids, output_token_ids, sampling,
                                dataclasses.replace(sampling, num_in_flight=1), new.lora_id)
         self._index[new.request_id] = row
+        self._num_adapter_rows += bool(new.lora_id)
         self.block_table[:, row] = 0  # a row's table is padded with 0, whatever its last holder left there
         self.num_blocks[row] = 0
         self._set_blocks(row, new.block_ids)
@@ -177,6 +179,7 @@ class PersistentBatch:
     def _remove(self, request_id: str) -> None:
         row = self._index.pop(request_id, None)
         if row is not None:
+            self._num_adapter_rows -= bool(self._rows[row].lora_id)
             self._rows[row] = None
             self._free_rows.append(row)
 
@@ -256,6 +259,8 @@ class PersistentBatch:
 
     def _lora_mapping(self, rows: np.ndarray, query_lens: np.ndarray) -> LoRAMapping | None:
         """The step's token rows grouped by the LoRA adapter of their request (None where no request has one)."""
+        if not self._num_adapter_rows:
+            return None
         adapters = np.fromiter((self._rows[row].lora_id for row in rows), np.int64, len(rows))
         if not adapters.any():
             return None

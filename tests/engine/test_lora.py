@@ -98,6 +98,23 @@ def test_a_batch_mixing_adapters_and_the_base_model_gives_each_rows_tokens(famil
     assert_all_blocks_free(llm)
 
 
+def test_samples_and_preempted_requests_keep_their_adapter(family) -> None:
+    """n > 1 samples, forked from their request, and requests preempted and recomputed under a small KV cache run
+    with the adapter they were sent with."""
+    base, prompts, expected, adapters = family
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, n=3)
+    out = llm.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False, lora_request=adapters["first"])[0]
+    assert [list(c.token_ids) for c in out.outputs] == [expected["first"][1]] * 3
+    small = LLM(str(base), dtype="float32", num_kv_blocks=14, block_size=4, max_num_batched_tokens=16,
+                enable_lora=True, max_loras=2)
+    names = ["first", "second", None, "first"]
+    assert _greedy(small, prompts, [adapters[n] if n else None for n in names]) == \
+        [expected[n][i] for i, n in enumerate(names)]
+    assert small.stats()["num_preemptions"] > 0
+    assert_all_blocks_free(small)
+
+
 def test_max_loras_holds_back_a_request_whose_adapter_would_be_one_too_many(family) -> None:
     base, prompts, expected, adapters = family
     llm = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=1)
