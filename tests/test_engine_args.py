@@ -18,6 +18,7 @@ from kvserve.config import (
     ATTENTION_BACKEND_ENV_VAR,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -64,6 +65,9 @@ CHANGED = {
     "tensor_parallel_size": 2,
     "distributed_executor_backend": "ray",
     "draft_model": "some-draft-model",
+    "enable_lora": True,
+    "max_loras": 3,
+    "max_lora_rank": 32,
 }
 
 
@@ -118,6 +122,7 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs",
                                                SchedulerConfig.lpm_aging_steps, "swap", False)
     assert config.speculative == SpeculativeConfig("ngram", 5, 2, 6)
+    assert config.lora == LoRAConfig(True, 3, 32)
     assert config.device == "cpu"
 
 
