@@ -101,8 +101,11 @@ class FakeEngine:
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0) -> None:
         self.add_processed(request_id, self.input_processor.process(prompt, params), priority)
 
-    def add_processed(self, request_id: str, processed: ProcessedPrompt, priority: int = 0) -> None:
+    def add_processed(self, request_id: str, processed: ProcessedPrompt, priority: int = 0,
+                      lora_request: Any = None) -> None:
         self._note_thread()
+        if lora_request is not None:
+            raise ValueError("the fake engine serves no LoRA adapters")
         if request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id}")
         self.priorities[request_id] = priority

@@ -162,9 +162,9 @@ def test_a_step_that_reads_a_value_runs_eagerly_with_the_same_tokens(tiny_checkp
     model = llm.engine.core.runner.model
     forward = type(model).forward
 
-    def reads_a_value(self, input_ids, positions, attn, kv):
+    def reads_a_value(self, input_ids, positions, attn, kv, lora=None):
         int(input_ids.sum())  # a host read inside the forward: no graph can replay that
-        return forward(self, input_ids, positions, attn, kv)
+        return forward(self, input_ids, positions, attn, kv, lora)
 
     monkeypatch.setattr(type(model), "forward", reads_a_value)
     assert greedy_token_ids(llm, prompts(), MAX_NEW) == expected
