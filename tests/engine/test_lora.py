@@ -47,8 +47,8 @@ def _prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[in
 
 def _greedy(llm: LLM, prompts: list[list[int]], adapters: list[LoRARequest | None] | LoRARequest | None,
             max_tokens: int = MAX_NEW) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=max_tokens),
-                        use_tqdm=False, lora_request=adapters)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=adapters)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
