@@ -386,7 +386,10 @@ class Scheduler:
                 self.waiting.remove_admitted(admitted & set(self.running))
 
     def _running_adapters(self) -> set[int]:
-        """The LoRA adapters of the running requests (0, the base model, among them where one has none)."""
+        """The LoRA adapters of the running requests (0, the base model, among them where one has none); none
+        counted without a limit on them (LoRA off: no pass over the running requests each step)."""
+        if self.config.max_loras is None:
+            return set()
         return {request.lora_id for request in self.running}
 
     def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
