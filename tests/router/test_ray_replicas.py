@@ -37,7 +37,9 @@ def wait_for(condition, seconds: float, log: Path) -> None:
 
 
 def replica_pids(port: int) -> list[str]:
-    found = subprocess.run(["pgrep", "-f", f"kvserve.cli serve .*--port {port}$"], capture_output=True, text=True)
+    """The replica servers on ``port`` (``serve_command`` puts a replica's --host and --port right after serve)."""
+    found = subprocess.run(["pgrep", "-f", f"kvserve.cli serve .*--port {port}( |$)"], capture_output=True,
+                           text=True)
     return found.stdout.split()
 
 
