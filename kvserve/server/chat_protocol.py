@@ -79,8 +79,9 @@ class ChatMessage(RequestBody):
                              "may leave it out)")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
-        if self.reasoning is not None and self.role != "assistant":
-            raise ValueError("only assistant messages carry reasoning")
+        for field in ("reasoning", "parsed"):  # the answer's own: on another role, a field nothing would read
+            if getattr(self, field) is not None and self.role != "assistant":
+                raise ValueError(f"only assistant messages carry {field}")
         if self.role == "tool" and self.tool_call_id is None:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self

@@ -67,8 +67,12 @@ def test_a_value_out_of_range_names_the_field_the_request_sent(fields: dict, par
     ({"role": "assistant", "content": None}, "a message of role assistant needs content"),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
      "content parts of type image_url are not supported"),
+    # the openai SDK's copies of an answer's content and thinking come back on its own (assistant) message only
+    ({"role": "user", "content": "hi", "parsed": {"x": 1}}, "only assistant messages carry parsed"),
+    ({"role": "tool", "tool_call_id": "c1", "content": "4", "reasoning": "x"},
+     "only assistant messages carry reasoning"),
 ])
-def test_a_message_without_text_is_refused(message: dict, fragment: str) -> None:
+def test_a_message_without_text_or_with_anothers_fields_is_refused(message: dict, fragment: str) -> None:
     with pytest.raises(ValidationError, match=fragment):
         ChatCompletionRequest.model_validate({"messages": [message]})
 
