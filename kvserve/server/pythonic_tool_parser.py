@@ -27,7 +27,7 @@ import re
 import warnings
 from typing import Any
 
-from kvserve.server.tool_parsers import CallCheck, ParsedDelta, ToolCallDelta, new_call_id
+from kvserve.server.tool_parsers import CallCheck, ParsedDelta, TextStateMachine, ToolCallDelta, new_call_id
 
 START = "<|python_start|>"
 END = "<|python_end|>"
@@ -90,7 +90,7 @@ class _ElementScan:
         return 1
 
 
-class PythonicToolCallParser:
+class PythonicToolCallParser(TextStateMachine):
     """Splits a model's output into content and the calls of a pythonic list, incrementally (``feed`` each new
     piece, ``finish`` at the end), as ``tool_parsers.ToolCallParser`` does for the JSON formats: the whole answer
     is the same deltas folded. ``max_calls`` drops the calls after it; ``check`` (the request's tools) makes a
@@ -99,9 +99,6 @@ class PythonicToolCallParser:
     def __init__(self, max_calls: int | None = None, check: CallCheck | None = None) -> None:
         self.max_calls = max_calls
         self.check = check
-        self._text = ""
-        self._pos = 0  # everything before it has been said, or is held in the list
-        self._state = "start"
         self._element: _ElementScan | None = None
         self._elements = 0  # elements of the list read so far
         self._run_has_call = False  # a call of the list was said or dropped past max_calls
@@ -109,22 +106,12 @@ class PythonicToolCallParser:
         self.num_invalid = 0  # elements that were no call
         self._said_text = False  # content after the calls was said
         self._blank_to = 0  # the text from _pos to here is whitespace (read once however long it grows)
-        self._handlers = {"start": self._in_start, "wrapper": self._in_wrapper, "list": self._in_list,
-                          "after": self._in_after, "text": self._in_text}
+        super().__init__("start", {"start": self._in_start, "wrapper": self._in_wrapper, "list": self._in_list,
+                                   "after": self._in_after, "text": self._in_text})
 
     @property
     def num_calls(self) -> int:
         return self._num_calls
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._text += text
-        out = ParsedDelta()
-        while self._pos < len(self._text):
-            before = (self._pos, self._state)
-            self._handlers[self._state](out)
-            if (self._pos, self._state) == before:  # waiting for more text
-                break
-        return out
 
     def finish(self) -> ParsedDelta:
         """The end of the output: held-back text is content; a list cut short keeps the calls it said (and counts

@@ -18,7 +18,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes and Mistral write "arguments", Llama 3 "parameters"
 _SEPARATORS = " \t\r\n[],;"  # what may stand between the calls of one run: arrays, commas, Llama's "; "
@@ -216,7 +216,30 @@ class _ObjectScan:
         return next((self.members[k] for k in keys if k in self.members), None)
 
 
-class ToolCallParser:
+class TextStateMachine:
+    """What the output parsers share: the output so far (``_text``), read up to ``_pos``, by the handler of the
+    state it is in (``_handlers[_state]``), which says what it can into a ``ParsedDelta`` and moves on (its place,
+    its state) or waits for more text."""
+
+    def __init__(self, state: str, handlers: dict[str, Callable[[ParsedDelta], None]]) -> None:
+        self._text = ""
+        self._pos = 0  # everything before it has been said (or is held back)
+        self._state = state
+        self._handlers = handlers
+
+    def feed(self, text: str) -> ParsedDelta:
+        """What can be said of the output with ``text`` added: the handlers run while one moves on."""
+        self._text += text
+        out = ParsedDelta()
+        while self._pos < len(self._text):
+            before = (self._pos, self._state)
+            self._handlers[self._state](out)
+            if (self._pos, self._state) == before:  # waiting for more text
+                break
+        return out
+
+
+class ToolCallParser(TextStateMachine):
     """Splits a model's output into content and tool calls of one ``ToolCallFormat``, incrementally.
     ``max_calls`` (1 when ``parallel_tool_calls`` is false) drops the calls after it; with ``check``, a call of
     a function the request does not declare is no call (its text is content), nor one whose arguments the
@@ -226,9 +249,6 @@ class ToolCallParser:
         self.fmt = fmt
         self.max_calls = max_calls
         self.check = check
-        self._text = ""
-        self._pos = 0  # everything before it has been said (or is held in a call)
-        self._state = "start" if fmt.bare_json_start or not fmt.markers_anywhere else "content"
         self._run_start = 0  # where the current run of calls began (its marker), while no call of it finished
         self._run_has_call = False
         self._content_after_run = False  # content was said since the last run of calls closed
@@ -239,22 +259,13 @@ class ToolCallParser:
         self.num_invalid = 0
         self._named = False  # the current call's id and name were said
         self._args_sent = 0
-        self._handlers = {"start": self._in_start, "text": self._in_text, "content": self._in_content,
-                          "calls": self._in_calls, "object": self._in_object}
+        super().__init__("start" if fmt.bare_json_start or not fmt.markers_anywhere else "content",
+                         {"start": self._in_start, "text": self._in_text, "content": self._in_content,
+                          "calls": self._in_calls, "object": self._in_object})
 
     @property
     def num_calls(self) -> int:
         return self._num_calls + self._named
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._text += text
-        out = ParsedDelta()
-        while self._pos < len(self._text):
-            before = (self._pos, self._state)
-            self._handlers[self._state](out)
-            if (self._pos, self._state) == before:  # waiting for more text
-                break
-        return out
 
     def finish(self) -> ParsedDelta:
         """The end of the output: held-back text is content; a call cut short keeps what was said of it (and

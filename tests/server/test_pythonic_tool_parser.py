@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import kvserve
 from kvserve.server.pythonic_tool_parser import PythonicToolCallParser, read_call
 from kvserve.server.tool_parsers import ParsedDelta, fold, parse_tool_calls
+from tests.server.test_tool_parsers import calls_of, fed_in_pieces
 
 # each value as Python writes it, and the JSON its call's arguments hold
 ARGUMENTS = [
@@ -53,18 +54,7 @@ TEXTS = [
 
 
 def streamed(text: str, cuts: list[int], parser: PythonicToolCallParser | None = None) -> tuple[str, list]:
-    parser = parser or PythonicToolCallParser()
-    deltas = ParsedDelta()
-    start = 0
-    for cut in sorted(set(cuts)) + [len(text)]:
-        deltas.extend(parser.feed(text[start:cut]))
-        start = max(start, cut)
-    deltas.extend(parser.finish())
-    return fold(deltas)
-
-
-def calls_of(result: tuple[str, list]) -> list[tuple[str, object]]:
-    return [(c.name, json.loads(c.arguments)) for c in result[1]]
+    return fed_in_pieces(parser or PythonicToolCallParser(), text, cuts)
 
 
 def whole(text: str, **options) -> tuple[str, list]:

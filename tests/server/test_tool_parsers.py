@@ -13,6 +13,7 @@ from kvserve.server.tool_parsers import (
     FORMATS,
     REQUIRED_FORMAT,
     NamedToolCallParser,
+    OutputParser,
     ParsedDelta,
     ToolCallFormat,
     ToolCallParser,
@@ -47,7 +48,11 @@ TEXTS = {
 
 
 def streamed(fmt: ToolCallFormat, text: str, cuts: list[int]) -> tuple[str, list]:
-    parser = ToolCallParser(fmt)
+    return fed_in_pieces(ToolCallParser(fmt), text, cuts)
+
+
+def fed_in_pieces(parser: OutputParser, text: str, cuts: list[int]) -> tuple[str, list]:
+    """The content and calls ``parser`` says of ``text`` fed cut at ``cuts``, then finished."""
     deltas = ParsedDelta()
     start = 0
     for cut in sorted(set(cuts)) + [len(text)]:
