@@ -7,8 +7,8 @@ A stream is OpenAI's semantic events, each numbered (``sequence_number``): ``res
 ``added``, text deltas (``output_text`` / ``reasoning_text``) or ``function_call_arguments`` deltas, their
 ``done``, ``response.output_item.done``; last ``response.completed``, or ``response.incomplete`` where
 ``max_output_tokens`` cut the output (as OpenAI ends it; vLLM's last event is always ``response.completed``), or
-``response.failed`` where the engine failed midway (its ``error`` says why; its output what was written, the last
-item closed ``incomplete``).
+``response.failed`` where the engine failed midway (its ``error`` says why; its output what was written, an open
+item closed ``incomplete``, no item where nothing was).
 """
 
 from __future__ import annotations
@@ -111,8 +111,8 @@ class ResponsesServer(ChatServer):
                     for event in events.pieces(message):
                         yield event
         except Exception as error:  # the engine failed midway: OpenAI's last event then, with what was written
-            message = failure_message(error, self.request_id)
-            for event in events.finish("incomplete"):
+            message = failure_message(error, self.client_request_id)
+            for event in events.close_open("incomplete"):
                 yield event
             failed = self._response_object("failed", events.items, None)
             failed.error = ResponseError(message=message)
@@ -233,6 +233,10 @@ class ResponseEvents:
         if self._open is None and not self.items:
             yield from self._start("message")
         yield from self._close("incomplete" if status == "incomplete" else "completed")
+
+    def close_open(self, status: ItemStatus) -> Iterator[str]:
+        """The open item closed, if one is (a failed response's output is what was written: none, or that)."""
+        yield from self._close(status)
 
     def _text(self, kind: ItemKind, text: str) -> Iterator[str]:
         if self._open is None or self._open.kind != kind:

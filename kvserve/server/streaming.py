@@ -159,6 +159,7 @@ class GenerationHandler:
         # the engine's ids are always fresh: a client may send one X-Request-Id twice at once, or one with a
         # character the engine keeps for its samples' ids ('#')
         self._engine_id = f"{self.id_prefix}{self.id_separator}{uuid.uuid4().hex}"
+        self.client_request_id = client_request_id  # what the log lines name the request by, where it sent one
         self.request_id = (self._engine_id if client_request_id is None
                            else f"{self.id_prefix}{self.id_separator}{client_request_id}")
         self.created = int(time.time())

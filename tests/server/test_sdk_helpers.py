@@ -8,6 +8,7 @@ leniently, so a field of the wrong type or a required one missing would otherwis
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Iterator
 
 import anthropic
@@ -19,6 +20,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel, TypeAdapter
 
+from tests.engine.fake_engine import FakeEngine
 from tests.server.test_app_fake_engine import MODEL, InProcessServer
 from tests.server.test_reasoning import ANSWER as THOUGHT_ANSWER
 from tests.server.test_responses import ANSWER, WEATHER, scripted_server
@@ -124,14 +126,16 @@ def test_a_response_and_its_events_are_the_sdks_types_and_agree(scripted: str, b
             assert stream.get_final_response().output_text == Response.model_validate(whole).output_text
 
 
-def test_a_response_stream_the_engine_fails_midway_ends_with_response_failed() -> None:
+def test_a_response_stream_the_engine_fails_midway_ends_with_response_failed(caplog: pytest.LogCaptureFixture) -> None:
     """OpenAI's last event for a failure: ``response.failed``, numbered as the rest, its response's ``error`` saying
     why and its output what was written, cut (chat's error object and ``[DONE]`` had no type or number, so a client
     that reads each event's type skipped it)."""
     server = InProcessServer()
     try:
         body = {"model": MODEL, "input": "hi", "max_output_tokens": 40, "stream": True}
-        with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=30) as answer:
+        with (caplog.at_level("WARNING"),
+              httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=30,
+                           headers={"X-Request-Id": "trace-7"}) as answer):
             lines = answer.iter_lines()
             first = [json.loads(next(line for line in lines if line.startswith("data: {"))[6:]) for _ in range(5)]
             assert first[-1]["type"] == "response.output_text.delta"
@@ -146,6 +150,36 @@ def test_a_response_stream_the_engine_fails_midway_ends_with_response_failed() -
         assert message["status"] == "incomplete" and message["content"][0]["text"] == "".join(
             event["delta"] for event in events if event["type"] == "response.output_text.delta")
         assert failed["response"]["usage"] is None
+        assert "the stream of request trace-7 ended: the engine failed (device lost)" in caplog.text  # as chat's
+    finally:
+        server.stop()
+
+
+class _FailsBeforeItsFirstText(FakeEngine):
+    """Its first step answers each request with a token that is no text yet (a character's first byte); its second
+    fails."""
+
+    def step(self) -> list:
+        self.num_steps += 1
+        time.sleep(self.step_seconds)  # the first step's output read before the second fails
+        if self.num_steps > 1:
+            raise RuntimeError("device lost")
+        outputs = []
+        for request in self.requests.values():
+            request.output_token_ids.append(0xC3)
+            outputs.append(request.output(None))
+            outputs[-1].outputs[0].text = ""
+        return outputs
+
+
+def test_a_response_that_fails_before_any_text_has_no_output() -> None:
+    """OpenAI's ``output: []``: no empty message the model never wrote."""
+    server = InProcessServer(fake=_FailsBeforeItsFirstText(max_num_seqs=2, max_model_len=256, step_seconds=0.2))
+    try:
+        events = sse_data(f"{server.url}/v1/responses", {"model": MODEL, "input": "hi"})
+        check_response_events(events)
+        assert [e["type"] for e in events] == ["response.created", "response.in_progress", "response.failed"]
+        assert events[-1]["response"]["output"] == [] and "device lost" in events[-1]["response"]["error"]["message"]
     finally:
         server.stop()
 
