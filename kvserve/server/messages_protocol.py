@@ -88,8 +88,9 @@ class ToolResultBlock(RequestBody):
 
 
 class ThinkingBlock(RequestBody):
-    """An earlier answer's thinking sent back (clients send the whole answer back): not rendered, as chat
-    templates drop earlier turns' thinking (the Responses API's reasoning items likewise)."""
+    """An earlier answer's thinking sent back (clients send the whole answer back): the turn's ``reasoning``, as a
+    chat message's, which the chat template renders or drops (Qwen3's keeps it only in the turns after the last
+    user message: a tool-call chain's, as Anthropic's own API uses the thinking sent back)."""
 
     type: Literal["thinking"]
     thinking: str
@@ -136,8 +137,10 @@ class InputMessage(RequestBody):
             return results + ([{"role": "user", "content": text}] if text else [])
         calls = [{"id": block.id, "function": {"name": block.name, "arguments": json.dumps(block.input)}}
                  for block in self.content if isinstance(block, ToolUseBlock)]
+        thinking = [block.thinking for block in self.content if isinstance(block, ThinkingBlock)]
         message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
-        return [message | ({"tool_calls": calls} if calls else {})]
+        return [message | ({"tool_calls": calls} if calls else {}) | ({"reasoning": "\n".join(thinking)}
+                                                                       if thinking else {})]
 
 
 class Tool(FunctionDefinition):

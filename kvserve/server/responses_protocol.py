@@ -105,14 +105,22 @@ class FunctionCallOutputItem(RequestBody):
 
 
 class ReasoningItem(RequestBody):
-    """An earlier answer's thinking sent back (the OpenAI Agents SDK sends every output item back): not rendered,
-    as chat templates (Qwen3's) drop earlier turns' thinking and vLLM's server skips it."""
+    """An earlier answer's thinking sent back (the OpenAI Agents SDK sends every output item back): its
+    ``reasoning_text`` parts are the ``reasoning`` of the assistant message its turn's next message or call makes
+    (as a chat message's), which the chat template renders or drops (Qwen3's keeps it only after the last user
+    message). A summary (OpenAI's own items) is not the thinking: not rendered."""
 
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[Any] = Field(default_factory=list)
     content: list[Any] | None = None
     status: ItemStatus | None = None
+
+    @property
+    def text(self) -> str:
+        return "\n".join(part["text"] for part in self.content or []
+                         if isinstance(part, dict) and part.get("type") == "reasoning_text"
+                         and isinstance(part.get("text"), str))
 
 
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -264,17 +272,24 @@ class ResponsesRequest(RequestBody):
         joins the assistant message before it (or makes one), each call's output is a tool message."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        reasoning = ""  # a reasoning item's text, for the assistant message its turn makes next
         for item in items:
-            if isinstance(item, MessageItem):
+            if isinstance(item, ReasoningItem):
+                reasoning = "\n".join(filter(None, (reasoning, item.text)))
+            elif isinstance(item, MessageItem):
                 messages.append(item.chat_message())
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "function": {"name": item.name, "arguments": item.arguments}}
-                if not messages or messages[-1]["role"] != "assistant":
+                if not messages or messages[-1]["role"] != "assistant" or reasoning:
                     messages.append({"role": "assistant", "content": None})
                 messages[-1].setdefault("tool_calls", []).append(call)
             elif isinstance(item, FunctionCallOutputItem):
                 output = item.output if isinstance(item.output, str) else "\n".join(p.text for p in item.output)
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            if reasoning and not isinstance(item, ReasoningItem):
+                if messages and messages[-1]["role"] == "assistant":
+                    messages[-1]["reasoning"] = reasoning
+                reasoning = ""  # thinking before a turn of another role belongs to no answer: not rendered
         return messages  # validated as the chat request's
 
     def _chat_tool_choice(self) -> str | dict[str, Any] | None:

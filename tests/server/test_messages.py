@@ -191,13 +191,15 @@ def test_thinking_is_a_thinking_block_before_the_text(thinker: InProcessServer) 
         streamed = stream.get_final_message()
     assert [b.type for b in streamed.content] == ["thinking", "text"] and streamed.content[0].thinking == THOUGHT
     assert [e.index for e in events if e.type == "content_block_start"] == [0, 1]
-    # the thinking sent back is not rendered: the same prompt as without it
+    # the thinking sent back is the turn's reasoning, as a chat message's: the chat template renders or drops it
     follow_up = {"role": "user", "content": "And Spain?"}
-    with_it = client.messages.create(model=MODEL, max_tokens=1, messages=[
-        *question, {"role": "assistant", "content": message.content}, follow_up])
-    without = client.messages.create(model=MODEL, max_tokens=1, messages=[
-        *question, {"role": "assistant", "content": [text]}, follow_up])
-    assert with_it.usage.input_tokens == without.usage.input_tokens
+    answered = [block.model_dump() for block in message.content]
+    assert client.messages.create(model=MODEL, max_tokens=1, messages=[
+        *question, {"role": "assistant", "content": answered}, follow_up]).stop_reason == "max_tokens"
+    (_, assistant, _) = chat_messages_of(messages=[*question, {"role": "assistant", "content": answered}, follow_up])
+    assert assistant["reasoning"] == THOUGHT and assistant["content"] == [{"type": "text", "text": "Paris."}]
+    (_, plain, _) = chat_messages_of(messages=[*question, {"role": "assistant", "content": answered[1:]}, follow_up])
+    assert "reasoning" not in plain
 
 
 @pytest.mark.parametrize("extra, named", [

@@ -14,6 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from kvserve.server.responses_protocol import ResponsesRequest
 from tests.server.conftest import MODEL_NAME
 from tests.server.test_app_fake_engine import MODEL, InProcessServer
 from tests.server.test_reasoning import THOUGHT, ScriptedEngine
@@ -173,12 +174,29 @@ def test_thinking_is_a_reasoning_item_before_the_message(thinker: InProcessServe
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == "Paris."
     assert final.usage.output_tokens_details.reasoning_tokens == len(thinking.encode())
-    # the reasoning item sent back is not rendered: the same prompt as without it
+    # a reasoning item sent back with no answer of its turn after it belongs to none: the same prompt as without it
     turn = [{"role": "user", "content": "Hi"}]
     with_it = client.responses.create(model=MODEL, input=[*turn, response.output[0].model_dump(exclude_none=True),
                                                           {"role": "user", "content": "And Spain?"}])
     without = client.responses.create(model=MODEL, input=[*turn, {"role": "user", "content": "And Spain?"}])
     assert with_it.usage.input_tokens == without.usage.input_tokens
+
+
+def test_a_reasoning_item_sent_back_is_its_answers_reasoning() -> None:
+    """As a chat message's ``reasoning`` (the template renders or drops it): the assistant message its turn makes
+    next, a message or calls; its summary is not the thinking."""
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "short"}],
+               "content": [{"type": "reasoning_text", "text": THOUGHT}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "Sunny"}
+    answer = {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]}
+    for turn, expected in (([thought, answer, call], {"content": [{"type": "text", "text": "Checking."}]}),
+                           ([thought, call], {"content": None})):
+        request = ResponsesRequest.model_validate({"model": "", "input": [{"role": "user", "content": "Weather?"},
+                                                                          *turn, result], "tools": [WEATHER]})
+        user, assistant, tool = [m.model_dump(exclude_none=True) for m in request.chat_request.messages]
+        assert assistant["reasoning"] == THOUGHT and assistant["tool_calls"][0]["id"] == "c1"
+        assert assistant.get("content") == expected["content"] and tool["role"] == "tool"
 
 
 def test_priority_and_cache_salt_are_taken_as_on_chat(talker: InProcessServer) -> None:
