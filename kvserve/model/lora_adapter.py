@@ -9,7 +9,9 @@ modules: ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` ([r,
 kvserve applies adapters to the decoder layers' linear projections (``LORA_TARGETS``) of every family it serves.
 What changes an adapter's arithmetic beyond that is refused by name, never ignored: ``modules_to_save`` (whole
 modules replaced), a ``bias`` other than "none", DoRA (``use_dora``), per-module ranks or alphas
-(``rank_pattern``, ``alpha_pattern``), embedding or LM-head targets, and a rank above ``max_lora_rank``.
+(``rank_pattern``, ``alpha_pattern``), embedding or LM-head targets, a rank above ``max_lora_rank``, an adapter
+saved over base weights its initialisation changed (PiSSA, OLoRA, CorDA unconverted), a ``use_rslora`` that is not
+a boolean, and a tensor holding NaN or inf.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ _REFUSED_FIELDS = (
     ("trainable_token_indices", "trained embedding rows are not implemented"),
     ("use_qalora", "QA-LoRA is not implemented"),
 )
+
+# initialisations that subtract the adapter's first product from the base weights: an adapter saved unconverted
+# applies to those changed weights, not to the checkpoint served
+_BASE_CHANGING_INITS = ("pissa", "olora", "corda")
 
 
 class LoRAAdapterError(ValueError):
@@ -114,6 +120,12 @@ def _check_config(config: dict[str, Any], name: str, max_rank: int) -> int:
     alpha = config.get("lora_alpha", 8)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise refuse("lora_alpha", f"must be a number, got {alpha!r}")
+    if not isinstance(config.get("use_rslora", False), bool):  # a string "false" would be truthy: the wrong scale
+        raise refuse("use_rslora", f"must be true or false, got {config['use_rslora']!r}")
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.startswith(_BASE_CHANGING_INITS):
+        raise refuse("init_lora_weights", f"{init!r} trains the adapter over base weights it changed: save it "
+                                          "converted to plain LoRA (PEFT's path_initial_model_for_weight_conversion)")
     if config.get("bias", "none") != "none":
         raise refuse("bias", f"{config['bias']!r}: only 'none' is implemented (no bias terms are trained)")
     for field, why in _REFUSED_FIELDS:
@@ -137,6 +149,9 @@ def _pairs(tensors: dict[str, torch.Tensor], name: str, rank: int) -> dict[str, 
                                    "implemented)")
         if tensor.dim() != 2 or not tensor.is_floating_point():
             raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {tensor_name!r} is not a 2-D float matrix")
+        # a NaN or inf would turn every logit of its requests' rows to NaN: garbage tokens, NaN logprobs
+        if not torch.isfinite(tensor).all():
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {tensor_name!r} holds NaN or infinite values")
         halves.setdefault(match["module"], {})[match["kind"]] = tensor
     pairs = {}
     for module, kinds in halves.items():

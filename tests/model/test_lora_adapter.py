@@ -51,6 +51,9 @@ def test_an_adapter_reads_its_rank_scale_and_each_modules_pair(adapter_dir: Path
     ({"target_modules": ["q_proj", "lm_head", "embed_tokens"]}, "field 'target_modules': 'lm_head', 'embed_tokens'"),
     ({"r": 32}, "field 'r': rank 32 is above max_lora_rank=16"),
     ({"peft_type": "IA3"}, "field 'peft_type'"),
+    ({"use_rslora": "false"}, "field 'use_rslora': must be true or false, got 'false'"),
+    ({"init_lora_weights": "pissa_niter_4"}, "field 'init_lora_weights': 'pissa_niter_4' trains the adapter over"),
+    ({"init_lora_weights": "olora"}, "field 'init_lora_weights': 'olora'"),
 ])
 def test_what_is_not_implemented_is_refused_naming_the_adapter_and_field(adapter_dir: Path, tmp_path: Path,
                                                                         changes: dict, message: str) -> None:
@@ -70,6 +73,19 @@ def test_an_embedding_tensor_a_lone_half_or_no_safetensors_file_is_refused(adapt
         read_lora_adapter(changed, "mine", max_rank=16)
     weights.rename(changed / "adapter_model.bin")
     with pytest.raises(LoRAAdapterError, match=r"no adapter_model.safetensors .* \(adapter_model.bin, a pickle"):
+        read_lora_adapter(changed, "mine", max_rank=16)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_tensor_holding_nan_or_inf_is_refused_naming_it(adapter_dir: Path, tmp_path: Path, value: float) -> None:
+    """Served, one NaN made every logit of the adapter's rows NaN: token 0 over and over, NaN logprobs."""
+    changed = _with_config(adapter_dir, tmp_path)
+    weights = changed / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    name = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    tensors[name][3, 1] = value
+    save_file(tensors, weights)
+    with pytest.raises(LoRAAdapterError, match=f"LoRA adapter 'mine': tensor '{name}' holds NaN or infinite values"):
         read_lora_adapter(changed, "mine", max_rank=16)
 
 
