@@ -295,7 +295,12 @@ class Scheduler:
         the lowest ranked first, until the head fits (it is admitted by ``_schedule_waiting``, unless running
         requests' own blocks preempt more first). One head a step: the next waits for the next step. Not for a
         head that waits for a running request to compute its prefix: it would not be admitted this step."""
-        if not self.waiting or self._match_prefix(self.waiting.head).must_wait:
+        head = self.waiting.head if self.waiting else None
+        if head is None or self._match_prefix(head).must_wait:
+            return
+        # the running requests it does not outrank holding every adapter slot, displacing the others seats it no sooner
+        if head.lora_id and not self._adapter_fits(head, {r.lora_id for r in self.running
+                                                          if r.priority <= head.priority}):
             return
         while self._outranks_a_running_request(self.waiting.head) and not self._fits_now(self.waiting.head):
             self._preempt(self._victim())
@@ -363,12 +368,19 @@ class Scheduler:
             return  # before ordering the queue: under lpm that matches every waiting request's prefix
         admitted: set[Request] = set()
         adapters = self._running_adapters()
+        adapters_held = False  # a request has waited long for an adapter slot: no adapter's request goes past it
         try:
             for request in self._waiting_in_policy_order():
                 if not budget.has_room() or len(self.running) >= self.config.max_running:
                     break
+                if request.lora_id and adapters_held:
+                    continue  # the running adapters drain, so that the one waiting long gets its slot
                 if not self._adapter_fits(request, adapters):
-                    continue  # its adapter would be one too many in the step: it waits for one to leave
+                    # its adapter would be one too many in the step: it waits for one to leave; past
+                    # lpm_aging_steps, others' requests are no longer admitted around it (a steady stream of a busy
+                    # adapter's requests starved it)
+                    adapters_held = self._has_waited_long(request)
+                    continue
                 start = self._match_prefix(request)
                 if start.must_wait:
                     continue
@@ -408,16 +420,16 @@ class Scheduler:
         candidates = self.waiting.first(WAITING_SCAN)
         if self.config.scheduling_policy != "lpm" or self.kv.prefix_cache is None or len(candidates) < 2:
             return candidates
-        oldest_fresh_step = self._batch_mirror.num_steps_sent - self.config.lpm_aging_steps
-
         def priority(request: Request) -> tuple[bool, int]:
-            first = (
-                request.status is RequestStatus.PREEMPTED
-                or self._arrival_step.get(request.request_id, 0) <= oldest_fresh_step
-            )
+            first = request.status is RequestStatus.PREEMPTED or self._has_waited_long(request)
             return (not first, 0 if first else -self._match_prefix(request).num_tokens)
 
         return sorted(candidates[:LPM_WINDOW], key=priority) + candidates[LPM_WINDOW:]
+
+    def _has_waited_long(self, request: Request) -> bool:
+        """Whether the request arrived ``lpm_aging_steps`` steps ago or more."""
+        oldest_fresh_step = self._batch_mirror.num_steps_sent - self.config.lpm_aging_steps
+        return self._arrival_step.get(request.request_id, 0) <= oldest_fresh_step
 
     def _admit(self, request: Request, start: PrefixMatch | SwappedKV) -> None:
         if request.status is RequestStatus.WAITING:  # the first admission: count the lookup, if there is a cache

@@ -244,11 +244,11 @@ def make_scheduler(
     num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32, max_num_seqs: int = 8,
     max_model_len: int = 256, prefix_caching: bool = False, policy: str = "fcfs", lpm_aging_steps: int = 64,
     tiers: TieredStore | None = None, speculative: SpeculativeConfig | None = None,
-    preemption_mode: str = "recompute",
+    preemption_mode: str = "recompute", max_loras: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy=policy, lpm_aging_steps=lpm_aging_steps,
-        preemption_mode=preemption_mode,
+        preemption_mode=preemption_mode, max_loras=max_loras,
     )
     speculation = SpeculationPolicy(speculative) if speculative is not None else None
     return Scheduler(config, KVCacheManager(num_blocks, block_size, prefix_caching, tiers), speculation)
