@@ -12,7 +12,6 @@ with ``--quantization none``); an adapter's terms are two skinny GEMMs per proje
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -23,13 +22,9 @@ from kvserve.bench.report import machine
 from kvserve.model.lora_checkpoint import make_lora_adapter
 
 
-def adapters(llm: LLM, count: int, rank: int, root: Path) -> list[LoRARequest]:
-    """``count`` seeded adapters for the served model, made from its config as kvserve loaded it."""
-    base = root / "base"
-    base.mkdir(exist_ok=True)
-    config = llm.engine.core.runner.model.config  # the GGUF's settings as read into a transformers config
-    (base / "config.json").write_text(json.dumps(config.to_dict()))
-    return [LoRARequest(f"adapter{i}", i + 1, str(make_lora_adapter(base, root / f"adapter{i}", rank=rank, seed=i)))
+def adapters(model: str, count: int, rank: int, root: Path) -> list[LoRARequest]:
+    """``count`` seeded adapters for ``model``."""
+    return [LoRARequest(f"adapter{i}", i + 1, str(make_lora_adapter(model, root / f"adapter{i}", rank=rank, seed=i)))
             for i in range(count)]
 
 
@@ -58,7 +53,7 @@ def main() -> None:
     prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 100 for j in range(args.prompt_len)]}
                for i in range(args.requests)]
     with tempfile.TemporaryDirectory() as root:
-        made = adapters(llm, max(counts), args.rank, Path(root))
+        made = adapters(args.model, max(counts), args.rank, Path(root))
         tokens_per_second(llm, prompts[:2], params, made)  # every adapter loaded, the first steps warmed
         results: dict[int, list[float]] = {count: [] for count in counts}
         for _ in range(args.rounds):

@@ -57,7 +57,7 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 def _cmd_make_lora(args: argparse.Namespace) -> int:
     from kvserve.model.lora_checkpoint import make_lora_adapter
 
-    print(make_lora_adapter(args.base_dir, args.out_dir, rank=args.rank, alpha=args.alpha, targets=args.targets,
+    print(make_lora_adapter(args.base, args.out_dir, rank=args.rank, alpha=args.alpha, targets=args.targets,
                             seed=args.seed, zero_b=args.zero_b, use_rslora=args.use_rslora))
     return 0
 
@@ -157,7 +157,8 @@ def _make_checkpoint_arguments(parser: argparse.ArgumentParser) -> None:
 def _make_lora_arguments(parser: argparse.ArgumentParser) -> None:
     from kvserve.model.lora_adapter import LORA_TARGETS
 
-    parser.add_argument("base_dir", help="the base checkpoint (a Hugging Face directory) the adapter is for")
+    parser.add_argument("base", help="the base model the adapter is for, as `kvserve serve` takes it (a Hugging Face "
+                                     "directory, a GGUF file, a pulled model's name)")
     parser.add_argument("out_dir")
     parser.add_argument("--rank", type=int, default=8, help="default: %(default)s")
     parser.add_argument("--alpha", type=float, default=16.0, help="lora_alpha (default: %(default)s)")

@@ -13,24 +13,26 @@ from typing import Sequence
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from kvserve.model.layers.rotary import rope_head_dim
+from kvserve.model.loader import load_checkpoint
 from kvserve.model.lora_adapter import CONFIG_FILE, LORA_TARGETS, WEIGHTS_FILE
+from kvserve.model.sources import resolve_model
 
 LORA_INIT_STD = 0.15  # A and B ~ N(0, LORA_INIT_STD)
 
 
-def make_lora_adapter(base_dir: str | Path, out_dir: str | Path, *, rank: int = 8, alpha: float = 16,
+def make_lora_adapter(base: str | Path, out_dir: str | Path, *, rank: int = 8, alpha: float = 16,
                       targets: Sequence[str] = LORA_TARGETS, seed: int = 0, zero_b: bool = False,
                       use_rslora: bool = False) -> Path:
-    """Write adapter_config.json and adapter_model.safetensors (fp32) into ``out_dir`` for the checkpoint in
-    ``base_dir``, targeting ``targets`` of every decoder layer; returns ``out_dir``."""
+    """Write adapter_config.json and adapter_model.safetensors (fp32) into ``out_dir`` for the model ``base`` (what
+    ``kvserve serve`` takes: a Hugging Face directory, a GGUF file, a packaged model's name once pulled),
+    targeting ``targets`` of every decoder layer; returns ``out_dir``."""
     unknown = [t for t in targets if t not in LORA_TARGETS]
     if unknown or not targets:
         raise ValueError(f"targets must be some of {', '.join(LORA_TARGETS)}, got {list(targets)}")
-    config = AutoConfig.from_pretrained(base_dir)
-    config = getattr(config, "text_config", config)
+    config = _base_config(base)
     shapes = _projection_shapes(config)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -45,13 +47,19 @@ def make_lora_adapter(base_dir: str | Path, out_dir: str | Path, *, rank: int = 
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE))
     peft_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_dir), "r": rank,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": rank,
         "lora_alpha": alpha, "lora_dropout": 0.0, "target_modules": list(targets), "use_rslora": use_rslora,
         "bias": "none", "modules_to_save": None, "use_dora": False, "fan_in_fan_out": False, "rank_pattern": {},
         "alpha_pattern": {}, "inference_mode": True,
     }
     (out / CONFIG_FILE).write_text(json.dumps(peft_config, indent=2) + "\n")
     return out
+
+
+def _base_config(base: str | Path) -> PretrainedConfig:
+    """The base model's text config as kvserve reads it (a GGUF's settings included; no weight is read)."""
+    config = load_checkpoint(resolve_model(str(base), auto_pull=False), torch.float32).hf_config
+    return getattr(config, "text_config", config)
 
 
 def _projection_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:

@@ -102,7 +102,8 @@ class Scheduler:
         self.num_prefix_query_tokens = 0  # tokens of newly admitted requests looked up in the prefix cache
         self.num_prefix_hit_tokens = 0  # of those, found cached
         self.num_continued_steps = 0  # steps scheduled before the tokens of the step before were back
-        self._arrival_step: dict[str, int] = {}  # unfinished requests -> steps sent before they arrived (aging: lpm's order, a LoRA slot waited for)
+        # unfinished requests -> steps sent before they arrived (aging: lpm's order, a LoRA slot waited for)
+        self._arrival_step: dict[str, int] = {}
 
     @property
     def num_running(self) -> int:

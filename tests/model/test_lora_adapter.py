@@ -16,6 +16,7 @@ from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
 from kvserve.model.layers.lora import LoRAGroup, LoRAMapping, install_adapter
 from kvserve.model.lora_adapter import LoRAAdapter, LoRAAdapterError, read_lora_adapter
 from kvserve.model.lora_checkpoint import make_lora_adapter
+from tests.model.test_loader import gguf_file, gguf_model  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +120,15 @@ def test_a_packed_layers_rows_get_their_adapters_term_and_no_other() -> None:
     torch.testing.assert_close(got, want)
     every_row = LoRAMapping((LoRAGroup(2, None),))
     torch.testing.assert_close(layer(x, every_row), F.linear(x, merged(second), layer.bias))
+
+
+def test_an_adapter_is_made_for_a_gguf_file_as_for_its_checkpoint(gguf_file: Path, gguf_model, tmp_path: Path) -> None:
+    """``make_lora_adapter`` (and ``kvserve make-lora``) takes a model as ``kvserve serve`` does: a GGUF file's
+    settings read as its loader reads them (transformers' config reader, which wants a directory, went to the
+    Hub for one)."""
+    adapter = read_lora_adapter(make_lora_adapter(gguf_file, tmp_path / "adapter", rank=4), "g", max_rank=16)
+    config = gguf_model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    a, b = adapter.weights["model.layers.0.self_attn.k_proj"]
+    assert a.shape == (4, config.hidden_size) and b.shape == (config.num_key_value_heads * head_dim, 4)
+    assert len(adapter.weights) == 7 * config.num_hidden_layers
