@@ -28,7 +28,7 @@ import torch
 from kvserve.attention.backend import AttentionInputs, shared_prefixes
 from kvserve.device_copy import to_device
 from kvserve.kv.groups import NULL_BLOCK
-from kvserve.model.layers.lora import LoRAGroup, LoRAMapping
+from kvserve.model.layers.lora import LoRAMapping
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
 from kvserve.worker.staging import PinnedStaging
@@ -264,13 +264,7 @@ class PersistentBatch:
         adapters = np.fromiter((self._rows[row].lora_id for row in rows), np.int64, len(rows))
         if not adapters.any():
             return None
-        adapter_of_token = np.repeat(adapters, query_lens)
-        groups = []
-        for adapter_id in np.unique(adapters[adapters != 0]).tolist():
-            token_rows = np.flatnonzero(adapter_of_token == adapter_id)
-            every_row = len(token_rows) == len(adapter_of_token)  # no gather and scatter for a step of one adapter
-            groups.append(LoRAGroup(adapter_id, None if every_row else to_device(token_rows, torch.int64, self.device)))
-        return LoRAMapping(tuple(groups))
+        return LoRAMapping.of_tokens(np.repeat(adapters, query_lens), self.device)
 
     def _sampling_row(self, request_id: str, row: int, in_flight: InFlightTokens | None) -> SamplingRow:
         """The row's sampling state; a request whose last token is still in flight draws one position on."""

@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
-from kvserve.model.layers.lora import LoRAGroup, LoRAMapping, install_adapter
+from kvserve.model.layers import lora
+from kvserve.model.layers.lora import MASKED_MAX_TOKENS, LoRAGroup, LoRAMapping, install_adapter
 from kvserve.model.lora_adapter import LoRAAdapter, LoRAAdapterError, read_lora_adapter
 from kvserve.model.lora_checkpoint import make_lora_adapter
 from tests.model.test_loader import gguf_file, gguf_model  # noqa: F401 (fixtures)
@@ -90,9 +92,13 @@ def test_a_tensor_holding_nan_or_inf_is_refused_naming_it(adapter_dir: Path, tmp
         read_lora_adapter(changed, "mine", max_rank=16)
 
 
-def test_a_packed_layers_rows_get_their_adapters_term_and_no_other() -> None:
-    """q/k/v packed; adapter 1 targets q and v, adapter 2 k: rows 0 and 3 run adapter 1, row 2 adapter 2, row 1
-    the base layer."""
+@pytest.mark.parametrize("masked_max_tokens", [0, MASKED_MAX_TOKENS], ids=["grouped", "masked"])
+def test_a_packed_layers_rows_get_their_adapters_term_and_no_other(masked_max_tokens: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v packed; adapter 1 targets q and v, adapter 2 k, adapter 3 another layer: rows 0 and 3 run adapter 1,
+    row 2 adapter 2, row 1 the base layer, row 4 adapter 3; by groups of rows and by the masked GEMM pair (a step
+    of few tokens), the stacks kept on the layer made again when an adapter is installed."""
+    monkeypatch.setattr(lora, "MASKED_MAX_TOKENS", masked_max_tokens)
     torch.manual_seed(0)
     layer = PackedLinear(6, {"q_proj": 4, "k_proj": 2, "v_proj": 2}, bias=True)
     layer.bind(UnquantizedLinearMethod(), torch.float32)
@@ -105,8 +111,9 @@ def test_a_packed_layers_rows_get_their_adapters_term_and_no_other() -> None:
     second = LoRAAdapter("second", Path(), 3, 2.0, "d2", {"p.k_proj": pairs["k_proj"]})
     install_adapter(projections, 1, first, torch.float32, torch.device("cpu"))
     install_adapter(projections, 2, second, torch.float32, torch.device("cpu"))
-    x = torch.randn(4, 6)
-    mapping = LoRAMapping((LoRAGroup(1, torch.tensor([0, 3])), LoRAGroup(2, torch.tensor([2]))))
+    x = torch.randn(5, 6)
+    mapping = LoRAMapping.of_tokens(np.array([1, 0, 2, 1, 3]), torch.device("cpu"))
+    assert (mapping.token_groups is not None) == bool(masked_max_tokens)
     got = layer(x, mapping)
 
     def merged(adapter: LoRAAdapter) -> torch.Tensor:
@@ -116,10 +123,15 @@ def test_a_packed_layers_rows_get_their_adapters_term_and_no_other() -> None:
         return weight
 
     want = torch.stack([F.linear(x[0], merged(first), layer.bias), F.linear(x[1], layer.weight, layer.bias),
-                        F.linear(x[2], merged(second), layer.bias), F.linear(x[3], merged(first), layer.bias)])
+                        F.linear(x[2], merged(second), layer.bias), F.linear(x[3], merged(first), layer.bias),
+                        F.linear(x[4], layer.weight, layer.bias)])
     torch.testing.assert_close(got, want)
     every_row = LoRAMapping((LoRAGroup(2, None),))
     torch.testing.assert_close(layer(x, every_row), F.linear(x, merged(second), layer.bias))
+    # adapter 2's weights replaced under its id: the next step's stack is the new one's
+    install_adapter(projections, 2, first, torch.float32, torch.device("cpu"))
+    again = layer(x, LoRAMapping.of_tokens(np.array([1, 0, 2, 1, 3]), torch.device("cpu")))
+    torch.testing.assert_close(again[2], F.linear(x[2], merged(first), layer.bias))
 
 
 def test_an_adapter_is_made_for_a_gguf_file_as_for_its_checkpoint(gguf_file: Path, gguf_model, tmp_path: Path) -> None:

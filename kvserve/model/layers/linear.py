@@ -173,6 +173,8 @@ class Linear(nn.Module):
         self.tp_shard: LinearShard | None = None  # this rank's part under tensor parallelism (shapes above are its)
         # LoRA adapters installed on the layer: adapter id -> (A [r, in], B [out, r] scaled), ``layers/lora.py``
         self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # the stacked weights of sets of adapters a step used together (``layers/lora.py``'s masked path)
+        self.lora_stacks: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None] = {}
 
     def bind(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Give the layer its method, which creates its parameters (on the current default device)."""
