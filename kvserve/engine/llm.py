@@ -199,6 +199,19 @@ class LLM:
         """KV cache and scheduler state: block counts, KV dtype, peak usage and waste, preemptions."""
         return self.engine.stats()
 
+    def list_loras(self) -> set[int]:
+        """The ids of the LoRA adapters served: those generate's ``lora_request`` named (vLLM's engine's)."""
+        return self.engine.list_loras()
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload LoRA adapter ``lora_id``, freeing its weights; False where none of that id is served (vLLM's
+        engine's). The id is retired: a later ``lora_request`` with it is refused (give the adapter a new id)."""
+        with self._running:  # between two generates: none of its requests is left
+            if lora_id not in self.engine.list_loras():
+                return False
+            self.engine.remove_lora(lora_id)
+            return True
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params (vLLM's name): the model's
         generation_config.json sampling fields (``generation_config="auto"``), else SamplingParams' defaults."""

@@ -81,7 +81,7 @@ class LLMEngine:
             runner = ModelRunner(checkpoint, self.dtype, self.device, self.runner_options, structured=structured,
                                  draft=self._draft_model(vocab_size), peers=workers)
             self.core = self._build_core(runner)
-            self.lora_adapters = LoRAAdapters(config.lora, runner)
+            self.lora_adapters = LoRAAdapters(config.lora, runner, self.core.scheduler.num_requests_by_adapter)
         except BaseException:
             if workers is not None:
                 workers.close()
@@ -376,7 +376,18 @@ class LLMEngine:
         if self._held:  # outputs of a step already run, not yet processed: they would land on a reused id
             aborted = set(sample_ids)
             self._held = [output for output in self._held if output.request_id not in aborted]
+        self.lora_adapters.drop_retired()
         return [out for rid in request_ids if (out := self.output_processor.abort(rid, scheduled[rid])) is not None]
+
+    def remove_lora(self, lora_int_id: int) -> int:
+        """Stop serving LoRA adapter ``lora_int_id`` (vLLM's): a request naming it from now on is refused; those
+        running or waiting with it finish with it (how many is returned), then its weights leave the model.
+        ``InvalidParameter`` where no adapter of that id is served."""
+        return self.lora_adapters.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the LoRA adapters served (vLLM's)."""
+        return {lora_request.lora_int_id for lora_request in self.lora_adapters.served}
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one engine step and return the outputs of the requests that moved (``final_only``: of those that
@@ -421,6 +432,7 @@ class LLMEngine:
             self._held = self.core.finish_step(pending)  # stopped requests finish after the step they ran in
         if processed.stopped_request_ids:
             self.core.finish_requests(processed.stopped_request_ids, FinishReason.STOP)
+        self.lora_adapters.drop_retired()
         return processed.request_outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -468,7 +480,16 @@ class LLMEngine:
             **(copies.stats() if (copies := self.core.runner.host_copies) else {}),
             **self._structured_output_stats(),
             **(speculation.stats() if (speculation := self.core.scheduler.speculation) else {}),
+            **(self._lora_stats() if self.config.lora.enable_lora else {}),
         }
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """The names of the LoRA adapters that running and waiting requests run with, comma-separated in name order
+        (vLLM's ``lora_requests_info`` labels), and ``max_loras``."""
+        running, waiting = self.core.scheduler.adapters_in_use()
+        return {"running_lora_adapters": ",".join(sorted(map(self.lora_adapters.name_of, running))),
+                "waiting_lora_adapters": ",".join(sorted(map(self.lora_adapters.name_of, waiting))),
+                "max_loras": self.config.lora.max_loras}
 
     def _structured_output_stats(self) -> dict[str, Any]:
         grammar = self.core.runner.grammar

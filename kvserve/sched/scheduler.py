@@ -37,6 +37,7 @@ always make progress and the loop never deadlocks.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -93,6 +94,9 @@ class Scheduler:
         self.kv = kv
         self.speculation = speculation
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        # of those, how many run with each LoRA adapter (none for the base model): an adapter removed while in use
+        # stays installed until its count is gone (``engine/lora_adapters.py``)
+        self.num_requests_by_adapter: Counter[int] = Counter()
         self.waiting = WaitingQueue()
         self.running: list[Request] = []  # admission order: the last one is the newest
         self._batch_mirror = RunnerBatchMirror(kv)
@@ -165,6 +169,7 @@ class Scheduler:
         self._check_fits(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self._count_adapter(request, 1)
         self._arrival_step[request.request_id] = self._batch_mirror.num_steps_sent
         self._enqueue(request)
 
@@ -405,6 +410,21 @@ class Scheduler:
             return set()
         return {request.lora_id for request in self.running}
 
+    def adapters_in_use(self) -> tuple[set[int], set[int]]:
+        """The LoRA adapters of the running requests, and of the waiting ones (preempted included): a pass over
+        the running requests only while one with an adapter is unfinished, none over the waiting queue."""
+        if not self.num_requests_by_adapter:
+            return set(), set()
+        running = Counter(request.lora_id for request in self.running if request.lora_id)
+        waiting = {adapter for adapter, count in self.num_requests_by_adapter.items() if count > running[adapter]}
+        return set(running), waiting
+
+    def _count_adapter(self, request: Request, change: int) -> None:
+        if request.lora_id:
+            self.num_requests_by_adapter[request.lora_id] += change
+            if not self.num_requests_by_adapter[request.lora_id]:
+                del self.num_requests_by_adapter[request.lora_id]
+
     def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
         """Whether the request's LoRA adapter joins ``adapters`` (the running ones) within ``max_loras``."""
         if request.lora_id == 0 or request.lora_id in adapters or self.config.max_loras is None:
@@ -539,6 +559,7 @@ class Scheduler:
         for index in range(1, parent.sampling_params.n):
             sample = new_sample(parent, index)
             self.requests[sample.request_id] = sample
+            self._count_adapter(sample, 1)
             if len(self.running) >= self.config.max_running:
                 self._park_sample(parent, sample)
             elif self._fork_copies.share_kv(parent, sample):
@@ -582,6 +603,7 @@ class Scheduler:
         # out of the queues and of ``requests`` first: a request is finished once, even should its freeing be
         # interrupted (a second free, from an abort, freed its blocks twice)
         del self.requests[request.request_id]
+        self._count_adapter(request, -1)
         self._dequeue(request)
         if commit and request.status is RequestStatus.RUNNING:
             # blocks filled by the drafts accepted in its last step are known only now: into the tree first

@@ -164,6 +164,13 @@ class ModelRunner:
         if self._lora_projections is not None:
             remove_adapter(self._lora_projections, adapter_id)
 
+    def lora_bytes(self, adapter_id: int) -> int:
+        """The bytes adapter ``adapter_id``'s weights take on the model's layers (0 where it is not installed)."""
+        if self._lora_projections is None:
+            return 0
+        layers = {layer for layer, _ in self._lora_projections.values()}  # a packed layer serves several names
+        return sum(tensor.nbytes for layer in layers for tensor in layer.lora.get(adapter_id, ()))
+
     def use_kv_groups(self, groups: KVCacheGroups) -> None:
         """Lay the KV cache out in these groups (``kv/groups.py``; one group, the plain layout, until called):
         before ``kv_bytes_per_block`` sizes the pool and ``init_kv_cache`` allocates it."""
