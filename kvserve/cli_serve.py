@@ -17,7 +17,7 @@ from kvserve.engine_args import EngineArgs
 from kvserve.logs import add_log_arguments
 from kvserve.lora_request import LoRARequest
 from kvserve.server.cors import CorsPolicy, add_cors_arguments
-from kvserve.server.environment import api_keys
+from kvserve.server.environment import allows_runtime_lora_updating, api_keys
 from kvserve.server.reasoning_parsers import REASONING_PARSERS
 from kvserve.server.request_log import RequestLog, add_request_log_arguments
 from kvserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerSettings
@@ -70,6 +70,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="LoRA adapters (PEFT directories) to serve beside the model, with --enable-lora: a "
                              "request whose 'model' is NAME runs with the adapter at PATH")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, with --enable-lora (as "
+                             "vLLM's $VLLM_ALLOW_RUNTIME_LORA_UPDATING, which turns it on too): whoever may call "
+                             "them loads files the server can read (default: off, a 404 saying so)")
     parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                         help="vLLM's, taken for its tool-calling recipes: kvserve always serves tool_choice 'auto' "
                              "(default: on; off is refused)")
@@ -135,7 +139,17 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         cors=CorsPolicy.from_cli_args(args),
         request_log=RequestLog.from_cli_args(args),
         lora_modules=lora_modules(args.lora_modules or [], args.enable_lora),
+        allow_runtime_lora_updating=runtime_lora_updating(args.allow_runtime_lora_updating, args.enable_lora),
     )
+
+
+def runtime_lora_updating(flag: bool, enable_lora: bool) -> bool:
+    """Whether the flag or vLLM's variable turns runtime LoRA updating on; ValueError without --enable-lora."""
+    allowed = allows_runtime_lora_updating(flag)
+    if allowed and not enable_lora:
+        how = "--allow-runtime-lora-updating" if flag else "$VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+        raise ValueError(f"{how} loads LoRA adapters, which --enable-lora turns on: give it too")
+    return allowed
 
 
 def lora_modules(specs: Sequence[str], enable_lora: bool) -> tuple[LoRARequest, ...]:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve import __version__
@@ -38,10 +38,12 @@ from kvserve.server.metrics import CONTENT_TYPE
 from kvserve.server.model_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from kvserve.server.protocol import SamplingRequest
 from kvserve.server.request_body import read_body
@@ -77,6 +79,7 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     _add_model_routes(app, state)
     _add_generation_routes(app, state)
     _add_token_routes(app, state)
+    _add_lora_routes(app, state)
     app.add_middleware(RequestGuard, state=state)
     # added last, so outermost: a preflight is answered before the guard
     app.add_middleware(CORSMiddleware, **state.settings.cors.middleware_options())
@@ -107,7 +110,7 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> ModelList:
-        names = state.settings.served_model_names + tuple(a.lora_name for a in state.settings.lora_modules)
+        names = state.settings.served_model_names + state.adapters.names
         return ModelList(data=[_model_card(state, name) for name in names])
 
     @app.api_route("/v1/models/{model:path}", methods=READ_METHODS)
@@ -120,7 +123,7 @@ def _add_model_routes(app: FastAPI, state: ServerState) -> None:
 
 def _model_card(state: ServerState, name: str) -> ModelCard:
     """A served name's card, or a LoRA adapter's: its directory as root and the base model as parent (vLLM's)."""
-    adapter = state.settings.lora_request(name)
+    adapter = state.adapters.get(name)
     if adapter is None:
         return ModelCard(id=name, root=state.settings.model_root, max_model_len=state.max_model_len)
     return ModelCard(id=name, root=adapter.lora_path, parent=state.settings.model_name,
@@ -174,7 +177,7 @@ async def _serve(state: ServerState, handler: Callable[..., _Generation], body: 
             generation = handler(engine, body, body.model or state.settings.model_name,
                                  client_request_id=request_id, admission=admission,
                                  request_log=state.settings.request_log,
-                                 lora_request=state.settings.lora_request(body.model), **options)
+                                 lora_request=state.adapters.get(body.model), **options)
         except ValueError as e:
             raise bad_request(body.named_as_sent(e)) from e
         outputs = await until_disconnected(request, generation.start())
@@ -206,6 +209,28 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
             return DetokenizeResponse(prompt=await engine.detokenize(body.tokens))
         except InvalidParameter as e:  # the engine names the ids token_ids; the request sent them as tokens
             raise bad_request(e.renamed("tokens")) from e
+
+
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (``served_adapters``), vLLM's plain-text answers;
+    without --allow-runtime-lora-updating a 404 whatever the body, saying how to turn them on (vLLM mounts no
+    such route)."""
+    if not state.settings.allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        @app.post("/v1/unload_lora_adapter")
+        async def runtime_lora_updating_off() -> Response:
+            raise APIError(HTTPStatus.NOT_FOUND, "loading and unloading LoRA adapters at runtime is off: start the "
+                                                 "server with --allow-runtime-lora-updating (and --enable-lora), or "
+                                                 "with $VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+        return
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await state.adapters.load(state.engine_for(None), body))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await state.adapters.unload(state.engine_for(None), body))
 
 
 async def _token_ids(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:

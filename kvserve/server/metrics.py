@@ -135,6 +135,12 @@ class ServerMetrics:
         }
         self._engine_counts_seen = {key: stats.get(key, 0) for key in self._engine_counters}
         self._make_histograms(max_model_len)
+        self._lora_labels: dict[str, str] | None = None  # the LoRA info's present labels, once set
+        self._lora_info = Gauge(
+            "kvserve:lora_requests_info", "The LoRA adapters of the running and the waiting requests (names, "
+            "comma-separated), and max_loras; the value: the Unix time they took these values.",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=self.registry,
+        ) if "running_lora_adapters" in stats else None  # LoRA on
         self._set_gauges(stats)  # e.g. the disk tier's blocks, found at start, before any request
 
     # Each metric is labelled with model_name, like vLLM's; these return the child for this model, so that
@@ -232,11 +238,25 @@ class ServerMetrics:
         self.prefix_cache_blocks.set(stats.get("prefix_cache_blocks", 0))
         for key, gauge in self.stat_gauges.items():
             gauge.set(stats.get(key, 0))
+        if self._lora_info is not None:
+            self._set_lora_info(stats)
         for key, counter in self._engine_counters.items():
             num_new = stats.get(key, 0) - self._engine_counts_seen[key]
             if num_new > 0:
                 counter.inc(num_new)
             self._engine_counts_seen[key] = stats.get(key, 0)
+
+    def _set_lora_info(self, stats: dict[str, Any]) -> None:
+        """vLLM's ``lora_requests_info``, but one series: the labels changed, the old series goes and the new one
+        is stamped with the time (unchanged, nothing is done: a step pays a comparison)."""
+        labels = {"running_lora_adapters": stats["running_lora_adapters"],
+                  "waiting_lora_adapters": stats["waiting_lora_adapters"], "max_lora": str(stats["max_loras"])}
+        if labels == self._lora_labels:
+            return
+        if self._lora_labels is not None:
+            self._lora_info.remove(*self._lora_labels.values())
+        self._lora_info.labels(**labels).set_to_current_time()
+        self._lora_labels = labels
 
     def _observe_request(self, out: RequestOutput, times: _RequestTimes, step_start: float, now: float) -> None:
         num_tokens = sum(len(sample.token_ids) for sample in out.outputs)

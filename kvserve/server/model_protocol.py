@@ -1,12 +1,12 @@
-"""The bodies of the routes about the served model: /v1/models (its card) and /tokenize, /detokenize (its
-tokenizer)."""
+"""The bodies of the routes about the served model: /v1/models (its card), /tokenize, /detokenize (its
+tokenizer), and /v1/load_lora_adapter, /v1/unload_lora_adapter (its LoRA adapters, ``served_adapters``)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, StrictBool, model_validator
+from pydantic import BaseModel, Field, StrictBool, StrictStr, model_validator
 
 from kvserve.sampling_params import InvalidParameter
 from kvserve.server.chat_protocol import ChatMessage
@@ -78,3 +78,31 @@ class DetokenizeRequest(RequestBody):
 class DetokenizeResponse(BaseModel):
     prompt: str
 
+
+
+class LoadLoRAAdapterRequest(RequestBody):
+    """vLLM's body: the adapter's name and directory. ``load_inplace`` (vLLM's reload of a served name in place) is
+    not implemented: true is refused (unload the name first)."""
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_path: StrictStr = Field(min_length=1)
+    load_inplace: StrictBool = False
+
+    @model_validator(mode="after")
+    def _not_in_place(self) -> LoadLoRAAdapterRequest:
+        if self.load_inplace:
+            raise InvalidParameter("load_inplace", "load_inplace is not implemented: unload the adapter, then load it")
+        return self
+
+
+class UnloadLoRAAdapterRequest(RequestBody):
+    """vLLM's body: the adapter's name. vLLM's ``lora_int_id`` is refused: a server's ids are its own."""
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_int_id: int | None = None
+
+    @model_validator(mode="after")
+    def _by_name(self) -> UnloadLoRAAdapterRequest:
+        if self.lora_int_id is not None:
+            raise InvalidParameter("lora_int_id", "name the adapter by lora_name: the server's adapter ids are its own")
+        return self

@@ -13,6 +13,7 @@ from kvserve.server.environment import check_api_keys
 from kvserve.server.reasoning_parsers import REASONING_PARSERS
 from kvserve.server.errors import RETRY_LATER, APIError, shortened
 from kvserve.server.request_log import RequestLog
+from kvserve.server.served_adapters import ServedAdapters
 
 if TYPE_CHECKING:
     from kvserve.engine.async_engine import Admission, AsyncEngine
@@ -37,6 +38,8 @@ class ServerSettings:
     request_log: RequestLog = RequestLog()
     # LoRA adapters (--lora-modules) a request selects by naming one in ``model``; loaded as the engine starts
     lora_modules: tuple[LoRARequest, ...] = ()
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter served (``served_adapters``); else a 404 saying so
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -63,10 +66,6 @@ class ServerSettings:
         """The name answers carry in their ``model`` field."""
         return self.served_model_names[0]
 
-    def lora_request(self, model: str | None) -> LoRARequest | None:
-        """The adapter a request's ``model`` names, None for a served model's name (or none)."""
-        return next((adapter for adapter in self.lora_modules if adapter.lora_name == model), None)
-
 
 @dataclass
 class ServerState:
@@ -78,6 +77,10 @@ class ServerState:
     max_model_len: int | None = None  # known once the model is loaded
     draining: bool = False
     load_error: BaseException | None = field(default=None, repr=False)
+    adapters: ServedAdapters = field(init=False, repr=False)  # the LoRA adapters served, by name
+
+    def __post_init__(self) -> None:
+        self.adapters = ServedAdapters(self.settings.lora_modules, self.settings.served_model_names)
 
     @property
     def is_ready(self) -> bool:
@@ -86,7 +89,7 @@ class ServerState:
     def engine_for(self, model: str | None) -> AsyncEngine:
         """The engine to run a request for ``model`` on (None or empty: the served model, as vLLM takes them),
         or the APIError that says why there is none."""
-        served = self.settings.served_model_names + tuple(a.lora_name for a in self.settings.lora_modules)
+        served = self.settings.served_model_names + self.adapters.names
         if model and model not in served:
             raise APIError(HTTPStatus.NOT_FOUND, f"the model {shortened(model)!r} does not exist; this server serves "
                                                  f"{', '.join(served)}", param="model")
