@@ -222,5 +222,6 @@ def test_the_flag_or_vllms_variable_turns_it_on_with_lora_only(monkeypatch) -> N
     for value, allowed in (("1", True), ("True", True), ("0", False), ("no", False)):
         monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", value)
         assert runtime_lora_updating(False, True) is allowed
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
     with pytest.raises(ValueError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING loads LoRA adapters"):
         runtime_lora_updating(False, False)
