@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence, TypeVar
@@ -64,6 +65,9 @@ PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/respo
 # the requests that leave KV behind
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answers
+# runtime LoRA updates: sent to every replica, so that each serves the same adapters (``Router.update_adapters``)
+LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
+ADAPTER_PATHS = frozenset({LOAD_ADAPTER_PATH, "/v1/unload_lora_adapter"})
 # The client's headers a replica gets: its key and formats, and what names the request to proxies and tracing in
 # between (kvserve's replicas do not read those yet); the rest are the client's business, or hop-by-hop
 FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "traceparent",
@@ -208,6 +212,53 @@ class Router:
                 self.health.mark_down(replica)
             return _failure_response(error, path)
 
+    async def update_adapters(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A LoRA adapter loaded or unloaded on every replica, healthy or not, at once: the first replica's answer
+        where all succeed, else the first failure's status with its message, naming the replica. A load that
+        failed anywhere is unloaded where it succeeded, so that every replica serves the same adapters."""
+        path = scope["path"]
+        try:
+            body = await read_body(scope, receive, self.max_body_bytes)
+        except APIError as e:
+            return await error_response(e.status, e.message, e.param, e.headers, path)(scope, receive, send)
+        if body is None:  # the client left before its request was in
+            return
+        headers = forwarded_headers(scope["headers"])
+        answers = await asyncio.gather(*(self._post(replica, path, body, headers) for replica in self.replicas))
+        failures = [(replica, answer) for replica, answer in zip(self.replicas, answers) if answer[0] != HTTPStatus.OK]
+        if not failures:
+            status, response_headers, content = answers[0]
+            response = Response(content, status)
+            response.raw_headers += relayed_headers(response_headers)
+            return await response(scope, receive, send)
+        done = [replica for replica, answer in zip(self.replicas, answers) if answer[0] == HTTPStatus.OK]
+        outcome = ""
+        if done and path == LOAD_ADAPTER_PATH:
+            unload = json.dumps({"lora_name": request_payload(body).get("lora_name")}).encode()
+            await asyncio.gather(*(self._post(replica, "/v1/unload_lora_adapter", unload, headers) for replica in done))
+            outcome = f" (unloaded again from {', '.join(replica.url for replica in done)})"
+        elif done:
+            outcome = f" (unloaded from {', '.join(replica.url for replica in done)})"
+        replica, (status, _, content) = failures[0]
+        message, param = _error_of(content)
+        response = error_response(status, f"replica {replica.url}: {message}{outcome}", param, path=path)
+        await response(scope, receive, send)
+
+    async def _post(self, replica: Replica, path: str, body: bytes,
+                    headers: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[str, str]], bytes]:
+        """A whole POST answer from ``replica`` (status, ``header_list``, body); a replica that cannot be reached
+        is a 502 saying why."""
+        origin, base_path = _target(replica.url)
+        try:
+            upstream = await self.upstream.request(b"POST", origin, base_path + path.encode(), body, headers)
+            try:
+                return upstream.status, upstream.header_list, await upstream.read()
+            finally:
+                upstream.close()
+        except (ConnectFailed, UpstreamLost) as error:
+            message = json.dumps({"error": {"message": f"not reachable: {error}"}}).encode()
+            return HTTPStatus.BAD_GATEWAY, [], message
+
     async def _relay(self, scope: Scope, receive: Receive, send: Send, replica: Replica,
                      upstream: UpstreamResponse, left: asyncio.Future) -> None:
         """The replica's answer: a stream chunk by chunk as it arrives, anything else whole (so that a replica
@@ -263,6 +314,14 @@ async def _unless_done(done: asyncio.Future, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
+def _error_of(content: bytes) -> tuple[str, str | None]:
+    """The message and param of a replica's error answer (its own text where it is not OpenAI's shape)."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        error = json.loads(content)["error"]
+        return str(error["message"]), error.get("param")
+    return content.decode("utf-8", "replace")[:500], None
+
+
 def _turned_down(upstream: UpstreamResponse | Response | None) -> bool:
     """Whether a replica turned the request down before running it: it refused the connection (None) or
     answered an error status (a 4xx for bad input, a 503 loading or overloaded)."""
@@ -312,6 +371,8 @@ class RouterApp:
                                         path=path)(scope, receive, send)
         if path in PROXIED_PATHS and method == "POST":
             return await self.router.proxy(scope, receive, send)
+        if path in ADAPTER_PATHS and method == "POST":
+            return await self.router.update_adapters(scope, receive, send)
         await (await self.answer(scope))(scope, receive, send)
 
     async def answer(self, scope: Scope) -> Response:
@@ -319,13 +380,14 @@ class RouterApp:
         405, 404 and redirect."""
         path, method = scope["path"], scope["method"]
         route = self.model if path.startswith(MODEL_PATH) else self.get_routes.get(path)
-        if path in PROXIED_PATHS or (route is not None and method not in ("GET", "HEAD")):
-            allowed = "POST" if path in PROXIED_PATHS else "GET, HEAD"
+        posted = path in PROXIED_PATHS or path in ADAPTER_PATHS
+        if posted or (route is not None and method not in ("GET", "HEAD")):
+            allowed = "POST" if posted else "GET, HEAD"
             return error_response(405, wrong_method(method, path, allowed), headers={"Allow": allowed}, path=path)
         if route is not None:
             return await route(scope)
         stripped = path.rstrip("/")
-        if path.endswith("/") and (stripped in PROXIED_PATHS or stripped in self.get_routes):
+        if path.endswith("/") and (stripped in PROXIED_PATHS | ADAPTER_PATHS or stripped in self.get_routes):
             return RedirectResponse(URL(scope=scope).replace(path=stripped))  # 307, as Starlette's redirect_slashes
         return error_response(404, no_route(method, path))
 

@@ -68,6 +68,7 @@ class FakeReplicas:
         self.stream_forever = False
         self.unavailable: set[str] = set()  # replicas that answer completions 503 (loading, draining, failed)
         self.odd_metrics: dict[str, str] = {}  # replicas whose /metrics is this page (a proxy's error page, say)
+        self.adapter_errors: dict[str, int] = {}  # replicas that refuse LoRA loads and unloads with this status
         self.streaming: set[int] = set()
         self.servers: dict[int, tuple[uvicorn.Server, asyncio.Task]] = {}
 
@@ -111,6 +112,15 @@ class FakeReplicas:
         @app.get("/metrics")
         async def metrics() -> PlainTextResponse:
             return PlainTextResponse(self.odd_metrics.get(url, REPLICA_PAGE))
+
+        @app.post("/v1/load_lora_adapter")
+        @app.post("/v1/unload_lora_adapter")
+        async def adapters(request: Request) -> Response:
+            self.seen.append((url, {"path": request.url.path, **json.loads(await request.body())}))
+            if url in self.adapter_errors:
+                return JSONResponse({"error": {"message": "no adapter_config.json", "param": "lora_path"}},
+                                    status_code=self.adapter_errors[url])
+            return PlainTextResponse("Success: LoRA adapter 'a' added successfully.")
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
@@ -1021,3 +1031,54 @@ def test_a_relayed_answer_varies_by_origin_once() -> None:
 
     reply = run(scenario())
     assert reply.status_code == 200 and reply.headers.get_list("vary") == ["Origin"]
+
+
+LOAD = {"lora_name": "a", "lora_path": "/adapters/a"}
+
+
+def test_a_lora_load_and_unload_reach_every_replica() -> None:
+    fakes = FakeReplicas(2)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with fakes:
+            _, client = router_client(fakes)
+            loaded = await client.post("/v1/load_lora_adapter", json=LOAD)
+            unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+            return loaded, unloaded, await client.get("/v1/load_lora_adapter")
+
+    loaded, unloaded, got = run(scenario())
+    assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'a' added successfully.")
+    assert unloaded.status_code == 200 and got.status_code == 405
+    expected = [(url, {"path": "/v1/load_lora_adapter", **LOAD}) for url in fakes.urls] + \
+        [(url, {"path": "/v1/unload_lora_adapter", "lora_name": "a"}) for url in fakes.urls]
+    assert sorted(fakes.seen, key=repr) == sorted(expected, key=repr)
+
+
+def test_a_load_refused_by_one_replica_names_it_and_is_unloaded_from_the_others() -> None:
+    fakes = FakeReplicas(3)
+    fakes.adapter_errors[fakes.urls[1]] = 400
+    reply = answer_of(fakes, lambda client: client.post("/v1/load_lora_adapter", json=LOAD))
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "lora_path"
+    assert error["message"] == (f"replica {fakes.urls[1]}: no adapter_config.json (unloaded again from "
+                                f"{fakes.urls[0]}, {fakes.urls[2]})")
+    unloads = sorted(url for url, payload in fakes.seen if payload["path"] == "/v1/unload_lora_adapter")
+    assert unloads == sorted([fakes.urls[0], fakes.urls[2]])
+
+
+def test_a_replica_down_fails_the_load_naming_it_and_the_unload_says_where_it_was_done() -> None:
+    fakes = FakeReplicas(2)
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        async with fakes:
+            _, client = router_client(fakes)
+            await fakes.stop(1)
+            loaded = await client.post("/v1/load_lora_adapter", json=LOAD)
+            return loaded, await client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+
+    loaded, unloaded = run(scenario())
+    assert loaded.status_code == 502 and unloaded.status_code == 502
+    assert loaded.json()["error"]["message"].startswith(f"replica {fakes.urls[1]}: not reachable: ")
+    assert loaded.json()["error"]["message"].endswith(f"(unloaded again from {fakes.urls[0]})")
+    assert unloaded.json()["error"]["message"].endswith(f"(unloaded from {fakes.urls[0]})")
