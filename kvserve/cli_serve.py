@@ -70,7 +70,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="LoRA adapters (PEFT directories) to serve beside the model, with --enable-lora: a "
                              "request whose 'model' is NAME runs with the adapter at PATH")
-    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+    parser.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=False,
                         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, with --enable-lora (as "
                              "vLLM's $VLLM_ALLOW_RUNTIME_LORA_UPDATING, which turns it on too): whoever may call "
                              "them loads files the server can read (default: off, a 404 saying so)")

@@ -44,7 +44,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message
 
 from kvserve.config import DEFAULT_MODEL
-from kvserve.router.app import FORWARDED_HEADERS
+from kvserve.router.app import ADAPTER_PATHS, FORWARDED_HEADERS
 from kvserve.router.policy import Replica, RoutingPolicy, make_policy
 from kvserve.router.prefix_index import prefix_keys
 from kvserve.router.prompts import prompt_text, request_payload
@@ -237,6 +237,9 @@ GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/
                   "/v1/messages/count_tokens", "/tokenize",
                   "/detokenize")
 READ_PATHS = ("/v1/models", "/health")
+# a Ray Serve handle call reaches one engine replica, and every replica must serve the same adapters
+RUNTIME_LORA_REFUSED = ("loading and unloading LoRA adapters at runtime is not served through Ray Serve (a call "
+                        "reaches one engine replica): give the adapters as lora_modules")
 
 
 class Ingress:
@@ -251,6 +254,8 @@ class Ingress:
             return await self._generate(request)
         if request.method == "GET" and path in READ_PATHS:
             return await self._relay(request, b"", "")
+        if path in ADAPTER_PATHS:
+            return error_response(404, RUNTIME_LORA_REFUSED, path=path)
         return error_response(404, f"no route {request.method} {path}", path=path)
 
     async def _generate(self, request: Request) -> Response:
@@ -302,6 +307,8 @@ def app(args: dict[str, str]) -> serve.Application:
     cpus_per_rank = float(options.pop("replica_cpus", "1"))
     gpus_per_rank = float(options.pop("replica_gpus", "0"))
     make_policy(routing_policy)  # a bad name fails here, before any replica starts
+    if options.get("allow_runtime_lora_updating", "false").lower() == "true":
+        raise ValueError(RUNTIME_LORA_REFUSED)
     reservation = replica_options(options, cpus_per_rank, gpus_per_rank)  # likewise a bad serve option
     engines = serve.deployment(EngineReplica, name="kvserve-engine").options(
         num_replicas=num_replicas,

@@ -17,9 +17,10 @@ pytest.importorskip("ray.serve")
 import ray  # noqa: E402
 from openai import OpenAI  # noqa: E402
 from ray import serve  # noqa: E402
+from starlette.requests import Request  # noqa: E402
 
 from kvserve import LLM, SamplingParams  # noqa: E402
-from kvserve.ray import ProxiedRequest, app, replica_options, serve_arguments  # noqa: E402
+from kvserve.ray import Ingress, ProxiedRequest, app, replica_options, serve_arguments  # noqa: E402
 from tests.router.test_router_e2e import MAX_MODEL_LEN, MODEL_NAME, checkpoint  # noqa: E402,F401 (a fixture)
 from tests.server.conftest import free_port  # noqa: E402
 
@@ -127,6 +128,21 @@ def test_bad_options_are_named_before_anything_starts() -> None:
         serve_arguments({"enable_prefix_caching": "maybe"})
     with pytest.raises(ValueError, match="routing policy"):
         app({"routing_policy": "random"})
+    assert serve_arguments({"enable_lora": "true", "allow_runtime_lora_updating": "true"}).allow_runtime_lora_updating
+    with pytest.raises(ValueError, match="LoRA adapters at runtime is not served through Ray Serve"):
+        app({"enable_lora": "true", "allow_runtime_lora_updating": "true"})
+
+
+def test_the_ingress_says_runtime_lora_updates_are_not_served_through_ray() -> None:
+    """A handle call reaches one engine replica: a load there would leave the others without the adapter."""
+    class NoEngines:
+        def options(self, **_: object) -> NoEngines:
+            return self
+
+    ingress = Ingress(NoEngines())
+    scope = {"type": "http", "method": "POST", "path": "/v1/load_lora_adapter", "headers": [], "query_string": b""}
+    answer = asyncio.run(ingress(Request(scope)))
+    assert answer.status_code == 404 and b"give the adapters as lora_modules" in answer.body
 
 
 def test_a_replica_reserves_its_tensor_parallel_group_on_one_node() -> None:
