@@ -1,7 +1,7 @@
 """``LoRARequest``: the LoRA adapter a request runs with, as vLLM's ``LLM.generate(..., lora_request=...)`` takes it.
 
 Plain data (no torch): the engine reads the adapter's directory the first time its ``lora_int_id`` comes
-(``engine/lora_adapters.py``) and keeps it loaded under that id.
+(``engine/lora_adapters.py``) and keeps it loaded under that id until it is removed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from kvserve.sampling_params import InvalidParameter
 class LoRARequest:
     """``LoRARequest(name, int_id, path)``: an adapter directory in PEFT's format (adapter_config.json and
     adapter_model.safetensors), named ``lora_name`` and identified by ``lora_int_id`` (> 0, as in vLLM: 0 is the
-    base model). One id names one adapter for the engine's life: the same id with another path is refused."""
+    base model). One id names one adapter for the engine's life: the same id with another path, or once the adapter was
+    removed, is refused."""
 
     lora_name: str
     lora_int_id: int
