@@ -72,8 +72,7 @@ def adapters(tiny_checkpoints, tmp_path_factory: pytest.TempPathFactory) -> tupl
 
 @pytest.fixture(scope="module")
 def served(adapters) -> Iterator[Served]:
-    base, first, _ = adapters
-    server = Served(base, lora_modules=(), allow_runtime_lora_updating=True)
+    server = Served(adapters[0], allow_runtime_lora_updating=True)
     yield server
     server.stop()
 
