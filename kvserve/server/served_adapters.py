@@ -72,5 +72,6 @@ class ServedAdapters:
                                                      f"server serves {', '.join(self._by_name) or 'none'}",
                                param="lora_name")
             num_requests = await engine.call(lambda e: e.remove_lora(request.lora_int_id))
-        finishing = f" ({num_requests} requests still running or waiting with it finish with it)" if num_requests else ""
+        finishing = f" ({num_requests} requests still running or waiting with it finish with it)" \
+            if num_requests else ""
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully.{finishing}"
