@@ -166,11 +166,11 @@ def test_wrong_number_of_sampling_params(llm: LLM) -> None:
 
 
 def test_chats_options_past_use_tqdm_are_keywords_and_checked(llm: LLM) -> None:
-    """vLLM's chat takes lora_request fourth and chat_template fifth: by position they landed in
+    """vLLM's chat takes lora_request fourth (as kvserve's) and chat_template fifth: by position it landed in
     add_generation_prompt (the generation prompt silently dropped) and tools (a string as two tools)."""
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(TypeError, match="positional"):
-        llm.chat(messages, SamplingParams(max_tokens=1), False, None)
+        llm.chat(messages, SamplingParams(max_tokens=1), False, None, "{{ messages }}")
     with pytest.raises(TypeError, match="add_generation_prompt must be a bool"):
         llm.chat(messages, SamplingParams(max_tokens=1), add_generation_prompt="no")
     for tools in ("ab", {"type": "function"}, ["ab"]):
