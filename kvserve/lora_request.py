@@ -31,3 +31,14 @@ class LoRARequest:
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise InvalidParameter("lora_path", f"lora_path must name the adapter's directory, got "
                                                 f"{self.lora_path!r}")
+
+
+class RemovedLoRAAdapter(InvalidParameter):
+    """A ``LoRARequest`` whose id names an adapter since removed (``LLMEngine.remove_lora``): a server answers it
+    as a name it does not serve, since its client named the adapter before the unload reached the engine."""
+
+    def __init__(self, lora_request: LoRARequest, removed_name: str) -> None:
+        super().__init__("lora_request", f"lora_int_id {lora_request.lora_int_id} was adapter {removed_name!r}, "
+                                         "since removed: an id names one adapter for the engine's life (give a new "
+                                         "one)")
+        self.lora_name = lora_request.lora_name

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from kvserve.config import LoRAConfig
-from kvserve.lora_request import LoRARequest
+from kvserve.lora_request import LoRARequest, RemovedLoRAAdapter
 from kvserve.model.lora_adapter import LoRAAdapter, read_lora_adapter
 from kvserve.sampling_params import InvalidParameter
 from kvserve.worker.model_runner import ModelRunner
@@ -119,9 +119,7 @@ class LoRAAdapters:
             raise InvalidParameter("lora_request", f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is "
                                                    "off: start the engine with enable_lora=True (--enable-lora)")
         if lora_request.lora_int_id in self._removed:
-            raise InvalidParameter("lora_request", f"lora_int_id {lora_request.lora_int_id} was adapter "
-                                                   f"{self._removed[lora_request.lora_int_id]!r}, since removed: an "
-                                                   "id names one adapter for the engine's life (give a new one)")
+            raise RemovedLoRAAdapter(lora_request, self._removed[lora_request.lora_int_id])
 
     def _uninstall(self, lora_int_id: int) -> None:
         served = self._installed.pop(lora_int_id)

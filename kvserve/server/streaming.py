@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from kvserve.engine.async_engine import EngineDeadError
 from kvserve.engine.beam_search import BeamBatch, beam_search_async
 from kvserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from kvserve.lora_request import LoRARequest
+from kvserve.lora_request import LoRARequest, RemovedLoRAAdapter
 from kvserve.sampling_params import InvalidParameter, SamplingParams
 from kvserve.server.errors import APIError, bad_request, sse_failure
 from kvserve.server.request_log import RequestLog
@@ -193,6 +193,9 @@ class GenerationHandler:
         except BaseException as error:  # refused, or its client gone before any output
             if logged is not None:
                 logged.ended_early(error)
+            if isinstance(error, RemovedLoRAAdapter):  # unloaded while the request was on its way: as if after
+                raise APIError(HTTPStatus.NOT_FOUND, f"the model {error.lora_name!r} does not exist: its LoRA "
+                                                     "adapter was unloaded", param="model") from error
             if isinstance(error, ValueError):
                 raise bad_request(self.body.named_as_sent(error)) from error
             raise

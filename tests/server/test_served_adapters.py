@@ -224,3 +224,34 @@ def test_the_flag_or_vllms_variable_turns_it_on_with_lora_only(monkeypatch) -> N
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
     with pytest.raises(ValueError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING loads LoRA adapters"):
         runtime_lora_updating(False, False)
+
+
+def test_a_request_on_its_way_as_its_adapter_is_unloaded_is_a_404_as_after(served: Served, adapters,
+                                                                           monkeypatch) -> None:
+    """The request named the adapter before the unload, but reaches the engine after it (its prompt was still
+    being tokenized): the name's 404, not a 400 about an offline ``lora_request`` field the client never sent."""
+    _, first, _ = adapters
+    assert served.post("/v1/load_lora_adapter", {"lora_name": "first", "lora_path": str(first)}).status_code == 200
+    processor = served.state.engine.engine.input_processor
+    tokenizing, unloaded = threading.Event(), threading.Event()
+    process = processor.process
+
+    def held_process(*args, **kwargs):
+        tokenizing.set()
+        unloaded.wait(10)
+        return process(*args, **kwargs)
+
+    monkeypatch.setattr(processor, "process", held_process)
+    answer: list[httpx.Response] = []
+    request = threading.Thread(target=lambda: answer.append(served.post(
+        "/v1/completions", {"model": "first", "prompt": PROMPT, "max_tokens": 2})))
+    request.start()
+    assert tokenizing.wait(10)
+    assert served.post("/v1/unload_lora_adapter", {"lora_name": "first"}).status_code == 200
+    unloaded.set()
+    request.join(30)
+    error = answer[0].json()["error"]
+    assert answer[0].status_code == 404 and error["param"] == "model", answer[0].text
+    assert "'first' does not exist" in error["message"]
+    assert not served.installed()
+    assert_all_blocks_free(served.state.engine)
