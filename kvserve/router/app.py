@@ -116,6 +116,7 @@ class Router:
         self.api_keys = tuple(api_keys)  # checked before a body is read: a client without one costs the router nothing
         self.metrics = RouterMetrics()
         self.health = HealthChecker(self.replicas, self.upstream, self.metrics, health_interval)
+        self._updating_adapters = asyncio.Lock()  # LoRA loads and unloads, one at a time (``update_adapters``)
 
     def move(self, old_url: str, new_url: str) -> None:
         """A replica now answers at ``new_url`` (Ray restarted it elsewhere): a fresh entry, since the prompts
@@ -215,7 +216,9 @@ class Router:
     async def update_adapters(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A LoRA adapter loaded or unloaded on every replica, healthy or not, at once: the first replica's answer
         where all succeed, else the first failure's status with its message, naming the replica. A load that
-        failed anywhere is unloaded where it succeeded, so that every replica serves the same adapters."""
+        failed anywhere is unloaded where it succeeded, so that every replica serves the same adapters. One update
+        at a time: two sent together reach each replica in one order (else a slow replica could take an unload
+        before the load it follows, and serve the adapter alone)."""
         path = scope["path"]
         try:
             body = await read_body(scope, receive, self.max_body_bytes)
@@ -223,15 +226,20 @@ class Router:
             return await error_response(e.status, e.message, e.param, e.headers, path)(scope, receive, send)
         if body is None:  # the client left before its request was in
             return
-        headers = forwarded_headers(scope["headers"])
-        answers = await asyncio.gather(*(self._post(replica, path, body, headers) for replica in self.replicas))
-        failures = [(replica, answer) for replica, answer in zip(self.replicas, answers) if answer[0] != HTTPStatus.OK]
+        async with self._updating_adapters:
+            response = await self._update_every_replica(path, body, forwarded_headers(scope["headers"]))
+        await response(scope, receive, send)
+
+    async def _update_every_replica(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> Response:
+        replicas = list(self.replicas)
+        answers = await asyncio.gather(*(self._post(replica, path, body, headers) for replica in replicas))
+        failures = [(replica, answer) for replica, answer in zip(replicas, answers) if answer[0] != HTTPStatus.OK]
         if not failures:
             status, response_headers, content = answers[0]
             response = Response(content, status)
             response.raw_headers += relayed_headers(response_headers)
-            return await response(scope, receive, send)
-        done = [replica for replica, answer in zip(self.replicas, answers) if answer[0] == HTTPStatus.OK]
+            return response
+        done = [replica for replica, answer in zip(replicas, answers) if answer[0] == HTTPStatus.OK]
         outcome = ""
         if done and path == LOAD_ADAPTER_PATH:
             unload = json.dumps({"lora_name": request_payload(body).get("lora_name")}).encode()
@@ -241,8 +249,7 @@ class Router:
             outcome = f" (unloaded from {', '.join(replica.url for replica in done)})"
         replica, (status, _, content) = failures[0]
         message, param = _error_of(content)
-        response = error_response(status, f"replica {replica.url}: {message}{outcome}", param, path=path)
-        await response(scope, receive, send)
+        return error_response(status, f"replica {replica.url}: {message}{outcome}", param, path=path)
 
     async def _post(self, replica: Replica, path: str, body: bytes,
                     headers: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[str, str]], bytes]:

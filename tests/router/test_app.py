@@ -69,6 +69,8 @@ class FakeReplicas:
         self.unavailable: set[str] = set()  # replicas that answer completions 503 (loading, draining, failed)
         self.odd_metrics: dict[str, str] = {}  # replicas whose /metrics is this page (a proxy's error page, say)
         self.adapter_errors: dict[str, int] = {}  # replicas that refuse LoRA loads and unloads with this status
+        # awaited (with the replica's url and the route) before a LoRA load or unload is taken: a slow replica
+        self.adapter_hold: Callable[[str, str], Awaitable[None]] | None = None
         self.streaming: set[int] = set()
         self.servers: dict[int, tuple[uvicorn.Server, asyncio.Task]] = {}
 
@@ -116,6 +118,8 @@ class FakeReplicas:
         @app.post("/v1/load_lora_adapter")
         @app.post("/v1/unload_lora_adapter")
         async def adapters(request: Request) -> Response:
+            if self.adapter_hold is not None:
+                await self.adapter_hold(url, request.url.path)
             self.seen.append((url, {"path": request.url.path, **json.loads(await request.body())}))
             if url in self.adapter_errors:
                 return JSONResponse({"error": {"message": "no adapter_config.json", "param": "lora_path"}},
@@ -1082,3 +1086,31 @@ def test_a_replica_down_fails_the_load_naming_it_and_the_unload_says_where_it_wa
     assert loaded.json()["error"]["message"].startswith(f"replica {fakes.urls[1]}: not reachable: ")
     assert loaded.json()["error"]["message"].endswith(f"(unloaded again from {fakes.urls[0]})")
     assert unloaded.json()["error"]["message"].endswith(f"(unloaded from {fakes.urls[0]})")
+
+
+def test_lora_updates_reach_every_replica_in_one_order() -> None:
+    """An unload sent while a load is still at a slow replica waits for it: else the slow replica took the unload
+    first (a 404) and the load after, the one replica left serving the adapter."""
+    fakes = FakeReplicas(2)
+    slow, loaded = fakes.urls[1], asyncio.Event()
+
+    async def hold(url: str, path: str) -> None:
+        if url == slow and path == "/v1/load_lora_adapter":
+            await loaded.wait()
+
+    fakes.adapter_hold = hold
+
+    async def scenario() -> None:
+        async with fakes:
+            _, client = router_client(fakes)
+            load = asyncio.create_task(client.post("/v1/load_lora_adapter", json=LOAD))
+            await until(lambda: fakes.seen)
+            unload = asyncio.create_task(client.post("/v1/unload_lora_adapter", json={"lora_name": "a"}))
+            await asyncio.sleep(0.2)
+            loaded.set()
+            assert [(await load).status_code, (await unload).status_code] == [200, 200]
+
+    run(scenario())
+    for url in fakes.urls:
+        assert [payload["path"] for seen_by, payload in fakes.seen if seen_by == url] == \
+            ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
