@@ -124,3 +124,22 @@ def test_stats_name_the_adapters_of_running_and_waiting_requests(adapters) -> No
     while engine.has_unfinished_requests():
         engine.step()
     assert "running_lora_adapters" not in LLM(str(base), dtype="float32", num_kv_blocks=16).stats()
+
+
+def test_a_removed_adapters_samples_each_count_until_the_last_finishes(adapters) -> None:
+    """n=3: the samples forked from the request run with its adapter, each counted, so that its weights go after
+    the last of them, not before, nor never (a count gone below zero)."""
+    base, first, _ = adapters
+    llm = _llm(base)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True, n=3)
+    engine.add_request("a", {"prompt_token_ids": PROMPT}, params, lora_request=LoRARequest("first", 1, str(first)))
+    engine.step()
+    assert engine.core.scheduler.num_requests_by_adapter == {1: 3}
+    assert engine.remove_lora(1) == 3
+    finished = False
+    while not finished:
+        assert _installed(llm) == {1}
+        finished = any(out.finished for out in engine.step())
+    assert _installed(llm) == set() and not engine.core.scheduler.num_requests_by_adapter
+    assert_all_blocks_free(llm)
