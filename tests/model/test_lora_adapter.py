@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from kvserve.model.layers.linear import PackedLinear, UnquantizedLinearMethod
+from kvserve.model.layers.linear import Linear, PackedLinear, UnquantizedLinearMethod
 from kvserve.model.layers import lora
 from kvserve.model.layers.lora import MASKED_MAX_TOKENS, LoRAGroup, LoRAMapping, install_adapter
 from kvserve.model.lora_adapter import LoRAAdapter, LoRAAdapterError, read_lora_adapter
@@ -144,3 +144,25 @@ def test_an_adapter_is_made_for_a_gguf_file_as_for_its_checkpoint(gguf_file: Pat
     a, b = adapter.weights["model.layers.0.self_attn.k_proj"]
     assert a.shape == (4, config.hidden_size) and b.shape == (config.num_key_value_heads * head_dim, 4)
     assert len(adapter.weights) == 7 * config.num_hidden_layers
+
+
+def test_an_id_installed_again_keeps_none_of_its_old_adapters_weights() -> None:
+    """The old adapter under the id targeted two layers, the new one the first only: the second layer runs the base
+    weights for it, not the old adapter's term (nor a stack of it kept for the masked path)."""
+    torch.manual_seed(0)
+    layers = [Linear(6, 4, bias=False) for _ in range(2)]
+    for layer in layers:
+        layer.bind(UnquantizedLinearMethod(), torch.float32)
+    projections = {"p.a": (layers[0], None), "p.b": (layers[1], None)}
+    pair = (torch.randn(3, 6), torch.randn(4, 3))
+    old = LoRAAdapter("old", Path(), 3, 1.0, "d1", {"p.a": pair, "p.b": pair})
+    install_adapter(projections, 1, old, torch.float32, torch.device("cpu"))
+    install_adapter(projections, 2, old, torch.float32, torch.device("cpu"))
+    x = torch.randn(2, 6)
+    masked = LoRAMapping.of_tokens(np.array([1, 2]), torch.device("cpu"))
+    layers[1](x, masked)  # a stack of ids 1 and 2 kept on the second layer
+    install_adapter(projections, 1, LoRAAdapter("new", Path(), 3, 1.0, "d2", {"p.a": pair}), torch.float32,
+                    torch.device("cpu"))
+    assert 1 not in layers[1].lora
+    with_old = F.linear(x[1], layers[1].weight) + pair[1] @ (pair[0] @ x[1])
+    torch.testing.assert_close(layers[1](x, masked), torch.stack([F.linear(x[0], layers[1].weight), with_old]))

@@ -119,8 +119,8 @@ class LoRAMapping:
 def install_adapter(projections: Projections, adapter_id: int, adapter: LoRAAdapter,
                     dtype: torch.dtype, device: torch.device) -> None:
     """Put ``adapter``'s weights on the layers of ``projections`` under ``adapter_id`` (the model's dtype and
-    device, the scale folded into B); ``LoRAAdapterError`` naming the adapter and module where one is not a
-    projection of the model or its shapes are not the module's, before any layer is changed."""
+    device, the scale folded into B), in place of any the id had; ``LoRAAdapterError`` naming the adapter and module
+    where one is not a projection of the model or its shapes are not the module's, before any layer is changed."""
     from kvserve.model.lora_adapter import LoRAAdapterError
 
     by_layer: dict[Linear, dict[str | None, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -135,10 +135,12 @@ def install_adapter(projections: Projections, adapter_id: int, adapter: LoRAAdap
                                    f"{list(b.shape)} do not fit the model's {module} ({layer.in_features} in, "
                                    f"{out_rows} out)")
         by_layer.setdefault(layer, {})[shard] = (a, b * adapter.scale)
-    for layer, parts in by_layer.items():
-        a, b = _packed(layer, parts)
-        layer.lora[adapter_id] = (a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
-        layer.lora_stacks.clear()
+    # every copy made before any layer changes: one that fails (out of memory) leaves no part of the adapter behind
+    placed = {layer: tuple(t.to(device, dtype).contiguous() for t in _packed(layer, parts))
+              for layer, parts in by_layer.items()}
+    remove_adapter(projections, adapter_id)  # the id's former weights, on layers the new adapter leaves alone too
+    for layer, (a, b) in placed.items():
+        layer.lora[adapter_id] = (a, b)
 
 
 def remove_adapter(projections: Projections, adapter_id: int) -> None:
