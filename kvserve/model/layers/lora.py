@@ -153,7 +153,8 @@ def remove_adapter(projections: Projections, adapter_id: int) -> None:
 def _stack(layer: Linear, adapter_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]] | None:
     """The A and B of the step's adapters on ``layer`` stacked ([sum r, in], [out, sum r]), and each column's group
     (its adapter's index in ``adapter_ids``); kept on the layer for its last ``STACKS_KEPT`` sets of adapters (a
-    set lasts as long as its requests run: many steps)."""
+    set lasts as long as its requests run: many steps), so copies of up to ``STACKS_KEPT * max_loras`` adapters'
+    weights beside theirs, until an install or removal drops them."""
     stacks = layer.lora_stacks
     if adapter_ids in stacks:
         stacks[adapter_ids] = stacks.pop(adapter_ids)  # the most recently used last
