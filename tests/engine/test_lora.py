@@ -84,18 +84,25 @@ def test_an_adapters_greedy_tokens_are_transformers_with_it_merged(family) -> No
 
 
 def test_a_batch_mixing_adapters_and_the_base_model_gives_each_rows_tokens(family) -> None:
-    base, prompts, expected, adapters = family
+    base = family[0]
     llm = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    names = ["first", None, "second", "first", None, "second", None, "first"]
+    assert _adapters_per_step(llm, family, names) == 2  # both adapters, beside base-model rows, in one step
+    assert_all_blocks_free(llm)
+
+
+def _adapters_per_step(llm: LLM, family, names: list[str | None]) -> int:
+    """Run a request per name (its adapter, None the base model; the family's prompts in turn), check each gives
+    its reference tokens, and return the most adapters a step held."""
+    _, prompts, expected, adapters = family
     steps: list[int] = []
     forward = llm.engine.core.runner._forward
     llm.engine.core.runner._forward = lambda batch: steps.append(len(batch.lora.groups) if batch.lora else 0) \
         or forward(batch)
-    names = ["first", None, "second", "first", None, "second", None, "first"]
-    batch = [prompts[i % len(prompts)] for i in range(len(names))]
-    got = _greedy(llm, batch, [adapters[n] if n else None for n in names])
+    got = _greedy(llm, [prompts[i % len(prompts)] for i in range(len(names))],
+                  [adapters[n] if n else None for n in names])
     assert got == [expected[n][i % len(prompts)] for i, n in enumerate(names)]
-    assert max(steps) == 2  # both adapters, beside base-model rows, in one step
-    assert_all_blocks_free(llm)
+    return max(steps)
 
 
 def test_samples_and_preempted_requests_keep_their_adapter(family) -> None:
@@ -116,17 +123,9 @@ def test_samples_and_preempted_requests_keep_their_adapter(family) -> None:
 
 
 def test_max_loras_holds_back_a_request_whose_adapter_would_be_one_too_many(family) -> None:
-    base, prompts, expected, adapters = family
+    base = family[0]
     llm = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=1)
-    steps: list[int] = []
-    forward = llm.engine.core.runner._forward
-    llm.engine.core.runner._forward = lambda batch: steps.append(len(batch.lora.groups) if batch.lora else 0) \
-        or forward(batch)
-    names = ["first", "second", None, "second", "first"]
-    got = _greedy(llm, [prompts[i % len(prompts)] for i in range(len(names))],
-                  [adapters[n] if n else None for n in names])
-    assert got == [expected[n][i % len(prompts)] for i, n in enumerate(names)]
-    assert max(steps) == 1
+    assert _adapters_per_step(llm, family, ["first", "second", None, "second", "first"]) == 1
     assert_all_blocks_free(llm)
 
 
