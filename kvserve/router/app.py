@@ -15,6 +15,10 @@ A body over ``max_body_bytes`` (the replicas' 4 MiB by default) is refused with 
 router holds more of it than that. A replica that sends nothing for the upstream's ``response_timeout`` (600 s
 by default) is given up on and its connection closed (its abort): the client gets a 504, or a stream already
 under way ends with an error event; the replica is left to the health checks (it may only be slow).
+
+LoRA loads and unloads go to every replica (``update_adapters``); the loads all took are remembered
+(``runtime_adapters``) and replayed to a replica that comes (back) up, before it is routed to
+(``replay_adapters``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
 from kvserve.router.prompts import prompt_text, request_payload
+from kvserve.router.runtime_adapters import RuntimeAdapters
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
 from kvserve.server.environment import check_api_keys
 from kvserve.server.errors import (
@@ -115,8 +120,11 @@ class Router:
         check_api_keys(api_keys)
         self.api_keys = tuple(api_keys)  # checked before a body is read: a client without one costs the router nothing
         self.metrics = RouterMetrics()
-        self.health = HealthChecker(self.replicas, self.upstream, self.metrics, health_interval)
+        self.health = HealthChecker(self.replicas, self.upstream, self.metrics, health_interval,
+                                    on_up=self.replay_adapters)
         self._updating_adapters = asyncio.Lock()  # LoRA loads and unloads, one at a time (``update_adapters``)
+        self.adapters = RuntimeAdapters()  # the loads every replica took, for a replica that comes back
+        self._replay_failures: dict[str, str] = {}  # replica -> its last replay's failure (logged once)
 
     def move(self, old_url: str, new_url: str) -> None:
         """A replica now answers at ``new_url`` (Ray restarted it elsewhere): a fresh entry, since the prompts
@@ -234,12 +242,16 @@ class Router:
         replicas = list(self.replicas)
         answers = await asyncio.gather(*(self._post(replica, path, body, headers) for replica in replicas))
         failures = [(replica, answer) for replica, answer in zip(replicas, answers) if answer[0] != HTTPStatus.OK]
+        done = [replica for replica, answer in zip(replicas, answers) if answer[0] == HTTPStatus.OK]
+        if path == LOAD_ADAPTER_PATH and not failures:
+            self.adapters.remember(body, headers)
+        elif path != LOAD_ADAPTER_PATH and done:  # unloaded somewhere: no longer served by every replica
+            self.adapters.forget(body)
         if not failures:
             status, response_headers, content = answers[0]
             response = Response(content, status)
             response.raw_headers += relayed_headers(response_headers)
             return response
-        done = [replica for replica, answer in zip(replicas, answers) if answer[0] == HTTPStatus.OK]
         outcome = ""
         if done and path == LOAD_ADAPTER_PATH:
             unload = json.dumps({"lora_name": request_payload(body).get("lora_name")}).encode()
@@ -250,6 +262,53 @@ class Router:
         replica, (status, _, content) = failures[0]
         message, param = _error_of(content)
         return error_response(status, f"replica {replica.url}: {message}{outcome}", param, path=path)
+
+    async def replay_adapters(self, replica: Replica) -> bool:
+        """Whether ``replica``, found up after it was down, serves every adapter loaded through the router: those
+        its /v1/models does not list (it restarted knowing only its ``--lora-modules``) are loaded there again, in
+        load order. A replay that fails keeps the replica out of rotation entirely (logged; tried again at its next
+        check): serving some adapters and not others, it would answer 404 for a request that names one."""
+        async with self._updating_adapters:  # the remembered loads are those every replica took: none is under way
+            loads = self.adapters.loads()
+            if not loads:
+                return True
+            try:
+                served = await self._served_models(replica, loads[-1].headers)
+            except ValueError as error:
+                return self._replay_failed(replica, f"its /v1/models does not read ({error})")
+            for load in loads:
+                if load.name in served:
+                    continue
+                status, _, content = await self._post(replica, LOAD_ADAPTER_PATH, load.body, load.headers)
+                if status != HTTPStatus.OK:
+                    message, _ = _error_of(content)
+                    return self._replay_failed(replica, f"loading LoRA adapter {load.name!r} again failed ({status}: "
+                                                        f"{message})")
+                logger.info("replica %s: LoRA adapter %r loaded again", replica.url, load.name)
+        if self._replay_failures.pop(replica.url, None) is not None:
+            logger.info("replica %s: its LoRA adapters are loaded again", replica.url)
+        return True
+
+    async def _served_models(self, replica: Replica, headers: list[tuple[bytes, bytes]]) -> set[str]:
+        """The model and adapter names ``replica`` lists; ValueError saying why where it cannot tell."""
+        try:
+            status, _, content = await self.upstream.get(replica.url + "/v1/models", GET_TIMEOUT_S, headers)
+        except (ConnectFailed, UpstreamLost) as error:
+            raise ValueError(f"not reachable: {error}") from error
+        if status != HTTPStatus.OK:
+            raise ValueError(f"status {status}: {_error_of(content)[0]}")
+        try:
+            return {str(model["id"]) for model in json.loads(content)["data"]}
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"no model list: {error!r}") from error
+
+    def _replay_failed(self, replica: Replica, reason: str) -> bool:
+        """Log a replay's failure (once while it fails alike) and keep the replica out: False."""
+        if self._replay_failures.get(replica.url) != reason:
+            logger.error("replica %s is kept out of rotation: %s; retried at its next health check", replica.url,
+                         reason)
+        self._replay_failures[replica.url] = reason
+        return False
 
     async def _post(self, replica: Replica, path: str, body: bytes,
                     headers: list[tuple[bytes, bytes]]) -> tuple[int, list[tuple[str, str]], bytes]:

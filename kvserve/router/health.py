@@ -1,12 +1,14 @@
 """The router's health checks: every ``interval`` seconds each replica's /health is asked and, while it is up,
 its /metrics read (its queue, the policy's view of its load; its page, shown on the router's /metrics). A
 replica that fails a check, or that the proxy finds refusing or losing a request (``mark_down``), is routed
-around until a check finds it up again."""
+around until a check finds it up again, and ``on_up`` (the router's replay of its runtime LoRA loads) says it is
+ready: until then it serves nothing."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Awaitable, Callable
 
 from kvserve.router.metrics import RouterMetrics, queue_length
 from kvserve.router.policy import Replica
@@ -20,11 +22,14 @@ GET_TIMEOUT_S = 30.0  # any other GET of a replica: its /metrics page, a model l
 
 class HealthChecker:
     """Owns each replica's ``healthy`` flag (and its ``replica_healthy`` gauge) and ``reported_load``.
-    ``replicas`` is the router's list itself, so a replica it re-points (``Router.move``) is checked too."""
+    ``replicas`` is the router's list itself, so a replica it re-points (``Router.move``) is checked too.
+    ``on_up`` is awaited for a replica found up after it was down (or new): False keeps it down, to be tried again at
+    the next check."""
 
     def __init__(self, replicas: list[Replica], upstream: Upstream, metrics: RouterMetrics,
-                 interval: float) -> None:
+                 interval: float, on_up: Callable[[Replica], Awaitable[bool]] | None = None) -> None:
         self.replicas = replicas
+        self.on_up = on_up
         self.upstream = upstream
         self.metrics = metrics
         self.interval = interval
@@ -54,6 +59,8 @@ class HealthChecker:
     async def _check(self, replica: Replica) -> None:
         try:
             healthy = (await self.upstream.get(replica.url + "/health", HEALTH_TIMEOUT_S))[0] == 200
+            if healthy and not replica.healthy and self.on_up is not None:
+                healthy = await self.on_up(replica)
             if healthy:
                 await self._read_load(replica)
         except (ConnectFailed, UpstreamLost):

@@ -71,6 +71,7 @@ class FakeReplicas:
         self.adapter_errors: dict[str, int] = {}  # replicas that refuse LoRA loads and unloads with this status
         # awaited (with the replica's url and the route) before a LoRA load or unload is taken: a slow replica
         self.adapter_hold: Callable[[str, str], Awaitable[None]] | None = None
+        self.adapters: dict[str, list[str]] = {}  # each replica's loaded adapters, forgotten as it restarts
         self.streaming: set[int] = set()
         self.servers: dict[int, tuple[uvicorn.Server, asyncio.Task]] = {}
 
@@ -86,6 +87,7 @@ class FakeReplicas:
             config = uvicorn.Config(self.app(self.urls[i]), host="127.0.0.1", port=self.ports[i],
                                     log_level="warning", lifespan="off")
             server = QuietServer(config)
+            self.adapters[self.urls[i]] = []
             self.servers[i] = (server, asyncio.create_task(server.serve()))
             while not server.started:
                 await asyncio.sleep(0.01)
@@ -105,7 +107,8 @@ class FakeReplicas:
 
         @app.get("/v1/models")
         async def models(request: Request) -> JSONResponse:
-            return JSONResponse({"replica": url, "auth": request.headers.get("authorization")})
+            return JSONResponse({"replica": url, "auth": request.headers.get("authorization"),
+                                 "data": [{"id": name} for name in ["m", *self.adapters[url]]]})
 
         @app.get("/v1/models/{model:path}")
         async def model(model: str) -> JSONResponse:
@@ -120,10 +123,15 @@ class FakeReplicas:
         async def adapters(request: Request) -> Response:
             if self.adapter_hold is not None:
                 await self.adapter_hold(url, request.url.path)
-            self.seen.append((url, {"path": request.url.path, **json.loads(await request.body())}))
+            payload = json.loads(await request.body())
+            self.seen.append((url, {"path": request.url.path, **payload}))
             if url in self.adapter_errors:
                 return JSONResponse({"error": {"message": "no adapter_config.json", "param": "lora_path"}},
                                     status_code=self.adapter_errors[url])
+            if request.url.path == "/v1/load_lora_adapter":
+                self.adapters[url].append(payload["lora_name"])
+            elif payload["lora_name"] in self.adapters[url]:
+                self.adapters[url].remove(payload["lora_name"])
             return PlainTextResponse("Success: LoRA adapter 'a' added successfully.")
 
         @app.post("/v1/completions")
@@ -411,7 +419,7 @@ def test_the_model_list_is_asked_with_the_clients_key() -> None:
     list was a 401 whatever key the client sent (the SDK's models.list(), tools probing it)."""
     fakes = FakeReplicas(1)
     reply = answer_of(fakes, lambda client: client.get("/v1/models", headers={"Authorization": "Bearer sekret"}))
-    assert reply.status_code == 200 and reply.json() == {"replica": fakes.urls[0], "auth": "Bearer sekret"}
+    assert reply.status_code == 200 and reply.json()["replica"] == fakes.urls[0] and reply.json()["auth"] == "Bearer sekret"
 
 
 def test_no_replica_up_is_a_503_with_retry_after_and_the_router_stays_up() -> None:
@@ -1114,3 +1122,73 @@ def test_lora_updates_reach_every_replica_in_one_order() -> None:
     for url in fakes.urls:
         assert [payload["path"] for seen_by, payload in fakes.seen if seen_by == url] == \
             ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
+
+
+def test_a_replica_that_comes_back_gets_the_runtime_loads_replayed_in_order_before_it_serves() -> None:
+    """A restarted replica knows only its --lora-modules: the loads every replica took are sent to it again, in
+    load order, before a health check routes to it; an unloaded adapter is not, nor one it serves already."""
+    fakes = FakeReplicas(2)
+    back = fakes.urls[1]
+
+    async def scenario() -> tuple[list[str], list[bool], list[str]]:
+        async with fakes:
+            router, client = router_client(fakes)
+            await router.health.check_all()
+            for name in "bac":
+                await client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": f"/adapters/{name}"})
+            await client.post("/v1/unload_lora_adapter", json={"lora_name": "a"})
+            await fakes.stop(1)
+            await router.health.check_all()
+            down = [replica.healthy for replica in router.replicas]
+            await fakes.start(1)
+            fakes.seen.clear()
+            await router.health.check_all()
+            await router.health.check_all()  # up already: nothing replayed again
+            replayed = [payload["lora_name"] for url, payload in fakes.seen if url == back]
+            return replayed, down + [replica.healthy for replica in router.replicas], fakes.adapters[back]
+
+    replayed, health, served = run(scenario())
+    assert replayed == ["b", "c"]
+    assert health == [True, False, True, True]
+    assert served == ["b", "c"]
+
+
+def test_a_replica_that_fails_a_replay_stays_out_of_rotation_until_one_succeeds(caplog) -> None:
+    fakes = FakeReplicas(2)
+    back = fakes.urls[1]
+
+    async def scenario() -> tuple[bool, list[dict], bool]:
+        async with fakes:
+            router, client = router_client(fakes)
+            await client.post("/v1/load_lora_adapter", json=LOAD)
+            router.health.mark_down(router.replicas[1])
+            await fakes.stop(1)
+            await fakes.start(1)
+            fakes.adapter_errors[back] = 400
+            await router.health.check_all()
+            kept_out = router.replicas[1].healthy
+            answers = [(await client.post("/v1/completions", json={"prompt": str(i)})).json() for i in range(4)]
+            del fakes.adapter_errors[back]
+            await router.health.check_all()
+            return kept_out, answers, router.replicas[1].healthy
+
+    kept_out, answers, back_in = run(scenario())
+    assert not kept_out and back_in
+    assert all(answer["replica"] == fakes.urls[0] for answer in answers)
+    assert f"replica {back} is kept out of rotation: loading LoRA adapter 'a' again failed (400: " \
+        "no adapter_config.json)" in caplog.text
+
+
+def test_a_replica_marked_down_that_kept_its_adapters_is_not_sent_them_again() -> None:
+    fakes = FakeReplicas(2)
+
+    async def scenario() -> tuple[list, bool]:
+        async with fakes:
+            router, client = router_client(fakes)
+            await client.post("/v1/load_lora_adapter", json=LOAD)
+            fakes.seen.clear()
+            router.health.mark_down(router.replicas[1])
+            await router.health.check_all()
+            return fakes.seen, router.replicas[1].healthy
+
+    assert run(scenario()) == ([], True)
