@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import httpx
 import pytest
@@ -128,6 +130,24 @@ def test_an_unknown_model_is_a_404(server: ServerProcess) -> None:
 def test_a_body_over_the_limit_is_a_413(server: ServerProcess) -> None:
     huge = completion(prompt="a" * (5 * 2**20))
     assert_openai_error(httpx.post(f"{server.url}/v1/completions", content=huge), 413)
+    assert_still_serving(server)
+
+
+def test_a_client_still_sending_a_body_over_the_limit_reads_the_413(server: ServerProcess) -> None:
+    """Answered from its declared length while its body still comes: the connection is half-closed and the rest
+    read and dropped, so that closing it sends no reset (which overtook the answer: "connection reset", every time,
+    for a client that reads after sending some of its body; httpx saw it now and then)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as client:
+        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % (5 * 2**20))
+        client.sendall(b"a" * 2**20)
+        time.sleep(0.3)  # the answer and the close come meanwhile
+        answer = b""
+        while chunk := client.recv(65536):  # the server's half-close ends it
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and json.loads(body)["error"]["code"] == 413
     assert_still_serving(server)
 
 
