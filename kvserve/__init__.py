@@ -4,7 +4,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from kvserve.lora_request import LoRARequest
-from kvserve.outputs import CompletionOutput, FinishReason, RequestOutput
+from kvserve.outputs import CompletionOutput, FinishReason, PoolingRequestOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # type checkers see LLM's own type; at run time it is imported when first asked for
@@ -16,7 +17,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "unknown"
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "FinishReason", "LoRARequest"]
+           "FinishReason", "LoRARequest", "PoolingParams", "PoolingRequestOutput"]
 
 
 def __getattr__(name: str) -> Any:

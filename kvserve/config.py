@@ -54,6 +54,13 @@ ATTENTION_BACKEND_ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
 # token too (CUDA of compute capability 8.9+, or CPU)
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "fp8")
 KV_CACHE_DTYPES = ("auto", *KV_ENCODING_NAMES)  # "auto": the model's dtype, unquantized
+# which requests the engine serves (vLLM's --runner): "generate" draws tokens, "pooling" returns hidden states
+# (``PoolingParams``), "auto" both (a generative model's hidden states are the embeddings vLLM converts it to)
+RUNNERS = ("auto", "generate", "pooling")
+# How a pooling request's "embed" pools its prompt's final hidden states (vLLM's pooling types): the last token's (a
+# causal model's own summary of the prompt, vLLM's default for a converted generative model), their mean, or the
+# first token's
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
 def check_dtype_name(name: str) -> None:
@@ -97,8 +104,20 @@ class ModelConfig:
     # the most alternatives a request's logprobs and prompt_logprobs may ask for at a position; -1: the vocabulary's
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"  # one of LOGPROBS_MODES
+    runner: str = "auto"  # one of RUNNERS
+    pooling_type: str = "LAST"  # one of POOLING_TYPES
+    pooling_normalize: bool = True  # pooled vectors scaled to unit length unless a request says otherwise
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What requests the engine serves (vLLM's task names): "generate", and the pooling tasks."""
+        generates = ("generate",) if self.runner != "pooling" else ()
+        return generates + (("embed", "token_embed") if self.runner != "generate" else ())
 
     def __post_init__(self) -> None:
+        for name, choices in (("runner", RUNNERS), ("pooling_type", POOLING_TYPES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; expected one of {', '.join(choices)}")
         if not (self.cpu_offload_gb >= 0 and math.isfinite(self.cpu_offload_gb * 2**30)):
             raise ValueError(f"cpu_offload_gb must be a finite number of GiB >= 0, got {self.cpu_offload_gb}")
         check_dtype_name(self.dtype)

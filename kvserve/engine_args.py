@@ -29,7 +29,9 @@ from kvserve.config import (
     LOGPROBS_MODES,
     QUANTIZATION_CHOICES,
     KV_CACHE_DTYPES,
+    POOLING_TYPES,
     PREEMPTION_MODES,
+    RUNNERS,
     SCHEDULING_POLICIES,
     SPECULATIVE_METHODS,
     CacheConfig,
@@ -41,14 +43,18 @@ from kvserve.config import (
     SpeculativeConfig,
 )
 
-# vLLM's ``speculative_config`` dict keys -> our flat options
-_SPECULATIVE_CONFIG_KEYS = {
-    "method": "speculative_method",
-    "num_speculative_tokens": "num_speculative_tokens",
-    "prompt_lookup_min": "ngram_min",
-    "prompt_lookup_max": "ngram_max",
-    "model": "draft_model",
+# vLLM's dict-valued options (``speculative_config``, ``pooler_config``): each one's keys -> our flat options
+_CONFIG_DICTS = {
+    "speculative_config": {
+        "method": "speculative_method",
+        "num_speculative_tokens": "num_speculative_tokens",
+        "prompt_lookup_min": "ngram_min",
+        "prompt_lookup_max": "ngram_max",
+        "model": "draft_model",
+    },
+    "pooler_config": {"pooling_type": "pooling_type", "normalize": "pooling_normalize"},
 }
+_CONFIG_DICT_EXAMPLES = {"speculative_config": "{'method': 'ngram'}", "pooler_config": "{'pooling_type': 'MEAN'}"}
 
 
 def _option(default: Any, help: str, type: type | None = None, choices: Collection[str] | None = None) -> Any:
@@ -211,6 +217,14 @@ class EngineArgs:
                              "adapter would pass it waits)", int)
     max_lora_rank: int = _option(LoRAConfig.max_lora_rank, "LoRA: the highest adapter rank served (a higher one is "
                                  "refused as it loads)", int)
+    runner: str = _option(ModelConfig.runner, "which requests are served: 'generate' draws tokens, 'pooling' returns "
+                          "the prompt's hidden states (LLM.embed / encode / score, the server's /v1/embeddings, "
+                          "/pooling, /score, /rerank), 'auto' both (vLLM's --runner picks one)", str, RUNNERS)
+    pooling_type: str = _option(ModelConfig.pooling_type, "how an embedding pools the prompt's final hidden states: "
+                                "the last token's (a causal model's summary of its prompt), their mean, or the "
+                                "first token's (vLLM's --pooler-config pooling_type)", str, POOLING_TYPES)
+    pooling_normalize: bool = _option(ModelConfig.pooling_normalize, "embeddings scaled to unit length unless a "
+                                      "request says otherwise (vLLM's --pooler-config normalize)")
 
     def __post_init__(self) -> None:
         for option in dataclasses.fields(self):
@@ -219,30 +233,31 @@ class EngineArgs:
             object.__setattr__(self, option.name, value)
 
     @classmethod
-    def with_speculative_config(cls, options: dict[str, Any], speculative_config: Any) -> dict[str, Any]:
-        """``options`` with vLLM's ``speculative_config`` dict folded in (None: none given); ValueError where an
-        option given as well says otherwise."""
-        if speculative_config is None:
-            return options
-        merged = dict(options)
-        for key, value in cls.speculative_options(speculative_config).items():
-            if merged.get(key) is not None and merged[key] != value:
-                raise ValueError(f"{key}={merged[key]!r} and speculative_config's {value!r} disagree: give it "
-                                 "one way")
-            merged[key] = value
+    def with_config_dicts(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` with vLLM's dict-valued options among them (``speculative_config``, ``pooler_config``; None:
+        not given) folded into our flat ones; ValueError where an option given as well says otherwise."""
+        merged = {key: value for key, value in options.items() if key not in _CONFIG_DICTS}
+        for name in _CONFIG_DICTS:
+            if options.get(name) is None:
+                continue
+            defaults = {option.name: option.default for option in dataclasses.fields(cls)}
+            for key, value in cls.config_dict_options(name, options[name]).items():
+                if merged.get(key) not in (None, defaults[key], value):  # a command line's default: not given
+                    raise ValueError(f"{key}={merged[key]!r} and {name}'s {value!r} disagree: give it one way")
+                merged[key] = value
         return merged
 
     @staticmethod
-    def speculative_options(speculative_config: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's ``speculative_config`` dict as our flat options; an unknown key is a ValueError naming it."""
-        if not isinstance(speculative_config, dict):
-            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram'}}, got "
-                             f"{type(speculative_config).__name__}")
-        unknown = set(speculative_config) - set(_SPECULATIVE_CONFIG_KEYS)
+    def config_dict_options(name: str, config: Any) -> dict[str, Any]:
+        """vLLM's dict-valued option ``name`` as our flat options; an unknown key is a ValueError naming it."""
+        keys = _CONFIG_DICTS[name]
+        if not isinstance(config, dict):
+            raise ValueError(f"{name} must be a dict such as {_CONFIG_DICT_EXAMPLES[name]}, got "
+                             f"{type(config).__name__}")
+        unknown = set(config) - set(keys)
         if unknown:
-            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)}; expected some of "
-                             f"{', '.join(_SPECULATIVE_CONFIG_KEYS)}")
-        return {_SPECULATIVE_CONFIG_KEYS[key]: value for key, value in speculative_config.items()}
+            raise ValueError(f"{name}: unknown keys {sorted(unknown)}; expected some of {', '.join(keys)}")
+        return {keys[key]: value for key, value in config.items()}
 
     def create_engine_config(self) -> EngineConfig:
         """The frozen configuration; raises ValueError naming the first bad option."""
@@ -254,7 +269,8 @@ class EngineArgs:
                               attention_backend=self.attention_backend or _attention_backend_from_environment(),
                               chat_template=_chat_template_text(self.chat_template),
                               generation_config=self.generation_config, max_logprobs=self.max_logprobs,
-                              logprobs_mode=self.logprobs_mode),
+                              logprobs_mode=self.logprobs_mode, runner=self.runner, pooling_type=self.pooling_type,
+                              pooling_normalize=self.pooling_normalize),
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
@@ -338,15 +354,21 @@ class EngineArgs:
             action.help = kwargs["help"]  # as written here, whatever the action adds to it
         group.add_argument("--speculative-config", type=_json_object, default=None,
                            help="vLLM's speculation options as JSON, e.g. '{\"method\": \"ngram\", "
-                                "\"num_speculative_tokens\": 4}' (keys: " + ", ".join(_SPECULATIVE_CONFIG_KEYS)
+                                "\"num_speculative_tokens\": 4}' (keys: "
+                                + ", ".join(_CONFIG_DICTS["speculative_config"])
                                 + "; the --speculative-method flags otherwise)")
+        group.add_argument("--pooler-config", type=_json_object, default=None,
+                           help="vLLM's pooling options as JSON, e.g. '{\"pooling_type\": \"MEAN\"}' (keys: "
+                                + ", ".join(_CONFIG_DICTS["pooler_config"]) + "; the --pooling-type flags otherwise)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """The options parsed by a parser that ``add_cli_args`` filled (``--speculative-config`` folded in);
-        skipped ones keep their defaults unless the command's own flag of that name set them."""
+        """The options parsed by a parser that ``add_cli_args`` filled (``--speculative-config`` and
+        ``--pooler-config`` folded in); skipped ones keep their defaults unless the command's own flag of that name
+        set them."""
         options = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        return cls(**cls.with_speculative_config(options, getattr(args, "speculative_config", None)))
+        options.update({name: getattr(args, name, None) for name in _CONFIG_DICTS})
+        return cls(**cls.with_config_dicts(options))
 
 
 # What each option's values must be, by its flag's type (None: a boolean flag)

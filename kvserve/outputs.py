@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 
 class FinishReason(str, enum.Enum):
@@ -78,3 +81,54 @@ class RequestOutput:
     prompt_logprobs: Sequence[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when the engine first scheduled it
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's hidden states (``PoolingParams``): float32, on the CPU; [hidden] for ``embed``,
+    [prompt tokens, hidden] for ``token_embed``."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request returns (vLLM's): finished once, its prompt run; ``outputs`` None if it was
+    aborted before."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s answer for one prompt (vLLM's): its vector as a list."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s answer for one pair (vLLM's): the cosine similarity of the two texts' embeddings."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the two texts' tokens, one after the other
+    finished: bool = True

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from kvserve.kv.block_keys import CacheNamespace
 from kvserve.outputs import FinishReason
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.token_ids import TokenIds
 
@@ -54,6 +55,9 @@ class Request:
     lora_id: int = 0  # the LoRA adapter its tokens run with (``LoRARequest.lora_int_id``); 0: the base model
     lora_digest: str | None = None  # that adapter's content (``LoRAAdapter.digest``), which its KV differs by
     priority: int = 0  # scheduling_policy "priority": the lower, the sooner (ties go by arrival_time)
+    # a pooling request (``PoolingParams``): it draws no token, and finishes once its prompt has run, with the
+    # pooled hidden states; its ``sampling_params`` are ``POOLING_SAMPLING_PARAMS``
+    pooling_params: PoolingParams | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

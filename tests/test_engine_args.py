@@ -3,6 +3,7 @@ configs frozen after validation; no global seeding."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import sys
@@ -68,6 +69,9 @@ CHANGED = {
     "enable_lora": True,
     "max_loras": 3,
     "max_lora_rank": 32,
+    "runner": "pooling",
+    "pooling_type": "MEAN",
+    "pooling_normalize": False,
 }
 
 
@@ -117,7 +121,8 @@ def test_flat_options_land_in_the_narrow_configs() -> None:
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5,
                                        attention_backend="torch_ref", chat_template="{{ messages[0].content }}",
                                        generation_config="vllm", max_logprobs=5,
-                                       logprobs_mode="processed_logprobs")
+                                       logprobs_mode="processed_logprobs", runner="pooling", pooling_type="MEAN",
+                                       pooling_normalize=False)
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs",
                                                SchedulerConfig.lpm_aging_steps, "swap", False)
@@ -196,16 +201,16 @@ def test_swap_takes_a_host_tier_with_or_without_prefix_caching() -> None:
 
 
 def test_vllm_speculative_config_maps_to_the_flat_options() -> None:
-    options = EngineArgs.speculative_options(
-        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    )
+    options = EngineArgs.config_dict_options("speculative_config", {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
     assert EngineArgs(**options).create_engine_config().speculative == SpeculativeConfig("ngram", 4, 1, 3)
     with pytest.raises(ValueError, match="draft_model"):
-        EngineArgs.speculative_options({"method": "ngram", "draft_model": "x"})
+        EngineArgs.config_dict_options("speculative_config", {"method": "ngram", "draft_model": "x"})
 
 
 def test_draft_options_land_in_the_speculative_config() -> None:
-    options = EngineArgs.speculative_options({"method": "draft", "model": "small", "num_speculative_tokens": 5})
+    options = EngineArgs.config_dict_options("speculative_config",
+                                             {"method": "draft", "model": "small", "num_speculative_tokens": 5})
     assert options == {"speculative_method": "draft", "draft_model": "small", "num_speculative_tokens": 5}
     assert EngineArgs(**options).create_engine_config().speculative == SpeculativeConfig("draft", 5, model="small")
 
@@ -345,3 +350,15 @@ def test_generation_config_takes_vllms_two_names_only() -> None:
     with pytest.raises(ValueError, match="unknown generation_config '/some/folder'; expected one of auto, vllm"):
         EngineArgs(generation_config="/some/folder").create_engine_config()
 
+
+
+def test_vllm_pooler_config_folds_into_the_flat_options() -> None:
+    config = EngineArgs(**EngineArgs.with_config_dicts(
+        {"pooler_config": {"pooling_type": "CLS", "normalize": False}})).create_engine_config()
+    assert (config.model.pooling_type, config.model.pooling_normalize) == ("CLS", False)
+    with pytest.raises(ValueError, match="pooling_type='MEAN' and pooler_config's 'CLS' disagree"):
+        EngineArgs.with_config_dicts({"pooling_type": "MEAN", "pooler_config": {"pooling_type": "CLS"}})
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["m", "--pooler-config", '{"pooling_type": "MEAN"}']))
+    assert args.pooling_type == "MEAN"

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Mapping, Protocol, Sequence, TypeVar
 
 from kvserve.engine.gc_freeze import heap_frozen
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import PoolingRequestOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.lora_request import LoRARequest
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -231,7 +232,8 @@ class AsyncEngine:
                 yield outputs[0]
 
     async def generate_many(
-        self, prompts: Sequence[PromptInput], params: SamplingParams, request_ids: Sequence[str] | None = None,
+        self, prompts: Sequence[PromptInput], params: SamplingParams | PoolingParams,
+        request_ids: Sequence[str] | None = None,
         admission: Admission | None = None, final_only: bool = False, priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[list[RequestOutput], None]:
@@ -240,7 +242,7 @@ class AsyncEngine:
         each finishes), the latest output of each request in input order; a request that has not produced
         anything yet appears as an output with no samples. ``admission``: the one ``admit`` gave these requests,
         closed as their add takes over its count. ``priority`` and ``lora_request``: each request's
-        (``LLMEngine.add_request``)."""
+        (``LLMEngine.add_request``). With ``PoolingParams`` the requests are pooling ones (``encode``)."""
         ids = list(request_ids) if request_ids else [f"req-{next(self._request_counter)}" for _ in prompts]
         stream = _Stream(asyncio.get_running_loop(), _Mailbox(), final_only)
         mailbox = stream.mailbox
@@ -262,6 +264,21 @@ class AsyncEngine:
             unfinished = [out.request_id for out in latest if not out.finished]
             if unfinished:
                 self.abort(unfinished)
+
+    async def encode(
+        self, prompts: Sequence[PromptInput], params: PoolingParams, request_ids: Sequence[str] | None = None,
+        admission: Admission | None = None, priority: int = 0, lora_request: LoRARequest | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Queue pooling requests (all or none: ValueError naming what is wrong, nothing queued) and return their
+        outputs in input order once every one has run; cancelled meanwhile, those not finished are aborted. The
+        arguments are ``generate_many``'s."""
+        outputs: list[Any] = []
+        stream = self.generate_many(prompts, params, request_ids, admission, final_only=True, priority=priority,
+                                    lora_request=lora_request)
+        async with contextlib.aclosing(stream):
+            async for outputs in stream:
+                pass
+        return outputs
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (a no-op for finished or unknown ids); their KV blocks are freed on the engine thread.
@@ -322,7 +339,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def _add(
-        self, ids: list[str], prompts: Sequence[PromptInput], params: SamplingParams, stream: _Stream,
+        self, ids: list[str], prompts: Sequence[PromptInput], params: SamplingParams | PoolingParams, stream: _Stream,
         admission: Admission | None, priority: int, lora_request: LoRARequest | None,
     ) -> None:
         arrival_time = time.monotonic()
@@ -355,8 +372,8 @@ class AsyncEngine:
             if admission is not None:
                 admission.close_locked()
         try:
-            processor = self.engine.input_processor  # all prompts checked before any is queued
-            processed = await self._on_inputs(lambda: [processor.process(prompt, params) for prompt in prompts])
+            engine = self.engine  # all prompts checked before any is queued
+            processed = await self._on_inputs(lambda: [engine.process(prompt, params) for prompt in prompts])
             await self.call(lambda engine: add(engine, processed))
         finally:
             with self._wakeup:

@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.config import ModelConfig
 from kvserve.engine.chat_messages import for_template, iterates_content, template_message
 from kvserve.sample.grammar import StructuredOutputCompiler
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
 from kvserve.utf8 import check_utf8
 
@@ -33,6 +34,12 @@ class ProcessedPrompt:
     params: SamplingParams  # a per-request copy, with max_tokens filled in
     grammar: object | None = None  # its constraint compiled (``Request.grammar``)
     cache_salt: str | None = None  # ``Request.cache_salt``
+    pooling: PoolingParams | None = None  # a pooling request's, ``normalize`` filled in (``params`` then unused)
+
+
+# A pooling request's sampling params: it draws nothing (the scheduler finishes it once its prompt has run), but the
+# engine's request state has a place for them
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class InputProcessor:
@@ -143,6 +150,25 @@ class InputProcessor:
         if not text:  # refused later as an empty prompt_token_ids, which the client did not send
             raise ValueError("the chat template rendered this conversation as no text at all")
         return text
+
+    def process_pooling(self, prompt: PromptInput, params: PoolingParams, normalize: bool) -> ProcessedPrompt:
+        """Tokenize (or check) a pooling request's prompt, which may fill ``max_model_len`` (it draws no token);
+        ``normalize``: the engine's default, where ``params`` leaves it out. InvalidParameter naming what is
+        wrong: ``dimensions`` among it, since no model kvserve serves is trained for Matryoshka truncation."""
+        if params.dimensions is not None:
+            raise InvalidParameter("dimensions", "dimensions: this model does not support Matryoshka "
+                                                 "representations (its embeddings have one size)")
+        text, token_ids = self._tokenize(prompt, check_fits=params.truncate_prompt_tokens is None)
+        self.check_token_ids(token_ids, "prompt_token_ids")
+        token_ids = [int(t) for t in token_ids]
+        if params.truncate_prompt_tokens is not None:
+            text, token_ids = self._truncated(text, token_ids, params.truncate_prompt_tokens)
+        if len(token_ids) > self.max_model_len:
+            raise InvalidParameter("prompt", f"prompt ({len(token_ids)} tokens) is over max_model_len="
+                                             f"{self.max_model_len} (truncate_prompt_tokens cuts it to its last ones)")
+        if params.normalize is None:
+            params = dataclasses.replace(params, normalize=normalize)
+        return ProcessedPrompt(text, token_ids, POOLING_SAMPLING_PARAMS, cache_salt=_cache_salt(prompt), pooling=params)
 
     def _tokenize(self, prompt: PromptInput, check_fits: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import signal
 import threading
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, overload
+from typing import Any, Callable, Iterator, TypeVar, overload
+
+import torch
 
 from tqdm.auto import tqdm
 
@@ -19,10 +22,19 @@ from kvserve.engine.input_processor import ChatMessages, ProcessedPrompt, Prompt
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine_args import EngineArgs
 from kvserve.lora_request import LoRARequest
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 PROGRESS_BAR_MIN_PROMPTS = 8
+T = TypeVar("T")
 
 
 class LLM:
@@ -32,9 +44,8 @@ class LLM:
         """``engine_options`` are ``EngineArgs``'s fields (``dtype``, ``max_num_seqs``, ``num_kv_blocks``, ...);
         an unknown one is a TypeError that names it, a bad value a ValueError that names it. vLLM's
         ``speculative_config={"method": "ngram", "num_speculative_tokens": K, ...}`` (or ``{"method": "draft",
-        "model": PATH, ...}``) is accepted too."""
-        engine_options = EngineArgs.with_speculative_config(engine_options,
-                                                            engine_options.pop("speculative_config", None))
+        "model": PATH, ...}``) and ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` are accepted too."""
+        engine_options = EngineArgs.with_config_dicts(engine_options)
         config = EngineArgs(model=model, **engine_options).create_engine_config()
         self.engine = LLMEngine(config)
         self._request_ids = itertools.count()
@@ -82,7 +93,9 @@ class LLM:
         as vLLM's (the lower, the sooner; needs ``scheduling_policy="priority"`` for any but 0).
         """
         prompts = _prompt_list(prompts)
-        params = self._params_per_prompt(sampling_params, len(prompts), self.get_default_sampling_params())
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _params_per_prompt(sampling_params, SamplingParams, len(prompts), "sampling_params")
         if priority is not None and (isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence)):
             raise TypeError(f"priority must be a list with one int per prompt, got {type(priority).__name__}")
         priorities = [0] * len(prompts) if priority is None else list(priority)
@@ -96,6 +109,73 @@ class LLM:
                                       priorities, adapters)
             bar = use_tqdm if callable(use_tqdm) else tqdm
             return self._run(request_ids, bool(use_tqdm) and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS, bar)
+
+    def encode(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Run every prompt and return its hidden states, pooled (vLLM's): ``pooling_task`` "embed" one vector a
+        prompt (the engine's ``pooling_type``), "token_embed" one a prompt token; or ``pooling_params``, one for all
+        prompts or one each (the task theirs). ``prompts``, ``use_tqdm`` and ``lora_request`` as ``generate``'s;
+        ``truncate_prompt_tokens``: keep each prompt's last k tokens. A prompt's KV stays in the prefix cache, as a
+        generation's does: a later request that begins with it starts from it."""
+        prompts = _prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams(task=pooling_task or "embed")
+        params = _params_per_prompt(pooling_params, PoolingParams, len(prompts), "pooling_params")
+        if pooling_task is not None and any(p.task != pooling_task for p in params):
+            raise ValueError(f"pooling_task={pooling_task!r} but pooling_params ask for another task")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        adapters = _adapter_per_prompt(lora_request, len(prompts))
+        self._check_process()
+        with self._running:
+            request_ids = self._queue([self.engine.process(p, pp) for p, pp in zip(prompts, params)], None, adapters)
+            bar = use_tqdm if callable(use_tqdm) else tqdm
+            outputs = self._run(request_ids, bool(use_tqdm) and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS, bar,
+                                "encode")
+        return [out for out in outputs if isinstance(out, PoolingRequestOutput)]
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's): ``encode``'s "embed" task, each vector as a list of floats."""
+        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                              use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(_pooled(out).tolist()), out.prompt_token_ids)
+                for out in outputs]
+
+    def score(
+        self,
+        data_1: PromptInput | Sequence[PromptInput],
+        data_2: PromptInput | Sequence[PromptInput],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """How alike two texts are (vLLM's, for an embedding model): the cosine similarity of their embeddings, for
+        each pair: one ``data_1`` against each of ``data_2``, or ``data_1[i]`` against ``data_2[i]``."""
+        firsts, seconds = score_pairs(_prompt_list(data_1), _prompt_list(data_2))
+        embeddings = self.encode([*firsts, *seconds], pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                                 use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")
+        pairs = zip(embeddings[: len(firsts)], embeddings[len(firsts):])
+        return [ScoringRequestOutput(first.request_id, ScoringOutput(cosine_similarity(first, second)),
+                                     first.prompt_token_ids + second.prompt_token_ids) for first, second in pairs]
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -217,21 +297,6 @@ class LLM:
         generation_config.json sampling fields (``generation_config="auto"``), else SamplingParams' defaults."""
         return self.engine.default_sampling_params
 
-    @staticmethod
-    def _params_per_prompt(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int, defaults: SamplingParams
-    ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [defaults] * num_prompts
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
-        if not isinstance(sampling_params, Sequence) or \
-                not all(isinstance(p, SamplingParams) for p in sampling_params):
-            raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
-        if len(sampling_params) != num_prompts:
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {num_prompts} prompts")
-        return list(sampling_params)
-
     def _check_process(self) -> None:
         """RuntimeError in a child forked after the LLM was made: its OpenMP threads (torch's, the kernels') did
         not come with it, and its first parallel kernel would wait for them for ever."""
@@ -239,13 +304,14 @@ class LLM:
             raise RuntimeError("this LLM was made in another process (a fork): make one in this process, or start "
                                "it with multiprocessing's spawn start method")
 
-    def _run(self, request_ids: list[str], show_progress: bool,
-             progress_bar: Callable[..., Any] = tqdm) -> list[RequestOutput]:
-        """Step until ``request_ids`` finish; whatever is raised meanwhile (the caller's progress bar too) aborts
-        those unfinished, so that none is left queued for the next call to run."""
-        finished: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], show_progress: bool, progress_bar: Callable[..., Any] = tqdm,
+             desc: str = "generate") -> list[Any]:
+        """Step until ``request_ids`` finish (``RequestOutput``s, or a pooling request's ``PoolingRequestOutput``);
+        whatever is raised meanwhile (the caller's progress bar too) aborts those unfinished, so that none is left
+        queued for the next call to run."""
+        finished: dict[str, Any] = {}
         try:
-            with progress_bar(total=len(request_ids), desc="generate", disable=not show_progress) as bar, \
+            with progress_bar(total=len(request_ids), desc=desc, disable=not show_progress) as bar, \
                     heap_frozen(), _interrupts_between_steps() as interrupted:
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step(final_only=True):
@@ -258,6 +324,40 @@ class LLM:
             self.engine.abort_request(rid for rid in request_ids if rid not in finished)
             raise
         return [finished[rid] for rid in request_ids]
+
+
+def _params_per_prompt(params: T | Sequence[T], kind: type[T], num_prompts: int, name: str) -> list[T]:
+    """One params object for all prompts, or a list of them with one per prompt; TypeError or ValueError else."""
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    if not isinstance(params, Sequence) or not all(isinstance(p, kind) for p in params):
+        raise TypeError(f"{name} must be a {kind.__name__} or a list of them, one per prompt")
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} {name} for {num_prompts} prompts")
+    return list(params)
+
+
+def score_pairs(firsts: Sequence[PromptInput], seconds: Sequence[PromptInput]
+                ) -> tuple[list[PromptInput], list[PromptInput]]:
+    """The pairs ``LLM.score`` (and the server's /score) scores, as vLLM pairs them: one first text against each
+    second one, or the i-th against the i-th; ValueError for lists of other lengths."""
+    if not firsts or not seconds:
+        raise ValueError("score needs at least one text on each side")
+    if len(firsts) == 1:
+        return list(firsts) * len(seconds), list(seconds)
+    if len(firsts) != len(seconds):
+        raise ValueError(f"score pairs one text with many, or N texts with N: got {len(firsts)} and {len(seconds)}")
+    return list(firsts), list(seconds)
+
+
+def cosine_similarity(first: PoolingRequestOutput, second: PoolingRequestOutput) -> float:
+    """The cosine similarity of two embeddings (``LLM.score``'s score)."""
+    return float(torch.nn.functional.cosine_similarity(_pooled(first), _pooled(second), dim=0))
+
+
+def _pooled(output: PoolingRequestOutput) -> torch.Tensor:
+    assert output.outputs is not None, "a finished pooling request has its states"
+    return output.outputs.data
 
 
 def _adapter_per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,

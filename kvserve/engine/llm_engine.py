@@ -39,7 +39,8 @@ from kvserve.model.registry import check_shardable
 from kvserve.model.weight_format import check_quantize_activations, weight_format
 from kvserve.sample.grammar import StructuredOutputCompiler
 from kvserve.model.sources import resolve_model
-from kvserve.outputs import FinishReason, RequestOutput
+from kvserve.outputs import FinishReason, PoolingRequestOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams, UnsupportedTask
 from kvserve.request import Request
 from kvserve.sampling_params import InvalidParameter, SamplingParams
 from kvserve.sched.output import EngineOutput, SchedulerOutput
@@ -103,7 +104,7 @@ class LLMEngine:
         return RunnerOptions(
             cache.block_size, model.seed, self.weight_format, cache.kv_cache_dtype, model.quantize_activations,
             model.enforce_eager, int(model.cpu_offload_gb * 2**30), model.dense_layouts_in_background,
-            model.attention_backend, model.logprobs_mode,
+            model.attention_backend, model.logprobs_mode, model.pooling_type,
         )
 
     def _default_sampling_params(self, checkpoint: Checkpoint) -> SamplingParams:
@@ -243,7 +244,8 @@ class LLMEngine:
         runner.init_kv_cache(self.num_kv_blocks, self.max_model_len, host_copies, sched_config.max_running)
         speculative = self.config.speculative
         speculation = SpeculationPolicy(speculative) if speculative.enabled else None
-        return EngineCore(runner, Scheduler(sched_config, kv_manager, speculation), kv_manager)
+        scheduler = Scheduler(sched_config, kv_manager, speculation, self.config.model.pooling_type)
+        return EngineCore(runner, scheduler, kv_manager)
 
     def _fit_max_model_len(self, kv: KVCacheManager, max_chunk: int) -> None:
         """Lower ``max_model_len`` to the longest request the whole KV pool holds, saying so: else every request
@@ -338,12 +340,26 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step(final_only=True)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> None:
-        """Validate and queue one request; raises ValueError (naming the problem) and queues nothing if bad.
-        ``priority``: under the priority scheduling policy, the lower the sooner (vLLM's); 0 under the others.
-        ``lora_request``: the LoRA adapter it runs with (None: the base model)."""
-        self.add_processed(request_id, self.input_processor.process(prompt, params), priority, lora_request)
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What requests this engine serves (vLLM's ``get_supported_tasks``): "generate", "embed", "token_embed"
+        (``--runner``)."""
+        return self.config.model.supported_tasks
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | PoolingParams,
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+        """Validate and queue one request, a generation or (``PoolingParams``) a pooling one; raises ValueError
+        (naming the problem) and queues nothing if bad. ``priority``: under the priority scheduling policy, the
+        lower the sooner (vLLM's); 0 under the others. ``lora_request``: the LoRA adapter it runs with (None: the
+        base model)."""
+        self.add_processed(request_id, self.process(prompt, params), priority, lora_request)
+
+    def process(self, prompt: PromptInput, params: SamplingParams | PoolingParams) -> ProcessedPrompt:
+        """``prompt`` tokenized and checked for ``params`` (``InputProcessor``), nothing queued; ValueError naming
+        what is wrong. Reads only the tokenizer and the model's limits: a server runs it on a thread of its own."""
+        if isinstance(params, PoolingParams):
+            return self.input_processor.process_pooling(prompt, params, self.config.model.pooling_normalize)
+        return self.input_processor.process(prompt, params)
 
     def add_processed(self, request_id: str, processed: ProcessedPrompt, priority: int = 0,
                       lora_request: LoRARequest | None = None) -> None:
@@ -352,22 +368,24 @@ class LLMEngine:
         adapter named for the first time is read and installed here, on the thread that steps the engine."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidParameter("priority", f"priority must be an integer, got {priority!r}")
+        task = "generate" if processed.pooling is None else processed.pooling.task
+        if task not in self.supported_tasks:
+            raise UnsupportedTask(task, self.config.model.runner)
         adapter = self.lora_adapters.resolve(lora_request)
         request = Request(request_id, processed.prompt_token_ids, processed.params, self.eos_token_ids,
                           grammar=processed.grammar, cache_salt=processed.cache_salt, priority=priority,
                           lora_id=0 if adapter is None else adapter.request.lora_int_id,
-                          lora_digest=None if adapter is None else adapter.digest)
+                          lora_digest=None if adapter is None else adapter.digest, pooling_params=processed.pooling)
         # the frontend first: it still tracks an n > 1 request whose first sample the scheduler has finished
-        self.output_processor.add_request(
-            request_id, processed.prompt, processed.prompt_token_ids, processed.params, self.eos_token_ids
-        )
+        self.output_processor.add_request(request_id, processed.prompt, processed.prompt_token_ids, processed.params,
+                                          self.eos_token_ids, pooling=processed.pooling is not None)
         try:
             self.core.add_request(request)
         except BaseException:
             self.output_processor.abort(request_id)
             raise
 
-    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput | PoolingRequestOutput]:
         """Stop requests now and free their KV blocks; returns their final outputs (finish reason abort)."""
         request_ids = list(request_ids)
         sample_ids = self._all_sample_ids(request_ids)
@@ -389,7 +407,7 @@ class LLMEngine:
         """The ids of the LoRA adapters served (vLLM's)."""
         return {lora_request.lora_int_id for lora_request in self.lora_adapters.served}
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one engine step and return the outputs of the requests that moved (``final_only``: of those that
         finished).
 
@@ -421,7 +439,7 @@ class LLMEngine:
             self.abort_request(self.output_processor.request_ids())
             raise
 
-    def _step(self, final_only: bool) -> list[RequestOutput]:
+    def _step(self, final_only: bool) -> list[RequestOutput | PoolingRequestOutput]:
         if not self.overlap_outputs:
             processed = self.output_processor.process(self.core.step(), final_only)
         else:

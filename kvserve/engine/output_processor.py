@@ -1,5 +1,8 @@
 """OutputProcessor: the frontend half of a step. Token ids in, user-facing RequestOutputs out.
 
+A pooling request has no samples: its one output, once its prompt has run, holds the pooled hidden states
+(``PoolingRequestOutput``).
+
 Per sample it detokenizes incrementally, looks for stop strings across token boundaries, converts logprobs,
 and records how the sample ended; per request it gathers the n samples into one RequestOutput.
 
@@ -20,7 +23,16 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from kvserve.engine.stop_strings import StopStringMatcher
 from kvserve.list_prefix import ListPrefix
-from kvserve.outputs import CompletionOutput, FinishReason, Logprob, PositionLogprobs, RequestOutput, TokenLogprobs
+from kvserve.outputs import (
+    CompletionOutput,
+    FinishReason,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestOutput,
+    TokenLogprobs,
+)
 from kvserve.request import sample_request_id
 from kvserve.sampling_params import SamplingParams
 from kvserve.sched.output import EngineOutput
@@ -32,7 +44,7 @@ class ProcessedOutputs(NamedTuple):
     """One step's result: the requests that moved, and the samples a stop string ended, which the engine
     must finish (engine-side sample ids, with finish reason STOP)."""
 
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     stopped_request_ids: list[str]
 
 
@@ -43,8 +55,9 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.token_texts = TokenTextCache(tokenizer)
-        self._requests: dict[str, _RequestState] = {}
-        self._samples: dict[str, tuple[_RequestState, int]] = {}  # engine-side sample id -> (request, index)
+        self._requests: dict[str, _RequestState | _PoolingRequestState] = {}
+        # engine-side sample id -> (request, index)
+        self._samples: dict[str, tuple[_RequestState | _PoolingRequestState, int]] = {}
 
     def add_request(
         self,
@@ -53,13 +66,15 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         eos_token_ids: frozenset[int] | Sequence[int] = frozenset(),
+        pooling: bool = False,
     ) -> None:
-        """Track a request and its ``params.n`` samples. An EOS (``eos_token_ids``) or stop token that ends a
-        sample is kept in its token_ids but not in its text."""
+        """Track a request and its ``params.n`` samples (``pooling``: a pooling request, one output). An EOS
+        (``eos_token_ids``) or stop token that ends a sample is kept in its token_ids but not in its text."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         stop_token_ids = frozenset(eos_token_ids).union(params.stop_token_ids)
-        state = _RequestState(request_id, prompt, prompt_token_ids, params, stop_token_ids, self.tokenizer)
+        state = _PoolingRequestState(request_id, prompt_token_ids, params) if pooling else \
+            _RequestState(request_id, prompt, prompt_token_ids, params, stop_token_ids, self.tokenizer)
         self._requests[request_id] = state
         for index in range(params.n):
             self._samples[sample_request_id(request_id, index)] = (state, index)
@@ -74,7 +89,7 @@ class OutputProcessor:
         consumer that reads only final outputs (offline generation) asks for those alone: then the text of a
         sample without stop strings is not made before it finishes either, its tokens detokenized at once at
         the end (a fifth of the host's work in a 256-request step)."""
-        moved: dict[str, _RequestState] = {}
+        moved: dict[str, _RequestState | _PoolingRequestState] = {}
         stopped: list[str] = []
         for engine_output in engine_outputs:
             located = self._samples.get(engine_output.request_id)
@@ -90,7 +105,8 @@ class OutputProcessor:
                 self._forget(state)
         return ProcessedOutputs(outputs, stopped)
 
-    def abort(self, request_id: str, first_scheduled_time: float | None = None) -> RequestOutput | None:
+    def abort(self, request_id: str, first_scheduled_time: float | None = None
+              ) -> RequestOutput | PoolingRequestOutput | None:
         """Finish every unfinished sample with ABORT and forget the request; its final snapshot, or None if the
         request is unknown or already finished. ``first_scheduled_time``: the scheduler's, where no token brought
         it yet (aborted before its first)."""
@@ -118,7 +134,7 @@ class OutputProcessor:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
-    def _forget(self, state: _RequestState) -> None:
+    def _forget(self, state: _RequestState | _PoolingRequestState) -> None:
         self._requests.pop(state.request_id, None)
         for index in range(state.params.n):  # an interrupted add_request may have made none of them
             self._samples.pop(sample_request_id(state.request_id, index), None)
@@ -307,6 +323,33 @@ class _RequestState:
             num_cached_tokens=self.num_cached_tokens,
             first_scheduled_time=self.first_scheduled_time,
         )
+
+
+class _PoolingRequestState:
+    """A pooling request until its one output (``params``: ``POOLING_SAMPLING_PARAMS``, one sample)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.output: EngineOutput | None = None
+        self.first_scheduled_time: float | None = None
+        self.is_finished = False
+
+    def update(self, index: int, output: EngineOutput, token_texts: TokenTextCache, final_only: bool) -> bool:
+        self.output = output
+        self.first_scheduled_time = output.first_scheduled_time
+        self.is_finished = output.finished
+        return False  # no text: no stop string
+
+    def abort(self) -> None:
+        self.is_finished = True
+
+    def snapshot(self) -> PoolingRequestOutput:
+        pooled = None if self.output is None else self.output.pooled
+        return PoolingRequestOutput(
+            self.request_id, None if pooled is None else PoolingOutput(pooled), self.prompt_token_ids,
+            self.is_finished, 0 if self.output is None else self.output.num_cached_tokens, self.first_scheduled_time)
 
 
 def _held(finished: bool) -> Callable[[list[T]], Sequence[T]]:

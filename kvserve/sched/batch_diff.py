@@ -119,7 +119,7 @@ class RunnerBatchMirror:
             request.num_computed_tokens,
             num_new,
             self._new_block_ids(request),
-            end == request.num_tokens,
+            end == request.num_tokens and request.pooling_params is None,
             request.sampling_params.prompt_logprobs is not None and wants_prompt_logprobs(request, end),
             draft,
             self.kv.take_null_counts(request) if self._has_group_tables else (),
@@ -147,4 +147,5 @@ def _new_request_data(request: Request, tables: list[list[int]]) -> NewRequestDa
         sample_index=request.sample_index,
         eos_token_ids=request.eos_token_ids,
         lora_id=request.lora_id,
+        pooling_params=request.pooling_params,
     )

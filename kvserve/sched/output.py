@@ -12,10 +12,14 @@ come back, log probabilities as ``outputs.TokenLogprobs``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvserve.outputs import FinishReason, TokenLogprobs
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class NewRequestData:
     sample_index: int = 0
     eos_token_ids: frozenset[int] = frozenset()  # masked by the sampler while min_tokens is not reached
     lora_id: int = 0  # the LoRA adapter its tokens run with (``Request.lora_id``); 0: the base model
+    pooling_params: PoolingParams | None = None  # a pooling request's (``Request.pooling_params``)
 
 
 class ScheduledRequest(NamedTuple):
@@ -124,11 +129,13 @@ class SchedulerOutput:
 class ModelOutput:
     """What the runner computed: ``sampled_token_ids[rid]`` holds the tokens appended to request rid (which
     the runner has already appended to its own copy of the history). Logprobs are per sampled token, and
-    per predicted prompt token."""
+    per predicted prompt token. ``pooled[rid]``: a pooling request's hidden states, pooled, once its prompt
+    has run (float32, on the CPU)."""
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -143,6 +150,7 @@ class EngineOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    pooled: torch.Tensor | None = None  # a pooling request's result (``ModelOutput.pooled``), as it finishes
 
     @property
     def finished(self) -> bool:

@@ -39,9 +39,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
-from kvserve.config import SchedulerConfig
+from kvserve.config import ModelConfig, SchedulerConfig
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.prefix_cache import PrefixMatch
 from kvserve.kv.swap import SwapCounters, SwappedKV
@@ -61,6 +61,9 @@ from kvserve.sched.output import (
 from kvserve.sched.stopping import new_prompt_logprobs, num_tokens_left, stop_reason, stops_after_next_token
 from kvserve.sched.waiting_queue import WaitingQueue
 from kvserve.spec.policy import SpeculationPolicy
+
+if TYPE_CHECKING:
+    import torch
 
 
 # Waiting requests a step looks at, from the head of the queue (those behind wait their turn), and how many of
@@ -88,11 +91,15 @@ class _Budget:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, speculation: SpeculationPolicy | None = None
+        self, config: SchedulerConfig, kv: KVCacheManager, speculation: SpeculationPolicy | None = None,
+        pooling_type: str = ModelConfig.pooling_type,
     ) -> None:
+        """``pooling_type``: how the runner pools ``embed`` requests (``ModelConfig.pooling_type``), which decides
+        whether they may start from a cached prefix."""
         self.config = config
         self.kv = kv
         self.speculation = speculation
+        self.pooling_type = pooling_type
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         # of those, how many run with each LoRA adapter (none for the base model): an adapter removed while in use
         # stays installed until its count is gone (``engine/lora_adapters.py``)
@@ -178,10 +185,12 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         max_tokens = request.sampling_params.max_tokens
         max_model_len = self.config.max_model_len
-        num_needed = num_prompt + (max_tokens or 1)  # max_tokens None: generate until max_model_len
+        if request.pooling_params is not None:  # draws no token: its prompt alone
+            max_tokens = 0
+        num_needed = num_prompt + (1 if max_tokens is None else max_tokens)  # None: generate until max_model_len
         if num_needed > max_model_len:
             raise ValueError(
-                f"request {request.request_id!r}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens or 1}) "
+                f"request {request.request_id!r}: prompt ({num_prompt} tokens) + max_tokens ({num_needed - num_prompt}) "
                 f"= {num_needed} is over max_model_len={max_model_len}"
             )
         max_len = max_model_len if max_tokens is None else num_needed
@@ -468,7 +477,9 @@ class Scheduler:
     def _match_prefix(self, request: Request) -> PrefixMatch | SwappedKV:
         """Where the request starts: its cached prefix, or its swapped-out KV. One that wants prompt logprobs may
         start only from positions whose logprobs it has returned already (after a preemption): the others' logits
-        must be computed."""
+        must be computed; a pooling request that reads every token's hidden state, from none of them."""
+        if request.pooling_params is not None and request.pooling_params.pools_every_token(self.pooling_type):
+            return self.kv.match_prefix(request, 0)
         wants_prompt_logprobs = request.sampling_params.prompt_logprobs is not None
         return self.kv.match_prefix(request, request.num_prompt_logprobs_sent if wants_prompt_logprobs else None)
 
@@ -543,6 +554,8 @@ class Scheduler:
         prompt_logprobs = None if entries is None else new_prompt_logprobs(request, row.start_pos, entries)
         new_token_ids: list[int] = []
         logprobs = model_out.logprobs.get(row.request_id)
+        if request.pooling_params is not None:
+            return self._take_pooled(request, model_out)
         if row.sample:
             if row.request_id not in model_out.sampled_token_ids:
                 raise ValueError(f"the model output has no sampled token for request {row.request_id!r}")
@@ -550,6 +563,16 @@ class Scheduler:
         if not new_token_ids and prompt_logprobs is None and not request.is_finished:
             return None
         return _engine_output(request, new_token_ids, logprobs, prompt_logprobs)
+
+    def _take_pooled(self, request: Request, model_out: ModelOutput) -> EngineOutput | None:
+        """A pooling request whose prompt has run finishes with its pooled hidden states (None: not yet)."""
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return None
+        pooled = model_out.pooled.get(request.request_id)
+        if pooled is None:
+            raise ValueError(f"the model output has no pooled states for request {request.request_id!r}")
+        self._finish(request, FinishReason.STOP)
+        return _engine_output(request, [], None, None, pooled)
 
     def _fork(self, parent: Request) -> None:
         """Make samples 1..n-1 of ``parent``, whose computed tokens are all but its last prompt token: each runs
@@ -629,6 +652,7 @@ def _engine_output(
     new_token_ids: list[int],
     logprobs: list[TokenLogprobs] | None,
     prompt_logprobs: list[TokenLogprobs] | None,
+    pooled: torch.Tensor | None = None,
 ) -> EngineOutput:
     return EngineOutput(  # positional: keyword arguments double the cost of one output per request per step
         request.request_id,
@@ -639,4 +663,5 @@ def _engine_output(
         prompt_logprobs,
         request.num_cached_tokens,
         request.first_scheduled_time,
+        pooled,
     )

@@ -29,8 +29,10 @@ from kvserve.attention.backend import AttentionInputs, shared_prefixes
 from kvserve.device_copy import to_device
 from kvserve.kv.groups import NULL_BLOCK
 from kvserve.model.layers.lora import LoRAMapping
+from kvserve.pooling_params import PoolingParams
 from kvserve.sample.metadata import SamplingBatch, SamplingRow
 from kvserve.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput
+from kvserve.worker.pooler import PoolingRows
 from kvserve.worker.staging import PinnedStaging
 
 HostArrays = dict[str, tuple[np.ndarray, torch.dtype]]  # name -> (host array, the dtype it has on the device)
@@ -50,6 +52,7 @@ class InputBatch:
     draft_token_ids: list[tuple[int, ...]]
     prompt_logprobs: list[PromptLogprobRows]
     lora: LoRAMapping | None = None  # the step's tokens by LoRA adapter; None: no row has one
+    pooling: list[PoolingRows] = dataclasses.field(default_factory=list)  # the pooling requests' chunks
 
 
 class StepLayout(NamedTuple):
@@ -94,6 +97,7 @@ class _Row:
     sampling: SamplingRow
     sampling_ahead: SamplingRow
     lora_id: int = 0
+    pooling_params: PoolingParams | None = None
 
 
 class PersistentBatch:
@@ -111,6 +115,7 @@ class PersistentBatch:
         self._index: dict[str, int] = {}  # request id -> row
         self._free_rows = list(reversed(range(capacity)))
         self._num_adapter_rows = 0  # requests with a LoRA adapter: without any, a step builds no mapping
+        self._num_pooling_rows = 0  # pooling requests: without any, a step looks for no pooling chunk
         self._staging = staging or (PinnedStaging(device) if device.type == "cuda" else None)
 
     @property
@@ -169,9 +174,10 @@ class PersistentBatch:
         sampling = SamplingRow(new.sampling_params, new.sample_index, new.request_id, new.prompt_token_ids,
                                output_token_ids, new.eos_token_ids)
         self._rows[row] = _Row(new.request_id, new.prompt_token_ids, output_token_ids, sampling,
-                               dataclasses.replace(sampling, num_in_flight=1), new.lora_id)
+                               dataclasses.replace(sampling, num_in_flight=1), new.lora_id, new.pooling_params)
         self._index[new.request_id] = row
         self._num_adapter_rows += bool(new.lora_id)
+        self._num_pooling_rows += new.pooling_params is not None
         self.block_table[:, row] = 0  # a row's table is padded with 0, whatever its last holder left there
         self.num_blocks[row] = 0
         self._set_blocks(row, new.block_ids)
@@ -180,6 +186,7 @@ class PersistentBatch:
         row = self._index.pop(request_id, None)
         if row is not None:
             self._num_adapter_rows -= bool(self._rows[row].lora_id)
+            self._num_pooling_rows -= self._rows[row].pooling_params is not None
             self._rows[row] = None
             self._free_rows.append(row)
 
@@ -255,7 +262,20 @@ class PersistentBatch:
                 if (logprob_rows := self._prompt_logprob_rows(r, int(query_start[i]))) is not None
             ],
             lora=self._lora_mapping(rows, query_lens),
+            pooling=self._pooling_rows(scheduled, rows, query_start) if self._num_pooling_rows else [],
         )
+
+    def _pooling_rows(self, scheduled: Sequence[ScheduledRequest], rows: np.ndarray,
+                      query_start: np.ndarray) -> list[PoolingRows]:
+        """The chunks the step runs of pooling requests' prompts."""
+        chunks = []
+        for i, (r, index) in enumerate(zip(scheduled, rows)):
+            row = self._rows[index]
+            if row.pooling_params is not None:
+                end = r.start_pos + r.num_tokens
+                chunks.append(PoolingRows(r.request_id, int(query_start[i]), r.num_tokens, r.start_pos,
+                                          end == len(row.prompt_token_ids), row.pooling_params))
+        return chunks
 
     def _lora_mapping(self, rows: np.ndarray, query_lens: np.ndarray) -> LoRAMapping | None:
         """The step's token rows grouped by the LoRA adapter of their request (None where no request has one)."""

@@ -31,6 +31,7 @@ from kvserve.sample.logits_processors import default_processors
 from kvserve.sample.metadata import SamplingBatch
 from kvserve.sample.sampler import Sampler
 from kvserve.sched.output import KVTransferPlan, ModelOutput, SchedulerOutput
+from kvserve.worker.pooler import Pooler
 from kvserve.worker.draft_model import DraftModel
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.heap import keep_large_blocks
@@ -67,6 +68,7 @@ class RunnerOptions:
     dense_layouts_in_background: bool = False
     attention_backend: str | None = None  # forced (config.ATTENTION_BACKENDS); None: the device's best
     logprobs_mode: str = ModelConfig.logprobs_mode  # what logprob entries hold (config.LOGPROBS_MODES)
+    pooling_type: str = ModelConfig.pooling_type  # how pooling requests' "embed" pools (config.POOLING_TYPES)
 
 
 class ModelRunner:
@@ -105,6 +107,7 @@ class ModelRunner:
         self.layouts = DeferredLayouts.start(self.model)  # None unless some are left for after start-up
         self.grammar = GrammarProcessor(structured) if structured is not None else None
         self.sampler = Sampler(options.seed, default_processors(self.grammar), options.logprobs_mode)
+        self.pooler = Pooler(options.pooling_type)
         self.kv: KVCacheStorage | None = None
         self.host_copies: HostCopies | None = None  # with KV tiers: copies to and from their host slab
         self.batch: PersistentBatch | None = None
@@ -259,6 +262,7 @@ class ModelRunner:
             self._update_sampler(sched_out)
         if self.draft is not None:
             self.draft.drop(sched_out.finished_request_ids | sched_out.preempted_request_ids)
+        self.pooler.drop(sched_out.finished_request_ids)
         self.apply_kv_transfers(sched_out.kv_transfers)
         if sched_out.is_empty:
             return lambda: ModelOutput(sampled_token_ids={})
@@ -326,6 +330,8 @@ class ModelRunner:
             if draft:
                 self.batch.drop_rejected_blocks(request_id)
         output.prompt_logprobs.update(self._prompt_logprobs(batch, hidden))
+        if batch.pooling and self.peers.is_driver:
+            output.pooled.update(self.pooler.pool(batch.pooling, hidden))
         return output
 
     def _update_sampler(self, sched_out: SchedulerOutput) -> None:

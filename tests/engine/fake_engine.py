@@ -99,7 +99,11 @@ class FakeEngine:
         self.num_kv_flushes = 0
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams, priority: int = 0) -> None:
-        self.add_processed(request_id, self.input_processor.process(prompt, params), priority)
+        self.add_processed(request_id, self.process(prompt, params), priority)
+
+    def process(self, prompt: Any, params: SamplingParams) -> ProcessedPrompt:
+        """The real engine's ``process``, for generation (the fake serves no pooling requests)."""
+        return self.input_processor.process(prompt, params)
 
     def add_processed(self, request_id: str, processed: ProcessedPrompt, priority: int = 0,
                       lora_request: Any = None) -> None:
