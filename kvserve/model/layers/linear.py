@@ -185,6 +185,14 @@ class Linear(nn.Module):
         """The output rows of each packed projection; a plain Linear packs none."""
         return {}
 
+    def whole_shape(self, projection: str | None) -> tuple[int, int]:
+        """(in, out) of ``projection``'s weight (None: the whole layer's) as the checkpoint holds it, whole even
+        where this rank holds a part of it."""
+        if self.tp_shard is not None:
+            return self.tp_shard.whole_shapes[projection]
+        rows = self.shard_rows()[projection] if projection else slice(0, self.out_features)
+        return self.in_features, rows.stop - rows.start
+
     def load_weight(self, name: str, tensor: torch.Tensor, shard: str | None = None) -> None:
         if self.tp_shard is not None:
             tensor = self.tp_shard.narrow(tensor, shard)

@@ -16,6 +16,11 @@ left launch-bound (16 streams over 4 adapters: 0.57x the base model's tok/s); th
 many adapters, for (adapters - 1) times the grouped path's LoRA FLOPs, small beside the base GEMM at a decode's
 row count, so a larger step keeps the grouped path.
 
+Under tensor parallelism each rank installs its part of an adapter, cut once as it is installed
+(``LinearShard.narrow_lora``): on a column-parallel layer (q/k/v, gate/up) A whole and the rows of B of its output
+shard, each projection's of a packed layer; on a row-parallel one (o, down) the columns of A of its input shard and
+B whole, whose partial term the layer's all-reduce sums with the base output's. No step adds a collective.
+
 A fused kernel would go in ``LoRAMapping.add``: punica's SGMV / BGMV (S-LoRA, vLLM, SGLang) read each token's
 adapter index and stacked weights in one launch for every adapter of the step, with no gather, scatter or mask.
 """
@@ -119,7 +124,8 @@ class LoRAMapping:
 def install_adapter(projections: Projections, adapter_id: int, adapter: LoRAAdapter,
                     dtype: torch.dtype, device: torch.device) -> None:
     """Put ``adapter``'s weights on the layers of ``projections`` under ``adapter_id`` (the model's dtype and
-    device, the scale folded into B), in place of any the id had; ``LoRAAdapterError`` naming the adapter and module
+    device, the scale folded into B; under tensor parallelism this rank's part of them, ``LinearShard.narrow_lora``),
+    in place of any the id had; ``LoRAAdapterError`` naming the adapter and module
     where one is not a projection of the model or its shapes are not the module's, before any layer is changed."""
     from kvserve.model.lora_adapter import LoRAAdapterError
 
@@ -129,11 +135,13 @@ def install_adapter(projections: Projections, adapter_id: int, adapter: LoRAAdap
             raise LoRAAdapterError(f"LoRA adapter {adapter.name!r}: the model has no projection {module} "
                                    f"({len(projections)} projections in its decoder layers)")
         layer, shard = projections[module]
-        out_rows = layer.shard_rows()[shard].stop - layer.shard_rows()[shard].start if shard else layer.out_features
-        if a.shape[1] != layer.in_features or b.shape[0] != out_rows:
+        in_features, out_features = layer.whole_shape(shard)
+        if a.shape[1] != in_features or b.shape[0] != out_features:
             raise LoRAAdapterError(f"LoRA adapter {adapter.name!r}: {module}'s lora_A {list(a.shape)} and lora_B "
-                                   f"{list(b.shape)} do not fit the model's {module} ({layer.in_features} in, "
-                                   f"{out_rows} out)")
+                                   f"{list(b.shape)} do not fit the model's {module} ({in_features} in, "
+                                   f"{out_features} out)")
+        if layer.tp_shard is not None:
+            a, b = layer.tp_shard.narrow_lora(a, b, shard)
         by_layer.setdefault(layer, {})[shard] = (a, b * adapter.scale)
     # every copy made before any layer changes: one that fails (out of memory) leaves no part of the adapter behind
     placed = {layer: tuple(t.to(device, dtype).contiguous() for t in _packed(layer, parts))

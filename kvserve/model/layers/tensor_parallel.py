@@ -17,7 +17,7 @@ the one KV head its query heads read). The process group is made by ``kvserve/wo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -100,6 +100,8 @@ class LinearShard:
     ranges: dict[str | None, tuple[int, int]]  # projection (None: the whole layer) -> (first, count)
     reduce: bool = False  # row-parallel: all-reduce the partial sums
     gathered_features: int | None = None  # LM head: rank 0 gathers the vocabulary slices, cut to this many
+    # projection -> (in, out) of its whole weight, as the checkpoint and a LoRA adapter hold it
+    whole_shapes: dict[str | None, tuple[int, int]] = field(default_factory=dict)
 
     def narrow(self, tensor: torch.Tensor, projection: str | None) -> torch.Tensor:
         """This rank's slice of a checkpoint weight or bias (of one ``projection`` of a packed layer, None: the
@@ -111,6 +113,16 @@ class LinearShard:
         part = tensor.narrow(dim, first, max(0, min(count, tensor.shape[dim] - first)))
         missing = count - part.shape[dim]
         return F.pad(part, [0, 0] * (tensor.dim() - 1 - dim) + [0, missing]) if missing else part
+
+    def narrow_lora(self, a: torch.Tensor, b: torch.Tensor, projection: str | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA pair of ``projection`` (A [r, in], B [out, r], whole). Column-parallel: A whole
+        and the rows of B this rank's outputs are, so the term lands on its output columns. Row-parallel: the columns
+        of A its input holds and B whole, so its term is a partial sum that the layer's all-reduce adds up with the
+        base output's (the term is added before ``join``: after it, it would be counted once per rank)."""
+        if self.dim == 0:
+            return a, self.narrow(b, projection)
+        return self.narrow(a, projection), b
 
     def join(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's ``y``: summed over the ranks, gathered to rank 0, or as is."""
@@ -126,17 +138,19 @@ def column_parallel(layer: Linear, tp: TensorParallel, ranges: dict[str | None, 
                     gathered_features: int | None = None) -> None:
     """Make ``layer`` (parameters not yet created) column-parallel: it holds the output rows ``ranges`` of each of
     its projections (the rows of ``W``, so its outputs stay split over the ranks)."""
+    whole_shapes = {projection: layer.whole_shape(projection) for projection in ranges}
     if isinstance(layer, PackedLinear):
         layer.shards = {name: ranges[name][1] for name in layer.shards}
     layer.out_features = sum(count for _, count in ranges.values())
-    layer.tp_shard = LinearShard(tp, 0, ranges, gathered_features=gathered_features)
+    layer.tp_shard = LinearShard(tp, 0, ranges, gathered_features=gathered_features, whole_shapes=whole_shapes)
 
 
 def row_parallel(layer: Linear, tp: TensorParallel, columns: tuple[int, int]) -> None:
     """Make ``layer`` (parameters not yet created) row-parallel: it holds the input columns ``columns`` (the
     columns of ``W``: its input arrives split) and all-reduces its output."""
+    whole_shapes = {None: layer.whole_shape(None)}
     layer.in_features = columns[1]
-    layer.tp_shard = LinearShard(tp, 1, {None: columns}, reduce=True)
+    layer.tp_shard = LinearShard(tp, 1, {None: columns}, reduce=True, whole_shapes=whole_shapes)
 
 
 def shard_vocab_head(layer: Linear, tp: TensorParallel) -> None:
