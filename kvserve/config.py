@@ -355,14 +355,10 @@ class EngineConfig:
                              "--no-enable-prefix-caching)")
 
     def _check_lora(self) -> None:
-        """What LoRA adapters do not combine with yet: tensor parallelism (an adapter's A and B are not split over
-        the ranks) and a draft model (it has no adapter: its drafts would be the base model's, verified by the
-        adapted one, right but mostly rejected)."""
+        """What LoRA adapters do not combine with yet: a draft model (it has no adapter: its drafts would be the
+        base model's, verified by the adapted one, right but mostly rejected)."""
         if not self.lora.enable_lora:
             return
-        if self.parallel.tensor_parallel_size > 1:
-            raise ValueError(f"enable_lora with tensor_parallel_size={self.parallel.tensor_parallel_size} is not "
-                             "supported yet: adapters' weights are not split over the ranks")
         if self.speculative.method == "draft":
             raise ValueError("enable_lora with speculative_method='draft' is not supported: the draft model runs "
                              "without the requests' adapters (speculative_method='ngram' works)")

@@ -157,15 +157,17 @@ class ModelRunner:
         return self.model.layer_windows()
 
     def add_lora(self, adapter_id: int, adapter: LoRAAdapter) -> None:
-        """Install ``adapter`` on the model's layers under ``adapter_id`` (``NewRequestData.lora_id``);
-        ``LoRAAdapterError`` where it does not fit the model, nothing installed."""
+        """Install ``adapter`` on the model's layers under ``adapter_id`` (``NewRequestData.lora_id``), rank 0's
+        then the workers' (each its part); ``LoRAAdapterError`` where it does not fit the model, nothing installed."""
         if self._lora_projections is None:
             self._lora_projections = self.model.lora_projections()
         install_adapter(self._lora_projections, adapter_id, adapter, self.dtype, self.device)
+        self.peers.add_lora(adapter_id, adapter)
 
     def remove_lora(self, adapter_id: int) -> None:
         if self._lora_projections is not None:
             remove_adapter(self._lora_projections, adapter_id)
+        self.peers.remove_lora(adapter_id)
 
     def lora_bytes(self, adapter_id: int) -> int:
         """The bytes adapter ``adapter_id``'s weights take on the model's layers (0 where it is not installed)."""

@@ -10,12 +10,16 @@ driven alike once started (``form_group``; ``WorkerHandle`` is what differs)::
       forward: embeddings, one all-reduce per attention and per MLP block, LM head gathered to rank 0
                                  <--- gloo (CPU) / NCCL (CUDA) --->
       sample; WorkerGroup.share_sampled -- pipe -->   DriverLink.share_sampled: the tokens its batch appends
+    between steps:
+      WorkerGroup.add_lora / remove_lora -- pipe -->  AddLoRA / RemoveLoRA -> ModelRunner.add_lora / remove_lora
 
 Only rank 0 samples (grammar, penalties, seeds and logprobs live there); each worker appends the token ids rank 0
 sends it right after sampling, so its persistent batch stays in step. Steps and tokens travel over one pipe per
 worker (an authenticated TCP connection to a Ray actor: the same ``Connection``), not a collective: a worker waits
 for the next step as long as the server idles (a collective would time out) and sees rank 0's exit as the pipe's
-end. The model's collectives run on a process group of their own
+end. LoRA adapters are installed and removed through the same pipe (rank 0 read the adapter and installed its
+part first; each worker cuts its own part as it installs): the engine thread sends them between steps, so every
+rank's model holds the same adapters at every step. The model's collectives run on a process group of their own
 (``TensorParallel``; no global default group), with ``COLLECTIVE_TIMEOUT`` on each, start-up included.
 
 Failures end in a ``TensorParallelError`` naming the worker, never a hang: rank 0 checks that every worker is
@@ -52,6 +56,7 @@ import torch.multiprocessing as mp
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.model.layers.tensor_parallel import TensorParallel
 from kvserve.model.loader import load_checkpoint
+from kvserve.model.lora_adapter import LoRAAdapter
 from kvserve.model.sources import ModelLocation
 from kvserve.sched.output import SchedulerOutput
 from kvserve.worker.model_runner import ModelRunner, RunnerOptions
@@ -101,6 +106,23 @@ class Sampled:
     """Rank 0 -> worker: the tokens the step appended to each request."""
 
     token_ids: dict[str, list[int]]
+
+
+@dataclass(frozen=True)
+class AddLoRA:
+    """Rank 0 -> worker: install this LoRA adapter (rank 0's copy, read once: every rank serves the same content;
+    each cuts its own part) under ``adapter_id``. Sent on the steps' pipe, so it lands between the same steps on
+    every rank."""
+
+    adapter_id: int
+    adapter: LoRAAdapter
+
+
+@dataclass(frozen=True)
+class RemoveLoRA:
+    """Rank 0 -> worker: take adapter ``adapter_id`` off the model."""
+
+    adapter_id: int
 
 
 @dataclass(frozen=True)
@@ -206,6 +228,18 @@ class WorkerGroup(StepPeers):
         assert token_ids is not None
         self._send_all(pickle.dumps(Sampled(token_ids), protocol=pickle.HIGHEST_PROTOCOL))
         return token_ids
+
+    def add_lora(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        self._send_between_steps(AddLoRA(adapter_id, adapter))
+
+    def remove_lora(self, adapter_id: int) -> None:
+        self._send_between_steps(RemoveLoRA(adapter_id))
+
+    def _send_between_steps(self, message: AddLoRA | RemoveLoRA) -> None:
+        """Send ``message`` to every worker, which handles it before the next step (a dead worker named)."""
+        with self.stepping():
+            self.check_alive()
+            self._send_all(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def init_kv_cache(self, num_blocks: int, max_model_len: int, groups: KVCacheGroups | None = None) -> None:
         with self.stepping():
@@ -425,6 +459,10 @@ def _serve(runner: ModelRunner, conn: Connection) -> None:
                 runner.use_kv_groups(message.groups)
             runner.init_kv_cache(message.num_blocks, message.max_model_len)
             conn.send(Ready())
+        elif isinstance(message, AddLoRA):
+            runner.add_lora(message.adapter_id, message.adapter)
+        elif isinstance(message, RemoveLoRA):
+            runner.remove_lora(message.adapter_id)
         else:
             runner.execute(message)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 from kvserve.kv.groups import KVCacheGroups
+from kvserve.model.lora_adapter import LoRAAdapter
 from kvserve.model.layers.tensor_parallel import TensorParallel
 from kvserve.sched.output import SchedulerOutput
 
@@ -28,6 +29,12 @@ class StepPeers:
         """Rank 0: send the step's sampled tokens and return them; a worker: receive them."""
         assert token_ids is not None
         return token_ids
+
+    def add_lora(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        """Rank 0: have the workers install ``adapter`` (once rank 0 has: it fits the model) before the next step."""
+
+    def remove_lora(self, adapter_id: int) -> None:
+        """Rank 0: have the workers take adapter ``adapter_id`` off their layers before the next step."""
 
     def init_kv_cache(self, num_blocks: int, max_model_len: int, groups: KVCacheGroups | None = None) -> None:
         """Rank 0: have the workers allocate their KV pools, laid out in ``groups`` (after their models loaded)."""

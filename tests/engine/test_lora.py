@@ -216,5 +216,3 @@ def test_lora_refuses_what_it_does_not_combine_with(tiny_checkpoints) -> None:
         LLM(base, max_loras=2)
     with pytest.raises(ValueError, match="enable_lora with speculative_method='draft'"):
         LLM(base, enable_lora=True, speculative_method="draft", draft_model=base)
-    with pytest.raises(ValueError, match="enable_lora with tensor_parallel_size=2"):
-        LLM(base, enable_lora=True, tensor_parallel_size=2)

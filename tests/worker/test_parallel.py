@@ -1,6 +1,7 @@
 """Tensor parallelism through the whole engine, over gloo on CPU: TP=2 (and 4) gives transformers' greedy tokens for
 every family (and with KV heads replicated, and Gemma 3's sliding layers in KV cache groups that free their blocks),
-under chunked prefill, prefix hits and preemption; the features that live on rank 0 give what TP=1 gives; a dead
+under chunked prefill, prefix hits and preemption; the features that live on rank 0, and LoRA adapters (each rank
+its part, installed and removed between the same steps), give what TP=1 gives; a dead
 worker and a shape that does not split are clear errors that leave no process behind. Each engine starts worker
 processes (a few seconds each): the tests share them where they can.
 """
@@ -15,15 +16,18 @@ import signal
 import sys
 import threading
 import types
+from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvserve import LLM, SamplingParams
+from kvserve import LLM, LoRARequest, SamplingParams
 from kvserve.engine_args import EngineArgs
 from kvserve.model.checkpoint import make_checkpoint
+from kvserve.model.lora_adapter import LoRAAdapter
+from kvserve.model.lora_checkpoint import make_lora_adapter
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.worker import parallel
 from kvserve.worker.parallel import Failed, InitKV, Ready, Shutdown, TensorParallelError, WorkerGroup
@@ -109,6 +113,52 @@ def test_tp2_rank_zero_features_equal_tp1(tiny_checkpoints) -> None:
         assert tokens == want_tokens
         assert logprobs == pytest.approx(want_logprobs, abs=1e-4)
         assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+        assert_all_blocks_free(llm)
+    finally:
+        _close(llm)
+
+
+# one batch mixing two adapters and the base model; then adapter 1 removed, adapter 3 loaded, and another batch
+LORA_BATCHES = (("first", None, "second", "first", "second", None), ("third", "second", None, "third", None, "second"))
+
+
+def _lora_batches(llm: LLM, prompts: list[list[int]], adapters: dict[str | None, LoRARequest | None]
+                  ) -> list[list[list[int]]]:
+    """Each of ``LORA_BATCHES``' greedy tokens, adapter 1 removed between them."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    batches = []
+    for names in LORA_BATCHES:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                            lora_request=[adapters[name] for name in names])
+        batches.append([list(o.outputs[0].token_ids) for o in outs])
+        if adapters["first"].lora_int_id in llm.list_loras():
+            assert llm.remove_lora(adapters["first"].lora_int_id)
+    return batches
+
+
+def test_tp2_lora_adapters_equal_tp1(tiny_checkpoints, tmp_path) -> None:
+    """Every rank installs its part of each adapter and removes it, between the same steps: TP=2 gives TP=1's
+    tokens for batches mixing adapters (of every projection; of some, rsLoRA) and the base model, an adapter
+    removed and another loaded between them."""
+    path = tiny_checkpoints["qwen2"]
+    made = {
+        "first": make_lora_adapter(path, tmp_path / "first", seed=1),
+        "second": make_lora_adapter(path, tmp_path / "second", rank=4, seed=2, use_rslora=True,
+                                    targets=("q_proj", "v_proj", "down_proj")),
+        "third": make_lora_adapter(path, tmp_path / "third", seed=3, targets=("k_proj", "o_proj", "gate_proj", "up_proj")),
+    }
+    adapters = {None: None, **{name: LoRARequest(name, i, str(made[name])) for i, name in enumerate(made, start=1)}}
+    prompts = _prompts(512, [5, 23, 12, 1, 9, 17])
+    options = dict(dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    alone = LLM(str(path), **options)
+    want = _lora_batches(alone, prompts, adapters)
+    base = [o[0] for o in greedy_token_ids(alone, prompts, MAX_NEW)]
+    for names, tokens in zip(LORA_BATCHES, want):  # not vacuous: each adapter moves some rows off the base model's
+        assert {name for name, got, b in zip(names, tokens, base) if got != b} == set(names) - {None}
+    llm = LLM(str(path), tensor_parallel_size=2, **options)
+    try:
+        assert _lora_batches(llm, prompts, adapters) == want
+        assert llm.list_loras() == {2, 3}
         assert_all_blocks_free(llm)
     finally:
         _close(llm)
@@ -234,6 +284,25 @@ def test_a_group_dropped_unclosed_stops_its_workers_and_releases_what_they_held(
         assert torch.get_num_threads() == threads
     finally:
         torch.set_num_threads(threads)
+
+
+def test_lora_adapters_reach_every_worker_on_the_steps_pipe() -> None:
+    """Rank 0 sends an adapter's install and removal down each worker's pipe, where its loop installs the adapter
+    (rank 0's copy: the same content) and removes it on its runner, in the order sent."""
+    group, worker_ends = _group_of_fakes(2)
+    adapter = LoRAAdapter("mine", Path(), 1, 2.0, "d1", {"m": (torch.ones(1, 3), torch.arange(2.0)[:, None])})
+    group.add_lora(5, adapter)
+    group.remove_lora(5)
+    group.close()  # Shutdown: the loop's end
+    for end in worker_ends:
+        calls: list[tuple] = []
+        runner = types.SimpleNamespace(add_lora=lambda i, a: calls.append(("add", i, a)),
+                                       remove_lora=lambda i: calls.append(("remove", i)))
+        parallel._serve(runner, end)
+        assert [call[:2] for call in calls] == [("add", 5), ("remove", 5)]
+        sent = calls[0][2]
+        assert (sent.name, sent.digest, sent.scale) == ("mine", "d1", 2.0)
+        assert all(torch.equal(x, y) for x, y in zip(sent.weights["m"], adapter.weights["m"]))
 
 
 def test_a_collective_that_times_out_while_every_worker_runs_says_one_is_stalled() -> None:
