@@ -132,7 +132,8 @@ def test_lora_adapters_split_with_their_layers(num_heads: int, num_kv_heads: int
     monkeypatch.setattr(lora, "MASKED_MAX_TOKENS", masked_max_tokens)
     q, kv = num_heads * HEAD_DIM, num_kv_heads * HEAD_DIM
     shapes = {"q_proj": (HIDDEN, q), "k_proj": (HIDDEN, kv), "v_proj": (HIDDEN, kv), "o_proj": (q, HIDDEN),
-              "gate_proj": (HIDDEN, MLP_FEATURES), "up_proj": (HIDDEN, MLP_FEATURES), "down_proj": (MLP_FEATURES, HIDDEN)}
+              "gate_proj": (HIDDEN, MLP_FEATURES), "up_proj": (HIDDEN, MLP_FEATURES),
+              "down_proj": (MLP_FEATURES, HIDDEN)}
     adapters = [_lora_adapter("every", shapes, seed=1),
                 _lora_adapter("some", {t: shapes[t] for t in ("k_proj", "o_proj", "up_proj")}, seed=2)]
 

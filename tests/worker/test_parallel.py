@@ -145,7 +145,8 @@ def test_tp2_lora_adapters_equal_tp1(tiny_checkpoints, tmp_path) -> None:
         "first": make_lora_adapter(path, tmp_path / "first", seed=1),
         "second": make_lora_adapter(path, tmp_path / "second", rank=4, seed=2, use_rslora=True,
                                     targets=("q_proj", "v_proj", "down_proj")),
-        "third": make_lora_adapter(path, tmp_path / "third", seed=3, targets=("k_proj", "o_proj", "gate_proj", "up_proj")),
+        "third": make_lora_adapter(path, tmp_path / "third", seed=3,
+                                   targets=("k_proj", "o_proj", "gate_proj", "up_proj")),
     }
     adapters = {None: None, **{name: LoRARequest(name, i, str(made[name])) for i, name in enumerate(made, start=1)}}
     prompts = _prompts(512, [5, 23, 12, 1, 9, 17])
