@@ -138,9 +138,8 @@ class LLM:
         with self._running:
             request_ids = self._queue([self.engine.process(p, pp) for p, pp in zip(prompts, params)], None, adapters)
             bar = use_tqdm if callable(use_tqdm) else tqdm
-            outputs = self._run(request_ids, bool(use_tqdm) and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS, bar,
-                                "encode")
-        return [out for out in outputs if isinstance(out, PoolingRequestOutput)]
+            return self._run(request_ids, bool(use_tqdm) and len(request_ids) >= PROGRESS_BAR_MIN_PROMPTS, bar,
+                             "encode")
 
     def embed(
         self,
