@@ -338,6 +338,9 @@ class EngineConfig:
         self._check_host_tier()
         self._check_tensor_parallel()
         self._check_lora()
+        if self.model.runner == "pooling" and self.speculative.enabled:  # no request would ever speculate
+            raise ValueError(f"speculative_method={self.speculative.method!r} with runner='pooling' does nothing: "
+                             "pooling requests draw no tokens to speculate on (use --runner auto or generate)")
         if self.speculative.method == "draft" and self.cache.offloads_kv:
             raise ValueError("speculative_method='draft' does not combine with kv_offload_memory / kv_offload_dir: "
                              "the KV tiers move the target's blocks only, not the draft model's")
