@@ -118,6 +118,11 @@ class ModelConfig:
         for name, choices in (("runner", RUNNERS), ("pooling_type", POOLING_TYPES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; expected one of {', '.join(choices)}")
+        tuned = [name for name in ("pooling_type", "pooling_normalize")
+                 if getattr(self, name) != getattr(ModelConfig, name)]
+        if tuned and self.runner == "generate":  # else silently ignored: no pooling request is served
+            raise ValueError(f"{', '.join(tuned)} tune pooling requests, which runner='generate' does not serve "
+                             "(--runner auto or pooling)")
         if not (self.cpu_offload_gb >= 0 and math.isfinite(self.cpu_offload_gb * 2**30)):
             raise ValueError(f"cpu_offload_gb must be a finite number of GiB >= 0, got {self.cpu_offload_gb}")
         check_dtype_name(self.dtype)

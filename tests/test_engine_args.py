@@ -115,13 +115,14 @@ def test_defaults_are_the_configs_defaults() -> None:
 def test_flat_options_land_in_the_narrow_configs() -> None:
     # KV offload keeps prefix-cache blocks: the changed values it cannot go with are caching off and (not yet)
     # tensor parallelism, whose option lands in the test below; a draft model goes with the draft method only
-    # (test_draft_options_land_in_the_speculative_config), and lpm's aging with lpm only (the test below)
+    # (test_draft_options_land_in_the_speculative_config), lpm's aging with lpm only (the test below), and
+    # speculation with a runner that generates
     config = EngineArgs(**{**CHANGED, "enable_prefix_caching": True, "tensor_parallel_size": 1,
-                           "draft_model": None, "lpm_aging_steps": None}).create_engine_config()
+                           "draft_model": None, "lpm_aging_steps": None, "runner": "auto"}).create_engine_config()
     assert config.model == ModelConfig("some-model", "bfloat16", 512, 7, "none", True, True, "mmap", 2.5,
                                        attention_backend="torch_ref", chat_template="{{ messages[0].content }}",
                                        generation_config="vllm", max_logprobs=5,
-                                       logprobs_mode="processed_logprobs", runner="pooling", pooling_type="MEAN",
+                                       logprobs_mode="processed_logprobs", runner="auto", pooling_type="MEAN",
                                        pooling_normalize=False)
     assert config.cache == CacheConfig(32, 99, 1.5, 0.5, True, "int8", 0.5, "/tmp/kv-blocks", 2.0)
     assert config.scheduler == SchedulerConfig(3, 64, SchedulerConfig.max_model_len, "fcfs",

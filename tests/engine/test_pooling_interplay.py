@@ -124,7 +124,9 @@ def test_swap_under_memory_pressure_keeps_every_pooling_request_exact(tiny_check
                                SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
         llm.engine.add_request(f"pool-{i}", {"prompt_token_ids": prompt}, PoolingParams(task=task, normalize=False))
     finished = _run(llm)
-    assert llm.stats()["num_swapped_out"] >= 3 and llm.stats()["num_swap_fallbacks"] == 0
+    stats = llm.stats()
+    assert stats["num_swapped_out"] >= 3 and stats["num_swapped_in"] == stats["num_swapped_out"]
+    assert stats["num_swap_fallbacks"] == 0
     for i, prompt in enumerate(prompts):
         states = reference(family, prompt)
         want = states if task == "token_embed" else _pooled(states, pooling_type)
@@ -237,6 +239,16 @@ def test_pooling_requests_never_speculate_and_a_pooling_runner_refuses_speculati
     for method in ({"speculative_method": "ngram"}, {"speculative_method": "draft", "draft_model": "x"}):
         with pytest.raises(ValueError, match="speculative_method=.* with runner='pooling'"):
             EngineArgs(runner="pooling", **method).create_engine_config()
+
+
+def test_a_generate_runner_refuses_pooling_options_it_would_ignore() -> None:
+    for options, named in (({"pooling_type": "MEAN"}, "pooling_type"),
+                           ({"pooling_normalize": False}, "pooling_normalize"),
+                           ({"pooler_config": {"pooling_type": "CLS", "normalize": False}},
+                            "pooling_type, pooling_normalize")):
+        with pytest.raises(ValueError, match=f"{named} tune pooling requests, which runner='generate' does not serve"):
+            EngineArgs(runner="generate", **EngineArgs.with_config_dicts(options)).create_engine_config()
+    assert EngineArgs(runner="generate").create_engine_config().model.runner == "generate"
 
 
 @pytest.mark.parametrize("scheduling_policy", ["fcfs", "lpm", "priority"])
