@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI's routes (and Anthropic's /v1/messages), /health, /metrics, /tokenize, /detokenize,
-and the request guards.
+"""The FastAPI app: OpenAI's routes (and Anthropic's /v1/messages), vLLM's pooling routes (``pooling``: embeddings,
+pooling, score, rerank), /health, /metrics, /tokenize, /detokenize, and the request guards.
 
 Guards (one ASGI middleware, before any routing): the body-size limit (413) and the API key (401) on the
 OpenAI and tokenizer routes. The model's lifecycle (loading, draining) belongs to ``launch``; the routes read it
@@ -45,6 +45,7 @@ from kvserve.server.model_protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from kvserve.server.pooling import add_pooling_routes
 from kvserve.server.protocol import SamplingRequest
 from kvserve.server.request_body import read_body
 from kvserve.server.request_ids import client_request_id, echoing_request_id
@@ -78,6 +79,7 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     _add_health_routes(app, state)
     _add_model_routes(app, state)
     _add_generation_routes(app, state)
+    add_pooling_routes(app, state)
     _add_token_routes(app, state)
     _add_lora_routes(app, state)
     app.add_middleware(RequestGuard, state=state)

@@ -6,7 +6,9 @@
 Times are seen from the frontend: TTFT runs from arrival to the end of the step that made the first token,
 queue time from arrival to the engine's first scheduling of the request (`RequestOutput.first_scheduled_time`:
 the step of its first prompt chunk; the start of the first token's step where that is missing; its end for a
-request aborted before it was scheduled), observed with the prompt's length as each request finishes.
+request aborted before it was scheduled), observed with the prompt's length as each request finishes. A pooling
+request (``PoolingRequestOutput``: embeddings, scores) generates nothing: it counts its prompt tokens, end-to-end and
+queue time, and a success ("stop", or "abort" where it has no vector) as it finishes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from kvserve.outputs import FinishReason, RequestOutput
+from kvserve.outputs import FinishReason, PoolingRequestOutput, RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -213,12 +215,17 @@ class ServerMetrics:
     def on_request_added(self, request_id: str, arrival_time: float) -> None:
         self._requests[request_id] = _RequestTimes(arrival_time)
 
-    def on_step(self, outputs: list[RequestOutput], stats: dict[str, Any], step_start: float) -> None:
+    def on_step(self, outputs: list[RequestOutput | PoolingRequestOutput], stats: dict[str, Any],
+                step_start: float) -> None:
         now = time.monotonic()
         self._set_gauges(stats)
         for out in outputs:
             times = self._requests.get(out.request_id)
-            if times is not None:
+            if times is None:
+                continue
+            if isinstance(out, PoolingRequestOutput):
+                self._observe_pooled(out, times, step_start, now)
+            else:
                 self._observe_request(out, times, step_start, now)
 
     def count_waiting(self, num_waiting: Callable[[], int]) -> None:
@@ -295,6 +302,20 @@ class ServerMetrics:
         longest = max((len(sample.token_ids) for sample in out.outputs), default=0)
         if times.first_token is not None and longest > 1:
             self.tpot.observe((times.last_token - times.first_token) / (longest - 1))
+
+    def _observe_pooled(self, out: PoolingRequestOutput, times: _RequestTimes, step_start: float, now: float) -> None:
+        if not out.finished:
+            return
+        del self._requests[out.request_id]
+        pooled = out.outputs is not None  # else aborted
+        self.request_success.labels(finished_reason=(FinishReason.STOP if pooled else FinishReason.ABORT).value,
+                                    **self._labels).inc()
+        if pooled:  # its prompt was run through the model, as a generation's with its first token
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.e2e.observe(now - times.arrival)
+        scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else step_start
+        self.queue_time.observe(max(0.0, scheduled - times.arrival))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

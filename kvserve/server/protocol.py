@@ -36,6 +36,13 @@ MAX_LOGIT_BIAS = 100.0
 _CLIENT_ID = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
+def check_request_id(request_id: str | None) -> None:
+    """vLLM's ``request_id`` field held to what X-Request-Id's header may hold: a line break in a log line's id
+    would forge a line."""
+    if request_id is not None and not _CLIENT_ID.fullmatch(request_id):
+        raise InvalidParameter("request_id", "request_id must be non-empty and hold no control characters")
+
+
 def _check_utf8(text: str) -> str:
     return check_utf8(text, "the text")  # JSON can carry a lone surrogate ("\\ud800")
 
@@ -232,9 +239,7 @@ class SamplingRequest(RequestBody):
 
     @model_validator(mode="after")
     def _check_vllm_extras(self) -> SamplingRequest:
-        # as X-Request-Id's, which a header holds: a line break in a log line's id would forge a line
-        if self.request_id is not None and not _CLIENT_ID.fullmatch(self.request_id):
-            raise InvalidParameter("request_id", "request_id must be non-empty and hold no control characters")
+        check_request_id(self.request_id)
         if self.prompt_logprobs is not None and self.stream:  # as vLLM: a stream's chunks have no place for them
             raise InvalidParameter("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         if not self.spaces_between_special_tokens and not self.skip_special_tokens:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Sequence
 
 if TYPE_CHECKING:
     from kvserve.engine.input_processor import PromptInput
-    from kvserve.outputs import RequestOutput
+    from kvserve.outputs import PoolingRequestOutput, RequestOutput
+    from kvserve.pooling_params import PoolingParams
     from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,8 @@ class RequestLog:
     def from_cli_args(cls, args: argparse.Namespace) -> RequestLog:
         return cls(args.enable_log_requests, args.max_log_len)
 
-    def queued(self, request_id: str, engine_id: str, prompts: Sequence[PromptInput], params: SamplingParams
-               ) -> LoggedRequest | None:
+    def queued(self, request_id: str, engine_id: str, prompts: Sequence[PromptInput],
+               params: SamplingParams | PoolingParams) -> LoggedRequest | None:
         """One line for each prompt of the request (a batch's ``{request_id}-{i}``), naming the engine's id
         where it is not the answer's (the engine's own lines name that one); the request's record, which logs its
         end (None: requests are not logged)."""
@@ -65,7 +66,7 @@ class RequestLog:
             shown.append(f"prompt_token_ids: {self._cut(list(ids))} ({len(ids)} tokens)")
         return ", ".join(shown)
 
-    def _params(self, params: SamplingParams) -> str:
+    def _params(self, params: SamplingParams | PoolingParams) -> str:
         """``params`` as their repr shows them, each list, string or dict cut to ``max_log_len`` items (an
         ``allowed_token_ids`` of the whole vocabulary, a thousand ``bad_words``: a line of megabytes)."""
         if self.max_log_len is None:
@@ -118,6 +119,11 @@ class LoggedRequest:
         finally:
             await stream.aclose()
             self._log(how, [_counts(out) for out in outputs])
+
+    def pooled(self, outputs: Sequence[PoolingRequestOutput]) -> None:
+        """The lines of a pooling request's prompts, pooled."""
+        self._log("finished", [f"{len(out.prompt_token_ids)} prompt tokens ({out.num_cached_tokens} cached), pooled"
+                               for out in outputs])
 
     def _log(self, how: str, details: list[str]) -> None:
         seconds = time.monotonic() - self.start

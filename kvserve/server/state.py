@@ -20,6 +20,21 @@ if TYPE_CHECKING:
     from kvserve.server.metrics import ServerMetrics
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+# what each engine task serves, for the 400 of a server whose --runner leaves it out (vLLM's "The model does not
+# support ... API"), and the --runner that serves it
+_TASK_APIS = {"generate": ("text generation (completions, chat, responses, messages)", "generate"),
+              "embed": ("embeddings (embeddings, pooling, score, rerank)", "pooling"),
+              "token_embed": ("token embeddings (pooling's task token_embed)", "pooling")}
+
+
+def check_task(engine: AsyncEngine, task: str) -> None:
+    """APIError 400 where ``engine`` does not serve ``task`` (``LLMEngine.supported_tasks``: its ``--runner``'s)."""
+    tasks = engine.engine.supported_tasks
+    if task not in tasks:
+        api, runner = _TASK_APIS[task]
+        raise APIError(HTTPStatus.BAD_REQUEST, f"the model does not support {api}: this server serves "
+                                               f"{', '.join(tasks)} only (its --runner); start it without --runner, "
+                                               f"or with --runner {runner}, to serve {task}")
 
 
 @dataclass(frozen=True)
@@ -114,12 +129,13 @@ class ServerState:
         return "the model is not loaded yet"
 
     @contextlib.contextmanager
-    def admission(self, model: str | None) -> Iterator[tuple[AsyncEngine, Admission | None]]:
+    def admission(self, model: str | None, task: str = "generate") -> Iterator[tuple[AsyncEngine, Admission | None]]:
         """``engine_for`` plus the waiting-queue limit: 503 with Retry-After while more than ``max_waiting``
         requests wait (``max_waiting=0`` admits a request only when none is waiting). The admission (None without
-        a limit) counts the request as waiting until ``generate_many`` queues it; one refused before that is
-        closed as the block ends."""
+        a limit) counts the request as waiting until ``generate_many`` (``encode``) queues it; one refused before
+        that is closed as the block ends. A ``task`` the engine does not serve (``--runner``) is a 400 first."""
         engine = self.engine_for(model)
+        check_task(engine, task)
         max_waiting = self.settings.max_waiting
         if max_waiting is None:
             yield engine, None

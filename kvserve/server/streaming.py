@@ -173,7 +173,7 @@ class GenerationHandler:
         constraint is compiled first, off the engine thread."""
         request_id = self._engine_id
         request_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        prompts = _salted(prompts, self.body.cache_salt)
+        prompts = salted(prompts, self.body.cache_salt)
         if self.body.use_beam_search:
             if self.lora_request is not None:
                 raise bad_request(InvalidParameter("use_beam_search", "use_beam_search with a LoRA adapter is not "
@@ -193,11 +193,8 @@ class GenerationHandler:
         except BaseException as error:  # refused, or its client gone before any output
             if logged is not None:
                 logged.ended_early(error)
-            if isinstance(error, RemovedLoRAAdapter):  # unloaded while the request was on its way: as if after
-                raise APIError(HTTPStatus.NOT_FOUND, f"the model {error.lora_name!r} does not exist: its LoRA "
-                                                     "adapter was unloaded", param="model") from error
             if isinstance(error, ValueError):
-                raise bad_request(self.body.named_as_sent(error)) from error
+                raise queue_refusal(self.body.named_as_sent(error)) from error
             raise
         self.first_outputs = first
         outputs = _prepend(first, stream)
@@ -245,7 +242,16 @@ class GenerationHandler:
                for batch, request_id in zip(batches, request_ids)]
 
 
-def _salted(prompts: Sequence[PromptInput], salt: str | None) -> Sequence[PromptInput]:
+def queue_refusal(error: ValueError) -> APIError:
+    """The answer to a request the engine refused to queue: 400 for bad input; 404 for a LoRA adapter unloaded
+    while the request was on its way (as if it had come after the unload)."""
+    if isinstance(error, RemovedLoRAAdapter):
+        return APIError(HTTPStatus.NOT_FOUND, f"the model {error.lora_name!r} does not exist: its LoRA adapter was "
+                                              "unloaded", param="model")
+    return bad_request(error)
+
+
+def salted(prompts: Sequence[PromptInput], salt: str | None) -> Sequence[PromptInput]:
     """The prompts carrying the request's ``cache_salt``, as vLLM's server hands it to its engine."""
     if salt is None:
         return prompts

@@ -50,6 +50,9 @@ class FakeInputProcessor:
             raise ValueError("prompt + max_tokens is over max_model_len")
         return ProcessedPrompt(text, token_ids, dataclasses.replace(params, max_tokens=max_tokens))
 
+    def tokenize_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens)
+
     def chat_template(self, tools: list[dict[str, Any]] | None = None) -> None:
         return None  # the fake renders chats itself
 
@@ -89,6 +92,7 @@ class FakeEngine:
         self.input_processor = FakeInputProcessor(self.tokenizer, max_model_len)
         self.max_model_len = max_model_len
         self.default_sampling_params = SamplingParams()
+        self.supported_tasks: tuple[str, ...] = ("generate", "embed", "token_embed")  # LLMEngine's, by default
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, _FakeRequest] = {}
         self.priorities: dict[str, int] = {}  # each request's priority as added (the server passes the body's)

@@ -543,8 +543,8 @@ def test_a_body_that_is_no_json_object_says_why(srv: InProcessServer, content: b
 
 
 def test_routing_errors_name_the_method_and_path(srv: InProcessServer) -> None:
-    missing = httpx.post(f"{srv.url}/v1/embeddings", json={"input": "a"}).json()["error"]
-    assert missing["code"] == 404 and missing["message"].startswith("kvserve serves no POST /v1/embeddings (it "
+    missing = httpx.post(f"{srv.url}/v1/audio/speech", json={"input": "a"}).json()["error"]
+    assert missing["code"] == 404 and missing["message"].startswith("kvserve serves no POST /v1/audio/speech (it "
                                                                    "serves /v1/completions, /v1/chat/completions")
     wrong = httpx.get(f"{srv.url}/v1/completions")
     assert wrong.status_code == 405 and wrong.json()["error"]["message"] == "GET /v1/completions: this route takes POST"

@@ -7,10 +7,11 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from kvserve.engine.stats_counters import COUNTER_STATS
 from kvserve import LLM, SamplingParams
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from kvserve.server.metrics import ServerMetrics
 from tests.server.conftest import MODEL_NAME, ServerProcess
 
@@ -145,6 +146,30 @@ def test_queue_time_ends_where_the_engine_first_scheduled_the_request() -> None:
                     stats, step_start=arrival + 0.6)
     queued = metrics.registry.get_sample_value("kvserve:request_queue_time_seconds_sum", {"model_name": "m"})
     assert queued == pytest.approx(0.01)
+
+
+def test_a_pooling_request_counts_its_prompt_and_finishes_as_a_generation_does() -> None:
+    """An embedding's output holds a vector, no samples: it counts its prompt tokens, its latency, its queue time
+    and its success; an aborted one its abort and no prompt tokens run."""
+    stats = {"block_size": 4, "num_blocks_total": 8, "num_blocks_used": 0, "kv_cache_dtype": "float32",
+             "num_running": 0, "num_waiting": 0}
+    metrics = ServerMetrics("m", stats, 64)
+    arrival = time.monotonic()
+    for request_id in ("pooled", "aborted"):
+        metrics.on_request_added(request_id, arrival)
+    vector = PoolingOutput(torch.ones(4))
+    metrics.on_step([PoolingRequestOutput("pooled", vector, [1, 2, 3], True, first_scheduled_time=arrival + 0.01),
+                     PoolingRequestOutput("aborted", None, [4, 5], True)], stats, step_start=arrival + 0.5)
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(f"kvserve:{name}", {"model_name": "m", **labels})
+
+    assert value("prompt_tokens_total") == 3 and value("generation_tokens_total") == 0
+    assert value("request_success_total", finished_reason="stop") == 1
+    assert value("request_success_total", finished_reason="abort") == 1
+    assert value("request_prompt_tokens_sum") == 5 and value("e2e_request_latency_seconds_count") == 2
+    assert value("request_queue_time_seconds_sum") == pytest.approx(0.01 + 0.5)
+    assert value("time_to_first_token_seconds_count") == 0
 
 
 def test_a_request_aborted_before_its_first_token_counts_in_every_per_request_histogram(tiny_checkpoints) -> None:
