@@ -44,10 +44,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message
 
 from kvserve.config import DEFAULT_MODEL
-from kvserve.router.app import ADAPTER_PATHS, FORWARDED_HEADERS
+from kvserve.router.app import ADAPTER_PATHS, FORWARDED_HEADERS, PROXIED_PATHS
 from kvserve.router.policy import Replica, RoutingPolicy, make_policy
 from kvserve.router.prefix_index import prefix_keys
-from kvserve.router.prompts import prompt_text, request_payload
+from kvserve.router.prompts import request_payload, request_text
 from kvserve.server.errors import error_response
 
 STOP_GRACE_SECONDS = 5.0  # a cancelled stream's app task gets this long to see the disconnect and abort
@@ -232,10 +232,6 @@ def _prefix_keys(pending_request: PendingRequest | None) -> list[bytes]:
 
 # ---- the ingress -------------------------------------------------------------------------------------------------
 
-# requests with a prompt, relayed with it for the router: generations, and (any replica answers alike) tokenizing
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                  "/v1/messages/count_tokens", "/tokenize",
-                  "/detokenize")
 READ_PATHS = ("/v1/models", "/health")
 # a Ray Serve handle call reaches one engine replica, and every replica must serve the same adapters
 RUNTIME_LORA_REFUSED = ("loading and unloading LoRA adapters at runtime is not served through Ray Serve (a call "
@@ -250,7 +246,8 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
-        if request.method == "POST" and path in GENERATE_PATHS:
+        # requests with a prompt, relayed with it for the router: generations, pooling, and tokenizing
+        if request.method == "POST" and path in PROXIED_PATHS:
             return await self._generate(request)
         if request.method == "GET" and path in READ_PATHS:
             return await self._relay(request, b"", "")
@@ -260,7 +257,7 @@ class Ingress:
 
     async def _generate(self, request: Request) -> Response:
         body = await request.body()  # a body that is no JSON object goes on, for the replica's own 400
-        return await self._relay(request, body, prompt_text(request_payload(body)))
+        return await self._relay(request, body, request_text(request.url.path, request_payload(body)))
 
     async def _relay(self, request: Request, body: bytes, prompt: str) -> Response:
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS)

@@ -41,7 +41,7 @@ from kvserve.router.health import GET_TIMEOUT_S, HealthChecker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import Replica, RoutingPolicy
 from kvserve.router.prefix_index import prefix_keys
-from kvserve.router.prompts import prompt_text, request_payload
+from kvserve.router.prompts import EMBEDDING_PATHS, SCORE_PATHS, request_payload, request_text
 from kvserve.router.runtime_adapters import RuntimeAdapters
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
 from kvserve.server.environment import check_api_keys
@@ -64,11 +64,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# the requests that leave KV behind: generations, and the pooling endpoints' prompts (embedded in the same KV pool)
+CACHING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                           *EMBEDDING_PATHS, *SCORE_PATHS})
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
-PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize",
-                           "/detokenize", "/v1/messages/count_tokens"})
-# the requests that leave KV behind
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+PROXIED_PATHS = CACHING_PATHS | {"/tokenize", "/detokenize", "/v1/messages/count_tokens"}
 MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answers
 # runtime LoRA updates: sent to every replica, so that each serves the same adapters (``Router.update_adapters``)
 LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
@@ -168,7 +168,7 @@ class Router:
                       headers: list[tuple[bytes, bytes]]) -> tuple[Replica, UpstreamResponse] | Response:
         """Choose a replica and send the request there, retrying another replica while one refuses it or answers
         503; the replica (its ``in_flight`` counted) and the head of its answer, or the error to answer with."""
-        keys = prefix_keys(prompt_text(payload))
+        keys = prefix_keys(request_text(path, payload))
         tried: set[Replica] = set()
         while True:
             candidates = [r for r in self.replicas if r.healthy and r not in tried]
@@ -180,7 +180,7 @@ class Router:
             # Counted before the send, which waits for the replica's headers: requests arriving meanwhile must
             # see this one's load and prefix, or a burst all goes where the first one went.
             # (a /tokenize computes no KV: it goes where its prefix is, but leaves no keys)
-            insertion = replica.index.insert(keys if path in GENERATION_PATHS else [])
+            insertion = replica.index.insert(keys if path in CACHING_PATHS else [])
             replica.in_flight += 1
             handed_over = False  # to the caller, which uncounts it once the answer is relayed
             try:

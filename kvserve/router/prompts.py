@@ -24,15 +24,38 @@ def request_payload(body: bytes) -> dict[str, Any]:
     return payload if isinstance(payload, dict) else {}
 
 
+# the pooling endpoints (``server/pooling.py``): a prompt or messages to embed, or texts to score
+EMBEDDING_PATHS = frozenset({"/v1/embeddings", "/pooling"})
+SCORE_PATHS = frozenset({"/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
+# a score request's first text, in the field of each of vLLM's spellings (rerank's query first)
+_FIRST_TEXT_FIELDS = ("query", "queries", "data_1", "text_1")
+
+
+def request_text(path: str, payload: dict[str, Any]) -> str:
+    """The text a request to ``path`` is keyed on: ``prompt_text``'s, or a pooling request's: an embedding's
+    ``input`` (as a completion's prompt) or messages, a score's or rerank's first text (its query: the other
+    texts are prompts of their own, which share no prefix with it)."""
+    if path in EMBEDDING_PATHS and not isinstance(payload.get("messages"), list):
+        return _namespaced(payload, _prompt(payload.get("input", "")))
+    if path in SCORE_PATHS:
+        first = next((payload[name] for name in _FIRST_TEXT_FIELDS if name in payload), "")
+        return _namespaced(payload, _text(first[0] if isinstance(first, list) and first else first))
+    return prompt_text(payload)
+
+
 def prompt_text(payload: dict[str, Any]) -> str:
     """The text a request's KV prefix comes from, its first ``MAX_KEYED_CHARS`` characters (all that is keyed):
     the completion prompt, the chat messages in order (after an Anthropic Messages request's ``system``), or a
     Responses request's instructions and input items, after its ``model`` and ``cache_salt`` (a replica shares
     blocks only between requests of one salt, and of one LoRA adapter, which ``model`` names). Fields of the wrong
     type count as no text: the replica refuses them with its own 400."""
+    return _namespaced(payload, _unsalted_text(payload))
+
+
+def _namespaced(payload: dict[str, Any], text: str) -> str:
     model, salt = _text(payload.get("model")), _text(payload.get("cache_salt"))
     namespace = (f"model:{model}\n" if model else "") + (f"cache_salt:{salt}\n" if salt else "")
-    return (namespace + _unsalted_text(payload))[:MAX_KEYED_CHARS]
+    return (namespace + text)[:MAX_KEYED_CHARS]
 
 
 def _unsalted_text(payload: dict[str, Any]) -> str:
@@ -41,7 +64,11 @@ def _unsalted_text(payload: dict[str, Any]) -> str:
         return _leading_lines(_messages_lines(payload.get("system"), messages))
     if "input" in payload:
         return _leading_lines(_responses_lines(payload))
-    prompt = payload.get("prompt", "")
+    return _prompt(payload.get("prompt", ""))
+
+
+def _prompt(prompt: Any) -> str:
+    """A completion's prompt (or an embedding's input): its text, or the JSON of its token ids or prompts."""
     if isinstance(prompt, list):  # token ids or several prompts; each item is at least a character of the JSON
         try:
             prompt = json.dumps(prompt[:MAX_KEYED_CHARS])

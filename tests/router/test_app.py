@@ -140,6 +140,13 @@ class FakeReplicas:
         @app.post("/v1/messages")
         @app.post("/v1/messages/count_tokens")
         @app.post("/tokenize")
+        @app.post("/v1/embeddings")
+        @app.post("/pooling")
+        @app.post("/score")
+        @app.post("/v1/score")
+        @app.post("/rerank")
+        @app.post("/v1/rerank")
+        @app.post("/v2/rerank")
         async def completions(request: Request) -> Response:
             payload = json.loads(await request.body())
             self.seen.append((url, payload))
@@ -217,6 +224,33 @@ def test_responses_requests_are_forwarded_and_keyed_by_their_conversation() -> N
     assert len({a["replica"] for a in answers}) == 1
     assert [payload["input"] for _, payload in fakes.seen[:4]] == list("abcd")  # forwarded as sent
     assert streamed.count("data: ") == 4 and streamed.endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("path, body_of", [
+    ("/v1/embeddings", lambda text: {"input": text}), ("/pooling", lambda text: {"input": [text], "task": "embed"}),
+    ("/v1/embeddings", lambda text: {"messages": [{"role": "user", "content": text}]}),
+    ("/score", lambda text: {"text_1": text, "text_2": ["a", "b"]}),
+    ("/v1/score", lambda text: {"queries": [text], "documents": ["a"]}),
+    ("/rerank", lambda text: {"query": text, "documents": ["a"]}),
+    ("/v1/rerank", lambda text: {"query": text, "documents": ["a"]}),
+    ("/v2/rerank", lambda text: {"query": text, "documents": ["a"]}),
+])
+def test_pooling_requests_are_forwarded_and_keyed_by_their_first_prompt(path: str, body_of) -> None:
+    """The pooling endpoints go to a replica as generations do, those of one prefix (an embedding's input, a
+    score's or rerank's query) where it is cached."""
+    fakes = FakeReplicas(2)
+
+    async def scenario() -> tuple[list[dict], int]:
+        async with fakes:
+            router, client = router_client(fakes)
+            await router.health.check_all()
+            answers = [(await client.post(path, json=body_of(LONG + suffix))).json() for suffix in "abcd"]
+            return answers, sum(len(replica.index) for replica in router.replicas)
+
+    answers, num_keys = run(scenario())
+    assert len({a["replica"] for a in answers}) == 1
+    assert [payload for _, payload in fakes.seen] == [body_of(LONG + suffix) for suffix in "abcd"]  # as sent
+    assert num_keys > 0  # their prompts are cached there: later ones go where they are
 
 
 def test_messages_requests_are_forwarded_with_their_key_and_keyed_by_their_conversation() -> None:

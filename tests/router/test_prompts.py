@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.router.prefix_index import MAX_KEYED_CHARS
-from kvserve.router.prompts import prompt_text, request_payload
+from kvserve.router.prompts import prompt_text, request_payload, request_text
 
 
 @pytest.mark.parametrize("payload, text", [
@@ -42,6 +42,22 @@ from kvserve.router.prompts import prompt_text, request_payload
 ])
 def test_prompt_text(payload: dict, text: str) -> None:
     assert prompt_text(payload) == text
+
+
+@pytest.mark.parametrize("path, payload, text", [
+    ("/v1/embeddings", {"input": "abc", "model": "m"}, "model:m\nabc"),
+    ("/v1/embeddings", {"input": [1, 2]}, "[1, 2]"),
+    ("/pooling", {"input": ["abc", "d"], "cache_salt": "t"}, 'cache_salt:t\n["abc", "d"]'),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "hi"}]}, "user:hi"),
+    ("/score", {"text_1": "abc", "text_2": "d"}, "abc"),
+    ("/v1/score", {"data_1": ["abc", "e"], "data_2": ["d", "f"]}, "abc"),
+    ("/score", {"queries": [{"content": []}], "documents": "d"}, ""),
+    ("/rerank", {"query": "abc", "documents": ["d"]}, "abc"),
+    ("/v2/rerank", {"query": 5, "documents": ["d"]}, ""),
+    ("/v1/responses", {"input": "hi"}, "user:hi"),  # prompt_text's, elsewhere
+])
+def test_a_pooling_request_is_keyed_on_its_first_prompt(path: str, payload: dict, text: str) -> None:
+    assert request_text(path, payload) == text
 
 
 def test_only_a_long_prompts_leading_characters_are_keyed() -> None:
