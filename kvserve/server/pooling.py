@@ -61,14 +61,14 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        run = await _encode(state, request, body, "embd", body.pooling_params("embed"), _prompts_of(body))
+        run = await _encode(state, request, body, "embd", _prompts_of(body))
         data = [EmbeddingData(index=i, embedding=encoded(out.outputs.data, body.encoding_format))
                 for i, out in enumerate(run.outputs)]
         return await _json(EmbeddingResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage))
 
     @app.post("/pooling")
     async def pooling(body: PoolingRequest, request: Request) -> Response:
-        run = await _encode(state, request, body, "pool", body.pooling_params(body.task), _prompts_of(body))
+        run = await _encode(state, request, body, "pool", _prompts_of(body))
         data = [PoolingData(index=i, data=encoded(out.outputs.data, body.encoding_format))
                 for i, out in enumerate(run.outputs)]
         return await _json(PoolingResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage))
@@ -77,14 +77,13 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request) -> Response:
         first, second = body.pairs()
-        run = await _encode(state, request, body, "score", _embedding_params(body), _texts(first + second))
+        run = await _encode(state, request, body, "score", _texts(first + second))
         scores = _pair_scores(run.vectors[:len(first)], run.vectors[len(first):])
         data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
         return await _json(ScoreResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage))
 
     async def rerank(body: RerankRequest, request: Request) -> Response:
-        texts = _texts([body.query, *body.documents])
-        run = await _encode(state, request, body, "rerank", _embedding_params(body), texts)
+        run = await _encode(state, request, body, "rerank", _texts([body.query, *body.documents]))
         scores = _pair_scores(run.vectors[:1], run.vectors[1:])
         usage = RerankUsage(prompt_tokens=run.usage.prompt_tokens, total_tokens=run.usage.total_tokens)
         results = ranked(scores, body.documents, body.top_n, body.return_documents)
@@ -115,11 +114,13 @@ class _Encoded:
 PromptsOf = Callable[["AsyncEngine"], Awaitable[list["PromptInput"]]]
 
 
-async def _encode(state: ServerState, request: Request, body: PoolingBody, id_prefix: str, params: PoolingParams,
+async def _encode(state: ServerState, request: Request, body: PoolingBody, id_prefix: str,
                   prompts_of: PromptsOf) -> _Encoded:
-    """Admit the request, make its prompts (``prompts_of``), pool them and return the outputs: 400 for bad input
-    (the engine's words, naming the field), 499 where the client left first (its requests aborted). The answer's
-    id is ``{id_prefix}-{X-Request-Id, else the body's request_id}``, or the engine's fresh id."""
+    """Admit the request, make its prompts (``prompts_of``), pool them with the body's params and return the
+    outputs: 400 for bad input (the engine's words, naming the field), 499 where the client left first (its
+    requests aborted). The answer's id is ``{id_prefix}-{X-Request-Id, else the body's request_id}``, or the
+    engine's fresh id."""
+    params = body.pooling_params()
     engine_id = f"{id_prefix}-{uuid.uuid4().hex}"  # the engine's own, fresh whatever the client sends
     client_id = client_request_id(request.scope) or body.request_id
     answer_id = engine_id if client_id is None else f"{id_prefix}-{client_id}"
@@ -176,10 +177,6 @@ def _texts(texts: list[str]) -> PromptsOf:
         return list(texts)
 
     return prompts
-
-
-def _embedding_params(body: ScoreRequest | RerankRequest) -> PoolingParams:
-    return PoolingParams(task="embed", truncate_prompt_tokens=body.truncate_prompt_tokens)
 
 
 def _pair_scores(first: list[torch.Tensor], second: list[torch.Tensor]) -> list[float]:

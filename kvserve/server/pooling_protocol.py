@@ -38,6 +38,15 @@ class PoolingBody(RequestBody):
         check_request_id(self.request_id)
         return self
 
+    @model_validator(mode="after")
+    def _check_params(self) -> PoolingBody:
+        self.pooling_params()  # a value out of range is a 400 naming its field, as the body's own are
+        return self
+
+    def pooling_params(self) -> PoolingParams:
+        """The engine's params: a score's and a rerank's embed their texts."""
+        return PoolingParams(task="embed", truncate_prompt_tokens=self.truncate_prompt_tokens)
+
 
 class EncodingBody(PoolingBody):
     """A prompt (``input``: text, token ids, or a batch of either) or a conversation (``messages``, rendered with
@@ -97,9 +106,13 @@ class EncodingBody(PoolingBody):
                 "add_special_tokens": bool(self.add_special_tokens),
                 "continue_final_message": self.continue_final_message, "template_kwargs": self.chat_template_kwargs}
 
-    def pooling_params(self, task: str) -> PoolingParams:
-        return PoolingParams(task=task, normalize=self.normalize, dimensions=self.dimensions,
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(task=self.pooling_task, normalize=self.normalize, dimensions=self.dimensions,
                              truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+    @property
+    def pooling_task(self) -> str:
+        return "embed"
 
 
 class EmbeddingRequest(EncodingBody):
@@ -112,6 +125,10 @@ class PoolingRequest(EncodingBody):
     token (``token_embed``). Left out, the model's pooling task (``embed``), as vLLM's default."""
 
     task: Literal["embed", "token_embed"] = "embed"
+
+    @property
+    def pooling_task(self) -> str:
+        return self.task
 
 
 # vLLM's names of the two sides of a score request, newest first: any one pair is taken
