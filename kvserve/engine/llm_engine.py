@@ -330,13 +330,17 @@ class LLMEngine:
             store.flush(timeout)
 
     def warm_up(self) -> None:
-        """Run one request of one token through a prefill and a decode step, leaving the pool empty (and no block
-        cached at a block size over 2): what a first step does once (a step graph recorded, kernels loaded,
-        torch's lazy imports) is done before a server says it is ready, not on its first clients' time nor while
-        a burst of them holds every file descriptor (a step that cannot open a module fails the engine)."""
+        """Run one request of one token through a prefill and a decode step (a pooling engine's: a prefill),
+        leaving the pool empty (and no block cached at a block size over 2): what a first step does once (a step
+        graph recorded, kernels loaded, torch's lazy imports) is done before a server says it is ready, not on its
+        first clients' time nor while a burst of them holds every file descriptor (a step that cannot open a module
+        fails the engine)."""
         max_tokens = min(2, self.max_model_len - 1)  # a context of 2 (the shortest) takes one after the prompt's
-        self.add_request(WARM_UP_REQUEST_ID, {"prompt_token_ids": [0]},
-                         SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        params: SamplingParams | PoolingParams = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                ignore_eos=True)
+        if "generate" not in self.supported_tasks:  # --runner pooling: a prefill is all its requests run
+            params = PoolingParams()
+        self.add_request(WARM_UP_REQUEST_ID, {"prompt_token_ids": [0]}, params)
         while self.has_unfinished_requests():
             self.step(final_only=True)
 

@@ -1,0 +1,115 @@
+"""The pooling endpoints of a real ``kvserve serve`` over the tiny seeded Llama: the engine's own vectors through the
+openai SDK (floats and base64) and httpx, a score and a rerank made of them, the refusals the engine makes
+(``dimensions``), and the servers whose ``--runner`` leaves a task out."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from kvserve.pooling_params import PoolingParams
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, NUM_KV_BLOCKS, ServerProcess
+
+PROMPTS = ["The capital of France is", "Paris is a city"]
+
+
+@pytest.fixture(scope="module")
+def engine_vectors(tiny_checkpoint: Path) -> Iterator:
+    """``vectors(prompts, params)``: the engine's own pooled vectors (``AsyncEngine.encode``) for the checkpoint and
+    options the shared server runs."""
+    from kvserve.engine.async_engine import AsyncEngine
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.engine_args import EngineArgs
+
+    args = EngineArgs(model=str(tiny_checkpoint), device="cpu", num_kv_blocks=NUM_KV_BLOCKS,
+                      max_model_len=MAX_MODEL_LEN)
+    engine = AsyncEngine(LLMEngine(args.create_engine_config()))
+    engine.start()
+
+    def vectors(prompts: list, params: PoolingParams = PoolingParams()) -> list[torch.Tensor]:
+        async def encode() -> list[torch.Tensor]:
+            return [out.outputs.data for out in await engine.encode(prompts, params)]
+
+        return asyncio.run(encode())
+
+    yield vectors
+    engine.shutdown()
+
+
+def test_an_embedding_is_the_engines_own_in_floats_and_in_base64(client: openai.OpenAI, engine_vectors) -> None:
+    want = engine_vectors(PROMPTS)
+    floats = client.embeddings.create(model=MODEL_NAME, input=PROMPTS, encoding_format="float")
+    assert [d.index for d in floats.data] == [0, 1] and floats.model == MODEL_NAME
+    for got, expected in zip(floats.data, want):
+        assert torch.allclose(torch.tensor(got.embedding), expected, atol=1e-5)
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > len(PROMPTS)
+    decoded = client.embeddings.create(model=MODEL_NAME, input=PROMPTS)  # base64, the SDK's default with numpy
+    assert [d.embedding for d in decoded.data] == [d.embedding for d in floats.data]
+
+
+def test_raw_base64_decodes_to_the_same_floats(server: ServerProcess, engine_vectors) -> None:
+    body = {"model": MODEL_NAME, "input": PROMPTS[0], "encoding_format": "base64"}
+    answer = httpx.post(f"{server.url}/v1/embeddings", json=body, timeout=60).json()
+    vector = np.frombuffer(base64.b64decode(answer["data"][0]["embedding"]), dtype="<f4")
+    assert torch.allclose(torch.from_numpy(vector.copy()), engine_vectors([PROMPTS[0]])[0], atol=1e-5)
+
+
+def test_pooling_answers_the_engines_token_vectors(server: ServerProcess, engine_vectors) -> None:
+    body = {"model": MODEL_NAME, "input": PROMPTS[0], "task": "token_embed"}
+    answer = httpx.post(f"{server.url}/pooling", json=body, timeout=60).json()
+    (want,) = engine_vectors([PROMPTS[0]], PoolingParams(task="token_embed"))
+    got = torch.tensor(answer["data"][0]["data"])
+    assert got.shape == want.shape and answer["usage"]["prompt_tokens"] == want.shape[0]
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_score_and_rerank_are_the_cosine_similarity_of_the_engines_embeddings(server: ServerProcess,
+                                                                              engine_vectors) -> None:
+    query, documents = "Where is Paris?", ["Paris is in France", "Bananas are yellow", "France's capital"]
+    vectors = engine_vectors([query, *documents])
+    want = [torch.nn.functional.cosine_similarity(vectors[0], v, dim=0).item() for v in vectors[1:]]
+    score = httpx.post(f"{server.url}/score", json={"model": MODEL_NAME, "text_1": query, "text_2": documents},
+                       timeout=60).json()
+    assert [d["score"] for d in score["data"]] == pytest.approx(want, abs=1e-5)
+    rerank = httpx.post(f"{server.url}/v1/rerank", json={"model": MODEL_NAME, "query": query, "documents": documents,
+                                                         "top_n": 2}, timeout=60).json()
+    order = sorted(range(3), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in rerank["results"]] == order
+    assert [r["relevance_score"] for r in rerank["results"]] == pytest.approx([want[i] for i in order], abs=1e-5)
+    assert [r["document"]["text"] for r in rerank["results"]] == [documents[i] for i in order]
+
+
+def test_the_engine_refuses_dimensions_and_the_server_says_so(server: ServerProcess) -> None:
+    answer = httpx.post(f"{server.url}/v1/embeddings", json={"model": MODEL_NAME, "input": "a", "dimensions": 4})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "dimensions", answer.text
+
+
+def test_a_pooling_request_counts_in_the_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
+    before = server.metric("kvserve:prompt_tokens_total"), server.metric("kvserve:request_success_total",
+                                                                         finished_reason="stop")
+    usage = client.embeddings.create(model=MODEL_NAME, input=PROMPTS, encoding_format="float").usage
+    after = server.metric("kvserve:prompt_tokens_total"), server.metric("kvserve:request_success_total",
+                                                                        finished_reason="stop")
+    assert (after[0] - before[0], after[1] - before[1]) == (usage.prompt_tokens, 2)
+    assert server.metric("kvserve:kv_cache_usage_perc") == 0
+
+
+def test_a_generate_runner_refuses_embeddings_and_a_pooling_runner_refuses_chat(start_server) -> None:
+    generating = start_server("--runner", "generate")
+    refused = httpx.post(f"{generating.url}/v1/embeddings", json={"model": MODEL_NAME, "input": "a"})
+    assert refused.status_code == 400 and "--runner pooling" in refused.json()["error"]["message"]
+    pooling = start_server("--runner", "pooling")
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    refused = httpx.post(f"{pooling.url}/v1/chat/completions", json=chat)
+    assert refused.status_code == 400 and "--runner generate" in refused.json()["error"]["message"]
+    assert pooling.openai().embeddings.create(model=MODEL_NAME, input="hi").data[0].embedding
+    generating.stop()
+    pooling.stop()
