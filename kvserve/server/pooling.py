@@ -130,7 +130,7 @@ async def _encode(state: ServerState, request: Request, body: PoolingBody, id_pr
             outputs = await until_disconnected(request, _pooled(
                 state, engine, prompts, params, body, answer_id, engine_id, admission))
         except ValueError as error:
-            raise queue_refusal(error) from error
+            raise queue_refusal(body.named_as_sent(error)) from error
     return _Encoded(answer_id, body.model or state.settings.model_name, outputs)
 
 

@@ -47,6 +47,17 @@ class PoolingBody(RequestBody):
         """The engine's params: a score's and a rerank's embed their texts."""
         return PoolingParams(task="embed", truncate_prompt_tokens=self.truncate_prompt_tokens)
 
+    @property
+    def prompt_field(self) -> str:
+        """The field(s) the engine's prompts came in."""
+        return "input"
+
+    def named_as_sent(self, error: ValueError) -> ValueError:
+        """``error`` told of the prompt (the engine's ``prompt``, ``prompt_token_ids``) by the field it came in."""
+        if isinstance(error, InvalidParameter) and error.param in ("prompt", "prompt_token_ids"):
+            return error.renamed(self.prompt_field)
+        return error
+
 
 class EncodingBody(PoolingBody):
     """A prompt (``input``: text, token ids, or a batch of either) or a conversation (``messages``, rendered with
@@ -114,6 +125,10 @@ class EncodingBody(PoolingBody):
     def pooling_task(self) -> str:
         return "embed"
 
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.messages is not None else super().prompt_field
+
 
 class EmbeddingRequest(EncodingBody):
     """POST /v1/embeddings: OpenAI's body (``input``, ``encoding_format``, ``dimensions``, ``user``) with vLLM's
@@ -177,6 +192,10 @@ class ScoreRequest(PoolingBody):
         return self
 
     @property
+    def prompt_field(self) -> str:
+        return " or ".join(self.pair_names)
+
+    @property
     def pair_names(self) -> tuple[str, str]:
         return next(pair for pair in SCORE_PAIRS if all(getattr(self, name) is not None for name in pair))
 
@@ -195,6 +214,10 @@ class RerankRequest(PoolingBody):
     documents: Any
     top_n: StrictInt = 0
     return_documents: StrictBool = True
+
+    @property
+    def prompt_field(self) -> str:
+        return "query or documents"
 
     @field_validator("query")
     @classmethod

@@ -92,6 +92,20 @@ def test_the_engine_refuses_dimensions_and_the_server_says_so(server: ServerProc
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "dimensions", answer.text
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/embeddings", {"input": ["a", "b " * MAX_MODEL_LEN]}, "input"),
+    ("/pooling", {"input": [[1, 10**9]]}, "input"),
+    ("/v1/embeddings", {"messages": [{"role": "user", "content": "b " * MAX_MODEL_LEN}]}, "messages"),
+    ("/score", {"text_1": "a", "text_2": "b " * MAX_MODEL_LEN}, "text_1 or text_2"),
+    ("/rerank", {"query": "a", "documents": ["b " * MAX_MODEL_LEN]}, "query or documents"),
+])
+def test_a_prompt_the_engine_refuses_is_named_by_the_field_it_came_in(server: ServerProcess, path: str, body: dict,
+                                                                      param: str) -> None:
+    answer = httpx.post(f"{server.url}{path}", json={"model": MODEL_NAME, **body}, timeout=60)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert answer.json()["error"]["message"].startswith(param), answer.text
+
+
 def test_a_pooling_request_counts_in_the_metrics(server: ServerProcess, client: openai.OpenAI) -> None:
     before = server.metric("kvserve:prompt_tokens_total"), server.metric("kvserve:request_success_total",
                                                                          finished_reason="stop")
