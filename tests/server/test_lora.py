@@ -5,6 +5,7 @@ adapter stops the start-up naming it."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Iterator
 
@@ -17,6 +18,7 @@ from kvserve.cli_serve import lora_modules
 from kvserve.engine_args import EngineArgs
 from kvserve.lora_request import LoRARequest
 from kvserve.model.lora_checkpoint import make_lora_adapter
+from kvserve.pooling_params import PoolingParams
 from kvserve.server.app import build_app
 from kvserve.server.launch import load_engine
 from kvserve.server.state import ServerSettings, ServerState
@@ -60,6 +62,25 @@ def test_a_requests_model_naming_the_adapter_runs_with_it(served) -> None:
     base = _tokens(client, MODEL)["choices"][0]["token_ids"]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert base == hf_greedy(hf, PROMPT, 6) != tuned["choices"][0]["token_ids"]
+
+
+def test_an_embedding_naming_the_adapter_is_the_engines_with_it(served) -> None:
+    client, _, _ = served
+    state = client.app.state.server
+
+    def embedding(model: str) -> torch.Tensor:
+        answer = client.post("/v1/embeddings", json={"model": model, "input": PROMPT})
+        assert answer.status_code == 200 and answer.json()["model"] == model, answer.text
+        return torch.tensor(answer.json()["data"][0]["embedding"])
+
+    async def engines_own() -> torch.Tensor:
+        (out,) = await state.engine.encode([{"prompt_token_ids": PROMPT}], PoolingParams(),
+                                           lora_request=state.adapters.get("tuned"))
+        return out.outputs.data
+
+    tuned = embedding("tuned")
+    assert torch.allclose(tuned, asyncio.run(engines_own()), atol=1e-5)
+    assert not torch.allclose(tuned, embedding(MODEL), atol=1e-3)
 
 
 def test_models_lists_the_adapter_with_the_base_model_as_parent(served) -> None:
