@@ -86,6 +86,24 @@ def test_the_router_answers_as_one_server_and_keeps_a_prefix_on_one_replica(clus
     assert list(text_string_to_metric_families(metrics))  # one page a scraper parses, HELP and TYPE once a family
 
 
+def test_the_pooling_endpoints_go_through_the_router_and_keep_a_prefix_on_one_replica(cluster) -> None:
+    """Run before the replica is killed: the router forwards embeddings and reranks, a shared prefix to one
+    replica, answering what a replica answers."""
+    router, replicas = cluster
+    sent_before = [requests_sent(httpx.get(f"{router.url}/metrics").text, r.url) for r in replicas]
+    body = {"model": MODEL_NAME, "input": [PREFIX + "embedded"], "encoding_format": "float"}
+    through_router, direct = (httpx.post(f"{url}/v1/embeddings", json=body, timeout=60).json()
+                              for url in (router.url, replicas[0].url))
+    assert through_router["data"] == direct["data"] and through_router["usage"] == direct["usage"]
+    for i in range(3):
+        rerank = httpx.post(f"{router.url}/v2/rerank", timeout=60, json={
+            "model": MODEL_NAME, "query": PREFIX + f"query {i}", "documents": ["a", "b"]})
+        assert rerank.status_code == 200 and len(rerank.json()["results"]) == 2, rerank.text
+    sent = [requests_sent(httpx.get(f"{router.url}/metrics").text, r.url) - before
+            for r, before in zip(replicas, sent_before)]
+    assert sorted(sent) == [0.0, 4.0]  # the prefix's requests on one replica
+
+
 def requests_sent(metrics: str, url: str) -> float:
     try:
         return scrape(metrics, "kvserve_router:requests_total", replica=url)
