@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -113,6 +114,19 @@ def test_a_pooling_request_counts_in_the_metrics(server: ServerProcess, client: 
     after = server.metric("kvserve:prompt_tokens_total"), server.metric("kvserve:request_success_total",
                                                                         finished_reason="stop")
     assert (after[0] - before[0], after[1] - before[1]) == (usage.prompt_tokens, 2)
+    assert server.metric("kvserve:kv_cache_usage_perc") == 0
+
+
+def test_a_client_that_leaves_aborts_its_pooling_requests_and_frees_their_blocks(server: ServerProcess) -> None:
+    aborted = server.metric("kvserve:request_success_total", finished_reason="abort")
+    batch = {"model": MODEL_NAME, "input": [[7 + i] * (MAX_MODEL_LEN - 8) for i in range(256)]}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/embeddings", json=batch, timeout=0.3)
+    deadline = time.monotonic() + 30
+    while server.metric("kvserve:num_requests_running") + server.metric("kvserve:num_requests_waiting") > 0:
+        assert time.monotonic() < deadline, "the batch's requests were not aborted"
+        time.sleep(0.05)
+    assert server.metric("kvserve:request_success_total", finished_reason="abort") > aborted
     assert server.metric("kvserve:kv_cache_usage_perc") == 0
 
 
