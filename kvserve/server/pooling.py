@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from pydantic import BaseModel
 
 from kvserve.pooling_params import PoolingParams
 from kvserve.server.chat import render_chat
-from kvserve.server.errors import bad_request
+from kvserve.server.errors import RETRY_LATER, APIError, bad_request
 from kvserve.server.pooling_protocol import (
     EmbeddingData,
     EmbeddingRequest,
@@ -131,6 +132,9 @@ async def _encode(state: ServerState, request: Request, body: PoolingBody, id_pr
                 state, engine, prompts, params, body, answer_id, engine_id, admission))
         except ValueError as error:
             raise queue_refusal(body.named_as_sent(error)) from error
+    if any(out.outputs is None for out in outputs):  # aborted by the engine: the shutdown's end of its grace period
+        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the request was aborted: the server is shutting down",
+                       headers=RETRY_LATER)
     return _Encoded(answer_id, body.model or state.settings.model_name, outputs)
 
 

@@ -40,11 +40,11 @@ class FakeEncoder:
     """``AsyncEngine.encode`` over the byte tokenizer; notes each call; ``hold`` keeps calls waiting (a slow
     engine), ``cancelled`` counts those whose await was cancelled (the real engine aborts their requests)."""
 
-    def __init__(self, admitting: Any) -> None:
+    def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
         self.hold = False
         self.cancelled = 0
-        self._admitting = admitting
+        self.aborting = False  # every request aborted by the engine (a shutdown's abort_all): no vector
 
     async def __call__(self, prompts, params, request_ids=None, admission=None, priority=0, lora_request=None):
         if params.dimensions is not None:
@@ -61,14 +61,14 @@ class FakeEncoder:
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
-        return [PoolingRequestOutput(rid, PoolingOutput(fake_vector(ids, params)), ids, True)
-                for rid, ids in zip(request_ids, token_ids)]
+        return [PoolingRequestOutput(rid, None if self.aborting else PoolingOutput(fake_vector(ids, params)), ids,
+                                     True) for rid, ids in zip(request_ids, token_ids)]
 
 
 @pytest.fixture(scope="module")
 def srv() -> Iterator[InProcessServer]:
     server = InProcessServer(lora_modules=(ADAPTER,))
-    server.state.engine.encode = FakeEncoder(server.state.engine)
+    server.state.engine.encode = FakeEncoder()
     yield server
     server.stop()
 
@@ -284,9 +284,19 @@ def test_a_client_that_leaves_aborts_its_requests(srv: InProcessServer, encoder:
         encoder.hold = False
 
 
+def test_requests_the_engine_aborted_are_a_503_to_retry(srv: InProcessServer, encoder: FakeEncoder) -> None:
+    encoder.aborting = True
+    try:
+        answer = post(srv, "/v1/embeddings", {"input": ["a", "b"]})
+    finally:
+        encoder.aborting = False
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "1", answer.text
+    assert "shutting down" in answer.json()["error"]["message"]
+
+
 def test_api_key_and_waiting_limit_hold_for_pooling() -> None:
     server = InProcessServer(api_keys=("k",), max_waiting=0)
-    server.state.engine.encode = FakeEncoder(server.state.engine)
+    server.state.engine.encode = FakeEncoder()
     keyed = {"Authorization": "Bearer k"}
     bodies = {"/v1/embeddings": {"input": "a"}, "/pooling": {"input": "a"}, "/score": {"text_1": "a", "text_2": "b"},
               "/v1/score": {"text_1": "a", "text_2": "b"}, "/rerank": {"query": "a", "documents": ["b"]},
@@ -311,7 +321,7 @@ def test_a_logged_pooling_request_names_its_answer_and_how_it_ended(caplog) -> N
     from kvserve.server.request_log import RequestLog
 
     server = InProcessServer(request_log=RequestLog(enabled=True))
-    server.state.engine.encode = FakeEncoder(server.state.engine)
+    server.state.engine.encode = FakeEncoder()
     try:
         with caplog.at_level(logging.INFO, logger="kvserve.server.request_log"):
             post(server, "/v1/embeddings", {"input": "ab"}, headers={"X-Request-Id": "seen"})
