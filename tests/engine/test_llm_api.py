@@ -83,6 +83,16 @@ def test_a_warm_up_does_the_first_steps_work_and_leaves_nothing_behind(tiny_chec
     assert tight.stats()["num_blocks_used"] == 0
 
 
+def test_a_pooling_engine_warms_up_with_a_pooling_request(tiny_checkpoints) -> None:
+    """--runner pooling refuses generations: its warm-up queued one, and `kvserve serve --runner pooling` could not
+    start."""
+    pooling = LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64, runner="pooling")
+    pooling.engine.warm_up()
+    stats = pooling.stats()
+    assert stats["num_blocks_used"] == stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["prefix_cache_queries"] == 1
+
+
 def test_stats_report_the_kv_cache(llm: LLM) -> None:
     stats = llm.stats()
     for key in ("block_size", "num_blocks_total", "num_blocks_used", "num_blocks_free", "kv_cache_dtype"):
