@@ -15,7 +15,7 @@ import asyncio
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
 
 import torch
 from fastapi import FastAPI, Request
@@ -62,33 +62,21 @@ def add_pooling_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        run = await _encode(state, request, body, "embd", _prompts_of(body))
-        data = [EmbeddingData(index=i, embedding=encoded(out.outputs.data, body.encoding_format))
-                for i, out in enumerate(run.outputs)]
-        return await _json(EmbeddingResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage))
+        return await _json(_embeddings_answer, await _encode(state, request, body, "embd", _prompts_of(body)), body)
 
     @app.post("/pooling")
     async def pooling(body: PoolingRequest, request: Request) -> Response:
-        run = await _encode(state, request, body, "pool", _prompts_of(body))
-        data = [PoolingData(index=i, data=encoded(out.outputs.data, body.encoding_format))
-                for i, out in enumerate(run.outputs)]
-        return await _json(PoolingResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage))
+        return await _json(_pooling_answer, await _encode(state, request, body, "pool", _prompts_of(body)), body)
 
     @app.post("/score")
     @app.post("/v1/score")
     async def score(body: ScoreRequest, request: Request) -> Response:
         first, second = body.pairs()
-        run = await _encode(state, request, body, "score", _texts(first + second))
-        scores = _pair_scores(run.vectors[:len(first)], run.vectors[len(first):])
-        data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
-        return await _json(ScoreResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage))
+        return await _json(_score_answer, await _encode(state, request, body, "score", _texts(first + second)), body)
 
     async def rerank(body: RerankRequest, request: Request) -> Response:
         run = await _encode(state, request, body, "rerank", _texts([body.query, *body.documents]))
-        scores = _pair_scores(run.vectors[:1], run.vectors[1:])
-        usage = RerankUsage(prompt_tokens=run.usage.prompt_tokens, total_tokens=run.usage.total_tokens)
-        results = ranked(scores, body.documents, body.top_n, body.return_documents)
-        return await _json(RerankResponse(id=run.answer_id, model=run.model_name, usage=usage, results=results))
+        return await _json(_rerank_answer, run, body)
 
     for path in RERANK_PATHS:
         app.post(path)(rerank)
@@ -189,7 +177,35 @@ def _pair_scores(first: list[torch.Tensor], second: list[torch.Tensor]) -> list[
     return torch.nn.functional.cosine_similarity(left, torch.stack(second), dim=-1).tolist()
 
 
-async def _json(answer: BaseModel) -> Response:
-    """The answer's JSON, rendered off the event loop (a batch of embeddings is megabytes), fields that are None
-    left out (a rerank result's document under return_documents false)."""
-    return Response(await asyncio.to_thread(answer.model_dump_json, exclude_none=True), media_type="application/json")
+def _embeddings_answer(run: _Encoded, body: EmbeddingRequest) -> EmbeddingResponse:
+    data = [EmbeddingData(index=i, embedding=encoded(vector, body.encoding_format))
+            for i, vector in enumerate(run.vectors)]
+    return EmbeddingResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage)
+
+
+def _pooling_answer(run: _Encoded, body: PoolingRequest) -> PoolingResponse:
+    data = [PoolingData(index=i, data=encoded(vector, body.encoding_format)) for i, vector in enumerate(run.vectors)]
+    return PoolingResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage)
+
+
+def _score_answer(run: _Encoded, body: ScoreRequest) -> ScoreResponse:
+    num_first = len(body.pairs()[0])
+    scores = _pair_scores(run.vectors[:num_first], run.vectors[num_first:])
+    data = [ScoreData(index=i, score=score) for i, score in enumerate(scores)]
+    return ScoreResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage)
+
+
+def _rerank_answer(run: _Encoded, body: RerankRequest) -> RerankResponse:
+    scores = _pair_scores(run.vectors[:1], run.vectors[1:])
+    usage = RerankUsage(prompt_tokens=run.usage.prompt_tokens, total_tokens=run.usage.total_tokens)
+    results = ranked(scores, body.documents, body.top_n, body.return_documents)
+    return RerankResponse(id=run.answer_id, model=run.model_name, usage=usage, results=results)
+
+
+async def _json(answer_of: Callable[[_Encoded, Any], BaseModel], run: _Encoded, body: PoolingBody) -> Response:
+    """``answer_of(run, body)`` as JSON, made and rendered off the event loop (a batch of embeddings is megabytes of
+    numbers), fields that are None left out (a rerank result's document under return_documents false)."""
+    def render() -> str:
+        return answer_of(run, body).model_dump_json(exclude_none=True)
+
+    return Response(await asyncio.to_thread(render), media_type="application/json")
