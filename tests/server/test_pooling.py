@@ -15,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from kvserve.pooling_params import PoolingParams
 from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, NUM_KV_BLOCKS, ServerProcess
@@ -130,14 +131,31 @@ def test_a_client_that_leaves_aborts_its_pooling_requests_and_frees_their_blocks
     assert server.metric("kvserve:kv_cache_usage_perc") == 0
 
 
-def test_a_generate_runner_refuses_embeddings_and_a_pooling_runner_refuses_chat(start_server) -> None:
-    generating = start_server("--runner", "generate")
-    refused = httpx.post(f"{generating.url}/v1/embeddings", json={"model": MODEL_NAME, "input": "a"})
-    assert refused.status_code == 400 and "--runner pooling" in refused.json()["error"]["message"]
-    pooling = start_server("--runner", "pooling")
-    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    refused = httpx.post(f"{pooling.url}/v1/chat/completions", json=chat)
-    assert refused.status_code == 400 and "--runner generate" in refused.json()["error"]["message"]
-    assert pooling.openai().embeddings.create(model=MODEL_NAME, input="hi").data[0].embedding
-    generating.stop()
-    pooling.stop()
+@pytest.mark.parametrize("runner, refused_path, body, runner_named", [
+    ("generate", "/v1/embeddings", {"input": "a"}, "--runner pooling"),
+    ("pooling", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+     "--runner generate"),
+])
+def test_a_runner_refuses_the_other_kind_of_request_naming_the_option(tiny_checkpoint: Path, runner: str,
+                                                                      refused_path: str, body: dict,
+                                                                      runner_named: str) -> None:
+    """As `kvserve serve --runner ...` loads its engine (warmed up: a pooling one could not start)."""
+    from kvserve.engine_args import EngineArgs
+    from kvserve.server.app import build_app
+    from kvserve.server.launch import load_engine
+    from kvserve.server.state import ServerSettings, ServerState
+
+    config = EngineArgs(model=str(tiny_checkpoint), device="cpu", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN,
+                        runner=runner).create_engine_config()
+    state = ServerState(ServerSettings((MODEL_NAME,), str(tiny_checkpoint)))
+    load_engine(state, config, "http://127.0.0.1:0")
+    assert state.load_error is None, state.load_error
+    try:
+        client = TestClient(build_app(state))
+        refused = client.post(refused_path, json={"model": MODEL_NAME, **body})
+        assert refused.status_code == 400 and runner_named in refused.json()["error"]["message"], refused.text
+        served = ({"prompt": "hi", "max_tokens": 2}, "/v1/completions") if runner == "generate" else (
+            {"input": "hi"}, "/v1/embeddings")
+        assert client.post(served[1], json={"model": MODEL_NAME, **served[0]}).status_code == 200
+    finally:
+        state.engine.shutdown()
