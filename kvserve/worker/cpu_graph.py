@@ -22,6 +22,12 @@ can be replayed. Steps of up to ``MAX_GRAPH_TOKENS`` decodes are recorded, each 
 (at more tokens the kernels' time dwarfs the Python's), while the graphs' own tensors (every intermediate result
 of a step, none reused: ~1 MB a token for SmolLM2) stay within ``MAX_GRAPH_BYTES``; a size past it stays eager.
 ``--enforce-eager`` turns graphs off.
+
+A step with LoRA adapters is recorded once per size and set of adapters, on the masked path
+(``LoRAMapping.with_token_groups``): which token runs with which of them is a static tensor of the graph's, loaded
+before each replay, and the mask is recomputed from it; the adapters' stacked weights are the graph's. The step is
+run once before it is recorded, so that those stacks are made outside the recording (made inside it, their copies
+would be replayed every step). Installing or removing an adapter drops the graphs recorded with it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, build_step_metadata
 from kvserve.kv.storage import KVCacheStorage
+from kvserve.model.layers.lora import LoRAMapping
 from kvserve.native import KernelFunction, recording
 from kvserve.worker.static_inputs import StaticStepInputs
 
@@ -127,24 +134,34 @@ def _storage(t: torch.Tensor) -> int | None:
     return t.untyped_storage().data_ptr() if t.layout == torch.strided else None
 
 
+# a graph's key: the step's size and the LoRA adapters it was recorded with (none: ())
+GraphKey = tuple[int, tuple[int, ...]]
+
+
 class _StepGraph:
-    """One batch size's recorded forward: its static inputs, its calls and its output tensor."""
+    """One batch size's recorded forward (with one set of LoRA adapters): its static inputs (with adapters, each
+    token's group among them too), its calls, its output tensor and the bytes it holds."""
 
     def __init__(self, inputs: StaticStepInputs, calls: list[Callable[[], None]], tensors: list[Any],
-                 keep: tuple, output: torch.Tensor) -> None:
-        self.inputs, self.calls, self.output = inputs, calls, output
+                 keep: tuple, output: torch.Tensor, num_bytes: int, token_groups: torch.Tensor | None) -> None:
+        self.inputs, self.calls, self.output, self.num_bytes = inputs, calls, output, num_bytes
+        self.token_groups = token_groups
         self._alive = (tensors, keep)  # every tensor a recorded pointer may point into
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor:
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
+               lora: LoRAMapping | None) -> torch.Tensor:
         self.inputs.load(input_ids, positions, attn)
+        if lora is not None:
+            assert self.token_groups is not None
+            self.token_groups.copy_(lora.token_group_ids(attn.num_tokens, self.token_groups.device))
         for call in self.calls:
             call()
         return self.output
 
 
 class CpuStepGraphs:
-    """Runs decode steps of up to ``MAX_GRAPH_TOKENS`` tokens through step graphs, recording each batch size at
-    its first step; ``forward`` returns None for a step that must run eagerly."""
+    """Runs decode steps of up to ``MAX_GRAPH_TOKENS`` tokens through step graphs, recording each batch size (and
+    set of LoRA adapters) at its first step; ``forward`` returns None for a step that must run eagerly."""
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, kv: KVCacheStorage,
                  group_windows: list[set[int | None]], max_blocks: int, max_positions: int,
@@ -153,8 +170,8 @@ class CpuStepGraphs:
         self.group_windows, self.layer_groups = group_windows, layer_groups
         self.max_blocks = max_blocks
         self.max_positions = max_positions  # rope tables cover these positions; a step past them runs eagerly
-        self.graphs: dict[int, _StepGraph] = {}
-        self.eager_sizes: set[int] = set()
+        self.graphs: dict[GraphKey, _StepGraph] = {}
+        self.eager_sizes: set[GraphKey] = set()
         self.num_bytes = 0
         self.num_replays = 0
         self._num_threads = torch.get_num_threads()  # what the recorded kernel calls ask for
@@ -166,41 +183,58 @@ class CpuStepGraphs:
         self.eager_sizes.clear()
         self.num_bytes = 0
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
-        """The hidden states of a forward pass over these inputs, or None where the step must run eagerly."""
+    def forget_adapter(self, adapter_id: int) -> None:
+        """Drop the steps recorded with LoRA adapter ``adapter_id`` (installed anew or removed: their stacked weights
+        are its old ones)."""
+        for key in [key for key in self.graphs if adapter_id in key[1]]:
+            self.num_bytes -= self.graphs.pop(key).num_bytes
+        self.eager_sizes = {key for key in self.eager_sizes if adapter_id not in key[1]}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
+                lora: LoRAMapping | None = None) -> torch.Tensor | None:
+        """The hidden states of a forward pass over these inputs (and the step's LoRA adapters), or None where the
+        step must run eagerly."""
         if torch.get_num_threads() != self._num_threads:  # a kernel call's recorded thread count was the old one
             self.clear()
             self._num_threads = torch.get_num_threads()
         num_tokens = attn.num_tokens
+        key = (num_tokens, () if lora is None else lora.adapter_ids)
         if (num_tokens > MAX_GRAPH_TOKENS or attn.num_decodes != num_tokens or attn.num_seqs != num_tokens
-                or num_tokens in self.eager_sizes or max(attn.seq_lens_list) > self.max_positions):
+                or key in self.eager_sizes or max(attn.seq_lens_list) > self.max_positions):
             return None
-        graph = self.graphs.get(num_tokens)
+        graph = self.graphs.get(key)
         if graph is None:
-            return self._record(input_ids, positions, attn)
+            return self._record(input_ids, positions, attn, lora, key)
         self.num_replays += 1
-        return graph.replay(input_ids, positions, attn)
+        return graph.replay(input_ids, positions, attn, lora)
 
-    def _record(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
+    def _record(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
+                lora: LoRAMapping | None, key: GraphKey) -> torch.Tensor | None:
         num_tokens = attn.num_tokens
         inputs = StaticStepInputs.allocate(num_tokens, self.max_blocks, attn.block_size, input_ids.device,
                                            1 + len(attn.groups))
         inputs.load(input_ids, positions, attn)
         meta = build_step_metadata(self.backend, inputs.attention_inputs(attn.seq_lens_list), self.group_windows,
                                    self.layer_groups)
+        token_groups = None
+        if lora is not None:  # run once unrecorded: the adapters' stacks made (its K/V writes are the recording's)
+            token_groups = lora.token_group_ids(num_tokens, input_ids.device).clone()
+            self.model(inputs.input_ids, inputs.positions, meta, self.kv, lora.with_token_groups(token_groups))
         recorder = _StepRecorder()
         try:
-            with recorder, recording(recorder.record_kernel):
-                output = self.model(inputs.input_ids, inputs.positions, meta, self.kv)
+            with recorder, recording(recorder.record_kernel):  # a mapping of its own: its masks made in the recording
+                mapping = None if token_groups is None or lora is None else lora.with_token_groups(token_groups)
+                output = self.model(inputs.input_ids, inputs.positions, meta, self.kv, mapping)
         except UnreplayableStep as error:
-            logger.info("decode steps of %d tokens run eagerly: %s", num_tokens, error)
-            self.eager_sizes.add(num_tokens)
+            logger.info("decode steps of %d tokens (LoRA adapters %s) run eagerly: %s", num_tokens, key[1], error)
+            self.eager_sizes.add(key)
             return None
         if self.num_bytes + recorder.num_bytes > MAX_GRAPH_BYTES:
-            logger.info("decode steps of %d tokens run eagerly: the step graphs would hold more than %d MiB",
-                        num_tokens, MAX_GRAPH_BYTES >> 20)
-            self.eager_sizes.add(num_tokens)
+            logger.info("decode steps of %d tokens (LoRA adapters %s) run eagerly: the step graphs would hold more "
+                        "than %d MiB", num_tokens, key[1], MAX_GRAPH_BYTES >> 20)
+            self.eager_sizes.add(key)
             return output  # the recording ran the step: its output stands
         self.num_bytes += recorder.num_bytes
-        self.graphs[num_tokens] = _StepGraph(inputs, recorder.calls, recorder.tensors, (meta,), output)
+        self.graphs[key] = _StepGraph(inputs, recorder.calls, recorder.tensors, (meta,), output, recorder.num_bytes,
+                                      token_groups)
         return output

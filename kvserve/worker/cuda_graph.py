@@ -28,6 +28,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionInputs, AttentionMetadata, build_step_metadata
 from kvserve.kv.storage import KVCacheStorage
+from kvserve.model.layers.lora import LoRAMapping
 from kvserve.worker.static_inputs import StaticStepInputs
 
 logger = logging.getLogger(__name__)
@@ -92,10 +93,12 @@ class CudaStepGraphs:
             self.graphs[size] = _CapturedStep(graph, inputs, output, meta)
         torch.cuda.synchronize()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
-        """The hidden states of a forward pass over these inputs, or None where the step must run eagerly."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
+                lora: LoRAMapping | None = None) -> torch.Tensor | None:
+        """The hidden states of a forward pass over these inputs, or None where the step must run eagerly (a step
+        with LoRA adapters: the graphs were captured without them)."""
         num_tokens = attn.num_tokens
-        if (num_tokens > self.sizes[-1] or attn.num_decodes != num_tokens or attn.num_seqs != num_tokens
+        if (lora is not None or num_tokens > self.sizes[-1] or attn.num_decodes != num_tokens or attn.num_seqs != num_tokens
                 or max(attn.seq_lens_list) > self.max_seq_len):
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]

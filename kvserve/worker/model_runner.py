@@ -162,12 +162,19 @@ class ModelRunner:
         if self._lora_projections is None:
             self._lora_projections = self.model.lora_projections()
         install_adapter(self._lora_projections, adapter_id, adapter, self.dtype, self.device)
+        self._forget_adapter_graphs(adapter_id)
         self.peers.add_lora(adapter_id, adapter)
 
     def remove_lora(self, adapter_id: int) -> None:
         if self._lora_projections is not None:
             remove_adapter(self._lora_projections, adapter_id)
+        self._forget_adapter_graphs(adapter_id)
         self.peers.remove_lora(adapter_id)
+
+    def _forget_adapter_graphs(self, adapter_id: int) -> None:
+        """CPU step graphs recorded with the adapter replay its old weights: dropped (CUDA graphs hold none)."""
+        if isinstance(self.graphs, CpuStepGraphs):
+            self.graphs.forget_adapter(adapter_id)
 
     def lora_bytes(self, adapter_id: int) -> int:
         """The bytes adapter ``adapter_id``'s weights take on the model's layers (0 where it is not installed)."""
@@ -349,12 +356,13 @@ class ModelRunner:
         self.peers.close()
 
     def _forward(self, batch: InputBatch) -> torch.Tensor:
-        """The model's hidden states for the step: replayed from a step graph (CPU or CUDA) where one serves it.
-        A step with LoRA adapters runs eagerly: a graph holds no adapter terms, whose rows change every step."""
+        """The model's hidden states for the step: replayed from a step graph (CPU or CUDA) where one serves it (on
+        CPU a step with LoRA adapters too, from a graph of its set of adapters)."""
         if self.layouts is not None and self.layouts.done:
             self._layouts_landed()
-        graphs = self.graphs if batch.lora is None else None
-        if graphs is not None and (hidden := graphs.forward(batch.input_ids, batch.positions, batch.attn)) is not None:
+        graphs = self.graphs
+        if graphs is not None and (hidden := graphs.forward(batch.input_ids, batch.positions, batch.attn,
+                                                            batch.lora)) is not None:
             return hidden
         return self.model(batch.input_ids, batch.positions, self.step_metadata(batch.attn), self.kv, batch.lora)
 

@@ -9,6 +9,7 @@ import torch
 
 from kvserve.attention.backend import AttentionBackend, AttentionInputs
 from kvserve.kv.storage import KVCacheStorage
+from kvserve.model.layers.lora import LoRAMapping
 from kvserve.model.layers.rotary import rope_table_positions
 from kvserve.worker.cpu_graph import CpuStepGraphs
 from kvserve.worker.cuda_graph import CudaStepGraphs
@@ -17,8 +18,10 @@ from kvserve.worker.cuda_graph import CudaStepGraphs
 class StepGraphs(Protocol):
     num_replays: int  # steps served by a graph
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs) -> torch.Tensor | None:
-        """The hidden states of a forward pass over these inputs, or None where the step must run eagerly."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionInputs,
+                lora: LoRAMapping | None = None) -> torch.Tensor | None:
+        """The hidden states of a forward pass over these inputs (and the step's LoRA adapters), or None where the
+        step must run eagerly."""
 
 
 def captures_cuda_graphs(model: torch.nn.Module, backend: AttentionBackend, device: torch.device,

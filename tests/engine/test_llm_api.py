@@ -71,7 +71,7 @@ def test_a_warm_up_does_the_first_steps_work_and_leaves_nothing_behind(tiny_chec
     warmed, fresh = (LLM(str(tiny_checkpoints["llama"]), dtype="float32", num_kv_blocks=64) for _ in range(2))
     warmed.engine.warm_up()
     stats = warmed.stats()
-    assert 1 in warmed.engine.core.runner.graphs.graphs  # a one-token decode step's
+    assert (1, ()) in warmed.engine.core.runner.graphs.graphs  # a one-token decode step's
     assert stats["num_blocks_used"] == stats["num_running"] == stats["num_waiting"] == 0
     assert stats["prefix_cache_queries"] == 1 and stats["prefix_cache_hits"] == 0
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

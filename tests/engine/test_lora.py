@@ -216,3 +216,21 @@ def test_lora_refuses_what_it_does_not_combine_with(tiny_checkpoints) -> None:
         LLM(base, max_loras=2)
     with pytest.raises(ValueError, match="enable_lora with speculative_method='draft'"):
         LLM(base, enable_lora=True, speculative_method="draft", draft_model=base)
+
+
+def test_cpu_step_graphs_replay_decodes_with_adapters(family) -> None:
+    """Decode steps with adapters replay CPU step graphs (one per size and set of adapters) and give the eager
+    tokens; a removed adapter's graphs go with it (they hold copies of its weights)."""
+    base, prompts, expected, adapters = family
+    llm = LLM(str(base), dtype="float32", num_kv_blocks=64, enable_lora=True, max_loras=2)
+    graphs = llm.engine.core.runner.graphs
+    names = ["first", None, "second", "first"]
+    assert _greedy(llm, prompts, [adapters[n] if n else None for n in names]) == \
+        [expected[n][i] for i, n in enumerate(names)]
+    assert _greedy(llm, prompts, adapters["first"]) == expected["first"]
+    assert {adapter_ids for _, adapter_ids in graphs.graphs} >= {(1, 2), (1,)} and graphs.num_replays > 0
+    llm.remove_lora(1)
+    assert all(1 not in adapter_ids for _, adapter_ids in graphs.graphs)
+    assert _greedy(llm, prompts, adapters["second"]) == expected["second"]
+    assert _greedy(llm, prompts, LoRARequest("first-again", 3, adapters["first"].lora_path)) == expected["first"]
+    assert_all_blocks_free(llm)

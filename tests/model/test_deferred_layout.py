@@ -114,10 +114,10 @@ def test_an_engine_serves_before_its_layouts_land_and_records_its_step_graphs_ag
     layouts, runner.layouts = runner.layouts, None
     prompts = [[5, 9, 30 + i, 31, 40, 7 + i] for i in range(6)]
     assert decode(deferred, prompts, 4).keys() == {f"r{i}" for i in range(6)}
-    recorded = runner.graphs.graphs[6]
+    recorded = runner.graphs.graphs[6, ()]
     assert layouts.wait(60) and layouts.error is None
     runner.layouts = layouts
     others = [[11 + i, 3, 50, 8 + i, 2] for i in range(6)]  # no prefix of the first ones: KV of the blocks' run
     assert decode(deferred, others, 8) == decode(plain, others, 8)
-    assert runner.layouts is None and runner.graphs.graphs[6] is not recorded  # recorded again, after them
+    assert runner.layouts is None and runner.graphs.graphs[6, ()] is not recorded  # recorded again, after them
     assert deferred.stats()["weights_bytes"] == plain.stats()["weights_bytes"]

@@ -21,6 +21,11 @@ Under tensor parallelism each rank installs its part of an adapter, cut once as 
 shard, each projection's of a packed layer; on a row-parallel one (o, down) the columns of A of its input shard and
 B whole, whose partial term the layer's all-reduce sums with the base output's. No step adds a collective.
 
+A CPU step graph (``worker/cpu_graph.py``) records a decode step with adapters on the masked path whatever their
+number, over its own static tensor of each token's group (``with_token_groups``): a replay loads the step's
+groups into it (``token_group_ids``), and recomputes the mask from it, the stacked weights fixed for the set of
+adapters the graph was recorded for.
+
 A fused kernel would go in ``LoRAMapping.add``: punica's SGMV / BGMV (S-LoRA, vLLM, SGLang) read each token's
 adapter index and stacked weights in one launch for every adapter of the step, with no gather, scatter or mask.
 """
@@ -82,6 +87,26 @@ class LoRAMapping:
             every_row = len(token_rows) == len(adapter_of_token)  # no gather and scatter for a step of one adapter
             groups.append(LoRAGroup(adapter_id, None if every_row else to_device(token_rows, torch.int64, device)))
         return cls(tuple(groups))
+
+    @property
+    def adapter_ids(self) -> tuple[int, ...]:
+        """The step's adapters, in group order."""
+        return tuple(group.adapter_id for group in self.groups)
+
+    def token_group_ids(self, num_tokens: int, device: torch.device) -> torch.Tensor:
+        """Each of the step's ``num_tokens`` tokens' group index, -1 for the base model's (int64 [T]): the masked
+        path's ``token_groups``, made from the groups' rows where the step took the grouped path."""
+        if self.token_groups is not None:
+            return self.token_groups
+        ids = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+        for index, group in enumerate(self.groups):
+            ids[slice(None) if group.rows is None else group.rows] = index
+        return ids
+
+    def with_token_groups(self, token_groups: torch.Tensor) -> LoRAMapping:
+        """The same adapters on the masked path, each token's group read from ``token_groups`` (a step graph's
+        static tensor, loaded with ``token_group_ids`` before each replay)."""
+        return LoRAMapping(tuple(LoRAGroup(adapter_id, None) for adapter_id in self.adapter_ids), token_groups)
 
     def add(self, layer: Linear, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the layer's output for ``x`` [T, in], [T, out]) with each group's LoRA term added in place."""
