@@ -67,10 +67,7 @@ class CompletionRequest(SamplingRequest):
     @property
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: one text or token-id list per entry."""
-        prompt = self.prompt
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+        return prompt_batch(self.prompt)
 
     @property
     def scores_prompt(self) -> bool:
@@ -119,3 +116,9 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
 
+
+def prompt_batch(prompt: Prompt) -> list[str | list[int]]:
+    """A request's batch of prompts (OpenAI's ``prompt`` or ``input``): one text or token-id list per entry."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]

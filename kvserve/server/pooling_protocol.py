@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import time
-from typing import Any, Literal, Sequence
+from typing import Any, Generic, Literal, Sequence, TypeVar
 
 import torch
 from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator, model_validator
@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator, m
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import InvalidParameter
 from kvserve.server.chat_protocol import ChatMessage
-from kvserve.server.completion_protocol import MAX_BATCH_SAMPLES, Prompt
+from kvserve.server.completion_protocol import MAX_BATCH_SAMPLES, Prompt, prompt_batch
 from kvserve.server.protocol import RequestBody, Text, Usage, check_request_id
 from kvserve.utf8 import check_utf8
 
@@ -103,12 +103,7 @@ class EncodingBody(PoolingBody):
     @property
     def prompts(self) -> list[str | list[int]]:
         """The batch of ``input``: one text or token-id list per entry (none for ``messages``)."""
-        prompt = self.input
-        if prompt is None:
-            return []
-        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+        return [] if self.input is None else prompt_batch(self.input)
 
     @property
     def template_options(self) -> dict[str, Any]:
@@ -258,13 +253,21 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str
 
 
-class EmbeddingResponse(BaseModel):
+DataT = TypeVar("DataT")
+
+
+class ListResponse(BaseModel, Generic[DataT]):
+    """vLLM's answer of a pooling endpoint: a list of one entry per prompt (or pair), and the usage."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingData]
+    data: list[DataT]
     usage: Usage
+
+
+EmbeddingResponse = ListResponse[EmbeddingData]
 
 
 class PoolingData(BaseModel):
@@ -273,13 +276,7 @@ class PoolingData(BaseModel):
     data: list[float] | list[list[float]] | str
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[PoolingData]
-    usage: Usage
+PoolingResponse = ListResponse[PoolingData]
 
 
 class ScoreData(BaseModel):
@@ -288,13 +285,7 @@ class ScoreData(BaseModel):
     score: float
 
 
-class ScoreResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ScoreData]
-    usage: Usage
+ScoreResponse = ListResponse[ScoreData]
 
 
 class RerankDocument(BaseModel):
