@@ -20,6 +20,7 @@ from kvserve.engine.beam_search import BeamBatch, BeamSearchOutput, step_params
 from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.input_processor import ChatMessages, ProcessedPrompt, PromptInput
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.scoring import check_score_pairs, pair_scores
 from kvserve.engine_args import EngineArgs
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import (
@@ -169,12 +170,15 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """How alike two texts are (vLLM's, for an embedding model): the cosine similarity of their embeddings, for
         each pair: one ``data_1`` against each of ``data_2``, or ``data_1[i]`` against ``data_2[i]``."""
-        firsts, seconds = score_pairs(_prompt_list(data_1), _prompt_list(data_2))
+        firsts, seconds = _prompt_list(data_1), _prompt_list(data_2)
+        check_score_pairs(len(firsts), len(seconds))
         embeddings = self.encode([*firsts, *seconds], pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
                                  use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")
-        pairs = zip(embeddings[: len(firsts)], embeddings[len(firsts):])
-        return [ScoringRequestOutput(first.request_id, ScoringOutput(cosine_similarity(first, second)),
-                                     first.prompt_token_ids + second.prompt_token_ids) for first, second in pairs]
+        left, right = embeddings[: len(firsts)], embeddings[len(firsts):]
+        scores = pair_scores([_pooled(out) for out in left], [_pooled(out) for out in right])
+        left = left * len(right) if len(left) == 1 else left
+        return [ScoringRequestOutput(first.request_id, ScoringOutput(score), first.prompt_token_ids
+                                     + second.prompt_token_ids) for first, second, score in zip(left, right, scores)]
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -334,24 +338,6 @@ def _params_per_prompt(params: T | Sequence[T], kind: type[T], num_prompts: int,
     if len(params) != num_prompts:
         raise ValueError(f"got {len(params)} {name} for {num_prompts} prompts")
     return list(params)
-
-
-def score_pairs(firsts: Sequence[PromptInput], seconds: Sequence[PromptInput]
-                ) -> tuple[list[PromptInput], list[PromptInput]]:
-    """The pairs ``LLM.score`` (and the server's /score) scores, as vLLM pairs them: one first text against each
-    second one, or the i-th against the i-th; ValueError for lists of other lengths."""
-    if not firsts or not seconds:
-        raise ValueError("score needs at least one text on each side")
-    if len(firsts) == 1:
-        return list(firsts) * len(seconds), list(seconds)
-    if len(firsts) != len(seconds):
-        raise ValueError(f"score pairs one text with many, or N texts with N: got {len(firsts)} and {len(seconds)}")
-    return list(firsts), list(seconds)
-
-
-def cosine_similarity(first: PoolingRequestOutput, second: PoolingRequestOutput) -> float:
-    """The cosine similarity of two embeddings (``LLM.score``'s score)."""
-    return float(torch.nn.functional.cosine_similarity(_pooled(first), _pooled(second), dim=0))
 
 
 def _pooled(output: PoolingRequestOutput) -> torch.Tensor:

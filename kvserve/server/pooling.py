@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from kvserve.engine.scoring import pair_scores
 from kvserve.pooling_params import PoolingParams
 from kvserve.server.chat import render_chat
 from kvserve.server.errors import RETRY_LATER, APIError, bad_request
@@ -171,12 +172,6 @@ def _texts(texts: list[str]) -> PromptsOf:
     return prompts
 
 
-def _pair_scores(first: list[torch.Tensor], second: list[torch.Tensor]) -> list[float]:
-    """The cosine similarity of each pair: ``first[i]`` with ``second[i]``, or a single ``first`` with each."""
-    left = torch.stack(first).expand(len(second), -1) if len(first) == 1 else torch.stack(first)
-    return torch.nn.functional.cosine_similarity(left, torch.stack(second), dim=-1).tolist()
-
-
 def _embeddings_answer(run: _Encoded, body: EmbeddingRequest) -> EmbeddingResponse:
     data = [EmbeddingData(index=i, embedding=encoded(vector, body.encoding_format))
             for i, vector in enumerate(run.vectors)]
@@ -190,13 +185,13 @@ def _pooling_answer(run: _Encoded, body: PoolingRequest) -> PoolingResponse:
 
 def _score_answer(run: _Encoded, body: ScoreRequest) -> ScoreResponse:
     num_first = len(body.pairs()[0])
-    scores = _pair_scores(run.vectors[:num_first], run.vectors[num_first:])
+    scores = pair_scores(run.vectors[:num_first], run.vectors[num_first:])
     data = [ScoreData(index=i, score=score) for i, score in enumerate(scores)]
     return ScoreResponse(id=run.answer_id, model=run.model_name, data=data, usage=run.usage)
 
 
 def _rerank_answer(run: _Encoded, body: RerankRequest) -> RerankResponse:
-    scores = _pair_scores(run.vectors[:1], run.vectors[1:])
+    scores = pair_scores(run.vectors[:1], run.vectors[1:])
     usage = RerankUsage(prompt_tokens=run.usage.prompt_tokens, total_tokens=run.usage.total_tokens)
     results = ranked(scores, body.documents, body.top_n, body.return_documents)
     return RerankResponse(id=run.answer_id, model=run.model_name, usage=usage, results=results)

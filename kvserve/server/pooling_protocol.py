@@ -15,6 +15,7 @@ from typing import Any, Generic, Literal, Sequence, TypeVar
 import torch
 from pydantic import BaseModel, Field, StrictBool, StrictInt, field_validator, model_validator
 
+from kvserve.engine.scoring import check_score_pairs
 from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import InvalidParameter
 from kvserve.server.chat_protocol import ChatMessage
@@ -179,11 +180,11 @@ class ScoreRequest(PoolingBody):
             raise InvalidParameter(given[0] if given else "text_1",
                                    f"give one pair of texts to score: {names} (got {', '.join(given) or 'none'})")
         first, second = self.pair_names
-        num_first, num_second = len(score_texts(first, getattr(self, first))), len(
-            score_texts(second, getattr(self, second)))
-        if num_first > 1 and num_first != num_second:
-            raise InvalidParameter(second, f"{first} and {second}: {num_first} and {num_second} texts; they pair 1 "
-                                   "to 1, 1 to N or N to N")
+        num_first, num_second = map(len, self.pairs())  # each side's own refusal names it
+        try:
+            check_score_pairs(num_first, num_second)
+        except ValueError as error:
+            raise InvalidParameter(second, f"{first} and {second}: {error}") from None
         return self
 
     @property

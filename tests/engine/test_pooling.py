@@ -145,7 +145,7 @@ def test_score_is_the_cosine_similarity_of_the_embeddings(tiny_checkpoints) -> N
         assert score.outputs.score == pytest.approx(torch.dot(embeddings[0], other).item(), abs=1e-5)
     pairwise = llm.score(texts[:2], texts[1:], use_tqdm=False)
     assert pairwise[0].outputs.score == pytest.approx(scores[0].outputs.score, abs=1e-6)
-    with pytest.raises(ValueError, match="N texts with N"):
+    with pytest.raises(ValueError, match="score pairs 1 to 1, 1 to N or N to N"):
         llm.score(texts[:2], texts, use_tqdm=False)
 
 
