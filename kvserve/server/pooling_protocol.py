@@ -96,9 +96,7 @@ class EncodingBody(PoolingBody):
             raise InvalidParameter(misplaced, f"{misplaced} applies to messages, not to input")
         if self.input == [] or any(p == [] or p == "" for p in self.prompts):
             raise InvalidParameter("input", "input must not be empty")
-        if len(self.prompts) > MAX_BATCH_SAMPLES:
-            raise InvalidParameter("input", f"input: a batch of {len(self.prompts):,} prompts; at most "
-                                   f"{MAX_BATCH_SAMPLES:,} a request")
+        check_batch_size("input", len(self.prompts))
         return self
 
     @property
@@ -140,6 +138,14 @@ class PoolingRequest(EncodingBody):
     @property
     def pooling_task(self) -> str:
         return self.task
+
+
+def check_batch_size(name: str, num_prompts: int) -> None:
+    """InvalidParameter naming ``name`` where a request would queue more than ``MAX_BATCH_SAMPLES`` prompts: a
+    batch is admitted under ``--max-waiting`` as one request."""
+    if num_prompts > MAX_BATCH_SAMPLES:
+        raise InvalidParameter(name, f"{name}: a batch of {num_prompts:,} prompts; at most {MAX_BATCH_SAMPLES:,} a "
+                                     "request")
 
 
 # vLLM's names of the two sides of a score request, newest first: any one pair is taken
@@ -185,6 +191,7 @@ class ScoreRequest(PoolingBody):
             check_score_pairs(num_first, num_second)
         except ValueError as error:
             raise InvalidParameter(second, f"{first} and {second}: {error}") from None
+        check_batch_size(second, num_first + num_second)
         return self
 
     @property
@@ -227,7 +234,9 @@ class RerankRequest(PoolingBody):
     def _texts(cls, documents: Any) -> list[str]:
         if isinstance(documents, str):
             raise InvalidParameter("documents", "documents must be a list of texts")
-        return score_texts("documents", documents)
+        texts = score_texts("documents", documents)
+        check_batch_size("documents", 1 + len(texts))  # the query is embedded beside them
+        return texts
 
     @field_validator("top_n")
     @classmethod

@@ -184,6 +184,11 @@ def test_an_answer_is_named_by_the_clients_request_id(srv: InProcessServer, enco
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
     ("/rerank", {"query": ["a"], "documents": ["b"]}, "query"),
     ("/v2/rerank", {"query": "a", "documents": ["b"], "max_tokens_per_doc": 9}, "max_tokens_per_doc"),
+    # a batch admitted as one request: as many prompts as an embedding's input may hold, no more
+    ("/v1/embeddings", {"input": ["a"] * 2049}, "input"),
+    ("/score", {"text_1": "a", "text_2": ["b"] * 2048}, "text_2"),
+    ("/score", {"queries": ["a"] * 1025, "documents": ["b"] * 1025}, "documents"),
+    ("/rerank", {"query": "a", "documents": ["b"] * 2048}, "documents"),
 ])
 def test_what_is_not_taken_is_a_400_naming_the_field(srv: InProcessServer, path: str, body: dict[str, Any],
                                                      param: str) -> None:
