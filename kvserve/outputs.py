@@ -128,7 +128,7 @@ class ScoringOutput:
 class ScoringRequestOutput:
     """``LLM.score``'s answer for one pair (vLLM's): the cosine similarity of the two texts' embeddings."""
 
-    request_id: str
+    request_id: str  # the pair's: its two embedding requests' ids joined by "_", as vLLM names it
     outputs: ScoringOutput
     prompt_token_ids: list[int]  # the two texts' tokens, one after the other
     finished: bool = True

@@ -177,8 +177,9 @@ class LLM:
         left, right = embeddings[: len(firsts)], embeddings[len(firsts):]
         scores = pair_scores([_pooled(out) for out in left], [_pooled(out) for out in right])
         left = left * len(right) if len(left) == 1 else left
-        return [ScoringRequestOutput(first.request_id, ScoringOutput(score), first.prompt_token_ids
-                                     + second.prompt_token_ids) for first, second, score in zip(left, right, scores)]
+        return [ScoringRequestOutput(f"{first.request_id}_{second.request_id}", ScoringOutput(score),
+                                     first.prompt_token_ids + second.prompt_token_ids)
+                for first, second, score in zip(left, right, scores)]
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -14,7 +14,7 @@ from kvserve import LLM, SamplingParams
 from kvserve.model.checkpoint import ARCHITECTURES
 from kvserve.pooling_params import PoolingParams, UnsupportedTask
 from kvserve.sampling_params import InvalidParameter
-from tests.conftest import assert_all_blocks_free, greedy_token_ids, hf_greedy
+from tests.conftest import assert_all_blocks_free, hf_greedy
 
 LENGTHS = [5, 40, 17, 1, 33]
 ATOL = 1e-4  # fp32: the engine's kernels sum in another order than transformers' ops
@@ -143,6 +143,9 @@ def test_score_is_the_cosine_similarity_of_the_embeddings(tiny_checkpoints) -> N
     scores = llm.score(texts[0], texts[1:], use_tqdm=False)
     for score, other in zip(scores, embeddings[1:]):
         assert score.outputs.score == pytest.approx(torch.dot(embeddings[0], other).item(), abs=1e-5)
+    # each pair named by its two requests, as vLLM names them: the one first text's id alone named every pair
+    assert len({score.request_id for score in scores}) == len(scores)
+    assert all(score.request_id.count("_") == 1 for score in scores)
     pairwise = llm.score(texts[:2], texts[1:], use_tqdm=False)
     assert pairwise[0].outputs.score == pytest.approx(scores[0].outputs.score, abs=1e-6)
     with pytest.raises(ValueError, match="score pairs 1 to 1, 1 to N or N to N"):
