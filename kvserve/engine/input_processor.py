@@ -64,12 +64,7 @@ class InputProcessor:
         constraint that does not compile included: compiled here, the runner finds it in the compiler's cache).
         A ``max_tokens`` past the room ``max_model_len`` leaves is refused, as vLLM's server answers a 400, or with
         ``cap_max_tokens`` lowered to that room, as vLLM's offline ``LLM`` does (the sample ends with "length")."""
-        # a text to be cut to its last tokens may be longer than any context (the body's limit bounds it)
-        text, token_ids = self._tokenize(prompt, check_fits=params.truncate_prompt_tokens is None)
-        self.check_token_ids(token_ids, "prompt_token_ids")
-        token_ids = [int(t) for t in token_ids]
-        if params.truncate_prompt_tokens is not None:
-            text, token_ids = self._truncated(text, token_ids, params.truncate_prompt_tokens)
+        text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens)
         salt = _cache_salt(prompt)
         grammar = None if params.structured_outputs is None else self.check_constraint(params.structured_outputs)
         fitted = self._fit_params(params, len(token_ids), cap_max_tokens)
@@ -158,17 +153,23 @@ class InputProcessor:
         if params.dimensions is not None:
             raise InvalidParameter("dimensions", "dimensions: this model does not support Matryoshka "
                                                  "representations (its embeddings have one size)")
-        text, token_ids = self._tokenize(prompt, check_fits=params.truncate_prompt_tokens is None)
-        self.check_token_ids(token_ids, "prompt_token_ids")
-        token_ids = [int(t) for t in token_ids]
-        if params.truncate_prompt_tokens is not None:
-            text, token_ids = self._truncated(text, token_ids, params.truncate_prompt_tokens)
+        text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens)
         if len(token_ids) > self.max_model_len:
             raise InvalidParameter("prompt", f"prompt ({len(token_ids)} tokens) is over max_model_len="
                                              f"{self.max_model_len} (truncate_prompt_tokens cuts it to its last ones)")
         if params.normalize is None:
             params = dataclasses.replace(params, normalize=normalize)
         return ProcessedPrompt(text, token_ids, POOLING_SAMPLING_PARAMS, cache_salt=_cache_salt(prompt), pooling=params)
+
+    def _prompt_tokens(self, prompt: PromptInput, truncate_prompt_tokens: int | None) -> tuple[str | None, list[int]]:
+        """The prompt's text and checked token ids, cut to its last ``truncate_prompt_tokens`` (None: whole)."""
+        # a text to be cut to its last tokens may be longer than any context (the body's limit bounds it)
+        text, token_ids = self._tokenize(prompt, check_fits=truncate_prompt_tokens is None)
+        self.check_token_ids(token_ids, "prompt_token_ids")
+        token_ids = [int(t) for t in token_ids]
+        if truncate_prompt_tokens is not None:
+            text, token_ids = self._truncated(text, token_ids, truncate_prompt_tokens)
+        return text, token_ids
 
     def _tokenize(self, prompt: PromptInput, check_fits: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
