@@ -154,6 +154,10 @@ class InputProcessor:
             raise InvalidParameter("dimensions", "dimensions: this model does not support Matryoshka "
                                                  "representations (its embeddings have one size)")
         text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens)
+        if len(token_ids) > self.max_model_len and params.truncate_prompt_tokens is not None:
+            raise InvalidParameter("truncate_prompt_tokens", f"truncate_prompt_tokens={params.truncate_prompt_tokens} "
+                                   f"keeps {len(token_ids)} tokens, over max_model_len={self.max_model_len} (-1 keeps "
+                                   "that many)")
         if len(token_ids) > self.max_model_len:
             raise InvalidParameter("prompt", f"prompt ({len(token_ids)} tokens) is over max_model_len="
                                              f"{self.max_model_len} (truncate_prompt_tokens cuts it to its last ones)")

@@ -158,6 +158,10 @@ def test_a_pooling_prompt_may_fill_max_model_len_and_truncation_keeps_its_end(ti
     assert len(llm.encode({"prompt_token_ids": prompt[:32]}, use_tqdm=False)[0].prompt_token_ids) == 32
     with pytest.raises(InvalidParameter, match="max_model_len=32"):
         llm.encode({"prompt_token_ids": prompt}, use_tqdm=False)
+    # a cut that still leaves too many tokens is the cut's fault, not the prompt's (whose refusal advises a cut)
+    with pytest.raises(InvalidParameter, match="truncate_prompt_tokens=35 keeps 35 tokens") as error:
+        llm.encode({"prompt_token_ids": prompt}, truncate_prompt_tokens=35, use_tqdm=False)
+    assert error.value.param == "truncate_prompt_tokens"
     cut = llm.encode({"prompt_token_ids": prompt}, truncate_prompt_tokens=10, use_tqdm=False)[0]
     tail = llm.encode({"prompt_token_ids": prompt[-10:]}, use_tqdm=False)[0]
     assert cut.prompt_token_ids == prompt[-10:]
