@@ -296,6 +296,12 @@ class LLM:
             self.engine.remove_lora(lora_id)
             return True
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Empty the prefix cache (vLLM's; ``LLMEngine.reset_prefix_cache``): between two generates no request
+        holds a block, so it empties and returns True. ``reset_connector``: the KV tiers too."""
+        with self._running:
+            return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params (vLLM's name): the model's
         generation_config.json sampling fields (``generation_config="auto"``), else SamplingParams' defaults."""

@@ -329,6 +329,29 @@ class LLMEngine:
             self.core.offload_pending()
             store.flush(timeout)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Empty the prefix cache (vLLM's): every cached block no request holds is let go of, at once. True where
+        the cache is then empty; False, logging why, where running requests still hold cached blocks: those stay
+        cached (their outputs are untouched) and become evictable as they finish, so a caller that needs the cache
+        empty calls again once they have (vLLM resets nothing in that case). ``reset_connector`` (vLLM's name for
+        its external KV cache) empties the KV tiers too: the host tier and this server's disk-tier files, but
+        blocks pinned for a load or a write under way (``TieredStore.clear``); else the tiers are left as they
+        are. ``reset_running_requests`` (vLLM's: preempt them to free their blocks) is refused."""
+        if reset_running_requests:
+            raise InvalidParameter("reset_running_requests", "reset_running_requests=True is not supported: the "
+                                   "blocks running requests hold are kept; reset again once they finish, or abort "
+                                   "them first")
+        kv = self.core.kv_manager
+        num_dropped = kv.reset_prefix_cache()
+        tiers = f", and {kv.clear_tiers()} blocks of the KV tiers" if reset_connector and kv.store else ""
+        if kv.num_cached_blocks:
+            logger.warning("prefix cache reset in part: %d cached blocks dropped%s; %d stay cached, held by the %d "
+                           "running requests (reset again once they finish)", num_dropped, tiers,
+                           kv.num_cached_blocks, self.core.scheduler.num_running)
+            return False
+        logger.info("prefix cache reset: %d cached blocks dropped%s", num_dropped, tiers)
+        return True
+
     def warm_up(self) -> None:
         """Run one request of one token through a prefill and a decode step (a pooling engine's: a prefill),
         leaving the pool empty (and no block cached at a block size over 2): what a first step does once (a step

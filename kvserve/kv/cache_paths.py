@@ -165,6 +165,26 @@ class CachePaths:
         self._drop_group_blocks(node)
         self.num_evictions += 1
 
+    def drop_unheld(self) -> None:
+        """Let go of every cached block no request holds (``KVCacheManager.reset_prefix_cache``): a node's block
+        leaves the tree with the group blocks beside it, a group block alone leaves its node; their content is
+        worthless now, offered to no tier, and not counted as evicted. The evictable queue lists children before
+        their parents, so each node is a leaf when its turn comes."""
+        assert self.prefix_cache is not None
+        for block_id in self.pool.evictable_order():
+            if not self.pool.is_cached(block_id):  # a group block already dropped with its node
+                continue
+            owner = self._group_owner.pop(block_id, None)
+            if owner is not None:
+                node, index = owner
+                node.group_block_ids[index] = NULL_BLOCK
+            else:
+                node = self.prefix_cache.node_of(block_id)
+                assert node is not None
+                self.prefix_cache.remove(block_id)
+                self._drop_group_blocks(node)
+            self.pool.drop_cached(block_id)
+
     def _cache_group_blocks(self, node: PrefixNode, request: Request, index: int) -> None:
         """Record the other groups' blocks of a new node (a request's own blocks: never another node's)."""
         node.group_block_ids = [table[index] for table in request.group_block_ids]

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Collection
 
 from kvserve.kv.block_file import TEMP_SUFFIX, BlockRecord, read_block_file, write_block_file
 from kvserve.kv.block_keys import KeyedBlock
@@ -234,6 +234,14 @@ class DiskTier:
         self._files.clear()
         self.num_bytes = 0
         return forgotten
+
+    def drop_index(self, keep: Collection[bytes]) -> list[bytes]:
+        """Take every indexed file but those in ``keep`` out of the index; returns their keys, for the caller to
+        delete."""
+        victims = [key for key in self._files if key not in keep]
+        for key in victims:
+            self.num_bytes -= self._files.pop(key)
+        return victims
 
     def write(self, block: KeyedBlock, payload: memoryview) -> int:
         path = self.path(block.key)

@@ -52,6 +52,15 @@ class HostTier:
         self.other_groups.discard(victim)
         return self._rows.pop(victim)
 
+    def drop_unpinned(self, keep: Collection[bytes] = ()) -> int:
+        """Free the rows of every unpinned block but those in ``keep``; returns how many were freed."""
+        victims = [key for key in self._rows if not self._pins[key] and key not in keep]
+        for key in victims:
+            self._free.append(self._rows.pop(key))
+            self.from_disk.discard(key)
+            self.other_groups.discard(key)
+        return len(victims)
+
     def num_unpinned_rows(self) -> int:
         """Rows free or holding a block that may be evicted: what reads can take."""
         return len(self._free) + sum(1 for key in self._rows if not self._pins[key])

@@ -157,6 +157,28 @@ class KVCacheManager:
                                        lambda g, index: nodes[index].group_block_ids[g - 1] != NULL_BLOCK)
         return match if k == len(nodes) else PrefixMatch(nodes[:k], self.block_size)
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache of every block no request holds (vLLM's ``reset_prefix_cache``); returns how many
+        blocks it let go of. Blocks running requests hold stay cached (``num_cached_blocks`` counts them): their
+        paths run through them, and they are evictable once released. The KV tiers are left as they are
+        (``TieredStore.clear`` empties them)."""
+        if self.prefix_cache is None:
+            return 0
+        num_cached = self.num_cached_blocks
+        self.paths.drop_unheld()
+        self._matches.clear()  # waiting requests match again from the root
+        return num_cached - self.num_cached_blocks
+
+    def clear_tiers(self) -> int:
+        """Empty the KV tiers of what nothing waits for (``TieredStore.clear``), and drop the offloads planned
+        since the last step, which would fill them again; returns how many tier blocks were dropped (0 without
+        tiers)."""
+        if self.store is None:
+            return 0
+        assert self.tier_plan is not None
+        self.tier_plan.drop_offloads()
+        return self.store.clear()
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        start: PrefixMatch | SwappedKV | None = None) -> bool:
         """Grow the request's block tables so that its computed tokens plus ``num_new_tokens`` fit; ``start``,

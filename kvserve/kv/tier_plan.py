@@ -59,6 +59,11 @@ class TierPlan:
         self._offloads.clear()
         self._loads.clear()
 
+    def drop_offloads(self) -> None:
+        """Forget the offloads planned since the last ``take`` (the tiers were just emptied: these would fill them
+        again with what was cached before)."""
+        self._offloads.clear()
+
     def take(self) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
         """The offloads ((block_id, host row) copied out) and loads ((host row, block_id) copied in) planned since
         the last call, their rows picked now. The offloads' rows first: a load's block stays pinned until then, so

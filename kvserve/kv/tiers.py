@@ -398,6 +398,20 @@ class TieredStore:
 
     # -------------------------------------------------------------------------------------------- the rest
 
+    def clear(self) -> int:
+        """Drop every block the tiers hold that nothing waits for (``reset_prefix_cache(reset_connector=True)``):
+        the host tier's blocks but those pinned (a load planned, a write under way) or staged for a waiting
+        request, and every file of this store's index of the disk tier but those being written or read (removed
+        by the writer thread: no I/O here). Another server's files written since this one last listed the
+        directory are not in the index, and stay. Returns how many blocks were dropped."""
+        with self._lock:
+            num_host = self.host.drop_unpinned(keep=self._staged)
+            files = self.disk.drop_index(keep=self._writing | self._reading) if self.disk is not None else []
+        if files:
+            assert self._writer is not None and self.disk is not None
+            self._writer.submit(_remove_files, self.disk, files)
+        return num_host + len(files)
+
     def flush(self, timeout: float | None = None) -> None:
         """Block until every disk write queued by ``publish_offloads`` and every read is done (shutdown, tests)."""
         with self._io_done:
@@ -445,6 +459,11 @@ class TieredStore:
 
 def _gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _remove_files(disk: DiskTier, keys: list[bytes]) -> None:
+    for key in keys:
+        disk.remove(key)
 
 
 def _stop_threads(*threads: IOThread | None) -> None:
