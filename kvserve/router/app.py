@@ -40,7 +40,7 @@ from kvserve import __version__
 from kvserve.router.health import GET_TIMEOUT_S, HealthChecker
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import Replica, RoutingPolicy
-from kvserve.router.prefix_index import prefix_keys
+from kvserve.router.prefix_index import PrefixIndex, prefix_keys
 from kvserve.router.prompts import EMBEDDING_PATHS, SCORE_PATHS, request_payload, request_text
 from kvserve.router.runtime_adapters import RuntimeAdapters
 from kvserve.router.upstream import ConnectFailed, Origin, Upstream, UpstreamLost, UpstreamResponse, UpstreamTimeout
@@ -73,6 +73,9 @@ MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answ
 # runtime LoRA updates: sent to every replica, so that each serves the same adapters (``Router.update_adapters``)
 LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
 ADAPTER_PATHS = frozenset({LOAD_ADAPTER_PATH, "/v1/unload_lora_adapter"})
+# a replica's development endpoint that empties its prefix cache: sent to every replica (``Router.reset_prefix_caches``)
+RESET_PREFIX_CACHE_PATH = "/reset_prefix_cache"
+POSTED_PATHS = PROXIED_PATHS | ADAPTER_PATHS | {RESET_PREFIX_CACHE_PATH}
 # The client's headers a replica gets: its key and formats, and what names the request to proxies and tracing in
 # between (kvserve's replicas do not read those yet); the rest are the client's business, or hop-by-hop
 FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "x-request-id", "traceparent",
@@ -248,10 +251,7 @@ class Router:
         elif path != LOAD_ADAPTER_PATH and done:  # unloaded somewhere: no longer served by every replica
             self.adapters.forget(body)
         if not failures:
-            status, response_headers, content = answers[0]
-            response = Response(content, status)
-            response.raw_headers += relayed_headers(response_headers)
-            return response
+            return _relayed(*answers[0])
         outcome = ""
         if done and path == LOAD_ADAPTER_PATH:
             unload = json.dumps({"lora_name": request_payload(body).get("lora_name")}).encode()
@@ -262,6 +262,29 @@ class Router:
         replica, (status, _, content) = failures[0]
         message, param = _error_of(content)
         return error_response(status, f"replica {replica.url}: {message}{outcome}", param, path=path)
+
+    async def reset_prefix_caches(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """POST /reset_prefix_cache sent to every replica at once, its query string with it: the first replica's
+        answer where every one emptied its cache, else the first other answer's status and message, naming the
+        replica. The router's guess of a replica's cache (its ``PrefixIndex``) is emptied where the replica let go
+        of what no request held (200, or 409: the blocks running requests hold stay, and are forgotten here
+        too)."""
+        path, query = scope["path"], scope["query_string"].decode("latin-1")
+        replicas, headers = list(self.replicas), forwarded_headers(scope["headers"])
+        target = f"{path}?{query}" if query else path
+        answers = await asyncio.gather(*(self._post(replica, target, b"", headers) for replica in replicas))
+        for replica, (status, _, _) in zip(replicas, answers):
+            if status in (HTTPStatus.OK, HTTPStatus.CONFLICT):
+                replica.index = PrefixIndex(replica.index.max_keys)
+        failed = next(((replica, answer) for replica, answer in zip(replicas, answers) if answer[0] != HTTPStatus.OK),
+                      None)
+        if failed is None:
+            response = _relayed(*answers[0])
+        else:
+            replica, (status, _, content) = failed
+            message, param = _error_of(content)
+            response = error_response(status, f"replica {replica.url}: {message}", param, path=path)
+        await response(scope, receive, send)
 
     async def replay_adapters(self, replica: Replica) -> bool:
         """Whether ``replica``, found up after it was down, serves every adapter loaded through the router: those
@@ -388,6 +411,13 @@ def _error_of(content: bytes) -> tuple[str, str | None]:
     return content.decode("utf-8", "replace")[:500], None
 
 
+def _relayed(status: int, headers: list[tuple[str, str]], content: bytes) -> Response:
+    """A replica's whole answer as the router's."""
+    response = Response(content, status)
+    response.raw_headers += relayed_headers(headers)
+    return response
+
+
 def _turned_down(upstream: UpstreamResponse | Response | None) -> bool:
     """Whether a replica turned the request down before running it: it refused the connection (None) or
     answered an error status (a 4xx for bad input, a 503 loading or overloaded)."""
@@ -439,6 +469,8 @@ class RouterApp:
             return await self.router.proxy(scope, receive, send)
         if path in ADAPTER_PATHS and method == "POST":
             return await self.router.update_adapters(scope, receive, send)
+        if path == RESET_PREFIX_CACHE_PATH and method == "POST":
+            return await self.router.reset_prefix_caches(scope, receive, send)
         await (await self.answer(scope))(scope, receive, send)
 
     async def answer(self, scope: Scope) -> Response:
@@ -446,14 +478,14 @@ class RouterApp:
         405, 404 and redirect."""
         path, method = scope["path"], scope["method"]
         route = self.model if path.startswith(MODEL_PATH) else self.get_routes.get(path)
-        posted = path in PROXIED_PATHS or path in ADAPTER_PATHS
+        posted = path in POSTED_PATHS
         if posted or (route is not None and method not in ("GET", "HEAD")):
             allowed = "POST" if posted else "GET, HEAD"
             return error_response(405, wrong_method(method, path, allowed), headers={"Allow": allowed}, path=path)
         if route is not None:
             return await route(scope)
         stripped = path.rstrip("/")
-        if path.endswith("/") and (stripped in PROXIED_PATHS | ADAPTER_PATHS or stripped in self.get_routes):
+        if path.endswith("/") and (stripped in POSTED_PATHS or stripped in self.get_routes):
             return RedirectResponse(URL(scope=scope).replace(path=stripped))  # 307, as Starlette's redirect_slashes
         return error_response(404, no_route(method, path))
 

@@ -24,6 +24,7 @@ from kvserve.server.chat import ChatServer, render_chat
 from kvserve.server.chat_protocol import ChatCompletionRequest
 from kvserve.server.completion_protocol import CompletionRequest
 from kvserve.server.completions import CompletionServer
+from kvserve.server.dev_endpoints import add_dev_routes
 from kvserve.server.errors import (
     PROTECTED_PREFIXES,
     APIError,
@@ -82,6 +83,7 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     add_pooling_routes(app, state)
     _add_token_routes(app, state)
     _add_lora_routes(app, state)
+    add_dev_routes(app, state)
     app.add_middleware(RequestGuard, state=state)
     # added last, so outermost: a preflight is answered before the guard
     app.add_middleware(CORSMiddleware, **state.settings.cors.middleware_options())

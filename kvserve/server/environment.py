@@ -2,8 +2,8 @@
 
 The API keys (any one of them is accepted, as vLLM's ``--api-key K1 K2`` does) come from ``--api-key``, else
 ``$KVSERVE_API_KEY`` (keys a line each), else vLLM's ``$VLLM_API_KEY``, so that such a deployment does not start
-open. ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (1 or true) turns on what ``--allow-runtime-lora-updating`` does; every
-other ``VLLM_*`` variable is read by nothing here, and a server says so as it starts, with what to use instead where
+open. ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (1 or true) turns on what ``--allow-runtime-lora-updating`` does, and
+``$VLLM_SERVER_DEV_MODE`` vLLM's development endpoints (``dev_endpoints``); every other ``VLLM_*`` variable is read by nothing here, and a server says so as it starts, with what to use instead where
 kvserve has it. Standard library only: the router reads it too.
 """
 
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "KVSERVE_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+VLLM_SERVER_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 # vLLM's variables with a kvserve counterpart -> that counterpart
 VLLM_COUNTERPARTS = {
     "VLLM_CPU_KVCACHE_SPACE": "--kv-cache-memory GiB",
@@ -58,12 +59,22 @@ def api_keys_variable(keys: Sequence[str]) -> dict[str, str]:
 def allows_runtime_lora_updating(flag: bool) -> bool:
     """Whether a server loads and unloads LoRA adapters at runtime: ``--allow-runtime-lora-updating``, else vLLM's
     ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` read as vLLM reads it (1 or true, in any case)."""
-    return flag or os.environ.get(VLLM_RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+    return flag or _is_set(VLLM_RUNTIME_LORA_ENV)
+
+
+def server_dev_mode() -> bool:
+    """Whether a server serves vLLM's development endpoints (POST /reset_prefix_cache, ...): vLLM's
+    ``$VLLM_SERVER_DEV_MODE``, read as vLLM reads it (1 or true, in any case)."""
+    return _is_set(VLLM_SERVER_DEV_MODE_ENV)
+
+
+def _is_set(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true")
 
 
 def warn_of_vllm_environment() -> None:
     """A warning for each ``VLLM_*`` variable set that kvserve does not read, naming its counterpart."""
-    read = (VLLM_API_KEY_ENV, VLLM_RUNTIME_LORA_ENV)
+    read = (VLLM_API_KEY_ENV, VLLM_RUNTIME_LORA_ENV, VLLM_SERVER_DEV_MODE_ENV)
     for name in sorted(n for n in os.environ if n.startswith("VLLM_") and n not in read):
         counterpart = VLLM_COUNTERPARTS.get(name)
         instead = f"; use {counterpart}" if counterpart else ""

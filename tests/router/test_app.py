@@ -72,6 +72,7 @@ class FakeReplicas:
         # awaited (with the replica's url and the route) before a LoRA load or unload is taken: a slow replica
         self.adapter_hold: Callable[[str, str], Awaitable[None]] | None = None
         self.adapters: dict[str, list[str]] = {}  # each replica's loaded adapters, forgotten as it restarts
+        self.reset_statuses: dict[str, int] = {}  # replicas that answer /reset_prefix_cache with this status
         self.streaming: set[int] = set()
         self.servers: dict[int, tuple[uvicorn.Server, asyncio.Task]] = {}
 
@@ -133,6 +134,15 @@ class FakeReplicas:
             elif payload["lora_name"] in self.adapters[url]:
                 self.adapters[url].remove(payload["lora_name"])
             return PlainTextResponse("Success: LoRA adapter 'a' added successfully.")
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(request: Request) -> Response:
+            self.seen.append((url, {"path": request.url.path, "query": str(request.query_params)}))
+            status = self.reset_statuses.get(url, 200)
+            if status != 200:
+                return JSONResponse({"error": {"message": "running requests still hold cached blocks"}},
+                                    status_code=status)
+            return Response(status_code=200)
 
         @app.post("/v1/completions")
         @app.post("/v1/chat/completions")
@@ -1227,3 +1237,30 @@ def test_a_replica_marked_down_that_kept_its_adapters_is_not_sent_them_again() -
             return fakes.seen, router.replicas[1].healthy
 
     assert run(scenario()) == ([], True)
+
+
+def test_a_prefix_cache_reset_reaches_every_replica_and_empties_the_routers_guess_of_their_caches() -> None:
+    fakes = FakeReplicas(2)
+
+    async def scenario() -> tuple[Router, httpx.Response, httpx.Response]:
+        async with fakes:
+            router, client = router_client(fakes)
+            await client.post("/v1/completions", json={"prompt": LONG})
+            assert sum(len(replica.index) for replica in router.replicas) > 0
+            reset = await client.post("/reset_prefix_cache?reset_external=true")
+            return router, reset, await client.get("/reset_prefix_cache")
+
+    router, reset, got = run(scenario())
+    assert reset.status_code == 200 and got.status_code == 405
+    resets = [seen for seen in fakes.seen if seen[1].get("path") == "/reset_prefix_cache"]
+    assert sorted(resets) == [(url, {"path": "/reset_prefix_cache", "query": "reset_external=true"})
+                              for url in sorted(fakes.urls)]
+    assert [len(replica.index) for replica in router.replicas] == [0, 0]
+
+
+def test_a_reset_one_replica_could_not_finish_is_its_answer_naming_it() -> None:
+    fakes = FakeReplicas(2)
+    fakes.reset_statuses[fakes.urls[1]] = 409
+    reply = answer_of(fakes, lambda client: client.post("/reset_prefix_cache"))
+    assert reply.status_code == 409
+    assert reply.json()["error"]["message"] == f"replica {fakes.urls[1]}: running requests still hold cached blocks"

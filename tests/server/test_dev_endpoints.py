@@ -1,0 +1,94 @@
+"""vLLM's development endpoints over HTTP (``$VLLM_SERVER_DEV_MODE=1``): POST /reset_prefix_cache empties the
+prefix cache (its gauge true after it), answers 409 while a running request holds cached blocks, refuses a bad or
+unknown query parameter by name; without the variable a 404 saying how to turn it on."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvserve.engine_args import EngineArgs
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.app import build_app
+from kvserve.server.launch import load_engine
+from kvserve.server.state import ServerSettings, ServerState
+from tests.server.conftest import scrape
+
+MODEL = "tiny-llama"
+PROMPT = list(range(3, 40))
+OPTIONS = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 256, "block_size": 4,
+           "enable_prefix_caching": True}
+
+
+@pytest.fixture(scope="module")
+def state(tiny_checkpoints) -> Iterator[ServerState]:
+    path: Path = tiny_checkpoints["llama"]
+    state = ServerState(ServerSettings((MODEL,), str(path)))
+    load_engine(state, EngineArgs(model=str(path), **OPTIONS).create_engine_config(), "http://127.0.0.1:0")
+    assert state.load_error is None, state.load_error
+    yield state
+    state.engine.shutdown()
+
+
+@pytest.fixture
+def dev_client(state: ServerState, monkeypatch: pytest.MonkeyPatch) -> TestClient:
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    return TestClient(build_app(state))
+
+
+def _cached_blocks(client: TestClient) -> float:
+    return scrape(client.get("/metrics").text, "kvserve:prefix_cache_blocks")
+
+
+def _complete(client: TestClient) -> None:
+    answer = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+    assert answer.status_code == 200, answer.text
+
+
+def test_without_dev_mode_the_route_is_a_404_saying_how_to_turn_it_on(state, monkeypatch) -> None:
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    answer = TestClient(build_app(state)).post("/reset_prefix_cache")
+    assert answer.status_code == 404
+    assert "VLLM_SERVER_DEV_MODE=1" in answer.json()["error"]["message"]
+
+
+def test_a_reset_empties_the_prefix_cache_and_its_gauge(dev_client: TestClient) -> None:
+    _complete(dev_client)
+    assert _cached_blocks(dev_client) > 0
+    answer = dev_client.post("/reset_prefix_cache")
+    assert answer.status_code == 200, answer.text
+    assert _cached_blocks(dev_client) == 0
+    assert dev_client.post("/reset_prefix_cache?reset_external=true").status_code == 200  # no tiers: nothing more
+
+
+def test_a_reset_while_a_request_holds_cached_blocks_is_a_409(dev_client: TestClient, state: ServerState) -> None:
+    def start_running(engine) -> None:  # on the engine thread: added and stepped, its prompt's blocks cached
+        engine.add_request("held", {"prompt_token_ids": PROMPT},
+                           SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        engine.step()
+
+    asyncio.run(state.engine.call(start_running))
+    try:
+        answer = dev_client.post("/reset_prefix_cache")
+        assert answer.status_code == 409, answer.text
+        assert "running requests still hold cached blocks" in answer.json()["error"]["message"]
+    finally:
+        asyncio.run(state.engine.call(lambda engine: engine.abort_request(["held"])))
+    assert dev_client.post("/reset_prefix_cache").status_code == 200
+
+
+@pytest.mark.parametrize("query, param", [("reset_running_requests=true", "reset_running_requests"),
+                                          ("reset_external=maybe", "reset_external"),
+                                          ("reset_everything=true", "reset_everything")])
+def test_a_bad_or_unknown_query_parameter_is_a_400_naming_it(dev_client: TestClient, query: str, param: str) -> None:
+    answer = dev_client.post(f"/reset_prefix_cache?{query}")
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+
+
+def test_the_reset_takes_post_only(dev_client: TestClient) -> None:
+    assert dev_client.get("/reset_prefix_cache").status_code == 405
