@@ -64,11 +64,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# the requests that leave KV behind: generations, and the pooling endpoints' prompts (embedded in the same KV pool)
+# the requests that leave KV behind: generations, and the pooling endpoints' prompts (embedded in the same KV pool);
+# SageMaker's /invocations, one of those bodies, keyed as they are
 CACHING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                           *EMBEDDING_PATHS, *SCORE_PATHS})
+                           *EMBEDDING_PATHS, *SCORE_PATHS, "/invocations"})
 # any replica answers /tokenize and /detokenize alike (one model): sent as a generation is, its prefix and all
 PROXIED_PATHS = CACHING_PATHS | {"/tokenize", "/detokenize", "/v1/messages/count_tokens"}
+PING_PATH = "/ping"  # SageMaker's health check, GET or POST: the router's /health
 MODEL_PATH = "/v1/models/"  # + a model's name: its card, which any replica answers
 # runtime LoRA updates: sent to every replica, so that each serves the same adapters (``Router.update_adapters``)
 LOAD_ADAPTER_PATH = "/v1/load_lora_adapter"
@@ -451,7 +453,8 @@ class RouterApp:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.get_routes: dict[str, Callable[[Scope], Awaitable[Response]]] = {
-            "/health": self.health, "/metrics": self.metrics, "/version": self.version, "/v1/models": self.models}
+            "/health": self.health, PING_PATH: self.health, "/metrics": self.metrics, "/version": self.version,
+            "/v1/models": self.models}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -471,6 +474,8 @@ class RouterApp:
             return await self.router.update_adapters(scope, receive, send)
         if path == RESET_PREFIX_CACHE_PATH and method == "POST":
             return await self.router.reset_prefix_caches(scope, receive, send)
+        if path == PING_PATH and method == "POST":
+            return await (await self.health(scope))(scope, receive, send)
         await (await self.answer(scope))(scope, receive, send)
 
     async def answer(self, scope: Scope) -> Response:

@@ -52,6 +52,7 @@ from kvserve.server.request_body import read_body
 from kvserve.server.request_ids import client_request_id, echoing_request_id
 from kvserve.server.responses import ResponsesServer
 from kvserve.server.responses_protocol import ResponsesRequest
+from kvserve.server.sagemaker import add_invocations_route, dispatched
 from kvserve.server.state import ServerState
 from kvserve.server.streaming import ending_on_failure, until_disconnected
 
@@ -84,6 +85,7 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     _add_token_routes(app, state)
     _add_lora_routes(app, state)
     add_dev_routes(app, state)
+    add_invocations_route(app)
     app.add_middleware(RequestGuard, state=state)
     # added last, so outermost: a preflight is answered before the guard
     app.add_middleware(CORSMiddleware, **state.settings.cors.middleware_options())
@@ -91,9 +93,11 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
 
 
 def _add_health_routes(app: FastAPI, state: ServerState) -> None:
-    """GET /health (200 once the model serves, else 503 saying why), GET /metrics and GET /version."""
+    """GET /health (200 once the model serves, else 503 saying why; SageMaker's GET and POST /ping alike, as
+    vLLM's), GET /metrics and GET /version."""
 
     @app.api_route("/health", methods=READ_METHODS)
+    @app.api_route("/ping", methods=[*READ_METHODS, "POST"])
     async def health() -> Response:
         if state.is_ready:
             return Response(status_code=HTTPStatus.OK)
@@ -252,7 +256,8 @@ async def _token_ids(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
 class RequestGuard:
     """ASGI middleware: the body read in full before the app sees it (``read_body``: 413 over ``max_body_bytes``,
     408 too slow, 400 / 415 framed or coded as kvserve cannot read; 400 not UTF-8), 401 for a missing or wrong
-    bearer token on the protected routes when an API key is set. Every answer to a request
+    bearer token on the protected routes when an API key is set; a SageMaker POST /invocations re-pointed at the
+    endpoint its body is a request of (``sagemaker.dispatched``). Every answer to a request
     that sent an ``X-Request-Id`` carries it back, errors included (a router or a client's logs match the two)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
@@ -276,7 +281,7 @@ class RequestGuard:
         if not_utf8 is not None:
             await not_utf8(scope, receive, send)
             return
-        await self._answer_or_fail(scope, _replay(body, receive), send)
+        await self._answer_or_fail(dispatched(scope, body), _replay(body, receive), send)
 
     async def _answer_or_fail(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The app's answer; an exception that no handler answered is a 500 here, inside the guard, so that it

@@ -107,10 +107,11 @@ def bad_request(error: ValueError, param: str | None = None) -> APIError:
 # what a 404 lists: the OpenAI routes and vLLM's kvserve answers
 SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
                  "/v1/messages/count_tokens", "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank",
-                 "/v1/rerank", "/v2/rerank", "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics",
-                 "/version")
-# the paths ``--api-key`` guards, on a server and on the router alike (/health and /metrics stay open)
-PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank")
+                 "/v1/rerank", "/v2/rerank", "/v1/models", "/tokenize", "/detokenize", "/invocations", "/health",
+                 "/ping", "/metrics", "/version")
+# the paths ``--api-key`` guards, on a server and on the router alike (/health and /metrics stay open; SageMaker's
+# /invocations generates, so it is guarded too, where vLLM leaves it open)
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank", "/invocations")
 
 
 def unauthorized(headers: Iterable[tuple[bytes, bytes]], keys: Sequence[str]) -> APIError | None:

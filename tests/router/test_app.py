@@ -157,6 +157,7 @@ class FakeReplicas:
         @app.post("/rerank")
         @app.post("/v1/rerank")
         @app.post("/v2/rerank")
+        @app.post("/invocations")
         async def completions(request: Request) -> Response:
             payload = json.loads(await request.body())
             self.seen.append((url, payload))
@@ -1264,3 +1265,20 @@ def test_a_reset_one_replica_could_not_finish_is_its_answer_naming_it() -> None:
     reply = answer_of(fakes, lambda client: client.post("/reset_prefix_cache"))
     assert reply.status_code == 409
     assert reply.json()["error"]["message"] == f"replica {fakes.urls[1]}: running requests still hold cached blocks"
+
+
+def test_sagemakers_ping_and_invocations_go_as_health_and_a_generation_do() -> None:
+    fakes = FakeReplicas(2)
+
+    async def scenario() -> tuple[Router, list[httpx.Response]]:
+        async with fakes:
+            router, client = router_client(fakes)
+            pings = [await client.request(method, "/ping") for method in ("GET", "POST")]
+            invoked = [await client.post("/invocations", json={"messages": [{"role": "user", "content": LONG}]})
+                       for _ in range(2)]
+            return router, pings + invoked
+
+    router, (got, posted, first, second) = run(scenario())
+    assert got.status_code == posted.status_code == 200 and posted.json()["replicas_up"] == fakes.urls
+    assert first.json()["replica"] == second.json()["replica"]  # one prefix, one replica
+    assert sum(len(replica.index) for replica in router.replicas) > 0

@@ -24,12 +24,17 @@ OPTIONS = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 256, "block
            "enable_prefix_caching": True}
 
 
-@pytest.fixture(scope="module")
-def state(tiny_checkpoints) -> Iterator[ServerState]:
-    path: Path = tiny_checkpoints["llama"]
+def serving(path: Path) -> ServerState:
+    """A server's state with the tiny checkpoint's engine loaded and running (shut it down after)."""
     state = ServerState(ServerSettings((MODEL,), str(path)))
     load_engine(state, EngineArgs(model=str(path), **OPTIONS).create_engine_config(), "http://127.0.0.1:0")
     assert state.load_error is None, state.load_error
+    return state
+
+
+@pytest.fixture(scope="module")
+def state(tiny_checkpoints) -> Iterator[ServerState]:
+    state = serving(tiny_checkpoints["llama"])
     yield state
     state.engine.shutdown()
 
