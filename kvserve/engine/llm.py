@@ -21,6 +21,7 @@ from kvserve.engine.gc_freeze import heap_frozen
 from kvserve.engine.input_processor import ChatMessages, ProcessedPrompt, PromptInput
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.engine.scoring import check_score_pairs, pair_scores
+from kvserve.engine.profiler import TRACE_DIR_ENV, trace_dir_from_environment
 from kvserve.engine_args import EngineArgs
 from kvserve.lora_request import LoRARequest
 from kvserve.outputs import (
@@ -301,6 +302,23 @@ class LLM:
         holds a block, so it empties and returns True. ``reset_connector``: the KV tiers too."""
         with self._running:
             return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
+
+    def start_profile(self, trace_dir: str | None = None) -> None:
+        """Record ``torch.profiler`` traces of the engine's steps from now on (vLLM's), into ``trace_dir``, else
+        vLLM's ``$VLLM_TORCH_PROFILER_DIR``; RuntimeError where neither names one, or a profile is recording
+        already. ``stop_profile`` writes the trace."""
+        trace_dir = trace_dir or trace_dir_from_environment()
+        if trace_dir is None:
+            raise RuntimeError(f"start_profile needs a directory for the trace: pass trace_dir, or set "
+                               f"${TRACE_DIR_ENV}")
+        with self._running:
+            self.engine.start_profile(trace_dir)
+
+    def stop_profile(self) -> str:
+        """Stop recording and write the trace of the steps since ``start_profile``; returns its path (a gzipped
+        Chrome trace). RuntimeError naming ``start_profile`` where none is recording."""
+        with self._running:
+            return self.engine.stop_profile()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params (vLLM's name): the model's

@@ -28,6 +28,7 @@ from kvserve.engine.kv_budget import check_fits_host_memory, num_kv_blocks_for
 from kvserve.engine.input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from kvserve.engine.lora_adapters import LoRAAdapters
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.profiler import StepProfiler
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quant import kv_cache_dtype
@@ -96,6 +97,7 @@ class LLMEngine:
         self.overlap_scheduling = self.overlap_outputs and config.scheduler.overlap_scheduling
         self._held: list[EngineOutput] = []  # the last step's outputs, not yet processed (overlap_outputs)
         self._next: PendingStep | None = None  # a step launched ahead of its turn (overlap_scheduling)
+        self.profiler = StepProfiler()
         self._log_start(runner)
 
     def _runner_options(self) -> RunnerOptions:
@@ -171,7 +173,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any, and the KV tiers' I/O threads (the engine cannot step
-        afterwards); idempotent."""
+        afterwards), and write the trace of a profile still recording; idempotent."""
+        if self.profiler.is_profiling:
+            self.profiler.stop()
         self.core.runner.close()
         if (store := self.core.kv_manager.store) is not None:
             store.close()
@@ -352,6 +356,16 @@ class LLMEngine:
         logger.info("prefix cache reset: %d cached blocks dropped%s", num_dropped, tiers)
         return True
 
+    def start_profile(self, trace_dir: str) -> None:
+        """Record ``torch.profiler`` traces of the steps from now on, into ``trace_dir`` (vLLM's; ``StepProfiler``);
+        call it on the thread that steps the engine. RuntimeError if a profile is recording already."""
+        self.profiler.start(trace_dir)
+
+    def stop_profile(self) -> str:
+        """Stop recording and write the trace (one a start / stop pair); returns its path. RuntimeError naming
+        ``start_profile`` where no profile is recording."""
+        return self.profiler.stop()
+
     def warm_up(self) -> None:
         """Run one request of one token through a prefill and a decode step (a pooling engine's: a prefill),
         leaving the pool empty (and no block cached at a block size over 2): what a first step does once (a step
@@ -459,7 +473,8 @@ class LLMEngine:
         is then as it was before those requests came, and takes new ones; but under tensor parallelism the
         workers stop at a failed step (``WorkerGroup.stepping``), and every later step raises."""
         try:
-            return self._step(final_only)
+            with self.profiler.step_range():
+                return self._step(final_only)
         except BaseException:
             self._next, self._held = None, []
             self.core.abandon_steps()

@@ -47,6 +47,7 @@ from kvserve.server.model_protocol import (
     UnloadLoRAAdapterRequest,
 )
 from kvserve.server.pooling import add_pooling_routes
+from kvserve.server.profile_endpoints import add_profile_routes
 from kvserve.server.protocol import SamplingRequest
 from kvserve.server.request_body import read_body
 from kvserve.server.request_ids import client_request_id, echoing_request_id
@@ -85,6 +86,7 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     _add_token_routes(app, state)
     _add_lora_routes(app, state)
     add_dev_routes(app, state)
+    add_profile_routes(app, state)
     add_invocations_route(app)
     app.add_middleware(RequestGuard, state=state)
     # added last, so outermost: a preflight is answered before the guard

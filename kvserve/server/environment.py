@@ -3,7 +3,8 @@
 The API keys (any one of them is accepted, as vLLM's ``--api-key K1 K2`` does) come from ``--api-key``, else
 ``$KVSERVE_API_KEY`` (keys a line each), else vLLM's ``$VLLM_API_KEY``, so that such a deployment does not start
 open. ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (1 or true) turns on what ``--allow-runtime-lora-updating`` does, and
-``$VLLM_SERVER_DEV_MODE`` vLLM's development endpoints (``dev_endpoints``); every other ``VLLM_*`` variable is read by nothing here, and a server says so as it starts, with what to use instead where
+``$VLLM_SERVER_DEV_MODE`` vLLM's development endpoints (``dev_endpoints``), ``$VLLM_TORCH_PROFILER_DIR`` its
+profiling endpoints (``profile_endpoints``); every other ``VLLM_*`` variable is read by nothing here, and a server says so as it starts, with what to use instead where
 kvserve has it. Standard library only: the router reads it too.
 """
 
@@ -21,6 +22,8 @@ API_KEY_ENV = "KVSERVE_API_KEY"
 VLLM_API_KEY_ENV = "VLLM_API_KEY"
 VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 VLLM_SERVER_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# the offline LLM reads it too, as ``engine/profiler.TRACE_DIR_ENV`` (this module is the router's too: no engine import)
+VLLM_TORCH_PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
 # vLLM's variables with a kvserve counterpart -> that counterpart
 VLLM_COUNTERPARTS = {
     "VLLM_CPU_KVCACHE_SPACE": "--kv-cache-memory GiB",
@@ -68,13 +71,19 @@ def server_dev_mode() -> bool:
     return _is_set(VLLM_SERVER_DEV_MODE_ENV)
 
 
+def torch_profiler_dir() -> str | None:
+    """Where a server's profiling endpoints (POST /start_profile, /stop_profile) write their traces: vLLM's
+    ``$VLLM_TORCH_PROFILER_DIR``; None (the endpoints off) where unset or empty."""
+    return os.environ.get(VLLM_TORCH_PROFILER_DIR_ENV) or None
+
+
 def _is_set(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true")
 
 
 def warn_of_vllm_environment() -> None:
     """A warning for each ``VLLM_*`` variable set that kvserve does not read, naming its counterpart."""
-    read = (VLLM_API_KEY_ENV, VLLM_RUNTIME_LORA_ENV, VLLM_SERVER_DEV_MODE_ENV)
+    read = (VLLM_API_KEY_ENV, VLLM_RUNTIME_LORA_ENV, VLLM_SERVER_DEV_MODE_ENV, VLLM_TORCH_PROFILER_DIR_ENV)
     for name in sorted(n for n in os.environ if n.startswith("VLLM_") and n not in read):
         counterpart = VLLM_COUNTERPARTS.get(name)
         instead = f"; use {counterpart}" if counterpart else ""
