@@ -179,6 +179,16 @@ class AsyncEngine:
         self._submit(fn, future)
         return await asyncio.wrap_future(future)
 
+    async def sleep(self, level: int) -> None:
+        """Abort every unfinished request (vLLM's ``mode="abort"``), then put the engine to sleep
+        (``LLMEngine.sleep``), in one command on the engine thread: no request lands between the two, and those
+        that land after are refused (``EngineAsleep``)."""
+        def abort_and_sleep(engine: LLMEngine) -> None:
+            self._abort_now(list(self._streams))
+            engine.sleep(level)
+
+        await self.call(abort_and_sleep)
+
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``text``'s token ids, tokenized on the inputs thread; ValueError for a text no context could hold."""
         return await self._on_inputs(lambda: self.engine.input_processor.tokenize_text(text, add_special_tokens))

@@ -42,11 +42,15 @@ T = TypeVar("T")
 class LLM:
     """Generate from a model offline: ``LLM().generate(["Hello"], SamplingParams(max_tokens=8))``."""
 
-    def __init__(self, model: str = DEFAULT_MODEL, **engine_options: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, *, enable_sleep_mode: bool = False, **engine_options: Any) -> None:
         """``engine_options`` are ``EngineArgs``'s fields (``dtype``, ``max_num_seqs``, ``num_kv_blocks``, ...);
         an unknown one is a TypeError that names it, a bad value a ValueError that names it. vLLM's
         ``speculative_config={"method": "ngram", "num_speculative_tokens": K, ...}`` (or ``{"method": "draft",
-        "model": PATH, ...}``) and ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` are accepted too."""
+        "model": PATH, ...}``) and ``pooler_config={"pooling_type": "MEAN", "normalize": False}`` are accepted too.
+        ``enable_sleep_mode`` (vLLM's) lets ``sleep`` release the KV cache and the weights."""
+        if not isinstance(enable_sleep_mode, bool):
+            raise TypeError(f"enable_sleep_mode must be a bool, got {type(enable_sleep_mode).__name__}")
+        self.enable_sleep_mode = enable_sleep_mode
         engine_options = EngineArgs.with_config_dicts(engine_options)
         config = EngineArgs(model=model, **engine_options).create_engine_config()
         self.engine = LLMEngine(config)
@@ -319,6 +323,23 @@ class LLM:
         Chrome trace). RuntimeError naming ``start_profile`` where none is recording."""
         with self._running:
             return self.engine.stop_profile()
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 1; its prefix cache with it) or the weights too (level 2) until ``wake_up``,
+        as vLLM's sleep mode does (``LLMEngine.sleep``); ``generate`` meanwhile raises ``EngineAsleep``. Needs
+        ``LLM(enable_sleep_mode=True)``."""
+        if not self.enable_sleep_mode:
+            raise ValueError("sleep mode is off: make the LLM with enable_sleep_mode=True")
+        with self._running:
+            self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``sleep`` released and ``tags`` name ("weights", "kv_cache"; None: all), vLLM's."""
+        with self._running:
+            self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without sampling params (vLLM's name): the model's

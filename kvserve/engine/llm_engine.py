@@ -29,6 +29,7 @@ from kvserve.engine.input_processor import InputProcessor, ProcessedPrompt, Prom
 from kvserve.engine.lora_adapters import LoRAAdapters
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.profiler import StepProfiler
+from kvserve.engine.sleep_mode import KV_CACHE, WEIGHTS, EngineAsleep, released_by, woken_by
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.manager import KVCacheManager
 from kvserve.kv.quant import kv_cache_dtype
@@ -98,6 +99,7 @@ class LLMEngine:
         self._held: list[EngineOutput] = []  # the last step's outputs, not yet processed (overlap_outputs)
         self._next: PendingStep | None = None  # a step launched ahead of its turn (overlap_scheduling)
         self.profiler = StepProfiler()
+        self.asleep: frozenset[str] = frozenset()  # what sleep mode released (``sleep_mode``): nothing while awake
         self._log_start(runner)
 
     def _runner_options(self) -> RunnerOptions:
@@ -366,6 +368,57 @@ class LLMEngine:
         ``start_profile`` where no profile is recording."""
         return self.profiler.stop()
 
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep)
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 1: its blocks, the prefix cache, the paged tensors' memory) or the weights
+        too (level 2), as vLLM's sleep mode does; requests are refused (``EngineAsleep``) until ``wake_up``. Only
+        between requests: ValueError where any is unfinished, where tensor parallelism or a draft model runs (not
+        built for them), or LoRA adapters are served (level 2: they would leave with the weights)."""
+        released = released_by(level)
+        if self.asleep:
+            raise ValueError(f"the engine is asleep already (its {' and '.join(sorted(self.asleep))} released): "
+                             "wake it up first")
+        self._check_can_sleep(released)
+        self.reset_prefix_cache()  # no request holds a block: the cache empties
+        self.core.kv_manager.drop_planned_offloads()  # they would copy blocks whose memory goes now
+        runner = self.core.runner
+        runner.release_kv_cache()
+        if WEIGHTS in released:
+            runner.release_weights()
+        self.asleep = released
+        logger.info("sleep mode: the %s released", " and the ".join(sorted(released)))
+
+    def _check_can_sleep(self, released: frozenset[str]) -> None:
+        if self.config.parallel.tensor_parallel_size > 1 or self.config.speculative.method == "draft":
+            raise ValueError("sleep mode is not built for tensor parallelism nor a draft model")
+        if WEIGHTS in released and self.lora_adapters.served:
+            raise ValueError("sleep level 2 drops the weights with the LoRA adapters installed on them: remove the "
+                             "adapters first, or sleep at level 1")
+        if self.core.scheduler.requests or self.output_processor.request_ids():
+            raise ValueError("sleep mode starts between requests: some are unfinished (abort them, or let them end)")
+        while self.has_unfinished_requests():  # finished requests' state in the runner: an empty step drops it
+            self.step()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back what ``sleep`` released and ``tags`` name ("weights", "kv_cache"; None: all), vLLM's; the
+        weights are read again from the checkpoint. A part not asleep is left as it is; the KV cache wakes with or
+        after the weights (its step graphs are of the model), else ``InvalidParameter`` naming ``tags``."""
+        woken = woken_by(tags) & self.asleep
+        if KV_CACHE in woken and WEIGHTS in self.asleep - woken:
+            raise InvalidParameter("tags", "the KV cache wakes with or after the weights: wake the weights first")
+        runner = self.core.runner
+        if WEIGHTS in woken:
+            runner.reload_weights(load_checkpoint(self.location, self.dtype, self.config.model.load_format))
+        if KV_CACHE in woken:
+            runner.restore_kv_cache()
+        self.asleep -= woken
+        if woken:
+            logger.info("sleep mode: the %s back%s", " and the ".join(sorted(woken)),
+                        "" if not self.asleep else f"; the {' and '.join(sorted(self.asleep))} still released")
+
     def warm_up(self) -> None:
         """Run one request of one token through a prefill and a decode step (a pooling engine's: a prefill),
         leaving the pool empty (and no block cached at a block size over 2): what a first step does once (a step
@@ -407,6 +460,8 @@ class LLMEngine:
         """Queue one request whose prompt ``input_processor.process`` has tokenized and checked (which reads only
         the tokenizer and the model's limits, so a server runs it beside the steps, on a thread of its own). An
         adapter named for the first time is read and installed here, on the thread that steps the engine."""
+        if self.asleep:
+            raise EngineAsleep(self.asleep)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidParameter("priority", f"priority must be an integer, got {priority!r}")
         task = "generate" if processed.pooling is None else processed.pooling.task

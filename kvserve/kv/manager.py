@@ -169,14 +169,18 @@ class KVCacheManager:
         self._matches.clear()  # waiting requests match again from the root
         return num_cached - self.num_cached_blocks
 
+    def drop_planned_offloads(self) -> None:
+        """Forget the tier offloads planned since the last step (sleep mode: the blocks' memory is about to go)."""
+        if self.tier_plan is not None:
+            self.tier_plan.drop_offloads()
+
     def clear_tiers(self) -> int:
         """Empty the KV tiers of what nothing waits for (``TieredStore.clear``), and drop the offloads planned
         since the last step, which would fill them again; returns how many tier blocks were dropped (0 without
         tiers)."""
         if self.store is None:
             return 0
-        assert self.tier_plan is not None
-        self.tier_plan.drop_offloads()
+        self.drop_planned_offloads()
         return self.store.clear()
 
     def allocate_slots(self, request: Request, num_new_tokens: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
 from typing import Callable
@@ -17,6 +18,7 @@ from kvserve.config import ModelConfig
 from kvserve.kv.groups import KVCacheGroups
 from kvserve.kv.quant import kv_cache_dtype
 from kvserve.kv.storage import KVCacheSpec, KVCacheStorage
+from kvserve.model.base import CausalLM
 from kvserve.model.deferred_layout import DeferredLayouts
 from kvserve.model.identity import model_identity
 from kvserve.model.layers.fused_ops import UsesFusedOps
@@ -97,8 +99,7 @@ class ModelRunner:
         self.weights = options.weights
         self.peers = peers or StepPeers()
         self.tp = self.peers.tp
-        self.model = load_model(checkpoint, self.backend, dtype, device, options.weights, options.quantize_activations,
-                                self.tp, options.cpu_offload_bytes, defer_dense=options.dense_layouts_in_background)
+        self.model = self._load_model(checkpoint)
         self._weights_format = self._find_weights_format()
         self.activations_format = self._find_activations_format()
         self.weight_bytes = self.model.weight_bytes()  # this rank's; the draft model's are not counted
@@ -119,11 +120,20 @@ class ModelRunner:
         self._deferred: DeferredDraw | None = None  # a continued step's draw, until the step before is read back
         self.draft = draft
         self._lora_projections: Projections | None = None  # the model's, once an adapter is installed
+        self._kv_spec: KVCacheSpec | None = None  # kv_cache_spec's, kept: the model may be released (sleep mode)
+        self._num_blocks, self._max_blocks, self._max_running = 0, 0, 0  # init_kv_cache's, to allocate it again
+        self._num_replays_released = 0  # steps replayed by step graphs since released (sleep mode)
+
+    def _load_model(self, checkpoint: Checkpoint) -> CausalLM:
+        options = self.options
+        return load_model(checkpoint, self.backend, self.dtype, self.device, options.weights,
+                          options.quantize_activations, self.tp, options.cpu_offload_bytes,
+                          defer_dense=options.dense_layouts_in_background)
 
     @property
     def num_graph_replays(self) -> int:
         """Steps that ran through a step graph (the rest ran eagerly)."""
-        return self.graphs.num_replays if self.graphs is not None else 0
+        return self._num_replays_released + (self.graphs.num_replays if self.graphs is not None else 0)
 
     def weights_format(self) -> str:
         """How the linear layers hold their weights: the dtype, the GGUF block types kept (e.g. "gguf Q4_1,
@@ -190,13 +200,16 @@ class ModelRunner:
             raise ValueError(f"KV cache groups for {len(groups.layer_groups)} layers, the model has {self.model.num_layers}")
         windows = self.layer_windows()
         self.kv_groups = groups
+        self._kv_spec = None
         self._group_windows = [{windows[layer] for layer in groups.layers_of(g)} for g in range(groups.num_groups)]
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        spec = self.model.kv_cache_spec(self.block_size, self.dtype, self.kv_cache_dtype)
-        if self.kv_groups.num_groups == 1:
-            return spec
-        return dataclasses.replace(spec, layer_tensors=self.kv_groups.layer_tensors)
+        if self._kv_spec is None:
+            spec = self.model.kv_cache_spec(self.block_size, self.dtype, self.kv_cache_dtype)
+            if self.kv_groups.num_groups > 1:
+                spec = dataclasses.replace(spec, layer_tensors=self.kv_groups.layer_tensors)
+            self._kv_spec = spec
+        return self._kv_spec
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one block id holds: the target's KV, and the draft model's (the same block ids index both)."""
@@ -228,22 +241,55 @@ class ModelRunner:
         self.peers.init_kv_cache(num_blocks, max_model_len, self.kv_groups)
         if self.tp.size > 1:
             max_running = 0  # no graphs under tensor parallelism (below)
-        cuda_graphs = captures_cuda_graphs(self.model, self.backend, self.device, self.enforce_eager, max_running)
         if self.device.type == "cuda" and self.model.weight_streamer is not None and not self.enforce_eager:
             logger.info("--cpu-offload-gb: decode steps run eagerly (streamed weights are not captured in CUDA graphs)")
-        self.kv = KVCacheStorage(self.kv_cache_spec(), num_blocks, self.device, scratch_block=cuda_graphs)
-        max_blocks = -(-max_model_len // self.block_size)
-        self.batch = PersistentBatch(max_blocks, self.block_size, self.device, num_groups=self.kv_groups.num_groups)
+        self._num_blocks, self._max_blocks = num_blocks, -(-max_model_len // self.block_size)
+        self._max_running = max_running
+        self.batch = PersistentBatch(self._max_blocks, self.block_size, self.device,
+                                     num_groups=self.kv_groups.num_groups)
         self.host_copies = host_copies
+        self._allocate_kv_cache()
+        if self.tp.size > 1 and self.tp.rank == 0 and not self.enforce_eager:
+            logger.info("tensor parallel: every step runs eagerly (CPU step graphs do not record collectives)")
+
+    def _allocate_kv_cache(self) -> None:
+        """The paged KV tensors (and the draft model's), and the step graphs over them (none under tensor
+        parallelism), as ``init_kv_cache`` sized them."""
+        cuda_graphs = captures_cuda_graphs(self.model, self.backend, self.device, self.enforce_eager,
+                                           self._max_running)
+        self.kv = KVCacheStorage(self.kv_cache_spec(), self._num_blocks, self.device, scratch_block=cuda_graphs)
         if self.draft is not None:
-            self.draft.init_kv_cache(num_blocks, max_blocks)
+            self.draft.init_kv_cache(self._num_blocks, self._max_blocks)
         self.graphs = None
-        if self.tp.size > 1:
-            if self.tp.rank == 0 and not self.enforce_eager:
-                logger.info("tensor parallel: every step runs eagerly (CPU step graphs do not record collectives)")
-        else:
-            self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, max_blocks, self.enforce_eager,
-                                          self._group_windows, self.kv_groups.layer_groups, max_running)
+        if self.tp.size == 1:
+            self.graphs = step_graphs_for(self.model, self.backend, self.kv, self.device, self._max_blocks,
+                                          self.enforce_eager, self._group_windows, self.kv_groups.layer_groups,
+                                          self._max_running)
+
+    def release_kv_cache(self) -> None:
+        """Sleep mode: free the paged KV tensors and the step graphs over them (the batch must hold no request);
+        ``restore_kv_cache`` allocates them again, their content lost."""
+        if self.graphs is not None:
+            self._num_replays_released += self.graphs.num_replays
+        self.graphs, self.kv = None, None
+        _return_freed_memory(self.device)
+
+    def restore_kv_cache(self) -> None:
+        self._allocate_kv_cache()
+
+    def release_weights(self) -> None:
+        """Sleep mode (level 2): drop the model's weights (after ``release_kv_cache``; the LoRA adapters installed
+        with them); ``reload_weights`` builds the model again from its checkpoint."""
+        if self.layouts is not None:
+            self.layouts.stop()
+            self.layouts = None
+        self.model, self._lora_projections, self.weight_bytes = None, None, 0
+        _return_freed_memory(self.device)
+
+    def reload_weights(self, checkpoint: Checkpoint) -> None:
+        self.model = self._load_model(checkpoint)
+        self.weight_bytes = self.model.weight_bytes()
+        self.layouts = DeferredLayouts.start(self.model)
 
     @torch.inference_mode()
     def execute(self, sched_out: SchedulerOutput) -> ModelOutput:
@@ -430,3 +476,10 @@ class ModelRunner:
             if self.peers.is_driver:
                 logprobs[rows.request_id] = self.sampler.prompt_logprobs(logits, rows.target_ids, rows.num_top)
         return logprobs
+
+
+def _return_freed_memory(device: torch.device) -> None:
+    """Collect what the references just dropped held (cycles too), and on CUDA give the cache's blocks back."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

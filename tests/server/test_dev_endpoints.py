@@ -1,10 +1,13 @@
 """vLLM's development endpoints over HTTP (``$VLLM_SERVER_DEV_MODE=1``): POST /reset_prefix_cache empties the
 prefix cache (its gauge true after it), answers 409 while a running request holds cached blocks, refuses a bad or
-unknown query parameter by name; without the variable a 404 saying how to turn it on."""
+unknown query parameter by name; sleep mode's /sleep (aborting what runs), /wake_up and /is_sleeping, a request
+sent meanwhile a 503 naming sleep mode; without the variable each a 404 saying how to turn it on."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -54,9 +57,11 @@ def _complete(client: TestClient) -> None:
     assert answer.status_code == 200, answer.text
 
 
-def test_without_dev_mode_the_route_is_a_404_saying_how_to_turn_it_on(state, monkeypatch) -> None:
+@pytest.mark.parametrize("method, path", [("POST", "/reset_prefix_cache"), ("POST", "/sleep"), ("POST", "/wake_up"),
+                                          ("GET", "/is_sleeping")])
+def test_without_dev_mode_each_route_is_a_404_saying_how_to_turn_it_on(state, monkeypatch, method, path) -> None:
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
-    answer = TestClient(build_app(state)).post("/reset_prefix_cache")
+    answer = TestClient(build_app(state)).request(method, path)
     assert answer.status_code == 404
     assert "VLLM_SERVER_DEV_MODE=1" in answer.json()["error"]["message"]
 
@@ -97,3 +102,54 @@ def test_a_bad_or_unknown_query_parameter_is_a_400_naming_it(dev_client: TestCli
 
 def test_the_reset_takes_post_only(dev_client: TestClient) -> None:
     assert dev_client.get("/reset_prefix_cache").status_code == 405
+
+
+def _is_sleeping(client: TestClient) -> bool:
+    answer = client.get("/is_sleeping")
+    assert answer.status_code == 200, answer.text
+    return answer.json()["is_sleeping"]
+
+
+def test_sleep_aborts_what_runs_refuses_requests_with_a_503_and_wakes_up(dev_client: TestClient,
+                                                                         state: ServerState) -> None:
+    answers = []
+    running = threading.Thread(target=lambda: answers.append(dev_client.post("/v1/completions", json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True})))
+    running.start()
+    deadline = time.monotonic() + 30
+    while not state.engine.stats()["num_running"] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert dev_client.post("/sleep?level=1").status_code == 200
+    running.join(30)
+    assert answers and answers[0].status_code == 200, answers  # answered, not hung: cut short
+    assert answers[0].json()["usage"]["completion_tokens"] < 200
+    assert _is_sleeping(dev_client) and _cached_blocks(dev_client) == 0
+    refused = dev_client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4})
+    assert refused.status_code == 503 and "sleep mode" in refused.json()["error"]["message"]
+    streamed = dev_client.post("/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 4,
+                                                            "messages": [{"role": "user", "content": "hi"}]})
+    assert streamed.status_code == 503
+    again = dev_client.post("/sleep")
+    assert again.status_code == 400 and "asleep already" in again.json()["error"]["message"]
+    assert dev_client.post("/wake_up?tags=weights&tags=kv_cache").status_code == 200
+    assert not _is_sleeping(dev_client)
+    _complete(dev_client)
+
+
+def test_sleep_level_2_wakes_weights_then_kv_cache(dev_client: TestClient) -> None:
+    assert dev_client.post("/sleep?level=2").status_code == 200
+    assert dev_client.post("/wake_up?tags=weights").status_code == 200
+    assert _is_sleeping(dev_client)
+    assert dev_client.post("/wake_up").status_code == 200
+    assert not _is_sleeping(dev_client)
+    _complete(dev_client)
+
+
+@pytest.mark.parametrize("path, param", [("/sleep?level=3", "level"), ("/sleep?level=one", "level"),
+                                         ("/sleep?mode=wait", "mode"), ("/sleep?levels=1", "levels"),
+                                         ("/wake_up?tags=optimizer", "tags")])
+def test_a_bad_sleep_or_wake_up_is_a_400_naming_the_parameter(dev_client: TestClient, path: str, param: str) -> None:
+    answer = dev_client.post(path)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+    assert not _is_sleeping(dev_client)
