@@ -4,8 +4,8 @@ The API keys (any one of them is accepted, as vLLM's ``--api-key K1 K2`` does) c
 ``$KVSERVE_API_KEY`` (keys a line each), else vLLM's ``$VLLM_API_KEY``, so that such a deployment does not start
 open. ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (1 or true) turns on what ``--allow-runtime-lora-updating`` does, and
 ``$VLLM_SERVER_DEV_MODE`` vLLM's development endpoints (``dev_endpoints``), ``$VLLM_TORCH_PROFILER_DIR`` its
-profiling endpoints (``profile_endpoints``); every other ``VLLM_*`` variable is read by nothing here, and a server says so as it starts, with what to use instead where
-kvserve has it. Standard library only: the router reads it too.
+profiling endpoints (``profile_endpoints``); every other ``VLLM_*`` variable is read by nothing here, and a server
+says so as it starts, with what to use instead where kvserve has it. Standard library only: the router reads it too.
 """
 
 from __future__ import annotations

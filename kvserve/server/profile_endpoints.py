@@ -37,7 +37,8 @@ def add_profile_routes(app: FastAPI, state: ServerState) -> None:
         for path in PROFILE_PATHS:
             app.add_api_route(path, profiling_off, methods=["POST"])
         return
-    logger.warning("the profiler's endpoints are on ($%s=%s): for local development only", VLLM_TORCH_PROFILER_DIR_ENV, trace_dir)
+    logger.warning("the profiler's endpoints are on ($%s=%s): for local development only", VLLM_TORCH_PROFILER_DIR_ENV,
+                   trace_dir)
 
     @app.post("/start_profile")
     async def start_profile() -> Response:

@@ -68,7 +68,8 @@ def add_invocations_route(app: FastAPI) -> None:
         except ValueError as e:
             raise APIError(HTTPStatus.BAD_REQUEST, f"the body is not JSON: {e}") from e
         refusals = "; ".join(f"{invocation.name} ({_refusal(invocation, payload)})" for invocation in INVOCATIONS)
-        raise APIError(HTTPStatus.BAD_REQUEST, f"the body is none of the requests {INVOCATIONS_PATH} serves: {refusals}")
+        raise APIError(HTTPStatus.BAD_REQUEST,
+                       f"the body is none of the requests {INVOCATIONS_PATH} serves: {refusals}")
 
 
 def _payload(body: bytes) -> Any:

@@ -61,7 +61,8 @@ def test_a_streamed_invocation_streams_as_its_endpoint(client: TestClient) -> No
 
 
 @pytest.mark.parametrize("body, words", [
-    ({"model": MODEL, "input": "hi"}, ["chat completion (messages: Field required", "completion (prompt: Field required"]),
+    ({"model": MODEL, "input": "hi"},
+     ["chat completion (messages: Field required", "completion (prompt: Field required"]),
     ({**CHAT, "messages": []}, ["chat completion (messages: List should have at least 1 item", "completion ("]),
     ([1, 2], ["chat completion (", "completion ("]),
 ])
