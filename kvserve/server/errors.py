@@ -109,9 +109,11 @@ SERVED_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v
                  "/v1/messages/count_tokens", "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank",
                  "/v1/rerank", "/v2/rerank", "/v1/models", "/tokenize", "/detokenize", "/invocations", "/health",
                  "/ping", "/metrics", "/version")
-# the paths ``--api-key`` guards, on a server and on the router alike (/health and /metrics stay open; SageMaker's
-# /invocations generates, so it is guarded too, where vLLM leaves it open)
-PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank", "/invocations")
+# the paths ``--api-key`` guards, on a server and on the router alike (/health and /metrics stay open). vLLM leaves
+# the rest open; kvserve guards the pooling endpoints, SageMaker's /invocations (it generates) and the development
+# and profiling endpoints (they empty the cache, put the engine to sleep, record every request)
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank", "/invocations",
+                      "/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping", "/start_profile", "/stop_profile")
 
 
 def unauthorized(headers: Iterable[tuple[bytes, bytes]], keys: Sequence[str]) -> APIError | None:

@@ -100,6 +100,14 @@ def test_a_bad_or_unknown_query_parameter_is_a_400_naming_it(dev_client: TestCli
     assert answer.json()["error"]["param"] == param
 
 
+@pytest.mark.parametrize("method, path", [("POST", "/reset_prefix_cache"), ("POST", "/sleep"), ("POST", "/wake_up"),
+                                          ("GET", "/is_sleeping")])
+def test_the_dev_endpoints_ask_for_the_api_key_where_one_is_set(monkeypatch, method: str, path: str) -> None:
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    guarded = TestClient(build_app(ServerState(ServerSettings((MODEL,), "path", api_keys=("k",)))))
+    assert guarded.request(method, path).status_code == 401
+
+
 def test_the_reset_takes_post_only(dev_client: TestClient) -> None:
     assert dev_client.get("/reset_prefix_cache").status_code == 405
 

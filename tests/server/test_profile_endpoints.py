@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvserve.server.app import build_app
-from kvserve.server.state import ServerState
+from kvserve.server.state import ServerSettings, ServerState
 from tests.server.test_dev_endpoints import MODEL, PROMPT, serving
 
 
@@ -27,6 +27,13 @@ def test_without_the_variable_each_is_a_404_naming_it(state: ServerState, monkey
     monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
     answer = TestClient(build_app(state)).post(path)
     assert answer.status_code == 404 and "VLLM_TORCH_PROFILER_DIR" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/start_profile", "/stop_profile"])
+def test_they_ask_for_the_api_key_where_one_is_set(monkeypatch, tmp_path: Path, path: str) -> None:
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
+    guarded = TestClient(build_app(ServerState(ServerSettings((MODEL,), "path", api_keys=("k",)))))
+    assert guarded.post(path).status_code == 401
 
 
 def test_a_start_and_a_stop_write_one_trace_of_the_steps_between(state: ServerState, monkeypatch,
