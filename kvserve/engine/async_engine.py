@@ -182,8 +182,9 @@ class AsyncEngine:
     async def sleep(self, level: int) -> None:
         """Abort every unfinished request (vLLM's ``mode="abort"``), then put the engine to sleep
         (``LLMEngine.sleep``), in one command on the engine thread: no request lands between the two, and those
-        that land after are refused (``EngineAsleep``)."""
+        that land after are refused (``EngineAsleep``). A sleep refused (``LLMEngine.check_sleep``) aborts nothing."""
         def abort_and_sleep(engine: LLMEngine) -> None:
+            engine.check_sleep(level)
             self._abort_now(list(self._streams))
             engine.sleep(level)
 

@@ -375,13 +375,12 @@ class LLMEngine:
     def sleep(self, level: int = 1) -> None:
         """Release the KV cache (level 1: its blocks, the prefix cache, the paged tensors' memory) or the weights
         too (level 2), as vLLM's sleep mode does; requests are refused (``EngineAsleep``) until ``wake_up``. Only
-        between requests: ValueError where any is unfinished, where tensor parallelism or a draft model runs (not
-        built for them), or LoRA adapters are served (level 2: they would leave with the weights)."""
-        released = released_by(level)
-        if self.asleep:
-            raise ValueError(f"the engine is asleep already (its {' and '.join(sorted(self.asleep))} released): "
-                             "wake it up first")
-        self._check_can_sleep(released)
+        between requests (ValueError where any is unfinished) and where ``check_sleep`` finds nothing against it."""
+        released = self.check_sleep(level)
+        if self.core.scheduler.requests or self.output_processor.request_ids():
+            raise ValueError("sleep mode starts between requests: some are unfinished (abort them, or let them end)")
+        while self.has_unfinished_requests():  # finished requests' state in the runner: an empty step drops it
+            self.step()
         self.reset_prefix_cache()  # no request holds a block: the cache empties
         self.core.kv_manager.drop_planned_offloads()  # they would copy blocks whose memory goes now
         runner = self.core.runner
@@ -391,16 +390,20 @@ class LLMEngine:
         self.asleep = released
         logger.info("sleep mode: the %s released", " and the ".join(sorted(released)))
 
-    def _check_can_sleep(self, released: frozenset[str]) -> None:
+    def check_sleep(self, level: int) -> frozenset[str]:
+        """What ``sleep(level)`` would release, the requests aside; ``InvalidParameter`` for a level but 1 and 2,
+        ValueError where the engine is asleep already, runs tensor parallelism or a draft model (sleep mode is not
+        built for them), or serves LoRA adapters at level 2 (they would leave with the weights)."""
+        released = released_by(level)
+        if self.asleep:
+            raise ValueError(f"the engine is asleep already (its {' and '.join(sorted(self.asleep))} released): "
+                             "wake it up first")
         if self.config.parallel.tensor_parallel_size > 1 or self.config.speculative.method == "draft":
             raise ValueError("sleep mode is not built for tensor parallelism nor a draft model")
         if WEIGHTS in released and self.lora_adapters.served:
             raise ValueError("sleep level 2 drops the weights with the LoRA adapters installed on them: remove the "
                              "adapters first, or sleep at level 1")
-        if self.core.scheduler.requests or self.output_processor.request_ids():
-            raise ValueError("sleep mode starts between requests: some are unfinished (abort them, or let them end)")
-        while self.has_unfinished_requests():  # finished requests' state in the runner: an empty step drops it
-            self.step()
+        return released
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back what ``sleep`` released and ``tags`` name ("weights", "kv_cache"; None: all), vLLM's; the

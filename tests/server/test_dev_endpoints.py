@@ -118,15 +118,29 @@ def _is_sleeping(client: TestClient) -> bool:
     return answer.json()["is_sleeping"]
 
 
-def test_sleep_aborts_what_runs_refuses_requests_with_a_503_and_wakes_up(dev_client: TestClient,
-                                                                         state: ServerState) -> None:
-    answers = []
-    running = threading.Thread(target=lambda: answers.append(dev_client.post("/v1/completions", json={
+def _running_request(client: TestClient, state: ServerState) -> tuple[threading.Thread, list]:
+    """A completion of 200 tokens posted on a thread of its own, running once this returns; its answer comes into
+    the list."""
+    answers: list = []
+    running = threading.Thread(target=lambda: answers.append(client.post("/v1/completions", json={
         "model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True})))
     running.start()
     deadline = time.monotonic() + 30
     while not state.engine.stats()["num_running"] and time.monotonic() < deadline:
         time.sleep(0.005)
+    return running, answers
+
+
+def test_a_sleep_refused_aborts_nothing(dev_client: TestClient, state: ServerState) -> None:
+    running, answers = _running_request(dev_client, state)
+    assert dev_client.post("/sleep?level=3").status_code == 400
+    running.join(60)
+    assert answers[0].json()["usage"]["completion_tokens"] == 200
+
+
+def test_sleep_aborts_what_runs_refuses_requests_with_a_503_and_wakes_up(dev_client: TestClient,
+                                                                         state: ServerState) -> None:
+    running, answers = _running_request(dev_client, state)
     assert dev_client.post("/sleep?level=1").status_code == 200
     running.join(30)
     assert answers and answers[0].status_code == 200, answers  # answered, not hung: cut short
