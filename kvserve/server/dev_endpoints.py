@@ -48,8 +48,8 @@ def _add_reset_route(app: FastAPI, state: ServerState) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
         """200 once the prefix cache is empty; 409 where running requests still hold cached blocks (those stay;
-        what no request held is gone), as vLLM answers a reset that could not be made. ``reset_external``: the KV
-        tiers too (``LLMEngine.reset_prefix_cache``'s ``reset_connector``)."""
+        what no request held is gone; vLLM's answers 200 whatever happened). ``reset_external``: the KV tiers too
+        (``LLMEngine.reset_prefix_cache``'s ``reset_connector``)."""
         flags = query_flags(request, RESET_FLAGS)
         engine = state.engine_for(None)
         try:
