@@ -1,5 +1,5 @@
 """SageMaker's inference route, as vLLM serves it: POST /invocations, a body served by the first endpoint of
-``INVOCATIONS`` whose request it validates as, and answered as that endpoint answers it (streaming too). (SageMaker's
+``INVOCATIONS`` whose request it validates as (chat, completion, embedding, score, rerank, pooling: vLLM's order), and answered as that endpoint answers it (streaming too). (SageMaker's
 health check, GET or POST /ping, is /health's route: ``app._add_health_routes``.)
 
 The request guard, which holds the whole body, re-points such a request at its endpoint (``dispatched``) before
@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from kvserve.server.chat_protocol import ChatCompletionRequest
 from kvserve.server.completion_protocol import CompletionRequest
 from kvserve.server.errors import APIError
+from kvserve.server.pooling_protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 
 if TYPE_CHECKING:
     from starlette.types import Scope
@@ -41,6 +42,10 @@ class Invocation:
 INVOCATIONS = (
     Invocation("chat completion", ChatCompletionRequest, "/v1/chat/completions"),
     Invocation("completion", CompletionRequest, "/v1/completions"),
+    Invocation("embedding", EmbeddingRequest, "/v1/embeddings"),
+    Invocation("score", ScoreRequest, "/score"),
+    Invocation("rerank", RerankRequest, "/rerank"),
+    Invocation("pooling", PoolingRequest, "/pooling"),
 )
 
 

@@ -1,6 +1,7 @@
 """SageMaker's routes, as vLLM serves them: GET and POST /ping answer as /health does; POST /invocations serves a
-chat body as /v1/chat/completions and a completion body as /v1/completions (streaming too), and refuses a body
-that is neither with a 400 naming what each found wrong; /invocations asks for the API key where one is set."""
+chat body as /v1/chat/completions and a completion body as /v1/completions (streaming too), an embedding, score,
+rerank or pooling body as its endpoint, and refuses a body that is none of them with a 400 naming what each found
+wrong; /invocations asks for the API key where one is set."""
 
 from __future__ import annotations
 
@@ -28,6 +29,20 @@ def _answer(client: TestClient, path: str, body: dict) -> dict:
     answer = client.post(path, json=body)
     assert answer.status_code == 200, answer.text
     return answer.json()
+
+
+@pytest.mark.parametrize("body, path", [
+    ({"model": MODEL, "input": ["hi there", "a cat"]}, "/v1/embeddings"),
+    ({"model": MODEL, "text_1": "hi there", "text_2": ["a cat", "hi"]}, "/score"),
+    ({"model": MODEL, "query": "hi there", "documents": ["a cat", "hi"]}, "/rerank"),
+    ({"model": MODEL, "input": "hi there", "task": "token_embed"}, "/pooling"),
+])
+def test_a_pooling_invocation_is_served_by_its_endpoint(client: TestClient, body: dict, path: str) -> None:
+    invoked, direct = _answer(client, "/invocations", body), _answer(client, path, body)
+    for answer in (invoked, direct):
+        del answer["id"], answer["usage"]  # fresh ids; the second finds the first's prompts cached
+        answer.pop("created", None)
+    assert invoked == direct
 
 
 @pytest.mark.parametrize("method", ["GET", "POST", "HEAD"])
@@ -61,8 +76,9 @@ def test_a_streamed_invocation_streams_as_its_endpoint(client: TestClient) -> No
 
 
 @pytest.mark.parametrize("body, words", [
-    ({"model": MODEL, "input": "hi"},
-     ["chat completion (messages: Field required", "completion (prompt: Field required"]),
+    ({"model": MODEL, "text": "hi"},
+     ["chat completion (messages: Field required", "completion (prompt: Field required", "embedding (",
+      "score (", "rerank (", "pooling ("]),
     ({**CHAT, "messages": []}, ["chat completion (messages: List should have at least 1 item", "completion ("]),
     ([1, 2], ["chat completion (", "completion ("]),
 ])
