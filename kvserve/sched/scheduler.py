@@ -190,7 +190,8 @@ class Scheduler:
         num_needed = num_prompt + (1 if max_tokens is None else max_tokens)  # None: generate until max_model_len
         if num_needed > max_model_len:
             raise ValueError(
-                f"request {request.request_id!r}: prompt ({num_prompt} tokens) + max_tokens ({num_needed - num_prompt}) "
+                f"request {request.request_id!r}: prompt ({num_prompt} tokens) + max_tokens "
+                f"({num_needed - num_prompt}) "
                 f"= {num_needed} is over max_model_len={max_model_len}"
             )
         max_len = max_model_len if max_tokens is None else num_needed

@@ -1,6 +1,7 @@
 """SageMaker's inference route, as vLLM serves it: POST /invocations, a body served by the first endpoint of
-``INVOCATIONS`` whose request it validates as (chat, completion, embedding, score, rerank, pooling: vLLM's order), and answered as that endpoint answers it (streaming too). (SageMaker's
-health check, GET or POST /ping, is /health's route: ``app._add_health_routes``.)
+``INVOCATIONS`` whose request it validates as (chat, completion, embedding, score, rerank, pooling: vLLM's order),
+and answered as that endpoint answers it (streaming too). (SageMaker's health check, GET or POST /ping, is
+/health's route: ``app._add_health_routes``.)
 
 The request guard, which holds the whole body, re-points such a request at its endpoint (``dispatched``) before
 routing, so the endpoint's own checks, errors and answer are the ones the client gets. A body no request validates as

@@ -98,8 +98,8 @@ class CudaStepGraphs:
         """The hidden states of a forward pass over these inputs, or None where the step must run eagerly (a step
         with LoRA adapters: the graphs were captured without them)."""
         num_tokens = attn.num_tokens
-        if (lora is not None or num_tokens > self.sizes[-1] or attn.num_decodes != num_tokens or attn.num_seqs != num_tokens
-                or max(attn.seq_lens_list) > self.max_seq_len):
+        if (lora is not None or num_tokens > self.sizes[-1] or attn.num_decodes != num_tokens
+                or attn.num_seqs != num_tokens or max(attn.seq_lens_list) > self.max_seq_len):
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
         captured = self.graphs.get(size)
